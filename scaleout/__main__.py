@@ -1,0 +1,5 @@
+import sys
+
+from scaleout.cli import main
+
+sys.exit(main())

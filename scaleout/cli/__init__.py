@@ -1,0 +1,74 @@
+"""The ``scaleout`` command line.
+
+Every subcommand is a module in this package (``scaleout/cli/<name>.py``) that defines
+
+    NAME: str                      # the subcommand, e.g. "launch"
+    HELP: str                      # one line for ``scaleout --help``
+    def add_arguments(parser)      # argparse options
+    def run(args) -> int           # exit code
+
+Modules are discovered, so adding a subcommand touches no shared file. Command modules import heavy
+libraries (torch, launchers) inside ``run`` so that ``scaleout --help`` stays fast.
+
+The CLI is the one place allowed to use both ``scaleout`` (what runs in a rank) and ``launchers`` (what
+starts ranks); see README "Architecture".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from types import ModuleType
+
+from scaleout.errors import UserError
+
+
+def _commands() -> list[ModuleType]:
+    mods = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(mod, "NAME") and hasattr(mod, "run"):
+            mods.append(mod)
+    return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaleout",
+        description="Max-scale data-parallel training: launch ranks, train to target, benchmark, simulate.",
+        epilog="Run 'scaleout <command> --help' for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for mod in _commands():
+        p = sub.add_parser(
+            mod.NAME,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run, _name=mod.NAME)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"scaleout {args._name}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

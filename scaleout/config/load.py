@@ -1,0 +1,118 @@
+"""YAML + ``a.b=c`` overrides -> :class:`Config`, with one-line errors that name the key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from scaleout.config.schema import Config
+from scaleout.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config_path(path: str | os.PathLike[str]) -> Path:
+    """A path as given, else relative to the project's ``configs/`` (``bert_tiny_cpu`` works too)."""
+    p = Path(path)
+    candidates = [p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ConfigError(f"config file {str(path)!r} not found (looked in . and {CONFIG_DIR})")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, ...), got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """``["optim.lr=2e-3", "comm.algorithm=torus2d"]`` -> [(["optim", "lr"], 0.002), ...]."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-3)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _one_line(exc: ValidationError, source: str) -> str:
+    err = exc.errors()[0]
+    loc = tuple(err.get("loc", ()))
+    key = ".".join(str(p) for p in loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
+        msg = f"unknown key {key}{hint}"
+    else:
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "a mapping"
+        text = err["msg"]
+        if text.startswith("Value error, "):
+            msg = text[len("Value error, ") :]  # our validators already name the key
+        else:
+            text = text.removeprefix("Input should be ").removeprefix("input should be ")
+            msg = f"{key}={shown}: expected {text[0].lower() + text[1:]}"
+    more = len(exc.errors()) - 1
+    return f"{source}: {msg}" + (f" (+{more} more)" if more > 0 else "")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (or the defaults), apply overrides, validate. Raises ConfigError (one line)."""
+    tree: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        p = resolve_config_path(path)
+        tree = _read_yaml(p)
+        source = str(path)
+    for keys, value in parse_overrides(list(overrides or [])):
+        _apply(tree, keys, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, source)) from None
+
+
+def format_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

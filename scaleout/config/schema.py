@@ -1,0 +1,170 @@
+"""The one typed config tree: model, data, optim, comm, train, checkpoint, launch.
+
+pydantic models with ``extra="forbid"`` so an unknown key is an error that names it. Cross-field checks
+that need the world size (grid, batch divisibility) live in ``Config.check_world``; they run in the CLI
+before anything is spawned and again in every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scaleout.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BertConfig(_Section):
+    vocab_size: int = Field(30522, ge=8)
+    hidden: int = Field(1024, ge=8)
+    layers: int = Field(24, ge=1)
+    heads: int = Field(16, ge=1)
+    intermediate: int = Field(4096, ge=8)
+    max_position: int = Field(512, ge=8)
+    type_vocab_size: int = Field(2, ge=1)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
+    unpad_mlm_head: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> BertConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"model.bert.hidden={self.hidden} must be divisible by model.bert.heads={self.heads}")
+        return self
+
+
+class ResNetConfig(_Section):
+    depth: Literal[18, 34, 50, 101, 152] = 50
+    width: int = Field(64, ge=4)
+    num_classes: int = Field(1000, ge=2)
+    image_size: int = Field(224, ge=8)
+    # Group batch norm: statistics over k ranks (1 = plain BN); record ResNet runs use 2..8.
+    bn_group: int = Field(1, ge=1)
+    zero_init_residual: bool = True
+
+
+class ModelConfig(_Section):
+    arch: Literal["bert", "resnet"] = "bert"
+    bert: BertConfig = BertConfig()
+    resnet: ResNetConfig = ResNetConfig()
+    compile: bool = False  # torch.compile the model
+    cuda_graphs: bool = False  # capture the step in a CUDA graph (GPU only; ignored on CPU)
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "pydoc", "wikipedia", "imagenet"] = "synthetic"
+    path: str | None = None
+    max_seq_len: int = Field(512, ge=8)
+    packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "auto"] = "none"
+    max_per_pack: int = Field(3, ge=1)
+    mask_prob: float = Field(0.15, gt=0.0, lt=1.0)
+    num_workers: int = Field(0, ge=0)
+    prefetch: int = Field(2, ge=1)
+    pin_memory: bool = True  # used only when CUDA is present
+    eval_samples: int = Field(256, ge=1)
+    seed: int = 0
+
+
+class OptimConfig(_Section):
+    name: Literal["lamb", "lars", "adamw", "sgd"] = "lamb"
+    lr: float = Field(1e-3, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-6, ge=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    # LARS trust coefficient eta = 0.001 (You et al. 2017; MLPerf ResNet reference).
+    eta: float = Field(0.001, gt=0.0)
+    bias_correction: bool = True
+    trust_clamp: float | None = None
+    clip_grad_norm: float | None = Field(None, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, ge=1)
+    power: float = Field(1.0, ge=0.0)
+    end_lr: float = Field(0.0, ge=0.0)
+    sharded: bool = False
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimConfig:
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"optim.betas[{i}]={b} must be in [0, 1)")
+        return self
+
+
+class CommConfig(_Section):
+    algorithm: Literal["flat", "hierarchical", "torus2d"] = "flat"
+    bucket_mb: float = Field(25.0, gt=0.0)  # 25 MB: the DDP paper's default bucket
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
+    torus_y: int | None = Field(None, ge=1)
+    chunks: int = Field(8, ge=1)  # pipelining depth of the hierarchical all-reduce
+    overlap: bool = True
+    timeline: str | None = None  # write a Chrome trace of backward/communication here
+
+
+class TrainConfig(_Section):
+    global_batch: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    max_steps: int = Field(100, ge=1)
+    eval_every: int = Field(20, ge=1)
+    target: float | None = Field(None, gt=0.0)  # eval metric to stop at (MLM accuracy / top-1)
+    seed: int = 1234
+    deterministic: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    output_dir: str = "runs/latest"
+    init_timeout_s: float = Field(600.0, gt=0.0)  # collectives before the first step completes
+    step_timeout_s: float = Field(120.0, gt=0.0)  # collectives after it (torchtitan's two timeouts)
+    progress: bool = True
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = None
+    every_steps: int = Field(0, ge=0)  # 0 = only on preemption and at the end
+    keep: int = Field(2, ge=1)
+    resume: bool = True
+
+
+class LaunchConfig(_Section):
+    env: Literal["auto", "local", "torchrun", "slurm", "mpi", "horovod", "single"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    master_addr: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    comm: CommConfig = CommConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
+        """Checks that need the world size; raise ConfigError naming the key."""
+        t = self.train
+        per_step = world_size * t.grad_accum
+        if t.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} must be divisible by world size {world_size} x "
+                f"train.grad_accum={t.grad_accum} = {per_step}"
+            )
+        c = self.comm
+        if c.algorithm == "torus2d" or c.torus_x is not None or c.torus_y is not None:
+            x = c.torus_x or (c.torus_y and world_size // c.torus_y) or ranks_per_node or world_size
+            y = c.torus_y or max(world_size // max(x, 1), 1)
+            if x * y != world_size:
+                raise ConfigError(
+                    f"comm torus grid {x}x{y} (comm.torus_x={c.torus_x}, comm.torus_y={c.torus_y}) has {x * y} "
+                    f"ranks, expected the world size {world_size}"
+                )
+        if self.model.arch == "resnet":
+            k = self.model.resnet.bn_group
+            if k > world_size or world_size % k:
+                raise ConfigError(f"model.resnet.bn_group={k} must divide the world size {world_size}")

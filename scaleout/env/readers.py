@@ -1,0 +1,308 @@
+"""One small reader per launcher. Each reads only its own variables and returns the same WorldSpec.
+
+Detection order (first match wins; ``launch.env`` / ``--env`` / ``SCALEOUT_ENV`` overrides it):
+  1. local    -- ``scaleout launch`` (SCALEOUT_RANK ...)
+  2. torchrun -- TORCHELASTIC_RUN_ID, or RANK + LOCAL_RANK + WORLD_SIZE
+  3. horovod  -- HOROVOD_RANK (horovodrun also sets MPI variables, so it comes before MPI)
+  4. mpi      -- OMPI_COMM_WORLD_RANK, PMIX_RANK or PMI_RANK (mpirun inside an allocation also sets SLURM_*)
+  5. slurm    -- SLURM_PROCID inside a job step (SLURM_STEP_ID set: an srun task, not the batch script)
+  6. single   -- one process, no launcher
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from scaleout.env.base import Environment, WorldSpec, free_port, need_int, opt_int
+from scaleout.errors import EnvironmentError_
+from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
+
+
+def _master(env: Mapping[str, str], source: str) -> tuple[str | None, int | None]:
+    return env.get("MASTER_ADDR") or None, opt_int(env, "MASTER_PORT", source)
+
+
+class LocalEnv(Environment):
+    """Variables set by ``scaleout launch`` (launchers/local.py) for each of its M x G processes."""
+
+    name = "local"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return "SCALEOUT_RANK" in env
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        n = self.name
+        nnodes = need_int(env, "SCALEOUT_NNODES", n)
+        nproc = need_int(env, "SCALEOUT_NPROC_PER_NODE", n)
+        addr, port = _master(env, n)
+        return WorldSpec(
+            rank=need_int(env, "SCALEOUT_RANK", n),
+            local_rank=need_int(env, "SCALEOUT_LOCAL_RANK", n),
+            node_rank=need_int(env, "SCALEOUT_NODE_RANK", n),
+            num_nodes=nnodes,
+            local_size=nproc,
+            world_size=need_int(env, "SCALEOUT_WORLD_SIZE", n),
+            master_addr=addr,
+            master_port=port,
+            source=n,
+            tasks_per_node=(nproc,) * nnodes,
+        )
+
+
+class TorchrunEnv(Environment):
+    """torchrun / torch.distributed.elastic: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK."""
+
+    name = "torchrun"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        n = self.name
+        rank = need_int(env, "RANK", n)
+        world = need_int(env, "WORLD_SIZE", n)
+        local_size = opt_int(env, "LOCAL_WORLD_SIZE", n) or world
+        node_rank = opt_int(env, "GROUP_RANK", n)
+        if node_rank is None:
+            node_rank = rank // local_size
+        num_nodes = opt_int(env, "GROUP_WORLD_SIZE", n) or max(1, -(-world // local_size))
+        addr, port = _master(env, n)
+        return WorldSpec(
+            rank=rank,
+            local_rank=need_int(env, "LOCAL_RANK", n),
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            local_size=local_size,
+            world_size=world,
+            master_addr=addr,
+            master_port=port,
+            source=n,
+        )
+
+
+class SlurmEnv(Environment):
+    """An srun task: SLURM_PROCID/LOCALID/NODEID/NTASKS/NNODES/TASKS_PER_NODE/JOB_NODELIST.
+
+    The step's variables (SLURM_STEP_*) are preferred over the job's: a step may use fewer nodes.
+    MASTER_ADDR = first host of the nodelist, MASTER_PORT = derived from the job id, unless set.
+    """
+
+    name = "slurm"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+    @staticmethod
+    def port_for_job(job_id: int) -> int:
+        # Deterministic so every task agrees without talking; spread over 20000 ports above 15000 so
+        # that concurrent jobs on shared nodes rarely collide.
+        return 15000 + job_id % 20000
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        n = self.name
+        nnodes = opt_int(env, "SLURM_STEP_NUM_NODES", n) or need_int(env, "SLURM_NNODES", n)
+        ntasks = opt_int(env, "SLURM_STEP_NUM_TASKS", n) or need_int(env, "SLURM_NTASKS", n)
+        tpn_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if not tpn_raw:
+            raise EnvironmentError_("slurm environment: SLURM_TASKS_PER_NODE is not set")
+        tpn = parse_tasks_per_node(tpn_raw, nnodes)
+        if sum(tpn) != ntasks:
+            raise EnvironmentError_(
+                f"slurm environment: SLURM_TASKS_PER_NODE={tpn_raw!r} sums to {sum(tpn)}, expected SLURM_NTASKS={ntasks}"
+            )
+        node_id = need_int(env, "SLURM_NODEID", n)
+        if not 0 <= node_id < nnodes:
+            raise EnvironmentError_(f"slurm environment: SLURM_NODEID={node_id} not in [0, {nnodes})")
+        addr, port = _master(env, n)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        hosts = expand_nodelist(nodelist) if nodelist else []
+        if addr is None:
+            if not hosts:
+                raise EnvironmentError_("slurm environment: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
+            addr = hosts[0]
+        if port is None:
+            job = opt_int(env, "SLURM_JOB_ID", n) or need_int(env, "SLURM_JOBID", n)
+            port = self.port_for_job(job)
+        return WorldSpec(
+            rank=need_int(env, "SLURM_PROCID", n),
+            local_rank=need_int(env, "SLURM_LOCALID", n),
+            node_rank=node_id,
+            num_nodes=nnodes,
+            local_size=tpn[node_id],
+            world_size=ntasks,
+            master_addr=addr,
+            master_port=port,
+            source=n,
+            tasks_per_node=tuple(tpn),
+            extra={"hosts": hosts},
+        )
+
+
+class MPIEnv(Environment):
+    """mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID), PMIx.
+
+    Node rank and node count are not in the variables of every MPI; when missing they come from mpi4py
+    (ranks sharing memory = one node). The rendezvous address is broadcast from rank 0 with mpi4py.
+    """
+
+    name = "mpi"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return any(k in env for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"))
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        n = self.name
+        if "OMPI_COMM_WORLD_RANK" in env:
+            rank = need_int(env, "OMPI_COMM_WORLD_RANK", n)
+            size = need_int(env, "OMPI_COMM_WORLD_SIZE", n)
+            local_rank = opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", n)
+            local_size = opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", n)
+        elif "PMI_RANK" in env:
+            rank = need_int(env, "PMI_RANK", n)
+            size = need_int(env, "PMI_SIZE", n)
+            local_rank = opt_int(env, "MPI_LOCALRANKID", n)
+            local_size = opt_int(env, "MPI_LOCALNRANKS", n)
+        else:
+            rank = need_int(env, "PMIX_RANK", n)
+            size = opt_int(env, "PMIX_SIZE", n) or need_int(env, "OMPI_COMM_WORLD_SIZE", n)
+            local_rank = opt_int(env, "PMIX_LOCAL_RANK", n)
+            local_size = opt_int(env, "PMIX_LOCAL_SIZE", n)
+        node_rank = opt_int(env, "SCALEOUT_MPI_NODE_RANK", n)
+        num_nodes = opt_int(env, "SCALEOUT_MPI_NUM_NODES", n)
+        if None in (local_rank, local_size, node_rank, num_nodes):
+            local_rank, local_size, node_rank, num_nodes = _mpi_topology()
+        addr, port = _master(env, n)
+        return WorldSpec(
+            rank=rank,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            local_size=local_size,
+            world_size=size,
+            master_addr=addr,
+            master_port=port,
+            source=n,
+        )
+
+    def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
+        if spec.master_addr is not None and spec.master_port is not None:
+            return spec.master_addr, spec.master_port
+        from mpi4py import MPI  # noqa: PLC0415 -- only under mpirun
+
+        comm = MPI.COMM_WORLD
+        payload = None
+        if comm.Get_rank() == 0:
+            addr = spec.master_addr or _routable_address()
+            payload = (addr, spec.master_port or free_port(addr if addr != "localhost" else "127.0.0.1"))
+        addr, port = comm.bcast(payload, root=0)
+        return addr, int(port)
+
+
+def _mpi_topology() -> tuple[int, int, int, int]:
+    """(local_rank, local_size, node_rank, num_nodes) from mpi4py: a node = ranks that share memory."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+    except ImportError:
+        raise EnvironmentError_(
+            "mpi environment: local rank / node not in the variables and mpi4py is not installed "
+            "(pip install 'scaleout[mpi]')"
+        ) from None
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    leader = comm.Get_rank() if local.Get_rank() == 0 else -1
+    leaders = sorted(x for x in comm.allgather(leader) if x >= 0)
+    my_leader = local.bcast(comm.Get_rank() if local.Get_rank() == 0 else None, root=0)
+    out = (local.Get_rank(), local.Get_size(), leaders.index(my_leader), len(leaders))
+    local.Free()
+    return out
+
+
+def _routable_address() -> str:
+    import socket
+
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+class HorovodEnv(Environment):
+    """horovodrun: HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE.
+
+    horovodrun's own rendezvous is an HTTP key-value store, not a torch TCPStore; unless MASTER_ADDR/PORT
+    are set, rank 0 publishes a free port through that store (scaleout.horovod handles it).
+    """
+
+    name = "horovod"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return "HOROVOD_RANK" in env
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        n = self.name
+        addr, port = _master(env, n)
+        if addr is None:
+            addr = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or None
+        return WorldSpec(
+            rank=need_int(env, "HOROVOD_RANK", n),
+            local_rank=need_int(env, "HOROVOD_LOCAL_RANK", n),
+            node_rank=need_int(env, "HOROVOD_CROSS_RANK", n),
+            num_nodes=need_int(env, "HOROVOD_CROSS_SIZE", n),
+            local_size=need_int(env, "HOROVOD_LOCAL_SIZE", n),
+            world_size=need_int(env, "HOROVOD_SIZE", n),
+            master_addr=addr,
+            master_port=port,
+            source=n,
+            extra={
+                "rendezvous_addr": env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+                "rendezvous_port": env.get("HOROVOD_GLOO_RENDEZVOUS_PORT"),
+            },
+        )
+
+    def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
+        if spec.master_addr is not None and spec.master_port is not None:
+            return spec.master_addr, spec.master_port
+        addr, port = spec.extra.get("rendezvous_addr"), spec.extra.get("rendezvous_port")
+        if not addr or not port:
+            raise EnvironmentError_("horovod environment: set MASTER_ADDR/MASTER_PORT or run under horovodrun --gloo")
+        from scaleout.env.horovod_kv import exchange_port  # noqa: PLC0415
+
+        return addr, exchange_port(addr, int(port), spec.rank)
+
+
+class SingleEnv(Environment):
+    """No launcher: one process, world size 1."""
+
+    name = "single"
+
+    def detect(self, env: Mapping[str, str]) -> bool:
+        return True
+
+    def read(self, env: Mapping[str, str]) -> WorldSpec:
+        addr, port = _master(env, self.name)
+        return WorldSpec(0, 0, 0, 1, 1, 1, addr or "127.0.0.1", port, self.name, tasks_per_node=(1,))
+
+    def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
+        return spec.master_addr or "127.0.0.1", spec.master_port or free_port()
+
+
+ENVIRONMENTS: dict[str, Environment] = {
+    e.name: e for e in (LocalEnv(), TorchrunEnv(), HorovodEnv(), MPIEnv(), SlurmEnv(), SingleEnv())
+}
+DETECTION_ORDER = ("local", "torchrun", "horovod", "mpi", "slurm", "single")
+
+
+def detect_environment(env: Mapping[str, str] | None = None, explicit: str | None = None) -> Environment:
+    """The environment to read: ``explicit`` (or SCALEOUT_ENV) if given and not 'auto', else the first match."""
+    env = os.environ if env is None else env
+    choice = explicit if explicit not in (None, "auto") else env.get("SCALEOUT_ENV")
+    if choice not in (None, "", "auto"):
+        if choice not in ENVIRONMENTS:
+            raise EnvironmentError_(f"launch.env={choice!r}: expected one of auto, {', '.join(ENVIRONMENTS)}")
+        return ENVIRONMENTS[choice]
+    for name in DETECTION_ORDER:
+        if ENVIRONMENTS[name].detect(env):
+            return ENVIRONMENTS[name]
+    raise AssertionError("unreachable: SingleEnv always matches")

@@ -1,0 +1,105 @@
+"""Slurm hostlist grammar: ``gpu[001-004,007]``, ``rack[1-2]-n[01-02]``, ``a,b[1-3],c-d``.
+
+A recursive-descent parser, not a regex: a list is items separated by top-level commas; an item is a
+sequence of literal text and bracket groups; a bracket group is a comma list of ``N`` or ``LO-HI`` whose
+zero padding is the width of ``LO`` (as Slurm does). Several bracket groups in one item expand as a
+cartesian product with the leftmost group varying slowest, which is what ``scontrol show hostnames``
+prints.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from scaleout.errors import NodelistError
+
+_MAX_HOSTS = 1_000_000
+
+
+def _split_top(text: str, full: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            if depth:
+                raise NodelistError(f"nodelist {full!r}: nested '[' at position {i}")
+            depth = 1
+        elif ch == "]":
+            if not depth:
+                raise NodelistError(f"nodelist {full!r}: ']' without '[' at position {i}")
+            depth = 0
+        elif ch == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise NodelistError(f"nodelist {full!r}: unclosed '['")
+    items.append(text[start:])
+    return items
+
+
+def _expand_range(spec: str, full: str) -> list[str]:
+    out: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise NodelistError(f"nodelist {full!r}: bad range {part!r} in '[{spec}]' (expected N or LO-HI digits)")
+        width = len(lo)
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if b < a:
+            raise NodelistError(f"nodelist {full!r}: descending range {part!r}")
+        if b - a >= _MAX_HOSTS:
+            raise NodelistError(f"nodelist {full!r}: range {part!r} has more than {_MAX_HOSTS} hosts")
+        out.extend(str(n).zfill(width) for n in range(a, b + 1))
+    return out
+
+
+def _expand_item(item: str, full: str) -> list[str]:
+    pieces: list[list[str]] = []
+    i = 0
+    while i < len(item):
+        if item[i] == "[":
+            j = item.index("]", i)
+            inner = item[i + 1 : j]
+            if not inner:
+                raise NodelistError(f"nodelist {full!r}: empty '[]'")
+            pieces.append(_expand_range(inner, full))
+            i = j + 1
+        else:
+            j = item.find("[", i)
+            j = len(item) if j < 0 else j
+            pieces.append([item[i:j]])
+            i = j
+    return ["".join(combo) for combo in itertools.product(*pieces)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm nodelist into host names, in the order ``scontrol show hostnames`` gives."""
+    if nodelist is None or not nodelist.strip():
+        raise NodelistError(f"nodelist {nodelist!r} is empty (expected e.g. 'gpu[001-004]')")
+    text = nodelist.strip()
+    if any(ch.isspace() for ch in text):
+        raise NodelistError(f"nodelist {nodelist!r}: contains whitespace")
+    hosts: list[str] = []
+    for item in _split_top(text, nodelist):
+        if not item:
+            raise NodelistError(f"nodelist {nodelist!r}: empty item between commas")
+        hosts.extend(_expand_item(item, nodelist))
+    return hosts
+
+
+def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` -> ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for part in spec.strip().split(","):
+        count, _, rep = part.partition("(x")
+        try:
+            n = int(count)
+            r = int(rep.rstrip(")")) if rep else 1
+        except ValueError:
+            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r} (expected N or N(xR))") from None
+        if n < 0 or r < 1:
+            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r}")
+        out.extend([n] * r)
+    if nnodes is not None and len(out) != nnodes:
+        raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}")
+    return out

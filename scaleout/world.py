@@ -1,0 +1,251 @@
+"""``World``: who this rank is, where it runs, and the process groups topology-aware code needs.
+
+Built once by :func:`scaleout.init` and passed explicitly to whatever needs it (no module globals).
+Groups are created lazily and once: every rank must touch a group family (``intra``, ``inter``,
+``torus``) in the same order, which collective code does by construction.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaleout.env import WorldSpec, detect_environment
+from scaleout.errors import TopologyError
+
+
+@dataclass(frozen=True)
+class TorusGroups:
+    """A 2D grid of x (ranks per row) by y (rows). Rank r sits at row r // x, column r % x."""
+
+    x: int
+    y: int
+    row: Any  # ProcessGroup of the x ranks in this rank's row (reduce-scatter / all-gather)
+    col: Any  # ProcessGroup of the y ranks in this rank's column (all-reduce)
+    row_ranks: tuple[int, ...]
+    col_ranks: tuple[int, ...]
+
+
+class World:
+    """Rank, node and device facts plus lazily built process groups."""
+
+    def __init__(self, spec: WorldSpec, device: torch.device, backend: str, node_of: tuple[int, ...]):
+        self.spec = spec
+        self.device = device
+        self.backend = backend
+        self.node_of = node_of  # node index of every global rank, as observed after init
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._families: dict[str, Any] = {}
+
+    # -- identity ---------------------------------------------------------------------------------
+    rank = property(lambda self: self.spec.rank)
+    local_rank = property(lambda self: self.spec.local_rank)
+    node_rank = property(lambda self: self.spec.node_rank)
+    num_nodes = property(lambda self: self.spec.num_nodes)
+    local_size = property(lambda self: self.spec.local_size)
+    world_size = property(lambda self: self.spec.world_size)
+    master_addr = property(lambda self: self.spec.master_addr)
+    master_port = property(lambda self: self.spec.master_port)
+    source = property(lambda self: self.spec.source)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ranks_per_node(self) -> list[list[int]]:
+        nodes: dict[int, list[int]] = {}
+        for r, n in enumerate(self.node_of):
+            nodes.setdefault(n, []).append(r)
+        return [nodes[n] for n in sorted(nodes)]
+
+    @property
+    def uniform(self) -> bool:
+        return len({len(r) for r in self.ranks_per_node}) == 1
+
+    def require_uniform(self, what: str) -> None:
+        if not self.uniform:
+            sizes = [len(r) for r in self.ranks_per_node]
+            raise TopologyError(
+                f"{what} needs the same number of ranks on every node, got ranks per node {sizes}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"World(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}/{self.local_size}, "
+            f"node={self.node_rank}/{self.num_nodes}, device={self.device}, backend={self.backend}, "
+            f"source={self.source})"
+        )
+
+    # -- groups -----------------------------------------------------------------------------------
+    @property
+    def group(self) -> Any:
+        return dist.group.WORLD
+
+    def _partition(self, family: str, parts: list[list[int]]) -> Any:
+        """Create (once) one group per part, all ranks in the same order; return this rank's group."""
+        if family not in self._families:
+            mine = None
+            for ranks in parts:
+                key = tuple(ranks)
+                if key not in self._groups:
+                    if len(key) == self.world_size:
+                        self._groups[key] = dist.group.WORLD
+                    else:
+                        self._groups[key] = dist.new_group(list(key))
+                if self.rank in key:
+                    mine = self._groups[key]
+            self._families[family] = mine
+        return self._families[family]
+
+    @property
+    def intra(self) -> Any:
+        """Ranks on this node."""
+        self.require_uniform("the intra-node group")
+        return self._partition("intra", self.ranks_per_node)
+
+    @property
+    def inter(self) -> Any:
+        """Ranks with this rank's local rank, one per node."""
+        self.require_uniform("the inter-node group")
+        return self._partition("inter", [list(col) for col in zip(*self.ranks_per_node)])
+
+    @property
+    def intra_ranks(self) -> list[int]:
+        return self.ranks_per_node[self.node_of[self.rank]]
+
+    @property
+    def inter_ranks(self) -> list[int]:
+        idx = self.intra_ranks.index(self.rank)
+        return [node[idx] for node in self.ranks_per_node]
+
+    def torus_shape(self, x: int | None = None, y: int | None = None) -> tuple[int, int]:
+        """Resolve the X x Y grid; default X = ranks per node."""
+        p = self.world_size
+        if x is None and y is None:
+            self.require_uniform("the default torus grid (x = ranks per node)")
+            x = len(self.ranks_per_node[0])
+        if x is None:
+            x = p // y if y and p % y == 0 else -1
+        if y is None:
+            y = p // x if x > 0 and p % x == 0 else -1
+        if x < 1 or y < 1 or x * y != p:
+            raise TopologyError(f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})")
+        return x, y
+
+    def torus(self, x: int | None = None, y: int | None = None) -> TorusGroups:
+        """Row and column groups of an X x Y grid (Sony's 2D torus, arXiv 1811.05233)."""
+        self.require_uniform("the torus groups")
+        x, y = self.torus_shape(x, y)
+        key = f"torus{x}x{y}"
+        if key not in self._families:
+            rows = [list(range(r * x, (r + 1) * x)) for r in range(y)]
+            cols = [list(range(c, x * y, x)) for c in range(x)]
+            row = self._partition(key + "row", rows)
+            col = self._partition(key + "col", cols)
+            self._families[key] = TorusGroups(
+                x, y, row, col, tuple(rows[self.rank // x]), tuple(cols[self.rank % x])
+            )
+        return self._families[key]
+
+    # -- misc -------------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change the collective timeout of the default group (long before step 1, short after)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        setter = getattr(c10d, "_set_pg_timeout", None)
+        if setter is not None:
+            setter(timedelta(seconds=seconds), None)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
+        self._families.clear()
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pick_device(local_rank: int, backend: str = "auto") -> tuple[torch.device, str]:
+    """cuda:local_rank + NCCL when CUDA is present (unless gloo is asked for), else cpu + gloo."""
+    if torch.cuda.is_available() and backend in ("auto", "nccl"):
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev, "nccl"
+    if backend == "nccl":
+        raise TopologyError("launch.backend='nccl' needs CUDA, and no CUDA device is visible")
+    return torch.device("cpu"), "gloo"
+
+
+def init(
+    config: Any | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    environment: str | None = None,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+) -> World:
+    """Build the World from whichever launcher started this process and initialise torch.distributed.
+
+    ``config`` (a :class:`scaleout.config.Config`) supplies ``launch.env``, ``launch.backend`` and the
+    initial collective timeout; explicit keyword arguments win over it.
+    """
+    env = os.environ if env is None else env
+    launch = getattr(config, "launch", None)
+    environment = environment or (launch.env if launch else None)
+    backend = backend or (launch.backend if launch else "auto")
+    if timeout_s is None:
+        timeout_s = config.train.init_timeout_s if config is not None else 600.0
+    reader = detect_environment(env, environment)
+    spec = reader.read(env)
+    if launch is not None and launch.master_addr:
+        spec = WorldSpec(**{**spec.__dict__, "master_addr": launch.master_addr})
+    device, backend = pick_device(spec.local_rank, backend)
+    if not dist.is_initialized():
+        addr, port = reader.rendezvous(spec)
+        spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
+        raise TopologyError(
+            f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
+            f"but the {spec.source} environment says {spec.rank}/{spec.world_size}"
+        )
+    node_of = _observe_topology(spec)
+    return World(spec, device, backend, node_of)
+
+
+def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:
+    """All-gather (node_rank, local_rank) and check the launcher's story is consistent."""
+    mine = (spec.node_rank, spec.local_rank, socket.gethostname())
+    gathered: list[Any] = [None] * spec.world_size
+    dist.all_gather_object(gathered, mine)
+    seen: dict[tuple[int, int], int] = {}
+    for r, (node, local, _host) in enumerate(gathered):
+        if (node, local) in seen:
+            raise TopologyError(
+                f"{spec.source} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
+            )
+        seen[(node, local)] = r
+    node_ids = sorted({node for node, _, _ in gathered})
+    index = {n: i for i, n in enumerate(node_ids)}
+    return tuple(index[node] for node, _, _ in gathered)
