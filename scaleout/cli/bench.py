@@ -1,0 +1,45 @@
+"""scaleout bench <name>: the benchmarks, discovered from scaleout/bench/*.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+
+NAME = "bench"
+ORDER = 60
+HELP = "benchmarks (allreduce, overlap, optim, packing, data, ...): side-by-side tables, JSON, PNG"
+
+
+def _benches():
+    import scaleout.bench as pkg
+
+    mods = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_") or info.name == "common":
+            continue
+        mod = importlib.import_module(f"scaleout.bench.{info.name}")
+        if hasattr(mod, "NAME") and hasattr(mod, "run"):
+            mods.append(mod)
+    return sorted(mods, key=lambda m: m.NAME)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="<benchmark>")
+    for mod in _benches():
+        bp = sub.add_parser(
+            mod.NAME,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(bp)
+        bp.set_defaults(_bench_run=mod.run)
+    p.set_defaults(_bench_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "bench", None):
+        args._bench_parser.print_help()
+        return 2
+    return int(args._bench_run(args) or 0)
