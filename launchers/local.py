@@ -125,6 +125,10 @@ class LocalLauncher:
         if nproc_per_node < 1:
             raise UserError(f"--nproc-per-node={nproc_per_node}: expected an integer >= 1")
         self.cmd = resolve_command(cmd)
+        if self.cmd[1:4] == ["-u", "-m", "scaleout"]:  # a scaleout subcommand: validate it before spawning
+            from scaleout.cli import preflight
+
+            preflight(self.cmd[4:], nnodes * nproc_per_node, nproc_per_node)
         self.nnodes, self.nproc = nnodes, nproc_per_node
         self.addr = master_addr
         self.port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")

@@ -36,13 +36,20 @@ def _commands() -> list[ModuleType]:
     return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``scaleout X: error: <what> (see 'scaleout X --help')``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="scaleout",
         description="Max-scale data-parallel training: launch ranks, train to target, benchmark, simulate.",
         epilog="Run 'scaleout <command> --help' for a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     for mod in _commands():
         p = sub.add_parser(
             mod.NAME,
@@ -53,6 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _name=mod.NAME)
     return parser
+
+
+def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
+    """Validate a ``scaleout <subcommand> ...`` command line for a world before any rank is spawned.
+
+    Launchers call this so that a bad config or flag is one line on the launcher's stderr instead of
+    the same error from every rank. A subcommand opts in by defining
+    ``preflight(args, world_size, ranks_per_node)``; it raises UserError on bad input.
+    """
+    if not argv:
+        return
+    mods = {m.NAME: m for m in _commands()}
+    mod = mods.get(argv[0])
+    if mod is None or not hasattr(mod, "preflight"):
+        return
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the one-line usage error
+        raise UserError(f"invalid arguments for 'scaleout {argv[0]}': {' '.join(argv[1:])}") from exc
+    mod.preflight(args, world_size, ranks_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ def _benches():
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", metavar="<benchmark>")
+    sub = p.add_subparsers(dest="bench", metavar="<benchmark>", parser_class=type(p))
     for mod in _benches():
         bp = sub.add_parser(
             mod.NAME,

@@ -29,13 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command each rank runs")
 
 
 def run(args: argparse.Namespace) -> int:
     from launchers.local import launch
 
-    cmd = list(args.command)
+    cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     result = launch(

@@ -1,0 +1,115 @@
+#!/bin/bash
+# Start a real Slurm cluster on this host: munge, MariaDB + slurmdbd (for sacct), slurmctld and four slurmd
+# as emulated nodes n1..n4. Idempotent (exits 0 at once when it is already up); waits until all nodes are idle.
+#
+# Usage: launchers/slurm_local/start.sh [--no-dbd] [--no-install]
+#   --no-dbd      no accounting: starts in ~0.1 s instead of ~2.5 s, but sacct (and submitit's job.state) fail
+#   --no-install  do not apt-get install missing packages
+# State (configs, spool, logs, database, PID files) lives in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm),
+# never in the repo. Clients need `export SLURM_CONF=$SCALEOUT_SLURM_STATE/etc/slurm.conf`.
+# Ports: SCALEOUT_SLURM_CTLD_PORT (6817), _DBD_PORT (6819), _DB_PORT (13306), _NODE_PORT (17001..17004).
+# Stop with launchers/slurm_local/stop.sh (by PID). Needs root (Slurm/munge daemons, /etc/hosts).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+S=${SCALEOUT_SLURM_STATE:-/tmp/scaleout-slurm}
+DBD=1; INSTALL=1
+for a in "$@"; do
+  case $a in
+    --no-dbd) DBD=0 ;;
+    --no-install) INSTALL=0 ;;
+    *) echo "start.sh: unknown option '$a' (expected --no-dbd or --no-install)" >&2; exit 2 ;;
+  esac
+done
+case "$S/" in "$(cd "$HERE/../.." && pwd)"/*) echo "start.sh: SCALEOUT_SLURM_STATE=$S is inside the repo; pick a folder outside it" >&2; exit 2 ;; esac
+[ "$(id -u)" = 0 ] || { echo "start.sh: needs root (munged, slurmd, /etc/hosts)" >&2; exit 2; }
+
+missing=""
+command -v munged >/dev/null || missing="$missing munge"
+command -v slurmctld >/dev/null || missing="$missing slurmctld slurm-client"
+command -v slurmd >/dev/null || missing="$missing slurmd"
+if [ $DBD = 1 ]; then
+  command -v slurmdbd >/dev/null || missing="$missing slurmdbd"
+  command -v mariadbd >/dev/null || missing="$missing mariadb-server"
+fi
+if [ -n "$missing" ]; then
+  [ $INSTALL = 1 ] || { echo "start.sh: missing packages:$missing (run without --no-install or scripts/setup.sh --test)" >&2; exit 3; }
+  echo "start.sh: apt-get install$missing"
+  export DEBIAN_FRONTEND=noninteractive
+  # postinst cannot start services here (no systemd): expected, this script starts them.
+  apt-get install -y -q --no-install-recommends $missing >/tmp/scaleout-slurm-apt.log 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $missing >>/tmp/scaleout-slurm-apt.log 2>&1; } \
+    || { echo "start.sh: apt-get install failed, see /tmp/scaleout-slurm-apt.log" >&2; exit 3; }
+fi
+
+mkdir -p "$S"
+exec 9>"$S/.lock"
+flock -w 120 9 || { echo "start.sh: another start/stop holds $S/.lock" >&2; exit 4; }
+
+export SLURM_CONF=$S/etc/slurm.conf
+NODES="n1 n2 n3 n4"
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+all_idle() { [ "$(sinfo -h -o '%T' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; }
+
+# Already up? (every daemon's PID alive and sinfo answers)
+up=1
+for f in "$S/run/slurmctld.pid" "$S"/run/slurmd-n{1,2,3,4}.pid "$S/run/munge/munged.pid"; do alive "$f" || up=0; done
+if [ $up = 1 ] && sinfo -h >/dev/null 2>&1; then
+  echo "start.sh: already running (SLURM_CONF=$SLURM_CONF)"; exit 0
+fi
+
+# The node names must resolve (MASTER_ADDR = first host of the nodelist); add them once.
+grep -qE '^127\.0\.0\.1[[:space:]].*\bn1 n2 n3 n4\b' /etc/hosts || echo "127.0.0.1 n1 n2 n3 n4" >> /etc/hosts
+
+mkdir -p "$S/etc" "$S/munge" "$S/run/munge" "$S/spool/ctld" "$S/log" "$S/mysql"
+for n in $NODES; do mkdir -p "$S/spool/d/$n"; done   # pre-created: else "Domain socket directory" noise
+chmod 700 "$S/munge"; chmod 755 "$S/run/munge"          # munged insists the socket dir is o+x
+HOST=$(hostname -s)
+NP=${SCALEOUT_SLURM_NODE_PORT:-17001}
+render() {
+  sed -e "s|@STATE@|$S|g" -e "s|@HOST@|$HOST|g" \
+      -e "s|@CTLD_PORT@|${SCALEOUT_SLURM_CTLD_PORT:-6817}|g" -e "s|@DBD_PORT@|${SCALEOUT_SLURM_DBD_PORT:-6819}|g" \
+      -e "s|@DB_PORT@|${SCALEOUT_SLURM_DB_PORT:-13306}|g" -e "s|@KILL_WAIT@|${SCALEOUT_SLURM_KILL_WAIT:-5}|g" \
+      -e "s|@NODE_PORT_1@|$NP|g" -e "s|@NODE_PORT_2@|$((NP + 1))|g" \
+      -e "s|@NODE_PORT_3@|$((NP + 2))|g" -e "s|@NODE_PORT_4@|$((NP + 3))|g" "$1" > "$2"
+}
+render "$HERE/slurm.conf.in" "$S/etc/slurm.conf"
+render "$HERE/slurmdbd.conf.in" "$S/etc/slurmdbd.conf"
+chmod 600 "$S/etc/slurmdbd.conf"   # slurmdbd reads dirname($SLURM_CONF)/slurmdbd.conf and wants 0600
+
+fail() { echo "start.sh: $1" >&2; for l in "$S"/log/*; do echo "--- $l"; tail -n 5 "$l"; done >&2; exit 1; }
+
+[ -f "$S/munge/munge.key" ] || { dd if=/dev/urandom of="$S/munge/munge.key" bs=1024 count=1 2>/dev/null; chmod 400 "$S/munge/munge.key"; }
+alive "$S/run/munge/munged.pid" || munged --key-file="$S/munge/munge.key" --socket="$S/run/munge/munge.socket" \
+  --pid-file="$S/run/munge/munged.pid" --log-file="$S/log/munged.log" --seed-file="$S/munge/munged.seed"
+
+if [ $DBD = 0 ]; then
+  sed -i 's|^AccountingStorageType=.*|AccountingStorageType=accounting_storage/none|' "$SLURM_CONF"
+else
+  DB_PORT=${SCALEOUT_SLURM_DB_PORT:-13306}
+  if [ ! -d "$S/mysql/data/mysql" ]; then
+    mariadb-install-db --user=root --datadir="$S/mysql/data" --auth-root-authentication-method=socket \
+      >"$S/log/mysql-install.log" 2>&1 || fail "mariadb-install-db failed"
+    NEWDB=1
+  fi
+  if ! alive "$S/run/mysql.pid"; then
+    setsid -f mariadbd --user=root --datadir="$S/mysql/data" --socket="$S/run/mysql.sock" --pid-file="$S/run/mysql.pid" \
+      --bind-address=127.0.0.1 --port="$DB_PORT" --log-error="$S/log/mysql.err" </dev/null >/dev/null 2>&1
+  fi
+  for _ in $(seq 150); do mariadb-admin -S "$S/run/mysql.sock" -u root ping >/dev/null 2>&1 && break; sleep 0.2; done
+  mariadb-admin -S "$S/run/mysql.sock" -u root ping >/dev/null 2>&1 || fail "MariaDB did not answer within 30 s"
+  if [ -n "${NEWDB:-}" ]; then
+    mariadb -S "$S/run/mysql.sock" -u root -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
+      GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
+  fi
+  alive "$S/run/slurmdbd.pid" || slurmdbd
+  for _ in $(seq 150); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.2; done
+  # slurmctld refuses to start ("no TRES") until the cluster exists; `add` fails when it already does.
+  sacctmgr -i add cluster local >/dev/null 2>&1 || true
+fi
+
+alive "$S/run/slurmctld.pid" || slurmctld -f "$SLURM_CONF"
+for n in $NODES; do alive "$S/run/slurmd-$n.pid" || slurmd -f "$SLURM_CONF" -N "$n"; done
+# After a (re)start the nodes are "unk" for a moment; jobs submitted then wait. Max 30 s.
+for _ in $(seq 150); do all_idle && break; sleep 0.2; done
+all_idle || fail "nodes not idle after 30 s: $(sinfo -h -N -o '%N=%T' 2>&1 | tr '\n' ' ')"
+echo "start.sh: up: 4 nodes idle (SLURM_CONF=$SLURM_CONF)"

@@ -1,0 +1,102 @@
+"""Async handles and the per-World communication thread.
+
+Why a thread: a hierarchical or torus all-reduce is a *schedule* of many small operations on several
+process groups (chunked reduce-scatter, all-reduce, all-gather) whose later phases depend on earlier
+ones. gloo has no device streams to express those dependencies, so something on the host has to wait
+for phase 1 of chunk c before it launches phase 2 of chunk c. One daemon thread per World runs the
+schedules, one call after another, in submission order. That keeps the launch order of every
+collective identical on all ranks (c10d matches collectives by their order on a group), so several
+calls can be in flight at once (e.g. one per gradient bucket) without any risk of cross-matching,
+and ``async_op=True`` costs one queue put. The heavy lifting (gloo IO, tensor adds) releases the GIL.
+
+A :class:`Handle` wraps a ``torch.futures.Future`` that completes with the reduced tensor after
+*every* phase has run, so it can also be returned from a DDP communication hook.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Handle:
+    """Result of ``all_reduce(..., async_op=True)``: ``wait()`` returns the reduced tensor."""
+
+    def __init__(self, future: torch.futures.Future, tensor: torch.Tensor):
+        self.future = future
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        self.future.wait()  # re-raises the failure of any phase
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+
+def completed(tensor: torch.Tensor) -> Handle:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return Handle(fut, tensor)
+
+
+class CommThread:
+    """A FIFO of schedules executed by one daemon thread (see module docstring)."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    def submit(self, job: Callable[[], Any], tensor: torch.Tensor) -> Handle:
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._pending += 1
+        self._jobs.put((job, fut, tensor))
+        return Handle(fut, tensor)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut, tensor = item
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 -- handed to whoever waits
+                with self._lock:
+                    self._pending -= 1
+                fut.set_exception(exc)
+                continue
+            with self._lock:
+                self._pending -= 1
+            fut.set_result(tensor)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+# One CommThread per World, dropped with the World (weak keys: no state outlives its World).
+_THREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_THREADS_LOCK = threading.Lock()
+
+
+def comm_thread(world: Any) -> CommThread:
+    with _THREADS_LOCK:
+        t = _THREADS.get(world)
+        if t is None:
+            t = _THREADS[world] = CommThread(f"scaleout-comm-r{world.rank}")
+            weakref.finalize(world, t.close)
+        return t

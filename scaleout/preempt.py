@@ -1,0 +1,175 @@
+"""Preemption inside a rank: catch the scheduler's signals, agree on a step, checkpoint, requeue.
+
+The contract a training loop follows (docs/launchers.md, "Preemption"):
+
+    guard = preempt.install()                 # once, before the loop (main thread)
+    for step in ...:
+        train_step()
+        if guard.should_stop(world):          # every rank, every step (or every k steps, same k on all)
+            save_checkpoint()                 # rank 0 writes; all ranks hold the same weights after a step
+            world.barrier()
+            if guard.wants_requeue:
+                preempt.requeue()             # rank 0 only: `scontrol requeue $SLURM_JOB_ID`
+            return preempt.EXIT_PREEMPTED
+    guard.uninstall()
+
+Two kinds of signal, because schedulers send two kinds:
+- **notice** (SIGUSR2 by default, from ``#SBATCH --signal=USR2@<s>`` or submitit): the job will be killed in
+  ``s`` seconds. Ranks receive it at slightly different moments, so :meth:`Preemption.should_stop` all-reduces
+  the flag: every rank stops after the *same* step, rank 0 checkpoints and requeues. USR2, not USR1:
+  NCCL (and some MPI builds) install their own USR1 handler.
+- **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the job is
+  being killed now and peers may already be gone, so no collective is safe; each rank stops at the end of
+  its current step (:attr:`Preemption.terminating` is checked locally) and rank 0 saves the weights of the
+  last completed step within Slurm's KillWait (30 s by default). A requeue by the scheduler brings the job
+  back; the trainer resumes from the checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+
+Handlers only set flags (async-signal safe in Python's sense: they run between bytecodes of the main thread).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+from scaleout.errors import UserError
+
+# The process exit code after a clean preemption stop (checkpoint written). EX_TEMPFAIL from sysexits.h:
+# "temporary failure, the user is invited to retry" -- distinct from success and from a crash.
+EXIT_PREEMPTED = 75
+
+DEFAULT_NOTICE = "USR2"
+
+
+def signal_from_name(name: str) -> signal.Signals:
+    """'USR2', 'SIGUSR2' or '12' -> signal.SIGUSR2; a one-line UserError otherwise."""
+    text = name.strip().upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text))
+        except ValueError:
+            pass
+    else:
+        full = text if text.startswith("SIG") else "SIG" + text
+        if hasattr(signal.Signals, full):
+            return signal.Signals[full]
+    raise UserError(f"preemption signal {name!r}: expected a signal name such as USR2, USR1, TERM or a number")
+
+
+class Preemption:
+    """Signal flags for one training run. Create with :func:`install`."""
+
+    def __init__(self, notice: Sequence[signal.Signals], terminate: Sequence[signal.Signals]):
+        self.notice_signals = tuple(notice)
+        self.terminate_signals = tuple(terminate)
+        self.received: signal.Signals | None = None
+        self.noticed = False
+        self.terminating = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        self.received = sig
+        if sig in self.terminate_signals:
+            self.terminating = True
+        else:
+            self.noticed = True
+
+    def _install(self) -> Preemption:
+        for sig in (*self.notice_signals, *self.terminate_signals):
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back (e.g. submitit's own, after training returns)."""
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        """This rank has received a notice or a terminate signal."""
+        return self.noticed or self.terminating
+
+    @property
+    def wants_requeue(self) -> bool:
+        """After a notice the job asks to be requeued itself; after SIGTERM the scheduler decides."""
+        return not self.terminating
+
+    def should_stop(self, world: Any | None = None) -> bool:
+        """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
+
+        Under SIGTERM the answer is local and immediate: a collective could hang on a rank that is
+        already dead. Without a world (or with one rank) the local flag is the answer.
+        """
+        if self.terminating or world is None or getattr(world, "world_size", 1) == 1:
+            return self.requested
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.noticed else 0.0], device=world.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            self.noticed = True
+        return self.requested
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+def install(
+    notice: str | Sequence[str] | None = None, terminate: Sequence[str] = ("TERM",)
+) -> Preemption:
+    """Install flag-setting handlers. ``notice`` defaults to $SCALEOUT_PREEMPT_SIGNAL or USR2."""
+    if notice is None:
+        notice = os.environ.get("SCALEOUT_PREEMPT_SIGNAL", DEFAULT_NOTICE)
+    names = [notice] if isinstance(notice, str) else list(notice)
+    notice_sigs = [signal_from_name(n) for n in names if n]
+    term_sigs = [signal_from_name(n) for n in terminate]
+    clash = set(notice_sigs) & set(term_sigs)
+    if clash:
+        raise UserError(f"signal {sorted(s.name for s in clash)} cannot be both a notice and a terminate signal")
+    return Preemption(notice_sigs, term_sigs)._install()
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The job to requeue: for an array task its own id (SLURM_JOB_ID), not the array's."""
+    env = os.environ if env is None else env
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times Slurm has requeued this job (0 on the first run)."""
+    env = os.environ if env is None else env
+    value = env.get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
+    """Ask Slurm to requeue this job (call from rank 0 only, after the checkpoint is on disk).
+
+    Returns False when not inside a Slurm job (nothing to requeue: the caller just exits). The job must
+    be requeueable (``#SBATCH --requeue``; submitit sets it). Slurm then kills every task (SIGTERM, then
+    SIGKILL after KillWait), puts the job back in the queue and restarts the batch script with
+    SLURM_RESTART_COUNT + 1; the new run resumes from the checkpoint.
+    """
+    job = slurm_job_id(env)
+    if job is None:
+        return False
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise UserError(f"cannot requeue Slurm job {job}: scontrol is not on PATH in this task")
+    proc = subprocess.run(
+        [scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if proc.returncode != 0:
+        raise UserError(f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}")
+    return True

@@ -1,0 +1,118 @@
+"""Local launcher supervision with real processes: failures stop everyone, name the rank, leave no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "rank_behaviour.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0); treat it as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pids(pid_dir: Path, expect: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(list(pid_dir.glob("*.pid"))) < expect:
+        time.sleep(0.1)
+    pids = []
+    for f in sorted(pid_dir.glob("*.pid")):
+        text = f.read_text().split()
+        while len(text) < 2:  # written but not yet flushed
+            time.sleep(0.05)
+            text = f.read_text().split()
+        pids += [int(x) for x in text]
+    return pids
+
+
+def _launch(tmp_path: Path, mode: str, extra_env=None, grace="2"):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = {**os.environ, "PID_DIR": str(pid_dir), **(extra_env or {})}
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--grace", grace,
+           "--", SCRIPT, mode]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, pid_dir
+
+
+def _finish(proc, timeout=30.0):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def test_all_ok_prefixes_output(tmp_path: Path) -> None:
+    proc, pid_dir = _launch(tmp_path, "ok")
+    code, out, err = _finish(proc)
+    assert code == 0, err
+    for rank in range(4):
+        assert f"[rank {rank}] started node={rank // 2} local={rank % 2}" in out
+    assert "all 4 ranks exited 0" in out
+
+
+def test_rank_exit_code_stops_everyone(tmp_path: Path) -> None:
+    proc, pid_dir = _launch(tmp_path, "exit3", {"TARGET": "2"})
+    t0 = time.monotonic()
+    pids = _pids(pid_dir, 4)
+    code, out, err = _finish(proc)
+    assert code == 3
+    assert "rank 2 (node 1, local rank 0) exited with code 3" in err
+    assert time.monotonic() - t0 < 15
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def test_rank_killed_by_sigkill(tmp_path: Path) -> None:
+    proc, pid_dir = _launch(tmp_path, "sleep")
+    pids = _pids(pid_dir, 4)
+    rank1_pid = int((pid_dir / "1.pid").read_text().split()[0])
+    t0 = time.monotonic()
+    os.kill(rank1_pid, signal.SIGKILL)
+    code, out, err = _finish(proc)
+    assert time.monotonic() - t0 < 10, "the other ranks must be stopped within 10 s"
+    assert code != 0
+    assert "rank 1 (node 0, local rank 1) was killed by SIGKILL" in err
+    assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("mode", ["sleep", "ignoreterm"])
+def test_sigterm_to_launcher_stops_every_child(tmp_path: Path, mode: str) -> None:
+    proc, pid_dir = _launch(tmp_path, mode, grace="1")
+    pids = _pids(pid_dir, 4)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 128 + signal.SIGTERM
+    assert "received SIGTERM; stopped all 4 ranks" in err
+    assert time.monotonic() - t0 < 10
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_bad_command_is_one_line_error_before_spawn() -> None:
+    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nproc-per-node", "2", "--", "no-such-prog-xyz"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "scaleout launch: error: command 'no-such-prog-xyz' not found on PATH " \
+        "(expected a program, a .py file or a scaleout subcommand)"
+
+
+def test_smoke_job_two_nodes_two_procs() -> None:
+    """The distributed smoke job end to end: World, groups and all-reduce checks on 2 x 2 real processes."""
+    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--",
+                        "scaleout", "smoke", "--numel", "4096"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 0]   world                : 4 ranks on 2 nodes, ranks per node [2, 2]" in r.stdout
+    assert "torus 2x2" in r.stdout and "result               : OK" in r.stdout
