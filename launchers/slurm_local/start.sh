@@ -8,6 +8,7 @@
 # State (configs, spool, logs, database, PID files) lives in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm),
 # never in the repo. Clients need `export SLURM_CONF=$SCALEOUT_SLURM_STATE/etc/slurm.conf`.
 # Ports: SCALEOUT_SLURM_CTLD_PORT (6817), _DBD_PORT (6819), _DB_PORT (13306), _NODE_PORT (17001..17004).
+# Daemons start with fd 9 (the lock) closed, else they would hold the lock forever.
 # Stop with launchers/slurm_local/stop.sh (by PID). Needs root (Slurm/munge daemons, /etc/hosts).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -80,7 +81,7 @@ fail() { echo "start.sh: $1" >&2; for l in "$S"/log/*; do echo "--- $l"; tail -n
 
 [ -f "$S/munge/munge.key" ] || { dd if=/dev/urandom of="$S/munge/munge.key" bs=1024 count=1 2>/dev/null; chmod 400 "$S/munge/munge.key"; }
 alive "$S/run/munge/munged.pid" || munged --key-file="$S/munge/munge.key" --socket="$S/run/munge/munge.socket" \
-  --pid-file="$S/run/munge/munged.pid" --log-file="$S/log/munged.log" --seed-file="$S/munge/munged.seed"
+  --pid-file="$S/run/munge/munged.pid" --log-file="$S/log/munged.log" --seed-file="$S/munge/munged.seed" 9>&-
 
 if [ $DBD = 0 ]; then
   sed -i 's|^AccountingStorageType=.*|AccountingStorageType=accounting_storage/none|' "$SLURM_CONF"
@@ -93,7 +94,7 @@ else
   fi
   if ! alive "$S/run/mysql.pid"; then
     setsid -f mariadbd --user=root --datadir="$S/mysql/data" --socket="$S/run/mysql.sock" --pid-file="$S/run/mysql.pid" \
-      --bind-address=127.0.0.1 --port="$DB_PORT" --log-error="$S/log/mysql.err" </dev/null >/dev/null 2>&1
+      --bind-address=127.0.0.1 --port="$DB_PORT" --log-error="$S/log/mysql.err" </dev/null >/dev/null 2>&1 9>&-
   fi
   for _ in $(seq 150); do mariadb-admin -S "$S/run/mysql.sock" -u root ping >/dev/null 2>&1 && break; sleep 0.2; done
   mariadb-admin -S "$S/run/mysql.sock" -u root ping >/dev/null 2>&1 || fail "MariaDB did not answer within 30 s"
@@ -101,14 +102,14 @@ else
     mariadb -S "$S/run/mysql.sock" -u root -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
       GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
   fi
-  alive "$S/run/slurmdbd.pid" || slurmdbd
+  alive "$S/run/slurmdbd.pid" || slurmdbd 9>&-
   for _ in $(seq 150); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.2; done
   # slurmctld refuses to start ("no TRES") until the cluster exists; `add` fails when it already does.
   sacctmgr -i add cluster local >/dev/null 2>&1 || true
 fi
 
-alive "$S/run/slurmctld.pid" || slurmctld -f "$SLURM_CONF"
-for n in $NODES; do alive "$S/run/slurmd-$n.pid" || slurmd -f "$SLURM_CONF" -N "$n"; done
+alive "$S/run/slurmctld.pid" || slurmctld -f "$SLURM_CONF" 9>&-
+for n in $NODES; do alive "$S/run/slurmd-$n.pid" || slurmd -f "$SLURM_CONF" -N "$n" 9>&-; done
 # After a (re)start the nodes are "unk" for a moment; jobs submitted then wait. Max 30 s.
 for _ in $(seq 150); do all_idle && break; sleep 0.2; done
 all_idle || fail "nodes not idle after 30 s: $(sinfo -h -N -o '%N=%T' 2>&1 | tr '\n' ' ')"

@@ -18,6 +18,11 @@ examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout train configs/bert_tiny_cpu.yaml
   scaleout launch --nproc-per-node 4 -- python my_script.py --lr 1e-3
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce --sizes 64MiB
+
+--netns (root) runs every emulated node in its own network namespace with a rate-limited link
+(launchers/netns.py): a private cluster is brought up for this launch and always torn down after.
+--cluster NAME uses one brought up by `scaleout cluster up --name NAME` instead.
 """
 
 
@@ -29,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add_argument("--netns", action="store_true", help="run node i's ranks in network namespace i of a private emulated cluster (root)")
+    p.add_argument("--rate", default="1gbit", help="with --netns: per-node link rate for tc (default 1gbit; 'none' = unlimited)")
+    p.add_argument("--cluster", default=None, metavar="NAME", help="run in the existing emulated cluster NAME (scaleout cluster up)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command each rank runs")
 
 
@@ -38,16 +46,43 @@ def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    result = launch(
-        cmd,
-        args.nnodes,
-        args.nproc_per_node,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        grace_s=args.grace,
-        prefix_output=not args.no_prefix,
-        timeout_s=args.timeout,
-    )
+    kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout)
+    if args.netns or args.cluster:
+        result = _launch_netns(cmd, args, kwargs)
+    else:
+        result = launch(cmd, args.nnodes, args.nproc_per_node, master_addr=args.master_addr, master_port=args.master_port, **kwargs)
     stream = sys.stdout if result.returncode == 0 else sys.stderr
     print(f"scaleout launch: {result.message}", file=stream, flush=True)
     return result.returncode
+
+
+def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
+    """Node i's ranks run via `ip netns exec <ns_i>`; rendezvous on node 0's cluster address."""
+    import contextlib
+    import os
+
+    from launchers.local import launch
+    from launchers.netns import Cluster
+
+    if args.cluster:
+        cluster = Cluster(args.nnodes, None, name=args.cluster)
+        cluster.check_ready(args.nnodes)
+        status = cluster.status()["rates"].get(cluster.ns(0))
+        if status and status != "unlimited":
+            cluster = Cluster(args.nnodes, status, name=args.cluster)
+        ctx = contextlib.nullcontext(cluster)
+    else:
+        # A private name per launch, so concurrent launches and a persistent `cluster up` never collide.
+        ctx = Cluster(args.nnodes, args.rate, name=f"so{os.getpid() % 100000}")
+    with ctx as cluster:
+        env = {**os.environ, **cluster.rank_env()}
+        return launch(
+            cmd,
+            args.nnodes,
+            args.nproc_per_node,
+            master_addr=cluster.addr(0),
+            master_port=args.master_port or 29400,
+            env=env,
+            node_wrapper=cluster.wrapper,
+            **kwargs,
+        )

@@ -93,6 +93,11 @@ _THREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _THREADS_LOCK = threading.Lock()
 
 
+def existing_thread(world: Any) -> CommThread | None:
+    with _THREADS_LOCK:
+        return _THREADS.get(world)
+
+
 def comm_thread(world: Any) -> CommThread:
     with _THREADS_LOCK:
         t = _THREADS.get(world)

@@ -62,6 +62,10 @@ class DataConfig(_Section):
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "auto"] = "none"
     max_per_pack: int = Field(3, ge=1)
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0)
+    # Mask slots per sequence (20 at 128 tokens as in Google's BERT; MLPerf uses 76 at 512).
+    max_predictions: int = Field(20, ge=1)
+    # Copies of the corpus with different masks (Google's create_pretraining_data uses 10).
+    dupe_factor: int = Field(5, ge=1)
     num_workers: int = Field(0, ge=0)
     prefetch: int = Field(2, ge=1)
     pin_memory: bool = True  # used only when CUDA is present

@@ -1,0 +1,174 @@
+"""The local Slurm cluster (launchers/slurm_local/start.sh, stop.sh) and small helpers to use a Slurm cluster.
+
+``LocalSlurm`` wraps the shell scripts: a real slurmctld + slurmdbd + four slurmd (emulated nodes n1..n4)
+on this host, state in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm, never the repo). Clients find
+it through ``SLURM_CONF``; :meth:`LocalSlurm.env` returns an environment with it set.
+The job helpers (``sbatch``, ``job_state``, ``wait_job``) work on any Slurm cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaleout.errors import UserError
+
+HERE = Path(__file__).resolve().parent / "slurm_local"
+DEFAULT_STATE = "/tmp/scaleout-slurm"
+NODES = ("n1", "n2", "n3", "n4")
+FINAL_STATES = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+}
+
+
+@dataclass
+class ClusterStatus:
+    running: bool
+    state_dir: str
+    slurm_conf: str
+    daemons: dict[str, int | None]  # name -> PID if alive
+    nodes: str  # `sinfo -N` output, or why not
+
+    def describe(self) -> str:
+        lines = [f"local Slurm cluster: {'up' if self.running else 'down'} (state {self.state_dir})"]
+        for name, pid in self.daemons.items():
+            lines.append(f"  {name:<12} {'pid ' + str(pid) if pid else 'not running'}")
+        if self.running:
+            lines.append(f"  export SLURM_CONF={self.slurm_conf}")
+            lines.extend("  " + ln for ln in self.nodes.splitlines())
+        return "\n".join(lines)
+
+
+def _alive(pidfile: Path) -> int | None:
+    try:
+        pid = int(pidfile.read_text().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+class LocalSlurm:
+    """Start/stop/inspect the emulated 4-node cluster. Needs root and the Debian slurm-wlm/munge packages."""
+
+    def __init__(self, state_dir: str | None = None):
+        self.state = Path(state_dir or os.environ.get("SCALEOUT_SLURM_STATE") or DEFAULT_STATE)
+        repo = HERE.parent.parent
+        if self.state.resolve() == repo or repo in self.state.resolve().parents:
+            raise UserError(f"SCALEOUT_SLURM_STATE={self.state}: the state folder must be outside the repo {repo}")
+
+    @property
+    def slurm_conf(self) -> str:
+        return str(self.state / "etc" / "slurm.conf")
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env["SLURM_CONF"] = self.slurm_conf
+        env["SCALEOUT_SLURM_STATE"] = str(self.state)
+        return env
+
+    def _script_env(self) -> dict[str, str]:
+        return {**os.environ, "SCALEOUT_SLURM_STATE": str(self.state)}
+
+    def daemons(self) -> dict[str, int | None]:
+        run = self.state / "run"
+        out: dict[str, int | None] = {"munged": _alive(run / "munge" / "munged.pid")}
+        out["mariadbd"] = _alive(run / "mysql.pid")
+        out["slurmdbd"] = _alive(run / "slurmdbd.pid")
+        out["slurmctld"] = _alive(run / "slurmctld.pid")
+        for n in NODES:
+            out[f"slurmd {n}"] = _alive(run / f"slurmd-{n}.pid")
+        return out
+
+    def is_running(self) -> bool:
+        d = self.daemons()
+        if not (d["munged"] and d["slurmctld"] and all(d[f"slurmd {n}"] for n in NODES)):
+            return False
+        return self._sinfo(["-h"]) is not None
+
+    def _sinfo(self, args: Sequence[str]) -> str | None:
+        if shutil.which("sinfo") is None:
+            return None
+        p = subprocess.run(["sinfo", *args], env=self.env(), capture_output=True, text=True, timeout=30, check=False)
+        return p.stdout if p.returncode == 0 else None
+
+    def status(self) -> ClusterStatus:
+        running = self.is_running()
+        nodes = (self._sinfo(["-N"]) or "sinfo does not answer") if running else "down"
+        return ClusterStatus(running, str(self.state), self.slurm_conf, self.daemons(), nodes)
+
+    def start(self, accounting: bool = True, install: bool = True, timeout_s: float = 300.0) -> bool:
+        """Start the cluster unless it is up. Returns True if this call started it."""
+        if self.is_running():
+            return False
+        args = [str(HERE / "start.sh")]
+        if not accounting:
+            args.append("--no-dbd")
+        if not install:
+            args.append("--no-install")
+        p = subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+        if p.returncode != 0:
+            raise UserError(f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+        return True
+
+    def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
+        args = [str(HERE / "stop.sh")] + (["--wipe"] if wipe else [])
+        subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def can_run_local_slurm() -> str | None:
+    """None if this machine can run the local cluster, else why not (for skip messages)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return "the local Slurm cluster needs root (munged/slurmd)"
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        return "slurmctld is not installed and apt-get is not available (scripts/setup.sh --test installs it)"
+    return None
+
+
+# -- job helpers (any Slurm cluster) ----------------------------------------------------------------
+def sbatch(args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> int:
+    """Submit with ``sbatch --parsable`` and return the job id."""
+    p = subprocess.run(
+        ["sbatch", "--parsable", *args], env=dict(env or os.environ), cwd=cwd, capture_output=True, text=True,
+        timeout=60, check=False,
+    )
+    if p.returncode != 0:
+        raise UserError(f"sbatch {' '.join(args)} failed: {(p.stderr or p.stdout).strip()}")
+    return int(p.stdout.strip().split(";")[0])
+
+
+def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, RestartCnt, ExitCode, NodeList, ...); {} if unknown."""
+    p = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job_id)], env=dict(env or os.environ), capture_output=True, text=True,
+        timeout=30, check=False,
+    )
+    if p.returncode != 0:
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", p.stdout))
+
+
+def job_state(job_id: int | str, env: Mapping[str, str] | None = None) -> str:
+    return job_info(job_id, env).get("JobState", "UNKNOWN")
+
+
+def wait_job(
+    job_id: int | str, env: Mapping[str, str] | None = None, timeout_s: float = 120.0, poll_s: float = 0.25,
+    states: set[str] | None = None,
+) -> str:
+    """Wait until the job reaches one of ``states`` (default: any final state) and return it."""
+    want = states or FINAL_STATES
+    deadline = time.monotonic() + timeout_s
+    state = "UNKNOWN"
+    while time.monotonic() < deadline:
+        state = job_state(job_id, env)
+        if state in want:
+            return state
+        time.sleep(poll_s)
+    raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout_s:.0f} s (waiting for {sorted(want)})")

@@ -1,0 +1,352 @@
+"""scaleout bench allreduce: every registered all-reduce algorithm, side by side, over message sizes.
+
+Runs inside the ranks (under any launcher), or one-shot: ``--nnodes/--nproc-per-node [--netns]``
+starts the ranks itself via ``scaleout launch`` and tears the emulated cluster down afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+NAME = "allreduce"
+HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
+DESCRIPTION = """\
+Times every all-reduce algorithm on every message size (median of --repeats runs, each the slowest
+rank's time, algorithms interleaved so noise hits them alike) and reports algbw = bytes / time and
+busbw = algbw * 2(p-1)/p (nccl-tests). On more than one node it also measures the link: a ring shift of
+the same bytes between nodes gives the per-direction link rate, and the floor is the bytes that must
+cross a node's link, 2(k-1)/k * n, at that rate. It also times group creation (intra + inter + torus
+groups) against a plain init_process_group. Rank 0 prints a Markdown table, writes JSON (--out) and a
+PNG of busbw vs size (--png, needs matplotlib).
+
+examples:
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce --sizes 64MiB
+  scaleout bench allreduce --nnodes 2 --nproc-per-node 2 --netns --sizes 64MiB      # one-shot, same thing
+  scaleout bench allreduce --nnodes 4 --nproc-per-node 4 --sizes 4KiB --repeats 3   # group creation at 16 ranks
+  srun -N 4 --ntasks-per-node 8 scaleout bench allreduce --sizes 4KiB..256MiB
+"""
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def parse_size(text: str) -> int:
+    from scaleout.errors import UserError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"--sizes: {text!r} is not a size (expected e.g. 4KiB, 64MiB, 1GiB, 4096)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'64MiB', '4KiB,1MiB', or a range 'A..B' in steps of x4."""
+    from scaleout.errors import UserError
+
+    out: list[int] = []
+    for part in text.split(","):
+        if ".." in part:
+            lo, hi = (parse_size(s) for s in part.split("..", 1))
+            if lo < 1 or hi < lo:
+                raise UserError(f"--sizes: range {part!r} must go from a positive size up")
+            while lo <= hi:
+                out.append(lo)
+                lo *= 4
+        else:
+            out.append(parse_size(part))
+    if any(s < 1 for s in out):
+        raise UserError(f"--sizes {text!r}: sizes must be positive")
+    return out
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f and n % f == 0:
+            return f"{n // f}{unit}"
+    return f"{n}B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="4KiB..256MiB", help="message sizes: list and/or A..B ranges in x4 steps (default 4KiB..256MiB)")
+    p.add_argument("--algorithms", default=None, help="comma list (default: every registered algorithm; flat is always included)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--chunk-bytes", default=None, help="comma list of pipeline chunk sizes: hierarchical/torus2d get one variant each")
+    p.add_argument("--torus", default=None, metavar="XxY", help="torus2d grid (default x = ranks per node)")
+    p.add_argument("--out", default="bench-results/allreduce.json", help="JSON output (rank 0)")
+    p.add_argument("--png", default="bench-results/allreduce.png", help="PNG of busbw vs size ('' = none; needs matplotlib)")
+    one = p.add_argument_group("one-shot (start the ranks from here)")
+    one.add_argument("--nnodes", type=int, default=None, help="start this many emulated nodes via scaleout launch")
+    one.add_argument("--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)")
+    one.add_argument("--netns", action="store_true", help="one-shot in an emulated cluster (root): up, run, always down")
+    one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nnodes is not None:
+        return _one_shot(args)
+    return _in_rank(args)
+
+
+def _one_shot(args: argparse.Namespace) -> int:
+    """Start the ranks through `scaleout launch` (a subprocess: scaleout code never imports launchers)."""
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node)]
+    if args.netns:
+        cmd += ["--netns", "--rate", args.rate]
+    cmd += ["--", "scaleout", "bench", "allreduce", "--sizes", args.sizes, "--dtype", args.dtype, "--repeats", str(args.repeats)]
+    cmd += ["--warmup", str(args.warmup), "--out", os.path.abspath(args.out) if args.out else "", "--png", os.path.abspath(args.png) if args.png else ""]
+    for flag, value in (("--algorithms", args.algorithms), ("--chunk-bytes", args.chunk_bytes), ("--torus", args.torus)):
+        if value:
+            cmd += [flag, value]
+    return subprocess.run(cmd).returncode
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    from scaleout.comm import ALGORITHMS, get_algorithm
+    from scaleout.errors import UserError
+
+    names = args.algorithms.split(",") if args.algorithms else list(ALGORITHMS)
+    names = ["flat"] + [n for n in names if n != "flat"]  # the baseline, always, first
+    chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
+    grid: dict[str, Any] = {}
+    if args.torus:
+        m = re.fullmatch(r"(\d+)x(\d+)", args.torus)
+        if not m:
+            raise UserError(f"--torus={args.torus!r}: expected XxY, e.g. 2x4")
+        grid = {"x": int(m.group(1)), "y": int(m.group(2))}
+    out = []
+    for name in names:
+        alg = get_algorithm(name)
+        for c in chunks if "chunk_bytes" in alg.options else [None]:
+            opts = dict(grid) if "x" in alg.grid_options else {}
+            label = name
+            if c is not None:
+                opts["chunk_bytes"] = c
+                label += f"[chunk={fmt_bytes(c)}]"
+            out.append((label, name, opts))
+    return out
+
+
+def _timed_init() -> tuple[Any, dict[str, float]]:
+    """init_process_group and group creation, each timed as the slowest rank after a barrier."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import scaleout
+    from scaleout.env import detect_environment
+
+    reader = detect_environment(os.environ)
+    spec = reader.read(os.environ)
+    t = time.perf_counter()
+    if spec.world_size > 1:
+        addr, port = reader.rendezvous(spec)
+        dist.init_process_group("gloo" if not _cuda() else "nccl", init_method=f"tcp://{addr}:{port}", rank=spec.rank,
+                                world_size=spec.world_size, timeout=timedelta(seconds=600))
+    init_s = time.perf_counter() - t
+    world = scaleout.init()
+    # init_process_group's time includes waiting for the last rank to start: the last one to arrive
+    # (smallest time) shows the cost itself. Group creation starts from a barrier: the slowest rank counts.
+    world.barrier()
+    t = time.perf_counter()
+    dist.new_group(list(range(world.world_size)))  # a plain world-sized gloo mesh, for reference
+    world_group_s = time.perf_counter() - t
+    world.barrier()
+    t = time.perf_counter()
+    if world.uniform:
+        _ = world.intra, world.inter, world.torus()
+    groups_s = time.perf_counter() - t
+    stats = _reduce_max(world, [-init_s, world_group_s, groups_s])
+    return world, {"init_process_group_s": -stats[0], "new_world_group_s": stats[1], "groups_s": stats[2]}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _reduce_max(world: Any, values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    if world.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _link_rate(world: Any, nbytes: int, repeats: int) -> float | None:
+    """Bytes/s one way over a node's link, measured with raw TCP (no gloo): local rank 0 of every node
+    streams nbytes to the next node's leader while receiving as much from the previous one, so both
+    directions of every link are busy, as in an all-reduce. Median of ``repeats``."""
+    import socket
+    import threading
+
+    import torch.distributed as dist
+
+    k = world.num_nodes
+    if k < 2 or not world.uniform:
+        return None
+    leaders = [node[0] for node in world.ranks_per_node]
+    me = world.rank in leaders
+    server = None
+    info = None
+    if me:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.connect((world.master_addr or "127.0.0.1", 9))  # the address peers reach us on (no packet sent)
+        ip = probe.getsockname()[0]
+        probe.close()
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.bind((ip, 0))
+        server.listen(1)
+        info = (ip, server.getsockname()[1])
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, info)
+    times: list[float] = []
+    if me:
+        i = leaders.index(world.rank)
+        nxt = gathered[leaders[(i + 1) % k]]
+        out = socket.create_connection(nxt)
+        out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        inc, _ = server.accept()
+        payload = memoryview(bytearray(nbytes))
+        sink = memoryview(bytearray(1 << 20))
+
+        def receive() -> None:
+            left = nbytes
+            while left:
+                left -= inc.recv_into(sink, min(left, len(sink)))
+    for _ in range(repeats + 1):
+        world.barrier()
+        t = time.perf_counter()
+        if me:
+            rx = threading.Thread(target=receive)
+            rx.start()
+            out.sendall(payload)
+            rx.join()
+        times.append(_reduce_max(world, [time.perf_counter() - t])[0])
+    if me:
+        out.close()
+        inc.close()
+        server.close()
+    return nbytes / statistics.median(times[1:])
+
+
+def _in_rank(args: argparse.Namespace) -> int:
+    import torch
+
+    from scaleout.comm import all_reduce
+    from scaleout.errors import UserError
+
+    if args.repeats < 1:
+        raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
+    sizes = parse_sizes(args.sizes)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world, group_cost = _timed_init()
+    variants = _variants(args)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    esize = torch.empty((), dtype=dtype).element_size()
+    p, k = world.world_size, world.num_nodes
+    say = (lambda *a: print(*a, flush=True)) if world.is_main else (lambda *a: None)
+    say(f"allreduce bench: {p} ranks = {k} nodes x {world.local_size}, {args.dtype}, sizes {', '.join(fmt_bytes(s) for s in sizes)}, "
+        f"{len(variants)} variants, median of {args.repeats}; groups {group_cost['groups_s'] * 1e3:.1f} ms vs "
+        f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms")
+    rate_env = os.environ.get("SCALEOUT_LINK_RATE_BPS")
+    link_bps = _link_rate(world, 32 << 20, 3) if k > 1 else None
+    if link_bps:
+        say(f"measured link rate: {link_bps / 1e6:.1f} MB/s one way" + (f" (tc rate {int(rate_env) / 8e6:.1f} MB/s)" if rate_env else ""))
+    rows: list[dict[str, Any]] = []
+    for nbytes in sizes:
+        n = max(1, nbytes // esize)
+        base = torch.arange(n, dtype=torch.float32, device=world.device).remainder_(7).to(dtype)
+        times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+        for rep in range(args.warmup + args.repeats):
+            for label, name, opts in variants:  # interleaved: noise hits every algorithm alike
+                t = base.clone()
+                world.barrier()
+                t0 = time.perf_counter()
+                all_reduce(t, world, name, **opts)
+                if t.is_cuda:
+                    torch.cuda.synchronize()
+                dt = _reduce_max(world, [time.perf_counter() - t0])[0]
+                if rep >= args.warmup:
+                    times[label].append(dt)
+        floor = 2 * (k - 1) / k * n * esize / link_bps if link_bps else None
+        for label, name, opts in variants:
+            med = statistics.median(times[label])
+            algbw = n * esize / med
+            rows.append({
+                "algorithm": label, "base_algorithm": name, "options": opts, "nbytes": n * esize, "count": n,
+                "dtype": args.dtype, "nnodes": k, "nproc_per_node": world.local_size, "world_size": p,
+                "time_s": med, "times": times[label], "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p if p > 1 else 0.0,
+                "link_rate_bps": link_bps * 8 if link_bps else (int(rate_env) if rate_env else None),
+                "link_floor_s": floor,
+            })
+            say(f"  {fmt_bytes(nbytes):>7} {label:<28} {med * 1e3:9.2f} ms")
+    if world.is_main:
+        _report(args, rows, group_cost, link_bps, world)
+    world.close()
+    return 0
+
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: dict[str, float], link_bps: float | None, world: Any) -> None:
+    from scaleout.bench.common import format_table, write_json
+
+    flat = {r["nbytes"]: r["time_s"] for r in rows if r["algorithm"] == "flat"}
+    table = []
+    for r in rows:
+        table.append([
+            fmt_bytes(r["nbytes"]), r["algorithm"], r["time_s"] * 1e3, r["algbw"] / 1e9, r["busbw"] / 1e9,
+            flat[r["nbytes"]] / r["time_s"],
+            r["link_floor_s"] * 1e3 if r["link_floor_s"] else "-",
+            r["time_s"] / r["link_floor_s"] if r["link_floor_s"] else "-",
+        ])
+    print(format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "speedup vs flat", "link floor ms", "time / floor"], table))
+    ratio = group_cost["groups_s"] / group_cost["init_process_group_s"] if group_cost["init_process_group_s"] > 0 else None
+    print(f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
+          f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "
+          f"a world-sized new_group {group_cost['new_world_group_s'] * 1e3:.1f} ms" if ratio is not None else "")
+    if link_bps:
+        print(f"link: {link_bps / 1e6:.1f} MB/s one way measured with raw TCP between node leaders (both directions at once)")
+    path = write_json(args.out or None, {
+        "bench": NAME, "rows": rows, "group_creation": {**group_cost, "ratio_groups_to_init": ratio},
+        "world": {"world_size": world.world_size, "nnodes": world.num_nodes, "nproc_per_node": world.local_size, "backend": world.backend},
+        "link_rate_bytes_per_s": link_bps, "command": " ".join(sys.argv),
+    })
+    if path:
+        print(f"wrote {path}")
+    if args.png:
+        _plot(rows, args.png)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no PNG: matplotlib is not installed; pip install scaleout[plot])")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["algorithm"] for r in rows):
+        pts = [(r["nbytes"], r["busbw"] / 1e9) for r in rows if r["algorithm"] == label]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"all-reduce, {rows[0]['nnodes']} nodes x {rows[0]['nproc_per_node']} ranks, {rows[0]['dtype']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}")

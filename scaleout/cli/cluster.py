@@ -1,0 +1,45 @@
+"""scaleout cluster up|down|status: the emulated multi-node cluster (network namespaces + tc)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "cluster"
+ORDER = 15
+HELP = "bring an emulated multi-node cluster (netns + bridge + tc rate limit) up or down (root)"
+DESCRIPTION = """\
+One network namespace per node (<name>-n<i>, veth0 = <subnet>.(i+1)/24, no default route), joined by a
+bridge, with a tc token-bucket limit of --rate on both ends of every node's link. Ranks of one node talk
+over loopback; only cross-node traffic is limited. Needs root. `down` is idempotent.
+
+examples:
+  scaleout cluster up --nodes 4 --rate 1gbit
+  scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes 64MiB
+  scaleout cluster status
+  scaleout cluster down
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--nodes", type=int, default=2, help="namespaces to create (default 2)")
+    p.add_argument("--rate", default="1gbit", help="per-node link rate, tc units (default 1gbit; 'none' = unlimited)")
+    p.add_argument("--name", default="so", help="cluster name, prefix of namespaces and links (default so)")
+    p.add_argument("--subnet", default="10.77.0", help="first three octets of the node addresses (default 10.77.0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from launchers.netns import Cluster, require_root
+
+    cluster = Cluster(args.nodes, args.rate, name=args.name, subnet=args.subnet)
+    if args.action == "up":
+        cluster.up()
+        print(f"scaleout cluster: {args.nodes} nodes up ({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), rate {args.rate}")
+    elif args.action == "down":
+        require_root()
+        cluster.down()
+        print(f"scaleout cluster: {args.name!r} is down")
+    else:
+        print(json.dumps(cluster.status(), indent=2))
+    return 0

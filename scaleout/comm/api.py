@@ -1,0 +1,145 @@
+"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` and the one algorithm registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaleout.comm import handles
+from scaleout.comm.flat import flat_async
+from scaleout.comm.grid import Grid, reduce_grid
+from scaleout.comm.hierarchical import hierarchical_grid
+from scaleout.comm.torus import torus_grid
+from scaleout.errors import UserError
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An all-reduce algorithm: ``grid`` maps (world, **grid options) to the row/column decomposition;
+    ``grid=None`` is the flat baseline (torch.distributed's own all_reduce)."""
+
+    name: str
+    help: str
+    grid: Callable[..., Grid] | None
+    grid_options: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register(alg: Algorithm) -> Algorithm:
+    ALGORITHMS[alg.name] = alg
+    return alg
+
+
+register(Algorithm("flat", "torch.distributed all_reduce on the world group (baseline)", None))
+register(
+    Algorithm(
+        "hierarchical",
+        "intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather, chunk-pipelined",
+        hierarchical_grid,
+        options=("chunk_bytes",),
+    )
+)
+register(
+    Algorithm(
+        "torus2d",
+        "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row all-gather",
+        torus_grid,
+        grid_options=("x", "y"),
+        options=("chunk_bytes",),
+    )
+)
+
+
+def get_algorithm(name: str) -> Algorithm:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise UserError(f"unknown all-reduce algorithm {name!r}: expected one of {sorted(ALGORITHMS)}") from None
+
+
+def _op_name(op: Any) -> str:
+    if op in ("sum", dist.ReduceOp.SUM):
+        return "sum"
+    if op in ("avg", "mean", getattr(dist.ReduceOp, "AVG", None)):
+        return "avg"
+    raise UserError(f"all_reduce op={op!r}: expected 'sum' or 'avg'")
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    world: Any,
+    algorithm: str = "flat",
+    op: Any = "sum",
+    async_op: bool = False,
+    **options: Any,
+) -> Any:
+    """Reduce ``tensor`` over every rank of ``world``, in place.
+
+    Returns ``tensor`` (``async_op=False``) or a :class:`~scaleout.comm.handles.Handle` whose
+    ``wait()`` returns it once every phase has completed. Any shape, element count and strides; any
+    dtype gloo/NCCL can add (fp32, bf16, fp16, integers; ``avg`` needs floating point). ``avg`` is the
+    sum divided by the world size, exactly as for ``flat``, so results match bit for bit on
+    integer-valued data. All ranks must issue their all-reduces in the same order (as for
+    torch.distributed); several may be in flight.
+
+    Options: ``chunk_bytes`` (pipeline chunk, hierarchical/torus2d), ``x``/``y`` (torus2d grid;
+    default x = ranks per node).
+    """
+    alg = get_algorithm(algorithm)
+    opname = _op_name(op)
+    allowed = set(alg.grid_options) | set(alg.options)
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise UserError(
+            f"all_reduce option(s) {unknown} not understood by algorithm {algorithm!r}: expected {sorted(allowed) or 'none'}"
+        )
+    chunk_bytes = options.get("chunk_bytes")
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
+        raise UserError(f"all_reduce chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
+    if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
+
+    # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call (one-line
+    # TopologyError) and group creation happens in call order on every rank.
+    grid = alg.grid(world, **{k: options[k] for k in alg.grid_options if k in options}) if alg.grid else None
+
+    contiguous = tensor.is_contiguous()
+    buf = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
+    p = world.world_size
+
+    def finish() -> None:
+        if opname == "avg":
+            buf.div_(p)
+        if not contiguous:
+            tensor.copy_(buf.view(tensor.shape))
+
+    def job() -> None:
+        if grid is None:
+            work = flat_async(buf, world)
+            if work is not None:
+                work.wait()
+        else:
+            reduce_grid(buf, grid, chunk_bytes)
+        finish()
+
+    thread = handles.existing_thread(world)
+    idle = thread is None or thread.idle
+    if not async_op:
+        if idle:  # nothing queued: run in this thread (no hand-off), launch order is still the call order
+            job()
+            return tensor
+        return thread.submit(job, tensor).wait()
+    if grid is None and idle:
+        work = flat_async(buf, world)  # one native async collective: no thread needed
+        if work is None:
+            finish()
+            return handles.completed(tensor)
+        return handles.Handle(work.get_future().then(lambda _f: (finish(), tensor)[1]), tensor)
+    return handles.comm_thread(world).submit(job, tensor)

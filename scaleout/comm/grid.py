@@ -1,0 +1,203 @@
+"""The composition hierarchical and 2D-torus all-reduce share: reduce-scatter along a *row* group,
+all-reduce of each shard along a *column* group, all-gather along the row.
+
+* hierarchical: rows = the ranks of one node, columns = same-local-rank peers on every node
+  (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE, NVIDIA's DistributedFusedLAMB pattern).
+* torus2d: rows and columns of an X x Y grid (Sony, arXiv 1811.05233).
+
+Every rank of a row carries 1/g of the inter-row traffic, so a node's link carries 2(k-1)/k * n bytes
+each way instead of the flat ring's 2(p-1)/p * n (k nodes, p ranks).
+
+Two phase compositions, chosen by backend (see docs/collectives.md for the measurements):
+
+* gloo (CPU): gloo's own reduce_scatter is an all-reduce plus a copy and its all_gather copies through
+  staging buffers, both slow on CPU. So the row phases are written with point-to-point isend/irecv
+  (zero-copy in gloo: the tensor's memory is the send buffer), the column phase is gloo's ring
+  all_reduce on one shard, and the message is cut into chunks that are *pipelined*: while chunk c is on
+  the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D all-gathered over loopback, and
+  D column all-reduces are in flight at once so the link never idles between chunks.
+* nccl (GPU): reduce_scatter_tensor / all_reduce / all_gather_into_tensor, which NCCL implements well;
+  NCCL collectives on different communicators already run on their own streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Chunk size of the gloo pipeline. 4 MiB: big enough that per-op overhead (~0.1-0.3 ms on gloo) is
+# < 1 % of a chunk's ~35 ms at 1 Gbit, small enough that pipeline fill + drain (one chunk's
+# reduce-scatter and all-gather over loopback) stays a few % of a 64 MiB all-reduce. Measured in
+# docs/collectives.md (`scaleout bench allreduce --chunk-sweep`).
+DEFAULT_CHUNK_BYTES = 4 << 20
+# How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
+# flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker threads).
+# At most this many chunks per call: each chunk costs ~2-3 ms of synchronisation on a 2-core box
+# (measured: 1M fp32 in 16 KiB chunks = 245 chunks took 0.57 s vs 0.04 s in 1 MiB chunks).
+MAX_CHUNKS = 64
+RS_AHEAD = 2
+AR_DEPTH = 2
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """This rank's view of a row x column decomposition."""
+
+    rank: int
+    row_ranks: tuple[int, ...]  # global ranks of this rank's row, in order (shard j belongs to row_ranks[j])
+    row: Any  # process group of row_ranks
+    col: Any  # process group of this rank's column
+    col_size: int
+
+    @property
+    def index(self) -> int:
+        return self.row_ranks.index(self.rank)
+
+
+def split_bounds(n: int, parts: int) -> list[int]:
+    """Offsets of ``parts`` nearly equal pieces of n elements (the first n % parts get one more)."""
+    q, r = divmod(n, parts)
+    out = [0]
+    for j in range(parts):
+        out.append(out[-1] + q + (1 if j < r else 0))
+    return out
+
+
+def reduce_grid(buf: torch.Tensor, grid: Grid, chunk_bytes: int | None = None) -> None:
+    """Sum ``buf`` (1-D, contiguous) over all ranks of the grid, in place."""
+    if buf.numel() == 0:
+        return
+    if buf.is_cuda:
+        _reduce_nccl(buf, grid)
+    else:
+        _GlooSchedule(buf, grid, chunk_bytes or DEFAULT_CHUNK_BYTES).run()
+
+
+class _GlooSchedule:
+    def __init__(self, buf: torch.Tensor, grid: Grid, chunk_bytes: int):
+        self.buf, self.grid = buf, grid
+        self.g, self.i = len(grid.row_ranks), grid.index
+        n = buf.numel()
+        chunks = min(n, MAX_CHUNKS, max(1, math.ceil(n * buf.element_size() / chunk_bytes)))
+        self.chunks = split_bounds(n, chunks)
+        self.n_chunks = chunks
+
+    def shards(self, c: int) -> list[tuple[int, int]]:
+        lo, hi = self.chunks[c], self.chunks[c + 1]
+        b = split_bounds(hi - lo, self.g)
+        return [(lo + b[j], lo + b[j + 1]) for j in range(self.g)]
+
+    def mine(self, c: int) -> torch.Tensor:
+        lo, hi = self.shards(c)[self.i]
+        return self.buf[lo:hi]
+
+    # -- phases -----------------------------------------------------------------------------------
+    def post_rs(self, c: int) -> tuple[list[Any], list[torch.Tensor]]:
+        """Send shard j of chunk c to row member j; receive the others' copies of my shard."""
+        works, tmps = [], []
+        shards, mine = self.shards(c), self.mine(c)
+        for j, peer in enumerate(self.grid.row_ranks):
+            if j == self.i:
+                continue
+            lo, hi = shards[j]
+            if hi > lo:
+                works.append(dist.isend(self.buf[lo:hi], dst=peer, group=self.grid.row, tag=2 * c))
+            if mine.numel():
+                tmp = torch.empty_like(mine)
+                works.append(dist.irecv(tmp, src=peer, group=self.grid.row, tag=2 * c))
+                tmps.append(tmp)
+        return works, tmps
+
+    def finish_rs(self, c: int, posted: tuple[list[Any], list[torch.Tensor]]) -> None:
+        works, tmps = posted
+        for w in works:  # also the sends: the all-gather will overwrite what they read
+            w.wait()
+        mine = self.mine(c)
+        if not tmps:
+            return
+        if mine.dtype in LOW_PRECISION:  # accumulate in fp32, round once (no loss beyond the dtype)
+            acc = mine.float()
+            for t in tmps:
+                acc.add_(t.float())
+            mine.copy_(acc)
+        else:
+            for t in tmps:
+                mine.add_(t)
+
+    def post_ar(self, c: int) -> Any:
+        mine = self.mine(c)
+        if self.grid.col_size == 1 or mine.numel() == 0:
+            return None
+        return dist.all_reduce(mine, group=self.grid.col, async_op=True)
+
+    def post_ag(self, c: int) -> list[Any]:
+        works = []
+        shards, mine = self.shards(c), self.mine(c)
+        for j, peer in enumerate(self.grid.row_ranks):
+            if j == self.i:
+                continue
+            if mine.numel():
+                works.append(dist.isend(mine, dst=peer, group=self.grid.row, tag=2 * c + 1))
+            lo, hi = shards[j]
+            if hi > lo:
+                works.append(dist.irecv(self.buf[lo:hi], src=peer, group=self.grid.row, tag=2 * c + 1))
+        return works
+
+    # -- the pipeline -----------------------------------------------------------------------------
+    def run(self) -> None:
+        C = self.n_chunks
+        rs: dict[int, Any] = {}
+        ar: dict[int, Any] = {}
+        ag: list[Any] = []
+        row = self.g > 1
+
+        def drain_one() -> None:
+            c = min(ar)
+            w = ar.pop(c)
+            if w is not None:
+                w.wait()
+            if row:
+                ag.extend(self.post_ag(c))
+
+        for c in range(min(RS_AHEAD, C) if row else 0):
+            rs[c] = self.post_rs(c)
+        for c in range(C):
+            if row:
+                self.finish_rs(c, rs.pop(c))
+                if c + RS_AHEAD < C:
+                    rs[c + RS_AHEAD] = self.post_rs(c + RS_AHEAD)
+            ar[c] = self.post_ar(c)
+            while len(ar) > AR_DEPTH:
+                drain_one()
+        while ar:
+            drain_one()
+        for w in ag:
+            w.wait()
+
+
+def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
+    """RS -> AR -> AG with NCCL's native collectives (padding to a multiple of the row size)."""
+    g = len(grid.row_ranks)
+    n = buf.numel()
+    padded = math.ceil(n / g) * g
+    x = buf
+    if padded != n:
+        x = torch.zeros(padded, dtype=buf.dtype, device=buf.device)
+        x[:n].copy_(buf)
+    shard = x.narrow(0, grid.index * (padded // g), padded // g)
+    if g > 1:
+        out = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(out, x, group=grid.row)
+        shard.copy_(out)
+    if grid.col_size > 1:
+        dist.all_reduce(shard, group=grid.col)
+    if g > 1:
+        dist.all_gather_into_tensor(x, shard.clone(), group=grid.row)
+    if x is not buf:
+        buf.copy_(x[:n])

@@ -1,0 +1,121 @@
+"""Other BERT sample sources: MLPerf Wikipedia shards at a config path, and synthetic data.
+
+**Wikipedia shards** (``data.source: wikipedia``, ``data.path``: a file or a directory of files, read in
+sorted order). The format is MLPerf BERT's pre-processed HDF5 (what the reference's
+``create_pretraining_data.py`` + ``chop_hdf5_files.py`` write), one row per sequence, zero-padded::
+
+    input_ids            int [N, max_seq_len]   token ids after masking
+    input_mask           int [N, max_seq_len]   1 on real tokens (defines the sequence length)
+    segment_ids          int [N, max_seq_len]   0 for [CLS] A [SEP], 1 for B [SEP]
+    masked_lm_positions  int [N, max_pred]      0 = unused slot (position 0 is [CLS], never masked)
+    masked_lm_ids        int [N, max_pred]      original tokens at those positions
+    next_sentence_labels int [N]                1 = random next
+
+``*.hdf5`` / ``*.h5`` need the optional ``h5py`` package; ``*.npz`` files with the same keys need
+nothing (``np.savez(path, input_ids=..., ...)``), which is how the tests write tiny shards.
+
+**Synthetic** samples for throughput runs: random tokens with lengths drawn from a histogram (by
+default every sequence is full length; pass the Wikipedia-512 histogram to get its distribution).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from scaleout.data.pretrain import BertSample
+from scaleout.errors import UserError
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+SUFFIXES = (".hdf5", ".h5", ".npz")
+
+
+def shard_files(path: str | os.PathLike[str]) -> list[Path]:
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES)
+    else:
+        raise UserError(f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} files")
+    if not files:
+        raise UserError(f"data.path={path} has no {'/'.join(SUFFIXES)} shards")
+    return files
+
+
+def _read(f: Path) -> dict[str, np.ndarray]:
+    if f.suffix == ".npz":
+        with np.load(f) as z:
+            arrays = {k: z[k] for k in z.files}
+    else:
+        try:
+            import h5py
+        except ImportError:
+            raise UserError(f"{f}: reading HDF5 shards needs h5py (pip install h5py), or convert them to .npz") from None
+        with h5py.File(f, "r") as h:
+            arrays = {k: h[k][()] for k in h.keys()}
+    missing = [k for k in KEYS if k not in arrays]
+    if missing:
+        raise UserError(f"{f}: missing MLPerf BERT fields {missing}; expected {list(KEYS)}")
+    return arrays
+
+
+def load_shards(path: str | os.PathLike[str]) -> list[BertSample]:
+    """Every sequence of every shard, unpadded to its real length, as :class:`BertSample` records."""
+    out: list[BertSample] = []
+    for f in shard_files(path):
+        a = _read(f)
+        lens = a["input_mask"].astype(bool).sum(1)
+        for i, n in enumerate(lens):
+            pos = a["masked_lm_positions"][i]
+            keep = pos > 0
+            out.append(BertSample(a["input_ids"][i, :n].astype(np.int32), a["segment_ids"][i, :n].astype(np.int32),
+                                  pos[keep].astype(np.int32), a["masked_lm_ids"][i][keep].astype(np.int32),
+                                  int(np.asarray(a["next_sentence_labels"][i]).reshape(-1)[0])))
+    return out
+
+
+def read_length_histogram(path: str | os.PathLike[str]) -> np.ndarray:
+    """A ``length count`` per line text histogram (comments with #) -> counts indexed by length."""
+    pairs = [tuple(int(x) for x in ln.split()[:2]) for ln in Path(path).read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    hist = np.zeros(max(k for k, _ in pairs) + 1, np.int64)
+    for k, c in pairs:
+        hist[k] = c
+    return hist
+
+
+def synthetic_samples(n: int, max_seq_len: int = 512, vocab_size: int = 30522, max_predictions: int = 76,
+                      seed: int = 0, length_hist: np.ndarray | None = None) -> list[BertSample]:
+    """Random-token samples (throughput runs): ids in [5, vocab), 15 % masked, random NSP labels.
+
+    ``max_predictions`` = 76 is MLPerf BERT's mask slots at 512 tokens.
+    """
+    if n < 1 or vocab_size <= 5:
+        raise UserError(f"synthetic BERT data needs n >= 1 and vocab_size > 5, got n={n}, vocab_size={vocab_size}")
+    rng = np.random.default_rng(seed)
+    if length_hist is None:
+        lens = np.full(n, max_seq_len)
+    else:
+        h = np.asarray(length_hist, float)[: max_seq_len + 1].copy()
+        h[:8] = 0  # [CLS] a [SEP] b [SEP] needs a few tokens
+        if h.sum() <= 0:
+            raise UserError("the length histogram has no sequences of length 8..max_seq_len")
+        lens = rng.choice(len(h), size=n, p=h / h.sum())
+    out = []
+    for L in lens:
+        L = int(L)
+        ids = rng.integers(5, vocab_size, L).astype(np.int32)
+        a = int(rng.integers(1, L - 3))
+        ids[0], ids[a + 1], ids[L - 1] = 2, 3, 3  # [CLS] A [SEP] B [SEP]
+        types = np.zeros(L, np.int32)
+        types[a + 2 :] = 1
+        cand = np.setdiff1d(np.arange(1, L - 1), [a + 1])
+        m = min(max_predictions, max(1, round(0.15 * L)), len(cand))
+        pos = np.sort(rng.choice(cand, m, replace=False)).astype(np.int32)
+        labels = ids[pos].copy()
+        ids[pos] = 4  # [MASK]
+        out.append(BertSample(ids, types, pos, labels, int(rng.integers(0, 2))))
+    return out

@@ -1,0 +1,31 @@
+"""Sequence packing without cross-contamination (Graphcore, arXiv 2107.02027; NVIDIA MLPerf v2.0 BERT).
+
+    h = load_histogram("../shared/data/wikipedia_seqlen_hist_512.txt", max_len=512)
+    s = pack_histogram(h, max_len=512, max_per_pack=3, algorithm="lphp")   # or spfhp, lpfhp, nnlshp, auto
+    s.efficiency, s.speedup, s.depth_histogram(), s.seconds
+    packed = assign_sequences(s, lengths, seed=0)                          # ids per pack
+
+The pieces live in ``packing_hist`` (histogram files), ``packing_strategy`` (the Strategy and its
+metrics), ``packing_algos`` (the algorithms) and ``packing_assign`` (sequences -> packs); the BERT
+batch layout of a pack is :mod:`scaleout.data.bert_batch`.
+"""
+
+from scaleout.data.packing_algos import ALGORITHMS, choose_auto, exact_fill_patterns, pack_histogram
+from scaleout.data.packing_assign import PackedSequences, assign_sequences
+from scaleout.data.packing_hist import format_histogram, histogram_from_lengths, load_histogram, parse_histogram
+from scaleout.data.packing_strategy import Strategy, speedup_ceiling
+
+__all__ = [
+    "ALGORITHMS",
+    "PackedSequences",
+    "Strategy",
+    "assign_sequences",
+    "choose_auto",
+    "exact_fill_patterns",
+    "format_histogram",
+    "histogram_from_lengths",
+    "load_histogram",
+    "pack_histogram",
+    "parse_histogram",
+    "speedup_ceiling",
+]

@@ -1,0 +1,1 @@
+"""Models: BERT for pre-training (:mod:`scaleout.models.bert`), ResNet (:mod:`scaleout.models.resnet`)."""

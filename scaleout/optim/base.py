@@ -1,0 +1,92 @@
+"""What LAMB, LARS and the sharded LAMB share: hyper-parameter checks, fp32 state, chunk planning."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from scaleout.errors import ConfigError
+from scaleout.optim.chunks import ChunkPlan, default_chunk, plan_chunks
+
+
+def check_hparams(where: str, **values: Any) -> None:
+    """Raise a one-line ConfigError for an impossible hyper-parameter, naming it and the expected range."""
+    for key, val in values.items():
+        if val is None:
+            continue
+        if key == "betas":
+            if len(val) != 2:
+                raise ConfigError(f"{where}: betas={val!r} must be a pair (beta1, beta2)")
+            for i, b in enumerate(val):
+                if not (isinstance(b, (int, float)) and 0.0 <= b < 1.0):
+                    raise ConfigError(f"{where}: betas[{i}]={b!r} must be in [0, 1)")
+            continue
+        if not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val):
+            raise ConfigError(f"{where}: {key}={val!r} must be a finite number")
+        if key in ("lr", "eps", "weight_decay", "end_lr") and val < 0:
+            raise ConfigError(f"{where}: {key}={val!r} must be >= 0")
+        if key == "momentum" and not 0.0 <= val < 1.0:
+            raise ConfigError(f"{where}: momentum={val!r} must be in [0, 1)")
+        if key in ("eta", "trust_clamp", "clip_grad_norm") and val <= 0:
+            raise ConfigError(f"{where}: {key}={val!r} must be > 0 (or unset)")
+
+
+def fp32_state_like(p: torch.Tensor) -> torch.Tensor:
+    """Optimizer state is fp32 whatever the parameter dtype (bf16 parameters keep fp32 moments)."""
+    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16, torch.float32) else p.dtype
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norms of the tensors as one fp32 vector (computed in fp32 for bf16 inputs)."""
+    if not tensors:
+        return torch.zeros(0)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+    return torch.stack(norms).square_()
+
+
+def scalars(values: torch.Tensor) -> list[Any]:
+    """Per-tensor scalars for a foreach op: Python floats on CPU (no sync to pay), 0-d tensors elsewhere
+    (no host sync; the foreach op then takes its per-tensor path)."""
+    return values.tolist() if values.device.type == "cpu" else list(values.unbind())
+
+
+class ChunkedOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer plus: fp32 state kept fp32 on load, and cached chunk plans per group."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any], chunk: int | None | str = "auto"):
+        if chunk != "auto" and chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"chunk={chunk!r} must be a positive number of elements, None or 'auto'")
+        self.chunk = chunk
+        self._plans: dict[tuple, ChunkPlan] = {}
+        super().__init__(params, defaults)
+
+    def plan(self, params: Sequence[torch.Tensor]) -> ChunkPlan:
+        chunk = default_chunk(params[0].device) if self.chunk == "auto" else self.chunk
+        numels = tuple(p.numel() for p in params)
+        split = tuple(p.is_contiguous() for p in params)
+        device = params[0].device
+        key = (chunk, numels, split, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_chunks(numels, chunk, split, device)
+        return plan
+
+    @staticmethod
+    def _process_value_according_to_param_policy(
+        param: torch.Tensor, value: torch.Tensor, param_id: int, param_groups: list[dict[Any, Any]], key: Hashable = None
+    ) -> torch.Tensor:
+        # torch casts floating state to the parameter dtype on load; our moments stay fp32 for bf16 params.
+        return value.to(device=param.device)
+
+    @staticmethod
+    def grads_of(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = [p for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        for p, g in zip(params, grads):
+            if g.is_sparse:
+                raise ConfigError(f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need dense gradients")
+        return params, grads

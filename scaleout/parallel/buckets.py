@@ -1,0 +1,113 @@
+"""Gradient buckets: fixed at wrap time, one flat contiguous buffer each, gradients as views into it.
+
+Assignment follows the DDP paper (Li et al., VLDB 2020, sec. 3.2.3): parameters are taken in
+*reverse* ``model.parameters()`` order, because backward produces gradients roughly from the last
+layer to the first, so the first bucket fills first and its all-reduce starts earliest. A bucket is
+closed once it holds at least ``cap_bytes`` (DDP's ``bucket_cap_mb`` semantics: a bucket may exceed
+the cap by one parameter; a parameter larger than the cap gets a bucket of its own). 25 MiB is the
+DDP paper's default (fig. 7: larger buckets amortise per-collective latency, smaller ones start
+communication earlier). Buckets never mix dtypes or devices: one buffer is one collective.
+
+Each parameter's ``.grad`` is made a view into its bucket (DDP's ``gradient_as_bucket_view``), so
+autograd accumulates straight into the buffer that is all-reduced: no copy in, no copy out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scaleout.errors import UserError
+
+MiB = 1 << 20
+
+
+@dataclass
+class Slot:
+    """Where one parameter's gradient lives: ``bucket.buffer[offset:offset + numel]``."""
+
+    index: int  # position in the wrapped module's parameter list (the registration order)
+    name: str
+    param: torch.nn.Parameter
+    bucket: int
+    offset: int
+    numel: int
+    view: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+@dataclass
+class Bucket:
+    index: int
+    buffer: torch.Tensor  # 1-D, contiguous, the parameters' dtype
+    slots: list[Slot]
+    extra: int = 0  # trailing elements after the gradients (the unused-parameter census, last bucket)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient part of the buffer (without the trailing census)."""
+        return self.buffer.narrow(0, 0, self.buffer.numel() - self.extra)
+
+
+def assign(sizes_bytes: list[int], keys: list[object], cap_bytes: int) -> list[list[int]]:
+    """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes``; never mix keys."""
+    if cap_bytes <= 0:
+        raise UserError(f"bucket size {cap_bytes} bytes: expected a positive bucket_mb")
+    out: list[list[int]] = []
+    open_: dict[object, tuple[list[int], int]] = {}
+    for i, (size, key) in enumerate(zip(sizes_bytes, keys, strict=True)):
+        members, total = open_.get(key, ([], 0))
+        members.append(i)
+        total += size
+        if total >= cap_bytes:
+            out.append(members)
+            open_.pop(key, None)
+        else:
+            open_[key] = (members, total)
+    out.extend(members for members, _ in open_.values())
+    # Buckets are launched in index order; order them by their first (= latest-layer) parameter.
+    out.sort(key=lambda b: b[0])
+    return out
+
+
+def build_buckets(
+    named_params: list[tuple[str, torch.nn.Parameter]], bucket_mb: float, census: int = 0
+) -> tuple[list[Bucket], list[Slot]]:
+    """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements are
+    appended to the last bucket (see :mod:`scaleout.parallel.reducer`)."""
+    if not bucket_mb or bucket_mb <= 0:
+        raise UserError(f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)")
+    params = [(i, n, p) for i, (n, p) in enumerate(named_params) if p.requires_grad]
+    if not params:
+        raise UserError("DataParallel: the model has no parameters that require gradients")
+    for _, n, p in params:
+        if not p.is_floating_point():
+            raise UserError(f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating point")
+    order = params[::-1]
+    groups = assign(
+        [p.numel() * p.element_size() for _, _, p in order],
+        [(p.dtype, p.device) for _, _, p in order],
+        int(bucket_mb * MiB),
+    )
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    for b, members in enumerate(groups):
+        first = order[members[0]][2]
+        extra = census if b == len(groups) - 1 else 0
+        total = sum(order[m][2].numel() for m in members)
+        buf = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
+        bucket_slots = []
+        off = 0
+        for m in members:
+            idx, name, p = order[m]
+            s = Slot(idx, name, p, b, off, p.numel())
+            s.view = buf.narrow(0, off, p.numel()).view(p.shape)
+            off += p.numel()
+            bucket_slots.append(s)
+        buckets.append(Bucket(b, buf, bucket_slots, extra))
+        slots.extend(bucket_slots)
+    return buckets, slots

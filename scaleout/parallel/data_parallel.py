@@ -1,0 +1,174 @@
+"""``DataParallel``: replicate a module on every rank and average its gradients with overlapped,
+bucketed all-reduce using any algorithm of :mod:`scaleout.comm`.
+
+    dp = scaleout.DataParallel(model, world, algorithm="hierarchical", bucket_mb=25, compression="bf16")
+    loss = loss_fn(dp(batch), target)
+    loss.backward()          # returns with gradients averaged over all ranks
+    optimizer.step()
+    dp.last_stats            # backward_s, exposed_s (blocked on communication), comm_s, bytes, ...
+
+Gradient accumulation: run all micro-steps but the last under ``with dp.no_sync():``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from scaleout.errors import UserError
+from scaleout.parallel.reducer import Reducer, compression_dtype
+from scaleout.parallel.timeline import Timeline
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the module's outputs whose backward marks the start of backward compute (for the
+    backward span and stats; DDP's ``_DDPSink`` plays the same role)."""
+
+    @staticmethod
+    def forward(ctx: Any, reducer: Reducer, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.reducer = reducer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        ctx.reducer.begin_backward()
+        return None, grad
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], world: Any) -> None:
+    """Make every rank's copy equal rank 0's: one broadcast per dtype/device of the flattened tensors."""
+    if world.world_size == 1 or not tensors:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        dist.broadcast(flat, src=0)
+        off = 0
+        with torch.no_grad():
+            for t in ts:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+def _resolve(algorithm: str, world: Any, options: dict[str, Any]) -> Any:
+    from scaleout.comm import all_reduce, get_algorithm
+
+    get_algorithm(algorithm)  # one-line UserError for an unknown name, now rather than inside backward
+
+    def reduce(buf: torch.Tensor) -> Any:
+        return all_reduce(buf, world, algorithm, op="sum", async_op=True, **options)
+
+    return reduce
+
+
+class DataParallel(torch.nn.Module):
+    """Data-parallel wrapper with overlapped bucketed gradient all-reduce.
+
+    Args:
+        module: the model (already on ``world.device``).
+        world: the :class:`scaleout.World`.
+        algorithm: all-reduce algorithm name from ``scaleout.comm.ALGORITHMS``
+            (``flat``, ``hierarchical``, ``torus2d``).
+        bucket_mb: bucket size in MiB (25: the DDP paper's default).
+        compression: ``None``/``'none'``, ``'bf16'`` or ``'fp16'``: the wire dtype of the buckets.
+        overlap: launch buckets during backward (True) or only after it (False: the no-overlap baseline).
+        allow_unused: parameters that get no gradient on any rank are an error naming them unless True
+            (then their gradient is zero and their names are in ``last_stats['unused']``).
+        timeline: path of a Chrome trace to collect; written by :meth:`write_timeline`.
+        **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        world: Any,
+        algorithm: str = "flat",
+        bucket_mb: float = 25.0,
+        compression: str | None = None,
+        *,
+        overlap: bool = True,
+        allow_unused: bool = False,
+        timeline: str | Path | None = None,
+        **algorithm_options: Any,
+    ):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise UserError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+        compression_dtype(compression)
+        self.module = module
+        self.world = world
+        self.algorithm = algorithm
+        self.bucket_mb = bucket_mb
+        self.compression = compression
+        reduce = _resolve(algorithm, world, algorithm_options)
+        broadcast_from_rank0([*module.parameters(), *module.buffers()], world)
+        self.timeline = Timeline(timeline, world.rank) if timeline else None
+        self.reducer = Reducer(
+            list(module.named_parameters()),
+            world,
+            reduce,
+            bucket_mb=bucket_mb,
+            compression=compression,
+            overlap=overlap,
+            allow_unused=allow_unused,
+            timeline=self.timeline,
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+
+        roots: list[torch.Tensor] = []
+
+        def mark(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                roots.append(x)
+                return _BackwardStart.apply(self.reducer, x)
+            return x
+
+        out = tree_map(mark, out)
+        if self.reducer.allow_unused and self.reducer.sync:
+            self.reducer.expect_unused(roots)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for the backward passes inside."""
+        prev = self.reducer.sync
+        self.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.reducer.sync = prev
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """Of the last synchronising backward: ``backward_s``, ``exposed_s`` (time blocked on
+        communication after backward), ``comm_s`` (first launch to last completion), ``bytes`` on the
+        wire per rank-buffer, ``buckets``, ``launch_order``, ``unused`` (parameter names)."""
+        return self.reducer.last_stats
+
+    def finish(self) -> dict[str, Any]:
+        """Kept for training loops that call it after backward: the wait already happened at the end of
+        backward (an autograd callback), so this only returns ``last_stats``."""
+        return self.reducer.last_stats
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[s.name for s in b.slots] for b in self.reducer.buckets]
+
+    def write_timeline(self) -> Path | None:
+        """Collective: rank 0 writes every rank's spans as one Chrome trace (returns its path)."""
+        if self.timeline is None:
+            raise UserError("write_timeline() needs DataParallel(..., timeline='trace.json')")
+        return self.timeline.write(self.world)

@@ -1,0 +1,278 @@
+"""The gradient reducer: launches each bucket's all-reduce during backward as soon as it is complete.
+
+Per synchronising backward:
+
+1. A post-accumulate-grad hook fires once per parameter after its ``.grad`` is final for this backward
+   (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). The gradient already lives in its
+   bucket (``.grad`` is a view, see :mod:`scaleout.parallel.buckets`); if the user replaced or cleared
+   ``.grad`` (``zero_grad(set_to_none=True)``), the fresh tensor is copied in and ``.grad`` re-pointed.
+2. When the last parameter of bucket b is ready, buckets are launched strictly in index order: bucket
+   b goes out only after every bucket < b, so all ranks issue the same collectives in the same order
+   even when their gradients become ready in different orders (c10d matches collectives by order).
+3. At the end of backward (an autograd-engine callback queued by the first hook, as DDP's reducer
+   does) parameters that got no gradient in this backward are marked ready with what their slot holds
+   (their accumulated gradient from ``no_sync`` micro-steps, or zeros), the remaining buckets are
+   launched, and the reducer waits for all of them, so ``loss.backward()`` returns with averaged
+   gradients. The wait is the *exposed* communication, reported in ``last_stats``.
+
+Averaging pre-divides by the world size before the sum (DDP's default hook does the same). With
+compression the pre-divided bucket is cast to bf16/fp16 for the wire and the result is cast back into
+the parameters' dtype: dividing *before* the cast is what keeps an fp16 sum of p gradients from
+overflowing (Horovod issue #326, PyTorch issue #57410: fp16 all-reduce of un-divided gradients hits
+inf at 65504).
+
+Unused parameters: the last bucket carries one extra element per parameter, 1/p if this rank gave the
+parameter a gradient since the last synchronisation, 0 otherwise. It is summed with the gradients (no
+extra collective), so every rank learns the same set of parameters that got no gradient on *any*
+rank, and every rank raises the same error naming them (unless ``allow_unused``): no rank is left
+waiting in a collective the others abandoned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from scaleout.errors import UserError
+from scaleout.parallel.buckets import Bucket, Slot, build_buckets
+from scaleout.parallel.timeline import Timeline, now_us
+
+COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compression_dtype(compression: Any) -> torch.dtype | None:
+    if compression in COMPRESSION:
+        return COMPRESSION[compression]
+    if compression in (torch.bfloat16, torch.float16):
+        return compression
+    raise UserError(f"compression={compression!r}: expected None, 'none', 'bf16' or 'fp16'")
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+class Reducer:
+    """Owns the buckets of one wrapped module and their in-flight all-reduces."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        world: Any,
+        all_reduce: Callable[[torch.Tensor], Any],
+        bucket_mb: float = 25.0,
+        compression: Any = None,
+        overlap: bool = True,
+        allow_unused: bool = False,
+        timeline: Timeline | None = None,
+    ):
+        self.world = world
+        self._all_reduce = all_reduce  # (buffer) -> handle with .future; sum over ranks, in place
+        self.comm_dtype = compression_dtype(compression)
+        self.overlap = overlap
+        self.allow_unused = allow_unused
+        self.timeline = timeline
+        n_grad = sum(1 for _, p in named_params if p.requires_grad)
+        self.buckets, self.slots = build_buckets(named_params, bucket_mb, census=n_grad)
+        self.slots.sort(key=lambda s: s.index)
+        self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
+        self.sync = True
+        self.never_used: set[str] | None = None  # names with no gradient on any rank in every step so far
+        self.last_stats: dict[str, Any] = {}
+        self.steps = 0
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in self.slots]
+        for s in self.slots:
+            s.param.grad = s.view
+        self._used = [False] * len(self.slots)  # got a gradient since the last synchronisation
+        self._reset_step()
+
+    # -- per-step state ---------------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self.slots)
+        self._pending = [len(b.slots) for b in self.buckets]
+        self._next = 0
+        self._handles: list[Any] = [None] * len(self.buckets)
+        self._comm_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._launch_us = [0.0] * len(self.buckets)
+        self._done_us = [0.0] * len(self.buckets)
+        self.launch_order: list[int] = []
+        self._in_backward = False
+        self._bwd_start_us = 0.0
+        self._unreached: set[int] | None = None  # slots no forward since the last backward reached
+
+    def expect_unused(self, outputs: list[torch.Tensor]) -> None:
+        """Find the parameters the autograd graph of ``outputs`` cannot reach, so that backward marks
+        them ready at its start instead of its end: otherwise their bucket, and every later bucket
+        (launch order is fixed), would wait for the end of backward. DDP's ``find_unused_parameters``
+        does the same traversal; it costs one walk over the graph per forward, so it only runs with
+        ``allow_unused=True``. Several forwards before one backward: only what none of them reached."""
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        reached: set[int] = set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        unreached = {k for k, s in enumerate(self.slots) if id(s.param) not in reached}
+        self._unreached = unreached if self._unreached is None else self._unreached & unreached
+
+    def begin_backward(self) -> None:
+        """Called once per backward (from the output marker or the first hook): queue the end callback."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._bwd_start_us = now_us()
+        Variable._execution_engine.queue_callback(self._end_backward)
+        if self.sync:
+            unreached, self._unreached = self._unreached or set(), None
+            for k in sorted(unreached):
+                if not self._ready[k]:
+                    self._adopt(self.slots[k])
+                    self._mark_ready(self.slots[k], k)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _hook_for(self, slot: Slot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self.begin_backward()
+            self._adopt(slot)
+            k = self._k[slot.index]
+            self._used[k] = True
+            if not self.sync:
+                return
+            if self._ready[k]:
+                self._reset_step()
+                raise UserError(
+                    f"parameter {slot.name!r} received a gradient twice in one synchronising backward "
+                    "(two backward passes per step or reentrant checkpointing): run all but the last under dp.no_sync()"
+                )
+            self._mark_ready(slot, k)
+
+        return hook
+
+    @staticmethod
+    def _adopt(slot: Slot) -> None:
+        """Make ``param.grad`` the bucket view again if the user cleared or replaced it."""
+        g = slot.param.grad
+        if _same_storage(g, slot.view):
+            return
+        if g is None:
+            slot.view.zero_()
+        else:
+            slot.view.copy_(g)
+        slot.param.grad = slot.view
+
+    def _mark_ready(self, slot: Slot, k: int) -> None:
+        self._ready[k] = True
+        self._pending[slot.bucket] -= 1
+        if self.overlap and self._pending[slot.bucket] == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        b = bucket.index
+        if bucket.extra:  # the census of parameters that got a gradient (see module docstring)
+            census = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
+            census.copy_(torch.tensor(self._used, dtype=census.dtype))
+        self._launch_us[b] = now_us()
+        self.launch_order.append(b)
+        buf = bucket.buffer
+        p = self.world.world_size
+        if self.comm_dtype is not None and self.comm_dtype != buf.dtype:
+            buf = buf.div(p).to(self.comm_dtype)  # pre-divide, then cast (Horovod #326, PyTorch #57410)
+            self._comm_bufs[b] = buf
+        elif p > 1:
+            buf.div_(p)
+        handle = self._all_reduce(buf)
+        self._handles[b] = handle
+        fut = getattr(handle, "future", None)
+        if fut is not None:
+            fut.add_done_callback(lambda _f, b=b: self._done_us.__setitem__(b, now_us()))
+
+    # -- end of backward --------------------------------------------------------------------------
+    def _end_backward(self) -> None:
+        end_us = now_us()
+        start_us = self._bwd_start_us
+        self._in_backward = False
+        if not self.sync:
+            self._span("backward (no_sync)", "backward", start_us, end_us)
+            return
+        for k, s in enumerate(self.slots):  # unused in this backward: ready with what the slot holds
+            if not self._ready[k]:
+                self._adopt(s)
+                self._ready[k] = True
+                self._pending[s.bucket] -= 1
+        self._launch_ready()
+        self.wait(start_us, end_us)
+
+    def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
+        """Wait for every bucket, write results back, check the census, record stats and the timeline."""
+        for b, bucket in enumerate(self.buckets):
+            self._handles[b].wait()
+            if not self._done_us[b]:
+                self._done_us[b] = now_us()
+            if self._comm_bufs[b] is not None:
+                bucket.buffer.copy_(self._comm_bufs[b])  # back into the parameters' dtype
+        done_us = now_us()
+        last = self.buckets[-1]
+        census = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
+        unused = [s.name for k, s in enumerate(self.slots) if census[k].item() == 0]
+        census.zero_()
+        self.never_used = set(unused) if self.never_used is None else self.never_used & set(unused)
+        self._record(start_us, end_us, done_us, unused)
+        self._used = [False] * len(self.slots)
+        self._reset_step()
+        if unused and not self.allow_unused:
+            raise UserError(
+                f"parameters received no gradient on any rank in step {self.steps}: {unused}; "
+                "pass allow_unused=True to DataParallel if that is expected (their gradients are zero)"
+            )
+        return self.last_stats
+
+    def _record(self, start_us: float, end_us: float, done_us: float, unused: list[str]) -> None:
+        self.steps += 1
+        first = min(self._launch_us)
+        wires = [cb if cb is not None else b.buffer for cb, b in zip(self._comm_bufs, self.buckets, strict=True)]
+        comm_bytes = sum(w.numel() * w.element_size() for w in wires)
+        self.last_stats = {
+            "step": self.steps,
+            "backward_s": (end_us - start_us) / 1e6,  # first gradient-producing op to end of backward
+            "exposed_s": (done_us - end_us) / 1e6,  # blocked on communication after backward
+            "comm_s": (max(self._done_us) - first) / 1e6,  # first launch to last completion
+            "bytes": comm_bytes,
+            "buckets": len(self.buckets),
+            "launch_order": list(self.launch_order),
+            "launch_s": [(t - start_us) / 1e6 for t in self._launch_us],
+            "done_s": [(t - start_us) / 1e6 for t in self._done_us],
+            "unused": unused,
+        }
+        if self.timeline is not None:
+            step = f"step {self.steps}"
+            self._span(f"backward {step}", "backward", start_us, end_us)
+            for b, bucket in enumerate(self.buckets):
+                self._span(
+                    f"bucket {b}", "comm", self._launch_us[b], self._done_us[b],
+                    step=self.steps, bytes=bucket.nbytes, params=len(bucket.slots),
+                )
+            self._span(f"wait {step}", "wait", end_us, done_us)
+
+    def _span(self, name: str, track: str, start_us: float, end_us: float, **args: Any) -> None:
+        if self.timeline is not None:
+            self.timeline.span(name, track, start_us, end_us, **args)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+

@@ -1,0 +1,19 @@
+"""Cost-model simulator: all-reduce algorithms and data-parallel training steps at thousands of GPUs.
+
+- :mod:`scaleout.sim.cluster`      link constants (alpha, beta, gamma), node shape, presets
+- :mod:`scaleout.sim.collectives`  ring / tree / hierarchical / 2D-torus all-reduce cost plans
+- :mod:`scaleout.sim.step`         bucketed, overlapped training step; scaling sweep; time to train
+- :mod:`scaleout.sim.calibrate`    fit the constants to ``scaleout bench allreduce`` JSON, held-out checks
+- :mod:`scaleout.sim.validate`     checks against published numbers (nccl-tests, MLPerf, Horovod)
+
+Pure Python + numpy; no torch import, so ``scaleout simulate`` is instant.
+"""
+
+from scaleout.sim.cluster import PRESETS, Cluster, Constants, get_cluster
+from scaleout.sim.collectives import ALGORITHMS, allreduce_cost
+from scaleout.sim.step import MODELS, ModelSpec, TrainSpec, get_model, step_time, sweep, time_to_train
+
+__all__ = [
+    "ALGORITHMS", "MODELS", "PRESETS", "Cluster", "Constants", "ModelSpec", "TrainSpec", "allreduce_cost",
+    "get_cluster", "get_model", "step_time", "sweep", "time_to_train",
+]

@@ -1,0 +1,211 @@
+"""Clusters for the cost model: link constants (alpha, beta, gamma) plus node shape, and presets.
+
+The model is the classic alpha-beta-gamma one (Hockney; Thakur, Rabenseifner & Gropp 2005, "Optimization
+of collective communication operations in MPICH"): a message of m bytes over a link costs
+``alpha + m * beta`` and reducing m bytes costs ``m * gamma``. We keep separate constants for the two
+kinds of link a data-parallel job sees, and one per-call overhead:
+
+    base         s      fixed cost of one collective call (kernel launch / gloo dispatch)
+    alpha_intra  s      per ring step between two ranks of one node (NVLink, loopback)
+    alpha_inter  s      per ring step that crosses nodes (NIC, switch, software stack)
+    beta_intra   s/B    per byte sent by one rank to a peer in its node (1 / achievable bandwidth)
+    beta_inter   s/B    per byte through ONE NIC (1 / achievable NIC bandwidth)
+    gamma        s/B    per byte reduced (CPU add for gloo; ~0 on GPUs, where NCCL fuses the add into the
+                        copy kernel and it hides under link time)
+
+``Constants`` is also the vector that calibration fits (same order as ``PARAMS``).
+
+Preset numbers and where they come from (every one is an assumption you can override on the CLI):
+- NVLink per-link *achievable* bandwidth is NCCL's own topology model (src/graph/topo.h): SM80_NVLINK_BW
+  = 20 GB/s of the nominal 25 GB/s (80 %), SM90_NVLINK_BW = 20.6 GB/s. A100 has 12 NVLink3 links
+  (600 GB/s bidirectional = 300 GB/s each way), H100/H200 18 NVLink4 links (900 GB/s bidirectional).
+- NIC achievable bandwidth: NCCL's NET_BW = 12 GB/s for a 100 Gbit/s NIC (12.5 GB/s nominal, 96 %).
+  DGX A100: 8 x HDR 200 Gb/s ConnectX-6 for compute; DGX H100 / H200: 8 x NDR 400 Gb/s ConnectX-7.
+- Latencies: NCCL's tuning model (src/graph/tuning.cc) for the Simple protocol ring: baseLat 8.4 us per
+  call, hwLat 3.4 us per NVLink step and 14 us per network step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from scaleout.errors import ConfigError
+
+PARAMS = ("base", "alpha_intra", "alpha_inter", "beta_intra", "beta_inter", "gamma")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Constants:
+    base: float = 0.0
+    alpha_intra: float = 0.0
+    alpha_inter: float = 0.0
+    beta_intra: float = 0.0
+    beta_inter: float = 0.0
+    gamma: float = 0.0
+
+    def vector(self) -> list[float]:
+        return [getattr(self, k) for k in PARAMS]
+
+    @classmethod
+    def from_vector(cls, values: Any) -> Constants:
+        return cls(**{k: float(v) for k, v in zip(PARAMS, values)})
+
+    def describe(self) -> dict[str, str]:
+        """Human units: microseconds and GB/s."""
+        bw = lambda beta: f"{1 / beta / GB:.3g} GB/s" if beta > 0 else "inf"  # noqa: E731
+        return {
+            "base": f"{self.base * 1e6:.3g} us",
+            "alpha_intra": f"{self.alpha_intra * 1e6:.3g} us",
+            "alpha_inter": f"{self.alpha_inter * 1e6:.3g} us",
+            "beta_intra": bw(self.beta_intra),
+            "beta_inter": bw(self.beta_inter) + " per NIC",
+            "gamma": bw(self.gamma) + " reduce" if self.gamma > 0 else "0 (hidden)",
+        }
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: peak dense half-precision FLOP/s and HBM bandwidth (for the optimizer step)."""
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-node shape and link constants; the number of nodes is chosen per query."""
+
+    name: str
+    gpus_per_node: int
+    nics_per_node: int
+    constants: Constants
+    # How many NICs one logical ring/tree can drive at once. NCCL splits a collective into channels, at
+    # least one per NIC on DGX systems, so it is nics_per_node; a gloo process drives one socket stream.
+    streams_per_ring: int = 1
+    device: Device | None = None
+    # "nccl": textbook primitives. "gloo": torch's CPU gloo path, measured on this machine (2 ranks,
+    # 8 MiB): reduce_scatter costs a full all_reduce (the whole input is all-reduced, then sliced),
+    # reduce ~ all_reduce, and all_gather into a list adds a copy of the whole output.
+    backend: str = "nccl"
+    description: str = ""
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+    def with_constants(self, **changes: float) -> Cluster:
+        return replace(self, constants=replace(self.constants, **changes))
+
+    def inter_streams(self, rings_crossing: int) -> int:
+        """NICs busy when ``rings_crossing`` rings leave a node at once (each driving streams_per_ring)."""
+        return max(1, min(self.nics_per_node, rings_crossing * self.streams_per_ring))
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["constants"] = self.constants.describe()
+        return d
+
+
+def _nvlink(links: int, per_link_gbs: float) -> float:
+    return 1.0 / (links * per_link_gbs * GB)
+
+
+def _nic(gbits: float, efficiency: float = 0.96) -> float:
+    return 1.0 / (gbits / 8 * efficiency * GB)
+
+
+_NCCL_LAT = dict(base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6)  # tuning.cc, ring / Simple protocol
+
+A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12)  # A100 datasheet: fp16/bf16 dense
+H100 = Device("H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12)  # H100 datasheet: bf16 dense
+H200 = Device("H200-SXM-141GB", peak_flops=989e12, mem_bw=4.8e12)  # same GH100 die, faster HBM3e
+V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12)
+
+PRESETS: dict[str, Cluster] = {
+    "dgx-a100": Cluster(
+        "dgx-a100", 8, 8,
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(12, 20.0), beta_inter=_nic(200)),
+        streams_per_ring=8, device=A100,
+        description="DGX A100 SuperPOD: 8 x A100, NVLink3 (12 links) via NVSwitch, 8 x HDR 200 Gb/s",
+        sources=("NCCL topo.h SM80_NVLINK_BW=20 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s",
+                 "NCCL tuning.cc ring Simple latencies"),
+    ),
+    "dgx-h100": Cluster(
+        "dgx-h100", 8, 8,
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400)),
+        streams_per_ring=8, device=H100,
+        description="DGX H100 SuperPOD: 8 x H100, NVLink4 (18 links) via NVSwitch, 8 x NDR 400 Gb/s",
+        sources=("NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s"),
+    ),
+    "h200-superpod": Cluster(
+        "h200-superpod", 8, 8,
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400)),
+        streams_per_ring=8, device=H200,
+        description="DGX H200 SuperPOD-like: 8 x H200, NVLink4 (900 GB/s bidir), 8 x NDR 400 Gb/s",
+        sources=("same fabric as DGX H100; H200 differs in HBM (141 GB, 4.8 TB/s)",),
+    ),
+    # The emulated cluster of /work/shared/notes/netns-cluster.md: ranks of one node talk over loopback
+    # (~33 Gbit/s), nodes over a tc-shaped 1 Gbit/s veth (Python sockets measured ~118 MB/s each way).
+    # alpha/gamma/base are rough starting values; `scaleout simulate calibrate` fits the real ones.
+    "netns-1g": Cluster(
+        "netns-1g", 2, 1,
+        Constants(base=100e-6, alpha_intra=30e-6, alpha_inter=120e-6, beta_intra=1 / 4.1e9,
+                  beta_inter=1 / 118e6, gamma=1 / 2.0e9),
+        streams_per_ring=1, device=None, backend="gloo",
+        description="emulated netns cluster: gloo on CPU, loopback inside a node, 1 Gbit/s between nodes",
+        sources=("/work/shared/notes/netns-cluster.md",),
+    ),
+    # A 2018 Horovod-era cluster for the issue #542 comparison (assumptions, see scaleout.sim.validate):
+    # 8 x V100 per node over NVLink (NCCL 2.2 era, ~ V100 NVLink 6 links x 20 GB/s), ONE 25 Gbit/s
+    # Ethernet/RoCE NIC per node, and a TCP-ish network step latency of 30 us.
+    "horovod-2018": Cluster(
+        "horovod-2018", 8, 1,
+        Constants(base=20e-6, alpha_intra=5e-6, alpha_inter=30e-6, beta_intra=_nvlink(6, 20.0),
+                  beta_inter=_nic(25, 0.9)),
+        streams_per_ring=1, device=V100,
+        description="2018 cluster: 8 x V100 NVLink per node, one 25 Gbit/s NIC per node, TCP/RoCE",
+        sources=("assumed; horovod issue #542 reports only the efficiencies",),
+    ),
+}
+
+
+def get_cluster(name: str) -> Cluster:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown cluster preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+
+
+def custom_cluster(
+    base: Cluster,
+    gpus_per_node: int | None = None,
+    nics_per_node: int | None = None,
+    intra_gbs: float | None = None,
+    inter_gbit: float | None = None,
+    intra_lat_us: float | None = None,
+    inter_lat_us: float | None = None,
+) -> Cluster:
+    """A preset with some facts replaced (CLI flags). Bandwidths are *achievable* values."""
+    for label, v in (("gpus per node", gpus_per_node), ("NICs per node", nics_per_node)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{label} must be >= 1, got {v}")
+    for label, v in (("intra bandwidth", intra_gbs), ("inter bandwidth", inter_gbit)):
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ConfigError(f"{label} must be a positive number, got {v}")
+    c = base.constants
+    c = replace(
+        c,
+        beta_intra=1 / (intra_gbs * GB) if intra_gbs else c.beta_intra,
+        beta_inter=1 / (inter_gbit / 8 * GB) if inter_gbit else c.beta_inter,
+        alpha_intra=intra_lat_us * 1e-6 if intra_lat_us is not None else c.alpha_intra,
+        alpha_inter=inter_lat_us * 1e-6 if inter_lat_us is not None else c.alpha_inter,
+    )
+    nics = nics_per_node or base.nics_per_node
+    return replace(
+        base,
+        gpus_per_node=gpus_per_node or base.gpus_per_node,
+        nics_per_node=nics,
+        streams_per_ring=nics if base.streams_per_ring > 1 else 1,
+        constants=c,
+    )

@@ -1,0 +1,131 @@
+"""Group batch norm on real gloo processes (2 emulated nodes x 2 ranks): exact equivalence with plain BN
+over the concatenated group batch (outputs, input/weight/bias gradients, running statistics), for
+k = 1, 2 (within a node) and 4 (across both nodes), plus a whole ResNet with bn_group = 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaleout.errors import TopologyError
+from scaleout.models.group_bn import GroupBatchNorm2d, bn_group_ranks, bn_process_group
+
+
+def _layer_case(world, k: int) -> dict:
+    torch.manual_seed(0)
+    per, c = 3, 5
+    x_all = torch.randn(per * world.world_size, c, 4, 4) * 3 + 1.5
+    dy_all = torch.randn_like(x_all)
+    w, b = torch.rand(c) + 0.5, torch.randn(c)
+    groups = bn_group_ranks(world.ranks_per_node, k)
+    mine = next(g for g in groups if world.rank in g)
+    pos = mine.index(world.rank)
+    rows = torch.cat([torch.arange(r * per, (r + 1) * per) for r in mine])  # the group's batch
+
+    gbn = GroupBatchNorm2d(c, group=bn_process_group(world, k), group_size=k)
+    ref = nn.BatchNorm2d(c)
+    for m in (gbn, ref):
+        m.weight.data.copy_(w)
+        m.bias.data.copy_(b)
+    out = {}
+    for it in range(2):  # two steps: running stats accumulate identically
+        x = x_all[world.rank * per : (world.rank + 1) * per].clone().requires_grad_(True) * (1 + it)
+        x.retain_grad()
+        y = gbn(x)
+        y.backward(dy_all[world.rank * per : (world.rank + 1) * per])
+        xr = (x_all[rows].clone() * (1 + it)).requires_grad_(True)
+        yr = ref(xr)
+        yr.backward(dy_all[rows])
+        sl = slice(pos * per, (pos + 1) * per)
+        gw, gb = gbn.weight.grad.clone(), gbn.bias.grad.clone()
+        # weight/bias grads are local sums: summed over the group they are plain BN's
+        group = bn_process_group(world, k)
+        if group is not None:
+            dist.all_reduce(gw, group=group)
+            dist.all_reduce(gb, group=group)
+        out[it] = {
+            "y": (y - yr[sl]).abs().max().item(),
+            "dx": (x.grad - xr.grad[sl]).abs().max().item(),
+            "dw": (gw - ref.weight.grad).abs().max().item(),
+            "db": (gb - ref.bias.grad).abs().max().item(),
+        }
+        for m in (gbn, ref):
+            m.weight.grad = m.bias.grad = None
+    out["rm"] = (gbn.running_mean - ref.running_mean).abs().max().item()
+    out["rv"] = (gbn.running_var - ref.running_var).abs().max().item()
+    out["running"] = (gbn.running_mean.clone(), gbn.running_var.clone())
+    out["group"] = mine
+    gbn.eval()
+    ref.eval()
+    out["eval"] = (gbn(x_all[:2]) - ref(x_all[:2])).abs().max().item()
+    return out
+
+
+def _resnet_case(world, k: int) -> dict:
+    from scaleout.config.schema import ResNetConfig
+    from scaleout.models.resnet import build_resnet
+
+    cfg = ResNetConfig(depth=18, width=4, num_classes=7, image_size=16, bn_group=k, zero_init_residual=False)
+    torch.manual_seed(1)
+    model = build_resnet(cfg, world)
+    torch.manual_seed(1)
+    plain = build_resnet(cfg.model_copy(update={"bn_group": 1}), None)
+    torch.manual_seed(2)
+    x_all = torch.randn(2 * world.world_size, 3, 16, 16)
+    groups = bn_group_ranks(world.ranks_per_node, k)
+    mine = next(g for g in groups if world.rank in g)
+    rows = torch.cat([torch.arange(r * 2, r * 2 + 2) for r in mine])
+    y = model(x_all[world.rank * 2 : world.rank * 2 + 2])
+    y.square().sum().backward()
+    yr = plain(x_all[rows])
+    yr.square().sum().backward()
+    pos = mine.index(world.rank)
+    err_grad = 0.0
+    group = bn_process_group(world, k)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        err_grad = max(err_grad, ((g - q.grad).abs().max() / (q.grad.abs().max() + 1e-12)).item())
+    return {"y": (y - yr[pos * 2 : pos * 2 + 2]).abs().max().item(), "grad_rel": err_grad}
+
+
+def _all_cases(world) -> dict:
+    return {"layer": {k: _layer_case(world, k) for k in (1, 2, 4)}, "resnet": _resnet_case(world, 2)}
+
+
+def test_group_bn_matches_plain_bn_over_group_batch():
+    from tests.distutil import run_dist
+
+    results = run_dist(_all_cases, nnodes=2, nproc_per_node=2)
+    for rank, res in enumerate(results):
+        for k, case in res["layer"].items():
+            for it in (0, 1):
+                for name, err in case[it].items():
+                    assert err < 1e-5, (rank, k, it, name, err)
+            assert case["rm"] < 1e-5 and case["rv"] < 1e-5, (rank, k)
+            assert case["eval"] < 1e-5
+        assert res["resnet"]["y"] < 1e-4, res["resnet"]
+        assert res["resnet"]["grad_rel"] < 1e-4, res["resnet"]
+    # groups within a node first, then across nodes; running stats identical inside each group
+    assert results[0]["layer"][2]["group"] == [0, 1] and results[2]["layer"][2]["group"] == [2, 3]
+    assert results[0]["layer"][4]["group"] == [0, 1, 2, 3]
+    for k in (2, 4):
+        for r in range(4):
+            g0 = results[r]["layer"][k]["group"][0]
+            for a, b in zip(results[r]["layer"][k]["running"], results[g0]["layer"][k]["running"], strict=True):
+                assert torch.equal(a, b), (k, r)
+    # and different groups see different data, so k = 2 statistics differ between groups
+    assert not torch.equal(results[0]["layer"][2]["running"][0], results[2]["layer"][2]["running"][0])
+
+
+def test_bn_group_partition_rules():
+    nodes = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert bn_group_ranks(nodes, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert bn_group_ranks(nodes, 8) == [list(range(8))]
+    assert bn_group_ranks([[0, 1], [2, 3], [4, 5], [6, 7]], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(TopologyError, match="bn_group=3"):
+        bn_group_ranks(nodes, 3)
+    with pytest.raises(TopologyError, match="bn_group=6"):
+        bn_group_ranks([[0, 1, 2, 3]] * 3, 6)
