@@ -180,3 +180,46 @@ def test_sharded_sampler_covers_disjointly_and_resumes():
         ShardedSampler(N, 10, 0, 4)
     with pytest.raises(UserError, match="rank 4"):
         ShardedSampler(N, 8, 4, 4)
+
+
+def test_records_feed_the_packed_batch_builder(data):
+    from scaleout.data.bert_batch import IGNORE_INDEX, build_batch
+    from scaleout.data.bert_sources import to_bert_sequences
+
+    d, _ = data
+    short = [s for s in d.train if len(s) <= 30][:3]
+    seqs = to_bert_sequences(short)
+    batch = build_batch(seqs, [[0, 1, 2]], max_len=sum(len(s) for s in short))
+    row = batch["input_ids"][0].numpy()
+    start = 0
+    for j, s in enumerate(short):
+        assert np.array_equal(row[start : start + len(s)], s.input_ids)
+        assert batch["nsp_labels"][0, j].item() == 1 - s.nsp_label  # bert_batch: 1 = is-next
+        start += len(s)
+    labels = batch["mlm_labels"][0]
+    got = labels[labels != IGNORE_INDEX].numpy()
+    assert np.array_equal(got, np.concatenate([s.masked_labels for s in short]))
+
+
+def test_load_bert_data_from_config(tmp_path):
+    from scaleout.config.schema import Config
+    from scaleout.data.bert_sources import load_bert_data
+    from scaleout.data.pretrain import to_padded
+
+    cfg = Config.model_validate({"data": {"source": "synthetic", "max_seq_len": 32, "max_predictions": 5,
+                                          "eval_samples": 16},
+                                 "model": {"bert": {"vocab_size": 100, "max_position": 32}},
+                                 "train": {"global_batch": 8, "max_steps": 4}})
+    syn = load_bert_data(cfg)
+    assert len(syn.train) == 32 and len(syn.eval) == 16 and syn.info["lengths"]["mean"] == 32
+    rows = [to_padded(s, 32, 5) for s in syn.train]
+    for split, part in (("train", rows[:24]), ("eval", rows[24:])):
+        (tmp_path / split).mkdir()
+        np.savez(tmp_path / split / "a.npz", **{k: np.stack([r[k] for r in part]) for k in part[0]})
+    wiki = load_bert_data(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"source": "wikipedia", "path": str(tmp_path)})}))
+    assert len(wiki.train) == 24 and len(wiki.eval) == 8
+    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "wikipedia", "path": str(tmp_path),
+                                                                      "max_seq_len": 16})})
+    with pytest.raises(ConfigError, match="max_seq_len=16"):
+        load_bert_data(small)

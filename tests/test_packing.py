@@ -75,9 +75,9 @@ def test_strategies_reproduce_random_histograms(algorithm):
 def test_lphp_not_worse_than_baselines_on_skewed_histograms():
     """Ours vs the published ones on BERT-like shapes (many short + a spike at max_len)."""
     rng = np.random.default_rng(3)
-    for max_len in (128, 256):
-        lengths = np.clip(rng.gamma(2.0, max_len / 6, size=200_000).astype(int) + 1, 1, max_len)
-        lengths[: 40_000] = max_len
+    for max_len in (64, 128):
+        lengths = np.clip(rng.gamma(2.0, max_len / 6, size=100_000).astype(int) + 1, 1, max_len)
+        lengths[: 20_000] = max_len
         h = histogram_from_lengths(lengths, max_len)
         ours = pack_histogram(h, max_len, 3, "lphp").efficiency
         for base in ("spfhp", "lpfhp", "nnlshp"):
@@ -92,7 +92,7 @@ def test_assignment_exactly_once_and_deterministic():
     a = assign_sequences(s, lengths, seed=5, ids=ids)
     flat = np.concatenate([np.array(p) for p in a.packs()])
     assert sorted(flat.tolist()) == sorted(ids.tolist())  # every sequence exactly once
-    length_of = dict(zip(ids.tolist(), lengths.tolist()))
+    length_of = dict(zip(ids.tolist(), lengths.tolist(), strict=True))
     got: dict[tuple, int] = {}
     for p in a.packs():
         key = tuple(sorted((length_of[i] for i in p), reverse=True))
@@ -132,7 +132,7 @@ def test_bad_histogram_text(text, max_len, match):
 
 
 def test_bad_arguments():
-    h = histogram_from_lengths([3, 4], 8)
+    h = histogram_from_lengths([3, 7], 8)
     with pytest.raises(UserError, match="max_per_pack=0"):
         pack_histogram(h, 8, 0)
     with pytest.raises(UserError, match="'magic' is not one of"):
@@ -157,7 +157,9 @@ def test_cli_pack(tmp_path, capsys):
         assert name in table
     data = json.loads(out.read_text())
     s = Strategy.from_json(data)
-    assert np.array_equal(s.histogram(), h) and data["algorithm"] == "lphp"  # best one written
+    assert np.array_equal(s.histogram(), h)
+    assert data["efficiency"] == max(c["efficiency"] for c in data["compared"])  # the best one is written
+    assert {c["algorithm"] for c in data["compared"]} == {"spfhp", "lpfhp", "lphp"}
     # a dataset of lengths: packed data (ids per pack) is written too
     lens = tmp_path / "lengths.txt"
     lens.write_text("\n".join(map(str, lengths)))

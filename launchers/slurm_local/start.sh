@@ -75,6 +75,11 @@ render() {
 }
 render "$HERE/slurm.conf.in" "$S/etc/slurm.conf"
 render "$HERE/slurmdbd.conf.in" "$S/etc/slurmdbd.conf"
+render "$HERE/gres.conf.in" "$S/etc/gres.conf"
+mkdir -p "$S/dev"
+for i in 0 1 2 3 4 5 6 7; do
+  [ -c "$S/dev/gpu$i" ] || mknod "$S/dev/gpu$i" c 1 3 || { echo "start.sh: mknod $S/dev/gpu$i failed (emulated GPUs need it)" >&2; exit 1; }
+done
 chmod 600 "$S/etc/slurmdbd.conf"   # slurmdbd reads dirname($SLURM_CONF)/slurmdbd.conf and wants 0600
 
 fail() { echo "start.sh: $1" >&2; for l in "$S"/log/*; do echo "--- $l"; tail -n 5 "$l"; done >&2; exit 1; }
@@ -110,7 +115,14 @@ fi
 
 alive "$S/run/slurmctld.pid" || slurmctld -f "$SLURM_CONF" 9>&-
 for n in $NODES; do alive "$S/run/slurmd-$n.pid" || slurmd -f "$SLURM_CONF" -N "$n" 9>&-; done
-# After a (re)start the nodes are "unk" for a moment; jobs submitted then wait. Max 30 s.
-for _ in $(seq 150); do all_idle && break; sleep 0.2; done
+# After a (re)start the nodes are "unk" for a moment; jobs submitted then wait. Max 30 s. Nodes drained in
+# saved state (e.g. by an earlier config) are resumed once.
+for i in $(seq 150); do
+  all_idle && break
+  if [ "$i" = 15 ] && sinfo -h -o '%T' 2>/dev/null | grep -qE 'drain|down|inval'; then
+    scontrol update nodename=n[1-4] state=resume >/dev/null 2>&1 || true
+  fi
+  sleep 0.2
+done
 all_idle || fail "nodes not idle after 30 s: $(sinfo -h -N -o '%N=%T' 2>&1 | tr '\n' ' ')"
 echo "start.sh: up: 4 nodes idle (SLURM_CONF=$SLURM_CONF)"

@@ -320,7 +320,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: di
     path = write_json(args.out or None, {
         "bench": NAME, "rows": rows, "group_creation": {**group_cost, "ratio_groups_to_init": ratio},
         "world": {"world_size": world.world_size, "nnodes": world.num_nodes, "nproc_per_node": world.local_size, "backend": world.backend},
-        "link_rate_bytes_per_s": link_bps, "command": " ".join(sys.argv),
+        "link_rate_bytes_per_s": link_bps, "command": "scaleout " + " ".join(sys.argv[1:]),
+        "netns": os.environ.get("SCALEOUT_NETNS"), "tc_rate_bps": os.environ.get("SCALEOUT_LINK_RATE_BPS"),
     })
     if path:
         print(f"wrote {path}")

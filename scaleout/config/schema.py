@@ -59,7 +59,7 @@ class DataConfig(_Section):
     source: Literal["synthetic", "pydoc", "wikipedia", "imagenet"] = "synthetic"
     path: str | None = None
     max_seq_len: int = Field(512, ge=8)
-    packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "auto"] = "none"
+    packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
     max_per_pack: int = Field(3, ge=1)
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0)
     # Mask slots per sequence (20 at 128 tokens as in Google's BERT; MLPerf uses 76 at 512).
@@ -89,6 +89,8 @@ class OptimConfig(_Section):
     total_steps: int | None = Field(None, ge=1)
     power: float = Field(1.0, ge=0.0)
     end_lr: float = Field(0.0, ge=0.0)
+    # Polynomial decay counted from the end of warmup (MLPerf ResNet) or from step 0 (MLPerf BERT).
+    decay_from: Literal["warmup", "start"] = "warmup"
     sharded: bool = False
 
     @model_validator(mode="after")

@@ -119,3 +119,60 @@ def synthetic_samples(n: int, max_seq_len: int = 512, vocab_size: int = 30522, m
         ids[pos] = 4  # [MASK]
         out.append(BertSample(ids, types, pos, labels, int(rng.integers(0, 2))))
     return out
+
+
+def to_bert_sequences(samples: list[BertSample]) -> list:
+    """Records -> :class:`scaleout.data.bert_batch.BertSequence` for ``build_batch`` (packed or padded).
+
+    NSP convention: our records (like Google's and MLPerf's data) use 1 = *random* next; bert_batch uses
+    1 = *is* next, so the label is flipped here, in the one place the two meet.
+    """
+    from scaleout.data.bert_batch import BertSequence
+
+    return [BertSequence(s.input_ids.tolist(), s.token_type_ids.tolist(), s.masked_positions.tolist(),
+                         s.masked_labels.tolist(), 1 - int(s.nsp_label)) for s in samples]
+
+
+def load_bert_data(cfg, cache: str | None = None):
+    """Train/eval records for ``cfg.data.source`` (pydoc, wikipedia or synthetic) as a PretrainData.
+
+    wikipedia: ``data.path`` holds ``train/`` and ``eval/`` folders of shards (MLPerf ships its 10k
+    evaluation sequences separately); a path without them is all training data and the first
+    ``data.eval_samples`` sequences are held out.
+    """
+    from scaleout.data.pretrain import PretrainData, build_pretraining_data, length_stats, mlm_baselines
+    from scaleout.errors import ConfigError
+
+    d, b = cfg.data, cfg.model.bert
+    if d.source == "pydoc":
+        data = build_pretraining_data(vocab_size=b.vocab_size, max_seq_len=d.max_seq_len,
+                                      max_predictions=d.max_predictions, mask_prob=d.mask_prob,
+                                      dupe_factor=d.dupe_factor, seed=d.seed, cache=cache)
+        if len(data.tokenizer) != b.vocab_size:
+            raise ConfigError(f"model.bert.vocab_size={b.vocab_size}: the corpus only yields a "
+                              f"{len(data.tokenizer)}-token WordPiece vocabulary; use at most that")
+        return data
+    if d.source == "wikipedia":
+        if not d.path:
+            raise ConfigError("data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)")
+        root = Path(d.path)
+        if (root / "train").is_dir() and (root / "eval").is_dir():
+            train, ev = load_shards(root / "train"), load_shards(root / "eval")
+        else:
+            everything = load_shards(root)
+            ev, train = everything[: d.eval_samples], everything[d.eval_samples :]
+        tok = None
+    elif d.source == "synthetic":
+        n = min(cfg.train.global_batch * cfg.train.max_steps, 65536)
+        train = synthetic_samples(n, d.max_seq_len, b.vocab_size, d.max_predictions, seed=d.seed)
+        ev = synthetic_samples(d.eval_samples, d.max_seq_len, b.vocab_size, d.max_predictions, seed=d.seed + 1)
+        tok = None
+    else:
+        raise ConfigError(f"data.source={d.source} is not a BERT source; expected pydoc, wikipedia or synthetic")
+    too_long = max(len(s) for s in train + ev)
+    if too_long > d.max_seq_len:
+        raise ConfigError(f"data.max_seq_len={d.max_seq_len} but the data has sequences of {too_long} tokens")
+    info = {"train_samples": len(train), "eval_samples": len(ev),
+            "lengths": {k: v for k, v in length_stats(train, d.max_seq_len).items() if k != "histogram"},
+            "eval_baselines": mlm_baselines(ev)}
+    return PretrainData(tok, train, ev, info)

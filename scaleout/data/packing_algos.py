@@ -93,12 +93,13 @@ def _greedy(h: np.ndarray, max_len: int, k: int, worst_fit: bool, distribute: bo
     return done
 
 
-def exact_fill_patterns(h: np.ndarray, max_len: int, depth: int, balanced: bool = False) -> list[Pack]:
-    """Every pack of <= depth present lengths summing to exactly max_len (plus singletons for all present
-    lengths, so that any histogram can be covered). ``balanced`` keeps only packs whose shortest
-    sequence is at least half the second shortest (see ``lphp``)."""
+def exact_fill_patterns(h: np.ndarray, max_len: int, depth: int, balanced: bool = False,
+                        singletons: bool = True) -> list[Pack]:
+    """Every pack of <= depth present lengths summing to exactly max_len, plus (``singletons``) a pack of
+    one for every present length, so that any histogram can be covered. ``balanced`` keeps only packs
+    whose shortest sequence is at least half the second shortest (see ``lphp``)."""
     present = set(np.nonzero(h)[0].tolist())
-    pats: list[Pack] = [(int(x),) for x in sorted(present)]
+    pats: list[Pack] = [(int(x),) for x in sorted(present) if singletons or x == max_len]
 
     def extend(prefix: Pack, room: int, largest: int, left: int) -> None:
         if room == 0:
@@ -143,13 +144,14 @@ def lpfhp(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
 def nnlshp(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
     from scipy.optimize import nnls
 
-    pats = exact_fill_patterns(h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH))
-    a = _matrix(pats, max_len).toarray()[1:]
+    pats = exact_fill_patterns(h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False)
     w = np.ones(max_len)
     w[:NNLS_SHORT_CUTOFF] = NNLS_SHORT_WEIGHT
-    x, _ = nnls(w[:, None] * a, w * h[1:].astype(float), maxiter=50 * len(pats))
+    x = np.zeros(0)
+    if pats:
+        x, _ = nnls(w[:, None] * _matrix(pats, max_len).toarray()[1:], w * h[1:].astype(float))
     packs: dict[Pack, int] = {}
-    for p, n in zip(pats, np.rint(x).astype(np.int64)):
+    for p, n in zip(pats, np.rint(x).astype(np.int64), strict=False):
         add_pack(packs, p, int(n))
     # the paper's residual handling: each under-covered length l gets packs (l, max_len - l), whose
     # second slot is padding unless that length is under-covered too

@@ -290,3 +290,43 @@ def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:
                                    mpos[moff[i]:moff[i + 1]], mlab[moff[i]:moff[i + 1]], int(nsp[i]))
                         for i in range(len(nsp))])
     return out[0], out[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m scaleout.data.pretrain [--vocab-size N --max-seq-len L ...]``: build (or load) and describe."""
+    import argparse
+    import time
+
+    from scaleout.bench.common import format_table
+
+    p = argparse.ArgumentParser(prog="python3 -m scaleout.data.pretrain", description=main.__doc__)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--max-predictions", type=int, default=20)
+    p.add_argument("--dupe-factor", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    d = build_pretraining_data(a.vocab_size, a.max_seq_len, a.max_predictions, dupe_factor=a.dupe_factor, seed=a.seed)
+    took = time.perf_counter() - t0
+    lens, base = d.info["lengths"], d.info["eval_baselines"]
+    rows = [
+        ["python", sys.version.split()[0]],
+        ["vocabulary (WordPiece)", len(d.tokenizer)],
+        ["train / eval sequences", f"{len(d.train)} / {len(d.eval)}"],
+        ["mean length / max", f"{lens['mean']:.1f} / {a.max_seq_len}"],
+        ["median, p90 length", f"{lens['p50']:.0f}, {lens['p90']:.0f}"],
+        ["full-length fraction", f"{lens['full_length_fraction']:.3f}"],
+        ["padding efficiency (padded batches)", f"{lens['padding_efficiency']:.3f}"],
+        ["eval masked positions", base["masked_positions"]],
+        ["MLM baseline: most frequent token", f"{base['most_frequent']:.4f} ('{d.tokenizer.vocab[base['most_frequent_token']]}')"],
+        ["MLM baseline: copy the input token", f"{base['copy_input']:.4f}"],
+        ["build or load time", f"{took:.1f} s"],
+        ["cache", d.info["cache"]],
+    ]
+    print(format_table(["corpus", "value"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

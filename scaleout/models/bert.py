@@ -92,10 +92,10 @@ def varlen_available(x: torch.Tensor) -> bool:
 
 def cu_seqlens(seq_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(flat indices of real tokens, cumulative sequence starts int32 [N+1], longest sequence)."""
-    b, l = seq_ids.shape
+    b, n = seq_ids.shape
     flat = seq_ids.reshape(-1)
     idx = torch.nonzero(flat > 0).squeeze(1)
-    key = (idx // l) * (int(seq_ids.max()) + 1) + flat[idx]  # (row, seq) -> one id; sequences are contiguous
+    key = (idx // n) * (int(seq_ids.max()) + 1) + flat[idx]  # (row, seq) -> one id; sequences are contiguous
     starts = torch.nonzero(key[1:] != key[:-1]).squeeze(1) + 1
     zero = torch.zeros(1, dtype=starts.dtype, device=starts.device)
     end = torch.full((1,), idx.numel(), dtype=starts.dtype, device=starts.device)
@@ -112,20 +112,20 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None) -> torch.Tensor:
-        b, l, h = x.shape
-        q, k, v = self.qkv(x).view(b, l, 3, self.heads, self.head_dim).unbind(2)
+        b, n, h = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(2)
         if varlen is not None:
             from torch.nn.attention.varlen import varlen_attn
 
             idx, cu, longest = varlen
-            sel = lambda t: t.reshape(b * l, self.heads, self.head_dim)[idx]  # noqa: E731
+            sel = lambda t: t.reshape(b * n, self.heads, self.head_dim)[idx]  # noqa: E731
             o = varlen_attn(sel(q), sel(k), sel(v), cu, cu, longest, longest)
-            ctx = x.new_zeros(b * l, self.heads, self.head_dim).index_copy(0, idx, o.to(x.dtype)).view(b, l, h)
+            ctx = x.new_zeros(b * n, self.heads, self.head_dim).index_copy(0, idx, o.to(x.dtype)).view(b, n, h)
         else:
             p = self.dropout if self.training else 0.0
             ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=mask, dropout_p=p)
-            ctx = ctx.transpose(1, 2).reshape(b, l, h)
+            ctx = ctx.transpose(1, 2).reshape(b, n, h)
         return self.out(ctx)
 
 
@@ -193,16 +193,16 @@ class BertForPreTraining(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> BertOutput:
         hidden = self.encode(batch)
-        b, l, h = hidden.shape
+        b, n, h = hidden.shape
         labels = batch["mlm_labels"]
         valid = labels != IGNORE_INDEX
         rows = torch.arange(b, device=hidden.device)[:, None].expand_as(labels)
-        flat_pos = (rows * l + batch["mlm_positions"])[valid]  # row-major valid masked positions
+        flat_pos = (rows * n + batch["mlm_positions"])[valid]  # row-major valid masked positions
         target = labels[valid]
         if self.cfg.unpad_mlm_head:
-            logits = self.mlm_logits(hidden.reshape(b * l, h).index_select(0, flat_pos))
+            logits = self.mlm_logits(hidden.reshape(b * n, h).index_select(0, flat_pos))
         else:
-            logits = self.mlm_logits(hidden).reshape(b * l, -1).index_select(0, flat_pos)
+            logits = self.mlm_logits(hidden).reshape(b * n, -1).index_select(0, flat_pos)
         zero = hidden.sum() * 0.0  # a graph-connected 0 for batches without labels
         mlm_loss = F.cross_entropy(logits.float(), target) if target.numel() else zero
         nsp_valid = batch["nsp_labels"] != IGNORE_INDEX

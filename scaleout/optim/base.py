@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -75,18 +75,35 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             plan = self._plans[key] = plan_chunks(numels, chunk, split, device)
         return plan
 
-    @staticmethod
-    def _process_value_according_to_param_policy(
-        param: torch.Tensor, value: torch.Tensor, param_id: int, param_groups: list[dict[Any, Any]], key: Hashable = None
-    ) -> torch.Tensor:
-        # torch casts floating state to the parameter dtype on load; our moments stay fp32 for bf16 params.
-        return value.to(device=param.device)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter dtype on load; our moments stay fp32 for bf16 params,
+        # so put the saved tensors back at their own dtype (once per load, not in the step).
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     @staticmethod
     def grads_of(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         params = [p for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             if g.is_sparse:
                 raise ConfigError(f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need dense gradients")
         return params, grads
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensor state an optimizer holds on this rank (any torch optimizer, or ShardedLAMB)."""
+    own = getattr(optimizer, "state_bytes", None)
+    if callable(own):
+        return int(own())
+    return sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )

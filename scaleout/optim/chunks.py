@@ -109,7 +109,7 @@ def pieces(tensors: Sequence[torch.Tensor], plan: ChunkPlan) -> list[list[torch.
     contiguous copy of a read-only input such as a non-contiguous gradient.
     """
     flat: list[torch.Tensor] = []
-    for t, sz in zip(tensors, plan.sizes):
+    for t, sz in zip(tensors, plan.sizes, strict=True):
         if len(sz) == 1:
             flat.append(t)
         else:

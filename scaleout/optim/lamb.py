@@ -206,7 +206,7 @@ class LAMB(ChunkedOptimizer):
 
     def _moments(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         states = [self.state[p] for p in params]
-        for p, s in zip(params, states):
+        for p, s in zip(params, states, strict=True):
             if not s:
                 s["exp_avg"] = fp32_state_like(p)
                 s["exp_avg_sq"] = fp32_state_like(p)

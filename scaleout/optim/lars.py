@@ -117,7 +117,7 @@ class LARS(ChunkedOptimizer):
 
     def _buffers(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         states = [self.state[p] for p in params]
-        for p, s in zip(params, states):
+        for p, s in zip(params, states, strict=True):
             if not s:
                 s["momentum_buffer"] = fp32_state_like(p)
         return [s["momentum_buffer"] for s in states]

@@ -53,19 +53,23 @@ class Bucket:
         return self.buffer.narrow(0, 0, self.buffer.numel() - self.extra)
 
 
-def assign(sizes_bytes: list[int], keys: list[object], cap_bytes: int) -> list[list[int]]:
-    """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes``; never mix keys."""
+def assign(sizes_bytes: list[int], keys: list[object], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes`` (the first bucket
+    of each key: ``first_cap_bytes``); never mix keys."""
     if cap_bytes <= 0:
         raise UserError(f"bucket size {cap_bytes} bytes: expected a positive bucket_mb")
     out: list[list[int]] = []
     open_: dict[object, tuple[list[int], int]] = {}
+    closed: set[object] = set()
     for i, (size, key) in enumerate(zip(sizes_bytes, keys, strict=True)):
         members, total = open_.get(key, ([], 0))
         members.append(i)
         total += size
-        if total >= cap_bytes:
+        cap = cap_bytes if key in closed or first_cap_bytes is None else first_cap_bytes
+        if total >= cap:
             out.append(members)
             open_.pop(key, None)
+            closed.add(key)
         else:
             open_[key] = (members, total)
     out.extend(members for members, _ in open_.values())
@@ -75,12 +79,19 @@ def assign(sizes_bytes: list[int], keys: list[object], cap_bytes: int) -> list[l
 
 
 def build_buckets(
-    named_params: list[tuple[str, torch.nn.Parameter]], bucket_mb: float, census: int = 0
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    bucket_mb: float,
+    census: int = 0,
+    first_bucket_mb: float | None = None,
 ) -> tuple[list[Bucket], list[Slot]]:
     """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements are
-    appended to the last bucket (see :mod:`scaleout.parallel.reducer`)."""
-    if not bucket_mb or bucket_mb <= 0:
+    appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb`` caps the
+    first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, so that the
+    first all-reduce starts after the last layer's gradients instead of after 25 MiB of them)."""
+    if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise UserError(f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)")
+    if first_bucket_mb is not None and (not isinstance(first_bucket_mb, (int, float)) or first_bucket_mb <= 0):
+        raise UserError(f"first_bucket_mb={first_bucket_mb!r}: expected a positive number of MiB or None")
     params = [(i, n, p) for i, (n, p) in enumerate(named_params) if p.requires_grad]
     if not params:
         raise UserError("DataParallel: the model has no parameters that require gradients")
@@ -91,7 +102,8 @@ def build_buckets(
     groups = assign(
         [p.numel() * p.element_size() for _, _, p in order],
         [(p.dtype, p.device) for _, _, p in order],
-        int(bucket_mb * MiB),
+        max(1, int(bucket_mb * MiB)),
+        max(1, int(first_bucket_mb * MiB)) if first_bucket_mb is not None else None,
     )
     buckets: list[Bucket] = []
     slots: list[Slot] = []

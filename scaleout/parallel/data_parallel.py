@@ -83,6 +83,8 @@ class DataParallel(torch.nn.Module):
         allow_unused: parameters that get no gradient on any rank are an error naming them unless True
             (then their gradient is zero and their names are in ``last_stats['unused']``).
         timeline: path of a Chrome trace to collect; written by :meth:`write_timeline`.
+        first_bucket_mb: a separate (smaller) cap for the first bucket, so communication starts right
+            after the last layers' gradients (torch DDP: 1 MiB); None = ``bucket_mb``.
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
 
@@ -97,6 +99,7 @@ class DataParallel(torch.nn.Module):
         overlap: bool = True,
         allow_unused: bool = False,
         timeline: str | Path | None = None,
+        first_bucket_mb: float | None = None,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -120,6 +123,7 @@ class DataParallel(torch.nn.Module):
             overlap=overlap,
             allow_unused=allow_unused,
             timeline=self.timeline,
+            first_bucket_mb=first_bucket_mb,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

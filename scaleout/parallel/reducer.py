@@ -68,6 +68,7 @@ class Reducer:
         overlap: bool = True,
         allow_unused: bool = False,
         timeline: Timeline | None = None,
+        first_bucket_mb: float | None = None,
     ):
         self.world = world
         self._all_reduce = all_reduce  # (buffer) -> handle with .future; sum over ranks, in place
@@ -76,7 +77,7 @@ class Reducer:
         self.allow_unused = allow_unused
         self.timeline = timeline
         n_grad = sum(1 for _, p in named_params if p.requires_grad)
-        self.buckets, self.slots = build_buckets(named_params, bucket_mb, census=n_grad)
+        self.buckets, self.slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb)
         self.slots.sort(key=lambda s: s.index)
         self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
         self.sync = True
@@ -198,7 +199,9 @@ class Reducer:
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
         if fut is not None:
-            fut.add_done_callback(lambda _f, b=b: self._done_us.__setitem__(b, now_us()))
+            # bind this step's list: the callback may run after wait() returned and the step was reset
+            done = self._done_us
+            fut.add_done_callback(lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us()))
 
     # -- end of backward --------------------------------------------------------------------------
     def _end_backward(self) -> None:

@@ -3,13 +3,14 @@
 Input: a list of measurements, one per (algorithm, size, shape). The schema (JSON: a list, or an object
 with a ``rows``/``results`` list; this is what ``scaleout bench allreduce --out`` writes):
 
-    {"algorithm": "flat" | "ring" | "tree" | "hierarchical" | "torus2d",
+    {"algorithm": "flat" | "ring" | "tree" | "hierarchical" | "torus2d" | "leader",
+                                 # ("base_algorithm" wins when present: bench labels carry options)
      "nbytes": int,              # bytes per rank (also accepted: "bytes", "size_bytes")
      "nnodes": int, "nproc_per_node": int,
      "time_s": float,            # median seconds (also: "median_s", "median_time_s", "time")
      "link_rate_bps": float,     # optional: inter-node rate limit in bit/s (also: "rate_bps", "rate",
                                  #   a tc string like "1gbit"); rows at other rates scale beta_inter
-     "chunks": int}              # optional: pipelining chunks of the hierarchical algorithm
+     "options": {"x": int, "chunk_bytes": int}}   # optional: torus grid x, grid pipeline chunk
 
 Fit: theta >= 0 minimising sum((predicted / measured - 1)^2) (relative error, so 4 KB and 64 MB rows
 count alike), by non-negative least squares on the plan coefficients; the lock-step maxima are
@@ -45,7 +46,8 @@ class Sample:
     nproc_per_node: int
     time_s: float
     link_rate_bps: float | None = None
-    chunks: int = 1
+    torus_x: int | None = None
+    chunk_bytes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -91,10 +93,14 @@ def samples_from_rows(rows: Iterable[dict[str, Any]]) -> list[Sample]:
         t = float(_get(row, "time_s", i))
         if t <= 0:
             raise ConfigError(f"measurement row {i} has time {t}, expected > 0 seconds")
+        opts = row.get("options") or {}
+        if not isinstance(opts, dict):
+            raise ConfigError(f"measurement row {i} has options {opts!r}, expected an object")
+        alg = row.get("base_algorithm") or _get(row, "algorithm", i)
         out.append(Sample(
-            canonical(str(_get(row, "algorithm", i))), int(_get(row, "nbytes", i)), int(_get(row, "nnodes", i)),
+            canonical(str(alg)), int(_get(row, "nbytes", i)), int(_get(row, "nnodes", i)),
             int(_get(row, "nproc_per_node", i)), t, parse_rate(_get(row, "link_rate_bps", i, False)),
-            int(row.get("chunks") or 1),
+            int(opts["x"]) if opts.get("x") else None, int(opts["chunk_bytes"]) if opts.get("chunk_bytes") else None,
         ))
     if not out:
         raise ConfigError("no measurements to fit (empty rows)")
@@ -122,7 +128,8 @@ def _cluster_for(s: Sample, prior: Cluster) -> Cluster:
 
 
 def _row(s: Sample, prior: Cluster, theta: np.ndarray, ref_rate: float | None) -> np.ndarray:
-    coeffs = plan_for(s.algorithm, _cluster_for(s, prior), s.nnodes, s.nbytes, s.chunks).linearize(theta)
+    coeffs = plan_for(s.algorithm, _cluster_for(s, prior), s.nnodes, s.nbytes, torus_x=s.torus_x,
+                      chunk_bytes=s.chunk_bytes).linearize(theta)
     if ref_rate and s.link_rate_bps:
         coeffs[_BETA_INTER] *= ref_rate / s.link_rate_bps  # beta_inter is fitted at the reference rate
     return coeffs
@@ -153,7 +160,8 @@ def fit(samples: list[Sample], prior: Cluster | None = None, max_iter: int = 20)
     theta = np.array(prior.constants.vector())
     t = np.array([s.time_s for s in samples])
     it = 0
-    for it in range(1, max_iter + 1):
+    while it < max_iter:
+        it += 1
         a = np.array([_row(s, prior, theta, ref) for s in samples]) / t[:, None]
         used = np.abs(a).sum(axis=0) > 0
         fixed = np.where(used, 0.0, theta)  # unexercised constants keep the prior

@@ -51,7 +51,7 @@ class Constants:
 
     @classmethod
     def from_vector(cls, values: Any) -> Constants:
-        return cls(**{k: float(v) for k, v in zip(PARAMS, values)})
+        return cls(**{k: float(v) for k, v in zip(PARAMS, values, strict=True)})
 
     def describe(self) -> dict[str, str]:
         """Human units: microseconds and GB/s."""
@@ -86,6 +86,9 @@ class Cluster:
     # How many NICs one logical ring/tree can drive at once. NCCL splits a collective into channels, at
     # least one per NIC on DGX systems, so it is nics_per_node; a gloo process drives one socket stream.
     streams_per_ring: int = 1
+    # Fraction of one NIC a single stream fills. 1 for RDMA (one QP saturates a NIC); < 1 for TCP,
+    # where one socket cannot fill a fast link (why NCCL 2.4 added NCCL_NSOCKS_PERTHREAD).
+    stream_fraction: float = 1.0
     device: Device | None = None
     # "nccl": textbook primitives. "gloo": torch's CPU gloo path, measured on this machine (2 ranks,
     # 8 MiB): reduce_scatter costs a full all_reduce (the whole input is all-reduced, then sliced),
@@ -97,9 +100,9 @@ class Cluster:
     def with_constants(self, **changes: float) -> Cluster:
         return replace(self, constants=replace(self.constants, **changes))
 
-    def inter_streams(self, rings_crossing: int) -> int:
-        """NICs busy when ``rings_crossing`` rings leave a node at once (each driving streams_per_ring)."""
-        return max(1, min(self.nics_per_node, rings_crossing * self.streams_per_ring))
+    def inter_streams(self, rings_crossing: int) -> float:
+        """NIC-equivalents busy when ``rings_crossing`` rings leave a node at once (streams_per_ring each)."""
+        return max(self.stream_fraction, min(self.nics_per_node, rings_crossing * self.streams_per_ring * self.stream_fraction))
 
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
@@ -157,13 +160,14 @@ PRESETS: dict[str, Cluster] = {
         sources=("/work/shared/notes/netns-cluster.md",),
     ),
     # A 2018 Horovod-era cluster for the issue #542 comparison (assumptions, see scaleout.sim.validate):
-    # 8 x V100 per node over NVLink (NCCL 2.2 era, ~ V100 NVLink 6 links x 20 GB/s), ONE 25 Gbit/s
-    # Ethernet/RoCE NIC per node, and a TCP-ish network step latency of 30 us.
+    # 8 x V100 per node over NVLink (V100: 6 links; NCCL topo.h SM70_NVLINK_BW = 20 GB/s per link), ONE
+    # 25 Gbit/s Ethernet NIC per node driven over TCP sockets (90 % of line rate), a 30 us network step,
+    # and one TCP stream filling half the NIC (NCCL <= 2.3 opened one socket per ring).
     "horovod-2018": Cluster(
         "horovod-2018", 8, 1,
         Constants(base=20e-6, alpha_intra=5e-6, alpha_inter=30e-6, beta_intra=_nvlink(6, 20.0),
                   beta_inter=_nic(25, 0.9)),
-        streams_per_ring=1, device=V100,
+        streams_per_ring=1, stream_fraction=0.5, device=V100,
         description="2018 cluster: 8 x V100 NVLink per node, one 25 Gbit/s NIC per node, TCP/RoCE",
         sources=("assumed; horovod issue #542 reports only the efficiencies",),
     ),

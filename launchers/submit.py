@@ -1,0 +1,172 @@
+"""Submit scaleout runs with submitit: real Slurm when there is one, submitit's local executor otherwise.
+
+Every task (one per GPU) runs ``scaleout <subcommand> ...`` in-process through :class:`RankMain`, so the
+scheduler's signals reach the training loop directly: scaleout.preempt's handlers replace submitit's
+while training runs, rank 0 checkpoints and calls ``scontrol requeue``, and the requeued job (the same
+pickled RankMain) resumes from the checkpoint. Under the local executor, the submitit variables
+(SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaleout.errors import UserError
+
+
+@dataclass
+class SubmitSpec:
+    argv: list[str]  # scaleout subcommand + its arguments, e.g. ["train", "configs/x.yaml", "a.b=1"]
+    nodes: int = 1
+    gpus_per_node: int = 1  # = tasks per node (one rank per GPU)
+    request_gpus: bool = True  # ask Slurm for the GPUs (False on CPU-only clusters)
+    partition: str | None = None
+    time_min: int = 60
+    signal: str = "USR2"  # USR2: NCCL may install its own USR1 handler
+    signal_delay_s: int = 120  # notice before the time limit: enough to write a checkpoint
+    cluster: str = "auto"  # auto | slurm | local | debug
+    folder: str = "submitit/%j"
+    name: str = "scaleout"
+    array: dict[str, list[str]] = field(default_factory=dict)  # override key -> values: one job per value
+    extra_slurm: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise UserError(f"--nodes={self.nodes}: expected an integer >= 1")
+        if self.gpus_per_node < 1:
+            raise UserError(f"--gpus-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per GPU)")
+        if self.time_min < 1:
+            raise UserError(f"--time={self.time_min}: expected minutes >= 1")
+        if self.cluster not in ("auto", "slurm", "local", "debug"):
+            raise UserError(f"--cluster={self.cluster!r}: expected auto, slurm, local or debug")
+        if len(self.array) > 1:
+            raise UserError(f"--array given for {sorted(self.array)}: expected one key (one job per value)")
+
+
+def parse_array(text: str | None) -> dict[str, list[str]]:
+    """``optim.lr=1e-3,2e-3`` -> {"optim.lr": ["1e-3", "2e-3"]}."""
+    if not text:
+        return {}
+    key, eq, values = text.partition("=")
+    items = [v for v in values.split(",") if v]
+    if not eq or not key or not items:
+        raise UserError(f"--array {text!r}: expected KEY=V1,V2,... (one job per value of the config key)")
+    return {key.strip(): items}
+
+
+def resolve_cluster(cluster: str) -> str:
+    if cluster != "auto":
+        if cluster == "slurm" and shutil.which("sbatch") is None:
+            raise UserError("--cluster=slurm but sbatch is not on PATH")
+        return cluster
+    return "slurm" if shutil.which("sbatch") is not None else "local"
+
+
+class RankMain:
+    """The callable every task runs: ``scaleout <argv>`` in this process. Picklable (plain data only)."""
+
+    def __init__(self, argv: Sequence[str]):
+        self.argv = list(argv)
+
+    def __call__(self) -> int:
+        import submitit
+
+        from scaleout import preempt
+
+        env = submitit.JobEnvironment()
+        if "SLURM_PROCID" not in os.environ:  # submitit's local executor: speak scaleout's local variables
+            job = str(env.job_id)
+            os.environ.update(
+                SCALEOUT_RANK=str(env.global_rank), SCALEOUT_LOCAL_RANK=str(env.local_rank),
+                SCALEOUT_NODE_RANK=str(env.node), SCALEOUT_NNODES=str(env.num_nodes),
+                SCALEOUT_NPROC_PER_NODE=str(env.num_tasks // env.num_nodes),
+                SCALEOUT_WORLD_SIZE=str(env.num_tasks), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(15000 + sum(job.encode()) * 7919 % 20000),
+            )
+        from scaleout.cli import main
+
+        rc = main(self.argv)
+        if rc == preempt.EXIT_PREEMPTED and preempt.slurm_job_id() is not None:
+            # Rank 0 asked Slurm to requeue: wait to be stopped rather than report a result for this run.
+            time.sleep(600)
+        if rc != 0:
+            raise RuntimeError(f"rank {env.global_rank}: scaleout {' '.join(self.argv)} exited with code {rc}")
+        return rc
+
+    def checkpoint(self) -> Any:
+        """submitit calls this on its own preemption signal if our handler is not installed yet (before
+        the training loop starts): resubmit the same command, which resumes from the latest checkpoint."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(RankMain(self.argv))
+
+
+def make_executor(spec: SubmitSpec) -> Any:
+    import submitit
+
+    cluster = resolve_cluster(spec.cluster)
+    folder = spec.folder
+    if cluster == "slurm":
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
+        params: dict[str, Any] = dict(
+            nodes=spec.nodes, ntasks_per_node=spec.gpus_per_node, time=spec.time_min, job_name=spec.name,
+            signal_delay_s=spec.signal_delay_s, additional_parameters={"requeue": True, **spec.extra_slurm},
+        )
+        if spec.request_gpus:
+            params["gpus_per_task"] = 1
+        if spec.partition:
+            params["partition"] = spec.partition
+        ex.update_parameters(**params)
+        # submitit's own handler uses USR2 as well; keep the two consistent
+        submitit.slurm.slurm.SlurmJobEnvironment.USR_SIG = spec.signal
+        return ex
+    if spec.nodes > 1:
+        raise UserError(f"--nodes={spec.nodes} without Slurm: submitit's local executor runs one node")
+    ex = submitit.LocalExecutor(folder=folder) if cluster == "local" else submitit.DebugExecutor(folder=folder)
+    ex.update_parameters(nodes=1, tasks_per_node=spec.gpus_per_node, timeout_min=spec.time_min)
+    return ex
+
+
+def submit(spec: SubmitSpec) -> list[Any]:
+    """Submit one job (or one per ``--array`` value) and return the submitit Job objects."""
+    ex = make_executor(spec)
+    if not spec.array:
+        return [ex.submit(RankMain(spec.argv))]
+    (key, values), = spec.array.items()
+    fns = [RankMain([*spec.argv, f"{key}={v}"]) for v in values]
+    if hasattr(ex, "batch"):
+        with ex.batch():
+            jobs = [ex.submit(fn) for fn in fns]
+        return jobs
+    return [ex.submit(fn) for fn in fns]
+
+
+def follow(jobs: Sequence[Any], out: Callable[[str], None] = print, poll_s: float = 1.0,
+           timeout_s: float | None = None) -> dict[str, str]:
+    """Stream rank 0's log of every job until all are done; return job id -> final state."""
+    offsets: dict[str, int] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        done = all(j.done() for j in jobs)
+        for j in jobs:
+            path = Path(str(j.paths.stdout).replace("%t", "0"))
+            if path.exists():
+                with open(path, errors="replace") as f:
+                    f.seek(offsets.get(j.job_id, 0))
+                    text = f.read()
+                    offsets[j.job_id] = f.tell()
+                for line in text.splitlines():
+                    out(f"[{j.job_id}] {line}" if len(jobs) > 1 else line)
+        if done:
+            return {j.job_id: j.state for j in jobs}
+        if deadline is not None and time.monotonic() > deadline:
+            return {j.job_id: j.state for j in jobs}
+        sys.stdout.flush()
+        time.sleep(poll_s)

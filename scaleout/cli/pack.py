@@ -1,0 +1,118 @@
+"""scaleout pack: packing strategies for a sequence-length histogram or a dataset, side by side."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "pack"
+ORDER = 40
+HELP = "sequence packing: compare SPFHP/LPFHP/NNLSHP/LPHP on a histogram, write the strategy (and packs)"
+DESCRIPTION = """\
+scaleout pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--algorithms a,b] [--out S.json]
+
+Runs every algorithm on a sequence-length histogram (Graphcore's format: 'length count' lines, '#'
+comments) or on a dataset given as its sequence lengths (--lengths: one integer per line, or a .npy
+array), prints efficiency (real tokens / (packs x max_len)), speed-up (sequences / packs), depth
+histogram and run time side by side, and writes the most efficient strategy as JSON. With --lengths
+and --packed-out it also assigns every sequence to a pack (deterministic for --seed) and writes
+ids + offsets (.npz): pack i holds ids[offsets[i]:offsets[i+1]].
+
+Algorithms: spfhp, lpfhp, nnlshp (Graphcore, arXiv 2107.02027) and lphp (ours: LP over exact-fill
+packs, rounded; see docs/packing.md). nnlshp takes ~20-40 s on Wikipedia-512.
+
+examples:
+  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 3
+  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 12 --algorithms spfhp,lpfhp,lphp
+  scaleout pack --lengths lengths.txt --max-len 128 --out strategy.json --packed-out packed.npz
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("histogram", nargs="?", help="histogram file ('length count' lines)")
+    p.add_argument("--lengths", help="dataset as sequence lengths: text (one per line) or .npy")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per pack (default 512)")
+    p.add_argument("--max-per-pack", type=int, default=3, help="sequences per pack (default 3, NVIDIA MLPerf BERT)")
+    p.add_argument("--algorithms", default="spfhp,lpfhp,nnlshp,lphp", help="comma list (default: all)")
+    p.add_argument("--out", default="bench-results/packing-strategy.json", help="strategy JSON ('' = none)")
+    p.add_argument("--packed-out", default=None, help="with --lengths: write packed ids/offsets (.npz)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sequence-to-pack assignment")
+
+
+def _read_lengths(path: str):
+    from pathlib import Path
+
+    import numpy as np
+
+    from scaleout.errors import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"lengths file {path!r} not found")
+    if p.suffix == ".npy":
+        arr = np.load(p)
+    else:
+        try:
+            arr = np.array([int(x) for x in p.read_text().split()], dtype=np.int64)
+        except ValueError as exc:
+            raise UserError(f"{path}: expected one integer sequence length per line ({exc})") from None
+    return np.asarray(arr, dtype=np.int64).reshape(-1)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from scaleout.bench.common import format_table
+    from scaleout.data.packing import (
+        ALGORITHMS,
+        assign_sequences,
+        histogram_from_lengths,
+        load_histogram,
+        pack_histogram,
+        speedup_ceiling,
+    )
+    from scaleout.data.packing_hist import check_max_len
+    from scaleout.errors import UserError
+
+    check_max_len(args.max_len)
+    if (args.histogram is None) == (args.lengths is None):
+        raise UserError("give exactly one of HISTOGRAM or --lengths FILE")
+    if args.packed_out and not args.lengths:
+        raise UserError("--packed-out needs a dataset (--lengths FILE), not only a histogram")
+    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for a in names:
+        if a not in ALGORITHMS:
+            raise UserError(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
+    if args.lengths:
+        lengths = _read_lengths(args.lengths)
+        h = histogram_from_lengths(lengths, args.max_len)
+    else:
+        h = load_histogram(args.histogram, args.max_len)
+    tokens = int((h * np.arange(len(h))).sum())
+    print(f"{int(h.sum())} sequences, {tokens} tokens, max_len {args.max_len}, <= {args.max_per_pack} per pack; "
+          f"speed-up ceiling {speedup_ceiling(h):.4f}", flush=True)
+    results = []
+    for a in names:
+        s = pack_histogram(h, args.max_len, args.max_per_pack, a)
+        results.append(s)
+        print(f"  {a}: done in {s.seconds:.3f} s", flush=True)
+    rows = [[s.algorithm, f"{s.efficiency:.5f}", f"{s.speedup:.4f}", s.num_packs, len(s.packs),
+             " ".join(f"{d}:{n}" for d, n in s.depth_histogram().items()), f"{s.seconds:.3f}",
+             f"{s.cpu_seconds:.3f}"] for s in results]
+    print(format_table(["algorithm", "efficiency", "speed-up", "packs", "strategies", "depth histogram",
+                        "wall s", "cpu s"], rows))
+    best = max(results, key=lambda s: (s.efficiency, -s.seconds))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**best.to_json(), "compared": [s.stats() for s in results]}, indent=1))
+        print(f"strategy ({best.algorithm}) written to {out}")
+    if args.packed_out:
+        packed = assign_sequences(best, lengths, seed=args.seed)
+        Path(args.packed_out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.packed_out, "wb") as f:
+            np.savez(f, ids=packed.ids, offsets=packed.offsets, lengths=lengths)
+        print(f"{len(packed)} packs of {len(lengths)} sequences written to {args.packed_out}")
+    return 0

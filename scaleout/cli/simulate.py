@@ -1,0 +1,287 @@
+"""scaleout simulate: the alpha-beta-gamma cost model (scaleout.sim) from 8 to thousands of GPUs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+NAME = "simulate"
+ORDER = 70
+HELP = "cost-model simulator: all-reduce algorithms and training steps at 8-4096+ GPUs, calibration, validation"
+DESCRIPTION = """\
+An alpha-beta-gamma model of ring, tree, hierarchical and 2D-torus all-reduce and of a data-parallel
+training step with bucketed overlap (docs/simulate.md). Instant; no GPU needed.
+
+actions:
+  scale      step time, exposed communication, scaling efficiency and time to train per algorithm
+  allreduce  predicted time / busbw of one all-reduce per algorithm and message size
+  calibrate  fit the constants to `scaleout bench allreduce` JSON; report held-out prediction error
+  validate   predictions vs published numbers (nccl-tests, MLPerf v2.0 BERT, Horovod #542)
+  presets    list the cluster and model presets
+
+examples:
+  scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png bench-results/sim.png
+  scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
+  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms ring,hierarchical
+  scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
+  scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d
+  scaleout simulate validate --out bench-results/sim-validate.json
+"""
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default="dgx-a100", help="cluster preset (default dgx-a100; see 'presets')")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
+    p.add_argument("--nics", type=int, default=None, help="override NICs per node")
+    p.add_argument("--intra-gbs", type=float, default=None, help="achievable intra-node GB/s per GPU per direction")
+    p.add_argument("--inter-gbit", type=float, default=None, help="achievable Gbit/s per NIC per direction")
+    p.add_argument("--intra-lat-us", type=float, default=None, help="latency of one intra-node step (us)")
+    p.add_argument("--inter-lat-us", type=float, default=None, help="latency of one network step (us)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="<action>")
+    sc = sub.add_parser("scale", help="training-step scaling sweep and time to train")
+    _cluster_args(sc)
+    sc.add_argument("--model", default="bert-large", help="model preset (default bert-large)")
+    sc.add_argument("--params", type=float, default=None, help="override parameter count")
+    sc.add_argument("--flops-per-sample", type=float, default=None, help="override training FLOPs per sample")
+    sc.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient element on the wire")
+    sc.add_argument("--local-batch", type=float, default=4, help="samples per GPU per step (default 4)")
+    sc.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)")
+    sc.add_argument("--samples-per-s", type=float, default=None, help="per-device throughput (overrides --mfu)")
+    sc.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25, DDP)")
+    sc.add_argument("--no-overlap", action="store_true", help="all-reduce only after backward")
+    sc.add_argument("--algorithms", default="ring,tree,hierarchical,torus2d", help="comma list")
+    sc.add_argument("--torus-x", default="square", help="torus row length: an integer, 'node' or 'square' (default)")
+    sc.add_argument("--min-gpus", type=int, default=None, help="first GPU count (default one node)")
+    sc.add_argument("--max-gpus", type=int, default=4096, help="last GPU count (default 4096)")
+    sc.add_argument("--samples", type=float, default=None, help="samples to converge (default: the model preset's)")
+    sc.add_argument("--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)")
+    sc.add_argument("--png", default=None, help="PNG of efficiency and exposed communication vs GPUs")
+
+    ar = sub.add_parser("allreduce", help="one all-reduce: time and busbw per algorithm and size")
+    _cluster_args(ar)
+    ar.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ar.add_argument("--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)")
+    ar.add_argument("--algorithms", default="ring,tree,hierarchical,torus2d", help="comma list")
+    ar.add_argument("--torus-x", default="square", help="torus row length: integer, 'node' or 'square'")
+
+    ca = sub.add_parser("calibrate", help="fit constants to bench JSON; held-out error")
+    ca.add_argument("bench_json", help="output of 'scaleout bench allreduce --out' (schema: scaleout.sim.calibrate)")
+    ca.add_argument("--holdout", default="", help="algorithms to leave out of the fit (comma list), e.g. torus2d")
+    ca.add_argument("--every", type=int, default=2, help="fit on every N-th size, test on the rest (default 2)")
+    ca.add_argument("--tolerance", type=float, default=0.20, help="exit 1 if a held-out error exceeds this (default 0.20)")
+    ca.add_argument("--out", default="bench-results/simulate-calibrate.json", help="JSON output ('' to skip)")
+
+    va = sub.add_parser("validate", help="predictions vs published numbers")
+    va.add_argument("--out", default="bench-results/simulate-validate.json", help="JSON output ('' to skip)")
+    sub.add_parser("presets", help="list cluster and model presets")
+    p.set_defaults(_sim_parser=p)
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from scaleout.sim.cluster import custom_cluster, get_cluster
+
+    return custom_cluster(get_cluster(args.cluster), args.gpus_per_node, args.nics, args.intra_gbs,
+                          args.inter_gbit, args.intra_lat_us, args.inter_lat_us)
+
+
+def _algorithms(text: str) -> list[str]:
+    from scaleout.sim.collectives import canonical
+
+    return [canonical(a.strip()) for a in text.split(",") if a.strip()]
+
+
+def _torus_x(text: str) -> int | str:
+    return int(text) if text.strip().isdigit() else text.strip()
+
+
+def _write(path: str | None, payload: dict[str, Any]) -> None:
+    from scaleout.bench.common import write_json
+
+    out = write_json(path or None, payload)
+    if out:
+        print(f"wrote {out}")
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+
+    from scaleout.bench.common import format_table
+    from scaleout.errors import ConfigError
+    from scaleout.sim.step import TrainSpec, get_model, gpu_counts, step_time, time_to_train
+
+    cluster = _cluster(args)
+    model = get_model(args.model)
+    changes = {k: v for k, v in (("params", args.params), ("flops_per_sample", args.flops_per_sample),
+                                 ("grad_bytes", args.grad_bytes)) if v is not None}
+    for k, v in changes.items():
+        if v <= 0:
+            raise ConfigError(f"--{k.replace('_', '-')} must be > 0, got {v}")
+    model = replace(model, **changes)
+    train = TrainSpec(local_batch=args.local_batch, mfu=args.mfu, samples_per_s=args.samples_per_s,
+                      bucket_mb=args.bucket_mb, overlap=not args.no_overlap, torus_x=_torus_x(args.torus_x))
+    algs = _algorithms(args.algorithms)
+    gpus = gpu_counts(cluster, args.max_gpus, args.min_gpus)
+    samples = args.samples or model.samples_to_converge
+    rows, table = [], []
+    for n in gpus:
+        nodes = n // cluster.gpus_per_node
+        for alg in algs:
+            t = replace(train, algorithm=alg)
+            r = step_time(model, t, cluster, nodes)
+            ttt = time_to_train(model, t, cluster, nodes, samples) if samples else None
+            rows.append({**asdict(r), "efficiency": r.efficiency, "throughput": r.throughput(args.local_batch),
+                         "time_to_train_s": ttt.total if ttt else None, "steps": ttt.steps if ttt else None})
+            table.append([n, nodes, alg, r.step * 1e3, r.compute * 1e3, r.exposed * 1e3, f"{r.efficiency:.1%}",
+                          r.throughput(args.local_batch), f"{ttt.total / 60:.3f}" if ttt else "-"])
+    print(f"{model.name} on {cluster.name}: {args.local_batch:g} samples/GPU, {model.params / 1e6:.0f}M params, "
+          f"{model.grad_bytes} B grads in {args.bucket_mb:g} MB buckets, "
+          + (f"{args.samples_per_s:g} samples/s/device" if args.samples_per_s else f"MFU {args.mfu:.0%}")
+          + (f", {samples:.3g} samples to converge" if samples else ""))
+    print(format_table(["GPUs", "nodes", "algorithm", "step ms", "compute ms", "exposed comm ms", "efficiency",
+                        "samples/s", "TTT min"], table))
+    _write(args.out, {"action": "scale", "cluster": cluster.summary(), "model": asdict(model),
+                      "train": asdict(train), "rows": rows})
+    if args.png:
+        _plot_scale(rows, algs, args.png, f"{model.name} on {cluster.name}, {args.local_batch:g}/GPU")
+    return 0
+
+
+def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install matplotlib)")
+        return
+    from pathlib import Path
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for alg in algs:
+        pts = [r for r in rows if r["algorithm"] == alg]
+        a1.plot([r["gpus"] for r in pts], [100 * r["efficiency"] for r in pts], marker="o", label=alg)
+        a2.plot([r["gpus"] for r in pts], [1e3 * r["exposed"] for r in pts], marker="o", label=alg)
+    for ax, ylab in ((a1, "scaling efficiency %"), (a2, "exposed communication ms / step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(ylab)
+        ax.grid(True, alpha=0.3)
+    a2.set_yscale("symlog", linthresh=1)
+    a2.set_ylim(bottom=0)
+    a1.set_ylim(0, 105)
+    a1.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def run_allreduce(args: argparse.Namespace) -> int:
+    from scaleout.bench.common import format_table
+    from scaleout.errors import ConfigError
+    from scaleout.sim.collectives import allreduce_cost
+
+    cluster = _cluster(args)
+    try:
+        sizes = [float(s) * 2**20 for s in args.sizes_mb.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--sizes-mb {args.sizes_mb!r}: expected a comma list of numbers (MiB)") from None
+    table = []
+    for n in sizes:
+        base = None
+        for alg in _algorithms(args.algorithms):
+            c = allreduce_cost(alg, cluster, args.nodes, n, torus_x=_torus_x(args.torus_x))
+            base = base or c.time
+            table.append([f"{n / 2**20:g} MiB", alg, c.time * 1e3, c.busbw / 1e9, c.latency * 1e3,
+                          c.bandwidth * 1e3, f"{base / c.time:.2f}x"])
+    print(f"{cluster.name}: {args.nodes} nodes x {cluster.gpus_per_node} ranks")
+    print(format_table(["size", "algorithm", "time ms", "busbw GB/s", "latency ms", "bandwidth ms",
+                        "speedup vs first"], table))
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from scaleout.bench.common import format_table
+    from scaleout.sim.calibrate import cross_validate, load_samples, split_default
+
+    samples = load_samples(args.bench_json)
+    holdout = _algorithms(args.holdout) if args.holdout else []
+    fit, checks = cross_validate(samples, split_default(samples, holdout, args.every))
+    print(f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "
+          f"(held out: every size not in each {args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})")
+    print(format_table(["constant", "value"], list(fit.constants.describe().items())))
+    table = [[c.sample.algorithm, c.sample.nbytes, f"{c.sample.nnodes}x{c.sample.nproc_per_node}",
+              c.sample.time_s * 1e3, c.predicted * 1e3, f"{c.error:+.1%}", "fit" if c.trained_on else "held out"]
+             for c in checks]
+    print(format_table(["algorithm", "bytes", "shape", "measured ms", "predicted ms", "error", "role"], table))
+    held = [abs(c.error) for c in checks if not c.trained_on]
+    worst = max(held) if held else 0.0
+    print(f"held-out rows: {len(held)}, max |error| {worst:.1%} (tolerance {args.tolerance:.0%})")
+    _write(args.out, {"action": "calibrate", "source": args.bench_json, "constants": fit.constants.vector(),
+                      "constants_readable": fit.constants.describe(), "max_heldout_error": worst,
+                      "rows": [{**c.sample.__dict__, "predicted_s": c.predicted, "error": c.error,
+                                "trained_on": c.trained_on} for c in checks]})
+    return 0 if worst <= args.tolerance else 1
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from scaleout.bench.common import format_table
+    from scaleout.sim.validate import all_validations, horovod_542, mlperf_bert
+
+    vals = all_validations()
+    table = [[v.key, v.what, f"{v.predicted:.4g} {v.unit}", f"{v.reference:g} {v.unit}", f"{v.error:+.1%}",
+              "-" if v.tolerance is None else f"±{v.tolerance:.0%}", {True: "ok", False: "FAIL", None: "compare"}[v.ok]]
+             for v in vals]
+    print(format_table(["", "check", "predicted", "published", "error", "tolerance", "result"], table))
+    for v in vals:
+        if v.details:
+            print(f"({v.key}) " + ", ".join(f"{k} {x:.4g}" for k, x in v.details.items()))
+    sens = {m: mlperf_bert(mfu=m).predicted for m in (0.3, 0.5)}
+    print("(c) sensitivity to the assumed MFU: " + ", ".join(f"{m:.0%} -> {t:.3f} min" for m, t in sens.items()))
+    _, _, ablation = horovod_542()
+    print("(d) what carries the gap: " + ", ".join(f"{k}: {x:.1f} %" for k, x in ablation.items()))
+    seen = set()
+    for v in vals:
+        if v.key in seen:
+            continue
+        seen.add(v.key)
+        print(f"\nassumptions ({v.key}):\n" + "\n".join(f"  - {a}" for a in v.assumptions))
+    _write(args.out, {"action": "validate", "checks": [{**asdict(v), "error": v.error, "ok": v.ok} for v in vals],
+                      "bert_mfu_sensitivity_min": sens, "horovod_ablation_pct": ablation})
+    return 0 if all(v.ok is not False for v in vals) else 1
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    from scaleout.bench.common import format_table
+    from scaleout.sim.cluster import PRESETS
+    from scaleout.sim.step import MODELS
+
+    rows = []
+    for c in PRESETS.values():
+        d = c.constants.describe()
+        rows.append([c.name, c.gpus_per_node, c.nics_per_node, d["beta_intra"], d["beta_inter"], d["alpha_intra"],
+                     d["alpha_inter"], c.backend, c.description])
+    print(format_table(["cluster", "GPUs/node", "NICs", "intra", "inter", "intra step", "net step", "backend",
+                        "description"], rows))
+    print()
+    print(format_table(["model", "params", "GFLOP/sample", "grad bytes", "samples to converge", "notes"],
+                       [[m.name, f"{m.params / 1e6:.1f}M", m.flops_per_sample / 1e9, m.grad_bytes,
+                         f"{m.samples_to_converge:.3g}" if m.samples_to_converge else "-", m.notes]
+                        for m in MODELS.values()]))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    actions = {"scale": run_scale, "allreduce": run_allreduce, "calibrate": run_calibrate,
+               "validate": run_validate, "presets": run_presets}
+    if not getattr(args, "action", None):
+        args._sim_parser.print_help()
+        return 2
+    return actions[args.action](args)

@@ -1,0 +1,81 @@
+"""scaleout submit: run training on a cluster through submitit (Slurm, or submitit's local executor)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+NAME = "submit"
+ORDER = 25
+HELP = "submit a run with submitit (Slurm if present, else locally); prints job ids and follows rank 0's log"
+DESCRIPTION = """\
+One task per GPU (--gpus-per-node tasks on each of --nodes nodes); every task runs `scaleout train CONFIG
+[overrides]` (or --command) in-process, so the training loop receives the preemption signal itself:
+rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.dir. Without Slurm
+(no sbatch on PATH) submitit's local executor runs the tasks on this machine (one node).
+
+examples:
+  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time 120
+  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request launch.env=slurm
+  scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1 --gpus-per-node 2
+  scaleout submit --command "smoke --numel 1000" --nodes 2 --gpus-per-node 2
+  scaleout submit configs/bert_tiny_cpu.yaml --cluster local --gpus-per-node 2 --no-follow
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="run config (YAML); required unless --command is given")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node = ranks per node (default 1)")
+    p.add_argument("--no-gpu-request", action="store_true", help="do not ask Slurm for GPUs (CPU-only clusters)")
+    p.add_argument("--partition", default=None, help="Slurm partition")
+    p.add_argument("--time", type=int, default=60, help="time limit in minutes (default 60)")
+    p.add_argument("--array", default=None, metavar="KEY=V1,V2", help="one job per value of a config key")
+    p.add_argument("--signal", default="USR2", help="preemption notice signal (default USR2; NCCL may catch USR1)")
+    p.add_argument("--signal-delay", type=int, default=120, help="seconds of notice before the time limit (120)")
+    p.add_argument("--cluster", default="auto", choices=["auto", "slurm", "local", "debug"],
+                   help="auto: Slurm if sbatch is on PATH, else submitit's local executor")
+    p.add_argument("--folder", default="submitit/%j", help="submitit log folder (default submitit/%%j)")
+    p.add_argument("--name", default="scaleout", help="job name")
+    p.add_argument("--command", default=None, help="run this scaleout subcommand instead of train, e.g. 'smoke'")
+    p.add_argument("--no-follow", action="store_true", help="print the job ids and return")
+    p.add_argument("--follow-timeout", type=float, default=None, help="stop following after this many seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    from launchers.submit import SubmitSpec, follow, parse_array, resolve_cluster, submit
+    from scaleout.errors import UserError
+
+    if args.command:
+        argv = shlex.split(args.command) + ([args.config] if args.config else []) + list(args.overrides)
+    elif args.config:
+        argv = ["train", args.config, *args.overrides]
+    else:
+        raise UserError("no CONFIG given (expected e.g. `scaleout submit configs/bert_tiny_cpu.yaml`, or --command)")
+    spec = SubmitSpec(
+        argv=argv, nodes=args.nodes, gpus_per_node=args.gpus_per_node, request_gpus=not args.no_gpu_request,
+        partition=args.partition, time_min=args.time, signal=args.signal, signal_delay_s=args.signal_delay,
+        cluster=args.cluster, folder=args.folder, name=args.name, array=parse_array(args.array),
+    )
+    jobs = submit(spec)
+    where = resolve_cluster(spec.cluster)
+    for j in jobs:
+        print(f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "
+              f"scaleout {' '.join(argv)}; logs {j.paths.stdout}",
+              flush=True)
+    if args.no_follow:
+        return 0
+    states = follow(jobs, timeout_s=args.follow_timeout)
+    bad = {k: v for k, v in states.items() if v not in ("COMPLETED", "FINISHED", "DONE")}
+    for k, v in states.items():
+        print(f"job {k}: {v}", flush=True)
+    if bad:
+        for j in jobs:
+            if j.job_id in bad:
+                try:
+                    j.result()
+                except Exception as exc:  # noqa: BLE001 -- report the rank's error in one line
+                    print(f"job {j.job_id} failed: {str(exc).strip().splitlines()[-1]}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,53 @@
+"""What a trainer calls: ``build_optimizer(model, cfg.optim, world)`` and ``build_schedule(opt, cfg.optim)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scaleout.config.schema import OptimConfig
+from scaleout.errors import ConfigError
+from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
+from scaleout.optim.lamb import LAMB
+from scaleout.optim.lars import LARS
+from scaleout.optim.schedule import warmup_poly
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, world: Any = None) -> torch.optim.Optimizer:
+    """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
+
+    lamb/adamw: NVIDIA BERT groups (no decay, no trust ratio for bias/gamma/beta/LayerNorm and norm
+    layers); lars/sgd: MLPerf ResNet groups (batch norm and bias excluded). ``optim.sharded`` selects
+    :class:`ShardedLAMB` over ``world`` (lamb only).
+    """
+    no_decay = LARS_EXCLUDE if cfg.name in ("lars", "sgd") else NVIDIA_BERT_NO_DECAY
+    groups = param_groups(model, cfg.weight_decay, no_decay)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if cfg.sharded and cfg.name != "lamb":
+        raise ConfigError(f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}")
+    if cfg.name == "lamb":
+        kw = dict(
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, bias_correction=cfg.bias_correction,
+            trust_clamp=cfg.trust_clamp, clip_grad_norm=cfg.clip_grad_norm,
+        )
+        if cfg.sharded:
+            from scaleout.optim.sharded import ShardedLAMB
+
+            if world is None:
+                raise ConfigError("optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))")
+            return ShardedLAMB(groups, world, **kw)
+        return LAMB(groups, **kw)
+    if cfg.name == "lars":
+        return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.eta, trust_clamp=cfg.trust_clamp)
+    for g in groups:  # torch optimizers do not know these keys
+        g.pop("trust_ratio", None)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``optim.warmup_steps`` then polynomial decay (``power``) to ``end_lr`` at
+    ``total_steps``; call ``.step()`` once per optimizer step."""
+    return warmup_poly(optimizer, cfg.warmup_steps, cfg.total_steps, cfg.power, cfg.end_lr, cfg.decay_from)

@@ -1,0 +1,261 @@
+"""What is trained: a model, its per-step data for this rank, its loss and its eval metric.
+
+A task hides the model family from the loop (scaleout/train/loop.py): ``BertTask`` (MLM + NSP on packed or
+padded sequences, metric = masked-LM accuracy, MLPerf's BERT quality metric) and ``ResNetTask`` (image
+classification, metric = top-1). Data order is a pure function of the data position (global samples
+consumed), so a checkpoint only stores that integer and resume is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaleout.errors import ConfigError
+
+
+@dataclass
+class MicroBatch:
+    inputs: Any  # what the model takes
+    target: Any  # labels (None when the model computes its own loss)
+    samples: int  # sequences / images in it (BERT: sequences, not packed rows)
+    tokens: int  # real (non-pad) tokens; images count 0
+
+
+class Task:
+    metric_name = "accuracy"
+    benchmark = "bert"
+    model: torch.nn.Module
+    rows: int  # global number of rows (packs / images) in the training set
+
+    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module) -> float:
+        raise NotImplementedError
+
+    def samples_per_step(self, position: int) -> tuple[int, int]:
+        """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
+        raise NotImplementedError
+
+    def flops_per_sample(self, mean_tokens: float) -> float:
+        raise NotImplementedError
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class BertTask(Task):
+    metric_name = "mlm_accuracy"
+    benchmark = "bert"
+
+    def __init__(self, cfg: Any, world: Any):
+        from scaleout.data.bert_batch import BertSequence, build_batch
+        from scaleout.data.packing_assign import assign_sequences
+        from scaleout.data.packing_hist import histogram_from_lengths
+        from scaleout.data.sampler import ShardedSampler
+        from scaleout.models.bert import BertForPreTraining
+
+        self.cfg, self.world, d, b = cfg, world, cfg.data, cfg.model.bert
+        self.info: dict[str, Any] = {}
+        if d.max_seq_len > b.max_position:
+            raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}")
+        train, evals = self._samples(cfg)
+        to_seq = lambda s: BertSequence(  # noqa: E731 -- F's BertSample (nsp 1 = random) -> BertSequence (1 = is-next)
+            s.input_ids.tolist(), s.token_type_ids.tolist(), s.masked_positions.tolist(),
+            s.masked_labels.tolist(), 1 - int(s.nsp_label))
+        self.train_seqs = [to_seq(s) for s in train]
+        self.eval_seqs = [to_seq(s) for s in evals[: d.eval_samples]]
+        self.lengths = np.array([len(s) for s in self.train_seqs], dtype=np.int64)
+        if d.packing != "none":
+            from scaleout.data.packing_algos import pack_histogram
+
+            strategy = pack_histogram(histogram_from_lengths(self.lengths, d.max_seq_len), d.max_seq_len,
+                                      d.max_per_pack, d.packing)
+            self.packs = assign_sequences(strategy, self.lengths, seed=d.seed).packs()
+            self.depth = d.max_per_pack
+            self.info["packing"] = {"algorithm": strategy.algorithm, "efficiency": float(strategy.efficiency),
+                                    "speedup": float(strategy.speedup)}
+        else:
+            self.packs = [[i] for i in range(len(self.train_seqs))]
+            self.depth = 1
+        self.rows = len(self.packs)
+        self.pack_tokens = np.array([int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64)
+        self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
+        self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
+        self._build = build_batch
+        self.max_pred = d.max_predictions * self.depth
+        self.model = BertForPreTraining(b).to(world.device)
+
+    @staticmethod
+    def _samples(cfg: Any) -> tuple[list, list]:
+        d, b = cfg.data, cfg.model.bert
+        if d.source == "pydoc":
+            from scaleout.data.pretrain import build_pretraining_data
+
+            data = build_pretraining_data(vocab_size=b.vocab_size, max_seq_len=d.max_seq_len,
+                                          max_predictions=d.max_predictions, mask_prob=d.mask_prob,
+                                          dupe_factor=d.dupe_factor, seed=d.seed)
+            if len(data.tokenizer.vocab) > b.vocab_size:
+                raise ConfigError(f"model.bert.vocab_size={b.vocab_size} < tokenizer vocabulary {len(data.tokenizer.vocab)}")
+            return data.train, data.eval
+        if d.source == "wikipedia":
+            from scaleout.data.bert_sources import load_shards
+
+            if not d.path:
+                raise ConfigError("data.source=wikipedia needs data.path (a shard file or directory)")
+            samples = load_shards(d.path)
+            n_eval = min(d.eval_samples, max(len(samples) // 20, 1))
+            return samples[n_eval:], samples[:n_eval]
+        if d.source == "synthetic":
+            from scaleout.data.bert_sources import synthetic_samples
+
+            n = max(cfg.train.global_batch * 64, 1024)
+            samples = synthetic_samples(n + d.eval_samples, max_seq_len=d.max_seq_len, vocab_size=b.vocab_size,
+                                        max_predictions=d.max_predictions, seed=d.seed)
+            return samples[d.eval_samples:], samples[: d.eval_samples]
+        raise ConfigError(f"data.source={d.source!r} is not a BERT source (expected pydoc, wikipedia or synthetic)")
+
+    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+        rows = self.sampler.local_indices(position)
+        out = []
+        for part in np.array_split(rows, grad_accum):
+            packs = [self.packs[i] for i in part]
+            seqs = {j for p in packs for j in p}
+            batch = self._build(self.train_seqs, packs, self.cfg.data.max_seq_len, self.max_pred, self.depth)
+            out.append(MicroBatch(_to_device(batch, self.world.device), None, len(seqs),
+                                  int(self.pack_tokens[part].sum())))
+        return out
+
+    def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return model(mb.inputs).loss
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> float:
+        w = self.world
+        mine = list(range(w.rank, len(self.eval_seqs), w.world_size))
+        correct = torch.zeros(2, dtype=torch.float64)
+        bs = 64
+        was_training = model.training
+        model.eval()
+        for i in range(0, len(mine), bs):
+            packs = [[j] for j in mine[i : i + bs]]
+            batch = self._build(self.eval_seqs, packs, self.cfg.data.max_seq_len, self.cfg.data.max_predictions, 1)
+            out = model(_to_device(batch, w.device))
+            correct += torch.tensor([float(out.mlm_correct), float(out.mlm_total)], dtype=torch.float64)
+        model.train(was_training)
+        if w.world_size > 1:
+            dist.all_reduce(correct)
+        return float(correct[0] / max(correct[1], 1.0))
+
+    def samples_per_step(self, position: int) -> tuple[int, int]:
+        idx = self.sampler.global_indices(position)
+        return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
+
+    def flops_per_sample(self, mean_tokens: float) -> float:
+        from scaleout.report import bert_flops_per_token
+
+        b = self.cfg.model.bert
+        matmul = b.layers * (4 * b.hidden * b.hidden + 2 * b.hidden * b.intermediate)
+        return bert_flops_per_token(matmul, b.layers, b.hidden, self.cfg.data.max_seq_len) * mean_tokens
+
+
+class ResNetTask(Task):
+    metric_name = "top1"
+    benchmark = "resnet"
+
+    def __init__(self, cfg: Any, world: Any):
+        from scaleout.data.sampler import ShardedSampler
+        from scaleout.models.resnet import build_resnet
+
+        self.cfg, self.world, r, d = cfg, world, cfg.model.resnet, cfg.data
+        self.info = {}
+        if d.source == "imagenet":
+            from scaleout.data.images import ImageFolder
+
+            if not d.path:
+                raise ConfigError("data.source=imagenet needs data.path (an ImageFolder root with train/ and val/)")
+            self.train_set = ImageFolder(d.path, "train", r.image_size)
+            self.eval_set = ImageFolder(d.path, "val", r.image_size)
+            self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
+        elif d.source == "synthetic":
+            from scaleout.data.images import SyntheticImages
+
+            n = max(cfg.train.global_batch * 256, 4096)
+            self.train_set = SyntheticImages(r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed)
+            self.eval_set = self.train_set
+            self.eval_idx = np.arange(n, n + d.eval_samples)  # held out: never in the training range
+            self.train_set.length = n
+        else:
+            raise ConfigError(f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)")
+        self.rows = len(self.train_set)
+        self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
+        self.model = build_resnet(r, world)
+        from scaleout.models.resnet import count_macs
+
+        self.macs = count_macs(self.model, (1, 3, r.image_size, r.image_size)) if r.bn_group == 1 else None
+        self.model = self.model.to(world.device)
+        if world.device.type == "cuda":
+            self.model = self.model.to(memory_format=torch.channels_last)
+
+    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+        idx = self.sampler.local_indices(position)
+        epoch = position // max(self.rows, 1)
+        out = []
+        for part in np.array_split(idx, grad_accum):
+            x, y = self.train_set.get(part, epoch) if hasattr(self.train_set, "get") else self.train_set.batch(part)
+            out.append(MicroBatch(x.to(self.world.device, non_blocking=True), y.to(self.world.device), len(part), 0))
+        return out
+
+    def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return F.cross_entropy(model(mb.inputs), mb.target)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> float:
+        w = self.world
+        mine = self.eval_idx[w.rank :: w.world_size]
+        stats = torch.zeros(2, dtype=torch.float64)
+        was_training = model.training
+        model.eval()
+        for i in range(0, len(mine), 64):
+            part = mine[i : i + 64]
+            x, y = self.eval_set.get(part) if hasattr(self.eval_set, "get") else self.eval_set.batch(part)
+            pred = model(x.to(w.device)).argmax(1).cpu()
+            stats += torch.tensor([float((pred == y).sum()), float(len(part))], dtype=torch.float64)
+        model.train(was_training)
+        if w.world_size > 1:
+            dist.all_reduce(stats)
+        return float(stats[0] / max(stats[1], 1.0))
+
+    def samples_per_step(self, position: int) -> tuple[int, int]:
+        return self.cfg.train.global_batch, 0
+
+    def flops_per_sample(self, mean_tokens: float) -> float:
+        from scaleout.report import resnet_flops_per_image
+
+        r = self.cfg.model.resnet
+        if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
+            return 3 * 2 * float(self.macs)
+        return resnet_flops_per_image(image_size=r.image_size)
+
+
+def build_task(cfg: Any, world: Any) -> Task:
+    if cfg.model.arch == "bert":
+        return BertTask(cfg, world)
+    if cfg.model.arch == "resnet":
+        return ResNetTask(cfg, world)
+    raise ConfigError(f"model.arch={cfg.model.arch!r}: expected bert or resnet")
+
+
+def steps_per_epoch(task: Task, global_batch: int) -> int:
+    return max(math.ceil(task.rows / global_batch), 1)

@@ -1,0 +1,189 @@
+"""BERT on packed and padded batches: no cross-contamination, batch layout, MLM-head unpadding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import scaleout.models.bert as bert_mod
+from scaleout.config.schema import BertConfig
+from scaleout.data.bert_batch import (
+    CLS_ID,
+    IGNORE_INDEX,
+    MASK_ID,
+    build_batch,
+    padded_packs,
+    synthetic_sequences,
+)
+from scaleout.data.packing import assign_sequences, histogram_from_lengths, pack_histogram
+from scaleout.errors import UserError
+from scaleout.models.bert import BertForPreTraining, attention_mask, cu_seqlens
+
+L = 64
+CFG = BertConfig(vocab_size=97, hidden=32, layers=2, heads=4, intermediate=64, max_position=L, dropout=0.1)
+
+
+def _packed_and_alone(seed: int = 0, n: int = 40):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, L + 1, size=n)
+    lengths[:3] = [1, 2, L]  # edge cases: a lone [CLS], a 2-token sequence, a full row
+    seqs = synthetic_sequences(lengths, CFG.vocab_size, seed=seed)
+    strategy = pack_histogram(histogram_from_lengths(lengths, L), L, 3, "lphp")
+    packs = assign_sequences(strategy, lengths, seed=seed).packs()
+    assert max(len(p) for p in packs) > 1
+    return seqs, packs
+
+
+def _per_sequence(out, seqs, order):
+    """Split a model output into per-sequence (mlm logits, pooled) in the given sequence order."""
+    counts = [len(seqs[i].mlm_positions) for i in order]
+    logits = torch.split(out.mlm_logits, counts)
+    return {i: (logits[k], out.pooled[k]) for k, i in enumerate(order)}
+
+
+def _compare(model, seqs, packs):
+    pb = build_batch(seqs, packs, L)
+    ab = build_batch(seqs, padded_packs(len(seqs)), L)
+    with torch.no_grad():
+        packed = _per_sequence(model(pb), seqs, [i for p in packs for i in p])
+        alone = _per_sequence(model(ab), seqs, list(range(len(seqs))))
+    diffs = [torch.cat([(packed[i][0] - alone[i][0]).flatten(), packed[i][1] - alone[i][1]]) for i in alone]
+    return torch.cat(diffs).abs().max().item(), pb
+
+
+@pytest.mark.parametrize("unpad", [True, False])
+def test_no_cross_contamination(unpad, monkeypatch):
+    """Each sequence's MLM logits and pooled output are the same packed as run alone (1e-5), and the
+    same comparison fails when the per-sequence mask is replaced by a full (whole-row) mask."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": unpad})).eval()
+    seqs, packs = _packed_and_alone()
+    err, pb = _compare(model, seqs, packs)
+    assert err < 1e-5
+    # tokens of a packed row attend only within their sequence
+    m = attention_mask(pb["seq_ids"])[:, 0]
+    s = pb["seq_ids"]
+    real = (s[:, :, None] > 0) & (s[:, None, :] > 0)
+    assert torch.equal(m & real, (s[:, :, None] == s[:, None, :]) & real)
+    monkeypatch.setattr(bert_mod, "attention_mask", lambda seq: attention_mask((seq > 0).long()))
+    bad, _ = _compare(model, seqs, packs)
+    assert bad > 1e-3, "a full mask must contaminate packed sequences"
+
+
+def test_batch_layout():
+    seqs, packs = _packed_and_alone(seed=1, n=30)
+    b = build_batch(seqs, packs, L)
+    masked_inputs = []
+    for r, pack in enumerate(packs):
+        start, want_pos = 0, []
+        for j, i in enumerate(pack):
+            s, n = seqs[i], len(seqs[i])
+            assert b["position_ids"][r, start:start + n].tolist() == list(range(n))  # restart per sequence
+            assert b["seq_ids"][r, start:start + n].tolist() == [j + 1] * n
+            assert b["token_type_ids"][r, start:start + n].tolist() == s.segments
+            assert b["nsp_positions"][r, j] == start and b["input_ids"][r, start] == CLS_ID
+            assert b["nsp_labels"][r, j] == s.nsp_label
+            want_pos += [(start + p, lab) for p, lab in zip(s.mlm_positions, s.mlm_labels, strict=True)]
+            start += n
+        assert (b["seq_ids"][r, start:] == 0).all() and (b["input_ids"][r, start:] == 0).all()
+        # MLM positions are offset into the row and point at the masked inputs of the right sequence
+        valid = b["mlm_labels"][r] != IGNORE_INDEX
+        got = list(zip(b["mlm_positions"][r][valid].tolist(), b["mlm_labels"][r][valid].tolist(), strict=True))
+        assert got == want_pos
+        masked_inputs += b["input_ids"][r, b["mlm_positions"][r][valid]].tolist()
+    assert 0.6 < np.mean(np.array(masked_inputs) == MASK_ID) < 0.95  # BERT's 80 % [MASK]
+    with pytest.raises(UserError, match="longer than max_len"):
+        build_batch(seqs, [list(range(len(seqs)))], L)
+    with pytest.raises(UserError, match="max_predictions"):
+        build_batch(seqs, packs, L, max_predictions=0)
+
+
+def test_packed_and_padded_losses_agree():
+    torch.manual_seed(1)
+    model = BertForPreTraining(CFG).eval()
+    seqs, packs = _packed_and_alone(seed=2)
+    with torch.no_grad():
+        p = model(build_batch(seqs, packs, L))
+        a = model(build_batch(seqs, padded_packs(len(seqs)), L))
+    assert p.mlm_loss.item() == pytest.approx(a.mlm_loss.item(), rel=1e-5)
+    assert p.nsp_loss.item() == pytest.approx(a.nsp_loss.item(), rel=1e-5)
+    assert p.mlm_total == a.mlm_total == sum(len(s.mlm_positions) for s in seqs)
+    assert p.mlm_correct == a.mlm_correct and p.nsp_total == len(seqs)
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    out = model(batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_unpadded_mlm_head_is_exact():
+    """Gathering the masked positions before the vocabulary projection gives the same loss and gradients
+    as projecting every token, on packed and padded batches; a wrong gather is detected."""
+    seqs, packs = _packed_and_alone(seed=3, n=20)
+    for layout in (packs, padded_packs(len(seqs))):
+        batch = build_batch(seqs, layout, L)
+        torch.manual_seed(2)
+        full = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": False, "dropout": 0.0}))
+        unpad = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": True, "dropout": 0.0}))
+        unpad.load_state_dict(full.state_dict())
+        lf, gf = _loss_and_grads(full, batch)
+        lu, gu = _loss_and_grads(unpad, batch)
+        assert torch.allclose(lf, lu, rtol=1e-6, atol=1e-7)
+        assert gf.keys() == gu.keys() and "word.weight" in gu  # tied decoder gets its gradient
+        for n in gf:
+            assert torch.allclose(gf[n], gu[n], rtol=1e-4, atol=1e-7), n
+        shifted = dict(batch, mlm_positions=(batch["mlm_positions"] + 1) % L)  # an off-by-one gather
+        lw, gw = _loss_and_grads(unpad, shifted)
+        assert abs(lw - lf) > 1e-4 and not torch.allclose(gw["mlm_transform.weight"], gf["mlm_transform.weight"])
+
+
+def test_init_and_tying():
+    torch.manual_seed(0)
+    cfg = CFG.model_copy(update={"hidden": 64, "intermediate": 256, "vocab_size": 2000})
+    model = BertForPreTraining(cfg)
+    std = model.layers[0].fc1.weight.std().item()
+    assert 0.018 < std < 0.022 and model.layers[0].fc1.bias.abs().max() == 0
+    assert model.layers[0].ln1.weight.eq(1).all()
+    with torch.no_grad():
+        model.word.weight[5].fill_(0.0)
+        model.mlm_bias.zero_()
+        logits = model.mlm_logits(torch.randn(3, cfg.hidden))
+    assert logits[:, 5].abs().max() == 0  # the decoder reads the word embedding matrix
+    batch = build_batch(synthetic_sequences([10], cfg.vocab_size), [[0]], 10)
+    batch["position_ids"][0, -1] = 600
+    with pytest.raises(ValueError, match="max_position"):
+        model(batch)
+
+
+def test_cu_seqlens():
+    seq = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1], [1, 2, 3, 0, 0, 0]])
+    idx, cu, longest = cu_seqlens(seq)
+    assert idx.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert cu.tolist() == [0, 2, 5, 11, 12, 13, 14] and longest == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (variable-length flash attention)")
+def test_varlen_attention_matches_masked_sdpa_on_gpu():
+    """CUDA + bf16 takes the varlen (cu_seqlens) path; it must agree with the masked SDPA path and keep
+    packed sequences separate."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(CFG.model_copy(update={"dropout": 0.0})).cuda().eval()
+    seqs, packs = _packed_and_alone()
+    batch = {k: v.cuda() for k, v in build_batch(seqs, packs, L).items()}
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        x = model.word(batch["input_ids"]).to(torch.bfloat16)
+        assert bert_mod.varlen_available(x)
+        varlen = model(batch)
+    orig = bert_mod.varlen_available
+    try:
+        bert_mod.varlen_available = lambda x: False
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            masked = model(batch)
+    finally:
+        bert_mod.varlen_available = orig
+    assert torch.allclose(varlen.mlm_logits.float(), masked.mlm_logits.float(), atol=3e-2, rtol=3e-2)
+    assert torch.allclose(varlen.pooled.float(), masked.pooled.float(), atol=3e-2, rtol=3e-2)
