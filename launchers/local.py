@@ -4,7 +4,8 @@ Each child gets the variables ``scaleout.env.LocalEnv`` reads (plus torchrun's R
 torch-native scripts work too), its own process group (so a rank's own children die with it), and its
 output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
 gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT or
-SIGTERM to the launcher does the same to every child.
+SIGTERM to the launcher does the same to every child; SIGUSR1/SIGUSR2 (preemption notices) are forwarded
+to every rank, as srun forwards them.
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ class LocalLauncher:
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
 
+    def _forward(self, signum, _frame) -> None:
+        """SIGUSR1/SIGUSR2 are preemption notices: pass them to every rank (as srun does), keep running."""
+        self._signal_all(signum)
+
     def wait(self, timeout_s: float | None = None) -> LaunchResult:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failed: RankExit | None = None
@@ -225,6 +230,8 @@ class LocalLauncher:
         if in_main:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._on_signal)
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                handlers[sig] = signal.signal(sig, self._forward)
         try:
             self.start()
             return self.wait(timeout_s)

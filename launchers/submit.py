@@ -148,9 +148,9 @@ def submit(spec: SubmitSpec) -> list[Any]:
     return [ex.submit(fn) for fn in fns]
 
 
-def follow(jobs: Sequence[Any], out: Callable[[str], None] = print, poll_s: float = 1.0,
+def follow(jobs: Sequence[Any], out: Callable[[str], None] = print, poll_s: float = 0.5,
            timeout_s: float | None = None) -> dict[str, str]:
-    """Stream rank 0's log of every job until all are done; return job id -> final state."""
+    """Stream rank 0's log of every job until all are done (or the timeout); return job id -> state."""
     offsets: dict[str, int] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

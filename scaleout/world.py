@@ -43,6 +43,7 @@ class World:
         self.node_of = node_of  # node index of every global rank, as observed after init
         self._groups: dict[tuple[int, ...], Any] = {}
         self._families: dict[str, Any] = {}
+        self._close_hooks: list[Any] = []
 
     # -- identity ---------------------------------------------------------------------------------
     rank = property(lambda self: self.spec.rank)
@@ -112,6 +113,11 @@ class World:
             self._families[family] = self._groups[key]
         return self._families[family]
 
+    def partition(self, family: str, parts: list[list[int]]) -> Any:
+        """Public form of group-family creation: one group per part (every rank calls it with the same
+        parts, in the same order); returns this rank's group. Used by e.g. group batch norm."""
+        return self._partition(family, parts)
+
     @property
     def intra(self) -> Any:
         """Ranks on this node."""
@@ -178,7 +184,15 @@ class World:
         if setter is not None:
             setter(timedelta(seconds=seconds), None)
 
+    def add_close_hook(self, fn: Any) -> None:
+        """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a comm thread:
+        destroying gloo groups while the thread that issued their ops is alive aborts the process)."""
+        self._close_hooks.append(fn)
+
     def close(self) -> None:
+        hooks, self._close_hooks = self._close_hooks, []
+        for fn in reversed(hooks):
+            fn()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._groups.clear()

@@ -37,4 +37,4 @@ export SCALEOUT_PREEMPT_SIGNAL=USR2
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), ${SLURM_NTASKS} tasks, $(date -Is)"
 # --kill-on-bad-exit: one dead rank ends the step instead of leaving 2047 ranks hanging in a collective.
-srun --kill-on-bad-exit=1 --cpu-bind=none scaleout train configs/bert_large_256x8.yaml checkpoint.dir="checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID" "$@"
+srun --kill-on-bad-exit=1 scaleout train configs/bert_large_256x8.yaml checkpoint.dir="checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID" "$@"

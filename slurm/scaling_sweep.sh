@@ -32,5 +32,5 @@ export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0} NCCL_DEBUG=${NCCL_DEBUG:-WARN} TORC
 export SCALEOUT_PREEMPT_SIGNAL=USR2
 OUT=runs/sweep-${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}/${NODES}n
 echo "sweep task $IDX: $NODES nodes x $TPN tasks ($CONFIG) -> $OUT"
-srun --kill-on-bad-exit=1 --cpu-bind=none -N "$NODES" --ntasks-per-node "$TPN" \
+srun --kill-on-bad-exit=1 -N "$NODES" --ntasks-per-node "$TPN" \
   scaleout train "$CONFIG" train.output_dir="$OUT" checkpoint.dir="$OUT/checkpoints" "$@"

@@ -1,7 +1,11 @@
 """Session fixture for the real local Slurm cluster (launchers/slurm_local) and job helpers for the tests.
 
 The cluster is started when it is not running and stopped at the end of the session only if this session
-started it. Import the fixture into a test module with ``from tests.slurmutil import slurm_cluster``.
+started it. A test module declares its fixture as
+
+    @pytest.fixture(scope="session")
+    def cluster():
+        yield from slurmutil.cluster_session()
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Cluster:
     def info(self, job: int) -> dict[str, str]:
         return job_info(job, env=self.env)
 
-    def release_requeued(self, job: int, restart: int, timeout_s: float = 60) -> None:
+    def release_requeued(self, job: int, restart: int, timeout_s: float = 120) -> None:
         """Wait until ``job`` is back in the queue after its ``restart``-th requeue, then let it start now
         instead of after the cred_expire hold (11 s here, 121 s by default)."""
         deadline = time.monotonic() + timeout_s
@@ -72,8 +76,8 @@ def wait_for_text(path: Path, pattern: str, timeout_s: float = 60) -> str:
     raise AssertionError(f"{pattern!r} did not appear in {path} within {timeout_s} s:\n{text}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
+def cluster_session():
+    """Generator body of a session fixture: start the cluster if needed, yield a Cluster, stop what we started."""
     why = can_run_local_slurm()
     if why:
         pytest.skip(why)

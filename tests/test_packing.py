@@ -34,17 +34,20 @@ def wiki() -> np.ndarray:
 
 @needs_wiki
 def test_wikipedia_bars(wiki):
-    """The issue's bars: <=3 per pack >= 0.9975 (ours, LP), <=12 per pack >= 0.9981 fast (LPFHP)."""
+    """The issue's bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
+    (lphp) beats the published NNLSHP (0.9975) and LPFHP (0.9981) at both depths."""
     assert speedup_ceiling(wiki) == pytest.approx(2.0013, abs=1e-4)
     lp3 = pack_histogram(wiki, 512, 3, "lphp")
-    assert lp3.efficiency >= 0.9975 and max(lp3.depth_histogram()) <= 3
-    assert lp3.cpu_seconds < 2.0  # ~0.25 s CPU here; the 1 s bar is checked by `scaleout pack` timings
-    lp12 = pack_histogram(wiki, 512, 12, "lpfhp")
-    assert lp12.efficiency >= 0.9981 and lp12.seconds < 0.5
+    assert lp3.efficiency >= 0.9988 and max(lp3.depth_histogram()) <= 3
+    assert lp3.cpu_seconds < 1.0  # ~0.3 s CPU here (wall time swings with the other jobs on this box)
+    lp12 = pack_histogram(wiki, 512, 12, "lphp")
+    assert lp12.efficiency >= 0.9997 and max(lp12.depth_histogram()) <= 12
+    lf12 = pack_histogram(wiki, 512, 12, "lpfhp")
+    assert lf12.efficiency >= 0.9981 and lf12.cpu_seconds < 0.05
     sp12 = pack_histogram(wiki, 512, 12, "spfhp")
     assert sp12.efficiency == pytest.approx(0.99604, abs=5e-5)  # the paper's SPFHP number
     assert pack_histogram(wiki, 512, 3, "auto").algorithm == "lphp"
-    for s in (lp3, lp12, sp12):
+    for s in (lp3, lp12, lf12, sp12):
         assert np.array_equal(s.histogram(), wiki)  # every sequence exactly once
         assert s.speedup == pytest.approx(s.num_sequences / s.num_packs)
 

@@ -90,3 +90,24 @@ def test_timers_synchronize_cuda_and_peak_table():
     assert t.mean()["forward"] > 2e-3
     name, peak = device_peak_flops("cuda")
     assert peak in PEAK_FLOPS.values() and name
+
+
+def test_progress_bar_rank0_and_rate_limited():
+    import io
+
+    from scaleout.report import Progress
+
+    out = io.StringIO()
+    p = Progress(100, rank=0, stream=out, line_every_s=3600)
+    p.update(1, samples=32, loss=7.5)  # first line always
+    p.update(2, samples=64)  # rate-limited away
+    p.update(50, samples=1600, force=True, mlm_acc=0.25)
+    p.update(100, samples=3200)  # the last step always prints
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("step 1/100") and "loss 7.5" in lines[0] and "eta" in lines[0]
+    assert "[##########----------]  50%" in lines[1] and "mlm_acc 0.25" in lines[1] and "samples/s" in lines[1]
+    assert lines[2].startswith("step 100/100") and "eta" not in lines[2]
+    quiet = io.StringIO()
+    Progress(10, rank=1, stream=quiet).update(10, force=True)
+    assert quiet.getvalue() == ""

@@ -1,98 +1,65 @@
-"""Calibration on real measurements: gloo all-reduces on 2 emulated nodes x 2 ranks (loopback).
+"""Calibration on real measurements: `scaleout bench allreduce` on the emulated netns cluster.
 
-We time three of scaleout.comm's real all-reduce algorithms (flat, hierarchical, a 4 x 1 torus2d), fit the cost model on flat + hierarchical at half of the sizes, and
-check that it predicts the held-out sizes and the held-out algorithm (torus2d) within +-20 %. This
-proves the fit/predict machinery on real data; the netns numbers (1 Gbit/s links) come from
-``scaleout bench allreduce`` and ``scaleout simulate calibrate`` (docs/simulate.md).
-
-The 2 cores are shared with other jobs, so each point is the minimum over interleaved repeats (the
-least-disturbed run), taken as the median over ranks. When the machine is so busy that timings mean
-nothing (1-minute load above 3 runnable processes per core before we start), the accuracy test skips
-and says so; the schema tests always run.
+Issue 8 (3a): constants fitted from the all-reduce bench on the emulated cluster must predict other
+sizes and algorithms within +-20 %. We run the real bench one-shot (2 nodes x 2 ranks in network
+namespaces, 1 Gbit/s tc-shaped links; flat, hierarchical and a 4 x 1 torus2d whose row spans both
+nodes), fit on flat + hierarchical at every other size, and check the held-out sizes and the held-out
+algorithm (torus2d). The links, not the 2 shared cores, set these times (1-16 MiB take 15-300 ms at
+~117 MB/s), which is what makes the check stable on a busy machine; rows keep every run and we fit
+the fastest (least disturbed). Needs root and iproute2, like tests/test_netns.py; skipped otherwise,
+and skipped with the reason printed when the box is so overloaded (> 6 runnable processes per core)
+that the CPU cannot even keep a 1 Gbit/s link busy (seen here at load 63 on 2 cores: 16 MiB took 1.5x
+its link time). The schema tests below need nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 from scaleout.errors import ConfigError
-from scaleout.sim.calibrate import (
-    Sample,
-    cross_validate,
-    load_samples,
-    parse_rate,
-    samples_from_rows,
-    split_default,
-)
-from tests.distutil import run_dist
+from scaleout.sim.calibrate import cross_validate, load_samples, parse_rate, samples_from_rows, split_default
 
-SIZES = [32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
-REPEATS = 25
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = "1MiB,2MiB,4MiB,8MiB,16MiB"
 TOLERANCE = 0.20
-MAX_LOAD_PER_CORE = 3.0
+MAX_LOAD_PER_CORE = 6.0
 
 
-# (label, scaleout.comm algorithm, options): torus2d with x = 4 on 2 x 2 is a 4 x 1 grid, a row that spans
-# both nodes, so it is a different schedule from hierarchical (which is the 2 x 2 grid).
-ALGORITHMS = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("torus2d", "torus2d", {"x": 4})]
-
-
-def measure(world, sizes: list[int], repeats: int) -> dict[tuple[str, int], float]:
-    import torch
-
-    from scaleout.comm.api import all_reduce
-
-    bufs = {n: torch.ones(n // 4) for n in sizes}
-    for _, name, opts in ALGORITHMS:  # warm up connections, groups and buffers
-        for n in sizes:
-            all_reduce(bufs[n], world, name, **opts)
-    times: dict[tuple[str, int], list[float]] = {(a, n): [] for a, _, _ in ALGORITHMS for n in sizes}
-    for _ in range(repeats):  # interleaved, so a busy spell on the shared cores hits every point alike
-        for label, name, opts in ALGORITHMS:
-            for n in sizes:
-                world.barrier()
-                t = time.perf_counter()
-                all_reduce(bufs[n], world, name, **opts)
-                times[(label, n)].append(time.perf_counter() - t)
-    return {k: min(v) for k, v in times.items()}
-
-
-@pytest.fixture(scope="module")
-def measured() -> list[Sample]:
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
+                    reason="needs root and iproute2 (ip, tc) for the emulated cluster")
+def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > MAX_LOAD_PER_CORE * cores:
         pytest.skip(f"machine too busy for a timing fit: load {load:.1f} on {cores} cores (> {MAX_LOAD_PER_CORE:g}/core)")
-    per_rank = run_dist(measure, nnodes=2, nproc_per_node=2, args=(SIZES, REPEATS), timeout=180)
-    rows = []
-    for key in per_rank[0]:
-        alg, n = key
-        opts = next(o for label, _, o in ALGORITHMS if label == alg)
-        rows.append({"algorithm": alg, "nbytes": n, "nnodes": 2, "nproc_per_node": 2, "options": opts,
-                     "time_s": statistics.median(r[key] for r in per_rank)})
-    return samples_from_rows(rows)
-
-
-def test_fit_predicts_held_out_sizes_and_algorithm(measured):
-    fit, checks = cross_validate(measured, split_default(measured, holdout_algorithms=["torus2d"]))
+    out = tmp_path / "allreduce.json"
+    cmd = [sys.executable, "-m", "scaleout", "bench", "allreduce", "--nnodes", "2", "--nproc-per-node", "2",
+           "--netns", "--rate", "1gbit", "--sizes", SIZES, "--torus", "4x1", "--repeats", "5", "--out", str(out),
+           "--png", ""]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    samples = load_samples(out, stat="min")
+    assert {s.algorithm for s in samples} == {"ring", "hierarchical", "torus2d"}
+    assert all(s.link_rate_bps and 0.5e9 < s.link_rate_bps < 1.05e9 for s in samples)
+    fit, checks = cross_validate(samples, split_default(samples, holdout_algorithms=["torus2d"]))
     held = [c for c in checks if not c.trained_on]
-    assert {c.sample.algorithm for c in held} == {"ring", "hierarchical", "torus2d"}
     report = "\n".join(
-        f"{c.sample.algorithm:13s} {c.sample.nbytes:>9d} B  measured {c.sample.time_s * 1e3:8.3f} ms  "
-        f"predicted {c.predicted * 1e3:8.3f} ms  {c.error:+.1%}{'' if not c.trained_on else '  (train)'}"
+        f"{c.sample.algorithm:13s} {c.sample.nbytes:>9d} B  measured {c.sample.time_s * 1e3:8.2f} ms  "
+        f"predicted {c.predicted * 1e3:8.2f} ms  {c.error:+.1%}{'  (fit)' if c.trained_on else ''}"
         for c in checks
     )
     print(f"\nfitted: {fit.constants.describe()}\n{report}")
+    assert len(held) == 9 and {c.sample.algorithm for c in held} == {"ring", "hierarchical", "torus2d"}
     worst = max(abs(c.error) for c in held)
     assert worst <= TOLERANCE, f"held-out error {worst:.1%} > {TOLERANCE:.0%}\n{report}"
-    # the fit must have learned something physical: bandwidth terms dominate the largest size
-    big = max(measured, key=lambda s: s.nbytes)
-    assert fit.constants.beta_intra > 0 or fit.constants.beta_inter > 0
-    assert fit.predict(big) > 10 * fit.predict(min(measured, key=lambda s: s.nbytes)) or big.time_s < 1e-3
+    # physical sanity: the fitted per-NIC bandwidth is the shaped link's (1 Gbit/s minus TCP overhead)
+    assert 60e6 < 1 / fit.constants.beta_inter < 130e6, fit.constants.describe()
 
 
 def test_schema_aliases_and_rates(tmp_path):

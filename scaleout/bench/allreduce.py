@@ -256,7 +256,11 @@ def _in_rank(args: argparse.Namespace) -> int:
     dtype = getattr(torch, DTYPES[args.dtype])
     esize = torch.empty((), dtype=dtype).element_size()
     p, k = world.world_size, world.num_nodes
-    say = (lambda *a: print(*a, flush=True)) if world.is_main else (lambda *a: None)
+    from scaleout.log import print0
+
+    def say(*a: Any) -> None:
+        print0(*a, rank=world.rank)
+
     say(f"allreduce bench: {p} ranks = {k} nodes x {world.local_size}, {args.dtype}, sizes {', '.join(fmt_bytes(s) for s in sizes)}, "
         f"{len(variants)} variants, median of {args.repeats}; groups {group_cost['groups_s'] * 1e3:.1f} ms vs "
         f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms")
@@ -311,7 +315,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: di
             r["time_s"] / r["link_floor_s"] if r["link_floor_s"] else "-",
         ])
     print(format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "speedup vs flat", "link floor ms", "time / floor"], table))
-    ratio = group_cost["groups_s"] / group_cost["init_process_group_s"] if group_cost["init_process_group_s"] > 0 else None
+    ratio = group_cost["groups_s"] / group_cost["init_process_group_s"] if world.world_size > 1 else None
     print(f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
           f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "
           f"a world-sized new_group {group_cost['new_world_group_s'] * 1e3:.1f} ms" if ratio is not None else "")

@@ -10,12 +10,13 @@ HELP = "BERT real (non-pad) tokens/s, packed (<=3 per row, LPHP) vs padded to ma
 DEFAULT_HIST = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikipedia_seqlen_hist_512.txt"
 DESCRIPTION = f"""\
 Draws --sequences lengths from a sequence-length histogram (default: the Wikipedia-512 one,
-{DEFAULT_HIST}), builds synthetic BERT examples of those lengths (15 % MLM masking, NSP labels), packs
-them (--algorithm, default lphp, <= --max-per-pack per row) and times forward + backward of the same
-small BERT on --rows-row batches, packed and padded (one sequence per row, padded to --max-len),
-each packed batch timed right
-after (or before) a padded one so machine noise hits both alike. Reports real (non-pad) tokens per second and the ratio
-packed / padded; the ceiling is the histogram's speed-up ceiling (2.0013 for Wikipedia-512).
+{DEFAULT_HIST}), builds synthetic BERT examples of those lengths (15 % MLM masking, NSP labels) and
+packs them (--algorithm, default lphp, <= --max-per-pack per row). It then takes --rows x --batches
+random packs and times forward + backward of the same small BERT over them twice: packed, and the
+same sequences one per row padded to --max-len; the two kinds of batches are interleaved so machine
+noise hits both alike. Reports real (non-pad) tokens per second (wall and, with --threads 1, per CPU
+second of the one compute thread) and the ratio packed / padded; the ceiling is the histogram's
+speed-up ceiling (2.0013 for Wikipedia-512).
 
 examples:
   scaleout bench packing
@@ -30,15 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", default="lphp", help="packing algorithm (default lphp)")
     p.add_argument("--sequences", type=int, default=4000, help="sequences drawn and packed (default 4000)")
     p.add_argument("--rows", type=int, default=4, help="rows of max_len tokens per batch (default 4)")
-    p.add_argument("--batches", type=int, default=3, help="batches timed per mode and repeat (default 3)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats; the median throughput is reported")
+    p.add_argument("--batches", type=int, default=4,
+                   help="packed batches per repeat (default 4); the padded run covers the same sequences")
+    p.add_argument("--repeats", type=int, default=5, help="repeats; the median throughput is reported (default 5)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--vocab", type=int, default=1024,
+                   help="vocabulary (default 1024: the MLM head costs the same per real token packed or padded, so a "
+                        "30522-word head on a 128-wide model would hide what packing saves; see docs/packing.md)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the step's CPU time is then this thread's time, which other "
+                        "jobs on a shared machine barely disturb; 0 = torch's default)")
     p.add_argument("--out", default="bench-results/packing.json")
     p.add_argument("--png", default="bench-results/packing.png", help="bar chart ('' = none; needs matplotlib)")
 
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from scaleout.bench.common import format_table, write_json
     from scaleout.config.schema import BertConfig
-    from scaleout.data.bert_batch import build_batch, padded_packs, sample_lengths, synthetic_sequences
+    from scaleout.data.bert_batch import build_batch, sample_lengths, synthetic_sequences
     from scaleout.data.packing import (
         assign_sequences,
         histogram_from_lengths,
@@ -74,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     strategy = pack_histogram(histogram_from_lengths(lengths, args.max_len), args.max_len, args.max_per_pack,
                               args.algorithm)
     packs = assign_sequences(strategy, lengths, seed=args.seed).packs()
-    padded = padded_packs(len(seqs))
     need = args.rows * args.batches
     if len(packs) < need:
         raise UserError(f"{len(packs)} packs < --rows x --batches = {need}: raise --sequences")
@@ -82,15 +87,16 @@ def run(args: argparse.Namespace) -> int:
                      intermediate=args.intermediate, max_position=args.max_len, dropout=0.1, unpad_mlm_head=True)
     torch.manual_seed(args.seed)
     model = BertForPreTraining(cfg).train()
+    # The same sequences both ways: --rows x --batches random packs, and their sequences one per row.
     rng = np.random.default_rng(args.seed + 1)
-    modes = {"padded": padded, "packed": packs}
-    batches = {}
-    for mode, rows in modes.items():
-        pick = rng.choice(len(rows), size=need, replace=False)
-        chosen = [rows[i] for i in pick]
-        batches[mode] = [build_batch(seqs, chosen[b * args.rows:(b + 1) * args.rows], args.max_len,
-                                     max_per_pack=args.max_per_pack)
-                         for b in range(args.batches)]
+    chosen = [packs[i] for i in rng.choice(len(packs), size=need, replace=False)]
+    rows_of = {"packed": chosen, "padded": [[i] for p in chosen for i in p]}
+    batches = {m: [build_batch(seqs, r[b:b + args.rows], args.max_len, max_per_pack=args.max_per_pack)
+                   for b in range(0, len(r), args.rows)] for m, r in rows_of.items()}
+    # interleave: each packed batch runs between the padded batches holding (about) its sequences
+    per = len(batches["padded"]) / len(batches["packed"])
+    schedule = sorted([(i, "packed", i) for i in range(len(batches["packed"]))]
+                      + [(j / per, "padded", j) for j in range(len(batches["padded"]))])
 
     def step(batch) -> None:
         model.zero_grad(set_to_none=True)
@@ -98,44 +104,49 @@ def run(args: argparse.Namespace) -> int:
 
     step(batches["padded"][0])  # warm-up (allocator, kernels)
     step(batches["packed"][0])
-    tput: dict[str, list[float]] = {m: [] for m in modes}
-    secs: dict[str, list[float]] = {m: [] for m in modes}
-    ratios: list[float] = []  # per pair of batches timed back to back: noise hits both alike
-    real = {m: [int((b["seq_ids"] > 0).sum()) for b in batches[m]] for m in modes}
-    seqs_in = {m: int(sum((b["nsp_labels"] != -100).sum() for b in batches[m])) for m in modes}
+    real = int(sum((b["seq_ids"] > 0).sum() for b in batches["packed"]))
+    wall: dict[str, list[float]] = {"padded": [], "packed": []}
+    cpu: dict[str, list[float]] = {"padded": [], "packed": []}
     for r in range(args.repeats):
-        for i in range(args.batches):
-            t_pair = {}
-            for mode in (("padded", "packed") if (r + i) % 2 == 0 else ("packed", "padded")):
-                t = time.perf_counter()
-                step(batches[mode][i])
-                t_pair[mode] = time.perf_counter() - t
-                secs[mode].append(t_pair[mode])
-                tput[mode].append(real[mode][i] / t_pair[mode])
-            ratios.append(tput["packed"][-1] / tput["padded"][-1])
-        print(f"  repeat {r + 1}/{args.repeats}: padded {statistics.median(tput['padded']):.0f} tok/s, "
-              f"packed {statistics.median(tput['packed']):.0f} tok/s", flush=True)
-    real = {m: sum(v) for m, v in real.items()}
-    med = {m: statistics.median(v) for m, v in tput.items()}
-    ratios = [p / q for p, q in zip(tput["packed"], tput["padded"], strict=True)]
+        w_tot, c_tot = {"padded": 0.0, "packed": 0.0}, {"padded": 0.0, "packed": 0.0}
+        for _, mode, j in (schedule if r % 2 == 0 else schedule[::-1]):
+            t, c = time.perf_counter(), time.thread_time()
+            step(batches[mode][j])
+            w_tot[mode] += time.perf_counter() - t
+            c_tot[mode] += time.thread_time() - c
+        for m in wall:
+            wall[m].append(w_tot[m])
+            cpu[m].append(c_tot[m])
+        print(f"  repeat {r + 1}/{args.repeats}: padded {real / w_tot['padded']:.0f} tok/s, packed "
+              f"{real / w_tot['packed']:.0f} tok/s (cpu: {real / c_tot['padded']:.0f} / {real / c_tot['packed']:.0f})",
+              flush=True)
+    ratios = [p / q for p, q in zip(wall["padded"], wall["packed"], strict=True)]
+    cpu_ratios = [p / q for p, q in zip(cpu["padded"], cpu["packed"], strict=True)]
+    med = {m: real / statistics.median(v) for m, v in wall.items()}
+    cpu_med = {m: real / statistics.median(v) for m, v in cpu.items()}
     rows = []
-    for m in modes:
-        toks = args.rows * args.batches * args.max_len
-        rows.append([m, args.rows * args.batches, seqs_in[m], f"{real[m] / toks:.4f}",
-                     f"{statistics.median(secs[m]):.3f}", f"{med[m]:.0f}", f"{med[m] / med['padded']:.3f}"])
+    for m in ("padded", "packed"):
+        n_rows = len(rows_of[m])
+        rows.append([m, n_rows, len(rows_of["padded"]), f"{real / (n_rows * args.max_len):.4f}",
+                     f"{statistics.median(wall[m]):.2f}", f"{med[m]:.0f}", f"{med[m] / med['padded']:.3f}",
+                     f"{cpu_med[m]:.0f}", f"{cpu_med[m] / cpu_med['padded']:.3f}"])
     print(f"BERT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, rows of {args.max_len}; "
           f"{args.sequences} sequences packed by {strategy.algorithm} (<= {args.max_per_pack}/row): "
           f"efficiency {strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} "
           f"(ceiling {speedup_ceiling(h):.4f})")
-    print(format_table(["mode", "rows", "sequences", "real-token fraction", "s / batch", "real tokens/s",
-                        "vs padded"], rows))
-    print(f"packed / padded real-token throughput: median {statistics.median(ratios):.3f}x over {len(ratios)} "
-          f"back-to-back batch pairs (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(format_table(["mode", "rows", "sequences", "real-token fraction", "wall s (all rows)", "real tokens/s (wall)",
+                        "vs padded", "real tokens/cpu-s", "vs padded (cpu)"], rows))
+    print(f"packed / padded real-token throughput over {len(ratios)} repeats: median "
+          f"{statistics.median(cpu_ratios):.3f}x by CPU time (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f}), "
+          f"{statistics.median(ratios):.3f}x by wall time (min {min(ratios):.3f}, max {max(ratios):.3f})")
     payload = {
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
         "strategy": strategy.stats(),
-        "real_tokens": real, "sequences": seqs_in, "tokens_per_s": tput, "seconds_per_batch": secs,
+        "real_tokens": real, "rows": {m: len(r) for m, r in rows_of.items()}, "wall_s": wall, "cpu_s": cpu,
         "median_tokens_per_s": med, "ratio_median": statistics.median(ratios), "ratios": ratios,
+        "median_cpu_tokens_per_s": cpu_med,
+        "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios,
         "ceiling": speedup_ceiling(h),
     }
     if p := write_json(args.out, payload):
@@ -150,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
             print("(matplotlib not installed: no PNG)")
         else:
             fig, ax = plt.subplots(figsize=(5, 3.5))
-            ax.bar(list(med), list(med.values()), color=["#999", "#2a7"])
-            ax.set_ylabel("real tokens / s")
-            ax.set_title(f"BERT packed vs padded: {statistics.median(ratios):.2f}x")
+            ax.bar(list(cpu_med), list(cpu_med.values()), color=["#999", "#2a7"])
+            ax.set_ylabel("real tokens / CPU-second")
+            ax.set_title(f"BERT packed vs padded: {statistics.median(cpu_ratios):.2f}x (CPU time)")
             Path(args.png).parent.mkdir(parents=True, exist_ok=True)
             fig.tight_layout()
             fig.savefig(args.png, dpi=120)

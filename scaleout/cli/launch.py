@@ -63,6 +63,7 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
 
     from launchers.local import launch
     from launchers.netns import Cluster
+    from scaleout.env.base import free_port
 
     if args.cluster:
         cluster = Cluster(args.nnodes, None, name=args.cluster)
@@ -81,7 +82,9 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
             args.nnodes,
             args.nproc_per_node,
             master_addr=cluster.addr(0),
-            master_port=args.master_port or 29400,
+            # A port free here is as good a guess as any for node 0's namespace (it has few listeners);
+            # distinct per launch, so two launches sharing one `cluster up` cluster do not collide.
+            master_port=args.master_port or free_port("0.0.0.0"),
             env=env,
             node_wrapper=cluster.wrapper,
             **kwargs,

@@ -24,7 +24,7 @@ examples:
   scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
   scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms ring,hierarchical
   scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
-  scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d
+  scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d --min-bytes 1MiB
   scaleout simulate validate --out bench-results/sim-validate.json
 """
 
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ca.add_argument("bench_json", help="output of 'scaleout bench allreduce --out' (schema: scaleout.sim.calibrate)")
     ca.add_argument("--holdout", default="", help="algorithms to leave out of the fit (comma list), e.g. torus2d")
     ca.add_argument("--every", type=int, default=2, help="fit on every N-th size, test on the rest (default 2)")
+    ca.add_argument("--stat", default="min", choices=("min", "median"),
+                    help="per-row statistic when rows carry every run's time (default min: least disturbed)")
+    ca.add_argument("--min-bytes", default="0", help="ignore rows below this size, e.g. 1MiB (default 0)")
     ca.add_argument("--tolerance", type=float, default=0.20, help="exit 1 if a held-out error exceeds this (default 0.20)")
     ca.add_argument("--out", default="bench-results/simulate-calibrate.json", help="JSON output ('' to skip)")
 
@@ -206,10 +209,11 @@ def run_allreduce(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from scaleout.bench.allreduce import parse_size
     from scaleout.bench.common import format_table
     from scaleout.sim.calibrate import cross_validate, load_samples, split_default
 
-    samples = load_samples(args.bench_json)
+    samples = load_samples(args.bench_json, args.stat, parse_size(args.min_bytes))
     holdout = _algorithms(args.holdout) if args.holdout else []
     fit, checks = cross_validate(samples, split_default(samples, holdout, args.every))
     print(f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "

@@ -66,16 +66,18 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
     if args.no_follow:
         return 0
-    states = follow(jobs, timeout_s=args.follow_timeout)
-    bad = {k: v for k, v in states.items() if v not in ("COMPLETED", "FINISHED", "DONE")}
-    for k, v in states.items():
-        print(f"job {k}: {v}", flush=True)
-    if bad:
-        for j in jobs:
-            if j.job_id in bad:
-                try:
-                    j.result()
-                except Exception as exc:  # noqa: BLE001 -- report the rank's error in one line
-                    print(f"job {j.job_id} failed: {str(exc).strip().splitlines()[-1]}", flush=True)
-        return 1
-    return 0
+    follow(jobs, timeout_s=args.follow_timeout)
+    failed = 0
+    for j in jobs:
+        if not j.done():
+            print(f"job {j.job_id}: still {j.state} (stopped following)", flush=True)
+            continue
+        try:
+            j.results()  # every task's return value; raises with the failing rank's error
+            print(f"job {j.job_id}: completed", flush=True)
+        except Exception as exc:  # noqa: BLE001 -- report the rank's error in one line
+            failed += 1
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            why = [ln for ln in lines if "Error" in ln or "rank " in ln] or lines or [type(exc).__name__]
+            print(f"job {j.job_id}: failed: {why[-1].strip()} (log {j.paths.stdout})", flush=True)
+    return 1 if failed else 0

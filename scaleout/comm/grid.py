@@ -43,6 +43,9 @@ RS_AHEAD = 2
 AR_DEPTH = 2
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Point-to-point tags of this module: away from 0 (torch's default tag) so that other code's isend/irecv
+# on the same groups cannot be matched with ours. Chunk c uses TAG_BASE + 2c (reduce-scatter), + 2c + 1.
+TAG_BASE = 0x5C0000
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,10 @@ class _GlooSchedule:
                 continue
             lo, hi = shards[j]
             if hi > lo:
-                works.append(dist.isend(self.buf[lo:hi], dst=peer, group=self.grid.row, tag=2 * c))
+                works.append(dist.isend(self.buf[lo:hi], dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c))
             if mine.numel():
                 tmp = torch.empty_like(mine)
-                works.append(dist.irecv(tmp, src=peer, group=self.grid.row, tag=2 * c))
+                works.append(dist.irecv(tmp, src=peer, group=self.grid.row, tag=TAG_BASE + 2 * c))
                 tmps.append(tmp)
         return works, tmps
 
@@ -143,10 +146,10 @@ class _GlooSchedule:
             if j == self.i:
                 continue
             if mine.numel():
-                works.append(dist.isend(mine, dst=peer, group=self.grid.row, tag=2 * c + 1))
+                works.append(dist.isend(mine, dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1))
             lo, hi = shards[j]
             if hi > lo:
-                works.append(dist.irecv(self.buf[lo:hi], src=peer, group=self.grid.row, tag=2 * c + 1))
+                works.append(dist.irecv(self.buf[lo:hi], src=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1))
         return works
 
     # -- the pipeline -----------------------------------------------------------------------------

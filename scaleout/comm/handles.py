@@ -87,6 +87,12 @@ class CommThread:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Finish queued work and join the thread (World.close calls this before destroying groups)."""
+        self.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
 
 # One CommThread per World, dropped with the World (weak keys: no state outlives its World).
 _THREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,4 +110,6 @@ def comm_thread(world: Any) -> CommThread:
         if t is None:
             t = _THREADS[world] = CommThread(f"scaleout-comm-r{world.rank}")
             weakref.finalize(world, t.close)
+            if hasattr(world, "add_close_hook"):
+                world.add_close_hook(t.shutdown)
         return t

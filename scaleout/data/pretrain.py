@@ -206,6 +206,31 @@ def build_pretraining_data(vocab_size: int = 4096, max_seq_len: int = 128, max_p
     (dupe 1) with a fixed seed so every run evaluates on the same masked positions.
     """
     cache = cache or cache_dir()
+    # One builder at a time: ranks starting together on a cold cache wait for the first one and then
+    # read its files instead of all spending the same ~25 s (2-core machine) building them.
+    with _file_lock(os.path.join(cache, "build.lock")):
+        return _build(vocab_size, max_seq_len, max_predictions, mask_prob, dupe_factor, eval_fraction, seed,
+                      sources, cache, docs)
+
+
+def _file_lock(path: str):
+    import contextlib
+    import fcntl
+
+    @contextlib.contextmanager
+    def lock():
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    return lock()
+
+
+def _build(vocab_size, max_seq_len, max_predictions, mask_prob, dupe_factor, eval_fraction, seed, sources,
+           cache, docs) -> PretrainData:
     docs = docs if docs is not None else _cached_corpus(sources, cache)
     key_src = (f"{corpus_hash(docs)}:{vocab_size}:{max_seq_len}:{max_predictions}:{mask_prob}:{dupe_factor}:"
                f"{eval_fraction}:{seed}:{FORMAT_VERSION}")

@@ -86,6 +86,9 @@ class SlurmEnv(Environment):
 
     The step's variables (SLURM_STEP_*) are preferred over the job's: a step may use fewer nodes.
     MASTER_ADDR = first host of the nodelist, MASTER_PORT = derived from the job id, unless set.
+    Checked under real srun (Slurm 22.05, tests/test_slurm.py): the batch script itself has SLURM_PROCID=0
+    but no SLURM_STEP_ID, so only srun tasks are detected; srun tasks get SLURM_STEP_ID/STEPID,
+    SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES/NUM_TASKS and SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``).
     """
 
     name = "slurm"
@@ -142,8 +145,10 @@ class SlurmEnv(Environment):
 class MPIEnv(Environment):
     """mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID), PMIx.
 
-    Node rank and node count are not in the variables of every MPI; when missing they come from mpi4py
-    (ranks sharing memory = one node). The rendezvous address is broadcast from rank 0 with mpi4py.
+    Node rank and node count are not in the variables of every MPI (Open MPI 5 sets OMPI_COMM_WORLD_LOCAL_*
+    but no node index); they come from mpi4py (ranks sharing memory = one node), which also gives the local
+    rank, so all four agree. SCALEOUT_MPI_RANKS_PER_NODE=k emulates nodes of k ranks on one host. The
+    rendezvous address and a free port are broadcast from rank 0 with mpi4py.
     """
 
     name = "mpi"
@@ -170,6 +175,16 @@ class MPIEnv(Environment):
             local_size = opt_int(env, "PMIX_LOCAL_SIZE", n)
         node_rank = opt_int(env, "SCALEOUT_MPI_NODE_RANK", n)
         num_nodes = opt_int(env, "SCALEOUT_MPI_NUM_NODES", n)
+        per_node = opt_int(env, "SCALEOUT_MPI_RANKS_PER_NODE", n)
+        if per_node is not None:
+            # Emulated nodes of k consecutive ranks on one host (`mpiexec -x SCALEOUT_MPI_RANKS_PER_NODE=2`):
+            # mpiexec can only give every rank the same variables, so the split is computed here.
+            if per_node < 1 or size % per_node:
+                raise EnvironmentError_(
+                    f"mpi environment: SCALEOUT_MPI_RANKS_PER_NODE={per_node} does not divide the {size} ranks"
+                )
+            node_rank, local_rank = divmod(rank, per_node)
+            num_nodes, local_size = size // per_node, per_node
         if None in (local_rank, local_size, node_rank, num_nodes):
             local_rank, local_size, node_rank, num_nodes = _mpi_topology()
         addr, port = _master(env, n)

@@ -28,7 +28,8 @@ per valid sequence ``[N_seq, ...]``, and the counts for accuracy (``mlm_correct`
 Attention: on CPU (or fp32) ``scaled_dot_product_attention`` with a block-diagonal boolean mask from
 ``seq_ids``; on CUDA with fp16/bf16 activations the tokens are unpadded and run through
 ``torch.nn.attention.varlen.varlen_attn`` (flash attention with cu_seqlens, as NVIDIA's MLPerf v2.0
-BERT does) when that function exists, else the masked SDPA.
+BERT does) when that function exists, else the masked SDPA. varlen_attn has no dropout argument, so that
+path runs without attention-probability dropout (hidden dropout still applies).
 
 ``cfg.unpad_mlm_head``: project to the vocabulary only at the masked positions (gather first, as
 NVIDIA's BERT does) instead of at all B x L tokens; identical loss and gradients, far fewer FLOPs.
@@ -217,8 +218,8 @@ class BertForPreTraining(nn.Module):
             nsp_correct = (nsp_logits.argmax(-1) == nsp_target).sum()
         return BertOutput(
             loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_logits=logits,
-            mlm_correct=mlm_correct, mlm_total=torch.tensor(target.numel()), nsp_logits=nsp_logits,
-            nsp_correct=nsp_correct, nsp_total=torch.tensor(nsp_target.numel()), pooled=pooled,
+            mlm_correct=mlm_correct, mlm_total=torch.tensor(target.numel(), device=hidden.device), nsp_logits=nsp_logits,
+            nsp_correct=nsp_correct, nsp_total=torch.tensor(nsp_target.numel(), device=hidden.device), pooled=pooled,
             sequence_output=hidden,
         )
 

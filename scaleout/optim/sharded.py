@@ -34,11 +34,16 @@ from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, lamb_chunks
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (*_single); older builds only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, group: Any, size: int, rank: int) -> None:
-    """out = mean over ranks of flat[rank S : (rank + 1) S]. gloo has reduce_scatter_tensor since torch 2.x;
-    older builds fall back to an all-reduce of the whole buffer and a slice (twice the traffic)."""
+    """out = mean over ranks of flat[rank S : (rank + 1) S]. gloo has the tensor reduce-scatter in torch 2.13
+    (checked); a build without it falls back to an all-reduce of the whole buffer and a slice (twice the traffic)."""
     try:
-        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
     except (RuntimeError, NotImplementedError, AttributeError):
         dist.all_reduce(flat, group=group)
         out.copy_(flat[rank * out.numel() : (rank + 1) * out.numel()])
@@ -48,7 +53,7 @@ def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, group: Any, size:
 def all_gather_shards(flat: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     """flat = concat of every rank's shard (shard is this rank's slice of flat, gathered in place)."""
     try:
-        dist.all_gather_into_tensor(flat, shard, group=group)
+        _all_gather(flat, shard, group=group)
     except (RuntimeError, NotImplementedError, AttributeError):
         dist.all_gather(list(flat.chunk(dist.get_world_size(group))), shard.clone(), group=group)
 

@@ -83,11 +83,13 @@ def build_buckets(
     bucket_mb: float,
     census: int = 0,
     first_bucket_mb: float | None = None,
+    order: list[int] | None = None,
 ) -> tuple[list[Bucket], list[Slot]]:
     """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements are
     appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb`` caps the
     first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, so that the
-    first all-reduce starts after the last layer's gradients instead of after 25 MiB of them)."""
+    first all-reduce starts after the last layer's gradients instead of after 25 MiB of them).
+    ``order``: parameter indices in bucket-filling order (default: reverse registration order)."""
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise UserError(f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)")
     if first_bucket_mb is not None and (not isinstance(first_bucket_mb, (int, float)) or first_bucket_mb <= 0):
@@ -98,7 +100,13 @@ def build_buckets(
     for _, n, p in params:
         if not p.is_floating_point():
             raise UserError(f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating point")
-    order = params[::-1]
+    if order is None:
+        order = params[::-1]
+    else:
+        by_index = {i: (i, n, p) for i, n, p in params}
+        if sorted(order) != sorted(by_index):
+            raise UserError(f"bucket order {order}: expected each of the parameter indices {sorted(by_index)} once")
+        order = [by_index[i] for i in order]
     groups = assign(
         [p.numel() * p.element_size() for _, _, p in order],
         [(p.dtype, p.device) for _, _, p in order],

@@ -85,6 +85,8 @@ class DataParallel(torch.nn.Module):
         timeline: path of a Chrome trace to collect; written by :meth:`write_timeline`.
         first_bucket_mb: a separate (smaller) cap for the first bucket, so communication starts right
             after the last layers' gradients (torch DDP: 1 MiB); None = ``bucket_mb``.
+        rebuild_buckets: after the first step, rebuild the buckets once in the order gradients became
+            ready (rank 0's order; as torch DDP does).
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
 
@@ -100,6 +102,7 @@ class DataParallel(torch.nn.Module):
         allow_unused: bool = False,
         timeline: str | Path | None = None,
         first_bucket_mb: float | None = None,
+        rebuild_buckets: bool = True,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -124,6 +127,7 @@ class DataParallel(torch.nn.Module):
             allow_unused=allow_unused,
             timeline=self.timeline,
             first_bucket_mb=first_bucket_mb,
+            rebuild_buckets=rebuild_buckets,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -153,6 +157,14 @@ class DataParallel(torch.nn.Module):
             yield
         finally:
             self.reducer.sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the bucket buffers in place: ``.grad`` stays a view into its bucket either way (setting
+        it to None would only cost a copy into the bucket at the next backward)."""
+        for b in self.reducer.buckets:
+            b.buffer.zero_()
+        for s in self.reducer.slots:
+            s.param.grad = s.view
 
     @property
     def last_stats(self) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class Reducer:
         allow_unused: bool = False,
         timeline: Timeline | None = None,
         first_bucket_mb: float | None = None,
+        rebuild_buckets: bool = True,
     ):
         self.world = world
         self._all_reduce = all_reduce  # (buffer) -> handle with .future; sum over ranks, in place
@@ -77,14 +78,17 @@ class Reducer:
         self.allow_unused = allow_unused
         self.timeline = timeline
         n_grad = sum(1 for _, p in named_params if p.requires_grad)
+        self._layout = (named_params, bucket_mb, n_grad, first_bucket_mb)
         self.buckets, self.slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb)
         self.slots.sort(key=lambda s: s.index)
+        self._rebuild_pending = rebuild_buckets
+        self._ready_order: list[int] = []  # slot positions in the order hooks fired (first sync step)
         self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
         self.sync = True
         self.never_used: set[str] | None = None  # names with no gradient on any rank in every step so far
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in self.slots]
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._hook_for(k)) for k, s in enumerate(self.slots)]
         for s in self.slots:
             s.param.grad = s.view
         self._used = [False] * len(self.slots)  # got a gradient since the last synchronisation
@@ -140,11 +144,11 @@ class Reducer:
                     self._mark_ready(self.slots[k], k)
 
     # -- hooks ------------------------------------------------------------------------------------
-    def _hook_for(self, slot: Slot) -> Callable[[torch.Tensor], None]:
+    def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            slot = self.slots[k]  # looked up per call: buckets may be rebuilt after the first step
             self.begin_backward()
             self._adopt(slot)
-            k = self._k[slot.index]
             self._used[k] = True
             if not self.sync:
                 return
@@ -154,6 +158,8 @@ class Reducer:
                     f"parameter {slot.name!r} received a gradient twice in one synchronising backward "
                     "(two backward passes per step or reentrant checkpointing): run all but the last under dp.no_sync()"
                 )
+            if self._rebuild_pending:
+                self._ready_order.append(k)
             self._mark_ready(slot, k)
 
         return hook
@@ -236,6 +242,8 @@ class Reducer:
         self._record(start_us, end_us, done_us, unused)
         self._used = [False] * len(self.slots)
         self._reset_step()
+        if self._rebuild_pending:
+            self._rebuild()
         if unused and not self.allow_unused:
             raise UserError(
                 f"parameters received no gradient on any rank in step {self.steps}: {unused}; "
@@ -269,6 +277,35 @@ class Reducer:
                     step=self.steps, bytes=bucket.nbytes, params=len(bucket.slots),
                 )
             self._span(f"wait {step}", "wait", end_us, done_us)
+
+    def _rebuild(self) -> None:
+        """Re-bucket once, after the first synchronising step, in the order gradients actually became
+        ready (the DDP paper's bucket rebuilding, sec. 3.2.3 / torch DDP ``_rebuild_buckets``): reverse
+        registration order is only a guess (a Transformer layer registers its LayerNorms before the
+        FFN but gets their gradients after it), and one late parameter holds back its whole bucket.
+        Rank 0's order is broadcast so every rank builds the same buckets."""
+        self._rebuild_pending = False
+        seen = set(self._ready_order)
+        order = [self.slots[k].index for k in self._ready_order]
+        order += [s.index for s in reversed(self.slots) if self._k[s.index] not in seen]
+        self._ready_order = []
+        if self.world.world_size > 1:
+            import torch.distributed as dist
+
+            box = [order]
+            dist.broadcast_object_list(box, src=0)
+            order = box[0]
+        default = [s.index for s in reversed(self.slots)]
+        if order == default:
+            return
+        named_params, bucket_mb, n_grad, first_bucket_mb = self._layout
+        buckets, slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb, order=order)
+        slots.sort(key=lambda s: s.index)
+        for old, new in zip(self.slots, slots, strict=True):
+            new.view.copy_(old.view)  # keep this step's averaged gradients for the optimizer
+            new.param.grad = new.view
+        self.buckets, self.slots = buckets, slots
+        self._reset_step()
 
     def _span(self, name: str, track: str, start_us: float, end_us: float, **args: Any) -> None:
         if self.timeline is not None:

@@ -49,8 +49,8 @@ class TrainSpec:
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)
     overlap: bool = True
-    chunks: int = 1  # hierarchical pipelining
-    torus_x: int | None = None
+    chunks: int | None = None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
+    torus_x: int | str | None = None  # integer, "node" (= GPUs per node) or "square" (~sqrt(p))
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
 
 

@@ -56,6 +56,7 @@ class Trainer:
         from scaleout.parallel.data_parallel import broadcast_from_rank0
 
         cfg, world = self.cfg, self.world
+        self.mll.cache_clear()  # MLPerf requires the cache_clear event first (caches are cold at init)
         self.mll.init_start()
         torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast anyway
         if cfg.train.deterministic:
@@ -218,9 +219,11 @@ class Trainer:
         mll.eval_samples(len(getattr(self.task, "eval_seqs", [])) or len(getattr(self.task, "eval_idx", [])))
         mll.run_stop("success" if status == "success" else "aborted", self.samples)
         steps_done = step + 1 - start
+        self.status = status
         if status in ("success", "max_steps") and self.ckpt is not None:
             self.save(step + 1)
-        report = self._report(ttt, steps_done, tokens, metric)
+        consistent = self._weights_consistent() if not self.guard.terminating else None
+        report = self._report(ttt, steps_done, tokens, metric, consistent)
         self.guard.uninstall()
         if status == "preempted":
             if self.guard.wants_requeue and world.rank == 0:
@@ -228,7 +231,20 @@ class Trainer:
             return TrainResult(status, preempt.EXIT_PREEMPTED, step + 1, metric, report)
         return TrainResult(status, 0, step + 1, metric, report)
 
-    def _report(self, ttt: float, steps: int, tokens: int, metric: float | None) -> Any:
+    def _weights_consistent(self) -> bool:
+        """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            digest = torch.stack([p.detach().double().sum() + (p.detach().double() ** 2).sum()
+                                  for p in self.task.model.parameters()]).sum().reshape(1)
+        if self.world.world_size == 1:
+            return True
+        everyone = [torch.zeros_like(digest) for _ in range(self.world.world_size)]
+        dist.all_gather(everyone, digest)
+        return all(bool(torch.equal(d, everyone[0])) for d in everyone)
+
+    def _report(self, ttt: float, steps: int, tokens: int, metric: float | None, consistent: bool | None) -> Any:
         from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
 
         cfg, world = self.cfg, self.world
@@ -244,7 +260,10 @@ class Trainer:
         )
         if world.rank == 0:
             print(report.render(), flush=True)
-            payload = {**report.to_dict(), "skipped_steps": self.skipped, "task": getattr(self.task, "info", {})}
+            if consistent is False:
+                print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
+            payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
+                       "status": self.status, "task": getattr(self.task, "info", {})}
             (self.out / "report.json").write_text(json.dumps(payload, indent=2, default=str))
         return report
 

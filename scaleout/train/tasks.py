@@ -60,7 +60,8 @@ class BertTask(Task):
     benchmark = "bert"
 
     def __init__(self, cfg: Any, world: Any):
-        from scaleout.data.bert_batch import BertSequence, build_batch
+        from scaleout.data.bert_batch import build_batch
+        from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
         from scaleout.data.packing_assign import assign_sequences
         from scaleout.data.packing_hist import histogram_from_lengths
         from scaleout.data.sampler import ShardedSampler
@@ -70,12 +71,16 @@ class BertTask(Task):
         self.info: dict[str, Any] = {}
         if d.max_seq_len > b.max_position:
             raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}")
-        train, evals = self._samples(cfg)
-        to_seq = lambda s: BertSequence(  # noqa: E731 -- F's BertSample (nsp 1 = random) -> BertSequence (1 = is-next)
-            s.input_ids.tolist(), s.token_type_ids.tolist(), s.masked_positions.tolist(),
-            s.masked_labels.tolist(), 1 - int(s.nsp_label))
-        self.train_seqs = [to_seq(s) for s in train]
-        self.eval_seqs = [to_seq(s) for s in evals[: d.eval_samples]]
+        # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds while
+        # the others wait, then they load the cache instead of all doing the same minutes of work.
+        if world.local_rank == 0:
+            data = load_bert_data(cfg)
+        world.barrier()
+        if world.local_rank != 0:
+            data = load_bert_data(cfg)
+        self.info["data"] = {k: v for k, v in data.info.items() if k != "cache"}
+        self.train_seqs = to_bert_sequences(data.train)
+        self.eval_seqs = to_bert_sequences(data.eval[: d.eval_samples])
         self.lengths = np.array([len(s) for s in self.train_seqs], dtype=np.int64)
         if d.packing != "none":
             from scaleout.data.packing_algos import pack_histogram
@@ -96,35 +101,6 @@ class BertTask(Task):
         self._build = build_batch
         self.max_pred = d.max_predictions * self.depth
         self.model = BertForPreTraining(b).to(world.device)
-
-    @staticmethod
-    def _samples(cfg: Any) -> tuple[list, list]:
-        d, b = cfg.data, cfg.model.bert
-        if d.source == "pydoc":
-            from scaleout.data.pretrain import build_pretraining_data
-
-            data = build_pretraining_data(vocab_size=b.vocab_size, max_seq_len=d.max_seq_len,
-                                          max_predictions=d.max_predictions, mask_prob=d.mask_prob,
-                                          dupe_factor=d.dupe_factor, seed=d.seed)
-            if len(data.tokenizer.vocab) > b.vocab_size:
-                raise ConfigError(f"model.bert.vocab_size={b.vocab_size} < tokenizer vocabulary {len(data.tokenizer.vocab)}")
-            return data.train, data.eval
-        if d.source == "wikipedia":
-            from scaleout.data.bert_sources import load_shards
-
-            if not d.path:
-                raise ConfigError("data.source=wikipedia needs data.path (a shard file or directory)")
-            samples = load_shards(d.path)
-            n_eval = min(d.eval_samples, max(len(samples) // 20, 1))
-            return samples[n_eval:], samples[:n_eval]
-        if d.source == "synthetic":
-            from scaleout.data.bert_sources import synthetic_samples
-
-            n = max(cfg.train.global_batch * 64, 1024)
-            samples = synthetic_samples(n + d.eval_samples, max_seq_len=d.max_seq_len, vocab_size=b.vocab_size,
-                                        max_predictions=d.max_predictions, seed=d.seed)
-            return samples[d.eval_samples:], samples[: d.eval_samples]
-        raise ConfigError(f"data.source={d.source!r} is not a BERT source (expected pydoc, wikipedia or synthetic)")
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         rows = self.sampler.local_indices(position)

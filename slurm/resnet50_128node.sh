@@ -1,15 +1,15 @@
 #!/bin/bash
-# ResNet-50 v1.5 on ImageNet to the MLPerf target (top-1 75.90 %) on 64 nodes x 8 GPUs = 512 ranks.
+# ResNet-50 v1.5 on ImageNet to the MLPerf target (top-1 75.90 %) on 128 nodes x 8 GPUs = 1024 ranks.
 #
-#   sbatch slurm/resnet50_64node.sh [key=value config overrides]
-#   sbatch -N 2 --ntasks-per-node 2 slurm/resnet50_64node.sh <overrides>   # the same file, shrunk (command-line
+#   sbatch slurm/resnet50_128node.sh [key=value config overrides]
+#   sbatch -N 2 --ntasks-per-node 2 slurm/resnet50_128node.sh <overrides>   # the same file, shrunk (command-line
 #                                                                      # options override #SBATCH lines)
 # One task per GPU; scaleout.init() builds the World from srun's SLURM_* variables (MASTER_ADDR = first node
 # of the allocation, port from the job id). Preemption: Slurm sends SIGUSR2 120 s before the time limit
 # (USR2 because NCCL may catch USR1); rank 0 checkpoints and runs `scontrol requeue`, the requeued job
 # resumes from checkpoint.dir. --open-mode=append keeps the log of every run of a requeued job.
-#SBATCH --job-name=resnet50-64x8
-#SBATCH --nodes=64
+#SBATCH --job-name=resnet50-128x8
+#SBATCH --nodes=128
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-task=1
 #SBATCH --exclusive
@@ -36,5 +36,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS_ON_NODE / TASKS_ON_NODE > 0 ?
 export SCALEOUT_PREEMPT_SIGNAL=USR2
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), ${SLURM_NTASKS} tasks, $(date -Is)"
-# --kill-on-bad-exit: one dead rank ends the step instead of leaving 511 ranks hanging in a collective.
-srun --kill-on-bad-exit=1 --cpu-bind=none scaleout train configs/resnet50_64x8.yaml checkpoint.dir="checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID" "$@"
+# --kill-on-bad-exit: one dead rank ends the step instead of leaving 1023 ranks hanging in a collective.
+srun --kill-on-bad-exit=1 scaleout train configs/resnet50_128x8.yaml checkpoint.dir="checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID" "$@"
