@@ -17,7 +17,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2
   echo "[setup] installing torch 2.13.0 (CPU build)"
   pip_install torch==2.13.0
 fi
-extras="mpi,slurm,plot"
+extras="mpi,slurm,plot,data"
 [ $want_test = 1 ] && extras="$extras,test"
 stamp=".setup-stamp-$extras"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$PY" -c 'import scaleout, launchers' 2>/dev/null \

@@ -20,7 +20,7 @@ COUNTS = (1, 7, 1_000_003)
 
 
 def _variants(world, grids):
-    out = [("hierarchical", {}), ("torus2d", {})]
+    out = [("hierarchical", {}), ("torus2d", {}), ("hierarchical", {"composition": "leader"})]
     out += [("torus2d", {"x": x, "y": y}) for x, y in grids]
     return out
 
@@ -99,6 +99,7 @@ def _errors(world):
         "opt": lambda: all_reduce(torch.ones(3), world, "flat", chunk_bytes=4),
         "avg_int": lambda: all_reduce(torch.ones(3, dtype=torch.int32), world, "hierarchical", op="avg"),
         "chunk": lambda: all_reduce(torch.ones(3), world, "hierarchical", chunk_bytes=0),
+        "comp": lambda: all_reduce(torch.ones(3), world, "torus2d", composition="tree"),
     }.items():
         try:
             call()
@@ -162,6 +163,7 @@ def test_equal_to_flat(nnodes: int, nproc: int, grids) -> None:
         assert "chunk_bytes" in e["opt"][1] and "'flat'" in e["opt"][1]
         assert "torch.int32" in e["avg_int"][1]
         assert "chunk_bytes=0" in e["chunk"][1]
+        assert "composition='tree'" in e["comp"][1] and "leader" in e["comp"][1]
 
 
 def _fake_world(node_of: tuple[int, ...]) -> World:

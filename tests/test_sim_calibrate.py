@@ -7,7 +7,7 @@ nodes), fit on flat + hierarchical at every other size, and check the held-out s
 algorithm (torus2d). The links, not the 2 shared cores, set these times (1-16 MiB take 15-300 ms at
 ~117 MB/s), which is what makes the check stable on a busy machine; rows keep every run and we fit
 the fastest (least disturbed). Needs root and iproute2, like tests/test_netns.py; skipped otherwise,
-and skipped with the reason printed when the box is so overloaded (> 6 runnable processes per core)
+and skipped with the reason printed when the box is so overloaded (> 10 runnable processes per core)
 that the CPU cannot even keep a 1 Gbit/s link busy (seen here at load 63 on 2 cores: 16 MiB took 1.5x
 its link time). The schema tests below need nothing.
 """
@@ -28,7 +28,7 @@ from scaleout.sim.calibrate import cross_validate, load_samples, parse_rate, sam
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = "1MiB,2MiB,4MiB,8MiB,16MiB"
 TOLERANCE = 0.20
-MAX_LOAD_PER_CORE = 6.0
+MAX_LOAD_PER_CORE = 10.0
 
 
 @pytest.mark.netns
@@ -58,8 +58,9 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     assert len(held) == 9 and {c.sample.algorithm for c in held} == {"ring", "hierarchical", "torus2d"}
     worst = max(abs(c.error) for c in held)
     assert worst <= TOLERANCE, f"held-out error {worst:.1%} > {TOLERANCE:.0%}\n{report}"
-    # physical sanity: the fitted per-NIC bandwidth is the shaped link's (1 Gbit/s minus TCP overhead)
-    assert 60e6 < 1 / fit.constants.beta_inter < 130e6, fit.constants.describe()
+    # physical sanity: the fitted per-NIC bandwidth is within 30 % of the link rate the bench measured
+    link = samples[0].link_rate_bps / 8
+    assert 0.7 * link < 1 / fit.constants.beta_inter < 1.3 * link, (link, fit.constants.describe())
 
 
 def test_schema_aliases_and_rates(tmp_path):

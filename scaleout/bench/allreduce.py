@@ -80,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--chunk-bytes", default=None, help="comma list of pipeline chunk sizes: hierarchical/torus2d get one variant each")
+    p.add_argument("--composition", default=None, help="comma list of gloo phase compositions (sharded, leader): one variant each")
     p.add_argument("--torus", default=None, metavar="XxY", help="torus2d grid (default x = ranks per node)")
     p.add_argument("--out", default="bench-results/allreduce.json", help="JSON output (rank 0)")
     p.add_argument("--png", default="bench-results/allreduce.png", help="PNG of busbw vs size ('' = none; needs matplotlib)")
@@ -103,7 +104,8 @@ def _one_shot(args: argparse.Namespace) -> int:
         cmd += ["--netns", "--rate", args.rate]
     cmd += ["--", "scaleout", "bench", "allreduce", "--sizes", args.sizes, "--dtype", args.dtype, "--repeats", str(args.repeats)]
     cmd += ["--warmup", str(args.warmup), "--out", os.path.abspath(args.out) if args.out else "", "--png", os.path.abspath(args.png) if args.png else ""]
-    for flag, value in (("--algorithms", args.algorithms), ("--chunk-bytes", args.chunk_bytes), ("--torus", args.torus)):
+    for flag, value in (("--algorithms", args.algorithms), ("--chunk-bytes", args.chunk_bytes), ("--torus", args.torus),
+                        ("--composition", args.composition)):
         if value:
             cmd += [flag, value]
     return subprocess.run(cmd).returncode
@@ -125,13 +127,18 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     out = []
     for name in names:
         alg = get_algorithm(name)
-        for c in chunks if "chunk_bytes" in alg.options else [None]:
-            opts = dict(grid) if "x" in alg.grid_options else {}
-            label = name
-            if c is not None:
-                opts["chunk_bytes"] = c
-                label += f"[chunk={fmt_bytes(c)}]"
-            out.append((label, name, opts))
+        comps = args.composition.split(",") if args.composition and "composition" in alg.options else [None]
+        for comp in comps:
+            for c in chunks if "chunk_bytes" in alg.options else [None]:
+                opts = dict(grid) if "x" in alg.grid_options else {}
+                tags = []
+                if comp is not None:
+                    opts["composition"] = comp
+                    tags.append(comp)
+                if c is not None:
+                    opts["chunk_bytes"] = c
+                    tags.append(f"chunk={fmt_bytes(c)}")
+                out.append((name + (f"[{','.join(tags)}]" if tags else ""), name, opts))
     return out
 
 

@@ -209,20 +209,8 @@ def _in_rank(args: argparse.Namespace) -> int:
     # DDP reducers and our hooks hold the process group: drop them before destroying it
     models.clear()
     del hooked
-    _stop_comm_thread(world)
     world.close()
     return 0
-
-
-def _stop_comm_thread(world: Any) -> None:
-    """Stop scaleout.comm's communication thread before the process group goes: a thread still parked
-    in its queue at interpreter exit aborts the process (SIGABRT in gloo teardown)."""
-    from scaleout.comm import handles
-
-    thread = getattr(handles, "existing_thread", lambda w: None)(world)
-    if thread is not None:
-        thread.close()
-        thread._thread.join(timeout=10)
 
 
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: Any, n_params: int, n_buckets: int) -> None:

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: Slurm if sbatch is on PATH, else submitit's local executor")
     p.add_argument("--folder", default="submitit/%j", help="submitit log folder (default submitit/%%j)")
     p.add_argument("--name", default="scaleout", help="job name")
-    p.add_argument("--command", default=None, help="run this scaleout subcommand instead of train, e.g. 'smoke'")
+    p.add_argument("--command", dest="subcommand", default=None, help="run this scaleout subcommand instead of train, e.g. 'smoke'")
     p.add_argument("--no-follow", action="store_true", help="print the job ids and return")
     p.add_argument("--follow-timeout", type=float, default=None, help="stop following after this many seconds")
 
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from launchers.submit import SubmitSpec, follow, parse_array, resolve_cluster, submit
     from scaleout.errors import UserError
 
-    if args.command:
-        argv = shlex.split(args.command) + ([args.config] if args.config else []) + list(args.overrides)
+    if args.subcommand:
+        argv = shlex.split(args.subcommand) + ([args.config] if args.config else []) + list(args.overrides)
     elif args.config:
         argv = ["train", args.config, *args.overrides]
     else:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from scaleout.comm import handles
 from scaleout.comm.flat import flat_async
-from scaleout.comm.grid import Grid, reduce_grid
+from scaleout.comm.grid import COMPOSITIONS, Grid, reduce_grid
 from scaleout.comm.hierarchical import hierarchical_grid
 from scaleout.comm.torus import torus_grid
 from scaleout.errors import UserError
@@ -43,7 +43,7 @@ register(
         "hierarchical",
         "intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather, chunk-pipelined",
         hierarchical_grid,
-        options=("chunk_bytes",),
+        options=("chunk_bytes", "composition"),
     )
 )
 register(
@@ -52,7 +52,7 @@ register(
         "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row all-gather",
         torus_grid,
         grid_options=("x", "y"),
-        options=("chunk_bytes",),
+        options=("chunk_bytes", "composition"),
     )
 )
 
@@ -89,8 +89,8 @@ def all_reduce(
     integer-valued data. All ranks must issue their all-reduces in the same order (as for
     torch.distributed); several may be in flight.
 
-    Options: ``chunk_bytes`` (pipeline chunk, hierarchical/torus2d), ``x``/``y`` (torus2d grid;
-    default x = ranks per node).
+    Options: ``chunk_bytes`` (pipeline chunk, hierarchical/torus2d), ``composition`` ('sharded', the
+    default, or 'leader'; gloo only), ``x``/``y`` (torus2d grid; default x = ranks per node).
     """
     alg = get_algorithm(algorithm)
     opname = _op_name(op)
@@ -103,6 +103,9 @@ def all_reduce(
     chunk_bytes = options.get("chunk_bytes")
     if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
         raise UserError(f"all_reduce chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
+    composition = options.get("composition", "sharded")
+    if composition not in COMPOSITIONS:
+        raise UserError(f"all_reduce composition={composition!r}: expected one of {list(COMPOSITIONS)}")
     if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
 
@@ -126,7 +129,7 @@ def all_reduce(
             if work is not None:
                 work.wait()
         else:
-            reduce_grid(buf, grid, chunk_bytes)
+            reduce_grid(buf, grid, chunk_bytes, composition)
         finish()
 
     thread = handles.existing_thread(world)

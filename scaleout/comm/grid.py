@@ -29,16 +29,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Chunk size of the gloo pipeline. 4 MiB: big enough that per-op overhead (~0.1-0.3 ms on gloo) is
-# < 1 % of a chunk's ~35 ms at 1 Gbit, small enough that pipeline fill + drain (one chunk's
-# reduce-scatter and all-gather over loopback) stays a few % of a 64 MiB all-reduce. Measured in
-# docs/collectives.md (`scaleout bench allreduce --chunk-sweep`).
+# Chunk size of the gloo pipeline. 4 MiB: big enough that per-chunk synchronisation (~2-3 ms on a busy
+# 2-core box, hidden behind the in-flight column all-reduces) stays small next to a chunk's ~35 ms on a
+# 1 Gbit link, small enough that pipeline fill + drain (one chunk's reduce-scatter and all-gather over
+# loopback) stays a few % of a 64 MiB all-reduce. 2, 4 and 8 MiB measured within noise of each other
+# (docs/collectives.md, `scaleout bench allreduce --chunk-bytes 2MiB,4MiB,8MiB`).
 DEFAULT_CHUNK_BYTES = 4 << 20
-# How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
-# flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker threads).
 # At most this many chunks per call: each chunk costs ~2-3 ms of synchronisation on a 2-core box
 # (measured: 1M fp32 in 16 KiB chunks = 245 chunks took 0.57 s vs 0.04 s in 1 MiB chunks).
 MAX_CHUNKS = 64
+# How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
+# flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker threads).
 RS_AHEAD = 2
 AR_DEPTH = 2
 
@@ -72,19 +73,28 @@ def split_bounds(n: int, parts: int) -> list[int]:
     return out
 
 
-def reduce_grid(buf: torch.Tensor, grid: Grid, chunk_bytes: int | None = None) -> None:
-    """Sum ``buf`` (1-D, contiguous) over all ranks of the grid, in place."""
+COMPOSITIONS = ("sharded", "leader")
+
+
+def reduce_grid(buf: torch.Tensor, grid: Grid, chunk_bytes: int | None = None, composition: str = "sharded") -> None:
+    """Sum ``buf`` (1-D, contiguous) over all ranks of the grid, in place.
+
+    ``composition`` (gloo only): ``sharded`` = reduce-scatter -> all-reduce of every shard -> all-gather
+    (every row member carries 1/g of the column traffic); ``leader`` = reduce to the row's first rank ->
+    all-reduce among those leaders -> broadcast (the composition of ../shared/notes/netns-cluster.md),
+    kept for side-by-side measurement: it is the same schedule with shard 0 = the whole chunk.
+    """
     if buf.numel() == 0:
         return
     if buf.is_cuda:
         _reduce_nccl(buf, grid)
     else:
-        _GlooSchedule(buf, grid, chunk_bytes or DEFAULT_CHUNK_BYTES).run()
+        _GlooSchedule(buf, grid, chunk_bytes or DEFAULT_CHUNK_BYTES, composition == "leader").run()
 
 
 class _GlooSchedule:
-    def __init__(self, buf: torch.Tensor, grid: Grid, chunk_bytes: int):
-        self.buf, self.grid = buf, grid
+    def __init__(self, buf: torch.Tensor, grid: Grid, chunk_bytes: int, leader: bool = False):
+        self.buf, self.grid, self.leader = buf, grid, leader
         self.g, self.i = len(grid.row_ranks), grid.index
         n = buf.numel()
         chunks = min(n, MAX_CHUNKS, max(1, math.ceil(n * buf.element_size() / chunk_bytes)))
@@ -93,6 +103,8 @@ class _GlooSchedule:
 
     def shards(self, c: int) -> list[tuple[int, int]]:
         lo, hi = self.chunks[c], self.chunks[c + 1]
+        if self.leader:  # row member 0 owns the whole chunk, the others own nothing
+            return [(lo, hi)] + [(hi, hi)] * (self.g - 1)
         b = split_bounds(hi - lo, self.g)
         return [(lo + b[j], lo + b[j + 1]) for j in range(self.g)]
 

@@ -125,6 +125,9 @@ class TrainConfig(_Section):
     init_timeout_s: float = Field(600.0, gt=0.0)  # collectives before the first step completes
     step_timeout_s: float = Field(120.0, gt=0.0)  # collectives after it (torchtitan's two timeouts)
     progress: bool = True
+    # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
+    # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
+    timing_skip_steps: int = Field(0, ge=0)
 
 
 class CheckpointConfig(_Section):

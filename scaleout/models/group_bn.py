@@ -51,8 +51,8 @@ def bn_process_group(world: Any, k: int) -> Any:
     if k == 1:
         return None
     parts = bn_group_ranks(world.ranks_per_node, k)
-    # World._partition creates every part's group in one fixed order on all ranks and caches it.
-    return world._partition(f"bn_group{k}", parts)
+    # World.partition creates every part's group in one fixed order on all ranks and caches it.
+    return world.partition(f"bn_group{k}", parts)
 
 
 class _GroupBNFunction(torch.autograd.Function):

@@ -11,7 +11,8 @@ with a ``rows``/``results`` list; this is what ``scaleout bench allreduce --out`
      "times": [float, ...],      # optional: every timed run; stat="min" fits the least-disturbed one
      "link_rate_bps": float,     # optional: inter-node rate limit in bit/s (also: "rate_bps", "rate",
                                  #   a tc string like "1gbit"); rows at other rates scale beta_inter
-     "options": {"x": int, "chunk_bytes": int}}   # optional: torus grid x, grid pipeline chunk
+     "options": {"x": int, "chunk_bytes": int,    # optional: torus grid x, grid pipeline chunk,
+                 "composition": "sharded" | "leader"}}   # leader rows are fitted as the "leader" model
 
 Fit: theta >= 0 minimising sum((predicted / measured - 1)^2) (relative error, so 4 KB and 64 MB rows
 count alike), by non-negative least squares on the plan coefficients; the lock-step maxima are
@@ -109,6 +110,8 @@ def samples_from_rows(rows: Iterable[dict[str, Any]], stat: str = "median") -> l
         if not isinstance(opts, dict):
             raise ConfigError(f"measurement row {i} has options {opts!r}, expected an object")
         alg = row.get("base_algorithm") or _get(row, "algorithm", i)
+        if opts.get("composition") == "leader":  # scaleout.comm.grid's leader composition on gloo
+            alg = "leader"  # modelled unpipelined: an upper bound for the chunked schedule
         out.append(Sample(
             canonical(str(alg)), int(_get(row, "nbytes", i)), int(_get(row, "nnodes", i)),
             int(_get(row, "nproc_per_node", i)), t, parse_rate(_get(row, "link_rate_bps", i, False)),

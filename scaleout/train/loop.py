@@ -71,7 +71,12 @@ class Trainer:
         else:
             self.model = DataParallel(model, world, algorithm=cfg.comm.algorithm, bucket_mb=cfg.comm.bucket_mb,
                                       compression=None if cfg.comm.compression == "none" else cfg.comm.compression,
-                                      timeline=cfg.comm.timeline)
+                                      timeline=cfg.comm.timeline, overlap=cfg.comm.overlap,
+                                      # re-bucketing after step 1 changes summation order; a resumed run
+                                      # would re-bucket at a different step, so deterministic runs keep
+                                      # the initial layout (bitwise resume)
+                                      rebuild_buckets=not cfg.train.deterministic,
+                                      **{k: v for k, v in (("x", cfg.comm.torus_x), ("y", cfg.comm.torus_y)) if v})
         if cfg.model.compile:
             self.model = torch.compile(self.model)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -180,10 +185,18 @@ class Trainer:
         mll.block_start(epoch_of(self.samples), 1, self.samples)
         tokens = 0
         step = start
+        # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
+        skip = cfg.train.timing_skip_steps
+        self.timed = {"steps": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
         for step in range(start, max_steps):
             n, toks = self.task.samples_per_step(step * cfg.train.global_batch)
+            if skip and step == start + skip:
+                self.timers.reset()  # breakdown_s then covers the timed steps only
             t0 = time.perf_counter()
             loss, skipped, stop = self.train_step(step)
+            if step >= start + skip:
+                for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
+                    self.timed[k] += v
             self.timers.step()
             if step == start:  # the first step is done: from now on a hung peer is a failure, not slowness
                 world.set_timeout(cfg.train.step_timeout_s)
@@ -263,7 +276,10 @@ class Trainer:
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
-                       "status": self.status, "task": getattr(self.task, "info", {})}
+                       "status": self.status, "task": getattr(self.task, "info", {}),
+                       "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
+                                 "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),
+                                 "step_s": self.timed["seconds"] / max(self.timed["steps"], 1)}}
             (self.out / "report.json").write_text(json.dumps(payload, indent=2, default=str))
         return report
 

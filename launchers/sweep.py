@@ -1,0 +1,249 @@
+"""Start the runs of a scaling sweep, one point after another, and collect each point's report.json.
+
+A runner turns one :class:`scaleout.sweep.SweepPoint` (nodes x ranks per node, overrides) into a finished
+``scaleout train`` run and returns how it ended:
+
+- ``LocalRunner``: launchers.local on this machine (optionally every emulated node in its own network
+  namespace with a rate-limited link: launchers.netns, brought up once for the largest point);
+- ``SlurmRunner``: ``sbatch -N nodes --ntasks-per-node G --wrap "srun scaleout train ..."`` and wait;
+- ``SubmitRunner``: submitit (launchers.submit), Slurm when present else its local executor (one node).
+
+Points run one at a time on purpose: two points sharing nodes (or, here, cores) would measure each other.
+Each point's rank output goes to ``<point dir>/launch.log``; the sweep prints one progress line per point.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scaleout.errors import UserError
+from scaleout.sweep import PointResult, SweepPoint, point_overrides, read_point
+
+LAUNCHERS = ("local", "slurm", "submit")
+
+
+@dataclass
+class PointRun:
+    returncode: int
+    message: str
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+class LocalRunner:
+    """Each point with launchers.local (``scaleout launch``); ``netns_rate`` puts nodes in namespaces."""
+
+    def __init__(self, netns_rate: str | None = None, timeout_s: float | None = None):
+        self.netns_rate = netns_rate
+        self.timeout_s = timeout_s
+        self.cluster: Any = None
+
+    def check(self, points: Sequence[SweepPoint]) -> None:
+        if self.netns_rate is not None:
+            from launchers.netns import parse_rate, require_root
+
+            require_root()
+            parse_rate(self.netns_rate)
+
+    def __enter__(self) -> LocalRunner:
+        return self
+
+    def start_cluster(self, nodes: int) -> None:
+        if self.netns_rate is not None and self.cluster is None:
+            from launchers.netns import Cluster
+
+            # One private cluster for the whole sweep, sized for the largest point; points use its first nodes.
+            self.cluster = Cluster(nodes, self.netns_rate, name=f"sw{os.getpid() % 100000}").__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cluster is not None:
+            self.cluster.__exit__(*exc)
+            self.cluster = None
+
+    def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
+        from launchers.local import launch
+        from scaleout.env.base import free_port
+
+        kwargs: dict[str, Any] = {}
+        if self.cluster is not None:
+            kwargs = dict(master_addr=self.cluster.addr(0), master_port=free_port("0.0.0.0"),
+                          env={**os.environ, **self.cluster.rank_env()}, node_wrapper=self.cluster.wrapper)
+        with open(log, "w") as out:
+            res = launch(["scaleout", *argv], point.nodes, point.ranks_per_node, out=out,
+                         timeout_s=self.timeout_s, **kwargs)
+        return PointRun(res.returncode, res.message)
+
+
+def _scaleout_cmd() -> list[str]:
+    """How a Slurm task starts scaleout: the installed entry point, else this interpreter's module."""
+    exe = shutil.which("scaleout")
+    return [exe] if exe else [sys.executable, "-u", "-m", "scaleout"]
+
+
+class SlurmRunner:
+    """One sbatch job per point (``-N nodes --ntasks-per-node G``), waited for before the next."""
+
+    def __init__(self, partition: str | None = None, time_min: int = 30, gpus: bool = True,
+                 env: dict[str, str] | None = None, timeout_s: float | None = None, extra: Sequence[str] = ()):
+        self.partition, self.time_min, self.gpus = partition, time_min, gpus
+        self.env = dict(os.environ if env is None else env)
+        self.timeout_s = timeout_s
+        self.extra = list(extra)
+
+    def check(self, points: Sequence[SweepPoint]) -> None:
+        if shutil.which("sbatch") is None:
+            raise UserError("--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the local "
+                            "cluster: scaleout slurm up; export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf)")
+
+    def __enter__(self) -> SlurmRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def sbatch_args(self, point: SweepPoint, argv: list[str], log: Path) -> list[str]:
+        srun = ["srun", "--kill-on-bad-exit=1", *_scaleout_cmd(), *argv]
+        args = ["-N", str(point.nodes), "--ntasks-per-node", str(point.ranks_per_node), "--job-name",
+                f"sweep-{point.name}", "--output", str(log), "--time", str(self.time_min), "--chdir", os.getcwd()]
+        if self.gpus:
+            args.append("--gpus-per-task=1")
+        if self.partition:
+            args += ["--partition", self.partition]
+        return [*args, *self.extra, "--wrap", shlex.join(srun)]
+
+    def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
+        from launchers.slurm import job_info, sbatch, wait_job
+
+        job = sbatch(self.sbatch_args(point, argv, log), env=self.env)
+        try:
+            state = wait_job(job, env=self.env, timeout_s=self.timeout_s or 10 * 60 * self.time_min, poll_s=0.5)
+        except TimeoutError as exc:
+            import subprocess
+
+            subprocess.run(["scancel", str(job)], env=self.env, check=False, capture_output=True)
+            return PointRun(124, f"Slurm job {job}: {exc}; cancelled")
+        code = job_info(job, env=self.env).get("ExitCode", "?")
+        return PointRun(0 if state == "COMPLETED" else 1, f"Slurm job {job} {state} (exit {code})")
+
+
+class SubmitRunner:
+    """One submitit job per point (Slurm when sbatch is on PATH, else submitit's local executor)."""
+
+    def __init__(self, cluster: str = "auto", partition: str | None = None, time_min: int = 30, gpus: bool = True,
+                 timeout_s: float | None = None):
+        self.cluster, self.partition, self.time_min, self.gpus = cluster, partition, time_min, gpus
+        self.timeout_s = timeout_s
+
+    def check(self, points: Sequence[SweepPoint]) -> None:
+        from launchers.submit import resolve_cluster
+
+        try:
+            import submitit  # noqa: F401
+        except ImportError:
+            raise UserError("--launcher submit needs submitit: pip install 'scaleout[slurm]'") from None
+        if resolve_cluster(self.cluster) != "slurm":
+            big = [p.world for p in points if p.nodes > 1]
+            if big:
+                raise UserError(f"--launcher submit without Slurm runs one node, but world sizes {big} need more "
+                                f"than one: use --nodes 1,... or --launcher local")
+
+    def __enter__(self) -> SubmitRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
+        from launchers.submit import SubmitSpec, submit
+
+        spec = SubmitSpec(argv=argv, nodes=point.nodes, gpus_per_node=point.ranks_per_node, request_gpus=self.gpus,
+                          partition=self.partition, time_min=self.time_min, cluster=self.cluster,
+                          folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}")
+        (job,) = submit(spec)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while not job.done():
+            if deadline is not None and time.monotonic() > deadline:
+                job.cancel()
+                return PointRun(124, f"submitit job {job.job_id} timed out; cancelled")
+            time.sleep(0.5)
+        try:
+            job.results()
+        except Exception as exc:  # noqa: BLE001 -- one line: the failing rank's error
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+            return PointRun(1, f"submitit job {job.job_id} failed: {lines[-1].strip()} (logs {log.parent}/submitit)")
+        return PointRun(0, f"submitit job {job.job_id} completed")
+
+
+def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | SubmitRunner:
+    if launcher == "local":
+        return LocalRunner(netns_rate=kwargs.get("netns_rate"), timeout_s=kwargs.get("timeout_s"))
+    if kwargs.get("netns_rate") is not None:
+        raise UserError(f"--netns works with --launcher local, not {launcher}")
+    common = dict(partition=kwargs.get("partition"), time_min=kwargs.get("time_min", 30),
+                  gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"))
+    if launcher == "slurm":
+        return SlurmRunner(env=kwargs.get("env"), **common)
+    if launcher == "submit":
+        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), **common)
+    raise UserError(f"--launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+
+
+def run_sweep(
+    runner: LocalRunner | SlurmRunner | SubmitRunner,
+    points: Sequence[SweepPoint],
+    config: str,
+    overrides: Sequence[str],
+    steps: int,
+    warmup: int,
+    out_dir: str | Path,
+    extra_overrides: Sequence[str] = (),
+    progress: Callable[[str], None] = print,
+    on_point: Callable[[PointResult], None] | None = None,
+) -> list[PointResult]:
+    """Run every point in order; a failed point is recorded (with its log's tail) and the sweep goes on."""
+    out = Path(out_dir).resolve()
+    results: list[PointResult] = []
+    with runner:
+        if isinstance(runner, LocalRunner):
+            runner.start_cluster(max(p.nodes for p in points))
+        for i, p in enumerate(points, 1):
+            pdir = out / "points" / p.name
+            pdir.mkdir(parents=True, exist_ok=True)
+            report = pdir / "report.json"
+            report.unlink(missing_ok=True)  # never read a previous sweep's report as this one's
+            argv = ["train", config, *overrides, *extra_overrides, *point_overrides(p, steps, warmup, str(pdir))]
+            progress(f"[{i}/{len(points)}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
+                     f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})")
+            t0 = time.perf_counter()
+            run = runner.run(p, argv, pdir / "launch.log")
+            wall = time.perf_counter() - t0
+            if run.returncode != 0:
+                res = PointResult(p, f"failed: {run.message}", wall)
+                tail = _tail(pdir / "launch.log")
+                progress(f"[{i}/{len(points)}] world {p.world}: FAILED after {wall:.1f} s: {run.message}"
+                         + (f"\n{tail}" if tail else ""))
+            else:
+                res = read_point(p, report, wall)
+                if res.ok:
+                    progress(f"[{i}/{len(points)}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
+                             f"ms/step, {res.samples_per_s:.1f} samples/s")
+                else:
+                    progress(f"[{i}/{len(points)}] world {p.world}: {res.status}")
+            results.append(res)
+            if on_point:
+                on_point(res)
+    return results

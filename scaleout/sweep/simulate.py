@@ -1,0 +1,79 @@
+"""The cost model's (scaleout.sim) efficiency for the points a sweep measured, for a side-by-side column.
+
+The simulator is given what the sweep knows: the model's gradient size (parameters counted on the meta
+device, no memory), the per-rank batch of each point, the all-reduce algorithm and bucket size of the
+config, and the per-rank compute speed measured at the base point (step time minus its exposed
+communication). It then predicts each point's step time on a preset cluster (``--simulate netns-1g``
+for the emulated cluster, ``dgx-a100`` for "what would this do there") with that point's node shape,
+and the same efficiency formula as the measurement is applied to the predicted times.
+
+What the model leaves out is exactly what the comparison shows: on one machine, compute slows down
+as ranks share cores (the simulator assumes every rank computes at the base point's speed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from scaleout.sweep.results import PointResult
+
+
+def count_params(cfg: Any) -> int:
+    """Trainable parameters of the config's model, built on the meta device (no allocation)."""
+    import torch
+
+    with torch.device("meta"):
+        if cfg.model.arch == "bert":
+            from scaleout.models.bert import BertForPreTraining
+
+            model = BertForPreTraining(cfg.model.bert)
+        else:
+            from scaleout.models.resnet import ResNet
+
+            r = cfg.model.resnet
+            model = ResNet(r.depth, r.width, r.num_classes, r.image_size, r.zero_init_residual)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class Simulator:
+    def __init__(self, preset: str, cfg: Any):
+        from scaleout.sim import get_cluster
+
+        self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs
+        self.preset = preset
+        self.cfg = cfg
+        self.params = count_params(cfg)
+        # Gradients travel in fp32 unless the config compresses them (comm.compression bf16/fp16).
+        self.grad_bytes = 4 if cfg.comm.compression == "none" else 2
+
+    def _step(self, r: PointResult, per_rank_speed: float) -> float:
+        from scaleout.sim import ModelSpec, TrainSpec, step_time
+        from scaleout.sim.cluster import custom_cluster
+
+        p = r.point
+        model = ModelSpec(self.cfg.model.arch, params=float(self.params), flops_per_sample=1.0,
+                          grad_bytes=self.grad_bytes, opt_bytes_per_param=0.0)
+        train = TrainSpec(local_batch=float(p.per_rank_batch), algorithm=self.cfg.comm.algorithm,
+                          bucket_mb=self.cfg.comm.bucket_mb, samples_per_s=per_rank_speed,
+                          overlap=self.cfg.comm.overlap)
+        cluster = custom_cluster(self.cluster, gpus_per_node=p.ranks_per_node)
+        cluster = replace(cluster, device=None)  # optimizer time is inside the measured per-rank speed
+        return step_time(model, train, cluster, p.nodes).step
+
+    def fill(self, results: list[PointResult], base: PointResult, mode: str) -> None:
+        """Set ``simulated_efficiency`` on every ok point (same formula as the measured efficiency)."""
+        busy = base.step_s - base.breakdown_s.get("exposed_comm", 0.0)
+        if busy <= 0:
+            return
+        speed = base.point.per_rank_batch / busy  # samples/s of one rank that does not wait on the network
+        b = base.point.world
+        t_base = self._step(base, speed)
+        for r in results:
+            if not r.ok:
+                continue
+            n, t = r.point.world, self._step(r, speed)
+            if mode == "weak":
+                r.simulated_efficiency = (r.point.global_batch / t / n) / (base.point.global_batch / t_base / b)
+            else:
+                r.simulated_efficiency = (t_base * b) / (n * t)
