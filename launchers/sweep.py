@@ -26,6 +26,7 @@ from typing import Any
 
 from scaleout.errors import UserError
 from scaleout.sweep import PointResult, SweepPoint, point_overrides, read_point
+from scaleout.sweep.results import median_run
 
 LAUNCHERS = ("local", "slurm", "submit")
 
@@ -212,21 +213,26 @@ def run_sweep(
     out_dir: str | Path,
     extra_overrides: Sequence[str] = (),
     progress: Callable[[str], None] = print,
-    on_point: Callable[[PointResult], None] | None = None,
+    repeats: int = 1,
 ) -> list[PointResult]:
-    """Run every point in order; a failed point is recorded (with its log's tail) and the sweep goes on."""
+    """Run every point in order, ``repeats`` rounds; a failed run is recorded (with its log's tail) and the
+    sweep goes on. Returns one result per point: the median-step-time run of its rounds."""
+    if repeats < 1:
+        raise UserError(f"--repeats={repeats}: expected an integer >= 1")
     out = Path(out_dir).resolve()
-    results: list[PointResult] = []
+    runs: dict[SweepPoint, list[PointResult]] = {p: [] for p in points}
+    total = len(points) * repeats
     with runner:
         if isinstance(runner, LocalRunner):
             runner.start_cluster(max(p.nodes for p in points))
-        for i, p in enumerate(points, 1):
-            pdir = out / "points" / p.name
+        for k, (rnd, p) in enumerate(((r, p) for r in range(repeats) for p in points), 1):
+            i = f"{k}/{total}"
+            pdir = out / "points" / p.name / (f"round{rnd + 1}" if repeats > 1 else "")
             pdir.mkdir(parents=True, exist_ok=True)
             report = pdir / "report.json"
             report.unlink(missing_ok=True)  # never read a previous sweep's report as this one's
             argv = ["train", config, *overrides, *extra_overrides, *point_overrides(p, steps, warmup, str(pdir))]
-            progress(f"[{i}/{len(points)}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
+            progress(f"[{i}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
                      f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})")
             t0 = time.perf_counter()
             run = runner.run(p, argv, pdir / "launch.log")
@@ -234,16 +240,14 @@ def run_sweep(
             if run.returncode != 0:
                 res = PointResult(p, f"failed: {run.message}", wall)
                 tail = _tail(pdir / "launch.log")
-                progress(f"[{i}/{len(points)}] world {p.world}: FAILED after {wall:.1f} s: {run.message}"
+                progress(f"[{i}] world {p.world}: FAILED after {wall:.1f} s: {run.message}"
                          + (f"\n{tail}" if tail else ""))
             else:
                 res = read_point(p, report, wall)
                 if res.ok:
-                    progress(f"[{i}/{len(points)}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
+                    progress(f"[{i}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
                              f"ms/step, {res.samples_per_s:.1f} samples/s")
                 else:
-                    progress(f"[{i}/{len(points)}] world {p.world}: {res.status}")
-            results.append(res)
-            if on_point:
-                on_point(res)
-    return results
+                    progress(f"[{i}] world {p.world}: {res.status}")
+            runs[p].append(res)
+    return [median_run(runs[p]) for p in points]

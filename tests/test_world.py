@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distutil import run_dist
+
 from scaleout.env import WorldSpec
 from scaleout.errors import TopologyError
 from scaleout.world import World

@@ -69,7 +69,7 @@ NP=${SCALEOUT_SLURM_NODE_PORT:-17001}
 render() {
   sed -e "s|@STATE@|$S|g" -e "s|@HOST@|$HOST|g" \
       -e "s|@CTLD_PORT@|${SCALEOUT_SLURM_CTLD_PORT:-6817}|g" -e "s|@DBD_PORT@|${SCALEOUT_SLURM_DBD_PORT:-6819}|g" \
-      -e "s|@DB_PORT@|${SCALEOUT_SLURM_DB_PORT:-13306}|g" -e "s|@KILL_WAIT@|${SCALEOUT_SLURM_KILL_WAIT:-5}|g" \
+      -e "s|@DB_PORT@|${SCALEOUT_SLURM_DB_PORT:-13306}|g" -e "s|@KILL_WAIT@|${SCALEOUT_SLURM_KILL_WAIT:-30}|g" \
       -e "s|@NODE_PORT_1@|$NP|g" -e "s|@NODE_PORT_2@|$((NP + 1))|g" \
       -e "s|@NODE_PORT_3@|$((NP + 2))|g" -e "s|@NODE_PORT_4@|$((NP + 3))|g" "$1" > "$2"
 }

@@ -269,8 +269,8 @@ def run(args: argparse.Namespace) -> int:
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in SHAPES]
-    if bad or not models:
-        raise UserError(f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)}")
+    if bad or (not models and args.sharded_ranks <= 0):
+        raise UserError(f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)")
     try:
         chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     except ValueError:
@@ -280,10 +280,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for m in models:
         rows += _time_model(m, args.repeats, chunks)
-    print(format_table(
-        ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
-        [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows],
-    ))
+    if rows:
+        print(format_table(
+            ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
+            [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows],
+        ))
     payload: dict[str, Any] = {"rows": rows}
     if args.sharded_ranks > 0:
         per_rank = _sharded(args.sharded_ranks, args.sharded_model, args.sharded_steps)
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(args.out, payload)
     if path:
         print(f"\nwrote {path}")
-    if args.png:
+    if args.png and rows:
         png = _plot(rows, args.png)
         print(f"wrote {png}" if png else "matplotlib not installed: no PNG")
     return 0

@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="strong: the global batch at every point (default: the config's train.global_batch)")
     p.add_argument("--steps", type=int, default=5, help="steps per point (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="first steps not timed (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median run")
     p.add_argument("--launcher", default="local", help="local, slurm or submit (default local)")
     p.add_argument("--netns", action="store_true", help="local: every node in its own network namespace (root)")
     p.add_argument("--rate", default="1gbit", help="with --netns: per-node link rate (default 1gbit; 'none')")
@@ -89,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", type=int, default=30, help="slurm/submit: time limit per point in minutes (30)")
     p.add_argument("--no-gpu-request", action="store_true", help="slurm/submit: do not ask for a GPU per task")
     p.add_argument("--cluster", default="auto", help="submit: auto, slurm, local or debug (as scaleout submit)")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores / "
+                        "largest world for local runs, so a rank has the same CPU share at every point)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a point is stopped (default none)")
     p.add_argument("--simulate", default=None, metavar="PRESET",
                    help="add the cost model's efficiency for each point (scaleout simulate presets, e.g. netns-1g)")
@@ -110,6 +115,22 @@ def _batch(args: argparse.Namespace, cfg: object) -> int:
     return given if given is not None else default_batch(cfg, args.mode)
 
 
+def _threads(args: argparse.Namespace, points: list) -> int | None:
+    """Threads per rank, the same at every point: a rank is one GPU, and a GPU does not get faster when
+    fewer ranks run (launchers.local would otherwise give each rank cores / world threads)."""
+    from scaleout.errors import UserError
+
+    if args.threads_per_rank is not None:
+        if args.threads_per_rank < 1:
+            raise UserError(f"--threads-per-rank={args.threads_per_rank}: expected an integer >= 1")
+        return args.threads_per_rank
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if args.launcher == "local":
+        return max(1, (os.cpu_count() or 1) // max(p.world for p in points))
+    return None
+
+
 def _notes(args: argparse.Namespace, points: list, base_world: int | None) -> list[str]:
     cores = os.cpu_count() or 1
     most = max(p.world for p in points)
@@ -120,13 +141,18 @@ def _notes(args: argparse.Namespace, points: list, base_world: int | None) -> li
 
         on_this_host = os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
     if on_this_host:
-        notes.append(f"every rank runs on this machine's {cores} CPU cores: at {most} ranks they are "
-                     f"{most / cores:.1f}x oversubscribed, so these efficiencies measure CPU sharing more than "
-                     f"communication; the tool measures honestly, the machine is the limit")
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        share = (f"at {most} ranks {most / cores:.1f}x oversubscribed" if most > cores else "shared")
+        share += f" with whatever else runs (load average {load:.1f} at the end)"
+        notes.append(f"every rank runs on this machine's {cores} CPU cores, {share}: these numbers measure CPU "
+                     f"sharing more than communication (the tool measures honestly; the machine is the limit)")
     if base_world not in (None, 1):
         notes.append(f"efficiency is relative to the smallest world in the sweep ({base_world} ranks), not 1")
-    notes.append(f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up; "
-                 f"'other' = step time minus the named phases (per-step vote, waiting for slower ranks)")
+    if os.environ.get("OMP_NUM_THREADS"):
+        notes.append(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} per rank at every point")
+    rounds = f"; each point is the median of {args.repeats} rounds" if args.repeats > 1 else ""
+    notes.append(f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
+                 f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower ranks)")
     return notes
 
 
@@ -135,11 +161,14 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.bench.common import format_table
     from scaleout.config import load_config
     from scaleout.config.load import resolve_config_path
-    from scaleout.sweep import add_efficiency, check_points, parse_int_list, plan_points, write_outputs
+    from scaleout.errors import UserError
+    from scaleout.sweep import MODES, add_efficiency, check_points, parse_int_list, plan_points, write_outputs
     from scaleout.sweep.plot import plot
     from scaleout.sweep.results import table_rows
 
     # Everything is validated before the first rank starts.
+    if args.mode not in MODES:
+        raise UserError(f"--mode={args.mode!r}: expected weak or strong")
     worlds = parse_int_list(args.world, "--world")
     nodes = parse_int_list(args.nodes, "--nodes") if args.nodes else None
     config = str(resolve_config_path(args.config).resolve())
@@ -160,16 +189,19 @@ def run(args: argparse.Namespace) -> int:
 
         sim = Simulator(args.simulate, cfg)
 
+    threads = _threads(args, points)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every rank (local) or job (sbatch exports it)
     print(f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
           f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}", flush=True)
     results = run_sweep(runner, points, config, args.overrides, args.steps, args.warmup, args.out_dir,
-                        extra_overrides=extra, progress=lambda s: print(s, flush=True))
+                        extra_overrides=extra, progress=lambda s: print(s, flush=True), repeats=args.repeats)
     base = add_efficiency(results, args.mode)
     if sim is not None and base is not None:
         sim.fill(results, base, args.mode)
     meta = {"config": args.config, "config_path": config, "overrides": list(args.overrides), "mode": args.mode,
             "launcher": args.launcher, "netns_rate": args.rate if args.netns else None, "steps": args.steps,
-            "warmup": args.warmup, "base_world": base.point.world if base else None,
+            "warmup": args.warmup, "repeats": args.repeats, "base_world": base.point.world if base else None,
             "simulate": args.simulate}
     notes = _notes(args, points, meta["base_world"])
     paths = write_outputs(args.out_dir, results, meta, notes)

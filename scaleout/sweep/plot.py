@@ -30,7 +30,8 @@ def plot(results: list[PointResult], path: str | Path, title: str) -> Path | Non
     if any(s is not None for s in sim):
         ax2.plot(n, [s * 100 if s is not None else float("nan") for s in sim], "s:", label="simulated")
     ax2.axhline(100, color="k", linestyle="--", label="ideal")
-    ax2.set(xlabel="GPUs (ranks)", ylabel="scaling efficiency (%)", title="efficiency", ylim=(0, 110))
+    ax2.set(xlabel="GPUs (ranks)", ylabel="scaling efficiency (%)", title="efficiency",
+            ylim=(0, max([110.0] + [e * 110 for e in eff + sim if e is not None])))
     bottom = [0.0] * len(ok)
     labels = [str(x) for x in n]
     for phase in PHASES:

@@ -42,6 +42,8 @@ class PointResult:
     ideal_samples_per_s: float | None = None
     simulated_efficiency: float | None = None
     report: str | None = None
+    runs: int = 1  # successful repeats this point's numbers were chosen from (the median step time)
+    step_s_range: tuple[float, float] | None = None  # (fastest, slowest) step time over those repeats
 
     @property
     def ok(self) -> bool:
@@ -69,7 +71,9 @@ class PointResult:
         }
         out.update({f"{k}_s": self.breakdown_s.get(k, 0.0) for k in PHASES})
         out.update(efficiency=self.efficiency, ideal_samples_per_s=self.ideal_samples_per_s,
-                   simulated_efficiency=self.simulated_efficiency, wall_s=self.wall_s, report=self.report)
+                   simulated_efficiency=self.simulated_efficiency, wall_s=self.wall_s, report=self.report,
+                   runs=self.runs, step_s_min=self.step_s_range[0] if self.step_s_range else self.step_s,
+                   step_s_max=self.step_s_range[1] if self.step_s_range else self.step_s)
         return out
 
 
@@ -100,6 +104,21 @@ def read_point(point: SweepPoint, report_path: str | Path, wall_s: float) -> Poi
     return res
 
 
+def median_run(runs: list[PointResult]) -> PointResult:
+    """The repeat with the median step time (the lower one of an even count), with the spread recorded.
+
+    On a shared machine a point's speed drifts with everything else that runs; repeating the whole sweep
+    in rounds (1, 2, 4, 1, 2, 4, ...) and taking each point's median exposes every point to the same drift.
+    """
+    ok = sorted((r for r in runs if r.ok), key=lambda r: r.step_s)
+    if not ok:
+        return runs[-1]
+    pick = ok[(len(ok) - 1) // 2]
+    pick.runs = len(ok)
+    pick.step_s_range = (ok[0].step_s, ok[-1].step_s)
+    return pick
+
+
 def add_efficiency(results: list[PointResult], mode: str) -> PointResult | None:
     """Fill efficiency and the ideal throughput of every ok point; return the base point (or None)."""
     ok = [r for r in results if r.ok]
@@ -120,7 +139,7 @@ def add_efficiency(results: list[PointResult], mode: str) -> PointResult | None:
 
 
 def table_rows(results: list[PointResult], simulated: bool = False) -> tuple[list[str], list[list[Any]]]:
-    headers = ["GPUs", "nodes x ranks", "global batch", "step ms", "samples/s", "per rank", "ideal samples/s",
+    headers = ["GPUs", "nodes x ranks", "global batch", "step ms", "step ms range", "samples/s", "per rank", "ideal samples/s",
                "efficiency", "compute ms", "exposed comm ms", "optimizer ms", "data ms", "other ms"]
     if simulated:
         headers.append("simulated eff.")
@@ -132,7 +151,9 @@ def table_rows(results: list[PointResult], simulated: bool = False) -> tuple[lis
                         + ["-"] * (len(headers) - 4))
             continue
         ms = {k: r.breakdown_s.get(k, 0.0) * 1e3 for k in PHASES}
-        row = [p.world, f"{p.nodes}x{p.ranks_per_node}", p.global_batch, r.step_s * 1e3, r.samples_per_s,
+        lo, hi = r.step_s_range or (r.step_s, r.step_s)
+        row = [p.world, f"{p.nodes}x{p.ranks_per_node}", p.global_batch, r.step_s * 1e3,
+               f"{lo * 1e3:.4g}-{hi * 1e3:.4g} ({r.runs})", r.samples_per_s,
                r.samples_per_s / p.world, r.ideal_samples_per_s,
                f"{r.efficiency:.1%}" if r.efficiency is not None else "-",
                ms["compute"], ms["exposed_comm"], ms["optimizer"], ms["data"], ms["other"]]

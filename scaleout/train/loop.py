@@ -65,6 +65,10 @@ class Trainer:
         self.mll.submission(self.task.benchmark)
         model = self.task.model
         self.sharded = cfg.optim.sharded
+        if cfg.model.compile:  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
+            from scaleout.train.capture import compile_model
+
+            compile_model(model)
         if self.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
             self.model = model
@@ -77,8 +81,10 @@ class Trainer:
                                       # the initial layout (bitwise resume)
                                       rebuild_buckets=not cfg.train.deterministic,
                                       **{k: v for k, v in (("x", cfg.comm.torus_x), ("y", cfg.comm.torus_y)) if v})
-        if cfg.model.compile:
-            self.model = torch.compile(self.model)
+        from scaleout.train.capture import build_step_graphs
+
+        self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
+        self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg.optim, world)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
@@ -138,10 +144,16 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, bool, bool]:
         """One optimizer step (grad_accum micro-batches). Returns (loss, skipped, stop requested)."""
         cfg, t = self.cfg, self.timers
-        with t("data"):
-            mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
+        with t("data"):  # with a prefetcher: only the time spent *waiting* for it (scaleout/train/prefetch.py)
+            if self.prefetcher is not None:
+                mbs = self.prefetcher.get(step)
+            else:
+                mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
         total = 0.0
-        for i, mb in enumerate(mbs):
+        if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
+            with t("graph"):
+                total = float(self.graphs(mbs))
+        for i, mb in enumerate(mbs if self.graphs is None else []):
             last = i == len(mbs) - 1
             sync = contextlib.nullcontext() if last or self.sharded else self.model.no_sync()
             with sync:
@@ -150,7 +162,7 @@ class Trainer:
                 with t("backward"):
                     loss.backward()
             total += float(loss.detach())
-        if not self.sharded:
+        if not self.sharded and self.graphs is None:
             t.add("exposed_comm", float(self.model.last_stats.get("exposed_s", 0.0)))
             t.current["backward"] = t.current.get("backward", 0.0) - float(self.model.last_stats.get("exposed_s", 0.0))
         if injected_nan(step, self.world.rank):
@@ -173,6 +185,9 @@ class Trainer:
         self.samples, self.skipped = 0, 0
         self.build()
         start = self.resume()
+        from scaleout.train.prefetch import build_prefetcher
+
+        self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
         self.guard = preempt.install()
         mll.init_stop()
         world.barrier()
@@ -225,6 +240,8 @@ class Trainer:
             if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
                 self.save(step + 1)
         progress.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if not self.guard.terminating:  # under SIGTERM peers may be gone: no collective
             world.barrier()
         ttt = time.perf_counter() - t_start
@@ -233,7 +250,9 @@ class Trainer:
         mll.run_stop("success" if status == "success" else "aborted", self.samples)
         steps_done = step + 1 - start
         self.status = status
-        if status in ("success", "max_steps") and self.ckpt is not None:
+        every = cfg.checkpoint.every_steps
+        already = status == "max_steps" and every and (step + 1) % every == 0  # saved inside the loop
+        if status in ("success", "max_steps") and self.ckpt is not None and not already:
             self.save(step + 1)
         consistent = self._weights_consistent() if not self.guard.terminating else None
         report = self._report(ttt, steps_done, tokens, metric, consistent)
@@ -271,11 +290,16 @@ class Trainer:
             quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
             peak_flops_per_device=peak, breakdown_s=self.timers.mean(),
         )
+        # The fraction of step time spent waiting for data (issue 10 item 5): same steps as the timers.
+        data_wait = self.timers.totals.get("data", 0.0) / max(self.timed["seconds"], 1e-12)
         if world.rank == 0:
             print(report.render(), flush=True)
+            print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
+                  f"(data.num_workers={cfg.data.num_workers})", flush=True)
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
+                       "data_wait_fraction": data_wait,
                        "status": self.status, "task": getattr(self.task, "info", {}),
                        "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
                                  "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),

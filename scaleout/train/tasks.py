@@ -34,7 +34,7 @@ class Task:
     model: torch.nn.Module
     rows: int  # global number of rows (packs / images) in the training set
 
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+    def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
         raise NotImplementedError
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -102,14 +102,15 @@ class BertTask(Task):
         self.max_pred = d.max_predictions * self.depth
         self.model = BertForPreTraining(b).to(world.device)
 
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+    def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
         rows = self.sampler.local_indices(position)
         out = []
         for part in np.array_split(rows, grad_accum):
             packs = [self.packs[i] for i in part]
             seqs = {j for p in packs for j in p}
             batch = self._build(self.train_seqs, packs, self.cfg.data.max_seq_len, self.max_pred, self.depth)
-            out.append(MicroBatch(_to_device(batch, self.world.device), None, len(seqs),
+            # device: the prefetcher's workers build on the CPU (scaleout/train/prefetch.py); default world.device
+            out.append(MicroBatch(_to_device(batch, device or self.world.device), None, len(seqs),
                                   int(self.pack_tokens[part].sum())))
         return out
 
@@ -184,13 +185,14 @@ class ResNetTask(Task):
         if world.device.type == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last)
 
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+    def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
         idx = self.sampler.local_indices(position)
         epoch = position // max(self.rows, 1)
         out = []
         for part in np.array_split(idx, grad_accum):
             x, y = self.train_set.get(part, epoch) if hasattr(self.train_set, "get") else self.train_set.batch(part)
-            out.append(MicroBatch(x.to(self.world.device, non_blocking=True), y.to(self.world.device), len(part), 0))
+            dev = device or self.world.device  # the prefetcher's workers pass cpu (scaleout/train/prefetch.py)
+            out.append(MicroBatch(x.to(dev, non_blocking=True), y.to(dev), len(part), 0))
         return out
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:

@@ -29,6 +29,10 @@ def main() -> int:
         "ranks_per_node": world.ranks_per_node, "allreduce_ok": ok,
         "slurmd_nodename": os.environ.get("SLURMD_NODENAME"),
     }
+    if world.source == "mpi":  # the node split mpi4py sees (one host = one node), whatever the World says
+        from scaleout.env.readers import _mpi_topology
+
+        report["mpi4py_topology"] = list(_mpi_topology())
     print("WORLD " + json.dumps(report), flush=True)
     world.close()
     return 0 if ok else 1

@@ -1,0 +1,222 @@
+"""Step capture: ``torch.compile`` of the model and CUDA graphs of the whole training step.
+
+**``model.compile=true``** compiles the *inner* model in place (``nn.Module.compile``) before
+:class:`scaleout.parallel.DataParallel` wraps it, rather than ``torch.compile(DataParallel(...))``:
+
+- DataParallel's reducer lives in post-accumulate-grad hooks on the parameters and an autograd-engine
+  callback. Parameters are leaves *outside* the compiled graphs (AOTAutograd lifts them to inputs), so
+  their ``AccumulateGrad`` nodes, and the hooks on them, still run in the eager autograd engine: the
+  overlapped bucketed all-reduce keeps working unchanged, with no compiled autograd needed. What
+  changes is granularity: each compiled graph's backward is one autograd node, so all gradients of one
+  graph become ready together (buckets launch per graph, not per layer).
+- Compiling the wrapper instead would make dynamo trace the reducer's Python (``_BackwardStart`` carries
+  the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would hide behind
+  ``OptimizedModule``; in place, ``state_dict`` keys and checkpoints are unchanged.
+- The BERT model graph-breaks twice on CPU (the ``int(pos.max())`` range check and the boolean
+  selection of masked positions, which has a data-dependent size); each piece is still fused (FC + bias
+  + GELU, LayerNorm + residual, softmax) by Inductor. ``scaleout bench compile`` measures what that buys.
+
+**``model.cuda_graphs=true``** (CUDA only) captures the step with ``torch.cuda.graphs``: zero the
+gradients, forward + backward of every micro-batch, the gradient all-reduce of the reducer's buckets,
+and the optimizer when it can be captured. One graph per distinct input shape (a dict key -> graph),
+as NVIDIA's MLPerf BERT keeps one graph per packed shape: packing makes shapes static, so a run sees
+one or a few keys. Per key, the first ``warmup`` steps run eagerly on a side stream (lazy
+initialisation, cuBLAS workspaces, allocator warm-up: the recipe of the PyTorch CUDA-graphs docs), the
+next step captures into static input buffers and replays; after that a step is "copy the batch into
+the static buffers, replay". Every call is exactly one training step (warm-up steps are real steps).
+
+What is not captured, and why:
+
+- The reducer's *overlapped* path (Python hooks, futures, a host-read census of unused parameters)
+  cannot be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each
+  bucket buffer (NCCL all-reduce is capturable since NCCL 2.9.6). Launch overhead, which graphs remove,
+  is what dominates at the small per-GPU batches of max-scale runs.
+- scaleout's LAMB/LARS compute per-step scalars (learning rate, bias correction, global clip factor)
+  on the host; a graph would freeze them at their capture-time values. The optimizer is therefore in
+  the graph only when every param group says ``capturable=True`` (``torch.optim`` optimizers with a
+  tensor learning rate); otherwise it runs eagerly after the replay, which also keeps the trainer's
+  NaN-skip agreement between gradients and update.
+- Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
+  data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and one
+  warning says why. The BERT model has such syncs today (see above).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+log = logging.getLogger("scaleout.train.capture")
+
+
+# -- torch.compile -------------------------------------------------------------------------------------
+def compile_model(module: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> torch.nn.Module:
+    """Compile ``module`` in place (parameters, hooks and ``state_dict`` keys unchanged) and return it."""
+    module.compile(backend=backend, mode=mode)
+    return module
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------------------
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for k in sorted(x) for t in _tensors(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if hasattr(x, "inputs"):  # a MicroBatch
+        return _tensors(x.inputs) + _tensors(x.target)
+    return []
+
+
+def shape_key(batch: Any) -> tuple[Any, ...]:
+    """The graph key of a step's input: shapes and dtypes of every tensor, in a fixed order."""
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors(batch))
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_clone(v) for v in x)
+    if hasattr(x, "inputs"):
+        return replace(x, inputs=_clone(x.inputs), target=_clone(x.target))
+    return x
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    static_in: Any  # the buffers the graph reads
+    static_out: torch.Tensor  # what the step function returned during capture (overwritten per replay)
+    replays: int = 0
+
+
+class StepGraphs:
+    """``step_fn(batch) -> loss tensor`` run as one CUDA graph per input shape (see module docstring).
+
+    ``graphs(batch)`` returns the step's loss; the graphs are in ``graphs.graphs`` keyed by
+    :func:`shape_key`. If a capture fails, the error is logged once and every later call runs
+    ``step_fn`` eagerly (``graphs.disabled`` holds the reason)."""
+
+    def __init__(self, step_fn: Callable[[Any], torch.Tensor], device: torch.device | str | None = None,
+                 warmup: int = 1):
+        if not torch.cuda.is_available():
+            from scaleout.errors import UserError
+
+            raise UserError("StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly")
+        self.step_fn = step_fn
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.warmup = max(1, warmup)
+        self.graphs: dict[tuple[Any, ...], _Graph] = {}
+        self.seen: dict[tuple[Any, ...], int] = {}
+        self.disabled: str | None = None
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        if self.disabled:
+            return self.step_fn(batch)
+        key = shape_key(batch)
+        entry = self.graphs.get(key)
+        if entry is None:
+            n = self.seen.get(key, 0)
+            if n < self.warmup:
+                self.seen[key] = n + 1
+                return self._side_stream(batch)
+            try:
+                entry = self._capture(key, batch)
+            except Exception as exc:  # noqa: BLE001 -- any capture failure means: run eagerly from now on
+                self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                log.warning("model.cuda_graphs: capturing the step failed (%s); running it eagerly", self.disabled)
+                torch.cuda.synchronize(self.device)
+                return self.step_fn(batch)
+        else:
+            for dst, src in zip(_tensors(entry.static_in), _tensors(batch), strict=True):
+                dst.copy_(src, non_blocking=True)
+        entry.graph.replay()
+        entry.replays += 1
+        return entry.static_out
+
+    def _side_stream(self, batch: Any) -> torch.Tensor:
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            out = self.step_fn(batch)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        return out
+
+    def _capture(self, key: tuple[Any, ...], batch: Any) -> _Graph:
+        static_in = _clone(batch)  # allocated outside the graph's pool: persists between replays
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = self.step_fn(static_in)
+        entry = _Graph(g, static_in, out)
+        self.graphs[key] = entry
+        return entry
+
+
+def capturable_optimizer(optimizer: Any) -> bool:
+    """True when every param group of ``optimizer`` keeps its per-step scalars on the device."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    return bool(groups) and all(g.get("capturable", False) for g in groups)
+
+
+def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                       optimizer: Any = None) -> Callable[[list[Any]], torch.Tensor]:
+    """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads, forward +
+    backward of every micro-batch under ``no_sync()``, pre-divide and all-reduce each bucket, then
+    ``optimizer.step()`` if an optimizer is given. Returns the summed (averaged) loss as a tensor."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    world = model.world
+
+    def step(mbs: list[Any]) -> torch.Tensor:
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        total = None
+        with model.no_sync():
+            for mb in mbs:
+                loss = loss_fn(model, mb) / len(mbs)
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+        if world.world_size > 1:
+            for bucket in model.reducer.buckets:  # averaging = pre-divide then sum, as the reducer does
+                bucket.buffer.div_(world.world_size)
+                dist.all_reduce(bucket.buffer)
+        if optimizer is not None:
+            optimizer.step()
+        assert total is not None
+        return total
+
+    return step
+
+
+def build_step_graphs(cfg: Any, world: Any, model: Any, task: Any) -> StepGraphs | None:
+    """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where it
+    cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the step). The
+    trainer's optimizer always runs after the replay: its NaN-skip agreement sits between the averaged
+    gradients and the update, and LAMB/LARS keep per-step scalars on the host (module docstring)."""
+    from scaleout.log import print0
+
+    if not cfg.model.cuda_graphs:
+        return None
+    dev = torch.device(world.device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        print0(f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs eagerly",
+               rank=world.rank)
+        return None
+    if cfg.optim.sharded or not hasattr(model, "reducer"):
+        print0("warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): the step runs "
+               "eagerly", rank=world.rank)
+        return None
+    return StepGraphs(data_parallel_step(model, task.loss), dev)

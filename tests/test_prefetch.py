@@ -1,0 +1,130 @@
+"""The background input pipeline (scaleout/train/prefetch.py) on real gloo ranks with real worker
+processes: the same batches as the synchronous path, in order, for BERT (packed) and ResNet tasks;
+resume from a data position; misuse raises one-line errors; and the trainer with workers ends with
+the same weights as without them, reporting the fraction of step time it waited for data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distutil import run_dist
+
+SMALL_BERT = ["model.arch=bert", "data.source=synthetic", "data.max_seq_len=32", "data.max_predictions=5",
+              "data.packing=lpfhp", "model.bert.vocab_size=64", "model.bert.hidden=16", "model.bert.layers=1",
+              "model.bert.heads=2", "model.bert.intermediate=32", "model.bert.max_position=32",
+              "data.eval_samples=8", "train.global_batch=8", "train.max_steps=6", "train.grad_accum=2"]
+SMALL_RESNET = ["model.arch=resnet", "data.source=synthetic", "model.resnet.depth=18", "model.resnet.width=4",
+                "model.resnet.num_classes=4", "model.resnet.image_size=16", "data.eval_samples=8",
+                "train.global_batch=8", "train.max_steps=6", "optim.name=lars"]
+
+
+def _flat(mbs: list) -> list[torch.Tensor]:
+    out = []
+    for mb in mbs:
+        ins = mb.inputs if isinstance(mb.inputs, dict) else {"x": mb.inputs}
+        out += [ins[k] for k in sorted(ins)] + ([mb.target] if mb.target is not None else [])
+        out.append(torch.tensor([mb.samples, mb.tokens]))
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    fa, fb = _flat(a), _flat(b)
+    return len(fa) == len(fb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(fa, fb, strict=True))
+
+
+def _allow_children() -> None:
+    """run_dist's pooled ranks are daemonic processes, which multiprocessing forbids to start children;
+    ranks started by `scaleout launch` / srun are not. Clear the flag so DataLoader workers can start
+    (they are daemonic themselves and die with the rank)."""
+    import multiprocessing as mp
+
+    mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+
+
+def _prefetch_checks(world) -> dict:
+    from scaleout.config import load_config
+    from scaleout.errors import UserError
+    from scaleout.train.prefetch import Prefetcher
+    from scaleout.train.tasks import build_task
+
+    _allow_children()
+    res: dict = {}
+    for name, overrides in (("bert", SMALL_BERT), ("resnet", SMALL_RESNET)):
+        cfg = load_config(None, overrides)
+        task = build_task(cfg, world)
+        gb, ga = cfg.train.global_batch, cfg.train.grad_accum
+        sync = [task.micro_batches(s * gb, ga) for s in range(6)]
+        with Prefetcher(task, gb, ga, 0, 6, num_workers=2, prefetch=3, device=world.device) as pf:
+            res[f"{name}_in_order"] = all(_same(pf.get(s), sync[s]) for s in range(6))
+            try:
+                pf.get(6)
+                res[f"{name}_past_stop"] = "no error"
+            except UserError as e:
+                res[f"{name}_past_stop"] = str(e)
+        with Prefetcher(task, gb, ga, 3, 6, num_workers=1, prefetch=1, device=world.device) as pf:  # resume
+            res[f"{name}_resumed"] = all(_same(pf.get(s), sync[s]) for s in range(3, 6))
+        res[f"{name}_distinct_steps"] = not _same(sync[0], sync[1])  # the check above could fail
+    pf = Prefetcher(task, gb, ga, 0, 6, num_workers=1, prefetch=2)
+    try:
+        pf.get(2)
+        res["skip"] = "no error"
+    except UserError as e:
+        res["skip"] = str(e)
+    pf.close()
+    return res
+
+
+def test_prefetcher_same_batches_in_order_and_resumes() -> None:
+    """2 ranks, 2 and 1 worker processes: every rank's background batches equal its synchronous ones."""
+    results = run_dist(_prefetch_checks, nnodes=1, nproc_per_node=2, timeout=240)
+    for rank, r in enumerate(results):
+        for name in ("bert", "resnet"):
+            assert r[f"{name}_in_order"], (rank, name)
+            assert r[f"{name}_resumed"], (rank, name)
+            assert r[f"{name}_distinct_steps"], (rank, name)
+            assert "past its stop_step=6" in r[f"{name}_past_stop"], r
+        assert "asked for step 2 but the next prepared step is 0" in r["skip"], r
+
+
+def test_bad_prefetch_settings_are_one_line_errors() -> None:
+    from scaleout.errors import UserError
+    from scaleout.train.prefetch import Prefetcher
+
+    with pytest.raises(UserError, match=r"data.num_workers=-1"):
+        Prefetcher(None, 8, 1, 0, 4, num_workers=-1)
+    with pytest.raises(UserError, match=r"data.prefetch=0"):
+        Prefetcher(None, 8, 1, 0, 4, num_workers=1, prefetch=0)
+
+
+def _train(world, out: str, workers: int) -> dict:
+    from scaleout.config import load_config
+    from scaleout.train.loop import Trainer
+
+    _allow_children()
+    cfg = load_config(None, [*SMALL_BERT, "train.max_steps=4", "train.eval_every=4", "train.progress=false",
+                             "train.deterministic=true", "comm.algorithm=flat", f"train.output_dir={out}",
+                             f"data.num_workers={workers}", "data.prefetch=2", "optim.warmup_steps=1",
+                             "optim.total_steps=4"])
+    trainer = Trainer(cfg, world)
+    trainer.run()
+    return {"weights": [p.detach().clone() for p in trainer.task.model.parameters()],
+            "prefetcher": type(trainer.prefetcher).__name__}
+
+
+def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path: Path) -> None:
+    """Same 4 deterministic steps on 2 ranks with 0 and 2 data workers: bitwise equal weights; the
+    report gives the fraction of step time spent waiting for data."""
+    sync = run_dist(_train, nnodes=1, nproc_per_node=2, args=(str(tmp_path / "sync"), 0), timeout=240)
+    bg = run_dist(_train, nnodes=1, nproc_per_node=2, args=(str(tmp_path / "bg"), 2), timeout=240)
+    assert sync[0]["prefetcher"] == "NoneType" and bg[0]["prefetcher"] == "Prefetcher"
+    for a, b in zip(sync, bg, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
+    for run in ("sync", "bg"):
+        report = json.loads((tmp_path / run / "report.json").read_text())
+        assert 0.0 < report["data_wait_fraction"] < 1.0, report["data_wait_fraction"]
+        assert report["breakdown_s"]["data"] > 0.0
