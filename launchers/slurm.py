@@ -115,7 +115,8 @@ class LocalSlurm:
         p = subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
         if p.returncode != 0:
             raise UserError(f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
-        return True
+        # Another session may have started it while we waited for start.sh's lock: then it is theirs to stop.
+        return "already running" not in p.stdout
 
     def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
         args = [str(HERE / "stop.sh")] + (["--wipe"] if wipe else [])

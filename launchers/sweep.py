@@ -101,7 +101,7 @@ class SlurmRunner:
     def __init__(self, partition: str | None = None, time_min: int = 30, gpus: bool = True,
                  env: dict[str, str] | None = None, timeout_s: float | None = None, extra: Sequence[str] = ()):
         self.partition, self.time_min, self.gpus = partition, time_min, gpus
-        self.env = dict(os.environ if env is None else env)
+        self.env = env  # None: this process's environment at submission (sbatch exports it to the job)
         self.timeout_s = timeout_s
         self.extra = list(extra)
 
@@ -127,17 +127,22 @@ class SlurmRunner:
         return [*args, *self.extra, "--wrap", shlex.join(srun)]
 
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
+        import subprocess
+
         from launchers.slurm import job_info, sbatch, wait_job
 
-        job = sbatch(self.sbatch_args(point, argv, log), env=self.env)
+        env = dict(os.environ if self.env is None else self.env)
+        job = sbatch(self.sbatch_args(point, argv, log), env=env)
         try:
-            state = wait_job(job, env=self.env, timeout_s=self.timeout_s or 10 * 60 * self.time_min, poll_s=0.5)
+            # Queue wait included: up to 10x the time limit unless --timeout says otherwise.
+            state = wait_job(job, env=env, timeout_s=self.timeout_s or 10 * 60 * self.time_min, poll_s=0.5)
         except TimeoutError as exc:
-            import subprocess
-
-            subprocess.run(["scancel", str(job)], env=self.env, check=False, capture_output=True)
+            subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
             return PointRun(124, f"Slurm job {job}: {exc}; cancelled")
-        code = job_info(job, env=self.env).get("ExitCode", "?")
+        except BaseException:  # Ctrl-C / SIGTERM of the sweep: do not leave the job running
+            subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
+            raise
+        code = job_info(job, env=env).get("ExitCode", "?")
         return PointRun(0 if state == "COMPLETED" else 1, f"Slurm job {job} {state} (exit {code})")
 
 
@@ -176,11 +181,15 @@ class SubmitRunner:
                           folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}")
         (job,) = submit(spec)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while not job.done():
-            if deadline is not None and time.monotonic() > deadline:
-                job.cancel()
-                return PointRun(124, f"submitit job {job.job_id} timed out; cancelled")
-            time.sleep(0.5)
+        try:
+            while not job.done():
+                if deadline is not None and time.monotonic() > deadline:
+                    job.cancel()
+                    return PointRun(124, f"submitit job {job.job_id} timed out; cancelled")
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C / SIGTERM of the sweep: do not leave the job running
+            job.cancel(check=False)
+            raise
         try:
             job.results()
         except Exception as exc:  # noqa: BLE001 -- one line: the failing rank's error

@@ -77,16 +77,40 @@ def wait_for_text(path: Path, pattern: str, timeout_s: float = 60) -> str:
     raise AssertionError(f"{pattern!r} did not appear in {path} within {timeout_s} s:\n{text}")
 
 
+def _live_leases(leases: Path) -> list[Path]:
+    live = []
+    for f in leases.glob("*.lease"):
+        try:
+            os.kill(int(f.stem), 0)
+            live.append(f)
+        except (ValueError, ProcessLookupError):
+            f.unlink(missing_ok=True)  # a session that died without cleaning up
+        except PermissionError:
+            live.append(f)
+    return live
+
+
 def cluster_session():
-    """Generator body of a session fixture: start the cluster if needed, yield a Cluster, stop what we started."""
+    """Generator body of a session fixture: start the cluster if needed, yield a Cluster, stop what we started.
+
+    Several pytest sessions may share the cluster (engineers, or CI shards): each holds a lease file
+    ($STATE/leases/<pid>.lease). The session that started the cluster stops it at its end only if no other
+    session holds a lease; otherwise it leaves a marker and the last session out stops it.
+    """
     why = can_run_local_slurm()
     if why:
         pytest.skip(why)
     local = LocalSlurm()
+    leases = local.state / "leases"
+    leases.mkdir(parents=True, exist_ok=True)
+    mine = leases / f"{os.getpid()}.lease"
+    mine.touch()
+    marker = leases / "stop-when-last"
     t0 = time.monotonic()
     try:
         started = local.start(accounting=True, install=shutil.which("apt-get") is not None)
     except UserError as exc:
+        mine.unlink(missing_ok=True)
         if "apt-get install failed" in str(exc) or "missing packages" in str(exc):
             pytest.skip(f"Slurm packages are not installed and could not be installed: {exc}")
         raise
@@ -95,5 +119,10 @@ def cluster_session():
     try:
         yield Cluster(local)
     finally:
-        if started:
-            local.stop()
+        mine.unlink(missing_ok=True)
+        if started or marker.exists():
+            if _live_leases(leases):
+                marker.touch()  # others still use it: the last one out stops it
+            else:
+                marker.unlink(missing_ok=True)
+                local.stop()

@@ -6,6 +6,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -193,6 +196,25 @@ def test_bad_input_is_one_line_before_anything_starts(tmp_path, capsys, argv, me
     assert rc == 2 and err.startswith("scaleout sweep: error: ") and "\n" not in err, err
     assert message in err, err
     assert not out.exists()  # no point was started: nothing written
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
+                    reason="needs root and iproute2 (ip, tc)")
+def test_sweep_on_the_emulated_netns_cluster(tmp_path, capsys):
+    """--netns: the 2 nodes run in their own namespaces behind 1 Gbit/s links. Success is the proof: the
+    rendezvous address (node 0's namespace address) is unreachable from outside the namespaces."""
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "resnet_cpu", "--world", "2", "--nproc-per-node", "1", "--steps", "2", "--warmup", "1",
+               "--per-rank-batch", "4", "--threads-per-rank", "1", "--netns", "--rate", "1gbit", "--no-png",
+               "--out-dir", str(out), *TINY])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    _check_sweep_outputs(out, [2], per_rank=4, steps=2, warmup=1)
+    assert json.loads((out / "sweep.json").read_text())["netns_rate"] == "1gbit"
+    assert "(netns 1gbit)" in text and not (out / "sweep.png").exists()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"sw{os.getpid() % 100000}-n" not in left  # the sweep's private cluster is torn down
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ Then (--sharded-ranks, default 4) real gloo processes compare, per rank and unde
 non-sharded LAMB step with the sharded LAMB's update (communication timed apart) and its state bytes.
 
 examples:
-  scaleout bench optim                                # both models + sharded LAMB on 4 ranks
+  scaleout bench optim                                # both models + sharded LAMB on 4 ranks (ResNet-50 shapes)
+  scaleout bench optim --models '' --sharded-model bert  # only the sharded part, BERT-base shapes (~7 GB)
   scaleout bench optim --models bert --repeats 9 --sharded-ranks 0
   scaleout bench optim --chunks 65536,262144,1048576  # LAMB/LARS cache-block size sweep
 """
@@ -61,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per contender (median; default 7)")
     p.add_argument("--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)")
     p.add_argument("--sharded-ranks", type=int, default=4, help="processes for the sharded-LAMB part (0 = skip)")
-    p.add_argument("--sharded-model", choices=SHAPES, default="bert")
+    # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
+    p.add_argument("--sharded-model", choices=SHAPES, default="resnet", help="shapes for the sharded part (default resnet)")
     p.add_argument("--sharded-steps", type=int, default=3, help="timed steps in the sharded part (default 3)")
     p.add_argument("--out", default="bench-results/optim.json")
     p.add_argument("--png", default="bench-results/optim.png", help="bar chart of the ratios ('' = none)")

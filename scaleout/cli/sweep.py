@@ -126,21 +126,29 @@ def _threads(args: argparse.Namespace, points: list) -> int | None:
         return args.threads_per_rank
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    if args.launcher == "local":
+    if _on_this_host(args):
         return max(1, (os.cpu_count() or 1) // max(p.world for p in points))
     return None
+
+
+def _on_this_host(args: argparse.Namespace) -> bool:
+    """Do the ranks run on this machine (local launcher, submitit's local executor, the local Slurm)?"""
+    if args.launcher == "local":
+        return True
+    if args.launcher == "submit":
+        from launchers.submit import resolve_cluster
+
+        return resolve_cluster(args.cluster) in ("local", "debug")
+    from launchers.slurm import LocalSlurm
+
+    return os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
 
 
 def _notes(args: argparse.Namespace, points: list, base_world: int | None) -> list[str]:
     cores = os.cpu_count() or 1
     most = max(p.world for p in points)
     notes = []
-    on_this_host = args.launcher == "local" or (args.launcher == "submit" and args.cluster in ("local", "debug"))
-    if args.launcher == "slurm":
-        from launchers.slurm import LocalSlurm
-
-        on_this_host = os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
-    if on_this_host:
+    if _on_this_host(args):
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         share = (f"at {most} ranks {most / cores:.1f}x oversubscribed" if most > cores else "shared")
         share += f" with whatever else runs (load average {load:.1f} at the end)"

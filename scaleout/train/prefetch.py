@@ -111,7 +111,11 @@ class Prefetcher:
                 kw["pin_memory_device"] = str(self.device)
         self.loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, shuffle=False,
                                                   num_workers=num_workers, pin_memory=self.pin,
-                                                  collate_fn=_identity, **kw)
+                                                  collate_fn=_identity,
+                                                  # its own generator: drawing the workers' base seed from
+                                                  # torch's global RNG would shift the model's dropout masks
+                                                  # and break "same run with or without workers"
+                                                  generator=torch.Generator().manual_seed(0), **kw)
         self._it: Iterator[Any] | None = iter(self.loader)
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None

@@ -8,7 +8,7 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool, start: int = 0, every: int = 10):
+    def __init__(self, total: int, enabled: bool, start: int = 0, every: int = 25):
         self.total, self.enabled, self.start, self.every = total, enabled, start, every
         self.tty = sys.stdout.isatty()
         self.t0 = time.perf_counter()
