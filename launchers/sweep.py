@@ -29,6 +29,9 @@ from scaleout.sweep import PointResult, SweepPoint, point_overrides, read_point
 from scaleout.sweep.results import median_run
 
 LAUNCHERS = ("local", "slurm", "submit")
+# How long a Slurm job may be unknown to scontrol before the point fails (a controller restart or a
+# job record purged after MinJobAge is seconds, not minutes).
+UNKNOWN_GRACE_S = 60.0
 
 
 @dataclass
@@ -48,9 +51,11 @@ def _tail(path: Path, lines: int = 12) -> str:
 class LocalRunner:
     """Each point with launchers.local (``scaleout launch``); ``netns_rate`` puts nodes in namespaces."""
 
-    def __init__(self, netns_rate: str | None = None, timeout_s: float | None = None):
+    def __init__(self, netns_rate: str | None = None, timeout_s: float | None = None,
+                 extra_env: dict[str, str] | None = None):
         self.netns_rate = netns_rate
         self.timeout_s = timeout_s
+        self.extra_env = dict(extra_env or {})  # e.g. OMP_NUM_THREADS for every rank
         self.cluster: Any = None
 
     def check(self, points: Sequence[SweepPoint]) -> None:
@@ -79,10 +84,10 @@ class LocalRunner:
         from launchers.local import launch
         from scaleout.env.base import free_port
 
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"env": {**os.environ, **self.extra_env}}
         if self.cluster is not None:
             kwargs = dict(master_addr=self.cluster.addr(0), master_port=free_port("0.0.0.0"),
-                          env={**os.environ, **self.cluster.rank_env()}, node_wrapper=self.cluster.wrapper)
+                          env={**kwargs["env"], **self.cluster.rank_env()}, node_wrapper=self.cluster.wrapper)
         with open(log, "w") as out:
             res = launch(["scaleout", *argv], point.nodes, point.ranks_per_node, out=out,
                          timeout_s=self.timeout_s, **kwargs)
@@ -99,9 +104,11 @@ class SlurmRunner:
     """One sbatch job per point (``-N nodes --ntasks-per-node G``), waited for before the next."""
 
     def __init__(self, partition: str | None = None, time_min: int = 30, gpus: bool = True,
-                 env: dict[str, str] | None = None, timeout_s: float | None = None, extra: Sequence[str] = ()):
+                 env: dict[str, str] | None = None, timeout_s: float | None = None, extra: Sequence[str] = (),
+                 extra_env: dict[str, str] | None = None):
         self.partition, self.time_min, self.gpus = partition, time_min, gpus
         self.env = env  # None: this process's environment at submission (sbatch exports it to the job)
+        self.extra_env = dict(extra_env or {})
         self.timeout_s = timeout_s
         self.extra = list(extra)
 
@@ -129,16 +136,25 @@ class SlurmRunner:
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
         import subprocess
 
-        from launchers.slurm import job_info, sbatch, wait_job
+        from launchers.slurm import FINAL_STATES, job_info, job_state, sbatch
 
-        env = dict(os.environ if self.env is None else self.env)
+        env = {**(os.environ if self.env is None else self.env), **self.extra_env}
         job = sbatch(self.sbatch_args(point, argv, log), env=env)
+        # Queue wait included: up to 10x the time limit unless --timeout says otherwise.
+        deadline = time.monotonic() + (self.timeout_s or 10 * 60 * self.time_min)
+        unknown_since: float | None = None
         try:
-            # Queue wait included: up to 10x the time limit unless --timeout says otherwise.
-            state = wait_job(job, env=env, timeout_s=self.timeout_s or 10 * 60 * self.time_min, poll_s=0.5)
-        except TimeoutError as exc:
-            subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
-            return PointRun(124, f"Slurm job {job}: {exc}; cancelled")
+            while (state := job_state(job, env)) not in FINAL_STATES:
+                now = time.monotonic()
+                # UNKNOWN = scontrol cannot answer: the controller is gone or has forgotten the job.
+                unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
+                if unknown_since is not None and now - unknown_since > UNKNOWN_GRACE_S:
+                    return PointRun(1, f"Slurm job {job}: no answer from scontrol for {UNKNOWN_GRACE_S:.0f} s "
+                                       f"(controller down?)")
+                if now > deadline:
+                    subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
+                    return PointRun(124, f"Slurm job {job} still {state} at the timeout; cancelled")
+                time.sleep(0.5)
         except BaseException:  # Ctrl-C / SIGTERM of the sweep: do not leave the job running
             subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
             raise
@@ -150,9 +166,10 @@ class SubmitRunner:
     """One submitit job per point (Slurm when sbatch is on PATH, else submitit's local executor)."""
 
     def __init__(self, cluster: str = "auto", partition: str | None = None, time_min: int = 30, gpus: bool = True,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, extra_env: dict[str, str] | None = None):
         self.cluster, self.partition, self.time_min, self.gpus = cluster, partition, time_min, gpus
         self.timeout_s = timeout_s
+        self.extra_env = dict(extra_env or {})
 
     def check(self, points: Sequence[SweepPoint]) -> None:
         from launchers.submit import resolve_cluster
@@ -179,7 +196,16 @@ class SubmitRunner:
         spec = SubmitSpec(argv=argv, nodes=point.nodes, gpus_per_node=point.ranks_per_node, request_gpus=self.gpus,
                           partition=self.partition, time_min=self.time_min, cluster=self.cluster,
                           folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}")
-        (job,) = submit(spec)
+        saved = {k: os.environ.get(k) for k in self.extra_env}
+        os.environ.update(self.extra_env)  # submitit's executors hand this process's environment to the job
+        try:
+            (job,) = submit(spec)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         try:
             while not job.done():
@@ -200,11 +226,12 @@ class SubmitRunner:
 
 def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | SubmitRunner:
     if launcher == "local":
-        return LocalRunner(netns_rate=kwargs.get("netns_rate"), timeout_s=kwargs.get("timeout_s"))
+        return LocalRunner(netns_rate=kwargs.get("netns_rate"), timeout_s=kwargs.get("timeout_s"),
+                           extra_env=kwargs.get("extra_env"))
     if kwargs.get("netns_rate") is not None:
         raise UserError(f"--netns works with --launcher local, not {launcher}")
     common = dict(partition=kwargs.get("partition"), time_min=kwargs.get("time_min", 30),
-                  gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"))
+                  gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"), extra_env=kwargs.get("extra_env"))
     if launcher == "slurm":
         return SlurmRunner(env=kwargs.get("env"), **common)
     if launcher == "submit":

@@ -311,7 +311,7 @@ def test_factory_builds_the_configured_optimizer_and_schedule():
         loss.backward()
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * (1 - 1 / 2))  # step 3: decaying from warmup end
     assert losses[-1] < losses[0]
     assert state_bytes(opt) == 2 * 4 * sum(p.numel() for g in opt.param_groups for p in g["params"])

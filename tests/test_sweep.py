@@ -68,11 +68,13 @@ def _check_sweep_outputs(out, worlds: list[int], per_rank: int, steps: int, warm
 def test_real_local_sweep_writes_csv_json_md_png(tmp_path, capsys):
     """world 1 (one node) and 2 (two emulated nodes x 1 rank), weak scaling, 3 steps of which 2 are timed."""
     out = tmp_path / "sweep"
+    threads_before = os.environ.get("OMP_NUM_THREADS")
     rc = main(["sweep", "resnet_cpu", "--world", "1,2", "--nproc-per-node", "1", "--steps", "3", "--warmup", "1",
                "--per-rank-batch", "4", "--threads-per-rank", "1", "--simulate", "netns-1g", "--out-dir", str(out),
                *TINY])
     text = capsys.readouterr().out
     assert rc == 0, text
+    assert os.environ.get("OMP_NUM_THREADS") == threads_before  # the ranks got it, this process did not
     rows = _check_sweep_outputs(out, [1, 2], per_rank=4, steps=3, warmup=1)
     assert [(int(r["nodes"]), int(r["ranks_per_node"])) for r in rows] == [(1, 1), (2, 1)]
     # Progress per point, the table and the honesty note are printed.
@@ -180,6 +182,7 @@ BAD = [
     (["--world", "1,2", "--mode", "linear"], "--mode='linear': expected weak or strong"),
     (["--world", "1,2", "--mode", "strong", "--per-rank-batch", "4"], "strong scaling fixes the global batch"),
     (["--world", "1,2", "--steps", "2", "--warmup", "2"], "at least one timed step"),
+    (["--world", "1,2", "--repeats", "0"], "--repeats=0: expected an integer >= 1"),
     (["--world", "1,2", "--nodes", "1"], "--nodes has 1 entries but --world has 2"),
     (["--world", "1,4", "--nproc-per-node", "1", "model.resnet.bn_group=2"],
      "sweep point world 1 (1 nodes x 1): model.resnet.bn_group=2 must divide the world size 1"),

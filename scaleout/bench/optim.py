@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
     p.add_argument("--sharded-model", choices=SHAPES, default="resnet", help="shapes for the sharded part (default resnet)")
     p.add_argument("--sharded-steps", type=int, default=3, help="timed steps in the sharded part (default 3)")
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="torch threads for the single-process part (0 = torch's default). On a machine whose cores are also "
+        "busy with other work, 1 avoids OpenMP barrier stalls that hit every contender unevenly",
+    )
     p.add_argument("--out", default="bench-results/optim.json")
     p.add_argument("--png", default="bench-results/optim.png", help="bar chart of the ratios ('' = none)")
 
@@ -279,6 +284,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--chunks={args.chunks!r}: expected a comma list of element counts") from None
     if args.repeats < 1 or any(c < 1 for c in chunks):
         raise UserError(f"--repeats={args.repeats} and --chunks={args.chunks!r} must be positive")
+    import torch
+
+    if args.threads < 0:
+        raise UserError(f"--threads={args.threads}: expected >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     for m in models:
         rows += _time_model(m, args.repeats, chunks)
@@ -287,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
             [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows],
         ))
-    payload: dict[str, Any] = {"rows": rows}
+    payload: dict[str, Any] = {"rows": rows, "threads": torch.get_num_threads()}
     if args.sharded_ranks > 0:
         per_rank = _sharded(args.sharded_ranks, args.sharded_model, args.sharded_steps)
         srows = []

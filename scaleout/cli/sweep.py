@@ -38,7 +38,7 @@ On a machine with fewer cores than ranks the numbers measure CPU oversubscriptio
 framework; the output says so.
 
 examples:
-  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5
+  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 --simulate netns-1g
   scaleout sweep bert_tiny_cpu --world 1,2,4 --mode strong --global-batch 32
   scaleout sweep resnet_cpu --world 2,4 --nodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --no-gpu-request
@@ -144,7 +144,7 @@ def _on_this_host(args: argparse.Namespace) -> bool:
     return os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
 
 
-def _notes(args: argparse.Namespace, points: list, base_world: int | None) -> list[str]:
+def _notes(args: argparse.Namespace, points: list, base_world: int | None, threads: str | None) -> list[str]:
     cores = os.cpu_count() or 1
     most = max(p.world for p in points)
     notes = []
@@ -156,8 +156,8 @@ def _notes(args: argparse.Namespace, points: list, base_world: int | None) -> li
                      f"sharing more than communication (the tool measures honestly; the machine is the limit)")
     if base_world not in (None, 1):
         notes.append(f"efficiency is relative to the smallest world in the sweep ({base_world} ranks), not 1")
-    if os.environ.get("OMP_NUM_THREADS"):
-        notes.append(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} per rank at every point")
+    if threads:
+        notes.append(f"OMP_NUM_THREADS={threads} per rank at every point")
     rounds = f"; each point is the median of {args.repeats} rounds" if args.repeats > 1 else ""
     notes.append(f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
                  f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower ranks)")
@@ -187,9 +187,13 @@ def run(args: argparse.Namespace) -> int:
     points = plan_points(worlds, args.mode, _batch(args, cfg), cfg.train.grad_accum, nodes, gpn)
     extra = [] if args.launcher == "local" else ["launch.env=auto"]  # the config may say local
     check_points(config, [*args.overrides, *extra], points, args.steps, args.warmup)
+    if args.repeats < 1:
+        raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
+    threads = _threads(args, points)
+    env = {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
     runner = make_runner(args.launcher, netns_rate=args.rate if args.netns else None, partition=args.partition,
                          time_min=args.time, gpus=not args.no_gpu_request, cluster=args.cluster,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, extra_env=env)
     runner.check(points)
     sim = None
     if args.simulate:
@@ -197,9 +201,6 @@ def run(args: argparse.Namespace) -> int:
 
         sim = Simulator(args.simulate, cfg)
 
-    threads = _threads(args, points)
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every rank (local) or job (sbatch exports it)
     print(f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
           f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}", flush=True)
     results = run_sweep(runner, points, config, args.overrides, args.steps, args.warmup, args.out_dir,
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             "launcher": args.launcher, "netns_rate": args.rate if args.netns else None, "steps": args.steps,
             "warmup": args.warmup, "repeats": args.repeats, "base_world": base.point.world if base else None,
             "simulate": args.simulate}
-    notes = _notes(args, points, meta["base_world"])
+    notes = _notes(args, points, meta["base_world"], env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"))
     paths = write_outputs(args.out_dir, results, meta, notes)
     headers, rows = table_rows(results, simulated=sim is not None)
     print()

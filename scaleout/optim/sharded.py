@@ -33,7 +33,6 @@ from scaleout.optim.base import check_hparams, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, lamb_chunks
 
-
 # torch 2.13 renamed the tensor-in/tensor-out collectives (*_single); older builds only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

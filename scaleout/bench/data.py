@@ -1,0 +1,279 @@
+"""scaleout bench data: samples/s per CPU core of the trainer's input pipelines, and host cores per accelerator."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "data"
+HELP = "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; host cores per accelerator"
+DESCRIPTION = """\
+Measures the trainer's own input pipeline (the task's micro_batches through scaleout/train/prefetch.py,
+exactly what `scaleout train` runs) on this host, for:
+
+  bert128  tokenized BERT samples of the offline pydoc corpus (configs/bert_tiny_cpu.yaml), packed
+           (LPFHP, <= 3 per row), collated into packed rows of 128 tokens
+  bert512  full-length synthetic BERT samples of 512 tokens (76 mask slots, MLPerf's), the upper
+           bound of host work per phase-2 sequence
+  resnet   ImageNet-like JPEGs (--jpeg-size, quality 90, made in memory with PIL from synthetic
+           images and written to a temporary ImageFolder) decoded + MLPerf-augmented (random-resized
+           crop to --image-size, flip, normalise)
+
+Each runs synchronously (0 workers: the baseline) and with 1 and 2 worker processes at --prefetch
+depths. Two numbers per row: samples/s with a consumer that takes no time (the pipeline's rate), and
+samples per CPU-second (CPU time of this process and its workers, from getrusage: robust on a shared
+machine, and what "per core" means). Then, with a consumer that sleeps as long as the synchronous
+path needs per step (an accelerator as fast as one host core; sleeping uses no CPU, like waiting on
+a GPU), the fraction of the consumer's time spent waiting for data: the synchronous path waits about
+half the time, a prefetching worker should hide it.
+
+Last, the host:accelerator ratio: host cores needed to feed one accelerator = its samples/s (public
+numbers, below; add your own with --accel NAME:PIPELINE=RATE) / samples per CPU-second of one core.
+Host work per sample does not depend on the model's size, so the tiny model's pipeline is BERT-large's.
+
+examples:
+  scaleout bench data
+  scaleout bench data --pipelines resnet --workers 0,1,2 --prefetch 1,4 --steps 12 --batch 32
+  scaleout bench data --accel my-npu:resnet=5000
+"""
+
+# Per-accelerator training throughput, mixed precision, single GPU (public numbers):
+#   ResNet-50 v1.5: NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
+#     "Training performance: NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP 2470 img/s; DGX-1 (V100 16GB) 1200 img/s.
+#   BERT-large pre-training: NVIDIA DeepLearningExamples PaddlePaddle/LanguageModeling/BERT/README.md,
+#     "Pre-training NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP: 694 seq/s at 128, 264 seq/s at 512.
+ACCELERATORS = {
+    "A100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 2470.0),
+    "V100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 1200.0),
+    "A100 (BERT-large seq 128 AMP, NVIDIA DLE)": ("bert128", 694.0),
+    "A100 (BERT-large seq 512 AMP, NVIDIA DLE)": ("bert512", 264.0),
+}
+PIPELINES = ("bert128", "bert512", "resnet")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"comma list of {', '.join(PIPELINES)}")
+    p.add_argument("--workers", default="0,1,2", help="comma list of worker counts (0 = synchronous baseline)")
+    p.add_argument("--prefetch", default="1,4", help="comma list of queue depths for worker rows (default 1,4)")
+    p.add_argument("--steps", type=int, default=20, help="steps timed per row (default 20)")
+    p.add_argument("--batch", type=int, default=64, help="samples (BERT: packed rows) per step (default 64)")
+    p.add_argument("--image-size", type=int, default=224, help="crop size of the augmentation (default 224)")
+    p.add_argument("--jpeg-size", default="500x375", help="synthetic JPEG WxH (default 500x375, a common ImageNet size)")
+    p.add_argument("--images", type=int, default=256, help="distinct synthetic JPEGs (default 256)")
+    p.add_argument("--accel", action="append", default=[], metavar="NAME:PIPELINE=RATE",
+                   help="an extra accelerator: samples/s it trains on PIPELINE (repeatable)")
+    p.add_argument("--out", default="bench-results/data.json")
+    p.add_argument("--png", default="bench-results/data.png", help="bar chart ('' = none; needs matplotlib)")
+
+
+def _csv_ints(s: str, what: str, lo: int) -> list[int]:
+    from scaleout.errors import UserError
+
+    try:
+        vals = [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{what}={s!r}: expected a comma list of integers") from None
+    if not vals or min(vals) < lo:
+        raise UserError(f"{what}={s!r}: expected integers >= {lo}")
+    return vals
+
+
+def _accelerators(extra: list[str]) -> dict[str, tuple[str, float]]:
+    from scaleout.errors import UserError
+
+    out = dict(ACCELERATORS)
+    for spec in extra:
+        try:
+            name, rest = spec.split(":", 1)
+            pipe, rate = rest.split("=", 1)
+            out[name] = (pipe, float(rate))
+        except ValueError:
+            raise UserError(f"--accel {spec!r}: expected NAME:PIPELINE=RATE, e.g. h100:resnet=5000") from None
+        if pipe not in PIPELINES or out[name][1] <= 0:
+            raise UserError(f"--accel {spec!r}: PIPELINE must be one of {', '.join(PIPELINES)} and RATE > 0")
+    return out
+
+
+def _write_jpegs(root: str, n: int, size: str, seed: int = 0) -> float:
+    """n synthetic JPEGs (smooth random fields + noise, quality 90) in an ImageFolder; returns mean KB."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from scaleout.errors import UserError
+
+    try:
+        w, h = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise UserError(f"--jpeg-size={size!r}: expected WxH, e.g. 500x375") from None
+    rng = np.random.default_rng(seed)
+    total = 0
+    for split, count in (("train", n), ("val", 2)):
+        for i in range(count):
+            d = os.path.join(root, split, f"c{i % 4}")
+            os.makedirs(d, exist_ok=True)
+            low = rng.uniform(0, 255, (h // 32 + 1, w // 32 + 1, 3)).astype(np.uint8)
+            img = np.asarray(Image.fromarray(low).resize((w, h), Image.BICUBIC), dtype=np.float32)
+            img = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
+            path = os.path.join(d, f"{i}.jpg")
+            Image.fromarray(img).save(path, quality=90)
+            total += os.path.getsize(path) if split == "train" else 0
+    return total / max(n, 1) / 1024
+
+
+def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
+    from scaleout.config import load_config
+    from scaleout.train.tasks import build_task
+
+    common = [f"train.global_batch={args.batch}", f"train.max_steps={args.steps * 4 + 4}"]
+    if pipeline == "bert128":
+        cfg = load_config("bert_tiny_cpu", common)
+    elif pipeline == "bert512":
+        cfg = load_config(None, [*common, "model.arch=bert", "data.source=synthetic", "data.max_seq_len=512",
+                                 "data.max_predictions=76", "data.packing=lpfhp", "data.eval_samples=8",
+                                 "model.bert.hidden=16", "model.bert.layers=1", "model.bert.heads=2",
+                                 "model.bert.intermediate=32", "model.bert.max_position=512"])
+    else:
+        cfg = load_config(None, [*common, "model.arch=resnet", "data.source=imagenet", f"data.path={tmp}",
+                                 "model.resnet.depth=18", "model.resnet.width=4", "model.resnet.num_classes=4",
+                                 f"model.resnet.image_size={args.image_size}", "data.eval_samples=2"])
+    return build_task(cfg, world)
+
+
+def _cpu_s() -> float:
+    import resource
+
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: float) -> dict:
+    """Steps ``start`` .. ``start + args.steps``: the first one warms up (worker start-up) untimed, the
+    rest are timed. Returns samples, wall and data-wait seconds of the timed steps, and CPU seconds of
+    this process and its workers (worker start-up included: forking costs little CPU, mostly wall)."""
+    import time
+
+    from scaleout.train.prefetch import Prefetcher
+
+    cpu0 = _cpu_s()
+    pf = Prefetcher(task, args.batch, 1, start, start + args.steps + 1, num_workers=workers,
+                    prefetch=prefetch) if workers else None
+    get = (lambda s: pf.get(s)) if pf else (lambda s: task.micro_batches(s * args.batch, 1))  # noqa: E731
+    first = sum(mb.samples for mb in get(start))
+    n, wait, t0 = 0, 0.0, time.perf_counter()
+    for step in range(start + 1, start + args.steps + 1):
+        t = time.perf_counter()
+        mbs = get(step)
+        wait += time.perf_counter() - t
+        n += sum(mb.samples for mb in mbs)
+        if consumer_s:
+            time.sleep(consumer_s)  # the accelerator's step: host idle, as while waiting on a GPU
+    wall = time.perf_counter() - t0
+    if pf:
+        pf.close()  # reaps the workers, so their CPU time is in RUSAGE_CHILDREN
+    return {"samples": n, "wall_s": wall, "wait_s": wait, "cpu_s": _cpu_s() - cpu0, "cpu_samples": n + first}
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    import sys
+    import tempfile
+
+    import torch
+
+    import scaleout
+    from scaleout.bench.common import format_table, write_json
+    from scaleout.env import free_port
+    from scaleout.errors import UserError
+
+    pipes = [p.strip() for p in args.pipelines.split(",") if p.strip()]
+    for p in pipes:
+        if p not in PIPELINES:
+            raise UserError(f"--pipelines: {p!r} is not one of {', '.join(PIPELINES)}")
+    workers = _csv_ints(args.workers, "--workers", 0)
+    depths = _csv_ints(args.prefetch, "--prefetch", 1)
+    if args.steps < 2 or args.batch < 1:
+        raise UserError(f"--steps={args.steps} must be >= 2 and --batch={args.batch} >= 1")
+    accels = _accelerators(args.accel)
+    torch.set_num_threads(1)
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        os.environ.setdefault(k, v)
+    world = scaleout.init()
+    configs = [(0, 0)] + [(w, d) for w in workers if w > 0 for d in depths]
+    rows, results, per_core = [], [], {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaleout-bench-data-") as tmp:
+            kb = _write_jpegs(tmp, args.images, args.jpeg_size) if "resnet" in pipes else 0.0
+            for pipe in pipes:
+                task = _task(pipe, args, world, tmp)
+                base_step = None
+                for i, (w, d) in enumerate(configs):
+                    print(f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...",
+                          file=sys.stderr, flush=True)
+                    fast = _measure(task, args, w, d or 1, 0, 0.0)
+                    if base_step is None:
+                        base_step = fast["wall_s"] / args.steps  # the synchronous step: the emulated accelerator
+                    slow = _measure(task, args, w, d or 1, args.steps + 1, base_step)
+                    rate = fast["samples"] / fast["wall_s"]
+                    per_cpu = fast["cpu_samples"] / max(fast["cpu_s"], 1e-9)
+                    frac = slow["wait_s"] / slow["wall_s"]
+                    if i == 0:
+                        base_rate, per_core[pipe] = rate, per_cpu
+                    results.append({"pipeline": pipe, "workers": w, "prefetch": d, **{f"fast_{k}": v for k, v in fast.items()},
+                                    **{f"overlap_{k}": v for k, v in slow.items()}, "samples_per_s": rate,
+                                    "samples_per_cpu_s": per_cpu, "data_wait_fraction": frac,
+                                    "emulated_accelerator_step_s": base_step})
+                    rows.append([pipe, w, d or "-", rate, rate / base_rate, per_cpu,
+                                 f"{frac:.0%}"])
+    finally:
+        world.close()
+    print(format_table(["pipeline", "workers", "prefetch", "samples/s", "x sync", "samples/CPU-s",
+                        "data wait (accel = 1 core)"], rows))
+    ratio_rows, ratios = [], []
+    for name, (pipe, rate) in accels.items():
+        if pipe not in per_core:
+            continue
+        cores = rate / per_core[pipe]
+        ratio_rows.append([name, pipe, rate, per_core[pipe], cores])
+        ratios.append({"accelerator": name, "pipeline": pipe, "samples_per_s": rate,
+                       "host_samples_per_core_s": per_core[pipe], "cores_per_accelerator": cores})
+    if ratio_rows:
+        print()
+        print(format_table(["accelerator", "pipeline", "its samples/s", "host samples/core-s", "host cores needed"],
+                           ratio_rows))
+    payload = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": results,
+               "host_cores_per_accelerator": ratios, "synthetic_jpeg_mean_kb": kb}
+    path = write_json(args.out, payload)
+    if path:
+        print(f"\nwrote {path}")
+    if args.png:
+        _plot(results, args.png)
+    return 0
+
+
+def _plot(results: list[dict], png: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no matplotlib: no PNG)")
+        return
+    from pathlib import Path
+
+    pipes = list(dict.fromkeys(r["pipeline"] for r in results))
+    fig, axes = plt.subplots(1, len(pipes), figsize=(4.5 * len(pipes), 3.6), squeeze=False)
+    for ax, pipe in zip(axes[0], pipes, strict=True):
+        rs = [r for r in results if r["pipeline"] == pipe]
+        labels = ["sync" if r["workers"] == 0 else f"{r['workers']}w/p{r['prefetch']}" for r in rs]
+        ax.bar(labels, [r["samples_per_s"] for r in rs], color="tab:blue", label="samples/s")
+        ax.plot(labels, [r["samples_per_cpu_s"] for r in rs], "o-", color="tab:orange", label="samples/CPU-s")
+        ax.set_title(pipe)
+        ax.tick_params(axis="x", rotation=45)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
