@@ -10,10 +10,11 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
+
+from scaleout.bench.common import add_one_shot_arguments, one_shot
 
 NAME = "allreduce"
 HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
@@ -84,31 +85,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torus", default=None, metavar="XxY", help="torus2d grid (default x = ranks per node)")
     p.add_argument("--out", default="bench-results/allreduce.json", help="JSON output (rank 0)")
     p.add_argument("--png", default="bench-results/allreduce.png", help="PNG of busbw vs size ('' = none; needs matplotlib)")
-    one = p.add_argument_group("one-shot (start the ranks from here)")
-    one.add_argument("--nnodes", type=int, default=None, help="start this many emulated nodes via scaleout launch")
-    one.add_argument("--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)")
-    one.add_argument("--netns", action="store_true", help="one-shot in an emulated cluster (root): up, run, always down")
-    one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
+    add_one_shot_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.nnodes is not None:
-        return _one_shot(args)
+        return one_shot(args)
     return _in_rank(args)
 
-
-def _one_shot(args: argparse.Namespace) -> int:
-    """Start the ranks through `scaleout launch` (a subprocess: scaleout code never imports launchers)."""
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node)]
-    if args.netns:
-        cmd += ["--netns", "--rate", args.rate]
-    cmd += ["--", "scaleout", "bench", "allreduce", "--sizes", args.sizes, "--dtype", args.dtype, "--repeats", str(args.repeats)]
-    cmd += ["--warmup", str(args.warmup), "--out", os.path.abspath(args.out) if args.out else "", "--png", os.path.abspath(args.png) if args.png else ""]
-    for flag, value in (("--algorithms", args.algorithms), ("--chunk-bytes", args.chunk_bytes), ("--torus", args.torus),
-                        ("--composition", args.composition)):
-        if value:
-            cmd += [flag, value]
-    return subprocess.run(cmd).returncode
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:

@@ -60,3 +60,40 @@ def write_json(path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> 
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str))
     return p
+
+
+# -- one-shot: a bench that runs inside ranks can also start them itself --------------------------------
+_ONE_SHOT = {"--nnodes": True, "--nproc-per-node": True, "--netns": False, "--rate": True}
+
+
+def add_one_shot_arguments(p: Any) -> None:
+    """``--nnodes/--nproc-per-node/--netns/--rate``: start the ranks from here (see :func:`one_shot`)."""
+    one = p.add_argument_group("one-shot (start the ranks from here)")
+    one.add_argument("--nnodes", type=int, default=None, help="start this many emulated nodes via scaleout launch")
+    one.add_argument("--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)")
+    one.add_argument("--netns", action="store_true", help="one-shot in an emulated cluster (root): up, run, always down")
+    one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
+
+
+def one_shot(args: Any) -> int:
+    """Re-run this very command line inside ``scaleout launch``, minus the one-shot flags.
+
+    A subprocess, so rank-side code never imports ``launchers``; every other flag passes through unchanged,
+    and relative paths still resolve (ranks inherit the working directory, also inside namespaces).
+    """
+    import subprocess
+    import sys
+
+    argv, rest, i = list(args._argv), [], 0
+    while i < len(argv):
+        flag, _, inline = argv[i].partition("=")
+        if flag in _ONE_SHOT:
+            i += 1 if inline or not _ONE_SHOT[flag] else 2
+            continue
+        rest.append(argv[i])
+        i += 1
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(args.nnodes),
+           "--nproc-per-node", str(args.nproc_per_node)]
+    if args.netns:
+        cmd += ["--netns", "--rate", args.rate]
+    return subprocess.run([*cmd, "--", "scaleout", *rest]).returncode

@@ -11,10 +11,11 @@ import argparse
 import copy
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
+
+from scaleout.bench.common import add_one_shot_arguments, one_shot
 
 NAME = "overlap"
 HELP = "overlapped bucketed all-reduce vs no overlap vs torch DDP on BERT-like layers: step time, hidden comm"
@@ -57,30 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here")
     p.add_argument("--out", default="bench-results/overlap.json", help="JSON output (rank 0)")
     p.add_argument("--png", default="bench-results/overlap.png", help="PNG of step times ('' = none; needs matplotlib)")
-    one = p.add_argument_group("one-shot (start the ranks from here)")
-    one.add_argument("--nnodes", type=int, default=None, help="start this many emulated nodes via scaleout launch")
-    one.add_argument("--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)")
-    one.add_argument("--netns", action="store_true", help="one-shot in an emulated cluster (root): up, run, always down")
-    one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
+    add_one_shot_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.nnodes is not None:
-        return _one_shot(args)
+        return one_shot(args)
     return _in_rank(args)
 
-
-def _one_shot(args: argparse.Namespace) -> int:
-    """Start the ranks through `scaleout launch` (a subprocess: scaleout code never imports launchers)."""
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node)]
-    if args.netns:
-        cmd += ["--netns", "--rate", args.rate]
-    cmd += ["--", "scaleout", "bench", "overlap", "--layers", str(args.layers), "--seq", str(args.seq), "--batch", args.batch,
-            "--bucket-mb", str(args.bucket_mb), "--first-bucket-mb", str(args.first_bucket_mb), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-            "--out", os.path.abspath(args.out) if args.out else "", "--png", os.path.abspath(args.png) if args.png else ""]
-    if args.timeline:
-        cmd += ["--timeline", os.path.abspath(args.timeline)]
-    return subprocess.run(cmd).returncode
 
 
 def bert_like(layers: int) -> Any:

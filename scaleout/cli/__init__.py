@@ -86,6 +86,7 @@ def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
