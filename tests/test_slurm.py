@@ -18,16 +18,11 @@ import torch
 from scaleout.cli import _commands
 from scaleout.errors import NodelistError
 from scaleout.nodelist import expand_nodelist
-from tests import slurmutil
 from tests.slurmutil import REPO, wait_for_text
 
 pytestmark = pytest.mark.slurm
 TRAIN = "tests/scripts/tiny_train.py"
 
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    yield from slurmutil.cluster_session()
 
 NODELISTS = [
     "n1", "n[1-4]", "gpu[001-004,007]", "rack[1-2]-n[01-02]", "a,b[1-3],c-d", "node[9-11]", "x[08-10]",

@@ -24,7 +24,6 @@ from scaleout.sweep import (
     read_point,
 )
 from scaleout.sweep.results import median_run
-from tests import slurmutil
 
 # A ResNet-18 of width 4 on 16 px images: the smallest real model the trainer runs (startup dominates).
 TINY = ["model.resnet.bn_group=1", "model.resnet.width=4", "model.resnet.image_size=16", "data.eval_samples=16"]
@@ -219,10 +218,6 @@ def test_sweep_on_the_emulated_netns_cluster(tmp_path, capsys):
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"sw{os.getpid() % 100000}-n" not in left  # the sweep's private cluster is torn down
 
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    yield from slurmutil.cluster_session()
 
 
 @pytest.mark.slurm

@@ -92,6 +92,8 @@ class OptimConfig(_Section):
     # Polynomial decay counted from the end of warmup (MLPerf ResNet) or from step 0 (MLPerf BERT).
     decay_from: Literal["warmup", "start"] = "warmup"
     sharded: bool = False
+    # sharded LAMB only: reduce-scatter during backward, all-gather per bucket (apex DistributedFusedLAMB)
+    overlap_comm: bool = False
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimConfig:

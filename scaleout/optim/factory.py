@@ -19,11 +19,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, world: Any = None)
 
     lamb/adamw: NVIDIA BERT groups (no decay, no trust ratio for bias/gamma/beta/LayerNorm and norm
     layers); lars/sgd: MLPerf ResNet groups (batch norm and bias excluded). ``optim.sharded`` selects
-    :class:`ShardedLAMB` over ``world`` (lamb only).
+    :class:`ShardedLAMB` over ``world`` (lamb only);
+    ``optim.overlap_comm`` its overlapped variant (reduce-scatter during backward).
     """
     no_decay = LARS_EXCLUDE if cfg.name in ("lars", "sgd") else NVIDIA_BERT_NO_DECAY
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
+    if cfg.overlap_comm and not cfg.sharded:
+        raise ConfigError("optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's collectives)")
     if cfg.sharded and cfg.name != "lamb":
         raise ConfigError(f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}")
     if cfg.name == "lamb":
@@ -36,7 +39,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, world: Any = None)
 
             if world is None:
                 raise ConfigError("optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))")
-            return ShardedLAMB(groups, world, **kw)
+            return ShardedLAMB(groups, world, overlap=cfg.overlap_comm, **kw)
         return LAMB(groups, **kw)
     if cfg.name == "lars":
         return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.eta, trust_clamp=cfg.trust_clamp)

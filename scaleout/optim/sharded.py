@@ -63,7 +63,16 @@ class ShardedLAMB(torch.optim.Optimizer):
     Call :meth:`step` after backward on every rank with the rank's *local* (unreduced) gradients: the
     optimizer averages them itself, so do not also all-reduce them. All parameters must share one dtype
     and device. ``state_dict`` is this rank's shard; load it on the same rank of a world of the same size.
+    ``overlap=True`` (with ``bucket_mb``) returns the overlapped variant, see sharded_overlap.py.
     """
+
+    def __new__(cls, *args: Any, overlap: bool = False, **kwargs: Any) -> ShardedLAMB:
+        # overlap=True builds the bucketed variant (reduce-scatter during backward, per-bucket all-gathers)
+        if overlap and cls is ShardedLAMB:
+            from scaleout.optim.sharded_overlap import OverlappedShardedLAMB
+
+            return super().__new__(OverlappedShardedLAMB)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -80,6 +89,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         chunk: int | None | str = "auto",
         group: Any = None,
         profile: bool = False,
+        overlap: bool = False,
     ):
         check_hparams("ShardedLAMB", clip_grad_norm=clip_grad_norm)
         if world is None:

@@ -107,8 +107,6 @@ class Prefetcher:
         if num_workers > 0:
             kw = dict(prefetch_factor=max(1, math.ceil(prefetch / num_workers)), timeout=timeout_s,
                       worker_init_fn=_worker_init)
-            if self.pin:
-                kw["pin_memory_device"] = str(self.device)
         self.loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, shuffle=False,
                                                   num_workers=num_workers, pin_memory=self.pin,
                                                   collate_fn=_identity,
