@@ -49,7 +49,7 @@ def loss_of(model, step: int, rank: int, micro: int = 0) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
-def _run(world, steps: int, clip, accum: int, use_no_sync: bool, manual: bool) -> dict:
+def _run(world, steps: int, clip, accum: int, use_no_sync: bool, manual: bool, skip: int = -1) -> dict:
     """One configuration: overlapped vs plain ShardedLAMB vs LAMB on the average, relative max difference."""
     W, r = world.world_size, world.rank
     nets = [Net() for _ in range(3)]
@@ -77,9 +77,10 @@ def _run(world, steps: int, clip, accum: int, use_no_sync: bool, manual: bool) -
         for q in nets[2].unused.parameters():  # ShardedLAMB treats a missing gradient as zero (decay still applies)
             q.grad = torch.zeros_like(q)
         sent = over._next  # buckets whose reduce-scatter backward already started
-        over.step()
-        plain.step()
-        ref.step()
+        if s != skip:  # a skipped step (the trainer's non-finite check): backward ran, only zero_grad follows
+            over.step()
+            plain.step()
+            ref.step()
         for o in (over, plain, ref):
             o.zero_grad(set_to_none=True)
 
@@ -105,6 +106,7 @@ def _all_cases(world) -> dict:
         "accum_no_sync": _run(world, 2, None, 2, True, False),
         "accum_resend": _run(world, 2, 0.5, 2, False, False),
         "manual": _run(world, 2, None, 1, False, True),
+        "skipped_step": _run(world, 3, None, 1, False, False, skip=1),
     }
 
 

@@ -190,6 +190,20 @@ class OverlappedShardedLAMB(ShardedLAMB):
         _, _, flat_g, G, _, _ = self._buckets[b]
         self._rs[b] = _reduce_scatter(G, flat_g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops the reduce-scatters of a backward whose step was skipped (e.g. non-finite gradients)."""
+        if self._next or self._seen:
+            for h in self._rs[: self._next]:
+                h.wait()
+            self._reset()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _reset(self) -> None:
+        self._rs = [None] * len(self._buckets)
+        self._ready = [0] * len(self._buckets)
+        self._seen.clear()
+        self._next = 0
+
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -248,7 +262,6 @@ class OverlappedShardedLAMB(ShardedLAMB):
                     update_moments(Gc[k], Mc[k], Vc[k], c)
                     sq[0, base[gi] :].index_add_(0, owner[k], sq_norms(Pc[k]))
                     sq[1, base[gi] :].index_add_(0, owner[k], sq_norms(direction(Pc[k], Mc[k], Vc[k], c)))
-        self._rs = [None] * len(self._buckets)
         t = self._tick("update", t)
         self.timings["update"] -= wait_s
         self.timings["reduce_scatter_wait"] = wait_s
@@ -275,7 +288,5 @@ class OverlappedShardedLAMB(ShardedLAMB):
         for h in gathers:
             h.wait()
         self._tick("all_gather_wait", t)
-        self._ready = [0] * len(self._buckets)
-        self._seen.clear()
-        self._next = 0
+        self._reset()
         return loss

@@ -155,7 +155,13 @@ class Trainer:
                 total = float(self.graphs(mbs))
         for i, mb in enumerate(mbs if self.graphs is None else []):
             last = i == len(mbs) - 1
-            sync = contextlib.nullcontext() if last or self.sharded else self.model.no_sync()
+            if last:
+                sync = contextlib.nullcontext()
+            elif self.sharded:  # the overlapped sharded LAMB sends during backward unless told not to
+                no_sync = getattr(self.optimizer, "no_sync", None)
+                sync = no_sync() if no_sync else contextlib.nullcontext()
+            else:
+                sync = self.model.no_sync()
             with sync:
                 with t("forward"):
                     loss = self.task.loss(self.model, mb) / len(mbs)
