@@ -15,3 +15,14 @@ def slurm_cluster():
     from tests import slurmutil
 
     yield from slurmutil.cluster_session()
+
+
+def shared_file(relative: str):
+    """A file of ../shared (beside the checkout, as on CI), else /work/shared (the dev machine's copy)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2] / "shared" / relative
+    return here if here.is_file() else Path("/work/shared") / relative
+
+
+WIKI_HIST = shared_file("data/wikipedia_seqlen_hist_512.txt")

@@ -6,10 +6,10 @@ temporary directory so every run exercises the real build (and then the cached p
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import WIKI_HIST as HIST  # noqa: E402 -- ../shared beside the checkout, else /work/shared
 
 from scaleout.data.bert_sources import load_shards, read_length_histogram, synthetic_samples
 from scaleout.data.corpus import corpus_hash, is_eval, pydoc_documents, split_sentences, stdlib_documents
@@ -17,8 +17,6 @@ from scaleout.data.pretrain import build_pretraining_data, mlm_baselines, to_pad
 from scaleout.data.sampler import ShardedSampler
 from scaleout.data.tokenizer import SPECIALS, WordPiece, train_or_load, train_wordpiece
 from scaleout.errors import ConfigError, UserError
-
-HIST = Path("/work/shared/data/wikipedia_seqlen_hist_512.txt")
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import WIKI_HIST as WIKI  # noqa: E402 -- ../shared beside the checkout, else /work/shared
 
 from scaleout.cli import main as cli_main
 from scaleout.data.packing import (
@@ -21,9 +21,6 @@ from scaleout.data.packing import (
 )
 from scaleout.errors import UserError
 
-WIKI = Path("/work/shared/data/wikipedia_seqlen_hist_512.txt")
-if not WIKI.is_file():
-    WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikipedia_seqlen_hist_512.txt"
 needs_wiki = pytest.mark.skipif(not WIKI.is_file(), reason=f"{WIKI} not present")
 
 
