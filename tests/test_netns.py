@@ -109,6 +109,8 @@ def test_teardown_after_a_failing_rank(tmp_path) -> None:
     assert _netns() == before
 
 
+# Timing on 2 shared cores: a rerun absorbs a CPU-starved link measurement (the assertion itself is unchanged).
+@pytest.mark.flaky(reruns=2, reruns_delay=5)
 def test_bench_one_shot_rate_limited_and_hierarchical_wins(tmp_path) -> None:
     """16 MiB fp32 on 2 x 2 at 1 Gbit: the link floor is ~140 ms; flat must be slower than the floor
     (proof that tc limits the link) and hierarchical must beat flat (it sends 2/3 of flat's bytes)."""
