@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from scaleout.bench.common import add_one_shot_arguments, one_shot
+from scaleout.bench.common import add_one_shot_arguments, one_shot, pyplot
 
 NAME = "allreduce"
 HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
@@ -325,13 +325,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: di
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no PNG: matplotlib is not installed; pip install scaleout[plot])")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(r["algorithm"] for r in rows):

@@ -97,3 +97,18 @@ def one_shot(args: Any) -> int:
     if args.netns:
         cmd += ["--netns", "--rate", args.rate]
     return subprocess.run([*cmd, "--", "scaleout", *rest]).returncode
+
+
+def pyplot(say: bool = True) -> Any:
+    """matplotlib.pyplot on the headless Agg backend, or None (after one line, if ``say``) when matplotlib
+    is not installed: PNGs are optional everywhere (``pip install 'scaleout[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if say:
+            print("(no PNG: matplotlib is not installed; pip install 'scaleout[plot]')", flush=True)
+        return None
+    return plt

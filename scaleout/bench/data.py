@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from scaleout.bench.common import pyplot
+
 NAME = "data"
 HELP = "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; host cores per accelerator"
 DESCRIPTION = """\
@@ -253,13 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(results: list[dict], png: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no matplotlib: no PNG)")
+    plt = pyplot()
+    if plt is None:
         return
     from pathlib import Path
 

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any
 
+from scaleout.bench.common import pyplot
+
 NAME = "optim"
 HELP = "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
 DESCRIPTION = """\
@@ -249,12 +251,8 @@ def _sharded(world_size: int, model: str, steps: int) -> list[dict[str, Any]]:
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(say=False)
+    if plt is None:
         return None
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from scaleout.bench.common import add_one_shot_arguments, one_shot
+from scaleout.bench.common import add_one_shot_arguments, one_shot, pyplot
 
 NAME = "overlap"
 HELP = "overlapped bucketed all-reduce vs no overlap vs torch DDP on BERT-like layers: step time, hidden comm"
@@ -227,13 +227,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: Any, n_
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no PNG: matplotlib is not installed; pip install scaleout[plot])")
+    plt = pyplot()
+    if plt is None:
         return
     batches = list(dict.fromkeys(r["batch"] for r in rows))
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scaleout.bench.common import pyplot
+
 NAME = "packing"
 HELP = "BERT real (non-pad) tokens/s, packed (<=3 per row, LPHP) vs padded to max_len, same model, one run"
 DEFAULT_HIST = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikipedia_seqlen_hist_512.txt"
@@ -157,14 +159,8 @@ def run(args: argparse.Namespace) -> int:
     if p := write_json(args.out, payload):
         print(f"JSON: {p}")
     if args.png:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no PNG)")
-        else:
+        plt = pyplot()
+        if plt is not None:
             fig, ax = plt.subplots(figsize=(5, 3.5))
             ax.bar(list(cpu_med), list(cpu_med.values()), color=["#999", "#2a7"])
             ax.set_ylabel("real tokens / CPU-second")

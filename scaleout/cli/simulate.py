@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from scaleout.bench.common import pyplot
+
 NAME = "simulate"
 ORDER = 70
 HELP = "cost-model simulator: all-reduce algorithms and training steps at 8-4096+ GPUs, calibration, validation"
@@ -153,13 +155,8 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     from pathlib import Path
 

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scaleout.bench.common import pyplot
 from scaleout.sweep.results import PHASES, PointResult
 
 
 def plot(results: list[PointResult], path: str | Path, title: str) -> Path | None:
     """Three panels; returns the path, or None when matplotlib is missing or no point succeeded."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(say=False)
+    if plt is None:
         return None
     ok = [r for r in results if r.ok]
     if not ok:
