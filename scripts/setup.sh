@@ -20,11 +20,13 @@ fi
 extras="mpi,slurm,plot,data"
 [ $want_test = 1 ] && extras="$extras,test"
 stamp=".setup-stamp-$extras"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$PY" -c 'import scaleout, launchers' 2>/dev/null \
-   || [ "$("$PY" -c 'import scaleout,os;print(os.path.dirname(os.path.dirname(os.path.abspath(scaleout.__file__))))')" != "$PWD" ]; then
+# Ask from outside the checkout (cd /): from inside it, the current directory is on sys.path and would hide a
+# missing or stale editable install (for example one that points at a deleted clone).
+installed_at() { (cd / && "$PY" -c 'import scaleout,launchers,os;print(os.path.dirname(os.path.dirname(os.path.abspath(scaleout.__file__))))' 2>/dev/null) || true; }
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(installed_at)" != "$PWD" ]; then
   echo "[setup] installing scaleout[$extras] (editable)"
   pip_install -e ".[$extras]" 2>&1 | grep -v -e "is ignored: it is neither" -e "Running pip as the 'root'" || true
-  "$PY" -c 'import scaleout, launchers' && touch "$stamp"
+  [ "$(installed_at)" = "$PWD" ] && touch "$stamp"
 fi
 
 if [ $want_test = 1 ]; then

@@ -152,12 +152,14 @@ def test_lamb_without_bias_correction_and_forced_trust_ratio():
     assert_close(params, ref, 2e-5)
 
 
-@pytest.mark.parametrize("chunk", [None, 7, "auto"])
-def test_lars_matches_mlperf_reference(chunk):
+@pytest.mark.parametrize("chunk, fused", [(None, False), (7, False), ("auto", False), ("auto", None)])
+def test_lars_matches_mlperf_reference(chunk, fused):
+    """Both CPU paths: multi-tensor foreach (fused=False) and torch's fused SGD kernel (the fp32 default)."""
     params = make_params(1)
     steps = [grads_for(s, params, seed=2) for s in range(5)]
     ref = ref_lars(params, steps, lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
-    run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0, momentum=0.9, eta=0.001, chunk=chunk), params, steps)
+    opt = run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0, momentum=0.9, eta=0.001, chunk=chunk, fused=fused), params, steps)
+    assert opt._use_fused([params[0]], [params[0].grad]) == (fused is None)
     assert_close(params, ref, 2e-5)
     assert float(params[ZERO_ALL].detach().abs().max()) == 0.0
 
@@ -318,12 +320,13 @@ def test_factory_builds_the_configured_optimizer_and_schedule():
 
 
 def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
-    """The number of foreach calls depends on the number of chunks, not of parameters."""
+    """The number of foreach calls depends on the number of chunks, not of parameters. LARS's fused path
+    is the exception by design: one fused-SGD kernel per adapted tensor (each has its own trust ratio)."""
 
     def count(n_params: int, kind: str) -> int:
         calls = 0
         for name in dir(torch):
-            if name.startswith("_foreach_"):
+            if name.startswith("_foreach_") or name == "_fused_sgd_":
                 real = getattr(torch, name)
 
                 def wrapped(*a, _real=real, **k):
@@ -335,13 +338,15 @@ def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
         ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(n_params)]
         for p in ps:
             p.grad = torch.randn(3)
-        opt = LAMB(ps, clip_grad_norm=1.0) if kind == "lamb" else LARS(ps)
+        opt = LAMB(ps, clip_grad_norm=1.0) if kind == "lamb" else LARS(ps, fused=kind == "lars-fused")
         opt.step()
         monkeypatch.undo()
         return calls
 
     for kind in ("lamb", "lars"):
         assert count(10, kind) == count(200, kind) > 0
+    # fused LARS: 2 norm calls + 1 kernel per tensor, and no more (no chain of ops per tensor)
+    assert count(10, "lars-fused") == 2 + 10 and count(200, "lars-fused") == 2 + 200
 
 
 @pytest.mark.gpu

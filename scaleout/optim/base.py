@@ -62,12 +62,38 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"chunk={chunk!r} must be a positive number of elements, None or 'auto'")
         self.chunk = chunk
         self._plans: dict[tuple, ChunkPlan] = {}
+        self._scratch_flat: torch.Tensor | None = None
+        self._scratch_views: dict[tuple, list[torch.Tensor]] = {}
         super().__init__(params, defaults)
 
-    def plan(self, params: Sequence[torch.Tensor]) -> ChunkPlan:
+    def scratch(self, params: Sequence[torch.Tensor], plan: ChunkPlan | None = None) -> list[torch.Tensor]:
+        """fp32 work space shaped like ``params``: views into one flat buffer kept between steps.
+
+        Not optimizer state (never saved): it holds a value only within one step. Kept because on CPU a
+        fresh multi-hundred-MB tensor per step costs more in page faults than the arithmetic it serves.
+        One buffer (the largest group's size) serves every group, since groups are stepped one at a time.
+        """
+        key = (tuple(tuple(p.shape) for p in params), params[0].device)
+        views = self._scratch_views.get(key)
+        if views is None:
+            total = sum(p.numel() for p in params)
+            flat = self._scratch_flat
+            if flat is None or flat.numel() < total or flat.device != params[0].device:
+                flat = self._scratch_flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
+                self._scratch_views.clear()
+            views = [v.view(p.shape) for v, p in zip(flat[:total].split([p.numel() for p in params]), params, strict=True)]
+            self._scratch_views[key] = views
+        return views
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the work space (reported apart from state)."""
+        return 0 if self._scratch_flat is None else self._scratch_flat.numel() * 4
+
+    def plan(self, params: Sequence[torch.Tensor], whole: bool = False) -> ChunkPlan:
+        """Chunk plan for ``params`` (cached); ``whole=True`` never splits a tensor across chunks."""
         chunk = default_chunk(params[0].device) if self.chunk == "auto" else self.chunk
         numels = tuple(p.numel() for p in params)
-        split = tuple(p.is_contiguous() for p in params)
+        split = tuple(p.is_contiguous() and not whole for p in params)
         device = params[0].device
         key = (chunk, numels, split, device)
         plan = self._plans.get(key)

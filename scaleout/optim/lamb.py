@@ -103,12 +103,15 @@ def lamb_chunks(
     co: LambCoeffs,
     reduce_norms: Callable[[torch.Tensor], torch.Tensor] | None = None,
     device: torch.device | None = None,
+    U: Sequence[list[torch.Tensor]] | None = None,
 ) -> None:
     """One LAMB step over chunked views (chunk c: parameter pieces P[c], gradient G[c], moments M[c], V[c]).
 
     ``owner[c]`` maps each piece to its tensor for the per-tensor norms; ``reduce_norms`` (sharded LAMB)
     all-reduces the stacked partial squared norms [||w||^2; ||u||^2] across the ranks holding the pieces;
     it is called on every rank, also one holding no piece of this group (then ``device`` must be given).
+    ``U`` (same layout, fp32): scratch that keeps each chunk's update direction from phase 1 to phase 2;
+    without it the direction is recomputed in phase 2 (one sqrt and one division more per element).
     """
     nchunks = len(P)
     if not nchunks and reduce_norms is None:
@@ -120,22 +123,40 @@ def lamb_chunks(
             u = direction(P[c], M[c], V[c], co)
             torch._foreach_add_(P[c], u, alpha=step_scale)
         return
-    sq = torch.zeros(2, ntensors, dtype=torch.float32, device=device or owner[0].device)
-    keep = nchunks == 1 and reduce_norms is None  # one chunk (accelerator layout): keep u, skip the recompute
+    keep = nchunks == 1 and reduce_norms is None and U is None  # one chunk (accelerator layout): keep u as is
+    wnorms: list[torch.Tensor] = []
+    unorms: list[torch.Tensor] = []
     u = None
     for c in range(nchunks):
         update_moments(G[c], M[c], V[c], co)
         u = direction(P[c], M[c], V[c], co)
-        sq[0].index_add_(0, owner[c], sq_norms(P[c]))
-        sq[1].index_add_(0, owner[c], sq_norms(u))
+        wnorms.extend(torch._foreach_norm(P[c], 2, dtype=torch.float32))
+        unorms.extend(torch._foreach_norm(u, 2, dtype=torch.float32))
+        if U is not None:
+            torch._foreach_copy_(U[c], u)  # still in cache: cheaper than recomputing it in phase 2
+    dev = device or owner[0].device
+    sq = torch.zeros(2, ntensors, dtype=torch.float32, device=dev)
+    if nchunks:
+        own = owner[0] if nchunks == 1 else torch.cat(list(owner))
+        sq.index_add_(1, own, torch.stack([torch.stack(wnorms), torch.stack(unorms)]).square_())
     if reduce_norms is not None:
         sq = reduce_norms(sq)
     scale = trust_ratios(sq[0], sq[1], co) * step_scale
+    per_piece = scalars(scale[torch.cat(list(owner))]) if nchunks > 1 else scalars(scale[owner[0]]) if nchunks else []
+    at = 0
     for c in range(nchunks):
-        if not keep:
+        n = len(P[c])
+        if U is not None:
+            u = U[c]
+        elif not keep:
             u = direction(P[c], M[c], V[c], co)
-        torch._foreach_mul_(u, scalars(scale[owner[c]]))
-        torch._foreach_add_(P[c], u)
+        s = per_piece[at : at + n]
+        at += n
+        if n == 1 and not isinstance(s[0], torch.Tensor):
+            torch._foreach_add_(P[c], u, alpha=s[0])  # one fused pass: w += (-lr r k) u
+        else:
+            torch._foreach_mul_(u, s)
+            torch._foreach_add_(P[c], u)
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -201,7 +222,8 @@ class LAMB(ChunkedOptimizer):
             ms, vs = self._moments(params)
             plan = self.plan(params)
             co = LambCoeffs.of(group, group["step"], clip)
-            lamb_chunks(pieces(params, plan), pieces(grads, plan), pieces(ms, plan), pieces(vs, plan), plan.owner, len(params), co)
+            U = pieces(self.scratch(params, plan), plan) if co.adapt and plan.num_chunks > 1 else None
+            lamb_chunks(pieces(params, plan), pieces(grads, plan), pieces(ms, plan), pieces(vs, plan), plan.owner, len(params), co, U=U)
         return loss
 
     def _moments(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
