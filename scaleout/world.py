@@ -184,6 +184,36 @@ class World:
         if setter is not None:
             setter(timedelta(seconds=seconds), None)
 
+    def prioritize_communication(self, nice: int = 10) -> bool:
+        """Lower the calling (compute) thread's CPU priority below the communication threads (CPU/gloo).
+
+        GPUs give collectives their own engines and high-priority streams; on CPU, gloo's IO threads, the
+        scaleout comm thread and the kernel's network work share cores with the forward/backward thread.
+        When those cores are oversubscribed (several ranks per core, as on the emulated cluster) a bucket's
+        all-reduce waits for a time slice behind compute and the overlap is lost. This creates the groups
+        and the comm thread first (so they keep the normal priority), then raises the calling thread's nice
+        value (per-thread on Linux; needs no privilege). Threads and processes started later by the calling
+        thread inherit it. No-op on CUDA (NCCL has its own streams) and where unsupported; returns whether
+        it applied. Every rank must call it (it may create process groups).
+        """
+        import os
+        import threading
+
+        if self.device.type == "cuda" or self.world_size < 2 or not hasattr(os, "setpriority"):
+            return False
+        from scaleout.comm.handles import comm_thread
+
+        if self.uniform and self.num_nodes > 1 and self.local_size > 1:
+            _ = self.intra, self.inter  # gloo groups (and their worker threads) exist before the renice
+        comm_thread(self)
+        tid = threading.get_native_id()
+        try:
+            cur = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, cur + max(0, int(nice))))
+        except OSError:
+            return False
+        return True
+
     def add_close_hook(self, fn: Any) -> None:
         """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a comm thread:
         destroying gloo groups while the thread that issued their ops is alive aborts the process)."""

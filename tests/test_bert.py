@@ -187,3 +187,61 @@ def test_varlen_attention_matches_masked_sdpa_on_gpu():
         bert_mod.varlen_available = orig
     assert torch.allclose(varlen.mlm_logits.float(), masked.mlm_logits.float(), atol=3e-2, rtol=3e-2)
     assert torch.allclose(varlen.pooled.float(), masked.pooled.float(), atol=3e-2, rtol=3e-2)
+
+
+def _static_pair(unpad: bool, dropout: float = 0.1):
+    torch.manual_seed(4)
+    dyn = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": unpad, "dropout": dropout}))
+    static = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": unpad, "dropout": dropout,
+                                                       "static_shapes": True}))
+    static.load_state_dict(dyn.state_dict())
+    return dyn, static
+
+
+def _seeded(model, batch):
+    torch.manual_seed(7)  # same dropout masks in both models (their encoders run the same ops)
+    model.zero_grad()
+    out = model(batch)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("unpad", [True, False])
+def test_static_shape_heads_equal_the_dynamic_ones(unpad):
+    """The capture-safe forward (every fixed MLM/NSP slot gathered, loss weighted by validity) gives the
+    default forward's losses, gradients, counts and, at its valid slots, logits and pooled outputs, on
+    packed and padded batches with spare slots (max_predictions above what any row needs)."""
+    dyn, static = _static_pair(unpad)
+    seqs, packs = _packed_and_alone(seed=5, n=24)
+    for layout, spare in ((packs, 7), (padded_packs(len(seqs)), 3)):
+        need = max(sum(len(seqs[i].mlm_positions) for i in p) for p in layout)
+        batch = build_batch(seqs, layout, L, need + spare, 3)
+        assert (batch["mlm_labels"] == IGNORE_INDEX).any() and (batch["nsp_labels"] == IGNORE_INDEX).any()
+        d, gd = _seeded(dyn, batch)
+        s, gs = _seeded(static, batch)
+        b, p = batch["mlm_labels"].shape
+        assert s.mlm_logits.shape == (b * p, CFG.vocab_size) and s.pooled.shape == (b * 3, CFG.hidden)
+        for k in ("loss", "mlm_loss", "nsp_loss"):
+            torch.testing.assert_close(getattr(s, k), getattr(d, k), rtol=1e-6, atol=1e-7)
+        for k in ("mlm_correct", "mlm_total", "nsp_correct", "nsp_total"):
+            assert int(getattr(s, k)) == int(getattr(d, k)), k
+        torch.testing.assert_close(s.mlm_logits[s.mlm_valid], d.mlm_logits, rtol=0, atol=0)
+        torch.testing.assert_close(s.pooled[s.nsp_valid], d.pooled, rtol=0, atol=0)
+        assert gs.keys() == gd.keys() and "word.weight" in gs and "nsp.weight" in gs
+        for n in gd:
+            torch.testing.assert_close(gs[n], gd[n], rtol=1e-5, atol=1e-7, msg=n)
+    # the weighting matters: an unweighted mean over all slots would be a different loss
+    per_slot = torch.nn.functional.cross_entropy(s.mlm_logits.detach(), batch["mlm_labels"].reshape(-1), reduction="none")
+    assert abs(float(per_slot.mean()) - float(s.mlm_loss.detach())) > 1e-3
+
+
+def test_static_shape_heads_without_labels_give_a_connected_zero():
+    """A batch with no masked tokens and no NSP labels: loss 0, counts 0, still backpropagates."""
+    _, static = _static_pair(True, dropout=0.0)
+    batch = build_batch(synthetic_sequences([10, 12], CFG.vocab_size, seed=1), [[0], [1]], L, 4, 1)
+    batch["mlm_labels"].fill_(IGNORE_INDEX)
+    batch["nsp_labels"].fill_(IGNORE_INDEX)
+    out = static(batch)
+    assert float(out.loss.detach()) == 0.0 and int(out.mlm_total) == 0 and int(out.nsp_total) == 0
+    out.loss.backward()
+    assert static.word.weight.grad is not None

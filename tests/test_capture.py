@@ -111,6 +111,63 @@ def test_cuda_graphs_on_cpu_warn_and_run_eagerly(capsys: pytest.CaptureFixture[s
             StepGraphs(lambda b: b)
 
 
+def _bert_loss(model, batch):
+    return model(batch).loss
+
+
+def test_static_shape_bert_step_compiles_as_one_graph() -> None:
+    """No host syncs, static shapes: the BERT forward + loss with ``model.bert.static_shapes`` compiles
+    with ``fullgraph=True, dynamic=False`` (any graph break, ``.item()`` or data-dependent shape would
+    raise), and AOTAutograd traces its backward too; loss and gradients equal the eager default
+    forward. The default forward cannot be compiled that way (``int(pos.max())``, ``labels[valid]``).
+    ``aot_eager``: graph breaks are the point, not Inductor's kernels (~10 s here)."""
+    from scaleout.config.schema import BertConfig
+    from scaleout.models.bert import BertForPreTraining
+
+    torch.manual_seed(0)
+    dynamic = BertForPreTraining(BertConfig(**TINY)).train()
+    static = BertForPreTraining(BertConfig(**TINY, static_shapes=True)).train()
+    static.load_state_dict(dynamic.state_dict())
+    batch = _batch(seed=0)
+    torch._dynamo.reset()
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        torch.compile(_bert_loss, fullgraph=True, dynamic=False, backend="eager")(dynamic, batch)
+    torch._dynamo.reset()
+    compiled = torch.compile(_bert_loss, fullgraph=True, dynamic=False, backend="aot_eager")
+    loss_c = compiled(static, batch)
+    loss_c.backward()
+    loss_e = _bert_loss(dynamic, batch)
+    loss_e.backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(loss_c.detach(), loss_e.detach(), rtol=1e-6, atol=1e-7)
+    for (name, a), b in zip(static.named_parameters(), dynamic.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
+    """model.cuda_graphs=true builds BERT with static shapes unless model.bert.static_shapes says
+    otherwise; StepGraphs' pre-flight check names the host syncs of the dynamic forward."""
+    from types import SimpleNamespace
+
+    from scaleout.config import load_config
+    from scaleout.train.capture import host_sync_reason
+    from scaleout.train.tasks import build_task
+
+    world = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), barrier=lambda: None)
+    small = ["data.source=synthetic", "data.max_seq_len=32", "data.max_predictions=5", "model.bert.vocab_size=64",
+             "model.bert.hidden=16", "model.bert.layers=1", "model.bert.heads=2", "model.bert.intermediate=32",
+             "model.bert.max_position=32", "data.eval_samples=8", "train.global_batch=8"]
+    picked = {}
+    for extra in ([], ["model.cuda_graphs=true"], ["model.cuda_graphs=true", "model.bert.static_shapes=false"],
+                  ["model.bert.static_shapes=true"]):
+        task = build_task(load_config(None, small + extra), world)
+        picked[" ".join(extra)] = (task.model.cfg.static_shapes, host_sync_reason(task.model))
+    assert [v[0] for v in picked.values()] == [False, True, False, True], picked
+    assert "host syncs" in picked["model.cuda_graphs=true model.bert.static_shapes=false"][1]
+    assert picked["model.cuda_graphs=true"][1] is None
+    assert host_sync_reason(torch.nn.Linear(2, 2)) is None
+
+
 def test_shape_key_separates_shapes_and_dtypes() -> None:
     from scaleout.train.capture import shape_key
     from scaleout.train.tasks import MicroBatch
@@ -195,6 +252,40 @@ def _dp_graph_vs_eager(world) -> dict:
         same.append(abs(loss_c - float(first + second)) < 1e-4 and all(
             torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6) for x, y in zip(a.parameters(), b.parameters(), strict=True)))
     return {"same": same, "disabled": graphs.disabled, "graphs": len(graphs.graphs)}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_static_shape_bert_step_equals_eager() -> None:
+    """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and each
+    replayed step's loss and gradients equal the eager default forward on the same batch."""
+    from scaleout.config.schema import BertConfig
+    from scaleout.models.bert import BertForPreTraining
+    from scaleout.train.capture import StepGraphs
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ref = BertForPreTraining(BertConfig(**TINY)).to(dev).train()
+    cap = BertForPreTraining(BertConfig(**TINY, static_shapes=True)).to(dev).train()
+    cap.load_state_dict(ref.state_dict())
+
+    def step(model):
+        def run(batch):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            loss = model(batch).loss
+            loss.backward()
+            return loss.detach()
+        return run
+
+    graphs, eager = StepGraphs(step(cap), dev, warmup=1), step(ref)
+    for i in range(6):
+        batch = {k: v.to(dev) for k, v in _batch(seed=i, rows=4 if i % 2 else 2).items()}
+        torch.testing.assert_close(graphs(batch).clone(), eager(batch), rtol=1e-5, atol=1e-6)
+        for a, b in zip(cap.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    assert graphs.disabled is None and len(graphs.graphs) == 2, graphs.disabled
 
 
 @pytest.mark.gpu

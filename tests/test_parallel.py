@@ -426,3 +426,27 @@ def test_buckets_rebuilt_in_ready_order():
     assert sorted(after) == sorted(before)
     for res in results:
         assert res[1] == after and res[2] == list(range(len(after)))
+
+
+def _prioritized(world):
+    import threading
+
+    from scaleout.comm import all_reduce
+    from scaleout.comm.handles import comm_thread
+
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    applied = world.prioritize_communication(5)
+    comm_tid = comm_thread(world)._thread.native_id
+    t = torch.full((1000,), float(world.rank + 1))
+    all_reduce(t, world, "hierarchical", op="sum")  # still correct through the comm thread and gloo groups
+    return applied, before, os.getpriority(os.PRIO_PROCESS, me), os.getpriority(os.PRIO_PROCESS, comm_tid), float(t[0])
+
+
+def test_prioritize_communication_renices_only_the_compute_thread():
+    """Real 2x2 gloo world (fresh processes: the renice must not leak into the shared pool)."""
+    for applied, before, after, comm, total in run_dist(_prioritized, nnodes=2, nproc_per_node=2, fresh=True):
+        assert applied is True
+        assert after == min(19, before + 5)  # the calling thread is nicer now ...
+        assert comm == before  # ... the comm thread (created first) kept its priority
+        assert total == 1 + 2 + 3 + 4

@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first bucket cap for DataParallel, as torch DDP's 1 MiB default (0 = same as --bucket-mb)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant; median reported (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--comm-nice", type=int, default=0,
+                   help="lower the compute thread's priority by this nice value below the communication threads "
+                        "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)")
     p.add_argument("--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here")
     p.add_argument("--out", default="bench-results/overlap.json", help="JSON output (rank 0)")
     p.add_argument("--png", default="bench-results/overlap.png", help="PNG of step times ('' = none; needs matplotlib)")
@@ -141,6 +144,8 @@ def _in_rank(args: argparse.Namespace) -> int:
     hooked = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb)
     hooked.register_comm_hook(None, ddp_comm_hook("hierarchical", world))
     models["DDP + hier hook"] = hooked
+    if args.comm_nice:
+        world.prioritize_communication(args.comm_nice)
     say(f"overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.layers} BERT-base "
         f"layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq {args.seq}, batch/rank {batches}, "
         f"bucket {mb:g} MiB, first {first or mb:g} MiB ({len(models['overlap flat'].buckets)} buckets), median of {args.repeats}")

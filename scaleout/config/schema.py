@@ -29,6 +29,10 @@ class BertConfig(_Section):
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
     unpad_mlm_head: bool = True
+    # Capture-safe forward (no host syncs, static shapes): MLM/NSP heads gather every fixed slot
+    # (max_predictions per sequence, as NVIDIA's masked_lm_positions + weights) and weight the loss.
+    # None = on exactly when model.cuda_graphs=true.
+    static_shapes: bool | None = None
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> BertConfig:
@@ -67,6 +71,9 @@ class DataConfig(_Section):
     # Copies of the corpus with different masks (Google's create_pretraining_data uses 10).
     dupe_factor: int = Field(5, ge=1)
     num_workers: int = Field(0, ge=0)
+    # How prefetch workers start. forkserver: forked from a clean single-threaded server process, never
+    # from the rank, whose gloo/comm/OpenMP threads make fork() unsafe (see scaleout/train/prefetch.py).
+    worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     prefetch: int = Field(2, ge=1)
     pin_memory: bool = True  # used only when CUDA is present
     eval_samples: int = Field(256, ge=1)
@@ -112,6 +119,9 @@ class CommConfig(_Section):
     chunks: int = Field(8, ge=1)  # pipelining depth of the hierarchical all-reduce
     overlap: bool = True
     timeline: str | None = None  # write a Chrome trace of backward/communication here
+    # CPU/gloo only: run the compute thread this much nicer than the communication threads
+    # (World.prioritize_communication); 0 = off. Ignored on CUDA.
+    comm_nice: int = Field(0, ge=0, le=19)
 
 
 class TrainConfig(_Section):

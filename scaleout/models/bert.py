@@ -33,6 +33,19 @@ path runs without attention-probability dropout (hidden dropout still applies).
 
 ``cfg.unpad_mlm_head``: project to the vocabulary only at the masked positions (gather first, as
 NVIDIA's BERT does) instead of at all B x L tokens; identical loss and gradients, far fewer FLOPs.
+
+``cfg.static_shapes`` (capture-safe forward, for CUDA graphs and ``fullgraph`` compiles): nothing in the
+forward depends on tensor *values* for a shape or a branch, so the host never waits on the device. The
+default forward selects the valid masked positions (``labels[labels != -100]``: output size known only
+after a device->host sync), checks ``int(position_ids.max())`` and, on CUDA, builds varlen ``cu_seqlens``
+with ``nonzero``. The static forward instead gathers *every* slot of the fixed ``[B, P]`` MLM and
+``[B, S]`` NSP tables (the layout already has ``max_predictions`` slots per sequence, padded with
+position 0, like NVIDIA's ``masked_lm_positions`` + ``masked_lm_weights``) and weights the per-slot loss
+by validity: ``sum(w * ce) / max(sum(w), 1)``, the same mean over valid labels (same loss and gradients
+to float rounding; padded slots contribute exact zeros). It skips the position range check (the data
+pipeline keeps positions < ``data.max_seq_len`` <= ``max_position``, checked at start-up) and uses the
+masked SDPA, never varlen. Outputs then cover all slots, ``[B*P, vocab]`` and ``[B*S, ...]``, with
+``mlm_valid``/``nsp_valid`` saying which are real; ``mlm_logits[mlm_valid]`` equals the default output.
 """
 
 from __future__ import annotations
@@ -67,6 +80,9 @@ class BertOutput:
     nsp_total: torch.Tensor
     pooled: torch.Tensor  # [N_seq, hidden], same sequences as nsp_logits
     sequence_output: torch.Tensor  # [B, L, hidden] final encoder states
+    # static_shapes only: which rows of mlm_logits ([B*P]) / nsp_logits and pooled ([B*S]) are real
+    mlm_valid: torch.Tensor | None = None
+    nsp_valid: torch.Tensor | None = None
 
 
 def attention_mask(seq_ids: torch.Tensor) -> torch.Tensor:
@@ -178,11 +194,12 @@ class BertForPreTraining(nn.Module):
         """[B, L, hidden] encoder output; attention restricted to each row's sequences."""
         ids, seq = batch["input_ids"], batch["seq_ids"]
         pos = batch["position_ids"]
-        if int(pos.max()) >= self.cfg.max_position:
+        static = self.cfg.static_shapes
+        if not static and int(pos.max()) >= self.cfg.max_position:  # a host sync: not in the static forward
             raise ValueError(f"position id {int(pos.max())} >= model.bert.max_position={self.cfg.max_position}")
         x = self.word(ids) + self.position(pos) + self.token_type(batch["token_type_ids"])
         x = self.emb_drop(self.emb_ln(x))
-        varlen = cu_seqlens(seq) if varlen_available(x) else None
+        varlen = cu_seqlens(seq) if not static and varlen_available(x) else None
         mask = None if varlen is not None else attention_mask(seq)
         for layer in self.layers:
             x = layer(x, mask, varlen)
@@ -194,6 +211,8 @@ class BertForPreTraining(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> BertOutput:
         hidden = self.encode(batch)
+        if self.cfg.static_shapes:
+            return self._heads_static(hidden, batch)
         b, n, h = hidden.shape
         labels = batch["mlm_labels"]
         valid = labels != IGNORE_INDEX
@@ -222,6 +241,41 @@ class BertForPreTraining(nn.Module):
             nsp_correct=nsp_correct, nsp_total=torch.tensor(nsp_target.numel(), device=hidden.device), pooled=pooled,
             sequence_output=hidden,
         )
+
+    def _heads_static(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> BertOutput:
+        """MLM + NSP heads over every fixed slot, loss weighted by validity (module docstring)."""
+        b, n, h = hidden.shape
+        rows = torch.arange(b, device=hidden.device)[:, None] * n
+        flat = hidden.reshape(b * n, h)
+        labels = batch["mlm_labels"].reshape(-1)  # [B*P]
+        mlm_valid = labels != IGNORE_INDEX
+        slots = (rows + batch["mlm_positions"]).reshape(-1)  # unused slots point at each row's token 0
+        if self.cfg.unpad_mlm_head:
+            logits = self.mlm_logits(flat.index_select(0, slots))
+        else:
+            logits = self.mlm_logits(hidden).reshape(b * n, -1).index_select(0, slots)
+        mlm_loss, mlm_total = _weighted_ce(logits, labels, mlm_valid)
+        nsp_labels = batch["nsp_labels"].reshape(-1)  # [B*S]
+        nsp_valid = nsp_labels != IGNORE_INDEX
+        pooled = torch.tanh(self.pooler(flat.index_select(0, (rows + batch["nsp_positions"]).reshape(-1))))
+        nsp_logits = self.nsp(pooled)
+        nsp_loss, nsp_total = _weighted_ce(nsp_logits, nsp_labels, nsp_valid)
+        with torch.no_grad():
+            mlm_correct = ((logits.argmax(-1) == labels) & mlm_valid).sum()
+            nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
+        return BertOutput(
+            loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_logits=logits,
+            mlm_correct=mlm_correct, mlm_total=mlm_total, nsp_logits=nsp_logits, nsp_correct=nsp_correct,
+            nsp_total=nsp_total, pooled=pooled, sequence_output=hidden, mlm_valid=mlm_valid, nsp_valid=nsp_valid,
+        )
+
+
+def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy over the valid rows, their count) with static shapes: ignored rows give an
+    exact 0 (``ignore_index``), the count stays on the device; no valid row -> a graph-connected 0."""
+    per_row = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    total = valid.sum()
+    return per_row.sum() / total.clamp_min(1), total
 
 
 def num_parameters(model: nn.Module) -> int:

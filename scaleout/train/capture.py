@@ -12,9 +12,11 @@
 - Compiling the wrapper instead would make dynamo trace the reducer's Python (``_BackwardStart`` carries
   the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would hide behind
   ``OptimizedModule``; in place, ``state_dict`` keys and checkpoints are unchanged.
-- The BERT model graph-breaks twice on CPU (the ``int(pos.max())`` range check and the boolean
-  selection of masked positions, which has a data-dependent size); each piece is still fused (FC + bias
-  + GELU, LayerNorm + residual, softmax) by Inductor. ``scaleout bench compile`` measures what that buys.
+- The default BERT forward graph-breaks on CPU (the ``int(pos.max())`` range check and the boolean
+  selections of masked positions and NSP rows, whose sizes depend on the data); each piece is still
+  fused (FC + bias + GELU, LayerNorm + residual, softmax) by Inductor. ``model.bert.static_shapes=true``
+  (the capture-safe forward, see ``scaleout/models/bert.py``) compiles as one graph with
+  ``fullgraph=True`` (tested). ``scaleout bench compile`` measures what compiling buys.
 
 **``model.cuda_graphs=true``** (CUDA only) captures the step with ``torch.cuda.graphs``: zero the
 gradients, forward + backward of every micro-batch, the gradient all-reduce of the reducer's buckets,
@@ -38,7 +40,12 @@ What is not captured, and why:
   NaN-skip agreement between gradients and update.
 - Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
   data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and one
-  warning says why. The BERT model has such syncs today (see above).
+  warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects its
+  capture-safe forward (``model.bert.static_shapes``, unset = follow ``model.cuda_graphs``): fixed MLM
+  and NSP slots gathered with index tensors, the loss weighted by validity, no range check, no varlen
+  attention, so every shape is a function of the batch *shape* and one graph per packed shape holds.
+  Setting ``model.bert.static_shapes=false`` explicitly with graphs on earns a warning
+  (:func:`host_sync_reason`), and the capture then fails over to eager as above.
 """
 
 from __future__ import annotations
@@ -201,6 +208,19 @@ def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
     return step
 
 
+def host_sync_reason(model: Any) -> str | None:
+    """Why ``model``'s forward cannot be captured (a known host sync), or None. Looks through wrappers
+    (``DataParallel.module``, ``OptimizedModule._orig_mod``); today it knows BERT's dynamic heads."""
+    inner = model
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(inner, attr, inner)
+    cfg = getattr(inner, "cfg", None)
+    if cfg is not None and hasattr(cfg, "unpad_mlm_head") and not getattr(cfg, "static_shapes", False):
+        return ("the BERT forward has host syncs (masked-position selection, position range check); set "
+                "model.bert.static_shapes=true or leave it unset")
+    return None
+
+
 def build_step_graphs(cfg: Any, world: Any, model: Any, task: Any) -> StepGraphs | None:
     """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where it
     cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the step). The
@@ -219,4 +239,8 @@ def build_step_graphs(cfg: Any, world: Any, model: Any, task: Any) -> StepGraphs
         print0("warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): the step runs "
                "eagerly", rank=world.rank)
         return None
+    reason = host_sync_reason(model)
+    if reason:
+        print0(f"warning: model.cuda_graphs=true: {reason}; capture will fail and the step run eagerly",
+               rank=world.rank)
     return StepGraphs(data_parallel_step(model, task.loss), dev)

@@ -88,6 +88,8 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg.optim, world)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
+        if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
+            world.prioritize_communication(cfg.comm.comm_nice)
         from scaleout.mlperf import hyperparameters
 
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,

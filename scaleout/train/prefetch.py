@@ -1,14 +1,15 @@
 """Background input pipeline: build each step's micro-batches ahead of time in worker processes.
 
     pf = Prefetcher(task, global_batch=64, grad_accum=1, start_step=resume_step, stop_step=max_steps,
-                    num_workers=2, prefetch=4, pin_memory=True, device=world.device)
+                    num_workers=2, prefetch=4, pin_memory=True, device=world.device, start_method="forkserver")
     mbs = pf.get(step)      # the same MicroBatches task.micro_batches(step * global_batch, ...) returns
     pf.close()
 
 Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
-  ``start_step + i`` for this rank, built by the task itself (``task.micro_batches(..., device="cpu")``).
+  ``start_step + i`` for this rank, built by the task's data source (``task.source.micro_batches``, the
+  same code ``task.micro_batches`` runs, minus the copy to the device).
   Data order is already a pure function of the data position (``scaleout/train/tasks.py``), so the
   background batches are *the same* batches as the synchronous path, in the same order, and resume is
   just "start at another step": nothing about the prefetcher goes in a checkpoint.
@@ -16,8 +17,25 @@ Design, and why:
   ``batch_size=None``): batch building is Python + numpy (BERT collation) or PIL (JPEG decode +
   augmentation), which holds the GIL, so threads would not add cores. DataLoader already gives ordered
   results from N workers, bounded prefetch per worker, worker death detection and a pin-memory thread;
-  re-implementing that would be more code with the same behaviour. Workers are forked (Linux default),
-  so they inherit the task's tokenized data copy-on-write instead of pickling it.
+  re-implementing that would be more code with the same behaviour.
+- **Workers are never forked from the rank** (``start_method="forkserver"``, ``data.worker_start``).
+  By the time the prefetcher starts, a rank is multi-threaded: gloo's IO and work threads, the TCPStore
+  client, scaleout's CommThread, the OpenMP/MKL pools. ``fork()`` copies only the calling thread, with
+  every lock other threads held at that instant still held and any half-updated allocator or runtime
+  state frozen mid-update; POSIX allows only async-signal-safe calls in such a child, while a worker runs
+  numpy, PIL and ATen. That is a rare, load-dependent abort or hang in the worker (the intermittent
+  SIGABRT of tests/test_prefetch.py), and why Python 3.12 warns about fork in a threaded process and
+  3.14 made forkserver the default. Workers therefore fork from multiprocessing's *forkserver*, a clean
+  single-threaded process the rank starts once (fork + exec), with torch, numpy and scaleout's batch
+  code preloaded, so a worker start is a fork of a warm process, not a fresh interpreter (``spawn``).
+  The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
+  started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
+- **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset holds
+  the task's data source (``task.source``: sequences, packs, sampler; or the image set), never the task:
+  that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could not
+  start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
+  shared memory under the live model. Cost: each worker unpickles the source once at start-up
+  (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
 - **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker, so
   it gets ``ceil(prefetch / num_workers)``.
 - **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on a
@@ -33,6 +51,7 @@ The time the trainer spends in :meth:`Prefetcher.get` is the time it *waited* fo
 from __future__ import annotations
 
 import math
+import multiprocessing
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,13 +59,22 @@ import torch
 
 from scaleout.errors import UserError
 
+START_METHODS = ("forkserver", "spawn", "fork")
+# Imported once by the forkserver, so a worker forked from it starts with them loaded. A worker still
+# re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
+# server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
+# scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs milliseconds.
+_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.train.tasks", "scaleout.data.bert_batch",
+            "scaleout.data.images", "scaleout.data.sampler", "scaleout.cli"]
+
 
 class StepBatches(torch.utils.data.Dataset):
     """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens)`` per micro-batch."""
+    pinnable by DataLoader): ``(inputs, target, samples, tokens)`` per micro-batch. ``source`` is the
+    task's data-only batch builder (``task.source``), which is what gets pickled into the workers."""
 
-    def __init__(self, task: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
-        self.task, self.global_batch, self.grad_accum = task, global_batch, grad_accum
+    def __init__(self, source: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
+        self.source, self.global_batch, self.grad_accum = source, global_batch, grad_accum
         self.start_step, self.stop_step = start_step, stop_step
 
     def __len__(self) -> int:
@@ -54,7 +82,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int]]:
         step = self.start_step + i
-        mbs = self.task.micro_batches(step * self.global_batch, self.grad_accum, device=torch.device("cpu"))
+        mbs = self.source.micro_batches(step * self.global_batch, self.grad_accum)
         return [(mb.inputs, mb.target, mb.samples, mb.tokens) for mb in mbs]
 
 
@@ -88,13 +116,15 @@ class Prefetcher:
 
     def __init__(self, task: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int,
                  num_workers: int = 2, prefetch: int = 2, pin_memory: bool = True,
-                 device: torch.device | str = "cpu", timeout_s: float = 0.0):
+                 device: torch.device | str = "cpu", timeout_s: float = 0.0, start_method: str = "forkserver"):
         if num_workers < 0:
             raise UserError(f"data.num_workers={num_workers}: expected >= 0 (0 = build batches on the main thread)")
         if prefetch < 1:
             raise UserError(f"data.prefetch={prefetch}: expected >= 1 micro-batch lists in flight")
         if stop_step < start_step:
             raise UserError(f"stop_step={stop_step} is before start_step={start_step}")
+        if start_method not in START_METHODS:
+            raise UserError(f"data.worker_start={start_method!r}: expected one of {', '.join(START_METHODS)}")
         from scaleout.train.tasks import MicroBatch
 
         self._mb = MicroBatch
@@ -102,11 +132,12 @@ class Prefetcher:
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = bool(pin_memory and cuda)
         self.num_workers, self.prefetch = num_workers, prefetch
-        self.dataset = StepBatches(task, global_batch, grad_accum, start_step, stop_step)
+        self.start_method = start_method
+        self.dataset = StepBatches(getattr(task, "source", task), global_batch, grad_accum, start_step, stop_step)
         kw: dict[str, Any] = {}
         if num_workers > 0:
             kw = dict(prefetch_factor=max(1, math.ceil(prefetch / num_workers)), timeout=timeout_s,
-                      worker_init_fn=_worker_init)
+                      worker_init_fn=_worker_init, multiprocessing_context=_context(start_method))
         self.loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, shuffle=False,
                                                   num_workers=num_workers, pin_memory=self.pin,
                                                   collate_fn=_identity,
@@ -140,6 +171,22 @@ class Prefetcher:
             moved = _to(raw, self.device)
         return [self._mb(inputs, target, samples, tokens) for inputs, target, samples, tokens in moved]
 
+    def worker_cpu_s(self) -> float:
+        """CPU seconds (user + system) the live workers have used so far, from /proc (Linux). Forkserver
+        workers are children of the forkserver, not of this process, so RUSAGE_CHILDREN never sees them;
+        read this before :meth:`close`."""
+        import os
+
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for w in getattr(self._it, "_workers", []):
+            try:
+                fields = open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # already gone
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+        return total
+
     def close(self) -> None:
         """Stop the workers (they are daemonic, so a crash never leaves them behind either)."""
         it, self._it = self._it, None
@@ -158,6 +205,14 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _context(start_method: str) -> Any:
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        # Takes effect when this process first starts its forkserver; later prefetchers reuse that server.
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker_init(_worker_id: int) -> None:
     # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top would
     # oversubscribe the cores the training step itself uses.
@@ -170,4 +225,5 @@ def build_prefetcher(cfg: Any, task: Any, world: Any, start_step: int) -> Prefet
     if d.num_workers == 0:
         return None
     return Prefetcher(task, cfg.train.global_batch, cfg.train.grad_accum, start_step, cfg.train.max_steps,
-                      num_workers=d.num_workers, prefetch=d.prefetch, pin_memory=d.pin_memory, device=world.device)
+                      num_workers=d.num_workers, prefetch=d.prefetch, pin_memory=d.pin_memory, device=world.device,
+                      start_method=d.worker_start)
