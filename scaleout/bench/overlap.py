@@ -107,11 +107,18 @@ def _comm_only(world: Any, dp: Any) -> float:
 
     bufs = [b.buffer.clone() for b in dp.reducer.buckets]
     world.barrier()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     handles = [all_reduce(b, world, dp.algorithm, op="sum", async_op=True) for b in bufs]
     for h in handles:
         h.wait()
-    return _reduce_max(world, [time.perf_counter() - t])[0]
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    _COMM_CPU.setdefault(dp.algorithm, []).append(_reduce_max(world, [cpu])[0])
+    return _reduce_max(world, [wall])[0]
+
+
+# CPU seconds (all threads of the rank: gloo IO, comm thread, reductions) that the communication alone
+# used, max over ranks, per algorithm: on a CPU-only box this work competes with backward for the cores.
+_COMM_CPU: dict[str, list[float]] = {}
 
 
 def _in_rank(args: argparse.Namespace) -> int:
@@ -185,6 +192,7 @@ def _in_rank(args: argparse.Namespace) -> int:
                 "hidden_wait": (1 - wait / comm_med[alg]) if wait is not None and alg else None,
                 "speedup_vs_ddp": med[BASELINE] / med[v],
                 "comm_alone_s": comm_med.get(alg) if alg else None,
+                "comm_cpu_s": statistics.median(_COMM_CPU[alg]) if alg and _COMM_CPU.get(alg) else None,
                 "exposed_s": exposed if alg else None,
                 "hidden": (1 - exposed / comm_med[alg]) if alg else None,
                 "exposed_wait_s": wait,
@@ -219,6 +227,15 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: Any, n_
                         "comm alone ms", "exposed ms", "hidden", "wait after bwd ms", "hidden (wait)"], table))
     print("exposed = step - compute-only step; hidden = 1 - exposed / comm alone; hidden (wait) = 1 - wait after "
           "backward / comm alone (DataParallel's own measure, excludes CPU contention with compute)")
+    cores = os.cpu_count() or 1
+    for alg in ("flat", "hierarchical"):
+        cpu = next((r["comm_cpu_s"] for r in rows if r["algorithm"] == alg and r.get("comm_cpu_s") is not None), None)
+        comm = next((r["comm_alone_s"] for r in rows if r["algorithm"] == alg), None)
+        if cpu is not None and comm:
+            floor = cpu * world.world_size / cores  # all emulated nodes share this machine's cores
+            print(f"{alg}: the communication alone used {cpu * 1e3:.0f} ms of CPU per rank ({world.world_size} ranks on "
+                  f"{cores} cores: >= {floor * 1e3:.0f} ms of step time when backward keeps every core busy, i.e. at most "
+                  f"{max(0.0, 1 - floor / comm) * 100:.0f} % of its {comm * 1e3:.0f} ms can be hidden on this machine)")
     path = write_json(args.out or None, {
         "bench": NAME, "rows": rows, "params": n_params, "buckets": n_buckets, "bucket_mb": args.bucket_mb,
         "layers": args.layers, "seq": args.seq,
