@@ -82,6 +82,10 @@ def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert not diff, f"{len(diff)} tensors differ after resume, e.g. {diff[:3]}"
+    # the resumed run reports its own steps and samples (not the checkpoint's running total)
+    r_ref = json.loads((tmp_path / "ref" / "out" / "report.json").read_text())
+    r_pre = json.loads((tmp_path / "pre" / "out" / "report.json").read_text())
+    assert r_pre["steps"] < r_ref["steps"] and 0 < r_pre["samples"] < r_ref["samples"], (r_pre, r_ref)
 
 
 def test_nan_on_one_rank_makes_every_rank_skip(tmp_path: Path) -> None:

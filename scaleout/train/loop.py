@@ -207,6 +207,7 @@ class Trainer:
         progress = Progress(max_steps, cfg.train.progress and world.rank == 0, start)
         mll.block_start(epoch_of(self.samples), 1, self.samples)
         tokens = 0
+        self.samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
         step = start
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
         skip = cfg.train.timing_skip_steps
@@ -288,11 +289,11 @@ class Trainer:
         from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
 
         cfg, world = self.cfg, self.world
-        samples_run = max(self.samples, 1)
-        mean_tokens = tokens / samples_run if tokens else 0.0
+        samples = self.samples - getattr(self, "samples_at_start", 0)  # this run's, like steps and tokens
+        mean_tokens = tokens / max(samples, 1) if tokens else 0.0
         name, peak = device_peak_flops(world.device)
         report = RunReport(
-            arch=cfg.model.arch, time_to_train_s=max(ttt, 1e-9), steps=steps, samples=self.samples,
+            arch=cfg.model.arch, time_to_train_s=max(ttt, 1e-9), steps=steps, samples=samples,
             flops_per_sample=self.task.flops_per_sample(mean_tokens) if mean_tokens or not tokens else 0.0,
             devices=world.world_size, real_tokens=tokens, achieved=metric, target=cfg.train.target,
             quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
