@@ -113,10 +113,27 @@ class Preemption:
         import torch.distributed as dist
 
         flag = torch.tensor([1.0 if self.noticed else 0.0], device=world.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except RuntimeError:
+            # A peer that got the scheduler's SIGTERM first answers locally and leaves; ours may still be
+            # on its way (Slurm signals all tasks, not at the same instant). Stop if it comes; else re-raise.
+            if self.peer_lost():
+                return True
+            raise
         if flag.item() > 0:
             self.noticed = True
         return self.requested
+
+    def peer_lost(self, grace_s: float = 5.0) -> bool:
+        """After a collective failed because a peer left: wait up to ``grace_s`` for this rank's own
+        terminate signal; True if it came (a preemption, stop cleanly), False if not (a real failure)."""
+        import time
+
+        deadline = time.monotonic() + grace_s
+        while not self.terminating and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.terminating
 
     def __enter__(self) -> Preemption:
         return self

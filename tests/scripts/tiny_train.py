@@ -76,7 +76,7 @@ def main() -> int:
                 dist.all_reduce(prm.grad)
                 prm.grad /= world.world_size
         except RuntimeError:
-            if not guard.terminating:
+            if not guard.peer_lost():  # a peer left on SIGTERM: wait for ours, else a real failure
                 raise
             break  # a peer is gone; the weights are still those after step `done`
         opt.step()
