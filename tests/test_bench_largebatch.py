@@ -42,18 +42,24 @@ def test_verdict_counts_unreached_as_worse_and_not_as_a_number() -> None:
     v = largebatch.verdict([row("lamb", 1000), row("lamb", 201), row("adamw", 150)])
     assert not v["lamb_large_within_one_fifth"] and not v["adamw_large_worse_than_lamb_large"]
     assert largebatch.steps_cell(row("adamw", None)) == "> budget (400)"
+    ok = largebatch.verdict([row("lamb", 1000), row("lamb", 150), row("adamw", None)])
+    s = largebatch.summary([{"seed": 1, **ok}, {"seed": 2, **v}])  # every seed must pass
+    assert not s["lamb_large_within_one_fifth"] and not s["adamw_large_worse_than_lamb_large"]
+    assert s["lamb_large_steps_over_base"] == [pytest.approx(0.15), pytest.approx(0.201)]
+    assert largebatch.summary([{"seed": 1, **largebatch.verdict([row("lamb", 10), row("lamb", 2)])}])[
+        "adamw_large_worse_than_lamb_large"] is None  # no AdamW run: no claim
 
 
 def test_tiny_end_to_end_reports_budget(tmp_path, capsys) -> None:
     out = tmp_path / "lb.json"
-    a = _args("--base-batch", "1", "--factor", "2", "--base-steps", "8", "--warmup-steps", "1", "--eval-every", "2",
-              "--target", "0.99", "--adamw-lrs", "1e-3", "--out", str(out), "--png", "",
+    a = _args("--base-batch", "1", "--factor", "2", "--base-steps", "6", "--warmup-steps", "1", "--eval-every", "1",
+              "--target", "0.99", "--adamw-lrs", "1e-3", "--seeds", "3,4", "--out", str(out), "--png", "",
               "model.bert.layers=1", "data.eval_samples=16")
     assert largebatch.run(a) == 0
     res = json.loads(out.read_text())
-    assert [(r["optimizer"], r["batch"], r["max_steps"]) for r in res["runs"]] == [
-        ("lamb", 1, 8), ("lamb", 2, 4), ("adamw", 2, 4)]
+    assert [(r["seed"], r["optimizer"], r["batch"], r["max_steps"]) for r in res["runs"]] == [
+        (s, *r) for s in (3, 4) for r in [("lamb", 1, 6), ("lamb", 2, 3), ("adamw", 2, 3)]]
     assert all(r["steps"] is None and r["status"] == "max_steps" for r in res["runs"])
-    assert [p[0] for p in res["runs"][0]["curve"]] == [4, 8] and [p[0] for p in res["runs"][1]["curve"]] == [2, 4]
-    assert res["verdict"]["lamb_large_within_one_fifth"] is False
-    assert "> budget (8)" in capsys.readouterr().out
+    assert [p[0] for p in res["runs"][0]["curve"]] == [2, 4, 6] and [p[0] for p in res["runs"][1]["curve"]] == [1, 2, 3]
+    assert res["verdict"]["lamb_large_within_one_fifth"] is False and len(res["verdict"]["per_seed"]) == 2
+    assert "> budget (6)" in capsys.readouterr().out

@@ -47,6 +47,13 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="bert_tiny_cpu", help="config (default bert_tiny_cpu)")
     p.add_argument("--base-batch", type=int, default=2, help="base global batch in packed rows (default 2)")
@@ -63,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm-up steps, the same at every batch (linear-epoch warm-up; default 80)")
     p.add_argument("--eval-every", type=int, default=2,
                    help="eval interval in large-batch steps; the base run evaluates every factor x this (default 2)")
+    p.add_argument("--seeds", type=_ints, default=None,
+                   help="comma-separated train.seed values: repeat the whole comparison per initialisation "
+                        "(default: the config's seed once)")
     p.add_argument("--out", default="bench-results/largebatch.json", help="JSON output")
     p.add_argument("--png", default="bench-results/largebatch.png", help="accuracy against samples ('' = none)")
     p.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.bert.layers=1")
@@ -93,7 +103,7 @@ def _curve(mlperf_log: Path, eval_every: int, max_steps: int) -> list[list[float
     return [[min((i + 1) * eval_every, max_steps), s, a] for i, (s, a) in enumerate(evals)]
 
 
-def _train(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
+def _train(args: argparse.Namespace, run: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
     from scaleout.config import load_config
     from scaleout.train import run_training
 
@@ -105,11 +115,12 @@ def _train(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
             f"optim.total_steps={run['max_steps']}", f"optim.warmup_steps={args.warmup_steps}",
             f"train.target={args.target}", f"train.eval_every={run['eval_every']}", f"train.output_dir={tmp}",
             "checkpoint.dir=null", "train.progress=false", "comm.algorithm=flat",
+            *([] if seed is None else [f"train.seed={seed}"]),
         ])
         result = run_training(cfg, config_file=str(args.config))
         curve = _curve(Path(tmp) / "mlperf.log", run["eval_every"], run["max_steps"])
     reached = result.status == "success"
-    return {**run, "status": result.status, "steps": result.steps if reached else None,
+    return {**run, "seed": cfg.train.seed, "status": result.status, "steps": result.steps if reached else None,
             "final_metric": result.metric, "wall_s": round(time.perf_counter() - t0, 1), "curve": curve}
 
 
@@ -160,35 +171,55 @@ def _plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path | None:
     return p
 
 
+def summary(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The verdict over all seeds: each bar must hold for every seed."""
+    adamw = [v["adamw_large_worse_than_lamb_large"] for v in per_seed]
+    return {
+        "lamb_large_steps_over_base": [v["lamb_large_steps_over_base"] for v in per_seed],
+        "lamb_large_within_one_fifth": all(v["lamb_large_within_one_fifth"] for v in per_seed),
+        "adamw_large_worse_than_lamb_large": all(adamw) if None not in adamw else None,
+        "per_seed": per_seed,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from scaleout.bench.common import format_table, write_json
 
     runs, t0 = plan(args), time.perf_counter()
-    rows = []
-    for i, r in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} "
-              f"(budget {r['max_steps']} steps, warm-up {args.warmup_steps}, eval every {r['eval_every']}) ...",
-              flush=True)
-        rows.append(_train(args, r))
-        print(f"      -> steps to {args.target}: {steps_cell(rows[-1])}, last metric {rows[-1]['final_metric']:.4f}, "
-              f"{rows[-1]['wall_s']:.0f} s", flush=True)
-    base = rows[0]["steps"]
-    table = [[r["optimizer"], r["batch"], f"{r['lr']:.3g}", steps_cell(r), f"{r['final_metric']:.4f}",
-              f"{r['steps'] / base:.3f}" if (r["steps"] and base) else "-"] for r in rows]
-    print(format_table(["optimizer", "global batch", "lr", f"steps to {args.target}", "last metric",
+    seeds = args.seeds or [None]  # None: the config's train.seed
+    rows: list[dict[str, Any]] = []
+    per_seed = []
+    n = len(runs) * len(seeds)
+    for seed in seeds:
+        mine = []
+        for r in runs:
+            print(f"[{len(rows) + 1}/{n}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} (budget "
+                  f"{r['max_steps']} steps, warm-up {args.warmup_steps}, eval every {r['eval_every']}"
+                  f"{'' if seed is None else f', seed {seed}'}) ...", flush=True)
+            mine.append(_train(args, r, seed))
+            rows.append(mine[-1])
+            print(f"      -> steps to {args.target}: {steps_cell(mine[-1])}, last metric "
+                  f"{mine[-1]['final_metric']:.4f}, {mine[-1]['wall_s']:.0f} s", flush=True)
+        per_seed.append({"seed": mine[0]["seed"], **verdict(mine)})
+    table = []
+    for r in rows:
+        base = next(b["steps"] for b in rows if b["seed"] == r["seed"])
+        table.append([r["seed"], r["optimizer"], r["batch"], f"{r['lr']:.3g}", steps_cell(r),
+                      f"{r['final_metric']:.4f}", f"{r['steps'] / base:.3f}" if (r["steps"] and base) else "-"])
+    print(format_table(["seed", "optimizer", "global batch", "lr", f"steps to {args.target}", "last metric",
                         "steps / base steps"], table))
-    v = verdict(rows)
-    f = args.factor
+    v, f = summary(per_seed), args.factor
+    wall = time.perf_counter() - t0
     print(f"LAMB at {f}x batch needs <= 1/5 of the base steps: {v['lamb_large_within_one_fifth']}; "
-          f"best AdamW at {f}x does worse than LAMB at {f}x: {v['adamw_large_worse_than_lamb_large']}; "
-          f"wall {time.perf_counter() - t0:.0f} s")
+          f"best AdamW at {f}x does worse than LAMB at {f}x: {v['adamw_large_worse_than_lamb_large']}"
+          f"{' (every seed)' if len(seeds) > 1 else ''}; wall {wall:.0f} s")
     path = write_json(args.out, {"config": args.config, "target": args.target, "factor": f,
                                  "warmup_steps": args.warmup_steps, "overrides": args.overrides,
-                                 "runs": rows, "verdict": v, "wall_s": round(time.perf_counter() - t0, 1)})
+                                 "runs": rows, "verdict": v, "wall_s": round(wall, 1)})
     if path:
         print(f"wrote {path}")
     if args.png:
-        png = _plot(rows, args)
+        png = _plot([r for r in rows if r["seed"] == rows[0]["seed"]], args)
         if png:
             print(f"wrote {png}")
     return 0
