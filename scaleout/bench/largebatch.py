@@ -118,6 +118,8 @@ def _train(args: argparse.Namespace, run: dict[str, Any], seed: int | None = Non
             *([] if seed is None else [f"train.seed={seed}"]),
         ])
         result = run_training(cfg, config_file=str(args.config))
+        if result.status not in ("success", "max_steps"):  # SIGTERM/SIGUSR2 or a failure: no partial verdict
+            raise SystemExit(f"{run['optimizer']} batch {run['batch']} ended {result.status!r}; bench stopped")
         curve = _curve(Path(tmp) / "mlperf.log", run["eval_every"], run["max_steps"])
     reached = result.status == "success"
     return {**run, "seed": cfg.train.seed, "status": result.status, "steps": result.steps if reached else None,
