@@ -66,7 +66,7 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         self._scratch_views: dict[tuple, list[torch.Tensor]] = {}
         super().__init__(params, defaults)
 
-    def scratch(self, params: Sequence[torch.Tensor], plan: ChunkPlan | None = None) -> list[torch.Tensor]:
+    def scratch(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """fp32 work space shaped like ``params``: views into one flat buffer kept between steps.
 
         Not optimizer state (never saved): it holds a value only within one step. Kept because on CPU a
@@ -85,15 +85,10 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             self._scratch_views[key] = views
         return views
 
-    def scratch_bytes(self) -> int:
-        """Bytes of the work space (reported apart from state)."""
-        return 0 if self._scratch_flat is None else self._scratch_flat.numel() * 4
-
-    def plan(self, params: Sequence[torch.Tensor], whole: bool = False) -> ChunkPlan:
-        """Chunk plan for ``params`` (cached); ``whole=True`` never splits a tensor across chunks."""
+    def plan(self, params: Sequence[torch.Tensor]) -> ChunkPlan:
         chunk = default_chunk(params[0].device) if self.chunk == "auto" else self.chunk
         numels = tuple(p.numel() for p in params)
-        split = tuple(p.is_contiguous() and not whole for p in params)
+        split = tuple(p.is_contiguous() for p in params)
         device = params[0].device
         key = (chunk, numels, split, device)
         plan = self._plans.get(key)

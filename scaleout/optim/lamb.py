@@ -134,15 +134,14 @@ def lamb_chunks(
         unorms.extend(torch._foreach_norm(u, 2, dtype=torch.float32))
         if U is not None:
             torch._foreach_copy_(U[c], u)  # still in cache: cheaper than recomputing it in phase 2
-    dev = device or owner[0].device
-    sq = torch.zeros(2, ntensors, dtype=torch.float32, device=dev)
-    if nchunks:
-        own = owner[0] if nchunks == 1 else torch.cat(list(owner))
+    sq = torch.zeros(2, ntensors, dtype=torch.float32, device=device or owner[0].device)
+    own = (owner[0] if nchunks == 1 else torch.cat(list(owner))) if nchunks else None  # tensor of every piece
+    if own is not None:
         sq.index_add_(1, own, torch.stack([torch.stack(wnorms), torch.stack(unorms)]).square_())
     if reduce_norms is not None:
         sq = reduce_norms(sq)
     scale = trust_ratios(sq[0], sq[1], co) * step_scale
-    per_piece = scalars(scale[torch.cat(list(owner))]) if nchunks > 1 else scalars(scale[owner[0]]) if nchunks else []
+    per_piece = scalars(scale[own]) if own is not None else []
     at = 0
     for c in range(nchunks):
         n = len(P[c])
@@ -222,7 +221,7 @@ class LAMB(ChunkedOptimizer):
             ms, vs = self._moments(params)
             plan = self.plan(params)
             co = LambCoeffs.of(group, group["step"], clip)
-            U = pieces(self.scratch(params, plan), plan) if co.adapt and plan.num_chunks > 1 else None
+            U = pieces(self.scratch(params), plan) if co.adapt and plan.num_chunks > 1 else None
             lamb_chunks(pieces(params, plan), pieces(grads, plan), pieces(ms, plan), pieces(vs, plan), plan.owner, len(params), co, U=U)
         return loss
 

@@ -207,7 +207,7 @@ class Trainer:
         progress = Progress(max_steps, cfg.train.progress and world.rank == 0, start)
         mll.block_start(epoch_of(self.samples), 1, self.samples)
         tokens = 0
-        self.samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
+        samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
         step = start
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
         skip = cfg.train.timing_skip_steps
@@ -264,7 +264,7 @@ class Trainer:
         if status in ("success", "max_steps") and self.ckpt is not None and not already:
             self.save(step + 1)
         consistent = self._weights_consistent() if not self.guard.terminating else None
-        report = self._report(ttt, steps_done, tokens, metric, consistent)
+        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
         self.guard.uninstall()
         if status == "preempted":
             if self.guard.wants_requeue and world.rank == 0:
@@ -285,11 +285,12 @@ class Trainer:
         dist.all_gather(everyone, digest)
         return all(bool(torch.equal(d, everyone[0])) for d in everyone)
 
-    def _report(self, ttt: float, steps: int, tokens: int, metric: float | None, consistent: bool | None) -> Any:
+    def _report(
+        self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
+    ) -> Any:
         from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
 
         cfg, world = self.cfg, self.world
-        samples = self.samples - getattr(self, "samples_at_start", 0)  # this run's, like steps and tokens
         mean_tokens = tokens / max(samples, 1) if tokens else 0.0
         name, peak = device_peak_flops(world.device)
         report = RunReport(
