@@ -364,3 +364,22 @@ def test_cuda_path_matches_the_reference(dtype):
     lref = ref_lars(lparams, [[g.cpu() for g in gs] for gs in steps], lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
     run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0), lparams, steps)
     assert_close([p.cpu() for p in lparams], lref, 2e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("lr", [2.0, 1e-3, 1e-9])
+def test_fused_lars_keeps_precision_for_tiny_lr_times_trust(lr):
+    """The fused path passes dampening = 1 - lr t; the kernel must form 1 - dampening in double precision, or
+    a small lr t (warm-up start, tiny trust ratio) would lose most of its digits. One step from a zero buffer:
+    b = lr t (g + wd w), checked against the formula in float64 for every adapted tensor."""
+    params = make_params(7)
+    grads = grads_for(0, params, seed=7)
+    w0 = [p.detach().double().clone() for p in params]
+    opt = run(lambda ps: LARS(groups_of(ps, 1e-3), lr=lr, momentum=0.9, eta=0.001), params, [grads])
+    assert opt._use_fused([params[0]], [params[0].grad])
+    for i in DECAY:
+        w, g = w0[i], grads[i].double()
+        wn, gn = float(w.norm()), float(g.norm())
+        t = 0.001 * wn / (gn + 1e-3 * wn) if wn > 0 and gn > 0 else 1.0
+        ref = lr * t * (g + 1e-3 * w)
+        got = opt.state[params[i]]["momentum_buffer"].double()
+        assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max()), (i, lr)

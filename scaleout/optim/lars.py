@@ -32,6 +32,16 @@ from scaleout.optim.chunks import pieces
 LARS_ETA = 0.001  # trust coefficient of the MLPerf ResNet reference (and You et al. 2017)
 
 
+# The fused kernel gets s = lr t as dampening = 1 - s and forms 1 - dampening in double precision, which
+# keeps ~16 - log10(1/s) digits of s: at s >= 1e-8, 8 digits (below fp32's 7); smaller non-zero s take plain ops.
+FUSED_MIN_SCALE = 1e-8
+
+
+def exact_in_kernel(s: float) -> bool:
+    """Whether the fused kernel reproduces lr t = s to fp32 precision (s = 0 is exact: dampening 1)."""
+    return s == 0.0 or abs(s) >= FUSED_MIN_SCALE
+
+
 def lars_scale(wn: float, gn: float, lr: float, eta: float, wd: float, eps: float, clamp: float | None) -> float:
     """lr * t for one tensor from its norms (Python floats); the scalar form of ``lars_scales``."""
     t = eta * wn / (gn + wd * wn + eps) if wn > 0 and gn > 0 else 1.0
@@ -165,6 +175,8 @@ class LARS(ChunkedOptimizer):
         # the kernel walks memory linearly: tensors whose w, g, b are not all contiguous take plain ops
         flat = [p.is_contiguous() and g.is_contiguous() and b.is_contiguous() for p, g, b in zip(params, grads, bufs, strict=True)]
         if not adapt:
+            if not exact_in_kernel(lr):
+                flat = [False] * len(params)
             idx = [i for i, ok in enumerate(flat) if ok]
             if idx:
                 fused([params[i] for i in idx], [grads[i] for i in idx], [bufs[i] for i in idx], lr)
@@ -177,7 +189,7 @@ class LARS(ChunkedOptimizer):
         norms = torch.stack([*torch._foreach_norm(params), *torch._foreach_norm(grads)]).tolist()
         for i in range(n):
             s = lars_scale(norms[i], norms[n + i], lr, eta, wd, eps, clamp)
-            if flat[i]:
+            if flat[i] and exact_in_kernel(s):
                 fused([params[i]], [grads[i]], [bufs[i]], s)
             else:
                 plain(params[i], grads[i], bufs[i], s)
