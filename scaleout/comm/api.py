@@ -1,4 +1,5 @@
-"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` and the one algorithm registry."""
+"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` and the one algorithm registry
+(``reduce_scatter`` / ``all_gather`` over the same registry: :mod:`scaleout.comm.shard`)."""
 
 from __future__ import annotations
 
@@ -64,12 +65,12 @@ def get_algorithm(name: str) -> Algorithm:
         raise UserError(f"unknown all-reduce algorithm {name!r}: expected one of {sorted(ALGORITHMS)}") from None
 
 
-def _op_name(op: Any) -> str:
+def op_name(op: Any, what: str = "all_reduce") -> str:
     if op in ("sum", dist.ReduceOp.SUM):
         return "sum"
     if op in ("avg", "mean", getattr(dist.ReduceOp, "AVG", None)):
         return "avg"
-    raise UserError(f"all_reduce op={op!r}: expected 'sum' or 'avg'")
+    raise UserError(f"{what} op={op!r}: expected 'sum' or 'avg'")
 
 
 def all_reduce(
@@ -93,7 +94,7 @@ def all_reduce(
     default, or 'leader'; gloo only), ``x``/``y`` (torus2d grid; default x = ranks per node).
     """
     alg = get_algorithm(algorithm)
-    opname = _op_name(op)
+    opname = op_name(op)
     allowed = set(alg.grid_options) | set(alg.options)
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -132,17 +133,60 @@ def all_reduce(
             reduce_grid(buf, grid, chunk_bytes, composition)
         finish()
 
+    native = (lambda: flat_async(buf, world)) if grid is None else None
+    return dispatch(world, tensor, job, native, finish, async_op)
+
+
+def dispatch(
+    world: Any,
+    result: torch.Tensor,
+    job: Callable[[], None],
+    native: Callable[[], Any] | None,
+    finish: Callable[[], None],
+    async_op: bool,
+) -> Any:
+    """Run one collective schedule in call order: ``job`` does everything (all phases, then ``finish``);
+    ``native`` (single-collective algorithms) starts one torch.distributed async work instead, or returns
+    None when there is nothing to send. Returns ``result`` (sync) or a Handle completing with it.
+
+    In this thread when the World's communication thread has nothing queued (launch order is still the
+    call order), else queued behind it: c10d matches collectives by their order on a group, so a call
+    must never overtake an earlier one that shares its groups.
+    """
     thread = handles.existing_thread(world)
     idle = thread is None or thread.idle
     if not async_op:
-        if idle:  # nothing queued: run in this thread (no hand-off), launch order is still the call order
+        if idle:  # nothing queued: run in this thread (no hand-off)
             job()
-            return tensor
-        return thread.submit(job, tensor).wait()
-    if grid is None and idle:
-        work = flat_async(buf, world)  # one native async collective: no thread needed
+            return result
+        return thread.submit(job, result).wait()
+    if native is not None and idle:
+        work = native()  # one native async collective: no thread needed
         if work is None:
             finish()
-            return handles.completed(tensor)
-        return handles.Handle(work.get_future().then(lambda _f: (finish(), tensor)[1]), tensor)
-    return handles.comm_thread(world).submit(job, tensor)
+            return handles.completed(result)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's reduce_scatter / all_gather works have no future (torch 2.13)
+            return WorkHandle(work, finish, result)
+        return handles.Handle(future.then(lambda _f: (finish(), result)[1]), result)
+    return handles.comm_thread(world).submit(job, result)
+
+
+class WorkHandle(handles.Handle):
+    """A native work without a future: ``wait()`` waits for it, then runs ``finish`` once."""
+
+    def __init__(self, work: Any, finish: Callable[[], None], result: torch.Tensor):
+        self.work, self._finish, self.tensor = work, finish, result
+        self.future = None  # type: ignore[assignment]  (not usable as a DDP hook's future)
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self.work.wait()
+            self._finish()
+            self._done = True
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return self._done or self.work.is_completed()

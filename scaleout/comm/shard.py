@@ -1,0 +1,159 @@
+"""``reduce_scatter`` and ``all_gather`` over the same algorithm registry as ``all_reduce``.
+
+The tensor-in/tensor-out pair a ZeRO-style sharded optimizer needs (apex DistributedFusedLAMB):
+``reduce_scatter(out, inp, world)`` gives every rank the sum of one of ``world_size`` equal slices of
+``inp``; ``all_gather(out, inp, world)`` is its inverse, writing every rank's ``inp`` into its slice of
+``out``. Which slice a rank owns depends on the algorithm: :func:`shard_index`.
+
+* ``flat``: torch.distributed's own collective on the world group; rank r owns slice r.
+* ``hierarchical`` / ``torus2d``: the row x column grid of :mod:`scaleout.comm.grid` (rows = a node's
+  ranks, or the X ranks of a torus row). Reduce-scatter along the row (every row member gets 1/g of
+  the buffer, summed over the row, over the fast intra-node links), then reduce-scatter of that part
+  along the column (the k same-local-rank peers on other nodes): each rank ends with n/(g k) = n/p
+  elements summed over every rank. A node's links carry (k-1)/k * n bytes outwards, the same as the
+  hierarchical all-reduce's reduce-scatter half and g times less than a reduce-scatter that crossed
+  nodes first. The owned slice is therefore ``row index * k + column index`` (not the global rank).
+  The all-gather runs the two phases in reverse (column, then row).
+
+Both phases use the tensor collectives (``reduce_scatter_single`` / ``all_gather_single``, the torch
+2.13 names of ``*_tensor``), which NCCL and, since torch 2.x, gloo implement. Averaging (``op='avg'``)
+divides by the world size after the sum, as ``all_reduce`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaleout.comm.api import dispatch, get_algorithm, op_name
+from scaleout.comm.grid import Grid
+from scaleout.errors import UserError
+
+# torch 2.13 renamed the tensor collectives (*_single); older builds only have the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _grid(world: Any, algorithm: str, options: dict[str, Any], what: str) -> Grid | None:
+    alg = get_algorithm(algorithm)
+    unknown = sorted(set(options) - set(alg.grid_options))
+    if unknown:
+        raise UserError(f"{what} option(s) {unknown} not understood by algorithm {algorithm!r}: "
+                        f"expected {sorted(alg.grid_options) or 'none'}")
+    return alg.grid(world, **options) if alg.grid else None
+
+
+def _col_index(grid: Grid) -> int:
+    return dist.get_rank(grid.col) if grid.col_size > 1 else 0
+
+
+def shard_index(world: Any, algorithm: str = "flat", **options: Any) -> int:
+    """Which of the ``world_size`` equal slices this rank owns in :func:`reduce_scatter` /
+    :func:`all_gather` with this algorithm (every rank owns a different one)."""
+    grid = _grid(world, algorithm, options, "shard_index")
+    if grid is None:
+        return world.rank
+    return grid.index * grid.col_size + _col_index(grid)
+
+
+def _check(out: torch.Tensor, inp: torch.Tensor, world: Any, what: str, big: str) -> None:
+    full, part = (inp, out) if big == "input" else (out, inp)
+    if not (out.is_contiguous() and inp.is_contiguous()):
+        raise UserError(f"{what}: input and output must be contiguous tensors")
+    if out.dtype != inp.dtype or out.device != inp.device:
+        raise UserError(f"{what}: input {inp.dtype} on {inp.device} and output {out.dtype} on {out.device} must match")
+    if full.numel() != part.numel() * world.world_size:
+        raise UserError(f"{what}: the {big} has {full.numel()} elements, expected world_size ({world.world_size}) "
+                        f"x {part.numel()} = {part.numel() * world.world_size}")
+
+
+def _rs_grid(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
+    g, k = len(grid.row_ranks), grid.col_size
+    if g == 1 and k == 1:
+        out.copy_(inp)
+    elif k == 1:
+        _reduce_scatter(out, inp, group=grid.row)
+    elif g == 1:
+        _reduce_scatter(out, inp, group=grid.col)
+    else:
+        mid = torch.empty(inp.numel() // g, dtype=inp.dtype, device=inp.device)
+        _reduce_scatter(mid, inp, group=grid.row)
+        _reduce_scatter(out, mid, group=grid.col)
+
+
+def _ag_grid(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
+    g, k = len(grid.row_ranks), grid.col_size
+    if g == 1 and k == 1:
+        out.copy_(inp)
+    elif k == 1:
+        _all_gather(out, inp, group=grid.row)
+    elif g == 1:
+        _all_gather(out, inp, group=grid.col)
+    else:
+        mid = torch.empty(out.numel() // g, dtype=out.dtype, device=out.device)
+        _all_gather(mid, inp, group=grid.col)
+        _all_gather(out, mid, group=grid.row)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat", op: Any = "sum",
+    async_op: bool = False, **options: Any,
+) -> Any:
+    """``output`` = sum (or average) over every rank of slice ``shard_index(world, algorithm)`` of
+    ``input`` (``input.numel() == world_size * output.numel()``; both contiguous, same dtype/device).
+
+    Returns ``output`` or, with ``async_op=True``, a :class:`~scaleout.comm.handles.Handle`. Ranks must
+    issue their collectives in the same order, as for ``all_reduce``. Options: ``x``/``y`` (torus2d).
+    """
+    opname = op_name(op, "reduce_scatter")
+    _check(output, input, world, "reduce_scatter", "input")
+    grid = _grid(world, algorithm, options, "reduce_scatter")
+    p = world.world_size
+
+    def finish() -> None:
+        if opname == "avg":
+            output.div_(p)
+
+    def native() -> Any:
+        if p == 1:
+            output.copy_(input)
+            return None
+        return _reduce_scatter(output, input, group=world.group, async_op=True) if output.numel() else None
+
+    def job() -> None:
+        if grid is None:
+            work = native()
+            if work is not None:
+                work.wait()
+        elif output.numel():
+            _rs_grid(output, input, grid)
+        finish()
+
+    return dispatch(world, output, job, native if grid is None else None, finish, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat",
+               async_op: bool = False, **options: Any) -> Any:
+    """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's
+    ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""
+    _check(output, input, world, "all_gather", "output")
+    grid = _grid(world, algorithm, options, "all_gather")
+    p = world.world_size
+
+    def native() -> Any:
+        if p == 1:
+            output.copy_(input)
+            return None
+        return _all_gather(output, input, group=world.group, async_op=True) if input.numel() else None
+
+    def job() -> None:
+        if grid is None:
+            work = native()
+            if work is not None:
+                work.wait()
+        elif input.numel():
+            _ag_grid(output, input, grid)
+
+    return dispatch(world, output, job, native if grid is None else None, lambda: None, async_op)
