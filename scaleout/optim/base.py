@@ -34,6 +34,14 @@ def check_hparams(where: str, **values: Any) -> None:
             raise ConfigError(f"{where}: {key}={val!r} must be > 0 (or unset)")
 
 
+def clip_factor(norm: float, max_norm: float | None) -> float:
+    """apex FusedLAMB's global clipping: scale every gradient by max_norm / ||g|| when the global norm
+    exceeds max_norm (1 when clipping is off, or when the norm is not finite: that step is skipped anyway)."""
+    if max_norm is None or not math.isfinite(norm):
+        return 1.0
+    return max_norm / max(norm, max_norm)
+
+
 def fp32_state_like(p: torch.Tensor) -> torch.Tensor:
     """Optimizer state is fp32 whatever the parameter dtype (bf16 parameters keep fp32 moments)."""
     dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16, torch.float32) else p.dtype

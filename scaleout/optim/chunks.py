@@ -6,26 +6,83 @@ an optimizer step that chains 8-12 ops over 110 M parameters re-reads each array
 apex splits tensors into 65536-element chunks for its kernels; we do the same one level up: the
 flattened tensors are cut into pieces and grouped into chunks of about ``chunk`` elements, and the whole
 chain of foreach ops runs on one chunk (a list of views) before moving to the next, so all but the first
-touch of each array hit the cache. The Python loop is over chunks (~400 for BERT-base), never over
+touch of each array hit the cache. The chunk size comes from the cache sizes the machine reports
+(:func:`cpu_chunk`): machines of this kind differ (an AMD EPYC with 1 MiB L2 per core and 32 MiB L3, an
+Intel Sapphire Rapids with 2 MiB L2 and 105 MiB L3). The Python loop is over chunks (~400 for BERT-base), never over
 parameters; ``split`` builds all pieces of a tensor in one call.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-# 2**18 fp32 elements = 1 MiB per array; a LAMB chunk touches ~6 arrays, which fits the 2 x 2 MiB L2 /
-# 32 MiB L3 of the development machine. Measured on BERT-base shapes (bench optim --chunks): 2**16 is
-# dominated by per-op overhead, 2**17..2**19 are within noise of each other.
-DEFAULT_CPU_CHUNK = 1 << 18
+SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+# fp32 arrays one LAMB chunk keeps hot between its foreach ops: w, g, m, v, the kept update u, and the two
+# temporaries of direction() (sqrt(v) + eps, then m / that). lamb.py's phase 1 touches all of them per chunk.
+LAMB_ARRAYS = 7
+# Below 2**16 elements the per-call cost of a foreach op (a few us, paid ~14 times per chunk) dominates: measured
+# on BERT-base shapes with `scaleout bench optim --chunks` (docs/optim.md), whatever the caches.
+MIN_CPU_CHUNK = 1 << 16
+# When the machine reports no cache sizes: the size measured best on the development machine (AMD EPYC,
+# 1 MiB L2 per core, 32 MiB L3; 2**17..2**19 within noise there).
+FALLBACK_CPU_CHUNK = 1 << 18
+_SIZE = re.compile(r"^(\d+)\s*([KMG]?)B?$", re.IGNORECASE)
+
+
+def _cpus(cpu_list: str) -> int:
+    """Number of CPUs in a sysfs list such as "0-3,8,10-11"."""
+    n = 0
+    for part in filter(None, cpu_list.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return max(n, 1)
+
+
+def cache_levels(sysfs: str | os.PathLike[str] = SYSFS_CACHE) -> dict[int, tuple[int, int]]:
+    """{level: (bytes, CPUs sharing it)} of the data and unified caches CPU 0 reports (Linux sysfs
+    ``cache/index*/{level,type,size,shared_cpu_list}``); {} where there is no such directory."""
+    out: dict[int, tuple[int, int]] = {}
+    for d in sorted(Path(sysfs).glob("index*")):
+        try:
+            kind = (d / "type").read_text().strip()
+            level = int((d / "level").read_text())
+            m = _SIZE.match((d / "size").read_text().strip())
+            shared = (d / "shared_cpu_list").read_text() if (d / "shared_cpu_list").exists() else "0"
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or m is None:
+            continue
+        out[level] = (int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()], _cpus(shared))
+    return out
+
+
+def chunk_for_caches(levels: dict[int, tuple[int, int]], elem_bytes: int = 4, arrays: int = LAMB_ARRAYS) -> int:
+    """Elements per chunk: the largest power of two whose ``arrays`` arrays fit this CPU's share of its L2 and
+    larger caches (each level's size / the CPUs sharing it), at least MIN_CPU_CHUNK. L1 is left out: no chunk
+    worth its per-op cost fits there. No level 2+ cache reported: FALLBACK_CPU_CHUNK."""
+    budget = sum(size // shared for level, (size, shared) in levels.items() if level >= 2)
+    if budget <= 0:
+        return FALLBACK_CPU_CHUNK
+    fit = budget // (arrays * elem_bytes)
+    return max(MIN_CPU_CHUNK, 1 << (fit.bit_length() - 1) if fit else 0)
+
+
+@functools.cache
+def cpu_chunk() -> int:
+    """The chunk size for this machine's caches (read once per process)."""
+    return chunk_for_caches(cache_levels())
 
 
 def default_chunk(device: torch.device) -> int | None:
     """Chunk size for tensors on ``device``: cache-sized on CPU, whole tensors (None) on accelerators."""
-    return DEFAULT_CPU_CHUNK if device.type == "cpu" else None
+    return cpu_chunk() if device.type == "cpu" else None
 
 
 @dataclass(frozen=True)

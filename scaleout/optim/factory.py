@@ -6,21 +6,25 @@ from typing import Any
 
 import torch
 
-from scaleout.config.schema import OptimConfig
+from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
 from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
 from scaleout.optim.schedule import warmup_poly
+from scaleout.optim.sharded import ShardedLAMB
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, world: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, world: Any = None, comm: CommConfig | None = None
+) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
 
     lamb/adamw: NVIDIA BERT groups (no decay, no trust ratio for bias/gamma/beta/LayerNorm and norm
     layers); lars/sgd: MLPerf ResNet groups (batch norm and bias excluded). ``optim.sharded`` selects
-    :class:`ShardedLAMB` over ``world`` (lamb only);
-    ``optim.overlap_comm`` its overlapped variant (reduce-scatter during backward).
+    :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for its
+    reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb`` reduce-scattered
+    during backward, otherwise one bucket sent in ``step()``.
     """
     no_decay = LARS_EXCLUDE if cfg.name in ("lars", "sgd") else NVIDIA_BERT_NO_DECAY
     groups = param_groups(model, cfg.weight_decay, no_decay)
@@ -35,11 +39,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, world: Any = None)
             trust_clamp=cfg.trust_clamp, clip_grad_norm=cfg.clip_grad_norm,
         )
         if cfg.sharded:
-            from scaleout.optim.sharded import ShardedLAMB
-
             if world is None:
                 raise ConfigError("optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))")
-            return ShardedLAMB(groups, world, overlap=cfg.overlap_comm, **kw)
+            comm = comm or CommConfig()
+            grid = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
+            return ShardedLAMB(groups, world, overlap=cfg.overlap_comm, bucket_mb=comm.bucket_mb,
+                               algorithm=comm.algorithm, param_order=model.parameters(), **grid, **kw)
         return LAMB(groups, **kw)
     if cfg.name == "lars":
         return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.eta, trust_clamp=cfg.trust_clamp)

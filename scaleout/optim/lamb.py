@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scaleout.optim.base import ChunkedOptimizer, check_hparams, fp32_state_like, scalars, sq_norms
+from scaleout.optim.base import ChunkedOptimizer, check_hparams, clip_factor, fp32_state_like, scalars, sq_norms
 from scaleout.optim.chunks import pieces
 
 
@@ -204,7 +204,7 @@ class LAMB(ChunkedOptimizer):
             return 1.0
         norm = float(global_grad_norm(grads))
         self.last_grad_norm = norm
-        return self.clip_grad_norm / max(norm, self.clip_grad_norm) if math.isfinite(norm) else 1.0
+        return clip_factor(norm, self.clip_grad_norm)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -1,60 +1,87 @@
-"""Sharded LAMB (ZeRO stage 1, like apex's DistributedFusedLAMB): each rank keeps 1/world of the state.
+"""Sharded LAMB (ZeRO stage 1, the pattern of apex's DistributedFusedLAMB): each rank keeps 1/world of the state.
 
-Layout: the parameters of all groups are packed, in group order, into one flat buffer padded to a
-multiple of the world size, and every parameter becomes a view of it (``p.data`` is re-pointed once, as
-apex does), so the final all-gather writes the model's weights with no copy. Rank r owns elements
-[r S, (r + 1) S) with S = padded / world. Per step:
+Layout (the DataParallel reducer's, :mod:`scaleout.parallel.buckets`): parameters of every group, in
+*reverse* order (backward produces the last layer's gradients first), are grouped into buckets closed once
+they reach ``bucket_mb`` (``overlap=False``: one bucket of everything). Each bucket is one flat buffer padded
+to a multiple of the world size; every parameter becomes a view of it (``p.data`` is re-pointed once, as
+apex does), so the all-gather writes the model's weights with no copy. ``scaleout.comm.shard_index`` says
+which of the world_size slices of every bucket this rank owns (its moments are those slices).
 
-1. pack: gradients are copied into a flat fp32 buffer (skipped for a gradient that already is a view of
-   it; see :meth:`ShardedLAMB.bind_grads`);
-2. reduce-scatter (sum, then / world = the average a DDP all-reduce would give) into this rank's shard;
-3. update: LAMB on the shard's pieces of each tensor (lamb.lamb_chunks); the per-tensor ||w||^2 and
-   ||u||^2 are partial sums on each rank and one all-reduce of a [2, tensors] vector makes them whole,
-   so the trust ratios are those of the original tensors; global clipping all-reduces one scalar;
-4. all-gather the updated shards into the flat parameter buffer.
+Per step, every rank issues the same collectives in the same order (c10d matches them by order):
 
-``timings`` holds the last step's seconds per phase (communication apart from the update). Where the
-collectives issue's ``scaleout.comm`` lands, steps 2 and 4 are the place to plug in its hierarchical /
-torus reduce-scatter and all-gather (they take the flat buffers as they are).
+1. Gradients are copied into each bucket's flat fp32 gradient buffer and each bucket is reduce-scattered
+   (``scaleout.comm.reduce_scatter`` with the configured algorithm: flat, hierarchical, torus2d), in
+   bucket order. ``overlap=True``: as in the reducer, a post-accumulate-grad hook marks a parameter ready,
+   a complete bucket goes out at once (strictly in index order), and at the end of backward (an autograd
+   callback) every parameter that got no gradient in it is marked ready with what its ``.grad`` holds or
+   zero, the remaining buckets are launched and all are waited for. So every rank launches every bucket
+   exactly once per synchronising backward, whichever parameters it used, and nothing is in flight after
+   backward (a skipped step is just ``zero_grad()``). ``overlap=False``: the single bucket is packed and
+   launched in :meth:`step`.
+2. LAMB on this rank's slices (``lamb.update_moments`` / ``direction`` on cache-sized chunks): the
+   per-tensor ||w||^2 and ||u||^2 are partial sums, made whole by one all-reduce of a [3, tensors] vector
+   whose third row is the census of parameters that got a gradient on some rank (the reducer's census,
+   riding on a collective that runs anyway). A parameter unused on every rank is an error naming it
+   unless ``allow_unused=True`` (then its gradient is zero, as with DataParallel). Global clipping
+   all-reduces one scalar first.
+3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later updates).
+
+The result equals LAMB on the gradient averaged over ranks (same formulas, sums in another order).
+Gradient accumulation: run all backward passes but the last under :meth:`no_sync`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
-from scaleout.errors import ConfigError
-from scaleout.optim.base import check_hparams, sq_norms
+from scaleout.comm import all_gather, get_algorithm, reduce_scatter, shard_index
+from scaleout.errors import ConfigError, UserError
+from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
-from scaleout.optim.lamb import LambCoeffs, lamb_chunks
+from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives (*_single); older builds only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, group: Any, size: int, rank: int) -> None:
-    """out = mean over ranks of flat[rank S : (rank + 1) S]. gloo has the tensor reduce-scatter in torch 2.13
-    (checked); a build without it falls back to an all-reduce of the whole buffer and a slice (twice the traffic)."""
-    try:
-        _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        dist.all_reduce(flat, group=group)
-        out.copy_(flat[rank * out.numel() : (rank + 1) * out.numel()])
-    out.div_(size)  # ReduceOp.AVG is NCCL-only
+FORMAT = "scaleout.ShardedLAMB/2"
 
 
-def all_gather_shards(flat: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    """flat = concat of every rank's shard (shard is this rank's slice of flat, gathered in place)."""
-    try:
-        _all_gather(flat, shard, group=group)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        dist.all_gather(list(flat.chunk(dist.get_world_size(group))), shard.clone(), group=group)
+class Piece(NamedTuple):
+    """This rank's part of one parameter's optimizer state, in the parameter's own coordinates."""
+
+    tensor: torch.Tensor  # a view of the moment shard (loading writes into it)
+    offset: int  # first element of the flattened parameter it holds
+    numel: int  # the parameter's element count (the global size)
+
+
+@dataclass
+class _Work:
+    """One group's part of one bucket slice, cut into cache-sized chunks (lists of views)."""
+
+    group: int
+    P: list[list[torch.Tensor]]
+    G: list[list[torch.Tensor]]
+    M: list[list[torch.Tensor]]
+    V: list[list[torch.Tensor]]
+    owner: list[torch.Tensor]  # per chunk: index in the group of each piece's tensor
+
+
+@dataclass
+class ShardBucket:
+    index: int
+    members: list[int]  # parameter indices (optimizer order), in buffer order
+    flat_param: torch.Tensor  # padded; the members' .data are views of it
+    flat_grad: torch.Tensor
+    p_shard: torch.Tensor  # this rank's slice of flat_param
+    g_shard: torch.Tensor  # the reduce-scatter's output (a view of ShardedLAMB.g_shard)
+    work: list[_Work]
 
 
 class ShardedLAMB(torch.optim.Optimizer):
@@ -62,117 +89,132 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     Call :meth:`step` after backward on every rank with the rank's *local* (unreduced) gradients: the
     optimizer averages them itself, so do not also all-reduce them. All parameters must share one dtype
-    and device. ``state_dict`` is this rank's shard; load it on the same rank of a world of the same size.
-    ``overlap=True`` (with ``bucket_mb``) returns the overlapped variant, see sharded_overlap.py.
+    and device. ``algorithm`` (+ ``x``/``y`` for torus2d) picks the reduce-scatter / all-gather of
+    :mod:`scaleout.comm`. ``param_order`` (e.g. ``model.parameters()``): the registration order whose
+    reverse fills the buckets (default: the groups' order, which interleaves layers when groups split
+    weights from biases). Checkpoints: :meth:`sharded_state` (any world size, via
+    ``torch.distributed.checkpoint``); ``state_dict`` is this rank's shard for the same layout only.
     """
 
-    def __new__(cls, *args: Any, overlap: bool = False, **kwargs: Any) -> ShardedLAMB:
-        # overlap=True builds the bucketed variant (reduce-scatter during backward, per-bucket all-gathers)
-        if overlap and cls is ShardedLAMB:
-            from scaleout.optim.sharded_overlap import OverlappedShardedLAMB
-
-            return super().__new__(OverlappedShardedLAMB)
-        return super().__new__(cls)
-
     def __init__(
-        self,
-        params: Any,
-        world: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        bias_correction: bool = True,
-        trust_clamp: float | None = None,
-        trust_ratio: bool | None = None,
-        clip_grad_norm: float | None = None,
-        chunk: int | None | str = "auto",
-        group: Any = None,
-        profile: bool = False,
-        overlap: bool = False,
+        self, params: Any, world: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
+        trust_clamp: float | None = None, trust_ratio: bool | None = None, clip_grad_norm: float | None = None,
+        chunk: int | None | str = "auto", *, overlap: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
+        algorithm: str = "flat", allow_unused: bool = False, param_order: Any = None, profile: bool = False,
+        **algorithm_options: Any,
     ):
         check_hparams("ShardedLAMB", clip_grad_norm=clip_grad_norm)
         if world is None:
             raise ConfigError("ShardedLAMB needs the World (optim.sharded=true needs a distributed run)")
-        self.world = world
-        self.group = world.group if group is None else group
-        self.size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.clip_grad_norm = clip_grad_norm
-        self.profile = profile
+        if not (isinstance(bucket_mb, int | float) and bucket_mb > 0 and math.isfinite(bucket_mb)):
+            raise ConfigError(f"ShardedLAMB bucket_mb={bucket_mb!r} must be a positive number of MiB")
+        get_algorithm(algorithm)
+        self.world, self.size = world, world.world_size
+        self.comm = dict(algorithm=algorithm, **algorithm_options)
+        self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice of every bucket owned here
+        self.overlap, self.bucket_mb, self.allow_unused = overlap, float(bucket_mb), allow_unused
+        self.clip_grad_norm, self.profile = clip_grad_norm, profile
         self.timings: dict[str, float] = {}
-        self._built = False
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            trust_clamp=trust_clamp, trust_ratio=trust_ratio,
-        )
+        self.last_stats: dict[str, Any] = {}
+        self._built, self._sync, self._in_backward = False, True, False
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, trust_clamp=trust_clamp, trust_ratio=trust_ratio)
         super().__init__(params, defaults)
-        self._build(chunk)
+        self._build(chunk, None if param_order is None else list(param_order))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._built:
             raise ConfigError("ShardedLAMB: pass every parameter group at construction (the flat layout is fixed)")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_hparams("ShardedLAMB", lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], trust_clamp=g["trust_clamp"])
+        check_hparams("ShardedLAMB", lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
+                      trust_clamp=g["trust_clamp"])
         g.setdefault("step", 0)
 
     # -- layout -----------------------------------------------------------------------------------
-    def _build(self, chunk: int | None | str) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
-        kinds = {(p.dtype, p.device) for p in params}
+    def _build(self, chunk: int | None | str, param_order: list[torch.Tensor] | None) -> None:
+        groups = self.param_groups
+        self.params = [p for g in groups for p in g["params"]]
+        self._where = [(gi, i) for gi, g in enumerate(groups) for i in range(len(g["params"]))]
+        names = [g.get("names") for g in groups]
+        full = all(n is not None and len(n) == len(g["params"]) for n, g in zip(names, groups, strict=True))
+        self.keys = [names[gi][i] if full else f"group{gi}.{i}" for gi, i in self._where]
+        kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) != 1:
             raise ConfigError(f"ShardedLAMB needs one dtype and device for all parameters, got {sorted(map(str, kinds))}")
         dtype, device = kinds.pop()
-        numels = [p.numel() for p in params]
-        self.numel = sum(numels)
-        self.shard_numel = S = max(1, math.ceil(self.numel / self.size))
-        lo, hi = self.rank * S, (self.rank + 1) * S
-        self.flat_param = torch.zeros(S * self.size, dtype=dtype, device=device)
-        self.flat_grad = torch.zeros(S * self.size, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
-        views = [self.flat_param[a : a + n].view(p.shape) for p, a, n in zip(params, offsets[:-1], numels, strict=True)]
-        with torch.no_grad():
-            for view, p in zip(views, params, strict=True):
-                view.copy_(p.detach())
-        for p, view in zip(params, views, strict=True):
-            p.data = view  # parameters now live in the flat buffer (apex does the same)
-        self.grad_views = [self.flat_grad[a : a + n].view(p.shape) for p, a, n in zip(params, offsets[:-1], numels, strict=True)]
-        self.params = params
-        self.p_shard = self.flat_param[lo:hi]
-        self.g_shard = torch.zeros(S, dtype=self.flat_grad.dtype, device=device)
-        self.exp_avg = torch.zeros(S, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        chunk = default_chunk(device) if chunk == "auto" else chunk
-        # Per group: the pieces of its tensors that fall in [lo, hi), as views of the shard buffers.
-        self._work = []
-        first = 0
-        for g in self.param_groups:
-            n_t = len(g["params"])
-            segs = []
-            for i in range(n_t):
-                a, b = max(offsets[first + i], lo), min(offsets[first + i + 1], hi)
-                if a < b:
-                    segs.append((i, a - lo, b - lo))
-            first += n_t
-            plan = plan_chunks([b - a for _, a, b in segs], chunk, device=device)
-            seg_owner = torch.tensor([i for i, _, _ in segs], dtype=torch.long, device=device)
-            owner = [seg_owner[o] for o in plan.owner]
-
-            def cut(buf: torch.Tensor, segs=segs, plan=plan) -> list[list[torch.Tensor]]:
-                return pieces([buf[a:b] for _, a, b in segs], plan)
-
-            self._work.append((g, n_t, cut(self.p_shard), cut(self.g_shard), cut(self.exp_avg), cut(self.exp_avg_sq), owner))
+        gdtype = torch.float32 if dtype != torch.float64 else dtype
+        order = list(range(len(self.params)))[::-1]  # backward meets the last parameters first
+        if param_order is not None:  # the module's registration order approximates the forward order better
+            rank = {id(p): i for i, p in enumerate(param_order)}
+            order.sort(key=lambda k: -rank.get(id(self.params[k]), -1))
+        sizes = [self.params[k].numel() * torch.empty((), dtype=gdtype).element_size() for k in order]
+        cap = max(1, int(self.bucket_mb * MiB)) if self.overlap else max(1, sum(sizes))
+        members = [[order[m] for m in ms] for ms in assign(sizes, [0] * len(order), cap)]
+        W = self.size
+        slices = [max(1, math.ceil(sum(self.params[k].numel() for k in ms) / W)) for ms in members]
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard_numel = sum(slices)
+        self.flat_param = torch.zeros(sum(s * W for s in slices), dtype=dtype, device=device)
+        self.flat_grad = torch.zeros_like(self.flat_param, dtype=gdtype)
+        self.g_shard = torch.zeros(self.shard_numel, dtype=gdtype, device=device)
+        self.exp_avg = torch.zeros_like(self.g_shard)
+        self.exp_avg_sq = torch.zeros_like(self.g_shard)
+        self._chunk = default_chunk(device) if chunk == "auto" else chunk
+        self._bucket_of = [0] * len(self.params)
+        self._gview: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        self._pieces: dict[str, Piece] = {}
+        self.buckets: list[ShardBucket] = []
+        a0 = shard_off = 0
+        for b, (ms, s) in enumerate(zip(members, slices, strict=True)):
+            self.buckets.append(self._bucket(b, ms, a0, s, shard_off))
+            a0, shard_off = a0 + s * W, shard_off + s
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(k))
+                       for k, p in enumerate(self.params)] if self.overlap else []
+        self._used = [False] * len(self.params)
+        self._reset_step()
         self._built = True
+
+    def _bucket(self, b: int, ms: list[int], a0: int, s: int, shard_off: int) -> ShardBucket:
+        lo = a0 + self.slot * s
+        segs: dict[int, list[tuple[int, int, int]]] = {}
+        off = a0
+        for k in ms:
+            p, (gi, i) = self.params[k], self._where[k]
+            n = p.numel()
+            view = self.flat_param[off : off + n].view(p.shape)
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view  # parameters live in the flat buffer
+            self._gview[k], self._bucket_of[k] = self.flat_grad[off : off + n].view(p.shape), b
+            x, y = max(off, lo), min(off + n, lo + s)
+            if x < y:
+                segs.setdefault(gi, []).append((i, x - lo, y - lo))
+                at = shard_off + x - lo
+                for name, state in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                    self._pieces[f"{name}/{self.keys[k]}"] = Piece(state[at : at + y - x], x - off, n)
+            off += n
+        sl = slice(shard_off, shard_off + s)
+        P, G, M, V = self.flat_param[lo : lo + s], self.g_shard[sl], self.exp_avg[sl], self.exp_avg_sq[sl]
+        work = []
+        for gi, sg in segs.items():
+            plan = plan_chunks([y - x for _, x, y in sg], self._chunk, device=P.device)
+            seg_owner = torch.tensor([i for i, _, _ in sg], dtype=torch.long, device=P.device)
+
+            def cut(buf: torch.Tensor, sg: list = sg, plan: Any = plan) -> list[list[torch.Tensor]]:
+                return pieces([buf[x:y] for _, x, y in sg], plan)
+
+            work.append(_Work(gi, cut(P), cut(G), cut(M), cut(V), [seg_owner[o] for o in plan.owner]))
+        a1 = a0 + s * self.size
+        return ShardBucket(b, ms, self.flat_param[a0:a1], self.flat_grad[a0:a1], P, G, work)
 
     def bind_grads(self) -> None:
         """Make every ``p.grad`` a view of the flat gradient buffer, so backward accumulates straight into it
-        and step() skips the pack copy. Then zero gradients with ``zero_grad(set_to_none=False)``."""
+        and no pack copy is needed; then zero gradients with ``zero_grad(set_to_none=False)``."""
         if self.flat_grad.dtype != self.flat_param.dtype:
             raise ConfigError(f"bind_grads: {self.flat_param.dtype} parameters keep an fp32 gradient buffer; leave grads unbound")
-        for p, view in zip(self.params, self.grad_views, strict=True):
+        for p, view in zip(self.params, self._gview, strict=True):
             view.zero_()
             p.grad = view
 
@@ -180,13 +222,104 @@ class ShardedLAMB(torch.optim.Optimizer):
         """Bytes of optimizer state held by this rank (the two moment shards)."""
         return self.exp_avg.numel() * self.exp_avg.element_size() * 2
 
+    # -- gradients in (hooks, end of backward, or step) --------------------------------------------
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = [len(b.members) for b in self.buckets]
+        self._next = 0  # first bucket not launched yet
+        self._handles: list[Any] = [None] * len(self.buckets)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without communicating (all micro-batches but the last)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(_p: torch.Tensor) -> None:
+            self._used[k] = True
+            if not self._sync:
+                return
+            if not self._in_backward:
+                self._in_backward = True
+                Variable._execution_engine.queue_callback(self._end_backward)
+            if self._ready[k]:
+                self._second_backward(k)
+            self._mark(k)
+
+        return hook
+
+    def _second_backward(self, k: int) -> None:
+        """A gradient again after a synchronising backward, without step(): send everything again (every
+        rank runs the same backward passes, so every rank does this at the same point)."""
+        if self._next < len(self.buckets):
+            raise UserError(f"parameter {self.keys[k]!r} received a gradient twice in one synchronising backward "
+                            "(reentrant checkpointing?): run all backward passes but the last under optimizer.no_sync()")
+        if self.params[k].grad is not None and self.params[k].grad.data_ptr() == self._gview[k].data_ptr():
+            raise UserError("ShardedLAMB.bind_grads(): run all backward passes but the last under optimizer.no_sync()")
+        self._reset_step()
+
+    def _mark(self, k: int) -> None:
+        """Put parameter k's gradient (zero if it has none) into its bucket; launch buckets now complete."""
+        g, view = self.params[k].grad, self._gview[k]
+        if g is None:
+            view.zero_()
+        else:
+            self._used[k] = True
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+        self._ready[k] = True
+        b = self._bucket_of[k]
+        self._pending[b] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:  # strictly in index order
+            bk = self.buckets[self._next]
+            self._handles[self._next] = reduce_scatter(bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm)
+            self._next += 1
+
+    def _send_all(self) -> None:
+        for k, ready in enumerate(self._ready):
+            if not ready:
+                self._mark(k)
+
+    def _wait_all(self) -> None:
+        if self._handles and self._handles[0] is not None:
+            for h in self._handles:
+                h.wait()
+            self.g_shard.div_(self.size)  # sum -> average (ReduceOp.AVG is NCCL-only)
+            self._handles = [None] * len(self.buckets)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if not self._sync:
+            return
+        t0, during = time.perf_counter(), self._next  # buckets the hooks launched while backward ran
+        self._send_all()
+        self._wait_all()
+        self.last_stats = {"exposed_s": time.perf_counter() - t0, "launched_in_backward": during,
+                           "buckets": len(self.buckets)}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also forgets a backward whose step was skipped (its reduce-scatters already completed)."""
+        self._reset_step()
+        self._used = [False] * len(self.params)
+        super().zero_grad(set_to_none=set_to_none)
+
     # -- step -------------------------------------------------------------------------------------
-    def _tick(self, name: str, t0: float) -> float:
+    def _tick(self, name: str, t0: float, minus: float = 0.0) -> float:
         if self.profile and self.flat_param.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        self.timings[name] = self.timings.get(name, 0.0) + t - t0
+        self.timings[name] = self.timings.get(name, 0.0) + t - t0 - minus
         return t
+
+    def _all_reduce(self, x: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        if self.size > 1:
+            dist.all_reduce(x, group=self.world.group)
+        return time.perf_counter() - t0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -196,69 +329,122 @@ class ShardedLAMB(torch.optim.Optimizer):
                 loss = closure()
         self.timings = {}
         t = time.perf_counter()
-        dst, src = [], []
-        for p, view in zip(self.params, self.grad_views, strict=True):
-            g = p.grad
-            if g is None:
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr():
-                dst.append(view)
-                src.append(g)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        self._send_all()  # overlap=False, or gradients set without backward: everything goes out here
         t = self._tick("pack", t)
-        reduce_scatter_mean(self.g_shard, self.flat_grad, self.group, self.size, self.rank)
+        self._wait_all()
         t = self._tick("reduce_scatter", t)
         clip = 1.0
         if self.clip_grad_norm is not None:
-            sq = sq_norms([self.g_shard])
-            dist.all_reduce(sq, group=self.group)
-            norm = float(sq.sum().sqrt())
-            self.last_grad_norm = norm
-            clip = self.clip_grad_norm / max(norm, self.clip_grad_norm) if math.isfinite(norm) else 1.0
-        t = self._tick("norm_allreduce", t)
-        comm = 0.0
-
-        def reduce_norms(x: torch.Tensor) -> torch.Tensor:
-            nonlocal comm
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=self.group)
-            comm += time.perf_counter() - t0
-            return x
-
-        device = self.flat_param.device
-        for g, n_t, P, G, M, V, owner in self._work:
+            gsq = sq_norms([self.g_shard])
+            self._all_reduce(gsq)
+            self.last_grad_norm = norm = float(gsq.sum().sqrt())
+            clip = clip_factor(norm, self.clip_grad_norm)
+        for g in self.param_groups:
             g["step"] += 1
-            co = LambCoeffs.of(g, g["step"], clip)
-            lamb_chunks(P, G, M, V, owner, n_t, co, reduce_norms=reduce_norms, device=device)
-        t = self._tick("update", t)
-        self.timings["update"] -= comm
+        co = [LambCoeffs.of(g, g["step"], clip) for g in self.param_groups]
+        t = self._tick("norm_allreduce", t)
+        sq, base = self._phase1(co)
+        comm = self._all_reduce(sq)
+        t = self._tick("update", t, minus=comm)
         self.timings["norm_allreduce"] += comm
-        all_gather_shards(self.flat_param, self.p_shard, self.group)
+        self._check_census(sq[2])
+        scale = [trust_ratios(sq[0, b : b + len(g["params"])], sq[1, b : b + len(g["params"])], c) * (-c.lr * c.k)
+                 for b, g, c in zip(base, self.param_groups, co, strict=True)]
+        gathers = self._phase2(co, scale)
+        t = self._tick("update", t)
+        for h in gathers:
+            h.wait()
         self._tick("all_gather", t)
+        self._reset_step()
+        self._used = [False] * len(self.params)
         return loss
 
+    def _phase1(self, co: list[LambCoeffs]) -> tuple[torch.Tensor, list[int]]:
+        """Moments and partial squared norms of the adapted groups; row 2: this rank's usage census."""
+        ntens = [len(g["params"]) for g in self.param_groups]
+        base = [sum(ntens[:gi]) for gi in range(len(ntens))]
+        sq = torch.zeros(3, len(self.params), dtype=torch.float32, device=self.flat_param.device)
+        sq[2] = torch.tensor(self._used, dtype=torch.float32)
+        for bk in self.buckets:
+            for w in bk.work:
+                c = co[w.group]
+                if not c.adapt:
+                    continue
+                for k in range(len(w.P)):
+                    update_moments(w.G[k], w.M[k], w.V[k], c)
+                    sq[0, base[w.group] :].index_add_(0, w.owner[k], sq_norms(w.P[k]))
+                    sq[1, base[w.group] :].index_add_(0, w.owner[k], sq_norms(direction(w.P[k], w.M[k], w.V[k], c)))
+        return sq, base
+
+    def _check_census(self, census: torch.Tensor) -> None:
+        if self.allow_unused:
+            return
+        unused = [self.keys[k] for k, n in enumerate(census.tolist()) if n == 0]
+        if unused:
+            self._reset_step()
+            raise UserError(f"parameters received no gradient on any rank: {unused}; pass allow_unused=True to "
+                            "ShardedLAMB if that is expected (their gradients are then zero)")
+
+    def _phase2(self, co: list[LambCoeffs], scale: list[torch.Tensor]) -> list[Any]:
+        """Apply each bucket's update, then start that bucket's all-gather at once."""
+        gathers = []
+        for bk in self.buckets:
+            for w in bk.work:
+                c = co[w.group]
+                for k in range(len(w.P)):
+                    if not c.adapt:
+                        update_moments(w.G[k], w.M[k], w.V[k], c)
+                    u = direction(w.P[k], w.M[k], w.V[k], c)
+                    if c.adapt:
+                        torch._foreach_mul_(u, scalars(scale[w.group][w.owner[k]]))
+                        torch._foreach_add_(w.P[k], u)
+                    else:
+                        torch._foreach_add_(w.P[k], u, alpha=-c.lr * c.k)
+            gathers.append(all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm))
+        return gathers
+
     # -- checkpoint -------------------------------------------------------------------------------
+    def _groups_state(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _load_groups(self, saved: list[dict[str, Any]]) -> None:
+        if len(saved) != len(self.param_groups):
+            raise ConfigError(f"ShardedLAMB checkpoint has {len(saved)} parameter groups, expected {len(self.param_groups)}")
+        for g, s in zip(self.param_groups, saved, strict=True):
+            g.update({k: v for k, v in s.items() if k != "params"})
+
+    def sharded_state(self) -> tuple[dict[str, Any], dict[str, Piece]]:
+        """(replicated part: groups and step counters, the same on every rank; this rank's pieces of each
+        parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in per-parameter
+        coordinates, so that a checkpoint loads into any world size or bucket layout)."""
+        rep = {"format": FORMAT, "param_groups": self._groups_state(),
+               "params": {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)}}
+        return rep, dict(self._pieces)
+
+    def load_replicated(self, rep: dict[str, Any]) -> None:
+        """Load the replicated part of :meth:`sharded_state` (the pieces are loaded in place by the caller)."""
+        if not isinstance(rep, dict) or rep.get("format") != FORMAT:
+            raise ConfigError(f"checkpoint optimizer state is not a {FORMAT} state (saved with optim.sharded=false "
+                              "or by an older version); resume it with the settings it was saved with")
+        mine = {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)}
+        if rep["params"] != mine:
+            diff = sorted(set(rep["params"].items()) ^ set(mine.items()))[:3]
+            raise ConfigError(f"checkpoint optimizer parameters differ from this model's, e.g. {diff}")
+        self._load_groups(rep["param_groups"])
+
     def _layout_key(self) -> dict[str, int]:
-        return {"rank": self.rank, "world_size": self.size, "numel": self.numel, "shard_numel": self.shard_numel}
+        return {"slot": self.slot, "world_size": self.size, "numel": self.numel, "shard_numel": self.shard_numel,
+                "buckets": len(self.buckets)}
 
     def state_dict(self) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {
-            "layout": self._layout_key(),
-            "param_groups": groups,
-            "state": {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()},
-        }
+        return {"layout": self._layout_key(), "param_groups": self._groups_state(),
+                "state": {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         mine, theirs = self._layout_key(), state_dict.get("layout", {})
         if mine != theirs:
-            raise ConfigError(f"ShardedLAMB checkpoint layout {theirs} does not match this rank's {mine}")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ConfigError(
-                f"ShardedLAMB checkpoint has {len(state_dict['param_groups'])} parameter groups, expected {len(self.param_groups)}"
-            )
-        for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+            raise ConfigError(f"ShardedLAMB state_dict layout {theirs} does not match this rank's {mine} "
+                              "(use sharded_state() and scaleout.checkpoint for another world size)")
+        self._load_groups(state_dict["param_groups"])
         self.exp_avg.copy_(state_dict["state"]["exp_avg"])
         self.exp_avg_sq.copy_(state_dict["state"]["exp_avg_sq"])

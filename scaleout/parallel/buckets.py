@@ -21,6 +21,7 @@ import torch
 from scaleout.errors import UserError
 
 MiB = 1 << 20
+DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7)
 
 
 @dataclass
