@@ -1,6 +1,6 @@
-"""Atomic, checksummed checkpoints with fall-back to the previous one.
+"""Atomic, checksummed checkpoints; rank 0 chooses the one to resume and every rank follows.
 
-File layout (one file per checkpoint, ``ckpt-<step:08d>.pt``)::
+File layout (one replicated file per checkpoint, ``ckpt-<step:08d>.pt``)::
 
     b"SCALEOUTCKPT1\\n" | sha256(payload) (32 bytes) | payload length (8 bytes, little endian) | payload
 
@@ -11,8 +11,19 @@ unpickling; a truncated or corrupted latest checkpoint is reported and the previ
 
 Everything stored is a tensor or a plain Python value, so ``torch.load(weights_only=True)`` works: RNG
 states are converted (numpy's state array becomes a list). Data-parallel ranks hold identical weights, so
-rank 0 writes; per-rank RNG states are gathered first (``gather_rng_states``) so every rank resumes its
-own dropout/noise stream exactly.
+rank 0 writes; per-rank RNG states are gathered to rank 0 first (``gather_rng_states``) so every rank
+resumes its own dropout/noise stream exactly.
+
+Sharded optimizer state (``optim.sharded``) is not gathered: every rank writes its own part with
+``torch.distributed.checkpoint`` into ``ckpt-<step>.shards-<token>/`` (:mod:`scaleout.checkpoint_dcp`), and
+only then does rank 0 write the replicated file, which names that directory and the digests of its files:
+the replicated file is the commit marker, so a checkpoint is complete exactly when it exists.
+
+Resume (:meth:`Checkpointer.restore`, a collective): rank 0 alone lists the directory and picks the newest
+checkpoint that verifies (checksum; for a sharded one also its ``.metadata`` digest and every shard file's
+size), broadcasts its choice and the replicated state (tensors by ``dist.broadcast``), scatters the RNG
+states, and every rank reads its own shard of the optimizer state. A rank that cannot read what rank 0
+chose stops the run with a one-line error naming it, on every rank, rather than fall back on its own.
 """
 
 from __future__ import annotations
@@ -20,17 +31,20 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import math
 import os
 import random
 import re
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from scaleout.errors import UserError
+from scaleout.checkpoint_dcp import CorruptShards, check_shards, load_pieces, remove_tree, save_pieces
+from scaleout.errors import ConfigError, UserError
 
 log = logging.getLogger("scaleout.checkpoint")
 
@@ -69,15 +83,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gather_rng_states(world: Any = None) -> list[dict[str, Any]]:
-    """Every rank's RNG state, indexed by rank (a collective: call on all ranks)."""
+def gather_rng_states(world: Any = None) -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, indexed by rank, on rank 0 (None elsewhere; a collective: call on all ranks)."""
     mine = rng_state()
     if world is None or world.world_size == 1:
         return [mine]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * world.world_size
-    dist.all_gather_object(out, mine)
+    out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
+    dist.gather_object(mine, out, dst=0)
     return out
 
 
@@ -127,11 +141,11 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 class Checkpointer:
-    """Save/load ``ckpt-<step>.pt`` files in ``directory``, keeping the newest ``keep``.
+    """Save/load ``ckpt-<step>.pt`` files (and their shard directories) in ``directory``, keeping the newest ``keep``.
 
     ``state`` is whatever the trainer collects, by convention::
 
-        {"step": int, "model": model.state_dict(), "optimizer": opt.state_dict(),
+        {"step": int, "model": model.state_dict(), "optimizer": opt.state_dict() (sharded: the replicated part),
          "schedule": sched.state_dict(), "data_position": int, "rng": gather_rng_states(world)}
     """
 
@@ -152,25 +166,173 @@ class Checkpointer:
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
         return sorted(found)
 
-    def save(self, step: int, state: dict[str, Any]) -> Path | None:
-        """Write on rank 0 only (DP weights are identical); prune beyond ``keep``. Returns the path."""
+    def save(self, step: int, state: dict[str, Any], world: Any = None, shards: dict[str, Any] | None = None) -> Path | None:
+        """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a collective) every
+        rank first writes its pieces of the sharded optimizer state. Prunes beyond ``keep``. Returns the path
+        on rank 0."""
+        record = None
+        if shards is not None:
+            name = f"{self.path(step).stem}.shards-{_token(world)}"
+            record = save_pieces(shards, self.dir / name, world)  # every rank's files are written when it returns
         if self.rank != 0:
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
-        atomic_write(path, encode({**state, "step": step}))
+        atomic_write(path, encode({**state, "step": step, **({"shards": record} if record else {})}))  # the commit
+        for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
+            if record is None or old.name != record["dir"]:
+                remove_tree(old)
         for _, old in self.list()[: -self.keep]:
-            old.unlink(missing_ok=True)
+            self._drop(old)
         return path
 
-    def load_latest(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
-        """Newest checkpoint that verifies, or None. Logs every one that had to be skipped."""
+    def _drop(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        for d in self.dir.glob(f"{path.stem}.shards-*"):
+            remove_tree(d)
+
+    def choose(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
+        """Newest complete checkpoint that verifies, or None. Logs every one that had to be skipped."""
         for step, path in reversed(self.list()):
             try:
                 state = decode(path.read_bytes(), str(path), map_location)
-            except (CorruptCheckpoint, OSError, RuntimeError, EOFError) as e:
+                if "shards" in state:
+                    check_shards(self.dir, state["shards"])
+            except (CorruptCheckpoint, CorruptShards, OSError, RuntimeError, EOFError) as e:
                 log.warning("checkpoint %s at step %d is unusable (%s); falling back to the previous one", path, step, e)
                 continue
             log.info("resuming from %s (step %d)", path, step)
             return state, path
         return None
+
+    load_latest = choose  # single-process readers (tools, tests)
+
+    def restore(self, world: Any, shards: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path] | None:
+        """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its own shards
+        into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this rank's RNG state (None
+        when the world size changed), or None on every rank when there is nothing to resume."""
+        multi = world is not None and world.world_size > 1
+        found = self.choose() if world is None or world.rank == 0 else None
+        state, path = found if found is not None else (None, None)
+        rngs = state.pop("rng", None) if state is not None else None
+        head = [None if state is None else (str(path), len(rngs or []))]
+        if multi:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(head, src=0)
+        if head[0] is None:
+            return None
+        path, n_rng = Path(head[0][0]), head[0][1]
+        state = broadcast_state(state, world) if multi else state
+        rng = _scatter(rngs, world) if n_rng == (world.world_size if world is not None else 1) else None
+        _check_kind(state, shards, path)
+        if shards is not None:
+            load_pieces(shards, self.dir, state["shards"])
+        return {**state, "rng": rng}, path
+
+
+def _token(world: Any) -> str:
+    """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
+    box = [f"{time.time_ns():x}"]
+    if world is not None and world.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path) -> None:
+    if shards is not None and "shards" not in state:
+        raise ConfigError(f"checkpoint {path} holds an unsharded optimizer state: resume it with optim.sharded=false")
+    if shards is None and "shards" in state:
+        raise ConfigError(f"checkpoint {path} holds a sharded optimizer state: resume it with optim.sharded=true")
+
+
+def _scatter(items: list[Any] | None, world: Any) -> Any:
+    if world is None or world.world_size == 1:
+        return items[0] if items else None
+    import torch.distributed as dist
+
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, items if world.rank == 0 else None, src=0)
+    return out[0]
+
+
+class _Slot:
+    """Where a tensor sat in a state being broadcast (shape and dtype travel with the skeleton)."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return type(obj)((k, _strip(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any, out: list[_Slot]) -> list[_Slot]:
+    if isinstance(obj, _Slot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _slots(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _slots(v, out)
+    return out
+
+
+# Tensors of one dtype travel in flat buffers of at most this size: few collectives, bounded extra memory.
+BROADCAST_BYTES = 256 << 20
+
+
+def broadcast_state(state: Any, world: Any) -> Any:
+    """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the structure by
+    ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device`` (returned on the CPU)."""
+    import torch.distributed as dist
+
+    tensors: list[torch.Tensor] = []
+    box = [_strip(state, tensors) if world.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    slots = sorted(_slots(box[0], []), key=lambda s: s.index)
+    out: list[torch.Tensor] = [None] * len(slots)  # type: ignore[list-item]
+    batch: list[_Slot] = []
+    for i, slot in enumerate(slots):
+        batch.append(slot)
+        nxt = slots[i + 1] if i + 1 < len(slots) else None
+        size = sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in batch)
+        if nxt is None or nxt.dtype != slot.dtype or size >= BROADCAST_BYTES:
+            _broadcast_batch(batch, tensors, out, world)
+            batch = []
+    return _fill(box[0], out)
+
+
+def _broadcast_batch(batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: Any) -> None:
+    import torch.distributed as dist
+
+    sizes = [math.prod(s.shape) for s in batch]
+    dtype = batch[0].dtype
+    if world.rank == 0:
+        flat = torch.cat([tensors[s.index].reshape(-1).to(dtype) for s in batch]).to(world.device)
+    else:
+        flat = torch.empty(sum(sizes), dtype=dtype, device=world.device)
+    dist.broadcast(flat, src=0)
+    flat = flat.cpu()
+    for s, piece in zip(batch, flat.split(sizes), strict=True):
+        out[s.index] = piece.view(s.shape)

@@ -86,7 +86,7 @@ class Trainer:
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg.optim, world)
+        self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
             world.prioritize_communication(cfg.comm.comm_nice)
@@ -97,15 +97,10 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
-        import torch.distributed as dist
-
+        """The replicated part of a checkpoint (only rank 0's copy is written; RNG states are gathered to it)."""
         from scaleout.checkpoint import gather_rng_states
 
-        opt_state: Any = self.optimizer.state_dict()
-        if self.sharded and self.world.world_size > 1:  # every rank holds a different shard
-            gathered: list[Any] = [None] * self.world.world_size
-            dist.all_gather_object(gathered, opt_state)
-            opt_state = gathered
+        opt_state = self.optimizer.sharded_state()[0] if self.sharded else self.optimizer.state_dict()
         return {"model": self.task.model.state_dict(), "optimizer": opt_state,
                 "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
                 "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped}
@@ -114,7 +109,8 @@ class Trainer:
         if self.ckpt is None:
             return
         state = self._state(step)  # collective: every rank takes part
-        path = self.ckpt.save(step, state)
+        shards = self.optimizer.sharded_state()[1] if self.sharded else None  # each rank writes its own
+        path = self.ckpt.save(step, state, world=self.world, shards=shards)
         if path is not None:
             print0(f"checkpoint: step {step} -> {path}", rank=self.world.rank)
         self.world.barrier()
@@ -124,20 +120,21 @@ class Trainer:
 
         if self.ckpt is None or not self.cfg.checkpoint.resume:
             return 0
-        found = self.ckpt.load_latest()
+        shards = self.optimizer.sharded_state()[1] if self.sharded else None
+        found = self.ckpt.restore(self.world, shards=shards)  # rank 0 chooses; every rank follows
         if found is None:
             return 0
         state, path = found
         self.task.model.load_state_dict(state["model"])
-        opt = state["optimizer"]
-        self.optimizer.load_state_dict(opt[self.world.rank] if self.sharded and isinstance(opt, list) else opt)
-        self.schedule.load_state_dict(state["schedule"])
-        rng = state["rng"]
-        if len(rng) != self.world.world_size:
-            log.warning("checkpoint %s has RNG states of %d ranks, this run has %d: RNG streams restart",
-                        path, len(rng), self.world.world_size)
+        if self.sharded:
+            self.optimizer.load_replicated(state["optimizer"])  # the moments were read in place by restore()
         else:
-            set_rng_state(rng[self.world.rank])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        if state["rng"] is None:
+            log.warning("checkpoint %s has RNG states of another world size: RNG streams restart", path)
+        else:
+            set_rng_state(state["rng"])
         self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
         print0(f"resumed from {path} at step {state['step']}", rank=self.world.rank)
         return int(state["step"])
