@@ -23,9 +23,11 @@ with the ZeRO-1 sharded LAMB. In one run, interleaved step by step so noise hits
 full step (forward + backward + optimizer step with its communication; the slowest rank) of:
 
   compute only       forward + backward, no optimizer (the floor)
-  sharded            ShardedLAMB: reduce-scatter, update, all-gather after backward   <- baseline
+  sharded            ShardedLAMB: one bucket; reduce-scatter, update, all-gather after backward   <- baseline
   sharded overlap    ShardedLAMB(overlap=True): per-bucket reduce-scatter during backward, per-bucket
                      all-gather as soon as the bucket's shard is updated (apex DistributedFusedLAMB)
+
+Both use --algorithm's reduce-scatter / all-gather (scaleout.comm: flat, hierarchical, torus2d).
 
 examples:
   scaleout bench sharded-overlap --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit     # one-shot
@@ -41,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)")
     p.add_argument("--batch", type=int, default=2, help="per-rank batch size (default 2)")
     p.add_argument("--bucket-mb", type=float, default=8.0, help="overlap bucket size in MiB (default 8: ~7 buckets at 2 layers)")
+    p.add_argument("--algorithm", default="flat", help="reduce-scatter / all-gather algorithm (flat, hierarchical, torus2d)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant; median reported (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--out", default="bench-results/sharded-overlap.json", help="JSON output (rank 0)")
@@ -60,12 +63,14 @@ def _in_rank(args: argparse.Namespace) -> int:
     import scaleout
     from scaleout.bench.common import format_table, write_json
     from scaleout.bench.overlap import bert_like
+    from scaleout.comm import get_algorithm
     from scaleout.errors import UserError
     from scaleout.optim import ShardedLAMB
 
     if min(args.layers, args.seq, args.batch, args.repeats) < 1 or args.warmup < 0 or args.bucket_mb <= 0:
         raise UserError(f"--layers={args.layers} --seq={args.seq} --batch={args.batch} --repeats={args.repeats} "
                         f"--warmup={args.warmup} --bucket-mb={args.bucket_mb}: expected positive numbers")
+    get_algorithm(args.algorithm)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = scaleout.init()
     if world.world_size < 2:
@@ -76,13 +81,14 @@ def _in_rank(args: argparse.Namespace) -> int:
     n_params = sum(q.numel() for q in base.parameters())
     models = {v: copy.deepcopy(base) for v in VARIANTS}
     opts: dict[str, Any] = {
-        "sharded": ShardedLAMB(models["sharded"].parameters(), world, lr=1e-4),
-        "sharded overlap": ShardedLAMB(models["sharded overlap"].parameters(), world, lr=1e-4, overlap=True, bucket_mb=args.bucket_mb),
+        v: ShardedLAMB(models[v].parameters(), world, lr=1e-4, overlap=v == "sharded overlap", bucket_mb=args.bucket_mb,
+                       algorithm=args.algorithm, param_order=models[v].parameters())
+        for v in ("sharded", "sharded overlap")
     }
-    nb = len(opts["sharded overlap"]._buckets)
+    nb = len(opts["sharded overlap"].buckets)
     say(f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.layers} "
         f"BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq {args.seq}, "
-        f"batch/rank {args.batch}, {nb} buckets of <= {args.bucket_mb:g} MiB, median of {args.repeats}")
+        f"batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, {args.algorithm}, median of {args.repeats}")
     g = torch.Generator().manual_seed(world.rank)
     x = torch.randn(args.batch, args.seq, 768, generator=g)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -123,7 +129,7 @@ def _in_rank(args: argparse.Namespace) -> int:
     if world.is_main:
         path = write_json(args.out, {
             "bench": NAME, "world_size": world.world_size, "nodes": world.num_nodes, "layers": args.layers, "seq": args.seq,
-            "batch": args.batch, "bucket_mb": args.bucket_mb, "buckets": nb, "params": n_params, "repeats": args.repeats,
+            "batch": args.batch, "bucket_mb": args.bucket_mb, "buckets": nb, "algorithm": args.algorithm, "params": n_params, "repeats": args.repeats,
             "baseline": BASELINE, "ratio_overlap_vs_sharded": ratio, "rows": out_rows,
         })
         if path:

@@ -1,33 +1,27 @@
 """Sharded LAMB (ZeRO stage 1, the pattern of apex's DistributedFusedLAMB): each rank keeps 1/world of the state.
 
-Layout (the DataParallel reducer's, :mod:`scaleout.parallel.buckets`): parameters of every group, in
-*reverse* order (backward produces the last layer's gradients first), are grouped into buckets closed once
-they reach ``bucket_mb`` (``overlap=False``: one bucket of everything). Each bucket is one flat buffer padded
-to a multiple of the world size; every parameter becomes a view of it (``p.data`` is re-pointed once, as
-apex does), so the all-gather writes the model's weights with no copy. ``scaleout.comm.shard_index`` says
-which of the world_size slices of every bucket this rank owns (its moments are those slices).
+Layout: the DataParallel reducer's buckets (:mod:`scaleout.parallel.buckets`: parameters in reverse order,
+a bucket closed once it reaches ``bucket_mb``; ``overlap=False``: one bucket). Each bucket is one flat buffer
+padded to a multiple of the world size, every parameter a view of it (``p.data`` re-pointed once, as in apex),
+so the all-gather writes the weights in place; this rank owns slice ``scaleout.comm.shard_index`` of each.
 
-Per step, every rank issues the same collectives in the same order (c10d matches them by order):
+Per step every rank issues the same collectives in the same order (c10d matches them by order):
 
-1. Gradients are copied into each bucket's flat fp32 gradient buffer and each bucket is reduce-scattered
-   (``scaleout.comm.reduce_scatter`` with the configured algorithm: flat, hierarchical, torus2d), in
-   bucket order. ``overlap=True``: as in the reducer, a post-accumulate-grad hook marks a parameter ready,
-   a complete bucket goes out at once (strictly in index order), and at the end of backward (an autograd
-   callback) every parameter that got no gradient in it is marked ready with what its ``.grad`` holds or
-   zero, the remaining buckets are launched and all are waited for. So every rank launches every bucket
-   exactly once per synchronising backward, whichever parameters it used, and nothing is in flight after
-   backward (a skipped step is just ``zero_grad()``). ``overlap=False``: the single bucket is packed and
-   launched in :meth:`step`.
-2. LAMB on this rank's slices (``lamb.update_moments`` / ``direction`` on cache-sized chunks): the
-   per-tensor ||w||^2 and ||u||^2 are partial sums, made whole by one all-reduce of a [3, tensors] vector
-   whose third row is the census of parameters that got a gradient on some rank (the reducer's census,
-   riding on a collective that runs anyway). A parameter unused on every rank is an error naming it
-   unless ``allow_unused=True`` (then its gradient is zero, as with DataParallel). Global clipping
-   all-reduces one scalar first.
+1. Gradients go into each bucket's fp32 buffer, which is reduce-scattered with the configured algorithm of
+   ``scaleout.comm`` (flat, hierarchical, torus2d), in bucket order. ``overlap=True`` works as the reducer:
+   a post-accumulate-grad hook marks a parameter ready and a complete bucket goes out at once (strictly in
+   index order); at the end of backward (an autograd callback) every parameter it gave no gradient is
+   marked ready with its ``.grad`` or zero, the rest is launched and all are waited for. So every rank sends
+   every bucket once per synchronising backward whichever parameters it used, and nothing is in flight
+   after backward (a skipped step is just ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
+2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial sums,
+   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's census (which
+   parameters got a gradient on some rank), riding on a collective that runs anyway. A parameter no rank
+   used is an error naming it unless ``allow_unused=True`` (then its gradient is zero, as in
+   DataParallel). Global clipping all-reduces one scalar first.
 3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later updates).
 
-The result equals LAMB on the gradient averaged over ranks (same formulas, sums in another order).
-Gradient accumulation: run all backward passes but the last under :meth:`no_sync`.
+Equal to LAMB on the rank-averaged gradient (sums in another order). Accumulation: :meth:`no_sync`.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from scaleout.comm import all_gather, get_algorithm, reduce_scatter, shard_index
+from scaleout.comm import all_gather, reduce_scatter, shard_index
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
@@ -109,7 +103,6 @@ class ShardedLAMB(torch.optim.Optimizer):
             raise ConfigError("ShardedLAMB needs the World (optim.sharded=true needs a distributed run)")
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0 and math.isfinite(bucket_mb)):
             raise ConfigError(f"ShardedLAMB bucket_mb={bucket_mb!r} must be a positive number of MiB")
-        get_algorithm(algorithm)
         self.world, self.size = world, world.world_size
         self.comm = dict(algorithm=algorithm, **algorithm_options)
         self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice of every bucket owned here
@@ -209,15 +202,6 @@ class ShardedLAMB(torch.optim.Optimizer):
         a1 = a0 + s * self.size
         return ShardBucket(b, ms, self.flat_param[a0:a1], self.flat_grad[a0:a1], P, G, work)
 
-    def bind_grads(self) -> None:
-        """Make every ``p.grad`` a view of the flat gradient buffer, so backward accumulates straight into it
-        and no pack copy is needed; then zero gradients with ``zero_grad(set_to_none=False)``."""
-        if self.flat_grad.dtype != self.flat_param.dtype:
-            raise ConfigError(f"bind_grads: {self.flat_param.dtype} parameters keep an fp32 gradient buffer; leave grads unbound")
-        for p, view in zip(self.params, self._gview, strict=True):
-            view.zero_()
-            p.grad = view
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (the two moment shards)."""
         return self.exp_avg.numel() * self.exp_avg.element_size() * 2
@@ -258,8 +242,6 @@ class ShardedLAMB(torch.optim.Optimizer):
         if self._next < len(self.buckets):
             raise UserError(f"parameter {self.keys[k]!r} received a gradient twice in one synchronising backward "
                             "(reentrant checkpointing?): run all backward passes but the last under optimizer.no_sync()")
-        if self.params[k].grad is not None and self.params[k].grad.data_ptr() == self._gview[k].data_ptr():
-            raise UserError("ShardedLAMB.bind_grads(): run all backward passes but the last under optimizer.no_sync()")
         self._reset_step()
 
     def _mark(self, k: int) -> None:
@@ -269,8 +251,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             view.zero_()
         else:
             self._used[k] = True
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g)
+            view.copy_(g)
         self._ready[k] = True
         b = self._bucket_of[k]
         self._pending[b] -= 1
@@ -404,20 +385,11 @@ class ShardedLAMB(torch.optim.Optimizer):
         return gathers
 
     # -- checkpoint -------------------------------------------------------------------------------
-    def _groups_state(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-
-    def _load_groups(self, saved: list[dict[str, Any]]) -> None:
-        if len(saved) != len(self.param_groups):
-            raise ConfigError(f"ShardedLAMB checkpoint has {len(saved)} parameter groups, expected {len(self.param_groups)}")
-        for g, s in zip(self.param_groups, saved, strict=True):
-            g.update({k: v for k, v in s.items() if k != "params"})
-
     def sharded_state(self) -> tuple[dict[str, Any], dict[str, Piece]]:
         """(replicated part: groups and step counters, the same on every rank; this rank's pieces of each
         parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in per-parameter
         coordinates, so that a checkpoint loads into any world size or bucket layout)."""
-        rep = {"format": FORMAT, "param_groups": self._groups_state(),
+        rep = {"format": FORMAT, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                "params": {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)}}
         return rep, dict(self._pieces)
 
@@ -426,25 +398,24 @@ class ShardedLAMB(torch.optim.Optimizer):
         if not isinstance(rep, dict) or rep.get("format") != FORMAT:
             raise ConfigError(f"checkpoint optimizer state is not a {FORMAT} state (saved with optim.sharded=false "
                               "or by an older version); resume it with the settings it was saved with")
-        mine = {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)}
-        if rep["params"] != mine:
-            diff = sorted(set(rep["params"].items()) ^ set(mine.items()))[:3]
-            raise ConfigError(f"checkpoint optimizer parameters differ from this model's, e.g. {diff}")
-        self._load_groups(rep["param_groups"])
-
-    def _layout_key(self) -> dict[str, int]:
-        return {"slot": self.slot, "world_size": self.size, "numel": self.numel, "shard_numel": self.shard_numel,
-                "buckets": len(self.buckets)}
+        mine = self.sharded_state()[0]
+        if rep["params"] != mine["params"] or len(rep["param_groups"]) != len(self.param_groups):
+            diff = sorted(set(rep["params"].items()) ^ set(mine["params"].items()))[:3]
+            raise ConfigError(f"checkpoint optimizer parameters or groups differ from this model's, e.g. {diff}")
+        for g, saved in zip(self.param_groups, rep["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layout": self._layout_key(), "param_groups": self._groups_state(),
-                "state": {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}}
+        """This rank's state, to load on the same rank of the same layout (checkpoints: :meth:`sharded_state`)."""
+        rep, pieces = self.sharded_state()
+        layout = (self.slot, self.size, self.shard_numel, len(self.buckets))
+        return {**rep, "layout": layout, "state": {k: (p.offset, p.tensor.clone()) for k, p in pieces.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        mine, theirs = self._layout_key(), state_dict.get("layout", {})
-        if mine != theirs:
-            raise ConfigError(f"ShardedLAMB state_dict layout {theirs} does not match this rank's {mine} "
-                              "(use sharded_state() and scaleout.checkpoint for another world size)")
-        self._load_groups(state_dict["param_groups"])
-        self.exp_avg.copy_(state_dict["state"]["exp_avg"])
-        self.exp_avg_sq.copy_(state_dict["state"]["exp_avg_sq"])
+        mine = self.state_dict()
+        if tuple(state_dict.get("layout", ())) != mine["layout"] or state_dict["state"].keys() != self._pieces.keys():
+            raise ConfigError(f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, buckets) "
+                              f"does not match this rank's {mine['layout']}: use sharded_state() and scaleout.checkpoint")
+        self.load_replicated(state_dict)
+        for k, p in self._pieces.items():
+            p.tensor.copy_(state_dict["state"][k][1])
