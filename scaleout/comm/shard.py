@@ -69,32 +69,43 @@ def _check(out: torch.Tensor, inp: torch.Tensor, world: Any, what: str, big: str
                         f"x {part.numel()} = {part.numel() * world.world_size}")
 
 
-def _rs_grid(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
+def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first: bool) -> None:
+    """``op`` along the row and the column group (reduce-scatter: row first; all-gather: column first),
+    through one buffer of n/g elements; size-1 groups are skipped."""
     g, k = len(grid.row_ranks), grid.col_size
-    if g == 1 and k == 1:
+    groups = [grp for size, grp in ((g, grid.row), (k, grid.col)) if size > 1]
+    if not row_first:
+        groups.reverse()
+    if not groups:
         out.copy_(inp)
-    elif k == 1:
-        _reduce_scatter(out, inp, group=grid.row)
-    elif g == 1:
-        _reduce_scatter(out, inp, group=grid.col)
+    elif len(groups) == 1:
+        op(out, inp, group=groups[0])
     else:
-        mid = torch.empty(inp.numel() // g, dtype=inp.dtype, device=inp.device)
-        _reduce_scatter(mid, inp, group=grid.row)
-        _reduce_scatter(out, mid, group=grid.col)
+        mid = torch.empty(max(out.numel(), inp.numel()) // g, dtype=inp.dtype, device=inp.device)
+        op(mid, inp, group=groups[0])
+        op(out, mid, group=groups[1])
 
 
-def _ag_grid(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
-    g, k = len(grid.row_ranks), grid.col_size
-    if g == 1 and k == 1:
-        out.copy_(inp)
-    elif k == 1:
-        _all_gather(out, inp, group=grid.row)
-    elif g == 1:
-        _all_gather(out, inp, group=grid.col)
-    else:
-        mid = torch.empty(out.numel() // g, dtype=out.dtype, device=out.device)
-        _all_gather(mid, inp, group=grid.col)
-        _all_gather(out, mid, group=grid.row)
+def _run(world: Any, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, native_op: Any, grid_op: Any,
+         finish: Any, async_op: bool, shard: int) -> Any:
+    """One collective: ``native_op`` on the world group (flat) or ``grid_op``'s phases, in call order."""
+
+    def native() -> Any:
+        if world.world_size == 1:
+            out.copy_(inp)
+            return None
+        return native_op(out, inp, group=world.group, async_op=True) if shard else None
+
+    def job() -> None:
+        if grid is None:
+            work = native()
+            if work is not None:
+                work.wait()
+        elif shard:
+            grid_op(out, inp, grid)
+        finish()
+
+    return dispatch(world, out, job, native if grid is None else None, finish, async_op)
 
 
 def reduce_scatter(
@@ -110,28 +121,13 @@ def reduce_scatter(
     opname = op_name(op, "reduce_scatter")
     _check(output, input, world, "reduce_scatter", "input")
     grid = _grid(world, algorithm, options, "reduce_scatter")
-    p = world.world_size
 
     def finish() -> None:
         if opname == "avg":
-            output.div_(p)
+            output.div_(world.world_size)
 
-    def native() -> Any:
-        if p == 1:
-            output.copy_(input)
-            return None
-        return _reduce_scatter(output, input, group=world.group, async_op=True) if output.numel() else None
-
-    def job() -> None:
-        if grid is None:
-            work = native()
-            if work is not None:
-                work.wait()
-        elif output.numel():
-            _rs_grid(output, input, grid)
-        finish()
-
-    return dispatch(world, output, job, native if grid is None else None, finish, async_op)
+    return _run(world, output, input, grid, _reduce_scatter, lambda o, i, gr: _phases(o, i, gr, _reduce_scatter, True),
+                finish, async_op, output.numel())
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat",
@@ -140,20 +136,5 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, world: Any, algorithm:
     ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""
     _check(output, input, world, "all_gather", "output")
     grid = _grid(world, algorithm, options, "all_gather")
-    p = world.world_size
-
-    def native() -> Any:
-        if p == 1:
-            output.copy_(input)
-            return None
-        return _all_gather(output, input, group=world.group, async_op=True) if input.numel() else None
-
-    def job() -> None:
-        if grid is None:
-            work = native()
-            if work is not None:
-                work.wait()
-        elif input.numel():
-            _ag_grid(output, input, grid)
-
-    return dispatch(world, output, job, native if grid is None else None, lambda: None, async_op)
+    return _run(world, output, input, grid, _all_gather, lambda o, i, gr: _phases(o, i, gr, _all_gather, False),
+                lambda: None, async_op, input.numel())
