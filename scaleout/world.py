@@ -267,8 +267,9 @@ def init(
         timeout_s = config.train.init_timeout_s if config is not None else 600.0
     reader = detect_environment(env, environment)
     spec = reader.read(env)
-    if launch is not None and launch.master_addr:
-        spec = WorldSpec(**{**spec.__dict__, "master_addr": launch.master_addr})
+    if launch is not None:  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+        given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
+        spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
     device, backend = pick_device(spec.local_rank, backend)
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)

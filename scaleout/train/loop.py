@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from scaleout.log import print0
-from scaleout.train.faults import agree, grads_finite, injected_nan
+from scaleout.train.faults import agree, injected_nan, nonfinite
 from scaleout.train.progress import Progress
 from scaleout.train.tasks import Task, build_task, steps_per_epoch
 
@@ -47,7 +47,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         self.mll = MLPerfLogger(self.out / "mlperf.log" if world.rank == 0 else None, rank=world.rank)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
-        self.timers = Timers(world.device)
+        self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
 
     # -- construction -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -79,8 +79,8 @@ class Trainer:
                                       # re-bucketing after step 1 changes summation order; a resumed run
                                       # would re-bucket at a different step, so deterministic runs keep
                                       # the initial layout (bitwise resume)
-                                      rebuild_buckets=not cfg.train.deterministic,
-                                      **{k: v for k, v in (("x", cfg.comm.torus_x), ("y", cfg.comm.torus_y)) if v})
+                                      rebuild_buckets=not cfg.train.deterministic, **comm_options(cfg.comm))
+            self.model.reducer.defer_census = True  # read with the step's agreement (train_step)
         from scaleout.train.capture import build_step_graphs
 
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
@@ -93,7 +93,7 @@ class Trainer:
         from scaleout.mlperf import hyperparameters
 
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 steps_per_epoch(self.task, cfg.train.global_batch)))
+                                                 steps_per_epoch(self.task, cfg.train.global_batch), world.device))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
@@ -108,7 +108,8 @@ class Trainer:
             opt_state = gathered
         return {"model": self.task.model.state_dict(), "optimizer": opt_state,
                 "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
-                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped}
+                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped,
+                "precision": self.task.precision.state_dict()}
 
     def save(self, step: int) -> None:
         if self.ckpt is None:
@@ -139,22 +140,27 @@ class Trainer:
         else:
             set_rng_state(rng[self.world.rank])
         self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
+        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
         print0(f"resumed from {path} at step {state['step']}", rank=self.world.rank)
         return int(state["step"])
 
     # -- the loop -------------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[float, bool, bool]:
-        """One optimizer step (grad_accum micro-batches). Returns (loss, skipped, stop requested)."""
-        cfg, t = self.cfg, self.timers
+    def train_step(self, step: int) -> tuple[float | None, bool, bool]:
+        """One optimizer step (grad_accum micro-batches). Returns (mean loss over ranks, skipped, stop).
+
+        Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the device
+        but the agreement's result (train/faults.py), which also carries the loss."""
+        cfg, t, prec = self.cfg, self.timers, self.task.precision
+        t.begin()
         with t("data"):  # with a prefetcher: only the time spent *waiting* for it (scaleout/train/prefetch.py)
             if self.prefetcher is not None:
                 mbs = self.prefetcher.get(step)
             else:
                 mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
-        total = 0.0
+        total = None
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
             with t("graph"):
-                total = float(self.graphs(mbs))
+                total = self.graphs(mbs)
         for i, mb in enumerate(mbs if self.graphs is None else []):
             last = i == len(mbs) - 1
             if last:
@@ -165,17 +171,24 @@ class Trainer:
             else:
                 sync = self.model.no_sync()
             with sync:
-                with t("forward"):
+                with t("forward"), self.task.autocast():
                     loss = self.task.loss(self.model, mb) / len(mbs)
                 with t("backward"):
-                    loss.backward()
-            total += float(loss.detach())
+                    prec.scale_loss(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         if not self.sharded and self.graphs is None:
-            t.add("exposed_comm", float(self.model.last_stats.get("exposed_s", 0.0)))
-            t.current["backward"] = t.current.get("backward", 0.0) - float(self.model.last_stats.get("exposed_s", 0.0))
+            exposed = float(self.model.last_stats.get("exposed_s", 0.0))
+            t.add("exposed_comm", exposed)
+            t.add("backward", -exposed)
+        prec.unscale_(self.params, self.optimizer)  # fp16: gradients / S (reduced, or reduced linearly in step())
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")
-        flags = agree(self.world, nonfinite=not grads_finite(self.params), stop=self.guard.requested)
+        reducer = getattr(self.model, "reducer", None)
+        census = reducer.census_flag() if reducer is not None else None
+        flags = agree(self.world, nonfinite(self.params), self.guard.requested, total, census)
+        if flags.unused:
+            reducer.check_census()  # the same census everywhere: every rank raises the same error
+        prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
         if flags.skip:
             self.skipped += 1
             print0(f"step {step + 1}: non-finite gradients on some rank; every rank skips this step", rank=self.world.rank)
@@ -184,7 +197,7 @@ class Trainer:
                 self.optimizer.step()
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=not hasattr(self.model, "no_sync") or self.sharded)
-        return total, flags.skip, flags.stop
+        return flags.loss, flags.skip, flags.stop
 
     def run(self) -> TrainResult:
         from scaleout import preempt
@@ -221,7 +234,7 @@ class Trainer:
             if step >= start + skip:
                 for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
                     self.timed[k] += v
-            self.timers.step()
+            self.timers.step(time.perf_counter() - t0)
             if step == start:  # the first step is done: from now on a hung peer is a failure, not slowness
                 world.set_timeout(cfg.train.step_timeout_s)
             self.samples += n
@@ -316,6 +329,14 @@ class Trainer:
                                  "step_s": self.timed["seconds"] / max(self.timed["steps"], 1)}}
             (self.out / "report.json").write_text(json.dumps(payload, indent=2, default=str))
         return report
+
+
+def comm_options(comm: Any) -> dict[str, Any]:
+    """The all-reduce options of ``comm`` (scaleout.comm.all_reduce): torus grid, pipeline chunk."""
+    opts: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
+    if comm.chunk_mb is not None:
+        opts["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
+    return opts
 
 
 def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
