@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distutil import run_dist
-from tests.fakecuda import FakeCuda
+from distutil import run_dist
+from fakecuda import FakeCuda
 
 FAST = ["train.global_batch=8", "data.eval_samples=16", "optim.warmup_steps=1", "optim.total_steps=8",
         "train.progress=false", "train.eval_every=2", "train.max_steps=2", "comm.bucket_mb=0.25"]
@@ -74,3 +74,47 @@ def test_fakecuda_rejects_a_host_tensor_collective() -> None:
     for violations in run_dist(_bad_collective, nnodes=1, nproc_per_node=2):
         assert len(violations) == 1 and "No backend type associated with device type cpu" in violations[0]
         assert "test_device_discipline.py" in violations[0]
+
+
+def _syncs_per_step(world: Any, out: str, every: int, steps: int) -> list[list[tuple[str, str]]]:
+    """Run the trainer under FakeCuda; the device -> host reads of each train_step, in order."""
+    from scaleout.config import load_config
+    from scaleout.train.loop import Trainer
+
+    cfg = load_config("bert_tiny_cpu", [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", f"train.max_steps={steps}",
+                                        f"train.eval_every={steps}", f"train.timing_every={every}",
+                                        "model.bert.static_shapes=true", "comm.algorithm=hierarchical"])
+    per_step: list[list[tuple[str, str]]] = []
+    with FakeCuda(world) as fc:
+        trainer = Trainer(cfg, world)
+        trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name; rank-local
+        inner = trainer.train_step
+
+        def counted(step: int) -> Any:
+            before = len(fc.syncs)
+            try:
+                return inner(step)
+            finally:
+                per_step.append(fc.syncs[before:])
+
+        trainer.train_step = counted
+        assert trainer.run().status == "max_steps"
+    return per_step
+
+
+def test_unsampled_steps_read_the_device_once(tmp_path: Path) -> None:
+    """A training step reads nothing from the device but the agreement flags (one read per step, which
+    also carries the loss and the reducer's census); the timers synchronise only on sampled steps.
+    Before: one census .item() per parameter, a float() of the loss, a bool() of the finiteness check and
+    of each flag, and two device synchronisations per phase on every step."""
+    every, steps = 3, 7
+    for rank, per_step in enumerate(run_dist(_syncs_per_step, nnodes=2, nproc_per_node=1,
+                                             args=(str(tmp_path), every, steps), timeout=300)):
+        assert len(per_step) == steps
+        for step, syncs in enumerate(per_step):
+            if step == 0:
+                continue  # the first step rebuilds the buckets (an object broadcast); it is also sampled
+            timers = [s for s in syncs if s[0] == "synchronize"]
+            reads = [s for s in syncs if s[0] != "synchronize"]
+            assert bool(timers) == (step % every == 0), f"rank {rank} step {step}: {syncs}"
+            assert len(reads) == 1 and "faults.py" in reads[0][1], f"rank {rank} step {step}: {syncs}"

@@ -51,8 +51,11 @@ def bn_process_group(world: Any, k: int) -> Any:
     if k == 1:
         return None
     parts = bn_group_ranks(world.ranks_per_node, k)
-    # World.partition creates every part's group in one fixed order on all ranks and caches it.
-    return world.partition(f"bn_group{k}", parts)
+    # World.partition creates every part's group in one fixed order on all ranks and caches it. Its own
+    # communicator (shared=False), never world.intra's: BN's all-reduces are issued from the autograd
+    # thread while the reducer's hierarchical/torus phases may run on the same ranks from the comm thread,
+    # and NCCL matches a communicator's collectives only by issue order (interleaving = hang or garbage).
+    return world.partition(f"bn_group{k}", parts, shared=False)
 
 
 class _GroupBNFunction(torch.autograd.Function):
@@ -129,3 +132,32 @@ def norm_factory(world: Any = None, k: int = 1) -> Any:
         return nn.BatchNorm2d
     group = bn_process_group(world, k)
     return lambda c: GroupBatchNorm2d(c, group=group, group_size=k)
+
+
+@torch.no_grad()
+def sync_batchnorm_stats(model: nn.Module, world: Any) -> int:
+    """Make every rank's BN running statistics the pooled statistics of all ranks; returns how many BN
+    layers were synchronised. Collective: every rank calls it at the same point (before evaluation and
+    before a checkpoint), so each rank evaluates with, and a checkpoint stores, the same statistics and a
+    resume is exact on every rank (otherwise rank r keeps the EMA of its own batches: with ``bn_group`` = 1
+    each rank evaluates its eval shard with different statistics and a checkpoint keeps only rank 0's).
+
+    Means are averaged; variances are pooled as E[var + mean^2] - E[mean]^2 (the variance of the union of
+    equal-sized per-rank populations: the between-rank spread of the means included). One all-reduce of
+    every layer's [mean, var + mean^2] on the stats' device, in fp64."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+           and m.running_mean is not None]
+    if world.world_size == 1 or not bns:
+        return len(bns) if world.world_size == 1 else 0
+    means = [m.running_mean.double() for m in bns]
+    flat = torch.cat([*means, *(m.running_var.double() + mu * mu for m, mu in zip(bns, means, strict=True))])
+    dist.all_reduce(flat)
+    flat /= world.world_size
+    half, off = flat.numel() // 2, 0
+    for m in bns:
+        n = m.running_mean.numel()
+        mean, second = flat[off : off + n], flat[half + off : half + off + n]
+        m.running_mean.copy_(mean)
+        m.running_var.copy_((second - mean * mean).clamp_min(0.0))
+        off += n
+    return len(bns)

@@ -86,6 +86,7 @@ class Trainer:
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.losses: list[float | None] = []  # mean loss over ranks of every step this run took
         self.optimizer = build_optimizer(model, cfg.optim, world)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
@@ -114,6 +115,7 @@ class Trainer:
     def save(self, step: int) -> None:
         if self.ckpt is None:
             return
+        self.task.sync_buffers()  # collective: BN statistics equal on every rank, so a resume is exact everywhere
         state = self._state(step)  # collective: every rank takes part
         path = self.ckpt.save(step, state)
         if path is not None:
@@ -189,6 +191,7 @@ class Trainer:
         if flags.unused:
             reducer.check_census()  # the same census everywhere: every rank raises the same error
         prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
+        self.losses.append(flags.loss)
         if flags.skip:
             self.skipped += 1
             print0(f"step {step + 1}: non-finite gradients on some rank; every rank skips this step", rank=self.world.rank)
@@ -313,16 +316,23 @@ class Trainer:
             quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
             peak_flops_per_device=peak, breakdown_s=self.timers.mean(),
         )
-        # The fraction of step time spent waiting for data (issue 10 item 5): same steps as the timers.
-        data_wait = self.timers.totals.get("data", 0.0) / max(self.timed["seconds"], 1e-12)
+        # The fraction of step time spent waiting for data, over the steps the timers sampled.
+        data_wait = self.timers.mean().get("data", 0.0) / max(self.timers.mean_step(), 1e-12)
         if world.rank == 0:
             print(report.render(), flush=True)
             print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
                   f"(data.num_workers={cfg.data.num_workers})", flush=True)
+            plain = self.timed["seconds"] / max(self.timed["steps"], 1)
+            print(f"step time: {plain * 1e3:.2f} ms plain (every timed step); breakdown sampled on {self.timers.steps} "
+                  f"steps (train.timing_every={self.timers.every}), {self.timers.mean_step() * 1e3:.2f} ms each", flush=True)
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
                        "data_wait_fraction": data_wait,
+                       # breakdown_s: means over the sampled steps (they synchronise the device per phase);
+                       # timed.step_s: every timed step, uninstrumented
+                       "breakdown_sampling": {"every": self.timers.every, "steps": self.timers.steps,
+                                              "step_s": self.timers.mean_step()},
                        "status": self.status, "task": getattr(self.task, "info", {}),
                        "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
                                  "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),

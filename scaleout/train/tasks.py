@@ -77,6 +77,10 @@ class Task:
     def evaluate(self, model: torch.nn.Module) -> float:
         raise NotImplementedError
 
+    def sync_buffers(self) -> None:
+        """Collective: make rank-local buffers (ResNet: BN running statistics) equal on every rank, before
+        evaluation and before a checkpoint. Parameters are equal by construction; BERT has no such buffers."""
+
     def samples_per_step(self, position: int) -> tuple[int, int]:
         """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
         raise NotImplementedError
@@ -297,6 +301,7 @@ class ResNetTask(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
         w = self.world
+        self.sync_buffers()  # every rank evaluates with the same (pooled) BN statistics
         mine = self.eval_idx[w.rank :: w.world_size]
         counts = _Counts(w)
         was_training = model.training
@@ -309,6 +314,11 @@ class ResNetTask(Task):
             counts.add((pred == y.to(w.device, non_blocking=True)).sum(), len(part))
         model.train(was_training)
         return counts.ratio()
+
+    def sync_buffers(self) -> None:
+        from scaleout.models.group_bn import sync_batchnorm_stats
+
+        sync_batchnorm_stats(self.model, self.world)
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
