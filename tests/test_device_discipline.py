@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from distutil import run_dist
 from fakecuda import FakeCuda
 
