@@ -74,15 +74,15 @@ class _GroupBNFunction(torch.autograd.Function):
         shape = [1, c] + [1] * (x.dim() - 2)
         xhat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
         y = xhat * weight.view(shape) + bias.view(shape)
-        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
-        ctx.group, ctx.n = group, n.item()
+        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype), n)
+        ctx.group = group  # n stays a device tensor: reading it would stall the host once per BN layer
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         ctx.mark_non_differentiable(mean, var, n)
         return y, mean, var, n
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dn):  # type: ignore[override]
-        xhat, weight, invstd = ctx.saved_tensors
+        xhat, weight, invstd, n = ctx.saved_tensors
         dims = [0] + list(range(2, dy.dim()))
         c = dy.shape[1]
         local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
@@ -90,7 +90,7 @@ class _GroupBNFunction(torch.autograd.Function):
         dist.all_reduce(local, group=ctx.group)
         shape = [1, c] + [1] * (dy.dim() - 2)
         sum_dy, sum_dy_xhat = local[:c].view(shape), local[c:].view(shape)
-        n = ctx.n
+        n = n.to(dy.dtype)
         dx = (weight * invstd).view(shape) / n * (n * dy - sum_dy - xhat * sum_dy_xhat)
         return dx, grad_weight, grad_bias, None, None
 
@@ -115,7 +115,7 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         y, mean, var, n = _GroupBNFunction.apply(x, self.weight, self.bias, self.group, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
-                unbiased = var * (n / (n - 1)).to(var.dtype) if n > 1 else var
+                unbiased = var * (n / (n - 1).clamp_min(1)).to(var.dtype)  # n = 1: factor 1, no host read
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach(), alpha=factor)
         return y
