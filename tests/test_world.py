@@ -114,3 +114,20 @@ def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
         assert r["row"] == node and r["row_ranks"] == node
         assert r["col"] == sorted(n[node.index(rank)] for n in r["nodes"])  # same position on every node
         assert r["equal"]  # torus2d on the node-shaped grid = flat, bit for bit (integer-valued data)
+
+
+def test_launch_master_port_sets_the_rendezvous_port() -> None:
+    """launch.master_port (like launch.master_addr) wins over the launcher's port: the TCP store listens there."""
+    import os
+    import subprocess
+    import sys
+
+    from scaleout.env import free_port
+
+    port = free_port()
+    code = ("import scaleout; from scaleout.config import load_config; "
+            f"w = scaleout.init(load_config(None, ['launch.env=single', 'launch.master_port={port}'])); "
+            "print(w.master_port); w.close()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith(("SCALEOUT_", "MASTER_"))})
+    assert r.returncode == 0 and r.stdout.strip() == str(port), r.stdout + r.stderr
