@@ -153,25 +153,26 @@ class MLPerfLogger:
 
 
 def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
-                    steps_per_epoch: int | None = None) -> dict[str, Any]:
+                    steps_per_epoch: int | None = None, device: Any = "cpu") -> dict[str, Any]:
     """The hyper-parameter keys the MLPerf rules require for ``cfg.model.arch`` (BERT/LAMB, ResNet/LARS).
 
     ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use; by default one
-    ImageNet-1k epoch at the configured global batch.
+    ImageNet-1k epoch at the configured global batch. The precision keys say what runs on ``device``
+    (scaleout.train.precision.mlperf_numerics).
     """
+    from scaleout.train.precision import mlperf_numerics
+
     t, o, m = cfg.train, cfg.optim, cfg.model
     micro = t.global_batch // (world_size * t.grad_accum)
-    precision = "bfloat16" if t.precision == "bf16" else "fp32"
-    comm = {"none": precision, "bf16": "bfloat16", "fp16": "fp16"}[cfg.comm.compression]
+    # the sharded optimizer reduce-scatters gradients in their own dtype (fp32 master gradients)
+    compression = "none" if o.sharded else cfg.comm.compression
     total = o.total_steps or t.max_steps
     common: dict[str, Any] = {
         "seed": t.seed,
         "global_batch_size": t.global_batch,
         "gradient_accumulation_steps": t.grad_accum,
         "micro_batch_size": max(micro, 1),
-        "lowest_numerical_precision_in_linear": precision,
-        "lowest_numerical_precision_in_attn": precision,
-        "lowest_numerical_precision_in_comm": comm,
+        **mlperf_numerics(t.precision, device, compression, m.arch),
         # pure data parallelism: every other degree is 1
         "tensor_parallelism": 1,
         "pipeline_parallelism": 1,

@@ -54,7 +54,8 @@ def _worker(rank, env, tasks, results) -> None:
 
 
 class DistPool:
-    def __init__(self, nnodes: int, nproc_per_node: int, env: dict[str, str] | None = None, timeout: float = 120.0):
+    def __init__(self, nnodes: int, nproc_per_node: int, env: dict[str, str] | None = None, timeout: float = 120.0,
+                 placement: str = "block"):
         from launchers.local import rank_env
         from scaleout.env import free_port
 
@@ -66,6 +67,10 @@ class DistPool:
         self.procs = []
         for rank in range(self.world):
             e = rank_env({}, rank, nnodes, nproc_per_node, "127.0.0.1", port)
+            if placement == "cyclic":  # as srun --distribution=cyclic / mpirun --map-by node: rank r on node r % M
+                node, local = rank % nnodes, rank // nnodes
+                e.update(SCALEOUT_NODE_RANK=str(node), SCALEOUT_LOCAL_RANK=str(local), GROUP_RANK=str(node),
+                         LOCAL_RANK=str(local))
             e["OMP_NUM_THREADS"] = "1"
             e.update(env or {})
             p = ctx.Process(target=_worker, args=(rank, e, self.tasks[rank], self.results), daemon=True)
@@ -126,18 +131,20 @@ def run_dist(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     fresh: bool = False,
+    placement: str = "block",
 ) -> list[Any]:
-    """Run ``fn(world, *args, **kwargs)`` on every rank; return the results indexed by rank."""
-    key = (nnodes, nproc_per_node, tuple(sorted((env or {}).items())))
+    """Run ``fn(world, *args, **kwargs)`` on every rank; return the results indexed by rank.
+    ``placement="cyclic"`` puts rank r on node r % nnodes (block: node r // nproc_per_node)."""
+    key = (nnodes, nproc_per_node, tuple(sorted((env or {}).items())), placement)
     if fresh:
-        pool = DistPool(nnodes, nproc_per_node, env, timeout)
+        pool = DistPool(nnodes, nproc_per_node, env, timeout, placement)
         try:
             return pool.run(fn, args, kwargs or {}, timeout)
         finally:
             pool.close(force=not pool.alive)
     pool = _POOLS.get(key)
     if pool is None or not pool.alive:
-        pool = _POOLS[key] = DistPool(nnodes, nproc_per_node, env, timeout)
+        pool = _POOLS[key] = DistPool(nnodes, nproc_per_node, env, timeout, placement)
     try:
         return pool.run(fn, args, kwargs or {}, timeout)
     except AssertionError:

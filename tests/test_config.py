@@ -126,3 +126,141 @@ def test_rank_code_never_imports_launchers() -> None:
         if "import launchers" in text or "from launchers" in text:
             offenders.append(str(f.relative_to(root)))
     assert not offenders, offenders
+
+
+def _schema_keys(model: type, section: str = "", prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, its section's field name, field name) of every field of the config tree."""
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():
+        out.append((f"{prefix}{name}", section, name))
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _schema_keys(ann, name, f"{prefix}{name}.")
+    return out
+
+
+class _ConfigReads:
+    """Which config fields the code reads, per section: ``x.<section>.<key>``, ``alias.<key>`` where the
+    alias was bound to a section (``d = cfg.data``, ``t, o = cfg.train, cfg.optim``, ``getattr(cfg,
+    "launch")``, ``b.model_copy(...)``) or is a parameter a call site passes a section to
+    (``build_optimizer(model, cfg.optim)``, ``BertForPreTraining(b)``), and ``getattr(<section>, "key")``.
+    A same-named attribute of something else (``self.chunks``, ``world.master_port``) does not count."""
+
+    def __init__(self, sections: set[str], trees: list) -> None:
+        import ast
+
+        self.ast, self.sections = ast, sections
+        self.params: dict[tuple[str, int | str], str] = {}  # (callee name, arg position / keyword) -> section
+        self.reads: set[tuple[str, str]] = set()
+        self.members: dict[str, str] = {}  # "Class.attr" -> section, from ``self.attr = <section>``
+        for _ in range(4):  # sections flow through calls into parameters: iterate to a fixed point
+            for tree in trees:
+                self._scope(tree, {}, None)
+
+    def _section(self, node, aliases: dict[str, str]) -> str | None:
+        ast = self.ast
+        if isinstance(node, ast.Attribute) and node.attr in self.sections:
+            return node.attr
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "self":
+            return self.members.get(f"{aliases.get('.class')}.{node.attr}")
+        if isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr == "model_copy":
+                return self._section(fn.value, aliases)
+            if (getattr(fn, "id", None) == "getattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in self.sections):
+                return node.args[1].value
+        return None
+
+    def _scope(self, scope, inherited: dict[str, str], cls: str | None) -> None:
+        ast = self.ast
+        aliases = dict(inherited)
+        if cls:
+            aliases[".class"] = cls
+        if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+            name = cls if scope.name == "__init__" and cls else scope.name
+            args = scope.args.args
+            offset = 1 if args and args[0].arg in ("self", "cls") else 0
+            for j, a in enumerate(args):
+                sec = self.params.get((name, j - offset)) or self.params.get((name, a.arg))
+                if sec:
+                    aliases[a.arg] = sec
+        own = list(self._own_nodes(scope))
+        for node in own:
+            if isinstance(node, ast.Assign):
+                pairs = [(node.targets[0], node.value)]
+                if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs = list(zip(node.targets[0].elts, node.value.elts, strict=False))
+                for target, value in pairs:
+                    sec = self._section(value, aliases)
+                    if sec and isinstance(target, ast.Name):
+                        aliases[target.id] = sec
+                    elif sec and isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
+                        self.members[f"{aliases.get('.class')}.{target.attr}"] = sec
+        for node in own:
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                sec = self._section(node.value, aliases)
+                if sec:
+                    self.reads.add((sec, node.attr))
+            elif isinstance(node, ast.Call):
+                self._call(node, aliases)
+        for node in own:
+            if isinstance(node, ast.ClassDef):
+                for child in node.body:
+                    if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                        self._scope(child, aliases, node.name)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and node is not scope:
+                self._scope(node, aliases, None)
+
+    def _call(self, node, aliases: dict[str, str]) -> None:
+        ast = self.ast
+        name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+        if not name:
+            return
+        for i, arg in enumerate(node.args):
+            sec = self._section(arg, aliases)
+            if sec:
+                self.params[(name, i)] = sec
+        for kw in node.keywords:
+            sec = self._section(kw.value, aliases)
+            if sec and kw.arg:
+                self.params[(name, kw.arg)] = sec
+        if name == "getattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            sec = self._section(node.args[0], aliases)
+            if sec:
+                self.reads.add((sec, node.args[1].value))
+
+    def _own_nodes(self, scope):
+        """Nodes of ``scope`` outside nested functions and classes (those are scopes of their own, but
+        are yielded themselves so the caller can descend)."""
+        ast = self.ast
+        stack = list(ast.iter_child_nodes(scope))
+        while stack:
+            node = stack.pop()
+            yield node
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+                stack.extend(ast.iter_child_nodes(node))
+
+
+def test_every_config_key_is_read() -> None:
+    """A key that nothing reads configures nothing (comm.chunks, launch.master_port and train.precision
+    once did): each schema field must be read from its own section (see _ConfigReads) by code outside
+    the schema itself (scaleout/config/), the MLPerf log (scaleout/mlperf.py: it only reports keys) and
+    the simulator (scaleout/sim/: it only models them)."""
+    import ast
+
+    from scaleout.config.schema import Config
+
+    root = Path(__file__).resolve().parents[1]
+    skip = ("scaleout/config/", "scaleout/mlperf.py", "scaleout/sim/")
+    paths = [p for p in [*root.glob("scaleout/**/*.py"), *root.glob("launchers/**/*.py")]
+             if not p.relative_to(root).as_posix().startswith(skip)]
+    keys = _schema_keys(Config)
+    sections = {name for _, sec, name in keys if sec == "" } | {sec for _, sec, _ in keys if sec}
+    reads = _ConfigReads(sections, [ast.parse(p.read_text(), str(p)) for p in paths]).reads
+    unread = [key for key, sec, name in keys if sec and (sec, name) not in reads]
+    assert not unread, f"schema keys read by nothing outside config/, mlperf.py and sim/: {unread}"

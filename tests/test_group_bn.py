@@ -158,3 +158,59 @@ def test_group_bn_cuda_nccl():
     (res,) = run_dist(_cuda_case, nnodes=1, nproc_per_node=1)
     assert res["backend"] == "nccl"
     assert res["y"] < 1e-4 and res["dx"] < 1e-4 and res["dw"] < 1e-3 and res["rv"] < 1e-5, res
+
+
+def _own_communicator(world) -> dict:
+    bn = bn_process_group(world, world.local_size)
+    intra = world.intra
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=bn)
+    return {"same_ranks": dist.get_process_group_ranks(bn) == dist.get_process_group_ranks(intra),
+            "distinct": bn is not intra, "sum": ones.item(), "cached": bn is bn_process_group(world, world.local_size)}
+
+
+def test_bn_group_has_its_own_communicator() -> None:
+    """bn_group = ranks per node: same ranks as world.intra, but not the same group (on NCCL one
+    communicator driven from two threads, autograd for BN and the comm thread for the reducer, hangs or
+    mixes data)."""
+    from tests.distutil import run_dist
+
+    for r in run_dist(_own_communicator, nnodes=2, nproc_per_node=2):
+        assert r == {"same_ranks": True, "distinct": True, "sum": 2.0, "cached": True}
+
+
+def _bn_sync(world) -> dict:
+    from scaleout.config.schema import ResNetConfig
+    from scaleout.models.group_bn import sync_batchnorm_stats
+    from scaleout.models.resnet import build_resnet
+
+    torch.manual_seed(0)
+    model = build_resnet(ResNetConfig(depth=18, width=4, num_classes=5, image_size=16), world).train()
+    torch.manual_seed(100 + world.rank)  # every rank sees different data
+    with torch.no_grad():
+        model(torch.randn(4, 3, 16, 16) * (1 + world.rank))
+    bn = model.stem[1]
+    before = torch.stack([bn.running_mean, bn.running_var]).clone()
+    gathered = [torch.zeros_like(before) for _ in range(world.world_size)]
+    dist.all_gather(gathered, before)
+    n = sync_batchnorm_stats(model, world)
+    means, vars_ = torch.stack([g[0] for g in gathered]).double(), torch.stack([g[1] for g in gathered]).double()
+    pooled_var = (vars_ + means**2).mean(0) - means.mean(0) ** 2
+    buffers = torch.cat([b.reshape(-1) for name, b in model.named_buffers() if "running" in name])
+    everyone = [torch.zeros_like(buffers) for _ in range(world.world_size)]
+    dist.all_gather(everyone, buffers)
+    return {"layers": n, "differed": not torch.equal(gathered[0], gathered[1]),
+            "equal": all(torch.equal(e, everyone[0]) for e in everyone),
+            "mean_err": (bn.running_mean.double() - means.mean(0)).abs().max().item(),
+            "var_err": (bn.running_var.double() - pooled_var).abs().max().item()}
+
+
+def test_running_stats_are_pooled_over_ranks() -> None:
+    """bn_group = 1 (the 1024-GPU config): each rank's running statistics follow its own data; after
+    sync_batchnorm_stats (the trainer calls it before evaluation and before a checkpoint) every rank holds
+    the same buffers: the mean of the means, the pooled variance."""
+    from tests.distutil import run_dist
+
+    for r in run_dist(_bn_sync, nnodes=1, nproc_per_node=2):
+        assert r["layers"] == 20 and r["differed"] and r["equal"], r
+        assert r["mean_err"] < 1e-6 and r["var_err"] < 1e-5, r

@@ -90,3 +90,44 @@ def test_torus_shape_resolution() -> None:
     for x, y in [(3, None), (3, 3), (None, 3), (0, 8)]:
         with pytest.raises(TopologyError, match="world size 8"):
             w.torus_shape(x, y)
+
+
+def _cyclic_torus(world) -> dict:
+    from scaleout.comm import all_reduce
+
+    t = world.torus()
+    x = torch.arange(1000, dtype=torch.float64) * (world.rank + 1)
+    flat = all_reduce(x.clone(), world, "flat")
+    torus = all_reduce(x.clone(), world, "torus2d")
+    return {"nodes": world.ranks_per_node, "row": _members(world, t.row), "col": _members(world, t.col),
+            "row_ranks": list(t.row_ranks), "equal": bool(torch.equal(flat, torus))}
+
+
+def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
+    """srun --distribution=cyclic / mpirun --map-by node: node 0 holds ranks 0 and 2. The default torus
+    rows (x = ranks per node) must be the nodes, not the rank blocks [0, 1], [2, 3] (which would put
+    every row across the network and every column inside a node)."""
+    res = run_dist(_cyclic_torus, nnodes=2, nproc_per_node=2, placement="cyclic", timeout=180)
+    for rank, r in enumerate(res):
+        assert r["nodes"] == [[0, 2], [1, 3]]
+        node = [n for n in r["nodes"] if rank in n][0]
+        assert r["row"] == node and r["row_ranks"] == node
+        assert r["col"] == sorted(n[node.index(rank)] for n in r["nodes"])  # same position on every node
+        assert r["equal"]  # torus2d on the node-shaped grid = flat, bit for bit (integer-valued data)
+
+
+def test_launch_master_port_sets_the_rendezvous_port() -> None:
+    """launch.master_port (like launch.master_addr) wins over the launcher's port: the TCP store listens there."""
+    import os
+    import subprocess
+    import sys
+
+    from scaleout.env import free_port
+
+    port = free_port()
+    code = ("import scaleout; from scaleout.config import load_config; "
+            f"w = scaleout.init(load_config(None, ['launch.env=single', 'launch.master_port={port}'])); "
+            "print(w.master_port); w.close()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith(("SCALEOUT_", "MASTER_"))})
+    assert r.returncode == 0 and r.stdout.strip() == str(port), r.stdout + r.stderr

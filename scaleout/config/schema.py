@@ -116,12 +116,20 @@ class CommConfig(_Section):
     compression: Literal["none", "bf16", "fp16"] = "none"
     torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
     torus_y: int | None = Field(None, ge=1)
-    chunks: int = Field(8, ge=1)  # pipelining depth of the hierarchical all-reduce
+    # Pipeline chunk of the hierarchical / torus2d all-reduce on gloo, in MiB (chunk_bytes of
+    # scaleout.comm.all_reduce); None = the algorithm's default (comm/grid.py, 4 MiB).
+    chunk_mb: float | None = Field(None, gt=0.0)
     overlap: bool = True
     timeline: str | None = None  # write a Chrome trace of backward/communication here
     # CPU/gloo only: run the compute thread this much nicer than the communication threads
     # (World.prioritize_communication); 0 = off. Ignored on CUDA.
     comm_nice: int = Field(0, ge=0, le=19)
+
+    @model_validator(mode="after")
+    def _chunks_need_a_grid(self) -> CommConfig:
+        if self.chunk_mb is not None and self.algorithm == "flat":
+            raise ValueError(f"comm.chunk_mb={self.chunk_mb} pipelines hierarchical/torus2d; comm.algorithm=flat has no chunks")
+        return self
 
 
 class TrainConfig(_Section):
@@ -132,7 +140,9 @@ class TrainConfig(_Section):
     target: float | None = Field(None, gt=0.0)  # eval metric to stop at (MLM accuracy / top-1)
     seed: int = 1234
     deterministic: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # Autocast dtype of forward + loss; fp32 master weights and optimizer state; fp16 adds dynamic loss
+    # scaling (scaleout/train/precision.py).
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     output_dir: str = "runs/latest"
     init_timeout_s: float = Field(600.0, gt=0.0)  # collectives before the first step completes
     step_timeout_s: float = Field(120.0, gt=0.0)  # collectives after it (torchtitan's two timeouts)
@@ -140,6 +150,9 @@ class TrainConfig(_Section):
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
+    # The step-time breakdown synchronises the device around each phase: only every timing_every-th
+    # timed step is sampled so the others keep the host running ahead (scaleout/timers.py).
+    timing_every: int = Field(50, ge=1)
 
 
 class CheckpointConfig(_Section):
@@ -166,6 +179,14 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _fp16_unscale(self) -> Config:
+        if self.train.precision == "fp16" and self.optim.sharded and self.optim.overlap_comm:
+            raise ValueError("train.precision=fp16 with optim.sharded=true and optim.overlap_comm=true: the "
+                             "overlapped sharded LAMB reduces scaled gradients into its own buffers and cannot "
+                             "unscale them; use optim.overlap_comm=false or train.precision=bf16")
+        return self
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""

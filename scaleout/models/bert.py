@@ -98,7 +98,10 @@ def attention_mask(seq_ids: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_available(x: torch.Tensor) -> bool:
-    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+    """CUDA with fp16/bf16 attention inputs: ``x``'s dtype, or autocast's (q/k/v come out of a Linear)."""
+    on = x.is_cuda and torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda") if on else x.dtype
+    if not (x.is_cuda and dtype in (torch.float16, torch.bfloat16)):
         return False
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401

@@ -51,8 +51,11 @@ def bn_process_group(world: Any, k: int) -> Any:
     if k == 1:
         return None
     parts = bn_group_ranks(world.ranks_per_node, k)
-    # World.partition creates every part's group in one fixed order on all ranks and caches it.
-    return world.partition(f"bn_group{k}", parts)
+    # World.partition creates every part's group in one fixed order on all ranks and caches it. Its own
+    # communicator (shared=False), never world.intra's: BN's all-reduces are issued from the autograd
+    # thread while the reducer's hierarchical/torus phases may run on the same ranks from the comm thread,
+    # and NCCL matches a communicator's collectives only by issue order (interleaving = hang or garbage).
+    return world.partition(f"bn_group{k}", parts, shared=False)
 
 
 class _GroupBNFunction(torch.autograd.Function):
@@ -71,15 +74,15 @@ class _GroupBNFunction(torch.autograd.Function):
         shape = [1, c] + [1] * (x.dim() - 2)
         xhat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
         y = xhat * weight.view(shape) + bias.view(shape)
-        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
-        ctx.group, ctx.n = group, n.item()
+        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype), n)
+        ctx.group = group  # n stays a device tensor: reading it would stall the host once per BN layer
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         ctx.mark_non_differentiable(mean, var, n)
         return y, mean, var, n
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dn):  # type: ignore[override]
-        xhat, weight, invstd = ctx.saved_tensors
+        xhat, weight, invstd, n = ctx.saved_tensors
         dims = [0] + list(range(2, dy.dim()))
         c = dy.shape[1]
         local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
@@ -87,7 +90,7 @@ class _GroupBNFunction(torch.autograd.Function):
         dist.all_reduce(local, group=ctx.group)
         shape = [1, c] + [1] * (dy.dim() - 2)
         sum_dy, sum_dy_xhat = local[:c].view(shape), local[c:].view(shape)
-        n = ctx.n
+        n = n.to(dy.dtype)
         dx = (weight * invstd).view(shape) / n * (n * dy - sum_dy - xhat * sum_dy_xhat)
         return dx, grad_weight, grad_bias, None, None
 
@@ -112,7 +115,7 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         y, mean, var, n = _GroupBNFunction.apply(x, self.weight, self.bias, self.group, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
-                unbiased = var * (n / (n - 1)).to(var.dtype) if n > 1 else var
+                unbiased = var * (n / (n - 1).clamp_min(1)).to(var.dtype)  # n = 1: factor 1, no host read
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach(), alpha=factor)
         return y
@@ -129,3 +132,32 @@ def norm_factory(world: Any = None, k: int = 1) -> Any:
         return nn.BatchNorm2d
     group = bn_process_group(world, k)
     return lambda c: GroupBatchNorm2d(c, group=group, group_size=k)
+
+
+@torch.no_grad()
+def sync_batchnorm_stats(model: nn.Module, world: Any) -> int:
+    """Make every rank's BN running statistics the pooled statistics of all ranks; returns how many BN
+    layers were synchronised. Collective: every rank calls it at the same point (before evaluation and
+    before a checkpoint), so each rank evaluates with, and a checkpoint stores, the same statistics and a
+    resume is exact on every rank (otherwise rank r keeps the EMA of its own batches: with ``bn_group`` = 1
+    each rank evaluates its eval shard with different statistics and a checkpoint keeps only rank 0's).
+
+    Means are averaged; variances are pooled as E[var + mean^2] - E[mean]^2 (the variance of the union of
+    equal-sized per-rank populations: the between-rank spread of the means included). One all-reduce of
+    every layer's [mean, var + mean^2] on the stats' device, in fp64."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+           and m.running_mean is not None]
+    if world.world_size == 1 or not bns:
+        return len(bns) if world.world_size == 1 else 0
+    means = [m.running_mean.double() for m in bns]
+    flat = torch.cat([*means, *(m.running_var.double() + mu * mu for m, mu in zip(bns, means, strict=True))])
+    dist.all_reduce(flat)
+    flat /= world.world_size
+    half, off = flat.numel() // 2, 0
+    for m in bns:
+        n = m.running_mean.numel()
+        mean, second = flat[off : off + n], flat[half + off : half + off + n]
+        m.running_mean.copy_(mean)
+        m.running_var.copy_((second - mean * mean).clamp_min(0.0))
+        off += n
+    return len(bns)

@@ -63,8 +63,8 @@ def _resolve(algorithm: str, world: Any, options: dict[str, Any]) -> Any:
 
     get_algorithm(algorithm)  # one-line UserError for an unknown name, now rather than inside backward
 
-    def reduce(buf: torch.Tensor) -> Any:
-        return all_reduce(buf, world, algorithm, op="sum", async_op=True, **options)
+    def reduce(buf: torch.Tensor, async_op: bool = True) -> Any:
+        return all_reduce(buf, world, algorithm, op="sum", async_op=async_op, **options)
 
     return reduce
 

@@ -62,7 +62,7 @@ class Reducer:
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
         world: Any,
-        all_reduce: Callable[[torch.Tensor], Any],
+        all_reduce: Callable[..., Any],
         bucket_mb: float = 25.0,
         compression: Any = None,
         overlap: bool = True,
@@ -72,7 +72,8 @@ class Reducer:
         rebuild_buckets: bool = True,
     ):
         self.world = world
-        self._all_reduce = all_reduce  # (buffer) -> handle with .future; sum over ranks, in place
+        # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in place
+        self._all_reduce = all_reduce
         self.comm_dtype = compression_dtype(compression)
         self.overlap = overlap
         self.allow_unused = allow_unused
@@ -86,6 +87,10 @@ class Reducer:
         self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
         self.sync = True
         self.never_used: set[str] | None = None  # names with no gradient on any rank in every step so far
+        # True: wait() keeps the census on the device instead of reading it (census_flag / check_census),
+        # so a trainer that reads one agreement flag per step reads the census with it (train/loop.py).
+        self.defer_census = False
+        self.pending_census: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._hook_for(k)) for k, s in enumerate(self.slots)]
@@ -191,16 +196,12 @@ class Reducer:
         b = bucket.index
         if bucket.extra:  # the census of parameters that got a gradient (see module docstring)
             census = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
-            census.copy_(torch.tensor(self._used, dtype=census.dtype))
+            census.copy_(torch.tensor(self._used, dtype=census.dtype, device=census.device))
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
-        buf = bucket.buffer
-        p = self.world.world_size
-        if self.comm_dtype is not None and self.comm_dtype != buf.dtype:
-            buf = buf.div(p).to(self.comm_dtype)  # pre-divide, then cast (Horovod #326, PyTorch #57410)
+        buf = self._wire(bucket)
+        if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
-        elif p > 1:
-            buf.div_(p)
         handle = self._all_reduce(buf)
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
@@ -208,6 +209,26 @@ class Reducer:
             # bind this step's list: the callback may run after wait() returned and the step was reset
             done = self._done_us
             fut.add_done_callback(lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us()))
+
+    def _wire(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket as sent: pre-divided by the world size, then cast to the wire dtype (Horovod #326,
+        PyTorch #57410: divide before the cast)."""
+        buf, p = bucket.buffer, self.world.world_size
+        if self.comm_dtype is not None and self.comm_dtype != buf.dtype:
+            return buf.div(p).to(self.comm_dtype)
+        if p > 1:
+            buf.div_(p)
+        return buf
+
+    def reduce_now(self) -> None:
+        """Average every bucket now, synchronously, from the calling thread and stream: the same algorithm,
+        compression and pre-divide as the overlapped path, without hooks, census or comm thread. It is
+        what a captured CUDA-graph step runs after its backward under ``no_sync()`` (scaleout/train/capture.py)."""
+        for bucket in self.buckets:
+            buf = self._wire(bucket)
+            self._all_reduce(buf, async_op=False)
+            if buf is not bucket.buffer:
+                bucket.buffer.copy_(buf)
 
     # -- end of backward --------------------------------------------------------------------------
     def _end_backward(self) -> None:
@@ -236,9 +257,12 @@ class Reducer:
         done_us = now_us()
         last = self.buckets[-1]
         census = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
-        unused = [s.name for k, s in enumerate(self.slots) if census[k].item() == 0]
+        if self.defer_census:  # the caller folds census_flag() into its own host read, then check_census()
+            self.pending_census = census.clone()
+            unused: list[str] = []
+        else:
+            unused = self._unused(census.tolist())  # one device -> host read for every parameter's flag
         census.zero_()
-        self.never_used = set(unused) if self.never_used is None else self.never_used & set(unused)
         self._record(start_us, end_us, done_us, unused)
         self._used = [False] * len(self.slots)
         self._reset_step()
@@ -250,6 +274,31 @@ class Reducer:
                 "pass allow_unused=True to DataParallel if that is expected (their gradients are zero)"
             )
         return self.last_stats
+
+    def _unused(self, got: list[float]) -> list[str]:
+        unused = [s.name for k, s in enumerate(self.slots) if got[k] == 0]
+        self.never_used = set(unused) if self.never_used is None else self.never_used & set(unused)
+        return unused
+
+    def census_flag(self) -> torch.Tensor | None:
+        """With ``defer_census``: 1.0 on the device if some parameter got no gradient on any rank in the
+        last synchronisation (the same value on every rank: the census was all-reduced), without reading it."""
+        if self.pending_census is None:
+            return None
+        return (self.pending_census == 0).any().float()
+
+    def check_census(self) -> list[str]:
+        """With ``defer_census``: read the last census (a host read: call it when census_flag() was set),
+        record the unused parameters and raise as a non-deferred backward would have."""
+        pending, self.pending_census = self.pending_census, None
+        unused = self._unused(pending.tolist()) if pending is not None else []
+        self.last_stats["unused"] = unused
+        if unused and not self.allow_unused:
+            raise UserError(
+                f"parameters received no gradient on any rank in step {self.steps}: {unused}; "
+                "pass allow_unused=True to DataParallel if that is expected (their gradients are zero)"
+            )
+        return unused
 
     def _record(self, start_us: float, end_us: float, done_us: float, unused: list[str]) -> None:
         self.steps += 1

@@ -31,8 +31,13 @@ What is not captured, and why:
 
 - The reducer's *overlapped* path (Python hooks, futures, a host-read census of unused parameters)
   cannot be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each
-  bucket buffer (NCCL all-reduce is capturable since NCCL 2.9.6). Launch overhead, which graphs remove,
-  is what dominates at the small per-GPU batches of max-scale runs.
+  bucket buffer with the run's algorithm (flat / hierarchical / torus2d), compression and pre-divide,
+  issued synchronously from the capturing thread (``Reducer.reduce_now``; NCCL collectives are
+  capturable since NCCL 2.9.6). Launch overhead, which graphs remove, is what dominates at the small
+  per-GPU batches of max-scale runs.
+- Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in captured
+  regions), and the fp16 loss scale is a device tensor the graph reads, so it can change between replays;
+  unscaling and the finiteness agreement run eagerly after the replay.
 - scaleout's LAMB/LARS compute per-step scalars (learning rate, bias correction, global clip factor)
   on the host; a graph would freeze them at their capture-time values. The optimizer is therefore in
   the graph only when every param group says ``capturable=True`` (``torch.optim`` optimizers with a
@@ -50,6 +55,7 @@ What is not captured, and why:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -176,15 +182,14 @@ def capturable_optimizer(optimizer: Any) -> bool:
     return bool(groups) and all(g.get("capturable", False) for g in groups)
 
 
-def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                       optimizer: Any = None) -> Callable[[list[Any]], torch.Tensor]:
+def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any = None,
+                       precision: Any = None) -> Callable[[list[Any]], torch.Tensor]:
     """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads, forward +
-    backward of every micro-batch under ``no_sync()``, pre-divide and all-reduce each bucket, then
-    ``optimizer.step()`` if an optimizer is given. Returns the summed (averaged) loss as a tensor."""
-    import torch.distributed as dist
-
+    backward of every micro-batch under ``no_sync()`` (and ``precision``'s autocast without its weight
+    cache, and its loss scale), then every bucket's all-reduce with the model's configured algorithm,
+    compression and pre-divide (``reducer.reduce_now``: issued from this thread, so a capture records
+    it), then ``optimizer.step()`` if an optimizer is given. Returns the summed (averaged, unscaled) loss."""
     params = [p for p in model.parameters() if p.requires_grad]
-    world = model.world
 
     def step(mbs: list[Any]) -> torch.Tensor:
         for p in params:
@@ -193,16 +198,15 @@ def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
         total = None
         with model.no_sync():
             for mb in mbs:
-                loss = loss_fn(model, mb) / len(mbs)
-                loss.backward()
+                with precision.autocast(cache=False) if precision is not None else contextlib.nullcontext():
+                    loss = loss_fn(model, mb) / len(mbs)
+                (precision.scale_loss(loss) if precision is not None else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
-        if world.world_size > 1:
-            for bucket in model.reducer.buckets:  # averaging = pre-divide then sum, as the reducer does
-                bucket.buffer.div_(world.world_size)
-                dist.all_reduce(bucket.buffer)
+        model.reducer.reduce_now()
         if optimizer is not None:
             optimizer.step()
-        assert total is not None
+        if total is None:
+            raise ValueError("data_parallel_step needs at least one micro-batch")
         return total
 
     return step
@@ -243,4 +247,4 @@ def build_step_graphs(cfg: Any, world: Any, model: Any, task: Any) -> StepGraphs
     if reason:
         print0(f"warning: model.cuda_graphs=true: {reason}; capture will fail and the step run eagerly",
                rank=world.rank)
-    return StepGraphs(data_parallel_step(model, task.loss), dev)
+    return StepGraphs(data_parallel_step(model, task.loss, precision=task.precision), dev)

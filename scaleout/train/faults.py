@@ -1,9 +1,14 @@
 """Per-step agreement between ranks, and fault injection for tests.
 
-One tiny MAX all-reduce per step carries [non-finite gradients here, stop requested here], so every rank
-takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a rank only
-sees its own shard, so the reduced gradients alone cannot tell everyone), stop (checkpoint, exit) if any
-rank got a preemption notice.
+One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, this rank's
+loss], so every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded
+optimizer a rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16
+the same flag drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank got
+a preemption notice. The flags are 0/1 counts, so SUM > 0 is "any rank" exactly as MAX would be, and the
+same reduction gives the mean loss over ranks for free.
+
+Its result must be read on the host (the decision is Python control flow): that read is the step's one
+device -> host synchronisation. The finiteness check stays on the device until then.
 """
 
 from __future__ import annotations
@@ -20,21 +25,39 @@ import torch.distributed as dist
 class StepFlags:
     skip: bool
     stop: bool
+    loss: float | None = None  # mean over ranks of the step's loss, when one was given
+    unused: bool = False  # some parameter got no gradient on any rank (the reducer's census)
+
+
+def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
+    """1.0 on the device if any gradient holds NaN/Inf, else 0.0: one fused pass, no host read."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False
+    norms = torch._foreach_norm(grads)  # NaN/Inf anywhere makes its tensor's norm non-finite
+    return (~torch.isfinite(torch.stack(norms)).all()).float()
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)  # one fused pass; NaN/Inf anywhere makes its tensor's norm non-finite
-    return bool(torch.isfinite(torch.stack(norms)).all())
+    return not bool(nonfinite(params))
 
 
-def agree(world: Any, nonfinite: bool, stop: bool) -> StepFlags:
-    flags = torch.tensor([float(nonfinite), float(stop)], device=world.device)
+def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
+          unused: torch.Tensor | None = None) -> StepFlags:
+    """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others."""
+    dev = world.device
+
+    def one(x: Any) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.detach().reshape(1).to(dev, torch.float32)
+        return torch.tensor([float(x)], device=dev)
+
+    flags = torch.cat([one(nonfinite), one(stop), one(0.0 if loss is None else loss), one(0.0 if unused is None else unused)])
     if world.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return StepFlags(skip=bool(flags[0] > 0), stop=bool(flags[1] > 0))
+        dist.all_reduce(flags)
+    skip, stop_, total, census = flags.tolist()  # the step's one host read (module docstring)
+    return StepFlags(skip=skip > 0, stop=stop_ > 0, loss=total / world.world_size if loss is not None else None,
+                     unused=census > 0)
 
 
 def injected_nan(step: int, rank: int) -> bool:

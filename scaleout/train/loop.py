@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from scaleout.log import print0
-from scaleout.train.faults import agree, grads_finite, injected_nan
+from scaleout.train.faults import agree, injected_nan, nonfinite
 from scaleout.train.progress import Progress
 from scaleout.train.tasks import Task, build_task, steps_per_epoch
 
@@ -47,7 +47,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         self.mll = MLPerfLogger(self.out / "mlperf.log" if world.rank == 0 else None, rank=world.rank)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
-        self.timers = Timers(world.device)
+        self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
 
     # -- construction -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -79,13 +79,14 @@ class Trainer:
                                       # re-bucketing after step 1 changes summation order; a resumed run
                                       # would re-bucket at a different step, so deterministic runs keep
                                       # the initial layout (bitwise resume)
-                                      rebuild_buckets=not cfg.train.deterministic,
-                                      **{k: v for k, v in (("x", cfg.comm.torus_x), ("y", cfg.comm.torus_y)) if v})
+                                      rebuild_buckets=not cfg.train.deterministic, **comm_options(cfg.comm))
+            self.model.reducer.defer_census = True  # read with the step's agreement (train_step)
         from scaleout.train.capture import build_step_graphs
 
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.losses: list[float | None] = []  # mean loss over ranks of every step this run took
         self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
@@ -93,7 +94,7 @@ class Trainer:
         from scaleout.mlperf import hyperparameters
 
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 steps_per_epoch(self.task, cfg.train.global_batch)))
+                                                 steps_per_epoch(self.task, cfg.train.global_batch), world.device))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
@@ -103,11 +104,13 @@ class Trainer:
         opt_state = self.optimizer.sharded_state()[0] if self.sharded else self.optimizer.state_dict()
         return {"model": self.task.model.state_dict(), "optimizer": opt_state,
                 "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
-                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped}
+                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped,
+                "precision": self.task.precision.state_dict()}
 
     def save(self, step: int) -> None:
         if self.ckpt is None:
             return
+        self.task.sync_buffers()  # collective: BN statistics equal on every rank, so a resume is exact everywhere
         state = self._state(step)  # collective: every rank takes part
         shards = self.optimizer.sharded_state()[1] if self.sharded else None  # each rank writes its own
         path = self.ckpt.save(step, state, world=self.world, shards=shards)
@@ -136,22 +139,27 @@ class Trainer:
         else:
             set_rng_state(state["rng"])
         self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
+        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
         print0(f"resumed from {path} at step {state['step']}", rank=self.world.rank)
         return int(state["step"])
 
     # -- the loop -------------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[float, bool, bool]:
-        """One optimizer step (grad_accum micro-batches). Returns (loss, skipped, stop requested)."""
-        cfg, t = self.cfg, self.timers
+    def train_step(self, step: int) -> tuple[float | None, bool, bool]:
+        """One optimizer step (grad_accum micro-batches). Returns (mean loss over ranks, skipped, stop).
+
+        Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the device
+        but the agreement's result (train/faults.py), which also carries the loss."""
+        cfg, t, prec = self.cfg, self.timers, self.task.precision
+        t.begin()
         with t("data"):  # with a prefetcher: only the time spent *waiting* for it (scaleout/train/prefetch.py)
             if self.prefetcher is not None:
                 mbs = self.prefetcher.get(step)
             else:
                 mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
-        total = 0.0
+        total = None
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
             with t("graph"):
-                total = float(self.graphs(mbs))
+                total = self.graphs(mbs)
         for i, mb in enumerate(mbs if self.graphs is None else []):
             last = i == len(mbs) - 1
             if last:
@@ -162,17 +170,25 @@ class Trainer:
             else:
                 sync = self.model.no_sync()
             with sync:
-                with t("forward"):
+                with t("forward"), self.task.autocast():
                     loss = self.task.loss(self.model, mb) / len(mbs)
                 with t("backward"):
-                    loss.backward()
-            total += float(loss.detach())
+                    prec.scale_loss(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         if not self.sharded and self.graphs is None:
-            t.add("exposed_comm", float(self.model.last_stats.get("exposed_s", 0.0)))
-            t.current["backward"] = t.current.get("backward", 0.0) - float(self.model.last_stats.get("exposed_s", 0.0))
+            exposed = float(self.model.last_stats.get("exposed_s", 0.0))
+            t.add("exposed_comm", exposed)
+            t.add("backward", -exposed)
+        prec.unscale_(self.params, self.optimizer)  # fp16: gradients / S (reduced, or reduced linearly in step())
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")
-        flags = agree(self.world, nonfinite=not grads_finite(self.params), stop=self.guard.requested)
+        reducer = getattr(self.model, "reducer", None)
+        census = reducer.census_flag() if reducer is not None else None
+        flags = agree(self.world, nonfinite(self.params), self.guard.requested, total, census)
+        if flags.unused:
+            reducer.check_census()  # the same census everywhere: every rank raises the same error
+        prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
+        self.losses.append(flags.loss)
         if flags.skip:
             self.skipped += 1
             print0(f"step {step + 1}: non-finite gradients on some rank; every rank skips this step", rank=self.world.rank)
@@ -181,7 +197,7 @@ class Trainer:
                 self.optimizer.step()
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=not hasattr(self.model, "no_sync") or self.sharded)
-        return total, flags.skip, flags.stop
+        return flags.loss, flags.skip, flags.stop
 
     def run(self) -> TrainResult:
         from scaleout import preempt
@@ -218,7 +234,7 @@ class Trainer:
             if step >= start + skip:
                 for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
                     self.timed[k] += v
-            self.timers.step()
+            self.timers.step(time.perf_counter() - t0)
             if step == start:  # the first step is done: from now on a hung peer is a failure, not slowness
                 world.set_timeout(cfg.train.step_timeout_s)
             self.samples += n
@@ -297,22 +313,37 @@ class Trainer:
             quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
             peak_flops_per_device=peak, breakdown_s=self.timers.mean(),
         )
-        # The fraction of step time spent waiting for data (issue 10 item 5): same steps as the timers.
-        data_wait = self.timers.totals.get("data", 0.0) / max(self.timed["seconds"], 1e-12)
+        # The fraction of step time spent waiting for data, over the steps the timers sampled.
+        data_wait = self.timers.mean().get("data", 0.0) / max(self.timers.mean_step(), 1e-12)
         if world.rank == 0:
             print(report.render(), flush=True)
             print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
                   f"(data.num_workers={cfg.data.num_workers})", flush=True)
+            plain = self.timed["seconds"] / max(self.timed["steps"], 1)
+            print(f"step time: {plain * 1e3:.2f} ms plain (every timed step); breakdown sampled on {self.timers.steps} "
+                  f"steps (train.timing_every={self.timers.every}), {self.timers.mean_step() * 1e3:.2f} ms each", flush=True)
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
                        "data_wait_fraction": data_wait,
+                       # breakdown_s: means over the sampled steps (they synchronise the device per phase);
+                       # timed.step_s: every timed step, uninstrumented
+                       "breakdown_sampling": {"every": self.timers.every, "steps": self.timers.steps,
+                                              "step_s": self.timers.mean_step()},
                        "status": self.status, "task": getattr(self.task, "info", {}),
                        "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
                                  "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),
                                  "step_s": self.timed["seconds"] / max(self.timed["steps"], 1)}}
             (self.out / "report.json").write_text(json.dumps(payload, indent=2, default=str))
         return report
+
+
+def comm_options(comm: Any) -> dict[str, Any]:
+    """The all-reduce options of ``comm`` (scaleout.comm.all_reduce): torus grid, pipeline chunk."""
+    opts: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
+    if comm.chunk_mb is not None:
+        opts["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
+    return opts
 
 
 def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:

@@ -12,6 +12,7 @@ That object is what the prefetcher's worker processes receive (``scaleout/train/
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,12 +33,33 @@ class MicroBatch:
     tokens: int  # real (non-pad) tokens; images count 0
 
 
+class _Counts:
+    """(correct, total) of an evaluation, summed on the world's device and all-reduced once: collective
+    tensors live on ``world.device`` (an NCCL default group has no CPU backend), and nothing is read on
+    the host per batch."""
+
+    def __init__(self, world: Any):
+        self.world = world
+        self.sums = torch.zeros(2, dtype=torch.float64, device=world.device)
+
+    def add(self, correct: torch.Tensor | int, total: torch.Tensor | int) -> None:
+        self.sums[0] += correct
+        self.sums[1] += total
+
+    def ratio(self) -> float:
+        if self.world.world_size > 1:
+            dist.all_reduce(self.sums)
+        correct, total = self.sums.tolist()  # the one host read of the evaluation
+        return correct / max(total, 1.0)
+
+
 class Task:
     metric_name = "accuracy"
     benchmark = "bert"
     model: torch.nn.Module
     rows: int  # global number of rows (packs / images) in the training set
     source: Any  # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
+    precision: Any = None  # scaleout.train.precision.Precision of the run (build_task sets it)
 
     def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
         """This rank's micro-batches at data ``position`` on ``device`` (default: the world's device)."""
@@ -48,8 +70,16 @@ class Task:
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError
 
+    def autocast(self) -> Any:
+        """The run's mixed-precision context for forward passes (scaleout/train/precision.py; fp32: no-op)."""
+        return self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
+
     def evaluate(self, model: torch.nn.Module) -> float:
         raise NotImplementedError
+
+    def sync_buffers(self) -> None:
+        """Collective: make rank-local buffers (ResNet: BN running statistics) equal on every rank, before
+        evaluation and before a checkpoint. Parameters are equal by construction; BERT has no such buffers."""
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
@@ -136,7 +166,7 @@ class ImageBatches:
         epoch = position // max(self.rows, 1)
         out = []
         for part in np.array_split(idx, grad_accum):
-            x, y = self.images.get(part, epoch) if hasattr(self.images, "get") else self.images.batch(part)
+            x, y = self.images.get(part, epoch)
             out.append(MicroBatch(x, y, len(part), 0))
         return out
 
@@ -201,19 +231,18 @@ class BertTask(Task):
     def evaluate(self, model: torch.nn.Module) -> float:
         w = self.world
         mine = list(range(w.rank, len(self.eval_seqs), w.world_size))
-        correct = torch.zeros(2, dtype=torch.float64)
+        counts = _Counts(w)
         bs = 64
         was_training = model.training
         model.eval()
         for i in range(0, len(mine), bs):
             packs = [[j] for j in mine[i : i + bs]]
             batch = self._build(self.eval_seqs, packs, self.cfg.data.max_seq_len, self.cfg.data.max_predictions, 1)
-            out = model(_to_device(batch, w.device))
-            correct += torch.tensor([float(out.mlm_correct), float(out.mlm_total)], dtype=torch.float64)
+            with self.autocast():
+                out = model(_to_device(batch, w.device))
+            counts.add(out.mlm_correct, out.mlm_total)
         model.train(was_training)
-        if w.world_size > 1:
-            dist.all_reduce(correct)
-        return float(correct[0] / max(correct[1], 1.0))
+        return counts.ratio()
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         idx = self.sampler.global_indices(position)
@@ -272,19 +301,24 @@ class ResNetTask(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
         w = self.world
+        self.sync_buffers()  # every rank evaluates with the same (pooled) BN statistics
         mine = self.eval_idx[w.rank :: w.world_size]
-        stats = torch.zeros(2, dtype=torch.float64)
+        counts = _Counts(w)
         was_training = model.training
         model.eval()
         for i in range(0, len(mine), 64):
             part = mine[i : i + 64]
-            x, y = self.eval_set.get(part) if hasattr(self.eval_set, "get") else self.eval_set.batch(part)
-            pred = model(x.to(w.device)).argmax(1).cpu()
-            stats += torch.tensor([float((pred == y).sum()), float(len(part))], dtype=torch.float64)
+            x, y = self.eval_set.get(part)
+            with self.autocast():
+                pred = model(x.to(w.device, non_blocking=True)).argmax(1)
+            counts.add((pred == y.to(w.device, non_blocking=True)).sum(), len(part))
         model.train(was_training)
-        if w.world_size > 1:
-            dist.all_reduce(stats)
-        return float(stats[0] / max(stats[1], 1.0))
+        return counts.ratio()
+
+    def sync_buffers(self) -> None:
+        from scaleout.models.group_bn import sync_batchnorm_stats
+
+        sync_batchnorm_stats(self.model, self.world)
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
@@ -299,11 +333,14 @@ class ResNetTask(Task):
 
 
 def build_task(cfg: Any, world: Any) -> Task:
-    if cfg.model.arch == "bert":
-        return BertTask(cfg, world)
-    if cfg.model.arch == "resnet":
-        return ResNetTask(cfg, world)
-    raise ConfigError(f"model.arch={cfg.model.arch!r}: expected bert or resnet")
+    from scaleout.train.precision import Precision
+
+    tasks = {"bert": BertTask, "resnet": ResNetTask}
+    if cfg.model.arch not in tasks:
+        raise ConfigError(f"model.arch={cfg.model.arch!r}: expected bert or resnet")
+    task = tasks[cfg.model.arch](cfg, world)
+    task.precision = Precision(cfg.train.precision, world.device)
+    return task
 
 
 def steps_per_epoch(task: Task, global_batch: int) -> int:

@@ -1,0 +1,216 @@
+"""The checks of ``scaleout bench gpucheck`` (scripts/gpu-check.sh): each returns rows of
+(check, result, number, expected). In-process checks run on ``cuda:0``; multi-GPU ones are launched by
+the driver (scaleout/bench/gpucheck.py) as one process per GPU and report through a JSON file."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Bars. Sources: a correct bf16 step must use the tensor cores: fp32 without TF32 on an H100 SXM gives at
+# most 67 / 989 = 7 % of the bf16 peak (data sheet), so 30 % MFU separates "bf16 ran" from "it did not"
+# with margin while staying below what unfused PyTorch BERT-large reaches (~40-50 %). Optimizers: apex's
+# fused LAMB costs ~1.1-1.3x a fused AdamW step (one more reduction pass for the trust ratios); 1.5x leaves
+# room for scaleout's foreach (multi-tensor, not single-kernel) implementation and flags a per-tensor
+# Python loop (>3x). Hierarchical/torus inside one node compose three NCCL collectives where NCCL runs
+# one ring: half of NCCL's own bus bandwidth is the floor for "not broken".
+MFU_MIN = 0.30
+OPT_RATIO_MAX = 1.5
+BUSBW_FRACTION_MIN = 0.5
+BERT_LARGE = dict(vocab_size=30522, hidden=1024, layers=24, heads=16, intermediate=4096, max_position=512)
+
+Row = tuple[str, str, str, str]
+
+
+def _timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, device: str = "cuda") -> float:
+    """Median seconds of ``fn()`` with the device synchronised around each call."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def packed_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Packed rows of two sequences each (lengths ~60 % / ~40 % of the row), as the packed data path makes."""
+    import numpy as np
+
+    from scaleout.data.bert_batch import build_batch, synthetic_sequences
+
+    rng = np.random.default_rng(seed)
+    first = rng.integers(seq_len // 2, seq_len * 2 // 3, rows)
+    second = np.minimum(seq_len - first, rng.integers(seq_len // 4, seq_len // 2, rows))
+    lengths = np.stack([first, second], 1).reshape(-1)
+    seqs = synthetic_sequences(lengths, vocab, seed=seed)
+    batch = build_batch(seqs, [[2 * i, 2 * i + 1] for i in range(rows)], seq_len, max(8, seq_len * 3 // 20), 3)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _bert(cfg: dict[str, Any], device: str = "cuda", **kw: Any) -> Any:
+    from scaleout.config.schema import BertConfig
+    from scaleout.models.bert import BertForPreTraining
+
+    torch.manual_seed(0)
+    return BertForPreTraining(BertConfig(**{**cfg, "dropout": 0.0, **kw})).to(device)
+
+
+def check_capture(world: Any) -> list[Row]:
+    """CUDA graph of the packed BERT step (static-shape forward, bf16) vs the same step run eagerly."""
+    from scaleout.parallel import DataParallel
+    from scaleout.train.capture import StepGraphs, data_parallel_step
+    from scaleout.train.precision import Precision
+
+    small = dict(vocab_size=8192, hidden=512, layers=4, heads=8, intermediate=2048, max_position=512)
+    batch = packed_batch(16, 512, small["vocab_size"])
+    prec = Precision("bf16", "cuda")
+    losses = {}
+    for mode in ("eager", "graph"):
+        dp = DataParallel(_bert(small, static_shapes=True), world, rebuild_buckets=False)
+        step = data_parallel_step(dp, lambda m, mb: m(mb).loss, precision=prec)
+        graphs = StepGraphs(step, "cuda") if mode == "graph" else None
+        run = functools.partial(graphs or step, [batch])
+        losses[mode] = [float(run()) for _ in range(4)]  # warm-up, capture, replays
+        losses[mode + "_s"] = _timed(run, 10, warmup=0)
+    ok = graphs.disabled is None and len(graphs.graphs) == 1 and graphs.graphs[next(iter(graphs.graphs))].replays >= 10
+    same = max(abs(a - b) / abs(b) for a, b in zip(losses["graph"], losses["eager"], strict=True)) < 1e-2
+    number = (f"{'captured' if ok else graphs.disabled}; step {losses['graph_s'] * 1e3:.1f} ms vs eager "
+              f"{losses['eager_s'] * 1e3:.1f} ms; losses {losses['graph'][-1]:.4f} / {losses['eager'][-1]:.4f}")
+    return [("CUDA-graph packed BERT step", "PASS" if ok and same else "FAIL", number,
+             "1 graph, replays, loss = eager (1 %)")]
+
+
+def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
+    """bf16 packed BERT: the varlen flash-attention path equals the masked (padded) SDPA path."""
+    from scaleout.models.bert import cu_seqlens, varlen_available
+
+    cfg = cfg or {**BERT_LARGE, "layers": 4}
+    model = _bert(cfg, device)
+    batch = packed_batch(8, cfg["max_position"], cfg["vocab_size"], seed=1, device=device)
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        taken = varlen_available(torch.zeros(1, device=device))
+        varlen = model(batch)
+        model.cfg = model.cfg.model_copy(update={"static_shapes": True})  # the masked SDPA path
+        padded = model(batch)
+    idx = cu_seqlens(batch["seq_ids"])[0]
+    h = cfg["hidden"]
+    a = varlen.sequence_output.reshape(-1, h)[idx].float()
+    b = padded.sequence_output.reshape(-1, h)[idx].float()
+    err = ((a - b).abs().max() / b.abs().max()).item()
+    loss_gap = abs(float(varlen.loss) - float(padded.loss)) / float(padded.loss)
+    ok = taken and err < 2e-2 and loss_gap < 1e-2
+    return [("varlen attention = padded (bf16, 4 layers)", "PASS" if ok else "FAIL",
+             f"varlen {'taken' if taken else 'NOT available'}; max rel diff {err:.2e}; loss gap {loss_gap:.2e}",
+             "varlen taken, diff < 2e-2, loss < 1 %")]
+
+
+def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
+    """scaleout LAMB / LARS step vs torch's fused AdamW / SGD on BERT-large parameter shapes (fp32)."""
+    from scaleout.config.schema import OptimConfig
+    from scaleout.optim import build_optimizer
+
+    model = _bert(cfg or BERT_LARGE, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    rows: list[Row] = []
+    pairs = (("lamb", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), "fused AdamW"),
+             ("lars", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True), "fused SGD momentum"))
+    for name, baseline, label in pairs:
+        ours = build_optimizer(model, OptimConfig(name=name, lr=1e-4))
+        theirs = baseline(list(model.parameters()))
+        t_ours, t_theirs = _timed(ours.step, 20, device=device), _timed(theirs.step, 20, device=device)
+        ratio = t_ours / t_theirs
+        rows.append((f"{name.upper()} step vs {label} (BERT-large shapes)", "PASS" if ratio <= OPT_RATIO_MAX else "FAIL",
+                     f"{t_ours * 1e3:.2f} ms vs {t_theirs * 1e3:.2f} ms = {ratio:.2f}x", f"<= {OPT_RATIO_MAX}x"))
+    return rows
+
+
+def _large_step(model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], device: str) -> tuple[float, int, int]:
+    """(seconds per bf16 training step, real tokens, sequences) of packed BERT, LAMB included."""
+    batch = packed_batch(batch_rows, cfg["max_position"], cfg["vocab_size"], seed=2, device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            loss = model(batch).loss
+        loss.backward()
+        opt.step()
+
+    seconds = _timed(step, 5, device=device)
+    return seconds, int((batch["seq_ids"] > 0).sum()), 2 * batch_rows
+
+
+def check_bert_large(device: str = "cuda", cfg: dict[str, Any] | None = None, rows: int = 8,
+                     max_rows: int = 1024) -> list[Row]:
+    """Packed BERT-large (24 layers, seq 512) at the largest batch that fits (doubling from ``rows`` until
+    out of memory): tokens/s and MFU."""
+    from scaleout.config.schema import OptimConfig
+    from scaleout.optim import build_optimizer
+    from scaleout.report import bert_flops_per_token, device_peak_flops
+
+    cfg = cfg or BERT_LARGE
+    model = _bert(cfg, device)
+    opt = build_optimizer(model, OptimConfig(name="lamb", lr=1e-4))
+    best, first = None, rows
+    while rows <= max_rows:
+        try:
+            best = (rows, *_large_step(model, opt, rows, cfg, device))
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+        rows *= 2
+    if best is None:
+        return [("packed BERT-large step", "FAIL", f"out of memory at {first} rows x {cfg['max_position']}",
+                 f"fits {first}+ rows")]
+    rows, seconds, tokens, seqs = best
+    h, L, ff = cfg["hidden"], cfg["layers"], cfg["intermediate"]
+    matmul = L * (4 * h * h + 2 * h * ff)
+    flops = bert_flops_per_token(matmul, L, h, tokens / seqs) * tokens / seconds
+    try:
+        name, peak = device_peak_flops(device)
+        mfu = flops / peak
+        number = f"{rows} rows: {tokens / seconds:,.0f} tokens/s, {flops / 1e12:.0f} TFLOP/s = {mfu:.1%} of {name} bf16 peak"
+        result = "PASS" if mfu >= MFU_MIN else "FAIL"
+    except Exception as exc:  # noqa: BLE001 -- an unknown part: report the throughput, MFU unknown
+        number, result = f"{rows} rows: {tokens / seconds:,.0f} tokens/s; MFU unknown ({exc})", "FAIL"
+    return [("packed BERT-large bf16 step (largest batch)", result, number, f"MFU >= {MFU_MIN:.0%}")]
+
+
+# -- parts that run inside launched ranks ---------------------------------------------------------------
+def rank_world(world: Any) -> dict[str, Any]:
+    x = torch.ones(1, device=world.device)
+    torch.distributed.all_reduce(x)
+    return {"world_size": world.world_size, "backend": world.backend, "device": str(world.device),
+            "sum": float(x.item()), "gpus": torch.cuda.device_count()}
+
+
+def rank_allreduce(world: Any, mib: int = 256) -> dict[str, Any]:
+    """Every algorithm on integer-valued fp32 (exact sums): equal to NCCL's own bit for bit; busbw."""
+    from scaleout.comm import all_reduce
+
+    n = mib * 2**20 // 4
+    gen = torch.Generator(device=world.device).manual_seed(world.rank)
+    data = torch.randint(-1000, 1000, (n,), device=world.device, generator=gen).float()
+    ref = data.clone()
+    torch.distributed.all_reduce(ref)
+    out: dict[str, Any] = {"world_size": world.world_size, "nodes": world.num_nodes}
+    p = world.world_size
+    for alg in ("flat", "hierarchical", "torus2d"):
+        got = all_reduce(data.clone(), world, alg)
+        buf = data.clone()
+        seconds = _timed(lambda alg=alg, buf=buf: all_reduce(buf, world, alg), 5, device=str(world.device))
+        out[alg] = {"equal": bool(torch.equal(got, ref)), "busbw_gbs": 2 * (p - 1) / p * n * 4 / seconds / 1e9}
+    return out

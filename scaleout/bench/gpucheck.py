@@ -1,0 +1,194 @@
+"""scaleout bench gpucheck: the GPU half of the flagship path in one command (scripts/gpu-check.sh)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NAME = "gpucheck"
+HELP = "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, BERT-large MFU, all-reduce"
+DESCRIPTION = """\
+What the CPU test suite cannot show, checked on the GPUs of this machine in one go (< 8 min on one
+H100/H200): a table of check | result | number | expected, JSON with the same rows, and exit status 1
+if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0.
+
+  1. NCCL world of every GPU (scaleout launch --nproc-per-node <GPUs>: one process per GPU)
+  2. tiny BERT (configs/bert_tiny_cpu.yaml) trained to its first evaluation in bf16, and in fp16 with
+     dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
+  3. CUDA-graph capture of the packed BERT training step, equal to the eager step
+  4. varlen (flash) attention equal to the padded masked-attention path on packed bf16 BERT
+  5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes
+  6. packed BERT-large (24 layers, seq 512) bf16 training step at the largest batch that fits:
+     tokens/s and MFU against the device's bf16 peak
+  7. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's own,
+     and their bus bandwidth next to NCCL's
+
+examples:
+  bash scripts/gpu-check.sh
+  scaleout bench gpucheck --only nccl,bert_large --out bench-results/gpucheck.json
+"""
+
+CHECKS = ("nccl", "train", "capture", "varlen", "optimizers", "bert_large", "allreduce")
+Row = tuple[str, str, str, str]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", default=",".join(CHECKS), help=f"comma list of checks (default all: {','.join(CHECKS)})")
+    p.add_argument("--train-steps", type=int, default=50, help="tiny BERT steps before its evaluation (default 50)")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per launched sub-run (default 150)")
+    p.add_argument("--out", default="bench-results/gpucheck.json")
+    p.add_argument("--rank-part", choices=("world", "allreduce"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+
+
+def _launch(nnodes: int, nproc: int, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+            "--timeout", str(timeout), "--", *cmd]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 60)
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return lines[-1][:160] if lines else f"exit {proc.returncode}"
+
+
+def _rank_json(nnodes: int, nproc: int, part: str, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "result.json"
+        proc = _launch(nnodes, nproc, ["scaleout", "bench", "gpucheck", "--rank-part", part, "--result", str(path)],
+                       timeout)
+        if proc.returncode != 0 or not path.exists():
+            return None, _tail(proc)
+        return json.loads(path.read_text()), ""
+
+
+def check_nccl(gpus: int, args: argparse.Namespace) -> list[Row]:
+    r, err = _rank_json(1, gpus, "world", args.timeout)
+    ok = r is not None and r["world_size"] == gpus and r["backend"] == "nccl" and r["sum"] == gpus
+    number = f"world {r['world_size']} x {r['device'].split(':')[0]}, {r['backend']}, sum {r['sum']:g}" if r else err
+    return [("NCCL world of every GPU", "PASS" if ok else "FAIL", number, f"world size {gpus}, nccl, sum {gpus}")]
+
+
+def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    names = {"bf16": "bfloat16", "fp16": "fp16"}
+    for prec in ("bf16", "fp16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            steps = args.train_steps
+            proc = _launch(1, gpus, ["scaleout", "train", "bert_tiny_cpu", f"train.precision={prec}",
+                                     f"train.max_steps={steps}", f"train.eval_every={steps}", "train.target=null",
+                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "train.progress=false",
+                                     "comm.algorithm=flat"], args.timeout)
+            seconds = time.perf_counter() - t0
+            log = Path(tmp, "out", "mlperf.log")
+            report = Path(tmp, "out", "report.json")
+            logged = log.exists() and f'"lowest_numerical_precision_in_linear", "value": "{names[prec]}"' in log.read_text()
+            data = json.loads(report.read_text()) if report.exists() else {}
+            ok = proc.returncode == 0 and logged and data.get("achieved") is not None
+            number = (f"mlm acc {data['achieved']:.4f} after {steps} steps, {data.get('skipped_steps', 0)} skipped, "
+                      f"{seconds:.0f} s" if ok else (_tail(proc) if proc.returncode else "log/report missing the precision"))
+            rows.append((f"tiny BERT {prec} train -> first eval ({gpus} GPU)", "PASS" if ok else "FAIL", number,
+                         f"exit 0, eval logged, MLPerf log says {names[prec]}"))
+    return rows
+
+
+def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
+    if gpus < 2 or gpus % 2:
+        return [("hierarchical/torus2d all-reduce = NCCL", "SKIP", f"{gpus} GPU(s)", "needs an even number >= 2")]
+    from scaleout.bench._gpuchecks import BUSBW_FRACTION_MIN
+
+    r, err = _rank_json(2, gpus // 2, "allreduce", args.timeout)
+    if r is None:
+        return [("hierarchical/torus2d all-reduce = NCCL", "FAIL", err, "equal, busbw")]
+    flat = r["flat"]["busbw_gbs"]
+    rows = []
+    for alg in ("hierarchical", "torus2d"):
+        a = r[alg]
+        ok = a["equal"] and a["busbw_gbs"] >= BUSBW_FRACTION_MIN * flat
+        rows.append((f"{alg} all-reduce = NCCL (2 x {gpus // 2} GPUs, 256 MiB)", "PASS" if ok else "FAIL",
+                     f"{'equal' if a['equal'] else 'DIFFERENT'}; busbw {a['busbw_gbs']:.0f} GB/s vs NCCL {flat:.0f} GB/s",
+                     f"bit-equal, busbw >= {BUSBW_FRACTION_MIN:.0%} of NCCL's"))
+    return rows
+
+
+def _in_process(fn: Callable[..., list[Row]], name: str, *a: Any) -> list[Row]:
+    try:
+        return fn(*a)
+    except Exception as exc:  # noqa: BLE001 -- a crashing check is a FAIL row, the others still run
+        return [(name, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}", "no error")]
+
+
+def _rank_part(args: argparse.Namespace) -> int:
+    import scaleout
+    from scaleout.bench import _gpuchecks
+
+    world = scaleout.init()
+    try:
+        out = _gpuchecks.rank_world(world) if args.rank_part == "world" else _gpuchecks.rank_allreduce(world)
+        if world.rank == 0 and args.result:
+            Path(args.result).write_text(json.dumps(out))
+    finally:
+        world.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from scaleout.bench.common import format_table, write_json
+    from scaleout.errors import UserError
+
+    if args.rank_part:
+        return _rank_part(args)
+    only = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(only) - set(CHECKS))
+    if unknown:
+        raise UserError(f"--only {args.only!r}: unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+    t0 = time.perf_counter()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}" if gpus
+           else f"torch {torch.__version__}, no CUDA device")
+    rows: list[Row] = [("environment", "PASS" if gpus else "SKIP", env, "1+ CUDA GPUs")]
+    rows += _run_checks(only, gpus, args) if gpus else [
+        (name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)", "a GPU") for name in only]
+    print(format_table(["check", "result", "number", "expected"], [list(r) for r in rows]))
+    failed = [r[0] for r in rows if r[1] == "FAIL"]
+    print(f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s")
+    path = write_json(args.out, {"rows": [dict(zip(("check", "result", "number", "expected"), r, strict=True)) for r in rows],
+                                 "failed": failed, "seconds": time.perf_counter() - t0})
+    if path:
+        print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Row]:
+    from scaleout.bench import _gpuchecks as g
+
+    rows: list[Row] = []
+    if "nccl" in only:
+        rows += _in_process(check_nccl, "NCCL world of every GPU", gpus, args)
+    if "train" in only:
+        rows += _in_process(check_train, "tiny BERT train", gpus, args)
+    local = [c for c in ("capture", "varlen", "optimizers", "bert_large") if c in only]
+    if local:  # in this process, on cuda:0, as a world of one
+        import scaleout
+
+        world = scaleout.init(environment="single")
+        try:
+            for c in local:
+                fn = {"capture": lambda: g.check_capture(world), "varlen": g.check_varlen,
+                      "optimizers": g.check_optimizers, "bert_large": g.check_bert_large}[c]
+                rows += _in_process(fn, c)
+        finally:
+            world.close()
+    if "allreduce" in only:
+        rows += _in_process(check_allreduce, "hierarchical/torus2d all-reduce", gpus, args)
+    return rows
