@@ -36,7 +36,14 @@ class TorusGroups:
 class World:
     """Rank, node and device facts plus lazily built process groups."""
 
-    def __init__(self, spec: WorldSpec, device: torch.device, backend: str, node_of: tuple[int, ...]):
+    def __init__(
+        self,
+        spec: WorldSpec,
+        device: torch.device,
+        backend: str,
+        node_of: tuple[int, ...],
+        timeout_s: float = 600.0,
+    ):
         self.spec = spec
         self.device = device
         self.backend = backend
@@ -44,6 +51,9 @@ class World:
         self._groups: dict[tuple[int, ...], Any] = {}
         self._families: dict[str, Any] = {}
         self._close_hooks: list[Any] = []
+        # Collective timeout of every group (the default group's and each subgroup's): init_timeout_s
+        # until set_timeout() shortens it after the first step.
+        self.timeout_s = float(timeout_s)
 
     # -- identity ---------------------------------------------------------------------------------
     rank = property(lambda self: self.spec.rank)
@@ -74,9 +84,7 @@ class World:
     def require_uniform(self, what: str) -> None:
         if not self.uniform:
             sizes = [len(r) for r in self.ranks_per_node]
-            raise TopologyError(
-                f"{what} needs the same number of ranks on every node, got ranks per node {sizes}"
-            )
+            raise TopologyError(f"{what} needs the same number of ranks on every node, got ranks per node {sizes}")
 
     def __repr__(self) -> str:
         return (
@@ -109,7 +117,9 @@ class World:
                 if len(key) == self.world_size:
                     self._groups[key] = dist.group.WORLD
                 else:
-                    self._groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+                    self._groups[key] = dist.new_group(
+                        list(key), timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True
+                    )
             self._families[family] = self._groups[key]
         return self._families[family]
 
@@ -151,7 +161,9 @@ class World:
         if x is None or y is None:
             given, name = (x, "x") if x is not None else (y, "y")
             if p % given:
-                raise TopologyError(f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})")
+                raise TopologyError(
+                    f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})"
+                )
             x, y = (given, p // given) if name == "x" else (p // given, given)
         if x * y != p:
             raise TopologyError(f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})")
@@ -167,22 +179,31 @@ class World:
             cols = [list(range(c, x * y, x)) for c in range(x)]
             row = self._partition(key + "row", rows)
             col = self._partition(key + "col", cols)
-            self._families[key] = TorusGroups(
-                x, y, row, col, tuple(rows[self.rank // x]), tuple(cols[self.rank % x])
-            )
+            self._families[key] = TorusGroups(x, y, row, col, tuple(rows[self.rank // x]), tuple(cols[self.rank % x]))
         return self._families[key]
 
     # -- misc -------------------------------------------------------------------------------------
     def barrier(self) -> None:
         dist.barrier()
 
-    def set_timeout(self, seconds: float) -> None:
-        """Change the collective timeout of the default group (long before step 1, short after)."""
+    def set_timeout(self, seconds: float, *, sync: bool = True) -> None:
+        """Set the collective timeout of every group: the default group and every subgroup built so far
+        (intra, inter, torus rows/columns, group-BN partitions); groups built later get it too.
+
+        ``sync``: a world barrier first, under the old timeout, so that no rank starts collectives under a
+        short timeout while a slower peer is still finishing work the long one allowed (torchtitan's
+        ``set_pg_timeouts`` does the same). Every rank must call it with the same arguments.
+        """
         from torch.distributed import distributed_c10d as c10d
 
-        setter = getattr(c10d, "_set_pg_timeout", None)
-        if setter is not None:
-            setter(timedelta(seconds=seconds), None)
+        if sync and dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        self.timeout_s = float(seconds)
+        if not dist.is_initialized():
+            return
+        td = timedelta(seconds=seconds)
+        for group in {id(g): g for g in (dist.group.WORLD, *self._groups.values())}.values():
+            c10d._set_pg_timeout(td, None if group is dist.group.WORLD else group)
 
     def prioritize_communication(self, nice: int = 10) -> bool:
         """Lower the calling (compute) thread's CPU priority below the communication threads (CPU/gloo).
@@ -286,7 +307,7 @@ def init(
             f"but the {spec.source} environment says {spec.rank}/{spec.world_size}"
         )
     node_of = _observe_topology(spec)
-    return World(spec, device, backend, node_of)
+    return World(spec, device, backend, node_of, timeout_s)
 
 
 def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:

@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
+    # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite gradients: a run
+    # that keeps producing NaN/Inf has diverged, and skipping forever only burns the allocation. 0 = never.
+    max_consecutive_skips: int = Field(10, ge=0)
 
 
 class CheckpointConfig(_Section):
