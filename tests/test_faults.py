@@ -283,3 +283,35 @@ def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
     assert report["status"] == "aborted" and report["skipped_steps"] == 4 and report["steps"] == 5
     stop = [x for x in (tmp_path / "out" / "mlperf.log").read_text().splitlines() if '"run_stop"' in x]
     assert len(stop) == 1 and '"status": "aborted"' in stop[0]
+
+
+# -- user scripts exit cleanly without close() -------------------------------------------------------
+SCRIPT = ROOT / "tests" / "scripts" / "exit_without_close.py"
+
+
+def _launch_script(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--", str(SCRIPT)]
+    return _run([*cmd, *args], timeout=300)
+
+
+def test_exit_with_a_callback_still_running_is_orderly() -> None:
+    """A done-callback of an all-reduce handle is still running on a gloo worker thread when the script
+    ends: before, the interpreter finalized under it and every rank died with SIGABRT ("terminate called
+    without an active exception"); scaleout.init()'s exit handler now joins those threads first."""
+    r = _launch_script("flat", "0.5")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "terminate called" not in r.stdout + r.stderr
+    assert r.stdout.count(": done") == 4
+
+
+@pytest.mark.slow
+def test_dataparallel_script_without_close_exits_0_every_time() -> None:
+    """The bar: 12 of 12 runs of a DataParallel script that never calls close() exit 0 on 2 x 2, every
+    algorithm (before: about 1 run in 10 to 1 in 6 died with SIGABRT at interpreter exit)."""
+    failures = []
+    for i in range(12):
+        algorithm = ("flat", "hierarchical", "torus2d")[i % 3]
+        r = _launch_script(algorithm)
+        if r.returncode != 0:
+            failures.append((i, algorithm, r.returncode, (r.stdout + r.stderr)[-500:]))
+    assert not failures, failures
