@@ -89,5 +89,6 @@ def exit_on_comm_failure(world: Any, exc: BaseException, code: int = 1) -> None:
     sys.stdout.flush()
     os._exit(code)
 
+
 # Exit code of a run stopped because it diverged (train.max_consecutive_skips): a plain failure.
 EXIT_ABORTED = 1
