@@ -4,7 +4,7 @@ File layout (one replicated file per checkpoint, ``ckpt-<step:08d>.pt``)::
 
     b"SCALEOUTCKPT1\\n" | sha256(payload) (32 bytes) | payload length (8 bytes, little endian) | payload
 
-where the payload is ``torch.save(state)``. A save writes ``<name>.tmp``, fsyncs it, renames it over the
+where the payload is ``torch.save(state)``. A save writes ``<name>.<pid>-<random>.tmp``, fsyncs it, renames it over the
 final name and fsyncs the directory, so a crash leaves either the old set or the new set of files, never
 a half-written checkpoint under a real name. ``load_latest`` verifies magic, length and digest before
 unpickling; a truncated or corrupted latest checkpoint is reported and the previous one is used.
@@ -35,6 +35,7 @@ import math
 import os
 import random
 import re
+import secrets
 import struct
 import time
 from pathlib import Path
@@ -131,12 +132,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` via a temporary file and a rename. The temporary name is unique per writer (pid and
+    a random part): two runs writing the same name never write into one file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full, quota) leaves the old file and no debris
+        raise
     _fsync_dir(path.parent)
 
 
@@ -182,7 +189,10 @@ class Checkpointer:
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 remove_tree(old)
-        for _, old in self.list()[: -self.keep]:
+        # Prune only older steps: a higher step in the directory is not this save's to delete (the rerun
+        # policy in train/rerun.py keeps other runs out of a run's directory).
+        older = [p for s, p in self.list() if s < step]
+        for old in older[: max(len(older) - (self.keep - 1), 0)]:
             self._drop(old)
         return path
 

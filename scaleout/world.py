@@ -7,8 +7,11 @@ Groups are created lazily and once: every rank must touch a group family (``intr
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +39,14 @@ class TorusGroups:
 class World:
     """Rank, node and device facts plus lazily built process groups."""
 
-    def __init__(self, spec: WorldSpec, device: torch.device, backend: str, node_of: tuple[int, ...]):
+    def __init__(
+        self,
+        spec: WorldSpec,
+        device: torch.device,
+        backend: str,
+        node_of: tuple[int, ...],
+        timeout_s: float = 600.0,
+    ):
         self.spec = spec
         self.device = device
         self.backend = backend
@@ -44,6 +54,9 @@ class World:
         self._groups: dict[tuple[int, ...], Any] = {}
         self._families: dict[str, Any] = {}
         self._close_hooks: list[Any] = []
+        # Collective timeout of every group (the default group's and each subgroup's): init_timeout_s
+        # until set_timeout() shortens it after the first step.
+        self.timeout_s = float(timeout_s)
 
     # -- identity ---------------------------------------------------------------------------------
     rank = property(lambda self: self.spec.rank)
@@ -74,9 +87,7 @@ class World:
     def require_uniform(self, what: str) -> None:
         if not self.uniform:
             sizes = [len(r) for r in self.ranks_per_node]
-            raise TopologyError(
-                f"{what} needs the same number of ranks on every node, got ranks per node {sizes}"
-            )
+            raise TopologyError(f"{what} needs the same number of ranks on every node, got ranks per node {sizes}")
 
     def __repr__(self) -> str:
         return (
@@ -112,7 +123,9 @@ class World:
                 if shared and len(ranks) == self.world_size:
                     self._groups[key] = dist.group.WORLD
                 else:
-                    self._groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+                    self._groups[key] = dist.new_group(
+                        list(ranks), timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True
+                    )
             self._families[family] = self._groups[key]
         return self._families[family]
 
@@ -156,7 +169,9 @@ class World:
         if x is None or y is None:
             given, name = (x, "x") if x is not None else (y, "y")
             if p % given:
-                raise TopologyError(f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})")
+                raise TopologyError(
+                    f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})"
+                )
             x, y = (given, p // given) if name == "x" else (p // given, given)
         if x * y != p:
             raise TopologyError(f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})")
@@ -192,13 +207,24 @@ class World:
     def barrier(self) -> None:
         dist.barrier()
 
-    def set_timeout(self, seconds: float) -> None:
-        """Change the collective timeout of the default group (long before step 1, short after)."""
+    def set_timeout(self, seconds: float, *, sync: bool = True) -> None:
+        """Set the collective timeout of every group: the default group and every subgroup built so far
+        (intra, inter, torus rows/columns, group-BN partitions); groups built later get it too.
+
+        ``sync``: a world barrier first, under the old timeout, so that no rank starts collectives under a
+        short timeout while a slower peer is still finishing work the long one allowed (torchtitan's
+        ``set_pg_timeouts`` does the same). Every rank must call it with the same arguments.
+        """
         from torch.distributed import distributed_c10d as c10d
 
-        setter = getattr(c10d, "_set_pg_timeout", None)
-        if setter is not None:
-            setter(timedelta(seconds=seconds), None)
+        if sync and dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        self.timeout_s = float(seconds)
+        if not dist.is_initialized():
+            return
+        td = timedelta(seconds=seconds)
+        for group in {id(g): g for g in (dist.group.WORLD, *self._groups.values())}.values():
+            c10d._set_pg_timeout(td, None if group is dist.group.WORLD else group)
 
     def prioritize_communication(self, nice: int = 10) -> bool:
         """Lower the calling (compute) thread's CPU priority below the communication threads (CPU/gloo).
@@ -232,23 +258,67 @@ class World:
 
     def add_close_hook(self, fn: Any) -> None:
         """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a comm thread:
-        destroying gloo groups while the thread that issued their ops is alive aborts the process)."""
+        destroying gloo groups while the thread that issued their ops is alive aborts the process). A hook
+        that returns False reports a thread it could not stop: the groups are then left alone."""
         self._close_hooks.append(fn)
 
     def close(self) -> None:
+        """Orderly shutdown, idempotent: close hooks (comm thread joined), then every process group
+        destroyed, which joins gloo's worker threads. :func:`init` registers it to run at interpreter exit
+        (see ``_close_at_exit``); calling it explicitly is the same."""
+        atexit.unregister(self._close_at_exit)
         hooks, self._close_hooks = self._close_hooks, []
+        stopped = True
         for fn in reversed(hooks):
-            fn()
-        if dist.is_initialized():
+            stopped = fn() is not False and stopped
+        if dist.is_initialized() and stopped:
+            _release_captured_groups([dist.group.WORLD, *self._groups.values()])
             dist.destroy_process_group()
         self._groups.clear()
         self._families.clear()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit a script that never called close() still shuts down in order.
+
+        Why: a torch future's done-callbacks run on the thread that completes it (a gloo worker, or the
+        scaleout comm thread), after ``wait()`` has already returned to the caller. If the script ends
+        while such a callback still has Python to run, that thread meets a finalizing interpreter, is
+        unwound through C++ frames that cannot unwind, and the process dies with SIGABRT ("terminate called
+        without an active exception"). Destroying the groups joins those threads first. ``atexit`` runs
+        handlers last-registered-first, so this runs before the handlers torch registered at import
+        (DataLoader, dynamo) and before multiprocessing reaps its children.
+        """
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 -- at exit: one line, never a traceback over the user's output
+            print(f"scaleout: rank {self.rank}: shutdown at exit failed: {exc}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_captured_groups(groups: list[Any]) -> None:
+    """Let destroy_process_group really destroy the groups: drop the references torch's own modules took.
+
+    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as default arguments, evaluated when
+    it is imported. Imported after init -- torch.optim imports it through dynamo, so every training script
+    does -- its functions keep the default group alive after destroy_process_group: the group's worker
+    threads are never joined, and one still running a future's Python callback at interpreter exit aborts
+    the process. Replacing such defaults by None keeps their meaning (None is the default group).
+    """
+    ids = {id(g) for g in groups if g is not None}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for fn in list(vars(module).values()):
+            if type(fn) is not types.FunctionType:  # not isinstance: deprecated torch names warn on that
+                continue
+            defaults = fn.__defaults__
+            if defaults and any(id(d) in ids for d in defaults):
+                fn.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
 
 
 def pick_device(local_rank: int, backend: str = "auto") -> tuple[torch.device, str]:
@@ -287,6 +357,8 @@ def init(
         given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
         spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
     device, backend = pick_device(spec.local_rank, backend)
+    if backend == "nccl":
+        nccl_error_handling(os.environ)
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
@@ -303,7 +375,30 @@ def init(
             f"but the {spec.source} environment says {spec.rank}/{spec.world_size}"
         )
     node_of = _observe_topology(spec)
-    return World(spec, device, backend, node_of)
+    world = World(spec, device, backend, node_of, timeout_s)
+    atexit.register(world._close_at_exit)  # an orderly shutdown even if the script never calls close()
+    return world
+
+
+def nccl_error_handling(env: Any) -> None:
+    """Make a timed-out or failed NCCL collective end the process (before the first NCCL group exists).
+
+    NCCL collectives run asynchronously on the GPU; the watchdog thread of ProcessGroupNCCL notices a
+    timeout. With TORCH_NCCL_ASYNC_ERROR_HANDLING=3 ("skip clean-up") it tears the process down at once
+    and the launcher stops the job; with 0 the hung rank would sit there, and 1 first aborts the
+    communicators, which can itself hang. torchtitan sets 3 for the same reason (and so does torch's own
+    default in recent releases; older ones defaulted to no handling). An explicit value is respected,
+    with a warning when it leaves hung ranks alive. TORCH_NCCL_DUMP_ON_TIMEOUT=1 with TORCH_FR_BUFFER_SIZE>0
+    additionally dumps the flight recorder on a timeout.
+    """
+    mode = env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    if mode.strip() in ("0", "2"):
+        print(
+            f"scaleout: warning: TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} does not end a process whose NCCL "
+            "collective timed out: a hung peer then stalls the job (unset it or use 3)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:

@@ -353,3 +353,70 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     assert a["step"] == b["step"] == 6 and a["model"].keys() == b["model"].keys()
     diff = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not diff, f"{len(diff)} tensors differ after resume, e.g. {diff[:3]}"
+
+
+def test_save_never_prunes_a_higher_step(tmp_path):
+    """An older run left ckpt-1000/1100 in the directory; a save at step 200 used to be deleted at once
+    (pruning by step number) and a later resume loaded the other run's weights."""
+    old = Checkpointer(tmp_path, keep=2)
+    for step in (1000, 1100):
+        old.save(step, {"w": torch.full((4,), float(step))})
+    new = Checkpointer(tmp_path, keep=2)
+    for step in (100, 200, 300):
+        new.save(step, {"w": torch.full((4,), float(step))})
+    assert [s for s, _ in new.list()] == [200, 300, 1000, 1100]  # keep=2 of this run's steps, the rest untouched
+
+
+def _save_many(directory, tag: float, n: int, errors: list) -> None:
+    ck = Checkpointer(directory, keep=1)
+    try:
+        for _ in range(n):
+            ck.save(5, {"w": torch.full((1 << 18,), tag)})  # 1 MiB payload: writes overlap
+    except Exception as exc:  # noqa: BLE001 -- collected for the assertion
+        errors.append(repr(exc))
+
+
+def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
+    """Two runs saving the same step used to share '<name>.tmp': one's rename failed (the other had moved
+    the file) or the file mixed both payloads. Each writer now has its own temporary name."""
+    import threading
+
+    errors: list = []
+    threads = [threading.Thread(target=_save_many, args=(tmp_path, float(t), 20, errors)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    state = decode(Checkpointer(tmp_path).path(5).read_bytes())  # whole and consistent: one writer's payload
+    assert torch.unique(state["w"]).numel() == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
+    """A write that fails half-way (here the file-size limit, as a full disk would) leaves the previous
+    file as it was and no temporary file (report.json and run.json are written this way)."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "report.json"
+    target.write_text('{"old": true}')
+    code = (
+        "import resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096));"
+        "from scaleout.checkpoint import atomic_write;"
+        "atomic_write(Path(sys.argv[1]), b'x' * 100000)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "File too large" in r.stderr, r.stderr[-2000:]
+    assert target.read_text() == '{"old": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_resume_refuses_a_checkpoint_written_with_another_global_batch():
+    from scaleout.train.rerun import check_data_position
+
+    check_data_position({"step": 10, "data_position": 640}, 64, "ckpt-10")
+    check_data_position({"step": 10}, 64, "ckpt-10")  # older checkpoints without a position: nothing to compare
+    with pytest.raises(UserError, match=r"data position 640 \(global batch 64\), but train.global_batch=32"):
+        check_data_position({"step": 10, "data_position": 640}, 32, "ckpt-10")

@@ -31,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
     """Validate the config for this world before any rank starts (called by launchers)."""
     from scaleout.config import load_config
+    from scaleout.train.rerun import decide
 
-    load_config(args.config, args.overrides).check_world(world_size, ranks_per_node)
+    cfg = load_config(args.config, args.overrides)
+    cfg.check_world(world_size, ranks_per_node)
+    decide(cfg)  # the rerun policy: a start that would overwrite another run fails here, before any spawn
 
 
 def run(args: argparse.Namespace) -> int:

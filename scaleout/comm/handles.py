@@ -45,27 +45,48 @@ def completed(tensor: torch.Tensor) -> Handle:
     return Handle(fut, tensor)
 
 
+class CommFailed(RuntimeError):
+    """A schedule was not run because an earlier one on this World failed (timeout, dead peer)."""
+
+
 class CommThread:
-    """A FIFO of schedules executed by one daemon thread (see module docstring)."""
+    """A FIFO of schedules executed by one daemon thread (see module docstring).
+
+    After a schedule fails (a collective timed out, a peer died) every later schedule fails at once with
+    :class:`CommFailed` naming the first error, without touching the network: the groups' collective
+    sequence is broken (c10d matches collectives by order), so running more would only wait out one
+    timeout per queued bucket or cross-match with peers. NCCL's watchdog aborts a communicator for the
+    same reason.
+    """
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
+        self.error: BaseException | None = None  # the first failure, if any
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     @property
     def idle(self) -> bool:
+        """Nothing queued or running (False once a schedule failed: callers then get the failure)."""
         with self._lock:
-            return self._pending == 0
+            return self._pending == 0 and self.error is None
 
     def submit(self, job: Callable[[], Any], tensor: torch.Tensor) -> Handle:
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
+            if self.error is not None:
+                fut.set_exception(self._after(self.error))
+                return Handle(fut, tensor)
             self._pending += 1
         self._jobs.put((job, fut, tensor))
         return Handle(fut, tensor)
+
+    @staticmethod
+    def _after(error: BaseException) -> CommFailed:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return CommFailed(f"not run: an earlier collective on this rank failed ({first})")
 
     def _loop(self) -> None:
         while True:
@@ -73,25 +94,40 @@ class CommThread:
             if item is None:
                 return
             job, fut, tensor = item
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 -- handed to whoever waits
-                with self._lock:
-                    self._pending -= 1
-                fut.set_exception(exc)
-                continue
-            with self._lock:
-                self._pending -= 1
-            fut.set_result(tensor)
+            error = self.error
+            if error is None:
+                try:
+                    job()
+                except BaseException as exc:  # noqa: BLE001 -- handed to whoever waits
+                    with self._lock:
+                        self.error = error = exc
+                    self._pending_done()
+                    fut.set_exception(exc)
+                    continue
+            self._pending_done()
+            if error is None:
+                fut.set_result(tensor)
+            else:
+                fut.set_exception(self._after(error))
+
+    def _pending_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._jobs.put(None)
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Finish queued work and join the thread (World.close calls this before destroying groups)."""
+    def shutdown(self, timeout_s: float = 60.0) -> bool:
+        """Finish queued work and join the thread (World.close calls this before destroying groups).
+        Returns whether the thread ended (False: it is still inside a collective after ``timeout_s``)."""
         self.close()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 # One CommThread per World, dropped with the World (weak keys: no state outlives its World).

@@ -153,6 +153,9 @@ class TrainConfig(_Section):
     # The step-time breakdown synchronises the device around each phase: only every timing_every-th
     # timed step is sampled so the others keep the host running ahead (scaleout/timers.py).
     timing_every: int = Field(50, ge=1)
+    # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite gradients: a run
+    # that keeps producing NaN/Inf has diverged, and skipping forever only burns the allocation. 0 = never.
+    max_consecutive_skips: int = Field(10, ge=0)
 
 
 class CheckpointConfig(_Section):

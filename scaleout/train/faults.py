@@ -65,3 +65,53 @@ def injected_nan(step: int, rank: int) -> bool:
     that step (a test hook that simulates a corrupted rank; see tests/test_train.py)."""
     spec = os.environ.get("SCALEOUT_INJECT_NAN", "")
     return any(item == f"{step}:{rank}" for item in spec.split(",") if item)
+
+
+# Markers of a failed collective in gloo's / c10d's error text (torch 2.13 raises plain RuntimeError):
+# a timeout, a peer that closed or reset its connection.
+_COMM_MARKERS = (
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "gloo/transport",
+    "DistBackendError",
+    "NCCL error",
+)
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """A failed collective (timeout, dead peer), as opposed to a bug or bad input."""
+    from scaleout.comm.handles import CommFailed
+
+    if isinstance(exc, CommFailed | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
+
+
+def exit_on_comm_failure(world: Any, exc: BaseException, code: int = 1) -> None:
+    """Print one line naming this rank, the error and the ranks whose heartbeat stopped, then end the
+    process at once (``os._exit``): the collective sequence is broken, peers are being stopped by the
+    launcher, and an orderly shutdown could block on a group whose peer is gone. NCCL's watchdog tears a
+    process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
+    import sys
+
+    from scaleout.train.liveness import describe_rank, unresponsive_verdict
+
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    print(
+        f"scaleout: {describe_rank(world, world.rank)}: a collective failed "
+        f"(collective timeout {world.timeout_s:g} s): {first}",
+        file=sys.stderr,
+        flush=True,
+    )
+    verdict = unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
+    print(f"scaleout: {describe_rank(world, world.rank)}: {verdict}", file=sys.stderr, flush=True)
+    import logging
+
+    logging.shutdown()  # flush the MLPerf log and other file handlers
+    sys.stdout.flush()
+    os._exit(code)
+
+
+# Exit code of a run stopped because it diverged (train.max_consecutive_skips): a plain failure.
+EXIT_ABORTED = 1

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from scaleout.log import print0
-from scaleout.train.faults import agree, injected_nan, nonfinite
+from scaleout.train.faults import EXIT_ABORTED, agree, injected_nan, nonfinite
 from scaleout.train.progress import Progress
 from scaleout.train.tasks import Task, build_task, steps_per_epoch
 
@@ -36,16 +36,22 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml"):
+    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml", start: Any = None):
         from scaleout.checkpoint import Checkpointer
         from scaleout.mlperf import MLPerfLogger
         from scaleout.timers import Timers
+        from scaleout.train.rerun import decide, set_aside
 
         self.cfg, self.world, self.config_file = cfg, world, config_file
+        self.start_info = start if start is not None else decide(cfg)  # the rerun policy (train/rerun.py)
         self.out = Path(cfg.train.output_dir)
         if world.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        self.mll = MLPerfLogger(self.out / "mlperf.log" if world.rank == 0 else None, rank=world.rank)
+            if self.start_info.kind != "finished":  # an earlier run's or segment's log and report are kept
+                for name in ("mlperf.log", "report.json"):
+                    set_aside(self.out / name)
+        writes = world.rank == 0 and self.start_info.kind != "finished"  # a finished run's log stays as it is
+        self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
         self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
 
@@ -120,7 +126,9 @@ class Trainer:
 
     def resume(self) -> int:
         from scaleout.checkpoint import set_rng_state
+        from scaleout.train.rerun import check_data_position
 
+        cfg = self.cfg
         if self.ckpt is None or not self.cfg.checkpoint.resume:
             return 0
         shards = self.optimizer.sharded_state()[1] if self.sharded else None
@@ -128,6 +136,7 @@ class Trainer:
         if found is None:
             return 0
         state, path = found
+        check_data_position(state, cfg.train.global_batch, path)  # a changed global batch is refused
         self.task.model.load_state_dict(state["model"])
         if self.sharded:
             self.optimizer.load_replicated(state["optimizer"])  # the moments were read in place by restore()
@@ -201,11 +210,19 @@ class Trainer:
 
     def run(self) -> TrainResult:
         from scaleout import preempt
+        from scaleout.train import rerun
 
         cfg, world, mll = self.cfg, self.world, self.mll
+        if self.start_info.kind == "finished":
+            print0(f"scaleout train: {self.start_info.message}", rank=world.rank)
+            return TrainResult("finished", 0, self.start_info.latest_step, None)
         self.samples, self.skipped = 0, 0
         self.build()
         start = self.resume()
+        self.resumed_from = start or None
+        if start:  # MLPerf's key for "this run started from a checkpoint at step N" (GPT-3 rules use it)
+            mll.event("init_checkpoint_step", start)
+        self.record = rerun.started(cfg, self.start_info, world.world_size) if world.rank == 0 else {}
         from scaleout.train.prefetch import build_prefetcher
 
         self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
@@ -222,6 +239,7 @@ class Trainer:
         tokens = 0
         samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
         step = start
+        consecutive_skips, limit = 0, cfg.train.max_consecutive_skips
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
         skip = cfg.train.timing_skip_steps
         self.timed = {"steps": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
@@ -244,6 +262,12 @@ class Trainer:
             if stop:
                 self.save(step + 1)
                 status = "preempted"
+                break
+            consecutive_skips = consecutive_skips + 1 if skipped else 0  # the same on every rank (agree())
+            if limit and consecutive_skips >= limit:
+                print0(f"step {step + 1}: {consecutive_skips} consecutive steps with non-finite gradients "
+                       f"(train.max_consecutive_skips={limit}): the run diverged; stopping", rank=world.rank)
+                status = "aborted"
                 break
             done = step + 1 == max_steps
             if (step + 1) % cfg.train.eval_every == 0 or done:
@@ -274,8 +298,10 @@ class Trainer:
         self.status = status
         every = cfg.checkpoint.every_steps
         already = status == "max_steps" and every and (step + 1) % every == 0  # saved inside the loop
-        if status in ("success", "max_steps") and self.ckpt is not None and not already:
+        if status in ("success", "max_steps") and self.ckpt is not None and not already and steps_done > 0:
             self.save(step + 1)
+        if world.rank == 0:
+            rerun.ended(cfg, self.record, status, step + 1)
         consistent = self._weights_consistent() if not self.guard.terminating else None
         report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
         self.guard.uninstall()
@@ -283,7 +309,7 @@ class Trainer:
             if self.guard.wants_requeue and world.rank == 0:
                 preempt.requeue()
             return TrainResult(status, preempt.EXIT_PREEMPTED, step + 1, metric, report)
-        return TrainResult(status, 0, step + 1, metric, report)
+        return TrainResult(status, EXIT_ABORTED if status == "aborted" else 0, step + 1, metric, report)
 
     def _weights_consistent(self) -> bool:
         """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
@@ -301,6 +327,7 @@ class Trainer:
     def _report(
         self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
     ) -> Any:
+        from scaleout.checkpoint import atomic_write
         from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
 
         cfg, world = self.cfg, self.world
@@ -325,6 +352,7 @@ class Trainer:
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
+                       "resumed_from_step": self.resumed_from, "run_id": self.record.get("run_id"),
                        "data_wait_fraction": data_wait,
                        # breakdown_s: means over the sampled steps (they synchronise the device per phase);
                        # timed.step_s: every timed step, uninstrumented
@@ -334,7 +362,7 @@ class Trainer:
                        "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
                                  "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),
                                  "step_s": self.timed["seconds"] / max(self.timed["steps"], 1)}}
-            (self.out / "report.json").write_text(json.dumps(payload, indent=2, default=str))
+            atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
         return report
 
 
@@ -349,11 +377,24 @@ def comm_options(comm: Any) -> dict[str, Any]:
 def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     import scaleout
+    from scaleout.train.faults import exit_on_comm_failure, is_comm_failure
+    from scaleout.train.liveness import Heartbeat, period_for
+    from scaleout.train.rerun import decide
 
+    start = decide(cfg)  # the rerun policy, before any network or file: a refused start changes nothing
+    if start.kind == "finished":
+        print0(f"scaleout train: {start.message}")
+        return TrainResult("finished", 0, start.latest_step, None)
     world = scaleout.init(cfg)
+    heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank if one hangs
     try:
         cfg.check_world(world.world_size, world.local_size)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-        return Trainer(cfg, world, config_file).run()
+        return Trainer(cfg, world, config_file, start).run()
+    except Exception as exc:
+        if is_comm_failure(exc):  # a hung or dead peer: one line naming it, then end this process now
+            exit_on_comm_failure(world, exc)
+        raise
     finally:
+        heartbeat.close()
         world.close()

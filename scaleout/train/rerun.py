@@ -1,0 +1,146 @@
+"""What a `scaleout train` does when its checkpoint directory already holds a run (the rerun policy).
+
+A checkpoint directory belongs to one run. ``run.json`` beside the checkpoints records it: an id, the
+global batch its data positions were counted in, and how the latest segment ended. Before anything
+is spawned or written (launcher preflight, then every rank before ``init``):
+
+=====================================================  ==================================================
+directory holds                                        outcome
+=====================================================  ==================================================
+no checkpoint                                          a new run (new id)
+checkpoints, ``checkpoint.resume=false``               one-line error, exit 2: nothing is overwritten
+checkpoints, run finished (target reached, or latest   one line "already finished", exit 0, nothing is
+checkpoint at or past ``train.max_steps``)             written (a requeue of a finished job is a no-op)
+checkpoints, run.json's global batch differs           one-line error, exit 2 (the saved data position
+                                                       would replay or skip samples)
+checkpoints otherwise                                  the run continues from its latest checkpoint; the
+                                                       previous segment's MLPerf log and report are kept
+                                                       (``mlperf.log.1``, ``report.json.1``, ...)
+=====================================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scaleout.errors import UserError
+
+RECORD = "run.json"
+FINISHED = ("success", "max_steps")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    kind: str  # "new", "resume" or "finished"
+    latest_step: int  # of the newest checkpoint file (0 when none)
+    record: dict[str, Any]  # run.json's content ({} when none)
+    message: str = ""
+
+
+def read_record(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(ckpt_dir) / RECORD
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable run record ({exc}); move it away to resume without it") from exc
+
+
+def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Atomically (tmp + rename) replace run.json (rank 0 only)."""
+    from scaleout.checkpoint import atomic_write
+
+    path = Path(ckpt_dir) / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def decide(cfg: Any) -> RunStart:
+    """Classify this start (see the module docstring); raise UserError for a start that would lose data."""
+    ck = cfg.checkpoint
+    if not ck.dir:
+        return RunStart("new", 0, {})
+    from scaleout.checkpoint import Checkpointer
+
+    steps = [s for s, _ in Checkpointer(ck.dir, ck.keep).list()]
+    if not steps:
+        return RunStart("new", 0, {})
+    latest, record = steps[-1], read_record(ck.dir)
+    if not ck.resume:
+        raise UserError(
+            f"checkpoint.dir={ck.dir} already holds checkpoints up to step {latest} and checkpoint.resume=false: "
+            "a new run would mix its checkpoints with them; resume it (checkpoint.resume=true), use an empty "
+            "checkpoint.dir, or move the old files away"
+        )
+    status = record.get("status")
+    if status == "success" or latest >= cfg.train.max_steps:
+        why = "reached its target" if status == "success" else f"reached train.max_steps={cfg.train.max_steps}"
+        return RunStart(
+            "finished",
+            latest,
+            record,
+            f"the run in checkpoint.dir={ck.dir} already finished (it {why}; latest checkpoint step {latest}): "
+            "nothing to do. To train further raise train.max_steps; for a new run use another checkpoint.dir",
+        )
+    batch = record.get("global_batch")
+    if batch is not None and batch != cfg.train.global_batch:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} but the run in checkpoint.dir={ck.dir} counted its "
+            f"data position in batches of {batch}: resuming would replay or skip samples; resume with "
+            f"train.global_batch={batch} or start a new run in another checkpoint.dir"
+        )
+    return RunStart("resume", latest, record)
+
+
+def started(cfg: Any, start: RunStart, world_size: int) -> dict[str, Any]:
+    """Record (rank 0) that this run or segment started; returns the record (with the run id)."""
+    record = dict(start.record) if start.kind == "resume" else {}
+    record.setdefault("run_id", uuid.uuid4().hex[:12])
+    record.update(
+        global_batch=cfg.train.global_batch,
+        world_size=world_size,
+        status="running",
+        segments=int(record.get("segments", 0)) + 1,
+        started_unix=time.time(),
+    )
+    if cfg.checkpoint.dir:
+        write_record(cfg.checkpoint.dir, record)
+    return record
+
+
+def ended(cfg: Any, record: dict[str, Any], status: str, step: int) -> None:
+    """Record (rank 0) how this segment ended: a rerun of a finished run is then refused by ``decide``."""
+    if cfg.checkpoint.dir:
+        write_record(cfg.checkpoint.dir, {**record, "status": status, "step": step, "ended_unix": time.time()})
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename an earlier run's or segment's output file to the first free ``<name>.<k>`` (k = 1, 2, ...)
+    so that nothing this run writes replaces it. Returns the new path, or None if there was no file."""
+    if not path.exists():
+        return None
+    k = 1
+    while path.with_name(f"{path.name}.{k}").exists():
+        k += 1
+    target = path.with_name(f"{path.name}.{k}")
+    os.replace(path, target)
+    return target
+
+
+def check_data_position(state: dict[str, Any], global_batch: int, path: Any) -> None:
+    """The loop reads the data at ``step * train.global_batch``; a checkpoint whose saved position differs
+    was written with another global batch. Refuse (rather than silently replay or skip samples)."""
+    pos, step = state.get("data_position"), int(state.get("step", 0))
+    if pos is not None and int(pos) != step * global_batch:
+        raise UserError(
+            f"checkpoint {path} is at step {step} with data position {pos} (global batch {int(pos) // max(step, 1)}), "
+            f"but train.global_batch={global_batch}: resuming would replay or skip samples; resume with the "
+            "checkpoint's global batch or start a new run in another checkpoint.dir"
+        )
