@@ -168,17 +168,21 @@ def job_argvs(spec: SubmitSpec) -> list[list[str]]:
     return [[*spec.argv, f"{key}={v}"] for v in values]
 
 
+def rank_mains(spec: SubmitSpec) -> list[RankMain]:
+    """What every job runs. Slurm: the ranks derive the port from the job id (scaleout.env.readers.SlurmEnv).
+    Locally every job runs on this machine now: each gets its own port, free here."""
+    argvs = job_argvs(spec)
+    local = resolve_cluster(spec.cluster) != "slurm"
+    ports = free_ports(len(argvs)) if local else [None] * len(argvs)
+    return [RankMain(argv, port) for argv, port in zip(argvs, ports, strict=True)]
+
+
 def submit(spec: SubmitSpec) -> list[Any]:
     """Submit one job (or one per ``--array`` value) and return the submitit Job objects."""
     import submitit
 
     ex = make_executor(spec)
-    argvs = job_argvs(spec)
-    # Slurm: the ranks derive the port from the job id (scaleout.env.readers.SlurmEnv). Locally every job
-    # runs on this machine now: give each its own port that is free here.
-    local = resolve_cluster(spec.cluster) != "slurm"
-    ports = free_ports(len(argvs)) if local else [None] * len(argvs)
-    fns = [RankMain(argv, port) for argv, port in zip(argvs, ports, strict=True)]
+    fns = rank_mains(spec)
     try:
         if len(fns) > 1 and hasattr(ex, "batch"):
             with ex.batch():

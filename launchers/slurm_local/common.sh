@@ -81,7 +81,9 @@ alive() {
 # already resolve through a line that is not ours (then it is not ours to add or to remove).
 hosts_add() {
   grep -qxF "$HOSTS_LINE" "$HOSTS" 2>/dev/null && return 0
-  grep -qE '^127\.0\.0\.1[[:space:]]([^#]*[[:space:]])?n1 n2 n3 n4([[:space:]]|$)' "$HOSTS" 2>/dev/null && return 0
+  local others
+  others=$(grep -vF "# added by scaleout slurm_local for " "$HOSTS" 2>/dev/null || true)
+  grep -qE '^127\.0\.0\.1[[:space:]]([^#]*[[:space:]])?n1 n2 n3 n4([[:space:]]|$)' <<< "$others" && return 0
   echo "$HOSTS_LINE" >> "$HOSTS"
 }
 

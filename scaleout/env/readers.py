@@ -78,7 +78,8 @@ class TorchrunEnv(Environment):
         n = self.name
         rank = need_int(env, "RANK", n)
         world = need_int(env, "WORLD_SIZE", n)
-        local_size = opt_int(env, "LOCAL_WORLD_SIZE", n) or world
+        local_size = opt_int(env, "LOCAL_WORLD_SIZE", n)
+        local_size = world if local_size is None else local_size
         for key, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local_size)):
             if value < 1:
                 raise EnvironmentError_(f"{n} environment: {key}={value}: expected an integer >= 1")
