@@ -114,7 +114,7 @@ def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
         total = sum(r for _, r in items)
         if total > limit:
             what = f"expected {nnodes}" if nnodes is not None else f"expected at most {_MAX_HOSTS}"
-            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes more than {limit} nodes, {what}")
+            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes at least {total} nodes, {what}")
     out = [n for n, r in items for _ in range(r)]
     if nnodes is not None and len(out) != nnodes:
         raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}")

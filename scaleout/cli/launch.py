@@ -47,10 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from launchers.local import check_launch_args, launch
+    from scaleout.errors import UserError
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    if args.netns or args.cluster:
+        from launchers.netns import MAX_NODES
+
+        if args.nnodes > MAX_NODES:
+            raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster")
     check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
     kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout)
     if args.netns or args.cluster:
@@ -83,12 +89,9 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
     import os
 
     from launchers.local import launch
-    from launchers.netns import MAX_NODES, Cluster
+    from launchers.netns import Cluster
     from scaleout.env.base import free_port
-    from scaleout.errors import UserError
 
-    if args.nnodes > MAX_NODES:
-        raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns")
     on_orphan: list[list[str]] = []
     if args.cluster:
         cluster = Cluster(args.nnodes, None, name=args.cluster)
