@@ -79,7 +79,9 @@ def main() -> int:
             cleanup.append(json.loads(rest))
     stop_orphans(ranks, grace_s)
     for argv in cleanup:
-        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+        )
     return 0
 
 

@@ -18,11 +18,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "bad-input.md"
 # Launcher variables of the calling process must not leak into a case (each case sets its own).
-_LEAKY = re.compile(r"^(SLURM_.*|SCALEOUT_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|"
-                    r"MASTER_PORT|TORCHELASTIC_.*|OMPI_.*|PMIX_.*|PMI_.*|HOROVOD_.*)$")
+_LEAKY = re.compile(
+    r"^(SLURM_.*|SCALEOUT_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|"
+    r"MASTER_PORT|TORCHELASTIC_.*|OMPI_.*|PMIX_.*|PMI_.*|HOROVOD_.*)$"
+)
 TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
-         "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "5"}
+SLURM = {
+    "SLURM_PROCID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_NNODES": "1",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_JOB_NODELIST": "n1",
+    "SLURM_JOB_ID": "5",
+}
 
 
 def _npy(values, dtype=None) -> Callable[[Path], None]:
@@ -101,33 +112,67 @@ CASES: list[Case] = [
     Case(("launch", "--master-port", "70000", "--", "true"), "--master-port=70000"),
     Case(("launch", "--master-port", "0", "--", "true"), "--master-port=0"),
     Case(("launch", "--nnodes", "0", "--", "true"), "--nnodes=0"),
-    Case(("launch", "--nnodes", "100000", "--nproc-per-node", "100000", "--", "sleep", "1"), "10000000000 ranks",
-         normalize=((r"at most \d+ on this machine \(64 per core x \d+ cores\)",
-                     "at most <64 x cores> on this machine (64 per core x <cores> cores)"),)),
+    Case(
+        ("launch", "--nnodes", "100000", "--nproc-per-node", "100000", "--", "sleep", "1"),
+        "10000000000 ranks",
+        normalize=(
+            (
+                r"at most \d+ on this machine \(64 per core x \d+ cores\)",
+                "at most <64 x cores> on this machine (64 per core x <cores> cores)",
+            ),
+        ),
+    ),
     Case(("launch", "--netns", "--nnodes", "300", "--", "true"), "--nnodes=300"),
     Case(("launch", "--", "no-such-prog-xyz"), "no-such-prog-xyz"),
     Case(("launch", "--nnodes", "3", "--", "scaleout", "train", "bert_tiny_cpu"), "world size 3"),
-    Case(("launch", "--nproc-per-node", "2", "--", "scaleout", "train", "bert_tiny_cpu", "train.seed=-1"), "train.seed=-1"),
+    Case(
+        ("launch", "--nproc-per-node", "2", "--", "scaleout", "train", "bert_tiny_cpu", "train.seed=-1"),
+        "train.seed=-1",
+    ),
     # scaleout cluster
     Case(("cluster", "up", "--nodes", "251"), "--nodes=251"),
     Case(("cluster", "up", "--name", "x;rm"), "'x;rm'"),
     Case(("cluster", "up", "--rate", "fast"), "--rate='fast'"),
     Case(("cluster", "status", "--all"), "--all"),
     # scaleout pack
-    Case(("pack", "h.txt", "--out", ""), "99999999999999999999999", files=(("h.txt", BIG_HIST),),
-         given=f"h.txt: `{BIG_HIST.strip()}`"),
-    Case(("pack", "h.txt", "--out", ""), "9223372036854775807", files=(("h.txt", WRAP_HIST),),
-         given="h.txt: two counts of 2^63-1 (int64 used to wrap to -2 sequences)"),
+    Case(
+        ("pack", "h.txt", "--out", ""),
+        "99999999999999999999999",
+        files=(("h.txt", BIG_HIST),),
+        given=f"h.txt: `{BIG_HIST.strip()}`",
+    ),
+    Case(
+        ("pack", "h.txt", "--out", ""),
+        "9223372036854775807",
+        files=(("h.txt", WRAP_HIST),),
+        given="h.txt: two counts of 2^63-1 (int64 used to wrap to -2 sequences)",
+    ),
     Case(("pack", "h.txt", "--out", ""), "-3", files=(("h.txt", "10 -3\n"),), given="h.txt: `10 -3`"),
-    Case(("pack", "--lengths", "f.npy", "--out", ""), "float64", files=(("f.npy", _npy([1.7, 2.2, 300.9])),),
-         given="f.npy: float array [1.7, 2.2, 300.9] (used to be truncated silently)"),
-    Case(("pack", "--lengths", "o.npy", "--out", ""), "o.npy", files=(("o.npy", _npy([None, 1], object)),),
-         given="o.npy: object array (pickle; refused, never loaded)"),
-    Case(("pack", "--lengths", "l.txt", "--out", ""), "99999999999999999999",
-         files=(("l.txt", "12\n99999999999999999999\n"),), given="l.txt: a 20-digit length"),
+    Case(
+        ("pack", "--lengths", "f.npy", "--out", ""),
+        "float64",
+        files=(("f.npy", _npy([1.7, 2.2, 300.9])),),
+        given="f.npy: float array [1.7, 2.2, 300.9] (used to be truncated silently)",
+    ),
+    Case(
+        ("pack", "--lengths", "o.npy", "--out", ""),
+        "o.npy",
+        files=(("o.npy", _npy([None, 1], object)),),
+        given="o.npy: object array (pickle; refused, never loaded)",
+    ),
+    Case(
+        ("pack", "--lengths", "l.txt", "--out", ""),
+        "99999999999999999999",
+        files=(("l.txt", "12\n99999999999999999999\n"),),
+        given="l.txt: a 20-digit length",
+    ),
     Case(("pack", "--lengths", "l.txt", "--out", ""), "'1.5'", files=(("l.txt", "12\n1.5\n"),), given="l.txt: `1.5`"),
-    Case(("pack", "h.txt", "--max-len", "1000000000000", "--out", ""), "max_len=1000000000000",
-         files=(("h.txt", "10 3\n"),), given="h.txt: `10 3`"),
+    Case(
+        ("pack", "h.txt", "--max-len", "1000000000000", "--out", ""),
+        "max_len=1000000000000",
+        files=(("h.txt", "10 3\n"),),
+        given="h.txt: `10 3`",
+    ),
     # scaleout submit: the launch preflight runs before anything is queued
     Case(("submit", "bert_tiny_cpu", "optim.lr=-1", "--cluster", "local"), "optim.lr=-1"),
     Case(("submit", "bert_tiny_cpu", "--cluster", "local", "--gpus-per-node", "3"), "world size 3"),
@@ -139,10 +184,20 @@ CASES: list[Case] = [
     Case(("smoke",), "2(x99999999999)", env={**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"}),
     Case(("smoke",), "n[0-999999]b[0-9]", env={**SLURM, "SLURM_JOB_NODELIST": "n[0-999999]b[0-9]"}),
     # the local Slurm scripts (root): refused before anything starts or is deleted
-    Case(("slurm", "up", "--no-install", "--state", "planted"), "planted", files=(("planted", _folder(0o777)),),
-         given="planted: a folder of mode 777", root=True),
-    Case(("slurm", "down", "--wipe", "--state", "data"), "data", files=(("data", _folder(0o755, True)),),
-         given="data: a folder with data but no scaleout marker", root=True),
+    Case(
+        ("slurm", "up", "--no-install", "--state", "planted"),
+        "planted",
+        files=(("planted", _folder(0o777)),),
+        given="planted: a folder of mode 777",
+        root=True,
+    ),
+    Case(
+        ("slurm", "down", "--wipe", "--state", "data"),
+        "data",
+        files=(("data", _folder(0o755, True)),),
+        given="data: a folder with data but no scaleout marker",
+        root=True,
+    ),
 ]
 
 
@@ -168,8 +223,9 @@ def run_case(case: Case, cwd: Path) -> tuple[subprocess.CompletedProcess, dict, 
     before = _snapshot(cwd)
     env = {k: v for k, v in os.environ.items() if not _LEAKY.match(k)}
     env.update(case.env, PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "scaleout", *case.argv], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-m", "scaleout", *case.argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+    )
     return r, before, _snapshot(cwd)
 
 
@@ -200,14 +256,17 @@ def write_doc(messages: list[str]) -> None:
     lines = ["| # | input | given | one-line error (exit 2) |", "|---|---|---|---|"]
     for i, (case, msg) in enumerate(zip(CASES, messages, strict=True), 1):
         lines.append(f"| {i} | {_cell(case.command)} | {case.given} | {_cell(msg)} |")
-    DOC.write_text(head + "<!-- table: generated by `python tests/test_bad_input.py --write` -->\n"
-                   + "\n".join(lines) + "\n")
+    DOC.write_text(
+        head + "<!-- table: generated by `python tests/test_bad_input.py --write` -->\n" + "\n".join(lines) + "\n"
+    )
 
 
 def test_doc_table_lists_every_case() -> None:
     rows = doc_rows()
     assert len(CASES) >= 40
-    assert [r[0] for r in rows] == [c.command for c in CASES], "docs/bad-input.md is stale: run tests/test_bad_input.py --write"
+    assert [r[0] for r in rows] == [c.command for c in CASES], (
+        "docs/bad-input.md is stale: run tests/test_bad_input.py --write"
+    )
     assert [r[1] for r in rows] == [c.given for c in CASES]
 
 

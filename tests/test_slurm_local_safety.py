@@ -26,7 +26,11 @@ MARKER = ".scaleout-slurm-state"
 
 
 def _run(script: str, state: Path, *args: str, hosts: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SCALEOUT_SLURM_STATE": str(state), "SCALEOUT_SLURM_HOSTS": str(hosts or state.parent / "hosts")}
+    env = {
+        **os.environ,
+        "SCALEOUT_SLURM_STATE": str(state),
+        "SCALEOUT_SLURM_HOSTS": str(hosts or state.parent / "hosts"),
+    }
     return subprocess.run([script, *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -117,7 +121,10 @@ def test_stop_signals_only_this_folders_daemons(tmp_path: Path) -> None:
     }
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and Path(f"/proc/{procs['munge/munged.pid'].pid}/comm").read_text().strip() != "munged":
+        while (
+            time.monotonic() < deadline
+            and Path(f"/proc/{procs['munge/munged.pid'].pid}/comm").read_text().strip() != "munged"
+        ):
             time.sleep(0.05)
         for name, p in procs.items():
             (state / "run" / name).write_text(f"{p.pid}\n")

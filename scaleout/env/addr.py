@@ -27,7 +27,9 @@ def is_loopback(addr: str) -> bool:
         ip = ipaddress.ip_address(addr)
     except ValueError:
         return addr == "localhost"
-    return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and bool(ip.ipv4_mapped and ip.ipv4_mapped.is_loopback))
+    return ip.is_loopback or (
+        isinstance(ip, ipaddress.IPv6Address) and bool(ip.ipv4_mapped and ip.ipv4_mapped.is_loopback)
+    )
 
 
 def resolve(host: str) -> list[str]:

@@ -53,7 +53,9 @@ def exchange_master(
                 return addr, port
             except (urllib.error.URLError, OSError) as exc:
                 if time.monotonic() > deadline:
-                    raise EnvironmentError_(f"horovod environment: cannot publish the rendezvous at {url}: {exc}") from None
+                    raise EnvironmentError_(
+                        f"horovod environment: cannot publish the rendezvous at {url}: {exc}"
+                    ) from None
                 time.sleep(0.2)
     while time.monotonic() < deadline:
         try:
