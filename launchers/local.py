@@ -3,13 +3,23 @@
 Each child gets the variables ``scaleout.env.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
 torch-native scripts work too), its own process group (so a rank's own children die with it), and its
 output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
-gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT or
-SIGTERM to the launcher does the same to every child; SIGUSR1/SIGUSR2 (preemption notices) are forwarded
-to every rank, as srun forwards them.
+gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT,
+SIGTERM or SIGHUP to the launcher does the same to every child; SIGUSR1/SIGUSR2 (preemption notices) are
+forwarded to every rank, as srun forwards them.
+
+Nothing outlives the launcher: a watchdog process (launchers/watchdog.py) stops the ranks when the launcher
+dies without doing so itself (SIGKILL, OOM). A closed stdout (``| head``, a dead ssh) never blocks the
+ranks: their pipes are drained and the output dropped.
+
+The default grace is 30 s, the same as Slurm's KillWait default and torchrun's stop timeout: on SIGTERM the
+trainer finishes its step and writes a checkpoint (rank 0 gathers and writes the whole state), which for a
+real model takes seconds to tens of seconds; a shorter window kills it half-way and loses that progress.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import signal
@@ -19,9 +29,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from launchers.watchdog import start_time
+from scaleout.env.addr import is_loopback, loopback_interface
 from scaleout.env.base import free_port
 from scaleout.errors import UserError
+
+# Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
+DEFAULT_GRACE_S = 30.0
+# Emulated ranks per core beyond which a local launch is a typo, not a test: each rank is at least one
+# process with its own interpreter, and 64 per core already means seconds per scheduling round.
+RANKS_PER_CORE_CAP = 64
+
+
+def max_local_ranks() -> int:
+    """The most ranks one local launch may start on this machine (derived from its core count)."""
+    return RANKS_PER_CORE_CAP * (os.cpu_count() or 1)
 
 
 @dataclass
@@ -95,12 +119,65 @@ def rank_env(
     return env
 
 
-def _pump(stream, prefix: str, out) -> None:
+class _Sink:
+    """Where every rank's lines go. Once the reader is gone (BrokenPipeError, EIO after a hang-up) lines are
+    dropped, but the ranks' pipes keep being drained: a rank must never block on a full pipe."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            if self.broken:
+                return
+            try:
+                self.out.write(text)
+                self.out.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        if self.out is sys.stdout:
+            # Point fd 1 at /dev/null so that buffered text and the final message do not raise again (or
+            # print "Exception ignored ... BrokenPipeError" at exit): the recipe of Python's signal docs.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+
+
+def _pump(stream, prefix: str, sink: _Sink) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
-        out.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
-        out.flush()
+        sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
     stream.close()
+
+
+def check_launch_args(
+    nnodes: int, nproc_per_node: int, grace_s: float, timeout_s: float | None = None, master_port: int | None = None
+) -> None:
+    """One-line errors for impossible launch parameters, before anything is spawned."""
+    if nnodes < 1:
+        raise UserError(f"--nnodes={nnodes}: expected an integer >= 1")
+    if nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node={nproc_per_node}: expected an integer >= 1")
+    cap = max_local_ranks()
+    if nnodes * nproc_per_node > cap:
+        raise UserError(
+            f"--nnodes={nnodes} x --nproc-per-node={nproc_per_node} = {nnodes * nproc_per_node} ranks: expected at "
+            f"most {cap} on this machine ({RANKS_PER_CORE_CAP} per core x {os.cpu_count()} cores)"
+        )
+    if not (math.isfinite(grace_s) and 0 <= grace_s <= 3600):
+        raise UserError(f"--grace={grace_s}: expected seconds from 0 to 3600")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(f"--timeout={timeout_s}: expected a positive number of seconds")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise UserError(f"--master-port={master_port}: expected a port from 1 to 65535")
 
 
 class LocalLauncher:
@@ -117,14 +194,12 @@ class LocalLauncher:
         env: dict[str, str] | None = None,
         node_wrapper: Callable[[int], list[str]] | None = None,
         rank_env_hook: Callable[[int, dict[str, str]], None] | None = None,
-        grace_s: float = 5.0,
+        grace_s: float = DEFAULT_GRACE_S,
         prefix_output: bool = True,
         out=None,
+        on_orphan: Sequence[Sequence[str]] = (),
     ):
-        if nnodes < 1:
-            raise UserError(f"--nnodes={nnodes}: expected an integer >= 1")
-        if nproc_per_node < 1:
-            raise UserError(f"--nproc-per-node={nproc_per_node}: expected an integer >= 1")
+        check_launch_args(nnodes, nproc_per_node, grace_s, master_port=master_port)
         self.cmd = resolve_command(cmd)
         if self.cmd[1:4] == ["-u", "-m", "scaleout"]:  # a scaleout subcommand: validate it before spawning
             from scaleout.cli import preflight
@@ -134,20 +209,61 @@ class LocalLauncher:
         self.addr = master_addr
         self.port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
         self.base_env = dict(os.environ if env is None else env)
+        if node_wrapper is None and is_loopback(self.addr) and "GLOO_SOCKET_IFNAME" not in self.base_env:
+            # All ranks on this host: keep gloo's sockets on the loopback interface, not reachable from the
+            # network (torch's TCPStore itself listens on every interface; torch offers no bind address).
+            lo = loopback_interface()
+            if lo:
+                self.base_env.update(GLOO_SOCKET_IFNAME=lo, TP_SOCKET_IFNAME=lo)
         self.node_wrapper = node_wrapper
         self.rank_env_hook = rank_env_hook
         self.grace_s = grace_s
         self.prefix_output = prefix_output
-        self.out = out or sys.stdout
+        self.sink = _Sink(out or sys.stdout)
+        self.on_orphan = [list(c) for c in on_orphan]  # run by the watchdog if this launcher dies first
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._stop_signal: int | None = None
+        self._watchdog: subprocess.Popen | None = None
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc
 
+    def _start_watchdog(self) -> None:
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-I", str(Path(__file__).with_name("watchdog.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C / SIGHUP to the launcher's group must not reach it
+            text=True,
+        )
+        self._tell_watchdog(f"grace {self.grace_s}", *(f"cleanup {json.dumps(c)}" for c in self.on_orphan))
+
+    def _tell_watchdog(self, *lines: str) -> None:
+        if self._watchdog is None or self._watchdog.stdin is None:
+            return
+        try:
+            self._watchdog.stdin.write("".join(f"{line}\n" for line in lines))
+            self._watchdog.stdin.flush()
+        except OSError:  # it died: nothing to tell; the launcher itself still stops the ranks
+            pass
+
+    def _release_watchdog(self) -> None:
+        """Every rank is reaped: tell the watchdog it has nothing to do, and reap it."""
+        if self._watchdog is None:
+            return
+        self._tell_watchdog("done")
+        try:
+            self._watchdog.stdin.close()
+            self._watchdog.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self._watchdog.kill()
+        self._watchdog = None
+
     def start(self) -> None:
+        self._start_watchdog()
         for rank in range(self.world_size):
             env = rank_env(self.base_env, rank, self.nnodes, self.nproc, self.addr, self.port)
             if self.rank_env_hook:
@@ -164,8 +280,9 @@ class LocalLauncher:
                 start_new_session=True,  # own process group: killpg reaches the rank's children too
             )
             self.procs.append(proc)
+            self._tell_watchdog(f"rank {proc.pid} {start_time(proc.pid)}")
             if self.prefix_output:
-                t = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", self.out), daemon=True)
+                t = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", self.sink), daemon=True)
                 t.start()
                 self._pumps.append(t)
 
@@ -185,6 +302,7 @@ class LocalLauncher:
         self._signal_all(signal.SIGKILL)  # also reaps grandchildren that ignored SIGTERM
         for p in self.procs:
             p.wait()
+        self._release_watchdog()
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -220,6 +338,9 @@ class LocalLauncher:
             time.sleep(0.05)
 
     def _finish(self, code: int, failed: RankExit | None, msg: str) -> LaunchResult:
+        for p in self.procs:  # all exited (or were stopped): reaping them first makes the watchdog's "done" true
+            p.wait()
+        self._release_watchdog()
         for t in self._pumps:
             t.join(timeout=2)
         return LaunchResult(code, failed, msg)
@@ -228,7 +349,8 @@ class LocalLauncher:
         handlers = {}
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            # SIGHUP: the terminal or ssh session went away; stop like SIGTERM rather than die and orphan.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 handlers[sig] = signal.signal(sig, self._on_signal)
             for sig in (signal.SIGUSR1, signal.SIGUSR2):
                 handlers[sig] = signal.signal(sig, self._forward)

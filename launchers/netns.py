@@ -14,20 +14,31 @@ Processes that use the cluster's addresses must run *inside* its namespaces
         subprocess.run(c.wrapper(0) + ["ip", "addr"])
 
 ``down()`` is idempotent and removes whatever a previous, crashed run left behind.
+
+What scaleout creates is recorded before it is created, one JSON file per cluster in ``state_dir()``
+(``/run/scaleout/netns``; $SCALEOUT_NETNS_STATE overrides): namespaces, links, /etc/netns folders and, for
+a launch's private cluster, the launcher's pid. ``down()`` removes only what a record lists, so it never
+touches a namespace or link that something else created under a similar name, and ``down_all()`` (``scaleout
+cluster down --all``) cleans every cluster whose owner is gone, e.g. after a SIGKILLed ``launch --netns``.
+/run is a tmpfs: records vanish at reboot together with the namespaces they describe.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from launchers.watchdog import start_time
 from scaleout.errors import UserError
 
 # tbf needs a bucket of at least rate/HZ; 256 kB and 50 ms queueing are what the notes measured
@@ -38,6 +49,7 @@ TBF_LATENCY = "50ms"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$", re.IGNORECASE)
 _UNIT_BPS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+MAX_NODES = 250  # node i is <subnet>.(i+1) in one /24, next to the bridge side
 
 
 def parse_rate(rate: str | None) -> float | None:
@@ -61,6 +73,41 @@ def _checked(cmd: list[str]) -> subprocess.CompletedProcess:
     return p
 
 
+def state_dir() -> Path:
+    return Path(os.environ.get("SCALEOUT_NETNS_STATE") or "/run/scaleout/netns")
+
+
+def read_records() -> dict[str, dict[str, Any]]:
+    """Every recorded cluster: name -> record. Unreadable files are skipped (never guessed from)."""
+    out = {}
+    for f in sorted(state_dir().glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("name") == f.stem and _NAME.match(f.stem):
+            out[f.stem] = rec
+    return out
+
+
+def owner_alive(rec: dict[str, Any]) -> bool:
+    """A launch's private cluster is in use while its launcher (same pid and start time) runs."""
+    pid = rec.get("owner_pid")
+    return isinstance(pid, int) and start_time(pid) is not None and start_time(pid) == rec.get("owner_start")
+
+
+def down_all() -> tuple[list[str], list[str]]:
+    """Tear down every recorded cluster whose owner is gone. Returns (removed, skipped because in use)."""
+    removed, skipped = [], []
+    for name, rec in read_records().items():
+        if owner_alive(rec):
+            skipped.append(f"{name} (launch pid {rec['owner_pid']} is running)")
+            continue
+        Cluster(int(rec.get("nodes", 1)), None, name=name).down()
+        removed.append(name)
+    return removed, skipped
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
         raise UserError("the emulated cluster (network namespaces + tc) needs root: run as root or with sudo")
@@ -80,8 +127,8 @@ class Cluster:
     _owned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 250:
-            raise UserError(f"--nodes={self.nodes!r}: expected an integer from 1 to 250")
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
+            raise UserError(f"--nodes={self.nodes!r}: expected an integer from 1 to {MAX_NODES}")
         if not _NAME.match(self.name):
             raise UserError(f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with a letter")
         if not re.match(r"^\d{1,3}\.\d{1,3}\.\d{1,3}$", self.subnet):
@@ -116,9 +163,42 @@ class Cluster:
         names = [line.split()[0] for line in out.splitlines() if line.strip()]
         return sorted((n for n in names if re.fullmatch(rf"{self.name}-n\d+", n)), key=lambda n: int(n.rsplit("n", 1)[1]))
 
-    def up(self) -> Cluster:
+    def record_path(self) -> Path:
+        return state_dir() / f"{self.name}.json"
+
+    def _write_record(self, owned: bool) -> None:
+        """Written before anything is created, so that a kill at any point leaves a record of it."""
+        rec = {
+            "name": self.name,
+            "nodes": self.nodes,
+            "namespaces": [self.ns(i) for i in range(self.nodes)],
+            "links": [self.bridge] + [f"{self.name}-v{i}" for i in range(self.nodes)],
+            "etc_netns": [f"/etc/netns/{self.ns(i)}" for i in range(self.nodes)],
+            "owner_pid": os.getpid() if owned else None,
+            "owner_start": start_time(os.getpid()) if owned else None,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        path = self.record_path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec, indent=1))
+        os.replace(tmp, path)
+
+    def up(self, owned: bool = False) -> Cluster:
+        """Create the cluster. ``owned``: it belongs to this process (a launch's private cluster), so
+        ``cluster down --all`` leaves it alone while this process runs."""
         require_root()
-        self.down()  # idempotent: clear leftovers of a crashed run with the same name
+        rec = read_records().get(self.name)
+        if rec is not None and owner_alive(rec) and rec.get("owner_pid") != os.getpid():
+            raise UserError(f"emulated cluster {self.name!r} is in use by launch pid {rec['owner_pid']}")
+        self.down()  # idempotent: clear leftovers of a crashed run with the same name (as recorded)
+        foreign = [n for n in self.existing() if int(n.rsplit("n", 1)[1]) < self.nodes]
+        if foreign:
+            raise UserError(
+                f"network namespace {foreign[0]} exists but scaleout has no record of creating it "
+                f"(in {state_dir()}): remove it yourself (ip netns del {foreign[0]}) or pick another --name"
+            )
+        self._write_record(owned)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -149,15 +229,25 @@ class Cluster:
         return self
 
     def down(self) -> None:
-        """Remove the namespaces (their veth0 and its root-side peer go with them) and the bridge."""
+        """Remove what this cluster's record lists: namespaces (their veth0 and its root-side peer go with
+        them), the bridge, the /etc/netns folders; then the record. Nothing without a record."""
         if os.geteuid() != 0:
             return
-        for ns in self.existing():
-            _ip("netns", "del", ns, check=False)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-        for m in re.finditer(rf"^\d+: ({re.escape(self.name)}-(?:v\d+|br))[@:]", links, re.MULTILINE):
-            _ip("link", "del", m.group(1), check=False)
+        rec = read_records().get(self.name)
+        if rec is None:
+            return
+        present = set(self.existing())
+        for ns in rec.get("namespaces", []):
+            if ns in present and re.fullmatch(rf"{re.escape(self.name)}-n\d+", ns):
+                _ip("netns", "del", ns, check=False)
+        for path in rec.get("etc_netns", []):
+            if re.fullmatch(rf"/etc/netns/{re.escape(self.name)}-n\d+", path):
+                shutil.rmtree(path, ignore_errors=True)
+        links = set(re.findall(r"^\d+: ([^:@\s]+)[@:]", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE))
+        for link in rec.get("links", []):
+            if link in links and re.fullmatch(rf"{re.escape(self.name)}-(?:v\d+|br)", link):
+                _ip("link", "del", link, check=False)
+        self.record_path().unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
         present = self.existing()
@@ -178,7 +268,7 @@ class Cluster:
 
     # -- context manager: teardown always runs (exception, SIGTERM, interpreter exit) ---------------
     def __enter__(self) -> Cluster:
-        self.up()
+        self.up(owned=True)
         self._owned = True
         atexit.register(self._teardown)
         self._old: dict[int, Any] = {}

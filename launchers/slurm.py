@@ -1,7 +1,8 @@
 """The local Slurm cluster (launchers/slurm_local/start.sh, stop.sh) and small helpers to use a Slurm cluster.
 
 ``LocalSlurm`` wraps the shell scripts: a real slurmctld + slurmdbd + four slurmd (emulated nodes n1..n4)
-on this host, state in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm, never the repo). Clients find
+on this host, state in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm, never the repo; it must be
+root's and writable by nobody else, and carry scaleout's marker before anything in it is deleted). Clients find
 it through ``SLURM_CONF``; :meth:`LocalSlurm.env` returns an environment with it set.
 The job helpers (``sbatch``, ``job_state``, ``wait_job``) work on any Slurm cluster.
 """
@@ -45,13 +46,14 @@ class ClusterStatus:
         return "\n".join(lines)
 
 
-def _alive(pidfile: Path) -> int | None:
+def _alive(pidfile: Path, *comms: str) -> int | None:
+    """The PID in ``pidfile`` if that process is alive and runs one of ``comms`` (not a reused PID)."""
     try:
         pid = int(pidfile.read_text().strip())
-        os.kill(pid, 0)
-        return pid
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except (OSError, ValueError):
         return None
+    return pid if comm in comms else None
 
 
 class LocalSlurm:
@@ -78,12 +80,12 @@ class LocalSlurm:
 
     def daemons(self) -> dict[str, int | None]:
         run = self.state / "run"
-        out: dict[str, int | None] = {"munged": _alive(run / "munge" / "munged.pid")}
-        out["mariadbd"] = _alive(run / "mysql.pid")
-        out["slurmdbd"] = _alive(run / "slurmdbd.pid")
-        out["slurmctld"] = _alive(run / "slurmctld.pid")
+        out: dict[str, int | None] = {"munged": _alive(run / "munge" / "munged.pid", "munged")}
+        out["mariadbd"] = _alive(run / "mysql.pid", "mariadbd", "mysqld")
+        out["slurmdbd"] = _alive(run / "slurmdbd.pid", "slurmdbd")
+        out["slurmctld"] = _alive(run / "slurmctld.pid", "slurmctld")
         for n in NODES:
-            out[f"slurmd {n}"] = _alive(run / f"slurmd-{n}.pid")
+            out[f"slurmd {n}"] = _alive(run / f"slurmd-{n}.pid", "slurmd")
         return out
 
     def is_running(self) -> bool:
@@ -120,7 +122,9 @@ class LocalSlurm:
 
     def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
         args = [str(HERE / "stop.sh")] + (["--wipe"] if wipe else [])
-        subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+        p = subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+        if p.returncode != 0:
+            raise UserError(f"local Slurm not stopped (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
 
 
 def can_run_local_slurm() -> str | None:

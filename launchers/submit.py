@@ -4,13 +4,16 @@ Every task (one per GPU) runs ``scaleout <subcommand> ...`` in-process through :
 scheduler's signals reach the training loop directly: scaleout.preempt's handlers replace submitit's
 while training runs, rank 0 checkpoints and calls ``scontrol requeue``, and the requeued job (the same
 pickled RankMain) resumes from the checkpoint. Under the local executor, the submitit variables
-(SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads.
+(SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads, and the rendezvous
+port is one that was free on this machine when the job was submitted (distinct for every job of an
+``--array``), not a hash of the job id.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +47,10 @@ class SubmitSpec:
             raise UserError(f"--gpus-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per GPU)")
         if self.time_min < 1:
             raise UserError(f"--time={self.time_min}: expected minutes >= 1")
+        if not 0 <= self.signal_delay_s < self.time_min * 60:
+            raise UserError(f"--signal-delay={self.signal_delay_s}: expected seconds from 0 to below --time ({self.time_min} min)")
+        if self.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
+            raise UserError(f"--signal={self.signal!r}: expected USR2 (default), USR1, TERM, INT or HUP")
         if self.cluster not in ("auto", "slurm", "local", "debug"):
             raise UserError(f"--cluster={self.cluster!r}: expected auto, slurm, local or debug")
         if len(self.array) > 1:
@@ -69,11 +76,28 @@ def resolve_cluster(cluster: str) -> str:
     return "slurm" if shutil.which("sbatch") is not None else "local"
 
 
-class RankMain:
-    """The callable every task runs: ``scaleout <argv>`` in this process. Picklable (plain data only)."""
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on this host right now: all n sockets are held until every port is known.
+    (Free when chosen, like torchrun's; the job binds its port within seconds.)"""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
-    def __init__(self, argv: Sequence[str]):
+
+class RankMain:
+    """The callable every task runs: ``scaleout <argv>`` in this process. Picklable (plain data only).
+    ``master_port``: the rendezvous port under submitit's local executor (chosen at submission)."""
+
+    def __init__(self, argv: Sequence[str], master_port: int | None = None):
         self.argv = list(argv)
+        self.master_port = master_port
 
     def __call__(self) -> int:
         import submitit
@@ -82,13 +106,15 @@ class RankMain:
 
         env = submitit.JobEnvironment()
         if "SLURM_PROCID" not in os.environ:  # submitit's local executor: speak scaleout's local variables
-            job = str(env.job_id)
+            port = getattr(self, "master_port", None)  # None in a RankMain pickled before ports were chosen
+            if port is None and env.num_tasks > 1:
+                raise RuntimeError("RankMain under submitit's local executor needs master_port (set by submit())")
+            port = port or free_ports(1)[0]  # one task: nobody else needs to know it
             os.environ.update(
                 SCALEOUT_RANK=str(env.global_rank), SCALEOUT_LOCAL_RANK=str(env.local_rank),
                 SCALEOUT_NODE_RANK=str(env.node), SCALEOUT_NNODES=str(env.num_nodes),
                 SCALEOUT_NPROC_PER_NODE=str(env.num_tasks // env.num_nodes),
-                SCALEOUT_WORLD_SIZE=str(env.num_tasks), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(15000 + sum(job.encode()) * 7919 % 20000),
+                SCALEOUT_WORLD_SIZE=str(env.num_tasks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             )
         from scaleout.cli import main
 
@@ -105,7 +131,7 @@ class RankMain:
         the training loop starts): resubmit the same command, which resumes from the latest checkpoint."""
         import submitit
 
-        return submitit.helpers.DelayedSubmission(RankMain(self.argv))
+        return submitit.helpers.DelayedSubmission(RankMain(self.argv, self.master_port))
 
 
 def make_executor(spec: SubmitSpec) -> Any:
@@ -134,18 +160,38 @@ def make_executor(spec: SubmitSpec) -> Any:
     return ex
 
 
+def job_argvs(spec: SubmitSpec) -> list[list[str]]:
+    """The command of every job: one, or one per ``--array`` value."""
+    if not spec.array:
+        return [list(spec.argv)]
+    ((key, values),) = spec.array.items()
+    return [[*spec.argv, f"{key}={v}"] for v in values]
+
+
+def rank_mains(spec: SubmitSpec) -> list[RankMain]:
+    """What every job runs. Slurm: the ranks derive the port from the job id (scaleout.env.readers.SlurmEnv).
+    Locally every job runs on this machine now: each gets its own port, free here."""
+    argvs = job_argvs(spec)
+    local = resolve_cluster(spec.cluster) != "slurm"
+    ports = free_ports(len(argvs)) if local else [None] * len(argvs)
+    return [RankMain(argv, port) for argv, port in zip(argvs, ports, strict=True)]
+
+
 def submit(spec: SubmitSpec) -> list[Any]:
     """Submit one job (or one per ``--array`` value) and return the submitit Job objects."""
+    import submitit
+
     ex = make_executor(spec)
-    if not spec.array:
-        return [ex.submit(RankMain(spec.argv))]
-    (key, values), = spec.array.items()
-    fns = [RankMain([*spec.argv, f"{key}={v}"]) for v in values]
-    if hasattr(ex, "batch"):
-        with ex.batch():
-            jobs = [ex.submit(fn) for fn in fns]
-        return jobs
-    return [ex.submit(fn) for fn in fns]
+    fns = rank_mains(spec)
+    try:
+        if len(fns) > 1 and hasattr(ex, "batch"):
+            with ex.batch():
+                jobs = [ex.submit(fn) for fn in fns]
+            return jobs
+        return [ex.submit(fn) for fn in fns]
+    except submitit.core.utils.FailedJobError as exc:  # sbatch refused: its last words, in one line
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise UserError(f"submission failed: {lines[-1] if lines else exc}") from None
 
 
 def follow(jobs: Sequence[Any], out: Callable[[str], None] = print, poll_s: float = 0.5,

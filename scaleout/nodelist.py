@@ -53,7 +53,9 @@ def _expand_range(spec: str, full: str) -> list[str]:
     return out
 
 
-def _expand_item(item: str, full: str) -> list[str]:
+def _expand_item(item: str, full: str, budget: int) -> list[str]:
+    """One item's hosts; ``budget`` is how many hosts the whole list may still add (checked before the
+    cartesian product is built, so ``n[0-999999]b[0-9]`` never materialises ten million names)."""
     pieces: list[list[str]] = []
     i = 0
     while i < len(item):
@@ -69,6 +71,11 @@ def _expand_item(item: str, full: str) -> list[str]:
             j = len(item) if j < 0 else j
             pieces.append([item[i:j]])
             i = j
+    count = 1
+    for piece in pieces:
+        count *= len(piece)
+        if count > budget:
+            raise NodelistError(f"nodelist {full!r}: more than {_MAX_HOSTS} hosts")
     return ["".join(combo) for combo in itertools.product(*pieces)]
 
 
@@ -83,23 +90,32 @@ def expand_nodelist(nodelist: str) -> list[str]:
     for item in _split_top(text, nodelist):
         if not item:
             raise NodelistError(f"nodelist {nodelist!r}: empty item between commas")
-        hosts.extend(_expand_item(item, nodelist))
+        hosts.extend(_expand_item(item, nodelist, _MAX_HOSTS - len(hosts)))
     return hosts
 
 
 def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
-    """``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` -> ``[2, 2, 2, 1]``."""
-    out: list[int] = []
+    """``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` -> ``[2, 2, 2, 1]``. Node counts are checked against
+    ``nnodes`` (or the host cap) before anything is expanded."""
+    limit = _MAX_HOSTS if nnodes is None else nnodes
+    items: list[tuple[int, int]] = []
     for part in spec.strip().split(","):
-        count, _, rep = part.partition("(x")
+        count, paren, rep = part.partition("(x")
+        if paren and not rep.endswith(")"):
+            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: unclosed '(x' in {part!r} (expected N or N(xR))")
         try:
             n = int(count)
-            r = int(rep.rstrip(")")) if rep else 1
+            r = int(rep[:-1]) if paren else 1
         except ValueError:
             raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r} (expected N or N(xR))") from None
         if n < 0 or r < 1:
             raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r}")
-        out.extend([n] * r)
+        items.append((n, r))
+        total = sum(r for _, r in items)
+        if total > limit:
+            what = f"expected {nnodes}" if nnodes is not None else f"expected at most {_MAX_HOSTS}"
+            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes at least {total} nodes, {what}")
+    out = [n for n, r in items for _ in range(r)]
     if nnodes is not None and len(out) != nnodes:
         raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}")
     return out

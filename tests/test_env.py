@@ -107,9 +107,204 @@ def test_explicit_choice_overrides_detection() -> None:
         ({**SLURM, "SLURM_JOB_NODELIST": "gpu[001-"}, "unclosed"),
         ({**HOROVOD, "HOROVOD_LOCAL_RANK": "2"}, "local rank 2 not in [0, 2)"),
         ({k: v for k, v in LOCAL.items() if k != "SCALEOUT_NNODES"}, "SCALEOUT_NNODES is not set"),
+        ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0: expected an integer >= 1"),
+        ({k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "TORCHELASTIC_RUN_ID")} | {"LOCAL_WORLD_SIZE": "0"},
+         "LOCAL_WORLD_SIZE=0: expected an integer >= 1"),
+        ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000: expected a port from 1 to 65535"),
+        ({**SLURM, "MASTER_PORT": "-5"}, "MASTER_PORT=-5: expected a port from 1 to 65535"),
+        ({**LOCAL, "MASTER_PORT": "0"}, "MASTER_PORT=0: expected a port from 1 to 65535"),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"}, "describes at least 99999999999 nodes, expected 4"),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x3"}, "unclosed '(x'"),
+        ({**SLURM, "SLURM_JOB_NODELIST": "n[0-999999]b[0-9]"}, "more than 1000000 hosts"),
+        ({**HOROVOD, "HOROVOD_GLOO_RENDEZVOUS_PORT": "99999"}, "HOROVOD_GLOO_RENDEZVOUS_PORT=99999: expected a port"),
     ],
 )
 def test_bad_variables_are_one_line_errors(env, needle) -> None:
     with pytest.raises(UserError) as exc:  # EnvironmentError_ or NodelistError
         detect_environment(env).read(env)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_bad_variables_fail_fast() -> None:
+    """A repeat count of 10^11 is refused before anything is expanded (it used to be a MemoryError)."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(UserError):
+        SlurmEnv().read({**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"})
+    with pytest.raises(UserError):
+        SlurmEnv().read({**SLURM, "SLURM_JOB_NODELIST": "n[0-999999]b[0-9]"})
+    assert time.perf_counter() - t0 < 2.0
+
+
+# -- rendezvous ports and addresses ------------------------------------------------------------------
+
+
+def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
+    """Real check: the kernel hands out ephemeral ports from ip_local_port_range (bind to port 0 many
+    times), and the job-id map never lands there, for every job id residue."""
+    import socket
+
+    from scaleout.env.readers import ephemeral_port_low
+
+    low = ephemeral_port_low()
+    socks = []
+    try:
+        for _ in range(200):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        assert min(s.getsockname()[1] for s in socks) >= low  # the file means what the map assumes
+    finally:
+        for s in socks:
+            s.close()
+    ports = {SlurmEnv.port_for_job(j) for j in range(0, 100_000)}
+    assert max(ports) < low and min(ports) >= 1024
+    assert len(ports) == min(100_000, low - SlurmEnv.PORT_BASE)  # the whole span is used: no clustering
+    assert SlurmEnv.port_for_job(17768) < low  # 15000 + 17768 was 32768, the range's first port
+
+
+def test_slurm_port_map_adapts_to_the_range() -> None:
+    assert SlurmEnv.port_for_job(0, 32768) == 15000 and SlurmEnv.port_for_job(17767, 32768) == 32767
+    assert SlurmEnv.port_for_job(17768, 32768) == 15000
+    assert {SlurmEnv.port_for_job(j, 10000) for j in range(20000)} == set(range(1024, 10000))  # a lowered range
+    with pytest.raises(UserError, match="ephemeral port range starts at 1500"):
+        SlurmEnv.port_for_job(1, 1500)
+    s = _spec(SLURM)[1]
+    assert s.master_port == SlurmEnv.port_for_job(4242)
+
+
+def _resolver(table):
+    return lambda host: table.get(host, [])
+
+
+def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
+    """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must publish
+    the address of the interface that routes to the other host (pure functions: no second host here)."""
+    from scaleout.env.readers import master_address
+
+    table = {"node1": ["127.0.1.1"], "node2": ["10.0.0.2"]}
+    toward = {"10.0.0.2": "10.0.0.1"}.get
+    assert master_address(["node1", "node2", "node2"], resolve_fn=_resolver(table), toward_fn=toward) == "10.0.0.1"
+    assert master_address(["node1", "node1"], resolve_fn=_resolver(table), toward_fn=toward) == "127.0.0.1"
+    # the peer does not resolve here: an interface address, never the loopback one
+    ifs = [("lo", "127.0.0.1", True), ("eth0", "10.0.0.1", False)]
+    assert master_address(["node1", "nodeX"], resolve_fn=_resolver(table), toward_fn=toward,
+                          interfaces_fn=lambda: ifs) == "10.0.0.1"
+    with pytest.raises(UserError, match="no non-loopback address found for host 'node1'"):
+        master_address(["node1", "nodeX"], resolve_fn=_resolver(table), toward_fn=toward,
+                       interfaces_fn=lambda: ifs[:1])
+
+
+def test_reachable_address_real_sockets() -> None:
+    """On this machine: the address toward one of its own non-loopback addresses is that address, and the
+    loopback interface is found by its flag."""
+    from scaleout.env.addr import address_toward, interfaces, is_loopback, loopback_interface, reachable_address
+
+    ifs = interfaces()
+    assert any(loop and addr == "127.0.0.1" for _, addr, loop in ifs) and loopback_interface() is not None
+    outside = [addr for _, addr, loop in ifs if addr and not loop]
+    if not outside:
+        pytest.skip("this machine has no non-loopback IPv4 interface")
+    assert address_toward(outside[0]) == outside[0]
+    assert reachable_address([outside[0]]) == outside[0]
+    assert not is_loopback(reachable_address(["no-such-host.invalid"]))
+    assert is_loopback("127.0.1.1") and is_loopback("::ffff:127.0.0.1") and not is_loopback("10.0.0.1")
+
+
+class _KV:
+    """A stand-in for horovodrun's rendezvous HTTP store (horovod is not installed here): PUT stores the body
+    under the path, GET returns it or 404, the behaviour scaleout.env.horovod_kv relies on."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        store = self.store = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self):
+                store[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.end_headers()
+
+            def do_GET(self):
+                if self.path not in store:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(store[self.path])
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_horovod_publishes_rank0_address_and_port() -> None:
+    """Rank 0 need not run on horovodrun's host: its own address travels with the port."""
+    import threading
+
+    from scaleout.env.horovod_kv import exchange_master
+    from scaleout.env.readers import HorovodEnv
+
+    with _KV() as kv:
+        kv_port = kv.server.server_address[1]
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault(1, exchange_master("127.0.0.1", kv_port, 1, timeout_s=30)))
+        t.start()
+        assert exchange_master("127.0.0.1", kv_port, 0, "10.9.8.7", 29400) == ("10.9.8.7", 29400)
+        t.join(30)
+        assert got[1] == ("10.9.8.7", 29400)
+        # Through the reader: two nodes, rank 0 publishes a non-loopback address of its own host.
+        env = {**{k: v for k, v in HOROVOD.items() if not k.startswith("MASTER_")}, "HOROVOD_RANK": "0",
+               "HOROVOD_LOCAL_RANK": "0", "HOROVOD_CROSS_RANK": "0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(kv_port)}
+        reader = HorovodEnv()
+        addr, port = reader.rendezvous(reader.read(env))
+        assert json_of(kv.store["/scaleout/master"]) == {"addr": addr, "port": port}
+        from scaleout.env.addr import is_loopback
+
+        assert not is_loopback(addr) and 1 <= port <= 65535
+        kv.store["/scaleout/master"] = b"garbage"
+        with pytest.raises(UserError, match="holds b'garbage', expected"):
+            exchange_master("127.0.0.1", kv_port, 1, timeout_s=5)
+
+
+def json_of(body: bytes):
+    import json
+
+    return json.loads(body)
+
+
+def test_submit_local_jobs_get_distinct_free_ports() -> None:
+    """Before: 15000 + byte-sum(job id) * 7919 % 20000 took 45 values over 5-digit pids. Now every job of
+    an --array gets its own port, free on this host at submission."""
+    import socket
+
+    from launchers.submit import SubmitSpec, rank_mains
+
+    spec = SubmitSpec(argv=["train", "c.yaml"], gpus_per_node=2, cluster="local",
+                      array={"optim.lr": [str(i) for i in range(16)]})
+    mains = rank_mains(spec)
+    ports = [m.master_port for m in mains]
+    assert len(set(ports)) == 16 and [m.argv[-1] for m in mains] == [f"optim.lr={i}" for i in range(16)]
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free indeed
+    slurm = SubmitSpec(argv=["train", "c.yaml"], cluster="slurm")
+    if shutil_which("sbatch"):
+        assert [m.master_port for m in rank_mains(slurm)] == [None]  # Slurm: derived from the job id
+
+
+def shutil_which(name: str):
+    import shutil
+
+    return shutil.which(name)

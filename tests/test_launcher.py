@@ -116,3 +116,79 @@ def test_smoke_job_two_nodes_two_procs() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 0]   world                : 4 ranks on 2 nodes, ranks per node [2, 2]" in r.stdout
     assert "torus 2x2" in r.stdout and "result               : OK" in r.stdout
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("mode", ["sleep", "ignoreterm"])
+def test_sigkill_of_launcher_leaves_no_rank(tmp_path: Path, mode: str) -> None:
+    """SIGKILL cannot be caught: the watchdog stops every rank and its children (SIGTERM, then SIGKILL
+    after --grace 2 for a rank that ignores SIGTERM)."""
+    proc, pid_dir = _launch(tmp_path, mode)
+    pids = _pids(pid_dir, 4)
+    t0 = time.monotonic()
+    proc.kill()
+    proc.communicate(timeout=30)
+    left = _wait_gone(pids, 20)
+    assert not left, f"processes left behind after SIGKILL of the launcher: {left}"
+    assert time.monotonic() - t0 < 2 + 10  # grace + a loaded 2-core machine
+
+
+def test_sighup_to_launcher_stops_every_child(tmp_path: Path) -> None:
+    """A closed terminal or ssh session sends SIGHUP: the launcher stops the ranks instead of dying."""
+    proc, pid_dir = _launch(tmp_path, "sleep")
+    pids = _pids(pid_dir, 4)
+    proc.send_signal(signal.SIGHUP)
+    code, out, err = _finish(proc)
+    assert code == 128 + signal.SIGHUP
+    assert "received SIGHUP; stopped all 4 ranks" in err
+    assert not _wait_gone(pids, 10)
+
+
+CHATTY = """
+import sys
+line = "x" * 199 + "\\n"
+for i in range(1000):  # 200 kB per rank: more than a pipe holds (64 KiB), so a rank blocks if nobody reads
+    sys.stdout.write(f"{i} {line}")
+sys.stdout.flush()
+"""
+
+
+def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
+    """`scaleout launch ... | head -1`: after head exits, the ranks' output is drained and dropped and the
+    launch ends with the ranks' exit code (before: the pump thread died and the ranks blocked forever)."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    launch = f"{sys.executable} -m scaleout launch --nnodes 1 --nproc-per-node 2 -- {script}"
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "-c", f"{launch} | head -1; echo rc=${{PIPESTATUS[0]}}"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.splitlines()[0].startswith("[rank ") and r.stdout.splitlines()[-1] == "rc=0", r.stdout[-500:]
+    assert "BrokenPipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_default_grace_fits_a_checkpoint() -> None:
+    """torchrun waits 30 s and Slurm's KillWait default is 30 s; the launcher's default matches."""
+    from launchers.local import DEFAULT_GRACE_S
+    from scaleout.cli import build_parser
+
+    assert DEFAULT_GRACE_S == 30.0
+    args = build_parser().parse_args(["launch", "--", "true"])
+    assert args.grace == DEFAULT_GRACE_S
+
+
+def test_local_launch_keeps_gloo_on_loopback(tmp_path: Path) -> None:
+    script = tmp_path / "ifname.py"
+    script.write_text("import os; print('IF', os.environ.get('GLOO_SOCKET_IFNAME'))\n")
+    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--", str(script)], capture_output=True,
+                       text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"})
+    assert r.returncode == 0, r.stderr
+    from scaleout.env.addr import loopback_interface
+
+    assert f"[rank 0] IF {loopback_interface()}" in r.stdout

@@ -149,3 +149,106 @@ def test_teardown_after_sigterm(tmp_path) -> None:
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM and "received SIGTERM" in err
     assert _netns() == before
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(stat))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _start_sleeping_netns_launch(tmp_path, state):
+    """A 2 x 1 --netns launch whose ranks write their pids and sleep; returns (proc, name, rank pid dir)."""
+    import time
+
+    from scaleout.cli.launch import private_cluster_name
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "sleep.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(pids)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(120)\n")
+    env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
+    p = subprocess.Popen([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--netns", "--grace", "1", "--",
+                          str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    name = private_cluster_name(p.pid)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(list(pids.iterdir())) < 2:
+        time.sleep(0.2)
+    assert len(list(pids.iterdir())) == 2, p.stderr.read() if p.poll() is not None else "ranks did not start"
+    assert {f"{name}-n0", f"{name}-n1"} <= _netns() and (state / f"{name}.json").is_file()
+    return p, name, [int(f.read_text()) for f in pids.iterdir()]
+
+
+def _gone(pids, timeout):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+def test_sigkilled_netns_launch_is_cleaned_up(tmp_path) -> None:
+    """SIGKILL of `launch --netns`: its watchdog stops the ranks and removes the private cluster and record."""
+    import time
+
+    state = tmp_path / "state"
+    p, name, ranks = _start_sleeping_netns_launch(tmp_path, state)
+    p.kill()
+    p.wait(timeout=30)
+    assert not _gone(ranks, 30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and ({f"{name}-n0", f"{name}-n1"} & _netns() or (state / f"{name}.json").exists()):
+        time.sleep(0.2)
+    assert not {f"{name}-n0", f"{name}-n1"} & _netns()
+    assert not (state / f"{name}.json").exists()
+    assert not os.path.exists(f"/etc/netns/{name}-n0")
+
+
+def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -> None:
+    """Launcher and watchdog both SIGKILLed: the namespaces stay, and `cluster down --all` removes them from
+    the record; a live launch's cluster and a namespace scaleout did not create are left alone."""
+    state = tmp_path / "state"
+    env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
+    foreign = f"{NAME}f-n0"  # looks like a scaleout namespace, but has no record
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    live = None
+    try:
+        p, name, ranks = _start_sleeping_netns_launch(tmp_path, state)
+        for child in _children(p.pid):
+            if "watchdog.py" in open(f"/proc/{child}/cmdline").read():
+                os.kill(child, 9)
+        p.kill()
+        p.wait(timeout=30)
+        for r in ranks:  # nobody stops them now; they are not what this test is about
+            os.kill(r, 9)
+        assert {f"{name}-n0", f"{name}-n1"} <= _netns()
+        # A cluster whose owner is alive (this test process) must survive --all.
+        monkeypatch.setenv("SCALEOUT_NETNS_STATE", str(state))
+        live = Cluster(1, None, name=f"{NAME}l").__enter__()
+        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--all"], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr
+        assert f"removed 1 ({name})" in r.stdout and f"left running: {NAME}l" in r.stdout, r.stdout
+        assert not {f"{name}-n0", f"{name}-n1"} & _netns()
+        assert not (state / f"{name}.json").exists()
+        assert foreign in _netns() and live.ns(0) in _netns()
+        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}l"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        assert r.returncode == 2 and "belongs to the running launch" in r.stderr and live.ns(0) in _netns()
+        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}f"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        assert r.returncode == 0 and "not created by scaleout, left alone" in r.stdout and foreign in _netns()
+    finally:
+        if live is not None:
+            live.__exit__(None, None, None)
+        subprocess.run(["ip", "netns", "del", foreign], check=False)
+    assert not {live.ns(0), foreign} & _netns()

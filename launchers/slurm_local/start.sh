@@ -7,12 +7,18 @@
 #   --no-install  do not apt-get install missing packages
 # State (configs, spool, logs, database, PID files) lives in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm),
 # never in the repo. Clients need `export SLURM_CONF=$SCALEOUT_SLURM_STATE/etc/slurm.conf`.
+# The state folder must be root's and writable by nobody else; a non-empty folder without scaleout's marker
+# is refused (common.sh). n1..n4 are added to $SCALEOUT_SLURM_HOSTS (default /etc/hosts) as one marked line,
+# which stop.sh removes.
 # Ports: SCALEOUT_SLURM_CTLD_PORT (6817), _DBD_PORT (6819), _DB_PORT (13306), _NODE_PORT (17001..17004).
 # Daemons start with fd 9 (the lock) closed, else they would hold the lock forever.
 # Stop with launchers/slurm_local/stop.sh (by PID). Needs root (Slurm/munge daemons, /etc/hosts).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 S=${SCALEOUT_SLURM_STATE:-/tmp/scaleout-slurm}
+S=${S%/}
+# shellcheck source=common.sh
+. "$HERE/common.sh"
 DBD=1; INSTALL=1
 for a in "$@"; do
   case $a in
@@ -23,6 +29,21 @@ for a in "$@"; do
 done
 case "$S/" in "$(cd "$HERE/../.." && pwd)"/*) echo "start.sh: SCALEOUT_SLURM_STATE=$S is inside the repo; pick a folder outside it" >&2; exit 2 ;; esac
 [ "$(id -u)" = 0 ] || { echo "start.sh: needs root (munged, slurmd, /etc/hosts)" >&2; exit 2; }
+
+# The state folder: created here (root's, 0711: munged wants every folder above its socket searchable by
+# all) or checked; always checked again after mkdir, which would not fail on a folder planted meanwhile.
+if [ ! -e "$S" ] && [ ! -L "$S" ]; then
+  (umask 022; mkdir -p "$(dirname "$S")") && mkdir -m 0711 "$S" && NEWSTATE=1
+fi
+check_state_dir "$S"
+if ! has_marker; then
+  # New, empty but for the test sessions' leases (tests/slurmutil.py), or left by an earlier start.sh.
+  if [ -n "${NEWSTATE:-}" ] || [ -z "$(ls -A "$S" | grep -vxE 'leases|\.lock')" ] || legacy_state; then
+    write_marker
+  else
+    die2 "state folder $S is not empty and has no $MARKER: not a scaleout Slurm state folder (pick a new or empty folder)"
+  fi
+fi
 
 missing=""
 command -v munged >/dev/null || missing="$missing munge"
@@ -37,29 +58,27 @@ if [ -n "$missing" ]; then
   echo "start.sh: apt-get install$missing"
   export DEBIAN_FRONTEND=noninteractive
   # postinst cannot start services here (no systemd): expected, this script starts them.
-  apt-get install -y -q --no-install-recommends $missing >/tmp/scaleout-slurm-apt.log 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $missing >>/tmp/scaleout-slurm-apt.log 2>&1; } \
-    || { echo "start.sh: apt-get install failed, see /tmp/scaleout-slurm-apt.log" >&2; exit 3; }
+  mkdir -p "$S/log"
+  apt-get install -y -q --no-install-recommends $missing >"$S/log/apt.log" 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $missing >>"$S/log/apt.log" 2>&1; } \
+    || { echo "start.sh: apt-get install failed, see $S/log/apt.log" >&2; exit 3; }
 fi
 
-mkdir -p "$S"
 exec 9>"$S/.lock"
 flock -w 120 9 || { echo "start.sh: another start/stop holds $S/.lock" >&2; exit 4; }
 
 export SLURM_CONF=$S/etc/slurm.conf
 NODES="n1 n2 n3 n4"
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 all_idle() { [ "$(sinfo -h -o '%T' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; }
 
-# Already up? (every daemon's PID alive and sinfo answers)
+# Already up? (every daemon's PID file names that daemon of this folder, and sinfo answers)
 up=1
 for f in "$S/run/slurmctld.pid" "$S"/run/slurmd-n{1,2,3,4}.pid "$S/run/munge/munged.pid"; do alive "$f" || up=0; done
 if [ $up = 1 ] && sinfo -h >/dev/null 2>&1; then
   echo "start.sh: already running (SLURM_CONF=$SLURM_CONF)"; exit 0
 fi
 
-# The node names must resolve (MASTER_ADDR = first host of the nodelist); add them once.
-grep -qE '^127\.0\.0\.1[[:space:]].*\bn1 n2 n3 n4\b' /etc/hosts || echo "127.0.0.1 n1 n2 n3 n4" >> /etc/hosts
+hosts_add
 
 mkdir -p "$S/etc" "$S/munge" "$S/run/munge" "$S/spool/ctld" "$S/log" "$S/mysql"
 for n in $NODES; do mkdir -p "$S/spool/d/$n"; done   # pre-created: else "Domain socket directory" noise

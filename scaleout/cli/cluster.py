@@ -13,11 +13,17 @@ One network namespace per node (<name>-n<i>, veth0 = <subnet>.(i+1)/24, no defau
 bridge, with a tc token-bucket limit of --rate on both ends of every node's link. Ranks of one node talk
 over loopback; only cross-node traffic is limited. Needs root. `down` is idempotent.
 
+Everything scaleout creates is recorded first (/run/scaleout/netns/<name>.json), and `down` removes only
+what a record lists. `down --all` removes every recorded cluster whose owner is gone: persistent ones from
+`cluster up` and the private clusters of `launch --netns` runs that were killed (a running launch's
+cluster is left alone).
+
 examples:
   scaleout cluster up --nodes 4 --rate 1gbit
   scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes 64MiB
   scaleout cluster status
   scaleout cluster down
+  scaleout cluster down --all
 """
 
 
@@ -27,19 +33,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="1gbit", help="per-node link rate, tc units (default 1gbit; 'none' = unlimited)")
     p.add_argument("--name", default="so", help="cluster name, prefix of namespaces and links (default so)")
     p.add_argument("--subnet", default="10.77.0", help="first three octets of the node addresses (default 10.77.0)")
+    p.add_argument("--all", action="store_true", help="down: every recorded cluster whose owner is gone")
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.netns import Cluster, require_root
+    from launchers.netns import Cluster, down_all, owner_alive, read_records, require_root
+    from scaleout.errors import UserError
 
+    if args.all and args.action != "down":
+        raise UserError(f"--all goes with `down`, not `{args.action}`")
+    if args.action == "down" and args.all:
+        require_root()
+        removed, skipped = down_all()
+        print(f"scaleout cluster: removed {len(removed)} ({', '.join(removed) or 'none'})"
+              + (f"; left running: {', '.join(skipped)}" if skipped else ""))
+        return 0
     cluster = Cluster(args.nodes, args.rate, name=args.name, subnet=args.subnet)
     if args.action == "up":
         cluster.up()
         print(f"scaleout cluster: {args.nodes} nodes up ({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), rate {args.rate}")
     elif args.action == "down":
         require_root()
+        rec = read_records().get(args.name)
+        if rec is not None and owner_alive(rec):
+            raise UserError(f"cluster {args.name!r} belongs to the running launch pid {rec['owner_pid']}: stop that launch")
         cluster.down()
-        print(f"scaleout cluster: {args.name!r} is down")
+        if rec is not None:
+            print(f"scaleout cluster: {args.name!r} is down")
+        else:
+            unknown = cluster.existing()
+            print(f"scaleout cluster: no cluster {args.name!r} recorded; nothing removed"
+                  + (f" (not created by scaleout, left alone: {', '.join(unknown)})" if unknown else ""))
     else:
         print(json.dumps(cluster.status(), indent=2))
     return 0

@@ -12,7 +12,10 @@ DESCRIPTION = """\
 Start nnodes x nproc-per-node processes on this machine. Each sees its own node rank and local rank
 (scaleout.init() builds the World from them; torchrun's RANK/LOCAL_RANK/WORLD_SIZE are set too).
 Output lines are prefixed with [rank N]. If a rank exits non-zero or is killed, the others are stopped
-(SIGTERM, then SIGKILL after --grace) and the launcher exits non-zero naming the rank.
+(SIGTERM, then SIGKILL after --grace) and the launcher exits non-zero naming the rank. SIGINT, SIGTERM
+and SIGHUP stop every rank the same way; if the launcher is killed outright (SIGKILL, OOM), a watchdog
+process stops the ranks and removes a --netns launch's private cluster. A closed stdout (| head, a dead
+ssh) drops the ranks' output but never blocks them.
 
 examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke
@@ -31,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node (default 1)")
     p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's KillWait and "
+                        "torchrun: time for the trainer's checkpoint)")
     p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--netns", action="store_true", help="run node i's ranks in network namespace i of a private emulated cluster (root)")
@@ -41,19 +46,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.local import launch
+    from launchers.local import check_launch_args, launch
+    from scaleout.errors import UserError
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    if args.netns or args.cluster:
+        from launchers.netns import MAX_NODES
+
+        if args.nnodes > MAX_NODES:
+            raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster")
+    check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
     kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout)
     if args.netns or args.cluster:
         result = _launch_netns(cmd, args, kwargs)
     else:
         result = launch(cmd, args.nnodes, args.nproc_per_node, master_addr=args.master_addr, master_port=args.master_port, **kwargs)
     stream = sys.stdout if result.returncode == 0 else sys.stderr
-    print(f"scaleout launch: {result.message}", file=stream, flush=True)
+    try:
+        print(f"scaleout launch: {result.message}", file=stream, flush=True)
+    except OSError:  # the reader is gone (| head, a closed terminal): the exit code still tells
+        pass
     return result.returncode
+
+
+def private_cluster_name(pid: int) -> str:
+    """'so' + the pid in base 36 (<= 5 characters up to Linux's largest pid, 2^22): unique among running
+    launches, and short enough for Linux's 15-character interface names (<name>-br, <name>-v249)."""
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        pid, r = divmod(pid, 36)
+        out = digits[r] + out
+        if not pid:
+            return f"so{out}"
 
 
 def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
@@ -65,6 +92,7 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
     from launchers.netns import Cluster
     from scaleout.env.base import free_port
 
+    on_orphan: list[list[str]] = []
     if args.cluster:
         cluster = Cluster(args.nnodes, None, name=args.cluster)
         cluster.check_ready(args.nnodes)
@@ -74,7 +102,10 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
         ctx = contextlib.nullcontext(cluster)
     else:
         # A private name per launch, so concurrent launches and a persistent `cluster up` never collide.
-        ctx = Cluster(args.nnodes, args.rate, name=f"so{os.getpid() % 100000}")
+        name = private_cluster_name(os.getpid())
+        ctx = Cluster(args.nnodes, args.rate, name=name)
+        # If this launcher is SIGKILLed, its watchdog removes the private cluster after stopping the ranks.
+        on_orphan.append([sys.executable, "-m", "scaleout", "cluster", "down", "--name", name])
     with ctx as cluster:
         env = {**os.environ, **cluster.rank_env()}
         return launch(
@@ -87,5 +118,6 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
             master_port=args.master_port or free_port("0.0.0.0"),
             env=env,
             node_wrapper=cluster.wrapper,
+            on_orphan=on_orphan,
             **kwargs,
         )

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_lengths(path: str):
+    """Integer sequence lengths from a text file (one per line) or an integer .npy array; one-line errors."""
     from pathlib import Path
 
     import numpy as np
@@ -49,13 +50,28 @@ def _read_lengths(path: str):
     if not p.is_file():
         raise UserError(f"lengths file {path!r} not found")
     if p.suffix == ".npy":
-        arr = np.load(p)
-    else:
         try:
-            arr = np.array([int(x) for x in p.read_text().split()], dtype=np.int64)
-        except ValueError as exc:
-            raise UserError(f"{path}: expected one integer sequence length per line ({exc})") from None
-    return np.asarray(arr, dtype=np.int64).reshape(-1)
+            arr = np.load(p)  # allow_pickle=False: object arrays are refused, never unpickled
+        except (ValueError, OSError, EOFError) as exc:
+            raise UserError(f"lengths file {path!r}: not a readable numeric .npy array ({exc})") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            example = arr.reshape(-1)[:1].tolist()
+            raise UserError(
+                f"lengths file {path!r}: {arr.dtype} array (e.g. {example[0] if example else '?'!r}), expected integer "
+                "sequence lengths (a float array would be truncated silently)"
+            )
+        if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise UserError(f"lengths file {path!r}: length {int(arr.max())} does not fit int64")
+        return np.asarray(arr, dtype=np.int64).reshape(-1)
+    values = []
+    for no, word in enumerate(p.read_text(errors="replace").split(), 1):
+        try:
+            values.append(int(word))
+        except ValueError:
+            raise UserError(f"{path}: item {no} {word!r}: expected one integer sequence length per line") from None
+        if abs(values[-1]) > np.iinfo(np.int64).max:
+            raise UserError(f"{path}: item {no} {word!r}: length does not fit int64")
+    return np.array(values, dtype=np.int64)
 
 
 def run(args: argparse.Namespace) -> int:

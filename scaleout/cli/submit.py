@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.submit import SubmitSpec, follow, parse_array, resolve_cluster, submit
+    from launchers.submit import SubmitSpec, follow, job_argvs, parse_array, resolve_cluster, submit
     from scaleout.errors import UserError
 
     if args.subcommand:
@@ -58,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
         partition=args.partition, time_min=args.time, signal=args.signal, signal_delay_s=args.signal_delay,
         cluster=args.cluster, folder=args.folder, name=args.name, array=parse_array(args.array),
     )
+    # The same checks `scaleout launch` runs, for every job's command and this world, before anything is
+    # queued: a bad config is one line here, not a 256-node job whose every rank fails.
+    from scaleout.cli import preflight
+
+    for job_argv in job_argvs(spec):
+        preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
     jobs = submit(spec)
     where = resolve_cluster(spec.cluster)
     for j in jobs:

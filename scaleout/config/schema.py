@@ -13,19 +13,28 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scaleout.errors import ConfigError
 
+# Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is spawned,
+# instead of an OOM or a fork storm in every rank later. Each is far above anything real: the largest
+# published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k; the largest machines
+# ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
+MAX_WORLD = 1 << 20
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: lr=.inf or step_timeout_s=.inf would pass gt=0 and fail in every rank later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class BertConfig(_Section):
-    vocab_size: int = Field(30522, ge=8)
-    hidden: int = Field(1024, ge=8)
-    layers: int = Field(24, ge=1)
-    heads: int = Field(16, ge=1)
-    intermediate: int = Field(4096, ge=8)
-    max_position: int = Field(512, ge=8)
-    type_vocab_size: int = Field(2, ge=1)
+    vocab_size: int = Field(30522, ge=8, le=1 << 20)
+    hidden: int = Field(1024, ge=8, le=1 << 16)
+    layers: int = Field(24, ge=1, le=1024)
+    heads: int = Field(16, ge=1, le=1024)
+    intermediate: int = Field(4096, ge=8, le=1 << 18)
+    max_position: int = Field(512, ge=8, le=1 << 17)
+    type_vocab_size: int = Field(2, ge=1, le=1024)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
     unpad_mlm_head: bool = True
@@ -43,11 +52,11 @@ class BertConfig(_Section):
 
 class ResNetConfig(_Section):
     depth: Literal[18, 34, 50, 101, 152] = 50
-    width: int = Field(64, ge=4)
-    num_classes: int = Field(1000, ge=2)
-    image_size: int = Field(224, ge=8)
+    width: int = Field(64, ge=4, le=4096)
+    num_classes: int = Field(1000, ge=2, le=1 << 20)
+    image_size: int = Field(224, ge=8, le=8192)
     # Group batch norm: statistics over k ranks (1 = plain BN); record ResNet runs use 2..8.
-    bn_group: int = Field(1, ge=1)
+    bn_group: int = Field(1, ge=1, le=MAX_WORLD)
     zero_init_residual: bool = True
 
 
@@ -62,7 +71,7 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     source: Literal["synthetic", "pydoc", "wikipedia", "imagenet"] = "synthetic"
     path: str | None = None
-    max_seq_len: int = Field(512, ge=8)
+    max_seq_len: int = Field(512, ge=8, le=1 << 17)
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
     max_per_pack: int = Field(3, ge=1)
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0)
@@ -70,14 +79,14 @@ class DataConfig(_Section):
     max_predictions: int = Field(20, ge=1)
     # Copies of the corpus with different masks (Google's create_pretraining_data uses 10).
     dupe_factor: int = Field(5, ge=1)
-    num_workers: int = Field(0, ge=0)
+    num_workers: int = Field(0, ge=0, le=256)  # per rank; 256 = the cores of the largest 2-socket nodes
     # How prefetch workers start. forkserver: forked from a clean single-threaded server process, never
     # from the rank, whose gloo/comm/OpenMP threads make fork() unsafe (see scaleout/train/prefetch.py).
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     prefetch: int = Field(2, ge=1)
     pin_memory: bool = True  # used only when CUDA is present
-    eval_samples: int = Field(256, ge=1)
-    seed: int = 0
+    eval_samples: int = Field(256, ge=1, le=1 << 31)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class OptimConfig(_Section):
@@ -133,19 +142,19 @@ class CommConfig(_Section):
 
 
 class TrainConfig(_Section):
-    global_batch: int = Field(32, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    global_batch: int = Field(32, ge=1, le=1 << 24)
+    grad_accum: int = Field(1, ge=1, le=1 << 16)
     max_steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
     target: float | None = Field(None, gt=0.0)  # eval metric to stop at (MLM accuracy / top-1)
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, le=MAX_SEED)
     deterministic: bool = False
     # Autocast dtype of forward + loss; fp32 master weights and optimizer state; fp16 adds dynamic loss
     # scaling (scaleout/train/precision.py).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     output_dir: str = "runs/latest"
-    init_timeout_s: float = Field(600.0, gt=0.0)  # collectives before the first step completes
-    step_timeout_s: float = Field(120.0, gt=0.0)  # collectives after it (torchtitan's two timeouts)
+    init_timeout_s: float = Field(600.0, gt=0.0, le=MAX_TIMEOUT_S)  # collectives before the first step completes
+    step_timeout_s: float = Field(120.0, gt=0.0, le=MAX_TIMEOUT_S)  # collectives after it (torchtitan's two timeouts)
     progress: bool = True
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
@@ -168,8 +177,8 @@ class CheckpointConfig(_Section):
 class LaunchConfig(_Section):
     env: Literal["auto", "local", "torchrun", "slurm", "mpi", "horovod", "single"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    nnodes: int = Field(1, ge=1)
-    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1, le=MAX_WORLD)
+    nproc_per_node: int = Field(1, ge=1, le=1024)
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=1, le=65535)
 
@@ -193,6 +202,10 @@ class Config(_Section):
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ConfigError(f"world size {world_size}: expected an integer from 1 to {MAX_WORLD}")
+        if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
+            raise ConfigError(f"ranks per node {ranks_per_node}: expected an integer from 1 to the world size {world_size}")
         t = self.train
         per_step = world_size * t.grad_accum
         if t.global_batch % per_step:

@@ -16,10 +16,19 @@ import numpy as np
 
 from scaleout.errors import UserError
 
+# Sequence counts and token totals are int64 in every histogram and packing computation; keeping the totals
+# below 2^62 leaves headroom for the algorithms' own sums (packs x max_len) without wrapping silently.
+MAX_TOTAL = 1 << 62
+
+
+# A histogram is max_len + 1 int64 bins; 2^20 tokens per pack is 8 times the longest context of any
+# published BERT-style packing setup and an 8 MiB histogram, while 10^12 would be an 8 TB allocation.
+MAX_LEN = 1 << 20
+
 
 def check_max_len(max_len: int) -> int:
-    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
-        raise UserError(f"max_len={max_len!r} must be an integer >= 1")
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= MAX_LEN:
+        raise UserError(f"max_len={max_len!r} must be an integer >= 1 and <= {MAX_LEN}")
     return int(max_len)
 
 
@@ -50,11 +59,24 @@ def parse_histogram(text: str, max_len: int | None = None, source: str = "<histo
         pairs[length] = count
     if not pairs or sum(pairs.values()) == 0:
         raise UserError(f"{source}: empty histogram (no 'length count' line with a positive count)")
+    check_totals(pairs, source)
     n = max_len if max_len is not None else max(pairs)
     h = np.zeros(n + 1, dtype=np.int64)
     for length, count in pairs.items():
         h[length] = count
     return h
+
+
+def check_totals(pairs: dict[int, int], source: str) -> None:
+    """Counts and tokens must fit int64 with headroom (Python ints do not wrap; numpy's would)."""
+    sequences = sum(pairs.values())
+    tokens = sum(length * count for length, count in pairs.items())
+    if sequences > MAX_TOTAL or tokens > MAX_TOTAL:
+        big = max(pairs.items(), key=lambda kv: kv[1])
+        raise UserError(
+            f"{source}: {sequences} sequences / {tokens} tokens in total (largest count {big[1]} for length "
+            f"{big[0]}): expected totals below 2^62"
+        )
 
 
 def load_histogram(path: str | os.PathLike[str], max_len: int | None = None) -> np.ndarray:

@@ -73,6 +73,13 @@ def opt_int(env: Mapping[str, str], name: str, source: str) -> int | None:
     return need_int(env, name, source) if env.get(name) not in (None, "") else None
 
 
+def opt_port(env: Mapping[str, str], name: str, source: str) -> int | None:
+    port = opt_int(env, name, source)
+    if port is not None and not 1 <= port <= 65535:
+        raise EnvironmentError_(f"{source} environment: {name}={port}: expected a port from 1 to 65535")
+    return port
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -14,13 +14,29 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from scaleout.env.base import Environment, WorldSpec, free_port, need_int, opt_int
+from scaleout.env.addr import reachable_address
+from scaleout.env.base import Environment, WorldSpec, free_port, need_int, opt_int, opt_port
 from scaleout.errors import EnvironmentError_
 from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 
+# Linux's default net.ipv4.ip_local_port_range is 32768-60999 (Documentation/networking/ip-sysctl.rst);
+# used when /proc does not say.
+_EPHEMERAL_LOW_DEFAULT = 32768
+_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
 
 def _master(env: Mapping[str, str], source: str) -> tuple[str | None, int | None]:
-    return env.get("MASTER_ADDR") or None, opt_int(env, "MASTER_PORT", source)
+    return env.get("MASTER_ADDR") or None, opt_port(env, "MASTER_PORT", source)
+
+
+def ephemeral_port_low(path: str = _PORT_RANGE_FILE) -> int:
+    """Low end of the kernel's ephemeral port range: ports at or above it may already be taken by any
+    outgoing connection of the host, so a fixed rendezvous port must stay below it."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW_DEFAULT
 
 
 class LocalEnv(Environment):
@@ -62,7 +78,11 @@ class TorchrunEnv(Environment):
         n = self.name
         rank = need_int(env, "RANK", n)
         world = need_int(env, "WORLD_SIZE", n)
-        local_size = opt_int(env, "LOCAL_WORLD_SIZE", n) or world
+        local_size = opt_int(env, "LOCAL_WORLD_SIZE", n)
+        local_size = world if local_size is None else local_size
+        for key, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local_size)):
+            if value < 1:
+                raise EnvironmentError_(f"{n} environment: {key}={value}: expected an integer >= 1")
         node_rank = opt_int(env, "GROUP_RANK", n)
         if node_rank is None:
             node_rank = rank // local_size
@@ -96,11 +116,22 @@ class SlurmEnv(Environment):
     def detect(self, env: Mapping[str, str]) -> bool:
         return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
 
+    PORT_BASE = 15000  # above the common service ports (databases, web, X11 at 6000+)
+
     @staticmethod
-    def port_for_job(job_id: int) -> int:
-        # Deterministic so every task agrees without talking; spread over 20000 ports above 15000 so
-        # that concurrent jobs on shared nodes rarely collide.
-        return 15000 + job_id % 20000
+    def port_for_job(job_id: int, ephemeral_low: int | None = None) -> int:
+        """Deterministic, so every task agrees without talking: ``PORT_BASE + job_id % span`` with the
+        span ending just below the ephemeral range (15000..32767 on a default kernel, 17768 ports).
+        Every node reads its own range; the nodes of one cluster share their sysctls, and MASTER_PORT
+        overrides the map where they do not."""
+        low = ephemeral_port_low() if ephemeral_low is None else ephemeral_low
+        base = SlurmEnv.PORT_BASE if low - SlurmEnv.PORT_BASE >= 1024 else 1024
+        if low - base < 1024:
+            raise EnvironmentError_(
+                f"slurm environment: the ephemeral port range starts at {low} ({_PORT_RANGE_FILE}), leaving no "
+                "room for a rendezvous port below it: set MASTER_PORT"
+            )
+        return base + job_id % (low - base)
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
@@ -206,12 +237,20 @@ class MPIEnv(Environment):
         from mpi4py import MPI  # noqa: PLC0415 -- only under mpirun
 
         comm = MPI.COMM_WORLD
+        names = comm.gather(MPI.Get_processor_name(), root=0)  # ~20 bytes per rank, to rank 0 only
         payload = None
         if comm.Get_rank() == 0:
-            addr = spec.master_addr or _routable_address()
+            addr = spec.master_addr or master_address(names)
             payload = (addr, spec.master_port or free_port(addr if addr != "localhost" else "127.0.0.1"))
         addr, port = comm.bcast(payload, root=0)
         return addr, int(port)
+
+
+def master_address(hosts: list[str], **kwargs) -> str:
+    """Rank 0's rendezvous address given every rank's host name (rank 0's first): loopback when the whole
+    job is on rank 0's host, else an address of rank 0's host that routes to the others (never 127.0.1.1)."""
+    peers = sorted(set(hosts) - {hosts[0]})
+    return "127.0.0.1" if not peers else reachable_address(peers, hosts[0], **kwargs)
 
 
 def _mpi_topology() -> tuple[int, int, int, int]:
@@ -233,21 +272,12 @@ def _mpi_topology() -> tuple[int, int, int, int]:
     return out
 
 
-def _routable_address() -> str:
-    import socket
-
-    host = socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return "127.0.0.1"
-
-
 class HorovodEnv(Environment):
     """horovodrun: HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE.
 
     horovodrun's own rendezvous is an HTTP key-value store, not a torch TCPStore; unless MASTER_ADDR/PORT
-    are set, rank 0 publishes a free port through that store (scaleout.horovod handles it).
+    are set, rank 0 publishes its own address and a free port through that store: rank 0 need not run on
+    horovodrun's host (a launch from a login node with ``-H c1:4,c2:4``).
     """
 
     name = "horovod"
@@ -258,8 +288,6 @@ class HorovodEnv(Environment):
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
         addr, port = _master(env, n)
-        if addr is None:
-            addr = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or None
         return WorldSpec(
             rank=need_int(env, "HOROVOD_RANK", n),
             local_rank=need_int(env, "HOROVOD_LOCAL_RANK", n),
@@ -272,19 +300,24 @@ class HorovodEnv(Environment):
             source=n,
             extra={
                 "rendezvous_addr": env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
-                "rendezvous_port": env.get("HOROVOD_GLOO_RENDEZVOUS_PORT"),
+                "rendezvous_port": opt_port(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", n),
             },
         )
 
     def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
         if spec.master_addr is not None and spec.master_port is not None:
             return spec.master_addr, spec.master_port
-        addr, port = spec.extra.get("rendezvous_addr"), spec.extra.get("rendezvous_port")
-        if not addr or not port:
+        kv_addr, kv_port = spec.extra.get("rendezvous_addr"), spec.extra.get("rendezvous_port")
+        if not kv_addr or not kv_port:
             raise EnvironmentError_("horovod environment: set MASTER_ADDR/MASTER_PORT or run under horovodrun --gloo")
-        from scaleout.env.horovod_kv import exchange_port  # noqa: PLC0415
+        from scaleout.env.horovod_kv import exchange_master  # noqa: PLC0415
 
-        return addr, exchange_port(addr, int(port), spec.rank)
+        # Rank 0's own address: the one that routes to horovodrun's host, which every node reaches; loopback
+        # only when the whole job is on one host.
+        mine = None
+        if spec.rank == 0:
+            mine = spec.master_addr or ("127.0.0.1" if spec.num_nodes == 1 else reachable_address([kv_addr]))
+        return exchange_master(kv_addr, kv_port, spec.rank, mine, spec.master_port)
 
 
 class SingleEnv(Environment):
