@@ -26,6 +26,12 @@ from scaleout.train.tasks import Task, build_task, steps_per_epoch
 log = logging.getLogger("scaleout.train")
 
 
+def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
+    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from ``every``),
+    as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
+    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
+
+
 @dataclass
 class TrainResult:
     status: str  # "success" (target reached), "max_steps", "preempted", "aborted"
@@ -93,7 +99,8 @@ class Trainer:
         from scaleout.mlperf import hyperparameters
 
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 steps_per_epoch(self.task, cfg.train.global_batch)))
+                                                 steps_per_epoch(self.task, cfg.train.global_batch),
+                                                 getattr(self.task, "sequences_per_row", None)))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
@@ -233,7 +240,7 @@ class Trainer:
                 status = "preempted"
                 break
             done = step + 1 == max_steps
-            if (step + 1) % cfg.train.eval_every == 0 or done:
+            if eval_due(step + 1, cfg.train.eval_every, cfg.train.eval_start_step) or done:
                 mll.block_stop(epoch_of(self.samples), self.samples)
                 mll.eval_start(epoch_of(self.samples), self.samples)
                 metric = self.task.evaluate(self.task.model)

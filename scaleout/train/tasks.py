@@ -192,7 +192,12 @@ class BertTask(Task):
         # fixed-slot MLM/NSP heads cost a few padded rows; graphs need them, eager/compile need not)
         static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
         self.info["bert_static_shapes"] = bool(static)
-        self.model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)})).to(world.device)
+        model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
+        if cfg.model.init_checkpoint:  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+            from scaleout.models.bert_convert import load_init_checkpoint
+
+            self.info["init_checkpoint"] = load_init_checkpoint(model, cfg.model.init_checkpoint, world.rank == 0)
+        self.model = model.to(world.device)
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
@@ -299,6 +304,8 @@ class ResNetTask(Task):
 
 
 def build_task(cfg: Any, world: Any) -> Task:
+    if cfg.model.init_checkpoint and cfg.model.arch != "bert":
+        raise ConfigError(f"model.init_checkpoint is for BERT (phase-1 weights); model.arch={cfg.model.arch!r}")
     if cfg.model.arch == "bert":
         return BertTask(cfg, world)
     if cfg.model.arch == "resnet":
