@@ -185,3 +185,66 @@ def test_checks_on_every_rank_copy_on_one(tmp_path):
     ref = hf.state_dict()
     assert set(back) == set(ref)
     assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+def test_ckpt_export_loads_into_transformers(tmp_path, capsys):
+    """A real (single-process, synthetic data) training run -> `scaleout ckpt show` and `ckpt export` -> the
+    HF folder loads with BertForPreTraining.from_pretrained (no missing or unexpected keys) and gives the
+    logits of the trained model; the plain .pt loads with torch.load and as model.init_checkpoint."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from scaleout.cli import main as cli_main
+    from scaleout.config import load_config
+
+    run = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "train",
+        "bert_tiny_cpu",
+        "launch.env=single",
+        "data.source=synthetic",
+        "train.global_batch=8",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "data.eval_samples=8",
+        "optim.warmup_steps=1",
+        "optim.total_steps=4",
+        "train.progress=false",
+        "model.bert.activation=gelu_tanh",
+        f"train.output_dir={tmp_path / 'out'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=600, env={**os.environ, "SCALEOUT_ENV": ""})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    ckpt = tmp_path / "ckpt" / "ckpt-00000002.pt"
+    assert cli_main(["ckpt", "show", str(tmp_path)]) == 0  # a run directory: finds ckpt/ inside
+    shown = capsys.readouterr().out
+    assert hashlib.sha256(ckpt.read_bytes()).hexdigest() in shown and "step        2" in shown
+    assert "'activation': 'gelu_tanh'" in shown and "one optimizer state" in shown
+    out = tmp_path / "export"
+    assert cli_main(["ckpt", "export", str(ckpt), "--out", str(out)]) == 0
+    hf, info = transformers.BertForPreTraining.from_pretrained(out / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert hf.config.hidden_act == "gelu_new"
+    hf.eval()
+    plain = torch.load(out / "model_state_dict.pt", weights_only=True)
+    cfg = load_config("bert_tiny_cpu", ["model.bert.activation=gelu_tanh"])
+    m = BertForPreTraining(cfg.model.bert).eval()
+    m.load_state_dict(plain)
+    seqs = synthetic_sequences([20, 7, 33, 11], cfg.model.bert.vocab_size, seed=5)
+    want_mlm, want_nsp = hf_logits(hf, seqs)
+    with torch.no_grad():
+        got = m(build_batch(seqs, [[0, 1, 2], [3]], 128))
+    torch.testing.assert_close(got.mlm_logits, want_mlm, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.nsp_logits, want_nsp.flip(-1), atol=1e-5, rtol=0)
+    fresh = BertForPreTraining(cfg.model.bert)
+    assert load_init_checkpoint(fresh, out / "model_state_dict.pt") == "scaleout"
+    assert all(torch.equal(a, plain[k]) for k, a in fresh.state_dict().items())
+    capsys.readouterr()
+    assert cli_main(["ckpt", "export", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nope does not exist" in err and "\n" not in err

@@ -207,7 +207,8 @@ def to_hf(ours: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]
     out["cls.predictions.decoder.weight"] = ours["word.weight"]
     out["cls.predictions.decoder.bias"] = ours["mlm_bias"]
     out[_NSP[0]], out[_NSP[1]] = ours["nsp.weight"].flip(0), ours["nsp.bias"].flip(0)
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    copies: dict[int, torch.Tensor] = {}  # one copy per source tensor: tied weights stay one tensor on disk
+    return {k: copies.setdefault(id(v), v.detach().clone().contiguous()) for k, v in out.items()}
 
 
 def load_init_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str], copy: bool = True) -> str:

@@ -114,6 +114,7 @@ class Trainer:
             dist.all_gather_object(gathered, opt_state)
             opt_state = gathered
         return {"model": self.task.model.state_dict(), "optimizer": opt_state,
+                "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
                 "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
                 "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped}
 
