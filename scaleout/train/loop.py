@@ -293,6 +293,20 @@ class Trainer:
         dist.all_gather(everyone, digest)
         return all(bool(torch.equal(d, everyone[0])) for d in everyone)
 
+    def _peak_rss_mib(self) -> float | None:
+        """Peak resident memory of the most hungry rank process (ru_maxrss, KiB on Linux), in MiB."""
+        import resource
+
+        import torch.distributed as dist
+
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+        if self.world.world_size > 1:
+            if self.guard.terminating:
+                return None
+            peak = peak.to(self.world.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak.item())
+
     def _report(
         self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
     ) -> Any:
@@ -310,6 +324,7 @@ class Trainer:
         )
         # The fraction of step time spent waiting for data (issue 10 item 5): same steps as the timers.
         data_wait = self.timers.totals.get("data", 0.0) / max(self.timed["seconds"], 1e-12)
+        peak_rss = self._peak_rss_mib()  # a collective (MAX over ranks) unless a peer may be gone
         if world.rank == 0:
             print(report.render(), flush=True)
             print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
@@ -317,7 +332,7 @@ class Trainer:
             if consistent is False:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
-                       "data_wait_fraction": data_wait,
+                       "data_wait_fraction": data_wait, "peak_rss_mib_per_rank_max": peak_rss,
                        "status": self.status, "task": getattr(self.task, "info", {}),
                        "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
                                  "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),
