@@ -347,3 +347,30 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
     assert len(steps_at_eval) == 3  # after steps 3, 5 and 7 (the last); from step 2 it would be 4
     ok, text = check_compliance(out / "mlperf.log", "bert", quality_target=report["achieved"])
     assert ok, text[-3000:]
+
+
+def _open_or_error(world, path, max_len, max_pred):
+    from scaleout.config import load_config
+    from scaleout.data.shard_source import open_shards
+    from scaleout.errors import ConfigError
+
+    cfg = load_config("bert_tiny_cpu", ["data.source=wikipedia", f"data.path={path}", f"data.max_seq_len={max_len}",
+                                        f"data.max_predictions={max_pred}", "train.global_batch=8"])
+    try:
+        open_shards(cfg, world.rank, world.world_size, world.barrier)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_bad_shards_stop_every_rank_with_one_line(built):
+    """A shard with rows longer than data.max_seq_len, found while rank 1 indexes it, stops *both* ranks
+    with the same one-line error (not rank 1 failing while rank 0 waits at the barrier); more mask slots in
+    the file than data.max_predictions is refused before any indexing."""
+    from distutil import run_dist
+
+    root, _ = built
+    out = run_dist(_open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "varlength"), 32, PRED))
+    assert out[0] == out[1] and "data.max_seq_len=32 but part_" in out[0] and "\n" not in out[0]
+    out = run_dist(_open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "fixed"), SEQ, 5))
+    assert out[0] == out[1] and f"data.max_predictions=5 but part_00000_of_00004.hdf5 has {PRED} mask slots" in out[0]

@@ -103,6 +103,10 @@ class ShardReader:
             return ds[int(rows[0]) : int(rows[-1]) + 1]
         return ds[rows] if self._h5 is None else ds[rows.tolist()]
 
+    def mask_slots(self) -> int | None:
+        """Mask slots per sequence of a fixed-layout file (its masked_lm_positions width), else None."""
+        return int(self._dataset("masked_lm_positions").shape[1]) if self.layout == "fixed" else None
+
     # -- lengths (the index is built from these) --------------------------------------------------------
     def row_lengths(self) -> tuple[np.ndarray, list[np.ndarray] | None]:
         """(real tokens per row, per-row sequence lengths for packed rows else None), scanned in chunks."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaleout.errors import ConfigError
+from scaleout.errors import ConfigError, UserError
 
 INDEX_VERSION = 1
 
@@ -94,6 +94,7 @@ class ShardIndex:
         self.base = idx / f"{path.name}.{shard_key(path)}"
         self.meta_path = Path(f"{self.base}.{settings.key(skip)}.meta.json")
         self.packs_path = Path(f"{self.base}.{settings.key(skip)}.packs.npz")
+        self.error_path = Path(f"{self.base}.{settings.key(skip)}.error.txt")
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(real tokens per row, sequences per row for packed shards else None), from the cache or the file."""
@@ -112,6 +113,15 @@ class ShardIndex:
             _atomic(seq, lambda p: np.save(p, nseq))
         _atomic(tok, lambda p: np.save(p, tokens.astype(np.int32)))
         return tokens.astype(np.int32), nseq
+
+    def meta_or_error(self) -> None:
+        """Index the shard; a data error (too long a row, missing fields) is recorded beside the index
+        instead of raised, so the rank still meets the others at the barrier (see :func:`ensure_index`)."""
+        try:
+            self.meta()
+        except UserError as exc:
+            message = str(exc)
+            _atomic(self.error_path, lambda p: p.write_text(message))
 
     def meta(self) -> dict[str, int]:
         if self.meta_path.is_file():
@@ -199,8 +209,9 @@ def ensure_index(
     summary_path = idx / f"summary-{digest}.npz"
     if not summary_path.is_file():
         for s in shards[rank::world]:
-            s.meta()
+            s.meta_or_error()
         barrier()
+        _raise_recorded(shards)  # a bad shard found by any rank stops every rank with the same line
         if rank == 0 and not summary_path.is_file():
             _write_summary(summary_path, shards)
         barrier()
@@ -214,3 +225,11 @@ def _write_summary(path: Path, shards: list[ShardIndex]) -> None:
     metas = [s.meta() for s in shards]
     arrays = {k: np.array([m[k] for m in metas], np.int64) for k in ("packs", "sequences", "tokens", "depth")}
     _atomic(path, lambda p: np.savez(p, **arrays))
+
+
+def _raise_recorded(shards: list[ShardIndex]) -> None:
+    """Raise the first data error any rank recorded for these shards (same file and version only: a
+    replaced shard has another key and is indexed again)."""
+    for s in shards:
+        if s.error_path.is_file():
+            raise ConfigError(s.error_path.read_text().strip())

@@ -220,6 +220,7 @@ def open_shards(cfg: Any, rank: int = 0, world: int = 1, barrier: Any = lambda: 
     split = (root / "train").is_dir() and (root / "eval").is_dir()
     train_files = shard_files(root / "train" if split else root)
     eval_files = shard_files(root / "eval") if split else train_files
+    _check_mask_slots(train_files[0], d.max_predictions)
     plain = PackSettings(d.max_seq_len, "none", 1, d.seed)
     if split:  # MLPerf: a separate eval file (10,000 sequences); index it once, all ranks read the cache
         _, ev_idx = ensure_index(eval_files, [0] * len(eval_files), plain, rank, world, barrier)
@@ -272,3 +273,18 @@ def open_shards(cfg: Any, rank: int = 0, world: int = 1, barrier: Any = lambda: 
         },
     }
     return ShardData(stream, EvalShards(eval_files[: len(ev_rows)], ev_rows, count, rank, world), depth, info)
+
+
+def _check_mask_slots(path: Path, max_predictions: int) -> None:
+    """A fixed-layout shard declares its mask slots per sequence; more than data.max_predictions would fail
+    in the middle of training (vlen layouts are checked row by row by the batch builder)."""
+    reader = ShardReader(path)
+    try:
+        slots = reader.mask_slots()
+    finally:
+        reader.close()
+    if slots is not None and slots > max_predictions:
+        raise ConfigError(
+            f"data.max_predictions={max_predictions} but {path.name} has {slots} mask slots per "
+            f"sequence (MLPerf BERT at 512 tokens: 76)"
+        )
