@@ -305,36 +305,13 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
 
     root, _ = built
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaleout",
-        "launch",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "scaleout",
-        "train",
-        "bert_tiny_cpu",
-        "data.source=wikipedia",
-        f"data.path={root / 'packed'}",
-        f"data.max_seq_len={SEQ}",
-        f"data.max_predictions={PRED}",
-        f"model.bert.vocab_size={VOCAB}",
-        "train.global_batch=16",
-        "train.max_steps=7",
-        "train.eval_start_step=3",
-        "train.eval_every=2",
-        "data.eval_samples=40",
-        "optim.warmup_steps=2",
-        "optim.total_steps=8",
-        "data.num_workers=1",  # the lazy stream is pickled into a prefetch worker, which opens the files itself
-        "train.progress=false",
-        f"train.output_dir={out}",
-        f"checkpoint.dir={tmp_path / 'ckpt'}",
-    ]
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "1", "--nproc-per-node", "2", "--", "scaleout",
+           "train", "bert_tiny_cpu", "data.source=wikipedia", f"data.path={root / 'packed'}",
+           f"data.max_seq_len={SEQ}", f"data.max_predictions={PRED}", f"model.bert.vocab_size={VOCAB}",
+           "train.global_batch=16", "train.max_steps=7", "train.eval_start_step=3", "train.eval_every=2",
+           "data.eval_samples=40", "optim.warmup_steps=2", "optim.total_steps=8",
+           "data.num_workers=1",  # the lazy stream is pickled into a prefetch worker, which opens the files itself
+           "train.progress=false", f"train.output_dir={out}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -74,39 +74,14 @@ def _lazy(root, args: argparse.Namespace) -> float:
     from scaleout.errors import UserError
 
     out = root / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaleout",
-        "launch",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--",
-        "scaleout",
-        "train",
-        "bert_tiny_cpu",
-        "data.source=wikipedia",
-        f"data.path={root}",
-        f"data.max_seq_len={args.max_len}",
-        "data.max_predictions=76",
-        f"data.packing={args.packing}",
-        f"model.bert.max_position={args.max_len}",
-        f"model.bert.vocab_size={args.vocab}",
-        "model.bert.hidden=64",
-        "model.bert.intermediate=128",
-        f"train.global_batch={4 * args.nproc}",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
-        "data.eval_samples=64",
-        "train.progress=false",
-        "train.target=null",
-        f"train.output_dir={out}",
-        "checkpoint.dir=null",
-        "optim.total_steps=null",
-        "optim.warmup_steps=1",
-    ]
+    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "1", "--nproc-per-node", str(args.nproc), "--",
+           "scaleout", "train", "bert_tiny_cpu", "data.source=wikipedia", f"data.path={root}",
+           f"data.max_seq_len={args.max_len}", "data.max_predictions=76", f"data.packing={args.packing}",
+           f"model.bert.max_position={args.max_len}", f"model.bert.vocab_size={args.vocab}",
+           "model.bert.hidden=64", "model.bert.intermediate=128", f"train.global_batch={4 * args.nproc}",
+           f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "data.eval_samples=64",
+           "train.progress=false", "train.target=null", f"train.output_dir={out}", "checkpoint.dir=null",
+           "optim.total_steps=null", "optim.warmup_steps=1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
     if r.returncode != 0:
         raise UserError(f"training run on {root} failed (exit {r.returncode}): {r.stderr.strip()[-400:]}")
