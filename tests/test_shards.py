@@ -351,3 +351,19 @@ def test_bad_shards_stop_every_rank_with_one_line(built):
     assert out[0] == out[1] and "data.max_seq_len=32 but part_" in out[0] and "\n" not in out[0]
     out = run_dist(_open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "fixed"), SEQ, 5))
     assert out[0] == out[1] and f"data.max_predictions=5 but part_00000_of_00004.hdf5 has {PRED} mask slots" in out[0]
+
+
+def test_one_folder_holds_out_its_first_sequences_for_eval(built):
+    """data.path without train/ + eval/: the first data.eval_samples sequences (sorted files, row order) are
+    the eval set, and training never sees them."""
+    root, data = built
+    d = _stream(root / "fixed" / "train", 1, 0, packing="none", batch=8)
+    assert len(d.eval) == 40
+    held = [_key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train[:40]]
+    assert [_key(q.tokens, q.mlm_positions, q.mlm_labels, q.nsp_label) for q in (d.eval[i] for i in range(40))] == held
+    assert d.stream.total == len(data.train) - 40
+    seen = []
+    for step in range(-(-d.stream.total // 8)):
+        b = d.stream.batches(step * 8, 1)[0][0]
+        seen += [k for row in range(b["input_ids"].shape[0]) for k in _sequences_of_row(b, row)]
+    assert not set(held) & set(seen[: d.stream.total])
