@@ -153,23 +153,31 @@ class MLPerfLogger:
 
 
 def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
-                    steps_per_epoch: int | None = None, device: Any = "cpu") -> dict[str, Any]:
+                    steps_per_epoch: int | None = None, sequences_per_row: float | None = None,
+                    device: Any = "cpu") -> dict[str, Any]:
     """The hyper-parameter keys the MLPerf rules require for ``cfg.model.arch`` (BERT/LAMB, ResNet/LARS).
 
     ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use; by default one
     ImageNet-1k epoch at the configured global batch. The precision keys say what runs on ``device``
     (scaleout.train.precision.mlperf_numerics).
+
+    BERT batch sizes are in *sequences*, never packed rows: with packing, ``train.global_batch`` counts
+    rows of up to ``data.max_per_pack`` sequences, and ``sequences_per_row`` (the packing's speed-up,
+    ~2 on Wikipedia) turns rows into sequences the way NVIDIA's packed submissions log it
+    (``global_batch_size = rows x average_packing_rate``, an integer rate: run_pretraining.py
+    ``global_batch_size(args)``, training_results_v2.0+).
     """
     from scaleout.train.precision import mlperf_numerics
 
     t, o, m = cfg.train, cfg.optim, cfg.model
-    micro = t.global_batch // (world_size * t.grad_accum)
+    rate = max(1, round(sequences_per_row)) if m.arch == "bert" and sequences_per_row else 1
+    micro = t.global_batch // (world_size * t.grad_accum) * rate
     # the sharded optimizer reduce-scatters gradients in their own dtype (fp32 master gradients)
     compression = "none" if o.sharded else cfg.comm.compression
     total = o.total_steps or t.max_steps
     common: dict[str, Any] = {
         "seed": t.seed,
-        "global_batch_size": t.global_batch,
+        "global_batch_size": t.global_batch * rate,
         "gradient_accumulation_steps": t.grad_accum,
         "micro_batch_size": max(micro, 1),
         **mlperf_numerics(t.precision, device, compression, m.arch),
@@ -192,7 +200,7 @@ def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
             "opt_learning_rate_warmup_steps": o.warmup_steps,
             "opt_learning_rate_training_steps": total,
             "num_warmup_steps": o.warmup_steps,
-            "start_warmup_step": 0,
+            "start_warmup_step": o.start_warmup_step,
             "max_sequence_length": cfg.data.max_seq_len,
         }
     spe = steps_per_epoch or max(math.ceil(IMAGENET_TRAIN_IMAGES / t.global_batch), 1)

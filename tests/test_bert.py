@@ -245,3 +245,80 @@ def test_static_shape_heads_without_labels_give_a_connected_zero():
     assert float(out.loss.detach()) == 0.0 and int(out.mlm_total) == 0 and int(out.nsp_total) == 0
     out.loss.backward()
     assert static.word.weight.grad is not None
+
+
+# -- the flagship recipe -------------------------------------------------------------------------------
+# NVIDIA's MLPerf Training v0.7 BERT, 256 DGX A100 nodes (mlcommons/training_results_v0.7,
+# NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_256x8x4x1.sh); v1.x 256-node configs keep the
+# optimizer values (with MAX_STEPS=600).
+REF = dict(DGXNNODES=256, DGXNGPU=8, BATCHSIZE=4, GRADIENT_STEPS=1, LR=0.00288293, MAX_STEPS=560, WARMUP_STEPS=287,
+           START_WARMUP_STEP=-76, OPT_LAMB_BETA_1=0.88, OPT_LAMB_BETA_2=0.88, WEIGHT_DECAY_RATE=0.0166629,
+           EVAL_ITER_START_SAMPLES=3047424, EVAL_ITER_SAMPLES=507904)
+
+
+def nvidia_lr(k: int, base: float, warmup: int, total: int, start_warmup: int) -> float:
+    """NVIDIA's LinearWarmupPolyDecayScheduler.get_lr (schedulers.py, training_results_v1.0; end lr 0,
+    degree 1) for the k-th optimizer step (1-based: step() runs before each optimizer step with
+    last_epoch = steps taken + 1). Written from their code, independent of scaleout's schedule."""
+    offset = 1 if start_warmup == 0 else 0
+    mod = k - offset - start_warmup
+    if mod < warmup:
+        return base * mod / (warmup + 1e-6)
+    progress = min((k - offset) / total, 1.0)
+    return base * (1 - progress)
+
+
+def test_flagship_config_is_the_reference_recipe():
+    """configs/bert_large_256x8.yaml against the cited reference: LR at every one of the 560 steps, the
+    global batch in sequences (what the MLPerf log says), and the steps at which it evaluates."""
+    import math
+
+    from scaleout.config.load import load_config
+    from scaleout.mlperf import hyperparameters
+    from scaleout.optim import build_optimizer, build_schedule
+    from scaleout.train.loop import eval_due
+
+    cfg = load_config("bert_large_256x8", [])
+    world = REF["DGXNNODES"] * REF["DGXNGPU"]
+    assert (cfg.launch.nnodes, cfg.launch.nproc_per_node) == (REF["DGXNNODES"], REF["DGXNGPU"])
+    o = cfg.optim
+    assert (o.lr, o.betas, o.weight_decay, o.warmup_steps, o.start_warmup_step, o.total_steps) == (
+        REF["LR"], (REF["OPT_LAMB_BETA_1"], REF["OPT_LAMB_BETA_2"]), REF["WEIGHT_DECAY_RATE"], REF["WARMUP_STEPS"],
+        REF["START_WARMUP_STEP"], REF["MAX_STEPS"])
+    assert cfg.train.max_steps == REF["MAX_STEPS"] and cfg.train.grad_accum == REF["GRADIENT_STEPS"]
+    # schedule: every step's rate, read from a real optimizer driven by the configured scheduler
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg.optim)
+    sched = build_schedule(opt, cfg.optim)
+    for k in range(1, REF["MAX_STEPS"] + 1):
+        want = nvidia_lr(k, REF["LR"], REF["WARMUP_STEPS"], REF["MAX_STEPS"], REF["START_WARMUP_STEP"])
+        assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-8, abs=1e-12), k
+        opt.step()
+        sched.step()
+    # after warm-up the rate is the reference's (decay from step 0), not ~2x it (decay from the end of warm-up)
+    assert nvidia_lr(300, REF["LR"], 287, 560, -76) / REF["LR"] == pytest.approx(1 - 300 / 560)
+    # batch: packed rows x the integer packing rate = the reference's sequences per step; logged as such
+    sequences = REF["BATCHSIZE"] * world
+    wiki = load_histogram_or_skip()
+    rate = pack_histogram(wiki, cfg.data.max_seq_len, cfg.data.max_per_pack, cfg.data.packing).speedup
+    assert cfg.data.packing == "lphp" and round(rate) == 2
+    hp = hyperparameters(cfg, world, "bert_large_256x8.yaml", sequences_per_row=rate)
+    assert hp["global_batch_size"] == sequences == cfg.train.global_batch * 2
+    assert hp["micro_batch_size"] * world == sequences
+    assert (hp["start_warmup_step"], hp["num_warmup_steps"], hp["opt_learning_rate_training_steps"]) == (-76, 287, 560)
+    assert abs(cfg.train.global_batch * rate - sequences) / sequences < 0.002  # real sequences per step
+    # eval cadence: NVIDIA evaluates when samples_trained reaches start + n * interval (run_pretraining.py)
+    ref_steps = [math.ceil(s / sequences) for s in range(REF["EVAL_ITER_START_SAMPLES"], 12_000_000,
+                                                         REF["EVAL_ITER_SAMPLES"]) if s / sequences <= 560]
+    ours = [s for s in range(1, cfg.train.max_steps + 1) if eval_due(s, cfg.train.eval_every, cfg.train.eval_start_step)]
+    assert ref_steps == ours == [372, 434, 496, 558]
+    assert cfg.model.bert.activation == "gelu_tanh" and cfg.model.init_checkpoint
+
+
+def load_histogram_or_skip():
+    from conftest import WIKI_HIST
+
+    from scaleout.data.packing import load_histogram
+
+    if not WIKI_HIST.is_file():
+        pytest.skip(f"{WIKI_HIST} not present")
+    return load_histogram(WIKI_HIST, 512)

@@ -245,6 +245,8 @@ def test_shrunk_bert_256node_script_runs(slurm_cluster, tmp_path):
     # The tiny config, as overrides of the big one; then: the Slurm environment (the tiny config says
     # local), a short run whose target is met at the first eval (this tests the script, not convergence).
     overrides = _flatten("", tiny) + [
+        # keys the big config sets and the tiny one does not: no MLPerf phase-1 weights, eval from the start
+        "model.init_checkpoint=null", "train.eval_start_step=0", "optim.start_warmup_step=0",
         "launch.env=slurm", "train.max_steps=20", "train.eval_every=10", "train.target=0.001",
         f"train.output_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt", "train.progress=false"]
     job = slurm_cluster.sbatch(["-N", "2", "--ntasks-per-node", "2", "-o", f"{tmp_path}/bert-%j.out",

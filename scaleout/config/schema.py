@@ -36,6 +36,9 @@ class BertConfig(_Section):
     max_position: int = Field(512, ge=8, le=1 << 17)
     type_vocab_size: int = Field(2, ge=1, le=1024)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    # gelu: exact (erf), as torch and Hugging Face's "gelu"; gelu_tanh: the tanh approximation of Google's
+    # TF BERT and NVIDIA's MLPerf BERT (HF "gelu_new"), what the MLPerf phase-1 checkpoint was trained with.
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
     # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
     unpad_mlm_head: bool = True
     # Capture-safe forward (no host syncs, static shapes): MLM/NSP heads gather every fixed slot
@@ -64,6 +67,9 @@ class ModelConfig(_Section):
     arch: Literal["bert", "resnet"] = "bert"
     bert: BertConfig = BertConfig()
     resnet: ResNetConfig = ResNetConfig()
+    # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging Face
+    # BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see models/bert_convert.py
+    init_checkpoint: str | None = None
     compile: bool = False  # torch.compile the model
     cuda_graphs: bool = False  # capture the step in a CUDA graph (GPU only; ignored on CPU)
 
@@ -107,6 +113,8 @@ class OptimConfig(_Section):
     end_lr: float = Field(0.0, ge=0.0)
     # Polynomial decay counted from the end of warmup (MLPerf ResNet) or from step 0 (MLPerf BERT).
     decay_from: Literal["warmup", "start"] = "warmup"
+    # NVIDIA's START_WARMUP_STEP (<= 0): warm-up as if that many steps had passed (optim/schedule.py)
+    start_warmup_step: int = Field(0, le=0)
     sharded: bool = False
     # sharded LAMB only: reduce-scatter during backward, all-gather per bucket (apex DistributedFusedLAMB)
     overlap_comm: bool = False
@@ -146,6 +154,9 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, le=1 << 16)
     max_steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
+    # First evaluation after this many steps (0: after eval_every), then every eval_every: NVIDIA's
+    # EVAL_ITER_START_SAMPLES / global batch.
+    eval_start_step: int = Field(0, ge=0)
     target: float | None = Field(None, gt=0.0)  # eval metric to stop at (MLM accuracy / top-1)
     seed: int = Field(1234, ge=0, le=MAX_SEED)
     deterministic: bool = False

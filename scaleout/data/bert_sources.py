@@ -1,18 +1,10 @@
 """Other BERT sample sources: MLPerf Wikipedia shards at a config path, and synthetic data.
 
-**Wikipedia shards** (``data.source: wikipedia``, ``data.path``: a file or a directory of files, read in
-sorted order). The format is MLPerf BERT's pre-processed HDF5 (what the reference's
-``create_pretraining_data.py`` + ``chop_hdf5_files.py`` write), one row per sequence, zero-padded::
-
-    input_ids            int [N, max_seq_len]   token ids after masking
-    input_mask           int [N, max_seq_len]   1 on real tokens (defines the sequence length)
-    segment_ids          int [N, max_seq_len]   0 for [CLS] A [SEP], 1 for B [SEP]
-    masked_lm_positions  int [N, max_pred]      0 = unused slot (position 0 is [CLS], never masked)
-    masked_lm_ids        int [N, max_pred]      original tokens at those positions
-    next_sentence_labels int [N]                1 = random next
-
-``*.hdf5`` / ``*.h5`` need the optional ``h5py`` package; ``*.npz`` files with the same keys need
-nothing (``np.savez(path, input_ids=..., ...)``), which is how the tests write tiny shards.
+**Wikipedia shards** (``data.source: wikipedia``, ``data.path``): MLPerf BERT's pre-processed HDF5 in any of
+the layouts of :mod:`scaleout.data.shard_format` (the reference's fixed-length rows, NVIDIA's varlength or
+packed shards; ``.npz`` with the fixed keys for tiny tests). Training reads them lazily, rank by rank
+(:mod:`scaleout.data.shard_source`); :func:`load_shards` here reads *everything* into memory and is for small
+data sets and tools only.
 
 **Synthetic** samples for throughput runs: random tokens with lengths drawn from a histogram (by
 default every sequence is full length; pass the Wikipedia-512 histogram to get its distribution).
@@ -26,54 +18,26 @@ from pathlib import Path
 import numpy as np
 
 from scaleout.data.pretrain import BertSample
+from scaleout.data.shard_format import KEYS, SUFFIXES, ShardReader, shard_files
 from scaleout.errors import UserError
 
-KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
-SUFFIXES = (".hdf5", ".h5", ".npz")
-
-
-def shard_files(path: str | os.PathLike[str]) -> list[Path]:
-    p = Path(path)
-    if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES)
-    else:
-        raise UserError(f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} files")
-    if not files:
-        raise UserError(f"data.path={path} has no {'/'.join(SUFFIXES)} shards")
-    return files
-
-
-def _read(f: Path) -> dict[str, np.ndarray]:
-    if f.suffix == ".npz":
-        with np.load(f) as z:
-            arrays = {k: z[k] for k in z.files}
-    else:
-        try:
-            import h5py
-        except ImportError:
-            raise UserError(f"{f}: reading HDF5 shards needs h5py (pip install h5py), or convert them to .npz") from None
-        with h5py.File(f, "r") as h:
-            arrays = {k: h[k][()] for k in h.keys()}
-    missing = [k for k in KEYS if k not in arrays]
-    if missing:
-        raise UserError(f"{f}: missing MLPerf BERT fields {missing}; expected {list(KEYS)}")
-    return arrays
+__all__ = ["KEYS", "SUFFIXES", "load_bert_data", "load_shards", "read_length_histogram", "shard_files",
+           "synthetic_samples", "to_bert_sequences"]
 
 
 def load_shards(path: str | os.PathLike[str]) -> list[BertSample]:
-    """Every sequence of every shard, unpadded to its real length, as :class:`BertSample` records."""
+    """Every sequence of every shard, unpadded, as :class:`BertSample` records (MLPerf's NSP convention,
+    1 = random next). Eager: the whole data set in memory -- small data sets and tools, never training."""
     out: list[BertSample] = []
     for f in shard_files(path):
-        a = _read(f)
-        lens = a["input_mask"].astype(bool).sum(1)
-        for i, n in enumerate(lens):
-            pos = a["masked_lm_positions"][i]
-            keep = pos > 0
-            out.append(BertSample(a["input_ids"][i, :n].astype(np.int32), a["segment_ids"][i, :n].astype(np.int32),
-                                  pos[keep].astype(np.int32), a["masked_lm_ids"][i][keep].astype(np.int32),
-                                  int(np.asarray(a["next_sentence_labels"][i]).reshape(-1)[0])))
+        reader = ShardReader(f)
+        try:
+            rows = reader.read(np.arange(reader.rows))
+        finally:
+            reader.close()
+        out.extend(BertSample(np.asarray(q.tokens, np.int32), np.asarray(q.segments, np.int32),
+                              np.asarray(q.mlm_positions, np.int32), np.asarray(q.mlm_labels, np.int32),
+                              1 - int(q.nsp_label)) for row in rows for q in row)
     return out
 
 

@@ -6,11 +6,11 @@
     packed = assign_sequences(s, lengths, seed=0)                          # ids per pack
 
 The pieces live in ``packing_hist`` (histogram files), ``packing_strategy`` (the Strategy and its
-metrics), ``packing_algos`` (the algorithms) and ``packing_assign`` (sequences -> packs); the BERT
+metrics), ``packing_algos`` (the algorithms), ``packing_auto`` (best of them) and ``packing_assign`` (sequences -> packs); the BERT
 batch layout of a pack is :mod:`scaleout.data.bert_batch`.
 """
 
-from scaleout.data.packing_algos import ALGORITHMS, choose_auto, exact_fill_patterns, pack_histogram
+from scaleout.data.packing_algos import ALGORITHMS, exact_fill_patterns, pack_histogram
 from scaleout.data.packing_assign import PackedSequences, assign_sequences
 from scaleout.data.packing_hist import format_histogram, histogram_from_lengths, load_histogram, parse_histogram
 from scaleout.data.packing_strategy import Strategy, speedup_ceiling
@@ -20,7 +20,6 @@ __all__ = [
     "PackedSequences",
     "Strategy",
     "assign_sequences",
-    "choose_auto",
     "exact_fill_patterns",
     "format_histogram",
     "histogram_from_lengths",

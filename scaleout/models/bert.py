@@ -3,7 +3,10 @@
 Contract (shared with the trainer; see docs/packing.md):
 
 ``BertForPreTraining(cfg: scaleout.config.schema.BertConfig)`` -- post-LN BERT (Devlin et al. 2019):
-GELU, LayerNorm eps 1e-12, normal(0, 0.02) init, MLM decoder tied to the word embeddings.
+GELU (``cfg.activation``: exact erf, or the tanh approximation Google's and NVIDIA's BERT use), LayerNorm eps
+1e-12, normal(0, 0.02) init, MLM decoder tied to the word embeddings. NSP class 1 = "B follows A" (the
+batch convention of :mod:`scaleout.data.bert_batch`; Hugging Face and the MLPerf data use class 0).
+Weights from Hugging Face and NVIDIA checkpoints: :mod:`scaleout.models.bert_convert`.
 ``model(batch)`` takes one dict of int64 tensors (build it with :mod:`scaleout.data.bert_batch`):
 
 =================  ========  ===================================================================
@@ -149,11 +152,17 @@ class SelfAttention(nn.Module):
         return self.out(ctx)
 
 
+def activation(cfg: BertConfig) -> nn.Module:
+    """The FFN / MLM-transform nonlinearity: exact GELU or its tanh approximation (HF ``gelu_new``)."""
+    return nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+
+
 class Layer(nn.Module):
     """Post-LN transformer layer: x = LN(x + Attn(x)); x = LN(x + FFN(x)) (original BERT)."""
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
+        self.act = activation(cfg)
         self.attn = SelfAttention(cfg)
         self.ln1 = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
         self.fc1 = nn.Linear(cfg.hidden, cfg.intermediate)
@@ -163,7 +172,7 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None) -> torch.Tensor:
         x = self.ln1(x + self.drop(self.attn(x, mask, varlen)))
-        return self.ln2(x + self.drop(self.fc2(F.gelu(self.fc1(x)))))
+        return self.ln2(x + self.drop(self.fc2(self.act(self.fc1(x)))))
 
 
 class BertForPreTraining(nn.Module):
@@ -181,6 +190,7 @@ class BertForPreTraining(nn.Module):
         self.mlm_ln = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
         self.mlm_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.nsp = nn.Linear(cfg.hidden, 2)
+        self.act = activation(cfg)
         self.apply(self._init)
 
     @staticmethod
@@ -209,7 +219,7 @@ class BertForPreTraining(nn.Module):
         return x
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        t = self.mlm_ln(F.gelu(self.mlm_transform(hidden)))
+        t = self.mlm_ln(self.act(self.mlm_transform(hidden)))
         return F.linear(t, self.word.weight, self.mlm_bias)  # decoder tied to the input embeddings
 
     def forward(self, batch: dict[str, torch.Tensor]) -> BertOutput:

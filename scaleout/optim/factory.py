@@ -58,4 +58,5 @@ def build_optimizer(
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over ``optim.warmup_steps`` then polynomial decay (``power``) to ``end_lr`` at
     ``total_steps``; call ``.step()`` once per optimizer step."""
-    return warmup_poly(optimizer, cfg.warmup_steps, cfg.total_steps, cfg.power, cfg.end_lr, cfg.decay_from)
+    return warmup_poly(optimizer, cfg.warmup_steps, cfg.total_steps, cfg.power, cfg.end_lr, cfg.decay_from,
+                       cfg.start_warmup_step)

@@ -26,6 +26,12 @@ from scaleout.train.tasks import Task, build_task, steps_per_epoch
 log = logging.getLogger("scaleout.train")
 
 
+def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
+    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from ``every``),
+    as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
+    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
+
+
 @dataclass
 class TrainResult:
     status: str  # "success" (target reached), "max_steps", "preempted", "aborted"
@@ -100,7 +106,8 @@ class Trainer:
         from scaleout.mlperf import hyperparameters
 
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 steps_per_epoch(self.task, cfg.train.global_batch), world.device))
+                                                 steps_per_epoch(self.task, cfg.train.global_batch),
+                                                 getattr(self.task, "sequences_per_row", None), world.device))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _state(self, step: int) -> dict[str, Any]:
@@ -109,6 +116,7 @@ class Trainer:
 
         opt_state = self.optimizer.sharded_state()[0] if self.sharded else self.optimizer.state_dict()
         return {"model": self.task.model.state_dict(), "optimizer": opt_state,
+                "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
                 "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
                 "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped,
                 "precision": self.task.precision.state_dict()}
@@ -270,7 +278,7 @@ class Trainer:
                 status = "aborted"
                 break
             done = step + 1 == max_steps
-            if (step + 1) % cfg.train.eval_every == 0 or done:
+            if eval_due(step + 1, cfg.train.eval_every, cfg.train.eval_start_step) or done:
                 mll.block_stop(epoch_of(self.samples), self.samples)
                 mll.eval_start(epoch_of(self.samples), self.samples)
                 metric = self.task.evaluate(self.task.model)
@@ -324,6 +332,20 @@ class Trainer:
         dist.all_gather(everyone, digest)
         return all(bool(torch.equal(d, everyone[0])) for d in everyone)
 
+    def _peak_rss_mib(self) -> float | None:
+        """Peak resident memory of the most hungry rank process (ru_maxrss, KiB on Linux), in MiB."""
+        import resource
+
+        import torch.distributed as dist
+
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+        if self.world.world_size > 1:
+            if self.guard.terminating:
+                return None
+            peak = peak.to(self.world.device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak.item())
+
     def _report(
         self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
     ) -> Any:
@@ -342,6 +364,7 @@ class Trainer:
         )
         # The fraction of step time spent waiting for data, over the steps the timers sampled.
         data_wait = self.timers.mean().get("data", 0.0) / max(self.timers.mean_step(), 1e-12)
+        peak_rss = self._peak_rss_mib()  # a collective (MAX over ranks) unless a peer may be gone
         if world.rank == 0:
             print(report.render(), flush=True)
             print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
@@ -353,7 +376,7 @@ class Trainer:
                 print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
             payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
                        "resumed_from_step": self.resumed_from, "run_id": self.record.get("run_id"),
-                       "data_wait_fraction": data_wait,
+                       "data_wait_fraction": data_wait, "peak_rss_mib_per_rank_max": peak_rss,
                        # breakdown_s: means over the sampled steps (they synchronise the device per phase);
                        # timed.step_s: every timed step, uninstrumented
                        "breakdown_sampling": {"every": self.timers.every, "steps": self.timers.steps,

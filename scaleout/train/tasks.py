@@ -155,6 +155,17 @@ class BertBatches:
         return out
 
 
+class ShardBertBatches:
+    """This rank's BERT micro-batches read lazily from MLPerf shards (scaleout/data/shard_source.py). Data
+    only: it pickles as file paths and per-shard counts, so prefetch workers start in milliseconds."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+        return [MicroBatch(b, None, n, t) for b, n, t in self.stream.batches(position, grad_accum)]
+
+
 class ImageBatches:
     """This rank's image micro-batches on the CPU (decode + augmentation happen here). Data only."""
 
@@ -177,16 +188,48 @@ class BertTask(Task):
 
     def __init__(self, cfg: Any, world: Any):
         from scaleout.data.bert_batch import build_batch
-        from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
-        from scaleout.data.packing_assign import assign_sequences
-        from scaleout.data.packing_hist import histogram_from_lengths
-        from scaleout.data.sampler import ShardedSampler
         from scaleout.models.bert import BertForPreTraining
 
         self.cfg, self.world, d, b = cfg, world, cfg.data, cfg.model.bert
         self.info: dict[str, Any] = {}
         if d.max_seq_len > b.max_position:
             raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}")
+        self.stream: Any = None
+        if d.source == "wikipedia":  # MLPerf shards, read lazily (scaleout/data/shard_source.py)
+            self._open_shards(cfg, world)
+        else:
+            self._load_in_memory(cfg, world)
+        self._build = build_batch
+        # model.bert.static_shapes unset: on exactly when the step is captured in a CUDA graph (the
+        # fixed-slot MLM/NSP heads cost a few padded rows; graphs need them, eager/compile need not)
+        static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
+        self.info["bert_static_shapes"] = bool(static)
+        model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
+        if cfg.model.init_checkpoint:  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+            from scaleout.models.bert_convert import load_init_checkpoint
+
+            self.info["init_checkpoint"] = load_init_checkpoint(model, cfg.model.init_checkpoint, world.rank == 0)
+        self.model = model.to(world.device)
+
+    def _open_shards(self, cfg: Any, world: Any) -> None:
+        """Training stream and eval share from the shard index: nothing per sequence is loaded up front."""
+        from scaleout.data.shard_source import open_shards
+
+        data = open_shards(cfg, world.rank, world.world_size, world.barrier)
+        self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
+        self.rows, self.max_pred = data.stream.total, data.stream.max_pred
+        self.sequences_per_row = data.sequences_per_row
+        self.info["data"], self.info["packing"] = {k: v for k, v in data.info.items() if k != "packing"}, data.info["packing"]
+        self.source = ShardBertBatches(data.stream)
+
+    def _load_in_memory(self, cfg: Any, world: Any) -> None:
+        """pydoc / synthetic: every sequence in memory (small data sets)."""
+        from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
+        from scaleout.data.packing_assign import assign_sequences
+        from scaleout.data.packing_hist import histogram_from_lengths
+        from scaleout.data.sampler import ShardedSampler
+
+        d = cfg.data
         # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds while
         # the others wait, then they load the cache instead of all doing the same minutes of work.
         if world.local_rank == 0:
@@ -211,18 +254,13 @@ class BertTask(Task):
             self.packs = [[i] for i in range(len(self.train_seqs))]
             self.depth = 1
         self.rows = len(self.packs)
+        self.sequences_per_row = sum(len(p) for p in self.packs) / max(self.rows, 1)
         self.pack_tokens = np.array([int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64)
         self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
         self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
-        self._build = build_batch
         self.max_pred = d.max_predictions * self.depth
         self.source = BertBatches(SequenceTable(self.train_seqs), self.packs, self.pack_tokens, self.sampler, d.max_seq_len,
                                   self.max_pred, self.depth)
-        # model.bert.static_shapes unset: on exactly when the step is captured in a CUDA graph (the
-        # fixed-slot MLM/NSP heads cost a few padded rows; graphs need them, eager/compile need not)
-        static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
-        self.info["bert_static_shapes"] = bool(static)
-        self.model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)})).to(world.device)
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
@@ -245,6 +283,8 @@ class BertTask(Task):
         return counts.ratio()
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
+        if self.stream is not None:
+            return self.stream.global_counts(position)
         idx = self.sampler.global_indices(position)
         return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
 
@@ -335,6 +375,8 @@ class ResNetTask(Task):
 def build_task(cfg: Any, world: Any) -> Task:
     from scaleout.train.precision import Precision
 
+    if cfg.model.init_checkpoint and cfg.model.arch != "bert":
+        raise ConfigError(f"model.init_checkpoint is for BERT (phase-1 weights); model.arch={cfg.model.arch!r}")
     tasks = {"bert": BertTask, "resnet": ResNetTask}
     if cfg.model.arch not in tasks:
         raise ConfigError(f"model.arch={cfg.model.arch!r}: expected bert or resnet")
