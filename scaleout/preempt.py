@@ -2,14 +2,15 @@
 
 The contract a training loop follows (docs/launchers.md, "Preemption"):
 
-    guard = preempt.install()                 # once, before the loop (main thread)
+    guard = preempt.install()                 # once, first thing: before the World is built
+    world = scaleout.init()
     for step in ...:
         train_step()
         if guard.should_stop(world):          # every rank, every step (or every k steps, same k on all)
             save_checkpoint()                 # rank 0 writes; all ranks hold the same weights after a step
-            world.barrier()
-            if guard.wants_requeue:
-                preempt.requeue()             # rank 0 only: `scontrol requeue $SLURM_JOB_ID`
+            if guard.wants_requeue and world.rank == 0:
+                preempt.requeue()             # `scontrol requeue $SLURM_JOB_ID`, BEFORE the barrier below
+            world.barrier()                   # releases the other ranks only once the requeue is recorded
             return preempt.EXIT_PREEMPTED
     guard.uninstall()
 
@@ -19,12 +20,22 @@ Two kinds of signal, because schedulers send two kinds:
   the flag: every rank stops after the *same* step, rank 0 checkpoints and requeues. USR2, not USR1:
   NCCL (and some MPI builds) install their own USR1 handler.
 - **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the job is
-  being killed now and peers may already be gone, so no collective is safe; each rank stops at the end of
-  its current step (:attr:`Preemption.terminating` is checked locally) and rank 0 saves the weights of the
-  last completed step within Slurm's KillWait (30 s by default). A requeue by the scheduler brings the job
-  back; the trainer resumes from the checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+  being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves the weights of the
+  last completed step. A requeue by the scheduler brings the job back; the trainer resumes from the
+  checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+
+A notice followed by SIGTERM (the stop and checkpoint outlasted the notice window, and the time limit's
+SIGTERM came) still requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol
+requeue`` of a job that is completing after its limit works (checked on Slurm 22.05: the job came back).
+
+Why rank 0 requeues *before* the barrier that lets the other ranks exit: the production scripts run
+``srun --kill-on-bad-exit=1``, so the first rank to exit 75 makes Slurm kill every other task of the step;
+a rank 0 that had not yet run ``scontrol requeue`` would be killed with them and the job would end instead
+of coming back. Once the requeue is recorded by slurmctld, how the tasks exit no longer matters.
 
 Handlers only set flags (async-signal safe in Python's sense: they run between bytecodes of the main thread).
+Install them before anything slow (the World's rendezvous can take minutes at scale): a notice that arrives
+while a signal still has its default action terminates the process.
 """
 
 from __future__ import annotations
@@ -98,8 +109,10 @@ class Preemption:
 
     @property
     def wants_requeue(self) -> bool:
-        """After a notice the job asks to be requeued itself; after SIGTERM the scheduler decides."""
-        return not self.terminating
+        """True once a notice was received, even if SIGTERM followed: a time limit's SIGTERM after the notice
+        must not cancel the requeue (Slurm does not requeue a TIMEOUT). SIGTERM alone: the scheduler decides
+        (``scontrol requeue`` from outside has already requeued; ``scancel`` means stop)."""
+        return self.noticed
 
     def should_stop(self, world: Any | None = None) -> bool:
         """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
@@ -181,6 +194,12 @@ def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bo
     job = slurm_job_id(env)
     if job is None:
         return False
+    # Test hook: make rank 0 slow to requeue (tests/test_preempt_slurm.py proves the other ranks wait for it).
+    delay = float(os.environ.get("SCALEOUT_TEST_REQUEUE_DELAY_S", "0") or 0)
+    if delay > 0:
+        import time
+
+        time.sleep(delay)
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         raise UserError(f"cannot requeue Slurm job {job}: scontrol is not on PATH in this task")

@@ -149,6 +149,18 @@ class CheckpointConfig(_Section):
     resume: bool = True
 
 
+class MLPerfConfig(_Section):
+    """What the MLPerf log says about the submission (submission_* keys) and where it also goes."""
+
+    org: str = Field("scaleout", min_length=1)  # submission_org
+    # submission_platform; None = "<nodes>x<ranks per node> <device>" as the World reports it
+    platform: str | None = Field(None, min_length=1)
+    division: Literal["closed", "open"] = "closed"
+    status: Literal["onprem", "cloud", "preview", "research"] = "onprem"  # the checker's allowed values
+    # Also print the :::MLLOG lines on rank 0's stdout (the Slurm log), as NVIDIA's run_and_time.sh does.
+    stdout: bool = False
+
+
 class LaunchConfig(_Section):
     env: Literal["auto", "local", "torchrun", "slurm", "mpi", "horovod", "single"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -165,7 +177,16 @@ class Config(_Section):
     comm: CommConfig = CommConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    mlperf: MLPerfConfig = MLPerfConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _periodic_checkpoints_need_a_dir(self) -> Config:
+        c = self.checkpoint
+        if c.every_steps and not c.dir:
+            raise ValueError(f"checkpoint.every_steps={c.every_steps} needs checkpoint.dir (a directory for the "
+                             "checkpoints); set it, or checkpoint.every_steps=0")
+        return self
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""

@@ -1,9 +1,12 @@
 """Per-step agreement between ranks, and fault injection for tests.
 
-One tiny MAX all-reduce per step carries [non-finite gradients here, stop requested here], so every rank
-takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a rank only
-sees its own shard, so the reduced gradients alone cannot tell everyone), stop (checkpoint, exit) if any
-rank got a preemption notice.
+One tiny MAX all-reduce per step carries [non-finite gradients here, stop requested here, notice received
+here, SIGTERM received here], so every rank takes the same decision: skip the step if any rank saw NaN/Inf
+(with the sharded optimizer a rank only sees its own shard, so the reduced gradients alone cannot tell
+everyone), stop (checkpoint, exit) if any rank was signalled, requeue if any rank got a notice, and leave
+out the optional end-of-run collectives if any rank got SIGTERM. The end of the run uses these agreed
+flags, never a rank's own: a SIGTERM that reached some ranks only, or after the agreement, must not send
+ranks into different collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.distributed as dist
 class StepFlags:
     skip: bool
     stop: bool
+    notice: bool = False  # some rank received a preemption notice (so far)
+    terminate: bool = False  # some rank received SIGTERM (so far)
 
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
@@ -30,11 +35,12 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return bool(torch.isfinite(torch.stack(norms)).all())
 
 
-def agree(world: Any, nonfinite: bool, stop: bool) -> StepFlags:
-    flags = torch.tensor([float(nonfinite), float(stop)], device=world.device)
+def agree(world: Any, nonfinite: bool, stop: bool, notice: bool = False, terminate: bool = False) -> StepFlags:
+    flags = torch.tensor([float(nonfinite), float(stop), float(notice), float(terminate)], device=world.device)
     if world.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return StepFlags(skip=bool(flags[0] > 0), stop=bool(flags[1] > 0))
+    skip, stop_, notice_, term = (bool(v > 0) for v in flags.tolist())  # one device->host copy
+    return StepFlags(skip=skip, stop=stop_, notice=notice_, terminate=term)
 
 
 def injected_nan(step: int, rank: int) -> bool:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from scaleout.log import print0
-from scaleout.train.faults import agree, grads_finite, injected_nan
+from scaleout.train.faults import StepFlags, agree, grads_finite, injected_nan
 from scaleout.train.progress import Progress
 from scaleout.train.tasks import Task, build_task, steps_per_epoch
 
@@ -36,16 +37,20 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml"):
+    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml", guard: Any = None):
         from scaleout.checkpoint import Checkpointer
         from scaleout.mlperf import MLPerfLogger
         from scaleout.timers import Timers
 
         self.cfg, self.world, self.config_file = cfg, world, config_file
+        self.guard = guard  # preempt.Preemption installed by run_training before the World; else by run()
         self.out = Path(cfg.train.output_dir)
         if world.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-        self.mll = MLPerfLogger(self.out / "mlperf.log" if world.rank == 0 else None, rank=world.rank)
+        # Appends: every attempt of a requeued or resubmitted run adds its own init_start..run_stop segment
+        # (scaleout.mlperf.split_attempts); none erases an earlier one.
+        self.mll = MLPerfLogger(self.out / "mlperf.log" if world.rank == 0 else None, rank=world.rank,
+                                stdout=cfg.mlperf.stdout)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
         self.timers = Timers(world.device)
 
@@ -62,7 +67,11 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.task: Task = build_task(cfg, world)
-        self.mll.submission(self.task.benchmark)
+        from scaleout.mlperf import default_platform
+
+        m = cfg.mlperf
+        self.mll.submission(self.task.benchmark, org=m.org, division=m.division, status=m.status,
+                            platform=m.platform or default_platform(world))
         model = self.task.model
         self.sharded = cfg.optim.sharded
         if cfg.model.compile:  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
@@ -175,7 +184,10 @@ class Trainer:
             t.current["backward"] = t.current.get("backward", 0.0) - float(self.model.last_stats.get("exposed_s", 0.0))
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")
-        flags = agree(self.world, nonfinite=not grads_finite(self.params), stop=self.guard.requested)
+        g = self.guard
+        flags = agree(self.world, nonfinite=not grads_finite(self.params), stop=g.requested, notice=g.noticed,
+                      terminate=g.terminating)
+        self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.skip:
             self.skipped += 1
             print0(f"step {step + 1}: non-finite gradients on some rank; every rank skips this step", rank=self.world.rank)
@@ -196,7 +208,10 @@ class Trainer:
         from scaleout.train.prefetch import build_prefetcher
 
         self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
-        self.guard = preempt.install()
+        own_guard = self.guard is None
+        if own_guard:
+            self.guard = preempt.install()
+        self.flags = StepFlags(skip=False, stop=False)
         mll.init_stop()
         world.barrier()
         mll.run_start()
@@ -251,7 +266,10 @@ class Trainer:
         progress.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if not self.guard.terminating:  # under SIGTERM peers may be gone: no collective
+        # Agreed SIGTERM (self.flags, the same on every rank): KillWait is short, leave out the optional
+        # collectives. A rank's own late SIGTERM changes nothing here.
+        hurry = status == "preempted" and self.flags.terminate
+        if not hurry:
             world.barrier()
         ttt = time.perf_counter() - t_start
         mll.train_samples(self.samples)
@@ -263,14 +281,41 @@ class Trainer:
         already = status == "max_steps" and every and (step + 1) % every == 0  # saved inside the loop
         if status in ("success", "max_steps") and self.ckpt is not None and not already:
             self.save(step + 1)
-        consistent = self._weights_consistent() if not self.guard.terminating else None
+        consistent = None if hurry else self._weights_consistent()
         report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
-        self.guard.uninstall()
-        if status == "preempted":
-            if self.guard.wants_requeue and world.rank == 0:
-                preempt.requeue()
-            return TrainResult(status, preempt.EXIT_PREEMPTED, step + 1, metric, report)
-        return TrainResult(status, 0, step + 1, metric, report)
+        code = self._requeue_and_release() if status == "preempted" else 0
+        if own_guard:
+            self.guard.uninstall()
+        return TrainResult(status, code, step + 1, metric, report)
+
+    def _requeue_and_release(self) -> int:
+        """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got a
+        notice, then every rank passes one barrier and exits 75. The barrier comes after the requeue because
+        under ``srun --kill-on-bad-exit=1`` the first rank to exit 75 makes Slurm kill the others: a rank 0
+        still on its way to ``scontrol requeue`` would die with them and the job would end, not come back.
+        Once slurmctld has recorded the requeue, its SIGTERM only sets flags here (handlers stay installed
+        until run_training returns)."""
+        from scaleout import preempt
+        from scaleout.errors import UserError
+
+        world, code = self.world, preempt.EXIT_PREEMPTED
+        if not self.flags.notice:
+            pass  # SIGTERM only: the scheduler decides (its own requeue is done; scancel means stop)
+        elif self.ckpt is None:
+            print0("preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
+                   "requeued (it would start again from step 0)", rank=world.rank)
+        elif world.rank == 0:
+            try:
+                if preempt.requeue():
+                    print(f"requeued Slurm job {preempt.slurm_job_id()}", flush=True)
+            except UserError as exc:
+                print(f"rank 0: {exc}", file=sys.stderr, flush=True)
+                code = 1
+        try:
+            world.barrier()
+        except RuntimeError as exc:  # a peer already gone (killed at the end of KillWait): nothing left to wait for
+            log.warning("rank %d: final barrier after the preemption stop failed: %s", world.rank, exc)
+        return code
 
     def _weights_consistent(self) -> bool:
         """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
@@ -321,11 +366,18 @@ class Trainer:
 def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     import scaleout
+    from scaleout import preempt
 
-    world = scaleout.init(cfg)
+    # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives while
+    # USR2 still has its default action would terminate the rank.
+    guard = preempt.install()
     try:
-        cfg.check_world(world.world_size, world.local_size)
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-        return Trainer(cfg, world, config_file).run()
+        world = scaleout.init(cfg)
+        try:
+            cfg.check_world(world.world_size, world.local_size)
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+            return Trainer(cfg, world, config_file, guard=guard).run()
+        finally:
+            world.close()
     finally:
-        world.close()
+        guard.uninstall()
