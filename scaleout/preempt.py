@@ -183,6 +183,21 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
     return int(value) if value.isdigit() else 0
 
 
+def hold_requeue_for_tests(guard: Preemption) -> None:
+    """Test hook, ``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``, less
+    if its SIGTERM comes first (a stop that outlasted the notice window and met the time limit).
+    tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue under
+    ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still requeues."""
+    raw = os.environ.get("SCALEOUT_TEST_REQUEUE_DELAY_S", "")
+    if not raw:
+        return
+    import time
+
+    deadline = time.monotonic() + float(raw)
+    while time.monotonic() < deadline and not guard.terminating:
+        time.sleep(0.05)
+
+
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
     """Ask Slurm to requeue this job (call from rank 0 only, after the checkpoint is on disk).
 
@@ -194,12 +209,6 @@ def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bo
     job = slurm_job_id(env)
     if job is None:
         return False
-    # Test hook: make rank 0 slow to requeue (tests/test_preempt_slurm.py proves the other ranks wait for it).
-    delay = float(os.environ.get("SCALEOUT_TEST_REQUEUE_DELAY_S", "0") or 0)
-    if delay > 0:
-        import time
-
-        time.sleep(delay)
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         raise UserError(f"cannot requeue Slurm job {job}: scontrol is not on PATH in this task")

@@ -244,6 +244,8 @@ class Trainer:
             progress.update(step, loss, n / max(time.perf_counter() - t0, 1e-9),
                             f"{self.task.metric_name} {metric:.4f}" if metric is not None else "")
             if stop:
+                why = "SIGTERM" if self.flags.terminate else "notice"
+                print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop", rank=world.rank)
                 self.save(step + 1)
                 status = "preempted"
                 break
@@ -305,6 +307,7 @@ class Trainer:
             print0("preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
                    "requeued (it would start again from step 0)", rank=world.rank)
         elif world.rank == 0:
+            preempt.hold_requeue_for_tests(self.guard)
             try:
                 if preempt.requeue():
                     print(f"requeued Slurm job {preempt.slurm_job_id()}", flush=True)
