@@ -24,9 +24,10 @@ Two kinds of signal, because schedulers send two kinds:
   last completed step. A requeue by the scheduler brings the job back; the trainer resumes from the
   checkpoint (``SLURM_RESTART_COUNT`` says how many times).
 
-A notice followed by SIGTERM (the stop and checkpoint outlasted the notice window, and the time limit's
-SIGTERM came) still requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol
-requeue`` of a job that is completing after its limit works (checked on Slurm 22.05: the job came back).
+A notice followed by the time limit's SIGTERM (the stop and checkpoint outlasted the notice window) still
+requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol requeue`` of a job that is
+completing after its limit works (checked on Slurm 22.05: the job came back). A notice followed by any
+other SIGTERM (scancel during the stop) does not: :func:`time_limit_reached` tells them apart.
 
 Why rank 0 requeues *before* the barrier that lets the other ranks exit: the production scripts run
 ``srun --kill-on-bad-exit=1``, so the first rank to exit 75 makes Slurm kill every other task of the step;
@@ -196,6 +197,36 @@ def hold_requeue_for_tests(guard: Preemption) -> None:
     deadline = time.monotonic() + float(raw)
     while time.monotonic() < deadline and not guard.terminating:
         time.sleep(0.05)
+
+
+def _slurm_seconds(text: str) -> int | None:
+    """Slurm durations: ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM`` -> seconds; UNLIMITED and the like -> None."""
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not (days.isdigit() or days == "") or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    if len(parts) == 1:  # minutes
+        parts = [parts[0], "0"]
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + int(days or 0) * 86400
+
+
+def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
+    """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >= TimeLimit).
+
+    Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from a scancel,
+    a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do not requeue)."""
+    job = slurm_job_id(env)
+    scontrol = shutil.which("scontrol")
+    if job is None or scontrol is None:
+        return False
+    proc = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+    fields = dict(part.split("=", 1) for part in proc.stdout.split() if "=" in part)
+    run, limit = _slurm_seconds(fields.get("RunTime", "")), _slurm_seconds(fields.get("TimeLimit", ""))
+    return run is not None and limit is not None and run >= limit
 
 
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:

@@ -48,6 +48,7 @@ def _tiny() -> list[str]:
     from tests.test_slurm import _flatten
 
     tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
+    del tiny["train"]["output_dir"], tiny["checkpoint"]["dir"]  # the script's run directory must stay in charge
     return _flatten("", tiny) + ["launch.env=slurm", "train.progress=false"]
 
 
@@ -62,28 +63,34 @@ def _submit(cluster, tmp: Path, name: str, overrides: list[str], opts: tuple[str
                    *overrides], env=job_env)
 
 
-def _job_processes(job: int) -> dict[int, str]:
-    """pid -> command line of every live process that belongs to Slurm job ``job`` (by its environment)."""
+def _job_processes(job: int) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every live process of Slurm job ``job`` (by its environment)."""
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             env = (d / "environ").read_bytes().split(b"\0")
-            if f"SLURM_JOB_ID={job}".encode() in env and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            state, ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if f"SLURM_JOB_ID={job}".encode() in env and state != "Z":
+                found[int(d.name)] = (int(ppid), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, UnicodeDecodeError):
             continue
     return found
 
 
 def _helpers(job: int) -> dict[int, str]:
-    """The multiprocessing helpers of the job's ranks: forkservers and resource trackers."""
-    return {p: c for p, c in _job_processes(job).items()
-            if "multiprocessing.forkserver" in c or "multiprocessing.resource_tracker" in c}
+    """The ranks' multiprocessing helpers that live as long as the rank: forkservers and resource trackers.
+    (Data workers share the forkserver's command line but are its children; the trainer closes them itself
+    once it has stopped.)"""
+    procs = _job_processes(job)
+    fork = {p for p, (_, cmd) in procs.items() if "multiprocessing.forkserver" in cmd}
+    return {p: cmd for p, (ppid, cmd) in procs.items()
+            if (p in fork and ppid not in fork) or "multiprocessing.resource_tracker" in cmd}
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(900)
 def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_cluster, tmp_path):
     """USR2 to every process of the step (scancel --signal, like --signal=USR2@T) with data.num_workers=2, and
     rank 0 held 20 s before `scontrol requeue`: the forkservers and resource trackers of all 4 ranks are
@@ -98,7 +105,10 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
     try:
         wait_for_text(log, r"checkpoint: step 2 ->", timeout_s=400)
         before = _helpers(job)
-        assert len([c for c in before.values() if "forkserver" in c]) >= 4, before  # one forkserver per rank
+        kinds = sorted("forkserver" if "forkserver" in c else "tracker" for c in before.values())
+        assert kinds == ["forkserver"] * 4 + ["tracker"] * 4, before  # one of each per rank
+        workers = [p for p, (ppid, _) in _job_processes(job).items() if ppid in before]
+        assert len(workers) == 8, workers  # 2 per rank
         slurm_cluster.run(["scancel", "--signal=USR2", str(job)])
         text = wait_for_text(log, r"preemption \(notice\) agreed by every rank", timeout_s=120)
         time.sleep(3)  # checkpoint written; rank 0 now holds its requeue (20 s), the others wait at the barrier
@@ -115,6 +125,7 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(1200)
 def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
     """The real sequence at the end of an allocation: --signal=USR2@60 with a 2-minute limit, the stop holds
     rank 0 until the time limit's SIGTERM arrives (a checkpoint slower than the notice window), and the job is
@@ -137,6 +148,7 @@ def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(1800)
 def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_path):
     """Item 8, the whole path: `sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` with the
     script's own --output (in the submit directory, which exists), MLPerf lines on stdout too;

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -309,9 +310,11 @@ class Trainer:
         elif world.rank == 0:
             preempt.hold_requeue_for_tests(self.guard)
             try:
-                if preempt.requeue():
+                if (self.flags.terminate or self.guard.terminating) and not preempt.time_limit_reached():
+                    print("preemption notice, then SIGTERM before the time limit (scancel?): not requeueing", flush=True)
+                elif preempt.requeue():
                     print(f"requeued Slurm job {preempt.slurm_job_id()}", flush=True)
-            except UserError as exc:
+            except (UserError, OSError, subprocess.SubprocessError) as exc:
                 print(f"rank 0: {exc}", file=sys.stderr, flush=True)
                 code = 1
         try:
