@@ -134,7 +134,7 @@ def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
     log = tmp_path / "tlimit.out"
     job = _submit(slurm_cluster, tmp_path, name,
                   [*_tiny(), "train.max_steps=100000", "train.eval_every=100000", "train.target=null",
-                   "optim.total_steps=100000", "train.global_batch=16"],
+                   "optim.total_steps=100000", "train.global_batch=16", "train.step_timeout_s=300"],
                   opts=("--time=2", "--signal=USR2@60"), env={"SCALEOUT_TEST_REQUEUE_DELAY_S": "200"}, log=log)
     try:
         slurm_cluster.release_requeued(job, restart=1, timeout_s=420)
