@@ -172,7 +172,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
         wait_for_text(outs[0], r"checkpoint: step 4 ->", timeout_s=400)
         slurm_cluster.run(["scontrol", "requeue", str(job)])  # SIGTERM to every task: save, exit; Slurm requeues
         slurm_cluster.release_requeued(job, restart=1, timeout_s=180)
-        wait_for_text(outs[0], r"restart 1(.|\n)*checkpoint: step \d+ ->", timeout_s=400)
+        wait_for_text(outs[0], r"(?s)restart 1.*checkpoint: step \d+ ->", timeout_s=400)
         slurm_cluster.run(["scancel", str(job)])  # ends the job for good: resubmitting is the user's move
         assert slurm_cluster.wait(job, timeout_s=120) == "CANCELLED"
         job2 = _submit(slurm_cluster, tmp_path, name, overrides)
@@ -189,6 +189,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
     resumed = [int(s) for s in re.findall(r"resumed from .* at step (\d+)", text)]
     assert len(resumed) == 2 and 4 <= resumed[0] <= resumed[1] < steps, text[-4000:]
     assert f"run dir {tmp_path}/{name}" in text and "restart 1" in text
+    assert re.search(r"2 nodes \(n\[\d-\d\]\), 4 tasks x \d+ CPUs", text), text[:2000]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "success" and report["devices"] == 4 and report["weights_consistent"] is True
     assert report["steps"] == steps - resumed[-1]
