@@ -11,6 +11,13 @@ We build our own ``mllog.MLLogger`` around a private ``logging.Logger`` instead 
 ``config(filename=...)`` adds a file handler to one process-global logger, so two runs in one process
 (tests, a sweep) would write into each other's files.
 
+Attempts: the file is opened for appending, so a requeued (or manually resubmitted) run adds one segment per
+attempt, each from ``cache_clear``/``init_start`` to ``run_stop``, and never erases the log of an earlier
+attempt. The compliance checker takes exactly one run per file (``run_start`` EXACTLY_ONE), as NVIDIA's
+submission scripts write one result file per run; :func:`split_attempts` cuts the file into those runs and
+:func:`check_compliance` checks one of them (the last by default). Each attempt times only itself: an MLPerf
+time-to-train must come from one uninterrupted attempt.
+
 Rulesets: the checker's newest ruleset (6.1.0) no longer lists BERT or ResNet as benchmarks; the newest
 ones that do are 5.0.0 for BERT and 4.0.0 for ResNet (``RULESET``). We still log the keys 6.1.0 made
 mandatory (precision, parallelism, micro batch, config file) so the log is complete under either.
@@ -57,8 +64,8 @@ class MLPerfLogger:
         logger.setLevel(logging.INFO)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handlers.append(logging.FileHandler(self.path, mode="w"))
-        if stdout:
+            self._handlers.append(logging.FileHandler(self.path, mode="a"))
+        if stdout:  # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
             self._handlers.append(logging.StreamHandler(sys.stdout))
         for h in self._handlers:
             logger.addHandler(h)
@@ -152,6 +159,38 @@ class MLPerfLogger:
         self.end("run_stop", metadata=meta)
 
 
+def default_platform(world: Any) -> str:
+    """``submission_platform`` when ``mlperf.platform`` is unset: nodes x ranks per node and the device,
+    as the World reports them (e.g. ``2x2 cpu``, ``256x8 NVIDIA A100-SXM4-80GB``)."""
+    import torch
+
+    dev = torch.device(getattr(world, "device", "cpu"))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return f"{world.num_nodes}x{world.local_size} {name}"
+
+
+def split_attempts(text: str) -> list[str]:
+    """The ``:::MLLOG`` lines of an appended log, one string per attempt. An attempt starts at a
+    ``cache_clear`` (the first event the trainer logs), or at an ``init_start`` once the current attempt
+    has logged anything but ``cache_clear``. Works on a captured stdout too (``mlperf.stdout``): other lines
+    are left out, and a launcher's prefix before ``:::MLLOG`` (``[rank 0] ``) is cut."""
+    attempts: list[list[str]] = []
+    keys: set[str] = set()
+    for raw in text.splitlines():
+        at = raw.find(":::MLLOG")
+        if at < 0:
+            continue
+        line = raw[at:]
+        m = re.search(r'"key":\s*"([^"]+)"', line)
+        key = m.group(1) if m else ""
+        if not attempts or key == "cache_clear" or (key == "init_start" and keys - {"cache_clear"}):
+            attempts.append([])
+            keys = set()
+        attempts[-1].append(line)
+        keys.add(key)
+    return ["\n".join(a) + "\n" for a in attempts]
+
+
 def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
                     steps_per_epoch: int | None = None, sequences_per_row: float | None = None,
                     device: Any = "cpu") -> dict[str, Any]:
@@ -219,8 +258,10 @@ def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
 
 
 def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str | None = None,
-                     quality_target: float | None = None, timeout: float = 120.0) -> tuple[bool, str]:
-    """Run the real ``mlperf_logging.compliance_checker`` on ``path``; returns (passed, output).
+                     quality_target: float | None = None, timeout: float = 120.0,
+                     attempt: int = -1) -> tuple[bool, str]:
+    """Run the real ``mlperf_logging.compliance_checker`` on one attempt of ``path`` (the checker takes one
+    run per file; ``attempt`` indexes :func:`split_attempts`, the last by default); returns (passed, output).
 
     ``quality_target`` runs the unmodified rule files of the ruleset except that the closed-division
     quality threshold (``eval_accuracy`` ATLEAST_ONE_CHECK, 0.720 for BERT) becomes the given value:
@@ -229,14 +270,19 @@ def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str 
     if benchmark not in RULESET:
         raise UserError(f"no MLPerf ruleset known for benchmark '{benchmark}' (expected one of {sorted(RULESET)})")
     ruleset = ruleset or RULESET[benchmark]
+    attempts = split_attempts(Path(path).read_text())
+    if not -len(attempts) <= attempt < len(attempts):
+        raise UserError(f"{path}: attempt {attempt} does not exist (the log holds {len(attempts)} attempt(s))")
     args = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
             "--ruleset", ruleset]
     with tempfile.TemporaryDirectory() as tmp:
         if quality_target is not None:
             args += ["--config", str(_relaxed_rules(Path(tmp), ruleset, benchmark, quality_target))]
-        args += ["--log_output", os.path.join(tmp, "checker.log"), str(path)]
+        one = Path(tmp) / f"attempt-{attempt % len(attempts)}.log"
+        one.write_text(attempts[attempt])
+        args += ["--log_output", os.path.join(tmp, "checker.log"), str(one)]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
+    out = f"attempt {attempt % len(attempts) + 1} of {len(attempts)} in {path}\n" + proc.stdout + proc.stderr
     return proc.returncode == 0 and "SUCCESS" in out, out
 
 

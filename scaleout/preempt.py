@@ -2,14 +2,15 @@
 
 The contract a training loop follows (docs/launchers.md, "Preemption"):
 
-    guard = preempt.install()                 # once, before the loop (main thread)
+    guard = preempt.install()                 # once, first thing: before the World is built
+    world = scaleout.init()
     for step in ...:
         train_step()
         if guard.should_stop(world):          # every rank, every step (or every k steps, same k on all)
             save_checkpoint()                 # rank 0 writes; all ranks hold the same weights after a step
-            world.barrier()
-            if guard.wants_requeue:
-                preempt.requeue()             # rank 0 only: `scontrol requeue $SLURM_JOB_ID`
+            if guard.wants_requeue and world.rank == 0:
+                preempt.requeue()             # `scontrol requeue $SLURM_JOB_ID`, BEFORE the barrier below
+            world.barrier()                   # releases the other ranks only once the requeue is recorded
             return preempt.EXIT_PREEMPTED
     guard.uninstall()
 
@@ -19,12 +20,23 @@ Two kinds of signal, because schedulers send two kinds:
   the flag: every rank stops after the *same* step, rank 0 checkpoints and requeues. USR2, not USR1:
   NCCL (and some MPI builds) install their own USR1 handler.
 - **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the job is
-  being killed now and peers may already be gone, so no collective is safe; each rank stops at the end of
-  its current step (:attr:`Preemption.terminating` is checked locally) and rank 0 saves the weights of the
-  last completed step within Slurm's KillWait (30 s by default). A requeue by the scheduler brings the job
-  back; the trainer resumes from the checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+  being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves the weights of the
+  last completed step. A requeue by the scheduler brings the job back; the trainer resumes from the
+  checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+
+A notice followed by the time limit's SIGTERM (the stop and checkpoint outlasted the notice window) still
+requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol requeue`` of a job that is
+completing after its limit works (checked on Slurm 22.05: the job came back). A notice followed by any
+other SIGTERM (scancel during the stop) does not: :func:`time_limit_reached` tells them apart.
+
+Why rank 0 requeues *before* the barrier that lets the other ranks exit: the production scripts run
+``srun --kill-on-bad-exit=1``, so the first rank to exit 75 makes Slurm kill every other task of the step;
+a rank 0 that had not yet run ``scontrol requeue`` would be killed with them and the job would end instead
+of coming back. Once the requeue is recorded by slurmctld, how the tasks exit no longer matters.
 
 Handlers only set flags (async-signal safe in Python's sense: they run between bytecodes of the main thread).
+Install them before anything slow (the World's rendezvous can take minutes at scale): a notice that arrives
+while a signal still has its default action terminates the process.
 """
 
 from __future__ import annotations
@@ -98,8 +110,10 @@ class Preemption:
 
     @property
     def wants_requeue(self) -> bool:
-        """After a notice the job asks to be requeued itself; after SIGTERM the scheduler decides."""
-        return not self.terminating
+        """True once a notice was received, even if SIGTERM followed: a time limit's SIGTERM after the notice
+        must not cancel the requeue (Slurm does not requeue a TIMEOUT). SIGTERM alone: the scheduler decides
+        (``scontrol requeue`` from outside has already requeued; ``scancel`` means stop)."""
+        return self.noticed
 
     def should_stop(self, world: Any | None = None) -> bool:
         """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
@@ -168,6 +182,51 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     value = env.get("SLURM_RESTART_COUNT", "0")
     return int(value) if value.isdigit() else 0
+
+
+def hold_requeue_for_tests(guard: Preemption) -> None:
+    """Test hook, ``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``, less
+    if its SIGTERM comes first (a stop that outlasted the notice window and met the time limit).
+    tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue under
+    ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still requeues."""
+    raw = os.environ.get("SCALEOUT_TEST_REQUEUE_DELAY_S", "")
+    if not raw:
+        return
+    import time
+
+    deadline = time.monotonic() + float(raw)
+    while time.monotonic() < deadline and not guard.terminating:
+        time.sleep(0.05)
+
+
+def _slurm_seconds(text: str) -> int | None:
+    """Slurm durations: ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM`` -> seconds; UNLIMITED and the like -> None."""
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not (days.isdigit() or days == "") or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    if len(parts) == 1:  # minutes
+        parts = [parts[0], "0"]
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + int(days or 0) * 86400
+
+
+def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
+    """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >= TimeLimit).
+
+    Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from a scancel,
+    a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do not requeue)."""
+    job = slurm_job_id(env)
+    scontrol = shutil.which("scontrol")
+    if job is None or scontrol is None:
+        return False
+    proc = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+    fields = dict(part.split("=", 1) for part in proc.stdout.split() if "=" in part)
+    run, limit = _slurm_seconds(fields.get("RunTime", "")), _slurm_seconds(fields.get("TimeLimit", ""))
+    return run is not None and limit is not None and run >= limit
 
 
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:

@@ -102,3 +102,115 @@ def test_other_ranks_write_nothing_and_bad_status(tmp_path):
     with pytest.raises(UserError, match="'gpt9'"):
         check_compliance(tmp_path / "x.log", "gpt9")
     ml.close()
+
+
+def _keys_and_values(text: str) -> list[tuple[str, object]]:
+    out = []
+    for line in text.splitlines():
+        if ":::MLLOG" in line:
+            rec = json.loads(line[line.index(":::MLLOG") + len(":::MLLOG"):])
+            out.append((rec["key"], rec.get("value")))
+    return out
+
+
+def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
+    """A requeued run's attempts all stay in one appended log; the real checker accepts only one run per file
+    (run_start EXACTLY_ONE), so check_compliance checks one attempt (the last by default)."""
+    import subprocess
+    import sys
+
+    from scaleout.mlperf import split_attempts
+
+    log = tmp_path / "mlperf.log"
+    # attempt 1: preempted before its first evaluation (what the trainer logs for a stop: run_stop aborted)
+    ml = MLPerfLogger(log)
+    ml.cache_clear()
+    ml.init_start()
+    ml.submission("bert")
+    ml.hyperparameters(hyperparameters(_bert_cfg(), world_size=4))
+    ml.init_stop()
+    ml.run_start()
+    ml.block_start(0, 1, 0)
+    ml.run_stop("aborted", samples=64)
+    ml.close()
+    first = log.read_text()
+    _drive(log, _bert_cfg(), "bert", [0.21, 0.41])  # attempt 2, resumed: a new logger on the same file
+    text = log.read_text()
+    assert text.startswith(first), "the second attempt erased the first"
+    attempts = split_attempts(text)
+    assert len(attempts) == 2 and attempts[0] == "".join(ln + "\n" for ln in first.splitlines())
+    assert [k for k, _ in _keys_and_values(attempts[1])][:2] == ["cache_clear", "init_start"]
+
+    whole = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                            "--ruleset", RULESET["bert"], "--log_output", str(tmp_path / "c.log"), str(log)],
+                           capture_output=True, text=True, timeout=120)
+    assert whole.returncode != 0 and "run_start" in whole.stdout + whole.stderr  # two runs in one file
+    ok, out = check_compliance(log, "bert", quality_target=0.40)
+    assert ok and out.startswith("attempt 2 of 2"), out
+    ok, out = check_compliance(log, "bert", quality_target=0.40, attempt=0)
+    assert not ok and "eval_accuracy" in out, out  # the preempted attempt never evaluated: not a result
+    with pytest.raises(UserError, match="attempt 2 does not exist.*2 attempt"):
+        check_compliance(log, "bert", attempt=2)
+
+
+def test_opening_the_log_never_truncates_it(tmp_path):
+    log = tmp_path / "mlperf.log"
+    log.write_text(":::MLLOG {\"key\": \"cache_clear\"}\n")
+    MLPerfLogger(log).close()  # a run that fails in build/resume must not have erased the earlier attempts
+    assert log.read_text() == ":::MLLOG {\"key\": \"cache_clear\"}\n"
+
+
+def test_split_attempts_reads_a_prefixed_stdout_capture():
+    from scaleout.mlperf import split_attempts
+
+    text = "\n".join([
+        "job 7 restart 0", '[rank 0] :::MLLOG {"key": "cache_clear", "value": true}',
+        '[rank 0] :::MLLOG {"key": "init_start", "value": null}', "[rank 0] step 1",
+        '[rank 0] :::MLLOG {"key": "run_stop", "value": null}', "job 7 restart 1",
+        ':::MLLOG {"key": "init_start", "value": null}', ':::MLLOG {"key": "run_stop", "value": null}'])
+    parts = split_attempts(text)
+    assert [[k for k, _ in _keys_and_values(p)] for p in parts] == [
+        ["cache_clear", "init_start", "run_stop"], ["init_start", "run_stop"]]
+    assert all(ln.startswith(":::MLLOG") for p in parts for ln in p.splitlines())
+
+
+def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
+    """The mlperf.* keys reach the log of a real run (one process): defaults first, then changed values."""
+    import os
+    import subprocess
+    import sys
+
+    def train(out, *extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))}
+        return subprocess.run(
+            [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", "launch.env=single", "comm.algorithm=flat",
+             "train.global_batch=8", "train.max_steps=2", "train.eval_every=2", "data.eval_samples=16",
+             "optim.warmup_steps=1", "optim.total_steps=2", "train.progress=false", "checkpoint.dir=null",
+             "checkpoint.every_steps=0", f"train.output_dir={out}", *extra],
+            capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+
+    r = train(tmp_path / "a")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    logged = dict(_keys_and_values((tmp_path / "a" / "mlperf.log").read_text()))
+    assert logged["submission_org"] == "scaleout" and logged["submission_platform"] == "1x1 cpu"
+    assert logged["submission_division"] == "closed" and logged["submission_status"] == "onprem"
+    assert ":::MLLOG" not in r.stdout
+
+    r = train(tmp_path / "b", "mlperf.org=Acme Labs", "mlperf.platform=4xACME-1", "mlperf.division=open",
+              "mlperf.status=research", "mlperf.stdout=true")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    file_events = _keys_and_values((tmp_path / "b" / "mlperf.log").read_text())
+    logged = dict(file_events)
+    assert (logged["submission_org"], logged["submission_platform"]) == ("Acme Labs", "4xACME-1")
+    assert (logged["submission_division"], logged["submission_status"]) == ("open", "research")
+    assert _keys_and_values(r.stdout) == file_events  # the same lines on stdout, as run_and_time.sh prints them
+
+
+def test_mlperf_keys_are_validated():
+    from scaleout.config import load_config
+    from scaleout.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mlperf.status='lab'"):
+        load_config(None, ["mlperf.status=lab"])
+    with pytest.raises(ConfigError, match="mlperf.org=''"):
+        load_config(None, ["mlperf.org="])

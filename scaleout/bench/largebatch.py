@@ -114,7 +114,8 @@ def _train(args: argparse.Namespace, run: dict[str, Any], seed: int | None = Non
             f"train.global_batch={run['batch']}", f"train.max_steps={run['max_steps']}",
             f"optim.total_steps={run['max_steps']}", f"optim.warmup_steps={args.warmup_steps}",
             f"train.target={args.target}", f"train.eval_every={run['eval_every']}", f"train.output_dir={tmp}",
-            "checkpoint.dir=null", "train.progress=false", "comm.algorithm=flat",
+            "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false",
+            "comm.algorithm=flat",
             *([] if seed is None else [f"train.seed={seed}"]),
         ])
         result = run_training(cfg, config_file=str(args.config))

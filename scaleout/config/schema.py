@@ -185,6 +185,18 @@ class CheckpointConfig(_Section):
     resume: bool = True
 
 
+class MLPerfConfig(_Section):
+    """What the MLPerf log says about the submission (submission_* keys) and where it also goes."""
+
+    org: str = Field("scaleout", min_length=1)  # submission_org
+    # submission_platform; None = "<nodes>x<ranks per node> <device>" as the World reports it
+    platform: str | None = Field(None, min_length=1)
+    division: Literal["closed", "open"] = "closed"
+    status: Literal["onprem", "cloud", "preview", "research"] = "onprem"  # the checker's allowed values
+    # Also print the :::MLLOG lines on rank 0's stdout (the Slurm log), as NVIDIA's run_and_time.sh does.
+    stdout: bool = False
+
+
 class LaunchConfig(_Section):
     env: Literal["auto", "local", "torchrun", "slurm", "mpi", "horovod", "single"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
@@ -201,14 +213,15 @@ class Config(_Section):
     comm: CommConfig = CommConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    mlperf: MLPerfConfig = MLPerfConfig()
     launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
-    def _fp16_unscale(self) -> Config:
-        if self.train.precision == "fp16" and self.optim.sharded and self.optim.overlap_comm:
-            raise ValueError("train.precision=fp16 with optim.sharded=true and optim.overlap_comm=true: the "
-                             "overlapped sharded LAMB reduces scaled gradients into its own buffers and cannot "
-                             "unscale them; use optim.overlap_comm=false or train.precision=bf16")
+    def _periodic_checkpoints_need_a_dir(self) -> Config:
+        c = self.checkpoint
+        if c.every_steps and not c.dir:
+            raise ValueError(f"checkpoint.every_steps={c.every_steps} needs checkpoint.dir (a directory for the "
+                             "checkpoints); set it, or checkpoint.every_steps=0")
         return self
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:

@@ -148,6 +148,7 @@ def point_overrides(point: SweepPoint, steps: int, warmup: int, output_dir: str)
         "train.target=null",
         "train.progress=false",
         "checkpoint.dir=null",
+        "checkpoint.every_steps=0",
         f"train.output_dir={output_dir}",
     ]
 

@@ -1,11 +1,14 @@
 """Per-step agreement between ranks, and fault injection for tests.
 
-One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, this rank's
-loss], so every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded
-optimizer a rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16
-the same flag drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank got
-a preemption notice. The flags are 0/1 counts, so SUM > 0 is "any rank" exactly as MAX would be, and the
-same reduction gives the mean loss over ranks for free.
+One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, preemption
+notice received here, SIGTERM received here, this rank's loss, the reducer's unused-parameter census], so
+every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
+rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
+drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was signalled,
+requeue if any rank got a notice, and leave out the optional end-of-run collectives if any rank got
+SIGTERM. The end of the run uses these agreed flags, never a rank's own: a SIGTERM that reached some ranks
+only, or after the agreement, must not send ranks into different collectives. The flags are 0/1 counts,
+so SUM > 0 is "any rank" exactly as MAX would be, and the same reduction gives the mean loss over ranks.
 
 Its result must be read on the host (the decision is Python control flow): that read is the step's one
 device -> host synchronisation. The finiteness check stays on the device until then.
@@ -27,6 +30,8 @@ class StepFlags:
     stop: bool
     loss: float | None = None  # mean over ranks of the step's loss, when one was given
     unused: bool = False  # some parameter got no gradient on any rank (the reducer's census)
+    notice: bool = False  # some rank received a preemption notice (so far)
+    terminate: bool = False  # some rank received SIGTERM (so far)
 
 
 def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
@@ -43,7 +48,7 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
 
 
 def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
-          unused: torch.Tensor | None = None) -> StepFlags:
+          unused: torch.Tensor | None = None, notice: bool = False, terminate: bool = False) -> StepFlags:
     """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others."""
     dev = world.device
 
@@ -52,12 +57,13 @@ def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Te
             return x.detach().reshape(1).to(dev, torch.float32)
         return torch.tensor([float(x)], device=dev)
 
-    flags = torch.cat([one(nonfinite), one(stop), one(0.0 if loss is None else loss), one(0.0 if unused is None else unused)])
+    parts = [nonfinite, stop, notice, terminate, 0.0 if loss is None else loss, 0.0 if unused is None else unused]
+    flags = torch.cat([one(x) for x in parts])
     if world.world_size > 1:
         dist.all_reduce(flags)
-    skip, stop_, total, census = flags.tolist()  # the step's one host read (module docstring)
+    skip, stop_, notice_, term, total, census = flags.tolist()  # the step's one host read (module docstring)
     return StepFlags(skip=skip > 0, stop=stop_ > 0, loss=total / world.world_size if loss is not None else None,
-                     unused=census > 0)
+                     unused=census > 0, notice=notice_ > 0, terminate=term > 0)
 
 
 def injected_nan(step: int, rank: int) -> bool:

@@ -11,6 +11,8 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from scaleout.log import print0
-from scaleout.train.faults import EXIT_ABORTED, agree, injected_nan, nonfinite
+from scaleout.train.faults import EXIT_ABORTED, StepFlags, agree, injected_nan, nonfinite
 from scaleout.train.progress import Progress
 from scaleout.train.tasks import Task, build_task, steps_per_epoch
 
@@ -42,7 +44,8 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml", start: Any = None):
+    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml", start: Any = None,
+                 guard: Any = None):
         from scaleout.checkpoint import Checkpointer
         from scaleout.mlperf import MLPerfLogger
         from scaleout.timers import Timers
@@ -50,14 +53,19 @@ class Trainer:
 
         self.cfg, self.world, self.config_file = cfg, world, config_file
         self.start_info = start if start is not None else decide(cfg)  # the rerun policy (train/rerun.py)
+        self.guard = guard  # preempt.Preemption installed by run_training before the World; else by run()
         self.out = Path(cfg.train.output_dir)
+        kind = self.start_info.kind
         if world.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            if self.start_info.kind != "finished":  # an earlier run's or segment's log and report are kept
-                for name in ("mlperf.log", "report.json"):
-                    set_aside(self.out / name)
-        writes = world.rank == 0 and self.start_info.kind != "finished"  # a finished run's log stays as it is
-        self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank)
+            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
+                set_aside(self.out / "mlperf.log")
+            if kind != "finished":  # an earlier run's or segment's report is kept
+                set_aside(self.out / "report.json")
+        # A resumed run appends: every attempt of a requeued or resubmitted run adds its own
+        # init_start..run_stop segment (scaleout.mlperf.split_attempts); none erases an earlier one.
+        writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
+        self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
         self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
 
@@ -74,7 +82,11 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.task: Task = build_task(cfg, world)
-        self.mll.submission(self.task.benchmark)
+        from scaleout.mlperf import default_platform
+
+        m = cfg.mlperf
+        self.mll.submission(self.task.benchmark, org=m.org, division=m.division, status=m.status,
+                            platform=m.platform or default_platform(world))
         model = self.task.model
         self.sharded = cfg.optim.sharded
         if cfg.model.compile:  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
@@ -201,7 +213,10 @@ class Trainer:
             self.params[0].grad.view(-1)[0] = float("nan")
         reducer = getattr(self.model, "reducer", None)
         census = reducer.census_flag() if reducer is not None else None
-        flags = agree(self.world, nonfinite(self.params), self.guard.requested, total, census)
+        g = self.guard
+        flags = agree(self.world, nonfinite(self.params), g.requested, total, census, notice=g.noticed,
+                      terminate=g.terminating)
+        self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused:
             reducer.check_census()  # the same census everywhere: every rank raises the same error
         prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
@@ -234,7 +249,10 @@ class Trainer:
         from scaleout.train.prefetch import build_prefetcher
 
         self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
-        self.guard = preempt.install()
+        own_guard = self.guard is None
+        if own_guard:
+            self.guard = preempt.install()
+        self.flags = StepFlags(skip=False, stop=False)
         mll.init_stop()
         world.barrier()
         mll.run_start()
@@ -268,6 +286,8 @@ class Trainer:
             progress.update(step, loss, n / max(time.perf_counter() - t0, 1e-9),
                             f"{self.task.metric_name} {metric:.4f}" if metric is not None else "")
             if stop:
+                why = "SIGTERM" if self.flags.terminate else "notice"
+                print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop", rank=world.rank)
                 self.save(step + 1)
                 status = "preempted"
                 break
@@ -296,7 +316,10 @@ class Trainer:
         progress.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if not self.guard.terminating:  # under SIGTERM peers may be gone: no collective
+        # Agreed SIGTERM (self.flags, the same on every rank): KillWait is short, leave out the optional
+        # collectives. A rank's own late SIGTERM changes nothing here.
+        hurry = status == "preempted" and self.flags.terminate
+        if not hurry:
             world.barrier()
         ttt = time.perf_counter() - t_start
         mll.train_samples(self.samples)
@@ -310,14 +333,44 @@ class Trainer:
             self.save(step + 1)
         if world.rank == 0:
             rerun.ended(cfg, self.record, status, step + 1)
-        consistent = self._weights_consistent() if not self.guard.terminating else None
+        consistent = None if hurry else self._weights_consistent()
         report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
-        self.guard.uninstall()
-        if status == "preempted":
-            if self.guard.wants_requeue and world.rank == 0:
-                preempt.requeue()
-            return TrainResult(status, preempt.EXIT_PREEMPTED, step + 1, metric, report)
-        return TrainResult(status, EXIT_ABORTED if status == "aborted" else 0, step + 1, metric, report)
+        code = self._requeue_and_release() if status == "preempted" else EXIT_ABORTED if status == "aborted" else 0
+        if own_guard:
+            self.guard.uninstall()
+        return TrainResult(status, code, step + 1, metric, report)
+
+    def _requeue_and_release(self) -> int:
+        """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got a
+        notice, then every rank passes one barrier and exits 75. The barrier comes after the requeue because
+        under ``srun --kill-on-bad-exit=1`` the first rank to exit 75 makes Slurm kill the others: a rank 0
+        still on its way to ``scontrol requeue`` would die with them and the job would end, not come back.
+        Once slurmctld has recorded the requeue, its SIGTERM only sets flags here (handlers stay installed
+        until run_training returns)."""
+        from scaleout import preempt
+        from scaleout.errors import UserError
+
+        world, code = self.world, preempt.EXIT_PREEMPTED
+        if not self.flags.notice:
+            pass  # SIGTERM only: the scheduler decides (its own requeue is done; scancel means stop)
+        elif self.ckpt is None:
+            print0("preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
+                   "requeued (it would start again from step 0)", rank=world.rank)
+        elif world.rank == 0:
+            preempt.hold_requeue_for_tests(self.guard)
+            try:
+                if (self.flags.terminate or self.guard.terminating) and not preempt.time_limit_reached():
+                    print("preemption notice, then SIGTERM before the time limit (scancel?): not requeueing", flush=True)
+                elif preempt.requeue():
+                    print(f"requeued Slurm job {preempt.slurm_job_id()}", flush=True)
+            except (UserError, OSError, subprocess.SubprocessError) as exc:
+                print(f"rank 0: {exc}", file=sys.stderr, flush=True)
+                code = 1
+        try:
+            world.barrier()
+        except RuntimeError as exc:  # a peer already gone (killed at the end of KillWait): nothing left to wait for
+            log.warning("rank %d: final barrier after the preemption stop failed: %s", world.rank, exc)
+        return code
 
     def _weights_consistent(self) -> bool:
         """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
@@ -400,6 +453,7 @@ def comm_options(comm: Any) -> dict[str, Any]:
 def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     import scaleout
+    from scaleout import preempt
     from scaleout.train.faults import exit_on_comm_failure, is_comm_failure
     from scaleout.train.liveness import Heartbeat, period_for
     from scaleout.train.rerun import decide
@@ -408,16 +462,22 @@ def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
-    world = scaleout.init(cfg)
-    heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank if one hangs
+    # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives while
+    # USR2 still has its default action would terminate the rank.
+    guard = preempt.install()
     try:
-        cfg.check_world(world.world_size, world.local_size)
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-        return Trainer(cfg, world, config_file, start).run()
-    except Exception as exc:
-        if is_comm_failure(exc):  # a hung or dead peer: one line naming it, then end this process now
-            exit_on_comm_failure(world, exc)
-        raise
+        world = scaleout.init(cfg)
+        heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank if one hangs
+        try:
+            cfg.check_world(world.world_size, world.local_size)
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+            return Trainer(cfg, world, config_file, start, guard=guard).run()
+        except Exception as exc:
+            if is_comm_failure(exc):  # a hung or dead peer: one line naming it, then end this process now
+                exit_on_comm_failure(world, exc)
+            raise
+        finally:
+            heartbeat.close()
+            world.close()
     finally:
-        heartbeat.close()
-        world.close()
+        guard.uninstall()

@@ -41,6 +41,18 @@ Design, and why:
 - **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on a
   side stream; the compute stream waits on that stream only when it uses the batch, so the copy
   overlaps the kernels of the previous step still queued on the device (the host runs ahead of the GPU).
+- **Preemption signals do not reach the workers.** Slurm delivers ``--signal=USR2@T`` (without ``B:``),
+  scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers, forkserver and
+  multiprocessing's resource tracker included. At their default action (USR1/USR2: terminate; SIGTERM:
+  torch's worker handler exits unless the parent sent it, and a forkserver worker's parent is the
+  forkserver) they would die, and a rank waiting for its next batch would crash instead of reaching the
+  step at which every rank stops and checkpoints. So the workers are started with USR1/USR2/TERM blocked:
+  a blocked mask survives fork and exec (the stdlib starts its resource tracker the same way for
+  SIGINT/SIGTERM), so the forkserver, the resource tracker and every worker forked from them never act
+  on these signals; the worker init also sets them to SIG_IGN (a forkserver started earlier by someone
+  else). The rank's own handlers (scaleout/preempt.py) are untouched: other threads of the rank receive
+  the signals meanwhile. SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a
+  worker that outlives the DataLoader's shutdown.
 - ``num_workers=0`` is the synchronous path (no background work), the baseline the benchmarks compare
   against.
 
@@ -50,8 +62,11 @@ The time the trainer spends in :meth:`Prefetcher.get` is the time it *waited* fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,6 +75,8 @@ import torch
 from scaleout.errors import UserError
 
 START_METHODS = ("forkserver", "spawn", "fork")
+# What schedulers send to every process of a job step; the rank handles them, its helper processes ignore them.
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # Imported once by the forkserver, so a worker forked from it starts with them loaded. A worker still
 # re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
 # server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
@@ -145,7 +162,8 @@ class Prefetcher:
                                                   # torch's global RNG would shift the model's dropout masks
                                                   # and break "same run with or without workers"
                                                   generator=torch.Generator().manual_seed(0), **kw)
-        self._it: Iterator[Any] | None = iter(self.loader)
+        with _signals_blocked(PREEMPTION_SIGNALS if num_workers > 0 else ()):
+            self._it: Iterator[Any] | None = iter(self.loader)  # starts the workers (and forkserver, tracker)
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -190,9 +208,14 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the workers (they are daemonic, so a crash never leaves them behind either)."""
         it, self._it = self._it, None
+        workers = list(getattr(it, "_workers", []))
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+        for w in workers:  # ignores SIGTERM, so DataLoader's terminate() cannot end a stuck one
+            if w.is_alive():
+                os.kill(w.pid, signal.SIGKILL)
+                w.join(timeout=5)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -213,10 +236,33 @@ def _context(start_method: str) -> Any:
     return ctx
 
 
+@contextlib.contextmanager
+def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """Block ``signals`` in this thread while child processes start: they inherit the mask (module docstring).
+    Nothing is lost meanwhile: a process-directed signal goes to another thread of the rank (gloo's, the
+    comm thread) or stays pending until the mask is restored."""
+    if not signals:
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this thread,
+        # which would let the forkserver started next inherit SIGTERM: start it first, then block again.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _worker_init(_worker_id: int) -> None:
     # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top would
     # oversubscribe the cores the training step itself uses.
     torch.set_num_threads(1)
+    for sig in PREEMPTION_SIGNALS:  # the rank handles them; a worker must live on to deliver its batches
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def build_prefetcher(cfg: Any, task: Any, world: Any, start_step: int) -> Prefetcher | None:
