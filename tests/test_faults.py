@@ -207,7 +207,7 @@ def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
        (init_checkpoint_step; the real compliance checker accepts the log), keeps segment 1's log/report;
     4. a changed global batch, and a non-resuming run in this directory: one-line errors, exit 2, before
        anything is spawned or written (launcher preflight), and also inside a rank started without it."""
-    from scaleout.mlperf import check_compliance
+    from scaleout.mlperf import check_compliance, split_attempts
 
     flat = ["comm.algorithm=flat", "train.eval_every=2"]
     first = _run(_train_cmd(tmp_path, *flat, "train.max_steps=2", nnodes=1))
@@ -231,7 +231,8 @@ def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
     assert [e["value"] for e in events if e["key"] == "init_checkpoint_step"] == [2]
     ok, checker = check_compliance(out / "mlperf.log", "bert", quality_target=report["achieved"])
     assert ok, checker[-3000:]
-    assert (out / "mlperf.log.1").read_bytes() == before["out"]["mlperf.log"]  # segment 1's log, kept
+    assert (out / "mlperf.log").read_bytes().startswith(before["out"]["mlperf.log"])  # segment 1, appended to
+    assert len(split_attempts(log)) == 2
     assert (out / "report.json.1").read_bytes() == before["out"]["report.json"]
     assert json.loads((ckpt / "run.json").read_text())["segments"] == 2
 
