@@ -246,6 +246,30 @@ def test_response_cache_steady_state():
         assert counts[0] >= 1 and counts[1:] == [counts[0]] * 4
 
 
+def r_stall(hvd):
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("scaleout.horovod").addHandler(handler)
+    try:
+        if hvd.rank() != 0:
+            time.sleep(2.5)  # rank 0 waits in the negotiation meanwhile
+        hvd.allreduce(torch.ones(2), name="late")
+    finally:
+        logging.getLogger("scaleout.horovod").removeHandler(handler)
+    return seen
+
+
+def test_stall_warning():
+    """A rank blocked for longer than HOROVOD_STALL_CHECK_TIME_SECONDS waiting for the others to queue an
+    operation says so, naming it (Horovod's stall inspector); the operation completes when they do."""
+    res = on_ranks(r_stall, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+    assert any("allreduce.late" in m and "HOROVOD_STALL_CHECK_TIME_SECONDS" in m for m in res[0]), res[0]
+    assert not any(res[1:])
+
+
 # -- what is not implemented ---------------------------------------------------------------------------------
 def r_not_supported(hvd):
     model = nn.Linear(2, 2)

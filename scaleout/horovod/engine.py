@@ -109,7 +109,7 @@ class _DataWorld:
     """The World as scaleout.comm sees it, with this API's own process group as the flat (world) group."""
 
     def __init__(self, world: Any, group: Any):
-        self._world = world
+        self._world = weakref.proxy(world)  # no reference cycle through the per-World cache below
         self.group = group
 
     def __getattr__(self, name: str) -> Any:
@@ -119,13 +119,24 @@ class _DataWorld:
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def private_group(world: Any) -> Any:
-    """This API's process group over all ranks: created once per World (a collective: at hvd.init, which
-    every rank calls at the same point) and kept across shutdown/init; the World's close destroys it."""
-    if world.world_size < 2:
-        return None
+@dataclass(frozen=True)
+class Groups:
+    control: Any  # gloo, CPU tensors: negotiation, size and split exchanges
+    data: Any  # the World's backend (gloo on CPU, NCCL on GPU): the tensors themselves
+    data_world: _DataWorld  # the World as scaleout.comm sees it, with ``data`` as its flat group
+
+
+def private_groups(world: Any) -> Groups:
+    """This API's process groups over all ranks: created once per World (a collective: at hvd.init, which
+    every rank calls at the same point) and kept across shutdown/init (so scaleout.comm's communication
+    thread for them is made once too); the World's close destroys them. As in Horovod, control messages
+    travel on CPU (gloo) whatever carries the tensors."""
     if world not in _GROUPS:
-        _GROUPS[world] = dist.new_group(list(range(world.world_size)))
+        ranks = list(range(world.world_size))
+        control = dist.new_group(ranks, backend="gloo") if world.world_size > 1 else None
+        data = control if world.world_size < 2 or world.backend == "gloo" else dist.new_group(ranks)
+        _GROUPS[world] = Groups(control, data, _DataWorld(world, data))
+        world.add_close_hook(lambda: _GROUPS.pop(world, None))
     return _GROUPS[world]
 
 
@@ -138,11 +149,12 @@ class Engine:
 
         self.world, self.settings = world, settings
         self.size, self.rank = world.world_size, world.rank
-        group = private_group(world)
+        groups = private_groups(world)
         self.timeline: Any = None
         self.mark_cycles = False
-        self.executor = Executor(world, _DataWorld(world, group), group, settings.fusion_threshold, self)
-        self.negotiator = Negotiator(group, self.size, self.rank, settings.cache_capacity)
+        self.executor = Executor(world, groups, settings.fusion_threshold, self)
+        self.negotiator = Negotiator(groups.control, self.size, self.rank, settings.cache_capacity)
+        self.negotiator.stall_check_s = settings.stall_check_s
         self._cv = threading.Condition()
         self._pending: list[Request] = []
         self._in_flight: set[tuple[str, str]] = set()

@@ -80,8 +80,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Executor:
-    def __init__(self, world: Any, data_world: Any, group: Any, threshold: int, engine: Any):
-        self.world, self.data_world, self.group, self.threshold = world, data_world, group, threshold
+    def __init__(self, world: Any, groups: Any, threshold: int, engine: Any):
+        self.world, self.threshold = world, threshold
+        self.data_world, self.group, self.control = groups.data_world, groups.data, groups.control
         self.engine = engine
         self.size, self.rank = world.world_size, world.rank
 
@@ -216,10 +217,10 @@ class Executor:
             start = time.time()
             reqs = [req for _, _, req in batch]
             device = self._device(batch)
-            dims = torch.tensor([r.tensor.shape[0] for r in reqs], dtype=torch.int64, device=device)
-            all_dims = torch.empty(self.size * len(reqs), dtype=torch.int64, device=device)
+            dims = torch.tensor([r.tensor.shape[0] for r in reqs], dtype=torch.int64)
+            all_dims = torch.empty(self.size * len(reqs), dtype=torch.int64)
             if self.size > 1:
-                _gather(all_dims, dims, group=self.group)
+                _gather(all_dims, dims, group=self.control)
             else:
                 all_dims.copy_(dims)
             table = all_dims.view(self.size, len(reqs)).tolist()
@@ -259,7 +260,7 @@ class Executor:
             send_splits = torch.tensor(req.splits, dtype=torch.int64)
             recv_splits = torch.empty(self.size, dtype=torch.int64)
             if self.size > 1:
-                dist.all_to_all_single(recv_splits, send_splits, group=self.group)
+                dist.all_to_all_single(recv_splits, send_splits, group=self.control)
             else:
                 recv_splits.copy_(send_splits)
             recv = recv_splits.tolist()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,26 @@ class Negotiator:
         self.group, self.size, self.rank = group, size, rank
         self.cache = ResponseCache(cache_capacity)
         self.uncached_rounds = 0  # rounds that needed more than the cache (observability, tests)
+        self.stall_check_s = 0.0  # warn while blocked this long waiting for the other ranks (0: never)
+
+    def _wait(self, work: Any, pending: list[Any]) -> None:
+        """Wait for the round's all-reduce; while the other ranks do not come (they have not queued
+        anything), warn every ``stall_check_s`` seconds with what this rank is waiting to run."""
+        if self.stall_check_s > 0 and pending:  # a joined or shutting-down rank waiting is no stall
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _f: done.set())
+            waited = 0.0
+            while not done.wait(self.stall_check_s):
+                waited += self.stall_check_s
+                names = [r.label for r in pending][:10]
+                log.warning(
+                    "scaleout.horovod rank %d: waited %.0f s for the other ranks to join a negotiation; "
+                    "queued here: %s (HOROVOD_STALL_CHECK_TIME_SECONDS)",
+                    self.rank,
+                    waited,
+                    names,
+                )
+        work.wait()
 
     def negotiate(
         self, pending: list[Any], joined: bool, stop: bool, stamp: int | None, stalled: list[Any], now: int
@@ -179,7 +200,7 @@ class Negotiator:
             [NEUTRAL if v is None else v for v in values] + [NEUTRAL if v is None else -v for v in values],
             dtype=torch.int64,
         )
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+        self._wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), pending)
         mx, neg = vec[:n].tolist(), vec[n:].tolist()
         mn = [None if v == NEUTRAL else -v for v in neg]
         out = Outcome([], stop=mx[STOP] == 1, all_joined=mn[JOINED] == 1)
