@@ -258,7 +258,7 @@ class Engine:
         out = self.negotiator.negotiate(pending, joined, stop, stamp, stalled, self.rounds)
         self.rounds += 1
         if self.timeline is not None and self.mark_cycles:
-            self.timeline.span("CYCLE_START", "wait", start, start, round=self.rounds)
+            self.timeline.span("CYCLE_START", "wait", start * 1e6, start * 1e6, round=self.rounds)
         if out.stop:
             self._die(HorovodInternalError("scaleout.horovod has been shut down"), stopping=True)
             return False

@@ -124,12 +124,14 @@ class Executor:
             for idx in fuse(sizes, self.threshold):
                 batch = [members[i] for i in idx]
                 start = time.time()
-                buf = torch.zeros(sum(math.prod(s) for _, s, _ in batch), dtype=wire, device=device)
+                buf = torch.empty(sum(math.prod(s) for _, s, _ in batch), dtype=wire, device=device)
                 off = 0
                 for _, shape, req in batch:
                     n = math.prod(shape)
-                    if req is not None:  # a rank that joined contributes zeros
+                    if req is not None:
                         buf[off : off + n].copy_(req.tensor.detach().reshape(-1))
+                    else:  # a rank that joined contributes zeros
+                        buf[off : off + n].zero_()
                     off += n
                 scale_(buf, pre)
                 inflight.append((batch, buf, self._launch(buf, op, alg), op, post, start))
