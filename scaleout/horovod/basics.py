@@ -1,11 +1,17 @@
-"""The process-level part of the Horovod API on scaleout: init, ranks and sizes, all-reduce, broadcast.
+"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, errors, settings.
 
 Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one module-level
-:class:`_State` holding the scaleout World; scaleout's own code passes the World explicitly instead.
-All-reduces go through ``scaleout.comm.all_reduce`` with the algorithm chosen at init: ``algorithm=``,
-else $SCALEOUT_ALGORITHM, else ``hierarchical`` when Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE=1,
-else ``flat``. Collectives must be issued in the same order on every rank (Horovod negotiates the order
-by tensor name; torch.distributed, and so scaleout, matches by call order).
+:class:`_State` holding the scaleout World and the background :class:`~scaleout.horovod.engine.Engine`;
+scaleout's own code passes the World explicitly instead.
+
+Settings come from Horovod's own environment variables, read at :func:`init`:
+
+- ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 128 MiB as in Horovod 0.28; 0 disables fusion),
+- ``HOROVOD_CYCLE_TIME`` (ms, default 1: how long the background thread lets requests accumulate),
+- ``HOROVOD_CACHE_CAPACITY`` (default 1024 response-cache entries; 0 disables the cache),
+- ``HOROVOD_TIMELINE`` (a path, or ``DYNAMIC`` for :func:`start_timeline`), ``HOROVOD_TIMELINE_MARK_CYCLES``,
+- ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0 = never),
+- ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` selects the ``hierarchical`` algorithm (``$SCALEOUT_ALGORITHM`` wins).
 """
 
 from __future__ import annotations
@@ -14,233 +20,318 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from scaleout.errors import UserError
-from scaleout.horovod.compression import Compression
+
+MiB = 1 << 20
 
 
-class _Op:
+class HorovodInternalError(RuntimeError):
+    """A collective failed on every rank that took part (mismatched tensors, join conflict, shutdown).
+    Same name and base class as Horovod's, so ``except RuntimeError`` code keeps working."""
+
+
+class HorovodValueError(UserError, ValueError):
+    """Bad arguments, detected on the calling rank before anything is sent."""
+
+
+class HorovodNotSupportedError(UserError, NotImplementedError):
+    """A Horovod feature that scaleout.horovod does not implement (process sets, elastic, Adasum)."""
+
+
+class ReduceOp:
+    """``hvd.Average``, ``hvd.Sum``, ``hvd.Min``, ``hvd.Max``, ``hvd.Product``, ``hvd.Adasum``."""
+
     def __init__(self, name: str):
         self.name = name
 
     def __repr__(self) -> str:
         return f"hvd.{self.name}"
 
+    def __reduce__(self) -> str:  # pickles as the module-level singleton
+        return self.name
 
-Average = _Op("Average")
-Sum = _Op("Sum")
+
+Average = ReduceOp("Average")
+Sum = ReduceOp("Sum")
+Adasum = ReduceOp("Adasum")
+Min = ReduceOp("Min")
+Max = ReduceOp("Max")
+Product = ReduceOp("Product")
+OPS = (Average, Sum, Min, Max, Product)
 
 
+def resolve_op(average: bool | None, op: Any, what: str = "allreduce") -> ReduceOp:
+    """Horovod's ``average=`` (deprecated) / ``op=`` pair -> one op (default Average)."""
+    if average is not None and op is not None:
+        raise HorovodValueError(f"{what}: give either average= (deprecated in Horovod) or op=, not both")
+    if average is not None:
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op is Adasum:
+        raise HorovodNotSupportedError(f"{what} op=hvd.Adasum is not supported by scaleout.horovod")
+    if op not in OPS:
+        raise HorovodValueError(
+            f"{what} op={op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product"
+        )
+    return op
+
+
+@dataclass(frozen=True)
+class Settings:
+    fusion_threshold: int = 128 * MiB  # Horovod 0.28 operations.cc default
+    cycle_time_s: float = 1e-3  # Horovod's default HOROVOD_CYCLE_TIME, 1 ms
+    cache_capacity: int = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
+    timeline: str | None = None
+    mark_cycles: bool = False
+    stall_check_s: float = 60.0  # Horovod's stall inspector default
+    stall_shutdown_s: float = 0.0
+
+
+def _env_number(name: str, default: float, kind: type = int, minimum: float = 0) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}") from None
+    if value < minimum:
+        raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}")
+    return value
+
+
+def settings_from_env() -> Settings:
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise HorovodNotSupportedError("HOROVOD_ELASTIC=1: elastic training is not supported by scaleout.horovod")
+    timeline = os.environ.get("HOROVOD_TIMELINE") or None
+    return Settings(
+        fusion_threshold=_env_number("HOROVOD_FUSION_THRESHOLD", Settings.fusion_threshold),
+        cycle_time_s=_env_number("HOROVOD_CYCLE_TIME", 1.0, float) / 1000.0,
+        cache_capacity=_env_number("HOROVOD_CACHE_CAPACITY", Settings.cache_capacity),
+        timeline=None if timeline == "DYNAMIC" else timeline,
+        mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"),
+        stall_check_s=_env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", Settings.stall_check_s, float),
+        stall_shutdown_s=_env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float),
+    )
+
+
+# -- process sets: only the global one --------------------------------------------------------------
+class ProcessSet:
+    """Horovod's process set; scaleout.horovod has exactly one, :data:`global_process_set` (all ranks)."""
+
+    process_set_id = 0
+
+    def size(self) -> int:
+        return size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "hvd.global_process_set"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set: Any) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise HorovodNotSupportedError(
+            f"process_set={process_set!r}: process sets are not supported by scaleout.horovod, only "
+            "hvd.global_process_set (all ranks)"
+        )
+
+
+def add_process_set(*_args: Any, **_kwargs: Any) -> ProcessSet:
+    raise HorovodNotSupportedError("hvd.add_process_set: process sets are not supported by scaleout.horovod")
+
+
+def remove_process_set(*_args: Any, **_kwargs: Any) -> bool:
+    raise HorovodNotSupportedError("hvd.remove_process_set: process sets are not supported by scaleout.horovod")
+
+
+class _Elastic:
+    """``hvd.elastic``: any use is a one-line error (elastic mode is not implemented)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise HorovodNotSupportedError(f"hvd.elastic.{name}: elastic training is not supported by scaleout.horovod")
+
+
+elastic = _Elastic()
+
+
+# -- init / shutdown ----------------------------------------------------------------------------------
 @dataclass
 class _State:
     world: Any
     algorithm: str
     owns_world: bool
+    engine: Any
+    settings: Settings
 
 
 _state: _State | None = None
 
 
-def init(comm: Any = None, *, world: Any = None, algorithm: str | None = None) -> None:
-    """Start (or adopt) the scaleout World. ``comm`` is accepted for signature compatibility and must be None."""
+def _default_algorithm() -> str:
+    return os.environ.get("SCALEOUT_ALGORITHM") or (
+        "hierarchical" if os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
+    )
+
+
+def _prepare_groups(world: Any, algorithm: str) -> None:
+    """Create the algorithm's process groups now, in the caller's thread, in the same order on every rank."""
+    if world.world_size < 2 or algorithm == "flat":
+        return
+    if algorithm == "hierarchical":
+        _ = world.intra, world.inter
+    elif algorithm == "torus2d":
+        world.torus()
+
+
+def init(comm: Any = None, process_sets: Any = None, *, world: Any = None, algorithm: str | None = None) -> None:
+    """Start (or adopt, ``world=``) the scaleout World and the background thread. Called again while
+    initialised, it only switches the all-reduce algorithm for the operations submitted after it."""
     global _state
     if comm is not None:
-        raise UserError("scaleout.horovod.init(comm=...): MPI sub-communicators are not supported; pass comm=None")
+        raise HorovodNotSupportedError("hvd.init(comm=...): MPI sub-communicators are not supported; pass comm=None")
+    if process_sets is not None:
+        raise HorovodNotSupportedError("hvd.init(process_sets=...): process sets are not supported by scaleout.horovod")
     from scaleout.comm import get_algorithm
 
-    if algorithm is None:
-        algorithm = os.environ.get("SCALEOUT_ALGORITHM") or (
-            "hierarchical" if os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE") == "1" else "flat"
-        )
+    algorithm = algorithm or _default_algorithm()
     get_algorithm(algorithm)  # one-line UserError naming the choices
     if _state is not None:
+        _prepare_groups(_state.world, algorithm)
         _state.algorithm = algorithm
         return
+    settings = settings_from_env()
     owns = world is None
     if world is None:
         import scaleout
 
         world = scaleout.init()
-    _state = _State(world, algorithm, owns)
+    _prepare_groups(world, algorithm)
+    from scaleout.horovod.engine import Engine
+
+    _state = _State(world, algorithm, owns, Engine(world, settings), settings)
 
 
 def shutdown() -> None:
+    """Stop the background thread (every rank must call it); close the World if :func:`init` created it."""
     global _state
-    if _state is not None and _state.owns_world:
-        _state.world.close()
-    _state = None
+    st, _state = _state, None
+    if st is None:
+        return
+    try:
+        st.engine.shutdown()
+    finally:
+        if st.owns_world:
+            st.world.close()
 
 
 def is_initialized() -> bool:
     return _state is not None
 
 
-def _s() -> _State:
+def state() -> _State:
     if _state is None:
-        raise UserError("scaleout.horovod is not initialized: call hvd.init() first")
+        raise HorovodValueError("scaleout.horovod is not initialized: call hvd.init() first")
     return _state
 
 
 def world() -> Any:
     """The scaleout World behind this API (not in Horovod)."""
-    return _s().world
+    return state().world
 
 
 def algorithm() -> str:
-    return _s().algorithm
+    """The all-reduce algorithm used for Sum/Average (not in Horovod)."""
+    return state().algorithm
 
 
 def size() -> int:
-    return _s().world.world_size
+    return state().world.world_size
 
 
 def rank() -> int:
-    return _s().world.rank
+    return state().world.rank
 
 
 def local_rank() -> int:
-    return _s().world.local_rank
+    return state().world.local_rank
 
 
 def local_size() -> int:
-    return _s().world.local_size
+    return state().world.local_size
 
 
 def cross_rank() -> int:
     """Index of this rank's node (Horovod: rank among the ranks with the same local rank)."""
-    return _s().world.node_rank
+    return state().world.node_rank
 
 
 def cross_size() -> int:
-    return _s().world.num_nodes
+    return state().world.num_nodes
 
 
+def is_homogeneous() -> bool:
+    return bool(state().world.uniform)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a Chrome-trace timeline (negotiation and every collective) until :func:`stop_timeline`."""
+    state().engine.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Write the timeline (every rank's events merged into one file by rank 0). Every rank must call it."""
+    state().engine.stop_timeline()
+
+
+# What the build has, as Horovod reports it: gloo (or NCCL through torch.distributed), no MPI.
 def mpi_threads_supported() -> bool:
     return False
 
 
-# -- all-reduce -----------------------------------------------------------------------------------------
-class Handle:
-    """What ``allreduce_async`` returns; pass it to :func:`synchronize` (or :func:`poll`)."""
-
-    def __init__(self, inner: Any, output: torch.Tensor, ctx: Any, compression: Any, postscale: float,
-                 target: torch.Tensor | None):
-        self.inner, self.output, self.ctx = inner, output, ctx
-        self.compression, self.postscale, self.target = compression, postscale, target
+def mpi_enabled() -> bool:
+    return False
 
 
-def _resolve_op(average: bool | None, op: _Op | None) -> _Op:
-    if average is not None and op is not None:
-        raise UserError("allreduce: give either average= (deprecated in Horovod) or op=, not both")
-    if average is not None:
-        return Average if average else Sum
-    op = Average if op is None else op
-    if op not in (Average, Sum):
-        raise UserError(f"allreduce op={op!r}: expected hvd.Average or hvd.Sum (Adasum is not supported)")
-    return op
+def mpi_built() -> bool:
+    return False
 
 
-def _start(tensor: torch.Tensor, average: bool | None, op: _Op | None, compression: Any,
-           prescale_factor: float, postscale_factor: float, inplace: bool) -> Handle:
-    from scaleout.comm import all_reduce
-
-    st = _s()
-    op = _resolve_op(average, op)
-    wire, ctx = compression.compress(tensor)
-    if wire is tensor and not inplace:
-        wire = tensor.clone()
-    if prescale_factor != 1.0:
-        wire.mul_(prescale_factor)
-    inner = all_reduce(wire, st.world, algorithm=st.algorithm, op="avg" if op is Average else "sum", async_op=True)
-    return Handle(inner, wire, ctx, compression, postscale_factor, tensor if inplace else None)
+def gloo_enabled() -> bool:
+    return True
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for an async all-reduce and return its result (the input tensor itself for the ``_`` forms)."""
-    handle.inner.wait()
-    out = handle.compression.decompress(handle.output, handle.ctx)
-    if handle.postscale != 1.0:
-        out.mul_(handle.postscale)  # a buffer of ours, or the caller's tensor for the in-place forms
-    if handle.target is not None and out is not handle.target:
-        handle.target.copy_(out)
-        return handle.target
-    return out
+def gloo_built() -> bool:
+    return True
 
 
-def poll(handle: Handle) -> bool:
-    return handle.inner.is_completed()
+def nccl_built() -> int:
+    import torch
+
+    return int(torch.cuda.is_available() and torch.distributed.is_nccl_available())
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: _Op | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    compression: Any = Compression.none) -> Handle:
-    return _start(tensor, average, op, compression, prescale_factor, postscale_factor, inplace=False)
+def ddl_built() -> bool:
+    return False
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: _Op | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     compression: Any = Compression.none) -> Handle:
-    return _start(tensor, average, op, compression, prescale_factor, postscale_factor, inplace=True)
+def ccl_built() -> bool:
+    return False
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Any = Compression.none, op: _Op | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> torch.Tensor:
-    """Average (default) or sum over all ranks; returns a new tensor, ``tensor`` is left unchanged."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, compression))
+def cuda_built() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: _Op | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               compression: Any = Compression.none) -> torch.Tensor:
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, compression))
-
-
-# -- broadcast ------------------------------------------------------------------------------------------
-def _check_root(root_rank: int) -> None:
-    if not 0 <= root_rank < size():
-        raise UserError(f"root_rank={root_rank}: expected a rank in [0, {size()})")
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    _check_root(root_rank)
-    dist.broadcast(tensor, src=root_rank)
-    return tensor
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    return broadcast_(tensor.clone(), root_rank, name)
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    _check_root(root_rank)
-    box = [obj if rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank)
-    return box[0]
-
-
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """``model.state_dict()`` or ``model.named_parameters()`` -> every rank gets root's values, in place.
-    Sorted by name (as Horovod does) so that every rank broadcasts in the same order."""
-    _check_root(root_rank)
-    items = sorted(params.items()) if isinstance(params, dict) else sorted(params, key=lambda kv: kv[0])
-    with torch.no_grad():
-        for name, value in items:
-            if not isinstance(value, torch.Tensor):
-                raise UserError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, expected a tensor")
-            dist.broadcast(value.data if hasattr(value, "data") else value, src=root_rank)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Every rank loads root's ``optimizer.state_dict()`` (state tensors and hyper-parameters)."""
-    state = broadcast_object(optimizer.state_dict() if rank() == root_rank else None, root_rank)
-    if rank() != root_rank:
-        optimizer.load_state_dict(state)
+def rocm_built() -> bool:
+    return False
