@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
+    # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
+    # (scaleout/devices.py). Set it for a GPU that is not in the table.
+    peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
 
 class CheckpointConfig(_Section):

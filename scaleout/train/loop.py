@@ -206,7 +206,7 @@ class Trainer:
         max_steps, metric, status = cfg.train.max_steps, None, "max_steps"
         progress = Progress(max_steps, cfg.train.progress and world.rank == 0, start)
         mll.block_start(epoch_of(self.samples), 1, self.samples)
-        tokens = 0
+        tokens, flops = 0, 0.0
         samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
         step = start
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
@@ -214,6 +214,7 @@ class Trainer:
         self.timed = {"steps": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
         for step in range(start, max_steps):
             n, toks = self.task.samples_per_step(step * cfg.train.global_batch)
+            flops += self.task.step_flops(step * cfg.train.global_batch)
             if skip and step == start + skip:
                 self.timers.reset()  # breakdown_s then covers the timed steps only
             t0 = time.perf_counter()
@@ -264,7 +265,7 @@ class Trainer:
         if status in ("success", "max_steps") and self.ckpt is not None and not already:
             self.save(step + 1)
         consistent = self._weights_consistent() if not self.guard.terminating else None
-        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
+        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, flops, metric, consistent)
         self.guard.uninstall()
         if status == "preempted":
             if self.guard.wants_requeue and world.rank == 0:
@@ -286,19 +287,20 @@ class Trainer:
         return all(bool(torch.equal(d, everyone[0])) for d in everyone)
 
     def _report(
-        self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
+        self, ttt: float, steps: int, samples: int, tokens: int, flops: float, metric: float | None,
+        consistent: bool | None,
     ) -> Any:
-        from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
+        from scaleout.devices import device_peak
+        from scaleout.report import QUALITY_EXPONENT, RunReport
 
         cfg, world = self.cfg, self.world
-        mean_tokens = tokens / max(samples, 1) if tokens else 0.0
-        name, peak = device_peak_flops(world.device)
+        peak = device_peak(world.device, cfg.train.precision, cfg.train.peak_flops, ranks_on_host=world.local_size)
         report = RunReport(
             arch=cfg.model.arch, time_to_train_s=max(ttt, 1e-9), steps=steps, samples=samples,
-            flops_per_sample=self.task.flops_per_sample(mean_tokens) if mean_tokens or not tokens else 0.0,
+            flops_per_sample=flops / max(samples, 1),  # counted per step from what ran (Task.step_flops)
             devices=world.world_size, real_tokens=tokens, achieved=metric, target=cfg.train.target,
-            quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
-            peak_flops_per_device=peak, breakdown_s=self.timers.mean(),
+            quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=peak.name,
+            peak_flops_per_device=peak.flops, peak_source=peak.source, breakdown_s=self.timers.mean(),
         )
         # The fraction of step time spent waiting for data (issue 10 item 5): same steps as the timers.
         data_wait = self.timers.totals.get("data", 0.0) / max(self.timed["seconds"], 1e-12)

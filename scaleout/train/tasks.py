@@ -55,8 +55,18 @@ class Task:
         """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
         raise NotImplementedError
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
+    def step_flops(self, position: int) -> float:
+        """Training FLOPs of the whole global batch at ``position`` (what the step runs; no communication)."""
         raise NotImplementedError
+
+
+def _per_pack(values: np.ndarray, packs: list[list[int]]) -> np.ndarray:
+    """Sum of ``values`` over each pack's sequence indices (vectorised: packs number in the millions)."""
+    if not packs:
+        return np.zeros(0, dtype=values.dtype)
+    flat = np.fromiter((i for p in packs for i in p), dtype=np.int64)
+    starts = np.cumsum([0] + [len(p) for p in packs[:-1]])
+    return np.add.reduceat(values[flat], starts)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -183,6 +193,9 @@ class BertTask(Task):
         self.rows = len(self.packs)
         self.pack_tokens = np.array([int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64)
         self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
+        masked = np.array([len(s.mlm_positions) for s in self.train_seqs], dtype=np.int64)
+        self.pack_masked = _per_pack(masked, self.packs)
+        self.pack_sq = _per_pack(self.lengths.astype(np.float64) ** 2, self.packs)
         self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
         self._build = build_batch
         self.max_pred = d.max_predictions * self.depth
@@ -219,12 +232,14 @@ class BertTask(Task):
         idx = self.sampler.global_indices(position)
         return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
-        from scaleout.report import bert_flops_per_token
+    def step_flops(self, position: int) -> float:
+        from scaleout.models.bert_flops import bert_training_flops, head_rows
 
-        b = self.cfg.model.bert
-        matmul = b.layers * (4 * b.hidden * b.hidden + 2 * b.hidden * b.intermediate)
-        return bert_flops_per_token(matmul, b.layers, b.hidden, self.cfg.data.max_seq_len) * mean_tokens
+        idx = self.sampler.global_indices(position)
+        cfg = self.model.cfg  # static_shapes resolved for this run
+        mlm, nsp = head_rows(cfg, len(idx), self.cfg.data.max_seq_len, int(self.pack_masked[idx].sum()),
+                             int(self.pack_sizes[idx].sum()), self.max_pred, self.depth)
+        return bert_training_flops(cfg, float(self.pack_tokens[idx].sum()), float(self.pack_sq[idx].sum()), mlm, nsp)
 
 
 class ResNetTask(Task):
@@ -289,13 +304,15 @@ class ResNetTask(Task):
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
+    def step_flops(self, position: int) -> float:
         from scaleout.report import resnet_flops_per_image
 
         r = self.cfg.model.resnet
         if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
-            return 3 * 2 * float(self.macs)
-        return resnet_flops_per_image(image_size=r.image_size)
+            per_image = 3 * 2 * float(self.macs)
+        else:
+            per_image = resnet_flops_per_image(image_size=r.image_size)
+        return per_image * self.cfg.train.global_batch
 
 
 def build_task(cfg: Any, world: Any) -> Task:
