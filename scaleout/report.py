@@ -2,17 +2,15 @@
 
 FLOP conventions (one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward):
 
-* BERT / transformers, per *real* token: ``6 N + 12 L d s`` -- 6 N for the weight matmuls of a model
-  with N matmul parameters (Kaplan et al. 2020, arXiv 2001.08361, sec. 2.1) plus 12 L d s for the
-  attention score and value matmuls over a context of s tokens (PaLM, arXiv 2204.02311, appendix B,
-  the formula used for MFU there). With packing, s is the length of each sequence (attention is
-  block-diagonal), not of the pack, so the caller passes the mean real sequence length.
+* BERT: counted per step from what ran (real tokens, each sequence's own attention span, the MLM head
+  where it ran) by :mod:`scaleout.models.bert_flops`, checked against ``FlopCounterMode``.
 * ResNet-50 v1.5 at 224x224: 4.1 G multiply-adds forward (v1.5 moves the stride to the 3x3 conv, which
   adds ~0.3 GMACs over v1's 3.8 G of He et al. 2015, Table 1); scaleout.models.resnet.count_macs
   measures it, and tests check the constant against the real model). Training = 3 x 2 x 4.1e9 FLOPs.
 
-MFU = achieved model FLOP/s / (devices x peak FLOP/s per device) (PaLM appendix B); the peak table
-holds dense bf16 tensor-core numbers from the vendors' data sheets.
+MFU = achieved model FLOP/s / (devices x peak FLOP/s per device) (PaLM appendix B). The peak comes
+from :mod:`scaleout.devices`: a GPU part identified by name, SM count and memory (data-sheet numbers for
+the run's precision), a CPU peak measured on the machine, or None -- then MFU is reported as unknown.
 
 HPC-AI500 Valid FLOPS (Jiang et al., "HPC AI500 V2.0", arXiv 2007.00279, sec. 4): VFLOPS = FLOPS x
 (achieved quality / target quality)^n, with n = 5 for image classification. The paper gives no n for
@@ -29,65 +27,15 @@ from typing import Any
 
 from scaleout.errors import UserError
 
-# Dense bf16 peak FLOP/s per device (vendor data sheets, without structured sparsity).
-PEAK_FLOPS: dict[str, float] = {
-    "A100": 312e12,  # NVIDIA A100 data sheet, BF16 tensor core
-    "H100": 989e12,  # H100 SXM5 data sheet, BF16 tensor core (dense)
-    "H200": 989e12,  # H200 SXM: same GH100 compute as H100 SXM
-    "V100": 125e12,  # V100 SXM2, FP16 tensor core (no bf16)
-    # CPU: a nominal 100 GFLOP/s per process (a few AVX2/AVX-512 cores in fp32); use measure_cpu_peak()
-    # or peak_flops= for a real number, since CPUs vary 100x.
-    "cpu": 100e9,
-}
-
 # HPC-AI500 quality exponent n (arXiv 2007.00279): 5 for image classification; 5 for BERT (see above).
 QUALITY_EXPONENT = {"resnet": 5.0, "bert": 5.0}
 
 RESNET50_FORWARD_MACS = 4.1e9  # ResNet-50 v1.5, 224x224 (see module docstring)
 
 
-def bert_flops_per_token(matmul_params: int, layers: int, hidden: int, seq_len: float) -> float:
-    """Training FLOPs per real token: 6 N + 12 L d s (Kaplan 2020; PaLM appendix B)."""
-    if matmul_params <= 0 or layers <= 0 or hidden <= 0 or seq_len <= 0:
-        raise UserError(
-            f"bert_flops_per_token needs positive sizes, got params={matmul_params}, layers={layers}, "
-            f"hidden={hidden}, seq_len={seq_len}"
-        )
-    return 6.0 * matmul_params + 12.0 * layers * hidden * seq_len
-
-
 def resnet_flops_per_image(forward_macs: float = RESNET50_FORWARD_MACS, image_size: int = 224) -> float:
     """Training FLOPs per image: 3 passes x 2 FLOPs per MAC, scaled by area from the 224px count."""
     return 3.0 * 2.0 * forward_macs * (image_size / 224.0) ** 2
-
-
-def device_peak_flops(device: Any = None, override: float | None = None) -> tuple[str, float]:
-    """(name, peak FLOP/s) for ``device``: the table entry whose key is in the CUDA device name."""
-    if override is not None:
-        return "configured", float(override)
-    import torch
-
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        for key, peak in PEAK_FLOPS.items():
-            if key != "cpu" and key in name:
-                return name, peak
-        raise UserError(f"no peak FLOP/s known for GPU '{name}'; pass peak_flops= (known: {sorted(PEAK_FLOPS)})")
-    return "cpu (nominal)", PEAK_FLOPS["cpu"]
-
-
-def measure_cpu_peak(seconds: float = 0.3, n: int = 512) -> float:
-    """fp32 matmul FLOP/s of this process (an achievable, not theoretical, CPU peak)."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def valid_flops(flops: float, achieved: float, target: float, n: float) -> float:
@@ -111,8 +59,9 @@ class RunReport:
     achieved: float | None = None  # final eval quality
     target: float | None = None
     quality_exponent: float | None = None
-    device_name: str = "cpu (nominal)"
-    peak_flops_per_device: float = PEAK_FLOPS["cpu"]
+    device_name: str = "unknown"
+    peak_flops_per_device: float | None = None  # None: the device's peak is unknown, so is MFU
+    peak_source: str = ""
     breakdown_s: dict[str, float] = field(default_factory=dict)  # mean seconds per step, by phase
 
     def __post_init__(self) -> None:
@@ -134,7 +83,9 @@ class RunReport:
         return self.samples * self.flops_per_sample / self.time_to_train_s
 
     @property
-    def mfu(self) -> float:
+    def mfu(self) -> float | None:
+        if not self.peak_flops_per_device:
+            return None
         return self.flops_per_s / (self.devices * self.peak_flops_per_device)
 
     @property
@@ -165,9 +116,11 @@ class RunReport:
         if self.real_tokens:
             rows.append(["real tokens/s", f"{self.tokens_per_s:.0f}"])
         rows.append(["model TFLOP/s (all devices)", f"{self.flops_per_s / 1e12:.4f}"])
-        rows.append(
-            [f"MFU ({self.devices} x {self.device_name}, {self.peak_flops_per_device / 1e12:g} TFLOP/s)", f"{self.mfu:.2%}"]
-        )
+        if self.mfu is None:
+            rows.append([f"MFU ({self.devices} x {self.device_name})", f"unknown ({self.peak_source or 'no peak'})"])
+        else:
+            rows.append([f"MFU ({self.devices} x {self.device_name}, {self.peak_flops_per_device / 1e12:.4g} TFLOP/s "
+                         f"peak: {self.peak_source})", f"{self.mfu:.2%}"])
         if self.achieved is not None and self.target is not None:
             rows.append(["quality achieved / target", f"{self.achieved:.4f} / {self.target:.4f}"])
             rows.append(

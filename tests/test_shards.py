@@ -321,6 +321,7 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["peak_rss_mib_per_rank_max"] > 50 and report["task"]["packing"]["per"] == "shard"
+    assert report["flops_per_sample"] > 0 and 0 < report["mfu"] <= 1  # FLOPs counted from the shards' batches
     lines = [json.loads(x.split(":::MLLOG ", 1)[1]) for x in (out / "mlperf.log").read_text().splitlines()]
     ev = {x["key"]: x for x in lines}
     rate = round(report["task"]["packing"]["sequences_per_row"])

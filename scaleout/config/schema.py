@@ -176,6 +176,9 @@ class TrainConfig(_Section):
     # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite gradients: a run
     # that keeps producing NaN/Inf has diverged, and skipping forever only burns the allocation. 0 = never.
     max_consecutive_skips: int = Field(10, ge=0)
+    # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
+    # (scaleout/devices.py). Set it for a GPU that is not in the table.
+    peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
 
 class CheckpointConfig(_Section):

@@ -1,7 +1,7 @@
 """Per-step agreement between ranks, and fault injection for tests.
 
 One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, preemption
-notice received here, SIGTERM received here, this rank's loss, the reducer's unused-parameter census], so
+notice received here, SIGTERM received here, this rank's loss, the reducer's unused-parameter census, this rank's FLOPs], so
 every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
 rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
 drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was signalled,
@@ -32,6 +32,7 @@ class StepFlags:
     unused: bool = False  # some parameter got no gradient on any rank (the reducer's census)
     notice: bool = False  # some rank received a preemption notice (so far)
     terminate: bool = False  # some rank received SIGTERM (so far)
+    flops: float = 0.0  # training FLOPs of the step summed over ranks (each rank counts its micro-batches)
 
 
 def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
@@ -48,8 +49,10 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
 
 
 def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
-          unused: torch.Tensor | None = None, notice: bool = False, terminate: bool = False) -> StepFlags:
-    """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others."""
+          unused: torch.Tensor | None = None, notice: bool = False, terminate: bool = False,
+          flops: float = 0.0) -> StepFlags:
+    """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others;
+    ``flops``: this rank's training FLOPs of the step (summed, they give the global batch's)."""
     dev = world.device
 
     def one(x: Any) -> torch.Tensor:
@@ -57,13 +60,14 @@ def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Te
             return x.detach().reshape(1).to(dev, torch.float32)
         return torch.tensor([float(x)], device=dev)
 
-    parts = [nonfinite, stop, notice, terminate, 0.0 if loss is None else loss, 0.0 if unused is None else unused]
+    parts = [nonfinite, stop, notice, terminate, 0.0 if loss is None else loss, 0.0 if unused is None else unused,
+             flops]
     flags = torch.cat([one(x) for x in parts])
     if world.world_size > 1:
         dist.all_reduce(flags)
-    skip, stop_, notice_, term, total, census = flags.tolist()  # the step's one host read (module docstring)
+    skip, stop_, notice_, term, total, census, flops_ = flags.tolist()  # the step's one host read (docstring)
     return StepFlags(skip=skip > 0, stop=stop_ > 0, loss=total / world.world_size if loss is not None else None,
-                     unused=census > 0, notice=notice_ > 0, terminate=term > 0)
+                     unused=census > 0, notice=notice_ > 0, terminate=term > 0, flops=flops_)
 
 
 def injected_nan(step: int, rank: int) -> bool:

@@ -215,7 +215,7 @@ class Trainer:
         census = reducer.census_flag() if reducer is not None else None
         g = self.guard
         flags = agree(self.world, nonfinite(self.params), g.requested, total, census, notice=g.noticed,
-                      terminate=g.terminating)
+                      terminate=g.terminating, flops=sum(mb.flops for mb in mbs))
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused:
             reducer.check_census()  # the same census everywhere: every rank raises the same error
@@ -262,7 +262,7 @@ class Trainer:
         max_steps, metric, status = cfg.train.max_steps, None, "max_steps"
         progress = Progress(max_steps, cfg.train.progress and world.rank == 0, start)
         mll.block_start(epoch_of(self.samples), 1, self.samples)
-        tokens = 0
+        tokens, flops = 0, 0.0
         samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
         step = start
         consecutive_skips, limit = 0, cfg.train.max_consecutive_skips
@@ -275,6 +275,7 @@ class Trainer:
                 self.timers.reset()  # breakdown_s then covers the timed steps only
             t0 = time.perf_counter()
             loss, skipped, stop = self.train_step(step)
+            flops += self.flags.flops  # every rank's micro-batches, summed by the step's agreement
             if step >= start + skip:
                 for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
                     self.timed[k] += v
@@ -334,7 +335,7 @@ class Trainer:
         if world.rank == 0:
             rerun.ended(cfg, self.record, status, step + 1)
         consistent = None if hurry else self._weights_consistent()
-        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, metric, consistent)
+        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, flops, metric, consistent)
         code = self._requeue_and_release() if status == "preempted" else EXIT_ABORTED if status == "aborted" else 0
         if own_guard:
             self.guard.uninstall()
@@ -400,20 +401,21 @@ class Trainer:
         return float(peak.item())
 
     def _report(
-        self, ttt: float, steps: int, samples: int, tokens: int, metric: float | None, consistent: bool | None
+        self, ttt: float, steps: int, samples: int, tokens: int, flops: float, metric: float | None,
+        consistent: bool | None,
     ) -> Any:
         from scaleout.checkpoint import atomic_write
-        from scaleout.report import QUALITY_EXPONENT, RunReport, device_peak_flops
+        from scaleout.devices import device_peak
+        from scaleout.report import QUALITY_EXPONENT, RunReport
 
         cfg, world = self.cfg, self.world
-        mean_tokens = tokens / max(samples, 1) if tokens else 0.0
-        name, peak = device_peak_flops(world.device)
+        peak = device_peak(world.device, cfg.train.precision, cfg.train.peak_flops, ranks_on_host=world.local_size)
         report = RunReport(
             arch=cfg.model.arch, time_to_train_s=max(ttt, 1e-9), steps=steps, samples=samples,
-            flops_per_sample=self.task.flops_per_sample(mean_tokens) if mean_tokens or not tokens else 0.0,
+            flops_per_sample=flops / max(samples, 1),  # counted per micro-batch from what ran (MicroBatch.flops)
             devices=world.world_size, real_tokens=tokens, achieved=metric, target=cfg.train.target,
-            quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=name,
-            peak_flops_per_device=peak, breakdown_s=self.timers.mean(),
+            quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=peak.name,
+            peak_flops_per_device=peak.flops, peak_source=peak.source, breakdown_s=self.timers.mean(),
         )
         # The fraction of step time spent waiting for data, over the steps the timers sampled.
         data_wait = self.timers.mean().get("data", 0.0) / max(self.timers.mean_step(), 1e-12)

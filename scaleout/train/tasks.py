@@ -31,6 +31,7 @@ class MicroBatch:
     target: Any  # labels (None when the model computes its own loss)
     samples: int  # sequences / images in it (BERT: sequences, not packed rows)
     tokens: int  # real (non-pad) tokens; images count 0
+    flops: float = 0.0  # training FLOPs of this micro-batch (counted where it is built: never a device read)
 
 
 class _Counts:
@@ -85,8 +86,6 @@ class Task:
         """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
         raise NotImplementedError
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
-        raise NotImplementedError
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -138,12 +137,13 @@ class BertBatches:
     packs. Data only (no model, no World): it is what prefetch workers unpickle."""
 
     def __init__(self, seqs: Any, packs: list[list[int]], pack_tokens: np.ndarray, sampler: Any,
-                 max_len: int, max_pred: int, depth: int):
+                 max_len: int, max_pred: int, depth: int, model_cfg: Any):
         self.seqs, self.packs, self.pack_tokens, self.sampler = seqs, packs, pack_tokens, sampler
-        self.max_len, self.max_pred, self.depth = max_len, max_pred, depth
+        self.max_len, self.max_pred, self.depth, self.model_cfg = max_len, max_pred, depth, model_cfg
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         from scaleout.data.bert_batch import build_batch
+        from scaleout.models.bert_flops import batch_flops
 
         rows = self.sampler.local_indices(position)
         out = []
@@ -151,7 +151,8 @@ class BertBatches:
             packs = [self.packs[i] for i in part]
             seqs = {j for p in packs for j in p}
             batch = build_batch(self.seqs, packs, self.max_len, self.max_pred, self.depth)
-            out.append(MicroBatch(batch, None, len(seqs), int(self.pack_tokens[part].sum())))
+            out.append(MicroBatch(batch, None, len(seqs), int(self.pack_tokens[part].sum()),
+                                  batch_flops(self.model_cfg, batch)))
         return out
 
 
@@ -159,11 +160,13 @@ class ShardBertBatches:
     """This rank's BERT micro-batches read lazily from MLPerf shards (scaleout/data/shard_source.py). Data
     only: it pickles as file paths and per-shard counts, so prefetch workers start in milliseconds."""
 
-    def __init__(self, stream: Any):
-        self.stream = stream
+    def __init__(self, stream: Any, model_cfg: Any):
+        self.stream, self.model_cfg = stream, model_cfg
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        return [MicroBatch(b, None, n, t) for b, n, t in self.stream.batches(position, grad_accum)]
+        from scaleout.models.bert_flops import batch_flops
+
+        return [MicroBatch(b, None, n, t, batch_flops(self.model_cfg, b)) for b, n, t in self.stream.batches(position, grad_accum)]
 
 
 class ImageBatches:
@@ -171,6 +174,7 @@ class ImageBatches:
 
     def __init__(self, images: Any, sampler: Any, rows: int):
         self.images, self.sampler, self.rows = images, sampler, rows
+        self.flops_per_image = 0.0  # set by the task once the model exists
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         idx = self.sampler.local_indices(position)
@@ -178,7 +182,7 @@ class ImageBatches:
         out = []
         for part in np.array_split(idx, grad_accum):
             x, y = self.images.get(part, epoch)
-            out.append(MicroBatch(x, y, len(part), 0))
+            out.append(MicroBatch(x, y, len(part), 0, self.flops_per_image * len(part)))
         return out
 
 
@@ -205,6 +209,7 @@ class BertTask(Task):
         static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
         self.info["bert_static_shapes"] = bool(static)
         model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
+        self.source.model_cfg = model.cfg  # micro-batches count their FLOPs with the heads this model runs
         if cfg.model.init_checkpoint:  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
             from scaleout.models.bert_convert import load_init_checkpoint
 
@@ -220,7 +225,7 @@ class BertTask(Task):
         self.rows, self.max_pred = data.stream.total, data.stream.max_pred
         self.sequences_per_row = data.sequences_per_row
         self.info["data"], self.info["packing"] = {k: v for k, v in data.info.items() if k != "packing"}, data.info["packing"]
-        self.source = ShardBertBatches(data.stream)
+        self.source = ShardBertBatches(data.stream, model_cfg=None)  # model_cfg: set once the model exists
 
     def _load_in_memory(self, cfg: Any, world: Any) -> None:
         """pydoc / synthetic: every sequence in memory (small data sets)."""
@@ -260,7 +265,7 @@ class BertTask(Task):
         self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
         self.max_pred = d.max_predictions * self.depth
         self.source = BertBatches(SequenceTable(self.train_seqs), self.packs, self.pack_tokens, self.sampler, d.max_seq_len,
-                                  self.max_pred, self.depth)
+                                  self.max_pred, self.depth, model_cfg=None)  # model_cfg: set once the model exists
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
@@ -288,12 +293,6 @@ class BertTask(Task):
         idx = self.sampler.global_indices(position)
         return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
-        from scaleout.report import bert_flops_per_token
-
-        b = self.cfg.model.bert
-        matmul = b.layers * (4 * b.hidden * b.hidden + 2 * b.hidden * b.intermediate)
-        return bert_flops_per_token(matmul, b.layers, b.hidden, self.cfg.data.max_seq_len) * mean_tokens
 
 
 class ResNetTask(Task):
@@ -331,6 +330,12 @@ class ResNetTask(Task):
         from scaleout.models.resnet import count_macs
 
         self.macs = count_macs(self.model, (1, 3, r.image_size, r.image_size)) if r.bn_group == 1 else None
+        if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
+            self.source.flops_per_image = 3 * 2 * float(self.macs)
+        else:
+            from scaleout.report import resnet_flops_per_image
+
+            self.source.flops_per_image = resnet_flops_per_image(image_size=r.image_size)
         self.model = self.model.to(world.device)
         if world.device.type == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -363,13 +368,6 @@ class ResNetTask(Task):
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
 
-    def flops_per_sample(self, mean_tokens: float) -> float:
-        from scaleout.report import resnet_flops_per_image
-
-        r = self.cfg.model.resnet
-        if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
-            return 3 * 2 * float(self.macs)
-        return resnet_flops_per_image(image_size=r.image_size)
 
 
 def build_task(cfg: Any, world: Any) -> Task:
