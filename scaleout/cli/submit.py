@@ -16,7 +16,7 @@ rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.di
 
 examples:
   scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time 120
-  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request launch.env=slurm
+  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request
   scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1 --gpus-per-node 2
   scaleout submit --command "smoke --numel 1000" --nodes 2 --gpus-per-node 2
   scaleout submit configs/bert_tiny_cpu.yaml --cluster local --gpus-per-node 2 --no-follow
