@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from scaleout.profile import prange
+
 # The order of the step-time breakdown in the report (issue 6 item 5).
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -41,7 +43,8 @@ class Timers:
         self._synchronize()
         t0 = time.perf_counter()
         try:
-            yield
+            with prange(f"phase.{name}"):  # a torch.profiler range too, when train.profile records
+                yield
         finally:
             self._synchronize()
             self.add(name, time.perf_counter() - t0)

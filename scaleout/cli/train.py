@@ -31,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
     """Validate the config for this world before any rank starts (called by launchers)."""
     from scaleout.config import load_config
+    from scaleout.metrics import check_sinks
 
-    load_config(args.config, args.overrides).check_world(world_size, ranks_per_node)
+    cfg = load_config(args.config, args.overrides)
+    cfg.check_world(world_size, ranks_per_node)
+    check_sinks(cfg.train.metrics)  # a missing tensorboard/wandb fails here, not in every rank
 
 
 def run(args: argparse.Namespace) -> int:

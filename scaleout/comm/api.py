@@ -15,6 +15,7 @@ from scaleout.comm.grid import COMPOSITIONS, Grid, reduce_grid
 from scaleout.comm.hierarchical import hierarchical_grid
 from scaleout.comm.torus import torus_grid
 from scaleout.errors import UserError
+from scaleout.profile import traced
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def _op_name(op: Any) -> str:
     raise UserError(f"all_reduce op={op!r}: expected 'sum' or 'avg'")
 
 
+@traced("all_reduce")
 def all_reduce(
     tensor: torch.Tensor,
     world: Any,

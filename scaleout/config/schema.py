@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scaleout.errors import ConfigError
 
@@ -124,6 +124,20 @@ class CommConfig(_Section):
     comm_nice: int = Field(0, ge=0, le=19)
 
 
+class ProfileConfig(_Section):
+    """torch.profiler on a schedule (torch.profiler.schedule): skip ``wait`` steps, trace ``warmup`` steps
+    and discard them, record ``active`` steps; ``repeat`` cycles (0 = until the run ends)."""
+
+    wait: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0)
+    active: int = Field(3, ge=1)
+    repeat: int = Field(1, ge=0)
+    dir: str | None = None  # default <train.output_dir>/profile
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
 class TrainConfig(_Section):
     global_batch: int = Field(32, ge=1)
     grad_accum: int = Field(1, ge=1)
@@ -140,6 +154,16 @@ class TrainConfig(_Section):
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
+    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/metrics.py), one record per log_every
+    # steps; csv / tensorboard / wandb are added when listed here.
+    log_every: int = Field(1, ge=1)
+    metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
+    profile: ProfileConfig | None = None  # torch.profiler trace (scaleout/profile.py); true = defaults
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_flag(cls, v: object) -> object:
+        return {} if v is True else None if v is False else v
 
 
 class CheckpointConfig(_Section):

@@ -32,10 +32,12 @@ from scaleout.errors import ConfigError
 from scaleout.optim.base import check_hparams, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, lamb_chunks
+from scaleout.profile import traced
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (*_single); older builds only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# traced: profiler ranges scaleout.reduce_scatter / scaleout.all_gather (scaleout/profile.py)
+_reduce_scatter = traced("reduce_scatter", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+_all_gather = traced("all_gather", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
 
 
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, group: Any, size: int, rank: int) -> None:
