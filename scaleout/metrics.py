@@ -96,7 +96,7 @@ class Metrics:
         if "wandb" in sinks:
             import wandb  # WANDB_PROJECT / WANDB_MODE (e.g. offline) come from the environment, as usual
 
-            self._wandb = wandb.init(dir=str(self.out), config=config or {}, reinit=True)
+            self._wandb = wandb.init(dir=str(self.out), config=config or {})
 
     @staticmethod
     def _empty() -> dict[str, Any]:

