@@ -20,7 +20,7 @@ from pathlib import Path
 from scaleout.errors import UserError
 from scaleout.resources import package_path
 
-HERE = package_path(__package__, "slurm_local")  # start.sh, stop.sh, *.conf.in: package data
+HERE = package_path(__package__, "slurm_local").resolve()  # start.sh, stop.sh, *.conf.in: package data
 DEFAULT_STATE = "/tmp/scaleout-slurm"
 NODES = ("n1", "n2", "n3", "n4")
 FINAL_STATES = {
