@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaleout.errors import UserError
+from scaleout.resources import package_path
 
-HERE = Path(__file__).resolve().parent / "slurm_local"
+HERE = package_path(__package__, "slurm_local").resolve()  # start.sh, stop.sh, *.conf.in: package data
 DEFAULT_STATE = "/tmp/scaleout-slurm"
 NODES = ("n1", "n2", "n3", "n4")
 FINAL_STATES = {

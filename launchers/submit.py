@@ -12,6 +12,7 @@ port is one that was free on this machine when the job was submitted (distinct f
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -66,6 +67,27 @@ def parse_array(text: str | None) -> dict[str, list[str]]:
     if not eq or not key or not items:
         raise UserError(f"--array {text!r}: expected KEY=V1,V2,... (one job per value of the config key)")
     return {key.strip(): items}
+
+
+_SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
+def parse_slurm_options(items: Sequence[str] | None) -> dict[str, Any]:
+    """``--slurm account=proj --slurm exclusive`` -> {"account": "proj", "exclusive": True}: sbatch options
+    without their dashes (hyphens and underscores alike), passed to sbatch as ``--account=proj --exclusive``."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, eq, value = item.lstrip("-").partition("=")
+        if not _SLURM_KEY.fullmatch(key) or (eq and not value):
+            raise UserError(f"--slurm {item!r}: expected KEY=VALUE or KEY, an sbatch option without its dashes "
+                            f"(e.g. account=proj, qos=high, constraint=a100, exclusive)")
+        out[key.replace("-", "_")] = value if eq else True
+    return out
+
+
+def sbatch_flags(options: dict[str, Any]) -> list[str]:
+    """{"account": "proj", "exclusive": True} -> ["--account=proj", "--exclusive"] (as submitit writes them)."""
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
 
 
 def resolve_cluster(cluster: str) -> str:
@@ -155,6 +177,9 @@ def make_executor(spec: SubmitSpec) -> Any:
         return ex
     if spec.nodes > 1:
         raise UserError(f"--nodes={spec.nodes} without Slurm: submitit's local executor runs one node")
+    if spec.extra_slurm:
+        raise UserError(f"--slurm {', '.join(spec.extra_slurm)}: sbatch options, but this job runs on submitit's "
+                        f"{cluster} executor (no Slurm)")
     ex = submitit.LocalExecutor(folder=folder) if cluster == "local" else submitit.DebugExecutor(folder=folder)
     ex.update_parameters(nodes=1, tasks_per_node=spec.gpus_per_node, timeout_min=spec.time_min)
     return ex

@@ -14,6 +14,7 @@ Each point's rank output goes to ``<point dir>/launch.log``; the sweep prints on
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from scaleout.sweep import PointResult, SweepPoint, point_overrides, read_point
 from scaleout.sweep.results import median_run
 
 LAUNCHERS = ("local", "slurm", "submit")
+POINT_FILE = "point.json"  # the command of a point's finished run (what --resume compares)
 # How long a Slurm job may be unknown to scontrol before the point fails (a controller restart or a
 # job record purged after MinJobAge is seconds, not minutes).
 UNKNOWN_GRACE_S = 60.0
@@ -166,8 +168,10 @@ class SubmitRunner:
     """One submitit job per point (Slurm when sbatch is on PATH, else submitit's local executor)."""
 
     def __init__(self, cluster: str = "auto", partition: str | None = None, time_min: int = 30, gpus: bool = True,
-                 timeout_s: float | None = None, extra_env: dict[str, str] | None = None):
+                 timeout_s: float | None = None, extra_env: dict[str, str] | None = None,
+                 slurm: dict[str, Any] | None = None):
         self.cluster, self.partition, self.time_min, self.gpus = cluster, partition, time_min, gpus
+        self.slurm = dict(slurm or {})  # extra sbatch options (--slurm KEY=VAL)
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
 
@@ -195,7 +199,8 @@ class SubmitRunner:
 
         spec = SubmitSpec(argv=argv, nodes=point.nodes, gpus_per_node=point.ranks_per_node, request_gpus=self.gpus,
                           partition=self.partition, time_min=self.time_min, cluster=self.cluster,
-                          folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}")
+                          folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}",
+                          extra_slurm=self.slurm)
         saved = {k: os.environ.get(k) for k in self.extra_env}
         os.environ.update(self.extra_env)  # submitit's executors hand this process's environment to the job
         try:
@@ -224,8 +229,23 @@ class SubmitRunner:
         return PointRun(0, f"submitit job {job.job_id} completed")
 
 
+def _finished(point: SweepPoint, pdir: Path, argv: list[str]) -> PointResult | None:
+    """The result of an earlier run of exactly ``argv`` in ``pdir`` if it finished well, else None."""
+    try:
+        done = json.loads((pdir / POINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if done.get("argv") != argv:
+        return None
+    res = read_point(point, pdir / "report.json", float(done.get("wall_s", 0.0)))
+    return res if res.ok else None
+
+
 def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | SubmitRunner:
+    slurm = kwargs.get("slurm") or {}
     if launcher == "local":
+        if slurm:
+            raise UserError(f"--slurm {', '.join(slurm)}: sbatch options need --launcher slurm or submit")
         return LocalRunner(netns_rate=kwargs.get("netns_rate"), timeout_s=kwargs.get("timeout_s"),
                            extra_env=kwargs.get("extra_env"))
     if kwargs.get("netns_rate") is not None:
@@ -233,9 +253,11 @@ def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | Sub
     common = dict(partition=kwargs.get("partition"), time_min=kwargs.get("time_min", 30),
                   gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"), extra_env=kwargs.get("extra_env"))
     if launcher == "slurm":
-        return SlurmRunner(env=kwargs.get("env"), **common)
+        from launchers.submit import sbatch_flags
+
+        return SlurmRunner(env=kwargs.get("env"), extra=sbatch_flags(slurm), **common)
     if launcher == "submit":
-        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), **common)
+        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), slurm=slurm, **common)
     raise UserError(f"--launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
 
 
@@ -250,9 +272,13 @@ def run_sweep(
     extra_overrides: Sequence[str] = (),
     progress: Callable[[str], None] = print,
     repeats: int = 1,
+    resume: bool = False,
 ) -> list[PointResult]:
     """Run every point in order, ``repeats`` rounds; a failed run is recorded (with its log's tail) and the
-    sweep goes on. Returns one result per point: the median-step-time run of its rounds."""
+    sweep goes on. Returns one result per point: the median-step-time run of its rounds.
+
+    ``resume``: a run whose folder already holds a good report of the very same command (``point.json``
+    records it) is read instead of run again, so an interrupted sweep continues where it stopped."""
     if repeats < 1:
         raise UserError(f"--repeats={repeats}: expected an integer >= 1")
     out = Path(out_dir).resolve()
@@ -266,8 +292,15 @@ def run_sweep(
             pdir = out / "points" / p.name / (f"round{rnd + 1}" if repeats > 1 else "")
             pdir.mkdir(parents=True, exist_ok=True)
             report = pdir / "report.json"
-            report.unlink(missing_ok=True)  # never read a previous sweep's report as this one's
             argv = ["train", config, *overrides, *extra_overrides, *point_overrides(p, steps, warmup, str(pdir))]
+            done = _finished(p, pdir, argv) if resume else None
+            if done is not None:
+                progress(f"[{i}] world {p.world}: done before (--resume), {done.step_s * 1e3:.1f} ms/step, "
+                         f"{done.samples_per_s:.1f} samples/s ({report})")
+                runs[p].append(done)
+                continue
+            report.unlink(missing_ok=True)  # never read a previous sweep's report as this one's
+            (pdir / POINT_FILE).unlink(missing_ok=True)
             progress(f"[{i}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
                      f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})")
             t0 = time.perf_counter()
@@ -281,6 +314,7 @@ def run_sweep(
             else:
                 res = read_point(p, report, wall)
                 if res.ok:
+                    (pdir / POINT_FILE).write_text(json.dumps({"argv": argv, "wall_s": wall}))
                     progress(f"[{i}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
                              f"ms/step, {res.samples_per_s:.1f} samples/s")
                 else:

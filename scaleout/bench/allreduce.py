@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from scaleout.bench._nccl_style import count_wrong, fill, format_block, size_range
 from scaleout.bench.common import add_one_shot_arguments, one_shot, pyplot
 
 NAME = "allreduce"
@@ -32,10 +33,16 @@ examples:
   scaleout bench allreduce --nnodes 2 --nproc-per-node 2 --netns --sizes 64MiB      # one-shot, same thing
   scaleout bench allreduce --nnodes 4 --nproc-per-node 4 --sizes 4KiB --repeats 3   # group creation at 16 ranks
   srun -N 4 --ntasks-per-node 8 scaleout bench allreduce --sizes 4KiB..256MiB
+  srun -N 4 --ntasks-per-node 8 scaleout bench allreduce -b 8 -e 128M -f 2 -n 20 -w 5 -d float   # nccl-tests flags
+
+Besides the comparison table, every algorithm gets a block laid out as nccl-tests' all_reduce_perf prints
+it (size, count, type, redop, root, time in us, algbw, busbw, #wrong from an in-place check of a
+rank-dependent fill) and an '# Avg bus bandwidth' line, to compare with a cluster's nccl-tests logs.
 """
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+DTYPES = {"fp32": "float32", "float32": "float32", "float": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16", "half": "float16"}  # float/half: nccl-tests' -d names
 
 
 def parse_size(text: str) -> int:
@@ -75,17 +82,33 @@ def fmt_bytes(n: int) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="4KiB..256MiB", help="message sizes: list and/or A..B ranges in x4 steps (default 4KiB..256MiB)")
+    p.add_argument("--sizes", default=None, help="message sizes: list and/or A..B ranges in x4 steps (default 4KiB..256MiB)")
+    # nccl-tests' flags (all_reduce_perf -b 8 -e 128M -f 2 -n 20 -w 5 -d float); K/M/G are powers of 1024 there too
+    p.add_argument("-b", "--minbytes", default=None, help="nccl-tests: smallest size (with -e/-f instead of --sizes)")
+    p.add_argument("-e", "--maxbytes", default=None, help="nccl-tests: largest size (default: -b)")
+    p.add_argument("-f", "--stepfactor", type=int, default=None, help="nccl-tests: size multiplier (default 2)")
     p.add_argument("--algorithms", default=None, help="comma list (default: every registered algorithm; flat is always included)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("-d", "--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
+    p.add_argument("-n", "--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
+    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--chunk-bytes", default=None, help="comma list of pipeline chunk sizes: hierarchical/torus2d get one variant each")
     p.add_argument("--composition", default=None, help="comma list of gloo phase compositions (sharded, leader): one variant each")
     p.add_argument("--torus", default=None, metavar="XxY", help="torus2d grid (default x = ranks per node)")
     p.add_argument("--out", default="bench-results/allreduce.json", help="JSON output (rank 0)")
     p.add_argument("--png", default="bench-results/allreduce.png", help="PNG of busbw vs size ('' = none; needs matplotlib)")
     add_one_shot_arguments(p)
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    """--sizes, or nccl-tests' -b/-e/-f (one or the other)."""
+    from scaleout.errors import UserError
+
+    if args.minbytes is None and args.maxbytes is None and args.stepfactor is None:
+        return parse_sizes(args.sizes or "4KiB..256MiB")
+    if args.sizes is not None:
+        raise UserError("--sizes and -b/-e/-f both given: expected one way of choosing the sizes")
+    lo = parse_size(args.minbytes or args.maxbytes)
+    return size_range(lo, parse_size(args.maxbytes) if args.maxbytes else lo, args.stepfactor or 2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,7 +263,7 @@ def _in_rank(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
-    sizes = parse_sizes(args.sizes)
+    sizes = _sizes(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world, group_cost = _timed_init()
     variants = _variants(args)
@@ -262,7 +285,8 @@ def _in_rank(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for nbytes in sizes:
         n = max(1, nbytes // esize)
-        base = torch.arange(n, dtype=torch.float32, device=world.device).remainder_(7).to(dtype)
+        base = fill(n, world.rank, dtype, world.device)
+        wrong: dict[str, int] = {}
         times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
         for rep in range(args.warmup + args.repeats):
             for label, name, opts in variants:  # interleaved: noise hits every algorithm alike
@@ -275,18 +299,20 @@ def _in_rank(args: argparse.Namespace) -> int:
                 dt = _reduce_max(world, [time.perf_counter() - t0])[0]
                 if rep >= args.warmup:
                     times[label].append(dt)
+                if rep == args.warmup + args.repeats - 1:  # the in-place result of the last timed run
+                    wrong[label] = int(_reduce_max(world, [count_wrong(t, p)])[0])
         floor = 2 * (k - 1) / k * n * esize / link_bps if link_bps else None
         for label, name, opts in variants:
             med = statistics.median(times[label])
             algbw = n * esize / med
             rows.append({
                 "algorithm": label, "base_algorithm": name, "options": opts, "nbytes": n * esize, "count": n,
-                "dtype": args.dtype, "nnodes": k, "nproc_per_node": world.local_size, "world_size": p,
+                "dtype": args.dtype, "torch_dtype": DTYPES[args.dtype], "wrong": wrong[label], "nnodes": k, "nproc_per_node": world.local_size, "world_size": p,
                 "time_s": med, "times": times[label], "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p if p > 1 else 0.0,
                 "link_rate_bps": link_bps * 8 if link_bps else (int(rate_env) if rate_env else None),
                 "link_floor_s": floor,
             })
-            say(f"  {fmt_bytes(nbytes):>7} {label:<28} {med * 1e3:9.2f} ms")
+            say(f"  {fmt_bytes(nbytes):>7} {label:<28} {med * 1e6:12.1f} us  #wrong {wrong[label]}")
     if world.is_main:
         _report(args, rows, group_cost, link_bps, world)
     world.close()
@@ -296,16 +322,20 @@ def _in_rank(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: dict[str, float], link_bps: float | None, world: Any) -> None:
     from scaleout.bench.common import format_table, write_json
 
+    shape = f"{world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {world.backend}"
+    for label in dict.fromkeys(r["algorithm"] for r in rows):
+        print(format_block([r for r in rows if r["algorithm"] == label], label, shape) + "\n")
     flat = {r["nbytes"]: r["time_s"] for r in rows if r["algorithm"] == "flat"}
     table = []
     for r in rows:
         table.append([
-            fmt_bytes(r["nbytes"]), r["algorithm"], r["time_s"] * 1e3, r["algbw"] / 1e9, r["busbw"] / 1e9,
-            flat[r["nbytes"]] / r["time_s"],
-            r["link_floor_s"] * 1e3 if r["link_floor_s"] else "-",
+            fmt_bytes(r["nbytes"]), r["count"], r["algorithm"], r["time_s"] * 1e6, r["algbw"] / 1e9, r["busbw"] / 1e9,
+            r["wrong"], flat[r["nbytes"]] / r["time_s"],
+            r["link_floor_s"] * 1e6 if r["link_floor_s"] else "-",
             r["time_s"] / r["link_floor_s"] if r["link_floor_s"] else "-",
         ])
-    print(format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "speedup vs flat", "link floor ms", "time / floor"], table))
+    print(format_table(["size", "count", "algorithm", "time us", "algbw GB/s", "busbw GB/s", "#wrong", "speedup vs flat",
+                        "link floor us", "time / floor"], table))
     ratio = group_cost["groups_s"] / group_cost["init_process_group_s"] if world.world_size > 1 else None
     print(f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
           f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "

@@ -6,10 +6,12 @@ import argparse
 from pathlib import Path
 
 from scaleout.bench.common import pyplot
+from scaleout.resources import package_path
 
 NAME = "packing"
 HELP = "BERT real (non-pad) tokens/s, packed (<=3 per row, LPHP) vs padded to max_len, same model, one run"
-DEFAULT_HIST = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikipedia_seqlen_hist_512.txt"
+# Graphcore's Wikipedia-512 histogram (provenance in the file's header), shipped as package data
+DEFAULT_HIST = package_path("scaleout", "data", "wikipedia_seqlen_hist_512.txt")
 DESCRIPTION = f"""\
 Draws --sequences lengths from a sequence-length histogram (default: the Wikipedia-512 one,
 {DEFAULT_HIST}), builds synthetic BERT examples of those lengths (15 % MLM masking, NSP labels) and

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Max-scale data-parallel training: launch ranks, train to target, benchmark, simulate.",
         epilog="Run 'scaleout <command> --help' for a command's options.",
     )
+    from scaleout import __version__
+
+    parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     for mod in _commands():
         p = sub.add_parser(

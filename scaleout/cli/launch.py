@@ -31,9 +31,12 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="emulated nodes (default 1)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node (default 1)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    # torchrun's spellings too: --nproc_per_node, --master_addr, --master_port; auto | cpu | gpu | N
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_value, default="1", metavar="N|auto|cpu|gpu",
+                   help="processes per node (default 1); as torchrun: gpu = visible CUDA devices, cpu = usable "
+                        "cores, auto = gpu if there is one, else cpu")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's KillWait and "
                         "torchrun: time for the trainer's checkpoint)")
@@ -45,10 +48,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command each rank runs")
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu")
+
+
+def nproc_value(text: str) -> str:
+    """argparse type of --nproc-per-node: an integer >= 1 or one of torchrun's words (resolved in run)."""
+    if text in NPROC_WORDS or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1 or one of {', '.join(NPROC_WORDS)}")
+
+
+def resolve_nproc(value: str | int) -> int:
+    """torchrun's rule (torch.distributed.run.determine_local_world_size): gpu = CUDA devices, cpu = the
+    cores this process may use, auto = gpu when there is one, else cpu."""
+    import os
+
+    from scaleout.errors import UserError
+
+    if str(value).isdigit():
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if value == "cpu":
+        return cores
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if value == "gpu" and gpus == 0:
+        raise UserError("--nproc-per-node gpu: no CUDA device is visible (use a number, cpu or auto)")
+    return gpus or cores
+
+
 def run(args: argparse.Namespace) -> int:
     from launchers.local import check_launch_args, launch
     from scaleout.errors import UserError
 
+    args.nproc_per_node = resolve_nproc(args.nproc_per_node)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]

@@ -15,8 +15,9 @@ rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.di
 (no sbatch on PATH) submitit's local executor runs the tasks on this machine (one node).
 
 examples:
-  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time 120
-  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request launch.env=slurm
+  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time 120 \
+      --slurm account=myproj --slurm qos=high --slurm constraint=a100
+  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request
   scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1 --gpus-per-node 2
   scaleout submit --command "smoke --numel 1000" --nodes 2 --gpus-per-node 2
   scaleout submit configs/bert_tiny_cpu.yaml --cluster local --gpus-per-node 2 --no-follow
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=None, help="Slurm partition")
     p.add_argument("--time", type=int, default=60, help="time limit in minutes (default 60)")
     p.add_argument("--array", default=None, metavar="KEY=V1,V2", help="one job per value of a config key")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VAL",
+                   help="any sbatch option, repeatable: --slurm account=proj --slurm qos=high --slurm constraint=a100 "
+                        "--slurm exclusive (written as #SBATCH --KEY=VAL)")
     p.add_argument("--signal", default="USR2", help="preemption notice signal (default USR2; NCCL may catch USR1)")
     p.add_argument("--signal-delay", type=int, default=120, help="seconds of notice before the time limit (120)")
     p.add_argument("--cluster", default="auto", choices=["auto", "slurm", "local", "debug"],
@@ -44,7 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.submit import SubmitSpec, follow, job_argvs, parse_array, resolve_cluster, submit
+    from launchers.submit import (
+        SubmitSpec,
+        follow,
+        job_argvs,
+        parse_array,
+        parse_slurm_options,
+        resolve_cluster,
+        submit,
+    )
     from scaleout.errors import UserError
 
     if args.subcommand:
@@ -57,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         argv=argv, nodes=args.nodes, gpus_per_node=args.gpus_per_node, request_gpus=not args.no_gpu_request,
         partition=args.partition, time_min=args.time, signal=args.signal, signal_delay_s=args.signal_delay,
         cluster=args.cluster, folder=args.folder, name=args.name, array=parse_array(args.array),
+        extra_slurm=parse_slurm_options(args.slurm),
     )
     # The same checks `scaleout launch` runs, for every job's command and this world, before anything is
     # queued: a bad config is one line here, not a 256-node job whose every rank fails.

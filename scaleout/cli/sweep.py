@@ -42,6 +42,7 @@ examples:
   scaleout sweep bert_tiny_cpu --world 1,2,4 --mode strong --global-batch 32
   scaleout sweep resnet_cpu --world 2,4 --nodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --no-gpu-request
+  scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --slurm account=proj --resume
   scaleout sweep configs/bert_large_256x8.yaml --world 8,64,512,2048 --nproc-per-node 8 --launcher slurm \\
       --partition gpu --time 20 --simulate dgx-a100
 """
@@ -91,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", type=int, default=30, help="slurm/submit: time limit per point in minutes (30)")
     p.add_argument("--no-gpu-request", action="store_true", help="slurm/submit: do not ask for a GPU per task")
     p.add_argument("--cluster", default="auto", help="submit: auto, slurm, local or debug (as scaleout submit)")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VAL",
+                   help="slurm/submit: any sbatch option, repeatable (--slurm account=proj --slurm qos=high)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip runs whose folder already holds a good report of the same command (an interrupted sweep)")
     p.add_argument("--threads-per-rank", type=int, default=None,
                    help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores / "
                         "largest world for local runs, so a rank has the same CPU share at every point)")
@@ -165,6 +170,7 @@ def _notes(args: argparse.Namespace, points: list, base_world: int | None, threa
 
 
 def run(args: argparse.Namespace) -> int:
+    from launchers.submit import parse_slurm_options
     from launchers.sweep import make_runner, run_sweep
     from scaleout.bench.common import format_table
     from scaleout.config import load_config
@@ -193,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     env = {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
     runner = make_runner(args.launcher, netns_rate=args.rate if args.netns else None, partition=args.partition,
                          time_min=args.time, gpus=not args.no_gpu_request, cluster=args.cluster,
-                         timeout_s=args.timeout, extra_env=env)
+                         timeout_s=args.timeout, extra_env=env, slurm=parse_slurm_options(args.slurm))
     runner.check(points)
     sim = None
     if args.simulate:
@@ -204,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
           f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}", flush=True)
     results = run_sweep(runner, points, config, args.overrides, args.steps, args.warmup, args.out_dir,
-                        extra_overrides=extra, progress=lambda s: print(s, flush=True), repeats=args.repeats)
+                        extra_overrides=extra, progress=lambda s: print(s, flush=True), repeats=args.repeats,
+                        resume=args.resume)
     base = add_efficiency(results, args.mode)
     if sim is not None and base is not None:
         sim.fill(results, base, args.mode)

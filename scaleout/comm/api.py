@@ -16,6 +16,7 @@ from scaleout.comm.grid import COMPOSITIONS, Grid, reduce_grid
 from scaleout.comm.hierarchical import hierarchical_grid
 from scaleout.comm.torus import torus_grid
 from scaleout.errors import UserError
+from scaleout.profile import traced
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def op_name(op: Any, what: str = "all_reduce") -> str:
     raise UserError(f"{what} op={op!r}: expected 'sum' or 'avg'")
 
 
+@traced("all_reduce")
 def all_reduce(
     tensor: torch.Tensor,
     world: Any,

@@ -11,8 +11,9 @@ from pydantic import BaseModel, ValidationError
 
 from scaleout.config.schema import Config
 from scaleout.errors import ConfigError
+from scaleout.resources import package_path
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = package_path("scaleout", "configs")  # the repository's configs/, shipped as package data
 
 
 def resolve_config_path(path: str | os.PathLike[str]) -> Path:
@@ -22,7 +23,8 @@ def resolve_config_path(path: str | os.PathLike[str]) -> Path:
     for c in candidates:
         if c.is_file():
             return c
-    raise ConfigError(f"config file {str(path)!r} not found (looked in . and {CONFIG_DIR})")
+    shipped = ", ".join(sorted(c.stem for c in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config file {str(path)!r} not found (looked in . and {CONFIG_DIR}: {shipped})")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

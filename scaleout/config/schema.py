@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scaleout.errors import ConfigError
 
@@ -149,6 +149,20 @@ class CommConfig(_Section):
         return self
 
 
+class ProfileConfig(_Section):
+    """torch.profiler on a schedule (torch.profiler.schedule): skip ``wait`` steps, trace ``warmup`` steps
+    and discard them, record ``active`` steps; ``repeat`` cycles (0 = until the run ends)."""
+
+    wait: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0)
+    active: int = Field(3, ge=1)
+    repeat: int = Field(1, ge=0)
+    dir: str | None = None  # default <train.output_dir>/profile
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
 class TrainConfig(_Section):
     global_batch: int = Field(32, ge=1, le=1 << 24)
     grad_accum: int = Field(1, ge=1, le=1 << 16)
@@ -179,6 +193,16 @@ class TrainConfig(_Section):
     # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
     # (scaleout/devices.py). Set it for a GPU that is not in the table.
     peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/metrics.py), one record per log_every
+    # steps; csv / tensorboard / wandb are added when listed here.
+    log_every: int = Field(1, ge=1)
+    metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
+    profile: ProfileConfig | None = None  # torch.profiler trace (scaleout/profile.py); true = defaults
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_flag(cls, v: object) -> object:
+        return {} if v is True else None if v is False else v
 
 
 class CheckpointConfig(_Section):

@@ -135,6 +135,9 @@ class SlurmEnv(Environment):
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
+        if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:  # forced (launch.env=slurm) in a batch shell
+            raise EnvironmentError_("slurm environment: SLURM_STEP_ID is not set, so srun did not start this process "
+                                    "(the batch script itself is not a rank): run it as `srun scaleout train ...`")
         nnodes = opt_int(env, "SLURM_STEP_NUM_NODES", n) or need_int(env, "SLURM_NNODES", n)
         ntasks = opt_int(env, "SLURM_STEP_NUM_TASKS", n) or need_int(env, "SLURM_NTASKS", n)
         tpn_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")

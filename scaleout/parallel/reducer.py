@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from scaleout import profile
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
@@ -111,6 +112,7 @@ class Reducer:
         self.launch_order: list[int] = []
         self._in_backward = False
         self._bwd_start_us = 0.0
+        self._prof_backward: Any = None
         self._unreached: set[int] | None = None  # slots no forward since the last backward reached
 
     def expect_unused(self, outputs: list[torch.Tensor]) -> None:
@@ -140,6 +142,7 @@ class Reducer:
             return
         self._in_backward = True
         self._bwd_start_us = now_us()
+        self._prof_backward = profile.enter("backward")  # the timeline's spans as profiler ranges too
         Variable._execution_engine.queue_callback(self._end_backward)
         if self.sync:
             unreached, self._unreached = self._unreached or set(), None
@@ -205,6 +208,7 @@ class Reducer:
         handle = self._all_reduce(buf)
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
+        profile.until_done(f"bucket {b}", fut)
         if fut is not None:
             # bind this step's list: the callback may run after wait() returned and the step was reset
             done = self._done_us
@@ -235,6 +239,8 @@ class Reducer:
         end_us = now_us()
         start_us = self._bwd_start_us
         self._in_backward = False
+        profile.leave(self._prof_backward)
+        self._prof_backward = None
         if not self.sync:
             self._span("backward (no_sync)", "backward", start_us, end_us)
             return
@@ -244,7 +250,8 @@ class Reducer:
                 self._ready[k] = True
                 self._pending[s.bucket] -= 1
         self._launch_ready()
-        self.wait(start_us, end_us)
+        with profile.prange("wait"):
+            self.wait(start_us, end_us)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
         """Wait for every bucket, write results back, check the census, record stats and the timeline."""

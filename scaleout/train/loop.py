@@ -68,6 +68,10 @@ class Trainer:
         self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
         self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
+        from scaleout.metrics import Metrics
+
+        self.metrics = Metrics(self.out, cfg.train.metrics, cfg.train.log_every, enabled=world.rank == 0,
+                               config=cfg.model_dump(mode="json"))
 
     # -- construction -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -256,6 +260,7 @@ class Trainer:
         mll.init_stop()
         world.barrier()
         mll.run_start()
+        self._observe_start(start)
         t_start = time.perf_counter()
         is_bert = self.task.benchmark == "bert"
         epoch_of = (lambda s: s) if is_bert else (lambda s: s // max(self.task.rows, 1))  # BERT: samples
@@ -274,18 +279,24 @@ class Trainer:
             if skip and step == start + skip:
                 self.timers.reset()  # breakdown_s then covers the timed steps only
             t0 = time.perf_counter()
+            lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it in train_step)
             loss, skipped, stop = self.train_step(step)
             flops += self.flags.flops  # every rank's micro-batches, summed by the step's agreement
             if step >= start + skip:
                 for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
                     self.timed[k] += v
-            self.timers.step(time.perf_counter() - t0)
+            spans = self.timers.step(time.perf_counter() - t0)
             if step == start:  # the first step is done: from now on a hung peer is a failure, not slowness
                 world.set_timeout(cfg.train.step_timeout_s)
             self.samples += n
             tokens += toks
-            progress.update(step, loss, n / max(time.perf_counter() - t0, 1e-9),
+            dt = time.perf_counter() - t0
+            progress.update(step, loss, n / max(dt, 1e-9),
                             f"{self.task.metric_name} {metric:.4f}" if metric is not None else "")
+            self.metrics.step(step + 1, self.samples, loss, lr, dt, n, toks, spans, skipped,
+                              force=stop or step + 1 == max_steps or (step + 1) % cfg.train.eval_every == 0)
+            if self.profiler is not None:
+                self.profiler.step()
             if stop:
                 why = "SIGTERM" if self.flags.terminate else "notice"
                 print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop", rank=world.rank)
@@ -304,6 +315,7 @@ class Trainer:
                 mll.eval_start(epoch_of(self.samples), self.samples)
                 metric = self.task.evaluate(self.task.model)
                 mll.eval_accuracy(metric, epoch_of(self.samples), self.samples)
+                self.metrics.eval(step + 1, self.samples, self.task.metric_name, metric, cfg.train.target)
                 mll.eval_stop(epoch_of(self.samples), self.samples)
                 print0(f"step {step + 1}: {self.task.metric_name} {metric:.4f} (target {cfg.train.target})",
                        rank=world.rank)
@@ -337,6 +349,7 @@ class Trainer:
         consistent = None if hurry else self._weights_consistent()
         report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, flops, metric, consistent)
         code = self._requeue_and_release() if status == "preempted" else EXIT_ABORTED if status == "aborted" else 0
+        self._observe_end(status, ttt)
         if own_guard:
             self.guard.uninstall()
         return TrainResult(status, code, step + 1, metric, report)
@@ -372,6 +385,24 @@ class Trainer:
         except RuntimeError as exc:  # a peer already gone (killed at the end of KillWait): nothing left to wait for
             log.warning("rank %d: final barrier after the preemption stop failed: %s", world.rank, exc)
         return code
+
+    def _observe_start(self, start: int) -> None:
+        """Metrics file header and the profiler (scaleout/metrics.py, scaleout/profile.py)."""
+        from scaleout.profile import build_profiler
+
+        w = self.world
+        self.metrics.start(world_size=w.world_size, nodes=w.num_nodes, ranks_per_node=w.local_size,
+                           launcher=w.source, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
+                           global_batch=self.cfg.train.global_batch)
+        self.profiler = build_profiler(self.cfg.train.profile, self.out, w.rank)
+
+    def _observe_end(self, status: str, ttt: float) -> None:
+        png = self.metrics.close(status, time_to_train_s=ttt)
+        traces = self.profiler.close() if self.profiler is not None else []
+        if png is not None:
+            print0(f"metrics: {self.out / 'metrics.jsonl'}, curves {png}", rank=self.world.rank)
+        if traces:
+            print0(f"profile: traces in {traces[0].parent} (Perfetto, TensorBoard, HTA)", rank=self.world.rank)
 
     def _weights_consistent(self) -> bool:
         """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""

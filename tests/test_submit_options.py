@@ -1,0 +1,183 @@
+"""`--slurm KEY=VAL` pass-through (account, qos, constraint, ... for `scaleout submit` and `sweep --launcher
+slurm|submit`) and `sweep --resume`.
+
+The local Slurm has no accounts or QOS configured, so the pass-through of those is checked in what would be
+submitted (the sbatch command line, submitit's generated #SBATCH script); one real submission through each
+path carries a harmless option, --comment, and Slurm's own record of the job shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from launchers.submit import SubmitSpec, make_executor, parse_slurm_options, sbatch_flags
+from launchers.sweep import SlurmRunner, _finished, make_runner
+from scaleout.cli import main
+from scaleout.errors import UserError
+from scaleout.sweep import SweepPoint
+
+TINY = ["model.resnet.bn_group=1", "model.resnet.width=4", "model.resnet.image_size=16", "data.eval_samples=16"]
+SHORT_SWEEP = ["--steps", "2", "--warmup", "1", "--per-rank-batch", "4", "--no-png"]
+OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type=END"]
+
+
+def test_parse_slurm_options() -> None:
+    got = parse_slurm_options(OPTS)
+    assert got == {"account": "proj", "qos": "high", "constraint": "a100", "exclusive": True, "mail_type": "END"}
+    assert sbatch_flags(got) == ["--account=proj", "--qos=high", "--constraint=a100", "--exclusive", "--mail-type=END"]
+    for bad in ("=x", "acc ount=x", "account=", "9x=1"):
+        with pytest.raises(UserError, match=re.escape(f"--slurm {bad!r}: expected KEY=VALUE or KEY")):
+            parse_slurm_options([bad])
+
+
+def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
+    runner = make_runner("slurm", slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
+    assert isinstance(runner, SlurmRunner)
+    args = runner.sbatch_args(SweepPoint(4, 2, 2, 16), ["train", "x.yaml"], tmp_path / "log")
+    wrap = args.index("--wrap")
+    assert args[wrap - 5 : wrap] == [
+        "--account=proj",
+        "--qos=high",
+        "--constraint=a100",
+        "--exclusive",
+        "--mail-type=END",
+    ]
+    with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
+        make_runner("local", slurm={"account": "proj"})
+
+
+@pytest.mark.slurm
+def test_submitit_script_carries_the_options(slurm_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The #SBATCH lines submitit would submit (sbatch of the local cluster on PATH, nothing submitted)."""
+    import submitit
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    spec = SubmitSpec(
+        argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), extra_slurm=parse_slurm_options(OPTS)
+    )
+    ex = make_executor(spec)
+    script = submitit.slurm.slurm._make_sbatch_string(command="true", folder=str(tmp_path), **ex.parameters)
+    for line in (
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=a100",
+        "#SBATCH --exclusive",
+        "#SBATCH --mail-type=END",
+        "#SBATCH --requeue",
+    ):
+        assert line in script.splitlines(), script
+    with pytest.raises(UserError, match="sbatch options, but this job runs on submitit's local executor"):
+        make_executor(SubmitSpec(argv=["smoke"], cluster="local", extra_slurm={"qos": "high"}))
+
+
+def _comment_of_jobs_named(cluster, name: str) -> list[str]:
+    out = cluster.run(["scontrol", "show", "job", "--oneliner"], check=False).stdout
+    return [
+        m.group(1)
+        for line in out.splitlines()
+        if f"JobName={name} " in line
+        for m in [re.search(r"Comment=(\S+)", line)]
+        if m
+    ]
+
+
+@pytest.mark.slurm
+def test_real_submissions_carry_a_comment(slurm_cluster, tmp_path: Path) -> None:
+    """One real job per path: `scaleout submit` (submitit) and `sweep --launcher slurm` (sbatch)."""
+    tag = f"eco{tmp_path.name[-12:]}".replace("_", "")
+    p = slurm_cluster.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "submit",
+            "--command",
+            "smoke --numel 1000",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--no-gpu-request",
+            "--time",
+            "5",
+            "--cluster",
+            "slurm",
+            "--name",
+            f"sub-{tag}",
+            "--folder",
+            str(tmp_path / "sub" / "%j"),
+            "--slurm",
+            f"comment={tag}",
+        ],
+        timeout_s=300,
+        check=False,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _comment_of_jobs_named(slurm_cluster, f"sub-{tag}") == [tag]
+    out = tmp_path / "sweep"
+    argv = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "sweep",
+        "resnet_cpu",
+        "--world",
+        "1",
+        *SHORT_SWEEP,
+        "--launcher",
+        "slurm",
+        "--no-gpu-request",
+        "--time",
+        "5",
+        "--out-dir",
+        str(out),
+        "--slurm",
+        f"comment={tag}-sw",
+        *TINY,
+    ]
+    p = slurm_cluster.run(argv, timeout_s=300, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _comment_of_jobs_named(slurm_cluster, "sweep-w001-1x1").count(f"{tag}-sw") == 1
+
+
+def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An interrupted sweep (here: world 2's result lost) reruns only what is missing; a point whose command
+    changed is not taken from the earlier run."""
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep",
+        "resnet_cpu",
+        "--world",
+        "1,2",
+        "--nproc-per-node",
+        "1",
+        *SHORT_SWEEP,
+        "--threads-per-rank",
+        "1",
+        "--out-dir",
+        str(out),
+        *TINY,
+    ]
+    assert main(argv) == 0, capsys.readouterr().out
+    first = json.loads((out / "sweep.json").read_text())["points"]
+    log1 = out / "points" / "w001-1x1" / "launch.log"
+    stamp = log1.stat().st_mtime_ns
+    (out / "points" / "w002-2x1" / "report.json").unlink()  # as if the sweep had stopped during world 2
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "[1/2] world 1: done before (--resume)" in text
+    assert "[2/2] world 2 = 2 node(s) x 1" in text and "running" in text.split("[2/2]", 1)[1]
+    assert log1.stat().st_mtime_ns == stamp  # world 1 was not run again
+    again = json.loads((out / "sweep.json").read_text())["points"]
+    assert again[0]["step_s"] == first[0]["step_s"] and again[1]["status"] == "ok"
+    pdir = out / "points" / "w001-1x1"
+    recorded = json.loads((pdir / "point.json").read_text())["argv"]
+    point = SweepPoint(1, 1, 1, 4)
+    assert _finished(point, pdir, recorded) is not None
+    assert _finished(point, pdir, [*recorded, "optim.lr=0.5"]) is None
