@@ -146,6 +146,6 @@ class StepProfiler:
 
 def build_profiler(cfg: Any, out_dir: str | Path, rank: int) -> StepProfiler | None:
     """The profiler of ``train.profile`` (None when it is not set or this rank is not in ``ranks``)."""
-    if cfg is None:
+    if cfg is None or (cfg.ranks is not None and rank not in cfg.ranks):
         return None
     return StepProfiler(cfg, out_dir, rank)

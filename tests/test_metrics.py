@@ -183,9 +183,11 @@ def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool)
         "train.profile.wait=0",
         "train.profile.warmup=1",
         "train.profile.active=2",
+        "train.profile.ranks=[0]",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (trace,) = (out / "profile").glob("rank0.*.pt.trace.json")
+    (trace,) = (out / "profile").glob("*.pt.trace.json")  # rank 1 is not profiled (train.profile.ranks)
+    assert trace.name.startswith("rank0.")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     spans = {e["name"]: e for e in events}
     assert {"scaleout.reduce_scatter", "scaleout.all_gather", "scaleout.phase.optimizer"} <= set(spans)

@@ -158,6 +158,7 @@ class ProfileConfig(_Section):
     active: int = Field(3, ge=1)
     repeat: int = Field(1, ge=0)
     dir: str | None = None  # default <train.output_dir>/profile
+    ranks: list[int] | None = None  # profile only these global ranks (None = every rank, as HTA wants)
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
