@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launchers.watchdog import start_time
 from scaleout.env.addr import is_loopback, loopback_interface
 from scaleout.env.base import free_port
 from scaleout.errors import UserError
+from scaleout.launchers.watchdog import start_time
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
 DEFAULT_GRACE_S = 30.0

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launchers.watchdog import start_time
 from scaleout.errors import UserError
+from scaleout.launchers.watchdog import start_time
 
 # tbf needs a bucket of at least rate/HZ; 256 kB and 50 ms queueing are what the notes measured
 # (iperf3 957 Mbit/s through a 1gbit limit).

@@ -62,7 +62,7 @@ class LocalRunner:
 
     def check(self, points: Sequence[SweepPoint]) -> None:
         if self.netns_rate is not None:
-            from launchers.netns import parse_rate, require_root
+            from scaleout.launchers.netns import parse_rate, require_root
 
             require_root()
             parse_rate(self.netns_rate)
@@ -72,7 +72,7 @@ class LocalRunner:
 
     def start_cluster(self, nodes: int) -> None:
         if self.netns_rate is not None and self.cluster is None:
-            from launchers.netns import Cluster
+            from scaleout.launchers.netns import Cluster
 
             # One private cluster for the whole sweep, sized for the largest point; points use its first nodes.
             self.cluster = Cluster(nodes, self.netns_rate, name=f"sw{os.getpid() % 100000}").__enter__()
@@ -83,8 +83,8 @@ class LocalRunner:
             self.cluster = None
 
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
-        from launchers.local import launch
         from scaleout.env.base import free_port
+        from scaleout.launchers.local import launch
 
         kwargs: dict[str, Any] = {"env": {**os.environ, **self.extra_env}}
         if self.cluster is not None:
@@ -138,7 +138,7 @@ class SlurmRunner:
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
         import subprocess
 
-        from launchers.slurm import FINAL_STATES, job_info, job_state, sbatch
+        from scaleout.launchers.slurm import FINAL_STATES, job_info, job_state, sbatch
 
         env = {**(os.environ if self.env is None else self.env), **self.extra_env}
         job = sbatch(self.sbatch_args(point, argv, log), env=env)
@@ -176,7 +176,7 @@ class SubmitRunner:
         self.extra_env = dict(extra_env or {})
 
     def check(self, points: Sequence[SweepPoint]) -> None:
-        from launchers.submit import resolve_cluster
+        from scaleout.launchers.submit import resolve_cluster
 
         try:
             import submitit  # noqa: F401
@@ -195,7 +195,7 @@ class SubmitRunner:
         pass
 
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
-        from launchers.submit import SubmitSpec, submit
+        from scaleout.launchers.submit import SubmitSpec, submit
 
         spec = SubmitSpec(argv=argv, nodes=point.nodes, gpus_per_node=point.ranks_per_node, request_gpus=self.gpus,
                           partition=self.partition, time_min=self.time_min, cluster=self.cluster,
@@ -253,7 +253,7 @@ def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | Sub
     common = dict(partition=kwargs.get("partition"), time_min=kwargs.get("time_min", 30),
                   gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"), extra_env=kwargs.get("extra_env"))
     if launcher == "slurm":
-        from launchers.submit import sbatch_flags
+        from scaleout.launchers.submit import sbatch_flags
 
         return SlurmRunner(env=kwargs.get("env"), extra=sbatch_flags(slurm), **common)
     if launcher == "submit":

@@ -56,8 +56,8 @@ def _worker(rank, env, tasks, results) -> None:
 class DistPool:
     def __init__(self, nnodes: int, nproc_per_node: int, env: dict[str, str] | None = None, timeout: float = 120.0,
                  placement: str = "block"):
-        from launchers.local import rank_env
         from scaleout.env import free_port
+        from scaleout.launchers.local import rank_env
 
         ctx = mp.get_context("spawn")
         self.world = nnodes * nproc_per_node

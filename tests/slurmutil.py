@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from launchers.slurm import LocalSlurm, can_run_local_slurm, job_info, sbatch, wait_job
 from scaleout.errors import UserError
+from scaleout.launchers.slurm import LocalSlurm, can_run_local_slurm, job_info, sbatch, wait_job
 
 REPO = Path(__file__).resolve().parent.parent
 # Launcher variables of the calling process must not leak into jobs (sbatch exports the environment).

@@ -289,7 +289,7 @@ def test_submit_local_jobs_get_distinct_free_ports() -> None:
     an --array gets its own port, free on this host at submission."""
     import socket
 
-    from launchers.submit import SubmitSpec, rank_mains
+    from scaleout.launchers.submit import SubmitSpec, rank_mains
 
     spec = SubmitSpec(argv=["train", "c.yaml"], gpus_per_node=2, cluster="local",
                       array={"optim.lr": [str(i) for i in range(16)]})

@@ -175,8 +175,8 @@ def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
 
 def test_default_grace_fits_a_checkpoint() -> None:
     """torchrun waits 30 s and Slurm's KillWait default is 30 s; the launcher's default matches."""
-    from launchers.local import DEFAULT_GRACE_S
     from scaleout.cli import build_parser
+    from scaleout.launchers.local import DEFAULT_GRACE_S
 
     assert DEFAULT_GRACE_S == 30.0
     args = build_parser().parse_args(["launch", "--", "true"])

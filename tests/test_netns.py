@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from launchers.netns import Cluster, parse_rate, require_root
 from scaleout.errors import UserError
+from scaleout.launchers.netns import Cluster, parse_rate, require_root
 
 pytestmark = [
     pytest.mark.netns,

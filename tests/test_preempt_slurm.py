@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.slurm import sbatch
+from scaleout.launchers.slurm import sbatch
 from tests.slurmutil import REPO, wait_for_text
 
 SCRIPT = "slurm/bert_256node.sh"

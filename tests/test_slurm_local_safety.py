@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from launchers.slurm import HERE, LocalSlurm, _alive
 from scaleout.errors import UserError
+from scaleout.launchers.slurm import HERE, LocalSlurm, _alive
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the local Slurm scripts run as root")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launchers.submit import SubmitSpec, make_executor, parse_slurm_options, sbatch_flags
-from launchers.sweep import SlurmRunner, _finished, make_runner
 from scaleout.cli import main
 from scaleout.errors import UserError
+from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_options, sbatch_flags
+from scaleout.launchers.sweep import SlurmRunner, _finished, make_runner
 from scaleout.sweep import SweepPoint
 
 TINY = ["model.resnet.bn_group=1", "model.resnet.width=4", "model.resnet.image_size=16", "data.eval_samples=16"]

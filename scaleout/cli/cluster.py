@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.netns import Cluster, down_all, owner_alive, read_records, require_root
     from scaleout.errors import UserError
+    from scaleout.launchers.netns import Cluster, down_all, owner_alive, read_records, require_root
 
     if args.all and args.action != "down":
         raise UserError(f"--all goes with `down`, not `{args.action}`")

@@ -79,15 +79,15 @@ def resolve_nproc(value: str | int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.local import check_launch_args, launch
     from scaleout.errors import UserError
+    from scaleout.launchers.local import check_launch_args, launch
 
     args.nproc_per_node = resolve_nproc(args.nproc_per_node)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if args.netns or args.cluster:
-        from launchers.netns import MAX_NODES
+        from scaleout.launchers.netns import MAX_NODES
 
         if args.nnodes > MAX_NODES:
             raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster")
@@ -122,9 +122,9 @@ def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
     import contextlib
     import os
 
-    from launchers.local import launch
-    from launchers.netns import Cluster
     from scaleout.env.base import free_port
+    from scaleout.launchers.local import launch
+    from scaleout.launchers.netns import Cluster
 
     on_orphan: list[list[str]] = []
     if args.cluster:

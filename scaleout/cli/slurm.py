@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.slurm import LocalSlurm
+    from scaleout.launchers.slurm import LocalSlurm
 
     cluster = LocalSlurm(args.state)
     if args.action == "up":

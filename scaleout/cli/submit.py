@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.submit import (
+    from scaleout.errors import UserError
+    from scaleout.launchers.submit import (
         SubmitSpec,
         follow,
         job_argvs,
@@ -57,7 +58,6 @@ def run(args: argparse.Namespace) -> int:
         resolve_cluster,
         submit,
     )
-    from scaleout.errors import UserError
 
     if args.subcommand:
         argv = shlex.split(args.subcommand) + ([args.config] if args.config else []) + list(args.overrides)

@@ -141,10 +141,10 @@ def _on_this_host(args: argparse.Namespace) -> bool:
     if args.launcher == "local":
         return True
     if args.launcher == "submit":
-        from launchers.submit import resolve_cluster
+        from scaleout.launchers.submit import resolve_cluster
 
         return resolve_cluster(args.cluster) in ("local", "debug")
-    from launchers.slurm import LocalSlurm
+    from scaleout.launchers.slurm import LocalSlurm
 
     return os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
 
@@ -170,12 +170,12 @@ def _notes(args: argparse.Namespace, points: list, base_world: int | None, threa
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.submit import parse_slurm_options
-    from launchers.sweep import make_runner, run_sweep
     from scaleout.bench.common import format_table
     from scaleout.config import load_config
     from scaleout.config.load import resolve_config_path
     from scaleout.errors import UserError
+    from scaleout.launchers.submit import parse_slurm_options
+    from scaleout.launchers.sweep import make_runner, run_sweep
     from scaleout.sweep import MODES, add_efficiency, check_points, parse_int_list, plan_points, write_outputs
     from scaleout.sweep.plot import plot
     from scaleout.sweep.results import table_rows
