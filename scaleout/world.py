@@ -67,7 +67,7 @@ class World:
     world_size = property(lambda self: self.spec.world_size)
     master_addr = property(lambda self: self.spec.master_addr)
     master_port = property(lambda self: self.spec.master_port)
-    source = property(lambda self: self.spec.source)
+    launcher = property(lambda self: self.spec.launcher)
 
     @property
     def is_main(self) -> bool:
@@ -93,7 +93,7 @@ class World:
         return (
             f"World(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}/{self.local_size}, "
             f"node={self.node_rank}/{self.num_nodes}, device={self.device}, backend={self.backend}, "
-            f"source={self.source})"
+            f"launcher={self.launcher})"
         )
 
     # -- groups -----------------------------------------------------------------------------------
@@ -372,7 +372,7 @@ def init(
     elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
         raise TopologyError(
             f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
-            f"but the {spec.source} environment says {spec.rank}/{spec.world_size}"
+            f"but the {spec.launcher} environment says {spec.rank}/{spec.world_size}"
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)
@@ -410,7 +410,7 @@ def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:
     for r, (node, local, _host) in enumerate(gathered):
         if (node, local) in seen:
             raise TopologyError(
-                f"{spec.source} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
+                f"{spec.launcher} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
             )
         seen[(node, local)] = r
     node_ids = sorted({node for node, _, _ in gathered})

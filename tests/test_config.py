@@ -104,13 +104,13 @@ def test_config_show_prints_resolved_tree(capsys) -> None:
 
 def test_every_subcommand_has_help() -> None:
     """`scaleout --help` lists every subcommand with a purpose; each has its own --help."""
-    from scaleout.cli import _commands
+    from scaleout.cli import subcommands
 
     top = subprocess.run([sys.executable, "-m", "scaleout", "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0
-    names = [m.NAME for m in _commands()]
+    names = [m.NAME for m in subcommands()]
     assert {"launch", "config", "smoke", "bench"} <= set(names)
-    for mod in _commands():
+    for mod in subcommands():
         assert mod.NAME in top.stdout and mod.HELP.split()[0] in top.stdout
         with pytest.raises(SystemExit) as exc:
             main([mod.NAME, "--help"])

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from scaleout.argtypes import parse_csv
 from scaleout.cli import main
 from scaleout.errors import UserError
 from scaleout.sweep import (
@@ -19,7 +20,6 @@ from scaleout.sweep import (
     SweepPoint,
     add_efficiency,
     node_shapes,
-    parse_int_list,
     plan_points,
     read_point,
 )
@@ -120,10 +120,10 @@ def test_node_shapes_from_nproc_per_node_or_nodes():
         node_shapes([3], [2], None)
     with pytest.raises(UserError, match="each world size once"):
         node_shapes([2, 2], None, 1)
-    assert parse_int_list(" 1, 2,4 ", "--world") == [1, 2, 4]
+    assert parse_csv(" 1, 2,4 ", "--world", int, at_least=1) == [1, 2, 4]
     for bad in ("1,x", "0,2", ""):
         with pytest.raises(UserError, match="--world"):
-            parse_int_list(bad, "--world")
+            parse_csv(bad, "--world", int, at_least=1)
 
 
 def _result(world: int, global_batch: int, step_s: float, steps: int = 4) -> PointResult:

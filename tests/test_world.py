@@ -27,7 +27,7 @@ def _members(world, group) -> list[int]:
 def _observe(world, extra_grids):
     out = {
         "id": (world.rank, world.local_rank, world.node_rank, world.num_nodes, world.local_size, world.world_size),
-        "source": world.source,
+        "launcher": world.launcher,
         "device": str(world.device),
         "backend": world.backend,
         "intra": _members(world, world.intra),
@@ -55,7 +55,7 @@ def test_groups_membership(nnodes: int, nproc: int, grids) -> None:
     for rank, r in enumerate(res):
         node, local = divmod(rank, nproc)
         assert r["id"] == (rank, local, node, nnodes, nproc, p)
-        assert r["source"] == "local" and r["device"] == "cpu" and r["backend"] == "gloo"
+        assert r["launcher"] == "local" and r["device"] == "cpu" and r["backend"] == "gloo"
         assert r["intra"] == [node * nproc + i for i in range(nproc)]
         assert r["inter"] == [n * nproc + local for n in range(nnodes)]
         assert r["cached"]

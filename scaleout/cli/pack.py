@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from scaleout.bench.common import format_table
     from scaleout.data.packing import (
         ALGORITHMS,
         assign_sequences,
@@ -91,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from scaleout.data.packing_hist import check_max_len
     from scaleout.errors import UserError
+    from scaleout.output import format_table
 
     check_max_len(args.max_len)
     if (args.histogram is None) == (args.lengths is None):

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import time
 
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
 
     p = argparse.ArgumentParser(prog="python3 -m scaleout.data.pretrain", description=main.__doc__)
     p.add_argument("--vocab-size", type=int, default=4096)

@@ -40,18 +40,6 @@ class SweepPoint:
         return {**asdict(self), "per_rank_batch": self.per_rank_batch, "name": self.name}
 
 
-def parse_int_list(text: str, flag: str) -> list[int]:
-    """``"1,2,4"`` -> [1, 2, 4]; every entry an integer >= 1."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    try:
-        values = [int(t) for t in items]
-    except ValueError:
-        raise UserError(f"{flag}={text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{flag}={text!r}: expected comma-separated integers >= 1, e.g. 1,2,4,8")
-    return values
-
-
 def node_shapes(worlds: list[int], nodes: list[int] | None, ranks_per_node: int | None) -> list[tuple[int, int]]:
     """(nodes, ranks per node) for each world size; see the module docstring for the rules."""
     if len(set(worlds)) != len(worlds):

@@ -392,7 +392,7 @@ class Trainer:
 
         w = self.world
         self.metrics.start(world_size=w.world_size, nodes=w.num_nodes, ranks_per_node=w.local_size,
-                           launcher=w.source, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
+                           launcher=w.launcher, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
                            global_batch=self.cfg.train.global_batch)
         self.profiler = build_profiler(self.cfg.train.profile, self.out, w.rank)
 
