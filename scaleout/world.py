@@ -107,7 +107,7 @@ class World:
         Only the members of a group take part in creating it (``use_local_synchronization=True``:
         hashed group names, a member-only rendezvous, no world-wide barrier), and each rank creates only
         the groups it belongs to, so building intra + inter + torus groups costs about as much as
-        connecting this rank's own small meshes, not k + g world-wide rendezvous (issue 3 item 2; the
+        connecting this rank's own small meshes, not k + g world-wide rendezvous (the
         measurement is in ``scaleout bench allreduce`` -> group_creation). A group equal to the whole
         world is the world group; the same rank list reached through two families is one group, unless
         ``shared=False``: then the family gets its own group (its own NCCL communicator), even for a rank

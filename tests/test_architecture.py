@@ -2,7 +2,8 @@
 
 Library (runs in every rank): env, comm, parallel, optim, data, models, train and the top-level modules.
 Driver side: cli, bench, sweep, sim. Launchers start ranks and never import the CLI; only the CLI uses both.
-An import inside a function counts as much as one at the top: it is still a dependency.
+An import inside a function counts as much as one at the top: it is still a dependency. Imports under
+``if TYPE_CHECKING:`` do not: they never run.
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ def _units() -> dict[str, list[Path]]:
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in the file, in functions too."""
+    """(line, absolute module) of every import in the file, in functions too; not the type-only ones under
+    ``if TYPE_CHECKING:`` (never executed: ``World`` is a type every layer names)."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for top in tree.body if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
+                 for n in ast.walk(top)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
         elif isinstance(node, ast.Import):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaleout.argtypes import parse_size
 from scaleout.bench._nccl_style import count_wrong, fill, size_range
-from scaleout.bench.allreduce import parse_size
 from scaleout.errors import UserError
 
 

@@ -274,8 +274,8 @@ def test_flagship_config_is_the_reference_recipe():
     import math
 
     from scaleout.config.load import load_config
-    from scaleout.mlperf import hyperparameters
     from scaleout.optim import build_optimizer, build_schedule
+    from scaleout.train.hparams import hyperparameters
     from scaleout.train.loop import eval_due
 
     cfg = load_config("bert_large_256x8", [])

@@ -169,8 +169,8 @@ def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
 
 
 def test_shape_key_separates_shapes_and_dtypes() -> None:
+    from scaleout.data.batches import MicroBatch
     from scaleout.train.capture import shape_key
-    from scaleout.train.tasks import MicroBatch
 
     a = [MicroBatch(_batch(0, rows=4), None, 4, 0)]
     assert shape_key(a) == shape_key([MicroBatch(_batch(1, rows=4), None, 4, 0)])  # values do not matter
@@ -228,9 +228,9 @@ def test_captured_whole_step_equals_eager_step() -> None:
 
 
 def _dp_graph_vs_eager(world) -> dict:
+    from scaleout.data.batches import MicroBatch
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import StepGraphs, data_parallel_step
-    from scaleout.train.tasks import MicroBatch
 
     torch.manual_seed(0)
     a = _mlp().to(world.device)

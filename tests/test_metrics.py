@@ -23,6 +23,7 @@ SHORT = [
     "train.eval_every=3",
     "train.progress=false",
     "checkpoint.dir=null",
+    "checkpoint.every_steps=0",
 ]
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None

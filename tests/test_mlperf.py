@@ -15,7 +15,8 @@ import pytest
 
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
-from scaleout.mlperf import RULESET, MLPerfLogger, check_compliance, hyperparameters
+from scaleout.mlperf import RULESET, MLPerfLogger, check_compliance
+from scaleout.train.hparams import hyperparameters
 
 
 def _drive(path, cfg: Config, benchmark: str, accuracies: list[float], rank: int = 0) -> None:

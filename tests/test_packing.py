@@ -36,7 +36,7 @@ def wiki() -> np.ndarray:
 
 @needs_wiki
 def test_wikipedia_bars(wiki):
-    """The issue's bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
+    """The bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
     (lphp) beats the published NNLSHP (0.9975) and LPFHP (0.9981) at both depths."""
     assert speedup_ceiling(wiki) == pytest.approx(2.0013, abs=1e-4)
     lp3 = pack_histogram(wiki, 512, 3, "lphp")

@@ -30,7 +30,7 @@ def _trainer(world: Any, out: str, *overrides: str) -> Any:
 
 def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
     """Output dtypes of every nn.Linear in a training step and in the evaluation."""
-    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "train.max_steps=1")
+    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=1")
     trainer.build()
     import scaleout.preempt as preempt
 
@@ -139,7 +139,7 @@ def _train_fp16(world: Any, out: str) -> dict:
     from scaleout.train.loop import Trainer
 
     cfg = load_config("bert_tiny_cpu", [
-        f"train.output_dir={out}", "checkpoint.dir=null", "train.progress=false", "train.precision=fp16",
+        f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false", "train.precision=fp16",
         # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
         "model.bert.hidden=32", "model.bert.intermediate=128", "model.bert.layers=1",
         "train.global_batch=32", "train.max_steps=120", "train.eval_every=20", "train.target=0.054",
@@ -167,7 +167,7 @@ def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"] == "fp16"
     assert set(mlperf_numerics("fp32", "cpu", "bf16", "resnet").values()) == {"fp32", "bfloat16"}
     from scaleout.config import load_config
-    from scaleout.mlperf import hyperparameters
+    from scaleout.train.hparams import hyperparameters
 
     cfg = load_config("bert_large_256x8", ["optim.sharded=true"])  # sharded: fp32 reduce-scatter, whatever compression
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"

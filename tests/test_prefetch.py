@@ -129,8 +129,8 @@ def test_sequence_table_builds_the_same_batches() -> None:
     (packed rows with several sequences, padded rows)."""
     import numpy as np
 
+    from scaleout.data.batches import SequenceTable
     from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
-    from scaleout.train.tasks import SequenceTable
 
     seqs = synthetic_sequences(np.random.default_rng(0).integers(1, 48, size=60), 500, seed=0)
     table = SequenceTable(seqs)

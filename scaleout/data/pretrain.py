@@ -161,7 +161,7 @@ def to_padded(sample: BertSample, max_seq_len: int, max_predictions: int) -> dic
 def mlm_baselines(samples: list[BertSample]) -> dict[str, Any]:
     """Accuracies a model that learned nothing gets on these masked positions.
 
-    ``most_frequent``: always predict the most frequent masked token (the issue's baseline);
+    ``most_frequent``: always predict the most frequent masked token (the floor any target must clear);
     ``copy_input``: predict the visible input token (right on the 10 % kept unchanged, and on random
     replacements that happen to hit). A target must sit well above both.
     """

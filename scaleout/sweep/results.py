@@ -5,7 +5,7 @@ Efficiency is computed against the smallest world in the sweep (the base b, norm
 - weak scaling (per-rank batch fixed): per-rank throughput at N / per-rank throughput at b
   = (X_N / N) / (X_b / b), X in samples/s;
 - strong scaling (global batch fixed): T_b · b / (N · T_N), T = seconds per step of the same global
-  batch (the issue's T1 / (N · TN) when b = 1).
+  batch (T1 / (N · TN) when b = 1).
 
 Both measure the timed steps only (``train.timing_skip_steps`` drops the warm-up), on rank 0; every step
 ends in a collective (the finite-gradient vote), so rank 0's step time is the slowest rank's.
