@@ -115,3 +115,29 @@ def test_the_checks_see_a_real_upward_import(tmp_path: Path) -> None:
     f.write_text("def f():\n    from scaleout.cli import main\n")
     assert [_target(m) for _, m in _imports(f)] == ["cli", "cli"]
     assert _graph()["cli"]["launchers"]  # the one place that uses both does import launchers
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_readme_contents_lists_every_guide() -> None:
+    contents = _readme_section("Contents")
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in contents]
+    assert not missing, f"README Contents does not list {missing}"
+
+
+def test_readme_architecture_names_what_exists() -> None:
+    """Every package of scaleout/ and every launcher module is in the block; every name in it exists."""
+    block = _readme_section("Architecture")
+    packages = [p.name for p in sorted((ROOT / "scaleout").iterdir())
+                if (p / "__init__.py").is_file() and p.name not in ("launchers", "configs")]
+    launchers = [p.stem for p in sorted((ROOT / "launchers").glob("*.py")) if p.stem != "__init__"]
+    missing = [f"scaleout/{n}/" for n in packages if f"{n}/" not in block] + [n for n in launchers if n not in block]
+    assert not missing, f"README Architecture does not mention {missing}"
+    named = set(__import__("re").findall(r"\b([a-z_]+)/ ", block))
+    stale = sorted(n for n in named - {"scaleout", "launchers", "configs", "slurm", "tests"}
+                   if not (ROOT / "scaleout" / n).is_dir())
+    assert not stale, f"README Architecture names folders that do not exist: {stale}"

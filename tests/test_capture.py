@@ -180,15 +180,13 @@ def test_shape_key_separates_shapes_and_dtypes() -> None:
 
 
 # -- GPU ------------------------------------------------------------------------------------------------
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 
 
 def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_whole_step_equals_eager_step() -> None:
     """Forward + backward + capturable AdamW in one graph per shape (two shapes, alternating) gives the
     same losses and weights as the same steps run eagerly."""
@@ -254,8 +252,7 @@ def _dp_graph_vs_eager(world) -> dict:
     return {"same": same, "disabled": graphs.disabled, "graphs": len(graphs.graphs)}
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_static_shape_bert_step_equals_eager() -> None:
     """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and each
     replayed step's loss and gradients equal the eager default forward on the same batch."""
@@ -288,8 +285,7 @@ def test_captured_static_shape_bert_step_equals_eager() -> None:
     assert graphs.disabled is None and len(graphs.graphs) == 2, graphs.disabled
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_data_parallel_step_graph_matches_reducer() -> None:
     """The captured DataParallel step (no_sync backward + bucket all-reduce) gives the reducer's averaged
     gradients over 2 micro-batches. One rank (NCCL all-reduce in a graph needs one GPU per rank)."""

@@ -192,8 +192,7 @@ def _nccl_equality(world):
     return world.backend, all(out)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)")
+@pytest.mark.gpu(devices=2, reason="NCCL refuses two ranks on one GPU")
 @pytest.mark.parametrize(("nnodes", "nproc"), [(1, 2), (2, 1)])
 def test_nccl_composition_equals_flat(nnodes: int, nproc: int) -> None:
     """The NCCL path (reduce_scatter_tensor -> all_reduce -> all_gather_into_tensor with padding)."""

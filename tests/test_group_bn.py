@@ -151,7 +151,6 @@ def _cuda_case(world) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_group_bn_cuda_nccl():
     from tests.distutil import run_dist
 

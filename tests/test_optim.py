@@ -350,7 +350,6 @@ def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_path_matches_the_reference(dtype):
     """The accelerator layout (whole tensors, device-side per-tensor scalars) on a real GPU."""

@@ -396,8 +396,7 @@ def _gpu_compressed_step(world):
     return max_rel({n: g.cpu() for n, g in grads(model).items()}, want)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL path of DataParallel)")
+@pytest.mark.gpu(reason="NCCL path of DataParallel")
 def test_gpu_compressed_step():
     n = torch.cuda.device_count()
     for err in run_dist(_gpu_compressed_step, 1, n, timeout=120):

@@ -14,7 +14,7 @@ appendix A.1), which MLPerf's BERT data is made with:
 
 Each sample is a :class:`BertSample` of *unpadded* numpy arrays, i.e. its real length; the collator
 (``scaleout.data.bert_batch``) pads or packs them. :func:`to_padded` gives the fixed-shape MLPerf
-layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.data.wikipedia``). ``dupe_factor``
+layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.data.shard_format``). ``dupe_factor``
 copies of the corpus are made with different masks (Google uses 10). Everything is a function of
 ``seed``; results are cached as ``.npz`` keyed by the corpus hash and every setting.
 """

@@ -10,7 +10,6 @@ optimizer state. Time-to-train is MLPerf's: run_start (after init, all ranks at 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,8 +19,8 @@ from typing import Any
 import torch
 
 from scaleout import preempt
-from scaleout.checkpoint import Checkpointer, gather_rng_states, set_rng_state
-from scaleout.config.schema import CommConfig, Config
+from scaleout.checkpoint import Checkpointer
+from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
 from scaleout.log import print0
 from scaleout.metrics import Metrics
@@ -48,10 +47,9 @@ from scaleout.train.hparams import hyperparameters
 from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.train.prefetch import build_prefetcher
 from scaleout.train.progress import Progress
+from scaleout.train.state import resume_checkpoint, save_checkpoint
 from scaleout.train.tasks import Task, build_task
 from scaleout.world import World, init
-
-log = logging.getLogger("scaleout.train")
 
 
 def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
@@ -135,7 +133,7 @@ class Trainer:
                                       # the initial layout (bitwise resume)
                                       rebuild_buckets=not cfg.train.deterministic,
                                       defer_census=True,  # read with the step's agreement (train_step)
-                                      **comm_options(cfg.comm))
+                                      **cfg.comm.algorithm_options())
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -150,48 +148,12 @@ class Trainer:
                                                  self.task.steps_per_epoch(cfg.train.global_batch),
                                                  self.task.sequences_per_row, world.device))
 
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _state(self, step: int) -> dict[str, Any]:
-        """The replicated part of a checkpoint (only rank 0's copy is written; RNG states are gathered to it)."""
-        opt_state, _ = self.sync.optimizer_state(self.optimizer)
-        return {"model": self.task.model.state_dict(), "optimizer": opt_state,
-                "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
-                "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
-                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped,
-                "precision": self.task.precision.state_dict()}
-
+    # -- checkpoints (scaleout/train/state.py) ---------------------------------------------------------
     def save(self, step: int) -> None:
-        if self.ckpt is None:
-            return
-        self.task.sync_buffers()  # collective: BN statistics equal on every rank, so a resume is exact everywhere
-        state = self._state(step)  # collective: every rank takes part
-        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank writes its own
-        path = self.ckpt.save(step, state, world=self.world, shards=shards)
-        if path is not None:
-            print0(f"checkpoint: step {step} -> {path}", rank=self.world.rank)
-        self.world.barrier()
+        save_checkpoint(self, step)
 
     def resume(self) -> int:
-        cfg = self.cfg
-        if self.ckpt is None or not self.cfg.checkpoint.resume:
-            return 0
-        _, shards = self.sync.optimizer_state(self.optimizer)
-        found = self.ckpt.restore(self.world, shards=shards)  # rank 0 chooses; every rank follows
-        if found is None:
-            return 0
-        state, path = found
-        rerun.check_data_position(state, cfg.train.global_batch, path)  # a changed global batch is refused
-        self.task.model.load_state_dict(state["model"])
-        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])  # shards: read in place by restore()
-        self.schedule.load_state_dict(state["schedule"])
-        if state["rng"] is None:
-            log.warning("checkpoint %s has RNG states of another world size: RNG streams restart", path)
-        else:
-            set_rng_state(state["rng"])
-        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
-        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
-        print0(f"resumed from {path} at step {state['step']}", rank=self.world.rank)
-        return int(state["step"])
+        return resume_checkpoint(self)
 
     # -- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float | None, bool, bool]:
@@ -405,14 +367,6 @@ class Trainer:
             print0(f"metrics: {self.out / 'metrics.jsonl'}, curves {png}", rank=self.world.rank)
         if traces:
             print0(f"profile: traces in {traces[0].parent} (Perfetto, TensorBoard, HTA)", rank=self.world.rank)
-
-
-def comm_options(comm: CommConfig) -> dict[str, Any]:
-    """The all-reduce options of ``comm`` (scaleout.comm.all_reduce): torus grid, pipeline chunk."""
-    opts: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
-    if comm.chunk_mb is not None:
-        opts["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
-    return opts
 
 
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
