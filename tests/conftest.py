@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -9,6 +10,14 @@ import pytest  # noqa: E402
 
 TIERS = ("unit", "multi_process", "full_system")  # pyproject.toml [tool.pytest.ini_options] markers
 SYSTEM = ("slurm", "mpi", "netns", "horovod")  # need the real thing: a full_system test by definition
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``pytest -m unit`` does not even import a test file without a unit test: importing them (torch
+    extensions, hypothesis, transformers) is most of the time the inner loop would otherwise spend collecting."""
+    if config.getoption("markexpr") == "unit" and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return "mark.unit" not in collection_path.read_text()
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
@@ -30,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 why = gpu.kwargs.get("reason", "")
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), this machine has {have}"
                                                         + (f" ({why})" if why else "")))
-    if untiered and not os.environ.get("_TIER_AUDIT"):
+    if untiered:
         raise pytest.UsageError("tests need exactly one tier marker (" + ", ".join(TIERS) + "; see pyproject.toml):\n  "
                                 + "\n  ".join(untiered))
 

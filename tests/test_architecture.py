@@ -9,6 +9,7 @@ An import inside a function counts as much as one at the top: it is still a depe
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,9 @@ def _target(module: str) -> str | None:
     return "launchers" if parts[1:2] == ["launchers"] else (parts[1] if len(parts) > 1 else "scaleout")
 
 
+@functools.cache
 def _graph() -> dict[str, dict[str, list[str]]]:
-    """unit -> {imported unit: ["file:line", ...]}."""
+    """unit -> {imported unit: ["file:line", ...]} (read once per session)."""
     graph: dict[str, dict[str, list[str]]] = {}
     for unit, files in _units().items():
         edges = graph.setdefault(unit, {})

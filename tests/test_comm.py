@@ -15,6 +15,8 @@ from scaleout.env import WorldSpec
 from scaleout.errors import TopologyError, UserError
 from scaleout.world import World
 
+pytestmark = pytest.mark.multi_process
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COUNTS = (1, 7, 1_000_003)
 

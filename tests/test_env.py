@@ -37,6 +37,7 @@ def _key(spec):
     return (spec.rank, spec.local_rank, spec.node_rank, spec.num_nodes, spec.local_size, spec.world_size)
 
 
+@pytest.mark.unit
 def test_torchrun() -> None:
     name, s = _spec(TORCHRUN)
     assert name == "torchrun" and _key(s) == (5, 1, 1, 2, 4, 8) and (s.master_addr, s.master_port) == ("10.0.0.1", 29500)
@@ -44,6 +45,7 @@ def test_torchrun() -> None:
     assert _key(_spec(env)[1]) == (5, 1, 1, 2, 4, 8)  # node rank derived from RANK // LOCAL_WORLD_SIZE
 
 
+@pytest.mark.unit
 def test_slurm_uneven_tasks_and_nodelist() -> None:
     name, s = _spec(SLURM)
     assert name == "slurm"
@@ -59,26 +61,31 @@ def test_slurm_uneven_tasks_and_nodelist() -> None:
     assert _key(s2) == (2, 0, 1, 2, 2, 4) and s2.master_addr == "gpu003"
 
 
+@pytest.mark.unit
 def test_slurm_batch_script_is_not_a_task() -> None:
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     assert detect_environment(env).name == "single"
 
 
+@pytest.mark.unit
 def test_mpi_openmpi_and_mpich() -> None:
     assert _spec(OMPI)[0] == "mpi" and _key(_spec(OMPI)[1]) == (3, 1, 1, 2, 2, 4)
     assert _key(_spec(MPICH)[1]) == (2, 0, 1, 2, 2, 4)
 
 
+@pytest.mark.unit
 def test_horovod() -> None:
     name, s = _spec({**HOROVOD, **OMPI})  # horovodrun over MPI sets both: Horovod wins
     assert name == "horovod" and _key(s) == (3, 1, 1, 2, 2, 4)
 
 
+@pytest.mark.unit
 def test_local_launcher() -> None:
     name, s = _spec({**LOCAL, **TORCHRUN})  # the local launcher also sets torchrun's variables
     assert name == "local" and _key(s) == (3, 1, 1, 2, 2, 4) and s.tasks_per_node == (2, 2)
 
 
+@pytest.mark.unit
 def test_single_and_order() -> None:
     name, s = _spec({})
     assert name == "single" and _key(s) == (0, 0, 0, 1, 1, 1)
@@ -87,6 +94,7 @@ def test_single_and_order() -> None:
     assert detect_environment({**SLURM, **OMPI}).name == "mpi"
 
 
+@pytest.mark.unit
 def test_explicit_choice_overrides_detection() -> None:
     env = {**SLURM, **TORCHRUN}
     assert detect_environment(env).name == "torchrun"
@@ -96,6 +104,7 @@ def test_explicit_choice_overrides_detection() -> None:
         detect_environment(env, "pbs")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
@@ -125,6 +134,7 @@ def test_bad_variables_are_one_line_errors(env, needle) -> None:
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.unit
 def test_bad_variables_fail_fast() -> None:
     """A repeat count of 10^11 is refused before anything is expanded (it used to be a MemoryError)."""
     import time
@@ -140,6 +150,7 @@ def test_bad_variables_fail_fast() -> None:
 # -- rendezvous ports and addresses ------------------------------------------------------------------
 
 
+@pytest.mark.multi_process
 def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
     """Real check: the kernel hands out ephemeral ports from ip_local_port_range (bind to port 0 many
     times), and the job-id map never lands there, for every job id residue."""
@@ -164,6 +175,7 @@ def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
     assert SlurmEnv.port_for_job(17768) < low  # 15000 + 17768 was 32768, the range's first port
 
 
+@pytest.mark.unit
 def test_slurm_port_map_adapts_to_the_range() -> None:
     assert SlurmEnv.port_for_job(0, 32768) == 15000 and SlurmEnv.port_for_job(17767, 32768) == 32767
     assert SlurmEnv.port_for_job(17768, 32768) == 15000
@@ -178,6 +190,7 @@ def _resolver(table):
     return lambda host: table.get(host, [])
 
 
+@pytest.mark.unit
 def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
     """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must publish
     the address of the interface that routes to the other host (pure functions: no second host here)."""
@@ -196,6 +209,7 @@ def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
                        interfaces_fn=lambda: ifs[:1])
 
 
+@pytest.mark.unit
 def test_reachable_address_real_sockets() -> None:
     """On this machine: the address toward one of its own non-loopback addresses is that address, and the
     loopback interface is found by its flag."""
@@ -248,6 +262,7 @@ class _KV:
         self.server.server_close()
 
 
+@pytest.mark.unit
 def test_horovod_publishes_rank0_address_and_port() -> None:
     """Rank 0 need not run on horovodrun's host: its own address travels with the port."""
     import threading
@@ -284,6 +299,7 @@ def json_of(body: bytes):
     return json.loads(body)
 
 
+@pytest.mark.unit
 def test_submit_local_jobs_get_distinct_free_ports() -> None:
     """Before: 15000 + byte-sum(job id) * 7919 % 20000 took 45 values over 5-digit pids. Now every job of
     an --array gets its own port, free on this host at submission."""
@@ -310,6 +326,7 @@ def shutil_which(name: str):
     return shutil.which(name)
 
 
+@pytest.mark.unit
 def test_forced_slurm_outside_srun_is_refused() -> None:
     """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for SLURM_NTASKS peers."""
     from scaleout.errors import EnvironmentError_

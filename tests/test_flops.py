@@ -17,6 +17,8 @@ from scaleout.data.bert_batch import build_batch, synthetic_sequences
 from scaleout.models.bert import BertForPreTraining
 from scaleout.models.bert_flops import head_rows, sequence_flops
 
+pytestmark = pytest.mark.multi_process
+
 LENGTHS = [20, 30, 13, 64, 40, 7]
 PACKS = [[0, 1], [2, 4, 5], [3]]
 

@@ -16,6 +16,8 @@ from scaleout.report import (
 )
 from scaleout.timers import Timers
 
+pytestmark = pytest.mark.unit
+
 
 def test_flop_formulas():
     assert resnet_flops_per_image() == pytest.approx(3 * 2 * 4.1e9)

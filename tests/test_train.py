@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.full_system
+
 FAST = ["train.global_batch=16", "data.eval_samples=32", "optim.warmup_steps=2", "optim.total_steps=8",
         "train.progress=false"]
 
