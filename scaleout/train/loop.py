@@ -211,10 +211,11 @@ class Trainer:
                 with t("backward"):
                     prec.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if not self.sharded and self.graphs is None:
-            exposed = float(self.model.last_stats.get("exposed_s", 0.0))
-            t.add("exposed_comm", exposed)
-            t.add("backward", -exposed)
+        if self.graphs is None:  # the wait after backward for what overlap did not hide (reducer or sharded LAMB)
+            stats = getattr(self.optimizer if self.sharded else self.model, "last_stats", {})
+            if "exposed_s" in stats:  # the non-overlapped sharded LAMB communicates inside step() instead
+                t.add("exposed_comm", float(stats["exposed_s"]))
+                t.add("backward", -float(stats["exposed_s"]))
         prec.unscale_(self.params, self.optimizer)  # fp16: gradients / S (reduced, or reduced linearly in step())
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")

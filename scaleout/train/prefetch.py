@@ -87,7 +87,7 @@ _PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.t
 
 class StepBatches(torch.utils.data.Dataset):
     """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens)`` per micro-batch. ``source`` is the
+    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``source`` is the
     task's data-only batch builder (``task.source``), which is what gets pickled into the workers."""
 
     def __init__(self, source: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
@@ -97,10 +97,10 @@ class StepBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return max(self.stop_step - self.start_step, 0)
 
-    def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int]]:
+    def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int, float]]:
         step = self.start_step + i
         mbs = self.source.micro_batches(step * self.global_batch, self.grad_accum)
-        return [(mb.inputs, mb.target, mb.samples, mb.tokens) for mb in mbs]
+        return [(mb.inputs, mb.target, mb.samples, mb.tokens, mb.flops) for mb in mbs]
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -187,7 +187,7 @@ class Prefetcher:
             _record(moved, compute)
         else:
             moved = _to(raw, self.device)
-        return [self._mb(inputs, target, samples, tokens) for inputs, target, samples, tokens in moved]
+        return [self._mb(*fields) for fields in moved]  # inputs, target, samples, tokens, flops
 
     def worker_cpu_s(self) -> float:
         """CPU seconds (user + system) the live workers have used so far, from /proc (Linux). Forkserver
