@@ -164,6 +164,10 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     assert sharded.train.optimizer == "sharded" and sharded.train.overlap
     assert (sharded.model.grad_bytes, sharded.model.param_bytes) == (4, 4)  # ShardedLAMB's fp32 buffer
     assert optimizer_time(sharded.model, A100, 2048) == pytest.approx(optimizer_time(run.model, A100) / 2048)
+    # packed: global_batch counts rows of ~2.0013 Wikipedia sequences, so 2 rows per GPU = 4 sequences
+    rows = from_config(load_config("bert_large_256x8", ["train.global_batch=4096", "data.packing=lphp"]))
+    assert rows.train.local_batch == 2
+    assert 2 * rows.model.flops_per_sample == pytest.approx(4 * BERT.flops_per_sample, rel=1e-3)
 
 
 def test_cli_scale_from_config_with_sharp(capsys):
@@ -193,7 +197,8 @@ def test_bad_input_is_one_line(call, needle):
 
 
 @pytest.mark.parametrize("args, needle", [(["--optimizer", "zero3"], "zero3"),
-                                          (["--cluster", "netns-1g", "--sharp"], "netns-1g")])
+                                          (["--cluster", "netns-1g", "--sharp"], "netns-1g"),
+                                          (["optim.sharded=true"], "need --config")])
 def test_cli_bad_option_exits_2_with_one_line(args, needle, capsys):
     assert main(["simulate", "scale", "--out", ""] + args) == 2
     err = capsys.readouterr().err.strip()

@@ -29,7 +29,7 @@ NCCL CollNet) for tree/hierarchical/torus2d, on InfiniBand presets.
 
 examples:
   scaleout simulate scale --config configs/bert_large_256x8.yaml --sharp
-  scaleout simulate scale --config configs/bert_large_256x8.yaml --optimizer sharded --algorithms hierarchical
+  scaleout simulate scale --config configs/bert_large_256x8.yaml --min-gpus 2048 optim.sharded=true
   scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png bench-results/sim.png
   scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
   scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms ring,hierarchical
@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument("--config", default=None,
                     help="training config (YAML as for `scaleout train`): model size, per-GPU batch, optim.sharded, "
                     "comm.*, samples and the config's node count (added to the sweep)")
+    sc.add_argument("overrides", nargs="*", help="section.key=value overrides of --config, e.g. optim.sharded=true")
     sc.add_argument("--model", default=None, help="model preset (default bert-large, or the config's model)")
     sc.add_argument("--optimizer", default=None,
                     help="replicated | sharded | sharded-node (default replicated, or the config's optim.sharded)")
@@ -145,13 +146,16 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
     from scaleout.sim.step import TrainSpec, get_model, gpu_counts
 
     run = None
+    if args.overrides and not args.config:
+        raise ConfigError(f"overrides {' '.join(args.overrides)!r} need --config (they change a training config)")
     if args.config:
         from scaleout.config.load import load_config
         from scaleout.sim.fromconfig import from_config
 
         # --optimizer sharded/replicated on a config means the product's optimizer, with its wire bytes
         placement = {"sharded": ["optim.sharded=true"], "replicated": ["optim.sharded=false", "optim.overlap_comm=false"]}
-        run = from_config(load_config(args.config, placement.get(args.optimizer or "", [])), args.config)
+        overrides = list(args.overrides) + placement.get(args.optimizer or "", [])
+        run = from_config(load_config(args.config, overrides), args.config)
     cluster = _cluster(args, run.gpus_per_node if run else None)
     model = get_model(args.model or "bert-large") if args.model or not run else run.model
     changes = {k: v for k, v in (("params", args.params), ("flops_per_sample", args.flops_per_sample),

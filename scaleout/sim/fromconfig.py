@@ -3,8 +3,11 @@
 ``scaleout simulate scale --config configs/bert_large_256x8.yaml`` simulates the run the config describes:
 
 - model: BERT parameters and FLOPs from ``model.bert`` (scaleout.sim.step.bert_params /
-  bert_flops_per_sequence; sequences of ``data.max_seq_len`` tokens, or the Wikipedia-512 mean of
-  512 / 2.0013 when the data is Wikipedia at 512 and packed or unpadded); ResNet: the ``resnet50`` preset;
+  bert_flops_per_sequence). A sample is what ``train.global_batch`` counts: with ``data.packing`` a
+  packed row (variable-length attention per sequence), taken as full of Wikipedia-512's mean sequence of
+  512 / 2.0013 tokens (2.0013 per row, the packing ceiling); without packing, or on other data, one
+  sequence padded to ``data.max_seq_len`` (an upper bound). The MLM head runs on ``data.mask_prob`` of
+  the tokens with ``unpad_mlm_head``, else on all. ResNet: the ``resnet50`` preset;
 - optimizer placement: ``optim.sharded`` -> ``sharded`` (scaleout's ShardedLAMB, ZeRO-1 over the world),
   else ``replicated``; overlap from ``optim.overlap_comm`` (sharded) or ``comm.overlap``;
 - bytes on the wire: ShardedLAMB reduce-scatters its fp32 gradient buffer and all-gathers the parameters
@@ -46,28 +49,33 @@ def wire_bytes(cfg: Any) -> tuple[int, int]:
     return (4 if cfg.comm.compression == "none" else 2), 4
 
 
-def _bert(cfg: Any) -> ModelSpec:
+def _bert(cfg: Any) -> tuple[ModelSpec, float]:
+    """The model, and sequences per sample (packed rows hold several)."""
     b, data = cfg.model.bert, cfg.data
-    real = data.source == "wikipedia" and data.max_seq_len == 512 and data.packing != "none"
-    tokens = WIKI_512_MEAN_TOKENS if real else float(data.max_seq_len)
-    base = get_model("bert-large")
-    return replace(
-        base, name=f"bert {b.layers}x{b.hidden}", notes="from the config",
+    packed = data.packing != "none" and data.source == "wikipedia" and data.max_seq_len == 512
+    tokens = WIKI_512_MEAN_TOKENS if packed else float(data.max_seq_len)
+    per_sample = data.max_seq_len / tokens if packed else 1.0
+    masked = data.mask_prob if b.unpad_mlm_head else 1.0
+    per_seq = bert_flops_per_sequence(tokens, b.layers, b.hidden, b.vocab_size, masked, b.intermediate)
+    model = replace(
+        get_model("bert-large"), name=f"bert {b.layers}x{b.hidden}", notes="from the config",
         params=float(bert_params(b.vocab_size, b.hidden, b.layers, b.intermediate, b.max_position, b.type_vocab_size)),
-        flops_per_sample=bert_flops_per_sequence(tokens, b.layers, b.hidden, b.vocab_size, intermediate=b.intermediate),
+        flops_per_sample=per_seq * per_sample,
         param_tensors=14 + 12 * b.layers,  # as scaleout.models.bert registers them (302 at 24 layers)
     )
+    return model, per_sample
 
 
 def from_config(cfg: Any, source: str = "") -> ConfigRun:
     """The simulator's inputs for the run ``cfg`` describes."""
-    model = _bert(cfg) if cfg.model.arch == "bert" else get_model("resnet50")
+    model, per_sample = _bert(cfg) if cfg.model.arch == "bert" else (get_model("resnet50"), 1.0)
     grad_bytes, param_bytes = wire_bytes(cfg)
     launch, t = cfg.launch, cfg.train
     gpus = launch.nnodes * launch.nproc_per_node
     model = replace(model, grad_bytes=grad_bytes, param_bytes=param_bytes,
                     samples_to_converge=float(t.max_steps * t.global_batch),
-                    eval_samples=float(cfg.data.eval_samples), eval_every_samples=float(t.eval_every * t.global_batch))
+                    eval_samples=cfg.data.eval_samples / per_sample,  # evaluation counts sequences
+                    eval_every_samples=float(t.eval_every * t.global_batch))
     sharded = cfg.optim.sharded
     train = TrainSpec(
         local_batch=t.global_batch / (t.grad_accum * gpus),
