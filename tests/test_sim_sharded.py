@@ -157,7 +157,8 @@ def test_mlperf_log_summary(tmp_path):
 def test_config_chooses_the_optimizer_and_its_wire_bytes():
     cfg = load_config("bert_large_256x8")
     run = from_config(cfg)
-    assert run.train.optimizer == "replicated" and run.nodes == 256 and run.train.local_batch == 4
+    assert run.train.optimizer == "replicated" and run.nodes == 256
+    assert run.train.local_batch == cfg.train.global_batch / 2048
     assert run.model.params == bert_params() == 336_226_108  # scaleout.models.bert counts the same
     assert run.model.grad_bytes == (4 if cfg.comm.compression == "none" else 2)
     sharded = from_config(load_config("bert_large_256x8", ["optim.sharded=true", "optim.overlap_comm=true"]))
