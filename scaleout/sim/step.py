@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from scaleout.errors import ConfigError
 from scaleout.sim.cluster import Cluster
@@ -71,7 +72,7 @@ class StepResult:
     nodes: int
     compute: float
     optimizer: float
-    comm: float  # total all-reduce time (serialized)
+    comm: float  # total communication time (serialized): all-reduces, or reduce-scatters + norms + all-gathers
     exposed: float  # communication not hidden behind backward
     step: float
     optimizer_placement: str = "replicated"
@@ -90,7 +91,7 @@ def bert_flops_per_sequence(tokens: float = 512 / 2.0013, layers: int = 24, hidd
                             vocab: int = 30522, masked_fraction: float = 0.15, intermediate: int | None = None) -> float:
     """Training FLOPs of one BERT sequence (3 x forward).
 
-    Forward per token: 2 x 12 d^2 L (QKV, projection, 4d MLP) + 4 s d L (scores and weighted sum over the
+    Forward per token: 2 x (4 d^2 + 2 d I) L (QKV, projection, the I = 4d MLP) + 4 s d L (scores and weighted sum over the
     sequence's own s tokens: packed, unpadded attention). The MLM head runs only on masked tokens (15 %,
     BERT paper): 2 x (d^2 + d V). Default tokens = 512 / 2.0013, the mean real length implied by the
     Wikipedia-512 packing ceiling (Graphcore arXiv 2107.02027; DESIGN facts).
@@ -188,7 +189,8 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
         grads = model.params * model.grad_bytes
         sizes = bucket_sizes(grads, train.bucket_mb)
         cost = [reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x) for b in sizes]
-        ready = [t_bwd * sum(sizes[: i + 1]) / grads if train.overlap else t_bwd for i in range(len(sizes))]
+        done_frac = [c / grads for c in accumulate(sizes)]  # share of the gradients ready with bucket i
+        ready = [t_bwd * f if train.overlap else t_bwd for f in done_frac]
         end = max(t_comp, _pipeline(t_fwd, ready, cost))
         comm_total = sum(cost)
         if opt == "replicated":
@@ -197,7 +199,7 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
             t_norm = norm_time(opt, alg, cluster, nodes, model.param_tensors)
             gather = [gather_time(opt, alg, cluster, nodes, b * model.param_bytes / model.grad_bytes, train.torus_x)
                       for b in sizes]
-            updated = [t_opt * sum(sizes[: i + 1]) / grads for i in range(len(sizes))]
+            updated = [t_opt * f for f in done_frac]
             step = max(end + t_norm + t_opt, _pipeline(end + t_norm, updated, gather))
             comm_total += t_norm + sum(gather)
     state = model.params * model.state_bytes_per_param / shard
