@@ -22,7 +22,7 @@ SHORT = [
     "train.max_steps=6",
     "train.eval_every=3",
     "train.progress=false",
-    "checkpoint.dir=null",
+    "checkpoint.dir=null", "checkpoint.every_steps=0",
 ]
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None

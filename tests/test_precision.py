@@ -30,7 +30,7 @@ def _trainer(world: Any, out: str, *overrides: str) -> Any:
 
 def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
     """Output dtypes of every nn.Linear in a training step and in the evaluation."""
-    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "train.max_steps=1")
+    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=1")
     trainer.build()
     import scaleout.preempt as preempt
 
@@ -111,7 +111,7 @@ def _fp16_updates(world: Any, out: str) -> dict:
     got = {}
     for name, extra in (("plain", []), ("sharded", ["optim.sharded=true"]),
                         ("overlapped", ["optim.sharded=true", "optim.overlap_comm=true"])):
-        trainer = _trainer(world, f"{out}/{name}", "train.precision=fp16", "checkpoint.dir=null", "train.max_steps=3",
+        trainer = _trainer(world, f"{out}/{name}", "train.precision=fp16", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=3",
                            "train.eval_every=3", "optim.eps=0.5", "optim.warmup_steps=0", *extra)
         trainer.build()
         before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()])
@@ -168,7 +168,7 @@ def _train_fp16(world: Any, out: str) -> dict:
     from scaleout.train.loop import Trainer
 
     cfg = load_config("bert_tiny_cpu", [
-        f"train.output_dir={out}", "checkpoint.dir=null", "train.progress=false", "train.precision=fp16",
+        f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false", "train.precision=fp16",
         # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
         "model.bert.hidden=32", "model.bert.intermediate=128", "model.bert.layers=1",
         "train.global_batch=32", "train.max_steps=120", "train.eval_every=20", "train.target=0.054",

@@ -280,17 +280,28 @@ def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_metho
     assert result["noticed"] and result["terminating"], result
 
 
+def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
+    """checkpoint.every_steps was silently ignored without checkpoint.dir (and a notice then requeued a fresh
+    start forever): now a one-line error before anything starts."""
+    from scaleout.config import load_config
+    from scaleout.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config: checkpoint.every_steps=5 needs checkpoint.dir") as exc:
+        load_config(None, ["checkpoint.every_steps=5"])
+    assert "\n" not in str(exc.value)
+    assert load_config(None, ["checkpoint.every_steps=5", "checkpoint.dir=/tmp/x"]).checkpoint.every_steps == 5
+
+
 def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
-    """checkpoint.dir=null turns checkpoints off (checkpoint.every_steps from the config then does nothing, and
-    the run says so once). Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
+    """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
     (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no scontrol is called.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SLURM_JOB_ID="999999999")
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", "launch.env=single", "comm.algorithm=flat",
          "train.global_batch=8", "train.max_steps=400", "train.eval_every=400", "data.eval_samples=16",
-         "optim.total_steps=400", "train.progress=true", f"train.output_dir={tmp_path}/out", "checkpoint.dir=null"],
-        cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+         "optim.total_steps=400", "train.progress=true", f"train.output_dir={tmp_path}/out", "checkpoint.dir=null",
+         "checkpoint.every_steps=0"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -301,6 +312,4 @@ def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
     proc.wait(timeout=300)
     assert proc.returncode == 75, out[-3000:]
     assert "checkpoint.dir is not set: nothing was saved, so the job is not requeued" in out, out[-3000:]
-    # the config's checkpoint.every_steps=200 without a directory: said once, at the start (not silently ignored)
-    assert out.count("note: checkpoint.every_steps=200 has no effect: checkpoint.dir is null") == 1, out[-3000:]
     assert "scontrol requeue" not in out

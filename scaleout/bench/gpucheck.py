@@ -85,7 +85,7 @@ def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
             steps = args.train_steps
             proc = _launch(1, gpus, ["scaleout", "train", "bert_tiny_cpu", f"train.precision={prec}",
                                      f"train.max_steps={steps}", f"train.eval_every={steps}", "train.target=null",
-                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "train.progress=false",
+                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false",
                                      "comm.algorithm=flat"], args.timeout)
             seconds = time.perf_counter() - t0
             log = Path(tmp, "out", "mlperf.log")

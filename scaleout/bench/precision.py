@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-precision-")
     base = [*args.overrides, "launch.env=single", f"train.global_batch={args.batch}", "train.grad_accum=1",
             f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "train.target=null",
-            "checkpoint.dir=null", "train.progress=false", f"train.timing_skip_steps={args.warmup}",
+            "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false", f"train.timing_skip_steps={args.warmup}",
             f"train.output_dir={tmp}"]
     world = scaleout.init(load_config(args.config, base))
     runs: dict[str, dict[str, Any]] = {}

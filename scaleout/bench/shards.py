@@ -80,7 +80,7 @@ def _lazy(root, args: argparse.Namespace) -> float:
            f"model.bert.max_position={args.max_len}", f"model.bert.vocab_size={args.vocab}",
            "model.bert.hidden=64", "model.bert.intermediate=128", f"train.global_batch={4 * args.nproc}",
            f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "data.eval_samples=64",
-           "train.progress=false", "train.target=null", f"train.output_dir={out}", "checkpoint.dir=null",
+           "train.progress=false", "train.target=null", f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0",
            "optim.total_steps=null", "optim.warmup_steps=1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
     if r.returncode != 0:

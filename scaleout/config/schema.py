@@ -208,9 +208,7 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     dir: str | None = None
-    # 0 = only on preemption and at the end; dir null = checkpoints off (every_steps then does nothing,
-    # and the trainer says so in one line)
-    every_steps: int = Field(0, ge=0)
+    every_steps: int = Field(0, ge=0)  # 0 = only on preemption and at the end
     keep: int = Field(2, ge=1)
     resume: bool = True
 
@@ -245,6 +243,14 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     mlperf: MLPerfConfig = MLPerfConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _periodic_checkpoints_need_a_dir(self) -> Config:
+        c = self.checkpoint
+        if c.every_steps and not c.dir:
+            raise ValueError(f"checkpoint.every_steps={c.every_steps} needs checkpoint.dir (a directory for the "
+                             "checkpoints); set it, or checkpoint.every_steps=0")
+        return self
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""

@@ -67,9 +67,6 @@ class Trainer:
         writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
         self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
-        if cfg.checkpoint.every_steps and self.ckpt is None:  # dir null turns checkpoints off: say so, once
-            print0(f"note: checkpoint.every_steps={cfg.checkpoint.every_steps} has no effect: checkpoint.dir is null, "
-                   "so no checkpoint is written (and a preemption cannot resume)", rank=world.rank)
         self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
         from scaleout.metrics import Metrics
 
