@@ -153,8 +153,8 @@ def make_executor(spec: SubmitSpec) -> Any:
             nodes=spec.nodes, ntasks_per_node=spec.gpus_per_node, time=spec.time_min, job_name=spec.name,
             signal_delay_s=spec.signal_delay_s, additional_parameters={"requeue": True, **spec.extra_slurm},
         )
-        if spec.request_gpus:
-            params["gpus_per_task"] = 1
+        if spec.request_gpus:  # per node, as slurm/*.sh: per-task device cgroups would block CUDA IPC / NVLink P2P
+            params["gpus_per_node"] = spec.gpus_per_node
         if spec.partition:
             params["partition"] = spec.partition
         ex.update_parameters(**params)

@@ -129,8 +129,8 @@ class SlurmRunner:
         srun = ["srun", "--kill-on-bad-exit=1", *_scaleout_cmd(), *argv]
         args = ["-N", str(point.nodes), "--ntasks-per-node", str(point.ranks_per_node), "--job-name",
                 f"sweep-{point.name}", "--output", str(log), "--time", str(self.time_min), "--chdir", os.getcwd()]
-        if self.gpus:
-            args.append("--gpus-per-task=1")
+        if self.gpus:  # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink P2P
+            args.append(f"--gpus-per-node={point.ranks_per_node}")
         if self.partition:
             args += ["--partition", self.partition]
         return [*args, *self.extra, "--wrap", shlex.join(srun)]

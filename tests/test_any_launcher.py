@@ -20,8 +20,7 @@ SHORT = [
     "train.max_steps=2",
     "train.eval_every=2",
     "train.progress=false",
-    "checkpoint.dir=null",
-    "checkpoint.every_steps=0",
+    "checkpoint.dir=null", "checkpoint.every_steps=0",
 ]
 LAUNCHER_VARS = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "SCALEOUT_", "HOROVOD_", "TORCHELASTIC_")
 

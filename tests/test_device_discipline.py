@@ -83,8 +83,7 @@ def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, o
     from scaleout.config import load_config
     from scaleout.train.loop import Trainer
 
-    cfg = load_config(config, [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0",
-                               f"train.max_steps={steps}",
+    cfg = load_config(config, [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", f"train.max_steps={steps}",
                                f"train.eval_every={steps}", f"train.timing_every={every}", *overrides])
     per_step: list[list[tuple[str, str]]] = []
     with FakeCuda(world) as fc:

@@ -26,7 +26,7 @@ def _mpiexec() -> str | None:
 
 
 MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi]')")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]' for mpi4py + the Open MPI wheel)")
 
 
 def _env() -> dict[str, str]:

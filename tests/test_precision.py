@@ -107,6 +107,36 @@ def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> No
     assert r[0]["digest"] == r[1]["digest"]
 
 
+def _fp16_updates(world: Any, out: str) -> dict:
+    """The weight update of 3 fp16 steps with plain LAMB and with the sharded LAMB, overlapped and not.
+    optim.eps=0.5 makes LAMB's step depend on the gradients' scale (m / (sqrt(v) + eps)), so gradients left
+    scaled by S = 65536 would show."""
+    got = {}
+    for name, extra in (("plain", []), ("sharded", ["optim.sharded=true"]),
+                        ("overlapped", ["optim.sharded=true", "optim.overlap_comm=true"])):
+        trainer = _trainer(world, f"{out}/{name}", "train.precision=fp16", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=3",
+                           "train.eval_every=3", "optim.eps=0.5", "optim.warmup_steps=0", *extra)
+        trainer.build()
+        before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()])
+        trainer.run()
+        after = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
+        got[name] = (after - before).double()
+    return got
+
+
+@pytest.mark.multi_process
+def test_fp16_with_the_sharded_lamb_unscales_its_own_buffers(tmp_path: Path) -> None:
+    """The sharded LAMB reduces gradients into its own shard buffers (during backward when overlapped), so
+    Precision.unscale_ hands it 1/S (ShardedLAMB.unscale_): fp16 with it takes the same steps as fp16 with
+    plain LAMB. Before: overlapped was a config error, and without the hook the update used S x gradients."""
+    r = run_dist(_fp16_updates, nnodes=1, nproc_per_node=2, args=(str(tmp_path),), timeout=600)[0]
+    ref = r["plain"]
+    assert ref.abs().max() > 0
+    for name in ("sharded", "overlapped"):
+        err = float((r[name] - ref).abs().max() / ref.abs().max())
+        assert err < 1e-3, (name, err)
+
+
 def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
     """A small regression in fp16 autocast whose loss is tiny (1e-6 x MSE): its activation gradients fall
     below fp16's smallest subnormal (6e-8) and flush to zero unless the loss is scaled up first."""

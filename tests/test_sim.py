@@ -145,8 +145,9 @@ def test_efficiency_falls_with_scale_and_one_node_is_nearly_free():
 def test_time_to_train_counts_steps():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
     t = time_to_train(m, TrainSpec(local_batch=4, algorithm="tree"), c, 512)
-    assert t.steps == 470 and t.evals == 23
-    assert t.total == pytest.approx(470 * t.step + t.eval_time)
+    # the preset converges where NVIDIA's 512-node runs did: 5533303 sequences (logs), not at MAX_STEPS=470
+    assert t.steps == 338 and t.evals == 17
+    assert t.total == pytest.approx(338 * t.step + t.eval_time)
 
 
 @pytest.mark.unit
@@ -161,9 +162,11 @@ def test_validation_c_mlperf_bert_time_to_train():
     v = mlperf_bert()
     print(f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); {v.details}")
     assert v.ok, f"{v.predicted:.3f} min is not within 30 % of {v.reference}"
-    # the conclusion must not hinge on the MFU guess: 30-50 % stays inside the tolerance
-    assert all(mlperf_bert(mfu=m).ok for m in (0.3, 0.5))
-    assert not mlperf_bert(algorithm="ring").ok  # a flat ring at 4096 GPUs would miss by far
+    # With SHARP and the sharded update modelled, communication no longer dominates, so the MFU guess
+    # matters: 30 % and the assumed 40 % are inside the tolerance (50 % gives -35 %, docs/simulate.md).
+    assert mlperf_bert(mfu=0.3).ok and mlperf_bert(mfu=0.3).predicted > v.predicted > mlperf_bert(mfu=0.5).predicted
+    # DDP's replicated all-reduce on a flat ring without SHARP at 4096 GPUs would miss by far
+    assert not mlperf_bert(algorithm="ring", optimizer="replicated", sharp=False).ok
 
 
 @pytest.mark.unit
@@ -207,7 +210,7 @@ def test_cli_validate_scale_calibrate(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "MLPerf v2.0 BERT" in text and "assumptions (c)" in text
     checks = json.loads(out.read_text())["checks"]
-    assert [c["ok"] for c in checks] == [True, True, None, None]
+    assert [c["status"] for c in checks] == ["ok", "ok", "compare", "compare", "ok", "ok", "known miss", "known miss"]
 
     png, js = tmp_path / "s.png", tmp_path / "s.json"
     has_mpl = importlib.util.find_spec("matplotlib") is not None  # optional dependency (extra "plot")

@@ -51,6 +51,8 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
     ]
     with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
         make_runner("local", slurm={"account": "proj"})
+    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log")
+    assert "--gpus-per-node=2" in gpu and not any("gpus-per-task" in a for a in gpu)  # every rank sees its node's GPUs
 
 
 @pytest.mark.slurm
@@ -73,6 +75,9 @@ def test_submitit_script_carries_the_options(slurm_cluster, tmp_path: Path, monk
         "#SBATCH --requeue",
     ):
         assert line in script.splitlines(), script
+    gpu = make_executor(SubmitSpec(argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), gpus_per_node=8))
+    gpu_script = submitit.slurm.slurm._make_sbatch_string(command="true", folder=str(tmp_path), **gpu.parameters)
+    assert "#SBATCH --gpus-per-node=8" in gpu_script.splitlines() and "gpus-per-task" not in gpu_script, gpu_script
     with pytest.raises(UserError, match="sbatch options, but this job runs on submitit's local executor"):
         make_executor(SubmitSpec(argv=["smoke"], cluster="local", extra_slurm={"qos": "high"}))
 

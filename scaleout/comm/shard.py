@@ -30,6 +30,7 @@ import torch.distributed as dist
 from scaleout.comm.api import dispatch, get_algorithm, op_name
 from scaleout.comm.grid import Grid
 from scaleout.errors import UserError
+from scaleout.profile import traced
 
 # torch 2.13 renamed the tensor collectives (*_single); older builds only have the *_tensor names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -108,6 +109,7 @@ def _run(world: Any, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, na
     return dispatch(world, out, job, native if grid is None else None, finish, async_op)
 
 
+@traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profile.py)
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat", op: Any = "sum",
     async_op: bool = False, **options: Any,
@@ -130,6 +132,7 @@ def reduce_scatter(
                 finish, async_op, output.numel())
 
 
+@traced("all_gather")
 def all_gather(output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat",
                async_op: bool = False, **options: Any) -> Any:
     """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's

@@ -114,6 +114,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.timings: dict[str, float] = {}
         self.last_stats: dict[str, Any] = {}
         self._built, self._sync, self._in_backward = False, True, False
+        self._unscale = 1.0  # fp16: 1/S for the reduced gradients of the next step (unscale_)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp, trust_ratio=trust_ratio)
         super().__init__(params, defaults)
@@ -211,6 +212,7 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     # -- gradients in (hooks, end of backward, or step) --------------------------------------------
     def _reset_step(self) -> None:
+        self._unscale = 1.0
         self._ready = [False] * len(self.params)
         self._pending = [len(b.members) for b in self.buckets]
         self._next = 0  # first bucket not launched yet
@@ -300,6 +302,13 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.last_stats = {"exposed_s": time.perf_counter() - t0, "launched_in_backward": during,
                            "buckets": len(self.buckets)}
 
+    def unscale_(self, factor: float) -> None:
+        """fp16 loss scaling (scaleout/train/precision.py): the reduced gradients live in this optimizer's
+        shard buffers, not in ``.grad``, so they are multiplied by ``factor`` (1/S) here, in :meth:`step` once
+        the reduce-scatters are done (overlapped: already after backward; otherwise inside step()). The
+        reduction is linear, so scaling after it equals unscaling every rank's gradients first."""
+        self._unscale *= float(factor)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also forgets a backward whose step was skipped (its reduce-scatters already completed)."""
         self._reset_step()
@@ -331,6 +340,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         self._send_all()  # overlap=False, or gradients set without backward: everything goes out here
         t = self._tick("pack", t)
         self._wait_all()
+        if self._unscale != 1.0:
+            self.g_shard.mul_(self._unscale)
         t = self._tick("reduce_scatter", t)
         clip = 1.0
         if self.clip_grad_norm is not None:
