@@ -219,6 +219,12 @@ def add_one_shot_arguments(p: argparse.ArgumentParser) -> None:
     one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
 
 
+def add_rank_arguments(p: argparse.ArgumentParser, name: str, *, repeats: int, warmup: int, png: bool = False) -> None:
+    """A benchmark that runs in ranks: the standard flags and the one-shot ones."""
+    add_standard_arguments(p, name, repeats=repeats, warmup=warmup, png=png)
+    add_one_shot_arguments(p)
+
+
 def in_ranks(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]) -> int:
     """``body(args)`` in this rank, or, with ``--nnodes``, this very command line re-run inside ``scaleout
     launch`` minus the one-shot flags. A subprocess, so rank-side code never imports ``launchers``; every

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scaleout.bench._harness import (
-    add_one_shot_arguments,
-    add_standard_arguments,
+    add_rank_arguments,
     check_counts,
     compare,
     emit,
@@ -71,8 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lower the compute thread's priority by this nice value below the communication threads "
                         "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)")
     p.add_argument("--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here")
-    add_standard_arguments(p, NAME, repeats=5, warmup=1, png=True)
-    add_one_shot_arguments(p)
+    add_rank_arguments(p, NAME, repeats=5, warmup=1, png=True)
 
 
 def run(args: argparse.Namespace) -> int:

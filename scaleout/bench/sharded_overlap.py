@@ -11,17 +11,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from scaleout.bench._harness import (
-    add_one_shot_arguments,
-    add_standard_arguments,
-    check_counts,
-    compare,
-    emit,
-    in_ranks,
-    init_ranks,
-    interleave,
-    say0,
-)
+from scaleout.bench import _harness as h
 
 NAME = "sharded-overlap"
 HELP = "sharded LAMB step (backward + reduce-scatter + update + all-gather): overlapped vs not, BERT-like layers"
@@ -56,12 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=2, help="per-rank batch size (default 2)")
     p.add_argument("--bucket-mb", type=float, default=8.0, help="overlap bucket size in MiB (default 8: ~7 buckets at 2 layers)")
     p.add_argument("--algorithm", default="flat", help="reduce-scatter / all-gather algorithm (flat, hierarchical, torus2d)")
-    add_standard_arguments(p, NAME, repeats=5, warmup=1)
-    add_one_shot_arguments(p)
+    h.add_rank_arguments(p, NAME, repeats=5, warmup=1)
 
 
 def run(args: argparse.Namespace) -> int:
-    return in_ranks(args, _in_rank)
+    return h.in_ranks(args, _in_rank)
 
 
 def _steps(args: argparse.Namespace, world: Any) -> tuple[dict[str, Callable[[], Any]], int, int]:
@@ -102,25 +91,25 @@ def _in_rank(args: argparse.Namespace) -> int:
     from scaleout.comm import get_algorithm
     from scaleout.errors import UserError
 
-    check_counts(args, layers=1, seq=1, batch=1, repeats=1, warmup=0)
+    h.check_counts(args, layers=1, seq=1, batch=1, repeats=1, warmup=0)
     if args.bucket_mb <= 0:
         raise UserError(f"--bucket-mb={args.bucket_mb}: expected a positive number of MiB")
     get_algorithm(args.algorithm)
-    world = init_ranks(2, NAME)
+    world = h.init_ranks(2, NAME)
     steps, n_params, nb = _steps(args, world)
-    say0(world)(f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
+    h.say0(world)(f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
                 f"{args.layers} BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq "
                 f"{args.seq}, batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, {args.algorithm}, "
                 f"median of {args.repeats}")
-    samples = interleave(steps, args.repeats, args.warmup, world=world, say=say0(world))
-    rows = compare(samples, baseline=BASELINE)
+    samples = h.interleave(steps, args.repeats, args.warmup, world=world, say=h.say0(world))
+    rows = h.compare(samples, baseline=BASELINE)
     floor = next(r.median_s for r in rows if r.name == "compute only")
     by = {r.name: r for r in rows}
     ratio = by["sharded overlap"].speedup
     out_rows = [{"variant": r.name, "median_s": r.median_s, "added_over_compute_s": r.median_s - floor,
                  "speedup_vs_sharded": r.speedup, "times_s": r.times_s, "phases_median_s": _phases(samples[r.name])}
                 for r in rows]
-    emit(args, NAME, ["variant", "step ms (median)", "over compute ms", "speed-up vs sharded", "min ms", "max ms"],
+    h.emit(args, NAME, ["variant", "step ms (median)", "over compute ms", "speed-up vs sharded", "min ms", "max ms"],
          [[r.name, r.median_s * 1e3, (r.median_s - floor) * 1e3, r.speedup, r.min_s * 1e3, r.max_s * 1e3] for r in rows],
          {"world_size": world.world_size, "nodes": world.num_nodes, "layers": args.layers, "seq": args.seq,
           "batch": args.batch, "bucket_mb": args.bucket_mb, "buckets": nb, "algorithm": args.algorithm,
