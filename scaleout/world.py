@@ -15,13 +15,16 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.errors import TopologyError
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,7 @@ def pick_device(local_rank: int, backend: str = "auto") -> tuple[torch.device, s
 
 
 def init(
-    config: Any | None = None,
+    config: Config | None = None,
     *,
     env: Mapping[str, str] | None = None,
     environment: str | None = None,

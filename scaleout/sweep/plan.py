@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scaleout.config.schema import Config
 from scaleout.errors import ConfigError, UserError
 
 MODES = ("weak", "strong")
@@ -110,7 +111,7 @@ def plan_points(
     return points
 
 
-def default_batch(cfg: Any, mode: str) -> int:
+def default_batch(cfg: Config, mode: str) -> int:
     """Weak: the config's per-rank batch (train.global_batch / its launch world); strong: train.global_batch."""
     t, launch = cfg.train, cfg.launch
     if mode == "strong":
