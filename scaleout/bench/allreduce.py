@@ -12,7 +12,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.argtypes import fmt_bytes, parse_size, parse_sizes
 from scaleout.bench._harness import (
@@ -26,6 +26,9 @@ from scaleout.bench._harness import (
     say0,
 )
 from scaleout.bench._nccl_style import count_wrong, fill, format_block, size_range
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "allreduce"
 HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
@@ -162,7 +165,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _link_rate(world: Any, nbytes: int, repeats: int) -> float | None:
+def _link_rate(world: World, nbytes: int, repeats: int) -> float | None:
     """Bytes/s one way over a node's link, measured with raw TCP (no gloo): local rank 0 of every node
     streams nbytes to the next node's leader while receiving as much from the previous one, so both
     directions of every link are busy, as in an all-reduce. Median of ``repeats``."""
@@ -185,7 +188,7 @@ def _link_rate(world: Any, nbytes: int, repeats: int) -> float | None:
     return nbytes / statistics.median(t.wall for t in times)
 
 
-def _listen(world: Any) -> Any:
+def _listen(world: World) -> Any:
     """A listening TCP socket on the address peers reach this rank on."""
     import socket
 
@@ -251,7 +254,7 @@ def _in_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(args: argparse.Namespace, world: Any, variants: list[tuple[str, str, dict[str, Any]]], nbytes: int,
+def _size(args: argparse.Namespace, world: World, variants: list[tuple[str, str, dict[str, Any]]], nbytes: int,
           link_bps: float | None) -> list[dict[str, Any]]:
     """Every variant on one message size, interleaved; then each one's in-place result checked (#wrong)."""
     import torch
@@ -299,7 +302,7 @@ def _discard(fn: Callable[[], Any]) -> Callable[[], None]:
 
 
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: dict[str, float], link_bps: float | None,
-            world: Any) -> None:
+            world: World) -> None:
     shape = f"{world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {world.backend}"
     if world.rank == 0:
         for label in dict.fromkeys(r["algorithm"] for r in rows):

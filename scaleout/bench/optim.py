@@ -7,10 +7,13 @@ import math
 import os
 import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, check_counts, emit, interleave
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "optim"
 HELP = "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
@@ -183,7 +186,7 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, qu
         queue.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _lamb_vs_sharded(world: Any, model: str, steps: int) -> dict[str, Any]:
+def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
     """This rank's LAMB step and the sharded LAMB's phases on the same gradients, every rank busy at once."""
     import torch
 

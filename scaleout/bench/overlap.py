@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.bench._harness import (
     add_rank_arguments,
@@ -25,6 +25,9 @@ from scaleout.bench._harness import (
     reduce_max,
     say0,
 )
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "overlap"
 HELP = "overlapped bucketed all-reduce vs no overlap vs torch DDP on BERT-like layers: step time, hidden comm"
@@ -98,7 +101,7 @@ def bert_like(layers: int) -> Any:
     return Encoder()
 
 
-def _models(args: argparse.Namespace, world: Any) -> dict[str, Any]:
+def _models(args: argparse.Namespace, world: World) -> dict[str, Any]:
     """Every variant's copy of the same model (DataParallel broadcasts rank 0's weights; DDP too)."""
     import copy
 
@@ -122,7 +125,7 @@ def _models(args: argparse.Namespace, world: Any) -> dict[str, Any]:
             "torch DDP": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb), "DDP + hier hook": hooked}
 
 
-def _comm_only(world: Any, dp: Any) -> tuple[float, float]:
+def _comm_only(world: World, dp: Any) -> tuple[float, float]:
     """All of ``dp``'s buckets, launched back to back in order, no compute: (wall, CPU seconds of the rank's
     every thread: gloo IO, comm thread, reductions), max over ranks. On a CPU-only box that CPU work competes
     with backward for the cores."""
@@ -138,7 +141,7 @@ def _comm_only(world: Any, dp: Any) -> tuple[float, float]:
     return wall, cpu
 
 
-def _regime(args: argparse.Namespace, world: Any, models: dict[str, Any], batch: int) -> list[dict[str, Any]]:
+def _regime(args: argparse.Namespace, world: World, models: dict[str, Any], batch: int) -> list[dict[str, Any]]:
     """Every variant's step at one per-rank batch, interleaved, with the communication alone per round."""
     import torch
 
@@ -208,7 +211,7 @@ def _in_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: Any, n_params: int, n_buckets: int) -> None:
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: World, n_params: int, n_buckets: int) -> None:
     def ms(v: float | None) -> Any:
         return v * 1e3 if v is not None else "-"
 
@@ -230,7 +233,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: Any, n_
          notes=notes, plot=lambda plt: _plot(plt, rows), world=world)
 
 
-def _cpu_notes(rows: list[dict[str, Any]], world: Any) -> list[str]:
+def _cpu_notes(rows: list[dict[str, Any]], world: World) -> list[str]:
     """How much of the communication this machine's cores can hide at all (all emulated nodes share them)."""
     cores, notes = os.cpu_count() or 1, []
     for alg in ("flat", "hierarchical"):

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
+    from scaleout.world import World
 
 NAME = "precision"
 HELP = "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what the CPU supports"
@@ -71,7 +75,7 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
-def _train(cfg: Any, world: Any) -> dict[str, Any]:
+def _train(cfg: Config, world: World) -> dict[str, Any]:
     import contextlib
     import io
     import statistics

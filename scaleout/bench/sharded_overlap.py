@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.bench import _harness as h
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "sharded-overlap"
 HELP = "sharded LAMB step (backward + reduce-scatter + update + all-gather): overlapped vs not, BERT-like layers"
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     return h.in_ranks(args, _in_rank)
 
 
-def _steps(args: argparse.Namespace, world: Any) -> tuple[dict[str, Callable[[], Any]], int, int]:
+def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[], Any]], int, int]:
     """(variant -> one full step, parameters, buckets of the overlapped optimizer)."""
     import copy
 
