@@ -8,7 +8,7 @@
 Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
-  ``start_step + i`` for this rank, built by the task's data source (``task.batches.micro_batches``, the
+  ``start_step + i`` for this rank, built by the task's batch builder (``task.batches.micro_batches``, the
   same code ``task.micro_batches`` runs, minus the copy to the device).
   Data order is already a pure function of the data position (``scaleout/train/tasks.py``), so the
   background batches are *the same* batches as the synchronous path, in the same order, and resume is
@@ -31,10 +31,10 @@ Design, and why:
   The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
   started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
 - **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset holds
-  the task's data source (``task.batches``: sequences, packs, sampler; or the image set), never the task:
+  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never the task:
   that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could not
   start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
-  shared memory under the live model. Cost: each worker unpickles the source once at start-up
+  shared memory under the live model. Cost: each worker unpickles the batch builder once at start-up
   (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
 - **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker, so
   it gets ``ceil(prefetch / num_workers)``.
@@ -90,11 +90,11 @@ _PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.d
 
 class StepBatches(torch.utils.data.Dataset):
     """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``source`` is the
+    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``batches`` is the
     task's data-only batch builder (``task.batches``), which is what gets pickled into the workers."""
 
-    def __init__(self, source: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
-        self.source, self.global_batch, self.grad_accum = source, global_batch, grad_accum
+    def __init__(self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
+        self.batches, self.global_batch, self.grad_accum = batches, global_batch, grad_accum
         self.start_step, self.stop_step = start_step, stop_step
 
     def __len__(self) -> int:
@@ -102,7 +102,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int, float]]:
         step = self.start_step + i
-        mbs = self.source.micro_batches(step * self.global_batch, self.grad_accum)
+        mbs = self.batches.micro_batches(step * self.global_batch, self.grad_accum)
         return [(mb.inputs, mb.target, mb.samples, mb.tokens, mb.flops) for mb in mbs]
 
 
