@@ -68,6 +68,7 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -232,8 +233,6 @@ def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     if not signals:
         yield
         return
-    from multiprocessing import resource_tracker
-
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this thread,
