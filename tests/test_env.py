@@ -336,3 +336,29 @@ def test_forced_slurm_outside_srun_is_refused() -> None:
     with pytest.raises(EnvironmentError_, match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start"):
         reader.read(env)
     assert reader.read({**env, "SLURM_STEPID": "3"}).rank == 6  # older Slurm spells it STEPID
+
+
+@pytest.mark.unit
+def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> None:
+    """The variables scaleout's launchers write (env.base.local_rank_env) are exactly what LocalEnv reads,
+    torchrun's reader sees the same rank, and scaleout.log finds it before any World exists."""
+    from scaleout.env.base import LOCAL_VARS, free_ports, local_rank_env
+    from scaleout.env.readers import ENVIRONMENTS, RANK_VARS, detect_environment
+    from scaleout.log import _rank
+
+    env = local_rank_env(3, nnodes=2, nproc=2, addr="10.0.0.1", port=29500)
+    assert set(LOCAL_VARS.values()) <= set(env)
+    assert detect_environment(env).name == "local"
+    s = ENVIRONMENTS["local"].read(env)
+    assert (s.rank, s.local_rank, s.node_rank, s.num_nodes, s.local_size, s.world_size) == (3, 1, 1, 2, 2, 4)
+    assert (s.master_addr, s.master_port, s.launcher, s.tasks_per_node) == ("10.0.0.1", 29500, "local", (2, 2))
+    t = ENVIRONMENTS["torchrun"].read(env)
+    assert (t.rank, t.local_rank, t.node_rank, t.world_size) == (3, 1, 1, 4)
+    assert RANK_VARS[0] == LOCAL_VARS["rank"] and "SLURM_PROCID" in RANK_VARS
+    for k in RANK_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")  # mpirun inside an allocation: MPI's rank wins, as detection
+    assert _rank() == 2
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)
