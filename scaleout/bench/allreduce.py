@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from scaleout.argtypes import fmt_bytes, parse_size, parse_sizes
+from scaleout.argtypes import fmt_bytes, parse_csv, parse_size, parse_sizes
 from scaleout.bench._harness import (
     add_one_shot_arguments,
     add_standard_arguments,
@@ -99,9 +99,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     from scaleout.comm import ALGORITHMS, get_algorithm
     from scaleout.errors import UserError
 
-    names = args.algorithms.split(",") if args.algorithms else list(ALGORITHMS)
+    names = parse_csv(args.algorithms, "--algorithms") if args.algorithms else list(ALGORITHMS)
     names = ["flat"] + [n for n in names if n != "flat"]  # the baseline, always, first
-    chunks = [parse_size(c, "--chunk-bytes") for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
+    chunks = parse_csv(args.chunk_bytes, "--chunk-bytes", lambda c: parse_size(c, "--chunk-bytes")) if args.chunk_bytes else [None]
     grid: dict[str, Any] = {}
     if args.torus:
         m = re.fullmatch(r"(\d+)x(\d+)", args.torus)
@@ -111,7 +111,7 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     out = []
     for name in names:
         alg = get_algorithm(name)
-        comps = args.composition.split(",") if args.composition and "composition" in alg.options else [None]
+        comps = parse_csv(args.composition, "--composition") if args.composition and "composition" in alg.options else [None]
         for comp in comps:
             for c in chunks if "chunk_bytes" in alg.options else [None]:
                 opts = dict(grid) if "x" in alg.grid_options else {}

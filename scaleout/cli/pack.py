@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
+    from scaleout.argtypes import parse_csv
     from scaleout.data.packing import (
         ALGORITHMS,
         assign_sequences,
@@ -97,10 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give exactly one of HISTOGRAM or --lengths FILE")
     if args.packed_out and not args.lengths:
         raise UserError("--packed-out needs a dataset (--lengths FILE), not only a histogram")
-    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in names:
-        if a not in ALGORITHMS:
-            raise UserError(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
+    names = parse_csv(args.algorithms, "--algorithms", choices=ALGORITHMS, allow_empty=True)
     if args.lengths:
         lengths = _read_lengths(args.lengths)
         h = histogram_from_lengths(lengths, args.max_len)
