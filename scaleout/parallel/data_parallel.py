@@ -26,6 +26,7 @@ from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
 
 if TYPE_CHECKING:
+    from scaleout.config.schema import CommConfig
     from scaleout.world import World
 
 
@@ -136,6 +137,17 @@ class DataParallel(torch.nn.Module):
             rebuild_buckets=rebuild_buckets,
         )
         self.reducer.defer_census = defer_census
+
+    @classmethod
+    def from_config(cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any) -> DataParallel:
+        """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size, compression,
+        overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other arguments."""
+        options: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
+        if comm.chunk_mb is not None:
+            options["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
+        return cls(module, world, algorithm=comm.algorithm, bucket_mb=comm.bucket_mb,
+                   compression=None if comm.compression == "none" else comm.compression, timeline=comm.timeline,
+                   overlap=comm.overlap, **kwargs, **options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

@@ -125,15 +125,12 @@ class Trainer:
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
             self.model = model
         else:
-            self.model = DataParallel(model, world, algorithm=cfg.comm.algorithm, bucket_mb=cfg.comm.bucket_mb,
-                                      compression=None if cfg.comm.compression == "none" else cfg.comm.compression,
-                                      timeline=cfg.comm.timeline, overlap=cfg.comm.overlap,
-                                      # re-bucketing after step 1 changes summation order; a resumed run
-                                      # would re-bucket at a different step, so deterministic runs keep
-                                      # the initial layout (bitwise resume)
-                                      rebuild_buckets=not cfg.train.deterministic,
-                                      defer_census=True,  # read with the step's agreement (train_step)
-                                      **cfg.comm.algorithm_options())
+            self.model = DataParallel.from_config(model, world, cfg.comm,
+                                                  # re-bucketing after step 1 changes summation order; a
+                                                  # resumed run would re-bucket at a different step, so
+                                                  # deterministic runs keep the initial layout (bitwise resume)
+                                                  rebuild_buckets=not cfg.train.deterministic,
+                                                  defer_census=True)  # read with the step's agreement (train_step)
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
