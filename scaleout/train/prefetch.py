@@ -172,9 +172,7 @@ class Prefetcher:
         self._closed = False
         if num_workers > 0 and start_method == "forkserver":
             with _signals_blocked(PREEMPTION_SIGNALS):  # the server and the tracker inherit the mask
-                from multiprocessing import forkserver
-
-                forkserver.ensure_running()  # modules only, no data: off the clock
+                _warm_forkserver(kw["multiprocessing_context"])
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -257,6 +255,20 @@ def _context(start_method: str) -> Any:
         # Takes effect when this process first starts its forkserver; later prefetchers reuse that server.
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def _ready() -> None:
+    pass
+
+
+def _warm_forkserver(ctx: Any) -> None:
+    """Start the forkserver and wait until it has imported ``_PRELOAD``: it serves a fork only after its
+    imports, so one empty child started and joined does both. ``ensure_running`` alone returns while the
+    server is still importing torch (14 s on a loaded 2-core machine), which the first worker start, on the
+    clock, would then wait for."""
+    child = ctx.Process(target=_ready, daemon=True)
+    child.start()
+    child.join()
 
 
 @contextlib.contextmanager
