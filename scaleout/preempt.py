@@ -48,9 +48,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # The process exit code after a clean preemption stop (checkpoint written). EX_TEMPFAIL from sysexits.h:
 # "temporary failure, the user is invited to retry" -- distinct from success and from a crash.
@@ -116,7 +119,7 @@ class Preemption:
         (``scontrol requeue`` from outside has already requeued; ``scancel`` means stop)."""
         return self.noticed
 
-    def should_stop(self, world: Any | None = None) -> bool:
+    def should_stop(self, world: World | None = None) -> bool:
         """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
 
         Under SIGTERM the answer is local and immediate: a collective could hang on a rank that is

@@ -41,6 +41,7 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
     return fc.violations, status
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("overrides", [
     pytest.param(["comm.algorithm=hierarchical"], id="bert-dataparallel-hierarchical"),
     pytest.param(["optim.sharded=true"], id="bert-sharded-lamb"),
@@ -68,6 +69,7 @@ def _bad_collective(world: Any) -> list[str]:
     return fc.violations
 
 
+@pytest.mark.multi_process
 def test_fakecuda_rejects_a_host_tensor_collective() -> None:
     """The harness itself: a host tensor in a collective is caught, a device tensor is not."""
     for violations in run_dist(_bad_collective, nnodes=1, nproc_per_node=2):
@@ -101,6 +103,7 @@ def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, o
     return per_step
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize(("config", "overrides"), [
     pytest.param("bert_tiny_cpu", ["model.bert.static_shapes=true", "comm.algorithm=hierarchical"], id="bert-lamb"),
     pytest.param("resnet_cpu", ["model.resnet.bn_group=2", "comm.algorithm=flat"], id="resnet-groupbn-lars"),

@@ -58,6 +58,7 @@ def _tb_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+@pytest.mark.unit
 def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     """log_every=3: one record per 3 steps with the mean loss and the summed throughput, a forced record at
     the last step; a resumed run appends and the reader keeps the latest record of a redone step."""
@@ -85,6 +86,7 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 5  # one header, rows appended
 
 
+@pytest.mark.unit
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     m = Metrics(tmp_path / "r1", ["csv"], enabled=False)
     m.start(world_size=2)
@@ -93,6 +95,7 @@ def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     assert m.close("max_steps") is None and not (tmp_path / "r1").exists()
 
 
+@pytest.mark.unit
 def test_missing_sink_package_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -104,6 +107,7 @@ def test_missing_sink_package_is_one_line(tmp_path: Path, monkeypatch: pytest.Mo
         read_metrics(tmp_path)
 
 
+@pytest.mark.unit
 def test_tensorboard_events_read_back(tmp_path: Path) -> None:
     m = Metrics(tmp_path, ["tensorboard"], log_every=2)
     for s in range(1, 5):
@@ -115,6 +119,7 @@ def test_tensorboard_events_read_back(tmp_path: Path) -> None:
     assert _tb_scalars(tmp_path / "tb", "eval/top1") == [(4, 0.5)]
 
 
+@pytest.mark.full_system
 def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) -> None:
     """One 2-rank DataParallel run: metrics.jsonl (+ CSV, TensorBoard), metrics.png, and with train.profile a
     Chrome trace per rank whose traceEvents hold the timeline's ranges next to gloo's own collectives."""
@@ -171,6 +176,7 @@ def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) 
     assert "6 training records" in p.stdout and "2 evaluations" in p.stdout
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("overlap", [False, True])
 def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool) -> None:
     out = tmp_path / "run"
@@ -196,6 +202,7 @@ def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool)
     assert ("exposed_comm" in breakdown) == overlap, breakdown
 
 
+@pytest.mark.full_system
 def test_plot_without_metrics_is_one_line(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "scaleout", "plot", str(tmp_path)], capture_output=True, text=True, timeout=120
@@ -207,6 +214,7 @@ def test_plot_without_metrics_is_one_line(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.unit
 def test_plot_run_draws_both_panels(tmp_path: Path) -> None:
     m = Metrics(tmp_path, log_every=1)
     m.start(world_size=4, nodes=2, ranks_per_node=2, launcher="local", config="bert_tiny_cpu")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full_system
+
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "scripts" / "setup.sh"
 

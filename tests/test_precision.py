@@ -54,6 +54,7 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
             "state": sorted({str(t.dtype) for t in state if t.is_floating_point()})}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"),
                                                   ("fp32", "torch.float32")])
 def test_matmuls_run_in_the_configured_precision(tmp_path: Path, precision: str, dtype: str) -> None:
@@ -64,6 +65,7 @@ def test_matmuls_run_in_the_configured_precision(tmp_path: Path, precision: str,
     assert r["params"] == r["grads"] == r["state"] == ["torch.float32"], r
 
 
+@pytest.mark.unit
 def test_loss_scale_follows_grad_scaler() -> None:
     """The host-side rule equals torch's own GradScaler kernel (torch._amp_update_scale_) on a sequence of
     finite / non-finite steps: back off on every skip, grow after growth_interval finite steps."""
@@ -94,6 +96,7 @@ def _scaler_run(world: Any, out: str) -> dict:
             "resumed_scale": resumed.task.precision.scale, "digest": digest}
 
 
+@pytest.mark.full_system
 def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> None:
     """One rank sees inf: every rank skips that step and halves the scale (65536 -> 32768), the replicas
     stay identical, and the scale is in the checkpoint (a resumed run continues with 32768)."""
@@ -121,6 +124,7 @@ def _fp16_updates(world: Any, out: str) -> dict:
     return got
 
 
+@pytest.mark.multi_process
 def test_fp16_with_the_sharded_lamb_unscales_its_own_buffers(tmp_path: Path) -> None:
     """The sharded LAMB reduces gradients into its own shard buffers (during backward when overlapped), so
     Precision.unscale_ hands it 1/S (ShardedLAMB.unscale_): fp16 with it takes the same steps as fp16 with
@@ -156,6 +160,7 @@ def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
     return losses[-1] / losses[0], grad
 
 
+@pytest.mark.multi_process
 def test_fp16_needs_and_gets_loss_scaling() -> None:
     scaled, grad_scaled = _fit(scaling=True)
     unscaled, grad_unscaled = _fit(scaling=False)
@@ -179,6 +184,7 @@ def _train_fp16(world: Any, out: str) -> dict:
             "scale": trainer.task.precision.scale, "first": trainer.losses[0], "last": trainer.losses[-1]}
 
 
+@pytest.mark.full_system
 @pytest.mark.slow
 def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> None:
     """The trainer in fp16 on the pydoc corpus reaches masked-LM accuracy 0.054 (the most-frequent-token
@@ -189,6 +195,7 @@ def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> 
     assert r["last"] < r["first"] - 1.0 and r["scale"] >= 2.0**15, r
 
 
+@pytest.mark.unit
 def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("bf16", "cpu", "none", "bert") == {
         "lowest_numerical_precision_in_linear": "bfloat16", "lowest_numerical_precision_in_attn": "bfloat16",
@@ -196,7 +203,7 @@ def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"] == "fp16"
     assert set(mlperf_numerics("fp32", "cpu", "bf16", "resnet").values()) == {"fp32", "bfloat16"}
     from scaleout.config import load_config
-    from scaleout.mlperf import hyperparameters
+    from scaleout.train.hparams import hyperparameters
 
     cfg = load_config("bert_large_256x8", ["optim.sharded=true"])  # sharded: fp32 reduce-scatter, whatever compression
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"
@@ -225,6 +232,7 @@ def _captured_vs_eager(world: Any, compression: str) -> dict:
     return {"same": [torch.equal(a, p.grad) for a, p in zip(eager, model.parameters(), strict=True)]}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("compression", ["bf16", None])
 def test_captured_step_keeps_algorithm_and_compression(compression: str | None) -> None:
     """The step CUDA graphs capture (capture.data_parallel_step) averages the buckets exactly as the eager

@@ -227,6 +227,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
     assert ok and out.startswith("attempt 3 of 3"), out[-3000:]
 
 
+@pytest.mark.full_system
 def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
     """Rank 0 of 2 (torchrun-style variables) waits in the rendezvous for rank 1; SIGUSR2 reaches it there.
     It must survive, stop after the first step with its peer, checkpoint and exit 75 (no Slurm: no requeue)."""
@@ -265,6 +266,7 @@ def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
     assert "requeue" not in outs[0]  # outside Slurm nothing to requeue
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_method):
     """As Slurm signals every process of a step: USR2 then TERM to the whole process group. The rank notes
@@ -280,6 +282,7 @@ def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_metho
     assert result["noticed"] and result["terminating"], result
 
 
+@pytest.mark.unit
 def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
     """checkpoint.every_steps was silently ignored without checkpoint.dir (and a notice then requeued a fresh
     start forever): now a one-line error before anything starts."""
@@ -292,6 +295,7 @@ def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
     assert load_config(None, ["checkpoint.every_steps=5", "checkpoint.dir=/tmp/x"]).checkpoint.every_steps == 5
 
 
+@pytest.mark.full_system
 def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
     """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
     (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no scontrol is called.)"""

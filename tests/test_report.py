@@ -16,6 +16,8 @@ from scaleout.report import (
 )
 from scaleout.timers import Timers
 
+pytestmark = pytest.mark.unit
+
 
 def test_flop_formulas():
     assert resnet_flops_per_image() == pytest.approx(3 * 2 * 4.1e9)
@@ -67,7 +69,6 @@ def test_timers_breakdown_in_report():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_timers_synchronize_cuda_and_peak_table():
     t = Timers("cuda")
     assert t.sync

@@ -23,6 +23,8 @@ from scaleout.sim.sharded import half_plan, reduce_time
 from scaleout.sim.step import TrainSpec, bert_params, get_model, optimizer_time, step_time
 from scaleout.sim.validate import bert_ablation, mlperf_bert, mlperf_step
 
+pytestmark = pytest.mark.unit
+
 IDX = {k: i for i, k in enumerate(PARAMS)}
 A100 = get_cluster("dgx-a100")
 BERT = get_model("bert-large")

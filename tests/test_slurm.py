@@ -72,7 +72,7 @@ def test_srun_environment_maps_to_world(slurm_cluster, tmp_path):
     assert "BATCH step_id=unset procid=0 env=single" in out, out  # SLURM_PROCID alone is not an srun task
     w = _worlds(out)
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in w] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-    assert all(r["source"] == "slurm" and r["num_nodes"] == 2 and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
+    assert all(r["launcher"] == "slurm" and r["num_nodes"] == 2 and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
     assert {r["master_addr"] for r in w} == {"n1"}  # first host of the nodelist; resolves via /etc/hosts
     assert [r["slurmd_nodename"] for r in w] == ["n1", "n1", "n2", "n2"]
     assert w[0]["ranks_per_node"] == [[0, 1], [2, 3]]

@@ -26,6 +26,7 @@ SHORT_SWEEP = ["--steps", "2", "--warmup", "1", "--per-rank-batch", "4", "--no-p
 OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type=END"]
 
 
+@pytest.mark.unit
 def test_parse_slurm_options() -> None:
     got = parse_slurm_options(OPTS)
     assert got == {"account": "proj", "qos": "high", "constraint": "a100", "exclusive": True, "mail_type": "END"}
@@ -35,6 +36,7 @@ def test_parse_slurm_options() -> None:
             parse_slurm_options([bad])
 
 
+@pytest.mark.unit
 def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
     runner = make_runner("slurm", slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
     assert isinstance(runner, SlurmRunner)
@@ -150,6 +152,7 @@ def test_real_submissions_carry_a_comment(slurm_cluster, tmp_path: Path) -> None
     assert _comment_of_jobs_named(slurm_cluster, "sweep-w001-1x1").count(f"{tag}-sw") == 1
 
 
+@pytest.mark.full_system
 def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """An interrupted sweep (here: world 2's result lost) reruns only what is missing; a point whose command
     changed is not taken from the earlier run."""

@@ -8,9 +8,12 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # Bars. Sources: a correct bf16 step must use the tensor cores: fp32 without TF32 on an H100 SXM gives at
 # most 67 / 989 = 7 % of the bf16 peak (data sheet), so 30 % MFU separates "bf16 ran" from "it did not"
@@ -65,7 +68,7 @@ def _bert(cfg: dict[str, Any], device: str = "cuda", **kw: Any) -> Any:
     return BertForPreTraining(BertConfig(**{**cfg, "dropout": 0.0, **kw})).to(device)
 
 
-def check_capture(world: Any) -> list[Row]:
+def check_capture(world: World) -> list[Row]:
     """CUDA graph of the packed BERT step (static-shape forward, bf16) vs the same step run eagerly."""
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import StepGraphs, data_parallel_step
@@ -142,6 +145,7 @@ def _large_step(model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], devi
     from scaleout.models.bert_flops import batch_flops
 
     batch = packed_batch(batch_rows, cfg["max_position"], cfg["vocab_size"], seed=2, device=device)
+    flops = batch_flops(model.cfg, {k: v.cpu() for k, v in batch.items()})
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -192,14 +196,14 @@ def check_bert_large(device: str = "cuda", cfg: dict[str, Any] | None = None, ro
 
 
 # -- parts that run inside launched ranks ---------------------------------------------------------------
-def rank_world(world: Any) -> dict[str, Any]:
+def rank_world(world: World) -> dict[str, Any]:
     x = torch.ones(1, device=world.device)
     torch.distributed.all_reduce(x)
     return {"world_size": world.world_size, "backend": world.backend, "device": str(world.device),
             "sum": float(x.item()), "gpus": torch.cuda.device_count()}
 
 
-def rank_allreduce(world: Any, mib: int = 256) -> dict[str, Any]:
+def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
     """Every algorithm on integer-valued fp32 (exact sums): equal to NCCL's own bit for bit; busbw."""
     from scaleout.comm import all_reduce
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scaleout.bench.common import pyplot
+from scaleout.output import pyplot
 
 NAME = "simulate"
 ORDER = 70
@@ -120,10 +120,11 @@ def _cluster(args: argparse.Namespace, gpus_per_node: int | None = None) -> Any:
     return with_sharp(c, args.sharp)
 
 
-def _algorithms(text: str) -> list[str]:
+def _algorithms(text: str, flag: str = "--algorithms") -> list[str]:
+    from scaleout.argtypes import parse_csv
     from scaleout.sim.collectives import canonical
 
-    return [canonical(a.strip()) for a in text.split(",") if a.strip()]
+    return parse_csv(text, flag, canonical, allow_empty=True)
 
 
 def _torus_x(text: str) -> int | str:
@@ -131,7 +132,7 @@ def _torus_x(text: str) -> int | str:
 
 
 def _write(path: str | None, payload: dict[str, Any]) -> None:
-    from scaleout.bench.common import write_json
+    from scaleout.output import write_json
 
     out = write_json(path or None, payload)
     if out:
@@ -180,7 +181,7 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
 def run_scale(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
     from scaleout.sim.step import step_time, time_to_train
 
     cluster, model, train, gpus, algs = _scale_specs(args)
@@ -239,15 +240,12 @@ def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: s
 
 
 def run_allreduce(args: argparse.Namespace) -> int:
-    from scaleout.bench.common import format_table
-    from scaleout.errors import ConfigError
+    from scaleout.argtypes import parse_csv
+    from scaleout.output import format_table
     from scaleout.sim.collectives import allreduce_cost
 
     cluster = _cluster(args)
-    try:
-        sizes = [float(s) * 2**20 for s in args.sizes_mb.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"--sizes-mb {args.sizes_mb!r}: expected a comma list of numbers (MiB)") from None
+    sizes = [mb * 2**20 for mb in parse_csv(args.sizes_mb, "--sizes-mb", float, at_least=0)]
     table = []
     for n in sizes:
         base = None
@@ -263,12 +261,12 @@ def run_allreduce(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from scaleout.bench.allreduce import parse_size
-    from scaleout.bench.common import format_table
+    from scaleout.argtypes import parse_size
+    from scaleout.output import format_table
     from scaleout.sim.calibrate import cross_validate, load_samples, split_default
 
-    samples = load_samples(args.bench_json, args.stat, parse_size(args.min_bytes))
-    holdout = _algorithms(args.holdout) if args.holdout else []
+    samples = load_samples(args.bench_json, args.stat, parse_size(args.min_bytes, "--min-bytes"))
+    holdout = _algorithms(args.holdout, "--holdout") if args.holdout else []
     fit, checks = cross_validate(samples, split_default(samples, holdout, args.every))
     print(f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "
           f"(held out: every size not in each {args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})")
@@ -290,7 +288,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
     from scaleout.sim.validate import all_validations, bert_ablation, horovod_542, mlperf_bert
 
     vals = all_validations()
@@ -319,7 +317,7 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_presets(args: argparse.Namespace) -> int:
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
     from scaleout.sim.cluster import PRESETS
     from scaleout.sim.step import MODELS
 

@@ -148,6 +148,13 @@ class CommConfig(_Section):
             raise ValueError(f"comm.chunk_mb={self.chunk_mb} pipelines hierarchical/torus2d; comm.algorithm=flat has no chunks")
         return self
 
+    def algorithm_options(self) -> dict[str, int]:
+        """The options of ``scaleout.comm.all_reduce`` these keys set: torus grid, pipeline chunk."""
+        opts = {k: v for k, v in (("x", self.torus_x), ("y", self.torus_y)) if v}
+        if self.chunk_mb is not None:
+            opts["chunk_bytes"] = max(1, int(self.chunk_mb * 2**20))
+        return opts
+
 
 class ProfileConfig(_Section):
     """torch.profiler on a schedule (torch.profiler.schedule): skip ``wait`` steps, trace ``warmup`` steps

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from scaleout.config.schema import Config
 from scaleout.data.shard_format import ShardReader, shard_files
 from scaleout.data.shard_index import PackSettings, ShardIndex, ShardPacks, ensure_index
 from scaleout.errors import ConfigError
@@ -223,7 +224,7 @@ class ShardData:
         return float(self.info["packing"]["sequences_per_row"])
 
 
-def open_shards(cfg: Any, rank: int = 0, world: int = 1, barrier: Any = lambda: None) -> ShardData:
+def open_shards(cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambda: None) -> ShardData:
     """``data.source: wikipedia``: index ``data.path`` (``train/`` + ``eval/``, or one folder whose first
     ``data.eval_samples`` sequences are held out) and return this rank's lazy training stream and eval share.
     A collective: every rank calls it."""

@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
 from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 FORMAT = "scaleout.ShardedLAMB/2"
 
@@ -91,7 +94,7 @@ class ShardedLAMB(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Any, world: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        self, params: Any, world: World, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
         trust_clamp: float | None = None, trust_ratio: bool | None = None, clip_grad_norm: float | None = None,
         chunk: int | None | str = "auto", *, overlap: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
@@ -223,6 +226,21 @@ class ShardedLAMB(torch.optim.Optimizer):
             yield
         finally:
             self._sync = old
+
+    # -- scaleout.parallel.sync.GradientSync: the trainer asks this optimizer what it asks DataParallel ----
+    grads_are_views = False  # .grad are autograd's own tensors, copied into the buckets
+
+    def census_flag(self) -> None:
+        return None  # the census rides on step()'s norm all-reduce (_check_census)
+
+    def check_census(self) -> list[str]:
+        return []
+
+    def optimizer_state(self, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Piece]]:
+        return self.sharded_state()
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        self.load_replicated(state)
 
     def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(_p: torch.Tensor) -> None:

@@ -14,12 +14,12 @@ as ranks share cores (the simulator assumes every rank computes at the base poin
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
+from scaleout.config.schema import Config
 from scaleout.sweep.results import PointResult
 
 
-def count_params(cfg: Any) -> int:
+def count_params(cfg: Config) -> int:
     """Trainable parameters of the config's model, built on the meta device (no allocation)."""
     import torch
 
@@ -37,7 +37,7 @@ def count_params(cfg: Any) -> int:
 
 
 class Simulator:
-    def __init__(self, preset: str, cfg: Any):
+    def __init__(self, preset: str, cfg: Config):
         from scaleout.sim import get_cluster
 
         self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs

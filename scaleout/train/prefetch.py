@@ -8,7 +8,7 @@
 Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
-  ``start_step + i`` for this rank, built by the task's data source (``task.source.micro_batches``, the
+  ``start_step + i`` for this rank, built by the task's batch builder (``task.batches.micro_batches``, the
   same code ``task.micro_batches`` runs, minus the copy to the device).
   Data order is already a pure function of the data position (``scaleout/train/tasks.py``), so the
   background batches are *the same* batches as the synchronous path, in the same order, and resume is
@@ -31,10 +31,10 @@ Design, and why:
   The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
   started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
 - **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset holds
-  the task's data source (``task.source``: sequences, packs, sampler; or the image set), never the task:
+  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never the task:
   that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could not
   start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
-  shared memory under the live model. Cost: each worker unpickles the source once at start-up
+  shared memory under the live model. Cost: each worker unpickles the batch builder once at start-up
   (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
 - **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker, so
   it gets ``ceil(prefetch / num_workers)``.
@@ -74,11 +74,15 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
+from scaleout.config.schema import Config
+from scaleout.data.batches import MicroBatch, to_device
 from scaleout.errors import UserError
+from scaleout.world import World
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # What schedulers send to every process of a job step; the rank handles them, its helper processes ignore them.
@@ -87,17 +91,17 @@ PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
 # server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
 # scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs milliseconds.
-_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.train.tasks", "scaleout.data.bert_batch",
+_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.data.batches", "scaleout.data.bert_batch",
             "scaleout.data.images", "scaleout.data.sampler", "scaleout.cli"]
 
 
 class StepBatches(torch.utils.data.Dataset):
     """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``source`` is the
-    task's data-only batch builder (``task.source``), which is what gets pickled into the workers."""
+    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``batches`` is the
+    task's data-only batch builder (``task.batches``), which is what gets pickled into the workers."""
 
-    def __init__(self, source: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
-        self.source, self.global_batch, self.grad_accum = source, global_batch, grad_accum
+    def __init__(self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
+        self.batches, self.global_batch, self.grad_accum = batches, global_batch, grad_accum
         self.start_step, self.stop_step = start_step, stop_step
 
     def __len__(self) -> int:
@@ -105,18 +109,8 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int, float]]:
         step = self.start_step + i
-        mbs = self.source.micro_batches(step * self.global_batch, self.grad_accum)
+        mbs = self.batches.micro_batches(step * self.global_batch, self.grad_accum)
         return [(mb.inputs, mb.target, mb.samples, mb.tokens, mb.flops) for mb in mbs]
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    return x
 
 
 def _record(x: Any, stream: Any) -> None:
@@ -148,15 +142,12 @@ class Prefetcher:
             raise UserError(f"stop_step={stop_step} is before start_step={start_step}")
         if start_method not in START_METHODS:
             raise UserError(f"data.worker_start={start_method!r}: expected one of {', '.join(START_METHODS)}")
-        from scaleout.train.tasks import MicroBatch
-
-        self._mb = MicroBatch
         self.device = torch.device(device)
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = bool(pin_memory and cuda)
         self.num_workers, self.prefetch = num_workers, prefetch
         self.start_method = start_method
-        self.dataset = StepBatches(getattr(task, "source", task), global_batch, grad_accum, start_step, stop_step)
+        self.dataset = StepBatches(getattr(task, "batches", task), global_batch, grad_accum, start_step, stop_step)
         kw: dict[str, Any] = {}
         if num_workers > 0:
             kw = dict(prefetch_factor=max(1, math.ceil(prefetch / num_workers)), timeout=timeout_s,
@@ -202,20 +193,18 @@ class Prefetcher:
         self.next_step += 1
         if self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
-                moved = _to(raw, self.device)
+                moved = to_device(raw, self.device)
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             _record(moved, compute)
         else:
-            moved = _to(raw, self.device)
-        return [self._mb(*fields) for fields in moved]  # inputs, target, samples, tokens, flops
+            moved = to_device(raw, self.device)
+        return [MicroBatch(*fields) for fields in moved]
 
     def worker_cpu_s(self) -> float:
         """CPU seconds (user + system) the live workers have used so far, from /proc (Linux). Forkserver
         workers are children of the forkserver, not of this process, so RUSAGE_CHILDREN never sees them;
         read this before :meth:`close`."""
-        import os
-
         tick = os.sysconf("SC_CLK_TCK")
         total = 0.0
         for w in getattr(self._it, "_workers", []):
@@ -279,8 +268,6 @@ def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     if not signals:
         yield
         return
-    from multiprocessing import resource_tracker
-
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this thread,
@@ -300,7 +287,7 @@ def _worker_init(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def build_prefetcher(cfg: Any, task: Any, world: Any, start_step: int) -> Prefetcher | None:
+def build_prefetcher(cfg: Config, task: Any, world: World, start_step: int) -> Prefetcher | None:
     """The trainer's prefetcher from ``data.num_workers / prefetch / pin_memory``; None = synchronous."""
     d = cfg.data
     if d.num_workers == 0:
