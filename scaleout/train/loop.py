@@ -31,7 +31,7 @@ from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.profile import build_profiler
 from scaleout.timers import Timers
-from scaleout.train import rerun
+from scaleout.train import prefetch, rerun
 from scaleout.train.capture import build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
@@ -45,7 +45,6 @@ from scaleout.train.faults import (
 from scaleout.train.finish import requeue_and_release, weights_consistent, write_report
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.liveness import Heartbeat, period_for
-from scaleout.train import prefetch
 from scaleout.train.progress import Progress
 from scaleout.train.state import resume_checkpoint, save_checkpoint
 from scaleout.train.tasks import Task, build_task
