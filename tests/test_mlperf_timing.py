@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.distutil import run_dist
 from tests.test_prefetch import SMALL_BERT, _allow_children
+
+pytestmark = pytest.mark.multi_process
 
 
 class TouchLog:

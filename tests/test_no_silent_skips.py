@@ -13,6 +13,10 @@ import importlib.metadata
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = sorted((ROOT / "tests").rglob("*.py"))
 
