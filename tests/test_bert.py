@@ -328,6 +328,4 @@ def load_histogram_or_skip():
 
     from scaleout.data.packing import load_histogram
 
-    if not WIKI_HIST.is_file():
-        pytest.skip(f"{WIKI_HIST} not present")
     return load_histogram(WIKI_HIST, 512)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WIKI_HIST as WIKI  # noqa: E402 -- ../shared beside the checkout, else /work/shared
+from conftest import WIKI_HIST as WIKI  # noqa: E402 -- the packaged copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,6 @@ from scaleout.data.packing import (
 )
 from scaleout.errors import UserError
 
-needs_wiki = pytest.mark.skipif(not WIKI.is_file(), reason=f"{WIKI} not present")
 # SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike Wikipedia's
 SQUAD = Path(__file__).parent / "data" / "squad_1_1_seqlen_hist_384.txt"
 
@@ -35,7 +34,6 @@ def wiki() -> np.ndarray:
 
 
 @pytest.mark.multi_process
-@needs_wiki
 def test_wikipedia_bars(wiki):
     """The bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
     (lphp) beats the published NNLSHP (0.9975) and LPFHP (0.9981) at both depths."""
@@ -194,7 +192,6 @@ def test_cli_pack(tmp_path, capsys):
 
 
 @pytest.mark.multi_process
-@needs_wiki
 @pytest.mark.slow
 def test_nnlshp_reaches_the_paper_on_wikipedia(wiki):
     """The paper's procedure (every composition of 512 into <= 3 lengths, 0.09 weight on lengths <= 8,

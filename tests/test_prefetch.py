@@ -170,7 +170,9 @@ def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path
     assert sync[0]["prefetcher"] == "NoneType" and bg[0]["prefetcher"] == "Prefetcher"
     for a, b in zip(sync, bg, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
-    for run in ("sync", "bg"):
-        report = json.loads((tmp_path / run / "report.json").read_text())
+    reports = {run: json.loads((tmp_path / run / "report.json").read_text()) for run in ("sync", "bg")}
+    for report in reports.values():
         assert 0.0 < report["data_wait_fraction"] < 1.0, report["data_wait_fraction"]
         assert report["breakdown_s"]["data"] > 0.0
+    # the FLOPs counted where a batch is built come back from the workers (MFU was 0 with workers)
+    assert reports["bg"]["flops_per_sample"] == reports["sync"]["flops_per_sample"] > 0

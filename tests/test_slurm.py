@@ -238,6 +238,24 @@ def test_submitit_local_executor_without_slurm(tmp_path):
     assert "2 ranks on 1 nodes" in out and "result               : OK" in out
 
 
+def test_time_limit_reached_when_slurmctld_does_not_answer(tmp_path, monkeypatch):
+    """A loaded slurmctld times out exactly when jobs end: `scontrol` printing nothing must not make a notice
+    + time-limit SIGTERM look like a scancel (the job then ended TIMEOUT without its requeue). The silent
+    controller is a stand-in script (the real one cannot be made to time out on demand); a job in state
+    TIMEOUT is read as such."""
+    from scaleout import preempt
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=2) is True
+    fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=TIMEOUT Reason=TimeLimit'\n")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is True
+    fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=RUNNING RunTime=00:00:10 TimeLimit=00:05:00'\n")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is False  # a scancel mid-run
+
+
 def test_time_limit_reached_reads_the_job(slurm_cluster, tmp_path, monkeypatch):
     """preempt.time_limit_reached on a live job (RunTime < TimeLimit) and Slurm's duration formats."""
     from scaleout import preempt

@@ -31,7 +31,7 @@ from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.profile import build_profiler
 from scaleout.timers import Timers
-from scaleout.train import rerun
+from scaleout.train import prefetch, rerun
 from scaleout.train.capture import build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
@@ -45,7 +45,6 @@ from scaleout.train.faults import (
 from scaleout.train.finish import requeue_and_release, weights_consistent, write_report
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.liveness import Heartbeat, period_for
-from scaleout.train.prefetch import build_prefetcher
 from scaleout.train.progress import Progress
 from scaleout.train.state import resume_checkpoint, save_checkpoint
 from scaleout.train.tasks import Task, build_task
@@ -227,7 +226,8 @@ class Trainer:
         if start:  # MLPerf's key for "this run started from a checkpoint at step N" (GPT-3 rules use it)
             mll.event("init_checkpoint_step", start)
         self.record = rerun.started(cfg, self.start_info, world.world_size) if world.rank == 0 else {}
-        self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
+        # None when data.num_workers=0; reads no data until start(), after run_start (MLPerf timing rules)
+        self.prefetcher = prefetch.build_prefetcher(cfg, self.task, world, start)
         own_guard = self.guard is None
         if own_guard:
             self.guard = preempt.install()
@@ -235,6 +235,8 @@ class Trainer:
         mll.init_stop()
         world.barrier()
         mll.run_start()
+        if self.prefetcher is not None:
+            self.prefetcher.start()  # the first touch of the training data
         self._observe_start(start)
         run = _Run(start=start, step=start, own_guard=own_guard, samples_at_start=self.samples,
                    progress=Progress(cfg.train.max_steps, cfg.train.progress and world.rank == 0, start))
