@@ -73,7 +73,7 @@ def _timed_run(world, out: str, ckpt: str, max_steps: int, touches: str) -> dict
         return saved[1](self)
 
     def build_prefetcher(cfg: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
-        task.source = TouchLog(task.source, f"{touches}.{world.rank}")
+        task.batches = TouchLog(task.batches, f"{touches}.{world.rank}")
         return saved[2](cfg, task, *args, **kwargs)
 
     MLPerfLogger.run_start, tud.DataLoader.__iter__ = run_start, data_request
