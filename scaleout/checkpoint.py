@@ -39,12 +39,12 @@ import secrets
 import struct
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from scaleout.checkpoint_dcp import CorruptShards, check_shards, load_pieces, remove_tree, save_pieces
 from scaleout.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class Checkpointer:
         record = None
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
-            record = save_pieces(shards, self.dir / name, world)  # every rank's files are written when it returns
+            record = _shards().save_pieces(shards, self.dir / name, world)  # every rank's files are written when it returns
         if self.rank != 0:
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ class Checkpointer:
         atomic_write(path, encode({**state, "step": step, **({"shards": record} if record else {})}))  # the commit
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
-                remove_tree(old)
+                _shards().remove_tree(old)
         # Prune only older steps: a higher step in the directory is not this save's to delete (the rerun
         # policy in train/rerun.py keeps other runs out of a run's directory).
         older = [p for s, p in self.list() if s < step]
@@ -202,7 +202,7 @@ class Checkpointer:
     def _drop(self, path: Path) -> None:
         path.unlink(missing_ok=True)
         for d in self.dir.glob(f"{path.stem}.shards-*"):
-            remove_tree(d)
+            _shards().remove_tree(d)
 
     def choose(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
         """Newest complete checkpoint that verifies, or None. Logs every one that had to be skipped."""
@@ -210,8 +210,8 @@ class Checkpointer:
             try:
                 state = decode(path.read_bytes(), str(path), map_location)
                 if "shards" in state:
-                    check_shards(self.dir, state["shards"])
-            except (CorruptCheckpoint, CorruptShards, OSError, RuntimeError, EOFError) as e:
+                    _shards().check_shards(self.dir, state["shards"])
+            except (CorruptCheckpoint, _shards().CorruptShards, OSError, RuntimeError, EOFError) as e:
                 log.warning("checkpoint %s at step %d is unusable (%s); falling back to the previous one", path, step, e)
                 continue
             log.info("resuming from %s (step %d)", path, step)
@@ -240,8 +240,16 @@ class Checkpointer:
         rng = _scatter(rngs, world) if n_rng == (world.world_size if world is not None else 1) else None
         _check_kind(state, shards, path)
         if shards is not None:
-            load_pieces(shards, self.dir, state["shards"])
+            _shards().load_pieces(shards, self.dir, state["shards"])
         return {**state, "rng": rng}, path
+
+
+def _shards() -> ModuleType:
+    """scaleout.checkpoint_dcp, imported on first use: torch.distributed.checkpoint pulls in DTensor and sympy
+    (~1.3 s of CPU per process here), which every rank of a run without a sharded optimizer would pay at start."""
+    import scaleout.checkpoint_dcp
+
+    return scaleout.checkpoint_dcp
 
 
 def _token(world: World) -> str:

@@ -133,8 +133,9 @@ def _all(world, grids):
             "ddp": _ddp(world) if world.world_size > 1 else True}
 
 
-# (nnodes, nproc_per_node, explicit torus grids): world sizes 1..8; grids 1xN and Nx1 on every size,
-# 2x2, 2x3, 3x2, 2x4 (and 4x2 via the default) where they fit.
+# (nnodes, nproc_per_node, explicit torus grids): world sizes 1..6 and 8 (5 is the odd prime: 7 ranks cost
+# the suite 20 s on 2 cores and exercise nothing 5 does not); grids 1xN and Nx1 on every size, 2x2, 2x3, 3x2,
+# 2x4 (and 4x2 via the default) where they fit.
 SHAPES = [
     (1, 1, [(1, 1)]),
     (2, 1, [(1, 2), (2, 1)]),
@@ -142,7 +143,6 @@ SHAPES = [
     (2, 2, [(1, 4), (4, 1)]),
     (5, 1, [(1, 5), (5, 1)]),
     (2, 3, [(2, 3), (3, 2), (1, 6), (6, 1)]),
-    (7, 1, [(1, 7), (7, 1)]),
     (4, 2, [(2, 4), (1, 8), (8, 1)]),
 ]
 

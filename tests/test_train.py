@@ -103,6 +103,7 @@ def test_nan_on_one_rank_makes_every_rank_skip(tmp_path: Path) -> None:
 
 def test_kill_9_one_rank_then_rerun_resumes(tmp_path: Path) -> None:
     cmd = _cmd(tmp_path, 2, 2, "train.max_steps=40", "train.eval_every=100", "checkpoint.every_steps=2")
+    cmd.insert(cmd.index("--"), "--grace=3")  # the survivors block on the dead peer: SIGTERM cannot end them sooner
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
