@@ -191,7 +191,6 @@ class BertTask(Task):
     benchmark = "bert"
 
     def __init__(self, cfg: Any, world: Any):
-        from scaleout.data.bert_batch import build_batch
         from scaleout.models.bert import BertForPreTraining
 
         self.cfg, self.world, d, b = cfg, world, cfg.data, cfg.model.bert
@@ -203,7 +202,6 @@ class BertTask(Task):
             self._open_shards(cfg, world)
         else:
             self._load_in_memory(cfg, world)
-        self._build = build_batch
         # model.bert.static_shapes unset: on exactly when the step is captured in a CUDA graph (the
         # fixed-slot MLM/NSP heads cost a few padded rows; graphs need them, eager/compile need not)
         static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
@@ -270,22 +268,9 @@ class BertTask(Task):
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
-        w = self.world
-        mine = list(range(w.rank, len(self.eval_seqs), w.world_size))
-        counts = _Counts(w)
-        bs = 64
-        was_training = model.training
-        model.eval()
-        for i in range(0, len(mine), bs):
-            packs = [[j] for j in mine[i : i + bs]]
-            batch = self._build(self.eval_seqs, packs, self.cfg.data.max_seq_len, self.cfg.data.max_predictions, 1)
-            with self.autocast():
-                out = model(_to_device(batch, w.device))
-            counts.add(out.mlm_correct, out.mlm_total)
-        model.train(was_training)
-        return counts.ratio()
+        d = self.cfg.data
+        return evaluate_mlm(model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast)
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         if self.stream is not None:
@@ -368,6 +353,28 @@ class ResNetTask(Task):
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
 
+
+
+@torch.no_grad()
+def evaluate_mlm(model: torch.nn.Module, eval_seqs: Any, max_len: int, max_pred: int, world: Any,
+                 autocast: Any = contextlib.nullcontext) -> float:
+    """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
+    ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
+    of ``scaleout bench ttt``) evaluates with exactly this function."""
+    from scaleout.data.bert_batch import build_batch
+
+    mine = list(range(world.rank, len(eval_seqs), world.world_size))
+    counts = _Counts(world)
+    bs = 64
+    was_training = model.training
+    model.eval()
+    for i in range(0, len(mine), bs):
+        batch = build_batch(eval_seqs, [[j] for j in mine[i : i + bs]], max_len, max_pred, 1)
+        with autocast():
+            out = model(_to_device(batch, world.device))
+        counts.add(out.mlm_correct, out.mlm_total)
+    model.train(was_training)
+    return counts.ratio()
 
 
 def build_task(cfg: Any, world: Any) -> Task:
