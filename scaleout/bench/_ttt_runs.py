@@ -17,7 +17,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,7 @@ def execute(plan: Plan, cluster: Cluster, r: Recipe, seed: int, root: Path, *, t
     argv = [*cluster.launch(), "--", *command(plan, r, seed, out, time_budget)]
     t0 = time.perf_counter()
     with open(out / "launch.log", "w") as log:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = _run(argv, log)
     row: dict[str, Any] = {"cluster": cluster.name, "recipe": r.name, "seed": seed, "rc": rc,
                            "wall_s": round(time.perf_counter() - t0, 1), "dir": str(out), "argv": argv,
                            "steps_budget": plan.steps(r), "eval_every": plan.eval_every(r),
@@ -157,5 +157,24 @@ def execute(plan: Plan, cluster: Cluster, r: Recipe, seed: int, root: Path, *, t
     return row
 
 
-def with_batch_lr(r: Recipe, batch: int, lr: float) -> Recipe:
-    return replace(r, name=f"{r.name}-b{batch}-lr{lr:g}", batch=batch, lr=lr)
+def _run(argv: list[str], log: Any) -> int:
+    """Run the launcher; if this bench is interrupted (Ctrl-C, SIGTERM), stop it the way it expects (SIGTERM:
+    it stops its ranks and removes a --netns cluster) before going."""
+    import signal
+
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the launcher's watchdog still stops the ranks and removes the namespaces
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

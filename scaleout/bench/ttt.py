@@ -69,19 +69,24 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="bert_tiny_cpu", help="model + data config for both sides (default bert_tiny_cpu)")
-    p.add_argument("--target", type=float, default=0.14, help="masked-LM accuracy to reach (default 0.14)")
-    p.add_argument("--budget", type=int, default=60000, help="training sequences every run may use (default 60000)")
-    p.add_argument("--eval-seqs", type=int, default=1536, help="evaluate every ~this many training sequences (default 1536)")
+    p.add_argument("--target", type=float, default=0.13,
+                   help="masked-LM accuracy to reach (default 0.13: 2.4x the most-frequent-token 0.054, above "
+                        "copy-the-input 0.117)")
+    p.add_argument("--budget", type=int, default=32000,
+                   help="training sequences every run may use; the schedules decay to 0 there (default 32000, 1.2 epochs)")
+    p.add_argument("--eval-seqs", type=int, default=1024, help="evaluate every ~this many training sequences (default 1024)")
     p.add_argument("--seeds", type=_ints, default=[1, 2, 3], help="model-initialisation seeds (default 1,2,3)")
     p.add_argument("--clusters", type=_names, default=["local", "netns"],
                    help="local (scaleout launch) and/or netns (launch --netns, root) (default local,netns)")
     p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--rate", default="1gbit", help="netns link rate (default 1gbit)")
-    p.add_argument("--baseline-lrs", type=_floats, default=[1e-3, 2e-3, 4e-3], help="AdamW learning rates to sweep")
-    p.add_argument("--baseline-batches", type=_ints, default=[32, 128], help="baseline global batches (sequences) to sweep")
+    p.add_argument("--baseline-lrs", type=_floats, default=[5e-4, 1e-3, 2e-3],
+                   help="AdamW learning rates to sweep (default 5e-4,1e-3,2e-3; 3e-3 collapses to the most frequent token)")
+    p.add_argument("--baseline-batches", type=_ints, default=[32, 64],
+                   help="baseline global batches in sequences to sweep (default 32,64)")
     p.add_argument("--baseline-warmup", type=float, default=0.1, help="baseline warm-up fraction of its steps (default 0.1)")
-    p.add_argument("--batch", type=int, default=256, help="scaleout global batch in packed rows (default 256)")
+    p.add_argument("--batch", type=int, default=64, help="scaleout global batch in packed rows (default 64)")
     p.add_argument("--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)")
     p.add_argument("--warmup", type=float, default=0.1, help="scaleout warm-up fraction of its steps (default 0.1)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="scaleout DataParallel bucket size (default 1 MB)")
@@ -151,9 +156,9 @@ def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, 
     candidate is cut once it is slower than the best so far on its cluster. Returns the best per cluster."""
     from scaleout.bench._ttt_runs import Recipe, execute
 
-    grid = [(b, lr) for b in args.baseline_batches for lr in args.baseline_lrs]
-    mid = len(grid) // 2  # the middle of the grid first: a good early best cuts the rest sooner
-    grid = grid[mid:mid + 1] + grid[:mid] + grid[mid + 1:]
+    bs, lrs = args.baseline_batches, args.baseline_lrs
+    first = (bs[(len(bs) - 1) // 2], lrs[(len(lrs) - 1) // 2])  # the grid's middle first: an early good best
+    grid = [first] + [(b, lr) for b in bs for lr in lrs if (b, lr) != first]  # cuts the others sooner
     best: dict[str, tuple[dict[str, Any], Any]] = {}
     seed = args.seeds[0]
     for b, lr in grid:
