@@ -173,7 +173,7 @@ def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, 
             row = execute(plan, c, r, seed, root, time_budget=cut)
             row["sweep"] = True
             rows.append(row)
-            _done(row)
+            _done(row, root)
             if c.name not in best or _better(row, best[c.name][0]):
                 best[c.name] = (row, r)
     return best
@@ -192,9 +192,14 @@ def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
           flush=True)
 
 
-def _done(row: dict[str, Any]) -> None:
+def _done(row: dict[str, Any], root: Path) -> None:
+    """One line per run; every finished run is also appended to runs.jsonl (a long bench keeps what it did)."""
+    import json
+
     from scaleout.bench._ttt_report import cell
 
+    with open(root / "runs.jsonl", "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
     print(f"     -> ttt {cell(row)} s, {row['steps']} steps, {row['samples']} sequences, last accuracy "
           f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
           flush=True)
@@ -215,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
           f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
           f"{args.seeds}", flush=True)
     root, rows = Path(args.runs_dir), []
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "runs.jsonl").unlink(missing_ok=True)
     best = sweep(args, plan, clusters, root, rows)
     for c in clusters:  # the sweep's winner is the baseline of the first seed
         rows.append({**best[c.name][0], "recipe": "baseline", "sweep": False, "from_sweep": best[c.name][1].name})
@@ -228,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             for r in todo[i % len(todo):] + todo[: i % len(todo)]:  # rotate the order per seed
                 _say(rows, c, r, seed)
                 rows.append(execute(plan, c, r, seed, root))
-                _done(rows[-1])
+                _done(rows[-1], root)
     from scaleout.bench._ttt_report import finish
 
     return finish(args, plan, clusters, best, rows, time.perf_counter() - t0)
