@@ -1,6 +1,6 @@
 """Run M x G processes on this machine as M emulated nodes, and supervise them.
 
-Each child gets the variables ``scaleout.env.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
+Each child gets the variables ``scaleout.env.readers.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
 torch-native scripts work too), its own process group (so a rank's own children die with it), and its
 output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
 gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT,
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaleout.env.addr import is_loopback, loopback_interface
-from scaleout.env.base import free_port
+from scaleout.env.base import free_port, local_rank_env
 from scaleout.errors import UserError
 from scaleout.launchers.watchdog import start_time
 
@@ -74,7 +74,8 @@ class LaunchResult:
 
 
 def resolve_command(cmd: Sequence[str]) -> list[str]:
-    """``scaleout x`` / a bare subcommand / ``script.py`` -> something exec-able with this interpreter."""
+    """``scaleout x`` / ``script.py`` / ``python ...`` / a program -> something exec-able with this interpreter.
+    (A bare scaleout subcommand, ``smoke`` for ``scaleout smoke``, is the CLI's to resolve: it knows them.)"""
     if not cmd:
         raise UserError("no command given after '--' (e.g. scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke)")
     cmd = list(cmd)
@@ -84,10 +85,6 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
         return [sys.executable, "-u", *cmd]
     if cmd[0] in ("python", "python3"):
         return [sys.executable, "-u", *cmd[1:]]
-    from scaleout.cli import _commands
-
-    if cmd[0] in {m.NAME for m in _commands()}:
-        return [sys.executable, "-u", "-m", "scaleout", *cmd]
     if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
         raise UserError(f"command {cmd[0]!r} not found on PATH (expected a program, a .py file or a scaleout subcommand)")
     return cmd
@@ -96,24 +93,9 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
 def rank_env(
     base: dict[str, str], rank: int, nnodes: int, nproc: int, addr: str, port: int
 ) -> dict[str, str]:
-    node, local = divmod(rank, nproc)
+    """``base`` plus what rank ``rank`` of ``nnodes`` x ``nproc`` reads (scaleout.env.base.local_rank_env)."""
     env = dict(base)
-    env.update(
-        SCALEOUT_RANK=str(rank),
-        SCALEOUT_LOCAL_RANK=str(local),
-        SCALEOUT_NODE_RANK=str(node),
-        SCALEOUT_NNODES=str(nnodes),
-        SCALEOUT_NPROC_PER_NODE=str(nproc),
-        SCALEOUT_WORLD_SIZE=str(nnodes * nproc),
-        RANK=str(rank),
-        LOCAL_RANK=str(local),
-        GROUP_RANK=str(node),
-        WORLD_SIZE=str(nnodes * nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(local_rank_env(rank, nnodes, nproc, addr, port), PYTHONUNBUFFERED="1")
     # Each emulated node gets a share of the cores, not all of them (a 2-core box would thrash).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nnodes * nproc))))
     return env
@@ -198,13 +180,12 @@ class LocalLauncher:
         prefix_output: bool = True,
         out=None,
         on_orphan: Sequence[Sequence[str]] = (),
+        preflight: Callable[[int, int], None] | None = None,
     ):
         check_launch_args(nnodes, nproc_per_node, grace_s, master_port=master_port)
         self.cmd = resolve_command(cmd)
-        if self.cmd[1:4] == ["-u", "-m", "scaleout"]:  # a scaleout subcommand: validate it before spawning
-            from scaleout.cli import preflight
-
-            preflight(self.cmd[4:], nnodes * nproc_per_node, nproc_per_node)
+        if preflight is not None:  # the caller's check of the command for this world, before anything spawns
+            preflight(nnodes * nproc_per_node, nproc_per_node)
         self.nnodes, self.nproc = nnodes, nproc_per_node
         self.addr = master_addr
         self.port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaleout.env.base import free_ports, local_rank_env
 from scaleout.errors import UserError
 
 
@@ -98,28 +98,17 @@ def resolve_cluster(cluster: str) -> str:
     return "slurm" if shutil.which("sbatch") is not None else "local"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on this host right now: all n sockets are held until every port is known.
-    (Free when chosen, like torchrun's; the job binds its port within seconds.)"""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class RankMain:
-    """The callable every task runs: ``scaleout <argv>`` in this process. Picklable (plain data only).
-    ``master_port``: the rendezvous port under submitit's local executor (chosen at submission)."""
+    """The callable every task runs: ``entry(argv)`` in this process (``entry``: the CLI's ``main``, which
+    the caller passes, so that launchers never import the CLI). Picklable: plain data and a module-level
+    function, pickled by reference. ``master_port``: the rendezvous port under submitit's local executor
+    (chosen at submission)."""
 
-    def __init__(self, argv: Sequence[str], master_port: int | None = None):
+    def __init__(self, argv: Sequence[str], master_port: int | None = None,
+                 entry: Callable[[list[str]], int] | None = None):
         self.argv = list(argv)
         self.master_port = master_port
+        self.entry = entry
 
     def __call__(self) -> int:
         import submitit
@@ -132,15 +121,12 @@ class RankMain:
             if port is None and env.num_tasks > 1:
                 raise RuntimeError("RankMain under submitit's local executor needs master_port (set by submit())")
             port = port or free_ports(1)[0]  # one task: nobody else needs to know it
-            os.environ.update(
-                SCALEOUT_RANK=str(env.global_rank), SCALEOUT_LOCAL_RANK=str(env.local_rank),
-                SCALEOUT_NODE_RANK=str(env.node), SCALEOUT_NNODES=str(env.num_nodes),
-                SCALEOUT_NPROC_PER_NODE=str(env.num_tasks // env.num_nodes),
-                SCALEOUT_WORLD_SIZE=str(env.num_tasks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            )
-        from scaleout.cli import main
-
-        rc = main(self.argv)
+            os.environ.update(local_rank_env(env.global_rank, env.num_nodes, env.num_tasks // env.num_nodes,
+                                             "127.0.0.1", port))
+        entry = getattr(self, "entry", None)
+        if entry is None:  # a RankMain pickled before the entry point travelled with it
+            raise RuntimeError("RankMain has no entry point: resubmit the job with this version of scaleout")
+        rc = entry(self.argv)
         if rc == preempt.EXIT_PREEMPTED and preempt.slurm_job_id() is not None:
             # Rank 0 asked Slurm to requeue: wait to be stopped rather than report a result for this run.
             time.sleep(600)
@@ -153,7 +139,7 @@ class RankMain:
         the training loop starts): resubmit the same command, which resumes from the latest checkpoint."""
         import submitit
 
-        return submitit.helpers.DelayedSubmission(RankMain(self.argv, self.master_port))
+        return submitit.helpers.DelayedSubmission(RankMain(self.argv, self.master_port, self.entry))
 
 
 def make_executor(spec: SubmitSpec) -> Any:
@@ -167,8 +153,8 @@ def make_executor(spec: SubmitSpec) -> Any:
             nodes=spec.nodes, ntasks_per_node=spec.gpus_per_node, time=spec.time_min, job_name=spec.name,
             signal_delay_s=spec.signal_delay_s, additional_parameters={"requeue": True, **spec.extra_slurm},
         )
-        if spec.request_gpus:
-            params["gpus_per_task"] = 1
+        if spec.request_gpus:  # per node, as slurm/*.sh: per-task device cgroups would block CUDA IPC / NVLink P2P
+            params["gpus_per_node"] = spec.gpus_per_node
         if spec.partition:
             params["partition"] = spec.partition
         ex.update_parameters(**params)
@@ -193,21 +179,22 @@ def job_argvs(spec: SubmitSpec) -> list[list[str]]:
     return [[*spec.argv, f"{key}={v}"] for v in values]
 
 
-def rank_mains(spec: SubmitSpec) -> list[RankMain]:
-    """What every job runs. Slurm: the ranks derive the port from the job id (scaleout.env.readers.SlurmEnv).
-    Locally every job runs on this machine now: each gets its own port, free here."""
+def rank_mains(spec: SubmitSpec, entry: Callable[[list[str]], int] | None = None) -> list[RankMain]:
+    """What every job runs: ``entry(argv)``. Slurm: the ranks derive the port from the job id
+    (scaleout.env.readers.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
     argvs = job_argvs(spec)
     local = resolve_cluster(spec.cluster) != "slurm"
     ports = free_ports(len(argvs)) if local else [None] * len(argvs)
-    return [RankMain(argv, port) for argv, port in zip(argvs, ports, strict=True)]
+    return [RankMain(argv, port, entry) for argv, port in zip(argvs, ports, strict=True)]
 
 
-def submit(spec: SubmitSpec) -> list[Any]:
-    """Submit one job (or one per ``--array`` value) and return the submitit Job objects."""
+def submit(spec: SubmitSpec, entry: Callable[[list[str]], int]) -> list[Any]:
+    """Submit one job (or one per ``--array`` value) whose every task runs ``entry(argv)`` (the CLI's main);
+    return the submitit Job objects."""
     import submitit
 
     ex = make_executor(spec)
-    fns = rank_mains(spec)
+    fns = rank_mains(spec, entry)
     try:
         if len(fns) > 1 and hasattr(ex, "batch"):
             with ex.batch():

@@ -129,8 +129,8 @@ class SlurmRunner:
         srun = ["srun", "--kill-on-bad-exit=1", *_scaleout_cmd(), *argv]
         args = ["-N", str(point.nodes), "--ntasks-per-node", str(point.ranks_per_node), "--job-name",
                 f"sweep-{point.name}", "--output", str(log), "--time", str(self.time_min), "--chdir", os.getcwd()]
-        if self.gpus:
-            args.append("--gpus-per-task=1")
+        if self.gpus:  # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink P2P
+            args.append(f"--gpus-per-node={point.ranks_per_node}")
         if self.partition:
             args += ["--partition", self.partition]
         return [*args, *self.extra, "--wrap", shlex.join(srun)]
@@ -169,8 +169,9 @@ class SubmitRunner:
 
     def __init__(self, cluster: str = "auto", partition: str | None = None, time_min: int = 30, gpus: bool = True,
                  timeout_s: float | None = None, extra_env: dict[str, str] | None = None,
-                 slurm: dict[str, Any] | None = None):
+                 slurm: dict[str, Any] | None = None, entry: Callable[[list[str]], int] | None = None):
         self.cluster, self.partition, self.time_min, self.gpus = cluster, partition, time_min, gpus
+        self.entry = entry  # what each task runs with the point's argv: the CLI's main (given by the CLI)
         self.slurm = dict(slurm or {})  # extra sbatch options (--slurm KEY=VAL)
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
@@ -204,7 +205,7 @@ class SubmitRunner:
         saved = {k: os.environ.get(k) for k in self.extra_env}
         os.environ.update(self.extra_env)  # submitit's executors hand this process's environment to the job
         try:
-            (job,) = submit(spec)
+            (job,) = submit(spec, self.entry)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -257,7 +258,7 @@ def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | Sub
 
         return SlurmRunner(env=kwargs.get("env"), extra=sbatch_flags(slurm), **common)
     if launcher == "submit":
-        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), slurm=slurm, **common)
+        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), slurm=slurm, entry=kwargs.get("entry"), **common)
     raise UserError(f"--launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
 
 

@@ -39,13 +39,16 @@ import secrets
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from scaleout.checkpoint_dcp import CorruptShards, check_shards, load_pieces, remove_tree, save_pieces
 from scaleout.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 log = logging.getLogger("scaleout.checkpoint")
 
@@ -84,7 +87,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gather_rng_states(world: Any = None) -> list[dict[str, Any]] | None:
+def gather_rng_states(world: World | None = None) -> list[dict[str, Any]] | None:
     """Every rank's RNG state, indexed by rank, on rank 0 (None elsewhere; a collective: call on all ranks)."""
     mine = rng_state()
     if world is None or world.world_size == 1:
@@ -173,7 +176,7 @@ class Checkpointer:
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
         return sorted(found)
 
-    def save(self, step: int, state: dict[str, Any], world: Any = None, shards: dict[str, Any] | None = None) -> Path | None:
+    def save(self, step: int, state: dict[str, Any], world: World | None = None, shards: dict[str, Any] | None = None) -> Path | None:
         """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a collective) every
         rank first writes its pieces of the sharded optimizer state. Prunes beyond ``keep``. Returns the path
         on rank 0."""
@@ -217,7 +220,7 @@ class Checkpointer:
 
     load_latest = choose  # single-process readers (tools, tests)
 
-    def restore(self, world: Any, shards: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path] | None:
+    def restore(self, world: World, shards: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path] | None:
         """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its own shards
         into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this rank's RNG state (None
         when the world size changed), or None on every rank when there is nothing to resume."""
@@ -241,7 +244,7 @@ class Checkpointer:
         return {**state, "rng": rng}, path
 
 
-def _token(world: Any) -> str:
+def _token(world: World) -> str:
     """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
     box = [f"{time.time_ns():x}"]
     if world is not None and world.world_size > 1:
@@ -258,7 +261,7 @@ def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path
         raise ConfigError(f"checkpoint {path} holds a sharded optimizer state: resume it with optim.sharded=true")
 
 
-def _scatter(items: list[Any] | None, world: Any) -> Any:
+def _scatter(items: list[Any] | None, world: World) -> Any:
     if world is None or world.world_size == 1:
         return items[0] if items else None
     import torch.distributed as dist
@@ -312,7 +315,7 @@ def _slots(obj: Any, out: list[_Slot]) -> list[_Slot]:
 BROADCAST_BYTES = 256 << 20
 
 
-def broadcast_state(state: Any, world: Any) -> Any:
+def broadcast_state(state: Any, world: World) -> Any:
     """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the structure by
     ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device`` (returned on the CPU)."""
     import torch.distributed as dist
@@ -333,7 +336,7 @@ def broadcast_state(state: Any, world: Any) -> Any:
     return _fill(box[0], out)
 
 
-def _broadcast_batch(batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: Any) -> None:
+def _broadcast_batch(batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: World) -> None:
     import torch.distributed as dist
 
     sizes = [math.prod(s.shape) for s in batch]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from scaleout.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 METADATA = ".metadata"
 
@@ -136,7 +139,7 @@ def _one_line(e: BaseException, directory: Path, what: str) -> UserError:
     return UserError(f"rank {rank}{more} cannot {what} {directory}: {type(exc).__name__}: {exc}".replace("\n", " "))
 
 
-def save_pieces(pieces: dict[str, PieceLike], directory: Path, world: Any) -> dict[str, Any] | None:
+def save_pieces(pieces: dict[str, PieceLike], directory: Path, world: World) -> dict[str, Any] | None:
     """Every rank writes its pieces under ``directory`` (collective). Returns, on rank 0, the record to keep in
     the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes, sha256)}}; None elsewhere."""
     directory.mkdir(parents=True, exist_ok=True)

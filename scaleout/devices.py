@@ -127,24 +127,28 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_matmul_flops(dtype: Any, threads: int, seconds: float = 0.2) -> float:
-    """Best matmul FLOP/s over a few square sizes (the fastest size depends on the caches and the
-    kernel, so it is found rather than assumed), each timed for ``seconds``."""
+def measure_matmul_flops(dtype: Any, threads: int = 1, seconds: float = 0.2) -> float:
+    """Peak matmul FLOP/s of ``threads`` threads: one thread's best over a few square sizes (the fastest size
+    depends on the caches and the kernel, so it is found rather than assumed) times ``threads``.
+
+    Timed by the measuring thread's own CPU time (``time.thread_time``), not the wall clock: on a shared or
+    oversubscribed host the wall clock also counts the time other processes held the core, which would
+    make the peak too low (and every MFU against it too high). Linear in threads: a peak, an upper bound."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
+    torch.set_num_threads(1)
     try:
         best = 0.0
         for n in (256, 512, 1024):
             a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
             a @ b  # warm-up: kernel selection, page faults
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
+            reps, t0 = 0, time.thread_time()
+            while time.thread_time() - t0 < seconds:
                 a @ b
                 reps += 1
-            best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0))
-        return best
+            best = max(best, 2.0 * n**3 * reps / (time.thread_time() - t0))
+        return best * max(1, threads)
     finally:
         torch.set_num_threads(before)
 
@@ -160,7 +164,7 @@ def cpu_peak(precision: str, threads: int, ranks_on_host: int = 1, cache: bool =
     import torch
 
     dtype = getattr(torch, _DTYPES[precision])
-    key = f"{_cpu_model()}|threads={threads}|{_DTYPES[precision]}|torch={torch.__version__}"
+    key = f"{_cpu_model()}|one thread, CPU time|{_DTYPES[precision]}|torch={torch.__version__}"
     path = _cache_file()
     table: dict[str, float] = {}
     if cache:
@@ -168,11 +172,11 @@ def cpu_peak(precision: str, threads: int, ranks_on_host: int = 1, cache: bool =
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
-    flops = table.get(key)
-    if not isinstance(flops, (int, float)) or flops <= 0:
-        flops = measure_matmul_flops(dtype, threads)
+    per_thread = table.get(key)
+    if not isinstance(per_thread, (int, float)) or per_thread <= 0:
+        per_thread = measure_matmul_flops(dtype, 1)
         if cache:
-            table[key] = flops
+            table[key] = per_thread
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -185,7 +189,7 @@ def cpu_peak(precision: str, threads: int, ranks_on_host: int = 1, cache: bool =
     note = f"measured {precision} matmul, {threads} thread(s)"
     if share < 1.0:
         note += f", x{share:.2f} for {ranks_on_host} ranks on {cores} cores"
-    return Peak(f"cpu ({_cpu_model()})", flops * share, note)
+    return Peak(f"cpu ({_cpu_model()})", per_thread * threads * share, note)
 
 
 def device_peak(device: Any, precision: str = "fp32", override: float | None = None,

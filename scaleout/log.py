@@ -8,7 +8,9 @@ from typing import Any
 
 
 def _rank() -> int:
-    for var in ("SCALEOUT_RANK", "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
+    from scaleout.env.readers import RANK_VARS  # the launchers' rank variables, in detection order
+
+    for var in RANK_VARS:
         value = os.environ.get(var)
         if value is not None and value.lstrip("-").isdigit():
             return int(value)

@@ -100,7 +100,8 @@ class Metrics:
 
     @staticmethod
     def _empty() -> dict[str, Any]:
-        return {"n": 0, "loss": 0.0, "seconds": 0.0, "samples": 0, "tokens": 0, "skipped": 0, "breakdown": {}}
+        return {"n": 0, "loss": 0.0, "seconds": 0.0, "samples": 0, "tokens": 0, "skipped": 0, "breakdown": {},
+                "sampled": 0}
 
     def _write(self, record: dict[str, Any], flush: bool = False) -> None:
         self._jsonl.write(json.dumps(record, default=float) + "\n")
@@ -139,8 +140,10 @@ class Metrics:
         a["samples"] += n
         a["tokens"] += tokens
         a["skipped"] += int(skipped)
-        for k, v in (breakdown or {}).items():
-            a["breakdown"][k] = a["breakdown"].get(k, 0.0) + v
+        if breakdown:  # only the steps the timers sampled (train.timing_every) carry a breakdown
+            a["sampled"] += 1
+            for k, v in breakdown.items():
+                a["breakdown"][k] = a["breakdown"].get(k, 0.0) + v
         if step % self.log_every and not force:
             return
         k, secs = a["n"], max(a["seconds"], 1e-12)
@@ -153,7 +156,7 @@ class Metrics:
             "samples_per_s": a["samples"] / secs,
             "tokens_per_s": a["tokens"] / secs,
             "step_s": a["seconds"] / k,
-            "breakdown_s": {p: v / k for p, v in a["breakdown"].items()},
+            "breakdown_s": {p: v / max(a["sampled"], 1) for p, v in a["breakdown"].items()},  # {}: none sampled
             "skipped": a["skipped"],
             "time": time.time(),
         }

@@ -2,7 +2,7 @@
 
     ml = MLPerfLogger("runs/x/mlperf.log", rank=world.rank)
     ml.init_start(); ml.submission("bert", org="scaleout", platform="2x2 cpu")
-    ml.hyperparameters(hyperparameters(cfg, world.world_size, config_file))
+    ml.hyperparameters(scaleout.train.hparams.hyperparameters(cfg, world.world_size, config_file))
     ml.init_stop(); ml.run_start()
     ml.block_start(first_epoch_num=0, epoch_count=1, samples=0) ... ml.eval_accuracy(0.41, samples=...)
     ml.block_stop(...); ml.train_samples(n); ml.eval_samples(m); ml.run_stop("success")
@@ -26,7 +26,6 @@ mandatory (precision, parallelism, micro batch, config file) so the log is compl
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import shutil
@@ -34,16 +33,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # Newest compliance-checker rulesets that still contain each benchmark (mlperf-logging 4.1.x).
 RULESET = {"bert": "5.0.0", "resnet": "4.0.0"}
 # The closed-division quality targets those rulesets check (eval_accuracy ATLEAST_ONE_CHECK).
 TARGET = {"bert": 0.720, "resnet": 0.7590}
-# ImageNet-1k training set size: turns LARS step counts into the epochs the LARS rules ask for.
-IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
 class MLPerfLogger:
@@ -159,7 +159,7 @@ class MLPerfLogger:
         self.end("run_stop", metadata=meta)
 
 
-def default_platform(world: Any) -> str:
+def default_platform(world: World) -> str:
     """``submission_platform`` when ``mlperf.platform`` is unset: nodes x ranks per node and the device,
     as the World reports them (e.g. ``2x2 cpu``, ``256x8 NVIDIA A100-SXM4-80GB``)."""
     import torch
@@ -189,72 +189,6 @@ def split_attempts(text: str) -> list[str]:
         attempts[-1].append(line)
         keys.add(key)
     return ["\n".join(a) + "\n" for a in attempts]
-
-
-def hyperparameters(cfg: Any, world_size: int, config_file: str = "config.yaml",
-                    steps_per_epoch: int | None = None, sequences_per_row: float | None = None,
-                    device: Any = "cpu") -> dict[str, Any]:
-    """The hyper-parameter keys the MLPerf rules require for ``cfg.model.arch`` (BERT/LAMB, ResNet/LARS).
-
-    ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use; by default one
-    ImageNet-1k epoch at the configured global batch. The precision keys say what runs on ``device``
-    (scaleout.train.precision.mlperf_numerics).
-
-    BERT batch sizes are in *sequences*, never packed rows: with packing, ``train.global_batch`` counts
-    rows of up to ``data.max_per_pack`` sequences, and ``sequences_per_row`` (the packing's speed-up,
-    ~2 on Wikipedia) turns rows into sequences the way NVIDIA's packed submissions log it
-    (``global_batch_size = rows x average_packing_rate``, an integer rate: run_pretraining.py
-    ``global_batch_size(args)``, training_results_v2.0+).
-    """
-    from scaleout.train.precision import mlperf_numerics
-
-    t, o, m = cfg.train, cfg.optim, cfg.model
-    rate = max(1, round(sequences_per_row)) if m.arch == "bert" and sequences_per_row else 1
-    micro = t.global_batch // (world_size * t.grad_accum) * rate
-    # the sharded optimizer reduce-scatters gradients in their own dtype (fp32 master gradients)
-    compression = "none" if o.sharded else cfg.comm.compression
-    total = o.total_steps or t.max_steps
-    common: dict[str, Any] = {
-        "seed": t.seed,
-        "global_batch_size": t.global_batch * rate,
-        "gradient_accumulation_steps": t.grad_accum,
-        "micro_batch_size": max(micro, 1),
-        **mlperf_numerics(t.precision, device, compression, m.arch),
-        # pure data parallelism: every other degree is 1
-        "tensor_parallelism": 1,
-        "pipeline_parallelism": 1,
-        "context_parallelism": 1,
-        "expert_parallelism": 1,
-        "config_filename": os.path.basename(config_file),
-    }
-    if m.arch == "bert":
-        return {
-            **common,
-            "opt_name": o.name,
-            "opt_base_learning_rate": o.lr,
-            "opt_lamb_epsilon": o.eps,
-            "opt_lamb_beta_1": o.betas[0],
-            "opt_lamb_beta_2": o.betas[1],
-            "opt_lamb_weight_decay_rate": o.weight_decay,
-            "opt_learning_rate_warmup_steps": o.warmup_steps,
-            "opt_learning_rate_training_steps": total,
-            "num_warmup_steps": o.warmup_steps,
-            "start_warmup_step": o.start_warmup_step,
-            "max_sequence_length": cfg.data.max_seq_len,
-        }
-    spe = steps_per_epoch or max(math.ceil(IMAGENET_TRAIN_IMAGES / t.global_batch), 1)
-    return {
-        **common,
-        "opt_name": o.name,
-        "lars_opt_base_learning_rate": o.lr,
-        "lars_opt_end_learning_rate": o.end_lr,
-        "lars_opt_learning_rate_decay_poly_power": o.power,
-        "lars_opt_learning_rate_decay_steps": max(total - o.warmup_steps, 0),
-        "lars_epsilon": 0.0,
-        "lars_opt_learning_rate_warmup_epochs": o.warmup_steps / spe,
-        "lars_opt_momentum": o.momentum,
-        "lars_opt_weight_decay": o.weight_decay,
-    }
 
 
 def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str | None = None,

@@ -45,11 +45,15 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # The process exit code after a clean preemption stop (checkpoint written). EX_TEMPFAIL from sysexits.h:
 # "temporary failure, the user is invited to retry" -- distinct from success and from a crash.
@@ -115,7 +119,7 @@ class Preemption:
         (``scontrol requeue`` from outside has already requeued; ``scancel`` means stop)."""
         return self.noticed
 
-    def should_stop(self, world: Any | None = None) -> bool:
+    def should_stop(self, world: World | None = None) -> bool:
         """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
 
         Under SIGTERM the answer is local and immediate: a collective could hang on a rank that is
@@ -213,20 +217,37 @@ def _slurm_seconds(text: str) -> int | None:
     return seconds + int(days or 0) * 86400
 
 
-def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
+def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 30.0, tries: int = 3) -> bool:
     """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >= TimeLimit).
 
     Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from a scancel,
-    a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do not requeue)."""
+    a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do not requeue). Outside a
+    job: False. When slurmctld does not answer (a loaded controller times out exactly when many jobs end),
+    it asks ``tries`` times and then answers True: after a notice the time limit is by far the likelier
+    cause, and a job that was cancelled is not requeued by Slurm anyway."""
+    import time
+
     job = slurm_job_id(env)
     scontrol = shutil.which("scontrol")
     if job is None or scontrol is None:
         return False
-    proc = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=timeout_s,
-                          check=False)
-    fields = dict(part.split("=", 1) for part in proc.stdout.split() if "=" in part)
-    run, limit = _slurm_seconds(fields.get("RunTime", "")), _slurm_seconds(fields.get("TimeLimit", ""))
-    return run is not None and limit is not None and run >= limit
+    for attempt in range(tries):
+        try:
+            proc = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True,
+                                  timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            proc = None
+        fields = dict(part.split("=", 1) for part in (proc.stdout if proc else "").split() if "=" in part)
+        run, limit = _slurm_seconds(fields.get("RunTime", "")), _slurm_seconds(fields.get("TimeLimit", ""))
+        if run is not None and "TimeLimit" in fields:
+            return limit is not None and run >= limit  # limit None: UNLIMITED
+        if fields.get("Reason") == "TimeLimit" or fields.get("JobState") == "TIMEOUT":
+            return True
+        if attempt + 1 < tries:
+            time.sleep(min(2.0 * (attempt + 1), 5.0))
+    print(f"scontrol show job {job} did not answer ({tries} tries): taking the SIGTERM for the time limit",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:

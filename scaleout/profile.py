@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from scaleout.config.schema import ProfileConfig
+
 PREFIX = "scaleout."
 
 
@@ -117,7 +119,7 @@ class _WaitCloses:
 class StepProfiler:
     """``torch.profiler.profile`` with a schedule; :meth:`step` after every training step."""
 
-    def __init__(self, cfg: Any, out_dir: str | Path, rank: int):
+    def __init__(self, cfg: ProfileConfig, out_dir: str | Path, rank: int):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         self.dir = Path(cfg.dir) if cfg.dir else Path(out_dir) / "profile"
@@ -144,7 +146,7 @@ class StepProfiler:
         return sorted(self.dir.glob("*.pt.trace.json"))
 
 
-def build_profiler(cfg: Any, out_dir: str | Path, rank: int) -> StepProfiler | None:
+def build_profiler(cfg: ProfileConfig, out_dir: str | Path, rank: int) -> StepProfiler | None:
     """The profiler of ``train.profile`` (None when it is not set or this rank is not in ``ranks``)."""
     if cfg is None or (cfg.ranks is not None and rank not in cfg.ranks):
         return None

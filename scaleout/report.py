@@ -106,7 +106,7 @@ class RunReport:
         return d
 
     def render(self) -> str:
-        from scaleout.bench.common import format_table
+        from scaleout.output import format_table
 
         rows: list[list[Any]] = [
             ["time to train (run_start -> run_stop)", f"{self.time_to_train_s:.2f} s"],

@@ -15,13 +15,16 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.errors import TopologyError
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class World:
     world_size = property(lambda self: self.spec.world_size)
     master_addr = property(lambda self: self.spec.master_addr)
     master_port = property(lambda self: self.spec.master_port)
-    source = property(lambda self: self.spec.source)
+    launcher = property(lambda self: self.spec.launcher)
 
     @property
     def is_main(self) -> bool:
@@ -93,7 +96,7 @@ class World:
         return (
             f"World(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}/{self.local_size}, "
             f"node={self.node_rank}/{self.num_nodes}, device={self.device}, backend={self.backend}, "
-            f"source={self.source})"
+            f"launcher={self.launcher})"
         )
 
     # -- groups -----------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ class World:
         Only the members of a group take part in creating it (``use_local_synchronization=True``:
         hashed group names, a member-only rendezvous, no world-wide barrier), and each rank creates only
         the groups it belongs to, so building intra + inter + torus groups costs about as much as
-        connecting this rank's own small meshes, not k + g world-wide rendezvous (issue 3 item 2; the
+        connecting this rank's own small meshes, not k + g world-wide rendezvous (the
         measurement is in ``scaleout bench allreduce`` -> group_creation). A group equal to the whole
         world is the world group; the same rank list reached through two families is one group, unless
         ``shared=False``: then the family gets its own group (its own NCCL communicator), even for a rank
@@ -333,7 +336,7 @@ def pick_device(local_rank: int, backend: str = "auto") -> tuple[torch.device, s
 
 
 def init(
-    config: Any | None = None,
+    config: Config | None = None,
     *,
     env: Mapping[str, str] | None = None,
     environment: str | None = None,
@@ -372,7 +375,7 @@ def init(
     elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
         raise TopologyError(
             f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
-            f"but the {spec.source} environment says {spec.rank}/{spec.world_size}"
+            f"but the {spec.launcher} environment says {spec.rank}/{spec.world_size}"
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)
@@ -410,7 +413,7 @@ def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:
     for r, (node, local, _host) in enumerate(gathered):
         if (node, local) in seen:
             raise TopologyError(
-                f"{spec.source} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
+                f"{spec.launcher} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
             )
         seen[(node, local)] = r
     node_ids = sorted({node for node, _, _ in gathered})

@@ -1,11 +1,53 @@
 import os
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import pytest  # noqa: E402
+
+TIERS = ("unit", "multi_process", "full_system")  # pyproject.toml [tool.pytest.ini_options] markers
+SYSTEM = ("slurm", "mpi", "netns", "horovod")  # need the real thing: a full_system test by definition
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``pytest -m unit`` does not even import a test file without a unit test: importing them (torch
+    extensions, hypothesis, transformers) is most of the time the inner loop would otherwise spend collecting."""
+    if config.getoption("markexpr") == "unit" and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return "mark.unit" not in collection_path.read_text()
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test gets exactly one tier (slurm/mpi/netns/horovod tests default to full_system), and a
+    ``gpu`` test is skipped, with the reason, where this machine has fewer CUDA devices than it needs."""
+    untiered = []
+    for item in items:
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if not tiers and any(item.get_closest_marker(m) for m in SYSTEM):
+            item.add_marker("full_system")
+        elif len(tiers) != 1:
+            untiered.append(f"{item.nodeid}: {sorted(tiers) or 'no tier'}")
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None:
+            need = gpu.kwargs.get("devices", gpu.args[0] if gpu.args else 1)
+            have = _cuda_devices()
+            if have < need:
+                why = gpu.kwargs.get("reason", "")
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), this machine has {have}"
+                                                        + (f" ({why})" if why else "")))
+    if untiered:
+        raise pytest.UsageError("tests need exactly one tier marker (" + ", ".join(TIERS) + "; see pyproject.toml):\n  "
+                                + "\n  ".join(untiered))
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.fixture(scope="session")
@@ -17,12 +59,6 @@ def slurm_cluster():
     yield from slurmutil.cluster_session()
 
 
-def shared_file(relative: str):
-    """A file of ../shared (beside the checkout, as on CI), else /work/shared (the dev machine's copy)."""
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parents[2] / "shared" / relative
-    return here if here.is_file() else Path("/work/shared") / relative
-
-
-WIKI_HIST = shared_file("data/wikipedia_seqlen_hist_512.txt")
+# The Wikipedia-512 sequence-length histogram ships with scaleout (package data, the same file as
+# ../shared/data/): the tests that need it always run, never skip on a missing copy beside the checkout.
+WIKI_HIST = Path(ROOT) / "scaleout" / "data" / "wikipedia_seqlen_hist_512.txt"

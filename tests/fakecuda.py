@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -217,6 +218,13 @@ class FakeCuda:
                 self._patch(ProcessGroup, name, self._guard(getattr(ProcessGroup, name)))
         self._patch(c10d, "_get_object_coll_device", lambda group=None: "cuda")  # as under NCCL
         self._patch(torch.cuda, "synchronize", lambda device=None: self.syncs.append(("synchronize", call_site())))
+        # torch.from_numpy bypasses torch-function modes: mark its tensors as host tensors here
+        from_numpy = torch.from_numpy
+        self._patch(torch, "from_numpy", lambda a: _mark(from_numpy(a), True))
+        # what the run asks about its device (MLPerf platform, the report's peak): an unknown part, no SMs
+        props = SimpleNamespace(name="fakecuda (CPU)", multi_processor_count=0, total_memory=0, major=0, minor=0)
+        self._patch(torch.cuda, "get_device_properties", lambda device=None: props)
+        self._patch(torch.cuda, "get_device_name", lambda device=None: props.name)
         if self.world is not None:
             self._patch(self.world, "device", DEVICE)
         self._mode = _Mode(self)

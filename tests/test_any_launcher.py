@@ -20,7 +20,7 @@ SHORT = [
     "train.max_steps=2",
     "train.eval_every=2",
     "train.progress=false",
-    "checkpoint.dir=null",
+    "checkpoint.dir=null", "checkpoint.every_steps=0",
 ]
 LAUNCHER_VARS = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "SCALEOUT_", "HOROVOD_", "TORCHELASTIC_")
 
@@ -39,6 +39,7 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.unit
 def test_shipped_configs_leave_the_launcher_to_detection() -> None:
     for path in sorted((REPO / "configs").glob("*.yaml")):
         launch = yaml.safe_load(path.read_text()).get("launch", {})
@@ -54,6 +55,7 @@ def _train_under(launcher: list[str], out: Path, env: dict[str, str]) -> None:
     assert rep["devices"] == 2 and rep["steps"] == 2 and rep["weights_consistent"] is True
 
 
+@pytest.mark.full_system
 def test_torchrun_runs_the_tiny_config(tmp_path: Path) -> None:
     """The README's torchrun example, shortened."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -97,6 +99,7 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize(
     ("flags", "expect"),
     [
@@ -114,6 +117,7 @@ def test_launch_accepts_torchrun_spellings(flags: list[str], expect: int | None)
     assert seen == [f"{n} {n}"] * n
 
 
+@pytest.mark.full_system
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA error")
 def test_launch_nproc_gpu_without_cuda_is_one_line() -> None:
     r = _launch("--nproc-per-node", "gpu")
@@ -124,6 +128,7 @@ def test_launch_nproc_gpu_without_cuda_is_one_line() -> None:
     )
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("bad", ["0", "two", "-1"])
 def test_launch_nproc_bad_value_names_it(bad: str) -> None:
     r = _launch("--nproc-per-node", bad)

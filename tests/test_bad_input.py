@@ -261,6 +261,7 @@ def write_doc(messages: list[str]) -> None:
     )
 
 
+@pytest.mark.unit
 def test_doc_table_lists_every_case() -> None:
     rows = doc_rows()
     assert len(CASES) >= 40
@@ -270,6 +271,7 @@ def test_doc_table_lists_every_case() -> None:
     assert [r[1] for r in rows] == [c.given for c in CASES]
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.command[9:60] for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, index: int) -> None:
     case = CASES[index]

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaleout.argtypes import parse_size
 from scaleout.bench._nccl_style import count_wrong, fill, size_range
-from scaleout.bench.allreduce import parse_size
 from scaleout.errors import UserError
 
 
+@pytest.mark.unit
 def test_size_range_is_nccl_tests() -> None:
     assert size_range(parse_size("8"), parse_size("128"), 2) == [8, 16, 32, 64, 128]
     assert size_range(parse_size("1K"), parse_size("1M"), 32) == [1024, 32768, 1048576]
@@ -26,6 +27,7 @@ def test_size_range_is_nccl_tests() -> None:
         size_range(8, 64, 1)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_count_wrong_finds_corrupted_elements(dtype: torch.dtype) -> None:
     p, n = 5, 3 * (1 << 20) + 7  # more than one check chunk
@@ -35,6 +37,7 @@ def test_count_wrong_finds_corrupted_elements(dtype: torch.dtype) -> None:
     assert count_wrong(total, p) == 3
 
 
+@pytest.mark.full_system
 def test_one_shot_prints_nccl_tests_lines(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
     r = subprocess.run(
@@ -86,6 +89,7 @@ def test_one_shot_prints_nccl_tests_lines(tmp_path: Path) -> None:
     assert "#wrong" in r.stdout and "(us)" in r.stdout
 
 
+@pytest.mark.full_system
 def test_sizes_and_b_e_f_exclusive() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "scaleout", "bench", "allreduce", "--sizes", "4KiB", "-b", "8"],

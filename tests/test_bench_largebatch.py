@@ -20,6 +20,7 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+@pytest.mark.unit
 def test_plan_one_rule_for_every_optimizer() -> None:
     a = _args("--base-batch", "2", "--factor", "8", "--lamb-lr", "1e-2", "--adamw-lrs", "5e-4,1e-3",
               "--base-steps", "3200", "--eval-every", "2")
@@ -34,6 +35,7 @@ def test_plan_one_rule_for_every_optimizer() -> None:
         largebatch.plan(_args("--base-steps", "80", "--warmup-steps", "20"))  # 10 large steps < 20 warm-up
 
 
+@pytest.mark.unit
 def test_verdict_counts_unreached_as_worse_and_not_as_a_number() -> None:
     row = lambda opt, steps: {"optimizer": opt, "steps": steps, "max_steps": 400}  # noqa: E731
     v = largebatch.verdict([row("lamb", 1000), row("lamb", 190), row("adamw", None), row("adamw", 250)])
@@ -50,6 +52,7 @@ def test_verdict_counts_unreached_as_worse_and_not_as_a_number() -> None:
         "adamw_large_worse_than_lamb_large"] is None  # no AdamW run: no claim
 
 
+@pytest.mark.full_system
 def test_tiny_end_to_end_reports_budget(tmp_path, capsys) -> None:
     out = tmp_path / "lb.json"
     a = _args("--base-batch", "1", "--factor", "2", "--base-steps", "6", "--warmup-steps", "1", "--eval-every", "1",

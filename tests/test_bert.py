@@ -52,6 +52,7 @@ def _compare(model, seqs, packs):
     return torch.cat(diffs).abs().max().item(), pb
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("unpad", [True, False])
 def test_no_cross_contamination(unpad, monkeypatch):
     """Each sequence's MLM logits and pooled output are the same packed as run alone (1e-5), and the
@@ -71,6 +72,7 @@ def test_no_cross_contamination(unpad, monkeypatch):
     assert bad > 1e-3, "a full mask must contaminate packed sequences"
 
 
+@pytest.mark.unit
 def test_batch_layout():
     seqs, packs = _packed_and_alone(seed=1, n=30)
     b = build_batch(seqs, packs, L)
@@ -99,6 +101,7 @@ def test_batch_layout():
         build_batch(seqs, packs, L, max_predictions=0)
 
 
+@pytest.mark.unit
 def test_packed_and_padded_losses_agree():
     torch.manual_seed(1)
     model = BertForPreTraining(CFG).eval()
@@ -119,6 +122,7 @@ def _loss_and_grads(model, batch):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.multi_process
 def test_unpadded_mlm_head_is_exact():
     """Gathering the masked positions before the vocabulary projection gives the same loss and gradients
     as projecting every token, on packed and padded batches; a wrong gather is detected."""
@@ -140,6 +144,7 @@ def test_unpadded_mlm_head_is_exact():
         assert abs(lw - lf) > 1e-4 and not torch.allclose(gw["mlm_transform.weight"], gf["mlm_transform.weight"])
 
 
+@pytest.mark.unit
 def test_init_and_tying():
     torch.manual_seed(0)
     cfg = CFG.model_copy(update={"hidden": 64, "intermediate": 256, "vocab_size": 2000})
@@ -158,6 +163,7 @@ def test_init_and_tying():
         model(batch)
 
 
+@pytest.mark.unit
 def test_cu_seqlens():
     seq = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1], [1, 2, 3, 0, 0, 0]])
     idx, cu, longest = cu_seqlens(seq)
@@ -165,8 +171,8 @@ def test_cu_seqlens():
     assert cu.tolist() == [0, 2, 5, 11, 12, 13, 14] and longest == 6
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (variable-length flash attention)")
+@pytest.mark.unit
+@pytest.mark.gpu(reason="variable-length flash attention")
 def test_varlen_attention_matches_masked_sdpa_on_gpu():
     """CUDA + bf16 takes the varlen (cu_seqlens) path; it must agree with the masked SDPA path and keep
     packed sequences separate."""
@@ -206,6 +212,7 @@ def _seeded(model, batch):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("unpad", [True, False])
 def test_static_shape_heads_equal_the_dynamic_ones(unpad):
     """The capture-safe forward (every fixed MLM/NSP slot gathered, loss weighted by validity) gives the
@@ -235,6 +242,7 @@ def test_static_shape_heads_equal_the_dynamic_ones(unpad):
     assert abs(float(per_slot.mean()) - float(s.mlm_loss.detach())) > 1e-3
 
 
+@pytest.mark.multi_process
 def test_static_shape_heads_without_labels_give_a_connected_zero():
     """A batch with no masked tokens and no NSP labels: loss 0, counts 0, still backpropagates."""
     _, static = _static_pair(True, dropout=0.0)
@@ -268,14 +276,15 @@ def nvidia_lr(k: int, base: float, warmup: int, total: int, start_warmup: int) -
     return base * (1 - progress)
 
 
+@pytest.mark.multi_process
 def test_flagship_config_is_the_reference_recipe():
     """configs/bert_large_256x8.yaml against the cited reference: LR at every one of the 560 steps, the
     global batch in sequences (what the MLPerf log says), and the steps at which it evaluates."""
     import math
 
     from scaleout.config.load import load_config
-    from scaleout.mlperf import hyperparameters
     from scaleout.optim import build_optimizer, build_schedule
+    from scaleout.train.hparams import hyperparameters
     from scaleout.train.loop import eval_due
 
     cfg = load_config("bert_large_256x8", [])
@@ -319,6 +328,4 @@ def load_histogram_or_skip():
 
     from scaleout.data.packing import load_histogram
 
-    if not WIKI_HIST.is_file():
-        pytest.skip(f"{WIKI_HIST} not present")
     return load_histogram(WIKI_HIST, 512)

@@ -56,6 +56,7 @@ def _compile_vs_eager(world, backend: str) -> dict:
     return out
 
 
+@pytest.mark.multi_process
 def test_compiled_model_under_data_parallel_matches_eager() -> None:
     """2 ranks: the compiled model's loss and averaged gradients equal eager within fp32 tolerance, and
     the reducer still all-reduces (gradients equal on both ranks though their batches differ)."""
@@ -71,6 +72,7 @@ def test_compiled_model_under_data_parallel_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # ... yet identical averaged gradients
 
 
+@pytest.mark.multi_process
 @pytest.mark.slow
 def test_inductor_compiled_tiny_bert_matches_eager() -> None:
     """The real Inductor backend (C++ kernels on CPU), one process: ~40-80 s cold compile on 2 shared
@@ -93,6 +95,7 @@ def test_inductor_compiled_tiny_bert_matches_eager() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_cuda_graphs_on_cpu_warn_and_run_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
     from types import SimpleNamespace
 
@@ -115,6 +118,7 @@ def _bert_loss(model, batch):
     return model(batch).loss
 
 
+@pytest.mark.multi_process
 def test_static_shape_bert_step_compiles_as_one_graph() -> None:
     """No host syncs, static shapes: the BERT forward + loss with ``model.bert.static_shapes`` compiles
     with ``fullgraph=True, dynamic=False`` (any graph break, ``.item()`` or data-dependent shape would
@@ -144,6 +148,7 @@ def test_static_shape_bert_step_compiles_as_one_graph() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.unit
 def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
     """model.cuda_graphs=true builds BERT with static shapes unless model.bert.static_shapes says
     otherwise; StepGraphs' pre-flight check names the host syncs of the dynamic forward."""
@@ -168,9 +173,10 @@ def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
     assert host_sync_reason(torch.nn.Linear(2, 2)) is None
 
 
+@pytest.mark.unit
 def test_shape_key_separates_shapes_and_dtypes() -> None:
+    from scaleout.data.batches import MicroBatch
     from scaleout.train.capture import shape_key
-    from scaleout.train.tasks import MicroBatch
 
     a = [MicroBatch(_batch(0, rows=4), None, 4, 0)]
     assert shape_key(a) == shape_key([MicroBatch(_batch(1, rows=4), None, 4, 0)])  # values do not matter
@@ -180,15 +186,14 @@ def test_shape_key_separates_shapes_and_dtypes() -> None:
 
 
 # -- GPU ------------------------------------------------------------------------------------------------
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 
 
 def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.unit
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_whole_step_equals_eager_step() -> None:
     """Forward + backward + capturable AdamW in one graph per shape (two shapes, alternating) gives the
     same losses and weights as the same steps run eagerly."""
@@ -228,9 +233,9 @@ def test_captured_whole_step_equals_eager_step() -> None:
 
 
 def _dp_graph_vs_eager(world) -> dict:
+    from scaleout.data.batches import MicroBatch
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import StepGraphs, data_parallel_step
-    from scaleout.train.tasks import MicroBatch
 
     torch.manual_seed(0)
     a = _mlp().to(world.device)
@@ -254,8 +259,8 @@ def _dp_graph_vs_eager(world) -> dict:
     return {"same": same, "disabled": graphs.disabled, "graphs": len(graphs.graphs)}
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.unit
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_static_shape_bert_step_equals_eager() -> None:
     """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and each
     replayed step's loss and gradients equal the eager default forward on the same batch."""
@@ -288,8 +293,8 @@ def test_captured_static_shape_bert_step_equals_eager() -> None:
     assert graphs.disabled is None and len(graphs.graphs) == 2, graphs.disabled
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.multi_process
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_data_parallel_step_graph_matches_reducer() -> None:
     """The captured DataParallel step (no_sync backward + bucket all-reduce) gives the reducer's averaged
     gradients over 2 micro-batches. One rank (NCCL all-reduce in a graph needs one GPU per rank)."""

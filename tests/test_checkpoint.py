@@ -16,6 +16,7 @@ from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import UserError
 
 
+@pytest.mark.unit
 def test_round_trip_keep_n_and_weights_only(tmp_path):
     ck = Checkpointer(tmp_path, keep=2)
     model = nn.Linear(3, 2)
@@ -35,6 +36,7 @@ def test_round_trip_keep_n_and_weights_only(tmp_path):
         Checkpointer(tmp_path, keep=0)
 
 
+@pytest.mark.unit
 def test_corrupted_or_truncated_latest_falls_back(tmp_path, caplog):
     ck = Checkpointer(tmp_path, keep=3)
     for step in (1, 2, 3):
@@ -109,6 +111,7 @@ def _train(steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = Fals
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.full_system
 def test_bitwise_resume(tmp_path):
     torch.use_deterministic_algorithms(True)
     try:
@@ -217,6 +220,7 @@ def _unsharded_state(W: int, steps: int) -> dict[str, torch.Tensor]:
     return {f"{k}/{names[id(p)]}": st[k].reshape(-1) for p, st in opt.state.items() for k in ("exp_avg", "exp_avg_sq")}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("save_shape,load_shape", [((2, 2), (1, 2)), ((1, 2), (2, 2))])
 def test_sharded_state_reshards_between_world_sizes(tmp_path, save_shape, load_shape) -> None:
     """Saved by W ranks (overlapped buckets), loaded by another W (one bucket, another algorithm): every
@@ -237,6 +241,7 @@ def test_sharded_state_reshards_between_world_sizes(tmp_path, save_shape, load_s
         assert err <= 1e-5, (k, err)
 
 
+@pytest.mark.multi_process
 def test_rank0_chooses_and_every_rank_falls_back_together(tmp_path) -> None:
     """Newest checkpoint corrupted (replicated file) or incomplete (a shard file missing): rank 0 alone
     decides, and every rank resumes the same older checkpoint with its own shard of that step."""
@@ -258,6 +263,7 @@ def test_rank0_chooses_and_every_rank_falls_back_together(tmp_path) -> None:
         assert all(torch.equal(r["pieces"][k][2], saved[rank][1][k][2]) for k in r["pieces"])
 
 
+@pytest.mark.multi_process
 def test_a_rank_that_cannot_read_its_shard_is_named(tmp_path) -> None:
     from tests.distutil import run_dist
 
@@ -309,6 +315,7 @@ def _object_traffic(world, directory: str, width: int) -> dict:
                             zip(opt.sharded_state()[1].values(), opt2.sharded_state()[1].values(), strict=True))}
 
 
+@pytest.mark.multi_process
 def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
     """At scale the optimizer state must never be gathered: every object that crosses a collective during a
     save and a restore (RNG states, DCP plans, the chosen path, the structure of the replicated state) is
@@ -327,6 +334,7 @@ def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
         assert "all_gather_object" not in (Path(__file__).resolve().parents[1] / f).read_text(), f
 
 
+@pytest.mark.full_system
 def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     """`scaleout train` with optim.sharded=true (overlapped buckets, hierarchical reduce-scatter) on 2 x 2 ranks:
     stopped after 3 steps and rerun to 6, the final weights equal an uninterrupted run's bit for bit."""
@@ -355,6 +363,7 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     assert not diff, f"{len(diff)} tensors differ after resume, e.g. {diff[:3]}"
 
 
+@pytest.mark.unit
 def test_save_never_prunes_a_higher_step(tmp_path):
     """An older run left ckpt-1000/1100 in the directory; a save at step 200 used to be deleted at once
     (pruning by step number) and a later resume loaded the other run's weights."""
@@ -376,6 +385,7 @@ def _save_many(directory, tag: float, n: int, errors: list) -> None:
         errors.append(repr(exc))
 
 
+@pytest.mark.unit
 def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
     """Two runs saving the same step used to share '<name>.tmp': one's rename failed (the other had moved
     the file) or the file mixed both payloads. Each writer now has its own temporary name."""
@@ -393,6 +403,7 @@ def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.full_system
 def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
     """A write that fails half-way (here the file-size limit, as a full disk would) leaves the previous
     file as it was and no temporary file (report.json and run.json are written this way)."""
@@ -413,6 +424,7 @@ def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
+@pytest.mark.unit
 def test_resume_refuses_a_checkpoint_written_with_another_global_batch():
     from scaleout.train.rerun import check_data_position
 

@@ -15,6 +15,8 @@ from scaleout.env import WorldSpec
 from scaleout.errors import TopologyError, UserError
 from scaleout.world import World
 
+pytestmark = pytest.mark.multi_process
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COUNTS = (1, 7, 1_000_003)
 
@@ -192,8 +194,7 @@ def _nccl_equality(world):
     return world.backend, all(out)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)")
+@pytest.mark.gpu(devices=2, reason="NCCL refuses two ranks on one GPU")
 @pytest.mark.parametrize(("nnodes", "nproc"), [(1, 2), (2, 1)])
 def test_nccl_composition_equals_flat(nnodes: int, nproc: int) -> None:
     """The NCCL path (reduce_scatter_tensor -> all_reduce -> all_gather_into_tensor with padding)."""

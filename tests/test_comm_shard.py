@@ -9,6 +9,8 @@ import torch
 
 from tests.distutil import run_dist
 
+pytestmark = pytest.mark.multi_process
+
 
 def _data(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64) * (rank + 1) + rank).to(dtype)  # integer-valued: exact sums

@@ -65,6 +65,7 @@ BAD_CASES = [
 ]
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize(("argv", "needles"), BAD_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_input_is_one_line(capsys, argv, needles) -> None:
     line = _cli_error(capsys, argv)
@@ -72,6 +73,7 @@ def test_bad_input_is_one_line(capsys, argv, needles) -> None:
         assert needle in line, line
 
 
+@pytest.mark.unit
 def test_bad_yaml_files(tmp_path: Path, capsys) -> None:
     line = _cli_error(capsys, ["config", "show", _bad_yaml(tmp_path, "model: [1, 2\n")])
     assert "not valid YAML" in line and "line" in line
@@ -81,10 +83,12 @@ def test_bad_yaml_files(tmp_path: Path, capsys) -> None:
     assert "optim.lr='fast'" in line
 
 
+@pytest.mark.unit
 def test_at_least_fifteen_cases() -> None:
     assert len(BAD_CASES) + 3 >= 15
 
 
+@pytest.mark.multi_process
 def test_overrides_and_types(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("optim:\n  name: lars\n  lr: 2.0\ncomm:\n  algorithm: hierarchical\n")
@@ -95,6 +99,7 @@ def test_overrides_and_types(tmp_path: Path) -> None:
     cfg.check_world(4, 2)  # defaults are valid for 4 ranks
 
 
+@pytest.mark.full_system
 def test_config_show_prints_resolved_tree(capsys) -> None:
     assert main(["config", "show", "comm.algorithm=torus2d", "train.global_batch=64", "--world", "8",
                  "--nproc-per-node", "4"]) == 0
@@ -102,21 +107,23 @@ def test_config_show_prints_resolved_tree(capsys) -> None:
     assert "algorithm: torus2d" in out and "global_batch: 64" in out
 
 
+@pytest.mark.full_system
 def test_every_subcommand_has_help() -> None:
     """`scaleout --help` lists every subcommand with a purpose; each has its own --help."""
-    from scaleout.cli import _commands
+    from scaleout.cli import subcommands
 
     top = subprocess.run([sys.executable, "-m", "scaleout", "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0
-    names = [m.NAME for m in _commands()]
+    names = [m.NAME for m in subcommands()]
     assert {"launch", "config", "smoke", "bench"} <= set(names)
-    for mod in _commands():
+    for mod in subcommands():
         assert mod.NAME in top.stdout and mod.HELP.split()[0] in top.stdout
         with pytest.raises(SystemExit) as exc:
             main([mod.NAME, "--help"])
         assert exc.value.code == 0
 
 
+@pytest.mark.unit
 def test_rank_code_never_imports_launchers() -> None:
     """Dependencies point one way: launchers -> scaleout. Only the CLI may use both."""
     root = Path(__file__).resolve().parents[1] / "scaleout"
@@ -248,6 +255,7 @@ class _ConfigReads:
                 stack.extend(ast.iter_child_nodes(node))
 
 
+@pytest.mark.multi_process
 def test_every_config_key_is_read() -> None:
     """A key that nothing reads configures nothing (comm.chunks, launch.master_port and train.precision
     once did): each schema field must be read from its own section (see _ConfigReads) by code outside

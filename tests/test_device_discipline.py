@@ -41,6 +41,7 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
     return fc.violations, status
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("overrides", [
     pytest.param(["comm.algorithm=hierarchical"], id="bert-dataparallel-hierarchical"),
     pytest.param(["optim.sharded=true"], id="bert-sharded-lamb"),
@@ -68,6 +69,7 @@ def _bad_collective(world: Any) -> list[str]:
     return fc.violations
 
 
+@pytest.mark.multi_process
 def test_fakecuda_rejects_a_host_tensor_collective() -> None:
     """The harness itself: a host tensor in a collective is caught, a device tensor is not."""
     for violations in run_dist(_bad_collective, nnodes=1, nproc_per_node=2):
@@ -81,7 +83,7 @@ def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, o
     from scaleout.config import load_config
     from scaleout.train.loop import Trainer
 
-    cfg = load_config(config, [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", f"train.max_steps={steps}",
+    cfg = load_config(config, [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", f"train.max_steps={steps}",
                                f"train.eval_every={steps}", f"train.timing_every={every}", *overrides])
     per_step: list[list[tuple[str, str]]] = []
     with FakeCuda(world) as fc:
@@ -101,6 +103,7 @@ def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, o
     return per_step
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize(("config", "overrides"), [
     pytest.param("bert_tiny_cpu", ["model.bert.static_shapes=true", "comm.algorithm=hierarchical"], id="bert-lamb"),
     pytest.param("resnet_cpu", ["model.resnet.bn_group=2", "comm.algorithm=flat"], id="resnet-groupbn-lars"),

@@ -37,6 +37,7 @@ def _key(spec):
     return (spec.rank, spec.local_rank, spec.node_rank, spec.num_nodes, spec.local_size, spec.world_size)
 
 
+@pytest.mark.unit
 def test_torchrun() -> None:
     name, s = _spec(TORCHRUN)
     assert name == "torchrun" and _key(s) == (5, 1, 1, 2, 4, 8) and (s.master_addr, s.master_port) == ("10.0.0.1", 29500)
@@ -44,6 +45,7 @@ def test_torchrun() -> None:
     assert _key(_spec(env)[1]) == (5, 1, 1, 2, 4, 8)  # node rank derived from RANK // LOCAL_WORLD_SIZE
 
 
+@pytest.mark.unit
 def test_slurm_uneven_tasks_and_nodelist() -> None:
     name, s = _spec(SLURM)
     assert name == "slurm"
@@ -59,26 +61,31 @@ def test_slurm_uneven_tasks_and_nodelist() -> None:
     assert _key(s2) == (2, 0, 1, 2, 2, 4) and s2.master_addr == "gpu003"
 
 
+@pytest.mark.unit
 def test_slurm_batch_script_is_not_a_task() -> None:
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     assert detect_environment(env).name == "single"
 
 
+@pytest.mark.unit
 def test_mpi_openmpi_and_mpich() -> None:
     assert _spec(OMPI)[0] == "mpi" and _key(_spec(OMPI)[1]) == (3, 1, 1, 2, 2, 4)
     assert _key(_spec(MPICH)[1]) == (2, 0, 1, 2, 2, 4)
 
 
+@pytest.mark.unit
 def test_horovod() -> None:
     name, s = _spec({**HOROVOD, **OMPI})  # horovodrun over MPI sets both: Horovod wins
     assert name == "horovod" and _key(s) == (3, 1, 1, 2, 2, 4)
 
 
+@pytest.mark.unit
 def test_local_launcher() -> None:
     name, s = _spec({**LOCAL, **TORCHRUN})  # the local launcher also sets torchrun's variables
     assert name == "local" and _key(s) == (3, 1, 1, 2, 2, 4) and s.tasks_per_node == (2, 2)
 
 
+@pytest.mark.unit
 def test_single_and_order() -> None:
     name, s = _spec({})
     assert name == "single" and _key(s) == (0, 0, 0, 1, 1, 1)
@@ -87,6 +94,7 @@ def test_single_and_order() -> None:
     assert detect_environment({**SLURM, **OMPI}).name == "mpi"
 
 
+@pytest.mark.unit
 def test_explicit_choice_overrides_detection() -> None:
     env = {**SLURM, **TORCHRUN}
     assert detect_environment(env).name == "torchrun"
@@ -96,6 +104,7 @@ def test_explicit_choice_overrides_detection() -> None:
         detect_environment(env, "pbs")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
@@ -125,6 +134,7 @@ def test_bad_variables_are_one_line_errors(env, needle) -> None:
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.unit
 def test_bad_variables_fail_fast() -> None:
     """A repeat count of 10^11 is refused before anything is expanded (it used to be a MemoryError)."""
     import time
@@ -140,6 +150,7 @@ def test_bad_variables_fail_fast() -> None:
 # -- rendezvous ports and addresses ------------------------------------------------------------------
 
 
+@pytest.mark.multi_process
 def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
     """Real check: the kernel hands out ephemeral ports from ip_local_port_range (bind to port 0 many
     times), and the job-id map never lands there, for every job id residue."""
@@ -164,6 +175,7 @@ def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
     assert SlurmEnv.port_for_job(17768) < low  # 15000 + 17768 was 32768, the range's first port
 
 
+@pytest.mark.unit
 def test_slurm_port_map_adapts_to_the_range() -> None:
     assert SlurmEnv.port_for_job(0, 32768) == 15000 and SlurmEnv.port_for_job(17767, 32768) == 32767
     assert SlurmEnv.port_for_job(17768, 32768) == 15000
@@ -178,6 +190,7 @@ def _resolver(table):
     return lambda host: table.get(host, [])
 
 
+@pytest.mark.unit
 def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
     """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must publish
     the address of the interface that routes to the other host (pure functions: no second host here)."""
@@ -196,6 +209,7 @@ def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
                        interfaces_fn=lambda: ifs[:1])
 
 
+@pytest.mark.unit
 def test_reachable_address_real_sockets() -> None:
     """On this machine: the address toward one of its own non-loopback addresses is that address, and the
     loopback interface is found by its flag."""
@@ -248,6 +262,7 @@ class _KV:
         self.server.server_close()
 
 
+@pytest.mark.unit
 def test_horovod_publishes_rank0_address_and_port() -> None:
     """Rank 0 need not run on horovodrun's host: its own address travels with the port."""
     import threading
@@ -284,6 +299,7 @@ def json_of(body: bytes):
     return json.loads(body)
 
 
+@pytest.mark.unit
 def test_submit_local_jobs_get_distinct_free_ports() -> None:
     """Before: 15000 + byte-sum(job id) * 7919 % 20000 took 45 values over 5-digit pids. Now every job of
     an --array gets its own port, free on this host at submission."""
@@ -310,6 +326,7 @@ def shutil_which(name: str):
     return shutil.which(name)
 
 
+@pytest.mark.unit
 def test_forced_slurm_outside_srun_is_refused() -> None:
     """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for SLURM_NTASKS peers."""
     from scaleout.errors import EnvironmentError_
@@ -319,3 +336,29 @@ def test_forced_slurm_outside_srun_is_refused() -> None:
     with pytest.raises(EnvironmentError_, match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start"):
         reader.read(env)
     assert reader.read({**env, "SLURM_STEPID": "3"}).rank == 6  # older Slurm spells it STEPID
+
+
+@pytest.mark.unit
+def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> None:
+    """The variables scaleout's launchers write (env.base.local_rank_env) are exactly what LocalEnv reads,
+    torchrun's reader sees the same rank, and scaleout.log finds it before any World exists."""
+    from scaleout.env.base import LOCAL_VARS, free_ports, local_rank_env
+    from scaleout.env.readers import ENVIRONMENTS, RANK_VARS, detect_environment
+    from scaleout.log import _rank
+
+    env = local_rank_env(3, nnodes=2, nproc=2, addr="10.0.0.1", port=29500)
+    assert set(LOCAL_VARS.values()) <= set(env)
+    assert detect_environment(env).name == "local"
+    s = ENVIRONMENTS["local"].read(env)
+    assert (s.rank, s.local_rank, s.node_rank, s.num_nodes, s.local_size, s.world_size) == (3, 1, 1, 2, 2, 4)
+    assert (s.master_addr, s.master_port, s.launcher, s.tasks_per_node) == ("10.0.0.1", 29500, "local", (2, 2))
+    t = ENVIRONMENTS["torchrun"].read(env)
+    assert (t.rank, t.local_rank, t.node_rank, t.world_size) == (3, 1, 1, 4)
+    assert RANK_VARS[0] == LOCAL_VARS["rank"] and "SLURM_PROCID" in RANK_VARS
+    for k in RANK_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")  # mpirun inside an allocation: MPI's rank wins, as detection
+    assert _rank() == 2
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)

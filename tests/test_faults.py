@@ -41,6 +41,7 @@ def _group_timeouts(world) -> dict[str, list[float]]:
     return {"before": before, "after": after, "later": [_timeout_of(later)]}
 
 
+@pytest.mark.multi_process
 def test_every_group_gets_the_init_then_the_step_timeout() -> None:
     """Subgroups used to keep torch's 30-minute default whatever set_timeout said."""
     res = run_dist(_group_timeouts, 2, 2, fresh=True, timeout=180)
@@ -64,6 +65,7 @@ def _late_peer_in_intra(world, timeout_s: float, late_s: float) -> tuple[bool, f
         return True, time.monotonic() - t0, str(exc).splitlines()[0]
 
 
+@pytest.mark.multi_process
 def test_hung_peer_in_a_subgroup_times_out_at_the_step_timeout() -> None:
     """Rank 3 reaches the intra-node all-reduce 20 s late; with a 3 s timeout its partner gives up in ~3 s
     (before: it waited the 30-minute default and succeeded when rank 3 arrived)."""
@@ -144,6 +146,7 @@ class _Lines:
         return "".join(self.lines)
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("victim", [3, 0])
 def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int) -> None:
     """2 x 2 hierarchical tiny BERT, train.step_timeout_s=20: SIGSTOP one rank after step 2. The job must
@@ -198,6 +201,7 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+@pytest.mark.full_system
 def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
     """One checkpoint directory through its life, on 2 real ranks:
     1. a run to train.max_steps=2;
@@ -263,6 +267,7 @@ def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
     assert {"out": _snapshot(out), "ckpt": _snapshot(ckpt)} == state
 
 
+@pytest.mark.full_system
 def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
     """NaN gradients on rank 1 at steps 1, 3, 4 and 5 with train.max_consecutive_skips=3: every rank skips
     all four, the count restarts after the good step 2, and the run stops at step 5 (status aborted,
@@ -295,6 +300,7 @@ def _launch_script(*args: str) -> subprocess.CompletedProcess:
     return _run([*cmd, *args], timeout=300)
 
 
+@pytest.mark.full_system
 def test_exit_with_a_callback_still_running_is_orderly() -> None:
     """A done-callback of an all-reduce handle is still running on a gloo worker thread when the script
     ends: before, the interpreter finalized under it and every rank died with SIGABRT ("terminate called
@@ -305,6 +311,7 @@ def test_exit_with_a_callback_still_running_is_orderly() -> None:
     assert r.stdout.count(": done") == 4
 
 
+@pytest.mark.full_system
 @pytest.mark.slow
 def test_dataparallel_script_without_close_exits_0_every_time() -> None:
     """The bar: 12 of 12 runs of a DataParallel script that never calls close() exit 0 on 2 x 2, every

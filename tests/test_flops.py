@@ -17,6 +17,8 @@ from scaleout.data.bert_batch import build_batch, synthetic_sequences
 from scaleout.models.bert import BertForPreTraining
 from scaleout.models.bert_flops import head_rows, sequence_flops
 
+pytestmark = pytest.mark.multi_process
+
 LENGTHS = [20, 30, 13, 64, 40, 7]
 PACKS = [[0, 1], [2, 4, 5], [3]]
 
@@ -73,6 +75,7 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
     step, to the formula over exactly the packs the sampler picks for that step."""
     import scaleout
     from scaleout.config.load import load_config
+    from scaleout.train.prefetch import Prefetcher
     from scaleout.train.tasks import BertTask
 
     cfg = load_config("bert_tiny_cpu", ["data.source=synthetic", "launch.env=single",
@@ -86,8 +89,13 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
         masked = sum(len(task.train_seqs[i].mlm_positions) for i in seq_idx)
         mlm, nsp = head_rows(task.model.cfg, len(idx), cfg.data.max_seq_len, masked, len(seq_idx),
                              task.max_pred, task.depth)
-        counted = sum(mb.flops for mb in task.source.micro_batches(16, 2))
+        counted = sum(mb.flops for mb in task.batches.micro_batches(16, 2))
         assert counted == pytest.approx(sequence_flops(task.model.cfg, lens, mlm, nsp), rel=1e-12)
         assert counted > 0
+        # The same micro-batches through the prefetcher (what data.num_workers > 0 trains on) keep their
+        # FLOPs: the report's FLOPs and MFU must not depend on who built the batch.
+        with Prefetcher(task, cfg.train.global_batch, 1, 2, 3, num_workers=0) as pf:
+            fetched = pf.get(2)
+        assert [mb.flops for mb in fetched] == [mb.flops for mb in task.micro_batches(16, 1)]
     finally:
         world.close()

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=512, hidden=32, layers=2, heads=2, intermediate=64, max_position=64)
 
 
+@pytest.mark.full_system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the script")
 def test_gpu_check_script_skips_every_gpu_row_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpucheck.json"
@@ -32,12 +33,14 @@ def test_gpu_check_script_skips_every_gpu_row_on_cpu(tmp_path: Path) -> None:
     assert all(row["result"] == "SKIP" and row["number"] for row in rows), rows
 
 
+@pytest.mark.unit
 def test_varlen_check_runs_and_reports_the_missing_kernel() -> None:
     [(name, result, number, _)] = g.check_varlen("cpu", TINY)
     assert result == "FAIL" and "NOT available" in number  # no CUDA: the varlen path cannot be taken
     assert "max rel diff 0.00e+00" in number  # both paths are the masked SDPA here: identical
 
 
+@pytest.mark.multi_process
 def test_optimizer_and_bert_large_checks_run() -> None:
     rows = g.check_optimizers("cpu", TINY)
     assert [r[0].split()[0] for r in rows] == ["LAMB", "LARS"] and all(" ms vs " in r[2] for r in rows), rows
@@ -45,6 +48,7 @@ def test_optimizer_and_bert_large_checks_run() -> None:
     assert number.startswith("2 rows: ") and "tokens/s" in number and "bf16 peak" in number, number
 
 
+@pytest.mark.unit
 def test_packed_batch_is_two_sequences_per_row() -> None:
     b = g.packed_batch(6, 64, 512, device="cpu")
     assert b["input_ids"].shape == (6, 64)
@@ -55,6 +59,7 @@ def _rank_checks(world) -> dict:
     return {"world": g.rank_world(world), "allreduce": g.rank_allreduce(world, mib=1)}
 
 
+@pytest.mark.multi_process
 def test_rank_parts_on_gloo() -> None:
     """The multi-process parts on 2 emulated nodes x 1 rank (gloo here, NCCL on GPUs)."""
     for r in run_dist(_rank_checks, nnodes=2, nproc_per_node=1):

@@ -97,6 +97,7 @@ def _all_cases(world) -> dict:
     return {"layer": {k: _layer_case(world, k) for k in (1, 2, 4)}, "resnet": _resnet_case(world, 2)}
 
 
+@pytest.mark.multi_process
 def test_group_bn_matches_plain_bn_over_group_batch():
     from tests.distutil import run_dist
 
@@ -122,6 +123,7 @@ def test_group_bn_matches_plain_bn_over_group_batch():
     assert not torch.equal(results[0]["layer"][2]["running"][0], results[2]["layer"][2]["running"][0])
 
 
+@pytest.mark.unit
 def test_bn_group_partition_rules():
     nodes = [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert bn_group_ranks(nodes, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -150,8 +152,8 @@ def _cuda_case(world) -> dict:
             "rv": (gbn.running_var - ref.running_var).abs().max().item(), "backend": world.backend}
 
 
+@pytest.mark.multi_process
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_group_bn_cuda_nccl():
     from tests.distutil import run_dist
 
@@ -169,6 +171,7 @@ def _own_communicator(world) -> dict:
             "distinct": bn is not intra, "sum": ones.item(), "cached": bn is bn_process_group(world, world.local_size)}
 
 
+@pytest.mark.multi_process
 def test_bn_group_has_its_own_communicator() -> None:
     """bn_group = ranks per node: same ranks as world.intra, but not the same group (on NCCL one
     communicator driven from two threads, autograd for BN and the comm thread for the reducer, hangs or
@@ -205,6 +208,7 @@ def _bn_sync(world) -> dict:
             "var_err": (bn.running_var.double() - pooled_var).abs().max().item()}
 
 
+@pytest.mark.multi_process
 def test_running_stats_are_pooled_over_ranks() -> None:
     """bn_group = 1 (the 1024-GPU config): each rank's running statistics follow its own data; after
     sync_batchnorm_stats (the trainer calls it before evaluation and before a checkpoint) every rank holds

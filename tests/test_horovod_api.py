@@ -18,6 +18,8 @@ import torch
 
 from tests.distutil import run_dist
 
+pytestmark = pytest.mark.multi_process
+
 # Horovod's CPU dtypes: allreduce takes int32, int64, float16, float32, float64 (mpi_ops_v2.cc); allgather,
 # broadcast and alltoall also uint8, int8, int16. scaleout.horovod also reduces the small integer types and
 # bfloat16, tested as EXTRA.

@@ -10,6 +10,8 @@ import torch
 
 from tests.test_horovod_api import DIMS, MOVE_DTYPES, on_ranks, raises
 
+pytestmark = pytest.mark.multi_process
+
 
 def filled(shape: list[int], value: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, value).to(dtype)

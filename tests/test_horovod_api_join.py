@@ -18,6 +18,8 @@ from torch import nn
 from tests.distutil import run_dist
 from tests.test_horovod_api import DIMS, close, on_ranks, raises, seeded, threshold
 
+pytestmark = pytest.mark.multi_process
+
 
 # -- join ------------------------------------------------------------------------------------------------
 def r_join_allreduce(hvd):

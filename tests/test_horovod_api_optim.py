@@ -97,6 +97,7 @@ def r_broadcast_state(hvd):
             assert torch.equal(a, b) if torch.is_tensor(a) else a == b, (cls.__name__, k)
 
 
+@pytest.mark.multi_process
 def test_broadcast_state():
     """Every optimizer: after a step on rank-specific data, a checkpoint restored on rank 0 only reaches every
     rank through broadcast_parameters + broadcast_optimizer_state, values and types intact."""
@@ -139,6 +140,7 @@ def r_broadcast_state_options(hvd):
                     assert type(got) is type(want) and got == want, (cls.__name__, k, got)
 
 
+@pytest.mark.multi_process
 def test_broadcast_state_options():
     """Rank 0's hyper-parameters (lr, momentum, betas, ...) replace the others', with their Python types."""
     on_ranks(r_broadcast_state_options, timeout=600)
@@ -167,6 +169,7 @@ def r_broadcast_state_no_grad(hvd):
     return _same_on_all_ranks(hvd, model)
 
 
+@pytest.mark.multi_process
 def test_broadcast_state_no_grad():
     """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; training then works.
     (Horovod also asserts that the trainable parameter's zero gradient, set by its dummy initialising step,
@@ -183,6 +186,7 @@ def r_objects(hvd):
     return obj, hvd.allgather_object(d)
 
 
+@pytest.mark.multi_process
 def test_broadcast_object_and_allgather_object():
     for obj, gathered in on_ranks(r_objects):
         assert obj == {"hello": 123, 0: [1, 2]}
@@ -194,6 +198,7 @@ def test_broadcast_object_and_allgather_object():
         ]
 
 
+@pytest.mark.unit
 def test_compression_fp16():
     """fp16 compression casts floating tensors to fp16 and back; other dtypes pass through."""
     import scaleout.horovod as hvd
@@ -245,6 +250,7 @@ def r_force_allreduce(hvd):
                 assert torch.allclose(p, q.detach() - 0.2 * q.grad, rtol=1e-5, atol=1e-5), k
 
 
+@pytest.mark.multi_process
 def test_force_allreduce():
     """A parameter used on some ranks only (fc3 gets no gradient on rank 0) is reduced with every rank
     taking part: no mixing with other gradients, no hang; every optimizer; plain SGD matches one process
@@ -269,6 +275,7 @@ def r_named_parameters_errors(hvd):
     return dup, missing
 
 
+@pytest.mark.multi_process
 def test_duplicate_and_missing_named_parameters():
     dup, missing = on_ranks(r_named_parameters_errors)[0]
     assert "duplicates ['bias', 'weight']" in dup
@@ -291,6 +298,7 @@ def r_no_named_parameters(hvd):
     return _same_on_all_ranks(hvd, model), hvd.allgather_object(names)
 
 
+@pytest.mark.multi_process
 def test_no_named_parameters():
     """Without named_parameters every parameter gets a generated name, unique and the same on all ranks."""
     for same, names in on_ranks(r_no_named_parameters):
@@ -321,6 +329,7 @@ def r_dynamic_requires_grad(hvd):
             (gen_opt if train_gen else disc_opt).step()
 
 
+@pytest.mark.multi_process
 def test_dynamic_requires_grad():
     """GAN-style alternation: gradients switched off and on between steps, each optimizer steps its half."""
     on_ranks(r_dynamic_requires_grad)
@@ -358,6 +367,7 @@ def r_gradient_clipping(hvd):
     return [str(w.message) for w in caught if "skip_synchronize" in str(w.message)]
 
 
+@pytest.mark.multi_process
 def test_gradient_clipping_and_synchronize_step_warning():
     """synchronize(); clip; step() inside skip_synchronize() works silently; step() after synchronize()
     without it warns (once) that the gradients are reduced again."""
@@ -390,6 +400,7 @@ def r_sparse_embeddings(hvd, sparse_as_dense):
     return _same_on_all_ranks(hvd, model), moved
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_embeddings(sparse_as_dense):
     """Sparse embedding gradients (different rows on different ranks) reduced by allgather or as dense:

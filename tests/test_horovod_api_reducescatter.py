@@ -11,6 +11,8 @@ import torch
 
 from tests.test_horovod_api import DIMS, REDUCE_DTYPES, _scaled, close, on_ranks, raises, seeded, threshold
 
+pytestmark = pytest.mark.multi_process
+
 
 def _expected(tensor: torch.Tensor, rank: int, size: int, op: str, where: str | None, factor: float) -> torch.Tensor:
     if where == "pre":

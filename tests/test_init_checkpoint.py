@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers  # the test extra installs it: missing is a failure, not a skip
 
 from scaleout.config.schema import BertConfig
 from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
 from scaleout.errors import UserError
 from scaleout.models.bert import BertForPreTraining
 from scaleout.models.bert_convert import load_init_checkpoint, to_hf
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN, POS = 101, 32, 2, 4, 64, 64
 HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
@@ -87,6 +86,7 @@ def seqs():
     return synthetic_sequences(lengths, VOCAB, seed=3)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_hf_weights_give_hf_logits_packed_and_padded(act, seqs, tmp_path):
     """Same MLM and NSP logits to 1e-5 as transformers, for packed rows (3 + 2 + 1 sequences) and padded
@@ -110,6 +110,7 @@ def test_hf_weights_give_hf_logits_packed_and_padded(act, seqs, tmp_path):
     assert (our_logits(other, seqs, padded_packs(len(seqs)))[0] - want_mlm).abs().max() > 1e-4
 
 
+@pytest.mark.unit
 def test_nvidia_mlperf_layout(seqs, tmp_path):
     """NVIDIA's checkpoint: {"model": ...}, DDP's module. prefix, vocabulary padded to a multiple of 8 (101 ->
     104 rows), fused-MHA attention names (remap_attn_parameters) and dense_act; logits as HF's."""
@@ -139,6 +140,7 @@ def test_nvidia_mlperf_layout(seqs, tmp_path):
     assert padded.word.weight.shape[0] == 104
 
 
+@pytest.mark.unit
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
     hf = hf_model("gelu")
     good = hf.state_dict()
@@ -171,6 +173,7 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
         load_init_checkpoint(ours("gelu"), tmp_path / "nope.pt")
 
 
+@pytest.mark.unit
 def test_checks_on_every_rank_copy_on_one(tmp_path):
     """copy=False (ranks > 0) validates without touching the weights; round trip through to_hf is exact."""
     hf = hf_model("gelu")
@@ -187,6 +190,7 @@ def test_checks_on_every_rank_copy_on_one(tmp_path):
     assert all(torch.equal(back[k], ref[k]) for k in ref)
 
 
+@pytest.mark.full_system
 def test_ckpt_export_loads_into_transformers(tmp_path, capsys):
     """A real (single-process, synthetic data) training run -> `scaleout ckpt show` and `ckpt export` -> the
     HF folder loads with BertForPreTraining.from_pretrained (no missing or unexpected keys) and gives the

@@ -55,6 +55,7 @@ def _finish(proc, timeout=30.0):
     return proc.returncode, out, err
 
 
+@pytest.mark.full_system
 def test_all_ok_prefixes_output(tmp_path: Path) -> None:
     proc, pid_dir = _launch(tmp_path, "ok")
     code, out, err = _finish(proc)
@@ -64,6 +65,7 @@ def test_all_ok_prefixes_output(tmp_path: Path) -> None:
     assert "all 4 ranks exited 0" in out
 
 
+@pytest.mark.full_system
 def test_rank_exit_code_stops_everyone(tmp_path: Path) -> None:
     proc, pid_dir = _launch(tmp_path, "exit3", {"TARGET": "2"})
     t0 = time.monotonic()
@@ -75,6 +77,7 @@ def test_rank_exit_code_stops_everyone(tmp_path: Path) -> None:
     assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
+@pytest.mark.full_system
 def test_rank_killed_by_sigkill(tmp_path: Path) -> None:
     proc, pid_dir = _launch(tmp_path, "sleep")
     pids = _pids(pid_dir, 4)
@@ -88,6 +91,7 @@ def test_rank_killed_by_sigkill(tmp_path: Path) -> None:
     assert not [p for p in pids if _alive(p)]
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("mode", ["sleep", "ignoreterm"])
 def test_sigterm_to_launcher_stops_every_child(tmp_path: Path, mode: str) -> None:
     proc, pid_dir = _launch(tmp_path, mode, grace="1")
@@ -101,6 +105,7 @@ def test_sigterm_to_launcher_stops_every_child(tmp_path: Path, mode: str) -> Non
     assert not [p for p in pids if _alive(p)]
 
 
+@pytest.mark.full_system
 def test_bad_command_is_one_line_error_before_spawn() -> None:
     r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nproc-per-node", "2", "--", "no-such-prog-xyz"],
                        capture_output=True, text=True, timeout=60)
@@ -109,6 +114,7 @@ def test_bad_command_is_one_line_error_before_spawn() -> None:
         "(expected a program, a .py file or a scaleout subcommand)"
 
 
+@pytest.mark.full_system
 def test_smoke_job_two_nodes_two_procs() -> None:
     """The distributed smoke job end to end: World, groups and all-reduce checks on 2 x 2 real processes."""
     r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--",
@@ -125,6 +131,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("mode", ["sleep", "ignoreterm"])
 def test_sigkill_of_launcher_leaves_no_rank(tmp_path: Path, mode: str) -> None:
     """SIGKILL cannot be caught: the watchdog stops every rank and its children (SIGTERM, then SIGKILL
@@ -139,6 +146,7 @@ def test_sigkill_of_launcher_leaves_no_rank(tmp_path: Path, mode: str) -> None:
     assert time.monotonic() - t0 < 2 + 10  # grace + a loaded 2-core machine
 
 
+@pytest.mark.full_system
 def test_sighup_to_launcher_stops_every_child(tmp_path: Path) -> None:
     """A closed terminal or ssh session sends SIGHUP: the launcher stops the ranks instead of dying."""
     proc, pid_dir = _launch(tmp_path, "sleep")
@@ -159,6 +167,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.full_system
 def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
     """`scaleout launch ... | head -1`: after head exits, the ranks' output is drained and dropped and the
     launch ends with the ranks' exit code (before: the pump thread died and the ranks blocked forever)."""
@@ -173,6 +182,7 @@ def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.unit
 def test_default_grace_fits_a_checkpoint() -> None:
     """torchrun waits 30 s and Slurm's KillWait default is 30 s; the launcher's default matches."""
     from scaleout.cli import build_parser
@@ -183,6 +193,7 @@ def test_default_grace_fits_a_checkpoint() -> None:
     assert args.grace == DEFAULT_GRACE_S
 
 
+@pytest.mark.full_system
 def test_local_launch_keeps_gloo_on_loopback(tmp_path: Path) -> None:
     script = tmp_path / "ifname.py"
     script.write_text("import os; print('IF', os.environ.get('GLOO_SOCKET_IFNAME'))\n")

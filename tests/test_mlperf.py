@@ -15,7 +15,8 @@ import pytest
 
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
-from scaleout.mlperf import RULESET, MLPerfLogger, check_compliance, hyperparameters
+from scaleout.mlperf import RULESET, MLPerfLogger, check_compliance
+from scaleout.train.hparams import hyperparameters
 
 
 def _drive(path, cfg: Config, benchmark: str, accuracies: list[float], rank: int = 0) -> None:
@@ -55,6 +56,7 @@ def _check_failures(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if ("WARNING" in ln or "ERROR" in ln) and ln.strip() != "ERROR - FAILED"]
 
 
+@pytest.mark.full_system
 def test_bert_log_passes_checker_except_the_full_size_target(tmp_path):
     log = tmp_path / "bert.log"
     _drive(log, _bert_cfg(), "bert", [0.21, 0.33, 0.41])
@@ -79,6 +81,7 @@ def test_bert_log_passes_checker_except_the_full_size_target(tmp_path):
     assert not ok and "0.4" in out
 
 
+@pytest.mark.full_system
 def test_resnet_lars_log_passes_checker(tmp_path):
     # Closed-division LARS rules fix end_lr = 1e-4, poly power 2 and wd = 1e-4 * 2^k (MLPerf ResNet rules).
     cfg = Config.model_validate({
@@ -93,6 +96,7 @@ def test_resnet_lars_log_passes_checker(tmp_path):
     assert ok, out
 
 
+@pytest.mark.full_system
 def test_other_ranks_write_nothing_and_bad_status(tmp_path):
     _drive(tmp_path / "r1.log", _bert_cfg(), "bert", [0.5], rank=1)
     assert not (tmp_path / "r1.log").exists()
@@ -113,6 +117,7 @@ def _keys_and_values(text: str) -> list[tuple[str, object]]:
     return out
 
 
+@pytest.mark.full_system
 def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
     """A requeued run's attempts all stay in one appended log; the real checker accepts only one run per file
     (run_start EXACTLY_ONE), so check_compliance checks one attempt (the last by default)."""
@@ -153,6 +158,7 @@ def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
         check_compliance(log, "bert", attempt=2)
 
 
+@pytest.mark.unit
 def test_opening_the_log_never_truncates_it(tmp_path):
     log = tmp_path / "mlperf.log"
     log.write_text(":::MLLOG {\"key\": \"cache_clear\"}\n")
@@ -160,6 +166,7 @@ def test_opening_the_log_never_truncates_it(tmp_path):
     assert log.read_text() == ":::MLLOG {\"key\": \"cache_clear\"}\n"
 
 
+@pytest.mark.unit
 def test_split_attempts_reads_a_prefixed_stdout_capture():
     from scaleout.mlperf import split_attempts
 
@@ -174,6 +181,7 @@ def test_split_attempts_reads_a_prefixed_stdout_capture():
     assert all(ln.startswith(":::MLLOG") for p in parts for ln in p.splitlines())
 
 
+@pytest.mark.full_system
 def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
     """The mlperf.* keys reach the log of a real run (one process): defaults first, then changed values."""
     import os
@@ -206,6 +214,7 @@ def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
     assert _keys_and_values(r.stdout) == file_events  # the same lines on stdout, as run_and_time.sh prints them
 
 
+@pytest.mark.unit
 def test_mlperf_keys_are_validated():
     from scaleout.config import load_config
     from scaleout.errors import ConfigError

@@ -26,7 +26,7 @@ def _mpiexec() -> str | None:
 
 
 MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi]')")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]' for mpi4py + the Open MPI wheel)")
 
 
 def _env() -> dict[str, str]:
@@ -57,7 +57,7 @@ def test_mpiexec_world_real_and_emulated_nodes():
     assert p.returncode == 0, p.stdout + p.stderr
     w = _worlds(p.stdout)
     assert [r["rank"] for r in w] == [0, 1, 2, 3]
-    assert all(r["source"] == "mpi" and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
+    assert all(r["launcher"] == "mpi" and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
     assert [(r["node_rank"], r["local_rank"], r["num_nodes"], r["local_size"]) for r in w] == [
         (0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]
     assert w[0]["ranks_per_node"] == [[0, 1], [2, 3]]

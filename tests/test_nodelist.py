@@ -29,11 +29,13 @@ CASES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("text", "hosts"), CASES)
 def test_expand_table(text: str, hosts: list[str]) -> None:
     assert expand_nodelist(text) == hosts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "bad",
     ["", "   ", "n[1-3", "n1-3]", "n[]", "n[3-1]", "n[a-b]", "n[1-]", "a,,b", "n[1[2]]", "n[1 -2]", "n[1-2],"],
@@ -45,6 +47,7 @@ def test_bad_nodelists_name_the_input(bad: str) -> None:
     assert "\n" not in msg and repr(bad) in msg
 
 
+@pytest.mark.unit
 def test_tasks_per_node() -> None:
     assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert parse_tasks_per_node("8(x256)") == [8] * 256
@@ -90,6 +93,7 @@ def _item(draw):
     return text, hosts
 
 
+@pytest.mark.multi_process
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_item(), min_size=1, max_size=4))
 def test_expand_matches_independent_expansion(items) -> None:

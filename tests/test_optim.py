@@ -127,6 +127,7 @@ def assert_close(params, ref, rtol):
         assert err <= rtol * max(float(r.abs().max()), 1e-3), f"tensor {i} {tuple(p.shape)}: max error {err:.3g}"
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("chunk", [None, 7, 64, "auto"])
 @pytest.mark.parametrize("clip, clamp", [(None, None), (1.0, 0.9)])
 def test_lamb_matches_paper_equations(chunk, clip, clamp):
@@ -144,6 +145,7 @@ def test_lamb_matches_paper_equations(chunk, clip, clamp):
         assert max(float((a - b).abs().max()) for a, b in zip(ref, unclipped, strict=True)) > 1e-3
 
 
+@pytest.mark.unit
 def test_lamb_without_bias_correction_and_forced_trust_ratio():
     params = make_params(3)
     steps = [grads_for(s, params, seed=4) for s in range(3)]
@@ -152,6 +154,7 @@ def test_lamb_without_bias_correction_and_forced_trust_ratio():
     assert_close(params, ref, 2e-5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("chunk, fused", [(None, False), (7, False), ("auto", False), ("auto", None)])
 def test_lars_matches_mlperf_reference(chunk, fused):
     """Both CPU paths: multi-tensor foreach (fused=False) and torch's fused SGD kernel (the fp32 default)."""
@@ -164,6 +167,7 @@ def test_lars_matches_mlperf_reference(chunk, fused):
     assert float(params[ZERO_ALL].detach().abs().max()) == 0.0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_bf16_params_keep_fp32_state(kind):
     params = make_params(2, dtype=torch.bfloat16)
@@ -181,6 +185,7 @@ def test_bf16_params_keep_fp32_state(kind):
     assert max(float((p.detach().float() - q.detach().float()).abs().max()) for p, q in zip(params, start, strict=True)) > 1e-2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind, dtype", [("lamb", torch.float32), ("lars", torch.float32), ("lamb", torch.bfloat16)])
 def test_state_dict_round_trip_and_resume(kind, dtype):
     def make(ps):
@@ -210,6 +215,7 @@ def test_state_dict_round_trip_and_resume(kind, dtype):
     assert [g["step"] for g in opt2.param_groups] == [6, 6]
 
 
+@pytest.mark.unit
 def test_invalid_hyperparameters_raise_one_line_errors():
     ps = make_params()
     cases = [
@@ -236,6 +242,7 @@ def test_invalid_hyperparameters_raise_one_line_errors():
         assert needle in msg and "\n" not in msg, msg
 
 
+@pytest.mark.unit
 def test_schedule_warmup_then_polynomial_decay():
     opt = LAMB(make_params(), lr=2.0)
     sched = warmup_poly(opt, warmup_steps=4, total_steps=12, power=2.0, end_lr=0.5)
@@ -278,6 +285,7 @@ class TinyResNet(torch.nn.Module):
         self.fc = torch.nn.Linear(4, 2)
 
 
+@pytest.mark.unit
 def test_param_groups_follow_nvidia_and_mlperf_rules():
     groups = param_groups(TinyBert(), 0.01, NVIDIA_BERT_NO_DECAY, lr=0.5)
     assert groups[0]["names"] == ["embeddings.weight", "dense.weight"]
@@ -289,6 +297,7 @@ def test_param_groups_follow_nvidia_and_mlperf_rules():
     assert len(rgroups[1]["names"]) == 5  # bn1 x2, downsample.1 x2 (by type), fc.bias
 
 
+@pytest.mark.unit
 def test_factory_builds_the_configured_optimizer_and_schedule():
     model = TinyBert()
     opt = build_optimizer(model, OptimConfig(name="lamb", lr=0.1, clip_grad_norm=1.0))
@@ -319,6 +328,7 @@ def test_factory_builds_the_configured_optimizer_and_schedule():
     assert state_bytes(opt) == 2 * 4 * sum(p.numel() for g in opt.param_groups for p in g["params"])
 
 
+@pytest.mark.unit
 def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
     """The number of foreach calls depends on the number of chunks, not of parameters. LARS's fused path
     is the exception by design: one fused-SGD kernel per adapted tensor (each has its own trust ratio)."""
@@ -349,8 +359,8 @@ def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
     assert count(10, "lars-fused") == 2 + 10 and count(200, "lars-fused") == 2 + 200
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_path_matches_the_reference(dtype):
     """The accelerator layout (whole tensors, device-side per-tensor scalars) on a real GPU."""
@@ -366,6 +376,7 @@ def test_cuda_path_matches_the_reference(dtype):
     assert_close([p.cpu() for p in lparams], lref, 2e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lr", [2.0, 1e-3, 1e-9])
 def test_fused_lars_keeps_precision_for_tiny_lr_times_trust(lr):
     """The fused path passes dampening = 1 - lr t; the kernel must form 1 - dampening in double precision, or

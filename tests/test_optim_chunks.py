@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from scaleout.optim import chunks
+
+pytestmark = pytest.mark.unit
 
 
 def fake_sysfs(root: Path, caches: list[tuple[int, str, str, str]]) -> Path:

@@ -137,6 +137,7 @@ def _cases(world, algorithms) -> dict:
     return out
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("nnodes,nproc", [(1, 1), (1, 2), (1, 3), (2, 2)])
 def test_overlapped_equals_one_bucket_equals_lamb_on_the_global_batch(nnodes: int, nproc: int) -> None:
     algorithms = ["flat", "hierarchical"] + (["torus2d"] if (nnodes, nproc) == (2, 2) else [])
@@ -177,6 +178,7 @@ def _unused_is_an_error(world) -> list[str]:
     return [msg]
 
 
+@pytest.mark.multi_process
 def test_parameter_unused_on_every_rank_is_the_same_error_everywhere() -> None:
     msgs = run_dist(_unused_is_an_error, 1, 2, timeout=120)
     for (msg,) in msgs:
@@ -199,10 +201,12 @@ def _resume_same_layout(world) -> bool:
     return all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters(), strict=True))
 
 
+@pytest.mark.multi_process
 def test_same_layout_state_dict_resumes_bitwise() -> None:
     assert run_dist(_resume_same_layout, 1, 2, timeout=120) == [True, True]
 
 
+@pytest.mark.unit
 def test_bad_arguments_are_one_line_errors() -> None:
     assert OptimConfig().overlap_comm is False
     with pytest.raises(ConfigError, match="overlap_comm"):
@@ -220,11 +224,13 @@ def _factory(world) -> tuple:
     return type(opt).__name__, opt.overlap, len(opt.buckets), opt.comm["algorithm"], one.overlap, len(one.buckets)
 
 
+@pytest.mark.multi_process
 def test_factory_chooses_overlapped_or_one_bucket() -> None:
     for name, overlap, nb, alg, one_overlap, one_nb in run_dist(_factory, 2, 2):
         assert (name, overlap, alg, one_overlap, one_nb) == ("ShardedLAMB", True, "hierarchical", False, 1) and nb >= 3
 
 
+@pytest.mark.unit
 def test_no_import_cycle_in_optim() -> None:
     """Every import between scaleout.optim modules, also those inside functions, points one way."""
     root = Path(__file__).resolve().parents[1] / "scaleout" / "optim"

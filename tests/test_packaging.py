@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full_system
+
 REPO = Path(__file__).resolve().parent.parent
 SETUP = REPO / "scripts" / "setup.sh"
 
@@ -205,7 +207,7 @@ def test_wheel_trains_and_benches_outside_the_checkout(wheel_venv: tuple[Path, P
         "train.max_steps=2",
         "train.eval_every=2",
         "train.progress=false",
-        "checkpoint.dir=null",
+        "checkpoint.dir=null", "checkpoint.every_steps=0",
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads((tmp_path / "runs" / "bert_tiny_cpu" / "report.json").read_text())  # the config's output_dir

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WIKI_HIST as WIKI  # noqa: E402 -- ../shared beside the checkout, else /work/shared
+from conftest import WIKI_HIST as WIKI  # noqa: E402 -- the packaged copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,6 @@ from scaleout.data.packing import (
 )
 from scaleout.errors import UserError
 
-needs_wiki = pytest.mark.skipif(not WIKI.is_file(), reason=f"{WIKI} not present")
 # SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike Wikipedia's
 SQUAD = Path(__file__).parent / "data" / "squad_1_1_seqlen_hist_384.txt"
 
@@ -34,9 +33,9 @@ def wiki() -> np.ndarray:
     return load_histogram(WIKI, 512)
 
 
-@needs_wiki
+@pytest.mark.multi_process
 def test_wikipedia_bars(wiki):
-    """The issue's bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
+    """The bars: <=3 per pack >= 0.9975 in <= 1 s, <=12 per pack >= 0.9981 in <= 50 ms; ours
     (lphp) beats the published NNLSHP (0.9975) and LPFHP (0.9981) at both depths."""
     assert speedup_ceiling(wiki) == pytest.approx(2.0013, abs=1e-4)
     lp3 = pack_histogram(wiki, 512, 3, "lphp")
@@ -63,6 +62,7 @@ def _random_hist(rng: np.random.Generator, max_len: int) -> np.ndarray:
     return h
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_strategies_reproduce_random_histograms(algorithm):
     rng = np.random.default_rng(7)
@@ -79,6 +79,7 @@ def test_strategies_reproduce_random_histograms(algorithm):
             assert s.num_packs == h.sum()
 
 
+@pytest.mark.unit
 def test_lphp_not_worse_than_baselines_on_skewed_histograms():
     """Ours vs the published ones on BERT-like shapes (many short + a spike at max_len)."""
     rng = np.random.default_rng(3)
@@ -91,6 +92,7 @@ def test_lphp_not_worse_than_baselines_on_skewed_histograms():
             assert ours >= pack_histogram(h, max_len, 3, base).efficiency - 1e-9, base
 
 
+@pytest.mark.unit
 def test_assignment_exactly_once_and_deterministic():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 65, size=3000)
@@ -112,6 +114,7 @@ def test_assignment_exactly_once_and_deterministic():
         assign_sequences(s, lengths[:-1], seed=0)
 
 
+@pytest.mark.unit
 def test_strategy_json_roundtrip():
     s = pack_histogram(histogram_from_lengths([5, 7, 9, 30, 31, 32], 32), 32, 2, "lpfhp")
     t = Strategy.from_json(json.dumps(s.to_json()))
@@ -120,6 +123,7 @@ def test_strategy_json_roundtrip():
         Strategy.from_json({"algorithm": "x"})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, max_len, match", [
     ("5 10\n6 -3\n", 512, "count -3 for length 6 must be >= 0"),
     ("5 10\n600 3\n", 512, "length 600 is longer than max_len=512"),
@@ -138,6 +142,7 @@ def test_bad_histogram_text(text, max_len, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.unit
 def test_bad_arguments():
     h = histogram_from_lengths([3, 7], 8)
     with pytest.raises(UserError, match="max_per_pack=0"):
@@ -150,6 +155,7 @@ def test_bad_arguments():
         histogram_from_lengths([3, 9], 8)
 
 
+@pytest.mark.full_system
 def test_cli_pack(tmp_path, capsys):
     hist = tmp_path / "h.txt"
     rng = np.random.default_rng(1)
@@ -185,7 +191,7 @@ def test_cli_pack(tmp_path, capsys):
     assert "max_len=0" in capsys.readouterr().err
 
 
-@needs_wiki
+@pytest.mark.multi_process
 @pytest.mark.slow
 def test_nnlshp_reaches_the_paper_on_wikipedia(wiki):
     """The paper's procedure (every composition of 512 into <= 3 lengths, 0.09 weight on lengths <= 8,
@@ -196,6 +202,7 @@ def test_nnlshp_reaches_the_paper_on_wikipedia(wiki):
     assert pack_histogram(wiki, 512, 3, "lphp").efficiency > s.efficiency
 
 
+@pytest.mark.multi_process
 def test_squad_auto_beats_every_candidate_and_nnlshp_matches_the_paper_code():
     """On SQuAD-384 at depth 3 lphp alone loses to LPFHP and SPFHP (its balanced filter); auto does not.
     NNLSHP must equal what Graphcore's nnlshp.py gives on this histogram (0.97386, run with their code's
@@ -234,6 +241,7 @@ def histograms(draw):
     return h, max_len, draw(st.integers(1, 4))
 
 
+@pytest.mark.multi_process
 @given(histograms())
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_auto_is_never_worse_than_spfhp_lpfhp_nnlshp(case):
@@ -248,6 +256,7 @@ def test_auto_is_never_worse_than_spfhp_lpfhp_nnlshp(case):
         assert auto.num_packs <= pack_histogram(h, max_len, k, name).num_packs, name
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("packs, match", [
     ({(5, 3): 0}, "count 0"),
     ({(5, 3, 1): 2}, "holds 3 sequences"),
@@ -264,6 +273,7 @@ def test_strategy_validate_raises_real_errors(packs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.full_system
 def test_strategy_validate_survives_python_O(tmp_path):
     import subprocess
     import sys

@@ -130,6 +130,7 @@ def equality_results():
     return configs, run_dist(_gradient_equality, P_NODES, P_LOCAL, args=(configs,), timeout=180)
 
 
+@pytest.mark.multi_process
 def test_gradients_equal_global_batch(equality_results):
     configs, results = equality_results
     for rank, res in enumerate(results):
@@ -139,6 +140,7 @@ def test_gradients_equal_global_batch(equality_results):
             assert item["views"], "param.grad must stay a view into its bucket"
 
 
+@pytest.mark.multi_process
 def test_bucket_counts_and_launch_order(equality_results):
     configs, results = equality_results
     n_params = len(list(make().parameters()))
@@ -155,6 +157,7 @@ def test_bucket_counts_and_launch_order(equality_results):
             assert item["unused"] == ["never.weight", "never.bias"]
 
 
+@pytest.mark.multi_process
 def test_overlap_launches_during_backward(equality_results):
     """With overlap the first bucket goes out before backward ends; without, only after it."""
     configs, results = equality_results
@@ -225,6 +228,7 @@ class _null:
         return False
 
 
+@pytest.mark.multi_process
 def test_no_sync_accumulation_and_unused():
     results = run_dist(_accumulation_and_unused, P_NODES, P_LOCAL, timeout=120)
     for rank, res in enumerate(results):
@@ -293,6 +297,7 @@ def _compression(world):
     return out
 
 
+@pytest.mark.multi_process
 def test_compression_error_within_dtype_bound():
     results = run_dist(_compression, P_NODES, P_LOCAL, timeout=120)
     for rank, res in enumerate(results):
@@ -339,6 +344,7 @@ def _ddp_and_timeline(world, trace_path):
     return out
 
 
+@pytest.mark.multi_process
 def test_ddp_hook_and_timeline():
     from scaleout.parallel import load_trace
 
@@ -364,6 +370,7 @@ def test_ddp_hook_and_timeline():
         assert any(e["ts"] < bwd[e["args"]["step"] - 1]["ts"] + bwd[e["args"]["step"] - 1]["dur"] for e in comm)
 
 
+@pytest.mark.unit
 def test_bucket_assignment():
     """Reverse order, >= cap closes a bucket, a separate first cap, dtypes never mixed (no processes)."""
     from scaleout.errors import UserError
@@ -396,8 +403,8 @@ def _gpu_compressed_step(world):
     return max_rel({n: g.cpu() for n, g in grads(model).items()}, want)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL path of DataParallel)")
+@pytest.mark.multi_process
+@pytest.mark.gpu(reason="NCCL path of DataParallel")
 def test_gpu_compressed_step():
     n = torch.cuda.device_count()
     for err in run_dist(_gpu_compressed_step, 1, n, timeout=120):
@@ -418,6 +425,7 @@ def _rebuild_order(world):
     return before, [names[0] for names in dp.buckets], dp.last_stats["launch_order"]
 
 
+@pytest.mark.multi_process
 def test_buckets_rebuilt_in_ready_order():
     results = run_dist(_rebuild_order, P_NODES, P_LOCAL, timeout=120)
     before, after, order = results[0]
@@ -443,6 +451,7 @@ def _prioritized(world):
     return applied, before, os.getpriority(os.PRIO_PROCESS, me), os.getpriority(os.PRIO_PROCESS, comm_tid), float(t[0])
 
 
+@pytest.mark.multi_process
 def test_prioritize_communication_renices_only_the_compute_thread():
     """Real 2x2 gloo world (fresh processes: the renice must not leak into the shared pool)."""
     for applied, before, after, comm, total in run_dist(_prioritized, nnodes=2, nproc_per_node=2, fresh=True):

@@ -30,7 +30,7 @@ def _trainer(world: Any, out: str, *overrides: str) -> Any:
 
 def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
     """Output dtypes of every nn.Linear in a training step and in the evaluation."""
-    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "train.max_steps=1")
+    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=1")
     trainer.build()
     import scaleout.preempt as preempt
 
@@ -54,6 +54,7 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
             "state": sorted({str(t.dtype) for t in state if t.is_floating_point()})}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"),
                                                   ("fp32", "torch.float32")])
 def test_matmuls_run_in_the_configured_precision(tmp_path: Path, precision: str, dtype: str) -> None:
@@ -64,6 +65,7 @@ def test_matmuls_run_in_the_configured_precision(tmp_path: Path, precision: str,
     assert r["params"] == r["grads"] == r["state"] == ["torch.float32"], r
 
 
+@pytest.mark.unit
 def test_loss_scale_follows_grad_scaler() -> None:
     """The host-side rule equals torch's own GradScaler kernel (torch._amp_update_scale_) on a sequence of
     finite / non-finite steps: back off on every skip, grow after growth_interval finite steps."""
@@ -94,6 +96,7 @@ def _scaler_run(world: Any, out: str) -> dict:
             "resumed_scale": resumed.task.precision.scale, "digest": digest}
 
 
+@pytest.mark.full_system
 def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> None:
     """One rank sees inf: every rank skips that step and halves the scale (65536 -> 32768), the replicas
     stay identical, and the scale is in the checkpoint (a resumed run continues with 32768)."""
@@ -102,6 +105,36 @@ def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> No
         assert rank["status"] == "max_steps" and rank["skipped"] == 1, rank
         assert rank["scale"] == rank["resumed_scale"] == 32768.0, rank
     assert r[0]["digest"] == r[1]["digest"]
+
+
+def _fp16_updates(world: Any, out: str) -> dict:
+    """The weight update of 3 fp16 steps with plain LAMB and with the sharded LAMB, overlapped and not.
+    optim.eps=0.5 makes LAMB's step depend on the gradients' scale (m / (sqrt(v) + eps)), so gradients left
+    scaled by S = 65536 would show."""
+    got = {}
+    for name, extra in (("plain", []), ("sharded", ["optim.sharded=true"]),
+                        ("overlapped", ["optim.sharded=true", "optim.overlap_comm=true"])):
+        trainer = _trainer(world, f"{out}/{name}", "train.precision=fp16", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=3",
+                           "train.eval_every=3", "optim.eps=0.5", "optim.warmup_steps=0", *extra)
+        trainer.build()
+        before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()])
+        trainer.run()
+        after = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
+        got[name] = (after - before).double()
+    return got
+
+
+@pytest.mark.multi_process
+def test_fp16_with_the_sharded_lamb_unscales_its_own_buffers(tmp_path: Path) -> None:
+    """The sharded LAMB reduces gradients into its own shard buffers (during backward when overlapped), so
+    Precision.unscale_ hands it 1/S (ShardedLAMB.unscale_): fp16 with it takes the same steps as fp16 with
+    plain LAMB. Before: overlapped was a config error, and without the hook the update used S x gradients."""
+    r = run_dist(_fp16_updates, nnodes=1, nproc_per_node=2, args=(str(tmp_path),), timeout=600)[0]
+    ref = r["plain"]
+    assert ref.abs().max() > 0
+    for name in ("sharded", "overlapped"):
+        err = float((r[name] - ref).abs().max() / ref.abs().max())
+        assert err < 1e-3, (name, err)
 
 
 def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
@@ -127,6 +160,7 @@ def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
     return losses[-1] / losses[0], grad
 
 
+@pytest.mark.multi_process
 def test_fp16_needs_and_gets_loss_scaling() -> None:
     scaled, grad_scaled = _fit(scaling=True)
     unscaled, grad_unscaled = _fit(scaling=False)
@@ -139,7 +173,7 @@ def _train_fp16(world: Any, out: str) -> dict:
     from scaleout.train.loop import Trainer
 
     cfg = load_config("bert_tiny_cpu", [
-        f"train.output_dir={out}", "checkpoint.dir=null", "train.progress=false", "train.precision=fp16",
+        f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false", "train.precision=fp16",
         # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
         "model.bert.hidden=32", "model.bert.intermediate=128", "model.bert.layers=1",
         "train.global_batch=32", "train.max_steps=120", "train.eval_every=20", "train.target=0.054",
@@ -150,6 +184,7 @@ def _train_fp16(world: Any, out: str) -> dict:
             "scale": trainer.task.precision.scale, "first": trainer.losses[0], "last": trainer.losses[-1]}
 
 
+@pytest.mark.full_system
 @pytest.mark.slow
 def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> None:
     """The trainer in fp16 on the pydoc corpus reaches masked-LM accuracy 0.054 (the most-frequent-token
@@ -160,6 +195,7 @@ def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> 
     assert r["last"] < r["first"] - 1.0 and r["scale"] >= 2.0**15, r
 
 
+@pytest.mark.unit
 def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("bf16", "cpu", "none", "bert") == {
         "lowest_numerical_precision_in_linear": "bfloat16", "lowest_numerical_precision_in_attn": "bfloat16",
@@ -167,7 +203,7 @@ def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"] == "fp16"
     assert set(mlperf_numerics("fp32", "cpu", "bf16", "resnet").values()) == {"fp32", "bfloat16"}
     from scaleout.config import load_config
-    from scaleout.mlperf import hyperparameters
+    from scaleout.train.hparams import hyperparameters
 
     cfg = load_config("bert_large_256x8", ["optim.sharded=true"])  # sharded: fp32 reduce-scatter, whatever compression
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"
@@ -196,6 +232,7 @@ def _captured_vs_eager(world: Any, compression: str) -> dict:
     return {"same": [torch.equal(a, p.grad) for a, p in zip(eager, model.parameters(), strict=True)]}
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("compression", ["bf16", None])
 def test_captured_step_keeps_algorithm_and_compression(compression: str | None) -> None:
     """The step CUDA graphs capture (capture.data_parallel_step) averages the buckets exactly as the eager

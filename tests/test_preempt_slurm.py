@@ -34,11 +34,28 @@ from scaleout.launchers.slurm import sbatch
 from tests.slurmutil import REPO, wait_for_text
 
 SCRIPT = "slurm/bert_256node.sh"
-# Data and initial weights of the item-8 run. After the MLPerf-format shards (`scaleout data make-shards`) and
-# model.init_checkpoint land, these become e.g. ["data.source=wikipedia", f"data.path={shards}"] and
-# [f"model.init_checkpoint={ckpt}"]; today: the offline pydoc corpus and a random initialisation.
-SHARD_OVERRIDES: list[str] = []
-INIT_OVERRIDES: list[str] = []
+def _mlperf_inputs(root: Path) -> list[str]:
+    """What the item-8 run reads instead of the MLPerf files: the offline corpus written as MLPerf shards in
+    NVIDIA's packed v2.0 layout (`scaleout data make-shards`), and phase-1 weights as an NVIDIA-style checkpoint
+    ({"model": DDP-prefixed Hugging Face names}) of the tiny model, for model.init_checkpoint."""
+    import torch
+    import yaml
+
+    from scaleout.config.schema import BertConfig
+    from scaleout.data.make_shards import make_shards
+    from scaleout.models.bert import BertForPreTraining
+    from scaleout.models.bert_convert import to_hf
+
+    tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
+    b, d = tiny["model"]["bert"], tiny["data"]
+    make_shards(root / "shards", 4, "packed", max_seq_len=d["max_seq_len"], max_predictions=d["max_predictions"],
+                vocab_size=b["vocab_size"], dupe_factor=1, packing="lpfhp", max_per_pack=d["max_per_pack"])
+    torch.manual_seed(7)
+    model = BertForPreTraining(BertConfig(**b))
+    hf = to_hf(model.state_dict(), b["layers"])
+    torch.save({"model": {f"module.{k}": v for k, v in hf.items()}, "epoch": 0}, root / "phase1.pt")
+    return ["data.source=wikipedia", f"data.path={root / 'shards'}", "data.num_workers=1",
+            f"model.init_checkpoint={root / 'phase1.pt'}"]
 
 
 def _tiny() -> list[str]:
@@ -49,7 +66,9 @@ def _tiny() -> list[str]:
 
     tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
     del tiny["train"]["output_dir"], tiny["checkpoint"]["dir"]  # the script's run directory must stay in charge
-    return _flatten("", tiny) + ["launch.env=slurm", "train.progress=false"]
+    # keys the big config sets and the tiny one does not: no schedule offset, evaluation from the start
+    return _flatten("", tiny) + ["launch.env=slurm", "train.progress=false", "model.init_checkpoint=null",
+                                 "optim.start_warmup_step=0", "train.eval_start_step=0"]
 
 
 def _submit(cluster, tmp: Path, name: str, overrides: list[str], opts: tuple[str, ...] = (),
@@ -150,7 +169,9 @@ def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.timeout(1800)
 def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_path):
-    """Item 8, the whole path: `sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` with the
+    """Item 8, the whole path: `sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` reading
+    MLPerf-format shards lazily (packed layout, a prefetch worker per rank) from phase-1 weights in NVIDIA's
+    checkpoint layout, with the
     script's own --output (in the submit directory, which exists), MLPerf lines on stdout too;
     `scontrol requeue` mid-run -> the requeued job resumes; scancel mid-run -> a manual resubmission under the
     same name resumes from the same run directory and runs to the end; the appended MLPerf log holds the three
@@ -159,7 +180,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
 
     name = f"item8-{uuid.uuid4().hex[:6]}"
     steps = 12
-    overrides = [*_tiny(), *SHARD_OVERRIDES, *INIT_OVERRIDES, f"train.max_steps={steps}",
+    overrides = [*_tiny(), *_mlperf_inputs(tmp_path / "inputs"), f"train.max_steps={steps}",
                  f"train.eval_every={steps}", "train.target=0.001", "checkpoint.every_steps=2",
                  "train.global_batch=16", "mlperf.stdout=true"]
     run_dir = tmp_path / name
@@ -193,6 +214,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "success" and report["devices"] == 4 and report["weights_consistent"] is True
     assert report["steps"] == steps - resumed[-1]
+    assert report["task"]["init_checkpoint"] == "huggingface/nvidia" and report["task"]["packing"]["per"] == "shard"
 
     log = (run_dir / "mlperf.log").read_text()
     attempts = split_attempts(log)
@@ -205,6 +227,7 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
     assert ok and out.startswith("attempt 3 of 3"), out[-3000:]
 
 
+@pytest.mark.full_system
 def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
     """Rank 0 of 2 (torchrun-style variables) waits in the rendezvous for rank 1; SIGUSR2 reaches it there.
     It must survive, stop after the first step with its peer, checkpoint and exit 75 (no Slurm: no requeue)."""
@@ -243,6 +266,7 @@ def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
     assert "requeue" not in outs[0]  # outside Slurm nothing to requeue
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_method):
     """As Slurm signals every process of a step: USR2 then TERM to the whole process group. The rank notes
@@ -258,6 +282,7 @@ def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_metho
     assert result["noticed"] and result["terminating"], result
 
 
+@pytest.mark.unit
 def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
     """checkpoint.every_steps was silently ignored without checkpoint.dir (and a notice then requeued a fresh
     start forever): now a one-line error before anything starts."""
@@ -270,6 +295,7 @@ def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
     assert load_config(None, ["checkpoint.every_steps=5", "checkpoint.dir=/tmp/x"]).checkpoint.every_steps == 5
 
 
+@pytest.mark.full_system
 def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
     """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
     (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no scontrol is called.)"""

@@ -95,6 +95,7 @@ def _prefetch_checks(world) -> dict:
     # workers got the data source, not the task: the model's storages were not moved to shared memory
     res["model_shared"] = any(p.is_shared() for p in task.model.parameters())
     return res
+@pytest.mark.multi_process
 def test_prefetcher_same_batches_in_order_and_resumes() -> None:
     """2 ranks, 2 and 1 worker processes: every rank's background batches equal its synchronous ones, in
     order, also when started at a later step (resume); asking out of order or past the end raises. The
@@ -112,6 +113,7 @@ def test_prefetcher_same_batches_in_order_and_resumes() -> None:
         assert not r["model_shared"], r
 
 
+@pytest.mark.unit
 def test_bad_prefetch_settings_are_one_line_errors() -> None:
     from scaleout.errors import UserError
     from scaleout.train.prefetch import Prefetcher
@@ -124,13 +126,14 @@ def test_bad_prefetch_settings_are_one_line_errors() -> None:
         Prefetcher(None, 8, 1, 0, 4, num_workers=1, start_method="vfork")
 
 
+@pytest.mark.unit
 def test_sequence_table_builds_the_same_batches() -> None:
     """The array table prefetch workers receive lays out exactly the batches of the sequence list
     (packed rows with several sequences, padded rows)."""
     import numpy as np
 
+    from scaleout.data.batches import SequenceTable
     from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
-    from scaleout.train.tasks import SequenceTable
 
     seqs = synthetic_sequences(np.random.default_rng(0).integers(1, 48, size=60), 500, seed=0)
     table = SequenceTable(seqs)
@@ -158,6 +161,7 @@ def _train(world, out: str, workers: int) -> dict:
             "prefetcher": type(trainer.prefetcher).__name__}
 
 
+@pytest.mark.full_system
 def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path: Path) -> None:
     """Same 4 deterministic steps on 2 ranks with 0 and 2 data workers: bitwise equal weights; the
     report gives the fraction of step time spent waiting for data."""
@@ -166,7 +170,9 @@ def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path
     assert sync[0]["prefetcher"] == "NoneType" and bg[0]["prefetcher"] == "Prefetcher"
     for a, b in zip(sync, bg, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
-    for run in ("sync", "bg"):
-        report = json.loads((tmp_path / run / "report.json").read_text())
+    reports = {run: json.loads((tmp_path / run / "report.json").read_text()) for run in ("sync", "bg")}
+    for report in reports.values():
         assert 0.0 < report["data_wait_fraction"] < 1.0, report["data_wait_fraction"]
         assert report["breakdown_s"]["data"] > 0.0
+    # the FLOPs counted where a batch is built come back from the workers (MFU was 0 with workers)
+    assert reports["bg"]["flops_per_sample"] == reports["sync"]["flops_per_sample"] > 0

@@ -14,6 +14,7 @@ from scaleout.models.resnet import Bottleneck, ResNet, build_resnet, count_macs
 from scaleout.report import RESNET50_FORWARD_MACS
 
 
+@pytest.mark.multi_process
 def test_resnet_matches_published_sizes_and_v15_stride():
     # torchvision's published parameter counts and GFLOPs (multiply-adds) for the same architectures
     r50 = ResNet(50)
@@ -30,6 +31,7 @@ def test_resnet_matches_published_sizes_and_v15_stride():
     assert all(torch.all(m.last_bn().weight == 1) for m in r50b.modules() if isinstance(m, Bottleneck))
 
 
+@pytest.mark.multi_process
 def test_small_resnets_from_config_and_errors():
     blocks = {}
     for depth in (18, 34, 50, 101, 152):
@@ -45,6 +47,7 @@ def test_small_resnets_from_config_and_errors():
         build_resnet(ResNetConfig(depth=18, width=4, bn_group=2))
 
 
+@pytest.mark.multi_process
 def test_synthetic_images_deterministic_and_learnable():
     data = SyntheticImages(num_classes=10, image_size=16, length=10_000, seed=3)
     x1, y1 = data.get(np.array([5, 7, 9]))
@@ -77,6 +80,7 @@ def _train_tiny_resnet(data: SyntheticImages) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
+@pytest.mark.unit
 def test_image_folder_reader(tmp_path):
     from PIL import Image
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py  # the test extra installs it: missing is a failure, not a skip
 import numpy as np
 import pytest
 
@@ -20,8 +21,6 @@ from scaleout.data.corpus import pydoc_documents
 from scaleout.data.make_shards import make_shards
 from scaleout.data.shard_format import ShardReader, shard_files
 from scaleout.errors import UserError
-
-h5py = pytest.importorskip("h5py")
 
 SEQ, PRED, VOCAB = 64, 10, 1024
 
@@ -50,6 +49,7 @@ def _key(tokens, positions, labels, nsp_is_next) -> tuple:
     )
 
 
+@pytest.mark.full_system
 def test_make_shards_writes_the_reference_format(tmp_path, capsys):
     """CLI: N shards + eval file with exactly the reference's fields, dtypes and shapes (NVIDIA's
     create_pretraining_data.py HDF5 writer: i4/i1/i1/i4/i4/i1), sizes balanced like chop_hdf5_files.py."""
@@ -104,6 +104,7 @@ def test_make_shards_writes_the_reference_format(tmp_path, capsys):
     assert "--layout='zip'" in capsys.readouterr().err
 
 
+@pytest.mark.multi_process
 def test_three_layouts_read_back_the_same_sequences(built):
     """Reference fixed, NVIDIA varlength and NVIDIA packed (v2.0) files hold the corpus samples exactly;
     the fixed file row by row, the packed one as packs that together hold every sequence once."""
@@ -147,6 +148,7 @@ def _stream(root, world, rank, packing="lpfhp", batch=12):
     return open_shards(cfg, rank, world)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("layout", ["fixed", "packed"])
 def test_lazy_stream_every_sequence_once_per_epoch_on_every_layout(built, layout):
     """3 ranks (each its own stream, as in separate processes): over one epoch the ranks' rows hold every
@@ -187,6 +189,7 @@ def _sequences_of_row(b, row) -> list[tuple]:
     return out
 
 
+@pytest.mark.multi_process
 def test_a_rank_opens_only_the_shards_of_its_steps_and_resumes_exactly(built):
     """A step reads only the shard(s) its rows are in (the LRU holds <= 2 open files, <= 3 shards' packs);
     a stream pickled (prefetch workers) or rebuilt (a resumed run) gives the same batches at a position."""
@@ -208,6 +211,7 @@ def test_a_rank_opens_only_the_shards_of_its_steps_and_resumes_exactly(built):
             assert all((x[0][k] == y[0][k]).all() and (x[0][k] == z[0][k]).all() for k in x[0])
 
 
+@pytest.mark.multi_process
 def test_index_is_built_in_parallel_and_shared(built):
     """2 real ranks (gloo): each indexes its half of the shards, rank 0 writes one summary, both read the
     same counts; the cache sits beside the data."""
@@ -262,6 +266,7 @@ print([int(x.split()[1]) / 1024 for x in open("/proc/self/status") if x.startswi
 ROWS = 10_000  # sequences per shard: 8 shards' eager records are far more than 15 % of a rank's base RSS
 
 
+@pytest.mark.full_system
 def test_host_memory_does_not_grow_with_shards(tmp_path):
     """A rank's resident heap after its data path with 8 shards <= 1.15x with 2 (same shard size); the eager
     load the trainer did before grows past that bar on the same files (so this test fails on the old code
@@ -301,6 +306,7 @@ def test_host_memory_does_not_grow_with_shards(tmp_path):
     assert eager[8] > 1.15 * eager[2], eager
 
 
+@pytest.mark.full_system
 def test_train_on_make_shards_output_end_to_end(built, tmp_path):
     """`scaleout train` on 2 ranks (a prefetch worker each) from the packed (NVIDIA v2.0) files: MLPerf log
     passes the real checker,
@@ -346,6 +352,7 @@ def _open_or_error(world, path, max_len, max_pred):
     return None
 
 
+@pytest.mark.multi_process
 def test_bad_shards_stop_every_rank_with_one_line(built):
     """A shard with rows longer than data.max_seq_len, found while rank 1 indexes it, stops *both* ranks
     with the same one-line error (not rank 1 failing while rank 0 waits at the barrier); more mask slots in
@@ -359,6 +366,7 @@ def test_bad_shards_stop_every_rank_with_one_line(built):
     assert out[0] == out[1] and f"data.max_predictions=5 but part_00000_of_00004.hdf5 has {PRED} mask slots" in out[0]
 
 
+@pytest.mark.multi_process
 def test_one_folder_holds_out_its_first_sequences_for_eval(built):
     """data.path without train/ + eval/: the first data.eval_samples sequences (sorted files, row order) are
     the eval set, and training never sees them."""

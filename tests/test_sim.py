@@ -6,7 +6,6 @@ tests/test_sim_calibrate.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -35,6 +34,7 @@ def coeffs(alg: str, cluster: Cluster, nodes: int, n: float, **kw) -> np.ndarray
     return plan_for(alg, cluster, nodes, n, **kw).linearize(np.array(cluster.constants.vector()))
 
 
+@pytest.mark.unit
 def test_ring_matches_textbook_and_busbw_tends_to_link_bandwidth():
     c = toy(g=8)
     n = 1 << 30
@@ -45,6 +45,7 @@ def test_ring_matches_textbook_and_busbw_tends_to_link_bandwidth():
     assert allreduce_cost("flat", c, 1, n).time == t.time  # alias
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("g, k", [(2, 2), (4, 4), (8, 16)])
 def test_bytes_through_a_node_link_flat_vs_hierarchical(g, k):
     """DESIGN facts: flat ring 2(p-1)/p * n leaves each node, hierarchical 2(k-1)/k * n (one NIC)."""
@@ -55,6 +56,7 @@ def test_bytes_through_a_node_link_flat_vs_hierarchical(g, k):
     assert hier == pytest.approx(2 * (k - 1) / k * n)
 
 
+@pytest.mark.unit
 def test_latency_steps_ring_tree_torus():
     c = toy(g=8)
     k, p = 512, 4096
@@ -70,6 +72,7 @@ def test_latency_steps_ring_tree_torus():
     assert allreduce_cost("torus2d", c, k, 1e3, torus_x="square").time < allreduce_cost("ring", c, k, 1e3).time / 10
 
 
+@pytest.mark.unit
 def test_multi_nic_ring_uses_every_nic():
     one, eight = toy(g=8, nics=1), replace(toy(g=8, nics=8), streams_per_ring=8)
     n = 1 << 28
@@ -77,6 +80,7 @@ def test_multi_nic_ring_uses_every_nic():
         8 * allreduce_cost("ring", eight, 4, n).bandwidth, rel=0.01)
 
 
+@pytest.mark.unit
 def test_gloo_pipeline_uses_grid_chunks():
     c = toy(g=2, backend="gloo")
     small, big = coeffs("hierarchical", c, 2, 1 << 20), coeffs("hierarchical", c, 2, 64 << 20)
@@ -84,6 +88,7 @@ def test_gloo_pipeline_uses_grid_chunks():
     assert big[IDX["base"]] == 3 + 15  # 16 chunks of 4 MiB: + 15 repeats of the slowest stage
 
 
+@pytest.mark.unit
 def test_fit_recovers_constants_from_model_generated_data():
     truth = toy(g=2, backend="gloo", gamma=1 / 3e9, beta_inter=1 / 0.12e9)
     rows = []
@@ -99,6 +104,7 @@ def test_fit_recovers_constants_from_model_generated_data():
     assert f.constants.gamma == pytest.approx(truth.constants.gamma, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_fit_scales_beta_inter_by_link_rate():
     truth = toy(g=2, backend="gloo", beta_inter=1 / 0.125e9)  # 1 Gbit/s
     rows = []
@@ -112,6 +118,7 @@ def test_fit_scales_beta_inter_by_link_rate():
     assert f.train_rms < 1e-6
 
 
+@pytest.mark.unit
 def test_overlap_hides_communication_behind_backward():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
     slow = TrainSpec(local_batch=64, algorithm="tree")  # ~250 ms of compute: comm fits under backward
@@ -123,6 +130,7 @@ def test_overlap_hides_communication_behind_backward():
     assert serial.step > r.step
 
 
+@pytest.mark.unit
 def test_efficiency_falls_with_scale_and_one_node_is_nearly_free():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
     rows = sweep(m, TrainSpec(local_batch=4), c, ["ring"], gpu_counts(c, 4096))
@@ -132,28 +140,35 @@ def test_efficiency_falls_with_scale_and_one_node_is_nearly_free():
     assert [r.gpus for r in rows] == [8 * 2**i for i in range(10)]
 
 
+@pytest.mark.full_system
 def test_time_to_train_counts_steps():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
     t = time_to_train(m, TrainSpec(local_batch=4, algorithm="tree"), c, 512)
-    assert t.steps == 470 and t.evals == 23
-    assert t.total == pytest.approx(470 * t.step + t.eval_time)
+    # the preset converges where NVIDIA's 512-node runs did: 5533303 sequences (logs), not at MAX_STEPS=470
+    assert t.steps == 338 and t.evals == 17
+    assert t.total == pytest.approx(338 * t.step + t.eval_time)
 
 
+@pytest.mark.unit
 def test_validation_b_nccl_tests_busbw():
     v = nccl_busbw_a100()
     print(f"\n(b) predicted {v.predicted:.1f} GB/s vs nccl-tests ~{v.reference:g} GB/s ({v.error:+.1%})")
     assert v.ok, f"{v.predicted:.1f} GB/s is not within 15 % of {v.reference}"
 
 
+@pytest.mark.full_system
 def test_validation_c_mlperf_bert_time_to_train():
     v = mlperf_bert()
     print(f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); {v.details}")
     assert v.ok, f"{v.predicted:.3f} min is not within 30 % of {v.reference}"
-    # the conclusion must not hinge on the MFU guess: 30-50 % stays inside the tolerance
-    assert all(mlperf_bert(mfu=m).ok for m in (0.3, 0.5))
-    assert not mlperf_bert(algorithm="ring").ok  # a flat ring at 4096 GPUs would miss by far
+    # With SHARP and the sharded update modelled, communication no longer dominates, so the MFU guess
+    # matters: 30 % and the assumed 40 % are inside the tolerance (50 % gives -35 %, docs/simulate.md).
+    assert mlperf_bert(mfu=0.3).ok and mlperf_bert(mfu=0.3).predicted > v.predicted > mlperf_bert(mfu=0.5).predicted
+    # DDP's replicated all-reduce on a flat ring without SHARP at 4096 GPUs would miss by far
+    assert not mlperf_bert(algorithm="ring", optimizer="replicated", sharp=False).ok
 
 
+@pytest.mark.unit
 def test_validation_d_horovod_ring_vs_hierarchical():
     ring, hier, ablation = horovod_542()
     print(f"\n(d) ring {ring.predicted:.0f} % vs hierarchical {hier.predicted:.0f} % "
@@ -164,6 +179,7 @@ def test_validation_d_horovod_ring_vs_hierarchical():
     assert ablation["ring, one stream fills the NIC"] > ring.predicted + 10
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "call, err, needle",
     [
@@ -186,21 +202,22 @@ def test_bad_input_is_a_one_line_error(call, err, needle):
     assert "\n" not in str(exc.value)
 
 
+@pytest.mark.full_system
 def test_cli_validate_scale_calibrate(tmp_path, capsys):
     out = tmp_path / "v.json"
     assert main(["simulate", "validate", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "MLPerf v2.0 BERT" in text and "assumptions (c)" in text
     checks = json.loads(out.read_text())["checks"]
-    assert [c["ok"] for c in checks] == [True, True, None, None]
+    assert [c["status"] for c in checks] == ["ok", "ok", "compare", "compare", "ok", "ok", "known miss", "known miss"]
 
     png, js = tmp_path / "s.png", tmp_path / "s.json"
-    has_mpl = importlib.util.find_spec("matplotlib") is not None  # optional dependency (extra "plot")
+    # matplotlib: extra "plot", which the test extra installs too (never a silently smaller check)
     assert main(["simulate", "scale", "--cluster", "dgx-h100", "--model", "resnet50", "--local-batch", "256",
-                 "--max-gpus", "64", "--out", str(js)] + (["--png", str(png)] if has_mpl else [])) == 0
+                 "--max-gpus", "64", "--out", str(js), "--png", str(png)]) == 0
     rows = json.loads(js.read_text())["rows"]
     assert {r["gpus"] for r in rows} == {8, 16, 32, 64} and len(rows) == 16
-    assert not has_mpl or png.stat().st_size > 10_000
+    assert png.stat().st_size > 10_000
 
     truth = get_cluster("netns-1g")
     bench = []

@@ -65,6 +65,7 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     assert 0.7 * link < 1 / fit.constants.beta_inter < 1.3 * link, (link, fit.constants.describe())
 
 
+@pytest.mark.unit
 def test_schema_aliases_and_rates(tmp_path):
     rows = [{"algorithm": "flat", "bytes": 1 << 20, "nnodes": 2, "nproc_per_node": 2, "median_s": 0.01,
              "rate": "1gbit"}]
@@ -75,6 +76,7 @@ def test_schema_aliases_and_rates(tmp_path):
     assert parse_rate("500mbit") == 5e8 and parse_rate(2.5e9) == 2.5e9 and parse_rate(None) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "row, needle",
     [
@@ -90,6 +92,7 @@ def test_bad_rows_are_one_line_errors(row, needle):
     assert "\n" not in str(exc.value)
 
 
+@pytest.mark.unit
 def test_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_samples(tmp_path / "missing.json")

@@ -72,7 +72,7 @@ def test_srun_environment_maps_to_world(slurm_cluster, tmp_path):
     assert "BATCH step_id=unset procid=0 env=single" in out, out  # SLURM_PROCID alone is not an srun task
     w = _worlds(out)
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in w] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-    assert all(r["source"] == "slurm" and r["num_nodes"] == 2 and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
+    assert all(r["launcher"] == "slurm" and r["num_nodes"] == 2 and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
     assert {r["master_addr"] for r in w} == {"n1"}  # first host of the nodelist; resolves via /etc/hosts
     assert [r["slurmd_nodename"] for r in w] == ["n1", "n1", "n2", "n2"]
     assert w[0]["ranks_per_node"] == [[0, 1], [2, 3]]
@@ -236,6 +236,24 @@ def test_submitit_local_executor_without_slurm(tmp_path):
     assert p.returncode == 0, out
     assert "submitted local job" in out and "launcher environment : local" in out
     assert "2 ranks on 1 nodes" in out and "result               : OK" in out
+
+
+def test_time_limit_reached_when_slurmctld_does_not_answer(tmp_path, monkeypatch):
+    """A loaded slurmctld times out exactly when jobs end: `scontrol` printing nothing must not make a notice
+    + time-limit SIGTERM look like a scancel (the job then ended TIMEOUT without its requeue). The silent
+    controller is a stand-in script (the real one cannot be made to time out on demand); a job in state
+    TIMEOUT is read as such."""
+    from scaleout import preempt
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=2) is True
+    fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=TIMEOUT Reason=TimeLimit'\n")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is True
+    fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=RUNNING RunTime=00:00:10 TimeLimit=00:05:00'\n")
+    assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is False  # a scancel mid-run
 
 
 def test_time_limit_reached_reads_the_job(slurm_cluster, tmp_path, monkeypatch):

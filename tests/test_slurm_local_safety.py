@@ -20,6 +20,7 @@ from scaleout.errors import UserError
 from scaleout.launchers.slurm import HERE, LocalSlurm, _alive
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the local Slurm scripts run as root")
+pytestmark = [pytestmark, pytest.mark.full_system]
 
 START, STOP, COMMON = str(HERE / "start.sh"), str(HERE / "stop.sh"), str(HERE / "common.sh")
 MARKER = ".scaleout-slurm-state"

@@ -26,6 +26,7 @@ SHORT_SWEEP = ["--steps", "2", "--warmup", "1", "--per-rank-batch", "4", "--no-p
 OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type=END"]
 
 
+@pytest.mark.unit
 def test_parse_slurm_options() -> None:
     got = parse_slurm_options(OPTS)
     assert got == {"account": "proj", "qos": "high", "constraint": "a100", "exclusive": True, "mail_type": "END"}
@@ -35,6 +36,7 @@ def test_parse_slurm_options() -> None:
             parse_slurm_options([bad])
 
 
+@pytest.mark.unit
 def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
     runner = make_runner("slurm", slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
     assert isinstance(runner, SlurmRunner)
@@ -49,6 +51,8 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
     ]
     with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
         make_runner("local", slurm={"account": "proj"})
+    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log")
+    assert "--gpus-per-node=2" in gpu and not any("gpus-per-task" in a for a in gpu)  # every rank sees its node's GPUs
 
 
 @pytest.mark.slurm
@@ -71,6 +75,9 @@ def test_submitit_script_carries_the_options(slurm_cluster, tmp_path: Path, monk
         "#SBATCH --requeue",
     ):
         assert line in script.splitlines(), script
+    gpu = make_executor(SubmitSpec(argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), gpus_per_node=8))
+    gpu_script = submitit.slurm.slurm._make_sbatch_string(command="true", folder=str(tmp_path), **gpu.parameters)
+    assert "#SBATCH --gpus-per-node=8" in gpu_script.splitlines() and "gpus-per-task" not in gpu_script, gpu_script
     with pytest.raises(UserError, match="sbatch options, but this job runs on submitit's local executor"):
         make_executor(SubmitSpec(argv=["smoke"], cluster="local", extra_slurm={"qos": "high"}))
 
@@ -145,6 +152,7 @@ def test_real_submissions_carry_a_comment(slurm_cluster, tmp_path: Path) -> None
     assert _comment_of_jobs_named(slurm_cluster, "sweep-w001-1x1").count(f"{tag}-sw") == 1
 
 
+@pytest.mark.full_system
 def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """An interrupted sweep (here: world 2's result lost) reruns only what is missing; a point whose command
     changed is not taken from the earlier run."""

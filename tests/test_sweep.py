@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from scaleout.argtypes import parse_csv
 from scaleout.cli import main
 from scaleout.errors import UserError
 from scaleout.sweep import (
@@ -19,7 +20,6 @@ from scaleout.sweep import (
     SweepPoint,
     add_efficiency,
     node_shapes,
-    parse_int_list,
     plan_points,
     read_point,
 )
@@ -64,6 +64,7 @@ def _check_sweep_outputs(out, worlds: list[int], per_rank: int, steps: int, warm
     return rows
 
 
+@pytest.mark.full_system
 def test_real_local_sweep_writes_csv_json_md_png(tmp_path, capsys):
     """world 1 (one node) and 2 (two emulated nodes x 1 rank), weak scaling, 3 steps of which 2 are timed."""
     out = tmp_path / "sweep"
@@ -90,6 +91,7 @@ def test_real_local_sweep_writes_csv_json_md_png(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.unit
 def test_weak_and_strong_batch_arithmetic():
     weak = plan_points([4, 1, 2], "weak", 8, ranks_per_node=2)
     assert [(p.world, p.nodes, p.ranks_per_node, p.global_batch, p.per_rank_batch) for p in weak] == [
@@ -106,6 +108,7 @@ def test_weak_and_strong_batch_arithmetic():
     assert plan_points([2], "weak", 8)[0].name == "w002-2x1"  # no shape given: one rank per node
 
 
+@pytest.mark.unit
 def test_node_shapes_from_nproc_per_node_or_nodes():
     # --nproc-per-node G: N <= G on one (partly filled) node, larger N on N / G full nodes.
     assert node_shapes([1, 2, 4, 8], None, 2) == [(1, 1), (1, 2), (2, 2), (4, 2)]
@@ -120,10 +123,10 @@ def test_node_shapes_from_nproc_per_node_or_nodes():
         node_shapes([3], [2], None)
     with pytest.raises(UserError, match="each world size once"):
         node_shapes([2, 2], None, 1)
-    assert parse_int_list(" 1, 2,4 ", "--world") == [1, 2, 4]
+    assert parse_csv(" 1, 2,4 ", "--world", int, at_least=1) == [1, 2, 4]
     for bad in ("1,x", "0,2", ""):
         with pytest.raises(UserError, match="--world"):
-            parse_int_list(bad, "--world")
+            parse_csv(bad, "--world", int, at_least=1)
 
 
 def _result(world: int, global_batch: int, step_s: float, steps: int = 4) -> PointResult:
@@ -131,6 +134,7 @@ def _result(world: int, global_batch: int, step_s: float, steps: int = 4) -> Poi
     return PointResult(p, "ok", 1.0, steps, global_batch * steps, 0, step_s * steps)
 
 
+@pytest.mark.unit
 def test_efficiency_formulas_and_median_of_rounds():
     # Weak: per-rank throughput relative to the base; base 8 samples in 1 s, world 4: 32 in 1.25 s -> 80 %.
     weak = [_result(1, 8, 1.0), _result(4, 32, 1.25)]
@@ -157,6 +161,7 @@ def test_efficiency_formulas_and_median_of_rounds():
     assert pick.step_s == pytest.approx(2.0) and pick.runs == 3 and pick.step_s_range == pytest.approx((1.0, 3.0))
 
 
+@pytest.mark.unit
 def test_read_point_rejects_reports_without_timed_steps(tmp_path):
     p = SweepPoint(2, 1, 2, 8)
     assert read_point(p, tmp_path / "missing.json", 1.0).status.startswith("failed: no report")
@@ -190,6 +195,7 @@ BAD = [
 ]
 
 
+@pytest.mark.full_system
 @pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
 def test_bad_input_is_one_line_before_anything_starts(tmp_path, capsys, argv, message):
     out = tmp_path / "sweep"

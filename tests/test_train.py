@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.full_system
+
 FAST = ["train.global_batch=16", "data.eval_samples=32", "optim.warmup_steps=2", "optim.total_steps=8",
         "train.progress=false"]
 
@@ -122,12 +124,21 @@ def test_kill_9_one_rank_then_rerun_resumes(tmp_path: Path) -> None:
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    """Children of the launcher in rank order (they were started in rank order)."""
+    """The launcher's rank processes in rank order (started in rank order), not its watchdog (also a child)."""
     try:
         with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
-            return sorted(int(x) for x in f.read().split())
+            children = sorted(int(x) for x in f.read().split())
     except FileNotFoundError:
         return []
+    return [pid for pid in children if not _is_watchdog(pid)]
+
+
+def _is_watchdog(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"watchdog.py" in f.read()
+    except FileNotFoundError:  # already gone: not a rank we can signal either
+        return True
 
 
 @pytest.mark.parametrize("bad", [["train.global_batch=30"], ["comm.algorithm=torus2d", "comm.torus_x=3"]])

@@ -27,7 +27,7 @@ def _members(world, group) -> list[int]:
 def _observe(world, extra_grids):
     out = {
         "id": (world.rank, world.local_rank, world.node_rank, world.num_nodes, world.local_size, world.world_size),
-        "source": world.source,
+        "launcher": world.launcher,
         "device": str(world.device),
         "backend": world.backend,
         "intra": _members(world, world.intra),
@@ -48,6 +48,7 @@ def _observe(world, extra_grids):
     return out
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize(("nnodes", "nproc", "grids"), [(2, 2, [(4, 1), (1, 4)]), (3, 2, [(3, 2)]), (2, 4, [(2, 4)])])
 def test_groups_membership(nnodes: int, nproc: int, grids) -> None:
     res = run_dist(_observe, nnodes, nproc, args=(grids,), timeout=180)
@@ -55,7 +56,7 @@ def test_groups_membership(nnodes: int, nproc: int, grids) -> None:
     for rank, r in enumerate(res):
         node, local = divmod(rank, nproc)
         assert r["id"] == (rank, local, node, nnodes, nproc, p)
-        assert r["source"] == "local" and r["device"] == "cpu" and r["backend"] == "gloo"
+        assert r["launcher"] == "local" and r["device"] == "cpu" and r["backend"] == "gloo"
         assert r["intra"] == [node * nproc + i for i in range(nproc)]
         assert r["inter"] == [n * nproc + local for n in range(nnodes)]
         assert r["cached"]
@@ -74,6 +75,7 @@ def _fake_world(node_of: tuple[int, ...]) -> World:
     return World(spec, torch.device("cpu"), "gloo", node_of)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("family", ["intra", "inter", "torus"])
 def test_unequal_ranks_per_node_rejected(family: str) -> None:
     """No process group is needed: the check runs before any group is created (Slurm '2(x2),1')."""
@@ -82,6 +84,7 @@ def test_unequal_ranks_per_node_rejected(family: str) -> None:
         world.torus() if family == "torus" else getattr(world, family)
 
 
+@pytest.mark.multi_process
 def test_torus_shape_resolution() -> None:
     w = _fake_world((0, 0, 0, 0, 1, 1, 1, 1))
     assert w.torus_shape() == (4, 2)
@@ -103,6 +106,7 @@ def _cyclic_torus(world) -> dict:
             "row_ranks": list(t.row_ranks), "equal": bool(torch.equal(flat, torus))}
 
 
+@pytest.mark.multi_process
 def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
     """srun --distribution=cyclic / mpirun --map-by node: node 0 holds ranks 0 and 2. The default torus
     rows (x = ranks per node) must be the nodes, not the rank blocks [0, 1], [2, 3] (which would put
@@ -116,6 +120,7 @@ def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
         assert r["equal"]  # torus2d on the node-shaped grid = flat, bit for bit (integer-valued data)
 
 
+@pytest.mark.full_system
 def test_launch_master_port_sets_the_rendezvous_port() -> None:
     """launch.master_port (like launch.master_addr) wins over the launcher's port: the TCP store listens there."""
     import os

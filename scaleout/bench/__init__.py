@@ -1,6 +1,8 @@
-"""Benchmarks: ``scaleout bench <name>``. Each is a module here defining NAME, HELP, add_arguments, run.
+"""Benchmarks: ``scaleout bench <name>``, one module here each (``_``-prefixed modules are helpers).
 
-Conventions (README "Benchmarks"): compare side by side in one run and report ratios against the
-baseline measured in the same run; print a table, write JSON (``--out``), and a PNG where a picture
-helps. Shared helpers for that live in :mod:`scaleout.bench.common`.
+A benchmark module defines ``NAME``, ``HELP``, ``add_arguments(parser)``, ``run(args) -> int`` (optionally
+``DESCRIPTION``) and ``SMOKE_ARGS``: the tiny settings tests/test_bench.py runs it with, so every benchmark
+is run by a test. The measurement is :mod:`scaleout.bench._harness`: interleaved variants, the slowest rank,
+medians and ratios against the baseline measured in the same run, a Markdown table, JSON (``--out``) and a
+PNG where a picture helps (``--png``). Top-level imports stay light (``scaleout --help`` imports every module).
 """

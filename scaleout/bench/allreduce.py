@@ -10,12 +10,25 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from scaleout.argtypes import fmt_bytes, parse_csv, parse_size, parse_sizes
+from scaleout.bench._harness import (
+    add_one_shot_arguments,
+    add_standard_arguments,
+    check_counts,
+    emit,
+    in_ranks,
+    interleave,
+    reduce_max,
+    say0,
+)
 from scaleout.bench._nccl_style import count_wrong, fill, format_block, size_range
-from scaleout.bench.common import add_one_shot_arguments, one_shot, pyplot
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "allreduce"
 HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
@@ -40,45 +53,11 @@ it (size, count, type, redop, root, time in us, algbw, busbw, #wrong from an in-
 rank-dependent fill) and an '# Avg bus bandwidth' line, to compare with a cluster's nccl-tests logs.
 """
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 DTYPES = {"fp32": "float32", "float32": "float32", "float": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16", "half": "float16"}  # float/half: nccl-tests' -d names
 
 
-def parse_size(text: str) -> int:
-    from scaleout.errors import UserError
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UserError(f"--sizes: {text!r} is not a size (expected e.g. 4KiB, 64MiB, 1GiB, 4096)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'64MiB', '4KiB,1MiB', or a range 'A..B' in steps of x4."""
-    from scaleout.errors import UserError
-
-    out: list[int] = []
-    for part in text.split(","):
-        if ".." in part:
-            lo, hi = (parse_size(s) for s in part.split("..", 1))
-            if lo < 1 or hi < lo:
-                raise UserError(f"--sizes: range {part!r} must go from a positive size up")
-            while lo <= hi:
-                out.append(lo)
-                lo *= 4
-        else:
-            out.append(parse_size(part))
-    if any(s < 1 for s in out):
-        raise UserError(f"--sizes {text!r}: sizes must be positive")
-    return out
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f and n % f == 0:
-            return f"{n // f}{unit}"
-    return f"{n}B"
+SMOKE_ARGS = ["--nnodes", "1", "--nproc-per-node", "2", "--sizes", "4KiB", "-n", "1", "-w", "0"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,13 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--stepfactor", type=int, default=None, help="nccl-tests: size multiplier (default 2)")
     p.add_argument("--algorithms", default=None, help="comma list (default: every registered algorithm; flat is always included)")
     p.add_argument("-d", "--dtype", default="fp32", choices=sorted(DTYPES), help="element type (default fp32)")
-    p.add_argument("-n", "--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
-    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--chunk-bytes", default=None, help="comma list of pipeline chunk sizes: hierarchical/torus2d get one variant each")
     p.add_argument("--composition", default=None, help="comma list of gloo phase compositions (sharded, leader): one variant each")
     p.add_argument("--torus", default=None, metavar="XxY", help="torus2d grid (default x = ranks per node)")
-    p.add_argument("--out", default="bench-results/allreduce.json", help="JSON output (rank 0)")
-    p.add_argument("--png", default="bench-results/allreduce.png", help="PNG of busbw vs size ('' = none; needs matplotlib)")
+    # nccl-tests' -n / -w for the rounds
+    p.add_argument("-n", "--repeats", type=int, default=5, help="timed runs per size and algorithm; the median is reported (default 5)")
+    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    add_standard_arguments(p, NAME, png=True)
     add_one_shot_arguments(p)
 
 
@@ -107,14 +86,12 @@ def _sizes(args: argparse.Namespace) -> list[int]:
         return parse_sizes(args.sizes or "4KiB..256MiB")
     if args.sizes is not None:
         raise UserError("--sizes and -b/-e/-f both given: expected one way of choosing the sizes")
-    lo = parse_size(args.minbytes or args.maxbytes)
-    return size_range(lo, parse_size(args.maxbytes) if args.maxbytes else lo, args.stepfactor or 2)
+    lo = parse_size(args.minbytes or args.maxbytes, "-b" if args.minbytes else "-e")
+    return size_range(lo, parse_size(args.maxbytes, "-e") if args.maxbytes else lo, args.stepfactor or 2)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nnodes is not None:
-        return one_shot(args)
-    return _in_rank(args)
+    return in_ranks(args, _in_rank)
 
 
 
@@ -122,9 +99,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     from scaleout.comm import ALGORITHMS, get_algorithm
     from scaleout.errors import UserError
 
-    names = args.algorithms.split(",") if args.algorithms else list(ALGORITHMS)
+    names = parse_csv(args.algorithms, "--algorithms") if args.algorithms else list(ALGORITHMS)
     names = ["flat"] + [n for n in names if n != "flat"]  # the baseline, always, first
-    chunks = [parse_size(c) for c in args.chunk_bytes.split(",")] if args.chunk_bytes else [None]
+    chunks = parse_csv(args.chunk_bytes, "--chunk-bytes", lambda c: parse_size(c, "--chunk-bytes")) if args.chunk_bytes else [None]
     grid: dict[str, Any] = {}
     if args.torus:
         m = re.fullmatch(r"(\d+)x(\d+)", args.torus)
@@ -134,7 +111,7 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     out = []
     for name in names:
         alg = get_algorithm(name)
-        comps = args.composition.split(",") if args.composition and "composition" in alg.options else [None]
+        comps = parse_csv(args.composition, "--composition") if args.composition and "composition" in alg.options else [None]
         for comp in comps:
             for c in chunks if "chunk_bytes" in alg.options else [None]:
                 opts = dict(grid) if "x" in alg.grid_options else {}
@@ -178,7 +155,7 @@ def _timed_init() -> tuple[Any, dict[str, float]]:
     if world.uniform:
         _ = world.intra, world.inter, world.torus()
     groups_s = time.perf_counter() - t
-    stats = _reduce_max(world, [-init_s, world_group_s, groups_s])
+    stats = reduce_max(world, [-init_s, world_group_s, groups_s])
     return world, {"init_process_group_s": -stats[0], "new_world_group_s": stats[1], "groups_s": stats[2]}
 
 
@@ -188,176 +165,170 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _reduce_max(world: Any, values: list[float]) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=world.device)
-    if world.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _link_rate(world: Any, nbytes: int, repeats: int) -> float | None:
+def _link_rate(world: World, nbytes: int, repeats: int) -> float | None:
     """Bytes/s one way over a node's link, measured with raw TCP (no gloo): local rank 0 of every node
     streams nbytes to the next node's leader while receiving as much from the previous one, so both
     directions of every link are busy, as in an all-reduce. Median of ``repeats``."""
-    import socket
-    import threading
-
     import torch.distributed as dist
 
     k = world.num_nodes
     if k < 2 or not world.uniform:
         return None
     leaders = [node[0] for node in world.ranks_per_node]
-    me = world.rank in leaders
-    server = None
-    info = None
-    if me:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        probe.connect((world.master_addr or "127.0.0.1", 9))  # the address peers reach us on (no packet sent)
-        ip = probe.getsockname()[0]
-        probe.close()
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.bind((ip, 0))
-        server.listen(1)
-        info = (ip, server.getsockname()[1])
+    server = _listen(world) if world.rank in leaders else None
     gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, info)
-    times: list[float] = []
-    if me:
+    dist.all_gather_object(gathered, server.getsockname() if server else None)
+    shift = None
+    if server is not None:
         i = leaders.index(world.rank)
-        nxt = gathered[leaders[(i + 1) % k]]
-        out = socket.create_connection(nxt)
-        out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        inc, _ = server.accept()
-        payload = memoryview(bytearray(nbytes))
-        sink = memoryview(bytearray(1 << 20))
+        shift = _RingShift(server, gathered[leaders[(i + 1) % k]], nbytes)
+    times = interleave({"shift": shift.run if shift else (lambda: None)}, repeats, warmup=1, world=world)["shift"]
+    if shift is not None:
+        shift.close()
+    return nbytes / statistics.median(t.wall for t in times)
 
-        def receive() -> None:
-            left = nbytes
-            while left:
-                left -= inc.recv_into(sink, min(left, len(sink)))
-    for _ in range(repeats + 1):
-        world.barrier()
-        t = time.perf_counter()
-        if me:
-            rx = threading.Thread(target=receive)
-            rx.start()
-            out.sendall(payload)
-            rx.join()
-        times.append(_reduce_max(world, [time.perf_counter() - t])[0])
-    if me:
-        out.close()
-        inc.close()
-        server.close()
-    return nbytes / statistics.median(times[1:])
+
+def _listen(world: World) -> Any:
+    """A listening TCP socket on the address peers reach this rank on."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect((world.master_addr or "127.0.0.1", 9))  # the address peers reach us on (no packet sent)
+    ip = probe.getsockname()[0]
+    probe.close()
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((ip, 0))
+    server.listen(1)
+    return server
+
+
+class _RingShift:
+    """One node leader's part of the ring shift: send nbytes to the next leader while receiving nbytes."""
+
+    def __init__(self, server: Any, nxt: tuple[str, int], nbytes: int):
+        import socket
+
+        self.server, self.nbytes = server, nbytes
+        self.out = socket.create_connection(nxt)
+        self.out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.inc, _ = server.accept()
+        self.payload, self.sink = memoryview(bytearray(nbytes)), memoryview(bytearray(1 << 20))
+
+    def _receive(self) -> None:
+        left = self.nbytes
+        while left:
+            left -= self.inc.recv_into(self.sink, min(left, len(self.sink)))
+
+    def run(self) -> None:
+        import threading
+
+        rx = threading.Thread(target=self._receive)
+        rx.start()
+        self.out.sendall(self.payload)
+        rx.join()
+
+    def close(self) -> None:
+        for s in (self.out, self.inc, self.server):
+            s.close()
 
 
 def _in_rank(args: argparse.Namespace) -> int:
     import torch
 
-    from scaleout.comm import all_reduce
-    from scaleout.errors import UserError
-
-    if args.repeats < 1:
-        raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
+    check_counts(args, repeats=1, warmup=0)
     sizes = _sizes(args)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world, group_cost = _timed_init()
     variants = _variants(args)
-    dtype = getattr(torch, DTYPES[args.dtype])
-    esize = torch.empty((), dtype=dtype).element_size()
-    p, k = world.world_size, world.num_nodes
-    from scaleout.log import print0
-
-    def say(*a: Any) -> None:
-        print0(*a, rank=world.rank)
-
-    say(f"allreduce bench: {p} ranks = {k} nodes x {world.local_size}, {args.dtype}, sizes {', '.join(fmt_bytes(s) for s in sizes)}, "
-        f"{len(variants)} variants, median of {args.repeats}; groups {group_cost['groups_s'] * 1e3:.1f} ms vs "
-        f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms")
+    say = say0(world)
+    say(f"allreduce bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.dtype}, sizes "
+        f"{', '.join(fmt_bytes(s) for s in sizes)}, {len(variants)} variants, median of {args.repeats}; groups "
+        f"{group_cost['groups_s'] * 1e3:.1f} ms vs init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms")
     rate_env = os.environ.get("SCALEOUT_LINK_RATE_BPS")
-    link_bps = _link_rate(world, 32 << 20, 3) if k > 1 else None
+    link_bps = _link_rate(world, 32 << 20, 3) if world.num_nodes > 1 else None
     if link_bps:
         say(f"measured link rate: {link_bps / 1e6:.1f} MB/s one way" + (f" (tc rate {int(rate_env) / 8e6:.1f} MB/s)" if rate_env else ""))
-    rows: list[dict[str, Any]] = []
-    for nbytes in sizes:
-        n = max(1, nbytes // esize)
-        base = fill(n, world.rank, dtype, world.device)
-        wrong: dict[str, int] = {}
-        times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
-        for rep in range(args.warmup + args.repeats):
-            for label, name, opts in variants:  # interleaved: noise hits every algorithm alike
-                t = base.clone()
-                world.barrier()
-                t0 = time.perf_counter()
-                all_reduce(t, world, name, **opts)
-                if t.is_cuda:
-                    torch.cuda.synchronize()
-                dt = _reduce_max(world, [time.perf_counter() - t0])[0]
-                if rep >= args.warmup:
-                    times[label].append(dt)
-                if rep == args.warmup + args.repeats - 1:  # the in-place result of the last timed run
-                    wrong[label] = int(_reduce_max(world, [count_wrong(t, p)])[0])
-        floor = 2 * (k - 1) / k * n * esize / link_bps if link_bps else None
-        for label, name, opts in variants:
-            med = statistics.median(times[label])
-            algbw = n * esize / med
-            rows.append({
-                "algorithm": label, "base_algorithm": name, "options": opts, "nbytes": n * esize, "count": n,
-                "dtype": args.dtype, "torch_dtype": DTYPES[args.dtype], "wrong": wrong[label], "nnodes": k, "nproc_per_node": world.local_size, "world_size": p,
-                "time_s": med, "times": times[label], "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p if p > 1 else 0.0,
-                "link_rate_bps": link_bps * 8 if link_bps else (int(rate_env) if rate_env else None),
-                "link_floor_s": floor,
-            })
-            say(f"  {fmt_bytes(nbytes):>7} {label:<28} {med * 1e6:12.1f} us  #wrong {wrong[label]}")
-    if world.is_main:
-        _report(args, rows, group_cost, link_bps, world)
+    rows = [row for nbytes in sizes for row in _size(args, world, variants, nbytes, link_bps)]
+    _report(args, rows, group_cost, link_bps, world)
     world.close()
     return 0
 
 
-def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: dict[str, float], link_bps: float | None, world: Any) -> None:
-    from scaleout.bench.common import format_table, write_json
+def _size(args: argparse.Namespace, world: World, variants: list[tuple[str, str, dict[str, Any]]], nbytes: int,
+          link_bps: float | None) -> list[dict[str, Any]]:
+    """Every variant on one message size, interleaved; then each one's in-place result checked (#wrong)."""
+    import torch
 
+    from scaleout.comm import all_reduce
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    esize = torch.empty((), dtype=dtype).element_size()
+    p, k = world.world_size, world.num_nodes
+    n = max(1, nbytes // esize)
+    base = fill(n, world.rank, dtype, world.device)
+
+    def reduce(name: str, opts: dict[str, Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            t = base.clone()
+            all_reduce(t, world, name, **opts)
+            if t.is_cuda:
+                torch.cuda.synchronize()
+            return t
+        return run
+
+    runs = {label: reduce(name, opts) for label, name, opts in variants}
+    samples = interleave({label: _discard(r) for label, r in runs.items()}, args.repeats, args.warmup, world=world)
+    wrong = {label: int(reduce_max(world, [count_wrong(r(), p)])[0]) for label, r in runs.items()}
+    floor = 2 * (k - 1) / k * n * esize / link_bps if link_bps else None
+    rate_env = os.environ.get("SCALEOUT_LINK_RATE_BPS")
+    rows = []
+    for label, name, opts in variants:
+        med = statistics.median(t.wall for t in samples[label])
+        algbw = n * esize / med
+        rows.append({
+            "algorithm": label, "base_algorithm": name, "options": opts, "nbytes": n * esize, "count": n,
+            "dtype": args.dtype, "torch_dtype": DTYPES[args.dtype], "wrong": wrong[label], "nnodes": k,
+            "nproc_per_node": world.local_size, "world_size": p, "time_s": med, "times": [t.wall for t in samples[label]],
+            "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p if p > 1 else 0.0,
+            "link_rate_bps": link_bps * 8 if link_bps else (int(rate_env) if rate_env else None), "link_floor_s": floor,
+        })
+        say0(world)(f"  {fmt_bytes(nbytes):>7} {label:<28} {med * 1e6:12.1f} us  #wrong {wrong[label]}")
+    return rows
+
+
+def _discard(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` without its result (the timed runs keep no message alive)."""
+    return lambda: (fn(), None)[1]
+
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], group_cost: dict[str, float], link_bps: float | None,
+            world: World) -> None:
     shape = f"{world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {world.backend}"
-    for label in dict.fromkeys(r["algorithm"] for r in rows):
-        print(format_block([r for r in rows if r["algorithm"] == label], label, shape) + "\n")
+    if world.rank == 0:
+        for label in dict.fromkeys(r["algorithm"] for r in rows):
+            print(format_block([r for r in rows if r["algorithm"] == label], label, shape) + "\n", flush=True)
     flat = {r["nbytes"]: r["time_s"] for r in rows if r["algorithm"] == "flat"}
-    table = []
-    for r in rows:
-        table.append([
-            fmt_bytes(r["nbytes"]), r["count"], r["algorithm"], r["time_s"] * 1e6, r["algbw"] / 1e9, r["busbw"] / 1e9,
-            r["wrong"], flat[r["nbytes"]] / r["time_s"],
-            r["link_floor_s"] * 1e6 if r["link_floor_s"] else "-",
-            r["time_s"] / r["link_floor_s"] if r["link_floor_s"] else "-",
-        ])
-    print(format_table(["size", "count", "algorithm", "time us", "algbw GB/s", "busbw GB/s", "#wrong", "speedup vs flat",
-                        "link floor us", "time / floor"], table))
+    table = [[fmt_bytes(r["nbytes"]), r["count"], r["algorithm"], r["time_s"] * 1e6, r["algbw"] / 1e9, r["busbw"] / 1e9,
+              r["wrong"], flat[r["nbytes"]] / r["time_s"], r["link_floor_s"] * 1e6 if r["link_floor_s"] else "-",
+              r["time_s"] / r["link_floor_s"] if r["link_floor_s"] else "-"] for r in rows]
     ratio = group_cost["groups_s"] / group_cost["init_process_group_s"] if world.world_size > 1 else None
-    print(f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
-          f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "
-          f"a world-sized new_group {group_cost['new_world_group_s'] * 1e3:.1f} ms" if ratio is not None else "")
+    notes = [f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
+             f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "
+             f"a world-sized new_group {group_cost['new_world_group_s'] * 1e3:.1f} ms" if ratio is not None else ""]
     if link_bps:
-        print(f"link: {link_bps / 1e6:.1f} MB/s one way measured with raw TCP between node leaders (both directions at once)")
-    path = write_json(args.out or None, {
-        "bench": NAME, "rows": rows, "group_creation": {**group_cost, "ratio_groups_to_init": ratio},
-        "world": {"world_size": world.world_size, "nnodes": world.num_nodes, "nproc_per_node": world.local_size, "backend": world.backend},
-        "link_rate_bytes_per_s": link_bps, "command": "scaleout " + " ".join(sys.argv[1:]),
-        "netns": os.environ.get("SCALEOUT_NETNS"), "tc_rate_bps": os.environ.get("SCALEOUT_LINK_RATE_BPS"),
-    })
-    if path:
-        print(f"wrote {path}")
-    if args.png:
-        _plot(rows, args.png)
+        notes.append(f"link: {link_bps / 1e6:.1f} MB/s one way measured with raw TCP between node leaders (both "
+                     "directions at once)")
+    emit(args, NAME, ["size", "count", "algorithm", "time us", "algbw GB/s", "busbw GB/s", "#wrong", "speedup vs flat",
+                      "link floor us", "time / floor"], table,
+         {"rows": rows, "group_creation": {**group_cost, "ratio_groups_to_init": ratio},
+          "world": {"world_size": world.world_size, "nnodes": world.num_nodes, "nproc_per_node": world.local_size,
+                    "backend": world.backend},
+          "link_rate_bytes_per_s": link_bps, "netns": os.environ.get("SCALEOUT_NETNS"),
+          "tc_rate_bps": os.environ.get("SCALEOUT_LINK_RATE_BPS")},
+         notes=notes, plot=lambda plt: _plot(plt, rows), world=world)
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
+def _plot(plt: Any, rows: list[dict[str, Any]]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(r["algorithm"] for r in rows):
         pts = [(r["nbytes"], r["busbw"] / 1e9) for r in rows if r["algorithm"] == label]
@@ -368,6 +339,4 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_title(f"all-reduce, {rows[0]['nnodes']} nodes x {rows[0]['nproc_per_node']} ranks, {rows[0]['dtype']}")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    print(f"wrote {path}")
+    return fig

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from scaleout.bench._harness import add_standard_arguments, check_counts, compare, emit, interleave, set_threads
 
 NAME = "compile"
 HELP = "tiny BERT forward+backward+optimizer step on CPU: torch.compile (Inductor) vs eager, compile time apart"
@@ -23,6 +28,10 @@ examples:
 """
 
 
+SMOKE_ARGS = ["--backend", "eager", "--repeats", "1", "--batch", "1", "--seq-len", "16", "--hidden", "32",
+              "--layers", "1", "--intermediate", "64", "--vocab", "128"]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
@@ -31,81 +40,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=10, help="timed steps per variant (default 10); medians reported")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--mode", default=None, help="torch.compile mode (default: torch's default)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: thread-CPU time is then robust to other jobs; 0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/compile.json")
+    add_standard_arguments(p, NAME, repeats=10, threads=1)
 
 
-def run(args: argparse.Namespace) -> int:
+def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
+    """A full training step (forward, backward, AdamW) of two copies of one BERT: eager and compiled."""
     import copy
-    import statistics
-    import sys
-    import time
 
     import numpy as np
     import torch
 
-    from scaleout.bench.common import format_table, write_json
     from scaleout.config.schema import BertConfig
     from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
-    from scaleout.errors import UserError
     from scaleout.models.bert import BertForPreTraining
     from scaleout.train.capture import compile_model
 
-    if args.repeats < 1 or args.batch < 1 or args.seq_len < 8:
-        raise UserError(f"--repeats={args.repeats} and --batch={args.batch} must be >= 1, --seq-len={args.seq_len} >= 8")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg = BertConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                      intermediate=args.intermediate, max_position=args.seq_len, dropout=0.0)
     seqs = synthetic_sequences(np.full(args.batch, args.seq_len), args.vocab, seed=args.seed)
     batch = build_batch(seqs, padded_packs(args.batch), args.seq_len)
     torch.manual_seed(args.seed)
-    models = {"eager": BertForPreTraining(cfg).train()}
-    models["compiled"] = compile_model(copy.deepcopy(models["eager"]), backend=args.backend, mode=args.mode)
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for k, m in models.items()}
+    eager = BertForPreTraining(cfg).train()
+    models = {"eager": eager, "compiled": compile_model(copy.deepcopy(eager), backend=args.backend, mode=args.mode)}
 
-    def step(name: str) -> tuple[float, float, float]:
-        m, opt = models[name], opts[name]
-        t, c = time.perf_counter(), time.thread_time()
-        opt.zero_grad(set_to_none=True)
-        loss = m(batch).loss
-        loss.backward()
-        opt.step()
-        return time.perf_counter() - t, time.thread_time() - c, float(loss.detach())
+    def step(m: Any) -> Callable[[], float]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
 
+        def run() -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = m(batch).loss
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+        return run
+
+    return {k: step(m) for k, m in models.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    check_counts(args, repeats=1, batch=1, seq_len=8)
+    set_threads(args)
+    steps = _steps(args)
     print(f"compiling ({args.backend}) ...", file=sys.stderr, flush=True)
-    compile_s, _, first_c = step("compiled")
-    eager_first, _, first_e = step("eager")
-    times: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
-    diffs = [abs(first_c - first_e)]
-    for i in range(args.repeats):
-        losses = {}
-        for name in ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager"):
-            wall, cpu, losses[name] = step(name)
-            times[name].append((wall, cpu))
-        diffs.append(abs(losses["compiled"] - losses["eager"]))
-        print(f"  step {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    e_wall, e_cpu = med["eager"]
-    rows = [[k, f"{w * 1e3:.1f}", f"{c * 1e3:.1f}", f"{e_wall / w:.2f}x", f"{e_cpu / c:.2f}x" if c else "-",
-             f"{compile_s:.1f}" if k == "compiled" else f"{eager_first:.2f}"] for k, (w, c) in med.items()]
-    print(format_table(["variant", "step ms (median wall)", "step ms (thread CPU)", "speed-up (wall)",
-                        "speed-up (CPU)", "first step s (compile)"], rows))
-    winner = "compiled" if med["compiled"][0] < e_wall else "eager"
-    print(f"\n{winner} wins: compiled/eager step time {med['compiled'][0] / e_wall:.2f}; compile took {compile_s:.1f} s, "
-          f"paid back after {compile_s / max(e_wall - med['compiled'][0], 1e-9):.0f} steps" if winner == "compiled"
-          else f"\neager wins: compiled/eager step time {med['compiled'][0] / e_wall:.2f} (compile took {compile_s:.1f} s)")
-    print(f"max |loss compiled - loss eager| over the steps: {max(diffs):.2e}")
-    payload = {"args": vars(args), "compile_s": compile_s, "eager_first_step_s": eager_first,
-               "median_wall_s": {k: v[0] for k, v in med.items()}, "median_thread_cpu_s": {k: v[1] for k, v in med.items()},
-               "speedup_wall": e_wall / med["compiled"][0], "max_loss_diff": max(diffs),
-               "steps": {k: v for k, v in times.items()}, "winner": winner}
-    path = write_json(args.out, payload)
-    if path:
-        print(f"wrote {path}")
+    first = interleave({"compiled": steps["compiled"], "eager": steps["eager"]}, 1, alternate=False)  # compile apart
+    compile_s, eager_first = first["compiled"][0].wall, first["eager"][0].wall
+    samples = interleave(steps, args.repeats,
+                         say=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = {r.name: r for r in compare(samples, baseline="eager")}
+    diffs = [abs(c.value - e.value) for c, e in zip(samples["compiled"] + first["compiled"],
+                                                     samples["eager"] + first["eager"], strict=True)]
+    e, c = rows["eager"], rows["compiled"]
+    winner = "compiled" if c.median_s < e.median_s else "eager"
+    payback = (f"; compile took {compile_s:.1f} s, paid back after {compile_s / max(e.median_s - c.median_s, 1e-9):.0f} "
+               "steps" if winner == "compiled" else f" (compile took {compile_s:.1f} s)")
+    table = [[k, f"{r.median_s * 1e3:.1f}", f"{r.cpu_median_s * 1e3:.1f}", f"{r.speedup:.2f}x",
+              f"{e.cpu_median_s / r.cpu_median_s:.2f}x" if r.cpu_median_s else "-",
+              f"{compile_s:.1f}" if k == "compiled" else f"{eager_first:.2f}"] for k, r in rows.items()]
+    emit(args, NAME, ["variant", "step ms (median wall)", "step ms (thread CPU)", "speed-up (wall)",
+                      "speed-up (CPU)", "first step s (compile)"], table,
+         {"args": {k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")},
+          "compile_s": compile_s, "eager_first_step_s": eager_first,
+          "median_wall_s": {k: r.median_s for k, r in rows.items()},
+          "median_thread_cpu_s": {k: r.cpu_median_s for k, r in rows.items()},
+          "speedup_wall": c.speedup, "max_loss_diff": max(diffs), "winner": winner,
+          "steps": {k: [(t.wall, t.cpu) for t in ts] for k, ts in samples.items()}},
+         notes=[f"\n{winner} wins: compiled/eager step time {c.median_s / e.median_s:.2f}{payback}",
+                f"max |loss compiled - loss eager| over the steps: {max(diffs):.2e}", f"torch threads: {torch.get_num_threads()}"])
     return 0

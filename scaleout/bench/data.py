@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from scaleout.bench.common import pyplot
+from scaleout.argtypes import parse_csv
+from scaleout.bench._harness import add_standard_arguments, emit
 
 NAME = "data"
 HELP = "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; host cores per accelerator"
@@ -50,6 +52,7 @@ ACCELERATORS = {
     "A100 (BERT-large seq 512 AMP, NVIDIA DLE)": ("bert512", 264.0),
 }
 PIPELINES = ("bert128", "bert512", "resnet")
+SMOKE_ARGS = ["--pipelines", "bert512", "--workers", "0,1", "--prefetch", "1", "--steps", "2", "--batch", "2"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,20 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=256, help="distinct synthetic JPEGs (default 256)")
     p.add_argument("--accel", action="append", default=[], metavar="NAME:PIPELINE=RATE",
                    help="an extra accelerator: samples/s it trains on PIPELINE (repeatable)")
-    p.add_argument("--out", default="bench-results/data.json")
-    p.add_argument("--png", default="bench-results/data.png", help="bar chart ('' = none; needs matplotlib)")
-
-
-def _csv_ints(s: str, what: str, lo: int) -> list[int]:
-    from scaleout.errors import UserError
-
-    try:
-        vals = [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise UserError(f"{what}={s!r}: expected a comma list of integers") from None
-    if not vals or min(vals) < lo:
-        raise UserError(f"{what}={s!r}: expected integers >= {lo}")
-    return vals
+    add_standard_arguments(p, NAME, png=True)
 
 
 def _accelerators(extra: list[str]) -> dict[str, tuple[str, float]]:
@@ -127,7 +117,8 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
     from scaleout.config import load_config
     from scaleout.train.tasks import build_task
 
-    common = [f"train.global_batch={args.batch}", f"train.max_steps={args.steps * 4 + 4}"]
+    common = [f"train.global_batch={args.batch}", f"train.max_steps={args.steps * 4 + 4}", "checkpoint.dir=null",
+              "checkpoint.every_steps=0"]
     if pipeline == "bert128":
         cfg = load_config("bert_tiny_cpu", common)
     elif pipeline == "bert512":
@@ -181,89 +172,81 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    import sys
     import tempfile
 
     import torch
 
-    import scaleout
-    from scaleout.bench.common import format_table, write_json
-    from scaleout.env import free_port
     from scaleout.errors import UserError
 
-    pipes = [p.strip() for p in args.pipelines.split(",") if p.strip()]
-    for p in pipes:
-        if p not in PIPELINES:
-            raise UserError(f"--pipelines: {p!r} is not one of {', '.join(PIPELINES)}")
-    workers = _csv_ints(args.workers, "--workers", 0)
-    depths = _csv_ints(args.prefetch, "--prefetch", 1)
+    pipes = parse_csv(args.pipelines, "--pipelines", choices=PIPELINES)
+    workers = parse_csv(args.workers, "--workers", int, at_least=0)
+    depths = parse_csv(args.prefetch, "--prefetch", int, at_least=1)
     if args.steps < 2 or args.batch < 1:
         raise UserError(f"--steps={args.steps} must be >= 2 and --batch={args.batch} >= 1")
     accels = _accelerators(args.accel)
     torch.set_num_threads(1)
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
-        os.environ.setdefault(k, v)
-    world = scaleout.init()
     configs = [(0, 0)] + [(w, d) for w in workers if w > 0 for d in depths]
-    rows, results, per_core = [], [], {}
+    world = _single_rank()
+    results: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="scaleout-bench-data-") as tmp:
             kb = _write_jpegs(tmp, args.images, args.jpeg_size) if "resnet" in pipes else 0.0
             for pipe in pipes:
-                task = _task(pipe, args, world, tmp)
-                base_step = None
-                for i, (w, d) in enumerate(configs):
-                    print(f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...",
-                          file=sys.stderr, flush=True)
-                    fast = _measure(task, args, w, d or 1, 0, 0.0)
-                    if base_step is None:
-                        base_step = fast["wall_s"] / args.steps  # the synchronous step: the emulated accelerator
-                    slow = _measure(task, args, w, d or 1, args.steps + 1, base_step)
-                    rate = fast["samples"] / fast["wall_s"]
-                    per_cpu = fast["cpu_samples"] / max(fast["cpu_s"], 1e-9)
-                    frac = slow["wait_s"] / slow["wall_s"]
-                    if i == 0:
-                        base_rate, per_core[pipe] = rate, per_cpu
-                    results.append({"pipeline": pipe, "workers": w, "prefetch": d, **{f"fast_{k}": v for k, v in fast.items()},
-                                    **{f"overlap_{k}": v for k, v in slow.items()}, "samples_per_s": rate,
-                                    "samples_per_cpu_s": per_cpu, "data_wait_fraction": frac,
-                                    "emulated_accelerator_step_s": base_step})
-                    rows.append([pipe, w, d or "-", rate, rate / base_rate, per_cpu,
-                                 f"{frac:.0%}"])
+                results += _pipeline(pipe, _task(pipe, args, world, tmp), args, configs)
     finally:
         world.close()
-    print(format_table(["pipeline", "workers", "prefetch", "samples/s", "x sync", "samples/CPU-s",
-                        "data wait (accel = 1 core)"], rows))
-    ratio_rows, ratios = [], []
-    for name, (pipe, rate) in accels.items():
-        if pipe not in per_core:
-            continue
-        cores = rate / per_core[pipe]
-        ratio_rows.append([name, pipe, rate, per_core[pipe], cores])
-        ratios.append({"accelerator": name, "pipeline": pipe, "samples_per_s": rate,
-                       "host_samples_per_core_s": per_core[pipe], "cores_per_accelerator": cores})
-    if ratio_rows:
+    per_core = {r["pipeline"]: r["samples_per_cpu_s"] for r in results if r["workers"] == 0}
+    base_rate = {r["pipeline"]: r["samples_per_s"] for r in results if r["workers"] == 0}
+    ratios = [{"accelerator": name, "pipeline": pipe, "samples_per_s": rate, "host_samples_per_core_s": per_core[pipe],
+               "cores_per_accelerator": rate / per_core[pipe]} for name, (pipe, rate) in accels.items() if pipe in per_core]
+    payload = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
+               "rows": results, "host_cores_per_accelerator": ratios, "synthetic_jpeg_mean_kb": kb}
+    emit(args, NAME, ["pipeline", "workers", "prefetch", "samples/s", "x sync", "samples/CPU-s", "data wait (accel = 1 core)"],
+         [[r["pipeline"], r["workers"], r["prefetch"] or "-", r["samples_per_s"], r["samples_per_s"] / base_rate[r["pipeline"]],
+           r["samples_per_cpu_s"], f"{r['data_wait_fraction']:.0%}"] for r in results], payload,
+         plot=lambda plt: _plot(plt, results))
+    if ratios:
         print()
-        print(format_table(["accelerator", "pipeline", "its samples/s", "host samples/core-s", "host cores needed"],
-                           ratio_rows))
-    payload = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": results,
-               "host_cores_per_accelerator": ratios, "synthetic_jpeg_mean_kb": kb}
-    path = write_json(args.out, payload)
-    if path:
-        print(f"\nwrote {path}")
-    if args.png:
-        _plot(results, args.png)
+        emit(args, NAME, ["accelerator", "pipeline", "its samples/s", "host samples/core-s", "host cores needed"],
+             [[r["accelerator"], r["pipeline"], r["samples_per_s"], r["host_samples_per_core_s"],
+               r["cores_per_accelerator"]] for r in ratios], payload)
     return 0
 
 
-def _plot(results: list[dict], png: str) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    from pathlib import Path
+def _single_rank() -> Any:
+    """A one-rank World (the tasks take one), whatever launcher variables are around."""
+    import os
 
+    import scaleout
+    from scaleout.env import free_port
+
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        os.environ.setdefault(k, v)
+    return scaleout.init()
+
+
+def _pipeline(pipe: str, task: Any, args: argparse.Namespace, configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Each (workers, prefetch) of one pipeline: its rate with an instant consumer, and the data wait of a
+    consumer as slow as the synchronous path (the emulated accelerator)."""
+    import sys
+
+    out: list[dict[str, Any]] = []
+    base_step = None
+    for w, d in configs:
+        print(f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...", file=sys.stderr, flush=True)
+        fast = _measure(task, args, w, d or 1, 0, 0.0)
+        if base_step is None:
+            base_step = fast["wall_s"] / args.steps  # the synchronous step: the emulated accelerator
+        slow = _measure(task, args, w, d or 1, args.steps + 1, base_step)
+        out.append({"pipeline": pipe, "workers": w, "prefetch": d, **{f"fast_{k}": v for k, v in fast.items()},
+                    **{f"overlap_{k}": v for k, v in slow.items()}, "samples_per_s": fast["samples"] / fast["wall_s"],
+                    "samples_per_cpu_s": fast["cpu_samples"] / max(fast["cpu_s"], 1e-9),
+                    "data_wait_fraction": slow["wait_s"] / slow["wall_s"], "emulated_accelerator_step_s": base_step})
+    return out
+
+
+def _plot(plt: Any, results: list[dict[str, Any]]) -> Any:
     pipes = list(dict.fromkeys(r["pipeline"] for r in results))
     fig, axes = plt.subplots(1, len(pipes), figsize=(4.5 * len(pipes), 3.6), squeeze=False)
     for ax, pipe in zip(axes[0], pipes, strict=True):
@@ -275,6 +258,4 @@ def _plot(results: list[dict], png: str) -> None:
         ax.tick_params(axis="x", rotation=45)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    Path(png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
+    return fig

@@ -12,6 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from scaleout.argtypes import parse_csv
+from scaleout.bench._harness import add_standard_arguments, emit
+
 NAME = "gpucheck"
 HELP = "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, BERT-large MFU, all-reduce"
 DESCRIPTION = """\
@@ -36,6 +39,7 @@ examples:
 """
 
 CHECKS = ("nccl", "train", "capture", "varlen", "optimizers", "bert_large", "allreduce")
+SMOKE_ARGS = ["--only", "nccl,capture"]  # on a machine without CUDA: every row SKIP, exit 0
 Row = tuple[str, str, str, str]
 
 
@@ -43,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default=",".join(CHECKS), help=f"comma list of checks (default all: {','.join(CHECKS)})")
     p.add_argument("--train-steps", type=int, default=50, help="tiny BERT steps before its evaluation (default 50)")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per launched sub-run (default 150)")
-    p.add_argument("--out", default="bench-results/gpucheck.json")
+    add_standard_arguments(p, NAME)
     p.add_argument("--rank-part", choices=("world", "allreduce"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
 
@@ -85,7 +89,8 @@ def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
             steps = args.train_steps
             proc = _launch(1, gpus, ["scaleout", "train", "bert_tiny_cpu", f"train.precision={prec}",
                                      f"train.max_steps={steps}", f"train.eval_every={steps}", "train.target=null",
-                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "train.progress=false",
+                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "checkpoint.every_steps=0",
+                                     "train.progress=false",
                                      "comm.algorithm=flat"], args.timeout)
             seconds = time.perf_counter() - t0
             log = Path(tmp, "out", "mlperf.log")
@@ -143,15 +148,9 @@ def _rank_part(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from scaleout.bench.common import format_table, write_json
-    from scaleout.errors import UserError
-
     if args.rank_part:
         return _rank_part(args)
-    only = [c for c in args.only.split(",") if c]
-    unknown = sorted(set(only) - set(CHECKS))
-    if unknown:
-        raise UserError(f"--only {args.only!r}: unknown check(s) {unknown}; expected some of {list(CHECKS)}")
+    only = parse_csv(args.only, "--only", choices=CHECKS)
     t0 = time.perf_counter()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     env = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}" if gpus
@@ -159,13 +158,12 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = [("environment", "PASS" if gpus else "SKIP", env, "1+ CUDA GPUs")]
     rows += _run_checks(only, gpus, args) if gpus else [
         (name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)", "a GPU") for name in only]
-    print(format_table(["check", "result", "number", "expected"], [list(r) for r in rows]))
     failed = [r[0] for r in rows if r[1] == "FAIL"]
-    print(f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s")
-    path = write_json(args.out, {"rows": [dict(zip(("check", "result", "number", "expected"), r, strict=True)) for r in rows],
-                                 "failed": failed, "seconds": time.perf_counter() - t0})
-    if path:
-        print(f"wrote {path}")
+    headers = ["check", "result", "number", "expected"]
+    emit(args, NAME, headers, [list(r) for r in rows],
+         {"rows": [dict(zip(headers, r, strict=True)) for r in rows], "failed": failed,
+          "seconds": time.perf_counter() - t0},
+         notes=[f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s"])
     return 1 if failed else 0
 
 

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scaleout.argtypes import csv_of
+from scaleout.bench._harness import add_standard_arguments, emit
+
 NAME = "largebatch"
 HELP = "steps to a target: LAMB at the base batch vs LAMB and AdamW at 8x the batch (one run)"
 DESCRIPTION = __doc__ + """
@@ -40,18 +43,8 @@ examples:
 """
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+SMOKE_ARGS = ["--base-batch", "1", "--factor", "2", "--base-steps", "4", "--warmup-steps", "1", "--eval-every", "1",
+              "--adamw-lrs", "1e-3", "model.bert.layers=1", "data.eval_samples=16", "data.source=synthetic"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="masked-LM accuracy to reach (default 0.12: above copy-the-input 0.117 and 2.2x the "
                         "most-frequent-token 0.054)")
     p.add_argument("--lamb-lr", type=float, default=1e-2, help="LAMB learning rate at the base batch (default 1e-2)")
-    p.add_argument("--adamw-lrs", type=_floats, default=[2.5e-4, 5e-4, 1e-3],
+    p.add_argument("--adamw-lrs", type=csv_of(float), default=[2.5e-4, 5e-4, 1e-3],
                    help="AdamW learning rates at the base batch, comma-separated, each scaled like LAMB's "
                         "(default 2.5e-4,5e-4,1e-3)")
     p.add_argument("--base-steps", type=int, default=3200, help="step budget at the base batch (default 3200)")
@@ -70,11 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm-up steps, the same at every batch (linear-epoch warm-up; default 80)")
     p.add_argument("--eval-every", type=int, default=2,
                    help="eval interval in large-batch steps; the base run evaluates every factor x this (default 2)")
-    p.add_argument("--seeds", type=_ints, default=None,
+    p.add_argument("--seeds", type=csv_of(int), default=None,
                    help="comma-separated train.seed values: repeat the whole comparison per initialisation "
                         "(default: the config's seed once)")
-    p.add_argument("--out", default="bench-results/largebatch.json", help="JSON output")
-    p.add_argument("--png", default="bench-results/largebatch.png", help="accuracy against samples ('' = none)")
+    add_standard_arguments(p, NAME, png=True)
     p.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.bert.layers=1")
 
 
@@ -145,12 +137,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path | None:
-    from scaleout.bench.common import pyplot
-
-    plt = pyplot()
-    if plt is None:
-        return None
+def _plot(plt: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
     for r in rows:
         n = f"{r['steps']} steps" if r["steps"] is not None else f"> budget ({r['max_steps']} steps)"
@@ -167,11 +154,7 @@ def _plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path | None:
     axes[1].legend(fontsize=7)
     fig.suptitle(f"{args.config}: same data order, same target, {args.factor}x batch")
     fig.tight_layout()
-    p = Path(args.png)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return fig
 
 
 def summary(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
@@ -186,43 +169,37 @@ def summary(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleout.bench.common import format_table, write_json
-
     runs, t0 = plan(args), time.perf_counter()
     seeds = args.seeds or [None]  # None: the config's train.seed
     rows: list[dict[str, Any]] = []
     per_seed = []
-    n = len(runs) * len(seeds)
     for seed in seeds:
-        mine = []
-        for r in runs:
-            print(f"[{len(rows) + 1}/{n}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} (budget "
-                  f"{r['max_steps']} steps, warm-up {args.warmup_steps}, eval every {r['eval_every']}"
-                  f"{'' if seed is None else f', seed {seed}'}) ...", flush=True)
-            mine.append(_train(args, r, seed))
-            rows.append(mine[-1])
-            print(f"      -> steps to {args.target}: {steps_cell(mine[-1])}, last metric "
-                  f"{mine[-1]['final_metric']:.4f}, {mine[-1]['wall_s']:.0f} s", flush=True)
+        mine = [_announced(args, r, seed, len(rows) + i + 1, len(runs) * len(seeds)) for i, r in enumerate(runs)]
+        rows += mine
         per_seed.append({"seed": mine[0]["seed"], **verdict(mine)})
     table = []
     for r in rows:
         base = next(b["steps"] for b in rows if b["seed"] == r["seed"])
         table.append([r["seed"], r["optimizer"], r["batch"], f"{r['lr']:.3g}", steps_cell(r),
                       f"{r['final_metric']:.4f}", f"{r['steps'] / base:.3f}" if (r["steps"] and base) else "-"])
-    print(format_table(["seed", "optimizer", "global batch", "lr", f"steps to {args.target}", "last metric",
-                        "steps / base steps"], table))
     v, f = summary(per_seed), args.factor
     wall = time.perf_counter() - t0
-    print(f"LAMB at {f}x batch needs <= 1/5 of the base steps: {v['lamb_large_within_one_fifth']}; "
-          f"best AdamW at {f}x does worse than LAMB at {f}x: {v['adamw_large_worse_than_lamb_large']}"
-          f"{' (every seed)' if len(seeds) > 1 else ''}; wall {wall:.0f} s")
-    path = write_json(args.out, {"config": args.config, "target": args.target, "factor": f,
-                                 "warmup_steps": args.warmup_steps, "overrides": args.overrides,
-                                 "runs": rows, "verdict": v, "wall_s": round(wall, 1)})
-    if path:
-        print(f"wrote {path}")
-    if args.png:
-        png = _plot([r for r in rows if r["seed"] == rows[0]["seed"]], args)
-        if png:
-            print(f"wrote {png}")
+    emit(args, NAME, ["seed", "optimizer", "global batch", "lr", f"steps to {args.target}", "last metric",
+                      "steps / base steps"], table,
+         {"config": args.config, "target": args.target, "factor": f, "warmup_steps": args.warmup_steps,
+          "overrides": args.overrides, "runs": rows, "verdict": v, "wall_s": round(wall, 1)},
+         notes=[f"LAMB at {f}x batch needs <= 1/5 of the base steps: {v['lamb_large_within_one_fifth']}; best AdamW "
+                f"at {f}x does worse than LAMB at {f}x: {v['adamw_large_worse_than_lamb_large']}"
+                f"{' (every seed)' if len(seeds) > 1 else ''}; wall {wall:.0f} s"],
+         plot=lambda plt: _plot(plt, [r for r in rows if r["seed"] == rows[0]["seed"]], args))
     return 0
+
+
+def _announced(args: argparse.Namespace, r: dict[str, Any], seed: int | None, i: int, n: int) -> dict[str, Any]:
+    """One training of the plan, with a line before and after."""
+    print(f"[{i}/{n}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} (budget {r['max_steps']} steps, warm-up "
+          f"{args.warmup_steps}, eval every {r['eval_every']}{'' if seed is None else f', seed {seed}'}) ...", flush=True)
+    out = _train(args, r, seed)
+    print(f"      -> steps to {args.target}: {steps_cell(out)}, last metric {out['final_metric']:.4f}, "
+          f"{out['wall_s']:.0f} s", flush=True)
+    return out

@@ -7,10 +7,13 @@ import math
 import os
 import statistics
 import sys
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from scaleout.bench.common import pyplot
+from scaleout.argtypes import parse_csv
+from scaleout.bench._harness import add_standard_arguments, check_counts, emit, interleave
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 NAME = "optim"
 HELP = "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
@@ -33,6 +36,7 @@ examples:
 """
 
 SHAPES = ("bert", "resnet")
+SMOKE_ARGS = ["--models", "resnet", "--repeats", "1", "--sharded-ranks", "2", "--sharded-steps", "1", "--threads", "1"]
 
 
 def bert_base_shapes() -> list[tuple[int, ...]]:
@@ -61,7 +65,6 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="bert,resnet", help="comma list of bert, resnet (default both)")
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds per contender (median; default 7)")
     p.add_argument("--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)")
     p.add_argument("--sharded-ranks", type=int, default=4, help="processes for the sharded-LAMB part (0 = skip)")
     # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
@@ -72,8 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads for the single-process part (0 = torch's default). On a machine whose cores are also "
         "busy with other work, 1 avoids OpenMP barrier stalls that hit every contender unevenly",
     )
-    p.add_argument("--out", default="bench-results/optim.json")
-    p.add_argument("--png", default="bench-results/optim.png", help="bar chart of the ratios ('' = none)")
+    add_standard_arguments(p, NAME, repeats=7, png=True)
 
 
 def _make(shapes: list[tuple[int, ...]], seed: int = 0) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -138,7 +140,7 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
     facts = _factories(params, groups, chunks)
     base = {k: facts[k]() for k in BASELINES}
     times: dict[str, list[float]] = {k: [] for k in facts}
-    paired: dict[str, dict[str, list[float]]] = {k: {b: [] for b in BASELINES} for k in facts}
+    ratios: dict[str, dict[str, list[float]]] = {k: {b: [] for b in BASELINES} for k in facts}
     contenders = [k for k in facts if k not in BASELINES]
     with torch.no_grad():
         for fn in base.values():
@@ -146,33 +148,20 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
         for i, name in enumerate(contenders):
             step = facts[name]()
             step()
-            for r in range(repeats):
-                print(f"  {model}: {name} ({i + 1}/{len(contenders)}), round {r + 1}/{repeats}", file=sys.stderr, flush=True)
-                got = {}
-                for k, fn in (*base.items(), (name, step)):
-                    t = time.perf_counter()
-                    fn()
-                    got[k] = time.perf_counter() - t
+            samples = interleave({**base, name: step}, repeats, alternate=False,
+                                 say=lambda line, i=i, name=name: print(f"  {model}: {name} ({i + 1}/{len(contenders)})"
+                                                                       f"{line}", file=sys.stderr, flush=True))
+            for k, ts in samples.items():
+                times[k] += [t.wall for t in ts]
                 for b in BASELINES:
-                    times[b].append(got[b])
-                    paired[b]["AdamW foreach"].append(got[b] / got["AdamW foreach"])
-                    paired[b]["SGD momentum foreach"].append(got[b] / got["SGD momentum foreach"])
-                times[name].append(got[name])
-                for b in BASELINES:
-                    paired[name][b].append(got[name] / got[b])
-            del step
+                    ratios[k][b] += [t.wall / u.wall for t, u in zip(ts, samples[b], strict=True)]
+            del step, samples
             gc.collect()
     n = sum(math.prod(s) for s in shapes)
-    return [
-        {
-            "model": model, "optimizer": k, "tensors": len(shapes), "params": n,
-            "median_ms": statistics.median(ts) * 1e3,
-            "vs_adamw": statistics.median(paired[k]["AdamW foreach"]),
-            "vs_sgd": statistics.median(paired[k]["SGD momentum foreach"]),
-            "times_ms": [t * 1e3 for t in ts],
-        }
-        for k, ts in times.items()
-    ]
+    return [{"model": model, "optimizer": k, "tensors": len(shapes), "params": n,
+             "median_ms": statistics.median(ts) * 1e3, "vs_adamw": statistics.median(ratios[k]["AdamW foreach"]),
+             "vs_sgd": statistics.median(ratios[k]["SGD momentum foreach"]), "times_ms": [t * 1e3 for t in ts]}
+            for k, ts in times.items()]
 
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, queue: Any) -> None:
@@ -184,45 +173,44 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, qu
         import torch
 
         import scaleout
-        from scaleout.optim import LAMB, ShardedLAMB, state_bytes
 
         torch.set_num_threads(1)  # world_size processes share the cores, like ranks on a node
         world = scaleout.init(environment="torchrun")
-        shapes = bert_base_shapes() if model == "bert" else resnet50_shapes()
-        res: dict[str, Any] = {}
         with torch.no_grad():
-            params, groups = _make(shapes, seed=0)
-            g = torch.Generator().manual_seed(100 + rank)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g) * 1e-3
-            groups[0]["weight_decay"] = 0.01
-            opt = LAMB(groups, lr=1e-3)
-            ts = []
-            for i in range(steps + 1):
-                world.barrier()
-                t = time.perf_counter()
-                opt.step()
-                if i:
-                    ts.append(time.perf_counter() - t)
-            res["lamb_ms"] = statistics.median(ts) * 1e3
-            res["lamb_state_bytes"] = state_bytes(opt)
-            del opt
-            sharded = ShardedLAMB(groups, world, lr=1e-3)
-            phases: dict[str, list[float]] = {}
-            for i in range(steps + 1):
-                world.barrier()
-                sharded.step()
-                if i:
-                    for k, v in sharded.timings.items():
-                        phases.setdefault(k, []).append(v)
-            res.update({f"{k}_ms": statistics.median(v) * 1e3 for k, v in phases.items()})
-            res["sharded_state_bytes"] = state_bytes(sharded)
+            res = _lamb_vs_sharded(world, model, steps)
         world.close()
         queue.put((rank, res))
     except BaseException as e:  # noqa: BLE001 -- name the rank and carry on to the parent
         import traceback
 
         queue.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
+    """This rank's LAMB step and the sharded LAMB's phases on the same gradients, every rank busy at once."""
+    import torch
+
+    from scaleout.optim import LAMB, ShardedLAMB, state_bytes
+
+    params, groups = _make(bert_base_shapes() if model == "bert" else resnet50_shapes(), seed=0)
+    g = torch.Generator().manual_seed(100 + world.rank)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    groups[0]["weight_decay"] = 0.01
+    opt = LAMB(groups, lr=1e-3)
+    lamb = interleave({"lamb": opt.step}, steps, warmup=1, world=world, slowest=False)["lamb"]
+    res: dict[str, Any] = {"lamb_ms": statistics.median(t.wall for t in lamb) * 1e3, "lamb_state_bytes": state_bytes(opt)}
+    del opt
+    sharded = ShardedLAMB(groups, world, lr=1e-3)
+
+    def step() -> dict[str, float]:
+        sharded.step()
+        return dict(sharded.timings)
+
+    phases = [t.value for t in interleave({"sharded": step}, steps, warmup=1, world=world, slowest=False)["sharded"]]
+    res.update({f"{k}_ms": statistics.median(p[k] for p in phases) * 1e3 for k in phases[0]})
+    res["sharded_state_bytes"] = state_bytes(sharded)
+    return res
 
 
 def _sharded(world_size: int, model: str, steps: int) -> list[dict[str, Any]]:
@@ -250,10 +238,7 @@ def _sharded(world_size: int, model: str, steps: int) -> list[dict[str, Any]]:
     return [got[r] for r in range(world_size)]
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> str | None:
-    plt = pyplot(say=False)
-    if plt is None:
-        return None
+def _plot(plt: Any, rows: list[dict[str, Any]]) -> Any:
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models, strict=True):
@@ -263,60 +248,39 @@ def _plot(rows: list[dict[str, Any]], path: str) -> str | None:
         ax.set_xlabel("step time / AdamW-foreach (median of per-round ratios)")
         ax.set_title(f"{m}: {rs[0]['tensors']} tensors, {rs[0]['params'] / 1e6:.1f} M params")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return fig
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleout.bench.common import format_table, write_json
-    from scaleout.errors import UserError
-
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in SHAPES]
-    if bad or (not models and args.sharded_ranks <= 0):
-        raise UserError(f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)")
-    try:
-        chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
-    except ValueError:
-        raise UserError(f"--chunks={args.chunks!r}: expected a comma list of element counts") from None
-    if args.repeats < 1 or any(c < 1 for c in chunks):
-        raise UserError(f"--repeats={args.repeats} and --chunks={args.chunks!r} must be positive")
     import torch
 
-    if args.threads < 0:
-        raise UserError(f"--threads={args.threads}: expected >= 0")
+    from scaleout.errors import UserError
+
+    models = parse_csv(args.models, "--models", choices=SHAPES, allow_empty=True)
+    if not models and args.sharded_ranks <= 0:
+        raise UserError(f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)")
+    chunks = parse_csv(args.chunks, "--chunks", int, at_least=1, allow_empty=True)
+    check_counts(args, repeats=1, threads=0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = []
-    for m in models:
-        rows += _time_model(m, args.repeats, chunks)
-    if rows:
-        print(format_table(
-            ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
-            [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows],
-        ))
+    rows = [row for m in models for row in _time_model(m, args.repeats, chunks)]
     payload: dict[str, Any] = {"rows": rows, "threads": torch.get_num_threads()}
+    if rows:
+        emit(args, NAME, ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
+             [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows], payload,
+             plot=lambda plt: _plot(plt, rows))
     if args.sharded_ranks > 0:
         per_rank = _sharded(args.sharded_ranks, args.sharded_model, args.sharded_steps)
-        srows = []
-        for r, res in enumerate(per_rank):
-            comm = sum(res.get(f"{k}_ms", 0.0) for k in ("pack", "reduce_scatter", "norm_allreduce", "all_gather"))
-            srows.append([r, res["lamb_ms"], res["update_ms"], res["update_ms"] / res["lamb_ms"], comm,
-                          res["reduce_scatter_ms"], res["all_gather_ms"], res["sharded_state_bytes"] / 2**20,
-                          res["sharded_state_bytes"] / res["lamb_state_bytes"]])
-        print()
-        print(f"sharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks busy at once in both columns)")
-        print(format_table(
-            ["rank", "LAMB step ms", "sharded update ms", "x LAMB", "comm ms (pack+rs+norms+ag)", "reduce-scatter ms",
-             "all-gather ms", "state MiB", "x LAMB state"],
-            srows,
-        ))
         payload["sharded"] = {"ranks": args.sharded_ranks, "model": args.sharded_model, "per_rank": per_rank}
-    path = write_json(args.out, payload)
-    if path:
-        print(f"\nwrote {path}")
-    if args.png and rows:
-        png = _plot(rows, args.png)
-        print(f"wrote {png}" if png else "matplotlib not installed: no PNG")
+        print(f"\nsharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks busy at once in both "
+              "columns)")
+        emit(args, NAME, ["rank", "LAMB step ms", "sharded update ms", "x LAMB", "comm ms (pack+rs+norms+ag)",
+                          "reduce-scatter ms", "all-gather ms", "state MiB", "x LAMB state"],
+             [_sharded_row(r, res) for r, res in enumerate(per_rank)], payload)
     return 0
+
+
+def _sharded_row(rank: int, res: dict[str, Any]) -> list[Any]:
+    comm = sum(res.get(f"{k}_ms", 0.0) for k in ("pack", "reduce_scatter", "norm_allreduce", "all_gather"))
+    return [rank, res["lamb_ms"], res["update_ms"], res["update_ms"] / res["lamb_ms"], comm, res["reduce_scatter_ms"],
+            res["all_gather_ms"], res["sharded_state_bytes"] / 2**20, res["sharded_state_bytes"] / res["lamb_state_bytes"]]

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from scaleout.argtypes import parse_csv
+from scaleout.bench._harness import add_standard_arguments, emit
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
+    from scaleout.world import World
 
 NAME = "precision"
 HELP = "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what the CPU supports"
@@ -23,6 +30,9 @@ examples:
   scaleout bench precision bert_tiny_cpu --steps 300 --precisions fp32,bf16 --tolerance 0.03
 """
 
+SMOKE_ARGS = ["bert_tiny_cpu", "data.source=synthetic", "data.eval_samples=8", "--steps", "4", "--warmup", "1",
+              "--window", "2", "--batch", "4", "--precisions", "fp32,bf16"]
+PRECISIONS = ("fp32", "bf16", "fp16")
 CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "amx_fp16", "avx512_vnni", "avx512f")
 
 
@@ -35,8 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
     p.add_argument("--window", type=int, default=20, help="moving-mean window of the loss curves (default 20)")
     p.add_argument("--tolerance", type=float, default=0.05, help="max relative gap of a curve to fp32 (default 0.05)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
-    p.add_argument("--out", default="bench-results/precision.json")
+    add_standard_arguments(p, NAME, threads=1, png=True)
 
 
 def cpu_support() -> dict[str, Any]:
@@ -66,7 +75,7 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
-def _train(cfg: Any, world: Any) -> dict[str, Any]:
+def _train(cfg: Config, world: World) -> dict[str, Any]:
     import contextlib
     import io
     import statistics
@@ -95,38 +104,19 @@ def _train(cfg: Any, world: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
     import torch
 
-    import scaleout
-    from scaleout.bench.common import format_table, pyplot, write_json
-    from scaleout.config import load_config
     from scaleout.errors import UserError
 
-    names = ["fp32"] + [p for p in args.precisions.split(",") if p and p != "fp32"]
-    bad = [p for p in names if p not in ("fp32", "bf16", "fp16")]
-    if bad or args.steps <= args.warmup or args.window < 1:
-        raise UserError(f"--precisions {args.precisions!r}: expected fp32,bf16,fp16; --steps={args.steps} must exceed "
-                        f"--warmup={args.warmup}; --window={args.window} >= 1")
+    names = ["fp32"] + [p for p in parse_csv(args.precisions, "--precisions", choices=PRECISIONS) if p != "fp32"]
+    if args.steps <= args.warmup or args.window < 1:
+        raise UserError(f"--steps={args.steps} must exceed --warmup={args.warmup}; --window={args.window} >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     support = cpu_support()
     print(f"CPU: {support['model']}; low-precision flags: {', '.join(support['flags']) or 'none'}; "
           f"torch CPU capability: {support['torch_cpu_capability']}", flush=True)
-    tmp = tempfile.mkdtemp(prefix="bench-precision-")
-    base = [*args.overrides, "launch.env=single", f"train.global_batch={args.batch}", "train.grad_accum=1",
-            f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "train.target=null",
-            "checkpoint.dir=null", "train.progress=false", f"train.timing_skip_steps={args.warmup}",
-            f"train.output_dir={tmp}"]
-    world = scaleout.init(load_config(args.config, base))
-    runs: dict[str, dict[str, Any]] = {}
-    try:
-        for name in names:
-            print(f"  training {args.steps} steps in {name} ...", flush=True)
-            runs[name] = _train(load_config(args.config, [*base, f"train.precision={name}"]), world)
-    finally:
-        world.close()
+    runs = _runs(args, names)
     ref = smooth(runs["fp32"]["losses"], args.window)
     rows, ok = [], True
     for name, r in runs.items():
@@ -135,24 +125,46 @@ def run(args: argparse.Namespace) -> int:
         r["max_rel_gap"], r["final_rel_gap"] = max(gaps, default=0.0), gaps[-1] if gaps else 0.0
         ok &= r["max_rel_gap"] <= args.tolerance
         rows.append([name, f"{r['step_s'] * 1e3:.1f}", f"{r['step_cpu_s'] * 1e3:.1f}",
-                     f"{runs['fp32']['step_cpu_s'] / r['step_cpu_s']:.2f}x",
-                     f"{curve[-1]:.4f}", f"{r['max_rel_gap']:.2%}", f"{r['final_rel_gap']:.2%}",
-                     f"{r['metric']:.4f}" if r["metric"] is not None else "-", r["skipped"],
+                     f"{runs['fp32']['step_cpu_s'] / r['step_cpu_s']:.2f}x", f"{curve[-1]:.4f}", f"{r['max_rel_gap']:.2%}",
+                     f"{r['final_rel_gap']:.2%}", f"{r['metric']:.4f}" if r["metric"] is not None else "-", r["skipped"],
                      f"{r['loss_scale']:g}" if name == "fp16" else "-"])
-    print(format_table(["precision", "step ms (median wall)", "step ms (thread CPU)", "speed-up vs fp32 (CPU)", f"final loss (mean of {args.window})",
-                        "max gap to fp32", "final gap", "eval metric", "skipped steps", "loss scale"], rows))
-    print(f"\n{'PASS' if ok else 'FAIL'}: every curve within {args.tolerance:.0%} of fp32 after step {args.window}")
-    path = write_json(args.out, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                                 "cpu": support, "runs": runs, "within_tolerance": ok})
-    if path:
-        print(f"wrote {path}")
-        plt = pyplot()
-        if plt is not None:
-            fig, ax = plt.subplots(figsize=(7, 4))
-            for name, r in runs.items():
-                ax.plot(smooth(r["losses"], args.window), label=f"{name} ({r['step_cpu_s'] * 1e3:.0f} ms CPU/step)")
-            ax.set(xlabel="step", ylabel=f"training loss (mean of {args.window})", title=f"{args.config}: precision")
-            ax.legend()
-            fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
-            print(f"wrote {path.with_suffix('.png')}")
+    emit(args, NAME, ["precision", "step ms (median wall)", "step ms (thread CPU)", "speed-up vs fp32 (CPU)",
+                      f"final loss (mean of {args.window})", "max gap to fp32", "final gap", "eval metric",
+                      "skipped steps", "loss scale"], rows,
+         {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "cpu": support, "runs": runs,
+          "within_tolerance": ok},
+         notes=[f"\n{'PASS' if ok else 'FAIL'}: every curve within {args.tolerance:.0%} of fp32 after step {args.window}"],
+         plot=lambda plt: _plot(plt, runs, args))
     return 0 if ok else 1
+
+
+def _runs(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The same run of CONFIG in each precision, from the same weights and data order."""
+    import tempfile
+
+    import scaleout
+    from scaleout.config import load_config
+
+    tmp = tempfile.mkdtemp(prefix="bench-precision-")
+    base = [*args.overrides, "launch.env=single", f"train.global_batch={args.batch}", "train.grad_accum=1",
+            f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "train.target=null",
+            "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false",
+            f"train.timing_skip_steps={args.warmup}", f"train.output_dir={tmp}"]
+    world = scaleout.init(load_config(args.config, base))
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            print(f"  training {args.steps} steps in {name} ...", flush=True)
+            runs[name] = _train(load_config(args.config, [*base, f"train.precision={name}"]), world)
+    finally:
+        world.close()
+    return runs
+
+
+def _plot(plt: Any, runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> Any:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in runs.items():
+        ax.plot(smooth(r["losses"], args.window), label=f"{name} ({r['step_cpu_s'] * 1e3:.0f} ms CPU/step)")
+    ax.set(xlabel="step", ylabel=f"training loss (mean of {args.window})", title=f"{args.config}: precision")
+    ax.legend()
+    return fig

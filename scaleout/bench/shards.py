@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
+
+from scaleout.argtypes import parse_csv
+from scaleout.bench._harness import add_standard_arguments, emit
 
 NAME = "shards"
 HELP = "peak RSS per rank training on 2 vs 8 MLPerf HDF5 shards (lazy reader), with the eager load as baseline"
@@ -23,6 +28,10 @@ examples:
 """
 
 
+SMOKE_ARGS = ["--shards", "1,2", "--rows-per-shard", "64", "--nproc", "1", "--steps", "1", "--vocab", "128"]
+BAR = 1.15  # lazy peak RSS with the most shards / with the fewest (docs/training-blocks.md)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", default="2,8", help="comma list of shard counts (default 2,8)")
     p.add_argument("--rows-per-shard", type=int, default=8000, help="sequences per shard (default 8000)")
@@ -39,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "checkout; without one every sequence is --max-len long)",
     )
     p.add_argument("--dir", default=None, help="where to write the shards (default: a temporary directory)")
-    p.add_argument("--out", default="bench-results/shards.json")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per training run")
+    add_standard_arguments(p, NAME)
 
 
 def _write_set(root, n: int, rows: int, args: argparse.Namespace, hist) -> None:
@@ -81,6 +90,7 @@ def _lazy(root, args: argparse.Namespace) -> float:
            "model.bert.hidden=64", "model.bert.intermediate=128", f"train.global_batch={4 * args.nproc}",
            f"train.max_steps={args.steps}", f"train.eval_every={args.steps}", "data.eval_samples=64",
            "train.progress=false", "train.target=null", f"train.output_dir={out}", "checkpoint.dir=null",
+           "checkpoint.every_steps=0",
            "optim.total_steps=null", "optim.warmup_steps=1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
     if r.returncode != 0:
@@ -103,16 +113,13 @@ def _eager(root) -> float:
 
 def run(args: argparse.Namespace) -> int:
     import tempfile
-    import time
-    from pathlib import Path
 
-    from scaleout.bench.common import format_table, machine_info, write_json
     from scaleout.bench.packing import DEFAULT_HIST
     from scaleout.data.packing import load_histogram
     from scaleout.errors import UserError
 
-    counts = sorted({int(x) for x in args.shards.split(",") if x.strip()})
-    if len(counts) < 2 or counts[0] < 1:
+    counts = sorted(set(parse_csv(args.shards, "--shards", int, at_least=1)))
+    if len(counts) < 2:
         raise UserError(f"--shards={args.shards!r}: expected at least two shard counts >= 1, e.g. 2,8")
     if args.rows_per_shard < 64 or args.nproc < 1 or args.steps < 1:
         raise UserError("--rows-per-shard must be >= 64, --nproc and --steps >= 1")
@@ -120,61 +127,33 @@ def run(args: argparse.Namespace) -> int:
     hist = load_histogram(hist_path, args.max_len) if args.hist or DEFAULT_HIST.is_file() else None
     print(f"sequence lengths: {hist_path if hist is not None else f'all {args.max_len} (no histogram found)'}")
     tmp = tempfile.TemporaryDirectory(prefix="scaleout-shards-") if args.dir is None else None
-    base = Path(args.dir or tmp.name)
-    rows = []
     try:
-        for n in counts:
-            root = base / f"shards-{n}"
-            t = time.perf_counter()
-            _write_set(root, n, args.rows_per_shard, args, hist)
-            wrote = time.perf_counter() - t
-            lazy, eager = _lazy(root, args), _eager(root)
-            size = sum(f.stat().st_size for f in (root / "train").glob("*.hdf5")) / 2**20
-            rows.append(
-                {
-                    "shards": n,
-                    "sequences": n * args.rows_per_shard,
-                    "data_mib": size,
-                    "lazy_peak_rss_mib": lazy,
-                    "eager_peak_rss_mib": eager,
-                    "write_s": wrote,
-                }
-            )
-            print(f"  {n} shards: lazy {lazy:.0f} MiB per rank, eager {eager:.0f} MiB", flush=True)
+        rows = [_one_set(Path(args.dir or tmp.name) / f"shards-{n}", n, args, hist) for n in counts]
     finally:
         if tmp is not None:
             tmp.cleanup()
     ratio = rows[-1]["lazy_peak_rss_mib"] / rows[0]["lazy_peak_rss_mib"]
     eager_ratio = rows[-1]["eager_peak_rss_mib"] / rows[0]["eager_peak_rss_mib"]
-    print(
-        format_table(
-            ["shards", "sequences", "data MiB", "lazy peak RSS/rank MiB", "eager (baseline) MiB"],
-            [
-                [
-                    r["shards"],
-                    r["sequences"],
-                    f"{r['data_mib']:.0f}",
-                    f"{r['lazy_peak_rss_mib']:.0f}",
-                    f"{r['eager_peak_rss_mib']:.0f}",
-                ]
-                for r in rows
-            ],
-        )
-    )
-    verdict = "PASS" if ratio <= 1.15 else "FAIL"
-    print(
-        f"lazy {counts[-1]} vs {counts[0]} shards: {ratio:.3f}x (bar <= 1.15x: {verdict}); "
-        f"eager baseline {eager_ratio:.2f}x"
-    )
-    payload = {
-        "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
-        "machine": machine_info(),
-        "rows": rows,
-        "lazy_ratio": ratio,
-        "eager_ratio": eager_ratio,
-        "bar": 1.15,
-        "pass": ratio <= 1.15,
-    }
-    if p := write_json(args.out, payload):
-        print(f"JSON: {p}")
-    return 0 if ratio <= 1.15 else 1
+    verdict = "PASS" if ratio <= BAR else "FAIL"
+    emit(args, NAME, ["shards", "sequences", "data MiB", "lazy peak RSS/rank MiB", "eager (baseline) MiB"],
+         [[r["shards"], r["sequences"], f"{r['data_mib']:.0f}", f"{r['lazy_peak_rss_mib']:.0f}",
+           f"{r['eager_peak_rss_mib']:.0f}"] for r in rows],
+         {"config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}, "rows": rows,
+          "lazy_ratio": ratio, "eager_ratio": eager_ratio, "bar": BAR, "pass": ratio <= BAR},
+         notes=[f"lazy {counts[-1]} vs {counts[0]} shards: {ratio:.3f}x (bar <= {BAR}x: {verdict}); "
+                f"eager baseline {eager_ratio:.2f}x"])
+    return 0 if ratio <= BAR else 1
+
+
+def _one_set(root: Path, n: int, args: argparse.Namespace, hist: Any) -> dict[str, Any]:
+    """Write ``n`` shards, train on them lazily, load them eagerly: the peak memory of each."""
+    import time
+
+    t = time.perf_counter()
+    _write_set(root, n, args.rows_per_shard, args, hist)
+    wrote = time.perf_counter() - t
+    lazy, eager = _lazy(root, args), _eager(root)
+    size = sum(f.stat().st_size for f in (root / "train").glob("*.hdf5")) / 2**20
+    print(f"  {n} shards: lazy {lazy:.0f} MiB per rank, eager {eager:.0f} MiB", flush=True)
+    return {"shards": n, "sequences": n * args.rows_per_shard, "data_mib": size, "lazy_peak_rss_mib": lazy,
+            "eager_peak_rss_mib": eager, "write_s": wrote}

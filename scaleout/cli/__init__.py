@@ -7,33 +7,47 @@ Every subcommand is a module in this package (``scaleout/cli/<name>.py``) that d
     def add_arguments(parser)      # argparse options
     def run(args) -> int           # exit code
 
+and optionally ``ORDER: int`` (its place in ``scaleout --help``; default 50), ``DESCRIPTION: str`` (the
+long ``--help`` text; default HELP) and ``preflight(args, world_size, ranks_per_node)`` (checks a command
+line for a world before a launcher spawns any rank; raises UserError).
+
 Modules are discovered, so adding a subcommand touches no shared file. Command modules import heavy
 libraries (torch, launchers) inside ``run`` so that ``scaleout --help`` stays fast.
 
 The CLI is the one place allowed to use both ``scaleout`` (what runs in a rank) and ``launchers`` (what
-starts ranks); see README "Architecture".
+starts ranks): it resolves a command and checks it (:func:`preflight`), then hands a launcher an argv and
+that check; launchers never import the CLI. See README "Architecture".
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import pkgutil
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 from scaleout.errors import UserError
 
 
-def _commands() -> list[ModuleType]:
+def discover(package: ModuleType) -> list[ModuleType]:
+    """The modules of ``package`` that define ``NAME`` and ``run`` (names starting with ``_`` are private
+    helpers), ordered by their optional ``ORDER`` (default 50), then name."""
     mods = []
-    for info in pkgutil.iter_modules(__path__):
+    for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_"):
             continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
+        mod = importlib.import_module(f"{package.__name__}.{info.name}")
         if hasattr(mod, "NAME") and hasattr(mod, "run"):
             mods.append(mod)
-    return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
+    return sorted(mods, key=lambda m: (getattr(m, "ORDER", 50), m.NAME))
+
+
+def subcommands() -> list[ModuleType]:
+    """Every ``scaleout`` subcommand module (see the module docstring for what each defines)."""
+    return discover(sys.modules[__name__])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
-    for mod in _commands():
+    for mod in subcommands():
         p = sub.add_parser(
             mod.NAME,
             help=mod.HELP,
@@ -65,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve(cmd: list[str]) -> tuple[list[str], Callable[[int, int], None] | None]:
+    """A rank command as a launcher takes it: a bare subcommand (``smoke``) becomes ``scaleout smoke``; with
+    the check of a ``scaleout`` command line for a world (:func:`preflight`), else None."""
+    cmd = list(cmd)
+    if cmd and cmd[0] in {m.NAME for m in subcommands()}:
+        cmd = ["scaleout", *cmd]
+    elif cmd[:1] in (["python"], ["python3"]) and cmd[1:3] == ["-m", "scaleout"]:
+        cmd = ["scaleout", *cmd[3:]]
+    if not cmd or cmd[0] != "scaleout":
+        return cmd, None
+    return cmd, functools.partial(preflight, cmd[1:])
+
+
 def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
     """Validate a ``scaleout <subcommand> ...`` command line for a world before any rank is spawned.
 
@@ -74,7 +101,7 @@ def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
     """
     if not argv:
         return
-    mods = {m.NAME: m for m in _commands()}
+    mods = {m.NAME: m for m in subcommands()}
     mod = mods.get(argv[0])
     if mod is None or not hasattr(mod, "preflight"):
         return

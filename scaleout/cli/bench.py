@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
+from types import ModuleType
 
 NAME = "bench"
 ORDER = 60
 HELP = "benchmarks (allreduce, overlap, optim, packing, data, ...): side-by-side tables, JSON, PNG"
 
 
-def _benches():
+def benches() -> list[ModuleType]:
+    """Every benchmark module (scaleout/bench/<name>.py; helpers are ``_``-prefixed), by name."""
     import scaleout.bench as pkg
+    from scaleout.cli import discover
 
-    mods = []
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_") or info.name == "common":
-            continue
-        mod = importlib.import_module(f"scaleout.bench.{info.name}")
-        if hasattr(mod, "NAME") and hasattr(mod, "run"):
-            mods.append(mod)
-    return sorted(mods, key=lambda m: m.NAME)
+    return sorted(discover(pkg), key=lambda m: m.NAME)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="<benchmark>", parser_class=type(p))
-    for mod in _benches():
+    for mod in benches():
         bp = sub.add_parser(
             mod.NAME,
             help=mod.HELP,

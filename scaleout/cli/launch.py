@@ -79,6 +79,7 @@ def resolve_nproc(value: str | int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from scaleout.cli import resolve
     from scaleout.errors import UserError
     from scaleout.launchers.local import check_launch_args, launch
 
@@ -86,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    cmd, check = resolve(cmd)  # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
     if args.netns or args.cluster:
         from scaleout.launchers.netns import MAX_NODES
 
         if args.nnodes > MAX_NODES:
             raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster")
     check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
-    kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout)
+    kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout, preflight=check)
     if args.netns or args.cluster:
         result = _launch_netns(cmd, args, kwargs)
     else:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from scaleout.bench.common import format_table
+    from scaleout.argtypes import parse_csv
     from scaleout.data.packing import (
         ALGORITHMS,
         assign_sequences,
@@ -91,16 +91,14 @@ def run(args: argparse.Namespace) -> int:
     )
     from scaleout.data.packing_hist import check_max_len
     from scaleout.errors import UserError
+    from scaleout.output import format_table
 
     check_max_len(args.max_len)
     if (args.histogram is None) == (args.lengths is None):
         raise UserError("give exactly one of HISTOGRAM or --lengths FILE")
     if args.packed_out and not args.lengths:
         raise UserError("--packed-out needs a dataset (--lengths FILE), not only a histogram")
-    names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in names:
-        if a not in ALGORITHMS:
-            raise UserError(f"--algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
+    names = parse_csv(args.algorithms, "--algorithms", choices=ALGORITHMS, allow_empty=True)
     if args.lengths:
         lengths = _read_lengths(args.lengths)
         h = histogram_from_lengths(lengths, args.max_len)

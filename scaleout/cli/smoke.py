@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(e, flush=True)
     print0(
         "scaleout smoke report\n"
-        f"  launcher environment : {world.source}\n"
+        f"  launcher environment : {world.launcher}\n"
         f"  world                : {world.world_size} ranks on {world.num_nodes} nodes, ranks per node "
         f"{[len(r) for r in world.ranks_per_node]}\n"
         f"  device / backend     : {world.device} / {world.backend}\n"

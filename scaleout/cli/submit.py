@@ -73,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     )
     # The same checks `scaleout launch` runs, for every job's command and this world, before anything is
     # queued: a bad config is one line here, not a 256-node job whose every rank fails.
-    from scaleout.cli import preflight
+    from scaleout.cli import main, preflight
 
     for job_argv in job_argvs(spec):
         preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
-    jobs = submit(spec)
+    jobs = submit(spec, entry=main)
     where = resolve_cluster(spec.cluster)
     for j in jobs:
         print(f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "

@@ -170,21 +170,23 @@ def _notes(args: argparse.Namespace, points: list, base_world: int | None, threa
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleout.bench.common import format_table
+    from scaleout.argtypes import parse_csv
+    from scaleout.cli import main
     from scaleout.config import load_config
     from scaleout.config.load import resolve_config_path
     from scaleout.errors import UserError
     from scaleout.launchers.submit import parse_slurm_options
     from scaleout.launchers.sweep import make_runner, run_sweep
-    from scaleout.sweep import MODES, add_efficiency, check_points, parse_int_list, plan_points, write_outputs
+    from scaleout.output import format_table
+    from scaleout.sweep import MODES, add_efficiency, check_points, plan_points, write_outputs
     from scaleout.sweep.plot import plot
     from scaleout.sweep.results import table_rows
 
     # Everything is validated before the first rank starts.
     if args.mode not in MODES:
         raise UserError(f"--mode={args.mode!r}: expected weak or strong")
-    worlds = parse_int_list(args.world, "--world")
-    nodes = parse_int_list(args.nodes, "--nodes") if args.nodes else None
+    worlds = parse_csv(args.world, "--world", int, at_least=1)
+    nodes = parse_csv(args.nodes, "--nodes", int, at_least=1) if args.nodes else None
     config = str(resolve_config_path(args.config).resolve())
     cfg = load_config(config, args.overrides)
     gpn = args.nproc_per_node if nodes is None else None
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     env = {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
     runner = make_runner(args.launcher, netns_rate=args.rate if args.netns else None, partition=args.partition,
                          time_min=args.time, gpus=not args.no_gpu_request, cluster=args.cluster,
-                         timeout_s=args.timeout, extra_env=env, slurm=parse_slurm_options(args.slurm))
+                         timeout_s=args.timeout, extra_env=env, slurm=parse_slurm_options(args.slurm), entry=main)
     runner.check(points)
     sim = None
     if args.simulate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,9 @@ from scaleout.comm.hierarchical import hierarchical_grid
 from scaleout.comm.torus import torus_grid
 from scaleout.errors import UserError
 from scaleout.profile import traced
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def op_name(op: Any, what: str = "all_reduce") -> str:
 @traced("all_reduce")
 def all_reduce(
     tensor: torch.Tensor,
-    world: Any,
+    world: World,
     algorithm: str = "flat",
     op: Any = "sum",
     async_op: bool = False,
@@ -140,7 +143,7 @@ def all_reduce(
 
 
 def dispatch(
-    world: Any,
+    world: World,
     result: torch.Tensor,
     job: Callable[[], None],
     native: Callable[[], Any] | None,

@@ -11,14 +11,17 @@ future before the optimizer step; our handle's future completes after every phas
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaleout.comm.api import all_reduce, get_algorithm
 
+if TYPE_CHECKING:
+    from scaleout.world import World
 
-def ddp_hook(algorithm: str, world: Any, **options: Any) -> Callable[[Any, Any], torch.futures.Future]:
+
+def ddp_hook(algorithm: str, world: World, **options: Any) -> Callable[[Any, Any], torch.futures.Future]:
     get_algorithm(algorithm)  # fail now, not inside backward
 
     # Unannotated on purpose: DDP's _check_comm_hook compares annotations with dist.GradBucket, and

@@ -19,9 +19,12 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 
 class Handle:
@@ -135,12 +138,12 @@ _THREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _THREADS_LOCK = threading.Lock()
 
 
-def existing_thread(world: Any) -> CommThread | None:
+def existing_thread(world: World) -> CommThread | None:
     with _THREADS_LOCK:
         return _THREADS.get(world)
 
 
-def comm_thread(world: Any) -> CommThread:
+def comm_thread(world: World) -> CommThread:
     with _THREADS_LOCK:
         t = _THREADS.get(world)
         if t is None:

@@ -5,12 +5,15 @@ DistributedFusedLAMB). The phases and their chunk pipeline are in :mod:`scaleout
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaleout.comm.grid import Grid
 
+if TYPE_CHECKING:
+    from scaleout.world import World
 
-def hierarchical_grid(world: Any) -> Grid:
+
+def hierarchical_grid(world: World) -> Grid:
     """Rows = the ranks of this node, columns = this local rank on every node."""
     world.require_uniform("the hierarchical all-reduce")
     return Grid(world.rank, tuple(world.intra_ranks), world.intra, world.inter, world.num_nodes)

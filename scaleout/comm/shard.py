@@ -22,7 +22,7 @@ divides by the world size after the sum, as ``all_reduce`` does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,17 @@ import torch.distributed as dist
 from scaleout.comm.api import dispatch, get_algorithm, op_name
 from scaleout.comm.grid import Grid
 from scaleout.errors import UserError
+from scaleout.profile import traced
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # torch 2.13 renamed the tensor collectives (*_single); older builds only have the *_tensor names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _grid(world: Any, algorithm: str, options: dict[str, Any], what: str) -> Grid | None:
+def _grid(world: World, algorithm: str, options: dict[str, Any], what: str) -> Grid | None:
     alg = get_algorithm(algorithm)
     unknown = sorted(set(options) - set(alg.grid_options))
     if unknown:
@@ -49,7 +53,7 @@ def _col_index(grid: Grid) -> int:
     return dist.get_rank(grid.col) if grid.col_size > 1 else 0
 
 
-def shard_index(world: Any, algorithm: str = "flat", **options: Any) -> int:
+def shard_index(world: World, algorithm: str = "flat", **options: Any) -> int:
     """Which of the ``world_size`` equal slices this rank owns in :func:`reduce_scatter` /
     :func:`all_gather` with this algorithm (every rank owns a different one)."""
     grid = _grid(world, algorithm, options, "shard_index")
@@ -58,7 +62,7 @@ def shard_index(world: Any, algorithm: str = "flat", **options: Any) -> int:
     return grid.index * grid.col_size + _col_index(grid)
 
 
-def _check(out: torch.Tensor, inp: torch.Tensor, world: Any, what: str, big: str) -> None:
+def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: str) -> None:
     full, part = (inp, out) if big == "input" else (out, inp)
     if not (out.is_contiguous() and inp.is_contiguous()):
         raise UserError(f"{what}: input and output must be contiguous tensors")
@@ -86,7 +90,7 @@ def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first
         op(out, mid, group=groups[1])
 
 
-def _run(world: Any, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, native_op: Any, grid_op: Any,
+def _run(world: World, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, native_op: Any, grid_op: Any,
          finish: Any, async_op: bool, shard: int) -> Any:
     """One collective: ``native_op`` on the world group (flat) or ``grid_op``'s phases, in call order."""
 
@@ -108,8 +112,9 @@ def _run(world: Any, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, na
     return dispatch(world, out, job, native if grid is None else None, finish, async_op)
 
 
+@traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profile.py)
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat", op: Any = "sum",
+    output: torch.Tensor, input: torch.Tensor, world: World, algorithm: str = "flat", op: Any = "sum",
     async_op: bool = False, **options: Any,
 ) -> Any:
     """``output`` = sum (or average) over every rank of slice ``shard_index(world, algorithm)`` of
@@ -130,7 +135,8 @@ def reduce_scatter(
                 finish, async_op, output.numel())
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, world: Any, algorithm: str = "flat",
+@traced("all_gather")
+def all_gather(output: torch.Tensor, input: torch.Tensor, world: World, algorithm: str = "flat",
                async_op: bool = False, **options: Any) -> Any:
     """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's
     ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""

@@ -6,11 +6,14 @@ thousands of ranks. Default X = ranks per node, so rows stay on a node's fast fa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaleout.comm.grid import Grid
 
+if TYPE_CHECKING:
+    from scaleout.world import World
 
-def torus_grid(world: Any, x: int | None = None, y: int | None = None) -> Grid:
+
+def torus_grid(world: World, x: int | None = None, y: int | None = None) -> Grid:
     tg = world.torus(x, y)
     return Grid(world.rank, tuple(tg.row_ranks), tg.row, tg.col, tg.y)

@@ -14,7 +14,7 @@ appendix A.1), which MLPerf's BERT data is made with:
 
 Each sample is a :class:`BertSample` of *unpadded* numpy arrays, i.e. its real length; the collator
 (``scaleout.data.bert_batch``) pads or packs them. :func:`to_padded` gives the fixed-shape MLPerf
-layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.data.wikipedia``). ``dupe_factor``
+layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.data.shard_format``). ``dupe_factor``
 copies of the corpus are made with different masks (Google uses 10). Everything is a function of
 ``seed``; results are cached as ``.npz`` keyed by the corpus hash and every setting.
 """
@@ -161,7 +161,7 @@ def to_padded(sample: BertSample, max_seq_len: int, max_predictions: int) -> dic
 def mlm_baselines(samples: list[BertSample]) -> dict[str, Any]:
     """Accuracies a model that learned nothing gets on these masked positions.
 
-    ``most_frequent``: always predict the most frequent masked token (the issue's baseline);
+    ``most_frequent``: always predict the most frequent masked token (the floor any target must clear);
     ``copy_input``: predict the visible input token (right on the 10 % kept unchanged, and on random
     replacements that happen to hit). A target must sit well above both.
     """
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import time
 
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
 
     p = argparse.ArgumentParser(prog="python3 -m scaleout.data.pretrain", description=main.__doc__)
     p.add_argument("--vocab-size", type=int, default=4096)

@@ -21,7 +21,7 @@ class WorldSpec:
     world_size: int
     master_addr: str | None
     master_port: int | None
-    source: str
+    launcher: str  # the environment that described it (local, slurm, mpi, torchrun, horovod, single)
     # Ranks on each node, when the launcher says (Slurm's SLURM_TASKS_PER_NODE); None = not known here,
     # World derives it from an all-gather after init.
     tasks_per_node: tuple[int, ...] | None = None
@@ -36,13 +36,14 @@ class WorldSpec:
         ]
         for ok, msg in checks:
             if not ok:
-                raise EnvironmentError_(f"{self.source} environment: {msg}")
+                raise EnvironmentError_(f"{self.launcher} environment: {msg}")
 
 
 class Environment:
     """A small reader of one launcher's variables. Subclasses set ``name`` and implement both methods."""
 
     name = "base"
+    rank_vars: tuple[str, ...] = ()  # the variables that hold the global rank (scaleout.log reads them early)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         raise NotImplementedError
@@ -80,7 +81,44 @@ def opt_port(env: Mapping[str, str], name: str, source: str) -> int | None:
     return port
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` right now: all n sockets are held until every port is known.
+    (Free when chosen, like torchrun's; the rendezvous binds its port within seconds.)"""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+# What scaleout's own launchers tell every rank (launchers/local.py; launchers/submit.py under submitit's
+# local executor) and LocalEnv reads back: WorldSpec field -> variable. One mapping, so writer and reader agree.
+LOCAL_VARS = {
+    "rank": "SCALEOUT_RANK",
+    "local_rank": "SCALEOUT_LOCAL_RANK",
+    "node_rank": "SCALEOUT_NODE_RANK",
+    "num_nodes": "SCALEOUT_NNODES",
+    "local_size": "SCALEOUT_NPROC_PER_NODE",
+    "world_size": "SCALEOUT_WORLD_SIZE",
+}
+
+
+def local_rank_env(rank: int, nnodes: int, nproc: int, addr: str, port: int) -> dict[str, str]:
+    """The variables of rank ``rank`` of ``nnodes`` x ``nproc`` ranks (node-major) meeting at ``addr:port``:
+    :data:`LOCAL_VARS`, plus torchrun's names so that torch-native scripts run unchanged."""
+    node, local = divmod(rank, nproc)
+    values = {"rank": rank, "local_rank": local, "node_rank": node, "num_nodes": nnodes, "local_size": nproc,
+              "world_size": nnodes * nproc}
+    env = {LOCAL_VARS[k]: str(v) for k, v in values.items()}
+    env.update(RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node), WORLD_SIZE=str(nnodes * nproc),
+               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=addr, MASTER_PORT=str(port))
+    return env

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from scaleout.env.addr import reachable_address
-from scaleout.env.base import Environment, WorldSpec, free_port, need_int, opt_int, opt_port
+from scaleout.env.base import LOCAL_VARS, Environment, WorldSpec, free_port, need_int, opt_int, opt_port
 from scaleout.errors import EnvironmentError_
 from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 
@@ -43,33 +43,24 @@ class LocalEnv(Environment):
     """Variables set by ``scaleout launch`` (launchers/local.py) for each of its M x G processes."""
 
     name = "local"
+    rank_vars = (LOCAL_VARS["rank"],)
 
     def detect(self, env: Mapping[str, str]) -> bool:
-        return "SCALEOUT_RANK" in env
+        return LOCAL_VARS["rank"] in env
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
-        nnodes = need_int(env, "SCALEOUT_NNODES", n)
-        nproc = need_int(env, "SCALEOUT_NPROC_PER_NODE", n)
+        v = {field: need_int(env, var, n) for field, var in LOCAL_VARS.items()}
         addr, port = _master(env, n)
-        return WorldSpec(
-            rank=need_int(env, "SCALEOUT_RANK", n),
-            local_rank=need_int(env, "SCALEOUT_LOCAL_RANK", n),
-            node_rank=need_int(env, "SCALEOUT_NODE_RANK", n),
-            num_nodes=nnodes,
-            local_size=nproc,
-            world_size=need_int(env, "SCALEOUT_WORLD_SIZE", n),
-            master_addr=addr,
-            master_port=port,
-            source=n,
-            tasks_per_node=(nproc,) * nnodes,
-        )
+        return WorldSpec(**v, master_addr=addr, master_port=port, launcher=n,
+                         tasks_per_node=(v["local_size"],) * v["num_nodes"])
 
 
 class TorchrunEnv(Environment):
     """torchrun / torch.distributed.elastic: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK."""
 
     name = "torchrun"
+    rank_vars = ("RANK",)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -97,7 +88,7 @@ class TorchrunEnv(Environment):
             world_size=world,
             master_addr=addr,
             master_port=port,
-            source=n,
+            launcher=n,
         )
 
 
@@ -112,6 +103,7 @@ class SlurmEnv(Environment):
     """
 
     name = "slurm"
+    rank_vars = ("SLURM_PROCID",)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
@@ -170,7 +162,7 @@ class SlurmEnv(Environment):
             world_size=ntasks,
             master_addr=addr,
             master_port=port,
-            source=n,
+            launcher=n,
             tasks_per_node=tuple(tpn),
             extra={"hosts": hosts},
         )
@@ -186,6 +178,7 @@ class MPIEnv(Environment):
     """
 
     name = "mpi"
+    rank_vars = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return any(k in env for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"))
@@ -231,7 +224,7 @@ class MPIEnv(Environment):
             world_size=size,
             master_addr=addr,
             master_port=port,
-            source=n,
+            launcher=n,
         )
 
     def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
@@ -284,6 +277,7 @@ class HorovodEnv(Environment):
     """
 
     name = "horovod"
+    rank_vars = ("HOROVOD_RANK",)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         return "HOROVOD_RANK" in env
@@ -300,7 +294,7 @@ class HorovodEnv(Environment):
             world_size=need_int(env, "HOROVOD_SIZE", n),
             master_addr=addr,
             master_port=port,
-            source=n,
+            launcher=n,
             extra={
                 "rendezvous_addr": env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
                 "rendezvous_port": opt_port(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", n),
@@ -343,6 +337,8 @@ ENVIRONMENTS: dict[str, Environment] = {
     e.name: e for e in (LocalEnv(), TorchrunEnv(), HorovodEnv(), MPIEnv(), SlurmEnv(), SingleEnv())
 }
 DETECTION_ORDER = ("local", "torchrun", "horovod", "mpi", "slurm", "single")
+# Where this process's global rank is, before any World exists (scaleout.log), in detection order.
+RANK_VARS = tuple(v for name in DETECTION_ORDER for v in ENVIRONMENTS[name].rank_vars)
 
 
 def detect_environment(env: Mapping[str, str] | None = None, explicit: str | None = None) -> Environment:

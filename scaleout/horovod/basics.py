@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 MiB = 1 << 20
 
@@ -166,7 +169,7 @@ elastic = _Elastic()
 # -- init / shutdown ----------------------------------------------------------------------------------
 @dataclass
 class _State:
-    world: Any
+    world: World
     algorithm: str
     owns_world: bool
     engine: Any
@@ -182,7 +185,7 @@ def _default_algorithm() -> str:
     )
 
 
-def _prepare_groups(world: Any, algorithm: str) -> None:
+def _prepare_groups(world: World, algorithm: str) -> None:
     """Create the algorithm's process groups now, in the caller's thread, in the same order on every rank."""
     if world.world_size < 2 or algorithm == "flat":
         return
@@ -192,7 +195,7 @@ def _prepare_groups(world: Any, algorithm: str) -> None:
         world.torus()
 
 
-def init(comm: Any = None, process_sets: Any = None, *, world: Any = None, algorithm: str | None = None) -> None:
+def init(comm: Any = None, process_sets: Any = None, *, world: World | None = None, algorithm: str | None = None) -> None:
     """Start (or adopt, ``world=``) the scaleout World and the background thread. Called again while
     initialised, it only switches the all-reduce algorithm for the operations submitted after it."""
     global _state

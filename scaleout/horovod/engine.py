@@ -33,12 +33,15 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.horovod.basics import HorovodInternalError, HorovodValueError, ReduceOp, Settings
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 log = logging.getLogger("scaleout.horovod")
 
@@ -108,7 +111,7 @@ class Request:
 class _DataWorld:
     """The World as scaleout.comm sees it, with this API's own process group as the flat (world) group."""
 
-    def __init__(self, world: Any, group: Any):
+    def __init__(self, world: World, group: Any):
         self._world = weakref.proxy(world)  # no reference cycle through the per-World cache below
         self.group = group
 
@@ -126,7 +129,7 @@ class Groups:
     data_world: _DataWorld  # the World as scaleout.comm sees it, with ``data`` as its flat group
 
 
-def private_groups(world: Any) -> Groups:
+def private_groups(world: World) -> Groups:
     """This API's process groups over all ranks: created once per World (a collective: at hvd.init, which
     every rank calls at the same point) and kept across shutdown/init (so scaleout.comm's communication
     thread for them is made once too); the World's close destroys them. As in Horovod, control messages
@@ -143,7 +146,7 @@ def private_groups(world: Any) -> Groups:
 class Engine:
     """The queue of one rank and the thread that negotiates and runs it (see the module docstring)."""
 
-    def __init__(self, world: Any, settings: Settings):
+    def __init__(self, world: World, settings: Settings):
         from scaleout.horovod.execute import Executor
         from scaleout.horovod.negotiate import Negotiator
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ import torch.distributed as dist
 from scaleout.comm.grid import split_bounds
 from scaleout.horovod.basics import HorovodInternalError
 from scaleout.horovod.negotiate import label
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 RED = {"Min": dist.ReduceOp.MIN, "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}
 WIRE = {torch.int16: torch.int32}
@@ -80,7 +83,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Executor:
-    def __init__(self, world: Any, groups: Any, threshold: int, engine: Any):
+    def __init__(self, world: World, groups: Any, threshold: int, engine: Any):
         self.world, self.threshold = world, threshold
         self.data_world, self.group, self.control = groups.data_world, groups.data, groups.control
         self.engine = engine

@@ -66,10 +66,6 @@ IGNORE_INDEX = -100
 LN_EPS = 1e-12  # BERT's LayerNorm epsilon (google-research/bert modeling.py)
 INIT_STD = 0.02  # BERT's initializer_range
 
-BATCH_KEYS = ("input_ids", "token_type_ids", "position_ids", "seq_ids", "mlm_positions", "mlm_labels",
-              "nsp_positions", "nsp_labels")
-
-
 @dataclass
 class BertOutput:
     loss: torch.Tensor
@@ -289,8 +285,4 @@ def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
     per_row = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
     total = valid.sum()
     return per_row.sum() / total.clamp_min(1), total
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 

@@ -19,13 +19,16 @@ k = 1 (or eval mode) takes PyTorch's own BatchNorm path.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaleout.errors import TopologyError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 
 def bn_group_ranks(ranks_per_node: list[list[int]], k: int) -> list[list[int]]:
@@ -46,7 +49,7 @@ def bn_group_ranks(ranks_per_node: list[list[int]], k: int) -> list[list[int]]:
     )
 
 
-def bn_process_group(world: Any, k: int) -> Any:
+def bn_process_group(world: World, k: int) -> Any:
     """This rank's group-BN process group (created once, in the same order on every rank)."""
     if k == 1:
         return None
@@ -124,7 +127,7 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         return super().extra_repr() + f", group_size={self.group_size}"
 
 
-def norm_factory(world: Any = None, k: int = 1) -> Any:
+def norm_factory(world: World | None = None, k: int = 1) -> Any:
     """A ``num_features -> BatchNorm`` callable for model builders: plain BN for k = 1."""
     if k == 1 or world is None or world.world_size == 1:
         if k > 1 and world is None:
@@ -135,7 +138,7 @@ def norm_factory(world: Any = None, k: int = 1) -> Any:
 
 
 @torch.no_grad()
-def sync_batchnorm_stats(model: nn.Module, world: Any) -> int:
+def sync_batchnorm_stats(model: nn.Module, world: World) -> int:
     """Make every rank's BN running statistics the pooled statistics of all ranks; returns how many BN
     layers were synchronised. Collective: every rank calls it at the same point (before evaluation and
     before a checkpoint), so each rank evaluates with, and a checkpoint stores, the same statistics and a

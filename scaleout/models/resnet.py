@@ -14,12 +14,16 @@ Batch norm is :mod:`scaleout.models.group_bn` when ``bn_group`` > 1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from scaleout.config.schema import ResNetConfig
 from scaleout.errors import ConfigError
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 # depth -> (block type, blocks per stage) from He et al. 2015, Table 1
 LAYERS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
@@ -124,7 +128,7 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-def build_resnet(cfg: Any, world: Any = None) -> ResNet:
+def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
     """ResNet from a :class:`scaleout.config.schema.ResNetConfig` (group BN over ``bn_group`` ranks)."""
     from scaleout.models.group_bn import norm_factory
 

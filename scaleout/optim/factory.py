@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +14,12 @@ from scaleout.optim.lars import LARS
 from scaleout.optim.schedule import warmup_poly
 from scaleout.optim.sharded import ShardedLAMB
 
+if TYPE_CHECKING:
+    from scaleout.world import World
+
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, world: Any = None, comm: CommConfig | None = None
+    model: torch.nn.Module, cfg: OptimConfig, world: World | None = None, comm: CommConfig | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
 

@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
 from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 FORMAT = "scaleout.ShardedLAMB/2"
 
@@ -91,7 +94,7 @@ class ShardedLAMB(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Any, world: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        self, params: Any, world: World, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
         trust_clamp: float | None = None, trust_ratio: bool | None = None, clip_grad_norm: float | None = None,
         chunk: int | None | str = "auto", *, overlap: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
@@ -111,6 +114,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.timings: dict[str, float] = {}
         self.last_stats: dict[str, Any] = {}
         self._built, self._sync, self._in_backward = False, True, False
+        self._unscale = 1.0  # fp16: 1/S for the reduced gradients of the next step (unscale_)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp, trust_ratio=trust_ratio)
         super().__init__(params, defaults)
@@ -208,6 +212,7 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     # -- gradients in (hooks, end of backward, or step) --------------------------------------------
     def _reset_step(self) -> None:
+        self._unscale = 1.0
         self._ready = [False] * len(self.params)
         self._pending = [len(b.members) for b in self.buckets]
         self._next = 0  # first bucket not launched yet
@@ -221,6 +226,21 @@ class ShardedLAMB(torch.optim.Optimizer):
             yield
         finally:
             self._sync = old
+
+    # -- scaleout.parallel.sync.GradientSync: the trainer asks this optimizer what it asks DataParallel ----
+    grads_are_views = False  # .grad are autograd's own tensors, copied into the buckets
+
+    def census_flag(self) -> None:
+        return None  # the census rides on step()'s norm all-reduce (_check_census)
+
+    def check_census(self) -> list[str]:
+        return []
+
+    def optimizer_state(self, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Piece]]:
+        return self.sharded_state()
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        self.load_replicated(state)
 
     def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(_p: torch.Tensor) -> None:
@@ -282,6 +302,13 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.last_stats = {"exposed_s": time.perf_counter() - t0, "launched_in_backward": during,
                            "buckets": len(self.buckets)}
 
+    def unscale_(self, factor: float) -> None:
+        """fp16 loss scaling (scaleout/train/precision.py): the reduced gradients live in this optimizer's
+        shard buffers, not in ``.grad``, so they are multiplied by ``factor`` (1/S) here, in :meth:`step` once
+        the reduce-scatters are done (overlapped: already after backward; otherwise inside step()). The
+        reduction is linear, so scaling after it equals unscaling every rank's gradients first."""
+        self._unscale *= float(factor)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also forgets a backward whose step was skipped (its reduce-scatters already completed)."""
         self._reset_step()
@@ -313,6 +340,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         self._send_all()  # overlap=False, or gradients set without backward: everything goes out here
         t = self._tick("pack", t)
         self._wait_all()
+        if self._unscale != 1.0:
+            self.g_shard.mul_(self._unscale)
         t = self._tick("reduce_scatter", t)
         clip = 1.0
         if self.clip_grad_norm is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,10 @@ from torch.utils._pytree import tree_map
 from scaleout.errors import UserError
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import CommConfig
+    from scaleout.world import World
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -41,7 +45,7 @@ class _BackwardStart(torch.autograd.Function):
         return None, grad
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], world: Any) -> None:
+def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
     """Make every rank's copy equal rank 0's: one broadcast per dtype/device of the flattened tensors."""
     if world.world_size == 1 or not tensors:
         return
@@ -58,7 +62,7 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: Any) -> None:
                 off += t.numel()
 
 
-def _resolve(algorithm: str, world: Any, options: dict[str, Any]) -> Any:
+def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
     from scaleout.comm import all_reduce, get_algorithm
 
     get_algorithm(algorithm)  # one-line UserError for an unknown name, now rather than inside backward
@@ -87,13 +91,15 @@ class DataParallel(torch.nn.Module):
             after the last layers' gradients (torch DDP: 1 MiB); None = ``bucket_mb``.
         rebuild_buckets: after the first step, rebuild the buckets once in the order gradients became
             ready (rank 0's order; as torch DDP does).
+        defer_census: do not read the unused-parameter census after backward (a host read); the caller
+            folds :meth:`census_flag` into its own read, then calls :meth:`check_census`.
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
-        world: Any,
+        world: World,
         algorithm: str = "flat",
         bucket_mb: float = 25.0,
         compression: str | None = None,
@@ -103,6 +109,7 @@ class DataParallel(torch.nn.Module):
         timeline: str | Path | None = None,
         first_bucket_mb: float | None = None,
         rebuild_buckets: bool = True,
+        defer_census: bool = False,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -129,6 +136,18 @@ class DataParallel(torch.nn.Module):
             first_bucket_mb=first_bucket_mb,
             rebuild_buckets=rebuild_buckets,
         )
+        self.reducer.defer_census = defer_census
+
+    @classmethod
+    def from_config(cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any) -> DataParallel:
+        """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size, compression,
+        overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other arguments."""
+        options: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
+        if comm.chunk_mb is not None:
+            options["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
+        return cls(module, world, algorithm=comm.algorithm, bucket_mb=comm.bucket_mb,
+                   compression=None if comm.compression == "none" else comm.compression, timeline=comm.timeline,
+                   overlap=comm.overlap, **kwargs, **options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
@@ -165,6 +184,21 @@ class DataParallel(torch.nn.Module):
             b.buffer.zero_()
         for s in self.reducer.slots:
             s.param.grad = s.view
+
+    # -- scaleout.parallel.sync.GradientSync ------------------------------------------------------------
+    grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
+
+    def census_flag(self) -> torch.Tensor | None:
+        return self.reducer.census_flag()
+
+    def check_census(self) -> list[str]:
+        return self.reducer.check_census()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], None]:
+        return optimizer.state_dict(), None  # replicated: the same on every rank
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
 
     @property
     def last_stats(self) -> dict[str, Any]:

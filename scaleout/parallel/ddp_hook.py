@@ -13,16 +13,19 @@ does the same division before the cast since PyTorch issue #57410).
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hook's
 # annotations and rejects anything but the real ``dist.GradBucket`` / ``torch.futures.Future[Tensor]``.
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.parallel.reducer import compression_dtype
 
+if TYPE_CHECKING:
+    from scaleout.world import World
+
 
 def ddp_comm_hook(
-    algorithm: str, world: Any, compression: str | None = None, **options: Any
+    algorithm: str, world: "World", compression: str | None = None, **options: Any
 ) -> Callable[[Any, Any], torch.futures.Future]:
     """A ``register_comm_hook`` hook averaging each DDP bucket with ``algorithm`` (and compression)."""
     from scaleout.comm import all_reduce, get_algorithm

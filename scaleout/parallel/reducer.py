@@ -31,7 +31,7 @@ waiting in a collective the others abandoned.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
@@ -40,6 +40,9 @@ from scaleout import profile
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,7 +65,7 @@ class Reducer:
     def __init__(
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
-        world: Any,
+        world: World,
         all_reduce: Callable[..., Any],
         bucket_mb: float = 25.0,
         compression: Any = None,

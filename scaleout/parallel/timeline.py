@@ -19,7 +19,10 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 TRACKS = ("backward", "comm", "wait")
 
@@ -65,7 +68,7 @@ class Timeline:
         with self._lock:
             return self.metadata() + list(self.events)
 
-    def write(self, world: Any | None = None) -> Path | None:
+    def write(self, world: World | None = None) -> Path | None:
         """Write the trace. With a multi-rank ``world`` this is a collective: rank 0 gathers every rank's
         events and writes one merged file at ``path`` (returns it; other ranks return None). Without
         one, each rank writes its own events to ``path``."""

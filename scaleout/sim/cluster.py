@@ -12,6 +12,8 @@ kinds of link a data-parallel job sees, and one per-call overhead:
     beta_inter   s/B    per byte through ONE NIC (1 / achievable NIC bandwidth)
     gamma        s/B    per byte reduced (CPU add for gloo; ~0 on GPUs, where NCCL fuses the add into the
                         copy kernel and it hides under link time)
+    alpha_sharp  s      one in-network (SHARP) reduction between nodes: up the switch aggregation tree and
+                        back, whatever the number of nodes (used only on clusters with ``sharp=True``)
 
 ``Constants`` is also the vector that calibration fits (same order as ``PARAMS``).
 
@@ -23,6 +25,15 @@ Preset numbers and where they come from (every one is an assumption you can over
   DGX A100: 8 x HDR 200 Gb/s ConnectX-6 for compute; DGX H100 / H200: 8 x NDR 400 Gb/s ConnectX-7.
 - Latencies: NCCL's tuning model (src/graph/tuning.cc) for the Simple protocol ring: baseLat 8.4 us per
   call, hwLat 3.4 us per NVLink step and 14 us per network step.
+- SHARP (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol (SHArP)", COMHPC; NVIDIA SHARP
+  docs: the switches reduce, so data is not sent several times between endpoints): NCCL's CollNet
+  algorithms. tuning.cc charges one network latency per call, hwLat[NET][CollNetDirect][Simple] = 31 us,
+  instead of 2 log2(k) tree or 2(k-1) ring steps, and scales CollNetDirect's bandwidth by 0.85 on
+  compute capability >= 9.0 (Hopper), which ``sharp_efficiency`` carries. Each node sends its data once
+  and receives the result once, so a node's NICs carry ~1 x n each way instead of 2(k-1)/k x n (ring)
+  or 2 x n (double binary tree). Off unless asked for (``--sharp``): it needs SHARP-capable InfiniBand
+  switches, the NCCL SHARP plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with
+  ``SBATCH_NETWORK=sharp``).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from typing import Any
 
 from scaleout.errors import ConfigError
 
-PARAMS = ("base", "alpha_intra", "alpha_inter", "beta_intra", "beta_inter", "gamma")
+PARAMS = ("base", "alpha_intra", "alpha_inter", "beta_intra", "beta_inter", "gamma", "alpha_sharp")
 GB = 1e9
 
 
@@ -45,6 +56,7 @@ class Constants:
     beta_intra: float = 0.0
     beta_inter: float = 0.0
     gamma: float = 0.0
+    alpha_sharp: float = 0.0
 
     def vector(self) -> list[float]:
         return [getattr(self, k) for k in PARAMS]
@@ -63,6 +75,7 @@ class Constants:
             "beta_intra": bw(self.beta_intra),
             "beta_inter": bw(self.beta_inter) + " per NIC",
             "gamma": bw(self.gamma) + " reduce" if self.gamma > 0 else "0 (hidden)",
+            "alpha_sharp": f"{self.alpha_sharp * 1e6:.3g} us" if self.alpha_sharp > 0 else "no in-network reduction",
         }
 
 
@@ -94,6 +107,10 @@ class Cluster:
     # 8 MiB): reduce_scatter costs a full all_reduce (the whole input is all-reduced, then sliced),
     # reduce ~ all_reduce, and all_gather into a list adds a copy of the whole output.
     backend: str = "nccl"
+    # In-network reduction (SHARP via NCCL CollNet) for the inter-node all-reduce of tree, hierarchical and
+    # torus2d (see the module docstring); sharp_efficiency: fraction of the NIC rate it reaches.
+    sharp: bool = False
+    sharp_efficiency: float = 1.0
     description: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
 
@@ -119,6 +136,8 @@ def _nic(gbits: float, efficiency: float = 0.96) -> float:
 
 
 _NCCL_LAT = dict(base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6)  # tuning.cc, ring / Simple protocol
+_SHARP_LAT = 31e-6  # tuning.cc hwLat[NET][CollNetDirect][Simple]: one network latency per in-network reduction
+_SHARP_HOPPER = 0.85  # tuning.cc: CollNetDirect busBw *= .85 when minCompCap >= 90
 
 A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12)  # A100 datasheet: fp16/bf16 dense
 H100 = Device("H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12)  # H100 datasheet: bf16 dense
@@ -128,23 +147,24 @@ V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12)
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
         "dgx-a100", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(12, 20.0), beta_inter=_nic(200)),
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(12, 20.0), beta_inter=_nic(200), alpha_sharp=_SHARP_LAT),
         streams_per_ring=8, device=A100,
         description="DGX A100 SuperPOD: 8 x A100, NVLink3 (12 links) via NVSwitch, 8 x HDR 200 Gb/s",
         sources=("NCCL topo.h SM80_NVLINK_BW=20 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s",
-                 "NCCL tuning.cc ring Simple latencies"),
+                 "NCCL tuning.cc ring Simple latencies", "NCCL tuning.cc CollNetDirect NET latency (SHARP)"),
     ),
     "dgx-h100": Cluster(
         "dgx-h100", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400)),
-        streams_per_ring=8, device=H100,
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT),
+        streams_per_ring=8, device=H100, sharp_efficiency=_SHARP_HOPPER,
         description="DGX H100 SuperPOD: 8 x H100, NVLink4 (18 links) via NVSwitch, 8 x NDR 400 Gb/s",
-        sources=("NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s"),
+        sources=("NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s",
+                 "NCCL tuning.cc CollNetDirect NET latency and Hopper factor (SHARP)"),
     ),
     "h200-superpod": Cluster(
         "h200-superpod", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400)),
-        streams_per_ring=8, device=H200,
+        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT),
+        streams_per_ring=8, device=H200, sharp_efficiency=_SHARP_HOPPER,
         description="DGX H200 SuperPOD-like: 8 x H200, NVLink4 (900 GB/s bidir), 8 x NDR 400 Gb/s",
         sources=("same fabric as DGX H100; H200 differs in HBM (141 GB, 4.8 TB/s)",),
     ),
@@ -179,6 +199,16 @@ def get_cluster(name: str) -> Cluster:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown cluster preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+
+
+def with_sharp(cluster: Cluster, on: bool | None) -> Cluster:
+    """The cluster with in-network reduction switched on or off (None: unchanged)."""
+    if on is None:
+        return cluster
+    if on and (cluster.backend != "nccl" or cluster.constants.alpha_sharp <= 0):
+        raise ConfigError(f"cluster {cluster.name!r} has no in-network reduction (SHARP needs NCCL over "
+                          f"SHARP-capable InfiniBand: dgx-a100, dgx-h100, h200-superpod)")
+    return replace(cluster, sharp=bool(on))
 
 
 def custom_cluster(

@@ -24,6 +24,12 @@ Algorithms (p = g x k ranks, g per node, k nodes, n bytes per rank):
 - ``leader`` (extra, for the Horovod 2018 comparison): binomial reduce to a node leader, ring all-reduce
   of the full n among the k leaders (one process, one NIC), binomial broadcast (Horovod PR #329).
 
+In-network reduction (``cluster.sharp``, SHARP through NCCL CollNet): the inter-node all-reduce of
+``tree`` (NCCL's CollNet replaces the tree between nodes) and of ``hierarchical``/``torus2d`` (the column
+all-reduce, when each column has one rank per node) is done by the switches: one ``alpha_sharp`` latency
+and ~1 x the column's bytes through each NIC each way, instead of 2(k-1) ring steps of 2(k-1)/k x the
+bytes. ``ring`` is unchanged (a ring is point to point), and reduce-scatter/all-gather never use it.
+
 Grid algorithms can be chunk-pipelined (scaleout.comm.grid on gloo: 4 MiB chunks, at most 64): the time
 is one chunk's three stages plus (chunks - 1) x the slowest stage.
 
@@ -46,7 +52,7 @@ ALGORITHMS = ("ring", "tree", "hierarchical", "torus2d")
 EXTRA_ALGORITHMS = ("leader",)
 ALIASES = {"flat": "ring", "hier": "hierarchical", "torus": "torus2d", "2d-torus": "torus2d"}
 _IDX = {k: i for i, k in enumerate(PARAMS)}
-LATENCY = [_IDX["base"], _IDX["alpha_intra"], _IDX["alpha_inter"]]
+LATENCY = [_IDX["base"], _IDX["alpha_intra"], _IDX["alpha_inter"], _IDX["alpha_sharp"]]
 BANDWIDTH = [_IDX["beta_intra"], _IDX["beta_inter"]]
 REDUCTION = [_IDX["gamma"]]
 # scaleout.comm.grid's gloo pipeline (DEFAULT_CHUNK_BYTES, MAX_CHUNKS); repeated here so the simulator
@@ -150,6 +156,13 @@ def ring_phase(plan: Plan, cluster: Cluster, members: int, nbytes: float, kind: 
     return plan
 
 
+def sharp_phase(plan: Plan, cluster: Cluster, nbytes: float, rings_crossing: int = 1) -> Plan:
+    """In-network all-reduce of ``nbytes`` per member among ``rings_crossing`` concurrent groups per node:
+    each member sends its bytes to the switch once and receives the result once (full duplex)."""
+    streams = cluster.inter_streams(rings_crossing) * cluster.sharp_efficiency
+    return plan.add(1, vec(alpha_sharp=1, beta_inter=nbytes * rings_crossing / streams))
+
+
 def direct_phase(plan: Plan, cluster: Cluster, members: int, nbytes: float, reduce: bool,
                  crosses_nodes: bool) -> Plan:
     """Every member sends 1/members of ``nbytes`` to each row peer at once (gloo isend/irecv).
@@ -197,6 +210,10 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     if nodes == 1:  # NCCL runs rings inside a node; the tree only matters between nodes
         return ring_plan(cluster, nodes, nbytes)
     plan = Plan().add(1, vec(base=1))
+    if cluster.sharp:  # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+        plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_sharp=1, gamma=nbytes))
+        inter = vec(beta_inter=nbytes / (cluster.inter_streams(1) * cluster.sharp_efficiency))
+        return plan.add(1, inter, vec(beta_intra=2 * nbytes) if g > 1 else inter)
     plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_inter=2 * _log2(nodes), gamma=nbytes))
     # Pipelined reduce + broadcast: each node sends and receives 2n through its NICs (double binary
     # tree: interior in one tree, leaf in the other); the intra chain sends n up and n down per GPU.
@@ -220,10 +237,13 @@ def grid_plan(cluster: Cluster, nodes: int, nbytes: float, x: int, chunks: int) 
     row_crosses = x > g
     col_crosses = nodes > 1 and y > 1
     gloo = cluster.backend == "gloo"
+    sharp = cluster.sharp and col_crosses and x % g == 0  # one column member per node
     stages = []
     for kind in ("rs", "ar", "ag"):
         st = Plan().add(1, vec(base=1))
-        if kind == "ar":
+        if kind == "ar" and sharp:
+            sharp_phase(st, cluster, c / x, rings_crossing=min(x, g))
+        elif kind == "ar":
             ring_phase(st, cluster, y, c / x, "ar", crosses_nodes=col_crosses, rings_crossing=min(x, g),
                        intra_hop=x < g)
         elif gloo:
@@ -240,13 +260,13 @@ def grid_plan(cluster: Cluster, nodes: int, nbytes: float, x: int, chunks: int) 
     # Stages of different chunks overlap in time but share the node's NICs (the row phases of a row
     # that spans nodes send the same way as the column phase), so the pipeline can go no faster than
     # the bytes all chunks push through the NICs: fill + (chunks - 1) x one chunk's link time.
-    per_chunk = _grid_link_bytes(cluster, x, y, c, row_crosses, col_crosses, gloo)
+    per_chunk = _grid_link_bytes(cluster, x, y, c, row_crosses, col_crosses, gloo, sharp)
     link_bound = Plan().extend(fill).add(chunks - 1, vec(beta_inter=per_chunk))
     return Plan().add(1, pipelined, link_bound)
 
 
 def _grid_link_bytes(cluster: Cluster, x: int, y: int, c: float, row_crosses: bool, col_crosses: bool,
-                     gloo: bool) -> float:
+                     gloo: bool, sharp: bool = False) -> float:
     """Bytes per NIC-equivalent that one chunk of a grid all-reduce sends out of a node."""
     g = cluster.gpus_per_node
     total = 0.0
@@ -258,7 +278,8 @@ def _grid_link_bytes(cluster: Cluster, x: int, y: int, c: float, row_crosses: bo
             total += 2 * (x - 1) * (c / x) / cluster.inter_streams(1)
     if col_crosses:
         r = min(x, g)
-        total += 2 * (y - 1) * (c / x / y) * r / cluster.inter_streams(r)
+        share = c / x / (cluster.sharp_efficiency if sharp else 1.0)
+        total += (1 if sharp else 2 * (y - 1) / y) * share * r / cluster.inter_streams(r)
     return total
 
 

@@ -12,6 +12,9 @@ Assumptions, each one a choice a user can change:
   all-reduced one after another on a single communication stream, each as soon as it is ready;
 - the optimizer step runs after the last bucket and streams its state through HBM at 80 % of peak
   bandwidth (a memory-bound elementwise kernel; STREAM-like efficiency);
+- a sharded optimizer (``TrainSpec.optimizer``, scaleout.sim.sharded) reduce-scatters instead, runs
+  one small all-reduce of LAMB's per-tensor norms, updates its 1/shard of the parameters bucket by
+  bucket and all-gathers each updated bucket at once (gathers overlap the later buckets' updates);
 - scaling efficiency = (compute + optimizer) / step time, i.e. per-GPU throughput relative to one
   GPU that does not communicate.
 """
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from scaleout.errors import ConfigError
 from scaleout.sim.cluster import Cluster
-from scaleout.sim.collectives import allreduce_cost, canonical
+from scaleout.sim.collectives import canonical
+from scaleout.sim.sharded import check_optimizer, gather_time, norm_time, reduce_time, shard_ranks
 
 MEM_EFFICIENCY = 0.8
 
@@ -35,6 +40,11 @@ class ModelSpec:
     flops_per_sample: float  # training FLOPs (forward + backward) per sample
     grad_bytes: int = 2  # bytes per gradient element on the wire (fp16/bf16 = 2, fp32 = 4)
     opt_bytes_per_param: float = 32.0  # optimizer HBM traffic per parameter per step
+    param_bytes: int = 2  # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
+    # Optimizer state per parameter: fp32 master weights + two fp32 moments (ZeRO's K = 12 for
+    # mixed-precision Adam, Rajbhandari et al. 2020; LAMB keeps the same state).
+    state_bytes_per_param: float = 12.0
+    param_tensors: int = 400  # parameter tensors (LAMB's per-tensor norms); BERT-large has ~400
     samples_to_converge: float | None = None
     eval_samples: float = 0.0
     eval_every_samples: float | None = None
@@ -52,6 +62,7 @@ class TrainSpec:
     chunks: int | None = None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
     torus_x: int | str | None = None  # integer, "node" (= GPUs per node) or "square" (~sqrt(p))
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
+    optimizer: str = "replicated"  # replicated | sharded | sharded-node (scaleout.sim.sharded)
 
 
 @dataclass(frozen=True)
@@ -61,9 +72,12 @@ class StepResult:
     nodes: int
     compute: float
     optimizer: float
-    comm: float  # total all-reduce time (serialized)
+    comm: float  # total communication time (serialized): all-reduces, or reduce-scatters + norms + all-gathers
     exposed: float  # communication not hidden behind backward
     step: float
+    optimizer_placement: str = "replicated"
+    shard: int = 1  # ranks sharing one copy of the optimizer state
+    state_bytes: float = 0.0  # optimizer state per rank
 
     @property
     def efficiency(self) -> float:
@@ -74,17 +88,28 @@ class StepResult:
 
 
 def bert_flops_per_sequence(tokens: float = 512 / 2.0013, layers: int = 24, hidden: int = 1024,
-                            vocab: int = 30522, masked_fraction: float = 0.15) -> float:
+                            vocab: int = 30522, masked_fraction: float = 0.15, intermediate: int | None = None) -> float:
     """Training FLOPs of one BERT sequence (3 x forward).
 
-    Forward per token: 2 x 12 d^2 L (QKV, projection, 4d MLP) + 4 s d L (scores and weighted sum over the
+    Forward per token: 2 x (4 d^2 + 2 d I) L (QKV, projection, the I = 4d MLP) + 4 s d L (scores and weighted sum over the
     sequence's own s tokens: packed, unpadded attention). The MLM head runs only on masked tokens (15 %,
     BERT paper): 2 x (d^2 + d V). Default tokens = 512 / 2.0013, the mean real length implied by the
     Wikipedia-512 packing ceiling (Graphcore arXiv 2107.02027; DESIGN facts).
     """
-    per_token = 2 * 12 * hidden**2 * layers + 4 * tokens * hidden * layers
+    ffn = intermediate if intermediate is not None else 4 * hidden
+    per_token = 2 * (4 * hidden**2 + 2 * hidden * ffn) * layers + 4 * tokens * hidden * layers
     head = masked_fraction * tokens * 2 * (hidden**2 + hidden * vocab)
     return 3 * (tokens * per_token + head)
+
+
+def bert_params(vocab: int = 30522, hidden: int = 1024, layers: int = 24, intermediate: int = 4096,
+                max_position: int = 512, type_vocab: int = 2) -> int:
+    """Parameters of BertForPreTraining (decoder tied to the word embeddings): 336.2M for BERT-large."""
+    d = hidden
+    embeddings = (vocab + max_position + type_vocab) * d + 2 * d
+    layer = 4 * d * d + 2 * d * intermediate + 9 * d + intermediate  # attention, FFN, two layer norms
+    heads = (d * d + d) + (d * d + 3 * d + vocab) + (2 * d + 2)  # pooler, MLM transform + bias, NSP
+    return embeddings + layers * layer + heads
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -93,7 +118,9 @@ MODELS: dict[str, ModelSpec] = {
         "bert-large", params=335e6, flops_per_sample=bert_flops_per_sequence(), grad_bytes=2,
         # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
         opt_bytes_per_param=32.0,
-        samples_to_converge=470 * 16384,  # NVIDIA v2.0 512-node config: MAX_STEPS=470 at 16384 sequences
+        # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of 16384;
+        # MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's reference (c).
+        samples_to_converge=5533303,
         eval_samples=10000, eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
         notes="BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh",
     ),
@@ -125,10 +152,11 @@ def compute_time(model: ModelSpec, train: TrainSpec, cluster: Cluster) -> float:
     return train.local_batch * model.flops_per_sample / (cluster.device.peak_flops * train.mfu)
 
 
-def optimizer_time(model: ModelSpec, cluster: Cluster) -> float:
+def optimizer_time(model: ModelSpec, cluster: Cluster, shard: int = 1) -> float:
+    """HBM-bound update of 1/shard of the parameters."""
     if cluster.device is None:
         return 0.0
-    return model.params * model.opt_bytes_per_param / (cluster.device.mem_bw * MEM_EFFICIENCY)
+    return model.params / shard * model.opt_bytes_per_param / (cluster.device.mem_bw * MEM_EFFICIENCY)
 
 
 def bucket_sizes(total_bytes: float, bucket_mb: float) -> list[float]:
@@ -139,28 +167,43 @@ def bucket_sizes(total_bytes: float, bucket_mb: float) -> list[float]:
     return [cap] * (n - 1) + [total_bytes - cap * (n - 1)]
 
 
+def _pipeline(start: float, ready: list[float], costs: list[float]) -> float:
+    """One stream: job i starts when ready (``start`` + ready[i]) and the previous job is done."""
+    done = start
+    for r, c in zip(ready, costs, strict=True):
+        done = max(start + r, done) + c
+    return done
+
+
 def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) -> StepResult:
     """Predicted step time of one data-parallel step on ``nodes`` nodes."""
     alg = canonical(train.algorithm)
+    opt = check_optimizer(train.optimizer)
     gpus = cluster.gpus_per_node * nodes
+    shard = shard_ranks(opt, cluster, nodes)
     t_comp = compute_time(model, train, cluster)
-    t_opt = optimizer_time(model, cluster)
+    t_opt = optimizer_time(model, cluster, shard)
     t_fwd, t_bwd = t_comp / 3, 2 * t_comp / 3
-    comm_total = 0.0
-    end = t_fwd + t_bwd
+    comm_total, step = 0.0, t_comp + t_opt
     if gpus > 1:
         grads = model.params * model.grad_bytes
-        ready, clock, done = 0.0, 0.0, 0.0
-        for size in bucket_sizes(grads, train.bucket_mb):
-            ready += size
-            t = allreduce_cost(alg, cluster, nodes, size, train.chunks, train.torus_x).time
-            comm_total += t
-            start = t_fwd + t_bwd * ready / grads if train.overlap else t_fwd + t_bwd
-            clock = max(start, done)
-            done = clock + t
-        end = max(end, done)
-    step = end + t_opt
-    return StepResult(alg, gpus, nodes, t_comp, t_opt, comm_total, step - t_comp - t_opt, step)
+        sizes = bucket_sizes(grads, train.bucket_mb)
+        cost = [reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x) for b in sizes]
+        done_frac = [c / grads for c in accumulate(sizes)]  # share of the gradients ready with bucket i
+        ready = [t_bwd * f if train.overlap else t_bwd for f in done_frac]
+        end = max(t_comp, _pipeline(t_fwd, ready, cost))
+        comm_total = sum(cost)
+        if opt == "replicated":
+            step = end + t_opt
+        else:
+            t_norm = norm_time(opt, alg, cluster, nodes, model.param_tensors)
+            gather = [gather_time(opt, alg, cluster, nodes, b * model.param_bytes / model.grad_bytes, train.torus_x)
+                      for b in sizes]
+            updated = [t_opt * f for f in done_frac]
+            step = max(end + t_norm + t_opt, _pipeline(end + t_norm, updated, gather))
+            comm_total += t_norm + sum(gather)
+    state = model.params * model.state_bytes_per_param / shard
+    return StepResult(alg, gpus, nodes, t_comp, t_opt, comm_total, step - t_comp - t_opt, step, opt, shard, state)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@
 (d) Horovod issue #542: ResNet at 256 GPUs, 66 % scaling efficiency with the flat ring vs 91 % with
     HOROVOD_HIERARCHICAL_ALLREDUCE. The thread gives efficiencies, not the cluster; our cluster and model
     are stated assumptions, so this is a comparison with an explanation, not a tolerance check.
+(e)-(h) More published MLPerf BERT runs (scaleout.sim.mlperf: other scales, H100), per-step time. (g) and
+    (h), H100 at 512 and 3472 GPUs with 4-6 sequences per GPU, are predicted ~50 % short: a known miss
+    (``expected_miss``), reported as such and not tuned away; see ``unexplained_ms`` and docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from scaleout.sim.cluster import get_cluster
 from scaleout.sim.collectives import allreduce_cost
-from scaleout.sim.step import TrainSpec, get_model, step_time, time_to_train
+from scaleout.sim.mlperf import BERT_MFU, PACKED_ROW_FLOPS, REFERENCES, BertRun, Prediction, get_run, simulate
+from scaleout.sim.step import TrainSpec, get_model, step_time
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class Validation:
     tolerance: float | None  # relative; None = comparison only
     assumptions: list[str] = field(default_factory=list)
     details: dict[str, float] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    expected_miss: bool = False  # outside the tolerance, explained in the assumptions; not a failure
 
     @property
     def error(self) -> float:
@@ -35,6 +41,14 @@ class Validation:
     @property
     def ok(self) -> bool | None:
         return None if self.tolerance is None else abs(self.error) <= self.tolerance
+
+    @property
+    def status(self) -> str:
+        if self.ok is None:
+            return "compare"
+        if self.ok:
+            return "ok"
+        return "known miss" if self.expected_miss else "FAIL"
 
 
 def nccl_busbw_a100(nbytes: float = 4 * 2**30) -> Validation:
@@ -51,41 +65,70 @@ def nccl_busbw_a100(nbytes: float = 4 * 2**30) -> Validation:
     )
 
 
-# NVIDIA MLPerf v2.0, config_DGXA100_512x8x2x1_pack.sh: 512 nodes x 8 GPUs, BATCHSIZE=2 packed rows of
-# PACKING_FACTOR=2 sequences -> 4 sequences per GPU, global batch 16384, MAX_STEPS=470, eval every
-# 325000 samples on the 10000-sample eval set, CUDA graphs, SHARP.
-BERT_NODES = 512
-BERT_LOCAL_BATCH = 4
-BERT_MFU = 0.40
-BERT_REFERENCE_MIN = 0.206
+def _details(p: Prediction) -> dict[str, float]:
+    st, run = p.step, p.run
+    return {"step_ms": st.step * 1e3, "compute_ms": st.compute * 1e3, "optimizer_ms": st.optimizer * 1e3,
+            "exposed_comm_ms": st.exposed * 1e3, "per_step_ms": p.per_step * 1e3, "published_per_step_ms":
+            run.per_step_ms, "unexplained_ms": run.per_step_ms - p.per_step * 1e3, "steps": p.ttt.steps,
+            "eval_s": p.ttt.eval_time}
 
 
-def mlperf_bert(mfu: float = BERT_MFU, algorithm: str = "tree") -> Validation:
-    """(c) time to train BERT at 4096 A100 vs the published 0.206 minutes."""
-    cluster, model = get_cluster("dgx-a100"), get_model("bert-large")
-    train = TrainSpec(local_batch=BERT_LOCAL_BATCH, algorithm=algorithm, mfu=mfu, bucket_mb=25.0)
-    ttt = time_to_train(model, train, cluster, BERT_NODES)
-    st = step_time(model, train, cluster, BERT_NODES)
+def _assumptions(run: BertRun, mfu: float, optimizer: str, sharp: bool, algorithm: str) -> list[str]:
+    cluster = get_cluster(run.cluster)
+    flops = (f"packed rows of 512 slots (--pad_fmha, MLM head on every slot): {PACKED_ROW_FLOPS / 1e9:.0f} GFLOP"
+             if run.packed else
+             f"unpadded sequences (--unpad, --dense_seq_output): {get_model('bert-large').flops_per_sample / 1e9:.0f} GFLOP")
+    overlap = (f"reductions overlapped with backward in {run.overlap_blocks} blocks" if run.overlap_blocks
+               else "reductions after backward (no --dwu-overlap-reductions)")
+    return [
+        f"{run.nodes} x {cluster.description}",
+        f"{run.batch_per_gpu} per GPU, {flops} each; global batch {run.global_batch} sequences",
+        f"{run.steps:g} steps and {run.evals} evaluations of 10000 samples (forward only), from the logs",
+        f"{cluster.device.name} at {mfu:.0%} of {cluster.device.peak_flops / 1e12:g} TFLOPS (assumed MFU, "
+        "the same for every run)",
+        f"optimizer {optimizer} (apex DistributedFusedLAMB over one node: reduce-scatter in the node, all-reduce "
+        f"of 1/8 across nodes, LAMB on 1/8, all-gather); fp16 gradients and weights; {overlap}",
+        f"between nodes: {'SHARP in-network reduction (SBATCH_NETWORK=sharp)' if sharp else 'NCCL ' + algorithm}",
+    ]
+
+
+def mlperf_bert(mfu: float = BERT_MFU, optimizer: str = "sharded-node", sharp: bool | None = None,
+                algorithm: str = "tree") -> Validation:
+    """(c) time to train BERT at 4096 A100 vs the published 0.206 minutes, with the logged steps."""
+    run = get_run("c")
+    p = simulate(run, mfu, optimizer, sharp, algorithm)
+    on = run.sharp if sharp is None else sharp
+    label = "as submitted" if (optimizer, on, algorithm) == ("sharded-node", run.sharp, "tree") else \
+        f"{optimizer}, {'SHARP' if on else 'no SHARP'}, {algorithm}"
     return Validation(
-        "c", f"MLPerf v2.0 BERT, 4096 A100, time to train ({algorithm})", ttt.total / 60, BERT_REFERENCE_MIN,
-        "min", 0.30,
-        [
-            "512 DGX A100 nodes (NCCL-calibrated NVLink/HDR constants, scaleout.sim.cluster)",
-            "4 sequences per GPU (2 packed rows x packing factor 2), global batch 16384, 470 steps "
-            "(NVIDIA v2.0 config_DGXA100_512x8x2x1_pack.sh)",
-            f"{model.flops_per_sample / 1e9:.0f} GFLOP per sequence: BERT-large, 256-token mean packed "
-            "length (512 / 2.0013), unpadded attention, MLM head on 15 % of tokens",
-            f"A100 at {mfu:.0%} of 312 TFLOPS (assumed MFU; CUDA graphs make small batches viable)",
-            "fp16 gradients, 25 MB buckets overlapped with backward; NCCL tree between nodes "
-            "(NCCL's choice at 512 nodes). NVIDIA ran with SHARP in-network reduction, not modelled: it "
-            "halves the bytes each node sends, so it would shrink the exposed communication)",
-            "LAMB with fp32 master weights: 32 B/param through HBM at 80 % of 2.04 TB/s after backward",
-            "23 evaluations (every 325000 samples) of 10000 samples, forward only; no other overheads",
-        ],
-        {"step_ms": st.step * 1e3, "compute_ms": st.compute * 1e3, "optimizer_ms": st.optimizer * 1e3,
-         "exposed_comm_ms": st.exposed * 1e3, "steps": ttt.steps, "eval_s": ttt.eval_time,
-         "efficiency": st.efficiency},
+        "c", f"MLPerf v2.0 BERT, 4096 A100, time to train ({label})", p.ttt.total / 60, run.ttt_min, "min", 0.30,
+        _assumptions(run, mfu, optimizer, on, algorithm), _details(p), [run.results, run.config, run.system],
     )
+
+
+def mlperf_step(run: BertRun, mfu: float = BERT_MFU) -> Validation:
+    """(e)-(h) time per training step of a published run vs the simulator, as submitted."""
+    p = simulate(run, mfu)
+    assumptions = _assumptions(run, mfu, "sharded-node", run.sharp, "tree")
+    miss = run.key in MISSES
+    if miss:
+        assumptions.append(MISSES[run.key])
+    return Validation(
+        run.key, f"{run.what}, time per step", p.per_step * 1e3, run.per_step_ms, "ms", 0.30, assumptions,
+        _details(p), [run.results, run.config, run.system], miss,
+    )
+
+
+# The two H100 runs at scale are predicted about half their measured step: both have 4-6 sequences per
+# GPU, where the model's compute (FLOPs / (peak x MFU)) is 6-8 ms. The four small-batch runs, A100 and
+# H100, 512 to 4096 GPUs, with and without overlap, all leave 9.5-10.7 ms per step unexplained, so it is
+# not communication (whose modelled share differs 4x between them) but a per-step cost the model has no
+# term for; on A100 it is hidden inside the tolerance by the larger compute time.
+MISSES = {
+    key: "outside +-30 %: the model has no per-step cost that does not scale with FLOPs or bytes; this run "
+         "leaves ~10 ms per step unexplained, as (c) and (e) do, which is half of an H100 step at this batch"
+    for key in ("g", "h")
+}
 
 
 # Horovod issue #542 comparison: 256 GPUs = 32 nodes x 8.
@@ -126,4 +169,10 @@ def horovod_542() -> tuple[Validation, Validation, dict[str, float]]:
 
 def all_validations() -> list[Validation]:
     ring, hier, _ = horovod_542()
-    return [nccl_busbw_a100(), mlperf_bert(), ring, hier]
+    return [nccl_busbw_a100(), mlperf_bert(), ring, hier] + [mlperf_step(r) for r in REFERENCES if r.key != "c"]
+
+
+def bert_ablation() -> dict[str, float]:
+    """(c)'s error for each combination of the two modelled features: what used to offset what."""
+    return {f"{opt}, {'SHARP' if sharp else 'no SHARP'}": mlperf_bert(optimizer=opt, sharp=sharp).error
+            for opt in ("replicated", "sharded-node") for sharp in (False, True)}

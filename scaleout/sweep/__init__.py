@@ -15,7 +15,6 @@ from scaleout.sweep.plan import (
     check_points,
     default_batch,
     node_shapes,
-    parse_int_list,
     plan_points,
     point_overrides,
 )
@@ -23,6 +22,6 @@ from scaleout.sweep.results import PHASES, PointResult, add_efficiency, breakdow
 
 __all__ = [
     "MODES", "PHASES", "PointResult", "SweepPoint", "add_efficiency", "breakdown", "check_points",
-    "default_batch", "node_shapes", "parse_int_list", "plan_points", "point_overrides", "read_point",
+    "default_batch", "node_shapes", "plan_points", "point_overrides", "read_point",
     "write_outputs",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scaleout.config.schema import Config
 from scaleout.errors import ConfigError, UserError
 
 MODES = ("weak", "strong")
@@ -38,18 +39,6 @@ class SweepPoint:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "per_rank_batch": self.per_rank_batch, "name": self.name}
-
-
-def parse_int_list(text: str, flag: str) -> list[int]:
-    """``"1,2,4"`` -> [1, 2, 4]; every entry an integer >= 1."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    try:
-        values = [int(t) for t in items]
-    except ValueError:
-        raise UserError(f"{flag}={text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{flag}={text!r}: expected comma-separated integers >= 1, e.g. 1,2,4,8")
-    return values
 
 
 def node_shapes(worlds: list[int], nodes: list[int] | None, ranks_per_node: int | None) -> list[tuple[int, int]]:
@@ -122,7 +111,7 @@ def plan_points(
     return points
 
 
-def default_batch(cfg: Any, mode: str) -> int:
+def default_batch(cfg: Config, mode: str) -> int:
     """Weak: the config's per-rank batch (train.global_batch / its launch world); strong: train.global_batch."""
     t, launch = cfg.train, cfg.launch
     if mode == "strong":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaleout.bench.common import pyplot
+from scaleout.output import pyplot
 from scaleout.sweep.results import PHASES, PointResult
 
 

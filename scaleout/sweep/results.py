@@ -5,7 +5,7 @@ Efficiency is computed against the smallest world in the sweep (the base b, norm
 - weak scaling (per-rank batch fixed): per-rank throughput at N / per-rank throughput at b
   = (X_N / N) / (X_b / b), X in samples/s;
 - strong scaling (global batch fixed): T_b · b / (N · T_N), T = seconds per step of the same global
-  batch (the issue's T1 / (N · TN) when b = 1).
+  batch (T1 / (N · TN) when b = 1).
 
 Both measure the timed steps only (``train.timing_skip_steps`` drops the warm-up), on rank 0; every step
 ends in a collective (the finite-gradient vote), so rank 0's step time is the slowest rank's.
@@ -164,7 +164,7 @@ def table_rows(results: list[PointResult], simulated: bool = False) -> tuple[lis
 
 
 def markdown(results: list[PointResult], meta: dict[str, Any], notes: list[str]) -> str:
-    from scaleout.bench.common import format_table
+    from scaleout.output import format_table
 
     headers, rows = table_rows(results, simulated=any(r.simulated_efficiency is not None for r in results))
     title = (f"scaleout sweep: {meta['config']}, {meta['mode']} scaling, {meta['steps']} steps "
@@ -176,7 +176,7 @@ def markdown(results: list[PointResult], meta: dict[str, Any], notes: list[str])
 def write_outputs(out_dir: str | Path, results: list[PointResult], meta: dict[str, Any],
                   notes: list[str]) -> dict[str, Path]:
     """sweep.csv, sweep.json and sweep.md in ``out_dir``; returns their paths."""
-    from scaleout.bench.common import write_json
+    from scaleout.output import write_json
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,12 +14,12 @@ as ranks share cores (the simulator assumes every rank computes at the base poin
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
+from scaleout.config.schema import Config
 from scaleout.sweep.results import PointResult
 
 
-def count_params(cfg: Any) -> int:
+def count_params(cfg: Config) -> int:
     """Trainable parameters of the config's model, built on the meta device (no allocation)."""
     import torch
 
@@ -37,26 +37,31 @@ def count_params(cfg: Any) -> int:
 
 
 class Simulator:
-    def __init__(self, preset: str, cfg: Any):
+    def __init__(self, preset: str, cfg: Config):
         from scaleout.sim import get_cluster
 
         self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs
         self.preset = preset
         self.cfg = cfg
         self.params = count_params(cfg)
-        # Gradients travel in fp32 unless the config compresses them (comm.compression bf16/fp16).
-        self.grad_bytes = 4 if cfg.comm.compression == "none" else 2
+        from scaleout.sim.fromconfig import wire_bytes
+
+        # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends fp32.
+        self.grad_bytes, self.param_bytes = wire_bytes(cfg)
 
     def _step(self, r: PointResult, per_rank_speed: float) -> float:
         from scaleout.sim import ModelSpec, TrainSpec, step_time
         from scaleout.sim.cluster import custom_cluster
+        from scaleout.sim.fromconfig import optimizer_of
 
         p = r.point
         model = ModelSpec(self.cfg.model.arch, params=float(self.params), flops_per_sample=1.0,
-                          grad_bytes=self.grad_bytes, opt_bytes_per_param=0.0)
+                          grad_bytes=self.grad_bytes, param_bytes=self.param_bytes, opt_bytes_per_param=0.0)
+        sharded = self.cfg.optim.sharded
         train = TrainSpec(local_batch=float(p.per_rank_batch), algorithm=self.cfg.comm.algorithm,
                           bucket_mb=self.cfg.comm.bucket_mb, samples_per_s=per_rank_speed,
-                          overlap=self.cfg.comm.overlap)
+                          overlap=self.cfg.optim.overlap_comm if sharded else self.cfg.comm.overlap,
+                          optimizer=optimizer_of(self.cfg))
         cluster = custom_cluster(self.cluster, gpus_per_node=p.ranks_per_node)
         cluster = replace(cluster, device=None)  # optimizer time is inside the measured per-rank speed
         return step_time(model, train, cluster, p.nodes).step

@@ -63,6 +63,11 @@ from typing import Any
 
 import torch
 
+from scaleout.config.schema import Config
+from scaleout.errors import UserError
+from scaleout.log import print0
+from scaleout.world import World
+
 log = logging.getLogger("scaleout.train.capture")
 
 
@@ -123,8 +128,6 @@ class StepGraphs:
     def __init__(self, step_fn: Callable[[Any], torch.Tensor], device: torch.device | str | None = None,
                  warmup: int = 1):
         if not torch.cuda.is_available():
-            from scaleout.errors import UserError
-
             raise UserError("StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly")
         self.step_fn = step_fn
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -225,13 +228,11 @@ def host_sync_reason(model: Any) -> str | None:
     return None
 
 
-def build_step_graphs(cfg: Any, world: Any, model: Any, task: Any) -> StepGraphs | None:
+def build_step_graphs(cfg: Config, world: World, model: torch.nn.Module, task: Any) -> StepGraphs | None:
     """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where it
     cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the step). The
     trainer's optimizer always runs after the replay: its NaN-skip agreement sits between the averaged
     gradients and the update, and LAMB/LARS keep per-step scalars on the host (module docstring)."""
-    from scaleout.log import print0
-
     if not cfg.model.cuda_graphs:
         return None
     dev = torch.device(world.device)

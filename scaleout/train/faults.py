@@ -16,12 +16,18 @@ device -> host synchronisation. The finiteness check stays on the device until t
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scaleout.comm.handles import CommFailed
+from scaleout.train.liveness import describe_rank, unresponsive_verdict
+from scaleout.world import World
 
 
 @dataclass
@@ -48,7 +54,7 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return not bool(nonfinite(params))
 
 
-def agree(world: Any, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
+def agree(world: World, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
           unused: torch.Tensor | None = None, notice: bool = False, terminate: bool = False,
           flops: float = 0.0) -> StepFlags:
     """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others;
@@ -91,22 +97,16 @@ _COMM_MARKERS = (
 
 def is_comm_failure(exc: BaseException) -> bool:
     """A failed collective (timeout, dead peer), as opposed to a bug or bad input."""
-    from scaleout.comm.handles import CommFailed
-
     if isinstance(exc, CommFailed | dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
 
 
-def exit_on_comm_failure(world: Any, exc: BaseException, code: int = 1) -> None:
+def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> None:
     """Print one line naming this rank, the error and the ranks whose heartbeat stopped, then end the
     process at once (``os._exit``): the collective sequence is broken, peers are being stopped by the
     launcher, and an orderly shutdown could block on a group whose peer is gone. NCCL's watchdog tears a
     process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
-    import sys
-
-    from scaleout.train.liveness import describe_rank, unresponsive_verdict
-
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     print(
         f"scaleout: {describe_rank(world, world.rank)}: a collective failed "
@@ -116,8 +116,6 @@ def exit_on_comm_failure(world: Any, exc: BaseException, code: int = 1) -> None:
     )
     verdict = unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
     print(f"scaleout: {describe_rank(world, world.rank)}: {verdict}", file=sys.stderr, flush=True)
-    import logging
-
     logging.shutdown()  # flush the MLPerf log and other file handlers
     sys.stdout.flush()
     os._exit(code)

@@ -23,6 +23,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
+from scaleout.world import World
+
 _PREFIX = "scaleout/heartbeat"
 
 
@@ -32,11 +36,9 @@ def period_for(timeout_s: float) -> float:
     return min(30.0, max(1.0, timeout_s / 4.0))
 
 
-def _client(world: Any, timeout_s: float) -> Any:
+def _client(world: World, timeout_s: float) -> Any:
     """A new connection to the rendezvous store (not the one the process groups use: a read here must not
     queue behind, or hold up, anything else)."""
-    import torch.distributed as dist
-
     return dist.TCPStore(
         str(world.master_addr),
         int(world.master_port),
@@ -46,7 +48,7 @@ def _client(world: Any, timeout_s: float) -> Any:
     )
 
 
-def describe_rank(world: Any, rank: int) -> str:
+def describe_rank(world: World, rank: int) -> str:
     node = world.node_of[rank] if rank < len(world.node_of) else "?"
     nodes = world.ranks_per_node
     local = nodes[node].index(rank) if isinstance(node, int) and rank in nodes[node] else "?"
@@ -56,7 +58,7 @@ def describe_rank(world: Any, rank: int) -> str:
 class Heartbeat:
     """A daemon thread that bumps this rank's counter in the store every ``period()`` seconds."""
 
-    def __init__(self, world: Any, period: Callable[[], float]):
+    def __init__(self, world: World, period: Callable[[], float]):
         self.world, self.period = world, period
         self._stop = threading.Event()
         self._store: Any = None
@@ -94,7 +96,7 @@ def _beats(store: Any, keys: list[str]) -> list[str | None]:
     return [values.get(k) for k in keys]
 
 
-def unresponsive_verdict(world: Any, timeout_s: float) -> str:
+def unresponsive_verdict(world: World, timeout_s: float) -> str:
     """One sentence naming the ranks whose heartbeat stopped (call on every rank whose collective failed).
 
     Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead) host
@@ -123,7 +125,7 @@ def unresponsive_verdict(world: Any, timeout_s: float) -> str:
     )
 
 
-def _verdict(world: Any, window: float, limit: float) -> str:
+def _verdict(world: World, window: float, limit: float) -> str:
     store = _client(world, limit)
     if store.add(f"{_PREFIX}/claim", 1) == 1:  # the first to look scans; the others read its verdict
         verdict = _scan(world, store, window)
@@ -139,7 +141,7 @@ def _verdict(world: Any, window: float, limit: float) -> str:
     return verdict["text"]
 
 
-def _scan(world: Any, store: Any, window: float) -> dict[str, Any]:
+def _scan(world: World, store: Any, window: float) -> dict[str, Any]:
     keys = [f"{_PREFIX}/{r}" for r in range(world.world_size)]
     first = _beats(store, keys)
     time.sleep(window)

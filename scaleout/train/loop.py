@@ -1,31 +1,54 @@
-"""The training loop: World -> task (model + data) -> reducer -> optimizer + schedule -> steps with
+"""The training loop: World -> task (model + data) -> gradient sync -> optimizer + schedule -> steps with
 evaluation to the target -> MLPerf log, checkpoints, report.
 
-Kept short on purpose; every piece is built from the config elsewhere. Time-to-train is MLPerf's:
-run_start (after init, all ranks at a barrier) -> run_stop.
+Kept short on purpose; every piece is built from the config elsewhere, and the loop asks interfaces instead
+of modes: the task (scaleout/train/tasks.py) for everything about the model family, the gradient sync
+(scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
+optimizer state. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scaleout import preempt
+from scaleout.checkpoint import Checkpointer
+from scaleout.config.schema import Config
+from scaleout.data.batches import MicroBatch
 from scaleout.log import print0
-from scaleout.train.faults import EXIT_ABORTED, StepFlags, agree, injected_nan, nonfinite
+from scaleout.metrics import Metrics
+from scaleout.mlperf import MLPerfLogger, default_platform
+from scaleout.optim import build_optimizer, build_schedule
+from scaleout.parallel import DataParallel
+from scaleout.parallel.data_parallel import broadcast_from_rank0
+from scaleout.parallel.sync import GradientSync
+from scaleout.profile import build_profiler
+from scaleout.timers import Timers
+from scaleout.train import prefetch, rerun
+from scaleout.train.capture import build_step_graphs, compile_model
+from scaleout.train.faults import (
+    EXIT_ABORTED,
+    StepFlags,
+    agree,
+    exit_on_comm_failure,
+    injected_nan,
+    is_comm_failure,
+    nonfinite,
+)
+from scaleout.train.finish import requeue_and_release, weights_consistent, write_report
+from scaleout.train.hparams import hyperparameters
+from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.train.progress import Progress
-from scaleout.train.tasks import Task, build_task, steps_per_epoch
-
-log = logging.getLogger("scaleout.train")
+from scaleout.train.state import resume_checkpoint, save_checkpoint
+from scaleout.train.tasks import Task, build_task
+from scaleout.world import World, init
 
 
 def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
@@ -43,42 +66,47 @@ class TrainResult:
     report: Any = None
 
 
-class Trainer:
-    def __init__(self, cfg: Any, world: Any, config_file: str = "config.yaml", start: Any = None,
-                 guard: Any = None):
-        from scaleout.checkpoint import Checkpointer
-        from scaleout.mlperf import MLPerfLogger
-        from scaleout.timers import Timers
-        from scaleout.train.rerun import decide, set_aside
+@dataclass
+class _Run:
+    """What one call of Trainer.run carries from the start through the steps to the finish."""
 
+    start: int  # the first step of this run (a resumed run starts at its checkpoint's)
+    progress: Progress
+    own_guard: bool  # run() installed the preemption handlers, so it removes them
+    samples_at_start: int  # a resumed run reports its own samples, not the checkpoint's
+    t_start: float = field(default_factory=time.perf_counter)
+    step: int = 0  # the last step taken (start if none was)
+    status: str = "max_steps"
+    metric: float | None = None
+    tokens: int = 0
+    flops: float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: World, config_file: str = "config.yaml",
+                 start: rerun.RunStart | None = None, guard: preempt.Preemption | None = None):
         self.cfg, self.world, self.config_file = cfg, world, config_file
-        self.start_info = start if start is not None else decide(cfg)  # the rerun policy (train/rerun.py)
+        self.start_info = start if start is not None else rerun.decide(cfg)  # the rerun policy (train/rerun.py)
         self.guard = guard  # preempt.Preemption installed by run_training before the World; else by run()
         self.out = Path(cfg.train.output_dir)
         kind = self.start_info.kind
         if world.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             if kind == "new":  # an earlier run's log in this directory is kept, not appended to
-                set_aside(self.out / "mlperf.log")
+                rerun.set_aside(self.out / "mlperf.log")
             if kind != "finished":  # an earlier run's or segment's report is kept
-                set_aside(self.out / "report.json")
+                rerun.set_aside(self.out / "report.json")
         # A resumed run appends: every attempt of a requeued or resubmitted run adds its own
         # init_start..run_stop segment (scaleout.mlperf.split_attempts); none erases an earlier one.
         writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
         self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout)
         self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
         self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
-        from scaleout.metrics import Metrics
-
         self.metrics = Metrics(self.out, cfg.train.metrics, cfg.train.log_every, enabled=world.rank == 0,
                                config=cfg.model_dump(mode="json"))
 
     # -- construction -------------------------------------------------------------------------------
     def build(self) -> None:
-        from scaleout.optim import build_optimizer, build_schedule
-        from scaleout.parallel import DataParallel
-        from scaleout.parallel.data_parallel import broadcast_from_rank0
-
         cfg, world = self.cfg, self.world
         self.mll.cache_clear()  # MLPerf requires the cache_clear event first (caches are cold at init)
         self.mll.init_start()
@@ -86,97 +114,44 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.task: Task = build_task(cfg, world)
-        from scaleout.mlperf import default_platform
-
         m = cfg.mlperf
         self.mll.submission(self.task.benchmark, org=m.org, division=m.division, status=m.status,
                             platform=m.platform or default_platform(world))
         model = self.task.model
-        self.sharded = cfg.optim.sharded
         if cfg.model.compile:  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
-            from scaleout.train.capture import compile_model
-
             compile_model(model)
-        if self.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
+        if cfg.optim.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
             self.model = model
         else:
-            self.model = DataParallel(model, world, algorithm=cfg.comm.algorithm, bucket_mb=cfg.comm.bucket_mb,
-                                      compression=None if cfg.comm.compression == "none" else cfg.comm.compression,
-                                      timeline=cfg.comm.timeline, overlap=cfg.comm.overlap,
-                                      # re-bucketing after step 1 changes summation order; a resumed run
-                                      # would re-bucket at a different step, so deterministic runs keep
-                                      # the initial layout (bitwise resume)
-                                      rebuild_buckets=not cfg.train.deterministic, **comm_options(cfg.comm))
-            self.model.reducer.defer_census = True  # read with the step's agreement (train_step)
-        from scaleout.train.capture import build_step_graphs
-
+            self.model = DataParallel.from_config(model, world, cfg.comm,
+                                                  # re-bucketing after step 1 changes summation order; a
+                                                  # resumed run would re-bucket at a different step, so
+                                                  # deterministic runs keep the initial layout (bitwise resume)
+                                                  rebuild_buckets=not cfg.train.deterministic,
+                                                  defer_census=True)  # read with the step's agreement (train_step)
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
         self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.losses: list[float | None] = []  # mean loss over ranks of every step this run took
         self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
+        # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
+        self.sync: GradientSync = self.optimizer if cfg.optim.sharded else self.model
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
             world.prioritize_communication(cfg.comm.comm_nice)
-        from scaleout.mlperf import hyperparameters
-
         self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 steps_per_epoch(self.task, cfg.train.global_batch),
-                                                 getattr(self.task, "sequences_per_row", None), world.device))
+                                                 self.task.steps_per_epoch(cfg.train.global_batch),
+                                                 self.task.sequences_per_row, world.device))
 
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _state(self, step: int) -> dict[str, Any]:
-        """The replicated part of a checkpoint (only rank 0's copy is written; RNG states are gathered to it)."""
-        from scaleout.checkpoint import gather_rng_states
-
-        opt_state = self.optimizer.sharded_state()[0] if self.sharded else self.optimizer.state_dict()
-        return {"model": self.task.model.state_dict(), "optimizer": opt_state,
-                "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
-                "schedule": self.schedule.state_dict(), "data_position": step * self.cfg.train.global_batch,
-                "rng": gather_rng_states(self.world), "samples": self.samples, "skipped": self.skipped,
-                "precision": self.task.precision.state_dict()}
-
+    # -- checkpoints (scaleout/train/state.py) ---------------------------------------------------------
     def save(self, step: int) -> None:
-        if self.ckpt is None:
-            return
-        self.task.sync_buffers()  # collective: BN statistics equal on every rank, so a resume is exact everywhere
-        state = self._state(step)  # collective: every rank takes part
-        shards = self.optimizer.sharded_state()[1] if self.sharded else None  # each rank writes its own
-        path = self.ckpt.save(step, state, world=self.world, shards=shards)
-        if path is not None:
-            print0(f"checkpoint: step {step} -> {path}", rank=self.world.rank)
-        self.world.barrier()
+        save_checkpoint(self, step)
 
     def resume(self) -> int:
-        from scaleout.checkpoint import set_rng_state
-        from scaleout.train.rerun import check_data_position
+        return resume_checkpoint(self)
 
-        cfg = self.cfg
-        if self.ckpt is None or not self.cfg.checkpoint.resume:
-            return 0
-        shards = self.optimizer.sharded_state()[1] if self.sharded else None
-        found = self.ckpt.restore(self.world, shards=shards)  # rank 0 chooses; every rank follows
-        if found is None:
-            return 0
-        state, path = found
-        check_data_position(state, cfg.train.global_batch, path)  # a changed global batch is refused
-        self.task.model.load_state_dict(state["model"])
-        if self.sharded:
-            self.optimizer.load_replicated(state["optimizer"])  # the moments were read in place by restore()
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        if state["rng"] is None:
-            log.warning("checkpoint %s has RNG states of another world size: RNG streams restart", path)
-        else:
-            set_rng_state(state["rng"])
-        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
-        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
-        print0(f"resumed from {path} at step {state['step']}", rank=self.world.rank)
-        return int(state["step"])
-
-    # -- the loop -------------------------------------------------------------------------------------
+    # -- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float | None, bool, bool]:
         """One optimizer step (grad_accum micro-batches). Returns (mean loss over ranks, skipped, stop).
 
@@ -189,40 +164,24 @@ class Trainer:
                 mbs = self.prefetcher.get(step)
             else:
                 mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
-        total = None
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
             with t("graph"):
                 total = self.graphs(mbs)
-        for i, mb in enumerate(mbs if self.graphs is None else []):
-            last = i == len(mbs) - 1
-            if last:
-                sync = contextlib.nullcontext()
-            elif self.sharded:  # the overlapped sharded LAMB sends during backward unless told not to
-                no_sync = getattr(self.optimizer, "no_sync", None)
-                sync = no_sync() if no_sync else contextlib.nullcontext()
-            else:
-                sync = self.model.no_sync()
-            with sync:
-                with t("forward"), self.task.autocast():
-                    loss = self.task.loss(self.model, mb) / len(mbs)
-                with t("backward"):
-                    prec.scale_loss(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        if not self.sharded and self.graphs is None:
-            exposed = float(self.model.last_stats.get("exposed_s", 0.0))
-            t.add("exposed_comm", exposed)
-            t.add("backward", -exposed)
+        else:
+            total = self._forward_backward(mbs)
+            exposed = self.sync.last_stats.get("exposed_s")  # backward's wait for what overlap did not hide
+            if exposed is not None:  # the non-overlapped sharded LAMB communicates inside step() instead
+                t.add("exposed_comm", float(exposed))
+                t.add("backward", -float(exposed))
         prec.unscale_(self.params, self.optimizer)  # fp16: gradients / S (reduced, or reduced linearly in step())
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")
-        reducer = getattr(self.model, "reducer", None)
-        census = reducer.census_flag() if reducer is not None else None
         g = self.guard
-        flags = agree(self.world, nonfinite(self.params), g.requested, total, census, notice=g.noticed,
-                      terminate=g.terminating, flops=sum(mb.flops for mb in mbs))
+        flags = agree(self.world, nonfinite(self.params), g.requested, total, self.sync.census_flag(),
+                      notice=g.noticed, terminate=g.terminating, flops=sum(mb.flops for mb in mbs))
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused:
-            reducer.check_census()  # the same census everywhere: every rank raises the same error
+            self.sync.check_census()  # the same census everywhere: every rank raises the same error
         prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
         self.losses.append(flags.loss)
         if flags.skip:
@@ -232,17 +191,34 @@ class Trainer:
             with t("optimizer"):
                 self.optimizer.step()
             self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=not hasattr(self.model, "no_sync") or self.sharded)
+        self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags.loss, flags.skip, flags.stop
 
-    def run(self) -> TrainResult:
-        from scaleout import preempt
-        from scaleout.train import rerun
+    def _forward_backward(self, mbs: list[MicroBatch]) -> torch.Tensor | None:
+        """Forward and backward of each micro-batch; all but the last accumulate without communicating.
+        Returns the step's loss (a device tensor: nothing is read here)."""
+        t, total = self.timers, None
+        for i, mb in enumerate(mbs):
+            with contextlib.nullcontext() if i == len(mbs) - 1 else self.sync.no_sync():
+                with t("forward"), self.task.autocast():
+                    loss = self.task.loss(self.model, mb) / len(mbs)
+                with t("backward"):
+                    self.task.precision.scale_loss(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
 
-        cfg, world, mll = self.cfg, self.world, self.mll
+    # -- the run ----------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
         if self.start_info.kind == "finished":
-            print0(f"scaleout train: {self.start_info.message}", rank=world.rank)
+            print0(f"scaleout train: {self.start_info.message}", rank=self.world.rank)
             return TrainResult("finished", 0, self.start_info.latest_step, None)
+        run = self._begin()
+        self._loop(run)
+        return self._finish(run)
+
+    def _begin(self) -> _Run:
+        """Build, resume, start the data prefetcher and the preemption handlers; MLPerf init_stop, run_start."""
+        cfg, world, mll = self.cfg, self.world, self.mll
         self.samples, self.skipped = 0, 0
         self.build()
         start = self.resume()
@@ -250,9 +226,8 @@ class Trainer:
         if start:  # MLPerf's key for "this run started from a checkpoint at step N" (GPT-3 rules use it)
             mll.event("init_checkpoint_step", start)
         self.record = rerun.started(cfg, self.start_info, world.world_size) if world.rank == 0 else {}
-        from scaleout.train.prefetch import build_prefetcher
-
-        self.prefetcher = build_prefetcher(cfg, self.task, world, start)  # None when data.num_workers=0
+        # None when data.num_workers=0; reads no data until start(), after run_start (MLPerf timing rules)
+        self.prefetcher = prefetch.build_prefetcher(cfg, self.task, world, start)
         own_guard = self.guard is None
         if own_guard:
             self.guard = preempt.install()
@@ -260,73 +235,92 @@ class Trainer:
         mll.init_stop()
         world.barrier()
         mll.run_start()
+        if self.prefetcher is not None:
+            self.prefetcher.start()  # the first touch of the training data
         self._observe_start(start)
-        t_start = time.perf_counter()
-        is_bert = self.task.benchmark == "bert"
-        epoch_of = (lambda s: s) if is_bert else (lambda s: s // max(self.task.rows, 1))  # BERT: samples
-        max_steps, metric, status = cfg.train.max_steps, None, "max_steps"
-        progress = Progress(max_steps, cfg.train.progress and world.rank == 0, start)
-        mll.block_start(epoch_of(self.samples), 1, self.samples)
-        tokens, flops = 0, 0.0
-        samples_at_start = self.samples  # a resumed run reports its own samples, not the checkpoint's
-        step = start
-        consecutive_skips, limit = 0, cfg.train.max_consecutive_skips
+        run = _Run(start=start, step=start, own_guard=own_guard, samples_at_start=self.samples,
+                   progress=Progress(cfg.train.max_steps, cfg.train.progress and world.rank == 0, start))
+        mll.block_start(self.task.epoch_of(self.samples), 1, self.samples)
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
-        skip = cfg.train.timing_skip_steps
         self.timed = {"steps": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
-        for step in range(start, max_steps):
-            n, toks = self.task.samples_per_step(step * cfg.train.global_batch)
-            if skip and step == start + skip:
-                self.timers.reset()  # breakdown_s then covers the timed steps only
-            t0 = time.perf_counter()
-            lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it in train_step)
-            loss, skipped, stop = self.train_step(step)
-            flops += self.flags.flops  # every rank's micro-batches, summed by the step's agreement
-            if step >= start + skip:
-                for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
-                    self.timed[k] += v
-            spans = self.timers.step(time.perf_counter() - t0)
-            if step == start:  # the first step is done: from now on a hung peer is a failure, not slowness
-                world.set_timeout(cfg.train.step_timeout_s)
-            self.samples += n
-            tokens += toks
-            dt = time.perf_counter() - t0
-            progress.update(step, loss, n / max(dt, 1e-9),
-                            f"{self.task.metric_name} {metric:.4f}" if metric is not None else "")
-            self.metrics.step(step + 1, self.samples, loss, lr, dt, n, toks, spans, skipped,
-                              force=stop or step + 1 == max_steps or (step + 1) % cfg.train.eval_every == 0)
-            if self.profiler is not None:
-                self.profiler.step()
+        return run
+
+    def _loop(self, run: _Run) -> None:
+        """Steps until the target, max_steps, an agreed preemption or divergence; sets ``run.status``."""
+        cfg = self.cfg
+        consecutive_skips, limit = 0, cfg.train.max_consecutive_skips
+        for step in range(run.start, cfg.train.max_steps):
+            run.step = step
+            skipped, stop = self._timed_step(run, step)
             if stop:
                 why = "SIGTERM" if self.flags.terminate else "notice"
-                print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop", rank=world.rank)
+                print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop",
+                       rank=self.world.rank)
                 self.save(step + 1)
-                status = "preempted"
-                break
+                run.status = "preempted"
+                return
             consecutive_skips = consecutive_skips + 1 if skipped else 0  # the same on every rank (agree())
             if limit and consecutive_skips >= limit:
                 print0(f"step {step + 1}: {consecutive_skips} consecutive steps with non-finite gradients "
-                       f"(train.max_consecutive_skips={limit}): the run diverged; stopping", rank=world.rank)
-                status = "aborted"
-                break
-            done = step + 1 == max_steps
+                       f"(train.max_consecutive_skips={limit}): the run diverged; stopping", rank=self.world.rank)
+                run.status = "aborted"
+                return
+            done = step + 1 == cfg.train.max_steps
             if eval_due(step + 1, cfg.train.eval_every, cfg.train.eval_start_step) or done:
-                mll.block_stop(epoch_of(self.samples), self.samples)
-                mll.eval_start(epoch_of(self.samples), self.samples)
-                metric = self.task.evaluate(self.task.model)
-                mll.eval_accuracy(metric, epoch_of(self.samples), self.samples)
-                self.metrics.eval(step + 1, self.samples, self.task.metric_name, metric, cfg.train.target)
-                mll.eval_stop(epoch_of(self.samples), self.samples)
-                print0(f"step {step + 1}: {self.task.metric_name} {metric:.4f} (target {cfg.train.target})",
-                       rank=world.rank)
-                if cfg.train.target is not None and metric >= cfg.train.target:
-                    status = "success"
-                    break
+                run.metric = self._evaluate(step)
+                if cfg.train.target is not None and run.metric >= cfg.train.target:
+                    run.status = "success"
+                    return
                 if not done:
-                    mll.block_start(epoch_of(self.samples), 1, self.samples)
+                    self.mll.block_start(self.task.epoch_of(self.samples), 1, self.samples)
             if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
                 self.save(step + 1)
-        progress.close()
+
+    def _timed_step(self, run: _Run, step: int) -> tuple[bool, bool]:
+        """train_step plus its accounting (throughput, timers, metrics, progress). Returns (skipped, stop)."""
+        cfg = self.cfg
+        n, toks = self.task.samples_per_step(step * cfg.train.global_batch)
+        skip = cfg.train.timing_skip_steps
+        if skip and step == run.start + skip:
+            self.timers.reset()  # breakdown_s then covers the timed steps only
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it in train_step)
+        loss, skipped, stop = self.train_step(step)
+        run.flops += self.flags.flops  # every rank's micro-batches, summed by the step's agreement
+        if step >= run.start + skip:
+            for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
+                self.timed[k] += v
+        spans = self.timers.step(time.perf_counter() - t0)
+        if step == run.start:  # the first step is done: from now on a hung peer is a failure, not slowness
+            self.world.set_timeout(cfg.train.step_timeout_s)
+        self.samples += n
+        run.tokens += toks
+        dt = time.perf_counter() - t0
+        run.progress.update(step, loss, n / max(dt, 1e-9),
+                            f"{self.task.metric_name} {run.metric:.4f}" if run.metric is not None else "")
+        self.metrics.step(step + 1, self.samples, loss, lr, dt, n, toks, spans, skipped,
+                          force=stop or step + 1 == cfg.train.max_steps or (step + 1) % cfg.train.eval_every == 0)
+        if self.profiler is not None:
+            self.profiler.step()
+        return skipped, stop
+
+    def _evaluate(self, step: int) -> float:
+        """One evaluation inside MLPerf's block/eval events; the metric also goes to metrics and stdout."""
+        mll, samples, epoch = self.mll, self.samples, self.task.epoch_of(self.samples)
+        mll.block_stop(epoch, samples)
+        mll.eval_start(epoch, samples)
+        metric = self.task.evaluate(self.task.model)
+        mll.eval_accuracy(metric, epoch, samples)
+        self.metrics.eval(step + 1, samples, self.task.metric_name, metric, self.cfg.train.target)
+        mll.eval_stop(epoch, samples)
+        print0(f"step {step + 1}: {self.task.metric_name} {metric:.4f} (target {self.cfg.train.target})",
+               rank=self.world.rank)
+        return metric
+
+    def _finish(self, run: _Run) -> TrainResult:
+        """MLPerf run_stop, the final checkpoint, the report, and the exit code of ``run.status``."""
+        cfg, world, mll, status, step = self.cfg, self.world, self.mll, run.status, run.step
+        run.progress.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         # Agreed SIGTERM (self.flags, the same on every rank): KillWait is short, leave out the optional
@@ -334,11 +328,11 @@ class Trainer:
         hurry = status == "preempted" and self.flags.terminate
         if not hurry:
             world.barrier()
-        ttt = time.perf_counter() - t_start
+        ttt = time.perf_counter() - run.t_start
         mll.train_samples(self.samples)
-        mll.eval_samples(len(getattr(self.task, "eval_seqs", [])) or len(getattr(self.task, "eval_idx", [])))
+        mll.eval_samples(self.task.eval_size)
         mll.run_stop("success" if status == "success" else "aborted", self.samples)
-        steps_done = step + 1 - start
+        steps_done = step + 1 - run.start
         self.status = status
         every = cfg.checkpoint.every_steps
         already = status == "max_steps" and every and (step + 1) % every == 0  # saved inside the loop
@@ -346,53 +340,23 @@ class Trainer:
             self.save(step + 1)
         if world.rank == 0:
             rerun.ended(cfg, self.record, status, step + 1)
-        consistent = None if hurry else self._weights_consistent()
-        report = self._report(ttt, steps_done, self.samples - samples_at_start, tokens, flops, metric, consistent)
-        code = self._requeue_and_release() if status == "preempted" else EXIT_ABORTED if status == "aborted" else 0
+        consistent = None if hurry else weights_consistent(self.task.model, world)
+        report = write_report(self, ttt, steps_done, self.samples - run.samples_at_start, run.tokens, run.flops,
+                              run.metric, consistent)
+        if status == "preempted":
+            code = requeue_and_release(world, self.flags, self.guard, checkpointing=self.ckpt is not None)
+        else:
+            code = EXIT_ABORTED if status == "aborted" else 0
         self._observe_end(status, ttt)
-        if own_guard:
+        if run.own_guard:
             self.guard.uninstall()
-        return TrainResult(status, code, step + 1, metric, report)
-
-    def _requeue_and_release(self) -> int:
-        """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got a
-        notice, then every rank passes one barrier and exits 75. The barrier comes after the requeue because
-        under ``srun --kill-on-bad-exit=1`` the first rank to exit 75 makes Slurm kill the others: a rank 0
-        still on its way to ``scontrol requeue`` would die with them and the job would end, not come back.
-        Once slurmctld has recorded the requeue, its SIGTERM only sets flags here (handlers stay installed
-        until run_training returns)."""
-        from scaleout import preempt
-        from scaleout.errors import UserError
-
-        world, code = self.world, preempt.EXIT_PREEMPTED
-        if not self.flags.notice:
-            pass  # SIGTERM only: the scheduler decides (its own requeue is done; scancel means stop)
-        elif self.ckpt is None:
-            print0("preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
-                   "requeued (it would start again from step 0)", rank=world.rank)
-        elif world.rank == 0:
-            preempt.hold_requeue_for_tests(self.guard)
-            try:
-                if (self.flags.terminate or self.guard.terminating) and not preempt.time_limit_reached():
-                    print("preemption notice, then SIGTERM before the time limit (scancel?): not requeueing", flush=True)
-                elif preempt.requeue():
-                    print(f"requeued Slurm job {preempt.slurm_job_id()}", flush=True)
-            except (UserError, OSError, subprocess.SubprocessError) as exc:
-                print(f"rank 0: {exc}", file=sys.stderr, flush=True)
-                code = 1
-        try:
-            world.barrier()
-        except RuntimeError as exc:  # a peer already gone (killed at the end of KillWait): nothing left to wait for
-            log.warning("rank %d: final barrier after the preemption stop failed: %s", world.rank, exc)
-        return code
+        return TrainResult(status, code, step + 1, run.metric, report)
 
     def _observe_start(self, start: int) -> None:
         """Metrics file header and the profiler (scaleout/metrics.py, scaleout/profile.py)."""
-        from scaleout.profile import build_profiler
-
         w = self.world
         self.metrics.start(world_size=w.world_size, nodes=w.num_nodes, ranks_per_node=w.local_size,
-                           launcher=w.source, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
+                           launcher=w.launcher, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
                            global_batch=self.cfg.train.global_batch)
         self.profiler = build_profiler(self.cfg.train.profile, self.out, w.rank)
 
@@ -404,94 +368,10 @@ class Trainer:
         if traces:
             print0(f"profile: traces in {traces[0].parent} (Perfetto, TensorBoard, HTA)", rank=self.world.rank)
 
-    def _weights_consistent(self) -> bool:
-        """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
-        import torch.distributed as dist
 
-        with torch.no_grad():
-            digest = torch.stack([p.detach().double().sum() + (p.detach().double() ** 2).sum()
-                                  for p in self.task.model.parameters()]).sum().reshape(1)
-        if self.world.world_size == 1:
-            return True
-        everyone = [torch.zeros_like(digest) for _ in range(self.world.world_size)]
-        dist.all_gather(everyone, digest)
-        return all(bool(torch.equal(d, everyone[0])) for d in everyone)
-
-    def _peak_rss_mib(self) -> float | None:
-        """Peak resident memory of the most hungry rank process (ru_maxrss, KiB on Linux), in MiB."""
-        import resource
-
-        import torch.distributed as dist
-
-        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-        if self.world.world_size > 1:
-            if self.guard.terminating:
-                return None
-            peak = peak.to(self.world.device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak.item())
-
-    def _report(
-        self, ttt: float, steps: int, samples: int, tokens: int, flops: float, metric: float | None,
-        consistent: bool | None,
-    ) -> Any:
-        from scaleout.checkpoint import atomic_write
-        from scaleout.devices import device_peak
-        from scaleout.report import QUALITY_EXPONENT, RunReport
-
-        cfg, world = self.cfg, self.world
-        peak = device_peak(world.device, cfg.train.precision, cfg.train.peak_flops, ranks_on_host=world.local_size)
-        report = RunReport(
-            arch=cfg.model.arch, time_to_train_s=max(ttt, 1e-9), steps=steps, samples=samples,
-            flops_per_sample=flops / max(samples, 1),  # counted per micro-batch from what ran (MicroBatch.flops)
-            devices=world.world_size, real_tokens=tokens, achieved=metric, target=cfg.train.target,
-            quality_exponent=QUALITY_EXPONENT.get(self.task.benchmark), device_name=peak.name,
-            peak_flops_per_device=peak.flops, peak_source=peak.source, breakdown_s=self.timers.mean(),
-        )
-        # The fraction of step time spent waiting for data, over the steps the timers sampled.
-        data_wait = self.timers.mean().get("data", 0.0) / max(self.timers.mean_step(), 1e-12)
-        peak_rss = self._peak_rss_mib()  # a collective (MAX over ranks) unless a peer may be gone
-        if world.rank == 0:
-            print(report.render(), flush=True)
-            print(f"data wait: {self.timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of step time "
-                  f"(data.num_workers={cfg.data.num_workers})", flush=True)
-            plain = self.timed["seconds"] / max(self.timed["steps"], 1)
-            print(f"step time: {plain * 1e3:.2f} ms plain (every timed step); breakdown sampled on {self.timers.steps} "
-                  f"steps (train.timing_every={self.timers.every}), {self.timers.mean_step() * 1e3:.2f} ms each", flush=True)
-            if consistent is False:
-                print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
-            payload = {**report.to_dict(), "skipped_steps": self.skipped, "weights_consistent": consistent,
-                       "resumed_from_step": self.resumed_from, "run_id": self.record.get("run_id"),
-                       "data_wait_fraction": data_wait, "peak_rss_mib_per_rank_max": peak_rss,
-                       # breakdown_s: means over the sampled steps (they synchronise the device per phase);
-                       # timed.step_s: every timed step, uninstrumented
-                       "breakdown_sampling": {"every": self.timers.every, "steps": self.timers.steps,
-                                              "step_s": self.timers.mean_step()},
-                       "status": self.status, "task": getattr(self.task, "info", {}),
-                       "timed": {**self.timed, "skipped_warmup_steps": cfg.train.timing_skip_steps,
-                                 "samples_per_s": self.timed["samples"] / max(self.timed["seconds"], 1e-12),
-                                 "step_s": self.timed["seconds"] / max(self.timed["steps"], 1)}}
-            atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
-        return report
-
-
-def comm_options(comm: Any) -> dict[str, Any]:
-    """The all-reduce options of ``comm`` (scaleout.comm.all_reduce): torus grid, pipeline chunk."""
-    opts: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
-    if comm.chunk_mb is not None:
-        opts["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
-    return opts
-
-
-def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
+def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
-    import scaleout
-    from scaleout import preempt
-    from scaleout.train.faults import exit_on_comm_failure, is_comm_failure
-    from scaleout.train.liveness import Heartbeat, period_for
-    from scaleout.train.rerun import decide
-
-    start = decide(cfg)  # the rerun policy, before any network or file: a refused start changes nothing
+    start = rerun.decide(cfg)  # the rerun policy, before any network or file: a refused start changes nothing
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
@@ -499,7 +379,7 @@ def run_training(cfg: Any, config_file: str = "config.yaml") -> TrainResult:
     # USR2 still has its default action would terminate the rank.
     guard = preempt.install()
     try:
-        world = scaleout.init(cfg)
+        world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank if one hangs
         try:
             cfg.check_world(world.world_size, world.local_size)

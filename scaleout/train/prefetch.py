@@ -8,7 +8,7 @@
 Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
-  ``start_step + i`` for this rank, built by the task's data source (``task.source.micro_batches``, the
+  ``start_step + i`` for this rank, built by the task's batch builder (``task.batches.micro_batches``, the
   same code ``task.micro_batches`` runs, minus the copy to the device).
   Data order is already a pure function of the data position (``scaleout/train/tasks.py``), so the
   background batches are *the same* batches as the synchronous path, in the same order, and resume is
@@ -31,10 +31,10 @@ Design, and why:
   The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
   started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
 - **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset holds
-  the task's data source (``task.source``: sequences, packs, sampler; or the image set), never the task:
+  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never the task:
   that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could not
   start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
-  shared memory under the live model. Cost: each worker unpickles the source once at start-up
+  shared memory under the live model. Cost: each worker unpickles the batch builder once at start-up
   (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
 - **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker, so
   it gets ``ceil(prefetch / num_workers)``.
@@ -53,6 +53,12 @@ Design, and why:
   else). The rank's own handlers (scaleout/preempt.py) are untouched: other threads of the rank receive
   the signals meanwhile. SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a
   worker that outlives the DataLoader's shutdown.
+- **No data before the clock** (MLPerf Training rules, "Run Results": the clock must start before any
+  part of the system touches the dataset). Constructing a Prefetcher reads nothing: the workers start,
+  and are handed their first steps, at :meth:`Prefetcher.start` (or the first :meth:`~Prefetcher.get`),
+  which the trainer calls right after ``run_start``. What holds no data is started at construction, off
+  the clock: the forkserver (a fresh interpreter importing torch, seconds) and the resource tracker, so
+  starting the workers on the clock costs a fork and the unpickling of the data source (milliseconds).
 - ``num_workers=0`` is the synchronous path (no background work), the baseline the benchmarks compare
   against.
 
@@ -68,11 +74,15 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
+from scaleout.config.schema import Config
+from scaleout.data.batches import MicroBatch, to_device
 from scaleout.errors import UserError
+from scaleout.world import World
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # What schedulers send to every process of a job step; the rank handles them, its helper processes ignore them.
@@ -81,36 +91,26 @@ PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
 # server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
 # scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs milliseconds.
-_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.train.tasks", "scaleout.data.bert_batch",
+_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.data.batches", "scaleout.data.bert_batch",
             "scaleout.data.images", "scaleout.data.sampler", "scaleout.cli"]
 
 
 class StepBatches(torch.utils.data.Dataset):
     """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens)`` per micro-batch. ``source`` is the
-    task's data-only batch builder (``task.source``), which is what gets pickled into the workers."""
+    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``batches`` is the
+    task's data-only batch builder (``task.batches``), which is what gets pickled into the workers."""
 
-    def __init__(self, source: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
-        self.source, self.global_batch, self.grad_accum = source, global_batch, grad_accum
+    def __init__(self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
+        self.batches, self.global_batch, self.grad_accum = batches, global_batch, grad_accum
         self.start_step, self.stop_step = start_step, stop_step
 
     def __len__(self) -> int:
         return max(self.stop_step - self.start_step, 0)
 
-    def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int]]:
+    def __getitem__(self, i: int) -> list[tuple[Any, Any, int, int, float]]:
         step = self.start_step + i
-        mbs = self.source.micro_batches(step * self.global_batch, self.grad_accum)
-        return [(mb.inputs, mb.target, mb.samples, mb.tokens) for mb in mbs]
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    return x
+        mbs = self.batches.micro_batches(step * self.global_batch, self.grad_accum)
+        return [(mb.inputs, mb.target, mb.samples, mb.tokens, mb.flops) for mb in mbs]
 
 
 def _record(x: Any, stream: Any) -> None:
@@ -142,15 +142,12 @@ class Prefetcher:
             raise UserError(f"stop_step={stop_step} is before start_step={start_step}")
         if start_method not in START_METHODS:
             raise UserError(f"data.worker_start={start_method!r}: expected one of {', '.join(START_METHODS)}")
-        from scaleout.train.tasks import MicroBatch
-
-        self._mb = MicroBatch
         self.device = torch.device(device)
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = bool(pin_memory and cuda)
         self.num_workers, self.prefetch = num_workers, prefetch
         self.start_method = start_method
-        self.dataset = StepBatches(getattr(task, "source", task), global_batch, grad_accum, start_step, stop_step)
+        self.dataset = StepBatches(getattr(task, "batches", task), global_batch, grad_accum, start_step, stop_step)
         kw: dict[str, Any] = {}
         if num_workers > 0:
             kw = dict(prefetch_factor=max(1, math.ceil(prefetch / num_workers)), timeout=timeout_s,
@@ -162,39 +159,52 @@ class Prefetcher:
                                                   # torch's global RNG would shift the model's dropout masks
                                                   # and break "same run with or without workers"
                                                   generator=torch.Generator().manual_seed(0), **kw)
-        with _signals_blocked(PREEMPTION_SIGNALS if num_workers > 0 else ()):
-            self._it: Iterator[Any] | None = iter(self.loader)  # starts the workers (and forkserver, tracker)
+        self._it: Iterator[Any] | None = None  # start(): the workers and their first steps
+        self._closed = False
+        if num_workers > 0 and start_method == "forkserver":
+            with _signals_blocked(PREEMPTION_SIGNALS):  # the server and the tracker inherit the mask
+                _warm_forkserver(kw["multiprocessing_context"])
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def start(self) -> None:
+        """Start the workers and hand them their first steps: the first touch of the training data (so
+        after MLPerf's run_start). Idempotent; :meth:`get` calls it if nobody did."""
+        self._iterator()
+
+    def _iterator(self) -> Iterator[Any]:
+        if self._closed:
+            raise UserError("prefetcher is closed")
+        if self._it is None:
+            with _signals_blocked(PREEMPTION_SIGNALS if self.num_workers > 0 else ()):
+                self._it = iter(self.loader)
+        return self._it
 
     def get(self, step: int) -> list[Any]:
         """This rank's micro-batches of ``step``, on the device."""
         if step != self.next_step:
             raise UserError(f"prefetcher asked for step {step} but the next prepared step is {self.next_step}; "
                             "steps must be consumed in order (build a new Prefetcher to jump)")
-        if self._it is None:
-            raise UserError("prefetcher is closed")
+        it = self._iterator()
         try:
-            raw = next(self._it)
+            raw = next(it)
         except StopIteration:
             raise UserError(f"prefetcher asked for step {step}, past its stop_step={self.dataset.stop_step}") from None
         self.next_step += 1
         if self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
-                moved = _to(raw, self.device)
+                moved = to_device(raw, self.device)
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             _record(moved, compute)
         else:
-            moved = _to(raw, self.device)
-        return [self._mb(inputs, target, samples, tokens) for inputs, target, samples, tokens in moved]
+            moved = to_device(raw, self.device)
+        return [MicroBatch(*fields) for fields in moved]
 
     def worker_cpu_s(self) -> float:
         """CPU seconds (user + system) the live workers have used so far, from /proc (Linux). Forkserver
         workers are children of the forkserver, not of this process, so RUSAGE_CHILDREN never sees them;
         read this before :meth:`close`."""
-        import os
-
         tick = os.sysconf("SC_CLK_TCK")
         total = 0.0
         for w in getattr(self._it, "_workers", []):
@@ -207,7 +217,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the workers (they are daemonic, so a crash never leaves them behind either)."""
-        it, self._it = self._it, None
+        it, self._it, self._closed = self._it, None, True
         workers = list(getattr(it, "_workers", []))
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
@@ -236,6 +246,20 @@ def _context(start_method: str) -> Any:
     return ctx
 
 
+def _ready() -> None:
+    pass
+
+
+def _warm_forkserver(ctx: Any) -> None:
+    """Start the forkserver and wait until it has imported ``_PRELOAD``: it serves a fork only after its
+    imports, so one empty child started and joined does both. ``ensure_running`` alone returns while the
+    server is still importing torch (14 s on a loaded 2-core machine), which the first worker start, on the
+    clock, would then wait for."""
+    child = ctx.Process(target=_ready, daemon=True)
+    child.start()
+    child.join()
+
+
 @contextlib.contextmanager
 def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     """Block ``signals`` in this thread while child processes start: they inherit the mask (module docstring).
@@ -244,8 +268,6 @@ def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
     if not signals:
         yield
         return
-    from multiprocessing import resource_tracker
-
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this thread,
@@ -265,7 +287,7 @@ def _worker_init(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def build_prefetcher(cfg: Any, task: Any, world: Any, start_step: int) -> Prefetcher | None:
+def build_prefetcher(cfg: Config, task: Any, world: World, start_step: int) -> Prefetcher | None:
     """The trainer's prefetcher from ``data.num_workers / prefetch / pin_memory``; None = synchronous."""
     d = cfg.data
     if d.num_workers == 0:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scaleout.checkpoint import Checkpointer, atomic_write
+from scaleout.config.schema import Config
 from scaleout.errors import UserError
 
 RECORD = "run.json"
@@ -55,20 +57,16 @@ def read_record(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Atomically (tmp + rename) replace run.json (rank 0 only)."""
-    from scaleout.checkpoint import atomic_write
-
     path = Path(ckpt_dir) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
 
 
-def decide(cfg: Any) -> RunStart:
+def decide(cfg: Config) -> RunStart:
     """Classify this start (see the module docstring); raise UserError for a start that would lose data."""
     ck = cfg.checkpoint
     if not ck.dir:
         return RunStart("new", 0, {})
-    from scaleout.checkpoint import Checkpointer
-
     steps = [s for s, _ in Checkpointer(ck.dir, ck.keep).list()]
     if not steps:
         return RunStart("new", 0, {})
@@ -99,7 +97,7 @@ def decide(cfg: Any) -> RunStart:
     return RunStart("resume", latest, record)
 
 
-def started(cfg: Any, start: RunStart, world_size: int) -> dict[str, Any]:
+def started(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
     """Record (rank 0) that this run or segment started; returns the record (with the run id)."""
     record = dict(start.record) if start.kind == "resume" else {}
     record.setdefault("run_id", uuid.uuid4().hex[:12])
@@ -115,7 +113,7 @@ def started(cfg: Any, start: RunStart, world_size: int) -> dict[str, Any]:
     return record
 
 
-def ended(cfg: Any, record: dict[str, Any], status: str, step: int) -> None:
+def ended(cfg: Config, record: dict[str, Any], status: str, step: int) -> None:
     """Record (rank 0) how this segment ended: a rerun of a finished run is then refused by ``decide``."""
     if cfg.checkpoint.dir:
         write_record(cfg.checkpoint.dir, {**record, "status": status, "step": step, "ended_unix": time.time()})

@@ -1,37 +1,50 @@
-"""What is trained: a model, its per-step data for this rank, its loss and its eval metric.
+"""What is trained: a model, its per-step data for this rank, its loss and its eval metric, and what the
+loop and the MLPerf log ask about the model family.
 
 A task hides the model family from the loop (scaleout/train/loop.py): ``BertTask`` (MLM + NSP on packed or
 padded sequences, metric = masked-LM accuracy, MLPerf's BERT quality metric) and ``ResNetTask`` (image
-classification, metric = top-1). Data order is a pure function of the data position (global samples
-consumed), so a checkpoint only stores that integer and resume is exact.
+classification, metric = top-1), registered in :data:`TASKS` by ``model.arch``. A new model family is one
+class here (and its model under scaleout/models/) plus one registry line.
 
-Each task keeps the recipe for its per-step data in ``task.source`` (:class:`BertBatches`,
-:class:`ImageBatches`): data only, no model, no ``World``, no process groups, so it pickles cheaply.
-That object is what the prefetcher's worker processes receive (``scaleout/train/prefetch.py``).
+Each task keeps the recipe for its per-step data in ``task.batches`` (scaleout/data/batches.py): data only,
+so it pickles cheaply; that object is what the prefetcher's worker processes receive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from scaleout.config.schema import Config
+from scaleout.data.batches import BertBatches, ImageBatches, MicroBatch, SequenceTable, ShardBertBatches, to_device
+from scaleout.data.bert_batch import build_batch
+from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
+from scaleout.data.images import ImageFolder, SyntheticImages
+from scaleout.data.packing_algos import pack_histogram
+from scaleout.data.packing_assign import assign_sequences
+from scaleout.data.packing_hist import histogram_from_lengths
+from scaleout.data.sampler import ShardedSampler
+from scaleout.data.shard_source import open_shards
 from scaleout.errors import ConfigError
+from scaleout.models.bert import BertForPreTraining
+from scaleout.models.bert_convert import load_init_checkpoint
+from scaleout.models.bert_flops import batch_flops
+from scaleout.models.group_bn import sync_batchnorm_stats
+from scaleout.models.resnet import build_resnet, count_macs
+from scaleout.report import resnet_flops_per_image
+from scaleout.train.precision import Precision
+from scaleout.world import World
 
-
-@dataclass
-class MicroBatch:
-    inputs: Any  # what the model takes
-    target: Any  # labels (None when the model computes its own loss)
-    samples: int  # sequences / images in it (BERT: sequences, not packed rows)
-    tokens: int  # real (non-pad) tokens; images count 0
-    flops: float = 0.0  # training FLOPs of this micro-batch (counted where it is built: never a device read)
+# ImageNet-1k training set size: turns LARS step counts into the epochs the LARS rules ask for.
+IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
 class _Counts:
@@ -39,7 +52,7 @@ class _Counts:
     tensors live on ``world.device`` (an NCCL default group has no CPU backend), and nothing is read on
     the host per batch."""
 
-    def __init__(self, world: Any):
+    def __init__(self, world: World):
         self.world = world
         self.sums = torch.zeros(2, dtype=torch.float64, device=world.device)
 
@@ -55,18 +68,26 @@ class _Counts:
 
 
 class Task:
-    metric_name = "accuracy"
-    benchmark = "bert"
+    """The interface the loop uses; one subclass per model family (``model.arch``)."""
+
+    arch: ClassVar[str]  # the model.arch value it serves
+    metric_name: ClassVar[str] = "accuracy"
+    benchmark: ClassVar[str]  # the MLPerf benchmark name (mlperf_logging's)
     model: torch.nn.Module
     rows: int  # global number of rows (packs / images) in the training set
-    source: Any  # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
-    precision: Any = None  # scaleout.train.precision.Precision of the run (build_task sets it)
+    batches: Any  # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
+    precision: Precision | None = None  # of the run (build_task sets it)
+    sequences_per_row: float | None = None  # samples per row where a row packs several (BERT packing)
+
+    def __init__(self, cfg: Config, world: World):
+        self.cfg, self.world = cfg, world
+        self.info: dict[str, Any] = {}  # what report.json records about the data and the model
 
     def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
         """This rank's micro-batches at data ``position`` on ``device`` (default: the world's device)."""
         dev = device or self.world.device
-        return [replace(mb, inputs=_to(mb.inputs, dev), target=_to(mb.target, dev))
-                for mb in self.source.micro_batches(position, grad_accum)]
+        return [replace(mb, inputs=to_device(mb.inputs, dev), target=to_device(mb.target, dev))
+                for mb in self.batches.micro_batches(position, grad_accum)]
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -86,115 +107,33 @@ class Task:
         """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
         raise NotImplementedError
 
+    @property
+    def eval_size(self) -> int:
+        """Samples in the evaluation set (MLPerf ``eval_samples``)."""
+        raise NotImplementedError
 
+    def epoch_of(self, samples: int) -> int:
+        """The MLPerf epoch number of ``samples`` trained samples (``epoch_num`` / ``first_epoch_num``)."""
+        raise NotImplementedError
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    def steps_per_epoch(self, global_batch: int) -> int:
+        return max(math.ceil(self.rows / global_batch), 1)
 
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, dict):
-        return _to_device(x, device)
-    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-
-
-class SequenceTable:
-    """BERT sequences as flat numpy arrays with per-sequence offsets (CSR layout). It pickles as a few
-    buffers, so a prefetch worker unpickles the training set in ~10 ms instead of one Python object
-    per sequence (0.8 s for the 26,651 pydoc sequences of configs/bert_tiny_cpu.yaml).
-    ``table[i]`` is sequence i as a :class:`~scaleout.data.bert_batch.BertSequence` of array views,
-    which ``build_batch`` lays out exactly as the list form."""
-
-    def __init__(self, seqs: list[Any]):
-        from itertools import chain
-
-        def flat(field: str, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-            lens = np.fromiter((len(getattr(q, field)) for q in seqs), dtype=np.int64, count=len(seqs))
-            values = np.fromiter(chain.from_iterable(getattr(q, field) for q in seqs), dtype=dtype, count=int(lens.sum()))
-            return values, np.concatenate([[0], np.cumsum(lens)])
-
-        # narrow types (vocabularies and positions are far below 2**31): a quarter of int64's bytes to pickle;
-        # build_batch writes them into int64 rows exactly
-        self.tokens, self.tok_off = flat("tokens", np.int32)
-        self.segments, _ = flat("segments", np.int8)
-        self.mlm_positions, self.mlm_off = flat("mlm_positions", np.int32)
-        self.mlm_labels, _ = flat("mlm_labels", np.int32)
-        self.nsp_labels = np.array([q.nsp_label for q in seqs], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.nsp_labels)
-
-    def __getitem__(self, i: int) -> Any:
-        from scaleout.data.bert_batch import BertSequence
-
-        a, b, c, d = self.tok_off[i], self.tok_off[i + 1], self.mlm_off[i], self.mlm_off[i + 1]
-        return BertSequence(self.tokens[a:b], self.segments[a:b], self.mlm_positions[c:d], self.mlm_labels[c:d],
-                            int(self.nsp_labels[i]))
-
-
-class BertBatches:
-    """This rank's packed/padded BERT micro-batches on the CPU, from the tokenized sequences and the
-    packs. Data only (no model, no World): it is what prefetch workers unpickle."""
-
-    def __init__(self, seqs: Any, packs: list[list[int]], pack_tokens: np.ndarray, sampler: Any,
-                 max_len: int, max_pred: int, depth: int, model_cfg: Any):
-        self.seqs, self.packs, self.pack_tokens, self.sampler = seqs, packs, pack_tokens, sampler
-        self.max_len, self.max_pred, self.depth, self.model_cfg = max_len, max_pred, depth, model_cfg
-
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        from scaleout.data.bert_batch import build_batch
-        from scaleout.models.bert_flops import batch_flops
-
-        rows = self.sampler.local_indices(position)
-        out = []
-        for part in np.array_split(rows, grad_accum):
-            packs = [self.packs[i] for i in part]
-            seqs = {j for p in packs for j in p}
-            batch = build_batch(self.seqs, packs, self.max_len, self.max_pred, self.depth)
-            out.append(MicroBatch(batch, None, len(seqs), int(self.pack_tokens[part].sum()),
-                                  batch_flops(self.model_cfg, batch)))
-        return out
-
-
-class ShardBertBatches:
-    """This rank's BERT micro-batches read lazily from MLPerf shards (scaleout/data/shard_source.py). Data
-    only: it pickles as file paths and per-shard counts, so prefetch workers start in milliseconds."""
-
-    def __init__(self, stream: Any, model_cfg: Any):
-        self.stream, self.model_cfg = stream, model_cfg
-
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        from scaleout.models.bert_flops import batch_flops
-
-        return [MicroBatch(b, None, n, t, batch_flops(self.model_cfg, b)) for b, n, t in self.stream.batches(position, grad_accum)]
-
-
-class ImageBatches:
-    """This rank's image micro-batches on the CPU (decode + augmentation happen here). Data only."""
-
-    def __init__(self, images: Any, sampler: Any, rows: int):
-        self.images, self.sampler, self.rows = images, sampler, rows
-        self.flops_per_image = 0.0  # set by the task once the model exists
-
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        idx = self.sampler.local_indices(position)
-        epoch = position // max(self.rows, 1)
-        out = []
-        for part in np.array_split(idx, grad_accum):
-            x, y = self.images.get(part, epoch)
-            out.append(MicroBatch(x, y, len(part), 0, self.flops_per_image * len(part)))
-        return out
+    @classmethod
+    def mlperf_hparams(cls, cfg: Config, steps_per_epoch: int | None = None) -> dict[str, Any]:
+        """The MLPerf hyper-parameter keys of this family (the optimizer's); the common ones are in
+        scaleout.train.hparams."""
+        raise NotImplementedError
 
 
 class BertTask(Task):
+    arch = "bert"
     metric_name = "mlm_accuracy"
     benchmark = "bert"
 
-    def __init__(self, cfg: Any, world: Any):
-        from scaleout.models.bert import BertForPreTraining
-
-        self.cfg, self.world, d, b = cfg, world, cfg.data, cfg.model.bert
-        self.info: dict[str, Any] = {}
+    def __init__(self, cfg: Config, world: World):
+        super().__init__(cfg, world)
+        d, b = cfg.data, cfg.model.bert
         if d.max_seq_len > b.max_position:
             raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}")
         self.stream: Any = None
@@ -207,31 +146,23 @@ class BertTask(Task):
         static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
         self.info["bert_static_shapes"] = bool(static)
         model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
-        self.source.model_cfg = model.cfg  # micro-batches count their FLOPs with the heads this model runs
+        # micro-batches count their FLOPs with the heads this model runs
+        self.batches.flops = functools.partial(batch_flops, model.cfg)
         if cfg.model.init_checkpoint:  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
-            from scaleout.models.bert_convert import load_init_checkpoint
-
             self.info["init_checkpoint"] = load_init_checkpoint(model, cfg.model.init_checkpoint, world.rank == 0)
         self.model = model.to(world.device)
 
-    def _open_shards(self, cfg: Any, world: Any) -> None:
+    def _open_shards(self, cfg: Config, world: World) -> None:
         """Training stream and eval share from the shard index: nothing per sequence is loaded up front."""
-        from scaleout.data.shard_source import open_shards
-
         data = open_shards(cfg, world.rank, world.world_size, world.barrier)
         self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
         self.rows, self.max_pred = data.stream.total, data.stream.max_pred
         self.sequences_per_row = data.sequences_per_row
         self.info["data"], self.info["packing"] = {k: v for k, v in data.info.items() if k != "packing"}, data.info["packing"]
-        self.source = ShardBertBatches(data.stream, model_cfg=None)  # model_cfg: set once the model exists
+        self.batches = ShardBertBatches(data.stream)
 
-    def _load_in_memory(self, cfg: Any, world: Any) -> None:
+    def _load_in_memory(self, cfg: Config, world: World) -> None:
         """pydoc / synthetic: every sequence in memory (small data sets)."""
-        from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
-        from scaleout.data.packing_assign import assign_sequences
-        from scaleout.data.packing_hist import histogram_from_lengths
-        from scaleout.data.sampler import ShardedSampler
-
         d = cfg.data
         # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds while
         # the others wait, then they load the cache instead of all doing the same minutes of work.
@@ -245,8 +176,6 @@ class BertTask(Task):
         self.eval_seqs = to_bert_sequences(data.eval[: d.eval_samples])
         self.lengths = np.array([len(s) for s in self.train_seqs], dtype=np.int64)
         if d.packing != "none":
-            from scaleout.data.packing_algos import pack_histogram
-
             strategy = pack_histogram(histogram_from_lengths(self.lengths, d.max_seq_len), d.max_seq_len,
                                       d.max_per_pack, d.packing)
             self.packs = assign_sequences(strategy, self.lengths, seed=d.seed).packs()
@@ -262,12 +191,13 @@ class BertTask(Task):
         self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
         self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
         self.max_pred = d.max_predictions * self.depth
-        self.source = BertBatches(SequenceTable(self.train_seqs), self.packs, self.pack_tokens, self.sampler, d.max_seq_len,
-                                  self.max_pred, self.depth, model_cfg=None)  # model_cfg: set once the model exists
+        self.batches = BertBatches(SequenceTable(self.train_seqs), self.packs, self.pack_tokens, self.sampler,
+                                   d.max_seq_len, self.max_pred, self.depth)
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
 
+    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
         d = self.cfg.data
         return evaluate_mlm(model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast)
@@ -278,29 +208,46 @@ class BertTask(Task):
         idx = self.sampler.global_indices(position)
         return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
 
+    @property
+    def eval_size(self) -> int:
+        return len(self.eval_seqs)
+
+    def epoch_of(self, samples: int) -> int:
+        return samples  # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+
+    @classmethod
+    def mlperf_hparams(cls, cfg: Config, steps_per_epoch: int | None = None) -> dict[str, Any]:
+        o = cfg.optim
+        return {
+            "opt_name": o.name,
+            "opt_base_learning_rate": o.lr,
+            "opt_lamb_epsilon": o.eps,
+            "opt_lamb_beta_1": o.betas[0],
+            "opt_lamb_beta_2": o.betas[1],
+            "opt_lamb_weight_decay_rate": o.weight_decay,
+            "opt_learning_rate_warmup_steps": o.warmup_steps,
+            "opt_learning_rate_training_steps": o.total_steps or cfg.train.max_steps,
+            "num_warmup_steps": o.warmup_steps,
+            "start_warmup_step": o.start_warmup_step,
+            "max_sequence_length": cfg.data.max_seq_len,
+        }
 
 
 class ResNetTask(Task):
+    arch = "resnet"
     metric_name = "top1"
     benchmark = "resnet"
 
-    def __init__(self, cfg: Any, world: Any):
-        from scaleout.data.sampler import ShardedSampler
-        from scaleout.models.resnet import build_resnet
-
-        self.cfg, self.world, r, d = cfg, world, cfg.model.resnet, cfg.data
-        self.info = {}
+    def __init__(self, cfg: Config, world: World):
+        super().__init__(cfg, world)
+        r, d = cfg.model.resnet, cfg.data
         if d.source == "imagenet":
-            from scaleout.data.images import ImageFolder
-
             if not d.path:
                 raise ConfigError("data.source=imagenet needs data.path (an ImageFolder root with train/ and val/)")
             self.train_set = ImageFolder(d.path, "train", r.image_size)
             self.eval_set = ImageFolder(d.path, "val", r.image_size)
             self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
         elif d.source == "synthetic":
-            from scaleout.data.images import SyntheticImages
-
             n = max(cfg.train.global_batch * 256, 4096)
             self.train_set = SyntheticImages(r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed)
             self.eval_set = self.train_set
@@ -310,17 +257,13 @@ class ResNetTask(Task):
             raise ConfigError(f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)")
         self.rows = len(self.train_set)
         self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
-        self.source = ImageBatches(self.train_set, self.sampler, self.rows)
+        self.batches = ImageBatches(self.train_set, self.sampler, self.rows)
         self.model = build_resnet(r, world)
-        from scaleout.models.resnet import count_macs
-
         self.macs = count_macs(self.model, (1, 3, r.image_size, r.image_size)) if r.bn_group == 1 else None
         if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
-            self.source.flops_per_image = 3 * 2 * float(self.macs)
+            self.batches.flops_per_image = 3 * 2 * float(self.macs)
         else:
-            from scaleout.report import resnet_flops_per_image
-
-            self.source.flops_per_image = resnet_flops_per_image(image_size=r.image_size)
+            self.batches.flops_per_image = resnet_flops_per_image(image_size=r.image_size)
         self.model = self.model.to(world.device)
         if world.device.type == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -346,13 +289,36 @@ class ResNetTask(Task):
         return counts.ratio()
 
     def sync_buffers(self) -> None:
-        from scaleout.models.group_bn import sync_batchnorm_stats
-
         sync_batchnorm_stats(self.model, self.world)
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         return self.cfg.train.global_batch, 0
 
+    @property
+    def eval_size(self) -> int:
+        return len(self.eval_idx)
+
+    def epoch_of(self, samples: int) -> int:
+        return samples // max(self.rows, 1)
+
+    @classmethod
+    def mlperf_hparams(cls, cfg: Config, steps_per_epoch: int | None = None) -> dict[str, Any]:
+        """LARS keys. ``steps_per_epoch`` turns step counts into the epochs they use; by default one
+        ImageNet-1k epoch at the configured global batch."""
+        o, t = cfg.optim, cfg.train
+        total = o.total_steps or t.max_steps
+        spe = steps_per_epoch or max(math.ceil(IMAGENET_TRAIN_IMAGES / t.global_batch), 1)
+        return {
+            "opt_name": o.name,
+            "lars_opt_base_learning_rate": o.lr,
+            "lars_opt_end_learning_rate": o.end_lr,
+            "lars_opt_learning_rate_decay_poly_power": o.power,
+            "lars_opt_learning_rate_decay_steps": max(total - o.warmup_steps, 0),
+            "lars_epsilon": 0.0,
+            "lars_opt_learning_rate_warmup_epochs": o.warmup_steps / spe,
+            "lars_opt_momentum": o.momentum,
+            "lars_opt_weight_decay": o.weight_decay,
+        }
 
 
 @torch.no_grad()
@@ -361,8 +327,6 @@ def evaluate_mlm(model: torch.nn.Module, eval_seqs: Any, max_len: int, max_pred:
     """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
     ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
     of ``scaleout bench ttt``) evaluates with exactly this function."""
-    from scaleout.data.bert_batch import build_batch
-
     mine = list(range(world.rank, len(eval_seqs), world.world_size))
     counts = _Counts(world)
     bs = 64
@@ -371,24 +335,25 @@ def evaluate_mlm(model: torch.nn.Module, eval_seqs: Any, max_len: int, max_pred:
     for i in range(0, len(mine), bs):
         batch = build_batch(eval_seqs, [[j] for j in mine[i : i + bs]], max_len, max_pred, 1)
         with autocast():
-            out = model(_to_device(batch, world.device))
+            out = model(to_device(batch, world.device))
         counts.add(out.mlm_correct, out.mlm_total)
     model.train(was_training)
     return counts.ratio()
 
 
-def build_task(cfg: Any, world: Any) -> Task:
-    from scaleout.train.precision import Precision
+TASKS: dict[str, type[Task]] = {t.arch: t for t in (BertTask, ResNetTask)}
 
+
+def task_class(arch: str) -> type[Task]:
+    """The task of ``model.arch``, or a one-line error naming the value."""
+    if arch not in TASKS:
+        raise ConfigError(f"model.arch={arch!r}: expected one of {', '.join(TASKS)}")
+    return TASKS[arch]
+
+
+def build_task(cfg: Config, world: World) -> Task:
     if cfg.model.init_checkpoint and cfg.model.arch != "bert":
         raise ConfigError(f"model.init_checkpoint is for BERT (phase-1 weights); model.arch={cfg.model.arch!r}")
-    tasks = {"bert": BertTask, "resnet": ResNetTask}
-    if cfg.model.arch not in tasks:
-        raise ConfigError(f"model.arch={cfg.model.arch!r}: expected bert or resnet")
-    task = tasks[cfg.model.arch](cfg, world)
+    task = task_class(cfg.model.arch)(cfg, world)
     task.precision = Precision(cfg.train.precision, world.device)
     return task
-
-
-def steps_per_epoch(task: Task, global_batch: int) -> int:
-    return max(math.ceil(task.rows / global_batch), 1)

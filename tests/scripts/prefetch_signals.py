@@ -20,8 +20,8 @@ import time
 import torch
 
 from scaleout import preempt
+from scaleout.data.batches import MicroBatch
 from scaleout.train.prefetch import Prefetcher
-from scaleout.train.tasks import MicroBatch
 
 
 class SlowSource:

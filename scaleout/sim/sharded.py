@@ -1,0 +1,126 @@
+"""Where the optimizer's state lives, and what that costs on the wire and in HBM.
+
+``OPTIMIZERS`` (``TrainSpec.optimizer``):
+
+- ``replicated``: every rank all-reduces the gradients and runs LAMB on every parameter (torch DDP +
+  apex FusedLAMB; scaleout's ``LAMB`` with ``optim.sharded=false``).
+- ``sharded``: ZeRO stage 1 over the whole world (Rajbhandari et al. 2020, arXiv 1910.02054;
+  scaleout's ``ShardedLAMB``, ``optim.sharded=true``): reduce-scatter the gradients with the configured
+  algorithm, LAMB on this rank's 1/p of the parameters, all-gather the updated parameters. A ring
+  reduce-scatter plus all-gather moves the same bytes as one all-reduce; the optimizer's HBM traffic
+  and state shrink p-fold.
+- ``sharded-node``: apex ``DistributedFusedLAMB`` with its default group of one node
+  (``dwu_group_size`` 0 = one node; NVIDIA's MLPerf BERT runs): reduce-scatter inside the node,
+  all-reduce of that 1/g shard among the ranks with the same local index (one rail per GPU, so SHARP
+  applies), LAMB on 1/g of the parameters, all-gather inside the node.
+
+Reduce-scatter and all-gather have no tree variant in NCCL (they run as rings); ``hierarchical`` and
+``torus2d`` do them in two phases, row then column (scaleout.comm.shard: a node's links carry (k-1)/k of
+the bytes). In-network reduction does not apply to them. On gloo, torch's reduce_scatter all-reduces the
+whole input and slices it (measured; scaleout.sim.cluster), so it costs a full all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from scaleout.errors import ConfigError
+from scaleout.sim.cluster import Cluster
+from scaleout.sim.collectives import Plan, allreduce_cost, canonical, resolve_torus_x, ring_phase, vec
+
+OPTIMIZERS = ("replicated", "sharded", "sharded-node")
+
+
+def check_optimizer(name: str) -> str:
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer placement {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def shard_ranks(optimizer: str, cluster: Cluster, nodes: int) -> int:
+    """How many ranks share one copy of the optimizer state (each updates 1/shard of the parameters)."""
+    check_optimizer(optimizer)
+    if optimizer == "replicated":
+        return 1
+    return cluster.gpus_per_node * (nodes if optimizer == "sharded" else 1)
+
+
+def _grid_x(algorithm: str, cluster: Cluster, nodes: int, torus_x: int | str | None) -> int | None:
+    """Row length of a two-phase (row, column) schedule; None for one flat ring."""
+    alg = canonical(algorithm)
+    if alg == "hierarchical":
+        return cluster.gpus_per_node
+    if alg == "torus2d":
+        return resolve_torus_x(cluster, nodes, torus_x)
+    return None
+
+
+def half_plan(kind: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
+              torus_x: int | str | None = None) -> Plan:
+    """Reduce-scatter (``kind="rs"``) of ``nbytes`` per rank, or the all-gather (``"ag"``) whose output is
+    ``nbytes`` per rank, over the whole world."""
+    g = cluster.gpus_per_node
+    p = g * nodes
+    gloo = cluster.backend == "gloo"
+    phase = "ar" if kind == "rs" and gloo else kind  # gloo: each reduce-scatter is an all-reduce, sliced
+    x = _grid_x(algorithm, cluster, nodes, torus_x)
+    plan = Plan().add(1, vec(base=1))
+    if x is None or x >= p:
+        ring_phase(plan, cluster, p, nbytes, phase, crosses_nodes=nodes > 1, intra_hop=g > 1)
+    else:
+        y = p // x
+        row = (x, nbytes, dict(crosses_nodes=x > g))
+        col = (y, nbytes / x, dict(crosses_nodes=nodes > 1 and y > 1, rings_crossing=min(x, g), intra_hop=x < g))
+        for members, size, kw in (row, col) if kind == "rs" else (col, row):
+            ring_phase(plan.add(1, vec(base=1)), cluster, members, size, phase, **kw)
+    if kind == "ag" and gloo:
+        plan.add(1, vec(gamma=nbytes))  # all_gather into a list, then one more copy into the flat output
+    return plan
+
+
+def rail_cluster(cluster: Cluster) -> Cluster:
+    """One rank per node, as seen by the g concurrent same-local-rank groups: each gets 1/g of the NICs."""
+    g = cluster.gpus_per_node
+    share = cluster.inter_streams(g) / g  # NIC-equivalents per rail when all g rails send at once
+    rail = replace(cluster, gpus_per_node=1, nics_per_node=1, streams_per_ring=1, stream_fraction=1.0)
+    return rail.with_constants(beta_inter=cluster.constants.beta_inter / share)
+
+
+def _time(plan: Plan, cluster: Cluster) -> float:
+    return plan.cost(np.array(cluster.constants.vector()))
+
+
+def reduce_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
+                chunks: int | None = None, torus_x: int | str | None = None) -> float:
+    """Seconds to reduce one bucket of ``nbytes`` gradient bytes per rank before the update."""
+    if optimizer == "replicated":
+        return allreduce_cost(algorithm, cluster, nodes, nbytes, chunks, torus_x).time
+    if optimizer == "sharded":
+        return _time(half_plan("rs", algorithm, cluster, nodes, nbytes, torus_x), cluster)
+    intra = _time(half_plan("rs", "ring", cluster, 1, nbytes), cluster)
+    if nodes == 1:
+        return intra
+    return intra + allreduce_cost(algorithm, rail_cluster(cluster), nodes, nbytes / cluster.gpus_per_node).time
+
+
+def gather_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
+                torus_x: int | str | None = None) -> float:
+    """Seconds to all-gather ``nbytes`` of updated parameters per rank (0 when replicated)."""
+    if optimizer == "replicated":
+        return 0.0
+    if optimizer == "sharded":
+        return _time(half_plan("ag", algorithm, cluster, nodes, nbytes, torus_x), cluster)
+    return _time(half_plan("ag", "ring", cluster, 1, nbytes), cluster)
+
+
+def norm_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, tensors: int) -> float:
+    """LAMB's per-tensor norms are partial sums on a shard: one small all-reduce of [2, tensors] fp32
+    over the ranks that share the state (scaleout ShardedLAMB adds a census row: 3 x tensors)."""
+    if optimizer == "replicated":
+        return 0.0
+    nbytes = 3 * 4 * tensors
+    if optimizer == "sharded":
+        return allreduce_cost(algorithm, cluster, nodes, nbytes).time
+    return allreduce_cost("ring", cluster, 1, nbytes).time

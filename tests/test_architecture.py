@@ -1,0 +1,145 @@
+"""The layering README "Architecture" draws, checked on the source: imports point down, and no cycle.
+
+Library (runs in every rank): env, comm, parallel, optim, data, models, train and the top-level modules.
+Driver side: cli, bench, sweep, sim. Launchers start ranks and never import the CLI; only the CLI uses both.
+An import inside a function counts as much as one at the top: it is still a dependency. Imports under
+``if TYPE_CHECKING:`` do not: they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = {"cli", "bench", "sweep", "sim"}
+
+
+def _units() -> dict[str, list[Path]]:
+    """Top-level unit (``train``, ``report``, ``launchers``, ...) -> its source files."""
+    out: dict[str, list[Path]] = {}
+    for f in sorted((ROOT / "scaleout").rglob("*.py")):
+        rel = f.relative_to(ROOT / "scaleout").parts
+        if rel[0] == "launchers":  # the symlink to ../launchers: counted once, as launchers
+            continue
+        if rel == ("__main__.py",):  # `python -m scaleout` is the CLI
+            unit = "cli"
+        else:
+            unit = "scaleout" if rel == ("__init__.py",) else rel[0].removesuffix(".py")
+        out.setdefault(unit, []).append(f)
+    out["launchers"] = sorted((ROOT / "launchers").rglob("*.py"))
+    return out
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, in functions too; not the type-only ones under
+    ``if TYPE_CHECKING:`` (never executed: ``World`` is a type every layer names)."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for top in tree.body if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
+                 for n in ast.walk(top)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def _target(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "launchers":
+        return "launchers"
+    if parts[0] != "scaleout":
+        return None
+    return "launchers" if parts[1:2] == ["launchers"] else (parts[1] if len(parts) > 1 else "scaleout")
+
+
+@functools.cache
+def _graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> {imported unit: ["file:line", ...]} (read once per session)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for unit, files in _units().items():
+        edges = graph.setdefault(unit, {})
+        for f in files:
+            for line, mod in _imports(f):
+                t = _target(mod)
+                if t and t != unit and t != "scaleout":  # `import scaleout` (the lazy face) is not an edge
+                    edges.setdefault(t, []).append(f"{f.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def test_rank_side_never_imports_the_driver_side() -> None:
+    graph = _graph()
+    offenders = {
+        f"{u} -> {t}": where
+        for u, edges in graph.items()
+        if u not in DRIVER | {"launchers"}
+        for t, where in edges.items()
+        if t in DRIVER
+    }
+    assert not offenders, offenders
+
+
+def test_launchers_never_import_the_cli() -> None:
+    assert "cli" not in _graph()["launchers"], _graph()["launchers"]["cli"]
+
+
+def test_no_import_cycle_between_units() -> None:
+    graph = {u: set(edges) for u, edges in _graph().items()}
+    cycles = []
+
+    def visit(u: str, path: list[str]) -> None:
+        for t in sorted(graph.get(u, ())):
+            if t in path:
+                cycles.append(" -> ".join(path[path.index(t) :] + [t]))
+            elif t not in done:
+                visit(t, path + [t])
+        done.add(u)
+
+    done: set[str] = set()
+    for u in sorted(graph):
+        if u not in done:
+            visit(u, [u])
+    assert not cycles, sorted(set(cycles))
+
+
+def test_the_checks_see_a_real_upward_import(tmp_path: Path) -> None:
+    """The scan is not vacuous: it finds a function-local import of the CLI and knows where it is."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from scaleout.cli import main\n")
+    assert [_target(m) for _, m in _imports(f)] == ["cli", "cli"]
+    assert _graph()["cli"]["launchers"]  # the one place that uses both does import launchers
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_readme_contents_lists_every_guide() -> None:
+    contents = _readme_section("Contents")
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in contents]
+    assert not missing, f"README Contents does not list {missing}"
+
+
+def test_readme_architecture_names_what_exists() -> None:
+    """Every package of scaleout/ and every launcher module is in the block; every name in it exists."""
+    block = _readme_section("Architecture")
+    packages = [p.name for p in sorted((ROOT / "scaleout").iterdir())
+                if (p / "__init__.py").is_file() and p.name not in ("launchers", "configs")]
+    launchers = [p.stem for p in sorted((ROOT / "launchers").glob("*.py")) if p.stem != "__init__"]
+    missing = [f"scaleout/{n}/" for n in packages if f"{n}/" not in block] + [n for n in launchers if n not in block]
+    assert not missing, f"README Architecture does not mention {missing}"
+    named = set(__import__("re").findall(r"\b([a-z_]+)/ ", block))
+    stale = sorted(n for n in named - {"scaleout", "launchers", "configs", "slurm", "tests"}
+                   if not (ROOT / "scaleout" / n).is_dir())
+    assert not stale, f"README Architecture names folders that do not exist: {stale}"
