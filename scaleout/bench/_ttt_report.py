@@ -110,7 +110,7 @@ def ablation_table(ab: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str) -> Path | None:
     """Accuracy against wall time since run_start, every run; one panel per cluster."""
-    from scaleout.bench.common import pyplot
+    from scaleout.output import pyplot
 
     plt = pyplot()
     if plt is None:
@@ -148,33 +148,14 @@ HEAD = ("baseline", "scaleout", "scaleout-sharded")
 def finish(args: Any, plan: Any, clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]],
            wall: float) -> int:
     """Print the tables and the bar, write the JSON and the PNG."""
-    from scaleout.bench.common import format_table, write_json
+    from scaleout.output import format_table, write_json
 
     sweep = [r for r in rows if r.get("sweep")]
     print(f"\nbaseline sweep (seed {args.seeds[0]}; lr x global batch; a candidate slower than the best so far is cut):")
     print(format_table(["cluster", "global batch", "lr", "ttt s", "steps", "last accuracy"],
                        [[r["cluster"], r["batch"], f"{r['lr']:g}", cell(r), r["steps"], fmt(r["achieved"], ".4f")]
                         for r in sweep]))
-    results: dict[str, Any] = {}
-    table = []
-    for c in clusters:
-        summ = {name: summarize(rows, c.name, name) for name in HEAD}
-        base = summ["baseline"]["median_ttt_s"]
-        for name in HEAD:
-            s, rec = summ[name], next(r for r in rows if r["cluster"] == c.name and r["recipe"] == name)
-            s["ratio_vs_baseline"] = ratio(base, s["median_ttt_s"]) if name != "baseline" else 1.0
-            table.append([c.name, name, rec["optimizer"], "packed rows" if rec["packing"] else "padded",
-                          rec["batch"], f"{rec['lr']:g}", rec["comm"], " / ".join(cell(r) for r in group(rows, c.name, name)),
-                          fmt(s["median_ttt_s"]), s["median_steps"] or "-", f"{s['reached']}/{s['runs']}",
-                          fmt(s["ratio_vs_baseline"], ".2f", "x")])
-        chain = [("baseline", "torch DDP + AdamW, padded (best of the sweep)")]
-        chain += [(r["recipe"], r["label"]) for r in _chain_rows(rows, c.name)]
-        ab = ablation(rows, c.name, chain) if len(chain) == 5 else None
-        sc = summ["scaleout"]
-        bar = {"ratio": sc["ratio_vs_baseline"], "every_seed_reached": sc["reached"] == sc["runs"],
-               "passes": bool(sc["ratio_vs_baseline"] and sc["ratio_vs_baseline"] >= 2.0 and sc["reached"] == sc["runs"])}
-        results[c.name] = {"cluster": {"nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node, "rate": c.rate},
-                           "best_baseline": best[c.name][1].name, "summary": summ, "ablation": ab, "bar": bar}
+    results, table = _results(clusters, best, rows)
     print(f"\ntime-to-train to masked-LM accuracy {plan.target} (MLPerf run_start -> run_stop, seconds; seeds {args.seeds}):")
     print(format_table(["cluster", "recipe", "optimizer", "batches", "global batch", "lr", "all-reduce", "ttt per seed",
                         "median ttt", "median steps", "reached", "speed-up vs baseline"], table))
@@ -205,13 +186,40 @@ def finish(args: Any, plan: Any, clusters: list[Any], best: dict[str, Any], rows
     return 0
 
 
+def _results(clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]]
+             ) -> tuple[dict[str, Any], list[list[Any]]]:
+    """Per cluster: the head-to-head summary, the ablation and the bar; and the head-to-head table's rows."""
+    results: dict[str, Any] = {}
+    table = []
+    for c in clusters:
+        summ = {name: summarize(rows, c.name, name) for name in HEAD}
+        base = summ["baseline"]["median_ttt_s"]
+        for name in HEAD:
+            s, rec = summ[name], next(r for r in rows if r["cluster"] == c.name and r["recipe"] == name)
+            s["ratio_vs_baseline"] = ratio(base, s["median_ttt_s"]) if name != "baseline" else 1.0
+            table.append([c.name, name, rec["optimizer"], "packed rows" if rec["packing"] else "padded",
+                          rec["batch"], f"{rec['lr']:g}", rec["comm"], " / ".join(cell(r) for r in group(rows, c.name, name)),
+                          fmt(s["median_ttt_s"]), s["median_steps"] or "-", f"{s['reached']}/{s['runs']}",
+                          fmt(s["ratio_vs_baseline"], ".2f", "x")])
+        chain = [("baseline", "torch DDP + AdamW, padded (best of the sweep)")]
+        chain += [(r["recipe"], r["label"]) for r in _chain_rows(rows, c.name)]
+        ab = ablation(rows, c.name, chain) if len(chain) > 2 else None
+        sc = summ["scaleout"]
+        bar = {"ratio": sc["ratio_vs_baseline"], "every_seed_reached": sc["reached"] == sc["runs"],
+               "passes": bool(sc["ratio_vs_baseline"] and sc["ratio_vs_baseline"] >= 2.0 and sc["reached"] == sc["runs"])}
+        results[c.name] = {"cluster": {"nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node, "rate": c.rate},
+                           "best_baseline": best[c.name][1].name, "summary": summ, "ablation": ab, "bar": bar}
+    return results, table
+
+
 def _chain_rows(rows: list[dict[str, Any]], cluster: str) -> list[dict[str, Any]]:
     """The ablation's recipes in chain order, then scaleout (one row each, for the labels)."""
-    order = ["abl-framework", "abl-packing", "abl-comm", "scaleout"]
+    order = ["abl-framework", "abl-packing", "abl-comm", "abl-lamb", "scaleout"]
     out = []
     for name in order:
         r = next((x for x in rows if x["cluster"] == cluster and x["recipe"] == name), None)
-        if r is None:
+        if r is None and name != "abl-lamb":  # abl-lamb only when scaleout runs in bf16/fp16
             return []
-        out.append(r)
+        if r is not None:
+            out.append(r)
     return out

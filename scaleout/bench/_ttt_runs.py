@@ -1,7 +1,7 @@
 """The runs of ``scaleout bench ttt``: a recipe on a cluster with a seed -> one launch -> its MLPerf log.
 
 A :class:`Recipe` is one way to train the same model to the same target: the torch baseline
-(``scaleout.bench.ttt_baseline``) or ``scaleout train`` with some of scaleout's ingredients switched on.
+(``scaleout.bench._ttt_baseline``) or ``scaleout train`` with some of scaleout's ingredients switched on.
 Every run gets the same *sequence* budget (its step budget is that over the sequences one step consumes;
 the learning-rate schedule decays to 0 at its end) and evaluates at the same sequence interval (MLPerf
 BERT fixes evaluation in samples too), so packing and the batch change the step counts, never the rules.
@@ -52,6 +52,7 @@ class Recipe:
     overlap: bool = True
     bucket_mb: float = 25.0
     sharded: bool = False
+    precision: str = "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
     label: str = ""  # what this row switches on, for the tables
 
     def seqs_per_step(self, seqs_per_row: float) -> float:
@@ -84,7 +85,7 @@ def command(plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | No
     """The command every rank runs (under ``scaleout launch``)."""
     steps, every, warm = plan.steps(r), plan.eval_every(r), plan.warmup_steps(r)
     if r.kind == "torch":
-        cmd = [sys.executable, "-m", "scaleout.bench.ttt_baseline", "--config", plan.config, "--lr", repr(r.lr),
+        cmd = [sys.executable, "-m", "scaleout.bench._ttt_baseline", "--config", plan.config, "--lr", repr(r.lr),
                "--global-batch", str(r.batch), "--max-steps", str(steps), "--warmup-steps", str(warm),
                "--eval-every", str(every), "--target", repr(plan.target), "--seed", str(seed),
                "--bucket-mb", repr(r.bucket_mb), "--out", str(out)]
@@ -98,7 +99,7 @@ def command(plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | No
         "data.packing": plan.packing if r.packing else "none",
         "train.global_batch": r.batch, "train.max_steps": steps, "train.eval_every": every,
         "train.eval_start_step": 0, "train.target": repr(plan.target), "train.seed": seed,
-        "train.output_dir": str(out), "train.progress": False, "train.grad_accum": 1,
+        "train.output_dir": str(out), "train.progress": False, "train.grad_accum": 1, "train.precision": r.precision,
         "checkpoint.dir": "null", "checkpoint.every_steps": 0,
         "comm.algorithm": "flat" if r.comm == "ddp" else r.comm, "comm.overlap": r.overlap,
         "comm.bucket_mb": repr(r.bucket_mb),

@@ -3,7 +3,7 @@
 The same model (the config's tiny BERT), the same offline corpus, the same eval set and masked-LM target,
 trained to the target on the same cluster, in one invocation:
 
-* **baseline**: a plain torch script (``scaleout.bench.ttt_baseline``) as every rank under the same
+* **baseline**: a plain torch script (``scaleout.bench._ttt_baseline``) as every rank under the same
   launcher: ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), torch's fused AdamW, padded
   batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch sweep on the first
   seed (a candidate is cut once it is slower than the best so far: it cannot become the best), and the
@@ -33,6 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from scaleout.argtypes import csv_of
+
 NAME = "ttt"
 HELP = "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, hierarchical)"
 DESCRIPTION = __doc__ + """
@@ -43,21 +45,9 @@ examples:
   scaleout bench ttt --quick                          # tiny smoke (~1 min): local 1x2, one seed, tiny model
 """
 
+SMOKE_ARGS = ["--quick", "--target", "0.01"]  # every code path, ~1-2 min; run by its own end-to-end test:
+SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
 QUICK = ["model.bert.layers=1", "model.bert.hidden=32", "model.bert.heads=1", "model.bert.intermediate=64"]
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _names(text: str) -> list[str]:
@@ -66,6 +56,10 @@ def _names(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"expected clusters among local,netns, got {text!r}")
     return names
+
+
+_floats = csv_of(float, at_least=0, allow_empty=False)
+_ints = csv_of(int, at_least=1, allow_empty=False)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "more sequences on this model)")
     p.add_argument("--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)")
     p.add_argument("--warmup", type=float, default=0.1, help="scaleout warm-up fraction of its steps (default 0.1)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
+                   help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
+                        "state; the ablation's last step switches it on, so its share of the win is shown)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="scaleout DataParallel bucket size (default 1 MB)")
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
     p.add_argument("--ablation-clusters", type=_names, default=["netns"], help="clusters to run the ablation on (default netns)")
@@ -144,15 +141,19 @@ def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict
 
     rows = max(world, round(best.batch / spr / world) * world)  # packed rows carrying ~the baseline's sequences
     full = Recipe("scaleout", "scaleout", "lamb", args.batch, args.lr, args.warmup, packing=True,
-                  comm="hierarchical", overlap=True, bucket_mb=args.bucket_mb,
-                  label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
+                  comm="hierarchical", overlap=True, bucket_mb=args.bucket_mb, precision=args.precision,
+                  label=f"{args.precision} autocast" if args.precision != "fp32" else "LAMB")
     framework = Recipe("abl-framework", "scaleout", "adamw", best.batch, best.lr, best.warmup, comm="flat",
                        bucket_mb=25.0, label="scaleout's trainer, the baseline's recipe")
     packing = replace(framework, name="abl-packing", packing=True, batch=rows, label="packing")
     comm = replace(packing, name="abl-comm", comm="hierarchical", bucket_mb=args.bucket_mb,
                    label="hierarchical all-reduce + overlap")
+    lamb = replace(full, name="abl-lamb", precision="fp32", label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
+    chain = [framework, packing, comm] + ([lamb] if args.precision != "fp32" else []) + [full]
+    if args.precision == "fp32":
+        chain[-1] = replace(full, label=lamb.label)
     return {"scaleout": full, "scaleout-sharded": replace(full, name="scaleout-sharded", sharded=True, label="sharded LAMB"),
-            "chain": [framework, packing, comm, full]}
+            "chain": chain}
 
 
 def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -200,7 +201,8 @@ def _done(row: dict[str, Any], root: Path) -> None:
 
     with open(root / "runs.jsonl", "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
-    print(f"     -> ttt {cell(row)} s, {row['steps']} steps, {row['samples']} sequences, last accuracy "
+    ttt = cell(row) + (" s" if row["ttt_s"] is not None else "")
+    print(f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
           f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
           flush=True)
 

@@ -12,7 +12,7 @@ sequences of the offline corpus (scaleout's data pipeline, one sequence per padd
 evaluate_mlm``: the same eval set, masked-LM accuracy) and MLPerf's clock (``run_start`` -> ``run_stop`` in
 ``mlperf.log`` via ``MLPerfLogger``). Rank 0 also writes ``report.json`` with the status and steps.
 
-    scaleout launch --nnodes 2 --nproc-per-node 2 -- python -m scaleout.bench.ttt_baseline \\
+    scaleout launch --nnodes 2 --nproc-per-node 2 -- python -m scaleout.bench._ttt_baseline \\
         --lr 2e-3 --global-batch 64 --max-steps 500 --warmup-steps 50 --eval-every 16 --target 0.13 --out runs/b
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scaleout.bench.ttt_baseline", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m scaleout.bench._ttt_baseline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="bert_tiny_cpu", help="config for the model and data settings")
     p.add_argument("--lr", type=float, required=True, help="peak learning rate")
@@ -104,17 +104,77 @@ def _data(cfg: Any, local_rank: int) -> tuple[list[Any], list[Any]]:
     return to_bert_sequences(data.train), to_bert_sequences(data.eval[: cfg.data.eval_samples])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleNamespace:
+    """Model, DDP, AdamW, schedule and the padded-batch loader: what a user's script sets up."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from scaleout.config import load_config
     from scaleout.data.bert_batch import build_batch
-    from scaleout.mlperf import MLPerfLogger
     from scaleout.models.bert import BertForPreTraining
+
+    train, evals = _data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    d, o = cfg.data, cfg.optim
+    torch.manual_seed(a.seed)
+    model = BertForPreTraining(cfg.model.bert)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)  # broadcasts rank 0's weights
+    opt = adamw(model, a.lr, a.weight_decay, tuple(o.betas), o.eps)
+    sampler = DistributedSampler(range(len(train)), num_replicas=world, rank=rank, shuffle=True, seed=d.seed,
+                                 drop_last=True)
+    loader = DataLoader(range(len(train)), batch_size=a.global_batch // world, sampler=sampler, drop_last=True,
+                        collate_fn=lambda idx: build_batch(train, [[i] for i in idx], d.max_seq_len, d.max_predictions, 1))
+    return SimpleNamespace(model=model, ddp=ddp, opt=opt, sched=linear_schedule(opt, a.warmup_steps, a.max_steps),
+                           sampler=sampler, loader=loader, evals=evals, cfg=cfg,
+                           me=SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu")))
+
+
+def _evaluate(a: argparse.Namespace, run: SimpleNamespace, mll: Any, samples: int) -> float:
     from scaleout.train.tasks import evaluate_mlm
+
+    d = run.cfg.data
+    mll.block_stop(samples, samples)
+    mll.eval_start(samples, samples)
+    metric = evaluate_mlm(run.model, run.evals, d.max_seq_len, d.max_predictions, run.me)
+    mll.eval_accuracy(metric, samples, samples)
+    mll.eval_stop(samples, samples)
+    if run.me.rank == 0:
+        print(f"samples {samples}: mlm_accuracy {metric:.4f} (target {a.target})", flush=True)
+    return metric
+
+
+def _loop(a: argparse.Namespace, run: SimpleNamespace, mll: Any, t0: float) -> tuple[str, int, int, float | None]:
+    """Train until the target, the step budget or the time budget: (status, steps, sequences, last metric)."""
+    step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
+    mll.block_start(0, 1, 0)
+    while status == "max_steps" and step < a.max_steps:
+        run.sampler.set_epoch(epoch)
+        for batch in run.loader:
+            run.ddp(batch).loss.backward()
+            run.opt.step()
+            run.sched.step()
+            run.opt.zero_grad(set_to_none=True)
+            step, samples = step + 1, samples + a.global_batch
+            if step % a.eval_every == 0 or step == a.max_steps:
+                metric = _evaluate(a, run, mll, samples)
+                if metric >= a.target:
+                    status = "success"
+                    break
+                if a.time_budget is not None and _past(t0, a.time_budget):  # checked at evaluations only
+                    status = "time_budget"
+                    break
+                mll.block_start(samples, 1, samples)
+            if step == a.max_steps:
+                break
+        epoch += 1
+    return status, step, samples, metric
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from scaleout.config import load_config
+    from scaleout.mlperf import MLPerfLogger
 
     a = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -129,60 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     mll = MLPerfLogger(out / "mlperf.log", rank=rank)
     mll.cache_clear()
     mll.init_start()
-    train, evals = _data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-    d, o = cfg.data, cfg.optim
-    torch.manual_seed(a.seed)
-    model = BertForPreTraining(cfg.model.bert)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)  # broadcasts rank 0's weights
-    opt = adamw(model, a.lr, a.weight_decay, tuple(o.betas), o.eps)
-    sched = linear_schedule(opt, a.warmup_steps, a.max_steps)
-    sampler = DistributedSampler(range(len(train)), num_replicas=world, rank=rank, shuffle=True, seed=d.seed,
-                                 drop_last=True)
-    loader = DataLoader(range(len(train)), batch_size=a.global_batch // world, sampler=sampler, drop_last=True,
-                        collate_fn=lambda idx: build_batch(train, [[i] for i in idx], d.max_seq_len, d.max_predictions, 1))
-    me = SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"))
+    run = _build(a, cfg, rank, world)
     mll.init_stop()
     dist.barrier()
     mll.run_start()
     t0 = time.perf_counter()
-    step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
-    mll.block_start(0, 1, 0)
-    while status == "max_steps" and step < a.max_steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            loss = ddp(batch).loss
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step, samples = step + 1, samples + a.global_batch
-            if step % a.eval_every == 0 or step == a.max_steps:
-                mll.block_stop(samples, samples)
-                mll.eval_start(samples, samples)
-                metric = evaluate_mlm(model, evals, d.max_seq_len, d.max_predictions, me)
-                mll.eval_accuracy(metric, samples, samples)
-                mll.eval_stop(samples, samples)
-                if rank == 0:
-                    print(f"step {step}: mlm_accuracy {metric:.4f} (target {a.target})", flush=True)
-                if metric >= a.target:
-                    status = "success"
-                    break
-                if a.time_budget is not None and _past(t0, a.time_budget):  # checked at evaluations only
-                    status = "time_budget"
-                    break
-                mll.block_start(samples, 1, samples)
-            if step == a.max_steps:
-                break
-        epoch += 1
+    status, step, samples, metric = _loop(a, run, mll, t0)
     dist.barrier()
     ttt = time.perf_counter() - t0
     mll.train_samples(samples)
-    mll.eval_samples(len(evals))
+    mll.eval_samples(len(run.evals))
     mll.run_stop("success" if status == "success" else "aborted", samples)
     if rank == 0:
         report = {"status": status, "steps": step, "samples": samples, "achieved": metric, "target": a.target,
-                  "time_to_train_s": ttt, "optimizer": type(opt).__name__, "fused": bool(opt.defaults.get("fused")),
-                  "ddp_bucket_mb": a.bucket_mb, "global_batch": a.global_batch, "lr": a.lr, "world_size": world}
+                  "time_to_train_s": ttt, "optimizer": type(run.opt).__name__,
+                  "fused": bool(run.opt.defaults.get("fused")), "ddp_bucket_mb": a.bucket_mb,
+                  "global_batch": a.global_batch, "lr": a.lr, "world_size": world}
         (out / "report.json").write_text(json.dumps(report, indent=2))
         print(f"baseline: {status} after {step} steps, {samples} sequences, {ttt:.1f} s", flush=True)
     dist.destroy_process_group()
