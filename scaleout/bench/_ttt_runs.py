@@ -53,6 +53,7 @@ class Recipe:
     bucket_mb: float = 25.0
     sharded: bool = False
     precision: str = "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
+    compression: str = "none"  # scaleout's comm.compression: the gradients' dtype on the wire
     label: str = ""  # what this row switches on, for the tables
 
     def seqs_per_step(self, seqs_per_row: float) -> float:
@@ -102,7 +103,7 @@ def command(plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | No
         "train.output_dir": str(out), "train.progress": False, "train.grad_accum": 1, "train.precision": r.precision,
         "checkpoint.dir": "null", "checkpoint.every_steps": 0,
         "comm.algorithm": "flat" if r.comm == "ddp" else r.comm, "comm.overlap": r.overlap,
-        "comm.bucket_mb": repr(r.bucket_mb),
+        "comm.bucket_mb": repr(r.bucket_mb), "comm.compression": r.compression,
     }
     return ["scaleout", "train", plan.config, *plan.overrides, *(f"{k}={_yaml(v)}" for k, v in sets.items())]
 

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
                    help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
                         "state; the ablation's last step switches it on, so its share of the win is shown)")
+    p.add_argument("--compression", choices=["none", "bf16", "fp16"], default="bf16",
+                   help="scaleout's comm.compression with --precision bf16/fp16: gradients all-reduced in that dtype "
+                        "(half the bytes on the wire; default bf16)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="scaleout DataParallel bucket size (default 1 MB)")
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
     p.add_argument("--ablation-clusters", type=_names, default=["netns"], help="clusters to run the ablation on (default netns)")
@@ -142,18 +145,27 @@ def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict
     rows = max(world, round(best.batch / spr / world) * world)  # packed rows carrying ~the baseline's sequences
     full = Recipe("scaleout", "scaleout", "lamb", args.batch, args.lr, args.warmup, packing=True,
                   comm="hierarchical", overlap=True, bucket_mb=args.bucket_mb, precision=args.precision,
-                  label=f"{args.precision} autocast" if args.precision != "fp32" else "LAMB")
+                  compression=args.compression if args.precision != "fp32" else "none",
+                  label=_low_label(args))
     framework = Recipe("abl-framework", "scaleout", "adamw", best.batch, best.lr, best.warmup, comm="flat",
                        bucket_mb=25.0, label="scaleout's trainer, the baseline's recipe")
     packing = replace(framework, name="abl-packing", packing=True, batch=rows, label="packing")
     comm = replace(packing, name="abl-comm", comm="hierarchical", bucket_mb=args.bucket_mb,
                    label="hierarchical all-reduce + overlap")
-    lamb = replace(full, name="abl-lamb", precision="fp32", label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
+    lamb = replace(full, name="abl-lamb", precision="fp32", compression="none",
+                   label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
     chain = [framework, packing, comm] + ([lamb] if args.precision != "fp32" else []) + [full]
     if args.precision == "fp32":
         chain[-1] = replace(full, label=lamb.label)
     return {"scaleout": full, "scaleout-sharded": replace(full, name="scaleout-sharded", sharded=True, label="sharded LAMB"),
             "chain": chain}
+
+
+def _low_label(args: argparse.Namespace) -> str:
+    if args.precision == "fp32":
+        return "LAMB"
+    wire = f" + {args.compression} all-reduce" if args.compression != "none" else ""
+    return f"{args.precision} autocast{wire}"
 
 
 def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
