@@ -17,15 +17,23 @@ from scaleout.cli.bench import benches
 pytestmark = pytest.mark.full_system
 
 BENCHES = {m.NAME: m for m in benches()}
+# A benchmark whose own test file runs it end to end through the same CLI with its SMOKE_ARGS names that
+# test in SMOKE_TEST (checked below to exist), so the suite does not pay for the same launches twice.
+OWN_TEST = {name for name, m in BENCHES.items() if getattr(m, "SMOKE_TEST", None)}
 
 
 def test_every_benchmark_declares_tiny_settings() -> None:
     missing = [name for name, m in BENCHES.items() if not isinstance(getattr(m, "SMOKE_ARGS", None), list)]
     assert not missing, f"benchmarks without SMOKE_ARGS (their tiny settings for this test): {missing}"
+    root = Path(__file__).resolve().parent.parent
+    for name in OWN_TEST:
+        path, _, test = BENCHES[name].SMOKE_TEST.partition("::")
+        src = (root / path).read_text()
+        assert f"def {test}(" in src and f"{name}.SMOKE_ARGS" in src, f"{name}: SMOKE_TEST {BENCHES[name].SMOKE_TEST}"
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(BENCHES))
+@pytest.mark.parametrize("name", sorted(set(BENCHES) - OWN_TEST))
 def test_benchmark_runs_with_tiny_settings(name: str, tmp_path: Path) -> None:
     mod = BENCHES[name]
     out = tmp_path / f"{name}.json"

@@ -199,20 +199,8 @@ class BertTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
-        w = self.world
-        mine = list(range(w.rank, len(self.eval_seqs), w.world_size))
-        counts = _Counts(w)
-        bs = 64
-        was_training = model.training
-        model.eval()
-        for i in range(0, len(mine), bs):
-            packs = [[j] for j in mine[i : i + bs]]
-            batch = build_batch(self.eval_seqs, packs, self.cfg.data.max_seq_len, self.cfg.data.max_predictions, 1)
-            with self.autocast():
-                out = model(to_device(batch, w.device))
-            counts.add(out.mlm_correct, out.mlm_total)
-        model.train(was_training)
-        return counts.ratio()
+        d = self.cfg.data
+        return evaluate_mlm(model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast)
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         if self.stream is not None:
@@ -331,6 +319,26 @@ class ResNetTask(Task):
             "lars_opt_momentum": o.momentum,
             "lars_opt_weight_decay": o.weight_decay,
         }
+
+
+@torch.no_grad()
+def evaluate_mlm(model: torch.nn.Module, eval_seqs: Any, max_len: int, max_pred: int, world: Any,
+                 autocast: Any = contextlib.nullcontext) -> float:
+    """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
+    ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
+    of ``scaleout bench ttt``) evaluates with exactly this function."""
+    mine = list(range(world.rank, len(eval_seqs), world.world_size))
+    counts = _Counts(world)
+    bs = 64
+    was_training = model.training
+    model.eval()
+    for i in range(0, len(mine), bs):
+        batch = build_batch(eval_seqs, [[j] for j in mine[i : i + bs]], max_len, max_pred, 1)
+        with autocast():
+            out = model(to_device(batch, world.device))
+        counts.add(out.mlm_correct, out.mlm_total)
+    model.train(was_training)
+    return counts.ratio()
 
 
 TASKS: dict[str, type[Task]] = {t.arch: t for t in (BertTask, ResNetTask)}

@@ -1,0 +1,215 @@
+"""The baseline of ``scaleout bench ttt``: the plain torch script a user would write instead of scaleout.
+
+One process per rank under any torchrun-style launcher (``scaleout launch`` sets RANK, WORLD_SIZE,
+MASTER_ADDR, ...): ``torch.nn.parallel.DistributedDataParallel`` with its default 25 MB buckets and its own
+all-reduce, ``torch.optim.AdamW`` (fused where torch has the kernel, else foreach), padded batches from
+``DistributedSampler`` + ``DataLoader``, linear warm-up then linear decay to 0 (``LambdaLR``, as
+Hugging Face's ``get_linear_schedule_with_warmup``), no-decay on bias and LayerNorm (BERT's recipe).
+
+What it shares with scaleout is what the comparison must hold equal, and nothing else: the tokenized
+sequences of the offline corpus (scaleout's data pipeline, one sequence per padded row), the model class
+(``BertForPreTraining`` with the config's ``model.bert``), the evaluation (``scaleout.train.tasks.
+evaluate_mlm``: the same eval set, masked-LM accuracy) and MLPerf's clock (``run_start`` -> ``run_stop`` in
+``mlperf.log`` via ``MLPerfLogger``). Rank 0 also writes ``report.json`` with the status and steps.
+
+    scaleout launch --nnodes 2 --nproc-per-node 2 -- python -m scaleout.bench._ttt_baseline \\
+        --lr 2e-3 --global-batch 64 --max-steps 500 --warmup-steps 50 --eval-every 16 --target 0.13 --out runs/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scaleout.bench._ttt_baseline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="bert_tiny_cpu", help="config for the model and data settings")
+    p.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step, all ranks together")
+    p.add_argument("--max-steps", type=int, required=True, help="step budget; the schedule decays to 0 at its end")
+    p.add_argument("--warmup-steps", type=int, required=True, help="linear warm-up steps")
+    p.add_argument("--eval-every", type=int, required=True, help="evaluate every this many steps (and at the end)")
+    p.add_argument("--target", type=float, required=True, help="masked-LM accuracy that ends the run")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="model initialisation; the data order follows data.seed, as in scaleout train")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (BERT: 0.01)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (torch's default 25)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="stop (target not reached) once run_start is this many seconds ago: a sweep candidate "
+                        "already slower than the best one so far cannot become the best")
+    p.add_argument("--out", required=True, help="output directory (mlperf.log, report.json)")
+    p.add_argument("overrides", nargs="*", help="config overrides for model/data, e.g. model.bert.layers=1")
+    a = p.parse_args(argv)
+    for k in ("lr", "global_batch", "max_steps", "warmup_steps", "eval_every"):
+        if getattr(a, k) <= 0:
+            p.error(f"--{k.replace('_', '-')}={getattr(a, k)}: expected a positive number")
+    if a.warmup_steps >= a.max_steps:
+        p.error(f"--warmup-steps {a.warmup_steps} must be below --max-steps {a.max_steps}")
+    return a
+
+
+def adamw(model: Any, lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> Any:
+    """torch's AdamW with BERT's groups: no decay for biases and LayerNorm weights (1-D tensors)."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    try:  # the fused kernel exists on CPU since torch 2.4 and on CUDA; 2.5x faster than foreach here
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def linear_schedule(opt: Any, warmup: int, total: int) -> Any:
+    """Linear warm-up from 0 to the peak, then linear decay to 0 at ``total`` steps."""
+    import torch
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        return max(0.0, (total - step) / (total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _past(t0: float, budget: float) -> bool:
+    """Rank 0's clock decides for everyone (one tiny broadcast), so no rank leaves the loop alone."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(time.perf_counter() - t0 > budget)])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def _data(cfg: Any, local_rank: int) -> tuple[list[Any], list[Any]]:
+    """Tokenized train / eval sequences from scaleout's pipeline; local rank 0 builds the per-node cache."""
+    import torch.distributed as dist
+
+    from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
+
+    if local_rank == 0:
+        data = load_bert_data(cfg)
+    dist.barrier()
+    if local_rank != 0:
+        data = load_bert_data(cfg)
+    return to_bert_sequences(data.train), to_bert_sequences(data.eval[: cfg.data.eval_samples])
+
+
+def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleNamespace:
+    """Model, DDP, AdamW, schedule and the padded-batch loader: what a user's script sets up."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from scaleout.data.bert_batch import build_batch
+    from scaleout.models.bert import BertForPreTraining
+
+    train, evals = _data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    d, o = cfg.data, cfg.optim
+    torch.manual_seed(a.seed)
+    model = BertForPreTraining(cfg.model.bert)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)  # broadcasts rank 0's weights
+    opt = adamw(model, a.lr, a.weight_decay, tuple(o.betas), o.eps)
+    sampler = DistributedSampler(range(len(train)), num_replicas=world, rank=rank, shuffle=True, seed=d.seed,
+                                 drop_last=True)
+    loader = DataLoader(range(len(train)), batch_size=a.global_batch // world, sampler=sampler, drop_last=True,
+                        collate_fn=lambda idx: build_batch(train, [[i] for i in idx], d.max_seq_len, d.max_predictions, 1))
+    return SimpleNamespace(model=model, ddp=ddp, opt=opt, sched=linear_schedule(opt, a.warmup_steps, a.max_steps),
+                           sampler=sampler, loader=loader, evals=evals, cfg=cfg,
+                           me=SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu")))
+
+
+def _evaluate(a: argparse.Namespace, run: SimpleNamespace, mll: Any, samples: int) -> float:
+    from scaleout.train.tasks import evaluate_mlm
+
+    d = run.cfg.data
+    mll.block_stop(samples, samples)
+    mll.eval_start(samples, samples)
+    metric = evaluate_mlm(run.model, run.evals, d.max_seq_len, d.max_predictions, run.me)
+    mll.eval_accuracy(metric, samples, samples)
+    mll.eval_stop(samples, samples)
+    if run.me.rank == 0:
+        print(f"samples {samples}: mlm_accuracy {metric:.4f} (target {a.target})", flush=True)
+    return metric
+
+
+def _loop(a: argparse.Namespace, run: SimpleNamespace, mll: Any, t0: float) -> tuple[str, int, int, float | None]:
+    """Train until the target, the step budget or the time budget: (status, steps, sequences, last metric)."""
+    step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
+    mll.block_start(0, 1, 0)
+    while status == "max_steps" and step < a.max_steps:
+        run.sampler.set_epoch(epoch)
+        for batch in run.loader:
+            run.ddp(batch).loss.backward()
+            run.opt.step()
+            run.sched.step()
+            run.opt.zero_grad(set_to_none=True)
+            step, samples = step + 1, samples + a.global_batch
+            if step % a.eval_every == 0 or step == a.max_steps:
+                metric = _evaluate(a, run, mll, samples)
+                if metric >= a.target:
+                    status = "success"
+                    break
+                if a.time_budget is not None and _past(t0, a.time_budget):  # checked at evaluations only
+                    status = "time_budget"
+                    break
+                mll.block_start(samples, 1, samples)
+            if step == a.max_steps:
+                break
+        epoch += 1
+    return status, step, samples, metric
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from scaleout.config import load_config
+    from scaleout.mlperf import MLPerfLogger
+
+    a = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if a.global_batch % world:
+        raise SystemExit(f"--global-batch {a.global_batch} is not divisible by the world size {world}")
+    cfg = load_config(a.config, a.overrides)
+    out = Path(a.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    mll = MLPerfLogger(out / "mlperf.log", rank=rank)
+    mll.cache_clear()
+    mll.init_start()
+    run = _build(a, cfg, rank, world)
+    mll.init_stop()
+    dist.barrier()
+    mll.run_start()
+    t0 = time.perf_counter()
+    status, step, samples, metric = _loop(a, run, mll, t0)
+    dist.barrier()
+    ttt = time.perf_counter() - t0
+    mll.train_samples(samples)
+    mll.eval_samples(len(run.evals))
+    mll.run_stop("success" if status == "success" else "aborted", samples)
+    if rank == 0:
+        report = {"status": status, "steps": step, "samples": samples, "achieved": metric, "target": a.target,
+                  "time_to_train_s": ttt, "optimizer": type(run.opt).__name__,
+                  "fused": bool(run.opt.defaults.get("fused")), "ddp_bucket_mb": a.bucket_mb,
+                  "global_batch": a.global_batch, "lr": a.lr, "world_size": world}
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        print(f"baseline: {status} after {step} steps, {samples} sequences, {ttt:.1f} s", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""The runs of ``scaleout bench ttt``: a recipe on a cluster with a seed -> one launch -> its MLPerf log.
+
+A :class:`Recipe` is one way to train the same model to the same target: the torch baseline
+(``scaleout.bench._ttt_baseline``) or ``scaleout train`` with some of scaleout's ingredients switched on.
+Every run gets the same *sequence* budget (its step budget is that over the sequences one step consumes;
+the learning-rate schedule decays to 0 at its end) and evaluates at the same sequence interval (MLPerf
+BERT fixes evaluation in samples too), so packing and the batch change the step counts, never the rules.
+
+Time-to-train and the accuracy curve come from each run's ``mlperf.log`` (``run_start`` -> ``run_stop``,
+``eval_accuracy`` with ``time_ms`` and ``samples_count``), the same parser for both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str  # "local" | "netns"
+    nnodes: int
+    nproc_per_node: int
+    rate: str | None = None  # netns link rate (tc units)
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def launch(self) -> list[str]:
+        cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(self.nnodes),
+               "--nproc-per-node", str(self.nproc_per_node)]
+        return cmd + (["--netns", "--rate", self.rate] if self.rate else [])
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    kind: str  # "torch" (the baseline script) | "scaleout" (scaleout train)
+    optimizer: str  # "adamw" | "lamb"
+    batch: int  # global batch: sequences (padded) or packed rows
+    lr: float
+    warmup: float  # warm-up as a fraction of the step budget
+    packing: bool = False
+    comm: str = "ddp"  # "ddp" (torch's own) | "flat" | "hierarchical"
+    overlap: bool = True
+    bucket_mb: float = 25.0
+    sharded: bool = False
+    precision: str = "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
+    compression: str = "none"  # scaleout's comm.compression: the gradients' dtype on the wire
+    label: str = ""  # what this row switches on, for the tables
+
+    def seqs_per_step(self, seqs_per_row: float) -> float:
+        return self.batch * (seqs_per_row if self.packing else 1.0)
+
+
+@dataclass
+class Plan:
+    """What every run shares: the config (model + data), target, sequence budget, evaluation interval."""
+
+    config: str
+    target: float
+    budget: int  # training sequences
+    eval_seqs: int  # evaluate about every this many training sequences
+    seqs_per_row: float  # of the packing, measured on the corpus
+    packing: str = "lpfhp"  # the algorithm of the packed recipes
+    overrides: list[str] = field(default_factory=list)  # model/data overrides for both sides
+
+    def steps(self, r: Recipe) -> int:
+        return max(2, math.ceil(self.budget / r.seqs_per_step(self.seqs_per_row)))
+
+    def eval_every(self, r: Recipe) -> int:
+        return max(1, round(self.eval_seqs / r.seqs_per_step(self.seqs_per_row)))
+
+    def warmup_steps(self, r: Recipe) -> int:
+        return min(max(1, round(r.warmup * self.steps(r))), self.steps(r) - 1)
+
+
+def command(plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | None = None) -> list[str]:
+    """The command every rank runs (under ``scaleout launch``)."""
+    steps, every, warm = plan.steps(r), plan.eval_every(r), plan.warmup_steps(r)
+    if r.kind == "torch":
+        cmd = [sys.executable, "-m", "scaleout.bench._ttt_baseline", "--config", plan.config, "--lr", repr(r.lr),
+               "--global-batch", str(r.batch), "--max-steps", str(steps), "--warmup-steps", str(warm),
+               "--eval-every", str(every), "--target", repr(plan.target), "--seed", str(seed),
+               "--bucket-mb", repr(r.bucket_mb), "--out", str(out)]
+        if time_budget is not None:
+            cmd += ["--time-budget", f"{time_budget:.1f}"]
+        return [*cmd, *plan.overrides]
+    sets = {
+        "optim.name": r.optimizer, "optim.lr": repr(r.lr), "optim.warmup_steps": warm, "optim.total_steps": steps,
+        "optim.decay_from": "warmup", "optim.power": 1.0, "optim.end_lr": 0.0, "optim.sharded": r.sharded,
+        "optim.overlap_comm": r.sharded and r.overlap,
+        "data.packing": plan.packing if r.packing else "none",
+        "train.global_batch": r.batch, "train.max_steps": steps, "train.eval_every": every,
+        "train.eval_start_step": 0, "train.target": repr(plan.target), "train.seed": seed,
+        "train.output_dir": str(out), "train.progress": False, "train.grad_accum": 1, "train.precision": r.precision,
+        "checkpoint.dir": "null", "checkpoint.every_steps": 0,
+        "comm.algorithm": "flat" if r.comm == "ddp" else r.comm, "comm.overlap": r.overlap,
+        "comm.bucket_mb": repr(r.bucket_mb), "comm.compression": r.compression,
+    }
+    return ["scaleout", "train", plan.config, *plan.overrides, *(f"{k}={_yaml(v)}" for k, v in sets.items())]
+
+
+def _yaml(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def read_mlperf(path: Path) -> dict[str, Any]:
+    """run_start -> run_stop (s), run_stop status and the eval curve [(s since run_start, sequences, accuracy)]."""
+    start = stop = None
+    status, curve = None, []
+    for line in path.read_text().splitlines():
+        if ":::MLLOG" not in line:
+            continue
+        rec = json.loads(line.split(":::MLLOG", 1)[1])
+        key, t = rec["key"], rec["time_ms"] / 1000.0
+        if key == "run_start":
+            start, curve = t, []  # the last attempt of an appended log
+        elif key == "eval_accuracy" and start is not None:
+            curve.append([round(t - start, 3), int(rec["metadata"]["samples_count"]), float(rec["value"])])
+        elif key == "run_stop":
+            stop, status = t, rec["metadata"].get("status")
+    if start is None or stop is None:
+        raise ValueError(f"{path}: no run_start/run_stop pair (the run did not finish)")
+    return {"ttt_s": round(stop - start, 3), "mlperf_status": status, "curve": curve}
+
+
+def execute(plan: Plan, cluster: Cluster, r: Recipe, seed: int, root: Path, *, time_budget: float | None = None,
+            tag: str = "") -> dict[str, Any]:
+    """Launch one run, wait, and return its row. A run that does not reach the target has ``ttt_s`` None."""
+    out = root / cluster.name / f"{r.name}{tag}-s{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("mlperf.log", "report.json"):
+        (out / stale).unlink(missing_ok=True)
+    argv = [*cluster.launch(), "--", *command(plan, r, seed, out, time_budget)]
+    t0 = time.perf_counter()
+    with open(out / "launch.log", "w") as log:
+        rc = _run(argv, log)
+    row: dict[str, Any] = {"cluster": cluster.name, "recipe": r.name, "seed": seed, "rc": rc,
+                           "wall_s": round(time.perf_counter() - t0, 1), "dir": str(out), "argv": argv,
+                           "steps_budget": plan.steps(r), "eval_every": plan.eval_every(r),
+                           "warmup_steps": plan.warmup_steps(r), "time_budget_s": time_budget, **asdict(r)}
+    if rc != 0:
+        raise SystemExit(f"{cluster.name} {r.name} seed {seed} exited {rc}; see {out / 'launch.log'}")
+    log_ = read_mlperf(out / "mlperf.log")
+    rep = json.loads((out / "report.json").read_text())
+    reached = log_["mlperf_status"] == "success"
+    row.update(log_, reached=reached, steps=int(rep["steps"]), samples=int(rep["samples"]),
+               achieved=rep.get("achieved"), status=rep.get("status"))
+    row["ttt_s"] = log_["ttt_s"] if reached else None
+    row["run_s"] = log_["ttt_s"]  # run_start -> run_stop whether or not the target was reached
+    return row
+
+
+def _run(argv: list[str], log: Any) -> int:
+    """Run the launcher; if this bench is interrupted (Ctrl-C, SIGTERM), stop it the way it expects (SIGTERM:
+    it stops its ranks and removes a --netns cluster) before going."""
+    import signal
+
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the launcher's watchdog still stops the ranks and removes the namespaces
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

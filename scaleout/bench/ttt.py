@@ -1,0 +1,255 @@
+"""scaleout bench ttt: time-to-train head to head, scaleout against the stack a user would pick instead.
+
+The same model (the config's tiny BERT), the same offline corpus, the same eval set and masked-LM target,
+trained to the target on the same cluster, in one invocation:
+
+* **baseline**: a plain torch script (``scaleout.bench._ttt_baseline``) as every rank under the same
+  launcher: ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), torch's fused AdamW, padded
+  batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch sweep on the first
+  seed (a candidate is cut once it is slower than the best so far: it cannot become the best), and the
+  best one runs every seed;
+* **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical all-reduce
+  and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The batch is a recipe
+  choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at 64-256 (docs/ttt.md);
+* **ablation** (the waterfall from the baseline to scaleout, one ingredient switched on per step):
+  scaleout's trainer with the baseline's recipe (framework), + packing, + the hierarchical all-reduce with
+  overlap, + LAMB at scaleout's batch (= scaleout). Each factor is the median over seeds of ttt(before) /
+  ttt(after); their product is checked against the measured ratio and the seeds' spread of it.
+
+Every run has the same budget of training sequences (the schedules decay to 0 at its end) and evaluates
+every ~``--eval-seqs`` sequences (MLPerf BERT fixes evaluation in samples too). Time-to-train is MLPerf's
+``run_start`` -> ``run_stop`` from each run's ``mlperf.log``; a run that does not reach the target is
+"> budget", never a number. Runs are interleaved (all recipes of a seed, cluster by cluster) so machine
+noise hits every recipe alike. Output: a table, JSON (every run with its accuracy-vs-time curve) and a PNG
+of accuracy against wall time for every run. ``--netns`` clusters need root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from scaleout.argtypes import csv_of
+
+NAME = "ttt"
+HELP = "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, hierarchical)"
+DESCRIPTION = __doc__ + """
+examples:
+  scaleout bench ttt                                  # local + netns 2x2 at 1 Gbit, 3 seeds, ablation on netns
+  scaleout bench ttt --clusters netns --seeds 1,2,3,4,5
+  scaleout bench ttt --clusters local --no-ablation --baseline-lrs 2e-3 --baseline-batches 64
+  scaleout bench ttt --quick                          # tiny smoke (~1 min): local 1x2, one seed, tiny model
+"""
+
+SMOKE_ARGS = ["--quick", "--target", "0.01"]  # every code path, ~1-2 min; run by its own end-to-end test:
+SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
+QUICK = ["model.bert.layers=1", "model.bert.hidden=32", "model.bert.heads=1", "model.bert.intermediate=64"]
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ("local", "netns")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected clusters among local,netns, got {text!r}")
+    return names
+
+
+_floats = csv_of(float, at_least=0, allow_empty=False)
+_ints = csv_of(int, at_least=1, allow_empty=False)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="bert_tiny_cpu", help="model + data config for both sides (default bert_tiny_cpu)")
+    p.add_argument("--target", type=float, default=0.13,
+                   help="masked-LM accuracy to reach (default 0.13: 2.4x the most-frequent-token 0.054, above "
+                        "copy-the-input 0.117)")
+    p.add_argument("--budget", type=int, default=32000,
+                   help="training sequences every run may use; the schedules decay to 0 there (default 32000, 1.2 epochs)")
+    p.add_argument("--eval-seqs", type=int, default=1024, help="evaluate every ~this many training sequences (default 1024)")
+    p.add_argument("--seeds", type=_ints, default=[1, 2, 3], help="model-initialisation seeds (default 1,2,3)")
+    p.add_argument("--clusters", type=_names, default=["local", "netns"],
+                   help="local (scaleout launch) and/or netns (launch --netns, root) (default local,netns)")
+    p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--rate", default="1gbit", help="netns link rate (default 1gbit)")
+    p.add_argument("--baseline-lrs", type=_floats, default=[1e-3, 2e-3, 3e-3],
+                   help="AdamW learning rates to sweep (default 1e-3,2e-3,3e-3)")
+    p.add_argument("--baseline-batches", type=_ints, default=[32, 64],
+                   help="baseline global batches in sequences to sweep (default 32,64)")
+    p.add_argument("--baseline-warmup", type=float, default=0.1, help="baseline warm-up fraction of its steps (default 0.1)")
+    p.add_argument("--batch", type=int, default=32,
+                   help="scaleout global batch in packed rows (default 32 = ~36 sequences; docs/ttt.md: larger needs "
+                        "more sequences on this model)")
+    p.add_argument("--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)")
+    p.add_argument("--warmup", type=float, default=0.1, help="scaleout warm-up fraction of its steps (default 0.1)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
+                   help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
+                        "state; the ablation's last step switches it on, so its share of the win is shown)")
+    p.add_argument("--compression", choices=["none", "bf16", "fp16"], default="bf16",
+                   help="scaleout's comm.compression with --precision bf16/fp16: gradients all-reduced in that dtype "
+                        "(half the bytes on the wire; default bf16)")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="scaleout DataParallel bucket size (default 1 MB)")
+    p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
+    p.add_argument("--ablation-clusters", type=_names, default=["netns"], help="clusters to run the ablation on (default netns)")
+    p.add_argument("--quick", action="store_true", help="tiny smoke: local 1x2, one seed, a 1-layer 32-wide model, small budget")
+    p.add_argument("--runs-dir", default="bench-results/ttt-runs", help="every run's output directory")
+    p.add_argument("--out", default="bench-results/ttt.json", help="JSON output")
+    p.add_argument("--png", default="bench-results/ttt.png", help="accuracy vs wall time of every run ('' = none)")
+    p.add_argument("overrides", nargs="*", help="model/data config overrides for both sides, e.g. model.bert.layers=1")
+
+
+def _quick(args: argparse.Namespace) -> None:
+    """Tiny settings for a smoke test: every code path, a minute of CPU."""
+    args.overrides = [*QUICK, *args.overrides]
+    args.clusters, args.ablation_clusters = ["local"], ["local"]
+    args.nnodes, args.nproc_per_node, args.seeds = 1, 2, args.seeds[:1]
+    args.baseline_lrs, args.baseline_batches = args.baseline_lrs[:1], args.baseline_batches[:1]
+    args.budget, args.eval_seqs, args.batch = min(args.budget, 256), min(args.eval_seqs, 64), min(args.batch, 16)
+
+
+def seqs_per_row(cfg: Any) -> tuple[float, str]:
+    """Sequences per packed row of the corpus at the config's settings (the packed recipes' algorithm)."""
+    from scaleout.data.bert_sources import load_bert_data
+    from scaleout.data.packing_algos import pack_histogram
+    from scaleout.data.packing_hist import histogram_from_lengths
+
+    d = cfg.data
+    algo = d.packing if d.packing != "none" else "lpfhp"
+    lengths = [len(s) for s in load_bert_data(cfg).train]
+    s = pack_histogram(histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, algo)
+    return float(s.speedup), algo
+
+
+def _clusters(args: argparse.Namespace) -> list[Any]:
+    from scaleout.bench._ttt_runs import Cluster
+
+    out = []
+    for name in args.clusters:
+        if name == "netns" and os.geteuid() != 0:
+            print("netns: skipped (the emulated cluster needs root)", flush=True)
+            continue
+        out.append(Cluster(name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None))
+    if not out:
+        raise SystemExit("scaleout bench ttt: no cluster to run on")
+    return out
+
+
+def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict[str, Any]:
+    """scaleout's recipes and the ablation chain, given the best baseline recipe ``best``."""
+    from scaleout.bench._ttt_runs import Recipe
+
+    rows = max(world, round(best.batch / spr / world) * world)  # packed rows carrying ~the baseline's sequences
+    full = Recipe("scaleout", "scaleout", "lamb", args.batch, args.lr, args.warmup, packing=True,
+                  comm="hierarchical", overlap=True, bucket_mb=args.bucket_mb, precision=args.precision,
+                  compression=args.compression if args.precision != "fp32" else "none",
+                  label=_low_label(args))
+    framework = Recipe("abl-framework", "scaleout", "adamw", best.batch, best.lr, best.warmup, comm="flat",
+                       bucket_mb=25.0, label="scaleout's trainer, the baseline's recipe")
+    packing = replace(framework, name="abl-packing", packing=True, batch=rows, label="packing")
+    comm = replace(packing, name="abl-comm", comm="hierarchical", bucket_mb=args.bucket_mb,
+                   label="hierarchical all-reduce + overlap")
+    lamb = replace(full, name="abl-lamb", precision="fp32", compression="none",
+                   label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
+    chain = [framework, packing, comm] + ([lamb] if args.precision != "fp32" else []) + [full]
+    if args.precision == "fp32":
+        chain[-1] = replace(full, label=lamb.label)
+    return {"scaleout": full, "scaleout-sharded": replace(full, name="scaleout-sharded", sharded=True, label="sharded LAMB"),
+            "chain": chain}
+
+
+def _low_label(args: argparse.Namespace) -> str:
+    if args.precision == "fp32":
+        return "LAMB"
+    wire = f" + {args.compression} all-reduce" if args.compression != "none" else ""
+    return f"{args.precision} autocast{wire}"
+
+
+def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The baseline's lr x batch sweep on the first seed, candidates interleaved over the clusters; a
+    candidate is cut once it is slower than the best so far on its cluster. Returns the best per cluster."""
+    from scaleout.bench._ttt_runs import Recipe, execute
+
+    bs, lrs = args.baseline_batches, args.baseline_lrs
+    first = (bs[(len(bs) - 1) // 2], lrs[(len(lrs) - 1) // 2])  # the grid's middle first: an early good best
+    grid = [first] + [(b, lr) for b in bs for lr in lrs if (b, lr) != first]  # cuts the others sooner
+    best: dict[str, tuple[dict[str, Any], Any]] = {}
+    seed = args.seeds[0]
+    for b, lr in grid:
+        r = Recipe(f"baseline-b{b}-lr{lr:g}", "torch", "adamw", b, lr, args.baseline_warmup, label="torch DDP + AdamW")
+        for c in clusters:
+            cut = best[c.name][0]["ttt_s"] if c.name in best and best[c.name][0]["ttt_s"] is not None else None
+            _say(rows, c, r, seed)
+            row = execute(plan, c, r, seed, root, time_budget=cut)
+            row["sweep"] = True
+            rows.append(row)
+            _done(row, root)
+            if c.name not in best or _better(row, best[c.name][0]):
+                best[c.name] = (row, r)
+    return best
+
+
+def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["reached"] != b["reached"]:
+        return a["reached"]
+    if a["reached"]:
+        return a["ttt_s"] < b["ttt_s"]
+    return (a["achieved"] or 0.0) > (b["achieved"] or 0.0)
+
+
+def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
+    print(f"[{len(rows) + 1}] {c.name} {r.name} seed {seed} ({r.kind}, {r.optimizer}, batch {r.batch}, lr {r.lr:g}) ...",
+          flush=True)
+
+
+def _done(row: dict[str, Any], root: Path) -> None:
+    """One line per run; every finished run is also appended to runs.jsonl (a long bench keeps what it did)."""
+    import json
+
+    from scaleout.bench._ttt_report import cell
+
+    with open(root / "runs.jsonl", "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+    ttt = cell(row) + (" s" if row["ttt_s"] is not None else "")
+    print(f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
+          f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
+          flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from scaleout.bench._ttt_runs import Plan, execute
+    from scaleout.config import load_config
+
+    if args.quick:
+        _quick(args)
+    cfg = load_config(args.config, args.overrides)  # bad overrides: one line, before anything runs
+    clusters = _clusters(args)
+    t0 = time.perf_counter()
+    spr, algo = seqs_per_row(cfg)
+    plan = Plan(args.config, args.target, args.budget, args.eval_seqs, spr, algo, list(args.overrides))
+    print(f"{args.config}: target {args.target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
+          f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
+          f"{args.seeds}", flush=True)
+    root, rows = Path(args.runs_dir), []
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "runs.jsonl").unlink(missing_ok=True)
+    best = sweep(args, plan, clusters, root, rows)
+    for c in clusters:  # the sweep's winner is the baseline of the first seed
+        rows.append({**best[c.name][0], "recipe": "baseline", "sweep": False, "from_sweep": best[c.name][1].name})
+    for i, seed in enumerate(args.seeds):
+        for c in clusters:
+            base = replace(best[c.name][1], name="baseline")
+            rec = recipes(args, c.world, spr, base)
+            todo = ([base] if i else []) + [rec["scaleout"], rec["scaleout-sharded"]]
+            if not args.no_ablation and c.name in args.ablation_clusters:
+                todo += rec["chain"][:-1]
+            for r in todo[i % len(todo):] + todo[: i % len(todo)]:  # rotate the order per seed
+                _say(rows, c, r, seed)
+                rows.append(execute(plan, c, r, seed, root))
+                _done(rows[-1], root)
+    from scaleout.bench._ttt_report import finish
+
+    return finish(args, plan, clusters, best, rows, time.perf_counter() - t0)
