@@ -10,6 +10,12 @@ import pytest  # noqa: E402
 
 TIERS = ("unit", "multi_process", "full_system")  # pyproject.toml [tool.pytest.ini_options] markers
 SYSTEM = ("slurm", "mpi", "netns", "horovod")  # need the real thing: a full_system test by definition
+# The suite runs on every core (pytest-xdist, pyproject addopts): these share machine-wide state -- the one
+# local Slurm cluster and /etc/hosts, the list of network namespaces, mpirun's and Horovod's rendezvous, a
+# timing fit on the emulated links -- so they run in one group, on one worker, one after another, while the
+# other workers take the rest (much of the group's time is waiting for Slurm). `-n 0` runs everything here.
+SERIAL_FILES = {"test_netns.py", "test_sim_calibrate.py", "test_slurm.py", "test_preempt_slurm.py", "test_sweep.py",
+                "test_submit_options.py", "test_slurm_local_safety.py", "test_mpi.py", "test_any_launcher.py"}
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -22,8 +28,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test gets exactly one tier (slurm/mpi/netns/horovod tests default to full_system), and a
-    ``gpu`` test is skipped, with the reason, where this machine has fewer CUDA devices than it needs."""
+    """Every test gets exactly one tier (slurm/mpi/netns/horovod tests default to full_system), the tests of
+    machine-wide state one xdist group, and a ``gpu`` test is skipped, with the reason, where this machine has
+    fewer CUDA devices than it needs."""
     untiered = []
     for item in items:
         tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
@@ -31,6 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("full_system")
         elif len(tiers) != 1:
             untiered.append(f"{item.nodeid}: {sorted(tiers) or 'no tier'}")
+        if item.path.name in SERIAL_FILES or any(item.get_closest_marker(m) for m in SYSTEM):
+            item.add_marker(pytest.mark.xdist_group("machine"))
         gpu = item.get_closest_marker("gpu")
         if gpu is not None:
             need = gpu.kwargs.get("devices", gpu.args[0] if gpu.args else 1)
