@@ -147,7 +147,22 @@ def test_quick_bench_end_to_end(tmp_path) -> None:
     assert steps[3]["factor"] is None and steps[4]["factor"] > 0  # from "> budget" to a time: no factor
     precision = {r["recipe"]: r["precision"] for r in res["runs"]}
     assert precision["abl-lamb"] == "fp32" and precision["scaleout"] == precision["scaleout-sharded"] == "bf16"
+    ran = {r["recipe"]: _numerics(r["dir"]) for r in res["runs"]}  # what the trainer says it ran, not the recipe
+    assert ran["scaleout"] == {"linear": "bfloat16", "attn": "bfloat16", "comm": "bfloat16"}
+    assert ran["abl-lamb"] == {"linear": "fp32", "attn": "fp32", "comm": "fp32"}
+    assert ran["scaleout-sharded"]["linear"] == "bfloat16"
     table = stdout[stdout.index("time-to-train to masked-LM accuracy 0.01"):]
     assert "> budget (" in table.splitlines()[3] and "ablation on local" in stdout  # the baseline row
     assert res["bench"] == "ttt" and res["machine"]["cpus"] >= 1 and "|---" in stdout
     assert (tmp_path / "ttt.png").stat().st_size > 0  # matplotlib is in the test extra
+
+
+def _numerics(run_dir: str) -> dict[str, str]:
+    """lowest_numerical_precision_in_{linear,attn,comm} from a run's MLPerf log."""
+    out = {}
+    for line in (__import__("pathlib").Path(run_dir) / "mlperf.log").read_text().splitlines():
+        if ":::MLLOG" in line:
+            rec = json.loads(line.split(":::MLLOG", 1)[1])
+            if rec["key"].startswith("lowest_numerical_precision_in_"):
+                out[rec["key"].rsplit("_", 1)[1]] = rec["value"]
+    return out
