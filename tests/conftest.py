@@ -53,6 +53,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 + "\n  ".join(untiered))
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """run_dist's process pools end with the session. Its atexit hook is not enough: a pytest-xdist worker
+    leaves with os._exit, which skips atexit -- and multiprocessing's reaping of daemonic children with it --
+    so every pool of every worker would outlive the suite (found as orphans after the first parallel run)."""
+    for name in ("tests.distutil", "distutil"):  # imported under both names by different test files
+        mod = sys.modules.get(name)
+        if mod is not None:
+            mod._shutdown()
+
+
 def _cuda_devices() -> int:
     import torch
 
