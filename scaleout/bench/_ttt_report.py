@@ -110,7 +110,7 @@ def ablation_table(ab: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str) -> Path | None:
     """Accuracy against wall time since run_start, every run; one panel per cluster."""
-    from scaleout.output import pyplot
+    from scaleout.output import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -135,11 +135,9 @@ def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str
     axes[0][0].set_ylabel("eval masked-LM accuracy")
     fig.suptitle(title)
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
+    path = save_figure(fig, path, dpi=110)
     plt.close(fig)
-    return p
+    return path
 
 
 HEAD = ("baseline", "scaleout", "scaleout-sharded")
@@ -180,9 +178,7 @@ def finish(args: Any, plan: Any, clusters: list[Any], best: dict[str, Any], rows
     if path:
         print(f"wrote {path}")
     if args.png:
-        png = plot(rows, plan.target, args.png, f"{plan.config}: time-to-train to {plan.target}, every run")
-        if png:
-            print(f"wrote {png}")
+        plot(rows, plan.target, args.png, f"{plan.config}: time-to-train to {plan.target}, every run")  # says where
     return 0
 
 
