@@ -77,7 +77,9 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
     """``scaleout x`` / ``script.py`` / ``python ...`` / a program -> something exec-able with this interpreter.
     (A bare scaleout subcommand, ``smoke`` for ``scaleout smoke``, is the CLI's to resolve: it knows them.)"""
     if not cmd:
-        raise UserError("no command given after '--' (e.g. scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke)")
+        raise UserError(
+            "no command given after '--' (e.g. scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke)"
+        )
     cmd = list(cmd)
     if cmd[0] == "scaleout":
         return [sys.executable, "-u", "-m", "scaleout", *cmd[1:]]
@@ -86,7 +88,9 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
     if cmd[0] in ("python", "python3"):
         return [sys.executable, "-u", *cmd[1:]]
     if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
-        raise UserError(f"command {cmd[0]!r} not found on PATH (expected a program, a .py file or a scaleout subcommand)")
+        raise UserError(
+            f"command {cmd[0]!r} not found on PATH (expected a program, a .py file or a scaleout subcommand)"
+        )
     return cmd
 
 
@@ -141,7 +145,11 @@ def _pump(stream, prefix: str, sink: _Sink) -> None:
 
 
 def check_launch_args(
-    nnodes: int, nproc_per_node: int, grace_s: float, timeout_s: float | None = None, master_port: int | None = None
+    nnodes: int,
+    nproc_per_node: int,
+    grace_s: float,
+    timeout_s: float | None = None,
+    master_port: int | None = None,
 ) -> None:
     """One-line errors for impossible launch parameters, before anything is spawned."""
     if nnodes < 1:
@@ -184,13 +192,21 @@ class LocalLauncher:
     ):
         check_launch_args(nnodes, nproc_per_node, grace_s, master_port=master_port)
         self.cmd = resolve_command(cmd)
-        if preflight is not None:  # the caller's check of the command for this world, before anything spawns
+        if (
+            preflight is not None
+        ):  # the caller's check of the command for this world, before anything spawns
             preflight(nnodes * nproc_per_node, nproc_per_node)
         self.nnodes, self.nproc = nnodes, nproc_per_node
         self.addr = master_addr
-        self.port = master_port or free_port(master_addr if master_addr.startswith("127.") else "0.0.0.0")
+        self.port = master_port or free_port(
+            master_addr if master_addr.startswith("127.") else "0.0.0.0"
+        )
         self.base_env = dict(os.environ if env is None else env)
-        if node_wrapper is None and is_loopback(self.addr) and "GLOO_SOCKET_IFNAME" not in self.base_env:
+        if (
+            node_wrapper is None
+            and is_loopback(self.addr)
+            and "GLOO_SOCKET_IFNAME" not in self.base_env
+        ):
             # All ranks on this host: keep gloo's sockets on the loopback interface, not reachable from the
             # network (torch's TCPStore itself listens on every interface; torch offers no bind address).
             lo = loopback_interface()
@@ -201,7 +217,9 @@ class LocalLauncher:
         self.grace_s = grace_s
         self.prefix_output = prefix_output
         self.sink = _Sink(out or sys.stdout)
-        self.on_orphan = [list(c) for c in on_orphan]  # run by the watchdog if this launcher dies first
+        self.on_orphan = [
+            list(c) for c in on_orphan
+        ]  # run by the watchdog if this launcher dies first
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._stop_signal: int | None = None
@@ -220,7 +238,9 @@ class LocalLauncher:
             start_new_session=True,  # Ctrl-C / SIGHUP to the launcher's group must not reach it
             text=True,
         )
-        self._tell_watchdog(f"grace {self.grace_s}", *(f"cleanup {json.dumps(c)}" for c in self.on_orphan))
+        self._tell_watchdog(
+            f"grace {self.grace_s}", *(f"cleanup {json.dumps(c)}" for c in self.on_orphan)
+        )
 
     def _tell_watchdog(self, *lines: str) -> None:
         if self._watchdog is None or self._watchdog.stdin is None:
@@ -263,7 +283,9 @@ class LocalLauncher:
             self.procs.append(proc)
             self._tell_watchdog(f"rank {proc.pid} {start_time(proc.pid)}")
             if self.prefix_output:
-                t = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", self.sink), daemon=True)
+                t = threading.Thread(
+                    target=_pump, args=(proc.stdout, f"[rank {rank}] ", self.sink), daemon=True
+                )
                 t.start()
                 self._pumps.append(t)
 
@@ -299,7 +321,11 @@ class LocalLauncher:
             if self._stop_signal is not None:
                 self.stop()
                 name = signal.Signals(self._stop_signal).name
-                return self._finish(128 + self._stop_signal, None, f"received {name}; stopped all {self.world_size} ranks")
+                return self._finish(
+                    128 + self._stop_signal,
+                    None,
+                    f"received {name}; stopped all {self.world_size} ranks",
+                )
             codes = [p.poll() for p in self.procs]
             for rank, code in enumerate(codes):
                 if code not in (None, 0):
@@ -309,17 +335,23 @@ class LocalLauncher:
             if failed is not None:
                 running = sum(c is None for c in codes)
                 self.stop()
-                msg = failed.describe() + (f"; stopped the other {running} running ranks" if running else "")
+                msg = failed.describe() + (
+                    f"; stopped the other {running} running ranks" if running else ""
+                )
                 return self._finish(failed.returncode if failed.returncode > 0 else 1, failed, msg)
             if all(c == 0 for c in codes):
                 return self._finish(0, None, f"all {self.world_size} ranks exited 0")
             if deadline is not None and time.monotonic() > deadline:
                 self.stop()
-                return self._finish(124, None, f"timed out after {timeout_s:.0f} s; stopped all ranks")
+                return self._finish(
+                    124, None, f"timed out after {timeout_s:.0f} s; stopped all ranks"
+                )
             time.sleep(0.05)
 
     def _finish(self, code: int, failed: RankExit | None, msg: str) -> LaunchResult:
-        for p in self.procs:  # all exited (or were stopped): reaping them first makes the watchdog's "done" true
+        for p in (
+            self.procs
+        ):  # all exited (or were stopped): reaping them first makes the watchdog's "done" true
             p.wait()
         self._release_watchdog()
         for t in self._pumps:

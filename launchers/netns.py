@@ -47,7 +47,17 @@ TBF_BURST = "256kb"
 TBF_LATENCY = "50ms"
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$", re.IGNORECASE)
-_UNIT_BPS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_UNIT_BPS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 MAX_NODES = 250  # node i is <subnet>.(i+1) in one /24, next to the bridge side
 
@@ -58,18 +68,26 @@ def parse_rate(rate: str | None) -> float | None:
         return None
     m = _RATE.match(str(rate).strip())
     if not m:
-        raise UserError(f"--rate={rate!r}: expected a tc rate like 1gbit, 100mbit, 500kbit or 'none'")
+        raise UserError(
+            f"--rate={rate!r}: expected a tc rate like 1gbit, 100mbit, 500kbit or 'none'"
+        )
     return float(m.group(1)) * _UNIT_BPS[m.group(2).lower()]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False) if not check else _checked(["ip", *args])
+    return (
+        subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+        if not check
+        else _checked(["ip", *args])
+    )
 
 
 def _checked(cmd: list[str]) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        raise UserError(f"emulated cluster: `{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}")
+        raise UserError(
+            f"emulated cluster: `{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}"
+        )
     return p
 
 
@@ -93,7 +111,11 @@ def read_records() -> dict[str, dict[str, Any]]:
 def owner_alive(rec: dict[str, Any]) -> bool:
     """A launch's private cluster is in use while its launcher (same pid and start time) runs."""
     pid = rec.get("owner_pid")
-    return isinstance(pid, int) and start_time(pid) is not None and start_time(pid) == rec.get("owner_start")
+    return (
+        isinstance(pid, int)
+        and start_time(pid) is not None
+        and start_time(pid) == rec.get("owner_start")
+    )
 
 
 def down_all() -> tuple[list[str], list[str]]:
@@ -110,10 +132,14 @@ def down_all() -> tuple[list[str], list[str]]:
 
 def require_root() -> None:
     if os.geteuid() != 0:
-        raise UserError("the emulated cluster (network namespaces + tc) needs root: run as root or with sudo")
+        raise UserError(
+            "the emulated cluster (network namespaces + tc) needs root: run as root or with sudo"
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise UserError(f"the emulated cluster needs `{tool}` (Debian: apt-get install iproute2)")
+            raise UserError(
+                f"the emulated cluster needs `{tool}` (Debian: apt-get install iproute2)"
+            )
 
 
 @dataclass
@@ -130,7 +156,9 @@ class Cluster:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
             raise UserError(f"--nodes={self.nodes!r}: expected an integer from 1 to {MAX_NODES}")
         if not _NAME.match(self.name):
-            raise UserError(f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with a letter")
+            raise UserError(
+                f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with a letter"
+            )
         if not re.match(r"^\d{1,3}\.\d{1,3}\.\d{1,3}$", self.subnet):
             raise UserError(f"cluster subnet {self.subnet!r}: expected three octets like 10.77.0")
         self.rate_bps = parse_rate(self.rate)
@@ -152,7 +180,12 @@ class Cluster:
 
     def rank_env(self) -> dict[str, str]:
         """Variables every rank needs: gloo must bind veth0, the rendezvous is node 0's address."""
-        env = {"GLOO_SOCKET_IFNAME": "veth0", "TP_SOCKET_IFNAME": "veth0", "MASTER_ADDR": self.addr(0), "SCALEOUT_NETNS": self.name}
+        env = {
+            "GLOO_SOCKET_IFNAME": "veth0",
+            "TP_SOCKET_IFNAME": "veth0",
+            "MASTER_ADDR": self.addr(0),
+            "SCALEOUT_NETNS": self.name,
+        }
         if self.rate_bps:
             env["SCALEOUT_LINK_RATE_BPS"] = str(int(self.rate_bps))
         return env
@@ -161,7 +194,10 @@ class Cluster:
     def existing(self) -> list[str]:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         names = [line.split()[0] for line in out.splitlines() if line.strip()]
-        return sorted((n for n in names if re.fullmatch(rf"{self.name}-n\d+", n)), key=lambda n: int(n.rsplit("n", 1)[1]))
+        return sorted(
+            (n for n in names if re.fullmatch(rf"{self.name}-n\d+", n)),
+            key=lambda n: int(n.rsplit("n", 1)[1]),
+        )
 
     def record_path(self) -> Path:
         return state_dir() / f"{self.name}.json"
@@ -190,7 +226,9 @@ class Cluster:
         require_root()
         rec = read_records().get(self.name)
         if rec is not None and owner_alive(rec) and rec.get("owner_pid") != os.getpid():
-            raise UserError(f"emulated cluster {self.name!r} is in use by launch pid {rec['owner_pid']}")
+            raise UserError(
+                f"emulated cluster {self.name!r} is in use by launch pid {rec['owner_pid']}"
+            )
         self.down()  # idempotent: clear leftovers of a crashed run with the same name (as recorded)
         foreign = [n for n in self.existing() if int(n.rsplit("n", 1)[1]) < self.nodes]
         if foreign:
@@ -204,7 +242,8 @@ class Cluster:
             _ip("link", "set", self.bridge, "up")
             # c10d's TCPStore listens on an IPv6 socket, so peers show up as ::ffff:a.b.c.d: list both forms.
             hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
-                f"{self.addr(i)} {self.ns(i)}\n::ffff:{self.addr(i)} {self.ns(i)}\n" for i in range(self.nodes)
+                f"{self.addr(i)} {self.ns(i)}\n::ffff:{self.addr(i)} {self.ns(i)}\n"
+                for i in range(self.nodes)
             )
             for i in range(self.nodes):
                 ns, peer = self.ns(i), f"{self.name}-v{i}"
@@ -215,8 +254,19 @@ class Cluster:
                 _ip("-n", ns, "link", "set", "veth0", "up")
                 _ip("link", "set", peer, "master", self.bridge)
                 _ip("link", "set", peer, "up")
-                if self.rate_bps:  # both ends: egress of the node (veth0) and ingress to it (peer's egress)
-                    tbf = ["root", "tbf", "rate", str(self.rate), "burst", TBF_BURST, "latency", TBF_LATENCY]
+                if (
+                    self.rate_bps
+                ):  # both ends: egress of the node (veth0) and ingress to it (peer's egress)
+                    tbf = [
+                        "root",
+                        "tbf",
+                        "rate",
+                        str(self.rate),
+                        "burst",
+                        TBF_BURST,
+                        "latency",
+                        TBF_LATENCY,
+                    ]
                     _checked(["tc", "-n", ns, "qdisc", "add", "dev", "veth0", *tbf])
                     _checked(["tc", "qdisc", "add", "dev", peer, *tbf])
                 # `ip netns exec` bind-mounts this over /etc/hosts: c10d's reverse lookups then succeed.
@@ -243,7 +293,11 @@ class Cluster:
         for path in rec.get("etc_netns", []):
             if re.fullmatch(rf"/etc/netns/{re.escape(self.name)}-n\d+", path):
                 shutil.rmtree(path, ignore_errors=True)
-        links = set(re.findall(r"^\d+: ([^:@\s]+)[@:]", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE))
+        links = set(
+            re.findall(
+                r"^\d+: ([^:@\s]+)[@:]", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE
+            )
+        )
         for link in rec.get("links", []):
             if link in links and re.fullmatch(rf"{re.escape(self.name)}-(?:v\d+|br)", link):
                 _ip("link", "del", link, check=False)
@@ -253,7 +307,9 @@ class Cluster:
         present = self.existing()
         rates = {}
         for ns in present:
-            q = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "veth0"], capture_output=True, text=True).stdout
+            q = subprocess.run(
+                ["tc", "-n", ns, "qdisc", "show", "dev", "veth0"], capture_output=True, text=True
+            ).stdout
             m = re.search(r"rate (\S+)", q)
             rates[ns] = m.group(1) if m else "unlimited"
         return {"name": self.name, "namespaces": present, "rates": rates}

@@ -21,11 +21,21 @@ from pathlib import Path
 from scaleout.errors import UserError
 from scaleout.resources import package_path
 
-HERE = package_path(__package__, "slurm_local").resolve()  # start.sh, stop.sh, *.conf.in: package data
+HERE = package_path(
+    __package__, "slurm_local"
+).resolve()  # start.sh, stop.sh, *.conf.in: package data
 DEFAULT_STATE = "/tmp/scaleout-slurm"
 NODES = ("n1", "n2", "n3", "n4")
 FINAL_STATES = {
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
 }
 
 
@@ -38,7 +48,9 @@ class ClusterStatus:
     nodes: str  # `sinfo -N` output, or why not
 
     def describe(self) -> str:
-        lines = [f"local Slurm cluster: {'up' if self.running else 'down'} (state {self.state_dir})"]
+        lines = [
+            f"local Slurm cluster: {'up' if self.running else 'down'} (state {self.state_dir})"
+        ]
         for name, pid in self.daemons.items():
             lines.append(f"  {name:<12} {'pid ' + str(pid) if pid else 'not running'}")
         if self.running:
@@ -64,7 +76,9 @@ class LocalSlurm:
         self.state = Path(state_dir or os.environ.get("SCALEOUT_SLURM_STATE") or DEFAULT_STATE)
         repo = HERE.parent.parent
         if self.state.resolve() == repo or repo in self.state.resolve().parents:
-            raise UserError(f"SCALEOUT_SLURM_STATE={self.state}: the state folder must be outside the repo {repo}")
+            raise UserError(
+                f"SCALEOUT_SLURM_STATE={self.state}: the state folder must be outside the repo {repo}"
+            )
 
     @property
     def slurm_conf(self) -> str:
@@ -98,7 +112,14 @@ class LocalSlurm:
     def _sinfo(self, args: Sequence[str]) -> str | None:
         if shutil.which("sinfo") is None:
             return None
-        p = subprocess.run(["sinfo", *args], env=self.env(), capture_output=True, text=True, timeout=30, check=False)
+        p = subprocess.run(
+            ["sinfo", *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         return p.stdout if p.returncode == 0 else None
 
     def status(self) -> ClusterStatus:
@@ -106,7 +127,9 @@ class LocalSlurm:
         nodes = (self._sinfo(["-N"]) or "sinfo does not answer") if running else "down"
         return ClusterStatus(running, str(self.state), self.slurm_conf, self.daemons(), nodes)
 
-    def start(self, accounting: bool = True, install: bool = True, timeout_s: float = 300.0) -> bool:
+    def start(
+        self, accounting: bool = True, install: bool = True, timeout_s: float = 300.0
+    ) -> bool:
         """Start the cluster unless it is up. Returns True if this call started it."""
         if self.is_running():
             return False
@@ -115,17 +138,35 @@ class LocalSlurm:
             args.append("--no-dbd")
         if not install:
             args.append("--no-install")
-        p = subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+        p = subprocess.run(
+            args,
+            env=self._script_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         if p.returncode != 0:
-            raise UserError(f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+            raise UserError(
+                f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
+            )
         # Another session may have started it while we waited for start.sh's lock: then it is theirs to stop.
         return "already running" not in p.stdout
 
     def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
         args = [str(HERE / "stop.sh")] + (["--wipe"] if wipe else [])
-        p = subprocess.run(args, env=self._script_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+        p = subprocess.run(
+            args,
+            env=self._script_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         if p.returncode != 0:
-            raise UserError(f"local Slurm not stopped (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+            raise UserError(
+                f"local Slurm not stopped (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
+            )
 
 
 def can_run_local_slurm() -> str | None:
@@ -138,11 +179,18 @@ def can_run_local_slurm() -> str | None:
 
 
 # -- job helpers (any Slurm cluster) ----------------------------------------------------------------
-def sbatch(args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> int:
+def sbatch(
+    args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> int:
     """Submit with ``sbatch --parsable`` and return the job id."""
     p = subprocess.run(
-        ["sbatch", "--parsable", *args], env=dict(env or os.environ), cwd=cwd, capture_output=True, text=True,
-        timeout=60, check=False,
+        ["sbatch", "--parsable", *args],
+        env=dict(env or os.environ),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     if p.returncode != 0:
         raise UserError(f"sbatch {' '.join(args)} failed: {(p.stderr or p.stdout).strip()}")
@@ -152,8 +200,12 @@ def sbatch(args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str |
 def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``scontrol show job`` as a dict (JobState, RestartCnt, ExitCode, NodeList, ...); {} if unknown."""
     p = subprocess.run(
-        ["scontrol", "show", "job", "-o", str(job_id)], env=dict(env or os.environ), capture_output=True, text=True,
-        timeout=30, check=False,
+        ["scontrol", "show", "job", "-o", str(job_id)],
+        env=dict(env or os.environ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     if p.returncode != 0:
         return {}
@@ -165,7 +217,10 @@ def job_state(job_id: int | str, env: Mapping[str, str] | None = None) -> str:
 
 
 def wait_job(
-    job_id: int | str, env: Mapping[str, str] | None = None, timeout_s: float = 120.0, poll_s: float = 0.25,
+    job_id: int | str,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.25,
     states: set[str] | None = None,
 ) -> str:
     """Wait until the job reaches one of ``states`` (default: any final state) and return it."""
@@ -177,4 +232,6 @@ def wait_job(
         if state in want:
             return state
         time.sleep(poll_s)
-    raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout_s:.0f} s (waiting for {sorted(want)})")
+    raise TimeoutError(
+        f"Slurm job {job_id} still {state} after {timeout_s:.0f} s (waiting for {sorted(want)})"
+    )

@@ -27,7 +27,9 @@ from scaleout.errors import UserError
 
 @dataclass
 class SubmitSpec:
-    argv: list[str]  # scaleout subcommand + its arguments, e.g. ["train", "configs/x.yaml", "a.b=1"]
+    argv: list[
+        str
+    ]  # scaleout subcommand + its arguments, e.g. ["train", "configs/x.yaml", "a.b=1"]
     nodes: int = 1
     gpus_per_node: int = 1  # = tasks per node (one rank per GPU)
     request_gpus: bool = True  # ask Slurm for the GPUs (False on CPU-only clusters)
@@ -38,24 +40,34 @@ class SubmitSpec:
     cluster: str = "auto"  # auto | slurm | local | debug
     folder: str = "submitit/%j"
     name: str = "scaleout"
-    array: dict[str, list[str]] = field(default_factory=dict)  # override key -> values: one job per value
+    array: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # override key -> values: one job per value
     extra_slurm: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise UserError(f"--nodes={self.nodes}: expected an integer >= 1")
         if self.gpus_per_node < 1:
-            raise UserError(f"--gpus-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per GPU)")
+            raise UserError(
+                f"--gpus-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per GPU)"
+            )
         if self.time_min < 1:
             raise UserError(f"--time={self.time_min}: expected minutes >= 1")
         if not 0 <= self.signal_delay_s < self.time_min * 60:
-            raise UserError(f"--signal-delay={self.signal_delay_s}: expected seconds from 0 to below --time ({self.time_min} min)")
+            raise UserError(
+                f"--signal-delay={self.signal_delay_s}: expected seconds from 0 to below --time ({self.time_min} min)"
+            )
         if self.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
-            raise UserError(f"--signal={self.signal!r}: expected USR2 (default), USR1, TERM, INT or HUP")
+            raise UserError(
+                f"--signal={self.signal!r}: expected USR2 (default), USR1, TERM, INT or HUP"
+            )
         if self.cluster not in ("auto", "slurm", "local", "debug"):
             raise UserError(f"--cluster={self.cluster!r}: expected auto, slurm, local or debug")
         if len(self.array) > 1:
-            raise UserError(f"--array given for {sorted(self.array)}: expected one key (one job per value)")
+            raise UserError(
+                f"--array given for {sorted(self.array)}: expected one key (one job per value)"
+            )
 
 
 def parse_array(text: str | None) -> dict[str, list[str]]:
@@ -65,7 +77,9 @@ def parse_array(text: str | None) -> dict[str, list[str]]:
     key, eq, values = text.partition("=")
     items = [v for v in values.split(",") if v]
     if not eq or not key or not items:
-        raise UserError(f"--array {text!r}: expected KEY=V1,V2,... (one job per value of the config key)")
+        raise UserError(
+            f"--array {text!r}: expected KEY=V1,V2,... (one job per value of the config key)"
+        )
     return {key.strip(): items}
 
 
@@ -79,8 +93,10 @@ def parse_slurm_options(items: Sequence[str] | None) -> dict[str, Any]:
     for item in items or []:
         key, eq, value = item.lstrip("-").partition("=")
         if not _SLURM_KEY.fullmatch(key) or (eq and not value):
-            raise UserError(f"--slurm {item!r}: expected KEY=VALUE or KEY, an sbatch option without its dashes "
-                            f"(e.g. account=proj, qos=high, constraint=a100, exclusive)")
+            raise UserError(
+                f"--slurm {item!r}: expected KEY=VALUE or KEY, an sbatch option without its dashes "
+                f"(e.g. account=proj, qos=high, constraint=a100, exclusive)"
+            )
         out[key.replace("-", "_")] = value if eq else True
     return out
 
@@ -104,8 +120,12 @@ class RankMain:
     function, pickled by reference. ``master_port``: the rendezvous port under submitit's local executor
     (chosen at submission)."""
 
-    def __init__(self, argv: Sequence[str], master_port: int | None = None,
-                 entry: Callable[[list[str]], int] | None = None):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        master_port: int | None = None,
+        entry: Callable[[list[str]], int] | None = None,
+    ):
         self.argv = list(argv)
         self.master_port = master_port
         self.entry = entry
@@ -116,22 +136,39 @@ class RankMain:
         from scaleout import preempt
 
         env = submitit.JobEnvironment()
-        if "SLURM_PROCID" not in os.environ:  # submitit's local executor: speak scaleout's local variables
-            port = getattr(self, "master_port", None)  # None in a RankMain pickled before ports were chosen
+        if (
+            "SLURM_PROCID" not in os.environ
+        ):  # submitit's local executor: speak scaleout's local variables
+            port = getattr(
+                self, "master_port", None
+            )  # None in a RankMain pickled before ports were chosen
             if port is None and env.num_tasks > 1:
-                raise RuntimeError("RankMain under submitit's local executor needs master_port (set by submit())")
+                raise RuntimeError(
+                    "RankMain under submitit's local executor needs master_port (set by submit())"
+                )
             port = port or free_ports(1)[0]  # one task: nobody else needs to know it
-            os.environ.update(local_rank_env(env.global_rank, env.num_nodes, env.num_tasks // env.num_nodes,
-                                             "127.0.0.1", port))
+            os.environ.update(
+                local_rank_env(
+                    env.global_rank,
+                    env.num_nodes,
+                    env.num_tasks // env.num_nodes,
+                    "127.0.0.1",
+                    port,
+                )
+            )
         entry = getattr(self, "entry", None)
         if entry is None:  # a RankMain pickled before the entry point travelled with it
-            raise RuntimeError("RankMain has no entry point: resubmit the job with this version of scaleout")
+            raise RuntimeError(
+                "RankMain has no entry point: resubmit the job with this version of scaleout"
+            )
         rc = entry(self.argv)
         if rc == preempt.EXIT_PREEMPTED and preempt.slurm_job_id() is not None:
             # Rank 0 asked Slurm to requeue: wait to be stopped rather than report a result for this run.
             time.sleep(600)
         if rc != 0:
-            raise RuntimeError(f"rank {env.global_rank}: scaleout {' '.join(self.argv)} exited with code {rc}")
+            raise RuntimeError(
+                f"rank {env.global_rank}: scaleout {' '.join(self.argv)} exited with code {rc}"
+            )
         return rc
 
     def checkpoint(self) -> Any:
@@ -150,10 +187,16 @@ def make_executor(spec: SubmitSpec) -> Any:
     if cluster == "slurm":
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
         params: dict[str, Any] = dict(
-            nodes=spec.nodes, ntasks_per_node=spec.gpus_per_node, time=spec.time_min, job_name=spec.name,
-            signal_delay_s=spec.signal_delay_s, additional_parameters={"requeue": True, **spec.extra_slurm},
+            nodes=spec.nodes,
+            ntasks_per_node=spec.gpus_per_node,
+            time=spec.time_min,
+            job_name=spec.name,
+            signal_delay_s=spec.signal_delay_s,
+            additional_parameters={"requeue": True, **spec.extra_slurm},
         )
-        if spec.request_gpus:  # per node, as slurm/*.sh: per-task device cgroups would block CUDA IPC / NVLink P2P
+        if (
+            spec.request_gpus
+        ):  # per node, as slurm/*.sh: per-task device cgroups would block CUDA IPC / NVLink P2P
             params["gpus_per_node"] = spec.gpus_per_node
         if spec.partition:
             params["partition"] = spec.partition
@@ -162,11 +205,19 @@ def make_executor(spec: SubmitSpec) -> Any:
         submitit.slurm.slurm.SlurmJobEnvironment.USR_SIG = spec.signal
         return ex
     if spec.nodes > 1:
-        raise UserError(f"--nodes={spec.nodes} without Slurm: submitit's local executor runs one node")
+        raise UserError(
+            f"--nodes={spec.nodes} without Slurm: submitit's local executor runs one node"
+        )
     if spec.extra_slurm:
-        raise UserError(f"--slurm {', '.join(spec.extra_slurm)}: sbatch options, but this job runs on submitit's "
-                        f"{cluster} executor (no Slurm)")
-    ex = submitit.LocalExecutor(folder=folder) if cluster == "local" else submitit.DebugExecutor(folder=folder)
+        raise UserError(
+            f"--slurm {', '.join(spec.extra_slurm)}: sbatch options, but this job runs on submitit's "
+            f"{cluster} executor (no Slurm)"
+        )
+    ex = (
+        submitit.LocalExecutor(folder=folder)
+        if cluster == "local"
+        else submitit.DebugExecutor(folder=folder)
+    )
     ex.update_parameters(nodes=1, tasks_per_node=spec.gpus_per_node, timeout_min=spec.time_min)
     return ex
 
@@ -206,8 +257,12 @@ def submit(spec: SubmitSpec, entry: Callable[[list[str]], int]) -> list[Any]:
         raise UserError(f"submission failed: {lines[-1] if lines else exc}") from None
 
 
-def follow(jobs: Sequence[Any], out: Callable[[str], None] = print, poll_s: float = 0.5,
-           timeout_s: float | None = None) -> dict[str, str]:
+def follow(
+    jobs: Sequence[Any],
+    out: Callable[[str], None] = print,
+    poll_s: float = 0.5,
+    timeout_s: float | None = None,
+) -> dict[str, str]:
     """Stream rank 0's log of every job until all are done (or the timeout); return job id -> state."""
     offsets: dict[str, int] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -53,8 +53,12 @@ def _tail(path: Path, lines: int = 12) -> str:
 class LocalRunner:
     """Each point with launchers.local (``scaleout launch``); ``netns_rate`` puts nodes in namespaces."""
 
-    def __init__(self, netns_rate: str | None = None, timeout_s: float | None = None,
-                 extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        netns_rate: str | None = None,
+        timeout_s: float | None = None,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.netns_rate = netns_rate
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})  # e.g. OMP_NUM_THREADS for every rank
@@ -75,7 +79,9 @@ class LocalRunner:
             from scaleout.launchers.netns import Cluster
 
             # One private cluster for the whole sweep, sized for the largest point; points use its first nodes.
-            self.cluster = Cluster(nodes, self.netns_rate, name=f"sw{os.getpid() % 100000}").__enter__()
+            self.cluster = Cluster(
+                nodes, self.netns_rate, name=f"sw{os.getpid() % 100000}"
+            ).__enter__()
 
     def __exit__(self, *exc: object) -> None:
         if self.cluster is not None:
@@ -88,11 +94,21 @@ class LocalRunner:
 
         kwargs: dict[str, Any] = {"env": {**os.environ, **self.extra_env}}
         if self.cluster is not None:
-            kwargs = dict(master_addr=self.cluster.addr(0), master_port=free_port("0.0.0.0"),
-                          env={**kwargs["env"], **self.cluster.rank_env()}, node_wrapper=self.cluster.wrapper)
+            kwargs = dict(
+                master_addr=self.cluster.addr(0),
+                master_port=free_port("0.0.0.0"),
+                env={**kwargs["env"], **self.cluster.rank_env()},
+                node_wrapper=self.cluster.wrapper,
+            )
         with open(log, "w") as out:
-            res = launch(["scaleout", *argv], point.nodes, point.ranks_per_node, out=out,
-                         timeout_s=self.timeout_s, **kwargs)
+            res = launch(
+                ["scaleout", *argv],
+                point.nodes,
+                point.ranks_per_node,
+                out=out,
+                timeout_s=self.timeout_s,
+                **kwargs,
+            )
         return PointRun(res.returncode, res.message)
 
 
@@ -105,19 +121,30 @@ def _scaleout_cmd() -> list[str]:
 class SlurmRunner:
     """One sbatch job per point (``-N nodes --ntasks-per-node G``), waited for before the next."""
 
-    def __init__(self, partition: str | None = None, time_min: int = 30, gpus: bool = True,
-                 env: dict[str, str] | None = None, timeout_s: float | None = None, extra: Sequence[str] = (),
-                 extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        partition: str | None = None,
+        time_min: int = 30,
+        gpus: bool = True,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        extra: Sequence[str] = (),
+        extra_env: dict[str, str] | None = None,
+    ):
         self.partition, self.time_min, self.gpus = partition, time_min, gpus
-        self.env = env  # None: this process's environment at submission (sbatch exports it to the job)
+        self.env = (
+            env  # None: this process's environment at submission (sbatch exports it to the job)
+        )
         self.extra_env = dict(extra_env or {})
         self.timeout_s = timeout_s
         self.extra = list(extra)
 
     def check(self, points: Sequence[SweepPoint]) -> None:
         if shutil.which("sbatch") is None:
-            raise UserError("--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the local "
-                            "cluster: scaleout slurm up; export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf)")
+            raise UserError(
+                "--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the local "
+                "cluster: scaleout slurm up; export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf)"
+            )
 
     def __enter__(self) -> SlurmRunner:
         return self
@@ -127,8 +154,20 @@ class SlurmRunner:
 
     def sbatch_args(self, point: SweepPoint, argv: list[str], log: Path) -> list[str]:
         srun = ["srun", "--kill-on-bad-exit=1", *_scaleout_cmd(), *argv]
-        args = ["-N", str(point.nodes), "--ntasks-per-node", str(point.ranks_per_node), "--job-name",
-                f"sweep-{point.name}", "--output", str(log), "--time", str(self.time_min), "--chdir", os.getcwd()]
+        args = [
+            "-N",
+            str(point.nodes),
+            "--ntasks-per-node",
+            str(point.ranks_per_node),
+            "--job-name",
+            f"sweep-{point.name}",
+            "--output",
+            str(log),
+            "--time",
+            str(self.time_min),
+            "--chdir",
+            os.getcwd(),
+        ]
         if self.gpus:  # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink P2P
             args.append(f"--gpus-per-node={point.ranks_per_node}")
         if self.partition:
@@ -151,8 +190,11 @@ class SlurmRunner:
                 # UNKNOWN = scontrol cannot answer: the controller is gone or has forgotten the job.
                 unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
                 if unknown_since is not None and now - unknown_since > UNKNOWN_GRACE_S:
-                    return PointRun(1, f"Slurm job {job}: no answer from scontrol for {UNKNOWN_GRACE_S:.0f} s "
-                                       f"(controller down?)")
+                    return PointRun(
+                        1,
+                        f"Slurm job {job}: no answer from scontrol for {UNKNOWN_GRACE_S:.0f} s "
+                        f"(controller down?)",
+                    )
                 if now > deadline:
                     subprocess.run(["scancel", str(job)], env=env, check=False, capture_output=True)
                     return PointRun(124, f"Slurm job {job} still {state} at the timeout; cancelled")
@@ -167,11 +209,21 @@ class SlurmRunner:
 class SubmitRunner:
     """One submitit job per point (Slurm when sbatch is on PATH, else submitit's local executor)."""
 
-    def __init__(self, cluster: str = "auto", partition: str | None = None, time_min: int = 30, gpus: bool = True,
-                 timeout_s: float | None = None, extra_env: dict[str, str] | None = None,
-                 slurm: dict[str, Any] | None = None, entry: Callable[[list[str]], int] | None = None):
+    def __init__(
+        self,
+        cluster: str = "auto",
+        partition: str | None = None,
+        time_min: int = 30,
+        gpus: bool = True,
+        timeout_s: float | None = None,
+        extra_env: dict[str, str] | None = None,
+        slurm: dict[str, Any] | None = None,
+        entry: Callable[[list[str]], int] | None = None,
+    ):
         self.cluster, self.partition, self.time_min, self.gpus = cluster, partition, time_min, gpus
-        self.entry = entry  # what each task runs with the point's argv: the CLI's main (given by the CLI)
+        self.entry = (
+            entry  # what each task runs with the point's argv: the CLI's main (given by the CLI)
+        )
         self.slurm = dict(slurm or {})  # extra sbatch options (--slurm KEY=VAL)
         self.timeout_s = timeout_s
         self.extra_env = dict(extra_env or {})
@@ -182,12 +234,16 @@ class SubmitRunner:
         try:
             import submitit  # noqa: F401
         except ImportError:
-            raise UserError("--launcher submit needs submitit: pip install 'scaleout[slurm]'") from None
+            raise UserError(
+                "--launcher submit needs submitit: pip install 'scaleout[slurm]'"
+            ) from None
         if resolve_cluster(self.cluster) != "slurm":
             big = [p.world for p in points if p.nodes > 1]
             if big:
-                raise UserError(f"--launcher submit without Slurm runs one node, but world sizes {big} need more "
-                                f"than one: use --nodes 1,... or --launcher local")
+                raise UserError(
+                    f"--launcher submit without Slurm runs one node, but world sizes {big} need more "
+                    f"than one: use --nodes 1,... or --launcher local"
+                )
 
     def __enter__(self) -> SubmitRunner:
         return self
@@ -198,12 +254,22 @@ class SubmitRunner:
     def run(self, point: SweepPoint, argv: list[str], log: Path) -> PointRun:
         from scaleout.launchers.submit import SubmitSpec, submit
 
-        spec = SubmitSpec(argv=argv, nodes=point.nodes, gpus_per_node=point.ranks_per_node, request_gpus=self.gpus,
-                          partition=self.partition, time_min=self.time_min, cluster=self.cluster,
-                          folder=str(log.parent / "submitit" / "%j"), name=f"sweep-{point.name}",
-                          extra_slurm=self.slurm)
+        spec = SubmitSpec(
+            argv=argv,
+            nodes=point.nodes,
+            gpus_per_node=point.ranks_per_node,
+            request_gpus=self.gpus,
+            partition=self.partition,
+            time_min=self.time_min,
+            cluster=self.cluster,
+            folder=str(log.parent / "submitit" / "%j"),
+            name=f"sweep-{point.name}",
+            extra_slurm=self.slurm,
+        )
         saved = {k: os.environ.get(k) for k in self.extra_env}
-        os.environ.update(self.extra_env)  # submitit's executors hand this process's environment to the job
+        os.environ.update(
+            self.extra_env
+        )  # submitit's executors hand this process's environment to the job
         try:
             (job,) = submit(spec, self.entry)
         finally:
@@ -226,7 +292,10 @@ class SubmitRunner:
             job.results()
         except Exception as exc:  # noqa: BLE001 -- one line: the failing rank's error
             lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
-            return PointRun(1, f"submitit job {job.job_id} failed: {lines[-1].strip()} (logs {log.parent}/submitit)")
+            return PointRun(
+                1,
+                f"submitit job {job.job_id} failed: {lines[-1].strip()} (logs {log.parent}/submitit)",
+            )
         return PointRun(0, f"submitit job {job.job_id} completed")
 
 
@@ -246,19 +315,31 @@ def make_runner(launcher: str, **kwargs: Any) -> LocalRunner | SlurmRunner | Sub
     slurm = kwargs.get("slurm") or {}
     if launcher == "local":
         if slurm:
-            raise UserError(f"--slurm {', '.join(slurm)}: sbatch options need --launcher slurm or submit")
-        return LocalRunner(netns_rate=kwargs.get("netns_rate"), timeout_s=kwargs.get("timeout_s"),
-                           extra_env=kwargs.get("extra_env"))
+            raise UserError(
+                f"--slurm {', '.join(slurm)}: sbatch options need --launcher slurm or submit"
+            )
+        return LocalRunner(
+            netns_rate=kwargs.get("netns_rate"),
+            timeout_s=kwargs.get("timeout_s"),
+            extra_env=kwargs.get("extra_env"),
+        )
     if kwargs.get("netns_rate") is not None:
         raise UserError(f"--netns works with --launcher local, not {launcher}")
-    common = dict(partition=kwargs.get("partition"), time_min=kwargs.get("time_min", 30),
-                  gpus=kwargs.get("gpus", True), timeout_s=kwargs.get("timeout_s"), extra_env=kwargs.get("extra_env"))
+    common = dict(
+        partition=kwargs.get("partition"),
+        time_min=kwargs.get("time_min", 30),
+        gpus=kwargs.get("gpus", True),
+        timeout_s=kwargs.get("timeout_s"),
+        extra_env=kwargs.get("extra_env"),
+    )
     if launcher == "slurm":
         from scaleout.launchers.submit import sbatch_flags
 
         return SlurmRunner(env=kwargs.get("env"), extra=sbatch_flags(slurm), **common)
     if launcher == "submit":
-        return SubmitRunner(cluster=kwargs.get("cluster", "auto"), slurm=slurm, entry=kwargs.get("entry"), **common)
+        return SubmitRunner(
+            cluster=kwargs.get("cluster", "auto"), slurm=slurm, entry=kwargs.get("entry"), **common
+        )
     raise UserError(f"--launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
 
 
@@ -293,31 +374,45 @@ def run_sweep(
             pdir = out / "points" / p.name / (f"round{rnd + 1}" if repeats > 1 else "")
             pdir.mkdir(parents=True, exist_ok=True)
             report = pdir / "report.json"
-            argv = ["train", config, *overrides, *extra_overrides, *point_overrides(p, steps, warmup, str(pdir))]
+            argv = [
+                "train",
+                config,
+                *overrides,
+                *extra_overrides,
+                *point_overrides(p, steps, warmup, str(pdir)),
+            ]
             done = _finished(p, pdir, argv) if resume else None
             if done is not None:
-                progress(f"[{i}] world {p.world}: done before (--resume), {done.step_s * 1e3:.1f} ms/step, "
-                         f"{done.samples_per_s:.1f} samples/s ({report})")
+                progress(
+                    f"[{i}] world {p.world}: done before (--resume), {done.step_s * 1e3:.1f} ms/step, "
+                    f"{done.samples_per_s:.1f} samples/s ({report})"
+                )
                 runs[p].append(done)
                 continue
             report.unlink(missing_ok=True)  # never read a previous sweep's report as this one's
             (pdir / POINT_FILE).unlink(missing_ok=True)
-            progress(f"[{i}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
-                     f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})")
+            progress(
+                f"[{i}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
+                f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})"
+            )
             t0 = time.perf_counter()
             run = runner.run(p, argv, pdir / "launch.log")
             wall = time.perf_counter() - t0
             if run.returncode != 0:
                 res = PointResult(p, f"failed: {run.message}", wall)
                 tail = _tail(pdir / "launch.log")
-                progress(f"[{i}] world {p.world}: FAILED after {wall:.1f} s: {run.message}"
-                         + (f"\n{tail}" if tail else ""))
+                progress(
+                    f"[{i}] world {p.world}: FAILED after {wall:.1f} s: {run.message}"
+                    + (f"\n{tail}" if tail else "")
+                )
             else:
                 res = read_point(p, report, wall)
                 if res.ok:
                     (pdir / POINT_FILE).write_text(json.dumps({"argv": argv, "wall_s": wall}))
-                    progress(f"[{i}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
-                             f"ms/step, {res.samples_per_s:.1f} samples/s")
+                    progress(
+                        f"[{i}] world {p.world}: done in {wall:.1f} s: {res.step_s * 1e3:.1f} "
+                        f"ms/step, {res.samples_per_s:.1f} samples/s"
+                    )
                 else:
                     progress(f"[{i}] world {p.world}: {res.status}")
             runs[p].append(res)

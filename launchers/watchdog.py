@@ -54,7 +54,11 @@ def _signal(groups: list[int], sig: int) -> None:
 def stop_orphans(ranks: dict[int, str], grace_s: float) -> None:
     # A group whose leader is alive under another start time is a reused pid: not ours. A group whose
     # leader is gone keeps its id while any member lives (Linux does not hand out an id in use as a pgid).
-    groups = [pid for pid, start in ranks.items() if start_time(pid) in (start, None) and _group_alive(pid)]
+    groups = [
+        pid
+        for pid, start in ranks.items()
+        if start_time(pid) in (start, None) and _group_alive(pid)
+    ]
     _signal(groups, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
@@ -80,7 +84,11 @@ def main() -> int:
     stop_orphans(ranks, grace_s)
     for argv in cleanup:
         subprocess.run(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
         )
     return 0
 

@@ -67,8 +67,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),  # (version, tuple of 625 ints, gauss or None): plain types
-        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -81,7 +86,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        (n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -110,7 +117,9 @@ def encode(state: dict[str, Any]) -> bytes:
 def decode(blob: bytes, name: str = "checkpoint", map_location: Any = "cpu") -> dict[str, Any]:
     """Verify and unpickle (weights_only=True); raise CorruptCheckpoint naming what is wrong."""
     if len(blob) < _HEADER or not blob.startswith(MAGIC):
-        raise CorruptCheckpoint(f"{name}: not a scaleout checkpoint or truncated header ({len(blob)} bytes)")
+        raise CorruptCheckpoint(
+            f"{name}: not a scaleout checkpoint or truncated header ({len(blob)} bytes)"
+        )
     digest = blob[len(MAGIC) : len(MAGIC) + 32]
     (length,) = struct.unpack("<Q", blob[len(MAGIC) + 32 : _HEADER])
     payload = blob[_HEADER:]
@@ -145,7 +154,9 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (disk full, quota) leaves the old file and no debris
+        tmp.unlink(
+            missing_ok=True
+        )  # a failed write (disk full, quota) leaves the old file and no debris
         raise
     _fsync_dir(path.parent)
 
@@ -176,19 +187,29 @@ class Checkpointer:
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
         return sorted(found)
 
-    def save(self, step: int, state: dict[str, Any], world: World | None = None, shards: dict[str, Any] | None = None) -> Path | None:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        world: World | None = None,
+        shards: dict[str, Any] | None = None,
+    ) -> Path | None:
         """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a collective) every
         rank first writes its pieces of the sharded optimizer state. Prunes beyond ``keep``. Returns the path
         on rank 0."""
         record = None
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
-            record = _shards().save_pieces(shards, self.dir / name, world)  # every rank's files are written when it returns
+            record = _shards().save_pieces(
+                shards, self.dir / name, world
+            )  # every rank's files are written when it returns
         if self.rank != 0:
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
-        atomic_write(path, encode({**state, "step": step, **({"shards": record} if record else {})}))  # the commit
+        atomic_write(
+            path, encode({**state, "step": step, **({"shards": record} if record else {})})
+        )  # the commit
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 _shards().remove_tree(old)
@@ -211,8 +232,19 @@ class Checkpointer:
                 state = decode(path.read_bytes(), str(path), map_location)
                 if "shards" in state:
                     _shards().check_shards(self.dir, state["shards"])
-            except (CorruptCheckpoint, _shards().CorruptShards, OSError, RuntimeError, EOFError) as e:
-                log.warning("checkpoint %s at step %d is unusable (%s); falling back to the previous one", path, step, e)
+            except (
+                CorruptCheckpoint,
+                _shards().CorruptShards,
+                OSError,
+                RuntimeError,
+                EOFError,
+            ) as e:
+                log.warning(
+                    "checkpoint %s at step %d is unusable (%s); falling back to the previous one",
+                    path,
+                    step,
+                    e,
+                )
                 continue
             log.info("resuming from %s (step %d)", path, step)
             return state, path
@@ -220,7 +252,9 @@ class Checkpointer:
 
     load_latest = choose  # single-process readers (tools, tests)
 
-    def restore(self, world: World, shards: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path] | None:
+    def restore(
+        self, world: World, shards: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], Path] | None:
         """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its own shards
         into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this rank's RNG state (None
         when the world size changed), or None on every rank when there is nothing to resume."""
@@ -237,7 +271,11 @@ class Checkpointer:
             return None
         path, n_rng = Path(head[0][0]), head[0][1]
         state = broadcast_state(state, world) if multi else state
-        rng = _scatter(rngs, world) if n_rng == (world.world_size if world is not None else 1) else None
+        rng = (
+            _scatter(rngs, world)
+            if n_rng == (world.world_size if world is not None else 1)
+            else None
+        )
         _check_kind(state, shards, path)
         if shards is not None:
             _shards().load_pieces(shards, self.dir, state["shards"])
@@ -264,9 +302,13 @@ def _token(world: World) -> str:
 
 def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path) -> None:
     if shards is not None and "shards" not in state:
-        raise ConfigError(f"checkpoint {path} holds an unsharded optimizer state: resume it with optim.sharded=false")
+        raise ConfigError(
+            f"checkpoint {path} holds an unsharded optimizer state: resume it with optim.sharded=false"
+        )
     if shards is None and "shards" in state:
-        raise ConfigError(f"checkpoint {path} holds a sharded optimizer state: resume it with optim.sharded=true")
+        raise ConfigError(
+            f"checkpoint {path} holds a sharded optimizer state: resume it with optim.sharded=true"
+        )
 
 
 def _scatter(items: list[Any] | None, world: World) -> Any:
@@ -337,14 +379,18 @@ def broadcast_state(state: Any, world: World) -> Any:
     for i, slot in enumerate(slots):
         batch.append(slot)
         nxt = slots[i + 1] if i + 1 < len(slots) else None
-        size = sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in batch)
+        size = sum(
+            math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in batch
+        )
         if nxt is None or nxt.dtype != slot.dtype or size >= BROADCAST_BYTES:
             _broadcast_batch(batch, tensors, out, world)
             batch = []
     return _fill(box[0], out)
 
 
-def _broadcast_batch(batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: World) -> None:
+def _broadcast_batch(
+    batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: World
+) -> None:
     import torch.distributed as dist
 
     sizes = [math.prod(s.shape) for s in batch]

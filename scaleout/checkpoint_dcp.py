@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from scaleout.errors import ConfigError, UserError
@@ -60,7 +66,9 @@ def sha256_file(path: Path) -> str:
 
 
 def _chunk(p: PieceLike) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size([p.offset]), sizes=torch.Size([p.tensor.numel()]))
+    return ChunkStorageMetadata(
+        offsets=torch.Size([p.offset]), sizes=torch.Size([p.tensor.numel()])
+    )
 
 
 class _SavePlanner(dcp.DefaultSavePlanner):
@@ -69,12 +77,21 @@ class _SavePlanner(dcp.DefaultSavePlanner):
         self.pieces = pieces
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([
-            WriteItem(index=MetadataIndex(key, torch.Size([p.offset])), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=_chunk(p), properties=TensorProperties.create_from_tensor(p.tensor),
-                                                  size=torch.Size([p.numel])))
-            for key, p in self.pieces.items() if p.tensor.numel()
-        ])
+        self.plan = SavePlan(
+            [
+                WriteItem(
+                    index=MetadataIndex(key, torch.Size([p.offset])),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=_chunk(p),
+                        properties=TensorProperties.create_from_tensor(p.tensor),
+                        size=torch.Size([p.numel]),
+                    ),
+                )
+                for key, p in self.pieces.items()
+                if p.tensor.numel()
+            ]
+        )
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
@@ -86,7 +103,9 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = pieces
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.state_dict = self.original_state_dict = state_dict
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
@@ -96,8 +115,10 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (p.numel,):
                 got = tuple(md.size) if isinstance(md, TensorStorageMetadata) else md
-                raise ConfigError(f"sharded checkpoint has no {p.numel}-element state {key!r} (found {got}): "
-                                  "the model differs from the one that saved it")
+                raise ConfigError(
+                    f"sharded checkpoint has no {p.numel}-element state {key!r} (found {got}): "
+                    "the model differs from the one that saved it"
+                )
             if p.tensor.numel():
                 items += create_read_items_for_chunk_list(key, md, [_chunk(p)])
         return LoadPlan(items)
@@ -114,7 +135,9 @@ class _VerifiedReader(dcp.FileSystemReader):
         self.record = record
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: never written here
+        if (
+            kwargs.get("rank") is not None
+        ):  # DCP's fallback to per-rank metadata: never written here
             raise FileNotFoundError(f"{self.path}: no per-rank metadata")
         meta = Path(self.path) / METADATA
         if sha256_file(meta) != self.record["metadata_sha256"]:
@@ -136,20 +159,35 @@ def _one_line(e: BaseException, directory: Path, what: str) -> UserError:
     rank = min(failures)
     exc = failures[rank][0]
     more = f" (and ranks {sorted(failures)[1:]})" if len(failures) > 1 else ""
-    return UserError(f"rank {rank}{more} cannot {what} {directory}: {type(exc).__name__}: {exc}".replace("\n", " "))
+    return UserError(
+        f"rank {rank}{more} cannot {what} {directory}: {type(exc).__name__}: {exc}".replace(
+            "\n", " "
+        )
+    )
 
 
-def save_pieces(pieces: dict[str, PieceLike], directory: Path, world: World) -> dict[str, Any] | None:
+def save_pieces(
+    pieces: dict[str, PieceLike], directory: Path, world: World
+) -> dict[str, Any] | None:
     """Every rank writes its pieces under ``directory`` (collective). Returns, on rank 0, the record to keep in
     the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes, sha256)}}; None elsewhere."""
     directory.mkdir(parents=True, exist_ok=True)
-    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = dcp.FileSystemWriter(
+        directory, single_file_per_rank=True, sync_files=True, thread_count=1
+    )
     try:
-        dcp.save({k: p.tensor for k, p in pieces.items()}, storage_writer=writer, planner=_SavePlanner(pieces))
+        dcp.save(
+            {k: p.tensor for k, p in pieces.items()},
+            storage_writer=writer,
+            planner=_SavePlanner(pieces),
+        )
     except dcp.CheckpointException as e:
         raise _one_line(e, directory, "write the sharded checkpoint") from None
     rank = world.rank if world is not None else 0
-    mine = {f.name: (f.stat().st_size, sha256_file(f)) for f in sorted(directory.glob(f"__{rank}_*.distcp"))}
+    mine = {
+        f.name: (f.stat().st_size, sha256_file(f))
+        for f in sorted(directory.glob(f"__{rank}_*.distcp"))
+    }
     files: list[Any] = [mine]
     if world is not None and world.world_size > 1:  # a few bytes per rank, to rank 0 only
         files = [None] * world.world_size if rank == 0 else None
@@ -157,7 +195,11 @@ def save_pieces(pieces: dict[str, PieceLike], directory: Path, world: World) -> 
     if rank != 0:
         return None
     merged = {name: entry for per_rank in files for name, entry in per_rank.items()}
-    return {"dir": directory.name, "metadata_sha256": sha256_file(directory / METADATA), "files": merged}
+    return {
+        "dir": directory.name,
+        "metadata_sha256": sha256_file(directory / METADATA),
+        "files": merged,
+    }
 
 
 def check_shards(root: Path, record: dict[str, Any]) -> None:
@@ -178,8 +220,11 @@ def load_pieces(pieces: dict[str, PieceLike], root: Path, record: dict[str, Any]
     failure is a one-line UserError naming it, raised on every rank."""
     directory = root / record["dir"]
     try:
-        dcp.load({k: p.tensor for k, p in pieces.items()}, storage_reader=_VerifiedReader(directory, record),
-                 planner=_LoadPlanner(pieces))
+        dcp.load(
+            {k: p.tensor for k, p in pieces.items()},
+            storage_reader=_VerifiedReader(directory, record),
+            planner=_LoadPlanner(pieces),
+        )
     except dcp.CheckpointException as e:
         raise _one_line(e, directory, "read the sharded checkpoint") from None
 

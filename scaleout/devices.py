@@ -40,32 +40,154 @@ class Part:
 
 # Data-sheet numbers are halved where the sheet quotes "with sparsity".
 PARTS: tuple[Part, ...] = (
-    Part("V100 SXM2", ("V100", "SXM2"), 80, (15, 33), None, 125e12, None, 15.7e12,
-         "NVIDIA V100 data sheet (SXM2: 125 TFLOPS tensor, 15.7 FP32)"),
-    Part("V100 PCIe", ("V100", "PCIE"), 80, (15, 33), None, 112e12, None, 14e12,
-         "NVIDIA V100 data sheet (PCIe: 112 TFLOPS tensor, 14 FP32)"),
-    Part("A100 SXM4", ("A100", "SXM4"), 108, (38, 82), 312e12, 312e12, 156e12, 19.5e12,
-         "NVIDIA A100 data sheet (BF16 312, TF32 156, FP32 19.5 TFLOPS)"),
-    Part("A100 PCIe", ("A100", "PCIE"), 108, (38, 82), 312e12, 312e12, 156e12, 19.5e12,
-         "NVIDIA A100 data sheet (PCIe column: BF16 312, TF32 156, FP32 19.5 TFLOPS)"),
-    Part("A10", ("A10",), 72, (22, 24), 125e12, 125e12, 62.5e12, 31.2e12,
-         "NVIDIA A10 data sheet (BF16 250 / TF32 125 TFLOPS with sparsity)", ("A100",)),
-    Part("L4", ("L4",), 58, (21, 24), 121e12, 121e12, 60e12, 30.3e12,
-         "NVIDIA L4 data sheet (BF16 242 / TF32 120 TFLOPS with sparsity)", ("L40",)),
-    Part("L40S", ("L40S",), 142, (43, 48), 362e12, 362e12, 183e12, 91.6e12,
-         "NVIDIA L40S data sheet (BF16 733 / TF32 366 TFLOPS with sparsity)"),
-    Part("H100 SXM5", ("H100",), 132, (75, 82), 989e12, 989e12, 494e12, 67e12,
-         "NVIDIA H100 data sheet, SXM5 (BF16 1979 / TF32 989 TFLOPS with sparsity, FP32 67)", ("PCIE", "NVL")),
-    Part("H100 PCIe", ("H100", "PCIE"), 114, (75, 82), 756e12, 756e12, 378e12, 51e12,
-         "NVIDIA H100 data sheet, PCIe (BF16 1513 / TF32 756 TFLOPS with sparsity, FP32 51)"),
-    Part("H100 NVL", ("H100", "NVL"), 132, (88, 96), 835e12, 835e12, 417e12, 60e12,
-         "NVIDIA H100 NVL data sheet (BF16 1671 / TF32 835 TFLOPS with sparsity, FP32 60)"),
-    Part("H200 SXM", ("H200",), 132, (125, 145), 989e12, 989e12, 494e12, 67e12,
-         "NVIDIA H200 data sheet, SXM (BF16 1979 / TF32 989 TFLOPS with sparsity, FP32 67)", ("NVL", "GH200")),
-    Part("H200 NVL", ("H200", "NVL"), 132, (125, 145), 835e12, 835e12, 417e12, 60e12,
-         "NVIDIA H200 data sheet, NVL (BF16 1671 / TF32 835 TFLOPS with sparsity, FP32 60)", ("GH200",)),
-    Part("GH200", ("GH200",), 132, (94, 145), 989e12, 989e12, 494e12, 67e12,
-         "NVIDIA GH200 data sheet (H100-class GPU: BF16 1979 TFLOPS with sparsity)"),
+    Part(
+        "V100 SXM2",
+        ("V100", "SXM2"),
+        80,
+        (15, 33),
+        None,
+        125e12,
+        None,
+        15.7e12,
+        "NVIDIA V100 data sheet (SXM2: 125 TFLOPS tensor, 15.7 FP32)",
+    ),
+    Part(
+        "V100 PCIe",
+        ("V100", "PCIE"),
+        80,
+        (15, 33),
+        None,
+        112e12,
+        None,
+        14e12,
+        "NVIDIA V100 data sheet (PCIe: 112 TFLOPS tensor, 14 FP32)",
+    ),
+    Part(
+        "A100 SXM4",
+        ("A100", "SXM4"),
+        108,
+        (38, 82),
+        312e12,
+        312e12,
+        156e12,
+        19.5e12,
+        "NVIDIA A100 data sheet (BF16 312, TF32 156, FP32 19.5 TFLOPS)",
+    ),
+    Part(
+        "A100 PCIe",
+        ("A100", "PCIE"),
+        108,
+        (38, 82),
+        312e12,
+        312e12,
+        156e12,
+        19.5e12,
+        "NVIDIA A100 data sheet (PCIe column: BF16 312, TF32 156, FP32 19.5 TFLOPS)",
+    ),
+    Part(
+        "A10",
+        ("A10",),
+        72,
+        (22, 24),
+        125e12,
+        125e12,
+        62.5e12,
+        31.2e12,
+        "NVIDIA A10 data sheet (BF16 250 / TF32 125 TFLOPS with sparsity)",
+        ("A100",),
+    ),
+    Part(
+        "L4",
+        ("L4",),
+        58,
+        (21, 24),
+        121e12,
+        121e12,
+        60e12,
+        30.3e12,
+        "NVIDIA L4 data sheet (BF16 242 / TF32 120 TFLOPS with sparsity)",
+        ("L40",),
+    ),
+    Part(
+        "L40S",
+        ("L40S",),
+        142,
+        (43, 48),
+        362e12,
+        362e12,
+        183e12,
+        91.6e12,
+        "NVIDIA L40S data sheet (BF16 733 / TF32 366 TFLOPS with sparsity)",
+    ),
+    Part(
+        "H100 SXM5",
+        ("H100",),
+        132,
+        (75, 82),
+        989e12,
+        989e12,
+        494e12,
+        67e12,
+        "NVIDIA H100 data sheet, SXM5 (BF16 1979 / TF32 989 TFLOPS with sparsity, FP32 67)",
+        ("PCIE", "NVL"),
+    ),
+    Part(
+        "H100 PCIe",
+        ("H100", "PCIE"),
+        114,
+        (75, 82),
+        756e12,
+        756e12,
+        378e12,
+        51e12,
+        "NVIDIA H100 data sheet, PCIe (BF16 1513 / TF32 756 TFLOPS with sparsity, FP32 51)",
+    ),
+    Part(
+        "H100 NVL",
+        ("H100", "NVL"),
+        132,
+        (88, 96),
+        835e12,
+        835e12,
+        417e12,
+        60e12,
+        "NVIDIA H100 NVL data sheet (BF16 1671 / TF32 835 TFLOPS with sparsity, FP32 60)",
+    ),
+    Part(
+        "H200 SXM",
+        ("H200",),
+        132,
+        (125, 145),
+        989e12,
+        989e12,
+        494e12,
+        67e12,
+        "NVIDIA H200 data sheet, SXM (BF16 1979 / TF32 989 TFLOPS with sparsity, FP32 67)",
+        ("NVL", "GH200"),
+    ),
+    Part(
+        "H200 NVL",
+        ("H200", "NVL"),
+        132,
+        (125, 145),
+        835e12,
+        835e12,
+        417e12,
+        60e12,
+        "NVIDIA H200 data sheet, NVL (BF16 1671 / TF32 835 TFLOPS with sparsity, FP32 60)",
+        ("GH200",),
+    ),
+    Part(
+        "GH200",
+        ("GH200",),
+        132,
+        (94, 145),
+        989e12,
+        989e12,
+        494e12,
+        67e12,
+        "NVIDIA GH200 data sheet (H100-class GPU: BF16 1979 TFLOPS with sparsity)",
+    ),
 )
 
 
@@ -82,9 +204,14 @@ def identify_gpu(name: str, sms: int, mem_bytes: int) -> Part | None:
     """The part whose name tokens, SM count and memory size all match; None when none (or several) do."""
     upper = name.upper()
     gib = mem_bytes / 2**30
-    hits = [p for p in PARTS
-            if all(t.upper() in upper for t in p.tokens) and not any(x.upper() in upper for x in p.excludes)
-            and p.sms == sms and p.mem_gib[0] <= gib <= p.mem_gib[1]]
+    hits = [
+        p
+        for p in PARTS
+        if all(t.upper() in upper for t in p.tokens)
+        and not any(x.upper() in upper for x in p.excludes)
+        and p.sms == sms
+        and p.mem_gib[0] <= gib <= p.mem_gib[1]
+    ]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -107,7 +234,9 @@ def gpu_peak(device: Any, precision: str) -> Peak:
         return Peak(desc, None, "not in scaleout.devices.PARTS: set train.peak_flops for an MFU")
     flops = part_peak(part, precision, bool(torch.backends.cuda.matmul.allow_tf32))
     if flops is None:
-        return Peak(part.name, None, f"{part.name} has no {precision} tensor cores in its data sheet")
+        return Peak(
+            part.name, None, f"{part.name} has no {precision} tensor cores in its data sheet"
+        )
     return Peak(part.name, flops, part.source)
 
 
@@ -192,8 +321,13 @@ def cpu_peak(precision: str, threads: int, ranks_on_host: int = 1, cache: bool =
     return Peak(f"cpu ({_cpu_model()})", per_thread * threads * share, note)
 
 
-def device_peak(device: Any, precision: str = "fp32", override: float | None = None,
-                threads: int | None = None, ranks_on_host: int = 1) -> Peak:
+def device_peak(
+    device: Any,
+    precision: str = "fp32",
+    override: float | None = None,
+    threads: int | None = None,
+    ranks_on_host: int = 1,
+) -> Peak:
     """Peak FLOP/s per device for the report: ``override`` (train.peak_flops), a known GPU part, or a
     measured CPU peak. Never raises for an unknown device: the peak is then None."""
     import torch

@@ -42,7 +42,9 @@ def check_sinks(sinks: list[str]) -> None:
     for name in sinks:
         pkg, extra = PACKAGES.get(name, (None, None))
         if pkg and importlib.util.find_spec(pkg) is None:
-            raise ConfigError(f"train.metrics: {name} needs the {pkg} package (pip install 'scaleout[{extra}]')")
+            raise ConfigError(
+                f"train.metrics: {name} needs the {pkg} package (pip install 'scaleout[{extra}]')"
+            )
 
 
 class Metrics:
@@ -100,13 +102,23 @@ class Metrics:
 
     @staticmethod
     def _empty() -> dict[str, Any]:
-        return {"n": 0, "loss": 0.0, "seconds": 0.0, "samples": 0, "tokens": 0, "skipped": 0, "breakdown": {},
-                "sampled": 0}
+        return {
+            "n": 0,
+            "loss": 0.0,
+            "seconds": 0.0,
+            "samples": 0,
+            "tokens": 0,
+            "skipped": 0,
+            "breakdown": {},
+            "sampled": 0,
+        }
 
     def _write(self, record: dict[str, Any], flush: bool = False) -> None:
         self._jsonl.write(json.dumps(record, default=float) + "\n")
         now = time.monotonic()
-        if flush or now - self._last_flush > 5.0:  # tail -f works; a shared file system is not hit per step
+        if (
+            flush or now - self._last_flush > 5.0
+        ):  # tail -f works; a shared file system is not hit per step
             self._jsonl.flush()
             if self._csv is not None:
                 self._csv_file.flush()
@@ -156,7 +168,9 @@ class Metrics:
             "samples_per_s": a["samples"] / secs,
             "tokens_per_s": a["tokens"] / secs,
             "step_s": a["seconds"] / k,
-            "breakdown_s": {p: v / max(a["sampled"], 1) for p, v in a["breakdown"].items()},  # {}: none sampled
+            "breakdown_s": {
+                p: v / max(a["sampled"], 1) for p, v in a["breakdown"].items()
+            },  # {}: none sampled
             "skipped": a["skipped"],
             "time": time.time(),
         }
@@ -186,7 +200,9 @@ class Metrics:
         }
         self._scalars(scalars, step)
 
-    def eval(self, step: int, samples: int, metric: str, value: float, target: float | None = None) -> None:
+    def eval(
+        self, step: int, samples: int, metric: str, value: float, target: float | None = None
+    ) -> None:
         if not self.enabled:
             return
         self._write(
@@ -202,7 +218,9 @@ class Metrics:
             flush=True,
         )
         if self._csv is not None:
-            self._csv.writerow(["eval", step, samples, "", "", "", "", *([""] * len(PHASES)), metric, value])
+            self._csv.writerow(
+                ["eval", step, samples, "", "", "", "", *([""] * len(PHASES)), metric, value]
+            )
         self._scalars({f"eval/{metric}": value}, step)
 
     def _scalars(self, values: dict[str, float], step: int) -> None:
@@ -233,7 +251,9 @@ def read_metrics(run_dir: str | Path) -> dict[str, Any]:
     latest record of each step kept (a resumed run redoes the steps after its checkpoint)."""
     path = Path(run_dir) / JSONL
     if not path.is_file():
-        raise ConfigError(f"{path}: no metrics file (expected a run directory written by `scaleout train`)")
+        raise ConfigError(
+            f"{path}: no metrics file (expected a run directory written by `scaleout train`)"
+        )
     train: dict[int, dict[str, Any]] = {}
     evals: dict[int, dict[str, Any]] = {}
     runs: list[dict[str, Any]] = []
@@ -249,10 +269,16 @@ def read_metrics(run_dir: str | Path) -> dict[str, Any]:
             evals[int(rec["step"])] = rec
         elif kind == "run":
             runs.append(rec)
-    return {"train": [train[s] for s in sorted(train)], "eval": [evals[s] for s in sorted(evals)], "runs": runs}
+    return {
+        "train": [train[s] for s in sorted(train)],
+        "eval": [evals[s] for s in sorted(evals)],
+        "runs": runs,
+    }
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None, quiet: bool = False) -> Path | None:
+def plot_run(
+    run_dir: str | Path, out: str | Path | None = None, quiet: bool = False
+) -> Path | None:
     """Loss (and learning rate) and eval curves of a run to a PNG; None when matplotlib is not installed."""
     data = read_metrics(run_dir)
     try:
@@ -271,7 +297,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, quiet: bool = F
         ax_loss.plot(steps, [r["loss"] for r in train], color="C0", lw=1.2, label="training loss")
         ax_loss.set_ylabel("loss")
         ax_lr = ax_loss.twinx()
-        ax_lr.plot(steps, [r["lr"] for r in train], color="C1", lw=1, ls="--", label="learning rate")
+        ax_lr.plot(
+            steps, [r["lr"] for r in train], color="C1", lw=1, ls="--", label="learning rate"
+        )
         ax_lr.set_ylabel("learning rate", color="C1")
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         lines = ax_loss.get_lines() + ax_lr.get_lines()
@@ -281,7 +309,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, quiet: bool = F
     ax_loss.grid(True, alpha=0.3)
     if evals:
         name = evals[-1]["metric"]
-        ax_eval.plot([r["step"] for r in evals], [r["value"] for r in evals], marker="o", color="C2", label=name)
+        ax_eval.plot(
+            [r["step"] for r in evals],
+            [r["value"] for r in evals],
+            marker="o",
+            color="C2",
+            label=name,
+        )
         target = evals[-1].get("target")
         if target is not None:
             ax_eval.axhline(target, color="C3", ls=":", label=f"target {target}")

@@ -65,7 +65,9 @@ class MLPerfLogger:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handlers.append(logging.FileHandler(self.path, mode="a"))
-        if stdout:  # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
+        if (
+            stdout
+        ):  # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
             self._handlers.append(logging.StreamHandler(sys.stdout))
         for h in self._handlers:
             logger.addHandler(h)
@@ -101,8 +103,14 @@ class MLPerfLogger:
     def init_start(self) -> None:
         self.start("init_start")
 
-    def submission(self, benchmark: str, org: str = "scaleout", division: str = "closed",
-                   status: str = "onprem", platform: str = "cpu") -> None:
+    def submission(
+        self,
+        benchmark: str,
+        org: str = "scaleout",
+        division: str = "closed",
+        status: str = "onprem",
+        platform: str = "cpu",
+    ) -> None:
         if division not in ("closed", "open"):
             raise UserError(f"MLPerf division '{division}' must be 'closed' or 'open'")
         self.event("submission_benchmark", benchmark)
@@ -122,11 +130,19 @@ class MLPerfLogger:
         self.start("run_start")
 
     def block_start(self, first_epoch_num: int, epoch_count: int, samples: int) -> None:
-        self.start("block_start", metadata={"first_epoch_num": first_epoch_num, "epoch_count": epoch_count,
-                                            "samples_count": samples})
+        self.start(
+            "block_start",
+            metadata={
+                "first_epoch_num": first_epoch_num,
+                "epoch_count": epoch_count,
+                "samples_count": samples,
+            },
+        )
 
     def block_stop(self, first_epoch_num: int, samples: int) -> None:
-        self.end("block_stop", metadata={"first_epoch_num": first_epoch_num, "samples_count": samples})
+        self.end(
+            "block_stop", metadata={"first_epoch_num": first_epoch_num, "samples_count": samples}
+        )
 
     def epoch_start(self, epoch: int, samples: int) -> None:
         self.start("epoch_start", metadata={"epoch_num": epoch, "samples_count": samples})
@@ -142,7 +158,11 @@ class MLPerfLogger:
 
     def eval_accuracy(self, value: float, epoch_num: int, samples: int) -> None:
         """BERT reports epoch_num = training samples seen (NVIDIA's submissions do the same)."""
-        self.event("eval_accuracy", float(value), metadata={"epoch_num": epoch_num, "samples_count": samples})
+        self.event(
+            "eval_accuracy",
+            float(value),
+            metadata={"epoch_num": epoch_num, "samples_count": samples},
+        )
 
     def train_samples(self, n: int) -> None:
         self.event("train_samples", int(n))
@@ -191,9 +211,14 @@ def split_attempts(text: str) -> list[str]:
     return ["\n".join(a) + "\n" for a in attempts]
 
 
-def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str | None = None,
-                     quality_target: float | None = None, timeout: float = 120.0,
-                     attempt: int = -1) -> tuple[bool, str]:
+def check_compliance(
+    path: str | os.PathLike[str],
+    benchmark: str,
+    ruleset: str | None = None,
+    quality_target: float | None = None,
+    timeout: float = 120.0,
+    attempt: int = -1,
+) -> tuple[bool, str]:
     """Run the real ``mlperf_logging.compliance_checker`` on one attempt of ``path`` (the checker takes one
     run per file; ``attempt`` indexes :func:`split_attempts`, the last by default); returns (passed, output).
 
@@ -202,13 +227,24 @@ def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str 
     a CPU-sized run cannot reach the full-size target, but every other rule still applies.
     """
     if benchmark not in RULESET:
-        raise UserError(f"no MLPerf ruleset known for benchmark '{benchmark}' (expected one of {sorted(RULESET)})")
+        raise UserError(
+            f"no MLPerf ruleset known for benchmark '{benchmark}' (expected one of {sorted(RULESET)})"
+        )
     ruleset = ruleset or RULESET[benchmark]
     attempts = split_attempts(Path(path).read_text())
     if not -len(attempts) <= attempt < len(attempts):
-        raise UserError(f"{path}: attempt {attempt} does not exist (the log holds {len(attempts)} attempt(s))")
-    args = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-            "--ruleset", ruleset]
+        raise UserError(
+            f"{path}: attempt {attempt} does not exist (the log holds {len(attempts)} attempt(s))"
+        )
+    args = [
+        sys.executable,
+        "-m",
+        "mlperf_logging.compliance_checker",
+        "--usage",
+        "training",
+        "--ruleset",
+        ruleset,
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         if quality_target is not None:
             args += ["--config", str(_relaxed_rules(Path(tmp), ruleset, benchmark, quality_target))]
@@ -216,7 +252,11 @@ def check_compliance(path: str | os.PathLike[str], benchmark: str, ruleset: str 
         one.write_text(attempts[attempt])
         args += ["--log_output", os.path.join(tmp, "checker.log"), str(one)]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    out = f"attempt {attempt % len(attempts) + 1} of {len(attempts)} in {path}\n" + proc.stdout + proc.stderr
+    out = (
+        f"attempt {attempt % len(attempts) + 1} of {len(attempts)} in {path}\n"
+        + proc.stdout
+        + proc.stderr
+    )
     return proc.returncode == 0 and "SUCCESS" in out, out
 
 
@@ -228,10 +268,14 @@ def _relaxed_rules(tmp: Path, ruleset: str, benchmark: str, target: float) -> Pa
     for d in src.glob("training_*"):
         shutil.copytree(d, tmp / d.name)
     for f in tmp.glob("training_*/*.yaml"):
-        text = f.read_text().replace("enqueue_config('training_", f"enqueue_config('{tmp}/training_")
+        text = f.read_text().replace(
+            "enqueue_config('training_", f"enqueue_config('{tmp}/training_"
+        )
         f.write_text(text)
     rule = tmp / f"training_{ruleset}" / f"closed_{benchmark}.yaml"
-    text, n = re.subn(r"(ATLEAST_ONE_CHECK:.*?v\['value'\]\s*>=\s*)[0-9.]+", rf"\g<1>{target!r}", rule.read_text())
+    text, n = re.subn(
+        r"(ATLEAST_ONE_CHECK:.*?v\['value'\]\s*>=\s*)[0-9.]+", rf"\g<1>{target!r}", rule.read_text()
+    )
     if n != 1:
         raise UserError(f"{rule}: expected one eval_accuracy threshold to replace, found {n}")
     rule.write_text(text)

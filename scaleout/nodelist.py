@@ -42,13 +42,17 @@ def _expand_range(spec: str, full: str) -> list[str]:
         part = part.strip()
         lo, dash, hi = part.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise NodelistError(f"nodelist {full!r}: bad range {part!r} in '[{spec}]' (expected N or LO-HI digits)")
+            raise NodelistError(
+                f"nodelist {full!r}: bad range {part!r} in '[{spec}]' (expected N or LO-HI digits)"
+            )
         width = len(lo)
         a, b = int(lo), int(hi) if dash else int(lo)
         if b < a:
             raise NodelistError(f"nodelist {full!r}: descending range {part!r}")
         if b - a >= _MAX_HOSTS:
-            raise NodelistError(f"nodelist {full!r}: range {part!r} has more than {_MAX_HOSTS} hosts")
+            raise NodelistError(
+                f"nodelist {full!r}: range {part!r} has more than {_MAX_HOSTS} hosts"
+            )
         out.extend(str(n).zfill(width) for n in range(a, b + 1))
     return out
 
@@ -102,20 +106,28 @@ def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
     for part in spec.strip().split(","):
         count, paren, rep = part.partition("(x")
         if paren and not rep.endswith(")"):
-            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: unclosed '(x' in {part!r} (expected N or N(xR))")
+            raise NodelistError(
+                f"SLURM_TASKS_PER_NODE={spec!r}: unclosed '(x' in {part!r} (expected N or N(xR))"
+            )
         try:
             n = int(count)
             r = int(rep[:-1]) if paren else 1
         except ValueError:
-            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r} (expected N or N(xR))") from None
+            raise NodelistError(
+                f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r} (expected N or N(xR))"
+            ) from None
         if n < 0 or r < 1:
             raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r}: bad item {part!r}")
         items.append((n, r))
         total = sum(r for _, r in items)
         if total > limit:
             what = f"expected {nnodes}" if nnodes is not None else f"expected at most {_MAX_HOSTS}"
-            raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes at least {total} nodes, {what}")
+            raise NodelistError(
+                f"SLURM_TASKS_PER_NODE={spec!r} describes at least {total} nodes, {what}"
+            )
     out = [n for n, r in items for _ in range(r)]
     if nnodes is not None and len(out) != nnodes:
-        raise NodelistError(f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}")
+        raise NodelistError(
+            f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}"
+        )
     return out

@@ -22,7 +22,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return str(v)
 
     cells = [[cell(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(vals: Sequence[str]) -> str:
         return "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True)) + " |"

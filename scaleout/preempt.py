@@ -74,7 +74,9 @@ def signal_from_name(name: str) -> signal.Signals:
         full = text if text.startswith("SIG") else "SIG" + text
         if hasattr(signal.Signals, full):
             return signal.Signals[full]
-    raise UserError(f"preemption signal {name!r}: expected a signal name such as USR2, USR1, TERM or a number")
+    raise UserError(
+        f"preemption signal {name!r}: expected a signal name such as USR2, USR1, TERM or a number"
+    )
 
 
 class Preemption:
@@ -171,7 +173,9 @@ def install(
     term_sigs = [signal_from_name(n) for n in terminate]
     clash = set(notice_sigs) & set(term_sigs)
     if clash:
-        raise UserError(f"signal {sorted(s.name for s in clash)} cannot be both a notice and a terminate signal")
+        raise UserError(
+            f"signal {sorted(s.name for s in clash)} cannot be both a notice and a terminate signal"
+        )
     return Preemption(notice_sigs, term_sigs)._install()
 
 
@@ -217,7 +221,9 @@ def _slurm_seconds(text: str) -> int | None:
     return seconds + int(days or 0) * 86400
 
 
-def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 30.0, tries: int = 3) -> bool:
+def time_limit_reached(
+    env: Mapping[str, str] | None = None, timeout_s: float = 30.0, tries: int = 3
+) -> bool:
     """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >= TimeLimit).
 
     Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from a scancel,
@@ -233,20 +239,33 @@ def time_limit_reached(env: Mapping[str, str] | None = None, timeout_s: float = 
         return False
     for attempt in range(tries):
         try:
-            proc = subprocess.run([scontrol, "show", "job", "-o", job], capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
+            proc = subprocess.run(
+                [scontrol, "show", "job", "-o", job],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             proc = None
-        fields = dict(part.split("=", 1) for part in (proc.stdout if proc else "").split() if "=" in part)
-        run, limit = _slurm_seconds(fields.get("RunTime", "")), _slurm_seconds(fields.get("TimeLimit", ""))
+        fields = dict(
+            part.split("=", 1) for part in (proc.stdout if proc else "").split() if "=" in part
+        )
+        run, limit = (
+            _slurm_seconds(fields.get("RunTime", "")),
+            _slurm_seconds(fields.get("TimeLimit", "")),
+        )
         if run is not None and "TimeLimit" in fields:
             return limit is not None and run >= limit  # limit None: UNLIMITED
         if fields.get("Reason") == "TimeLimit" or fields.get("JobState") == "TIMEOUT":
             return True
         if attempt + 1 < tries:
             time.sleep(min(2.0 * (attempt + 1), 5.0))
-    print(f"scontrol show job {job} did not answer ({tries} tries): taking the SIGTERM for the time limit",
-          file=sys.stderr, flush=True)
+    print(
+        f"scontrol show job {job} did not answer ({tries} tries): taking the SIGTERM for the time limit",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 

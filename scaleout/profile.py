@@ -65,7 +65,9 @@ def until_done(name: str, future: Any) -> None:
         return
     rf = torch.autograd.profiler.record_function(PREFIX + name)
     rf.__enter__()
-    rf._call_end_callbacks_on_future(future)  # closes the range from the future's completion callback
+    rf._call_end_callbacks_on_future(
+        future
+    )  # closes the range from the future's completion callback
 
 
 def traced(name: str, fn: Callable[..., Any] | None = None) -> Any:
@@ -91,7 +93,10 @@ def traced(name: str, fn: Callable[..., Any] | None = None) -> Any:
             raise
         try:
             fut = getattr(work, "future", None) or work.get_future()
-        except (AttributeError, RuntimeError):  # gloo's reduce_scatter Work has no future: end at wait()
+        except (
+            AttributeError,
+            RuntimeError,
+        ):  # gloo's reduce_scatter Work has no future: end at wait()
             return _WaitCloses(work, handle)
         fut.add_done_callback(lambda _f: leave(handle))
         return work
@@ -129,7 +134,9 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         self.prof = profile(
             activities=activities,
-            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat),
+            schedule=schedule(
+                wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat
+            ),
             on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{rank}"),
             record_shapes=cfg.record_shapes,
             profile_memory=cfg.profile_memory,

@@ -33,7 +33,9 @@ QUALITY_EXPONENT = {"resnet": 5.0, "bert": 5.0}
 RESNET50_FORWARD_MACS = 4.1e9  # ResNet-50 v1.5, 224x224 (see module docstring)
 
 
-def resnet_flops_per_image(forward_macs: float = RESNET50_FORWARD_MACS, image_size: int = 224) -> float:
+def resnet_flops_per_image(
+    forward_macs: float = RESNET50_FORWARD_MACS, image_size: int = 224
+) -> float:
     """Training FLOPs per image: 3 passes x 2 FLOPs per MAC, scaled by area from the 224px count."""
     return 3.0 * 2.0 * forward_macs * (image_size / 224.0) ** 2
 
@@ -92,7 +94,9 @@ class RunReport:
     def valid_flops_per_s(self) -> float | None:
         if self.achieved is None or self.target is None:
             return None
-        return valid_flops(self.flops_per_s, self.achieved, self.target, float(self.quality_exponent))
+        return valid_flops(
+            self.flops_per_s, self.achieved, self.target, float(self.quality_exponent)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -117,22 +121,40 @@ class RunReport:
             rows.append(["real tokens/s", f"{self.tokens_per_s:.0f}"])
         rows.append(["model TFLOP/s (all devices)", f"{self.flops_per_s / 1e12:.4f}"])
         if self.mfu is None:
-            rows.append([f"MFU ({self.devices} x {self.device_name})", f"unknown ({self.peak_source or 'no peak'})"])
+            rows.append(
+                [
+                    f"MFU ({self.devices} x {self.device_name})",
+                    f"unknown ({self.peak_source or 'no peak'})",
+                ]
+            )
         else:
-            rows.append([f"MFU ({self.devices} x {self.device_name}, {self.peak_flops_per_device / 1e12:.4g} TFLOP/s "
-                         f"peak: {self.peak_source})", f"{self.mfu:.2%}"])
+            rows.append(
+                [
+                    f"MFU ({self.devices} x {self.device_name}, {self.peak_flops_per_device / 1e12:.4g} TFLOP/s "
+                    f"peak: {self.peak_source})",
+                    f"{self.mfu:.2%}",
+                ]
+            )
         if self.achieved is not None and self.target is not None:
             rows.append(["quality achieved / target", f"{self.achieved:.4f} / {self.target:.4f}"])
             rows.append(
-                [f"HPC-AI500 Valid TFLOP/s (n={self.quality_exponent:g})", f"{self.valid_flops_per_s / 1e12:.4f}"]
+                [
+                    f"HPC-AI500 Valid TFLOP/s (n={self.quality_exponent:g})",
+                    f"{self.valid_flops_per_s / 1e12:.4f}",
+                ]
             )
         out = format_table(["metric", "value"], rows)
         if self.breakdown_s:
             total = sum(self.breakdown_s.values()) or 1.0
             from scaleout.timers import PHASES
 
-            names = [p for p in PHASES if p in self.breakdown_s] + sorted(set(self.breakdown_s) - set(PHASES))
-            brows = [[n, f"{self.breakdown_s[n] * 1e3:.2f}", f"{self.breakdown_s[n] / total:.1%}"] for n in names]
+            names = [p for p in PHASES if p in self.breakdown_s] + sorted(
+                set(self.breakdown_s) - set(PHASES)
+            )
+            brows = [
+                [n, f"{self.breakdown_s[n] * 1e3:.2f}", f"{self.breakdown_s[n] / total:.1%}"]
+                for n in names
+            ]
             out += "\n\n" + format_table(["phase", "ms/step", "share"], brows)
         return out
 
@@ -144,8 +166,15 @@ class Progress:
     (a Slurm log) it prints a full line at most every ``line_every_s`` seconds, so logs stay short.
     """
 
-    def __init__(self, total: int, rank: int = 0, stream: Any = None, every_s: float = 0.5,
-                 line_every_s: float = 10.0, enabled: bool = True):
+    def __init__(
+        self,
+        total: int,
+        rank: int = 0,
+        stream: Any = None,
+        every_s: float = 0.5,
+        line_every_s: float = 10.0,
+        enabled: bool = True,
+    ):
         import sys
 
         self.total, self.enabled = max(int(total), 1), enabled and rank == 0
@@ -169,7 +198,9 @@ class Progress:
         parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
         return " | ".join(parts)
 
-    def update(self, step: int, samples: int | None = None, force: bool = False, **metrics: float) -> None:
+    def update(
+        self, step: int, samples: int | None = None, force: bool = False, **metrics: float
+    ) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()

@@ -90,7 +90,9 @@ class World:
     def require_uniform(self, what: str) -> None:
         if not self.uniform:
             sizes = [len(r) for r in self.ranks_per_node]
-            raise TopologyError(f"{what} needs the same number of ranks on every node, got ranks per node {sizes}")
+            raise TopologyError(
+                f"{what} needs the same number of ranks on every node, got ranks per node {sizes}"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -119,7 +121,9 @@ class World:
         if family not in self._families:
             mine = [ranks for ranks in parts if self.rank in ranks]
             if len(mine) != 1:
-                raise TopologyError(f"{family} groups {parts}: rank {self.rank} must be in exactly one of them")
+                raise TopologyError(
+                    f"{family} groups {parts}: rank {self.rank} must be in exactly one of them"
+                )
             ranks = tuple(sorted(mine[0]))
             key: tuple[Any, ...] = ranks if shared else (family, *ranks)
             if key not in self._groups:
@@ -127,7 +131,9 @@ class World:
                     self._groups[key] = dist.group.WORLD
                 else:
                     self._groups[key] = dist.new_group(
-                        list(ranks), timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True
+                        list(ranks),
+                        timeout=timedelta(seconds=self.timeout_s),
+                        use_local_synchronization=True,
                     )
             self._families[family] = self._groups[key]
         return self._families[family]
@@ -149,7 +155,9 @@ class World:
     def inter(self) -> Any:
         """Ranks with this rank's local rank, one per node."""
         self.require_uniform("the inter-node group")
-        return self._partition("inter", [list(col) for col in zip(*self.ranks_per_node, strict=True)])
+        return self._partition(
+            "inter", [list(col) for col in zip(*self.ranks_per_node, strict=True)]
+        )
 
     @property
     def intra_ranks(self) -> list[int]:
@@ -168,7 +176,9 @@ class World:
             x = len(self.ranks_per_node[0])
         for name, v in (("x", x), ("y", y)):
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise TopologyError(f"torus grid {name}={v!r}: expected a positive integer with x*y = world size {p}")
+                raise TopologyError(
+                    f"torus grid {name}={v!r}: expected a positive integer with x*y = world size {p}"
+                )
         if x is None or y is None:
             given, name = (x, "x") if x is not None else (y, "y")
             if p % given:
@@ -177,7 +187,9 @@ class World:
                 )
             x, y = (given, p // given) if name == "x" else (p // given, given)
         if x * y != p:
-            raise TopologyError(f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})")
+            raise TopologyError(
+                f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})"
+            )
         return x, y
 
     def torus_rows(self, x: int) -> list[list[int]]:
@@ -249,7 +261,10 @@ class World:
         from scaleout.comm.handles import comm_thread
 
         if self.uniform and self.num_nodes > 1 and self.local_size > 1:
-            _ = self.intra, self.inter  # gloo groups (and their worker threads) exist before the renice
+            _ = (
+                self.intra,
+                self.inter,
+            )  # gloo groups (and their worker threads) exist before the renice
         comm_thread(self)
         tid = threading.get_native_id()
         try:
@@ -294,7 +309,11 @@ class World:
         try:
             self.close()
         except Exception as exc:  # noqa: BLE001 -- at exit: one line, never a traceback over the user's output
-            print(f"scaleout: rank {self.rank}: shutdown at exit failed: {exc}", file=sys.stderr, flush=True)
+            print(
+                f"scaleout: rank {self.rank}: shutdown at exit failed: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> World:
         return self
@@ -317,7 +336,9 @@ def _release_captured_groups(groups: list[Any]) -> None:
         if module is None or not name.startswith("torch.distributed"):
             continue
         for fn in list(vars(module).values()):
-            if type(fn) is not types.FunctionType:  # not isinstance: deprecated torch names warn on that
+            if (
+                type(fn) is not types.FunctionType
+            ):  # not isinstance: deprecated torch names warn on that
                 continue
             defaults = fn.__defaults__
             if defaults and any(id(d) in ids for d in defaults):
@@ -356,7 +377,9 @@ def init(
         timeout_s = config.train.init_timeout_s if config is not None else 600.0
     reader = detect_environment(env, environment)
     spec = reader.read(env)
-    if launch is not None:  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+    if (
+        launch is not None
+    ):  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
         given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
         spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
     device, backend = pick_device(spec.local_rank, backend)
@@ -379,7 +402,9 @@ def init(
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)
-    atexit.register(world._close_at_exit)  # an orderly shutdown even if the script never calls close()
+    atexit.register(
+        world._close_at_exit
+    )  # an orderly shutdown even if the script never calls close()
     return world
 
 

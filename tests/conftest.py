@@ -9,19 +9,37 @@ if ROOT not in sys.path:
 import pytest  # noqa: E402
 
 TIERS = ("unit", "multi_process", "full_system")  # pyproject.toml [tool.pytest.ini_options] markers
-SYSTEM = ("slurm", "mpi", "netns", "horovod")  # need the real thing: a full_system test by definition
+SYSTEM = (
+    "slurm",
+    "mpi",
+    "netns",
+    "horovod",
+)  # need the real thing: a full_system test by definition
 # The suite runs on every core (pytest-xdist, pyproject addopts): these share machine-wide state -- the one
 # local Slurm cluster and /etc/hosts, the list of network namespaces, mpirun's and Horovod's rendezvous, a
 # timing fit on the emulated links -- so they run in one group, on one worker, one after another, while the
 # other workers take the rest (much of the group's time is waiting for Slurm). `-n 0` runs everything here.
-SERIAL_FILES = {"test_netns.py", "test_sim_calibrate.py", "test_slurm.py", "test_preempt_slurm.py", "test_sweep.py",
-                "test_submit_options.py", "test_slurm_local_safety.py", "test_mpi.py", "test_any_launcher.py"}
+SERIAL_FILES = {
+    "test_netns.py",
+    "test_sim_calibrate.py",
+    "test_slurm.py",
+    "test_preempt_slurm.py",
+    "test_sweep.py",
+    "test_submit_options.py",
+    "test_slurm_local_safety.py",
+    "test_mpi.py",
+    "test_any_launcher.py",
+}
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """``pytest -m unit`` does not even import a test file without a unit test: importing them (torch
     extensions, hypothesis, transformers) is most of the time the inner loop would otherwise spend collecting."""
-    if config.getoption("markexpr") == "unit" and collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+    if (
+        config.getoption("markexpr") == "unit"
+        and collection_path.name.startswith("test_")
+        and collection_path.suffix == ".py"
+    ):
         return "mark.unit" not in collection_path.read_text()
     return None
 
@@ -46,11 +64,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             have = _cuda_devices()
             if have < need:
                 why = gpu.kwargs.get("reason", "")
-                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), this machine has {have}"
-                                                        + (f" ({why})" if why else "")))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"needs {need} CUDA device(s), this machine has {have}"
+                        + (f" ({why})" if why else "")
+                    )
+                )
     if untiered:
-        raise pytest.UsageError("tests need exactly one tier marker (" + ", ".join(TIERS) + "; see pyproject.toml):\n  "
-                                + "\n  ".join(untiered))
+        raise pytest.UsageError(
+            "tests need exactly one tier marker ("
+            + ", ".join(TIERS)
+            + "; see pyproject.toml):\n  "
+            + "\n  ".join(untiered)
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

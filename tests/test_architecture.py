@@ -40,14 +40,20 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in the file, in functions too; not the type-only ones under
     ``if TYPE_CHECKING:`` (never executed: ``World`` is a type every layer names)."""
     tree = ast.parse(path.read_text())
-    type_only = {id(n) for top in tree.body if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
-                 for n in ast.walk(top)}
+    type_only = {
+        id(n)
+        for top in tree.body
+        if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
+        for n in ast.walk(top)
+    }
     found = []
     for node in ast.walk(tree):
         if id(node) in type_only:
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+            found += [(node.lineno, node.module)] + [
+                (node.lineno, f"{node.module}.{a.name}") for a in node.names
+            ]
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
     return found
@@ -59,7 +65,9 @@ def _target(module: str) -> str | None:
         return "launchers"
     if parts[0] != "scaleout":
         return None
-    return "launchers" if parts[1:2] == ["launchers"] else (parts[1] if len(parts) > 1 else "scaleout")
+    return (
+        "launchers" if parts[1:2] == ["launchers"] else (parts[1] if len(parts) > 1 else "scaleout")
+    )
 
 
 @functools.cache
@@ -71,7 +79,9 @@ def _graph() -> dict[str, dict[str, list[str]]]:
         for f in files:
             for line, mod in _imports(f):
                 t = _target(mod)
-                if t and t != unit and t != "scaleout":  # `import scaleout` (the lazy face) is not an edge
+                if (
+                    t and t != unit and t != "scaleout"
+                ):  # `import scaleout` (the lazy face) is not an edge
                     edges.setdefault(t, []).append(f"{f.relative_to(ROOT)}:{line}")
     return graph
 
@@ -127,19 +137,29 @@ def _readme_section(title: str) -> str:
 
 def test_readme_contents_lists_every_guide() -> None:
     contents = _readme_section("Contents")
-    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in contents]
+    missing = [
+        p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in contents
+    ]
     assert not missing, f"README Contents does not list {missing}"
 
 
 def test_readme_architecture_names_what_exists() -> None:
     """Every package of scaleout/ and every launcher module is in the block; every name in it exists."""
     block = _readme_section("Architecture")
-    packages = [p.name for p in sorted((ROOT / "scaleout").iterdir())
-                if (p / "__init__.py").is_file() and p.name not in ("launchers", "configs")]
+    packages = [
+        p.name
+        for p in sorted((ROOT / "scaleout").iterdir())
+        if (p / "__init__.py").is_file() and p.name not in ("launchers", "configs")
+    ]
     launchers = [p.stem for p in sorted((ROOT / "launchers").glob("*.py")) if p.stem != "__init__"]
-    missing = [f"scaleout/{n}/" for n in packages if f"{n}/" not in block] + [n for n in launchers if n not in block]
+    missing = [f"scaleout/{n}/" for n in packages if f"{n}/" not in block] + [
+        n for n in launchers if n not in block
+    ]
     assert not missing, f"README Architecture does not mention {missing}"
     named = set(__import__("re").findall(r"\b([a-z_]+)/ ", block))
-    stale = sorted(n for n in named - {"scaleout", "launchers", "configs", "slurm", "tests"}
-                   if not (ROOT / "scaleout" / n).is_dir())
+    stale = sorted(
+        n
+        for n in named - {"scaleout", "launchers", "configs", "slurm", "tests"}
+        if not (ROOT / "scaleout" / n).is_dir()
+    )
     assert not stale, f"README Architecture names folders that do not exist: {stale}"

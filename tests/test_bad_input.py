@@ -63,7 +63,9 @@ class Case:
     files: tuple[tuple[str, str | bytes | Callable[[Path], None]], ...] = ()
     given: str = ""  # what the files hold, for the table
     root: bool = False  # the local Slurm scripts: root only
-    normalize: tuple[tuple[str, str], ...] = ()  # machine-dependent parts of the message -> placeholders
+    normalize: tuple[
+        tuple[str, str], ...
+    ] = ()  # machine-dependent parts of the message -> placeholders
 
     @property
     def command(self) -> str:
@@ -91,7 +93,10 @@ CASES: list[Case] = [
     Case((*CFG, "train.seed=99999999999999999999999"), "train.seed=99999999999999999999999"),
     Case((*CFG, "train.seed=-1"), "train.seed=-1"),
     Case((*CFG, "data.seed=-3"), "data.seed=-3"),
-    Case((*CFG, "train.global_batch=100000000000000000000000"), "train.global_batch=100000000000000000000000"),
+    Case(
+        (*CFG, "train.global_batch=100000000000000000000000"),
+        "train.global_batch=100000000000000000000000",
+    ),
     Case((*CFG, "train.global_batch=-5"), "train.global_batch=-5"),
     Case((*CFG, "data.num_workers=100000"), "data.num_workers=100000"),
     Case((*CFG, "model.bert.hidden=1000000000"), "model.bert.hidden=1000000000"),
@@ -126,7 +131,16 @@ CASES: list[Case] = [
     Case(("launch", "--", "no-such-prog-xyz"), "no-such-prog-xyz"),
     Case(("launch", "--nnodes", "3", "--", "scaleout", "train", "bert_tiny_cpu"), "world size 3"),
     Case(
-        ("launch", "--nproc-per-node", "2", "--", "scaleout", "train", "bert_tiny_cpu", "train.seed=-1"),
+        (
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "scaleout",
+            "train",
+            "bert_tiny_cpu",
+            "train.seed=-1",
+        ),
         "train.seed=-1",
     ),
     # scaleout cluster
@@ -147,7 +161,9 @@ CASES: list[Case] = [
         files=(("h.txt", WRAP_HIST),),
         given="h.txt: two counts of 2^63-1 (int64 used to wrap to -2 sequences)",
     ),
-    Case(("pack", "h.txt", "--out", ""), "-3", files=(("h.txt", "10 -3\n"),), given="h.txt: `10 -3`"),
+    Case(
+        ("pack", "h.txt", "--out", ""), "-3", files=(("h.txt", "10 -3\n"),), given="h.txt: `10 -3`"
+    ),
     Case(
         ("pack", "--lengths", "f.npy", "--out", ""),
         "float64",
@@ -166,7 +182,12 @@ CASES: list[Case] = [
         files=(("l.txt", "12\n99999999999999999999\n"),),
         given="l.txt: a 20-digit length",
     ),
-    Case(("pack", "--lengths", "l.txt", "--out", ""), "'1.5'", files=(("l.txt", "12\n1.5\n"),), given="l.txt: `1.5`"),
+    Case(
+        ("pack", "--lengths", "l.txt", "--out", ""),
+        "'1.5'",
+        files=(("l.txt", "12\n1.5\n"),),
+        given="l.txt: `1.5`",
+    ),
     Case(
         ("pack", "h.txt", "--max-len", "1000000000000", "--out", ""),
         "max_len=1000000000000",
@@ -176,8 +197,14 @@ CASES: list[Case] = [
     # scaleout submit: the launch preflight runs before anything is queued
     Case(("submit", "bert_tiny_cpu", "optim.lr=-1", "--cluster", "local"), "optim.lr=-1"),
     Case(("submit", "bert_tiny_cpu", "--cluster", "local", "--gpus-per-node", "3"), "world size 3"),
-    Case(("submit", "bert_tiny_cpu", "--cluster", "local", "--array", "train.seed=1,-2"), "train.seed=-2"),
-    Case(("submit", "--command", "smoke", "--time", "1", "--signal-delay", "100000"), "--signal-delay=100000"),
+    Case(
+        ("submit", "bert_tiny_cpu", "--cluster", "local", "--array", "train.seed=1,-2"),
+        "train.seed=-2",
+    ),
+    Case(
+        ("submit", "--command", "smoke", "--time", "1", "--signal-delay", "100000"),
+        "--signal-delay=100000",
+    ),
     # launcher environments, read by every rank (scaleout smoke reads them first)
     Case(("smoke",), "WORLD_SIZE=0", env={**TORCHRUN, "WORLD_SIZE": "0"}),
     Case(("smoke",), "MASTER_PORT=70000", env={**TORCHRUN, "MASTER_PORT": "70000"}),
@@ -208,7 +235,10 @@ def _normalize(case: Case, message: str) -> str:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+    }
 
 
 def run_case(case: Case, cwd: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
@@ -224,7 +254,12 @@ def run_case(case: Case, cwd: Path) -> tuple[subprocess.CompletedProcess, dict, 
     env = {k: v for k, v in os.environ.items() if not _LEAKY.match(k)}
     env.update(case.env, PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     r = subprocess.run(
-        [sys.executable, "-m", "scaleout", *case.argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "scaleout", *case.argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     return r, before, _snapshot(cwd)
 
@@ -252,12 +287,17 @@ def doc_rows() -> list[tuple[str, str, str]]:
 
 def write_doc(messages: list[str]) -> None:
     text = DOC.read_text()
-    head, _, _ = text.partition("<!-- table: generated by `python tests/test_bad_input.py --write` -->")
+    head, _, _ = text.partition(
+        "<!-- table: generated by `python tests/test_bad_input.py --write` -->"
+    )
     lines = ["| # | input | given | one-line error (exit 2) |", "|---|---|---|---|"]
     for i, (case, msg) in enumerate(zip(CASES, messages, strict=True), 1):
         lines.append(f"| {i} | {_cell(case.command)} | {case.given} | {_cell(msg)} |")
     DOC.write_text(
-        head + "<!-- table: generated by `python tests/test_bad_input.py --write` -->\n" + "\n".join(lines) + "\n"
+        head
+        + "<!-- table: generated by `python tests/test_bad_input.py --write` -->\n"
+        + "\n".join(lines)
+        + "\n"
     )
 
 
@@ -285,7 +325,9 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, index: int
     assert r.stdout == "", r.stdout
     assert after == before, "the command wrote files before failing"
     documented = doc_rows()[index][2]
-    assert _normalize(case, lines[0]) == documented, "docs/bad-input.md is stale: run tests/test_bad_input.py --write"
+    assert _normalize(case, lines[0]) == documented, (
+        "docs/bad-input.md is stale: run tests/test_bad_input.py --write"
+    )
 
 
 if __name__ == "__main__":  # regenerate the table of docs/bad-input.md from the real CLI

@@ -23,13 +23,19 @@ OWN_TEST = {name for name, m in BENCHES.items() if getattr(m, "SMOKE_TEST", None
 
 
 def test_every_benchmark_declares_tiny_settings() -> None:
-    missing = [name for name, m in BENCHES.items() if not isinstance(getattr(m, "SMOKE_ARGS", None), list)]
-    assert not missing, f"benchmarks without SMOKE_ARGS (their tiny settings for this test): {missing}"
+    missing = [
+        name for name, m in BENCHES.items() if not isinstance(getattr(m, "SMOKE_ARGS", None), list)
+    ]
+    assert not missing, (
+        f"benchmarks without SMOKE_ARGS (their tiny settings for this test): {missing}"
+    )
     root = Path(__file__).resolve().parent.parent
     for name in OWN_TEST:
         path, _, test = BENCHES[name].SMOKE_TEST.partition("::")
         src = (root / path).read_text()
-        assert f"def {test}(" in src and f"{name}.SMOKE_ARGS" in src, f"{name}: SMOKE_TEST {BENCHES[name].SMOKE_TEST}"
+        assert f"def {test}(" in src and f"{name}.SMOKE_ARGS" in src, (
+            f"{name}: SMOKE_TEST {BENCHES[name].SMOKE_TEST}"
+        )
 
 
 @pytest.mark.timeout(900)

@@ -76,7 +76,11 @@ def test_one_shot_prints_nccl_tests_lines(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln.split("] ", 1)[1] if ln.startswith("[rank") else ln for ln in r.stdout.splitlines()]
-    rows = [ln.split() for ln in lines if ln.strip() and ln.strip()[0].isdigit() and len(ln.split()) == 9]
+    rows = [
+        ln.split()
+        for ln in lines
+        if ln.strip() and ln.strip()[0].isdigit() and len(ln.split()) == 9
+    ]
     assert [(int(c[0]), int(c[1]), c[2], c[3], c[4], int(c[8])) for c in rows] == [
         (1024, 256, "float", "sum", "-1", 0),
         (4096, 1024, "float", "sum", "-1", 0),
@@ -85,7 +89,9 @@ def test_one_shot_prints_nccl_tests_lines(tmp_path: Path) -> None:
     data = json.loads(out.read_text())["rows"]
     assert [float(c[5]) for c in rows] == pytest.approx([d["time_s"] * 1e6 for d in data], abs=0.06)
     (avg,) = [ln for ln in lines if ln.startswith("# Avg bus bandwidth")]
-    assert float(avg.split(":")[1]) == pytest.approx(sum(d["busbw"] for d in data) / 3 / 1e9, rel=1e-3)
+    assert float(avg.split(":")[1]) == pytest.approx(
+        sum(d["busbw"] for d in data) / 3 / 1e9, rel=1e-3
+    )
     assert "#wrong" in r.stdout and "(us)" in r.stdout
 
 

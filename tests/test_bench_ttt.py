@@ -20,8 +20,16 @@ from scaleout.bench._ttt_runs import Plan, Recipe, command, read_mlperf
 
 
 def _plan(**kw) -> Plan:
-    return Plan(**{"config": "bert_tiny_cpu", "target": 0.14, "budget": 6000, "eval_seqs": 600,
-                   "seqs_per_row": 1.2, **kw})
+    return Plan(
+        **{
+            "config": "bert_tiny_cpu",
+            "target": 0.14,
+            "budget": 6000,
+            "eval_seqs": 600,
+            "seqs_per_row": 1.2,
+            **kw,
+        }
+    )
 
 
 @pytest.mark.unit
@@ -29,38 +37,86 @@ def test_plan_gives_every_recipe_the_same_sequences_and_eval_interval() -> None:
     plan = _plan()
     padded = Recipe("b", "torch", "adamw", 60, 1e-3, 0.1)
     packed = Recipe("s", "scaleout", "lamb", 50, 2e-2, 0.1, packing=True, comm="hierarchical")
-    assert plan.steps(padded) == 100 and plan.steps(packed) == 100  # 50 rows x 1.2 = 60 sequences per step
+    assert (
+        plan.steps(padded) == 100 and plan.steps(packed) == 100
+    )  # 50 rows x 1.2 = 60 sequences per step
     assert plan.eval_every(padded) == plan.eval_every(packed) == 10
     assert plan.warmup_steps(padded) == 10
     torch_cmd = command(plan, padded, 3, __import__("pathlib").Path("o"))
     assert "scaleout.bench._ttt_baseline" in torch_cmd and "--time-budget" not in torch_cmd
-    assert torch_cmd[torch_cmd.index("--max-steps") + 1] == "100" and torch_cmd[torch_cmd.index("--seed") + 1] == "3"
+    assert (
+        torch_cmd[torch_cmd.index("--max-steps") + 1] == "100"
+        and torch_cmd[torch_cmd.index("--seed") + 1] == "3"
+    )
     sc = command(plan, packed, 3, __import__("pathlib").Path("o"))
-    for kv in ("data.packing=lpfhp", "optim.name=lamb", "comm.algorithm=hierarchical", "train.max_steps=100",
-               "optim.total_steps=100", "train.eval_every=10", "train.seed=3", "optim.sharded=false"):
+    for kv in (
+        "data.packing=lpfhp",
+        "optim.name=lamb",
+        "comm.algorithm=hierarchical",
+        "train.max_steps=100",
+        "optim.total_steps=100",
+        "train.eval_every=10",
+        "train.seed=3",
+        "optim.sharded=false",
+    ):
         assert kv in sc
-    assert "data.packing=none" in command(plan, Recipe("f", "scaleout", "adamw", 60, 1e-3, 0.1, comm="flat"), 1,
-                                          __import__("pathlib").Path("o"))
+    assert "data.packing=none" in command(
+        plan,
+        Recipe("f", "scaleout", "adamw", 60, 1e-3, 0.1, comm="flat"),
+        1,
+        __import__("pathlib").Path("o"),
+    )
 
 
-def _row(recipe: str, seed: int, ttt: float | None, steps: int = 10, cluster: str = "netns") -> dict:
-    return {"cluster": cluster, "recipe": recipe, "seed": seed, "ttt_s": ttt, "run_s": ttt or 99.0,
-            "reached": ttt is not None, "steps": steps, "samples": steps * 64, "steps_budget": 50,
-            "status": "success" if ttt else "max_steps", "time_budget_s": None}
+def _row(
+    recipe: str, seed: int, ttt: float | None, steps: int = 10, cluster: str = "netns"
+) -> dict:
+    return {
+        "cluster": cluster,
+        "recipe": recipe,
+        "seed": seed,
+        "ttt_s": ttt,
+        "run_s": ttt or 99.0,
+        "reached": ttt is not None,
+        "steps": steps,
+        "samples": steps * 64,
+        "steps_budget": 50,
+        "status": "success" if ttt else "max_steps",
+        "time_budget_s": None,
+    }
 
 
-CHAIN = [("baseline", "torch"), ("abl-framework", "f"), ("abl-packing", "p"), ("abl-comm", "c"), ("scaleout", "l")]
+CHAIN = [
+    ("baseline", "torch"),
+    ("abl-framework", "f"),
+    ("abl-packing", "p"),
+    ("abl-comm", "c"),
+    ("scaleout", "l"),
+]
 
 
 @pytest.mark.unit
 def test_ablation_factors_multiply_to_the_measured_ratio() -> None:
-    times = {"baseline": [100, 120, 90], "abl-framework": [98, 118, 92], "abl-packing": [88, 100, 80],
-             "abl-comm": [70, 80, 66], "scaleout": [40, 50, 45]}
+    times = {
+        "baseline": [100, 120, 90],
+        "abl-framework": [98, 118, 92],
+        "abl-packing": [88, 100, 80],
+        "abl-comm": [70, 80, 66],
+        "scaleout": [40, 50, 45],
+    }
     rows = [_row(name, s + 1, t) for name, ts in times.items() for s, t in enumerate(ts)]
     ab = rep.ablation(rows, "netns", CHAIN)
-    assert [st["recipe"] for st in ab["steps"]] == ["abl-framework", "abl-packing", "abl-comm", "scaleout"]
-    assert ab["steps"][0]["factor_per_seed"] == [pytest.approx(100 / 98, abs=1e-4), pytest.approx(120 / 118, abs=1e-4),
-                                                 pytest.approx(90 / 92, abs=1e-4)]
+    assert [st["recipe"] for st in ab["steps"]] == [
+        "abl-framework",
+        "abl-packing",
+        "abl-comm",
+        "scaleout",
+    ]
+    assert ab["steps"][0]["factor_per_seed"] == [
+        pytest.approx(100 / 98, abs=1e-4),
+        pytest.approx(120 / 118, abs=1e-4),
+        pytest.approx(90 / 92, abs=1e-4),
+    ]
     assert ab["measured_ratio"] == pytest.approx(100 / 45)
     assert ab["ratio_per_seed"] == [2.5, 2.4, 2.0]
     assert ab["product"] == pytest.approx(math.prod(st["factor"] for st in ab["steps"]))
@@ -71,13 +127,21 @@ def test_ablation_factors_multiply_to_the_measured_ratio() -> None:
 
 @pytest.mark.unit
 def test_unreached_is_budget_never_a_number() -> None:
-    rows = [_row("baseline", 1, None), _row("baseline", 2, None), _row("baseline", 3, 100.0),
-            _row("scaleout", 1, 40.0), _row("scaleout", 2, 50.0), _row("scaleout", 3, None)]
+    rows = [
+        _row("baseline", 1, None),
+        _row("baseline", 2, None),
+        _row("baseline", 3, 100.0),
+        _row("scaleout", 1, 40.0),
+        _row("scaleout", 2, 50.0),
+        _row("scaleout", 3, None),
+    ]
     assert rep.cell(rows[0]) == "> budget (50 steps)"
     cut = {**rows[0], "status": "time_budget", "time_budget_s": 61.2}
     assert rep.cell(cut) == "> budget (61 s, cut)"
     base, sc = rep.summarize(rows, "netns", "baseline"), rep.summarize(rows, "netns", "scaleout")
-    assert base["median_ttt_s"] is None and base["reached"] == 1  # 2 of 3 unreached: the median is "> budget"
+    assert (
+        base["median_ttt_s"] is None and base["reached"] == 1
+    )  # 2 of 3 unreached: the median is "> budget"
     assert sc["median_ttt_s"] == 50.0 and sc["median_steps"] == 10 and sc["reached"] == 2
     assert rep.ratio(base["median_ttt_s"], sc["median_ttt_s"]) is None
     assert rep.fmt(None) == "> budget" and rep.fmt(math.inf) == "> budget"
@@ -89,35 +153,77 @@ def test_unreached_is_budget_never_a_number() -> None:
 @pytest.mark.unit
 def test_read_mlperf_takes_the_last_attempt(tmp_path) -> None:
     def line(key, t, value=None, **meta):
-        return ":::MLLOG " + json.dumps({"key": key, "time_ms": t, "value": value, "metadata": meta})
+        return ":::MLLOG " + json.dumps(
+            {"key": key, "time_ms": t, "value": value, "metadata": meta}
+        )
 
     log = tmp_path / "mlperf.log"
-    log.write_text("\n".join([
-        line("run_start", 1000), line("eval_accuracy", 2000, 0.1, samples_count=64), line("run_stop", 2500, status="aborted"),
-        line("run_start", 10_000), line("eval_accuracy", 11_000, 0.12, samples_count=64),
-        line("eval_accuracy", 12_500, 0.15, samples_count=128), line("run_stop", 12_600, status="success"),
-    ]))
+    log.write_text(
+        "\n".join(
+            [
+                line("run_start", 1000),
+                line("eval_accuracy", 2000, 0.1, samples_count=64),
+                line("run_stop", 2500, status="aborted"),
+                line("run_start", 10_000),
+                line("eval_accuracy", 11_000, 0.12, samples_count=64),
+                line("eval_accuracy", 12_500, 0.15, samples_count=128),
+                line("run_stop", 12_600, status="success"),
+            ]
+        )
+    )
     got = read_mlperf(log)
-    assert got == {"ttt_s": 2.6, "mlperf_status": "success", "curve": [[1.0, 64, 0.12], [2.5, 128, 0.15]]}
+    assert got == {
+        "ttt_s": 2.6,
+        "mlperf_status": "success",
+        "curve": [[1.0, 64, 0.12], [2.5, 128, 0.15]],
+    }
 
 
 @pytest.mark.unit
 def test_baseline_script_refuses_bad_arguments(capsys) -> None:
     from scaleout.bench import _ttt_baseline as ttt_baseline
 
-    base = ["--lr", "1e-3", "--global-batch", "8", "--max-steps", "10", "--eval-every", "2", "--target", "0.1",
-            "--out", "x"]
+    base = [
+        "--lr",
+        "1e-3",
+        "--global-batch",
+        "8",
+        "--max-steps",
+        "10",
+        "--eval-every",
+        "2",
+        "--target",
+        "0.1",
+        "--out",
+        "x",
+    ]
     with pytest.raises(SystemExit) as e:
         ttt_baseline.parse_args([*base, "--warmup-steps", "10"])
-    assert e.value.code == 2 and "--warmup-steps 10 must be below --max-steps 10" in capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "--warmup-steps 10 must be below --max-steps 10" in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         ttt_baseline.parse_args([*base, "--warmup-steps", "1", "--lr", "0"])
 
 
 def _bench(tmp_path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "ttt.json"
-    cmd = [sys.executable, "-m", "scaleout", "bench", "ttt", *ttt.SMOKE_ARGS, "--runs-dir", str(tmp_path / "runs"),
-           "--out", str(out), "--png", str(tmp_path / "ttt.png"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "bench",
+        "ttt",
+        *ttt.SMOKE_ARGS,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out",
+        str(out),
+        "--png",
+        str(tmp_path / "ttt.png"),
+        *extra,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text()), p.stdout
@@ -132,27 +238,57 @@ def test_quick_bench_end_to_end(tmp_path) -> None:
     res, stdout = _bench(tmp_path)
     names = [r["recipe"] for r in res["runs"]]
     assert names[0].startswith("baseline-b") and names.count("baseline") == 1
-    assert {"scaleout", "scaleout-sharded", "abl-framework", "abl-packing", "abl-comm", "abl-lamb"} <= set(names)
+    assert {
+        "scaleout",
+        "scaleout-sharded",
+        "abl-framework",
+        "abl-packing",
+        "abl-comm",
+        "abl-lamb",
+    } <= set(names)
     for r in res["runs"]:
         assert r["reached"] == (r["ttt_s"] is not None) == (r["mlperf_status"] == "success")
         assert r["curve"] and r["run_s"] >= r["curve"][-1][0] >= 0
-        assert (r["curve"][-1][2] >= 0.01) == r["reached"]  # a run stops at its first eval at the target
+        assert (r["curve"][-1][2] >= 0.01) == r[
+            "reached"
+        ]  # a run stops at its first eval at the target
         assert r["reached"] == (r["optimizer"] == "lamb"), (r["recipe"], r["curve"][-1])
     local = res["results"]["local"]
     assert set(local["summary"]) == {"baseline", "scaleout", "scaleout-sharded"}
-    assert local["summary"]["baseline"]["median_ttt_s"] is None and local["summary"]["scaleout"]["median_ttt_s"] > 0
-    assert local["summary"]["scaleout"]["ratio_vs_baseline"] is None and local["bar"]["passes"] is False
+    assert (
+        local["summary"]["baseline"]["median_ttt_s"] is None
+        and local["summary"]["scaleout"]["median_ttt_s"] > 0
+    )
+    assert (
+        local["summary"]["scaleout"]["ratio_vs_baseline"] is None
+        and local["bar"]["passes"] is False
+    )
     steps = local["ablation"]["steps"]
-    assert [s["recipe"] for s in steps] == ["abl-framework", "abl-packing", "abl-comm", "abl-lamb", "scaleout"]
-    assert steps[3]["factor"] is None and steps[4]["factor"] > 0  # from "> budget" to a time: no factor
+    assert [s["recipe"] for s in steps] == [
+        "abl-framework",
+        "abl-packing",
+        "abl-comm",
+        "abl-lamb",
+        "scaleout",
+    ]
+    assert (
+        steps[3]["factor"] is None and steps[4]["factor"] > 0
+    )  # from "> budget" to a time: no factor
     precision = {r["recipe"]: r["precision"] for r in res["runs"]}
-    assert precision["abl-lamb"] == "fp32" and precision["scaleout"] == precision["scaleout-sharded"] == "bf16"
-    ran = {r["recipe"]: _numerics(r["dir"]) for r in res["runs"]}  # what the trainer says it ran, not the recipe
+    assert (
+        precision["abl-lamb"] == "fp32"
+        and precision["scaleout"] == precision["scaleout-sharded"] == "bf16"
+    )
+    ran = {
+        r["recipe"]: _numerics(r["dir"]) for r in res["runs"]
+    }  # what the trainer says it ran, not the recipe
     assert ran["scaleout"] == {"linear": "bfloat16", "attn": "bfloat16", "comm": "bfloat16"}
     assert ran["abl-lamb"] == {"linear": "fp32", "attn": "fp32", "comm": "fp32"}
     assert ran["scaleout-sharded"]["linear"] == "bfloat16"
-    table = stdout[stdout.index("time-to-train to masked-LM accuracy 0.01"):]
-    assert "> budget (" in table.splitlines()[3] and "ablation on local" in stdout  # the baseline row
+    table = stdout[stdout.index("time-to-train to masked-LM accuracy 0.01") :]
+    assert (
+        "> budget (" in table.splitlines()[3] and "ablation on local" in stdout
+    )  # the baseline row
     assert res["bench"] == "ttt" and res["machine"]["cpus"] >= 1 and "|---" in stdout
     assert (tmp_path / "ttt.png").stat().st_size > 0  # matplotlib is in the test extra
 

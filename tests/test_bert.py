@@ -21,7 +21,9 @@ from scaleout.errors import UserError
 from scaleout.models.bert import BertForPreTraining, attention_mask, cu_seqlens
 
 L = 64
-CFG = BertConfig(vocab_size=97, hidden=32, layers=2, heads=4, intermediate=64, max_position=L, dropout=0.1)
+CFG = BertConfig(
+    vocab_size=97, hidden=32, layers=2, heads=4, intermediate=64, max_position=L, dropout=0.1
+)
 
 
 def _packed_and_alone(seed: int = 0, n: int = 40):
@@ -48,7 +50,10 @@ def _compare(model, seqs, packs):
     with torch.no_grad():
         packed = _per_sequence(model(pb), seqs, [i for p in packs for i in p])
         alone = _per_sequence(model(ab), seqs, list(range(len(seqs))))
-    diffs = [torch.cat([(packed[i][0] - alone[i][0]).flatten(), packed[i][1] - alone[i][1]]) for i in alone]
+    diffs = [
+        torch.cat([(packed[i][0] - alone[i][0]).flatten(), packed[i][1] - alone[i][1]])
+        for i in alone
+    ]
     return torch.cat(diffs).abs().max().item(), pb
 
 
@@ -81,17 +86,27 @@ def test_batch_layout():
         start, want_pos = 0, []
         for j, i in enumerate(pack):
             s, n = seqs[i], len(seqs[i])
-            assert b["position_ids"][r, start:start + n].tolist() == list(range(n))  # restart per sequence
-            assert b["seq_ids"][r, start:start + n].tolist() == [j + 1] * n
-            assert b["token_type_ids"][r, start:start + n].tolist() == s.segments
+            assert b["position_ids"][r, start : start + n].tolist() == list(
+                range(n)
+            )  # restart per sequence
+            assert b["seq_ids"][r, start : start + n].tolist() == [j + 1] * n
+            assert b["token_type_ids"][r, start : start + n].tolist() == s.segments
             assert b["nsp_positions"][r, j] == start and b["input_ids"][r, start] == CLS_ID
             assert b["nsp_labels"][r, j] == s.nsp_label
-            want_pos += [(start + p, lab) for p, lab in zip(s.mlm_positions, s.mlm_labels, strict=True)]
+            want_pos += [
+                (start + p, lab) for p, lab in zip(s.mlm_positions, s.mlm_labels, strict=True)
+            ]
             start += n
         assert (b["seq_ids"][r, start:] == 0).all() and (b["input_ids"][r, start:] == 0).all()
         # MLM positions are offset into the row and point at the masked inputs of the right sequence
         valid = b["mlm_labels"][r] != IGNORE_INDEX
-        got = list(zip(b["mlm_positions"][r][valid].tolist(), b["mlm_labels"][r][valid].tolist(), strict=True))
+        got = list(
+            zip(
+                b["mlm_positions"][r][valid].tolist(),
+                b["mlm_labels"][r][valid].tolist(),
+                strict=True,
+            )
+        )
         assert got == want_pos
         masked_inputs += b["input_ids"][r, b["mlm_positions"][r][valid]].tolist()
     assert 0.6 < np.mean(np.array(masked_inputs) == MASK_ID) < 0.95  # BERT's 80 % [MASK]
@@ -119,7 +134,9 @@ def _loss_and_grads(model, batch):
     model.zero_grad()
     out = model(batch)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.multi_process
@@ -139,9 +156,13 @@ def test_unpadded_mlm_head_is_exact():
         assert gf.keys() == gu.keys() and "word.weight" in gu  # tied decoder gets its gradient
         for n in gf:
             assert torch.allclose(gf[n], gu[n], rtol=1e-4, atol=1e-7), n
-        shifted = dict(batch, mlm_positions=(batch["mlm_positions"] + 1) % L)  # an off-by-one gather
+        shifted = dict(
+            batch, mlm_positions=(batch["mlm_positions"] + 1) % L
+        )  # an off-by-one gather
         lw, gw = _loss_and_grads(unpad, shifted)
-        assert abs(lw - lf) > 1e-4 and not torch.allclose(gw["mlm_transform.weight"], gf["mlm_transform.weight"])
+        assert abs(lw - lf) > 1e-4 and not torch.allclose(
+            gw["mlm_transform.weight"], gf["mlm_transform.weight"]
+        )
 
 
 @pytest.mark.unit
@@ -191,15 +212,18 @@ def test_varlen_attention_matches_masked_sdpa_on_gpu():
             masked = model(batch)
     finally:
         bert_mod.varlen_available = orig
-    assert torch.allclose(varlen.mlm_logits.float(), masked.mlm_logits.float(), atol=3e-2, rtol=3e-2)
+    assert torch.allclose(
+        varlen.mlm_logits.float(), masked.mlm_logits.float(), atol=3e-2, rtol=3e-2
+    )
     assert torch.allclose(varlen.pooled.float(), masked.pooled.float(), atol=3e-2, rtol=3e-2)
 
 
 def _static_pair(unpad: bool, dropout: float = 0.1):
     torch.manual_seed(4)
     dyn = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": unpad, "dropout": dropout}))
-    static = BertForPreTraining(CFG.model_copy(update={"unpad_mlm_head": unpad, "dropout": dropout,
-                                                       "static_shapes": True}))
+    static = BertForPreTraining(
+        CFG.model_copy(update={"unpad_mlm_head": unpad, "dropout": dropout, "static_shapes": True})
+    )
     static.load_state_dict(dyn.state_dict())
     return dyn, static
 
@@ -223,11 +247,16 @@ def test_static_shape_heads_equal_the_dynamic_ones(unpad):
     for layout, spare in ((packs, 7), (padded_packs(len(seqs)), 3)):
         need = max(sum(len(seqs[i].mlm_positions) for i in p) for p in layout)
         batch = build_batch(seqs, layout, L, need + spare, 3)
-        assert (batch["mlm_labels"] == IGNORE_INDEX).any() and (batch["nsp_labels"] == IGNORE_INDEX).any()
+        assert (batch["mlm_labels"] == IGNORE_INDEX).any() and (
+            batch["nsp_labels"] == IGNORE_INDEX
+        ).any()
         d, gd = _seeded(dyn, batch)
         s, gs = _seeded(static, batch)
         b, p = batch["mlm_labels"].shape
-        assert s.mlm_logits.shape == (b * p, CFG.vocab_size) and s.pooled.shape == (b * 3, CFG.hidden)
+        assert s.mlm_logits.shape == (b * p, CFG.vocab_size) and s.pooled.shape == (
+            b * 3,
+            CFG.hidden,
+        )
         for k in ("loss", "mlm_loss", "nsp_loss"):
             torch.testing.assert_close(getattr(s, k), getattr(d, k), rtol=1e-6, atol=1e-7)
         for k in ("mlm_correct", "mlm_total", "nsp_correct", "nsp_total"):
@@ -238,7 +267,9 @@ def test_static_shape_heads_equal_the_dynamic_ones(unpad):
         for n in gd:
             torch.testing.assert_close(gs[n], gd[n], rtol=1e-5, atol=1e-7, msg=n)
     # the weighting matters: an unweighted mean over all slots would be a different loss
-    per_slot = torch.nn.functional.cross_entropy(s.mlm_logits.detach(), batch["mlm_labels"].reshape(-1), reduction="none")
+    per_slot = torch.nn.functional.cross_entropy(
+        s.mlm_logits.detach(), batch["mlm_labels"].reshape(-1), reduction="none"
+    )
     assert abs(float(per_slot.mean()) - float(s.mlm_loss.detach())) > 1e-3
 
 
@@ -259,9 +290,21 @@ def test_static_shape_heads_without_labels_give_a_connected_zero():
 # NVIDIA's MLPerf Training v0.7 BERT, 256 DGX A100 nodes (mlcommons/training_results_v0.7,
 # NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_256x8x4x1.sh); v1.x 256-node configs keep the
 # optimizer values (with MAX_STEPS=600).
-REF = dict(DGXNNODES=256, DGXNGPU=8, BATCHSIZE=4, GRADIENT_STEPS=1, LR=0.00288293, MAX_STEPS=560, WARMUP_STEPS=287,
-           START_WARMUP_STEP=-76, OPT_LAMB_BETA_1=0.88, OPT_LAMB_BETA_2=0.88, WEIGHT_DECAY_RATE=0.0166629,
-           EVAL_ITER_START_SAMPLES=3047424, EVAL_ITER_SAMPLES=507904)
+REF = dict(
+    DGXNNODES=256,
+    DGXNGPU=8,
+    BATCHSIZE=4,
+    GRADIENT_STEPS=1,
+    LR=0.00288293,
+    MAX_STEPS=560,
+    WARMUP_STEPS=287,
+    START_WARMUP_STEP=-76,
+    OPT_LAMB_BETA_1=0.88,
+    OPT_LAMB_BETA_2=0.88,
+    WEIGHT_DECAY_RATE=0.0166629,
+    EVAL_ITER_START_SAMPLES=3047424,
+    EVAL_ITER_SAMPLES=507904,
+)
 
 
 def nvidia_lr(k: int, base: float, warmup: int, total: int, start_warmup: int) -> float:
@@ -292,14 +335,21 @@ def test_flagship_config_is_the_reference_recipe():
     assert (cfg.launch.nnodes, cfg.launch.nproc_per_node) == (REF["DGXNNODES"], REF["DGXNGPU"])
     o = cfg.optim
     assert (o.lr, o.betas, o.weight_decay, o.warmup_steps, o.start_warmup_step, o.total_steps) == (
-        REF["LR"], (REF["OPT_LAMB_BETA_1"], REF["OPT_LAMB_BETA_2"]), REF["WEIGHT_DECAY_RATE"], REF["WARMUP_STEPS"],
-        REF["START_WARMUP_STEP"], REF["MAX_STEPS"])
+        REF["LR"],
+        (REF["OPT_LAMB_BETA_1"], REF["OPT_LAMB_BETA_2"]),
+        REF["WEIGHT_DECAY_RATE"],
+        REF["WARMUP_STEPS"],
+        REF["START_WARMUP_STEP"],
+        REF["MAX_STEPS"],
+    )
     assert cfg.train.max_steps == REF["MAX_STEPS"] and cfg.train.grad_accum == REF["GRADIENT_STEPS"]
     # schedule: every step's rate, read from a real optimizer driven by the configured scheduler
     opt = build_optimizer(torch.nn.Linear(2, 2), cfg.optim)
     sched = build_schedule(opt, cfg.optim)
     for k in range(1, REF["MAX_STEPS"] + 1):
-        want = nvidia_lr(k, REF["LR"], REF["WARMUP_STEPS"], REF["MAX_STEPS"], REF["START_WARMUP_STEP"])
+        want = nvidia_lr(
+            k, REF["LR"], REF["WARMUP_STEPS"], REF["MAX_STEPS"], REF["START_WARMUP_STEP"]
+        )
         assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-8, abs=1e-12), k
         opt.step()
         sched.step()
@@ -308,17 +358,32 @@ def test_flagship_config_is_the_reference_recipe():
     # batch: packed rows x the integer packing rate = the reference's sequences per step; logged as such
     sequences = REF["BATCHSIZE"] * world
     wiki = load_histogram_or_skip()
-    rate = pack_histogram(wiki, cfg.data.max_seq_len, cfg.data.max_per_pack, cfg.data.packing).speedup
+    rate = pack_histogram(
+        wiki, cfg.data.max_seq_len, cfg.data.max_per_pack, cfg.data.packing
+    ).speedup
     assert cfg.data.packing == "lphp" and round(rate) == 2
     hp = hyperparameters(cfg, world, "bert_large_256x8.yaml", sequences_per_row=rate)
     assert hp["global_batch_size"] == sequences == cfg.train.global_batch * 2
     assert hp["micro_batch_size"] * world == sequences
-    assert (hp["start_warmup_step"], hp["num_warmup_steps"], hp["opt_learning_rate_training_steps"]) == (-76, 287, 560)
-    assert abs(cfg.train.global_batch * rate - sequences) / sequences < 0.002  # real sequences per step
+    assert (
+        hp["start_warmup_step"],
+        hp["num_warmup_steps"],
+        hp["opt_learning_rate_training_steps"],
+    ) == (-76, 287, 560)
+    assert (
+        abs(cfg.train.global_batch * rate - sequences) / sequences < 0.002
+    )  # real sequences per step
     # eval cadence: NVIDIA evaluates when samples_trained reaches start + n * interval (run_pretraining.py)
-    ref_steps = [math.ceil(s / sequences) for s in range(REF["EVAL_ITER_START_SAMPLES"], 12_000_000,
-                                                         REF["EVAL_ITER_SAMPLES"]) if s / sequences <= 560]
-    ours = [s for s in range(1, cfg.train.max_steps + 1) if eval_due(s, cfg.train.eval_every, cfg.train.eval_start_step)]
+    ref_steps = [
+        math.ceil(s / sequences)
+        for s in range(REF["EVAL_ITER_START_SAMPLES"], 12_000_000, REF["EVAL_ITER_SAMPLES"])
+        if s / sequences <= 560
+    ]
+    ours = [
+        s
+        for s in range(1, cfg.train.max_steps + 1)
+        if eval_due(s, cfg.train.eval_every, cfg.train.eval_start_step)
+    ]
     assert ref_steps == ours == [372, 434, 496, 558]
     assert cfg.model.bert.activation == "gelu_tanh" and cfg.model.init_checkpoint
 

@@ -18,7 +18,9 @@ import torch
 
 from tests.distutil import run_dist
 
-TINY = dict(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_position=32, dropout=0.0)
+TINY = dict(
+    vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_position=32, dropout=0.0
+)
 
 
 def _batch(seed: int, rows: int = 4, seq_len: int = 32) -> dict[str, torch.Tensor]:
@@ -41,7 +43,10 @@ def _compile_vs_eager(world, backend: str) -> dict:
     keys = list(eager.state_dict())
     compile_model(compiled, backend=backend)
     out = {"same_keys": list(compiled.state_dict()) == keys}
-    dps = {"eager": DataParallel(eager, world, bucket_mb=0.01), "compiled": DataParallel(compiled, world, bucket_mb=0.01)}
+    dps = {
+        "eager": DataParallel(eager, world, bucket_mb=0.01),
+        "compiled": DataParallel(compiled, world, bucket_mb=0.01),
+    }
     batch = _batch(seed=world.rank)  # different data per rank: the all-reduce matters
     for name, dp in dps.items():
         losses = []
@@ -51,8 +56,11 @@ def _compile_vs_eager(world, backend: str) -> dict:
             loss = dp(batch).loss
             loss.backward()
             losses.append(float(loss))
-        out[name] = {"loss": losses, "grads": [p.grad.clone() for p in dp.module.parameters()],
-                     "buckets": dp.last_stats["buckets"]}
+        out[name] = {
+            "loss": losses,
+            "grads": [p.grad.clone() for p in dp.module.parameters()],
+            "buckets": dp.last_stats["buckets"],
+        }
     return out
 
 
@@ -63,8 +71,12 @@ def test_compiled_model_under_data_parallel_matches_eager() -> None:
     r = run_dist(_compile_vs_eager, nnodes=1, nproc_per_node=2, args=("aot_eager",), timeout=300)
     for rank in r:
         assert rank["same_keys"]
-        assert rank["eager"]["buckets"] > 1 and rank["compiled"]["buckets"] == rank["eager"]["buckets"]
-        np.testing.assert_allclose(rank["compiled"]["loss"], rank["eager"]["loss"], rtol=1e-5, atol=1e-6)
+        assert (
+            rank["eager"]["buckets"] > 1 and rank["compiled"]["buckets"] == rank["eager"]["buckets"]
+        )
+        np.testing.assert_allclose(
+            rank["compiled"]["loss"], rank["eager"]["loss"], rtol=1e-5, atol=1e-6
+        )
         for a, b in zip(rank["compiled"]["grads"], rank["eager"]["grads"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert r[0]["eager"]["loss"] != r[1]["eager"]["loss"]  # different batches per rank ...
@@ -106,7 +118,10 @@ def test_cuda_graphs_on_cpu_warn_and_run_eagerly(capsys: pytest.CaptureFixture[s
     cfg = load_config(None, ["model.cuda_graphs=true"])
     world = SimpleNamespace(device=torch.device("cpu"), rank=0)  # only what build_step_graphs reads
     assert build_step_graphs(cfg, world, torch.nn.Linear(2, 2), None) is None
-    assert "model.cuda_graphs=true needs CUDA, this run is on cpu: the step runs eagerly" in capsys.readouterr().out
+    assert (
+        "model.cuda_graphs=true needs CUDA, this run is on cpu: the step runs eagerly"
+        in capsys.readouterr().out
+    )
     assert build_step_graphs(load_config(None, []), world, None, None) is None  # off: nothing said
     assert capsys.readouterr().out == ""
     if not torch.cuda.is_available():
@@ -158,13 +173,29 @@ def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
     from scaleout.train.capture import host_sync_reason
     from scaleout.train.tasks import build_task
 
-    world = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), barrier=lambda: None)
-    small = ["data.source=synthetic", "data.max_seq_len=32", "data.max_predictions=5", "model.bert.vocab_size=64",
-             "model.bert.hidden=16", "model.bert.layers=1", "model.bert.heads=2", "model.bert.intermediate=32",
-             "model.bert.max_position=32", "data.eval_samples=8", "train.global_batch=8"]
+    world = SimpleNamespace(
+        rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), barrier=lambda: None
+    )
+    small = [
+        "data.source=synthetic",
+        "data.max_seq_len=32",
+        "data.max_predictions=5",
+        "model.bert.vocab_size=64",
+        "model.bert.hidden=16",
+        "model.bert.layers=1",
+        "model.bert.heads=2",
+        "model.bert.intermediate=32",
+        "model.bert.max_position=32",
+        "data.eval_samples=8",
+        "train.global_batch=8",
+    ]
     picked = {}
-    for extra in ([], ["model.cuda_graphs=true"], ["model.cuda_graphs=true", "model.bert.static_shapes=false"],
-                  ["model.bert.static_shapes=true"]):
+    for extra in (
+        [],
+        ["model.cuda_graphs=true"],
+        ["model.cuda_graphs=true", "model.bert.static_shapes=false"],
+        ["model.bert.static_shapes=true"],
+    ):
         task = build_task(load_config(None, small + extra), world)
         picked[" ".join(extra)] = (task.model.cfg.static_shapes, host_sync_reason(task.model))
     assert [v[0] for v in picked.values()] == [False, True, False, True], picked
@@ -179,7 +210,9 @@ def test_shape_key_separates_shapes_and_dtypes() -> None:
     from scaleout.train.capture import shape_key
 
     a = [MicroBatch(_batch(0, rows=4), None, 4, 0)]
-    assert shape_key(a) == shape_key([MicroBatch(_batch(1, rows=4), None, 4, 0)])  # values do not matter
+    assert shape_key(a) == shape_key(
+        [MicroBatch(_batch(1, rows=4), None, 4, 0)]
+    )  # values do not matter
     assert shape_key(a) != shape_key([MicroBatch(_batch(0, rows=2), None, 2, 0)])
     x = torch.zeros(2, 3)
     assert shape_key([MicroBatch(x, x.long(), 2, 0)]) != shape_key([MicroBatch(x, x.int(), 2, 0)])
@@ -203,8 +236,10 @@ def test_captured_whole_step_equals_eager_step() -> None:
     torch.manual_seed(0)
     ref = _mlp().to(dev)
     cap = copy.deepcopy(ref)
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2, device=dev), capturable=True)
-            for m in (ref, cap)}
+    opts = {
+        m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2, device=dev), capturable=True)
+        for m in (ref, cap)
+    }
     assert capturable_optimizer(opts[cap])
 
     def step_fn(model):
@@ -217,6 +252,7 @@ def test_captured_whole_step_equals_eager_step() -> None:
             loss.backward()
             opts[model].step()
             return loss.detach()
+
         return step
 
     graphs = StepGraphs(step_fn(cap), dev, warmup=1)
@@ -224,7 +260,10 @@ def test_captured_whole_step_equals_eager_step() -> None:
     g = torch.Generator(device=dev).manual_seed(1)
     for i in range(8):
         rows = 16 if i % 2 == 0 else 24
-        batch = (torch.randn(rows, 8, device=dev, generator=g), torch.randn(rows, 4, device=dev, generator=g))
+        batch = (
+            torch.randn(rows, 8, device=dev, generator=g),
+            torch.randn(rows, 4, device=dev, generator=g),
+        )
         torch.testing.assert_close(graphs(batch).clone(), eager(batch), rtol=1e-5, atol=1e-6)
     assert graphs.disabled is None and len(graphs.graphs) == 2
     assert all(e.replays >= 2 for e in graphs.graphs.values())
@@ -240,22 +279,37 @@ def _dp_graph_vs_eager(world) -> dict:
     torch.manual_seed(0)
     a = _mlp().to(world.device)
     b = copy.deepcopy(a)
-    dp_eager, dp_cap = DataParallel(a, world, bucket_mb=0.001), DataParallel(b, world, bucket_mb=0.001)
+    dp_eager, dp_cap = (
+        DataParallel(a, world, bucket_mb=0.001),
+        DataParallel(b, world, bucket_mb=0.001),
+    )
     loss_fn = lambda m, mb: torch.nn.functional.cross_entropy(m(mb.inputs), mb.target)  # noqa: E731
     graphs = StepGraphs(data_parallel_step(dp_cap, loss_fn), world.device)
     g = torch.Generator(device=world.device).manual_seed(world.rank)
     same = []
     for _ in range(4):
-        mbs = [MicroBatch(torch.randn(16, 8, device=world.device, generator=g),
-                          torch.randint(0, 4, (16,), device=world.device, generator=g), 16, 0) for _ in range(2)]
+        mbs = [
+            MicroBatch(
+                torch.randn(16, 8, device=world.device, generator=g),
+                torch.randint(0, 4, (16,), device=world.device, generator=g),
+                16,
+                0,
+            )
+            for _ in range(2)
+        ]
         loss_c = float(graphs(mbs))
         for p in a.parameters():
             p.grad = None
         with dp_eager.no_sync():
             (first := loss_fn(dp_eager, mbs[0]).div(2)).backward()
         (second := loss_fn(dp_eager, mbs[1]).div(2)).backward()
-        same.append(abs(loss_c - float(first + second)) < 1e-4 and all(
-            torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6) for x, y in zip(a.parameters(), b.parameters(), strict=True)))
+        same.append(
+            abs(loss_c - float(first + second)) < 1e-4
+            and all(
+                torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+                for x, y in zip(a.parameters(), b.parameters(), strict=True)
+            )
+        )
     return {"same": same, "disabled": graphs.disabled, "graphs": len(graphs.graphs)}
 
 
@@ -282,6 +336,7 @@ def test_captured_static_shape_bert_step_equals_eager() -> None:
             loss = model(batch).loss
             loss.backward()
             return loss.detach()
+
         return run
 
     graphs, eager = StepGraphs(step(cap), dev, warmup=1), step(ref)

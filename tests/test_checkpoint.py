@@ -11,7 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from scaleout.checkpoint import Checkpointer, CorruptCheckpoint, decode, encode, rng_state, set_rng_state
+from scaleout.checkpoint import (
+    Checkpointer,
+    CorruptCheckpoint,
+    decode,
+    encode,
+    rng_state,
+    set_rng_state,
+)
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import UserError
 
@@ -21,14 +28,19 @@ def test_round_trip_keep_n_and_weights_only(tmp_path):
     ck = Checkpointer(tmp_path, keep=2)
     model = nn.Linear(3, 2)
     for step in (10, 20, 30):
-        ck.save(step, {"model": model.state_dict(), "data_position": step * 8, "rng": [rng_state()]})
+        ck.save(
+            step, {"model": model.state_dict(), "data_position": step * 8, "rng": [rng_state()]}
+        )
     assert [s for s, _ in ck.list()] == [20, 30]
     state, path = ck.load_latest()
     assert path.name == "ckpt-00000030.pt" and state["step"] == 30 and state["data_position"] == 240
     assert torch.equal(state["model"]["weight"], model.weight.detach())
     assert not list(tmp_path.glob("*.tmp"))
     # non-zero ranks write nothing
-    assert Checkpointer(tmp_path / "r1", rank=1).save(1, {"x": 1}) is None and not (tmp_path / "r1").exists()
+    assert (
+        Checkpointer(tmp_path / "r1", rank=1).save(1, {"x": 1}) is None
+        and not (tmp_path / "r1").exists()
+    )
     # weights_only=True really is used: an arbitrary object is refused
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         decode(encode({"bad": Checkpointer}))
@@ -69,7 +81,9 @@ class _Net(nn.Module):
         return self.b(self.drop(torch.relu(self.a(x))))
 
 
-def _train(steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = False, restore_rng: bool = True) -> dict:
+def _train(
+    steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = False, restore_rng: bool = True
+) -> dict:
     """A real loop: model + AdamW + LR schedule + sampler + python/numpy/torch randomness."""
     torch.manual_seed(0)
     np.random.seed(0)
@@ -105,8 +119,16 @@ def _train(steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = Fals
         sched.step()
         step, position = step + 1, position + sampler.global_batch
         if stop_at is not None and step == stop_at:
-            ck.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                           "schedule": sched.state_dict(), "data_position": position, "rng": [rng_state()]})
+            ck.save(
+                step,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "schedule": sched.state_dict(),
+                    "data_position": position,
+                    "rng": [rng_state()],
+                },
+            )
             return {}
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -116,7 +138,9 @@ def test_bitwise_resume(tmp_path):
     torch.use_deterministic_algorithms(True)
     try:
         full = _train(30, tmp_path / "a")
-        _train(30, tmp_path / "b", stop_at=13)  # "interrupted" after 13 steps (crosses an epoch: 13*16 > 200)
+        _train(
+            30, tmp_path / "b", stop_at=13
+        )  # "interrupted" after 13 steps (crosses an epoch: 13*16 > 200)
         resumed = _train(30, tmp_path / "b", resume=True)
     finally:
         torch.use_deterministic_algorithms(False)
@@ -141,8 +165,16 @@ def _sharded_setup(world, algorithm: str, overlap: bool, width: int = 0):
     if width:  # a bigger layer, so the optimizer state dwarfs everything else that travels
         net.wide = nn.Linear(width, width)
         net.wide.weight.data.normal_(0, 0.01, generator=torch.Generator().manual_seed(5))
-    opt = ShardedLAMB(groups(net), world, overlap=overlap, bucket_mb=BUCKET_MB * (1 + width), algorithm=algorithm,
-                      allow_unused=True, param_order=net.parameters(), **HP)
+    opt = ShardedLAMB(
+        groups(net),
+        world,
+        overlap=overlap,
+        bucket_mb=BUCKET_MB * (1 + width),
+        algorithm=algorithm,
+        allow_unused=True,
+        param_order=net.parameters(),
+        **HP,
+    )
     return net, opt
 
 
@@ -150,7 +182,9 @@ def _train_steps(world, net, opt, steps: range) -> None:
     from tests.test_optim_sharded import loss_of
 
     for s in steps:
-        loss = loss_of(net, s, world.rank) + (net.wide.weight.square().mean() if hasattr(net, "wide") else 0)
+        loss = loss_of(net, s, world.rank) + (
+            net.wide.weight.square().mean() if hasattr(net, "wide") else 0
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -161,7 +195,9 @@ def _pieces(opt) -> dict:
     return {k: (p.offset, p.numel, p.tensor.clone()) for k, p in pieces.items()}
 
 
-def _save(world, directory: str, steps: int, algorithm: str = "flat", overlap: bool = True, keep: int = 2) -> dict:
+def _save(
+    world, directory: str, steps: int, algorithm: str = "flat", overlap: bool = True, keep: int = 2
+) -> dict:
     """Train ``steps`` steps, checkpointing after each; return this rank's pieces after every step."""
     from scaleout.checkpoint import Checkpointer
 
@@ -171,7 +207,12 @@ def _save(world, directory: str, steps: int, algorithm: str = "flat", overlap: b
     for s in range(steps):
         _train_steps(world, net, opt, range(s, s + 1))
         rep, shards = opt.sharded_state()
-        ck.save(s + 1, {"model": net.state_dict(), "optimizer": rep, "rng": [None] * world.world_size}, world, shards)
+        ck.save(
+            s + 1,
+            {"model": net.state_dict(), "optimizer": rep, "rng": [None] * world.world_size},
+            world,
+            shards,
+        )
         out[s + 1] = _pieces(opt)
     return out
 
@@ -182,14 +223,20 @@ def _restore(world, directory: str, algorithm: str = "flat", overlap: bool = Fal
 
     net, opt = _sharded_setup(world, algorithm, overlap)
     try:
-        found = Checkpointer(directory, rank=world.rank).restore(world, shards=opt.sharded_state()[1])
+        found = Checkpointer(directory, rank=world.rank).restore(
+            world, shards=opt.sharded_state()[1]
+        )
     except UserError as e:
         return {"error": str(e)}
     state, path = found
     opt.load_replicated(state["optimizer"])
     net.load_state_dict(state["model"])
-    return {"step": state["step"], "path": path.name, "pieces": _pieces(opt),
-            "group_steps": [g["step"] for g in opt.param_groups]}
+    return {
+        "step": state["step"],
+        "path": path.name,
+        "pieces": _pieces(opt),
+        "group_steps": [g["step"] for g in opt.param_groups],
+    }
 
 
 def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
@@ -198,7 +245,9 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     seen: dict[str, int] = {}
     for pieces in per_rank:
         for key, (offset, numel, t) in pieces.items():
-            full.setdefault(key, torch.full((numel,), float("nan")))[offset : offset + t.numel()] = t
+            full.setdefault(key, torch.full((numel,), float("nan")))[
+                offset : offset + t.numel()
+            ] = t
             seen[key] = seen.get(key, 0) + t.numel()
     assert all(seen[k] == full[k].numel() for k in full), "pieces overlap or leave gaps"
     return full
@@ -217,7 +266,11 @@ def _unsharded_state(W: int, steps: int) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     names = {id(p): n for g in gs for p, n in zip(g["params"], g["names"], strict=True)}
-    return {f"{k}/{names[id(p)]}": st[k].reshape(-1) for p, st in opt.state.items() for k in ("exp_avg", "exp_avg_sq")}
+    return {
+        f"{k}/{names[id(p)]}": st[k].reshape(-1)
+        for p, st in opt.state.items()
+        for k in ("exp_avg", "exp_avg_sq")
+    }
 
 
 @pytest.mark.multi_process
@@ -230,13 +283,20 @@ def test_sharded_state_reshards_between_world_sizes(tmp_path, save_shape, load_s
     saved = run_dist(_save, *save_shape, args=(str(tmp_path), 3, "hierarchical", True), timeout=300)
     loaded = run_dist(_restore, *load_shape, args=(str(tmp_path), "flat", False), timeout=300)
     assert all("error" not in r for r in loaded), loaded[0]
-    assert {r["step"] for r in loaded} == {3} and {tuple(r["group_steps"]) for r in loaded} == {(3, 3)}
+    assert {r["step"] for r in loaded} == {3} and {tuple(r["group_steps"]) for r in loaded} == {
+        (3, 3)
+    }
     before, after = _assemble([r[3] for r in saved]), _assemble([r["pieces"] for r in loaded])
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     ref = _unsharded_state(save_shape[0] * save_shape[1], 3)
     assert ref.keys() == after.keys()
-    for k, v in after.items():  # the optimizers' sums run in other orders: fp32 rounding, relative to the tensor
+    for (
+        k,
+        v,
+    ) in (
+        after.items()
+    ):  # the optimizers' sums run in other orders: fp32 rounding, relative to the tensor
         err = float((v - ref[k]).abs().max() / ref[k].abs().max().clamp(min=1e-12))
         assert err <= 1e-5, (k, err)
 
@@ -271,13 +331,20 @@ def test_a_rank_that_cannot_read_its_shard_is_named(tmp_path) -> None:
     (shard_dir,) = tmp_path.glob("ckpt-00000002.shards-*")
     f = shard_dir / "__2_0.distcp"
     blob = bytearray(f.read_bytes())
-    blob[len(blob) // 2] ^= 0x01  # same size: rank 0's completeness check cannot see it; rank 2 reads it
+    blob[len(blob) // 2] ^= (
+        0x01  # same size: rank 0's completeness check cannot see it; rank 2 reads it
+    )
     f.write_bytes(bytes(blob))
-    got = run_dist(_restore, 2, 2, args=(str(tmp_path), "flat", True), timeout=300)  # same layout: rank 2 reads file 2
+    got = run_dist(
+        _restore, 2, 2, args=(str(tmp_path), "flat", True), timeout=300
+    )  # same layout: rank 2 reads file 2
     errors = {r.get("error") for r in got}
     assert len(errors) == 1, errors  # the same one line on every rank
     (msg,) = errors
-    assert msg.startswith("rank 2 cannot read the sharded checkpoint") and "__2_0.distcp: sha256 mismatch" in msg
+    assert (
+        msg.startswith("rank 2 cannot read the sharded checkpoint")
+        and "__2_0.distcp: sha256 mismatch" in msg
+    )
     assert "\n" not in msg
 
 
@@ -305,14 +372,28 @@ def _object_traffic(world, directory: str, width: int) -> dict:
         _train_steps(world, net, opt, range(2))
         ck = Checkpointer(directory, rank=world.rank)
         rep, shards = opt.sharded_state()
-        ck.save(2, {"model": net.state_dict(), "optimizer": rep, "rng": gather_rng_states(world)}, world, shards)
+        ck.save(
+            2,
+            {"model": net.state_dict(), "optimizer": rep, "rng": gather_rng_states(world)},
+            world,
+            shards,
+        )
         net2, opt2 = _sharded_setup(world, "flat", True, width)
         state, _ = ck.restore(world, shards=opt2.sharded_state()[1])
     finally:
         c10d._object_to_tensor, c10d._tensor_to_object = to_tensor, to_object
-    return {"max": max(sizes), "total": sum(sizes), "shard": opt.state_bytes(), "full": 8 * opt.numel,
-            "restored": all(torch.equal(a.tensor, b.tensor) for a, b in
-                            zip(opt.sharded_state()[1].values(), opt2.sharded_state()[1].values(), strict=True))}
+    return {
+        "max": max(sizes),
+        "total": sum(sizes),
+        "shard": opt.state_bytes(),
+        "full": 8 * opt.numel,
+        "restored": all(
+            torch.equal(a.tensor, b.tensor)
+            for a, b in zip(
+                opt.sharded_state()[1].values(), opt2.sharded_state()[1].values(), strict=True
+            )
+        ),
+    }
 
 
 @pytest.mark.multi_process
@@ -342,11 +423,33 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     import sys
 
     def train(name: str, steps: int) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--",
-               "scaleout", "train", "bert_tiny_cpu", "train.global_batch=16", "data.eval_samples=32",
-               "optim.warmup_steps=2", "optim.total_steps=8", "train.progress=false", "train.eval_every=1",
-               "train.deterministic=true", "optim.sharded=true", "optim.overlap_comm=true", "comm.algorithm=hierarchical",
-               f"train.max_steps={steps}", f"train.output_dir={tmp_path / name / 'out'}", f"checkpoint.dir={tmp_path / name / 'ckpt'}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "scaleout",
+            "train",
+            "bert_tiny_cpu",
+            "train.global_batch=16",
+            "data.eval_samples=32",
+            "optim.warmup_steps=2",
+            "optim.total_steps=8",
+            "train.progress=false",
+            "train.eval_every=1",
+            "train.deterministic=true",
+            "optim.sharded=true",
+            "optim.overlap_comm=true",
+            "comm.algorithm=hierarchical",
+            f"train.max_steps={steps}",
+            f"train.output_dir={tmp_path / name / 'out'}",
+            f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return r
@@ -356,8 +459,13 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     assert "resumed from" not in first.stdout
     again = train("cut", 6)
     assert "resumed from" in again.stdout and "at step 3" in again.stdout
-    assert len(list((tmp_path / "cut" / "ckpt").glob("ckpt-*.shards-*"))) == 2  # keep=2: pruned with their files
-    (a, _), (b, _) = Checkpointer(tmp_path / "ref" / "ckpt").choose(), Checkpointer(tmp_path / "cut" / "ckpt").choose()
+    assert (
+        len(list((tmp_path / "cut" / "ckpt").glob("ckpt-*.shards-*"))) == 2
+    )  # keep=2: pruned with their files
+    (a, _), (b, _) = (
+        Checkpointer(tmp_path / "ref" / "ckpt").choose(),
+        Checkpointer(tmp_path / "cut" / "ckpt").choose(),
+    )
     assert a["step"] == b["step"] == 6 and a["model"].keys() == b["model"].keys()
     diff = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not diff, f"{len(diff)} tensors differ after resume, e.g. {diff[:3]}"
@@ -373,7 +481,12 @@ def test_save_never_prunes_a_higher_step(tmp_path):
     new = Checkpointer(tmp_path, keep=2)
     for step in (100, 200, 300):
         new.save(step, {"w": torch.full((4,), float(step))})
-    assert [s for s, _ in new.list()] == [200, 300, 1000, 1100]  # keep=2 of this run's steps, the rest untouched
+    assert [s for s, _ in new.list()] == [
+        200,
+        300,
+        1000,
+        1100,
+    ]  # keep=2 of this run's steps, the rest untouched
 
 
 def _save_many(directory, tag: float, n: int, errors: list) -> None:
@@ -392,13 +505,17 @@ def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
     import threading
 
     errors: list = []
-    threads = [threading.Thread(target=_save_many, args=(tmp_path, float(t), 20, errors)) for t in (1, 2)]
+    threads = [
+        threading.Thread(target=_save_many, args=(tmp_path, float(t), 20, errors)) for t in (1, 2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors[:3]
-    state = decode(Checkpointer(tmp_path).path(5).read_bytes())  # whole and consistent: one writer's payload
+    state = decode(
+        Checkpointer(tmp_path).path(5).read_bytes()
+    )  # whole and consistent: one writer's payload
     assert torch.unique(state["w"]).numel() == 1
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -418,7 +535,9 @@ def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
         "from scaleout.checkpoint import atomic_write;"
         "atomic_write(Path(sys.argv[1]), b'x' * 100000)"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode != 0 and "File too large" in r.stderr, r.stderr[-2000:]
     assert target.read_text() == '{"old": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
@@ -429,6 +548,10 @@ def test_resume_refuses_a_checkpoint_written_with_another_global_batch():
     from scaleout.train.rerun import check_data_position
 
     check_data_position({"step": 10, "data_position": 640}, 64, "ckpt-10")
-    check_data_position({"step": 10}, 64, "ckpt-10")  # older checkpoints without a position: nothing to compare
-    with pytest.raises(UserError, match=r"data position 640 \(global batch 64\), but train.global_batch=32"):
+    check_data_position(
+        {"step": 10}, 64, "ckpt-10"
+    )  # older checkpoints without a position: nothing to compare
+    with pytest.raises(
+        UserError, match=r"data position 640 \(global batch 64\), but train.global_batch=32"
+    ):
         check_data_position({"step": 10, "data_position": 640}, 32, "ckpt-10")

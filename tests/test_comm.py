@@ -37,7 +37,10 @@ def _equality(world, grids):
                 for op in ("sum", "avg"):
                     # Time budget: the big count runs every dtype with sum (fp32 also avg) on the default
                     # grids, and fp32 sum on the explicit ones; counts 1 and 7 run the full cross product.
-                    if n == COUNTS[-1] and ((dtype != torch.float32 and op == "avg") or (opts and (dtype, op) != (torch.float32, "sum"))):
+                    if n == COUNTS[-1] and (
+                        (dtype != torch.float32 and op == "avg")
+                        or (opts and (dtype, op) != (torch.float32, "sum"))
+                    ):
                         continue
                     g = torch.Generator().manual_seed(1000 * world.rank + n)
                     ints = torch.randint(-3, 4, (n,), generator=g).to(dtype)
@@ -45,7 +48,9 @@ def _equality(world, grids):
                     all_reduce(ref, world, "flat", op=op)
                     assert all_reduce(got, world, alg, op=op, **opts) is got  # in place
                     if not torch.equal(ref, got):
-                        failures.append((alg, opts, n, str(dtype), op, "int", (ref - got).abs().max().item()))
+                        failures.append(
+                            (alg, opts, n, str(dtype), op, "int", (ref - got).abs().max().item())
+                        )
                     checked += 1
         # random (non-integer) data: equal to flat to the dtype's rounding
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
@@ -78,8 +83,12 @@ def _layouts(world):
     # several in flight, mixed algorithms, waited in reverse order
     ts = [torch.full((50_000 + i,), float(world.rank + i)) for i in range(5)]
     algs = ["hierarchical", "flat", "torus2d", "flat", "hierarchical"]
-    hs = [all_reduce(t, world, a, async_op=True, chunk_bytes=65536) if a != "flat" else all_reduce(t, world, a, async_op=True)
-          for t, a in zip(ts, algs, strict=True)]
+    hs = [
+        all_reduce(t, world, a, async_op=True, chunk_bytes=65536)
+        if a != "flat"
+        else all_reduce(t, world, a, async_op=True)
+        for t, a in zip(ts, algs, strict=True)
+    ]
     ok = True
     for i in reversed(range(5)):
         r = hs[i].wait()
@@ -99,7 +108,9 @@ def _errors(world):
         "alg": lambda: all_reduce(torch.ones(3), world, "ring9"),
         "op": lambda: all_reduce(torch.ones(3), world, "flat", op="max"),
         "opt": lambda: all_reduce(torch.ones(3), world, "flat", chunk_bytes=4),
-        "avg_int": lambda: all_reduce(torch.ones(3, dtype=torch.int32), world, "hierarchical", op="avg"),
+        "avg_int": lambda: all_reduce(
+            torch.ones(3, dtype=torch.int32), world, "hierarchical", op="avg"
+        ),
         "chunk": lambda: all_reduce(torch.ones(3), world, "hierarchical", chunk_bytes=0),
         "comp": lambda: all_reduce(torch.ones(3), world, "torus2d", composition="tree"),
     }.items():
@@ -119,18 +130,27 @@ def _ddp(world):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     grads = {}
     for alg in ("flat", "hierarchical"):
-        m = DDP(__import__("copy").deepcopy(model), bucket_cap_mb=0.001)  # several buckets -> several in flight
+        m = DDP(
+            __import__("copy").deepcopy(model), bucket_cap_mb=0.001
+        )  # several buckets -> several in flight
         if alg != "flat":
             m.register_comm_hook(None, ddp_hook(alg, world))
         x = torch.full((8, 16), float(world.rank + 1))
         m(x).square().sum().backward()
         grads[alg] = [p.grad.clone() for p in m.parameters()]
-    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads["flat"], grads["hierarchical"], strict=True))
+    return all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads["flat"], grads["hierarchical"], strict=True)
+    )
 
 
 def _all(world, grids):
-    return {"eq": _equality(world, grids), "layouts": _layouts(world), "errors": _errors(world),
-            "ddp": _ddp(world) if world.world_size > 1 else True}
+    return {
+        "eq": _equality(world, grids),
+        "layouts": _layouts(world),
+        "errors": _errors(world),
+        "ddp": _ddp(world) if world.world_size > 1 else True,
+    }
 
 
 # (nnodes, nproc_per_node, explicit torus grids): world sizes 1..6 and 8 (5 is the odd prime: 7 ranks cost
@@ -147,7 +167,9 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize(("nnodes", "nproc", "grids"), SHAPES, ids=[f"{a}x{b}" for a, b, _ in SHAPES])
+@pytest.mark.parametrize(
+    ("nnodes", "nproc", "grids"), SHAPES, ids=[f"{a}x{b}" for a, b, _ in SHAPES]
+)
 def test_equal_to_flat(nnodes: int, nproc: int, grids) -> None:
     res = run_dist(_all, nnodes, nproc, args=(grids,), timeout=300)
     p = nnodes * nproc
@@ -157,10 +179,17 @@ def test_equal_to_flat(nnodes: int, nproc: int, grids) -> None:
         assert all(r["layouts"].values()), f"rank {rank}: {r['layouts']}"
         assert r["ddp"]
         e = r["errors"]
-        assert e["grid"][0] == "TopologyError" and f"does not match the world size {p}" in e["grid"][1]
+        assert (
+            e["grid"][0] == "TopologyError" and f"does not match the world size {p}" in e["grid"][1]
+        )
         if p % 3:
-            assert e["grid_x"][0] == "TopologyError" and f"x=3 does not divide the world size {p}" in e["grid_x"][1]
-        assert "unknown all-reduce algorithm 'ring9'" in e["alg"][1] and "hierarchical" in e["alg"][1]
+            assert (
+                e["grid_x"][0] == "TopologyError"
+                and f"x=3 does not divide the world size {p}" in e["grid_x"][1]
+            )
+        assert (
+            "unknown all-reduce algorithm 'ring9'" in e["alg"][1] and "hierarchical" in e["alg"][1]
+        )
         assert "op='max'" in e["op"][1]
         assert "chunk_bytes" in e["opt"][1] and "'flat'" in e["opt"][1]
         assert "torch.int32" in e["avg_int"][1]
@@ -169,7 +198,9 @@ def test_equal_to_flat(nnodes: int, nproc: int, grids) -> None:
 
 
 def _fake_world(node_of: tuple[int, ...]) -> World:
-    spec = WorldSpec(0, 0, 0, len(set(node_of)), node_of.count(0), len(node_of), "127.0.0.1", 1, "test")
+    spec = WorldSpec(
+        0, 0, 0, len(set(node_of)), node_of.count(0), len(node_of), "127.0.0.1", 1, "test"
+    )
     return World(spec, torch.device("cpu"), "gloo", node_of)
 
 
@@ -186,7 +217,11 @@ def _nccl_equality(world):
     for alg in ("hierarchical", "torus2d"):
         for n in (1, 7, 1_000_003):
             for dtype in DTYPES:
-                x = torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(world.rank)).to(dtype).to(world.device)
+                x = (
+                    torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(world.rank))
+                    .to(dtype)
+                    .to(world.device)
+                )
                 ref, got = x.clone(), x.clone()
                 all_reduce(ref, world, "flat")
                 all_reduce(got, world, alg)

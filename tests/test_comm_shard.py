@@ -13,7 +13,9 @@ pytestmark = pytest.mark.multi_process
 
 
 def _data(rank: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (torch.arange(n, dtype=torch.float64) * (rank + 1) + rank).to(dtype)  # integer-valued: exact sums
+    return (torch.arange(n, dtype=torch.float64) * (rank + 1) + rank).to(
+        dtype
+    )  # integer-valued: exact sums
 
 
 def _shard_checks(world, algorithms):
@@ -35,11 +37,21 @@ def _shard_checks(world, algorithms):
             ok_avg = torch.allclose(avg, mine / W)
             full = torch.full((n,), -1.0)
             h = all_gather(full, mine, world, alg, async_op=True)
-            ok_ag = h.wait() is full and torch.equal(full, total)  # every slice back where it came from
-            inplace = torch.zeros(n)  # the sharded optimizer gathers into the buffer it owns a slice of
+            ok_ag = h.wait() is full and torch.equal(
+                full, total
+            )  # every slice back where it came from
+            inplace = torch.zeros(
+                n
+            )  # the sharded optimizer gathers into the buffer it owns a slice of
             inplace[idx * S : (idx + 1) * S] = mine
             all_gather(inplace, inplace[idx * S : (idx + 1) * S], world, alg)
-            out[(alg, S)] = {"idx": idx, "rs": ok_rs, "avg": ok_avg, "ag": ok_ag, "inplace": torch.equal(inplace, total)}
+            out[(alg, S)] = {
+                "idx": idx,
+                "rs": ok_rs,
+                "avg": ok_avg,
+                "ag": ok_ag,
+                "inplace": torch.equal(inplace, total),
+            }
     errors = []
     for call in (
         lambda: reduce_scatter(torch.empty(3), torch.empty(3 * W + 1), world),
@@ -66,8 +78,15 @@ def test_reduce_scatter_and_all_gather_every_algorithm(nnodes: int, nproc: int) 
             owners = sorted(r[(alg, S)]["idx"] for r in res)
             assert owners == list(range(W)), f"{alg}: slices owned {owners}"
             for rank, r in enumerate(res):
-                assert all(r[(alg, S)][k] for k in ("rs", "avg", "ag", "inplace")), (alg, S, rank, r[(alg, S)])
-    if nnodes == 2 and nproc == 2:  # intra-node reduce-scatter first: rank (node j, local i) owns slice 2 i + j
+                assert all(r[(alg, S)][k] for k in ("rs", "avg", "ag", "inplace")), (
+                    alg,
+                    S,
+                    rank,
+                    r[(alg, S)],
+                )
+    if (
+        nnodes == 2 and nproc == 2
+    ):  # intra-node reduce-scatter first: rank (node j, local i) owns slice 2 i + j
         assert [r[("hierarchical", 5)]["idx"] for r in res] == [0, 2, 1, 3]
     msgs = res[0]["errors"]
     assert "input has" in msgs[0] and "expected world_size" in msgs[0]

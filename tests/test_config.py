@@ -43,22 +43,42 @@ BAD_CASES = [
     (["config", "show", "optim.lrr=1"], ["unknown key optim.lrr", "lr"]),
     (["config", "show", "optim.lr=abc"], ["optim.lr='abc'", "valid number"]),
     (["config", "show", "optim.lr=-1"], ["optim.lr=-1", "greater than 0"]),
-    (["config", "show", "comm.algorithm=ring"], ["comm.algorithm='ring'", "'flat', 'hierarchical' or 'torus2d'"]),
+    (
+        ["config", "show", "comm.algorithm=ring"],
+        ["comm.algorithm='ring'", "'flat', 'hierarchical' or 'torus2d'"],
+    ),
     (["config", "show", "optim.betas=[0.9,1.5]"], ["optim.betas[1]=1.5", "[0, 1)"]),
     (["config", "show", "optim.eps=-1e-8"], ["optim.eps", "greater than or equal to 0"]),
-    (["config", "show", "model.bert.hidden=100", "model.bert.heads=3"], ["model.bert.hidden=100", "divisible"]),
-    (["config", "show", "train.global_batch=0"], ["train.global_batch=0", "greater than or equal to 1"]),
+    (
+        ["config", "show", "model.bert.hidden=100", "model.bert.heads=3"],
+        ["model.bert.hidden=100", "divisible"],
+    ),
+    (
+        ["config", "show", "train.global_batch=0"],
+        ["train.global_batch=0", "greater than or equal to 1"],
+    ),
     (["config", "show", "optim.lr=1", "optimlr"], ["'optimlr'", "section.key=value"]),
-    (["config", "show", "comm.algorithm=torus2d", "comm.torus_x=3", "--world", "4"], ["torus grid 3x1", "world size 4"]),
-    (["config", "show", "train.global_batch=30", "--world", "4"], ["train.global_batch=30", "divisible by world size 4"]),
-    (["config", "show", "model.arch=resnet", "model.resnet.bn_group=3", "--world", "4"], ["bn_group=3", "world size 4"]),
+    (
+        ["config", "show", "comm.algorithm=torus2d", "comm.torus_x=3", "--world", "4"],
+        ["torus grid 3x1", "world size 4"],
+    ),
+    (
+        ["config", "show", "train.global_batch=30", "--world", "4"],
+        ["train.global_batch=30", "divisible by world size 4"],
+    ),
+    (
+        ["config", "show", "model.arch=resnet", "model.resnet.bn_group=3", "--world", "4"],
+        ["bn_group=3", "world size 4"],
+    ),
     (["config", "show", "data.mask_prob=1.5"], ["data.mask_prob=1.5", "less than 1"]),
     (["config", "show", "model.resnet.depth=42"], ["model.resnet.depth=42", "18"]),
     (["config", "show", "launch.master_port=70000"], ["launch.master_port=70000", "65535"]),
     (["config", "show", "train=3"], ["train=3", "dictionary"]),
     (["config", "show", "no/such/config.yaml"], ["'no/such/config.yaml' not found"]),
-    (["--argparse", "launch", "--nproc-per-node", "x"],
-     ["--nproc-per-node", "'x': expected an integer >= 1 or one of auto, cpu, gpu"]),
+    (
+        ["--argparse", "launch", "--nproc-per-node", "x"],
+        ["--nproc-per-node", "'x': expected an integer >= 1 or one of auto, cpu, gpu"],
+    ),
     (["launch", "--nnodes", "0", "--", "scaleout", "smoke"], ["--nnodes=0", ">= 1"]),
     (["launch", "--nproc-per-node", "2"], ["no command given"]),
     (["--argparse", "nosuchcommand"], ["invalid choice: 'nosuchcommand'"]),
@@ -66,7 +86,9 @@ BAD_CASES = [
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize(("argv", "needles"), BAD_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    ("argv", "needles"), BAD_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
 def test_bad_input_is_one_line(capsys, argv, needles) -> None:
     line = _cli_error(capsys, argv)
     for needle in needles:
@@ -92,7 +114,10 @@ def test_at_least_fifteen_cases() -> None:
 def test_overrides_and_types(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("optim:\n  name: lars\n  lr: 2.0\ncomm:\n  algorithm: hierarchical\n")
-    cfg = load_config(p, ["optim.lr=3e-3", "comm.bucket_mb=50", "optim.betas=[0.8, 0.99]", "checkpoint.dir=/tmp/x"])
+    cfg = load_config(
+        p,
+        ["optim.lr=3e-3", "comm.bucket_mb=50", "optim.betas=[0.8, 0.99]", "checkpoint.dir=/tmp/x"],
+    )
     assert cfg.optim.name == "lars" and cfg.optim.lr == pytest.approx(3e-3)
     assert cfg.comm.algorithm == "hierarchical" and cfg.comm.bucket_mb == 50.0
     assert cfg.optim.betas == (0.8, 0.99) and cfg.checkpoint.dir == "/tmp/x"
@@ -101,8 +126,21 @@ def test_overrides_and_types(tmp_path: Path) -> None:
 
 @pytest.mark.full_system
 def test_config_show_prints_resolved_tree(capsys) -> None:
-    assert main(["config", "show", "comm.algorithm=torus2d", "train.global_batch=64", "--world", "8",
-                 "--nproc-per-node", "4"]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "show",
+                "comm.algorithm=torus2d",
+                "train.global_batch=64",
+                "--world",
+                "8",
+                "--nproc-per-node",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "algorithm: torus2d" in out and "global_batch: 64" in out
 
@@ -112,7 +150,9 @@ def test_every_subcommand_has_help() -> None:
     """`scaleout --help` lists every subcommand with a purpose; each has its own --help."""
     from scaleout.cli import subcommands
 
-    top = subprocess.run([sys.executable, "-m", "scaleout", "--help"], capture_output=True, text=True, timeout=60)
+    top = subprocess.run(
+        [sys.executable, "-m", "scaleout", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert top.returncode == 0
     names = [m.NAME for m in subcommands()]
     assert {"launch", "config", "smoke", "bench"} <= set(names)
@@ -129,7 +169,9 @@ def test_rank_code_never_imports_launchers() -> None:
     root = Path(__file__).resolve().parents[1] / "scaleout"
     offenders = []
     for f in root.rglob("*.py"):
-        if {"cli", "launchers"} & set(f.relative_to(root).parts):  # launchers: the folder itself (a symlink)
+        if {"cli", "launchers"} & set(
+            f.relative_to(root).parts
+        ):  # launchers: the folder itself (a symlink)
             continue
         text = f.read_text()
         if re.search(r"^\s*(from|import)\s+(scaleout\.)?launchers\b", text, re.MULTILINE):
@@ -161,7 +203,9 @@ class _ConfigReads:
         import ast
 
         self.ast, self.sections = ast, sections
-        self.params: dict[tuple[str, int | str], str] = {}  # (callee name, arg position / keyword) -> section
+        self.params: dict[
+            tuple[str, int | str], str
+        ] = {}  # (callee name, arg position / keyword) -> section
         self.reads: set[tuple[str, str]] = set()
         self.members: dict[str, str] = {}  # "Class.attr" -> section, from ``self.attr = <section>``
         for _ in range(4):  # sections flow through calls into parameters: iterate to a fixed point
@@ -180,8 +224,12 @@ class _ConfigReads:
             fn = node.func
             if isinstance(fn, ast.Attribute) and fn.attr == "model_copy":
                 return self._section(fn.value, aliases)
-            if (getattr(fn, "id", None) == "getattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in self.sections):
+            if (
+                getattr(fn, "id", None) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in self.sections
+            ):
                 return node.args[1].value
         return None
 
@@ -208,7 +256,11 @@ class _ConfigReads:
                     sec = self._section(value, aliases)
                     if sec and isinstance(target, ast.Name):
                         aliases[target.id] = sec
-                    elif sec and isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
+                    elif (
+                        sec
+                        and isinstance(target, ast.Attribute)
+                        and getattr(target.value, "id", None) == "self"
+                    ):
                         self.members[f"{aliases.get('.class')}.{target.attr}"] = sec
         for node in own:
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
@@ -222,7 +274,10 @@ class _ConfigReads:
                 for child in node.body:
                     if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                         self._scope(child, aliases, node.name)
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and node is not scope:
+            elif (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+                and node is not scope
+            ):
                 self._scope(node, aliases, None)
 
     def _call(self, node, aliases: dict[str, str]) -> None:
@@ -251,7 +306,9 @@ class _ConfigReads:
         while stack:
             node = stack.pop()
             yield node
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            if not isinstance(
+                node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
+            ):
                 stack.extend(ast.iter_child_nodes(node))
 
 
@@ -267,10 +324,13 @@ def test_every_config_key_is_read() -> None:
 
     root = Path(__file__).resolve().parents[1]
     skip = ("scaleout/config/", "scaleout/mlperf.py", "scaleout/sim/")
-    paths = [p for p in [*root.glob("scaleout/**/*.py"), *root.glob("launchers/**/*.py")]
-             if not p.relative_to(root).as_posix().startswith(skip)]
+    paths = [
+        p
+        for p in [*root.glob("scaleout/**/*.py"), *root.glob("launchers/**/*.py")]
+        if not p.relative_to(root).as_posix().startswith(skip)
+    ]
     keys = _schema_keys(Config)
-    sections = {name for _, sec, name in keys if sec == "" } | {sec for _, sec, _ in keys if sec}
+    sections = {name for _, sec, name in keys if sec == ""} | {sec for _, sec, _ in keys if sec}
     reads = _ConfigReads(sections, [ast.parse(p.read_text(), str(p)) for p in paths]).reads
     unread = [key for key, sec, name in keys if sec and (sec, name) not in reads]
     assert not unread, f"schema keys read by nothing outside config/, mlperf.py and sim/: {unread}"

@@ -12,7 +12,13 @@ import pytest
 from conftest import WIKI_HIST as HIST  # noqa: E402 -- the packaged copy
 
 from scaleout.data.bert_sources import load_shards, read_length_histogram, synthetic_samples
-from scaleout.data.corpus import corpus_hash, is_eval, pydoc_documents, split_sentences, stdlib_documents
+from scaleout.data.corpus import (
+    corpus_hash,
+    is_eval,
+    pydoc_documents,
+    split_sentences,
+    stdlib_documents,
+)
 from scaleout.data.pretrain import build_pretraining_data, mlm_baselines, to_padded
 from scaleout.data.sampler import ShardedSampler
 from scaleout.data.tokenizer import SPECIALS, WordPiece, train_or_load, train_wordpiece
@@ -27,19 +33,31 @@ def pydoc():
 @pytest.fixture(scope="module")
 def data(pydoc, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
-    return build_pretraining_data(vocab_size=1024, max_seq_len=64, max_predictions=10, dupe_factor=2,
-                                  eval_fraction=0.1, seed=7, cache=cache, docs=pydoc), cache
+    return build_pretraining_data(
+        vocab_size=1024,
+        max_seq_len=64,
+        max_predictions=10,
+        dupe_factor=2,
+        eval_fraction=0.1,
+        seed=7,
+        cache=cache,
+        docs=pydoc,
+    ), cache
 
 
 @pytest.mark.unit
 def test_corpus_is_deterministic_and_never_imports(pydoc, tmp_path):
     assert len(pydoc) > 50 and corpus_hash(pydoc) == corpus_hash(pydoc_documents())
-    assert split_sentences("One thing. Two things!\n\n>>> x = 1\nThree? four.") == ["One thing.", "Two things!",
-                                                                                    "Three? four."]
+    assert split_sentences("One thing. Two things!\n\n>>> x = 1\nThree? four.") == [
+        "One thing.",
+        "Two things!",
+        "Three? four.",
+    ]
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "evil.py").write_text(
         '"""Module doc. Second sentence."""\nraise SystemExit("imported!")\n'
-        'class A:\n    """Class doc."""\n    def f(self):\n        """Method doc."""\n')
+        'class A:\n    """Class doc."""\n    def f(self):\n        """Method doc."""\n'
+    )
     (tmp_path / "test").mkdir()
     (tmp_path / "test" / "test_x.py").write_text('"""Skipped test suite."""\n')
     docs = stdlib_documents(str(tmp_path))  # parsed with ast: the SystemExit never runs
@@ -70,7 +88,9 @@ def test_wordpiece_training_encoding_and_cache(pydoc, tmp_path):
     t1 = train_or_load(texts, 300, "k", str(tmp_path))
     files = list(tmp_path.glob("wordpiece-*.json"))
     assert len(files) == 1
-    assert train_or_load([], 300, "k", str(tmp_path)).vocab == t1.vocab  # second call reads the cache
+    assert (
+        train_or_load([], 300, "k", str(tmp_path)).vocab == t1.vocab
+    )  # second call reads the cache
     with pytest.raises(UserError, match="vocab_size=3"):
         train_wordpiece(texts, 3)
     with pytest.raises(UserError, match="must start with"):
@@ -89,7 +109,9 @@ def test_pretraining_samples_format(data):
         assert L <= 64 and s.input_ids[0] == tok.cls_id and s.input_ids[-1] == tok.sep_id
         seps = np.flatnonzero(s.input_ids == tok.sep_id)
         # specials are never masked, so exactly two [SEP]s remain visible
-        assert len(seps) == 2 and s.token_type_ids[seps[0]] == 0 and s.token_type_ids[seps[0] + 1] == 1
+        assert (
+            len(seps) == 2 and s.token_type_ids[seps[0]] == 0 and s.token_type_ids[seps[0] + 1] == 1
+        )
         assert np.all(np.diff(s.token_type_ids) >= 0)
         m = len(s.masked_positions)
         assert m == min(10, max(1, round(0.15 * L)))  # fixed number of mask slots for a length
@@ -111,21 +133,46 @@ def test_pretraining_samples_format(data):
     assert p["input_ids"].shape == (64,) and p["masked_lm_ids"].shape == (10,)
     assert p["input_mask"].sum() == len(d.train[0])
     base = d.info["eval_baselines"]
-    assert base == mlm_baselines(d.eval) and 0 < base["most_frequent"] < 0.15 and 0.05 < base["copy_input"] < 0.2
+    assert (
+        base == mlm_baselines(d.eval)
+        and 0 < base["most_frequent"] < 0.15
+        and 0.05 < base["copy_input"] < 0.2
+    )
 
 
 @pytest.mark.multi_process
 def test_pretraining_is_deterministic_cached_and_split(data, pydoc, tmp_path):
     d, cache = data
-    again = build_pretraining_data(vocab_size=1024, max_seq_len=64, max_predictions=10, dupe_factor=2,
-                                   eval_fraction=0.1, seed=7, cache=cache, docs=pydoc)
+    again = build_pretraining_data(
+        vocab_size=1024,
+        max_seq_len=64,
+        max_predictions=10,
+        dupe_factor=2,
+        eval_fraction=0.1,
+        seed=7,
+        cache=cache,
+        docs=pydoc,
+    )
     assert again.info["cache"] == d.info["cache"]
     for a, b in zip(d.train[:50] + d.eval[:20], again.train[:50] + again.eval[:20], strict=True):
-        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.masked_labels, b.masked_labels)
-    other = build_pretraining_data(vocab_size=1024, max_seq_len=64, max_predictions=10, dupe_factor=2,
-                                   eval_fraction=0.1, seed=8, cache=cache, docs=pydoc)
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(
+            a.masked_labels, b.masked_labels
+        )
+    other = build_pretraining_data(
+        vocab_size=1024,
+        max_seq_len=64,
+        max_predictions=10,
+        dupe_factor=2,
+        eval_fraction=0.1,
+        seed=8,
+        cache=cache,
+        docs=pydoc,
+    )
     assert other.tokenizer.vocab == d.tokenizer.vocab  # same corpus and vocab size: same tokenizer
-    assert not all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(d.train[:20], other.train[:20], strict=True))
+    assert not all(
+        np.array_equal(a.input_ids, b.input_ids)
+        for a, b in zip(d.train[:20], other.train[:20], strict=True)
+    )
     ev = {doc.name for doc in pydoc if is_eval(doc, 0.1)}
     assert 0 < len(ev) < len(pydoc) // 3
 
@@ -139,7 +186,9 @@ def test_shards_npz_and_hdf5_round_trip(data, tmp_path):
     loaded = load_shards(tmp_path)
     assert len(loaded) == 7
     for a, b in zip(loaded, d.train[:7], strict=True):
-        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.token_type_ids, b.token_type_ids)
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(
+            a.token_type_ids, b.token_type_ids
+        )
         assert np.array_equal(a.masked_positions, b.masked_positions) and a.nsp_label == b.nsp_label
     import h5py  # in the test extra: missing is a failure, not a skip
 
@@ -169,7 +218,9 @@ def test_sharded_sampler_covers_disjointly_and_resumes():
     W, B, N = 4, 8, 50
     samplers = [ShardedSampler(N, B, r, W, seed=1) for r in range(W)]
     seen = []
-    for step in range(N // B + 3):  # crosses an epoch boundary mid-batch (50 is not a multiple of 8)
+    for step in range(
+        N // B + 3
+    ):  # crosses an epoch boundary mid-batch (50 is not a multiple of 8)
         per_rank = [s.local_indices(step * B) for s in samplers]
         assert all(len(p) == 2 for p in per_rank)
         flat = np.concatenate(per_rank)
@@ -213,20 +264,38 @@ def test_load_bert_data_from_config(tmp_path):
     from scaleout.data.bert_sources import load_bert_data
     from scaleout.data.pretrain import to_padded
 
-    cfg = Config.model_validate({"data": {"source": "synthetic", "max_seq_len": 32, "max_predictions": 5,
-                                          "eval_samples": 16},
-                                 "model": {"bert": {"vocab_size": 100, "max_position": 32}},
-                                 "train": {"global_batch": 8, "max_steps": 4}})
+    cfg = Config.model_validate(
+        {
+            "data": {
+                "source": "synthetic",
+                "max_seq_len": 32,
+                "max_predictions": 5,
+                "eval_samples": 16,
+            },
+            "model": {"bert": {"vocab_size": 100, "max_position": 32}},
+            "train": {"global_batch": 8, "max_steps": 4},
+        }
+    )
     syn = load_bert_data(cfg)
     assert len(syn.train) == 32 and len(syn.eval) == 16 and syn.info["lengths"]["mean"] == 32
     rows = [to_padded(s, 32, 5) for s in syn.train]
     for split, part in (("train", rows[:24]), ("eval", rows[24:])):
         (tmp_path / split).mkdir()
         np.savez(tmp_path / split / "a.npz", **{k: np.stack([r[k] for r in part]) for k in part[0]})
-    wiki = load_bert_data(cfg.model_copy(update={"data": cfg.data.model_copy(
-        update={"source": "wikipedia", "path": str(tmp_path)})}))
+    wiki = load_bert_data(
+        cfg.model_copy(
+            update={
+                "data": cfg.data.model_copy(update={"source": "wikipedia", "path": str(tmp_path)})
+            }
+        )
+    )
     assert len(wiki.train) == 24 and len(wiki.eval) == 8
-    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "wikipedia", "path": str(tmp_path),
-                                                                      "max_seq_len": 16})})
+    small = cfg.model_copy(
+        update={
+            "data": cfg.data.model_copy(
+                update={"source": "wikipedia", "path": str(tmp_path), "max_seq_len": 16}
+            )
+        }
+    )
     with pytest.raises(ConfigError, match="max_seq_len=16"):
         load_bert_data(small)

@@ -16,8 +16,16 @@ import torch
 from distutil import run_dist
 from fakecuda import FakeCuda
 
-FAST = ["train.global_batch=8", "data.eval_samples=16", "optim.warmup_steps=1", "optim.total_steps=8",
-        "train.progress=false", "train.eval_every=2", "train.max_steps=2", "comm.bucket_mb=0.25"]
+FAST = [
+    "train.global_batch=8",
+    "data.eval_samples=16",
+    "optim.warmup_steps=1",
+    "optim.total_steps=8",
+    "train.progress=false",
+    "train.eval_every=2",
+    "train.max_steps=2",
+    "comm.bucket_mb=0.25",
+]
 
 
 def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], str]:
@@ -25,9 +33,21 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
     from scaleout.config import load_config
     from scaleout.train.loop import Trainer
 
-    base = "bert_tiny_cpu" if not any(o.startswith("model.arch=resnet") for o in arch_overrides) else "resnet_cpu"
-    cfg = load_config(base, [*FAST, f"train.output_dir={out}/out", f"checkpoint.dir={out}/ckpt",
-                             "checkpoint.every_steps=1", *arch_overrides])
+    base = (
+        "bert_tiny_cpu"
+        if not any(o.startswith("model.arch=resnet") for o in arch_overrides)
+        else "resnet_cpu"
+    )
+    cfg = load_config(
+        base,
+        [
+            *FAST,
+            f"train.output_dir={out}/out",
+            f"checkpoint.dir={out}/ckpt",
+            "checkpoint.every_steps=1",
+            *arch_overrides,
+        ],
+    )
     with FakeCuda(world) as fc:
         trainer = Trainer(cfg, world)
         # The report reads the GPU's name and peak (torch.cuda.get_device_name): rank-local, no collective.
@@ -42,15 +62,25 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
 
 
 @pytest.mark.full_system
-@pytest.mark.parametrize("overrides", [
-    pytest.param(["comm.algorithm=hierarchical"], id="bert-dataparallel-hierarchical"),
-    pytest.param(["optim.sharded=true"], id="bert-sharded-lamb"),
-    pytest.param(["model.arch=resnet", "model.resnet.bn_group=2", "comm.algorithm=flat"], id="resnet-groupbn-lars"),
-])
-def test_every_collective_of_the_training_path_is_on_the_device(tmp_path: Path, overrides: list[str]) -> None:
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["comm.algorithm=hierarchical"], id="bert-dataparallel-hierarchical"),
+        pytest.param(["optim.sharded=true"], id="bert-sharded-lamb"),
+        pytest.param(
+            ["model.arch=resnet", "model.resnet.bn_group=2", "comm.algorithm=flat"],
+            id="resnet-groupbn-lars",
+        ),
+    ],
+)
+def test_every_collective_of_the_training_path_is_on_the_device(
+    tmp_path: Path, overrides: list[str]
+) -> None:
     """2 nodes x 1 rank; fails on a collective given a host tensor anywhere in build/step/eval/save
     (the evaluation counters were CPU tensors: every multi-GPU run crashed at its first evaluation)."""
-    results = run_dist(_train, nnodes=2, nproc_per_node=1, args=(overrides, str(tmp_path)), timeout=300)
+    results = run_dist(
+        _train, nnodes=2, nproc_per_node=1, args=(overrides, str(tmp_path)), timeout=300
+    )
     for rank, (violations, status) in enumerate(results):
         assert violations == [], f"rank {rank}: {violations}"
         assert status == "max_steps", f"rank {rank}: {status}"
@@ -73,18 +103,33 @@ def _bad_collective(world: Any) -> list[str]:
 def test_fakecuda_rejects_a_host_tensor_collective() -> None:
     """The harness itself: a host tensor in a collective is caught, a device tensor is not."""
     for violations in run_dist(_bad_collective, nnodes=1, nproc_per_node=2):
-        assert len(violations) == 1 and "No backend type associated with device type cpu" in violations[0]
+        assert (
+            len(violations) == 1
+            and "No backend type associated with device type cpu" in violations[0]
+        )
         assert "test_device_discipline.py" in violations[0]
 
 
-def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, overrides: list[str]
-                    ) -> list[list[tuple[str, str]]]:
+def _syncs_per_step(
+    world: Any, out: str, every: int, steps: int, config: str, overrides: list[str]
+) -> list[list[tuple[str, str]]]:
     """Run the trainer under FakeCuda; the device -> host reads of each train_step, in order."""
     from scaleout.config import load_config
     from scaleout.train.loop import Trainer
 
-    cfg = load_config(config, [*FAST, f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", f"train.max_steps={steps}",
-                               f"train.eval_every={steps}", f"train.timing_every={every}", *overrides])
+    cfg = load_config(
+        config,
+        [
+            *FAST,
+            f"train.output_dir={out}",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.timing_every={every}",
+            *overrides,
+        ],
+    )
     per_step: list[list[tuple[str, str]]] = []
     with FakeCuda(world) as fc:
         trainer = Trainer(cfg, world)
@@ -104,11 +149,24 @@ def _syncs_per_step(world: Any, out: str, every: int, steps: int, config: str, o
 
 
 @pytest.mark.full_system
-@pytest.mark.parametrize(("config", "overrides"), [
-    pytest.param("bert_tiny_cpu", ["model.bert.static_shapes=true", "comm.algorithm=hierarchical"], id="bert-lamb"),
-    pytest.param("resnet_cpu", ["model.resnet.bn_group=2", "comm.algorithm=flat"], id="resnet-groupbn-lars"),
-])
-def test_unsampled_steps_read_the_device_once(tmp_path: Path, config: str, overrides: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [
+        pytest.param(
+            "bert_tiny_cpu",
+            ["model.bert.static_shapes=true", "comm.algorithm=hierarchical"],
+            id="bert-lamb",
+        ),
+        pytest.param(
+            "resnet_cpu",
+            ["model.resnet.bn_group=2", "comm.algorithm=flat"],
+            id="resnet-groupbn-lars",
+        ),
+    ],
+)
+def test_unsampled_steps_read_the_device_once(
+    tmp_path: Path, config: str, overrides: list[str]
+) -> None:
     """A training step reads nothing from the device but the agreement flags (one read per step, which
     also carries the loss and the reducer's census); the timers synchronise only on sampled steps.
     Before: one census .item() per parameter, a float() of the loss, a bool() of the finiteness check and
@@ -116,8 +174,15 @@ def test_unsampled_steps_read_the_device_once(tmp_path: Path, config: str, overr
     (BERT's default forward selects masked positions by value, a documented host sync: the capture-safe
     forward is the one without.)"""
     every, steps = 3, 7
-    for rank, per_step in enumerate(run_dist(_syncs_per_step, nnodes=2, nproc_per_node=1,
-                                             args=(str(tmp_path), every, steps, config, overrides), timeout=300)):
+    for rank, per_step in enumerate(
+        run_dist(
+            _syncs_per_step,
+            nnodes=2,
+            nproc_per_node=1,
+            args=(str(tmp_path), every, steps, config, overrides),
+            timeout=300,
+        )
+    ):
         assert len(per_step) == steps
         for step, syncs in enumerate(per_step):
             if step == 0:
@@ -125,4 +190,6 @@ def test_unsampled_steps_read_the_device_once(tmp_path: Path, config: str, overr
             timers = [s for s in syncs if s[0] == "synchronize"]
             reads = [s for s in syncs if s[0] != "synchronize"]
             assert bool(timers) == (step % every == 0), f"rank {rank} step {step}: {syncs}"
-            assert len(reads) == 1 and "faults.py" in reads[0][1], f"rank {rank} step {step}: {syncs}"
+            assert len(reads) == 1 and "faults.py" in reads[0][1], (
+                f"rank {rank} step {step}: {syncs}"
+            )

@@ -12,20 +12,67 @@ from scaleout.env import DETECTION_ORDER, detect_environment
 from scaleout.env.readers import SlurmEnv
 from scaleout.errors import UserError
 
-TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
-SLURM = {"SLURM_PROCID": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "3", "SLURM_NTASKS": "7", "SLURM_NNODES": "4",
-         "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_NODELIST": "gpu[001-003,007]", "SLURM_JOB_ID": "4242",
-         "SLURM_STEP_ID": "0"}
-OMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SCALEOUT_MPI_NODE_RANK": "1", "SCALEOUT_MPI_NUM_NODES": "2",
-        "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
-MPICH = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
-         "SCALEOUT_MPI_NODE_RANK": "1", "SCALEOUT_MPI_NUM_NODES": "2", "MASTER_ADDR": "h0", "MASTER_PORT": "1"}
-HOROVOD = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
-           "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5"}
-LOCAL = {"SCALEOUT_RANK": "3", "SCALEOUT_LOCAL_RANK": "1", "SCALEOUT_NODE_RANK": "1", "SCALEOUT_NNODES": "2",
-         "SCALEOUT_NPROC_PER_NODE": "2", "SCALEOUT_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7"}
+TORCHRUN = {
+    "RANK": "5",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "8",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "x",
+}
+SLURM = {
+    "SLURM_PROCID": "6",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "3",
+    "SLURM_NTASKS": "7",
+    "SLURM_NNODES": "4",
+    "SLURM_TASKS_PER_NODE": "2(x3),1",
+    "SLURM_JOB_NODELIST": "gpu[001-003,007]",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+}
+OMPI = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "SCALEOUT_MPI_NODE_RANK": "1",
+    "SCALEOUT_MPI_NUM_NODES": "2",
+    "MASTER_ADDR": "h0",
+    "MASTER_PORT": "1234",
+}
+MPICH = {
+    "PMI_RANK": "2",
+    "PMI_SIZE": "4",
+    "MPI_LOCALRANKID": "0",
+    "MPI_LOCALNRANKS": "2",
+    "SCALEOUT_MPI_NODE_RANK": "1",
+    "SCALEOUT_MPI_NUM_NODES": "2",
+    "MASTER_ADDR": "h0",
+    "MASTER_PORT": "1",
+}
+HOROVOD = {
+    "HOROVOD_RANK": "3",
+    "HOROVOD_SIZE": "4",
+    "HOROVOD_LOCAL_RANK": "1",
+    "HOROVOD_LOCAL_SIZE": "2",
+    "HOROVOD_CROSS_RANK": "1",
+    "HOROVOD_CROSS_SIZE": "2",
+    "MASTER_ADDR": "h",
+    "MASTER_PORT": "5",
+}
+LOCAL = {
+    "SCALEOUT_RANK": "3",
+    "SCALEOUT_LOCAL_RANK": "1",
+    "SCALEOUT_NODE_RANK": "1",
+    "SCALEOUT_NNODES": "2",
+    "SCALEOUT_NPROC_PER_NODE": "2",
+    "SCALEOUT_WORLD_SIZE": "4",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "7",
+}
 
 
 def _spec(env, explicit=None):
@@ -34,15 +81,33 @@ def _spec(env, explicit=None):
 
 
 def _key(spec):
-    return (spec.rank, spec.local_rank, spec.node_rank, spec.num_nodes, spec.local_size, spec.world_size)
+    return (
+        spec.rank,
+        spec.local_rank,
+        spec.node_rank,
+        spec.num_nodes,
+        spec.local_size,
+        spec.world_size,
+    )
 
 
 @pytest.mark.unit
 def test_torchrun() -> None:
     name, s = _spec(TORCHRUN)
-    assert name == "torchrun" and _key(s) == (5, 1, 1, 2, 4, 8) and (s.master_addr, s.master_port) == ("10.0.0.1", 29500)
+    assert (
+        name == "torchrun"
+        and _key(s) == (5, 1, 1, 2, 4, 8)
+        and (s.master_addr, s.master_port) == ("10.0.0.1", 29500)
+    )
     env = {k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "TORCHELASTIC_RUN_ID")}
-    assert _key(_spec(env)[1]) == (5, 1, 1, 2, 4, 8)  # node rank derived from RANK // LOCAL_WORLD_SIZE
+    assert _key(_spec(env)[1]) == (
+        5,
+        1,
+        1,
+        2,
+        4,
+        8,
+    )  # node rank derived from RANK // LOCAL_WORLD_SIZE
 
 
 @pytest.mark.unit
@@ -55,8 +120,15 @@ def test_slurm_uneven_tasks_and_nodelist() -> None:
     assert s.master_port == SlurmEnv.port_for_job(4242)
     assert _spec({**SLURM, "MASTER_ADDR": "ib0", "MASTER_PORT": "999"})[1].master_port == 999
     # step variables win over the job's (a step on 2 of the job's 4 nodes)
-    step = {**SLURM, "SLURM_PROCID": "2", "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "4",
-            "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[003,007]"}
+    step = {
+        **SLURM,
+        "SLURM_PROCID": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_NODELIST": "gpu[003,007]",
+    }
     s2 = _spec(step)[1]
     assert _key(s2) == (2, 0, 1, 2, 2, 4) and s2.master_addr == "gpu003"
 
@@ -110,22 +182,37 @@ def test_explicit_choice_overrides_detection() -> None:
     [
         ({**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
         ({**TORCHRUN, "RANK": "9"}, "rank 9 not in [0, world_size=8)"),
-        ({k: v for k, v in SLURM.items() if k != "SLURM_TASKS_PER_NODE"}, "SLURM_TASKS_PER_NODE is not set"),
+        (
+            {k: v for k, v in SLURM.items() if k != "SLURM_TASKS_PER_NODE"},
+            "SLURM_TASKS_PER_NODE is not set",
+        ),
         ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x3)"}, "describes 3 nodes, expected 4"),
         ({**SLURM, "SLURM_NTASKS": "9"}, "sums to 7, expected SLURM_NTASKS=9"),
         ({**SLURM, "SLURM_JOB_NODELIST": "gpu[001-"}, "unclosed"),
         ({**HOROVOD, "HOROVOD_LOCAL_RANK": "2"}, "local rank 2 not in [0, 2)"),
         ({k: v for k, v in LOCAL.items() if k != "SCALEOUT_NNODES"}, "SCALEOUT_NNODES is not set"),
         ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0: expected an integer >= 1"),
-        ({k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "TORCHELASTIC_RUN_ID")} | {"LOCAL_WORLD_SIZE": "0"},
-         "LOCAL_WORLD_SIZE=0: expected an integer >= 1"),
-        ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000: expected a port from 1 to 65535"),
+        (
+            {k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+            | {"LOCAL_WORLD_SIZE": "0"},
+            "LOCAL_WORLD_SIZE=0: expected an integer >= 1",
+        ),
+        (
+            {**TORCHRUN, "MASTER_PORT": "70000"},
+            "MASTER_PORT=70000: expected a port from 1 to 65535",
+        ),
         ({**SLURM, "MASTER_PORT": "-5"}, "MASTER_PORT=-5: expected a port from 1 to 65535"),
         ({**LOCAL, "MASTER_PORT": "0"}, "MASTER_PORT=0: expected a port from 1 to 65535"),
-        ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"}, "describes at least 99999999999 nodes, expected 4"),
+        (
+            {**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"},
+            "describes at least 99999999999 nodes, expected 4",
+        ),
         ({**SLURM, "SLURM_TASKS_PER_NODE": "2(x3"}, "unclosed '(x'"),
         ({**SLURM, "SLURM_JOB_NODELIST": "n[0-999999]b[0-9]"}, "more than 1000000 hosts"),
-        ({**HOROVOD, "HOROVOD_GLOO_RENDEZVOUS_PORT": "99999"}, "HOROVOD_GLOO_RENDEZVOUS_PORT=99999: expected a port"),
+        (
+            {**HOROVOD, "HOROVOD_GLOO_RENDEZVOUS_PORT": "99999"},
+            "HOROVOD_GLOO_RENDEZVOUS_PORT=99999: expected a port",
+        ),
     ],
 )
 def test_bad_variables_are_one_line_errors(env, needle) -> None:
@@ -171,7 +258,9 @@ def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
             s.close()
     ports = {SlurmEnv.port_for_job(j) for j in range(0, 100_000)}
     assert max(ports) < low and min(ports) >= 1024
-    assert len(ports) == min(100_000, low - SlurmEnv.PORT_BASE)  # the whole span is used: no clustering
+    assert len(ports) == min(
+        100_000, low - SlurmEnv.PORT_BASE
+    )  # the whole span is used: no clustering
     assert SlurmEnv.port_for_job(17768) < low  # 15000 + 17768 was 32768, the range's first port
 
 
@@ -179,7 +268,9 @@ def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
 def test_slurm_port_map_adapts_to_the_range() -> None:
     assert SlurmEnv.port_for_job(0, 32768) == 15000 and SlurmEnv.port_for_job(17767, 32768) == 32767
     assert SlurmEnv.port_for_job(17768, 32768) == 15000
-    assert {SlurmEnv.port_for_job(j, 10000) for j in range(20000)} == set(range(1024, 10000))  # a lowered range
+    assert {SlurmEnv.port_for_job(j, 10000) for j in range(20000)} == set(
+        range(1024, 10000)
+    )  # a lowered range
     with pytest.raises(UserError, match="ephemeral port range starts at 1500"):
         SlurmEnv.port_for_job(1, 1500)
     s = _spec(SLURM)[1]
@@ -198,32 +289,60 @@ def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
 
     table = {"node1": ["127.0.1.1"], "node2": ["10.0.0.2"]}
     toward = {"10.0.0.2": "10.0.0.1"}.get
-    assert master_address(["node1", "node2", "node2"], resolve_fn=_resolver(table), toward_fn=toward) == "10.0.0.1"
-    assert master_address(["node1", "node1"], resolve_fn=_resolver(table), toward_fn=toward) == "127.0.0.1"
+    assert (
+        master_address(["node1", "node2", "node2"], resolve_fn=_resolver(table), toward_fn=toward)
+        == "10.0.0.1"
+    )
+    assert (
+        master_address(["node1", "node1"], resolve_fn=_resolver(table), toward_fn=toward)
+        == "127.0.0.1"
+    )
     # the peer does not resolve here: an interface address, never the loopback one
     ifs = [("lo", "127.0.0.1", True), ("eth0", "10.0.0.1", False)]
-    assert master_address(["node1", "nodeX"], resolve_fn=_resolver(table), toward_fn=toward,
-                          interfaces_fn=lambda: ifs) == "10.0.0.1"
+    assert (
+        master_address(
+            ["node1", "nodeX"],
+            resolve_fn=_resolver(table),
+            toward_fn=toward,
+            interfaces_fn=lambda: ifs,
+        )
+        == "10.0.0.1"
+    )
     with pytest.raises(UserError, match="no non-loopback address found for host 'node1'"):
-        master_address(["node1", "nodeX"], resolve_fn=_resolver(table), toward_fn=toward,
-                       interfaces_fn=lambda: ifs[:1])
+        master_address(
+            ["node1", "nodeX"],
+            resolve_fn=_resolver(table),
+            toward_fn=toward,
+            interfaces_fn=lambda: ifs[:1],
+        )
 
 
 @pytest.mark.unit
 def test_reachable_address_real_sockets() -> None:
     """On this machine: the address toward one of its own non-loopback addresses is that address, and the
     loopback interface is found by its flag."""
-    from scaleout.env.addr import address_toward, interfaces, is_loopback, loopback_interface, reachable_address
+    from scaleout.env.addr import (
+        address_toward,
+        interfaces,
+        is_loopback,
+        loopback_interface,
+        reachable_address,
+    )
 
     ifs = interfaces()
-    assert any(loop and addr == "127.0.0.1" for _, addr, loop in ifs) and loopback_interface() is not None
+    assert (
+        any(loop and addr == "127.0.0.1" for _, addr, loop in ifs)
+        and loopback_interface() is not None
+    )
     outside = [addr for _, addr, loop in ifs if addr and not loop]
     if not outside:
         pytest.skip("this machine has no non-loopback IPv4 interface")
     assert address_toward(outside[0]) == outside[0]
     assert reachable_address([outside[0]]) == outside[0]
     assert not is_loopback(reachable_address(["no-such-host.invalid"]))
-    assert is_loopback("127.0.1.1") and is_loopback("::ffff:127.0.0.1") and not is_loopback("10.0.0.1")
+    assert (
+        is_loopback("127.0.1.1") and is_loopback("::ffff:127.0.0.1") and not is_loopback("10.0.0.1")
+    )
 
 
 class _KV:
@@ -273,15 +392,22 @@ def test_horovod_publishes_rank0_address_and_port() -> None:
     with _KV() as kv:
         kv_port = kv.server.server_address[1]
         got = {}
-        t = threading.Thread(target=lambda: got.setdefault(1, exchange_master("127.0.0.1", kv_port, 1, timeout_s=30)))
+        t = threading.Thread(
+            target=lambda: got.setdefault(1, exchange_master("127.0.0.1", kv_port, 1, timeout_s=30))
+        )
         t.start()
         assert exchange_master("127.0.0.1", kv_port, 0, "10.9.8.7", 29400) == ("10.9.8.7", 29400)
         t.join(30)
         assert got[1] == ("10.9.8.7", 29400)
         # Through the reader: two nodes, rank 0 publishes a non-loopback address of its own host.
-        env = {**{k: v for k, v in HOROVOD.items() if not k.startswith("MASTER_")}, "HOROVOD_RANK": "0",
-               "HOROVOD_LOCAL_RANK": "0", "HOROVOD_CROSS_RANK": "0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(kv_port)}
+        env = {
+            **{k: v for k, v in HOROVOD.items() if not k.startswith("MASTER_")},
+            "HOROVOD_RANK": "0",
+            "HOROVOD_LOCAL_RANK": "0",
+            "HOROVOD_CROSS_RANK": "0",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(kv_port),
+        }
         reader = HorovodEnv()
         addr, port = reader.rendezvous(reader.read(env))
         assert json_of(kv.store["/scaleout/master"]) == {"addr": addr, "port": port}
@@ -307,17 +433,25 @@ def test_submit_local_jobs_get_distinct_free_ports() -> None:
 
     from scaleout.launchers.submit import SubmitSpec, rank_mains
 
-    spec = SubmitSpec(argv=["train", "c.yaml"], gpus_per_node=2, cluster="local",
-                      array={"optim.lr": [str(i) for i in range(16)]})
+    spec = SubmitSpec(
+        argv=["train", "c.yaml"],
+        gpus_per_node=2,
+        cluster="local",
+        array={"optim.lr": [str(i) for i in range(16)]},
+    )
     mains = rank_mains(spec)
     ports = [m.master_port for m in mains]
-    assert len(set(ports)) == 16 and [m.argv[-1] for m in mains] == [f"optim.lr={i}" for i in range(16)]
+    assert len(set(ports)) == 16 and [m.argv[-1] for m in mains] == [
+        f"optim.lr={i}" for i in range(16)
+    ]
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # free indeed
     slurm = SubmitSpec(argv=["train", "c.yaml"], cluster="slurm")
     if shutil_which("sbatch"):
-        assert [m.master_port for m in rank_mains(slurm)] == [None]  # Slurm: derived from the job id
+        assert [m.master_port for m in rank_mains(slurm)] == [
+            None
+        ]  # Slurm: derived from the job id
 
 
 def shutil_which(name: str):
@@ -333,7 +467,10 @@ def test_forced_slurm_outside_srun_is_refused() -> None:
 
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     reader = detect_environment(env, "slurm")
-    with pytest.raises(EnvironmentError_, match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start"):
+    with pytest.raises(
+        EnvironmentError_,
+        match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start",
+    ):
         reader.read(env)
     assert reader.read({**env, "SLURM_STEPID": "3"}).rank == 6  # older Slurm spells it STEPID
 
@@ -350,15 +487,29 @@ def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> No
     assert set(LOCAL_VARS.values()) <= set(env)
     assert detect_environment(env).name == "local"
     s = ENVIRONMENTS["local"].read(env)
-    assert (s.rank, s.local_rank, s.node_rank, s.num_nodes, s.local_size, s.world_size) == (3, 1, 1, 2, 2, 4)
-    assert (s.master_addr, s.master_port, s.launcher, s.tasks_per_node) == ("10.0.0.1", 29500, "local", (2, 2))
+    assert (s.rank, s.local_rank, s.node_rank, s.num_nodes, s.local_size, s.world_size) == (
+        3,
+        1,
+        1,
+        2,
+        2,
+        4,
+    )
+    assert (s.master_addr, s.master_port, s.launcher, s.tasks_per_node) == (
+        "10.0.0.1",
+        29500,
+        "local",
+        (2, 2),
+    )
     t = ENVIRONMENTS["torchrun"].read(env)
     assert (t.rank, t.local_rank, t.node_rank, t.world_size) == (3, 1, 1, 4)
     assert RANK_VARS[0] == LOCAL_VARS["rank"] and "SLURM_PROCID" in RANK_VARS
     for k in RANK_VARS:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")  # mpirun inside an allocation: MPI's rank wins, as detection
+    monkeypatch.setenv(
+        "OMPI_COMM_WORLD_RANK", "2"
+    )  # mpirun inside an allocation: MPI's rank wins, as detection
     assert _rank() == 2
     ports = free_ports(4)
     assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)

@@ -37,7 +37,9 @@ def _group_timeouts(world) -> dict[str, list[float]]:
     before = [_timeout_of(g) for g in (world.group, world.intra, world.inter, t.row, t.col)]
     world.set_timeout(7)
     after = [_timeout_of(g) for g in (world.group, world.intra, world.inter, t.row, t.col)]
-    later = world.partition("bn-pairs", [[0, 3], [1, 2]])  # a group built after set_timeout (group BN)
+    later = world.partition(
+        "bn-pairs", [[0, 3], [1, 2]]
+    )  # a group built after set_timeout (group BN)
     return {"before": before, "after": after, "later": [_timeout_of(later)]}
 
 
@@ -76,7 +78,9 @@ def test_hung_peer_in_a_subgroup_times_out_at_the_step_timeout() -> None:
 
 
 # -- a hung rank in a real training run ----------------------------------------------------------------
-def _train_cmd(tmp: Path, *overrides: str, nnodes: int = 2, nproc: int = 2, grace: float | None = None) -> list[str]:
+def _train_cmd(
+    tmp: Path, *overrides: str, nnodes: int = 2, nproc: int = 2, grace: float | None = None
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -102,8 +106,12 @@ def _train_cmd(tmp: Path, *overrides: str, nnodes: int = 2, nproc: int = 2, grac
     ]
 
 
-def _run(cmd: list[str], timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+def _run(
+    cmd: list[str], timeout: float = 400, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
@@ -119,7 +127,9 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"SCALEOUT_RANK=")), None)
+        rank = next(
+            (int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"SCALEOUT_RANK=")), None
+        )
         if rank is not None:
             out[rank] = pid
     return out
@@ -130,7 +140,9 @@ class _Lines:
 
     def __init__(self, proc: subprocess.Popen):
         self.lines: list[str] = []
-        self._t = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        self._t = threading.Thread(
+            target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True
+        )
         self._t.start()
 
     def wait_for(self, text: str, timeout: float) -> bool:
@@ -167,7 +179,9 @@ def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int)
     out = _Lines(proc)
     pids: dict[int, int] = {}
     try:
-        assert out.wait_for("checkpoint: step 2 ->", 400), out.text[-3000:]  # past step 1: the step timeout is on
+        assert out.wait_for("checkpoint: step 2 ->", 400), out.text[
+            -3000:
+        ]  # past step 1: the step timeout is on
         pids = rank_pids(proc.pid)
         assert sorted(pids) == [0, 1, 2, 3], pids
         os.kill(pids[victim], signal.SIGSTOP)
@@ -175,7 +189,9 @@ def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int)
         try:
             rc = proc.wait(timeout=150)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the job was still running 150 s after rank {victim} was stopped:\n{out.text[-3000:]}")
+            pytest.fail(
+                f"the job was still running 150 s after rank {victim} was stopped:\n{out.text[-3000:]}"
+            )
         took = time.monotonic() - t0
     finally:
         for pid in pids.values():
@@ -233,25 +249,37 @@ def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
     more = _run(_train_cmd(tmp_path, *flat, "train.max_steps=4", nnodes=1))
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["resumed_from_step"] == 2 and report["steps"] == 2 and report["run_id"] == record["run_id"]
+    assert (
+        report["resumed_from_step"] == 2
+        and report["steps"] == 2
+        and report["run_id"] == record["run_id"]
+    )
     log = (out / "mlperf.log").read_text()
     events = [json.loads(x.split(":::MLLOG", 1)[1]) for x in log.splitlines() if ":::MLLOG" in x]
     assert [e["value"] for e in events if e["key"] == "init_checkpoint_step"] == [2]
     ok, checker = check_compliance(out / "mlperf.log", "bert", quality_target=report["achieved"])
     assert ok, checker[-3000:]
-    assert (out / "mlperf.log").read_bytes().startswith(before["out"]["mlperf.log"])  # segment 1, appended to
+    assert (
+        (out / "mlperf.log").read_bytes().startswith(before["out"]["mlperf.log"])
+    )  # segment 1, appended to
     assert len(split_attempts(log)) == 2
     assert (out / "report.json.1").read_bytes() == before["out"]["report.json"]
     assert json.loads((ckpt / "run.json").read_text())["segments"] == 2
 
     state = {"out": _snapshot(out), "ckpt": _snapshot(ckpt)}
     _one_line_error(
-        _run(_train_cmd(tmp_path, *flat, "train.max_steps=6", "train.global_batch=32", nnodes=1), timeout=120),
+        _run(
+            _train_cmd(tmp_path, *flat, "train.max_steps=6", "train.global_batch=32", nnodes=1),
+            timeout=120,
+        ),
         "train.global_batch=32",
         "batches of 16",
     )
     _one_line_error(
-        _run(_train_cmd(tmp_path, *flat, "train.max_steps=6", "checkpoint.resume=false", nnodes=1), timeout=120),
+        _run(
+            _train_cmd(tmp_path, *flat, "train.max_steps=6", "checkpoint.resume=false", nnodes=1),
+            timeout=120,
+        ),
         "already holds checkpoints up to step 4",
         "checkpoint.resume=true",
     )
@@ -288,10 +316,15 @@ def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
         env={"SCALEOUT_INJECT_NAN": "0:1,2:1,3:1,4:1"},
     )
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "step 5: 3 consecutive steps with non-finite gradients (train.max_consecutive_skips=3)" in r.stdout
+    assert (
+        "step 5: 3 consecutive steps with non-finite gradients (train.max_consecutive_skips=3)"
+        in r.stdout
+    )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["status"] == "aborted" and report["skipped_steps"] == 4 and report["steps"] == 5
-    stop = [x for x in (tmp_path / "out" / "mlperf.log").read_text().splitlines() if '"run_stop"' in x]
+    stop = [
+        x for x in (tmp_path / "out" / "mlperf.log").read_text().splitlines() if '"run_stop"' in x
+    ]
     assert len(stop) == 1 and '"status": "aborted"' in stop[0]
 
 
@@ -300,7 +333,18 @@ SCRIPT = ROOT / "tests" / "scripts" / "exit_without_close.py"
 
 
 def _launch_script(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--", str(SCRIPT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--",
+        str(SCRIPT),
+    ]
     return _run([*cmd, *args], timeout=300)
 
 

@@ -32,8 +32,16 @@ def _counted_by_torch(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 
 def _model(**kw) -> BertForPreTraining:
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=512, hidden=64, layers=2, heads=2, intermediate=256, max_position=64, dropout=0.0,
-                     **kw)
+    cfg = BertConfig(
+        vocab_size=512,
+        hidden=64,
+        layers=2,
+        heads=2,
+        intermediate=256,
+        max_position=64,
+        dropout=0.0,
+        **kw,
+    )
     return BertForPreTraining(cfg)
 
 
@@ -41,12 +49,21 @@ def _model(**kw) -> BertForPreTraining:
 def test_packed_step_flops_equal_each_sequence_run_alone(unpad: bool) -> None:
     model = _model(unpad_mlm_head=unpad)
     seqs = synthetic_sequences(LENGTHS, 512, seed=1)
-    alone = sum(_counted_by_torch(model, build_batch(seqs, [[i]], len(seqs[i]))) for i in range(len(seqs)))
+    alone = sum(
+        _counted_by_torch(model, build_batch(seqs, [[i]], len(seqs[i]))) for i in range(len(seqs))
+    )
     n_masked = sum(len(s.mlm_positions) for s in seqs)
     # what the packed step runs: 3 rows of 64 tokens; the MLM head at the masked positions (unpadded) or
     # at every row position (the decoder runs over padding too, so that is counted)
-    mlm, nsp = head_rows(model.cfg, rows=len(PACKS), max_len=64, n_masked=n_masked, n_seqs=len(seqs),
-                         mlm_slots=0, nsp_slots=0)
+    mlm, nsp = head_rows(
+        model.cfg,
+        rows=len(PACKS),
+        max_len=64,
+        n_masked=n_masked,
+        n_seqs=len(seqs),
+        mlm_slots=0,
+        nsp_slots=0,
+    )
     counted = sequence_flops(model.cfg, LENGTHS, mlm, nsp)
     if unpad:
         assert counted == alone
@@ -78,8 +95,16 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
     from scaleout.train.prefetch import Prefetcher
     from scaleout.train.tasks import BertTask
 
-    cfg = load_config("bert_tiny_cpu", ["data.source=synthetic", "launch.env=single",
-                                         "train.global_batch=8", "train.max_steps=20", f"train.output_dir={tmp_path}"])
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=synthetic",
+            "launch.env=single",
+            "train.global_batch=8",
+            "train.max_steps=20",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
     world = scaleout.init(cfg)
     try:
         task = BertTask(cfg, world)
@@ -87,8 +112,15 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
         seq_idx = [i for p in idx for i in task.packs[p]]
         lens = task.lengths[seq_idx]
         masked = sum(len(task.train_seqs[i].mlm_positions) for i in seq_idx)
-        mlm, nsp = head_rows(task.model.cfg, len(idx), cfg.data.max_seq_len, masked, len(seq_idx),
-                             task.max_pred, task.depth)
+        mlm, nsp = head_rows(
+            task.model.cfg,
+            len(idx),
+            cfg.data.max_seq_len,
+            masked,
+            len(seq_idx),
+            task.max_pred,
+            task.depth,
+        )
         counted = sum(mb.flops for mb in task.batches.micro_batches(16, 2))
         assert counted == pytest.approx(sequence_flops(task.model.cfg, lens, mlm, nsp), rel=1e-12)
         assert counted > 0

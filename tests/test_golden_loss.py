@@ -30,10 +30,23 @@ pytestmark = pytest.mark.full_system  # a training run end to end (one rank, in 
 GOLDEN = Path(__file__).with_name("data") / "golden_loss_bert_tiny.json"
 STEPS = 20
 RTOL = 1e-5
-RUN = ["data.source=synthetic", "data.eval_samples=8", "launch.env=single", "train.global_batch=8",
-       f"train.max_steps={STEPS}", f"train.eval_every={STEPS}", "train.target=null", "train.deterministic=true",
-       "train.progress=false", "train.metrics=[]", "checkpoint.dir=null", "checkpoint.every_steps=0",
-       "optim.warmup_steps=5", "optim.total_steps=100", "comm.algorithm=flat"]
+RUN = [
+    "data.source=synthetic",
+    "data.eval_samples=8",
+    "launch.env=single",
+    "train.global_batch=8",
+    f"train.max_steps={STEPS}",
+    f"train.eval_every={STEPS}",
+    "train.target=null",
+    "train.deterministic=true",
+    "train.progress=false",
+    "train.metrics=[]",
+    "checkpoint.dir=null",
+    "checkpoint.every_steps=0",
+    "optim.warmup_steps=5",
+    "optim.total_steps=100",
+    "comm.algorithm=flat",
+]
 
 
 def losses(*overrides: str, threads: int = 1) -> list[float]:
@@ -63,12 +76,15 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 def test_tiny_config_matches_its_golden_losses() -> None:
     golden = json.loads(GOLDEN.read_text())
-    assert golden["run"] == RUN, "the golden run's settings changed: regenerate (python tests/test_golden_loss.py --write)"
+    assert golden["run"] == RUN, (
+        "the golden run's settings changed: regenerate (python tests/test_golden_loss.py --write)"
+    )
     got = losses()
     assert len(got) == STEPS
     assert got == pytest.approx(golden["losses"], rel=RTOL), (
         f"max relative difference {_max_rel(got, golden['losses']):.2e} > {RTOL:g}: if the change is intended, "
-        "regenerate with `python tests/test_golden_loss.py --write` and say why in the commit")
+        "regenerate with `python tests/test_golden_loss.py --write` and say why in the commit"
+    )
 
 
 def test_tolerance_sits_between_kernel_drift_and_a_real_change() -> None:
@@ -82,8 +98,13 @@ def write() -> None:
     assert losses() == base, "two runs of the golden config differ: it is not deterministic"
     drift = _max_rel(losses(threads=2), base)
     lr = _max_rel(losses("optim.lr=0.0202"), base)  # the config's 2e-2, 1 % higher
-    GOLDEN.write_text(json.dumps({"run": RUN, "losses": base, "threads_drift": drift, "lr_1pct": lr}, indent=1) + "\n")
-    print(f"wrote {GOLDEN}: {len(base)} losses; 2-thread drift {drift:.2e}, 1 % LR change {lr:.2e}, RTOL {RTOL:g}")
+    GOLDEN.write_text(
+        json.dumps({"run": RUN, "losses": base, "threads_drift": drift, "lr_1pct": lr}, indent=1)
+        + "\n"
+    )
+    print(
+        f"wrote {GOLDEN}: {len(base)} losses; 2-thread drift {drift:.2e}, 1 % LR change {lr:.2e}, RTOL {RTOL:g}"
+    )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,12 @@ def _layer_case(world, k: int) -> dict:
             "dx": (x.grad - xr.grad[sl]).abs().max().item(),
             # weight/bias grads are sums over the whole group batch (|dw| ~ 20 here): compared relative
             # to their magnitude, since fp32 summation order differs between the two paths
-            "dw": ((gw - ref.weight.grad).abs().max() / ref.weight.grad.abs().max().clamp_min(1)).item(),
-            "db": ((gb - ref.bias.grad).abs().max() / ref.bias.grad.abs().max().clamp_min(1)).item(),
+            "dw": (
+                (gw - ref.weight.grad).abs().max() / ref.weight.grad.abs().max().clamp_min(1)
+            ).item(),
+            "db": (
+                (gb - ref.bias.grad).abs().max() / ref.bias.grad.abs().max().clamp_min(1)
+            ).item(),
         }
         for m in (gbn, ref):
             m.weight.grad = m.bias.grad = None
@@ -69,7 +73,9 @@ def _resnet_case(world, k: int) -> dict:
     from scaleout.config.schema import ResNetConfig
     from scaleout.models.resnet import build_resnet
 
-    cfg = ResNetConfig(depth=18, width=4, num_classes=7, image_size=16, bn_group=k, zero_init_residual=False)
+    cfg = ResNetConfig(
+        depth=18, width=4, num_classes=7, image_size=16, bn_group=k, zero_init_residual=False
+    )
     torch.manual_seed(1)
     model = build_resnet(cfg, world)
     torch.manual_seed(1)
@@ -94,7 +100,10 @@ def _resnet_case(world, k: int) -> dict:
 
 
 def _all_cases(world) -> dict:
-    return {"layer": {k: _layer_case(world, k) for k in (1, 2, 4)}, "resnet": _resnet_case(world, 2)}
+    return {
+        "layer": {k: _layer_case(world, k) for k in (1, 2, 4)},
+        "resnet": _resnet_case(world, 2),
+    }
 
 
 @pytest.mark.multi_process
@@ -117,10 +126,14 @@ def test_group_bn_matches_plain_bn_over_group_batch():
     for k in (2, 4):
         for r in range(4):
             g0 = results[r]["layer"][k]["group"][0]
-            for a, b in zip(results[r]["layer"][k]["running"], results[g0]["layer"][k]["running"], strict=True):
+            for a, b in zip(
+                results[r]["layer"][k]["running"], results[g0]["layer"][k]["running"], strict=True
+            ):
                 assert torch.equal(a, b), (k, r)
     # and different groups see different data, so k = 2 statistics differ between groups
-    assert not torch.equal(results[0]["layer"][2]["running"][0], results[2]["layer"][2]["running"][0])
+    assert not torch.equal(
+        results[0]["layer"][2]["running"][0], results[2]["layer"][2]["running"][0]
+    )
 
 
 @pytest.mark.unit
@@ -140,16 +153,22 @@ def _cuda_case(world) -> dict:
     torch.manual_seed(0)
     x = (torch.randn(8, 16, 8, 8, device=world.device) * 2 + 1).requires_grad_(True)
     dy = torch.randn_like(x)
-    gbn = GroupBatchNorm2d(16, group=dist.group.WORLD, group_size=2).to(world.device)  # forces the group path
+    gbn = GroupBatchNorm2d(16, group=dist.group.WORLD, group_size=2).to(
+        world.device
+    )  # forces the group path
     ref = nn.BatchNorm2d(16).to(world.device)
     y = gbn(x)
     y.backward(dy)
     dx, x.grad = x.grad.clone(), None
     yr = ref(x)
     yr.backward(dy)
-    return {"y": (y - yr).abs().max().item(), "dx": (dx - x.grad).abs().max().item(),
-            "dw": (gbn.weight.grad - ref.weight.grad).abs().max().item(),
-            "rv": (gbn.running_var - ref.running_var).abs().max().item(), "backend": world.backend}
+    return {
+        "y": (y - yr).abs().max().item(),
+        "dx": (dx - x.grad).abs().max().item(),
+        "dw": (gbn.weight.grad - ref.weight.grad).abs().max().item(),
+        "rv": (gbn.running_var - ref.running_var).abs().max().item(),
+        "backend": world.backend,
+    }
 
 
 @pytest.mark.multi_process
@@ -167,8 +186,12 @@ def _own_communicator(world) -> dict:
     intra = world.intra
     ones = torch.ones(1)
     dist.all_reduce(ones, group=bn)
-    return {"same_ranks": dist.get_process_group_ranks(bn) == dist.get_process_group_ranks(intra),
-            "distinct": bn is not intra, "sum": ones.item(), "cached": bn is bn_process_group(world, world.local_size)}
+    return {
+        "same_ranks": dist.get_process_group_ranks(bn) == dist.get_process_group_ranks(intra),
+        "distinct": bn is not intra,
+        "sum": ones.item(),
+        "cached": bn is bn_process_group(world, world.local_size),
+    }
 
 
 @pytest.mark.multi_process
@@ -188,7 +211,9 @@ def _bn_sync(world) -> dict:
     from scaleout.models.resnet import build_resnet
 
     torch.manual_seed(0)
-    model = build_resnet(ResNetConfig(depth=18, width=4, num_classes=5, image_size=16), world).train()
+    model = build_resnet(
+        ResNetConfig(depth=18, width=4, num_classes=5, image_size=16), world
+    ).train()
     torch.manual_seed(100 + world.rank)  # every rank sees different data
     with torch.no_grad():
         model(torch.randn(4, 3, 16, 16) * (1 + world.rank))
@@ -197,15 +222,21 @@ def _bn_sync(world) -> dict:
     gathered = [torch.zeros_like(before) for _ in range(world.world_size)]
     dist.all_gather(gathered, before)
     n = sync_batchnorm_stats(model, world)
-    means, vars_ = torch.stack([g[0] for g in gathered]).double(), torch.stack([g[1] for g in gathered]).double()
+    means, vars_ = (
+        torch.stack([g[0] for g in gathered]).double(),
+        torch.stack([g[1] for g in gathered]).double(),
+    )
     pooled_var = (vars_ + means**2).mean(0) - means.mean(0) ** 2
     buffers = torch.cat([b.reshape(-1) for name, b in model.named_buffers() if "running" in name])
     everyone = [torch.zeros_like(buffers) for _ in range(world.world_size)]
     dist.all_gather(everyone, buffers)
-    return {"layers": n, "differed": not torch.equal(gathered[0], gathered[1]),
-            "equal": all(torch.equal(e, everyone[0]) for e in everyone),
-            "mean_err": (bn.running_mean.double() - means.mean(0)).abs().max().item(),
-            "var_err": (bn.running_var.double() - pooled_var).abs().max().item()}
+    return {
+        "layers": n,
+        "differed": not torch.equal(gathered[0], gathered[1]),
+        "equal": all(torch.equal(e, everyone[0]) for e in everyone),
+        "mean_err": (bn.running_mean.double() - means.mean(0)).abs().max().item(),
+        "var_err": (bn.running_var.double() - pooled_var).abs().max().item(),
+    }
 
 
 @pytest.mark.multi_process

@@ -37,7 +37,9 @@ def _api_and_training(world, cases):
     out["sum_legacy"] = hvd.allreduce(t, average=False).tolist()
     h = hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=2.0)
     out["async_inplace"] = (hvd.synchronize(h) is t, t.tolist())
-    out["fp16_dtype"] = hvd.allreduce(torch.full((3,), 0.5 * (r + 1)), compression=hvd.Compression.fp16).dtype
+    out["fp16_dtype"] = hvd.allreduce(
+        torch.full((3,), 0.5 * (r + 1)), compression=hvd.Compression.fp16
+    ).dtype
     out["bcast"] = hvd.broadcast(torch.tensor([float(r)]), root_rank=2).item()
     out["bcast_obj"] = hvd.broadcast_object({"from": r}, root_rank=1)
     out["gather_obj"] = hvd.allgather_object(r * 10)
@@ -70,13 +72,22 @@ CASES = [
 
 def test_horovod_api_and_training_on_every_algorithm():
     res = run_dist(_api_and_training, 2, 2, args=(CASES,), timeout=300)
-    assert [x["ids"] for x in res] == [(0, 4, 0, 2, 0, 2), (1, 4, 1, 2, 0, 2), (2, 4, 0, 2, 1, 2), (3, 4, 1, 2, 1, 2)]
+    assert [x["ids"] for x in res] == [
+        (0, 4, 0, 2, 0, 2),
+        (1, 4, 1, 2, 0, 2),
+        (2, 4, 0, 2, 1, 2),
+        (3, 4, 1, 2, 1, 2),
+    ]
     for r, x in enumerate(res):
         assert x["avg"] == [2.5] * 5 and x["input_untouched"] == [float(r + 1)] * 5
         assert x["sum"] == [10.0] * 5 and x["sum_legacy"] == [10.0] * 5
         assert x["async_inplace"] == (True, [20.0] * 5)
         assert x["fp16_dtype"] == torch.float32  # travelled as fp16, returned in the input dtype
-        assert x["bcast"] == 2.0 and x["bcast_obj"] == {"from": 1} and x["gather_obj"] == [0, 10, 20, 30]
+        assert (
+            x["bcast"] == 2.0
+            and x["bcast_obj"] == {"from": 1}
+            and x["gather_obj"] == [0, 10, 20, 30]
+        )
         assert len(x["errors"]) == 3
         assert "hvd.Average, hvd.Sum, hvd.Min" in x["errors"][0] and "root_rank=4" in x["errors"][1]
         assert "ring9" in x["errors"][2]
@@ -85,15 +96,23 @@ def test_horovod_api_and_training_on_every_algorithm():
         for r, x in enumerate(res):
             for key, value in want[passes].items():
                 tol = 2e-3 if comp == "fp16" else 1e-5
-                assert torch.allclose(x[name][key], value, atol=tol, rtol=tol), f"{name} rank {r} {key}"
-                assert torch.equal(x[name][key], res[0][name][key]), f"{name}: ranks disagree on {key}"
+                assert torch.allclose(x[name][key], value, atol=tol, rtol=tol), (
+                    f"{name} rank {r} {key}"
+                )
+                assert torch.equal(x[name][key], res[0][name][key]), (
+                    f"{name}: ranks disagree on {key}"
+                )
     # fp16 on the wire really is lossy: not bit-identical to the fp32 run
     assert any(not torch.equal(res[0]["fp16"][k], res[0]["torus2d"][k]) for k in want[1])
 
 
 def test_horovod_script_under_scaleout_launch(tmp_path):
     """The script itself, with hvd.init() reading the launcher's environment (2 emulated nodes x 2)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "HOROVOD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "HOROVOD_"))
+    }
     env.update(SCALEOUT_ALGORITHM="torus2d", OMP_NUM_THREADS="1")
     p = subprocess.run(
         [
@@ -129,7 +148,11 @@ def test_horovod_script_under_scaleout_launch(tmp_path):
     reason="the real horovod is not installed (optional `horovod` extra; see docs/launchers.md)",
 )
 def test_horovodrun_environment_is_detected():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "SCALEOUT_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "SCALEOUT_"))
+    }
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.run(
         [

@@ -55,7 +55,9 @@ def _entry(world, fn, args, env):
                 os.environ[k] = v
     try:
         return fn(hvd, *args)
-    except BaseException:  # the pool reports the first rank to fail, which may be a victim of another's failure
+    except (
+        BaseException
+    ):  # the pool reports the first rank to fail, which may be a victim of another's failure
         import sys
         import traceback
 
@@ -128,13 +130,18 @@ def r_identity(hvd):
         hvd.cross_size(),
         hvd.is_initialized(),
         hvd.is_homogeneous(),
-        tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")),
+        tuple(
+            int(os.environ[k])
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        ),
     )
 
 
 def test_horovod_rank_size_and_is_initialized():
     """rank/size (and local/cross ids) match what the launcher set; is_initialized after init."""
-    for r, (rank, size, lrank, lsize, crank, csize, inited, homog, env) in enumerate(on_ranks(r_identity)):
+    for r, (rank, size, lrank, lsize, crank, csize, inited, homog, env) in enumerate(
+        on_ranks(r_identity)
+    ):
         assert (rank, size, lrank, lsize, crank) == env and rank == r
         assert (csize, inited, homog) == (2, True, True)
 
@@ -161,7 +168,9 @@ def test_horovod_allreduce_average():
 
 def r_allreduce_minmaxprod(hvd, opname):
     rank, size = hvd.rank(), hvd.size()
-    for dtype, dim in itertools.product([torch.int32, torch.int64, torch.float32, torch.float64], DIMS):
+    for dtype, dim in itertools.product(
+        [torch.int32, torch.int64, torch.float32, torch.float64], DIMS
+    ):
         tensors = seeded([size] + [17] * dim, dtype)
         out = hvd.allreduce(tensors[rank], op=getattr(hvd, opname))
         if opname == "Product":
@@ -211,8 +220,16 @@ def test_horovod_allreduce_async_fused():
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """Horovod's CPU scaling: integers in fp64 then truncated, fp16 in fp32, others in their own type."""
     dtype = tensor.dtype
-    math_type = torch.float32 if dtype == torch.float16 else torch.float64 if not dtype.is_floating_point else dtype
-    return (torch.tensor(factor, dtype=torch.float64).to(math_type) * tensor.to(math_type)).to(dtype)
+    math_type = (
+        torch.float32
+        if dtype == torch.float16
+        else torch.float64
+        if not dtype.is_floating_point
+        else dtype
+    )
+    return (torch.tensor(factor, dtype=torch.float64).to(math_type) * tensor.to(math_type)).to(
+        dtype
+    )
 
 
 def r_allreduce_scaled(hvd, where):
@@ -238,7 +255,13 @@ def r_allreduce_errors(hvd):
     msgs = [raises(lambda: hvd.allreduce(seeded([17 + rank] * 3, torch.float32)))]
     dims = [17, 23 * 57] if rank == 0 else [17, 23, 57]  # same number of elements, different rank
     msgs.append(raises(lambda: hvd.allreduce(seeded(dims, torch.float32))))
-    msgs.append(raises(lambda: hvd.allreduce(torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32))))
+    msgs.append(
+        raises(
+            lambda: hvd.allreduce(
+                torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32)
+            )
+        )
+    )
     msgs.append(raises(lambda: hvd.allreduce(torch.ones(3), op=hvd.Max if rank else hvd.Sum)))
     assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [4.0] * 3  # still usable afterwards
     return msgs
@@ -311,7 +334,9 @@ def r_grouped_allreduce(hvd, mode):
         else:
             want = tensors if mode == "average" else [t * size for t in tensors]
             out = hvd.grouped_allreduce(tensors, average=mode == "average")
-        assert len(out) == 5 and all(close(o, w, threshold(size, dtype)) for o, w in zip(out, want, strict=True))
+        assert len(out) == 5 and all(
+            close(o, w, threshold(size, dtype)) for o, w in zip(out, want, strict=True)
+        )
 
 
 @pytest.mark.parametrize("mode", ["sum", "average", "inplace"])

@@ -18,7 +18,9 @@ def filled(shape: list[int], value: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- allgather -------------------------------------------------------------------------------------------
-def _check_gathered(gathered: torch.Tensor, rows: list[int], trailing: list[int], dtype: torch.dtype) -> None:
+def _check_gathered(
+    gathered: torch.Tensor, rows: list[int], trailing: list[int], dtype: torch.dtype
+) -> None:
     assert gathered.dtype == dtype and list(gathered.shape) == [sum(rows)] + trailing
     start = 0
     for r, n in enumerate(rows):
@@ -64,7 +66,11 @@ def r_allgather_errors(hvd):
     shape = [17, 10 * (rank + 1), 17]  # only the first dimension may differ
     return (
         raises(lambda: hvd.allgather(torch.ones(shape))),
-        raises(lambda: hvd.allgather(torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32))),
+        raises(
+            lambda: hvd.allgather(
+                torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32)
+            )
+        ),
     )
 
 
@@ -80,8 +86,13 @@ def r_allgather_grad(hvd, grouped):
     rows = [3, 2, 7, 4][:size]
     for dtype, dim in itertools.product([torch.float32, torch.float64], DIMS):
         trailing = [17] * (dim - 1)
-        tensors = [filled([rows[rank]] + trailing, rank, dtype).requires_grad_() for _ in range(5 if grouped else 1)]
-        grad_ys = torch.cat([torch.ones([n] + trailing, dtype=dtype) * r for r, n in enumerate(rows)])
+        tensors = [
+            filled([rows[rank]] + trailing, rank, dtype).requires_grad_()
+            for _ in range(5 if grouped else 1)
+        ]
+        grad_ys = torch.cat(
+            [torch.ones([n] + trailing, dtype=dtype) * r for r, n in enumerate(rows)]
+        )
         gathered = hvd.grouped_allgather(tensors) if grouped else [hvd.allgather(tensors[0])]
         for g in gathered:
             g.backward(grad_ys)
@@ -132,7 +143,11 @@ def r_broadcast_errors(hvd):
     rank = hvd.rank()
     return (
         raises(lambda: hvd.broadcast(torch.ones(17, 10 * (rank + 1), 17), 0)),
-        raises(lambda: hvd.broadcast(torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32), 0)),
+        raises(
+            lambda: hvd.broadcast(
+                torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32), 0
+            )
+        ),
         raises(lambda: hvd.broadcast(torch.ones(17, 17), rank)),
         raises(lambda: hvd.broadcast(torch.ones(3), hvd.size()), (ValueError,)),
     )
@@ -179,12 +194,17 @@ def r_alltoall(hvd, with_splits):
         tensor = _alltoall_input(rank, size, dim, dtype)
         if with_splits:
             out, received = hvd.alltoall(tensor, torch.tensor([rank + 1] * size, dtype=torch.int32))
-            assert received.dtype == torch.int32 and received.tolist() == [r + 1 for r in range(size)]
+            assert received.dtype == torch.int32 and received.tolist() == [
+                r + 1 for r in range(size)
+            ]
         else:
             out = hvd.alltoall(tensor)
         want = rank if dtype != torch.bool else bool(rank)
         assert bool((out == want).all()), (dtype, dim)
-        assert out.numel() == size * (size + 1) // 2 * 2 ** (dim - 1) and out.dtype == dtype, (dtype, dim)
+        assert out.numel() == size * (size + 1) // 2 * 2 ** (dim - 1) and out.dtype == dtype, (
+            dtype,
+            dim,
+        )
 
 
 @pytest.mark.parametrize("with_splits", [True, False])
@@ -196,11 +216,21 @@ def test_horovod_alltoall(with_splits):
 def r_alltoall_errors(hvd):
     rank, size = hvd.rank(), hvd.size()
     return (
-        raises(lambda: hvd.alltoall(torch.empty(size, dtype=torch.int32 if rank % 2 else torch.float32))),
+        raises(
+            lambda: hvd.alltoall(
+                torch.empty(size, dtype=torch.int32 if rank % 2 else torch.float32)
+            )
+        ),
         raises(lambda: hvd.alltoall(torch.ones([2 * size, 10 * (rank + 1), 2 * size]))),
         raises(lambda: hvd.alltoall(torch.empty(size + 1)), (ValueError,)),
-        raises(lambda: hvd.alltoall(torch.empty(size - 1), torch.ones(size, dtype=torch.int32)), (ValueError,)),
-        raises(lambda: hvd.alltoall(torch.empty(size), torch.empty(size, dtype=torch.float32)), (ValueError,)),
+        raises(
+            lambda: hvd.alltoall(torch.empty(size - 1), torch.ones(size, dtype=torch.int32)),
+            (ValueError,),
+        ),
+        raises(
+            lambda: hvd.alltoall(torch.empty(size), torch.empty(size, dtype=torch.float32)),
+            (ValueError,),
+        ),
     )
 
 

@@ -39,7 +39,9 @@ def r_join_allreduce(hvd):
         if rank == first:
             ret = hvd.join()
         else:
-            avg_a, avg_b = reduce_both()  # the joined rank contributes zeros; Average still divides by size
+            avg_a, avg_b = (
+                reduce_both()
+            )  # the joined rank contributes zeros; Average still divides by size
             ret = hvd.join()
             for got, t in ((avg_a, a), (avg_b, b)):
                 want = (
@@ -67,7 +69,9 @@ def r_join_refuses(hvd, kind):
             if kind == "allgather":
                 msg = raises(lambda: hvd.allgather(tensor))
             else:
-                msg = raises(lambda: hvd.broadcast(tensor, rank, name="test_horovod_join_broadcast"))
+                msg = raises(
+                    lambda: hvd.broadcast(tensor, rank, name="test_horovod_join_broadcast")
+                )
             assert "hvd.join()" in msg or "Mismatched" in msg, msg
             ret = hvd.join()
         assert ret != first and hvd.allgather_object(ret) == [ret] * size
@@ -106,7 +110,9 @@ def _uneven_reference(size: int) -> dict[str, torch.Tensor]:
         active = [r for r in range(size) if step < 2 + r]
         for r in active:
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + r))
-            (F.mse_loss(model(x), x.sum(1, keepdim=True)) / size).backward()  # joined ranks add zeros
+            (
+                F.mse_loss(model(x), x.sum(1, keepdim=True)) / size
+            ).backward()  # joined ranks add zeros
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * p.grad
@@ -159,7 +165,13 @@ def test_barrier_with_multiple_collectives():
 # -- timeline, fusion, cycle time, response cache -----------------------------------------------------------
 def r_timeline(hvd):
     texts = []
-    for mark_cycles, twice in ((True, False), (True, False), (False, False), (True, False), (False, True)):
+    for mark_cycles, twice in (
+        (True, False),
+        (True, False),
+        (False, False),
+        (True, False),
+        (False, True),
+    ):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "timeline.json")
             hvd.start_timeline(path, mark_cycles=mark_cycles)
@@ -184,9 +196,13 @@ def test_timeline_api():
         spans = [e for e in events if e.get("ph") == "X"]
         assert {e["pid"] for e in spans} == {0, 1, 2, 3}
         assert any(
-            e["name"] == "NEGOTIATE_ALLREDUCE" and e["args"]["tensor"] == "allreduce.test_allreduce" for e in spans
+            e["name"] == "NEGOTIATE_ALLREDUCE" and e["args"]["tensor"] == "allreduce.test_allreduce"
+            for e in spans
         )
-        assert any(e["name"] == "ALLREDUCE" and "allreduce.test_allreduce" in e["args"]["tensors"] for e in spans)
+        assert any(
+            e["name"] == "ALLREDUCE" and "allreduce.test_allreduce" in e["args"]["tensors"]
+            for e in spans
+        )
         assert any(e["name"] == "CYCLE_START" for e in spans) == mark_cycles
 
 
@@ -270,7 +286,9 @@ def test_stall_warning():
     """A rank blocked for longer than HOROVOD_STALL_CHECK_TIME_SECONDS waiting for the others to queue an
     operation says so, naming it (Horovod's stall inspector); the operation completes when they do."""
     res = on_ranks(r_stall, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
-    assert any("allreduce.late" in m and "HOROVOD_STALL_CHECK_TIME_SECONDS" in m for m in res[0]), res[0]
+    assert any("allreduce.late" in m and "HOROVOD_STALL_CHECK_TIME_SECONDS" in m for m in res[0]), (
+        res[0]
+    )
     assert not any(res[1:])
 
 
@@ -284,7 +302,9 @@ def r_not_supported(hvd):
             lambda: hvd.allreduce(torch.ones(2), process_set=object()),
             lambda: hvd.elastic.run,
             lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
-            lambda: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum),
+            lambda: hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum
+            ),
             lambda: hvd.SyncBatchNorm,
         )
     ]

@@ -30,7 +30,8 @@ OPT_PARAMS = [dict(lr=0.2, momentum=0.9, weight_decay=0.1, centered=True), dict(
 
 def _new_optimizer(cls, params, model):
     return cls(
-        model.parameters(), **{k: v for k, v in params.items() if k in inspect.signature(cls.__init__).parameters}
+        model.parameters(),
+        **{k: v for k, v in params.items() if k in inspect.signature(cls.__init__).parameters},
     )
 
 
@@ -40,7 +41,9 @@ def _mlp() -> nn.Module:
 
 def _same_on_all_ranks(hvd, model: nn.Module) -> bool:
     mine = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return all(all(torch.equal(mine[k], other[k]) for k in mine) for other in hvd.allgather_object(mine))
+    return all(
+        all(torch.equal(mine[k], other[k]) for k in mine) for other in hvd.allgather_object(mine)
+    )
 
 
 # -- broadcast of state ----------------------------------------------------------------------------------
@@ -73,7 +76,12 @@ def r_broadcast_state(hvd):
         for name, v in model_values:
             hvd.broadcast_(v, root_rank=0, name=name)
         opt_values = [
-            (k, hvd.broadcast_(v, 0, name=f"{k}.t") if torch.is_tensor(v) else hvd.broadcast_object(v, name=k))
+            (
+                k,
+                hvd.broadcast_(v, 0, name=f"{k}.t")
+                if torch.is_tensor(v)
+                else hvd.broadcast_object(v, name=k),
+            )
             for k, v in _opt_values(opt)
         ]
         with tempfile.TemporaryDirectory() as tmp:
@@ -127,9 +135,12 @@ def r_broadcast_state_options(hvd):
     for _, cls in OPTIMIZERS:
         model = _mlp()
         opt = hvd.DistributedOptimizer(
-            _new_optimizer(cls, p0 if hvd.rank() == 0 else p1, model), named_parameters=model.named_parameters()
+            _new_optimizer(cls, p0 if hvd.rank() == 0 else p1, model),
+            named_parameters=model.named_parameters(),
         )
-        for _ in range(2):  # the second step checks that the received option types work in the update
+        for _ in range(
+            2
+        ):  # the second step checks that the received option types work in the update
             opt.zero_grad()
             F.mse_loss(model(x), y, reduction="sum").backward()
             opt.step()
@@ -159,7 +170,9 @@ class _ModelNoGrad(nn.Module):
 def r_broadcast_state_no_grad(hvd):
     torch.manual_seed(hvd.rank())
     model = _ModelNoGrad(torch.tensor([1, 3]), torch.rand(4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True
+    )
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -206,7 +219,11 @@ def test_compression_fp16():
     for dtype in (torch.float32, torch.float64):
         wire, ctx = hvd.Compression.fp16.compress(torch.ones(5, 5, 5, dtype=dtype))
         back = hvd.Compression.fp16.decompress(wire, ctx)
-        assert wire.dtype == torch.float16 and back.dtype == dtype and np.linalg.norm(1 - back.numpy()) < 1e-8
+        assert (
+            wire.dtype == torch.float16
+            and back.dtype == dtype
+            and np.linalg.norm(1 - back.numpy()) < 1e-8
+        )
     for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
         wire, ctx = hvd.Compression.fp16.compress(torch.ones(5, 5, 5, dtype=dtype))
         back = hvd.Compression.fp16.decompress(wire, ctx)
@@ -237,16 +254,22 @@ def r_force_allreduce(hvd):
         torch.manual_seed(0)
         model = _TwoHeads()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(_new_optimizer(cls, params, model), named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(
+            _new_optimizer(cls, params, model), named_parameters=model.named_parameters()
+        )
         opt.zero_grad()
         _head_loss(model, rank).backward()
         opt.step()
         assert _same_on_all_ranks(hvd, model), name
-        if cls is torch.optim.SGD and params == OPT_PARAMS[1]:  # plain SGD: check the averaged gradient
+        if (
+            cls is torch.optim.SGD and params == OPT_PARAMS[1]
+        ):  # plain SGD: check the averaged gradient
             torch.manual_seed(0)
             ref = _TwoHeads()
             (sum(_head_loss(ref, r) for r in range(size)) / size).backward()
-            for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            for (k, p), (_, q) in zip(
+                model.named_parameters(), ref.named_parameters(), strict=True
+            ):
                 assert torch.allclose(p, q.detach() - 0.2 * q.grad, rtol=1e-5, atol=1e-5), k
 
 
@@ -270,7 +293,8 @@ def r_named_parameters_errors(hvd):
     model = nn.Sequential(nn.Conv2d(1, 100, 1), nn.Conv2d(100, 1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     missing = raises(
-        lambda: hvd.DistributedOptimizer(opt, named_parameters=list(model.named_parameters())[:1]), (ValueError,)
+        lambda: hvd.DistributedOptimizer(opt, named_parameters=list(model.named_parameters())[:1]),
+        (ValueError,),
     )
     return dup, missing
 
@@ -287,11 +311,16 @@ def r_no_named_parameters(hvd):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     opt.zero_grad()
-    model(torch.rand(1, 1, 50, 50)).sum().backward()  # Horovod's test uses 1000 x 1000: same path, 400 MB less
+    model(
+        torch.rand(1, 1, 50, 50)
+    ).sum().backward()  # Horovod's test uses 1000 x 1000: same path, 400 MB less
     opt.step()
     two_groups = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
     opt = hvd.DistributedOptimizer(
-        torch.optim.SGD([{"params": two_groups[0].parameters()}, {"params": two_groups[1].parameters()}], lr=0.001)
+        torch.optim.SGD(
+            [{"params": two_groups[0].parameters()}, {"params": two_groups[1].parameters()}],
+            lr=0.001,
+        )
     )
     names = set(opt._parameter_names.values())
     assert len(names) == len(opt._parameter_names) == 4
@@ -388,7 +417,11 @@ class _Embedding(nn.Module):
 def r_sparse_embeddings(hvd, sparse_as_dense):
     torch.manual_seed(0)
     model = _Embedding()
-    inp = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]]) if hvd.rank() == 0 else torch.tensor([[1, 3, 4], [4, 7, 9]])
+    inp = (
+        torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]])
+        if hvd.rank() == 0
+        else torch.tensor([[1, 3, 4], [4, 7, 9]])
+    )
     opt = hvd.DistributedOptimizer(
         torch.optim.SparseAdam(list(model.parameters()), lr=0.1), sparse_as_dense=sparse_as_dense
     )

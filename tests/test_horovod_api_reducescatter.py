@@ -9,12 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_horovod_api import DIMS, REDUCE_DTYPES, _scaled, close, on_ranks, raises, seeded, threshold
+from tests.test_horovod_api import (
+    DIMS,
+    REDUCE_DTYPES,
+    _scaled,
+    close,
+    on_ranks,
+    raises,
+    seeded,
+    threshold,
+)
 
 pytestmark = pytest.mark.multi_process
 
 
-def _expected(tensor: torch.Tensor, rank: int, size: int, op: str, where: str | None, factor: float) -> torch.Tensor:
+def _expected(
+    tensor: torch.Tensor, rank: int, size: int, op: str, where: str | None, factor: float
+) -> torch.Tensor:
     if where == "pre":
         whole = _scaled(tensor, factor) * size
     elif where == "post":
@@ -27,7 +38,11 @@ def _expected(tensor: torch.Tensor, rank: int, size: int, op: str, where: str | 
 def r_reducescatter(hvd, op, where, grouped):
     rank, size = hvd.rank(), hvd.size()
     np.random.seed(12345)
-    dtypes = REDUCE_DTYPES if (op == "Sum" or where) else [torch.int32, torch.int64, torch.float32, torch.float64]
+    dtypes = (
+        REDUCE_DTYPES
+        if (op == "Sum" or where)
+        else [torch.int32, torch.int64, torch.float32, torch.float64]
+    )
     for dtype, dim in itertools.product(dtypes, DIMS):
         factor = float(np.random.uniform())
         kw = {f"{where}scale_factor": factor} if where else {}
@@ -38,11 +53,18 @@ def r_reducescatter(hvd, op, where, grouped):
             out = [hvd.reducescatter(tensors[0], op=getattr(hvd, op), **kw)]
         for t, o in zip(tensors, out, strict=True):
             want = _expected(t, rank, size, op, where, factor)
-            assert o.dtype == dtype and close(o, want, threshold(size, dtype)), (dtype, dim, op, where)
+            assert o.dtype == dtype and close(o, want, threshold(size, dtype)), (
+                dtype,
+                dim,
+                op,
+                where,
+            )
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("op,where", [("Sum", None), ("Average", None), ("Sum", "pre"), ("Sum", "post")])
+@pytest.mark.parametrize(
+    "op,where", [("Sum", None), ("Average", None), ("Sum", "pre"), ("Sum", "post")]
+)
 def test_horovod_reducescatter(op, where, grouped):
     """Sum, Average, prescale and postscale, single and grouped: rank r gets rows [4r, 4r+4) of the result."""
     on_ranks(r_reducescatter, op, where, grouped)
@@ -83,11 +105,22 @@ def r_reducescatter_errors(hvd):
     rank = hvd.rank()
     dims = [17, 23 * 57] if rank == 0 else [17, 23, 57]
     return (
-        raises(lambda: hvd.reducescatter(seeded([17 + rank] * 3, torch.float32), name="reducescatter_error1")),
+        raises(
+            lambda: hvd.reducescatter(
+                seeded([17 + rank] * 3, torch.float32), name="reducescatter_error1"
+            )
+        ),
         raises(lambda: hvd.reducescatter(seeded(dims, torch.float32), name="reducescatter_error2")),
-        raises(lambda: hvd.reducescatter(torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32))),
+        raises(
+            lambda: hvd.reducescatter(
+                torch.ones(17, 17, dtype=torch.int32 if rank % 2 else torch.float32)
+            )
+        ),
         raises(lambda: hvd.reducescatter(torch.tensor(float(rank))), (ValueError,)),
-        raises(lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(float(rank))]), (ValueError,)),
+        raises(
+            lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(float(rank))]),
+            (ValueError,),
+        ),
         raises(lambda: hvd.reducescatter(torch.ones(8), op=hvd.Adasum)),
     )
 
@@ -98,7 +131,10 @@ def test_horovod_reducescatter_errors():
     res = on_ranks(r_reducescatter_errors)
     assert all(r[:3] == res[0][:3] for r in res)
     shape, ndim, dtype, scalar, grouped_scalar, adasum = res[0]
-    assert "reducescatter.reducescatter_error1: shape (17, 17, 17) on rank 0 but (18, 18, 18) on rank 1" in shape
+    assert (
+        "reducescatter.reducescatter_error1: shape (17, 17, 17) on rank 0 but (18, 18, 18) on rank 1"
+        in shape
+    )
     assert "shape (17, 1311) on rank 0 but (17, 23, 57) on rank 1" in ndim
     assert "dtype torch.float32 on rank 0 but torch.int32 on rank 1" in dtype
     assert "at least 1 dimension" in scalar and "at least 1 dimension" in grouped_scalar
@@ -108,13 +144,22 @@ def test_horovod_reducescatter_errors():
 def r_reducescatter_grad(hvd, op, grouped):
     size = hvd.size()
     for dtype, dim in itertools.product([torch.float32, torch.float64, torch.float16], DIMS):
-        tensors = [seeded([size * 4] * dim, dtype).requires_grad_() for _ in range(5 if grouped else 1)]
+        tensors = [
+            seeded([size * 4] * dim, dtype).requires_grad_() for _ in range(5 if grouped else 1)
+        ]
         hop = getattr(hvd, op)
-        out = hvd.grouped_reducescatter(tensors, op=hop) if grouped else [hvd.reducescatter(tensors[0], op=hop)]
+        out = (
+            hvd.grouped_reducescatter(tensors, op=hop)
+            if grouped
+            else [hvd.reducescatter(tensors[0], op=hop)]
+        )
         for o in out:
             o.backward(torch.ones([4] + [size * 4] * (dim - 1), dtype=dtype))
         want = np.ones([size * 4] * dim) * (size if op == "Sum" else 1)
-        assert all(np.linalg.norm(want - t.grad.double().numpy()) < 1e-8 for t in tensors), (dtype, dim)
+        assert all(np.linalg.norm(want - t.grad.double().numpy()) < 1e-8 for t in tensors), (
+            dtype,
+            dim,
+        )
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -133,7 +178,9 @@ def r_sparse_allreduce(hvd):
         t[t < 0.8] = 0
         tensors.append(t.to_sparse())
     dense = [hvd.allreduce(t.to_dense()) for t in tensors]
-    waits = [hvd.sparse_allreduce_async(t, op=hvd.Average, name=str(i)) for i, t in enumerate(tensors)]
+    waits = [
+        hvd.sparse_allreduce_async(t, op=hvd.Average, name=str(i)) for i, t in enumerate(tensors)
+    ]
     for want, wait in zip(dense, waits, strict=True):
         got = wait()
         assert got.is_sparse and torch.allclose(want, got.to_dense(), rtol=1e-6)

@@ -74,7 +74,9 @@ def hf_logits(m: torch.nn.Module, seqs: list) -> tuple[torch.Tensor, torch.Tenso
     return mlm, out.seq_relationship_logits
 
 
-def our_logits(m: BertForPreTraining, seqs: list, packs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def our_logits(
+    m: BertForPreTraining, seqs: list, packs: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         out = m(build_batch(seqs, packs, POS))
     return out.mlm_logits, out.nsp_logits
@@ -117,12 +119,16 @@ def test_nvidia_mlperf_layout(seqs, tmp_path):
     hf = hf_model("gelu_tanh", seed=1)
     sd = {}
     for k, v in hf.state_dict().items():
-        if k.endswith(("word_embeddings.weight", "decoder.weight", "predictions.bias", "decoder.bias")):
+        if k.endswith(
+            ("word_embeddings.weight", "decoder.weight", "predictions.bias", "decoder.bias")
+        ):
             v = torch.cat([v, torch.zeros(104 - VOCAB, *v.shape[1:])])
         k = (
             k.replace("attention.self.query.weight", "attention.multi_head_attention.q_weight")
             .replace("attention.self.key.bias", "attention.multi_head_attention.k_bias")
-            .replace("attention.output.dense.weight", "attention.multi_head_attention.out_proj_weight")
+            .replace(
+                "attention.output.dense.weight", "attention.multi_head_attention.out_proj_weight"
+            )
             .replace("attention.output.LayerNorm.", "attention.layer_norm.")
             .replace("intermediate.dense.", "intermediate.dense_act.")
         )
@@ -222,7 +228,9 @@ def test_ckpt_export_loads_into_transformers(tmp_path, capsys):
         f"train.output_dir={tmp_path / 'out'}",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
     ]
-    r = subprocess.run(run, capture_output=True, text=True, timeout=600, env={**os.environ, "SCALEOUT_ENV": ""})
+    r = subprocess.run(
+        run, capture_output=True, text=True, timeout=600, env={**os.environ, "SCALEOUT_ENV": ""}
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     ckpt = tmp_path / "ckpt" / "ckpt-00000002.pt"
     assert cli_main(["ckpt", "show", str(tmp_path)]) == 0  # a run directory: finds ckpt/ inside
@@ -232,7 +240,9 @@ def test_ckpt_export_loads_into_transformers(tmp_path, capsys):
     out = tmp_path / "export"
     assert cli_main(["ckpt", "export", str(ckpt), "--out", str(out)]) == 0
     hf, info = transformers.BertForPreTraining.from_pretrained(out / "hf", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert (
+        not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ), info
     assert hf.config.hidden_act == "gelu_new"
     hf.eval()
     plain = torch.load(out / "model_state_dict.pt", weights_only=True)

@@ -44,8 +44,21 @@ def _launch(tmp_path: Path, mode: str, extra_env=None, grace="2"):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     env = {**os.environ, "PID_DIR": str(pid_dir), **(extra_env or {})}
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--grace", grace,
-           "--", SCRIPT, mode]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--grace",
+        grace,
+        "--",
+        SCRIPT,
+        mode,
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, pid_dir
 
@@ -107,18 +120,51 @@ def test_sigterm_to_launcher_stops_every_child(tmp_path: Path, mode: str) -> Non
 
 @pytest.mark.full_system
 def test_bad_command_is_one_line_error_before_spawn() -> None:
-    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nproc-per-node", "2", "--", "no-such-prog-xyz"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "no-such-prog-xyz",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
-    assert r.stderr.strip() == "scaleout launch: error: command 'no-such-prog-xyz' not found on PATH " \
+    assert (
+        r.stderr.strip() == "scaleout launch: error: command 'no-such-prog-xyz' not found on PATH "
         "(expected a program, a .py file or a scaleout subcommand)"
+    )
 
 
 @pytest.mark.full_system
 def test_smoke_job_two_nodes_two_procs() -> None:
     """The distributed smoke job end to end: World, groups and all-reduce checks on 2 x 2 real processes."""
-    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2", "--",
-                        "scaleout", "smoke", "--numel", "4096"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "scaleout",
+            "smoke",
+            "--numel",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 0]   world                : 4 ranks on 2 nodes, ranks per node [2, 2]" in r.stdout
     assert "torus 2x2" in r.stdout and "result               : OK" in r.stdout
@@ -175,9 +221,15 @@ def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
     script.write_text(CHATTY)
     launch = f"{sys.executable} -m scaleout launch --nnodes 1 --nproc-per-node 2 -- {script}"
     t0 = time.monotonic()
-    r = subprocess.run(["bash", "-c", f"{launch} | head -1; echo rc=${{PIPESTATUS[0]}}"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.stdout.splitlines()[0].startswith("[rank ") and r.stdout.splitlines()[-1] == "rc=0", r.stdout[-500:]
+    r = subprocess.run(
+        ["bash", "-c", f"{launch} | head -1; echo rc=${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.stdout.splitlines()[0].startswith("[rank ") and r.stdout.splitlines()[-1] == "rc=0", (
+        r.stdout[-500:]
+    )
     assert "BrokenPipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert time.monotonic() - t0 < 60
 
@@ -197,8 +249,13 @@ def test_default_grace_fits_a_checkpoint() -> None:
 def test_local_launch_keeps_gloo_on_loopback(tmp_path: Path) -> None:
     script = tmp_path / "ifname.py"
     script.write_text("import os; print('IF', os.environ.get('GLOO_SOCKET_IFNAME'))\n")
-    r = subprocess.run([sys.executable, "-m", "scaleout", "launch", "--", str(script)], capture_output=True,
-                       text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"})
+    r = subprocess.run(
+        [sys.executable, "-m", "scaleout", "launch", "--", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"},
+    )
     assert r.returncode == 0, r.stderr
     from scaleout.env.addr import loopback_interface
 

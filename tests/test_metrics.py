@@ -43,7 +43,9 @@ def _train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPr
         f"train.output_dir={out}",
         *overrides,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def _records(path: Path, kind: str) -> list[dict]:
@@ -65,16 +67,33 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     m = Metrics(tmp_path, ["jsonl", "csv"], log_every=3)
     m.start(world_size=2, nodes=1, ranks_per_node=2, launcher="local", config="c")
     for s in range(1, 8):  # step s: loss s, 0.5 s, 10 samples
-        m.step(s, 10 * s, float(s), 0.1 * s, 0.5, 10, 100, {"forward": 0.2, "backward": 0.3}, force=s == 7)
+        m.step(
+            s,
+            10 * s,
+            float(s),
+            0.1 * s,
+            0.5,
+            10,
+            100,
+            {"forward": 0.2, "backward": 0.3},
+            force=s == 7,
+        )
     m.eval(7, 70, "mlm_accuracy", 0.25, target=0.3)
     m.close("max_steps")
     train = _records(tmp_path / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == [3, 6, 7]
     assert [r["loss"] for r in train] == [2.0, 5.0, 7.0]
-    assert train[0]["samples_per_s"] == pytest.approx(30 / 1.5) and train[0]["lr"] == pytest.approx(0.3)
+    assert train[0]["samples_per_s"] == pytest.approx(30 / 1.5) and train[0]["lr"] == pytest.approx(
+        0.3
+    )
     assert train[0]["breakdown_s"] == pytest.approx({"forward": 0.2, "backward": 0.3})
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
-    assert [(r["kind"], r["step"]) for r in rows] == [("train", "3"), ("train", "6"), ("train", "7"), ("eval", "7")]
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("train", "3"),
+        ("train", "6"),
+        ("train", "7"),
+        ("eval", "7"),
+    ]
     assert float(rows[3]["value"]) == 0.25 and float(rows[0]["forward_s"]) == pytest.approx(0.2)
     again = Metrics(tmp_path, ["jsonl", "csv"], log_every=1)  # resumed from a checkpoint at step 5
     again.start(start_step=5)
@@ -83,7 +102,9 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     data = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in data["train"]] == [(3, 2.0), (6, 0.5), (7, 7.0)]
     assert len(data["runs"]) == 2 and [r["value"] for r in data["eval"]] == [0.25]
-    assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 5  # one header, rows appended
+    assert (
+        len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 5
+    )  # one header, rows appended
 
 
 @pytest.mark.unit
@@ -98,9 +119,12 @@ def test_other_ranks_write_nothing(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_missing_sink_package_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     with pytest.raises(
-        ConfigError, match=r"^train.metrics: wandb needs the wandb package \(pip install 'scaleout\[wandb\]'\)$"
+        ConfigError,
+        match=r"^train.metrics: wandb needs the wandb package \(pip install 'scaleout\[wandb\]'\)$",
     ):
         Metrics(tmp_path, ["wandb"])
     with pytest.raises(ConfigError, match="no metrics file"):
@@ -138,7 +162,9 @@ def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) 
     # the learning rate each step used: linear warm-up over optim.warmup_steps=30 from 0 to optim.lr=2e-2
     assert [t["lr"] for t in train] == pytest.approx([2e-2 * s / 30 for s in range(6)])
     # the breakdown of the steps the timers sampled (train.timing_every=50: the first), none for the others
-    assert {"data", "forward", "backward", "exposed_comm", "optimizer"} <= set(train[0]["breakdown_s"])
+    assert {"data", "forward", "backward", "exposed_comm", "optimizer"} <= set(
+        train[0]["breakdown_s"]
+    )
     assert all(t["breakdown_s"] == {} for t in train[1:])
     assert [(e["step"], e["metric"]) for e in _records(out / "metrics.jsonl", "eval")] == [
         (3, "mlm_accuracy"),
@@ -191,11 +217,15 @@ def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool)
         "train.profile.ranks=[0]",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (trace,) = (out / "profile").glob("*.pt.trace.json")  # rank 1 is not profiled (train.profile.ranks)
+    (trace,) = (out / "profile").glob(
+        "*.pt.trace.json"
+    )  # rank 1 is not profiled (train.profile.ranks)
     assert trace.name.startswith("rank0.")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     spans = {e["name"]: e for e in events}
-    assert {"scaleout.reduce_scatter", "scaleout.all_gather", "scaleout.phase.optimizer"} <= set(spans)
+    assert {"scaleout.reduce_scatter", "scaleout.all_gather", "scaleout.phase.optimizer"} <= set(
+        spans
+    )
     assert all(e["dur"] >= 0 for e in events if e["name"].startswith("scaleout."))
     # the overlapped sharded LAMB's wait after backward is reported as exposed communication, as DataParallel's
     breakdown = json.loads((out / "report.json").read_text())["breakdown_s"]
@@ -205,7 +235,10 @@ def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool)
 @pytest.mark.full_system
 def test_plot_without_metrics_is_one_line(tmp_path: Path) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "scaleout", "plot", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "scaleout", "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 2
     assert p.stderr.strip() == (
@@ -223,5 +256,8 @@ def test_plot_run_draws_both_panels(tmp_path: Path) -> None:
         if s % 5 == 0:
             m.eval(s, s * 8, "mlm_accuracy", 0.01 * s, target=0.15)
     png = m.close("success")
-    assert png == tmp_path / "metrics.png" and plot_run(tmp_path, tmp_path / "b.png") == tmp_path / "b.png"
+    assert (
+        png == tmp_path / "metrics.png"
+        and plot_run(tmp_path, tmp_path / "b.png") == tmp_path / "b.png"
+    )
     assert png.stat().st_size > 10_000  # two axes with curves, not an empty figure

@@ -25,7 +25,9 @@ def _drive(path, cfg: Config, benchmark: str, accuracies: list[float], rank: int
     ml.cache_clear()
     ml.init_start()
     ml.submission(benchmark, org="scaleout", division="closed", status="onprem", platform="2xcpu")
-    ml.hyperparameters(hyperparameters(cfg, world_size=4, config_file=f"configs/{benchmark}_cpu.yaml"))
+    ml.hyperparameters(
+        hyperparameters(cfg, world_size=4, config_file=f"configs/{benchmark}_cpu.yaml")
+    )
     ml.init_stop()
     ml.run_start()
     samples = 0
@@ -44,16 +46,22 @@ def _drive(path, cfg: Config, benchmark: str, accuracies: list[float], rank: int
 
 
 def _bert_cfg() -> Config:
-    return Config.model_validate({
-        "model": {"arch": "bert"},
-        "optim": {"name": "lamb", "lr": 2e-3, "warmup_steps": 10, "total_steps": 200},
-        "train": {"global_batch": 32, "eval_every": 20},
-    })
+    return Config.model_validate(
+        {
+            "model": {"arch": "bert"},
+            "optim": {"name": "lamb", "lr": 2e-3, "warmup_steps": 10, "total_steps": 200},
+            "train": {"global_batch": 32, "eval_every": 20},
+        }
+    )
 
 
 def _check_failures(out: str) -> list[str]:
     """Every warning/error the checker printed, less its final verdict line."""
-    return [ln for ln in out.splitlines() if ("WARNING" in ln or "ERROR" in ln) and ln.strip() != "ERROR - FAILED"]
+    return [
+        ln
+        for ln in out.splitlines()
+        if ("WARNING" in ln or "ERROR" in ln) and ln.strip() != "ERROR - FAILED"
+    ]
 
 
 @pytest.mark.full_system
@@ -64,8 +72,15 @@ def test_bert_log_passes_checker_except_the_full_size_target(tmp_path):
     keys = [json.loads(ln.split(" ", 1)[1])["key"] for ln in lines]
     assert keys[0] == "cache_clear" and keys[-1] == "run_stop"
     assert keys.index("init_stop") < keys.index("run_start") < keys.index("eval_accuracy")
-    for k in ("opt_lamb_epsilon", "opt_lamb_beta_1", "opt_lamb_weight_decay_rate", "start_warmup_step",
-              "num_warmup_steps", "opt_learning_rate_training_steps", "max_sequence_length"):
+    for k in (
+        "opt_lamb_epsilon",
+        "opt_lamb_beta_1",
+        "opt_lamb_weight_decay_rate",
+        "start_warmup_step",
+        "num_warmup_steps",
+        "opt_learning_rate_training_steps",
+        "max_sequence_length",
+    ):
         assert k in keys, k
 
     ok, out = check_compliance(log, "bert")  # real checker, ruleset 5.0.0, unmodified
@@ -84,12 +99,22 @@ def test_bert_log_passes_checker_except_the_full_size_target(tmp_path):
 @pytest.mark.full_system
 def test_resnet_lars_log_passes_checker(tmp_path):
     # Closed-division LARS rules fix end_lr = 1e-4, poly power 2 and wd = 1e-4 * 2^k (MLPerf ResNet rules).
-    cfg = Config.model_validate({
-        "model": {"arch": "resnet"},
-        "optim": {"name": "lars", "lr": 8.0, "end_lr": 1e-4, "power": 2.0, "weight_decay": 5e-5,
-                  "momentum": 0.9, "warmup_steps": 50, "total_steps": 1000},
-        "train": {"global_batch": 64, "eval_every": 100},
-    })
+    cfg = Config.model_validate(
+        {
+            "model": {"arch": "resnet"},
+            "optim": {
+                "name": "lars",
+                "lr": 8.0,
+                "end_lr": 1e-4,
+                "power": 2.0,
+                "weight_decay": 5e-5,
+                "momentum": 0.9,
+                "warmup_steps": 50,
+                "total_steps": 1000,
+            },
+            "train": {"global_batch": 64, "eval_every": 100},
+        }
+    )
     log = tmp_path / "resnet.log"
     _drive(log, cfg, "resnet", [0.40, 0.60, 0.7601])
     ok, out = check_compliance(log, "resnet", ruleset=RULESET["resnet"])
@@ -112,7 +137,7 @@ def _keys_and_values(text: str) -> list[tuple[str, object]]:
     out = []
     for line in text.splitlines():
         if ":::MLLOG" in line:
-            rec = json.loads(line[line.index(":::MLLOG") + len(":::MLLOG"):])
+            rec = json.loads(line[line.index(":::MLLOG") + len(":::MLLOG") :])
             out.append((rec["key"], rec.get("value")))
     return out
 
@@ -139,21 +164,41 @@ def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
     ml.run_stop("aborted", samples=64)
     ml.close()
     first = log.read_text()
-    _drive(log, _bert_cfg(), "bert", [0.21, 0.41])  # attempt 2, resumed: a new logger on the same file
+    _drive(
+        log, _bert_cfg(), "bert", [0.21, 0.41]
+    )  # attempt 2, resumed: a new logger on the same file
     text = log.read_text()
     assert text.startswith(first), "the second attempt erased the first"
     attempts = split_attempts(text)
     assert len(attempts) == 2 and attempts[0] == "".join(ln + "\n" for ln in first.splitlines())
     assert [k for k, _ in _keys_and_values(attempts[1])][:2] == ["cache_clear", "init_start"]
 
-    whole = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                            "--ruleset", RULESET["bert"], "--log_output", str(tmp_path / "c.log"), str(log)],
-                           capture_output=True, text=True, timeout=120)
-    assert whole.returncode != 0 and "run_start" in whole.stdout + whole.stderr  # two runs in one file
+    whole = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            RULESET["bert"],
+            "--log_output",
+            str(tmp_path / "c.log"),
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        whole.returncode != 0 and "run_start" in whole.stdout + whole.stderr
+    )  # two runs in one file
     ok, out = check_compliance(log, "bert", quality_target=0.40)
     assert ok and out.startswith("attempt 2 of 2"), out
     ok, out = check_compliance(log, "bert", quality_target=0.40, attempt=0)
-    assert not ok and "eval_accuracy" in out, out  # the preempted attempt never evaluated: not a result
+    assert not ok and "eval_accuracy" in out, (
+        out
+    )  # the preempted attempt never evaluated: not a result
     with pytest.raises(UserError, match="attempt 2 does not exist.*2 attempt"):
         check_compliance(log, "bert", attempt=2)
 
@@ -161,23 +206,34 @@ def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
 @pytest.mark.unit
 def test_opening_the_log_never_truncates_it(tmp_path):
     log = tmp_path / "mlperf.log"
-    log.write_text(":::MLLOG {\"key\": \"cache_clear\"}\n")
-    MLPerfLogger(log).close()  # a run that fails in build/resume must not have erased the earlier attempts
-    assert log.read_text() == ":::MLLOG {\"key\": \"cache_clear\"}\n"
+    log.write_text(':::MLLOG {"key": "cache_clear"}\n')
+    MLPerfLogger(
+        log
+    ).close()  # a run that fails in build/resume must not have erased the earlier attempts
+    assert log.read_text() == ':::MLLOG {"key": "cache_clear"}\n'
 
 
 @pytest.mark.unit
 def test_split_attempts_reads_a_prefixed_stdout_capture():
     from scaleout.mlperf import split_attempts
 
-    text = "\n".join([
-        "job 7 restart 0", '[rank 0] :::MLLOG {"key": "cache_clear", "value": true}',
-        '[rank 0] :::MLLOG {"key": "init_start", "value": null}', "[rank 0] step 1",
-        '[rank 0] :::MLLOG {"key": "run_stop", "value": null}', "job 7 restart 1",
-        ':::MLLOG {"key": "init_start", "value": null}', ':::MLLOG {"key": "run_stop", "value": null}'])
+    text = "\n".join(
+        [
+            "job 7 restart 0",
+            '[rank 0] :::MLLOG {"key": "cache_clear", "value": true}',
+            '[rank 0] :::MLLOG {"key": "init_start", "value": null}',
+            "[rank 0] step 1",
+            '[rank 0] :::MLLOG {"key": "run_stop", "value": null}',
+            "job 7 restart 1",
+            ':::MLLOG {"key": "init_start", "value": null}',
+            ':::MLLOG {"key": "run_stop", "value": null}',
+        ]
+    )
     parts = split_attempts(text)
     assert [[k for k, _ in _keys_and_values(p)] for p in parts] == [
-        ["cache_clear", "init_start", "run_stop"], ["init_start", "run_stop"]]
+        ["cache_clear", "init_start", "run_stop"],
+        ["init_start", "run_stop"],
+    ]
     assert all(ln.startswith(":::MLLOG") for p in parts for ln in p.splitlines())
 
 
@@ -189,13 +245,37 @@ def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
     import sys
 
     def train(out, *extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))
+        }
         return subprocess.run(
-            [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", "launch.env=single", "comm.algorithm=flat",
-             "train.global_batch=8", "train.max_steps=2", "train.eval_every=2", "data.eval_samples=16",
-             "optim.warmup_steps=1", "optim.total_steps=2", "train.progress=false", "checkpoint.dir=null",
-             "checkpoint.every_steps=0", f"train.output_dir={out}", *extra],
-            capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "scaleout",
+                "train",
+                "bert_tiny_cpu",
+                "launch.env=single",
+                "comm.algorithm=flat",
+                "train.global_batch=8",
+                "train.max_steps=2",
+                "train.eval_every=2",
+                "data.eval_samples=16",
+                "optim.warmup_steps=1",
+                "optim.total_steps=2",
+                "train.progress=false",
+                "checkpoint.dir=null",
+                "checkpoint.every_steps=0",
+                f"train.output_dir={out}",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**env, "OMP_NUM_THREADS": "1"},
+        )
 
     r = train(tmp_path / "a")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -204,14 +284,22 @@ def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
     assert logged["submission_division"] == "closed" and logged["submission_status"] == "onprem"
     assert ":::MLLOG" not in r.stdout
 
-    r = train(tmp_path / "b", "mlperf.org=Acme Labs", "mlperf.platform=4xACME-1", "mlperf.division=open",
-              "mlperf.status=research", "mlperf.stdout=true")
+    r = train(
+        tmp_path / "b",
+        "mlperf.org=Acme Labs",
+        "mlperf.platform=4xACME-1",
+        "mlperf.division=open",
+        "mlperf.status=research",
+        "mlperf.stdout=true",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     file_events = _keys_and_values((tmp_path / "b" / "mlperf.log").read_text())
     logged = dict(file_events)
     assert (logged["submission_org"], logged["submission_platform"]) == ("Acme Labs", "4xACME-1")
     assert (logged["submission_division"], logged["submission_status"]) == ("open", "research")
-    assert _keys_and_values(r.stdout) == file_events  # the same lines on stdout, as run_and_time.sh prints them
+    assert (
+        _keys_and_values(r.stdout) == file_events
+    )  # the same lines on stdout, as run_and_time.sh prints them
 
 
 @pytest.mark.unit

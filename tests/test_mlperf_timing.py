@@ -45,7 +45,10 @@ class TouchLog:
         return self.source.micro_batches(position, grad_accum)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("source", "path"):  # unpickling: before __dict__ is filled
+        if name.startswith("__") or name in (
+            "source",
+            "path",
+        ):  # unpickling: before __dict__ is filled
             raise AttributeError(name)
         return getattr(self.source, name)
 
@@ -111,12 +114,16 @@ def _check_attempt(attempt: str, ranks: list[dict], touches: str, resumed_from: 
     keys = [e["key"] for e in events]
     assert keys[:2] == ["cache_clear", "init_start"] and keys[-1] == "run_stop", keys
     at = {k: keys.index(k) for k in ("init_stop", "run_start", "block_start")}
-    assert keys.count("run_start") == 1 and at["init_stop"] < at["run_start"] < at["block_start"], keys
+    assert keys.count("run_start") == 1 and at["init_stop"] < at["run_start"] < at["block_start"], (
+        keys
+    )
     if resumed_from is None:
         assert "init_checkpoint_step" not in keys, keys
     else:  # part of the initialization, before the clock
         step = [e for e in events if e["key"] == "init_checkpoint_step"]
-        assert [e["value"] for e in step] == [resumed_from] and keys.index("init_checkpoint_step") < at["init_stop"]
+        assert [e["value"] for e in step] == [resumed_from] and keys.index(
+            "init_checkpoint_step"
+        ) < at["init_stop"]
     run_start_ms = events[at["run_start"]]["time_ms"]
     for rank, r in enumerate(ranks):
         seen = [name for name, _ in r["order"]]
@@ -134,14 +141,28 @@ def test_first_touch_of_training_data_is_after_run_start_fresh_and_resumed(tmp_p
     from scaleout.mlperf import check_compliance, split_attempts
 
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    first = run_dist(_timed_run, nnodes=1, nproc_per_node=2, args=(out, ckpt, 2, str(tmp_path / "touch1")), timeout=300)
+    first = run_dist(
+        _timed_run,
+        nnodes=1,
+        nproc_per_node=2,
+        args=(out, ckpt, 2, str(tmp_path / "touch1")),
+        timeout=300,
+    )
     assert [r["status"] for r in first] == ["max_steps"] * 2, first
-    again = run_dist(_timed_run, nnodes=1, nproc_per_node=2, args=(out, ckpt, 4, str(tmp_path / "touch2")), timeout=300)
+    again = run_dist(
+        _timed_run,
+        nnodes=1,
+        nproc_per_node=2,
+        args=(out, ckpt, 4, str(tmp_path / "touch2")),
+        timeout=300,
+    )
     assert [(r["status"], r["steps"]) for r in again] == [("max_steps", 4)] * 2, again
     log = tmp_path / "out" / "mlperf.log"
     attempts = split_attempts(log.read_text())
     assert len(attempts) == 2
-    for i, (attempt, ranks, resumed) in enumerate(((attempts[0], first, None), (attempts[1], again, 2))):
+    for i, (attempt, ranks, resumed) in enumerate(
+        ((attempts[0], first, None), (attempts[1], again, 2))
+    ):
         _check_attempt(attempt, ranks, str(tmp_path / f"touch{i + 1}"), resumed)
         reached = max(e["value"] for e in _events(attempt) if e["key"] == "eval_accuracy")
         ok, checker = check_compliance(log, "bert", quality_target=reached, attempt=i)
@@ -149,11 +170,15 @@ def test_first_touch_of_training_data_is_after_run_start_fresh_and_resumed(tmp_p
 
 
 # -- the eval set of the MLPerf shard path: read after the clock starts, not while opening the data --------
-def _write_fixed_shard(path: Path, rows: int, seq: int, pred: int, rng: np.random.Generator) -> None:
+def _write_fixed_shard(
+    path: Path, rows: int, seq: int, pred: int, rng: np.random.Generator
+) -> None:
     """Rows in the reference's fixed layout (scaleout/data/shard_format.py), random but well formed."""
     lens = rng.integers(pred + 2, seq + 1, rows)
     mask = (np.arange(seq)[None, :] < lens[:, None]).astype(np.int8)
-    positions = np.stack([np.sort(rng.choice(np.arange(1, n - 1), pred, replace=False)) for n in lens]).astype(np.int32)
+    positions = np.stack(
+        [np.sort(rng.choice(np.arange(1, n - 1), pred, replace=False)) for n in lens]
+    ).astype(np.int32)
     np.savez(
         path,
         input_ids=(rng.integers(5, 100, (rows, seq)) * mask).astype(np.int32),
@@ -165,7 +190,9 @@ def _write_fixed_shard(path: Path, rows: int, seq: int, pred: int, rng: np.rando
     )
 
 
-def test_opening_shards_reads_no_sequence_eval_is_read_on_first_use(tmp_path: Path, monkeypatch) -> None:
+def test_opening_shards_reads_no_sequence_eval_is_read_on_first_use(
+    tmp_path: Path, monkeypatch
+) -> None:
     """open_shards (the task's construction, before run_start) reads metadata only: the row lengths of the
     index and the shapes; the eval sequences are read when the first evaluation asks for them."""
     from scaleout.config import load_config

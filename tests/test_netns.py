@@ -21,8 +21,10 @@ from scaleout.launchers.netns import Cluster, parse_rate, require_root
 
 pytestmark = [
     pytest.mark.netns,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
-                       reason="needs root and iproute2 (ip, tc)"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
+        reason="needs root and iproute2 (ip, tc)",
+    ),
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +37,13 @@ def _netns() -> set[str]:
 
 
 def _scaleout(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scaleout", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "scaleout", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture
@@ -47,12 +55,20 @@ def cluster():
 
 def test_cluster_layout_and_idempotent_down(cluster: Cluster) -> None:
     assert {cluster.ns(0), cluster.ns(1)} <= _netns()
-    inside = subprocess.run(cluster.wrapper(1) + ["ip", "-4", "-o", "addr", "show", "dev", "veth0"], capture_output=True, text=True)
+    inside = subprocess.run(
+        cluster.wrapper(1) + ["ip", "-4", "-o", "addr", "show", "dev", "veth0"],
+        capture_output=True,
+        text=True,
+    )
     assert "10.77.0.2/24" in inside.stdout
-    routes = subprocess.run(cluster.wrapper(1) + ["ip", "route"], capture_output=True, text=True).stdout
+    routes = subprocess.run(
+        cluster.wrapper(1) + ["ip", "route"], capture_output=True, text=True
+    ).stdout
     assert "default" not in routes  # cluster addresses are reachable only from inside
     st = cluster.status()
-    assert st["namespaces"] == [cluster.ns(0), cluster.ns(1)] and set(st["rates"].values()) == {"1Gbit"}
+    assert st["namespaces"] == [cluster.ns(0), cluster.ns(1)] and set(st["rates"].values()) == {
+        "1Gbit"
+    }
     cluster.down()
     cluster.down()  # idempotent
     assert not {cluster.ns(0), cluster.ns(1)} & _netns()
@@ -61,7 +77,9 @@ def test_cluster_layout_and_idempotent_down(cluster: Cluster) -> None:
 
 
 def test_bad_input_and_non_root(monkeypatch) -> None:
-    assert parse_rate("1gbit") == 1e9 and parse_rate("100mbps") == 8e8 and parse_rate("none") is None
+    assert (
+        parse_rate("1gbit") == 1e9 and parse_rate("100mbps") == 8e8 and parse_rate("none") is None
+    )
     with pytest.raises(UserError, match="--rate='fast'"):
         parse_rate("fast")
     with pytest.raises(UserError, match="cluster name 'Bad_Name'"):
@@ -94,17 +112,43 @@ def test_launch_netns_places_ranks_and_reduces(tmp_path) -> None:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     before = _netns()
-    r = _scaleout("launch", "--nnodes", "2", "--nproc-per-node", "2", "--netns", "--rate", "1gbit", "--", str(script))
+    r = _scaleout(
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--netns",
+        "--rate",
+        "1gbit",
+        "--",
+        str(script),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert sorted(line.split("PROBE-OK ")[1] for line in r.stdout.splitlines() if "PROBE-OK" in line) == ["0 0", "1 0", "2 1", "3 1"]
+    assert sorted(
+        line.split("PROBE-OK ")[1] for line in r.stdout.splitlines() if "PROBE-OK" in line
+    ) == ["0 0", "1 0", "2 1", "3 1"]
     assert _netns() == before  # the private cluster is gone
 
 
 def test_teardown_after_a_failing_rank(tmp_path) -> None:
     script = tmp_path / "fail.py"
-    script.write_text("import os, sys, time\nif os.environ['RANK'] == '3': sys.exit(7)\ntime.sleep(60)\n")
+    script.write_text(
+        "import os, sys, time\nif os.environ['RANK'] == '3': sys.exit(7)\ntime.sleep(60)\n"
+    )
     before = _netns()
-    r = _scaleout("launch", "--nnodes", "2", "--nproc-per-node", "2", "--netns", "--grace", "1", "--", str(script))
+    r = _scaleout(
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--netns",
+        "--grace",
+        "1",
+        "--",
+        str(script),
+    )
     assert r.returncode == 7 and "rank 3 (node 1, local rank 1) exited with code 7" in r.stderr
     assert _netns() == before
 
@@ -115,19 +159,45 @@ def test_bench_one_shot_rate_limited_and_hierarchical_wins(tmp_path) -> None:
     """16 MiB fp32 on 2 x 2 at 1 Gbit: the link floor is ~140 ms; flat must be slower than the floor
     (proof that tc limits the link) and hierarchical must beat flat (it sends 2/3 of flat's bytes)."""
     out = tmp_path / "ar.json"
-    r = _scaleout("bench", "allreduce", "--nnodes", "2", "--nproc-per-node", "2", "--netns", "--rate", "1gbit",
-                  "--sizes", "16MiB", "--repeats", "3", "--algorithms", "flat,hierarchical", "--out", str(out), "--png", "")
+    r = _scaleout(
+        "bench",
+        "allreduce",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--netns",
+        "--rate",
+        "1gbit",
+        "--sizes",
+        "16MiB",
+        "--repeats",
+        "3",
+        "--algorithms",
+        "flat,hierarchical",
+        "--out",
+        str(out),
+        "--png",
+        "",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {row["algorithm"]: row for row in data["rows"]}
     flat, hier = rows["flat"], rows["hierarchical"]
-    assert flat["nbytes"] == 16 << 20 and flat["world_size"] == 4 and flat["nnodes"] == 2 and flat["nproc_per_node"] == 2
+    assert (
+        flat["nbytes"] == 16 << 20
+        and flat["world_size"] == 4
+        and flat["nnodes"] == 2
+        and flat["nproc_per_node"] == 2
+    )
     assert 60e6 < data["link_rate_bytes_per_s"] < 130e6  # 1 Gbit = 125 MB/s minus TCP/IP overhead
     floor = flat["link_floor_s"]
     assert flat["time_s"] > floor and hier["time_s"] > 0.9 * floor
     assert hier["time_s"] < flat["time_s"], (hier["time_s"], flat["time_s"])
     assert abs(flat["busbw"] - flat["algbw"] * 1.5) < 1e-6 * flat["busbw"]
-    assert data["group_creation"]["groups_s"] > 0 and "| hierarchical |" in r.stdout.replace("  ", " ")
+    assert data["group_creation"]["groups_s"] > 0 and "| hierarchical |" in r.stdout.replace(
+        "  ", " "
+    )
 
 
 def test_teardown_after_sigterm(tmp_path) -> None:
@@ -138,8 +208,27 @@ def test_teardown_after_sigterm(tmp_path) -> None:
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('UP', flush=True)\ntime.sleep(60)\n")
     before = _netns()
-    p = subprocess.Popen([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "1", "--netns",
-                          "--grace", "1", "--", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--netns",
+            "--grace",
+            "1",
+            "--",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(_netns() - before) < 2:
         time.sleep(0.1)
@@ -173,16 +262,38 @@ def _start_sleeping_netns_launch(tmp_path, state):
     pids = tmp_path / "pids"
     pids.mkdir()
     script = tmp_path / "sleep.py"
-    script.write_text(f"import os, time\nopen(os.path.join({str(pids)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
-                      "time.sleep(120)\n")
+    script.write_text(
+        f"import os, time\nopen(os.path.join({str(pids)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
     env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
-    p = subprocess.Popen([sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--netns", "--grace", "1", "--",
-                          str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            "2",
+            "--netns",
+            "--grace",
+            "1",
+            "--",
+            str(script),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     name = private_cluster_name(p.pid)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and len(list(pids.iterdir())) < 2:
         time.sleep(0.2)
-    assert len(list(pids.iterdir())) == 2, p.stderr.read() if p.poll() is not None else "ranks did not start"
+    assert len(list(pids.iterdir())) == 2, (
+        p.stderr.read() if p.poll() is not None else "ranks did not start"
+    )
     assert {f"{name}-n0", f"{name}-n1"} <= _netns() and (state / f"{name}.json").is_file()
     return p, name, [int(f.read_text()) for f in pids.iterdir()]
 
@@ -206,7 +317,9 @@ def test_sigkilled_netns_launch_is_cleaned_up(tmp_path) -> None:
     p.wait(timeout=30)
     assert not _gone(ranks, 30)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and ({f"{name}-n0", f"{name}-n1"} & _netns() or (state / f"{name}.json").exists()):
+    while time.monotonic() < deadline and (
+        {f"{name}-n0", f"{name}-n1"} & _netns() or (state / f"{name}.json").exists()
+    ):
         time.sleep(0.2)
     assert not {f"{name}-n0", f"{name}-n1"} & _netns()
     assert not (state / f"{name}.json").exists()
@@ -234,19 +347,45 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
         # A cluster whose owner is alive (this test process) must survive --all.
         monkeypatch.setenv("SCALEOUT_NETNS_STATE", str(state))
         live = Cluster(1, None, name=f"{NAME}l").__enter__()
-        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--all"], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT, env=env)
+        r = subprocess.run(
+            [sys.executable, "-m", "scaleout", "cluster", "down", "--all"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
         assert r.returncode == 0, r.stderr
         assert f"removed 1 ({name})" in r.stdout and f"left running: {NAME}l" in r.stdout, r.stdout
         assert not {f"{name}-n0", f"{name}-n1"} & _netns()
         assert not (state / f"{name}.json").exists()
         assert foreign in _netns() and live.ns(0) in _netns()
-        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}l"],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-        assert r.returncode == 2 and "belongs to the running launch" in r.stderr and live.ns(0) in _netns()
-        r = subprocess.run([sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}f"],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-        assert r.returncode == 0 and "not created by scaleout, left alone" in r.stdout and foreign in _netns()
+        r = subprocess.run(
+            [sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}l"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
+        assert (
+            r.returncode == 2
+            and "belongs to the running launch" in r.stderr
+            and live.ns(0) in _netns()
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}f"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
+        assert (
+            r.returncode == 0
+            and "not created by scaleout, left alone" in r.stdout
+            and foreign in _netns()
+        )
     finally:
         if live is not None:
             live.__exit__(None, None, None)

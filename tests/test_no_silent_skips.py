@@ -27,8 +27,12 @@ def _test_extra_modules() -> set[str]:
     block = re.search(r"^test = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M)
     assert block, "pyproject.toml has no test extra"
     extra = re.findall(r'^\s*"([^"]+)"', block.group(1), re.M)
-    dists = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-") for req in extra}
-    modules = {d.replace("-", "_") for d in dists}  # the usual spelling, also when not installed here
+    dists = {
+        re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-") for req in extra
+    }
+    modules = {
+        d.replace("-", "_") for d in dists
+    }  # the usual spelling, also when not installed here
     for module, owners in importlib.metadata.packages_distributions().items():
         if {o.lower().replace("_", "-") for o in owners} & dists:
             modules.add(module)
@@ -41,7 +45,11 @@ def _probes(tree: ast.AST) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            name = (
+                node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else getattr(node.func, "id", "")
+            )
             if name in ("importorskip", "find_spec") and isinstance(node.args[0].value, str):
                 out.append((node.lineno, node.args[0].value))
         if isinstance(node, ast.Try):
@@ -57,21 +65,29 @@ def _probes(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_no_test_probes_for_a_package_the_test_extra_installs() -> None:
     extra = _test_extra_modules()
-    assert {"h5py", "transformers", "PIL", "matplotlib", "tensorboard"} <= extra, extra  # the mapping works
+    assert {"h5py", "transformers", "PIL", "matplotlib", "tensorboard"} <= extra, (
+        extra
+    )  # the mapping works
     found = [
         f"{f.relative_to(ROOT)}:{line}: {mod}"
         for f in TESTS
         for line, mod in _probes(ast.parse(f.read_text()))
         if mod.split(".")[0] in extra
     ]
-    assert not found, "import these directly (a missing package is a failure, not a skip):\n" + "\n".join(found)
+    assert not found, (
+        "import these directly (a missing package is a failure, not a skip):\n" + "\n".join(found)
+    )
 
 
 def _skip_conditions(tree: ast.AST) -> list[ast.AST]:
     """The conditions of ``skipif(...)`` marks and of ``if ...: pytest.skip(...)``."""
     out: list[ast.AST] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "skipif":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "skipif"
+        ):
             out += node.args[:1] + [k.value for k in node.keywords if k.arg == "condition"]
         if isinstance(node, ast.If) and any(
             isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "skip"
@@ -89,7 +105,9 @@ def test_no_skip_depends_on_scaleouts_own_commands() -> None:
             text = ast.unparse(cond)
             if "_commands" in text or "scaleout.cli" in text:
                 found.append(f"{f.relative_to(ROOT)}:{cond.lineno}: {text}")
-    assert not found, "a scaleout command is part of the product: test it, never skip on it:\n" + "\n".join(found)
+    assert not found, (
+        "a scaleout command is part of the product: test it, never skip on it:\n" + "\n".join(found)
+    )
 
 
 def test_the_checks_above_can_fail() -> None:

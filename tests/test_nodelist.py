@@ -38,7 +38,20 @@ def test_expand_table(text: str, hosts: list[str]) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "bad",
-    ["", "   ", "n[1-3", "n1-3]", "n[]", "n[3-1]", "n[a-b]", "n[1-]", "a,,b", "n[1[2]]", "n[1 -2]", "n[1-2],"],
+    [
+        "",
+        "   ",
+        "n[1-3",
+        "n1-3]",
+        "n[]",
+        "n[3-1]",
+        "n[a-b]",
+        "n[1-]",
+        "a,,b",
+        "n[1[2]]",
+        "n[1 -2]",
+        "n[1-2],",
+    ],
 )
 def test_bad_nodelists_name_the_input(bad: str) -> None:
     with pytest.raises(NodelistError) as exc:

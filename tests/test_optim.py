@@ -64,7 +64,9 @@ def groups_of(params, wd: float):
     return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
 
 
-def ref_lamb(params, grads_per_step, lr, betas, eps, wd, clip=None, clamp=None, bias_correction=True):
+def ref_lamb(
+    params, grads_per_step, lr, betas, eps, wd, clip=None, clamp=None, bias_correction=True
+):
     """Plain LAMB: per-tensor loops in float64."""
     b1, b2 = betas
     w = [p.detach().double().cpu().clone() for p in params]
@@ -124,7 +126,9 @@ def run(opt_factory, params, grads_per_step):
 def assert_close(params, ref, rtol):
     for i, (p, r) in enumerate(zip(params, ref, strict=True)):
         err = float((p.detach().double() - r).abs().max())
-        assert err <= rtol * max(float(r.abs().max()), 1e-3), f"tensor {i} {tuple(p.shape)}: max error {err:.3g}"
+        assert err <= rtol * max(float(r.abs().max()), 1e-3), (
+            f"tensor {i} {tuple(p.shape)}: max error {err:.3g}"
+        )
 
 
 @pytest.mark.multi_process
@@ -135,11 +139,20 @@ def test_lamb_matches_paper_equations(chunk, clip, clamp):
     steps = [grads_for(s, params) for s in range(5)]
     hp = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6)
     ref = ref_lamb(params, steps, wd=0.1, clip=clip, clamp=clamp, **hp)
-    opt = run(lambda ps: LAMB(groups_of(ps, 0.1), clip_grad_norm=clip, trust_clamp=clamp, chunk=chunk, **hp), params, steps)
+    opt = run(
+        lambda ps: LAMB(
+            groups_of(ps, 0.1), clip_grad_norm=clip, trust_clamp=clamp, chunk=chunk, **hp
+        ),
+        params,
+        steps,
+    )
     assert_close(params, ref, 2e-5)
     assert all(g["step"] == 5 for g in opt.param_groups)
     # the excluded zero tensor (w = 0, g = 0) did not move; the zero-initialised decayed one did (ratio 1)
-    assert float(params[ZERO_ALL].detach().abs().max()) == 0.0 and float(params[ZERO_W].detach().abs().max()) > 0.0
+    assert (
+        float(params[ZERO_ALL].detach().abs().max()) == 0.0
+        and float(params[ZERO_W].detach().abs().max()) > 0.0
+    )
     if clip is not None:  # grads here have norm >> 1, so clipping really changed the result
         unclipped = ref_lamb(params, steps, wd=0.1, clip=None, clamp=clamp, **hp)
         assert max(float((a - b).abs().max()) for a, b in zip(ref, unclipped, strict=True)) > 1e-3
@@ -149,19 +162,35 @@ def test_lamb_matches_paper_equations(chunk, clip, clamp):
 def test_lamb_without_bias_correction_and_forced_trust_ratio():
     params = make_params(3)
     steps = [grads_for(s, params, seed=4) for s in range(3)]
-    ref = ref_lamb(params, steps, lr=0.02, betas=(0.8, 0.9), eps=1e-4, wd=0.05, bias_correction=False)
-    run(lambda ps: LAMB(groups_of(ps, 0.05), lr=0.02, betas=(0.8, 0.9), eps=1e-4, bias_correction=False, chunk=5), params, steps)
+    ref = ref_lamb(
+        params, steps, lr=0.02, betas=(0.8, 0.9), eps=1e-4, wd=0.05, bias_correction=False
+    )
+    run(
+        lambda ps: LAMB(
+            groups_of(ps, 0.05), lr=0.02, betas=(0.8, 0.9), eps=1e-4, bias_correction=False, chunk=5
+        ),
+        params,
+        steps,
+    )
     assert_close(params, ref, 2e-5)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("chunk, fused", [(None, False), (7, False), ("auto", False), ("auto", None)])
+@pytest.mark.parametrize(
+    "chunk, fused", [(None, False), (7, False), ("auto", False), ("auto", None)]
+)
 def test_lars_matches_mlperf_reference(chunk, fused):
     """Both CPU paths: multi-tensor foreach (fused=False) and torch's fused SGD kernel (the fp32 default)."""
     params = make_params(1)
     steps = [grads_for(s, params, seed=2) for s in range(5)]
     ref = ref_lars(params, steps, lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
-    opt = run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0, momentum=0.9, eta=0.001, chunk=chunk, fused=fused), params, steps)
+    opt = run(
+        lambda ps: LARS(
+            groups_of(ps, 1e-3), lr=2.0, momentum=0.9, eta=0.001, chunk=chunk, fused=fused
+        ),
+        params,
+        steps,
+    )
     assert opt._use_fused([params[0]], [params[0].grad]) == (fused is None)
     assert_close(params, ref, 2e-5)
     assert float(params[ZERO_ALL].detach().abs().max()) == 0.0
@@ -174,19 +203,31 @@ def test_bf16_params_keep_fp32_state(kind):
     steps = [grads_for(s, params, seed=5) for s in range(4)]
     if kind == "lamb":
         ref = ref_lamb(params, steps, lr=0.05, betas=(0.9, 0.99), eps=1e-6, wd=0.1)
-        opt = run(lambda ps: LAMB(groups_of(ps, 0.1), lr=0.05, betas=(0.9, 0.99), chunk=7), params, steps)
+        opt = run(
+            lambda ps: LAMB(groups_of(ps, 0.1), lr=0.05, betas=(0.9, 0.99), chunk=7), params, steps
+        )
     else:
         ref = ref_lars(params, steps, lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
         opt = run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0, chunk=7), params, steps)
     assert all(p.dtype == torch.bfloat16 for p in params)
     assert all(t.dtype == torch.float32 for s in opt.state.values() for t in s.values())
-    assert_close(params, ref, 3e-2)  # bf16 keeps ~3 significant digits; the reference does not round
+    assert_close(
+        params, ref, 3e-2
+    )  # bf16 keeps ~3 significant digits; the reference does not round
     start = make_params(2, dtype=torch.bfloat16)
-    assert max(float((p.detach().float() - q.detach().float()).abs().max()) for p, q in zip(params, start, strict=True)) > 1e-2
+    assert (
+        max(
+            float((p.detach().float() - q.detach().float()).abs().max())
+            for p, q in zip(params, start, strict=True)
+        )
+        > 1e-2
+    )
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind, dtype", [("lamb", torch.float32), ("lars", torch.float32), ("lamb", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "kind, dtype", [("lamb", torch.float32), ("lars", torch.float32), ("lamb", torch.bfloat16)]
+)
 def test_state_dict_round_trip_and_resume(kind, dtype):
     def make(ps):
         if kind == "lamb":
@@ -255,10 +296,14 @@ def test_schedule_warmup_then_polynomial_decay():
     expect += [(2.0 - 0.5) * (1 - (s - 4) / 8) ** 2 + 0.5 for s in range(4, 12)] + [0.5, 0.5]
     assert seen == pytest.approx(expect, rel=1e-12)
     bert = WarmupPoly(warmup_steps=4, total_steps=12, power=1.0, decay_from="start")
-    assert bert(2) == pytest.approx(0.5) and bert(4) == pytest.approx(1 - 4 / 12) and bert(20) == 0.0
+    assert (
+        bert(2) == pytest.approx(0.5) and bert(4) == pytest.approx(1 - 4 / 12) and bert(20) == 0.0
+    )
     assert WarmupPoly(warmup_steps=3)(100) == 1.0
     # the scheduler's state survives a round trip
-    sched2 = warmup_poly(LAMB(make_params(), lr=2.0), warmup_steps=4, total_steps=12, power=2.0, end_lr=0.5)
+    sched2 = warmup_poly(
+        LAMB(make_params(), lr=2.0), warmup_steps=4, total_steps=12, power=2.0, end_lr=0.5
+    )
     sched2.load_state_dict(sched.state_dict())
     assert sched2.last_epoch == sched.last_epoch
 
@@ -281,7 +326,9 @@ class TinyResNet(torch.nn.Module):
         super().__init__()
         self.conv1 = torch.nn.Conv2d(3, 4, 3, bias=False)
         self.bn1 = torch.nn.BatchNorm2d(4)
-        self.downsample = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1, bias=False), torch.nn.BatchNorm2d(4))
+        self.downsample = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 4, 1, bias=False), torch.nn.BatchNorm2d(4)
+        )
         self.fc = torch.nn.Linear(4, 2)
 
 
@@ -289,8 +336,15 @@ class TinyResNet(torch.nn.Module):
 def test_param_groups_follow_nvidia_and_mlperf_rules():
     groups = param_groups(TinyBert(), 0.01, NVIDIA_BERT_NO_DECAY, lr=0.5)
     assert groups[0]["names"] == ["embeddings.weight", "dense.weight"]
-    assert sorted(groups[1]["names"]) == sorted(["LayerNorm.weight", "LayerNorm.bias", "dense.bias", "norm.weight", "norm.bias", "gamma"])
-    assert (groups[0]["weight_decay"], groups[0]["trust_ratio"], groups[1]["weight_decay"], groups[1]["trust_ratio"]) == (0.01, True, 0.0, False)
+    assert sorted(groups[1]["names"]) == sorted(
+        ["LayerNorm.weight", "LayerNorm.bias", "dense.bias", "norm.weight", "norm.bias", "gamma"]
+    )
+    assert (
+        groups[0]["weight_decay"],
+        groups[0]["trust_ratio"],
+        groups[1]["weight_decay"],
+        groups[1]["trust_ratio"],
+    ) == (0.01, True, 0.0, False)
     assert groups[0]["lr"] == groups[1]["lr"] == 0.5
     rgroups = param_groups(TinyResNet(), 5e-5, LARS_EXCLUDE)
     assert rgroups[0]["names"] == ["conv1.weight", "downsample.0.weight", "fc.weight"]
@@ -323,7 +377,9 @@ def test_factory_builds_the_configured_optimizer_and_schedule():
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * (1 - 1 / 2))  # step 3: decaying from warmup end
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        0.1 * (1 - 1 / 2)
+    )  # step 3: decaying from warmup end
     assert losses[-1] < losses[0]
     assert state_bytes(opt) == 2 * 4 * sum(p.numel() for g in opt.param_groups for p in g["params"])
 
@@ -348,7 +404,9 @@ def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
         ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(n_params)]
         for p in ps:
             p.grad = torch.randn(3)
-        opt = LAMB(ps, clip_grad_norm=1.0) if kind == "lamb" else LARS(ps, fused=kind == "lars-fused")
+        opt = (
+            LAMB(ps, clip_grad_norm=1.0) if kind == "lamb" else LARS(ps, fused=kind == "lars-fused")
+        )
         opt.step()
         monkeypatch.undo()
         return calls
@@ -366,12 +424,26 @@ def test_cuda_path_matches_the_reference(dtype):
     """The accelerator layout (whole tensors, device-side per-tensor scalars) on a real GPU."""
     params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(8, dtype)]
     steps = [[g.cuda() for g in grads_for(s, params, seed=9)] for s in range(4)]
-    ref = ref_lamb(params, [[g.cpu() for g in gs] for gs in steps], lr=0.05, betas=(0.9, 0.99), eps=1e-6, wd=0.1, clip=1.0)
-    opt = run(lambda ps: LAMB(groups_of(ps, 0.1), lr=0.05, betas=(0.9, 0.99), clip_grad_norm=1.0), params, steps)
+    ref = ref_lamb(
+        params,
+        [[g.cpu() for g in gs] for gs in steps],
+        lr=0.05,
+        betas=(0.9, 0.99),
+        eps=1e-6,
+        wd=0.1,
+        clip=1.0,
+    )
+    opt = run(
+        lambda ps: LAMB(groups_of(ps, 0.1), lr=0.05, betas=(0.9, 0.99), clip_grad_norm=1.0),
+        params,
+        steps,
+    )
     assert opt.plan([p for p in params]).num_chunks == 1
     assert_close([p.cpu() for p in params], ref, 2e-5 if dtype == torch.float32 else 3e-2)
     lparams = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(8, dtype)]
-    lref = ref_lars(lparams, [[g.cpu() for g in gs] for gs in steps], lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
+    lref = ref_lars(
+        lparams, [[g.cpu() for g in gs] for gs in steps], lr=2.0, momentum=0.9, wd=1e-3, eta=0.001
+    )
     run(lambda ps: LARS(groups_of(ps, 1e-3), lr=2.0), lparams, steps)
     assert_close([p.cpu() for p in lparams], lref, 2e-5 if dtype == torch.float32 else 3e-2)
 

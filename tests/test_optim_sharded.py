@@ -18,7 +18,9 @@ from scaleout.optim import LAMB, ShardedLAMB, build_optimizer, state_bytes
 from tests.distutil import run_dist
 
 HP = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6)
-BUCKET_MB = 100 * 4 / 2**20  # ~100 fp32 elements: the model below splits into 5 buckets, layer d alone in the first
+BUCKET_MB = (
+    100 * 4 / 2**20
+)  # ~100 fp32 elements: the model below splits into 5 buckets, layer d alone in the first
 
 
 class Net(torch.nn.Module):
@@ -41,7 +43,9 @@ class Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
         h = self.norm(self.a(x))
-        if (step + rank) % 2 == 0:  # rank-dependent: on 2+ ranks, used by some ranks only at every step
+        if (
+            step + rank
+        ) % 2 == 0:  # rank-dependent: on 2+ ranks, used by some ranks only at every step
             h = torch.tanh(self.b(h))
         if (step + rank) % 3 != 0:
             h = h + self.c(h)
@@ -52,8 +56,10 @@ def groups(model: torch.nn.Module) -> list[dict]:
     named = list(model.named_parameters())
     decay = [(n, p) for n, p in named if n.endswith("weight") and "norm" not in n]
     rest = [(n, p) for n, p in named if not (n.endswith("weight") and "norm" not in n)]
-    return [{"params": [p for _, p in ps], "names": [n for n, _ in ps], "weight_decay": wd}
-            for ps, wd in ((decay, 0.1), (rest, 0.0))]
+    return [
+        {"params": [p for _, p in ps], "names": [n for n, _ in ps], "weight_decay": wd}
+        for ps, wd in ((decay, 0.1), (rest, 0.0))
+    ]
 
 
 def loss_of(model: torch.nn.Module, step: int, rank: int, micro: int = 0) -> torch.Tensor:
@@ -78,8 +84,10 @@ def _backward(net, opt, s: int, rank: int, accum: int, use_no_sync: bool, manual
 
 def _rel(m1, m2) -> float:
     with torch.no_grad():
-        return max(float((p - q).abs().max()) / max(float(q.abs().max()), 1e-6)
-                   for p, q in zip(m1.parameters(), m2.parameters(), strict=True))
+        return max(
+            float((p - q).abs().max()) / max(float(q.abs().max()), 1e-6)
+            for p, q in zip(m1.parameters(), m2.parameters(), strict=True)
+        )
 
 
 def _global_batch_grads(net: torch.nn.Module, s: int, W: int, accum: int) -> None:
@@ -98,13 +106,22 @@ def _global_batch_grads(net: torch.nn.Module, s: int, W: int, accum: int) -> Non
         p.grad = g / W
 
 
-def _case(world, algorithm: str, steps=4, clip=None, accum=1, use_no_sync=True, manual=False, skip=1) -> dict:
+def _case(
+    world, algorithm: str, steps=4, clip=None, accum=1, use_no_sync=True, manual=False, skip=1
+) -> dict:
     """Overlapped vs one-bucket ShardedLAMB vs LAMB on the global batch (the average of every rank's gradient;
     a parameter no rank used gets gradient zero, as allow_unused=True says)."""
     W, r = world.world_size, world.rank
     nets = [Net() for _ in range(3)]
     kw = dict(clip_grad_norm=clip, algorithm=algorithm, allow_unused=True, **HP)
-    over = ShardedLAMB(groups(nets[0]), world, overlap=True, bucket_mb=BUCKET_MB, param_order=nets[0].parameters(), **kw)
+    over = ShardedLAMB(
+        groups(nets[0]),
+        world,
+        overlap=True,
+        bucket_mb=BUCKET_MB,
+        param_order=nets[0].parameters(),
+        **kw,
+    )
     plain = ShardedLAMB(groups(nets[1]), world, **kw)
     ref = LAMB(groups(nets[2]), chunk=None, clip_grad_norm=clip, **HP)
     launched = []
@@ -113,17 +130,29 @@ def _case(world, algorithm: str, steps=4, clip=None, accum=1, use_no_sync=True, 
         launched.append(over.last_stats.get("launched_in_backward") if not manual else None)
         _backward(nets[1], plain, s, r, 1 if manual else accum, False, False)
         _global_batch_grads(nets[2], s, W, 1 if manual else accum)
-        if s != skip:  # a skipped step (every rank saw a non-finite gradient somewhere): only zero_grad follows
+        if (
+            s != skip
+        ):  # a skipped step (every rank saw a non-finite gradient somewhere): only zero_grad follows
             for o in (over, plain, ref):
                 o.step()
         for o in (over, plain, ref):
             o.zero_grad(set_to_none=True)
     with torch.no_grad():
-        moved = max(float((p - q).abs().max()) for p, q in zip(nets[0].parameters(), Net().parameters(), strict=True))
-    return {"over_plain": _rel(nets[0], nets[1]), "over_ref": _rel(nets[0], nets[2]), "plain_ref": _rel(nets[1], nets[2]),
-            "moved": moved, "buckets": len(over.buckets), "launched": launched,
-            "checksum": float(sum(p.detach().double().sum() for p in nets[0].parameters())),
-            "state": (state_bytes(over), over.shard_numel, over.numel), "timings": sorted(over.timings)}
+        moved = max(
+            float((p - q).abs().max())
+            for p, q in zip(nets[0].parameters(), Net().parameters(), strict=True)
+        )
+    return {
+        "over_plain": _rel(nets[0], nets[1]),
+        "over_ref": _rel(nets[0], nets[2]),
+        "plain_ref": _rel(nets[1], nets[2]),
+        "moved": moved,
+        "buckets": len(over.buckets),
+        "launched": launched,
+        "checksum": float(sum(p.detach().double().sum() for p in nets[0].parameters())),
+        "state": (state_bytes(over), over.shard_numel, over.numel),
+        "timings": sorted(over.timings),
+    }
 
 
 def _cases(world, algorithms) -> dict:
@@ -132,14 +161,18 @@ def _cases(world, algorithms) -> dict:
         out[(alg, "rank-dependent unused + skipped step")] = _case(world, alg)
         out[(alg, "clip")] = _case(world, alg, clip=0.5, steps=3)
         out[(alg, "accumulation, no_sync")] = _case(world, alg, accum=2, steps=2, skip=-1)
-        out[(alg, "accumulation, re-sent")] = _case(world, alg, accum=2, steps=2, use_no_sync=False, skip=-1)
+        out[(alg, "accumulation, re-sent")] = _case(
+            world, alg, accum=2, steps=2, use_no_sync=False, skip=-1
+        )
         out[(alg, "hand-set gradients")] = _case(world, alg, manual=True, steps=3)
     return out
 
 
 @pytest.mark.multi_process
 @pytest.mark.parametrize("nnodes,nproc", [(1, 1), (1, 2), (1, 3), (2, 2)])
-def test_overlapped_equals_one_bucket_equals_lamb_on_the_global_batch(nnodes: int, nproc: int) -> None:
+def test_overlapped_equals_one_bucket_equals_lamb_on_the_global_batch(
+    nnodes: int, nproc: int
+) -> None:
     algorithms = ["flat", "hierarchical"] + (["torus2d"] if (nnodes, nproc) == (2, 2) else [])
     by_rank = run_dist(_cases, nnodes, nproc, args=(algorithms,), timeout=400)
     W = nnodes * nproc
@@ -148,11 +181,23 @@ def test_overlapped_equals_one_bucket_equals_lamb_on_the_global_batch(nnodes: in
             for k in ("over_plain", "over_ref", "plain_ref"):
                 assert res[k] <= 1e-6, f"{case} rank {r}: {k} relative difference {res[k]:.3g}"
             assert res["moved"] > 1e-3, f"{case}: parameters did not move"
-            assert res["buckets"] >= 3, f"{case}: {res['buckets']} buckets, the overlap path is not exercised"
+            assert res["buckets"] >= 3, (
+                f"{case}: {res['buckets']} buckets, the overlap path is not exercised"
+            )
             nbytes, shard, numel = res["state"]
-            assert nbytes == 2 * 4 * shard and numel / W <= shard <= numel / W + res["buckets"], res["state"]
-            assert res["timings"] == ["all_gather", "norm_allreduce", "pack", "reduce_scatter", "update"]
-        assert len({b[case]["checksum"] for b in by_rank}) == 1, f"{case}: ranks disagree on the parameters"
+            assert nbytes == 2 * 4 * shard and numel / W <= shard <= numel / W + res["buckets"], (
+                res["state"]
+            )
+            assert res["timings"] == [
+                "all_gather",
+                "norm_allreduce",
+                "pack",
+                "reduce_scatter",
+                "update",
+            ]
+        assert len({b[case]["checksum"] for b in by_rank}) == 1, (
+            f"{case}: ranks disagree on the parameters"
+        )
     for alg in algorithms:  # backward sent all but the buckets whose parameters it never reached
         launched = by_rank[0][(alg, "rank-dependent unused + skipped step")]["launched"]
         assert all(n is not None and n >= 1 for n in launched), launched
@@ -172,7 +217,9 @@ def _unused_is_an_error(world) -> list[str]:
     else:
         msg = ""
     opt.zero_grad()
-    loss_of(net, 1, world.rank).backward()  # the ranks are still in step: the next step communicates normally
+    loss_of(
+        net, 1, world.rank
+    ).backward()  # the ranks are still in step: the next step communicates normally
     with pytest.raises(UserError):
         opt.step()
     return [msg]
@@ -198,7 +245,9 @@ def _resume_same_layout(world) -> bool:
             loss_of(n, s, world.rank).backward()
             o.step()
             o.zero_grad()
-    return all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters(), strict=True))
+    return all(
+        torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters(), strict=True)
+    )
 
 
 @pytest.mark.multi_process
@@ -218,16 +267,33 @@ def test_bad_arguments_are_one_line_errors() -> None:
 
 
 def _factory(world) -> tuple:
-    opt = build_optimizer(Net(), OptimConfig(sharded=True, overlap_comm=True),
-                          world, CommConfig(algorithm="hierarchical", bucket_mb=BUCKET_MB))
+    opt = build_optimizer(
+        Net(),
+        OptimConfig(sharded=True, overlap_comm=True),
+        world,
+        CommConfig(algorithm="hierarchical", bucket_mb=BUCKET_MB),
+    )
     one = build_optimizer(Net(), OptimConfig(sharded=True), world, CommConfig(bucket_mb=BUCKET_MB))
-    return type(opt).__name__, opt.overlap, len(opt.buckets), opt.comm["algorithm"], one.overlap, len(one.buckets)
+    return (
+        type(opt).__name__,
+        opt.overlap,
+        len(opt.buckets),
+        opt.comm["algorithm"],
+        one.overlap,
+        len(one.buckets),
+    )
 
 
 @pytest.mark.multi_process
 def test_factory_chooses_overlapped_or_one_bucket() -> None:
     for name, overlap, nb, alg, one_overlap, one_nb in run_dist(_factory, 2, 2):
-        assert (name, overlap, alg, one_overlap, one_nb) == ("ShardedLAMB", True, "hierarchical", False, 1) and nb >= 3
+        assert (name, overlap, alg, one_overlap, one_nb) == (
+            "ShardedLAMB",
+            True,
+            "hierarchical",
+            False,
+            1,
+        ) and nb >= 3
 
 
 @pytest.mark.unit
@@ -240,8 +306,13 @@ def test_no_import_cycle_in_optim() -> None:
             continue
         deps = set()
         for node in ast.walk(ast.parse(f.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             deps |= {n.split(".")[2] for n in names if n.startswith("scaleout.optim.")}
         graph[f.stem] = deps
     assert "sharded_overlap" not in graph, "one sharded LAMB module"

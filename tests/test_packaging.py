@@ -26,7 +26,9 @@ def _fake_torch(tmp: Path, version: str | None, cuda: str | None = None) -> Path
     if version is None:
         (pkg / "__init__.py").write_text("raise ImportError('no torch here')\n")
     else:
-        (pkg / "__init__.py").write_text(f"__version__ = {version!r}\nclass version:\n    cuda = {cuda!r}\n")
+        (pkg / "__init__.py").write_text(
+            f"__version__ = {version!r}\nclass version:\n    cuda = {cuda!r}\n"
+        )
     return pkg.parent
 
 
@@ -54,14 +56,22 @@ def _setup(script: Path, fake: Path, *args: str, python: str = sys.executable, *
         ),
         ("2.6.0a0+ecf3bae40a", "12.6", ["--cpu"], {}, "keep (CUDA build"),
         ("2.5.1+cpu", None, [], {}, "keep (torch 2.5.1+cpu)"),  # a user's CPU torch in range: kept
-        ("2.5.1+cpu", None, [], {"CI": "true"}, "install (CPU torch 2.5.1+cpu, pinned to 2.13.0 on CI / with --cpu)"),
+        (
+            "2.5.1+cpu",
+            None,
+            [],
+            {"CI": "true"},
+            "install (CPU torch 2.5.1+cpu, pinned to 2.13.0 on CI / with --cpu)",
+        ),
         ("2.5.1+cpu", None, ["--cpu"], {}, "install (CPU torch 2.5.1+cpu"),
         ("2.13.0+cpu", None, ["--test"], {"CI": "true"}, "keep (torch 2.13.0+cpu)"),
         (None, None, [], {}, "install (no torch installed)"),
     ],
 )
 def test_setup_torch_policy(tmp_path: Path, version, cuda, args, env, expect) -> None:
-    r = _setup(SETUP, _fake_torch(tmp_path, version, cuda), *args, SCALEOUT_SETUP_DRY_RUN="1", **env)
+    r = _setup(
+        SETUP, _fake_torch(tmp_path, version, cuda), *args, SCALEOUT_SETUP_DRY_RUN="1", **env
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"[setup] torch: {expect}"), r.stdout
 
@@ -85,7 +95,9 @@ def test_failed_pip_install_fails_setup(tmp_path: Path, torch_version: str | Non
         f'exec {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
-    r = _setup(repo / "scripts" / "setup.sh", _fake_torch(tmp_path, torch_version), python=str(wrapper))
+    r = _setup(
+        repo / "scripts" / "setup.sh", _fake_torch(tmp_path, torch_version), python=str(wrapper)
+    )
     assert r.returncode != 0, r.stdout + r.stderr
     assert "ERROR: no network" in r.stdout + r.stderr
     assert not list(repo.glob(".setup-stamp-*"))
@@ -96,10 +108,16 @@ def test_version_and_package_data() -> None:
     from scaleout.bench.packing import DEFAULT_HIST
     from scaleout.config.load import CONFIG_DIR
 
-    r = subprocess.run([sys.executable, "-m", "scaleout", "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "scaleout", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"scaleout {scaleout.__version__}"
-    assert {p.name for p in CONFIG_DIR.glob("*.yaml")} == {p.name for p in (REPO / "configs").glob("*.yaml")}
-    assert DEFAULT_HIST.read_text().startswith("# Wikipedia BERT pre-training sequence-length histogram")
+    assert {p.name for p in CONFIG_DIR.glob("*.yaml")} == {
+        p.name for p in (REPO / "configs").glob("*.yaml")
+    }
+    assert DEFAULT_HIST.read_text().startswith(
+        "# Wikipedia BERT pre-training sequence-length histogram"
+    )
 
 
 # -- the wheel, installed and run outside the checkout ------------------------------------------------------
@@ -127,7 +145,17 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     shutil.copytree(REPO, src, symlinks=True, ignore=_NOT_SOURCE)
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(tmp / "whl"), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            *isolation,
+            "-w",
+            str(tmp / "whl"),
+            str(src),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -135,7 +163,11 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     (whl,) = (tmp / "whl").glob("scaleout-*.whl")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")],
+        check=True,
+        timeout=300,
+    )
     bin_dir = tmp / "venv" / "bin"
     inst = subprocess.run(
         [str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", str(whl)],
@@ -153,7 +185,9 @@ def _no_checkout_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def _outside(bin_dir: Path, cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _outside(
+    bin_dir: Path, cwd: Path, *args: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(bin_dir / "scaleout"), *args],
         cwd=cwd,
@@ -168,7 +202,10 @@ def test_wheel_contents(wheel_venv: tuple[Path, Path]) -> None:
     import zipfile
 
     names = zipfile.ZipFile(wheel_venv[1]).namelist()
-    assert {n.split("/")[0] for n in names} == {"scaleout", f"{wheel_venv[1].name.split('-py')[0]}.dist-info"}
+    assert {n.split("/")[0] for n in names} == {
+        "scaleout",
+        f"{wheel_venv[1].name.split('-py')[0]}.dist-info",
+    }
     top = [n for n in names if n.endswith("top_level.txt")]
     assert all(zipfile.ZipFile(wheel_venv[1]).read(t).decode().split() == ["scaleout"] for t in top)
     for shipped in (
@@ -181,7 +218,9 @@ def test_wheel_contents(wheel_venv: tuple[Path, Path]) -> None:
         assert shipped in names, shipped
 
 
-def test_wheel_trains_and_benches_outside_the_checkout(wheel_venv: tuple[Path, Path], tmp_path: Path) -> None:
+def test_wheel_trains_and_benches_outside_the_checkout(
+    wheel_venv: tuple[Path, Path], tmp_path: Path
+) -> None:
     bin_dir, _ = wheel_venv
     where = subprocess.run(
         [
@@ -195,7 +234,9 @@ def test_wheel_trains_and_benches_outside_the_checkout(wheel_venv: tuple[Path, P
         text=True,
         timeout=120,
     )
-    assert where.returncode == 0 and all(str(bin_dir.parent) in line for line in where.stdout.split()), where
+    assert where.returncode == 0 and all(
+        str(bin_dir.parent) in line for line in where.stdout.split()
+    ), where
     assert _outside(bin_dir, tmp_path, "--version").stdout.startswith("scaleout ")
     r = _outside(
         bin_dir,
@@ -207,10 +248,13 @@ def test_wheel_trains_and_benches_outside_the_checkout(wheel_venv: tuple[Path, P
         "train.max_steps=2",
         "train.eval_every=2",
         "train.progress=false",
-        "checkpoint.dir=null", "checkpoint.every_steps=0",
+        "checkpoint.dir=null",
+        "checkpoint.every_steps=0",
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    report = json.loads((tmp_path / "runs" / "bert_tiny_cpu" / "report.json").read_text())  # the config's output_dir
+    report = json.loads(
+        (tmp_path / "runs" / "bert_tiny_cpu" / "report.json").read_text()
+    )  # the config's output_dir
     assert report["steps"] == 2
     b = _outside(
         bin_dir,
@@ -232,9 +276,9 @@ def test_wheel_trains_and_benches_outside_the_checkout(wheel_venv: tuple[Path, P
     )
     assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
     config = json.loads((tmp_path / "p.json").read_text())
-    assert config["config"]["hist"].startswith(str(bin_dir.parent)) and config["ceiling"] == pytest.approx(
-        2.0013, abs=1e-4
-    )
+    assert config["config"]["hist"].startswith(str(bin_dir.parent)) and config[
+        "ceiling"
+    ] == pytest.approx(2.0013, abs=1e-4)
 
 
 @pytest.mark.slurm
@@ -257,4 +301,6 @@ def test_wheel_slurm_up(wheel_venv: tuple[Path, Path], slurm_cluster, tmp_path: 
     assert here.startswith(str(bin_dir.parent))
     for script in ("start.sh", "stop.sh"):
         assert os.access(Path(here) / script, os.X_OK)
-        assert (Path(here) / script).read_text() == (REPO / "launchers" / "slurm_local" / script).read_text()
+        assert (Path(here) / script).read_text() == (
+            REPO / "launchers" / "slurm_local" / script
+        ).read_text()

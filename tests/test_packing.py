@@ -40,7 +40,9 @@ def test_wikipedia_bars(wiki):
     assert speedup_ceiling(wiki) == pytest.approx(2.0013, abs=1e-4)
     lp3 = pack_histogram(wiki, 512, 3, "lphp")
     assert lp3.efficiency >= 0.9988 and max(lp3.depth_histogram()) <= 3
-    assert lp3.cpu_seconds < 1.0  # ~0.3 s CPU here (wall time swings with the other jobs on this box)
+    assert (
+        lp3.cpu_seconds < 1.0
+    )  # ~0.3 s CPU here (wall time swings with the other jobs on this box)
     lp12 = pack_histogram(wiki, 512, 12, "lphp")
     assert lp12.efficiency >= 0.9997 and max(lp12.depth_histogram()) <= 12
     lf12 = pack_histogram(wiki, 512, 12, "lpfhp")
@@ -49,7 +51,9 @@ def test_wikipedia_bars(wiki):
     assert sp12.efficiency == pytest.approx(0.99604, abs=5e-5)  # the paper's SPFHP number
     auto3 = pack_histogram(wiki, 512, 3, "auto")
     assert auto3.algorithm == "lphp" and auto3.num_packs == lp3.num_packs
-    assert "nnlshp" in auto3.notes["auto_skipped"]  # too big for auto's NNLS; lphp beats it (see below)
+    assert (
+        "nnlshp" in auto3.notes["auto_skipped"]
+    )  # too big for auto's NNLS; lphp beats it (see below)
     for s in (lp3, lp12, lf12, sp12):
         assert np.array_equal(s.histogram(), wiki)  # every sequence exactly once
         assert s.speedup == pytest.approx(s.num_sequences / s.num_packs)
@@ -74,7 +78,9 @@ def test_strategies_reproduce_random_histograms(algorithm):
         assert np.array_equal(s.histogram(), h), (trial, algorithm)
         for pack, n in s.packs.items():
             assert n > 0 and len(pack) <= k and sum(pack) <= max_len
-        assert s.num_packs >= -(-int((h * np.arange(len(h))).sum()) // max_len)  # never beats the bound
+        assert s.num_packs >= -(
+            -int((h * np.arange(len(h))).sum()) // max_len
+        )  # never beats the bound
         if k == 1:
             assert s.num_packs == h.sum()
 
@@ -85,7 +91,7 @@ def test_lphp_not_worse_than_baselines_on_skewed_histograms():
     rng = np.random.default_rng(3)
     for max_len in (64, 128):
         lengths = np.clip(rng.gamma(2.0, max_len / 6, size=100_000).astype(int) + 1, 1, max_len)
-        lengths[: 20_000] = max_len
+        lengths[:20_000] = max_len
         h = histogram_from_lengths(lengths, max_len)
         ours = pack_histogram(h, max_len, 3, "lphp").efficiency
         for base in ("spfhp", "lpfhp", "nnlshp"):
@@ -124,18 +130,21 @@ def test_strategy_json_roundtrip():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("text, max_len, match", [
-    ("5 10\n6 -3\n", 512, "count -3 for length 6 must be >= 0"),
-    ("5 10\n600 3\n", 512, "length 600 is longer than max_len=512"),
-    ("5 10\nabc 3\n", 512, "expected two integers"),
-    ("5 ten\n", 512, "expected two integers"),
-    ("# only comments\n\n", 512, "empty histogram"),
-    ("5 0\n6 0\n", 512, "empty histogram"),
-    ("5 1 2\n", 512, "expected 'length count'"),
-    ("0 4\n", 512, "length 0 must be >= 1"),
-    ("5 1\n5 2\n", 512, "appears twice"),
-    ("5 1\n", 0, "max_len=0 must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "text, max_len, match",
+    [
+        ("5 10\n6 -3\n", 512, "count -3 for length 6 must be >= 0"),
+        ("5 10\n600 3\n", 512, "length 600 is longer than max_len=512"),
+        ("5 10\nabc 3\n", 512, "expected two integers"),
+        ("5 ten\n", 512, "expected two integers"),
+        ("# only comments\n\n", 512, "empty histogram"),
+        ("5 0\n6 0\n", 512, "empty histogram"),
+        ("5 1 2\n", 512, "expected 'length count'"),
+        ("0 4\n", 512, "length 0 must be >= 1"),
+        ("5 1\n5 2\n", 512, "appears twice"),
+        ("5 1\n", 0, "max_len=0 must be an integer >= 1"),
+    ],
+)
 def test_bad_histogram_text(text, max_len, match):
     with pytest.raises(UserError, match=match) as info:
         parse_histogram(text, max_len, source="h.txt")
@@ -163,22 +172,55 @@ def test_cli_pack(tmp_path, capsys):
     h = histogram_from_lengths(lengths, 128)
     hist.write_text("# test\n" + "".join(f"{i} {c}\n" for i, c in enumerate(h) if i))
     out = tmp_path / "s.json"
-    assert cli_main(["pack", str(hist), "--max-len", "128", "--max-per-pack", "3", "--out", str(out),
-                     "--algorithms", "spfhp,lpfhp,lphp"]) == 0
+    assert (
+        cli_main(
+            [
+                "pack",
+                str(hist),
+                "--max-len",
+                "128",
+                "--max-per-pack",
+                "3",
+                "--out",
+                str(out),
+                "--algorithms",
+                "spfhp,lpfhp,lphp",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     for name in ("spfhp", "lpfhp", "lphp", "efficiency"):
         assert name in table
     data = json.loads(out.read_text())
     s = Strategy.from_json(data)
     assert np.array_equal(s.histogram(), h)
-    assert data["efficiency"] == max(c["efficiency"] for c in data["compared"])  # the best one is written
+    assert data["efficiency"] == max(
+        c["efficiency"] for c in data["compared"]
+    )  # the best one is written
     assert {c["algorithm"] for c in data["compared"]} == {"spfhp", "lpfhp", "lphp"}
     # a dataset of lengths: packed data (ids per pack) is written too
     lens = tmp_path / "lengths.txt"
     lens.write_text("\n".join(map(str, lengths)))
     packed = tmp_path / "packed.npz"
-    assert cli_main(["pack", "--lengths", str(lens), "--max-len", "128", "--algorithms", "lpfhp",
-                     "--out", str(out), "--packed-out", str(packed)]) == 0
+    assert (
+        cli_main(
+            [
+                "pack",
+                "--lengths",
+                str(lens),
+                "--max-len",
+                "128",
+                "--algorithms",
+                "lpfhp",
+                "--out",
+                str(out),
+                "--packed-out",
+                str(packed),
+            ]
+        )
+        == 0
+    )
     z = np.load(packed)
     assert sorted(z["ids"].tolist()) == list(range(len(lengths)))
     assert len(z["offsets"]) - 1 == Strategy.from_json(json.loads(out.read_text())).num_packs
@@ -209,7 +251,9 @@ def test_squad_auto_beats_every_candidate_and_nnlshp_matches_the_paper_code():
     procedure); before the fix (patterns through present lengths only) it gave 0.95782."""
     h = load_histogram(SQUAD, 384)
     got = {a: pack_histogram(h, 384, 3, a) for a in ("spfhp", "lpfhp", "lphp", "nnlshp")}
-    assert got["lphp"].efficiency < got["lpfhp"].efficiency  # the reported weakness, still true of lphp alone
+    assert (
+        got["lphp"].efficiency < got["lpfhp"].efficiency
+    )  # the reported weakness, still true of lphp alone
     assert got["nnlshp"].efficiency == pytest.approx(0.973863, abs=2e-6)
     auto = pack_histogram(h, 384, 3, "auto")
     assert auto.num_packs <= min(s.num_packs for s in got.values())
@@ -232,11 +276,15 @@ def histograms(draw):
         np.add.at(h, lengths, rng.integers(1, 60, size=len(lengths)))
     elif kind == "skewed":
         n = int(rng.integers(50, 3000))
-        lengths = np.clip(rng.gamma(float(rng.uniform(0.5, 4)), max_len / 6, size=n).astype(int) + 1, 1, max_len)
+        lengths = np.clip(
+            rng.gamma(float(rng.uniform(0.5, 4)), max_len / 6, size=n).astype(int) + 1, 1, max_len
+        )
         h += np.bincount(lengths, minlength=max_len + 1)
         h[max_len] += int(rng.integers(0, n // 2 + 1))
     else:
-        for length in rng.choice(np.arange(1, max_len + 1), size=int(rng.integers(1, 6)), replace=False):
+        for length in rng.choice(
+            np.arange(1, max_len + 1), size=int(rng.integers(1, 6)), replace=False
+        ):
             h[length] = int(rng.integers(1, 500))
     return h, max_len, draw(st.integers(1, 4))
 
@@ -257,12 +305,15 @@ def test_auto_is_never_worse_than_spfhp_lpfhp_nnlshp(case):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("packs, match", [
-    ({(5, 3): 0}, "count 0"),
-    ({(5, 3, 1): 2}, "holds 3 sequences"),
-    ({(6, 5): 1}, "11 tokens"),
-    ({(5, 3): 1}, "packs 0 sequences of length 2"),
-])
+@pytest.mark.parametrize(
+    "packs, match",
+    [
+        ({(5, 3): 0}, "count 0"),
+        ({(5, 3, 1): 2}, "holds 3 sequences"),
+        ({(6, 5): 1}, "11 tokens"),
+        ({(5, 3): 1}, "packs 0 sequences of length 2"),
+    ],
+)
 def test_strategy_validate_raises_real_errors(packs, match):
     """Strategy.validate guards what reaches training: UserError (one line), not an assert that -O drops."""
     h = histogram_from_lengths([5, 3], 8)
@@ -278,9 +329,16 @@ def test_strategy_validate_survives_python_O(tmp_path):
     import subprocess
     import sys
 
-    code = ("from scaleout.data.packing import Strategy, histogram_from_lengths\n"
-            "try:\n    Strategy('t', 8, 2, {(5, 3): 1}).validate(histogram_from_lengths([5, 3, 2], 8))\n"
-            "except Exception as e:\n    print(type(e).__name__)\n")
-    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[1])
+    code = (
+        "from scaleout.data.packing import Strategy, histogram_from_lengths\n"
+        "try:\n    Strategy('t', 8, 2, {(5, 3): 1}).validate(histogram_from_lengths([5, 3, 2], 8))\n"
+        "except Exception as e:\n    print(type(e).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert out.stdout.strip() == "UserError"

@@ -27,14 +27,21 @@ class Net(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(D, D)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(D), torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(D),
+                torch.nn.Linear(D, 2 * D),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * D, D),
+            )
             for _ in range(3)
         )
         self.branch = torch.nn.Linear(D, D)
         self.never = torch.nn.Linear(D, D)
         self.head = torch.nn.Linear(D, 3)
 
-    def forward(self, x: torch.Tensor, use_branch: bool = True, use_never: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, use_branch: bool = True, use_never: bool = False
+    ) -> torch.Tensor:
         h = self.inp(x)
         for blk in self.blocks:
             h = h + blk(h)
@@ -50,7 +57,9 @@ def make(seed: int = 0) -> Net:
     return Net()
 
 
-def global_batch(step: int, p: int, b: int = 4, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, p: int, b: int = 4, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(p * b, D, generator=g), scale * torch.randn(p * b, 3, generator=g)
 
@@ -60,7 +69,10 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
 
 
 def max_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -72,7 +84,9 @@ def max_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float
     return worst
 
 
-def ref_grads(model: Net, batches: list[tuple[torch.Tensor, torch.Tensor]], flags: list[list[bool]], p: int) -> dict:
+def ref_grads(
+    model: Net, batches: list[tuple[torch.Tensor, torch.Tensor]], flags: list[list[bool]], p: int
+) -> dict:
     """Single-process reference: sum over micro-steps of the mean over ranks of each rank's mean loss
     (with every rank's branch flag), which for equal flags is the loss of the concatenated batch."""
     model.zero_grad(set_to_none=True)
@@ -97,10 +111,18 @@ def _gradient_equality(world, configs):
     for algorithm, bucket_mb, overlap in configs:
         model = make(seed=7 + r)  # different init per rank: DataParallel must broadcast rank 0's
         ref = make(seed=7)
-        dp = scaleout.DataParallel(model, world, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
-                                   allow_unused=True)
-        same_init = max_rel({n: q.detach() for n, q in model.named_parameters()},
-                            {n: q.detach() for n, q in ref.named_parameters()})
+        dp = scaleout.DataParallel(
+            model,
+            world,
+            algorithm=algorithm,
+            bucket_mb=bucket_mb,
+            overlap=overlap,
+            allow_unused=True,
+        )
+        same_init = max_rel(
+            {n: q.detach() for n, q in model.named_parameters()},
+            {n: q.detach() for n, q in ref.named_parameters()},
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         errs = []
@@ -112,13 +134,25 @@ def _gradient_equality(world, configs):
             want["never.weight"] = torch.zeros_like(want["never.weight"])
             want["never.bias"] = torch.zeros_like(want["never.bias"])
             errs.append(max_rel(grads(model), want))
-            views = all(q.grad.data_ptr() == s.view.data_ptr() for s in dp.reducer.slots for q in [s.param])
+            views = all(
+                q.grad.data_ptr() == s.view.data_ptr() for s in dp.reducer.slots for q in [s.param]
+            )
             opt.step()
             ref_opt.step()
-        out.append({"cfg": (algorithm, bucket_mb, overlap), "same_init": same_init, "errs": errs,
-                    "buckets": len(dp.buckets), "order": dp.last_stats["launch_order"], "views": views,
-                    "unused": dp.last_stats["unused"], "launch_s": dp.last_stats["launch_s"], "layout": dp.buckets,
-                    "backward_s": dp.last_stats["backward_s"]})
+        out.append(
+            {
+                "cfg": (algorithm, bucket_mb, overlap),
+                "same_init": same_init,
+                "errs": errs,
+                "buckets": len(dp.buckets),
+                "order": dp.last_stats["launch_order"],
+                "views": views,
+                "unused": dp.last_stats["unused"],
+                "launch_s": dp.last_stats["launch_s"],
+                "layout": dp.buckets,
+                "backward_s": dp.last_stats["backward_s"],
+            }
+        )
         dp.reducer.remove_hooks()
     return out
 
@@ -152,7 +186,9 @@ def test_bucket_counts_and_launch_order(equality_results):
         if cfg[1] == 1000.0:
             assert nb == 1  # one bucket holds everything
         for item in per_rank:
-            assert item["layout"] == per_rank[0]["layout"], cfg  # rebuilt buckets identical on every rank
+            assert item["layout"] == per_rank[0]["layout"], (
+                cfg
+            )  # rebuilt buckets identical on every rank
             assert item["order"] == list(range(nb)), (cfg, item["order"])
             assert item["unused"] == ["never.weight", "never.bias"]
 
@@ -167,7 +203,11 @@ def test_overlap_launches_during_backward(equality_results):
         item = results[0][i]
         if cfg[2]:
             # (buckets after the one holding the never-used parameter wait for the end of backward)
-            assert min(item["launch_s"]) < item["backward_s"], (cfg, item["launch_s"], item["backward_s"])
+            assert min(item["launch_s"]) < item["backward_s"], (
+                cfg,
+                item["launch_s"],
+                item["backward_s"],
+            )
         else:
             assert min(item["launch_s"]) >= item["backward_s"], cfg
 
@@ -184,15 +224,21 @@ def _accumulation_and_unused(world):
     flags = [[True] * p, [False] * p, [q == 1 for q in range(p)]]
     for algorithm in ("flat", "hierarchical"):
         model, ref = make(3), make(3)
-        dp = scaleout.DataParallel(model, world, algorithm=algorithm, bucket_mb=2e-3, allow_unused=True)
+        dp = scaleout.DataParallel(
+            model, world, algorithm=algorithm, bucket_mb=2e-3, allow_unused=True
+        )
         batches = [global_batch(10 + m, p) for m in range(3)]
         for m, (x, y) in enumerate(batches):
             ctx = dp.no_sync() if m < 2 else _null()
             with ctx:
                 loss_fn(dp(x.chunk(p)[r], flags[m][r]), y.chunk(p)[r]).backward()
         want = ref_grads(ref, batches, flags, p)
-        out[algorithm] = {"err": max_rel(grads(model), want), "order": dp.last_stats["launch_order"],
-                          "nb": len(dp.buckets), "unused": dp.last_stats["unused"]}
+        out[algorithm] = {
+            "err": max_rel(grads(model), want),
+            "order": dp.last_stats["launch_order"],
+            "nb": len(dp.buckets),
+            "unused": dp.last_stats["unused"],
+        }
         dp.reducer.remove_hooks()
 
     # never used on any rank: every rank raises the same one-line error naming the parameters
@@ -237,7 +283,11 @@ def test_no_sync_accumulation_and_unused():
             assert item["err"] <= 1e-6, (rank, algorithm, item)
             assert item["order"] == list(range(item["nb"])), (rank, algorithm, item["order"])
             assert item["unused"] == ["never.weight", "never.bias"]
-        assert res["error"] is not None and "never.weight" in res["error"] and "allow_unused" in res["error"]
+        assert (
+            res["error"] is not None
+            and "never.weight" in res["error"]
+            and "allow_unused" in res["error"]
+        )
         assert "\n" not in res["error"]
         assert res["after_error_unused"] == []
         bad = res["bad_input"]
@@ -271,13 +321,21 @@ def _compression(world):
                     loss_fn(ref(xs[q]), ys[q]).backward()
                     partial.append(grads(ref))
                 if impl == "dp":
-                    dp = scaleout.DataParallel(model, world, algorithm=algorithm, bucket_mb=2e-3,
-                                               compression=comp, allow_unused=True)
+                    dp = scaleout.DataParallel(
+                        model,
+                        world,
+                        algorithm=algorithm,
+                        bucket_mb=2e-3,
+                        compression=comp,
+                        allow_unused=True,
+                    )
                     loss_fn(dp(xs[r]), ys[r]).backward()
                     got = grads(model)
                     dp.reducer.remove_hooks()
                 else:
-                    ddp = DistributedDataParallel(model, bucket_cap_mb=2e-3, find_unused_parameters=True)
+                    ddp = DistributedDataParallel(
+                        model, bucket_cap_mb=2e-3, find_unused_parameters=True
+                    )
                     ddp.register_comm_hook(None, ddp_comm_hook(algorithm, world, compression=comp))
                     loss_fn(ddp(xs[r]), ys[r]).backward()
                     got = grads(model)
@@ -291,9 +349,15 @@ def _compression(world):
                     worst = max(worst, ((got[n] - mean).abs() / bound).max().item())
                     finite &= bool(torch.isfinite(got[n]).all())
                     fp32_err = max(fp32_err, (got[n] - mean).abs().max().item())
-                    undivided = max(undivided, p * mean.abs().max().item())  # |sum_r g_r| without pre-division
-                out[(comp, scale, algorithm, impl)] = {"worst": worst, "finite": finite, "fp32_err": fp32_err,
-                                                        "undivided": undivided}
+                    undivided = max(
+                        undivided, p * mean.abs().max().item()
+                    )  # |sum_r g_r| without pre-division
+                out[(comp, scale, algorithm, impl)] = {
+                    "worst": worst,
+                    "finite": finite,
+                    "fp32_err": fp32_err,
+                    "undivided": undivided,
+                }
     return out
 
 
@@ -329,12 +393,23 @@ def _ddp_and_timeline(world, trace_path):
         loss_fn(ddp(x.chunk(p)[r]), y.chunk(p)[r]).backward()
         want = ref_grads(ref, [(x, y)], [[True] * p], p)
         got = grads(model)
-        got.pop("never.weight"), got.pop("never.bias"), want.pop("never.weight"), want.pop("never.bias")
+        (
+            got.pop("never.weight"),
+            got.pop("never.bias"),
+            want.pop("never.weight"),
+            want.pop("never.bias"),
+        )
         out[algorithm] = max_rel(got, want)
 
     model = make(11)
-    dp = scaleout.DataParallel(copy.deepcopy(model), world, algorithm="hierarchical", bucket_mb=2e-3,
-                               allow_unused=True, timeline=trace_path)
+    dp = scaleout.DataParallel(
+        copy.deepcopy(model),
+        world,
+        algorithm="hierarchical",
+        bucket_mb=2e-3,
+        allow_unused=True,
+        timeline=trace_path,
+    )
     for step in range(2):
         x, y = global_batch(50 + step, p)
         loss_fn(dp(x.chunk(p)[r]), y.chunk(p)[r]).backward()
@@ -367,7 +442,10 @@ def test_ddp_hook_and_timeline():
             assert e["ts"] >= b0["ts"]  # launched after its backward started
             assert e["dur"] > 0  # completion recorded for this step's launch (not a stale one)
         # at least one bucket went out while backward was still running (overlap)
-        assert any(e["ts"] < bwd[e["args"]["step"] - 1]["ts"] + bwd[e["args"]["step"] - 1]["dur"] for e in comm)
+        assert any(
+            e["ts"] < bwd[e["args"]["step"] - 1]["ts"] + bwd[e["args"]["step"] - 1]["dur"]
+            for e in comm
+        )
 
 
 @pytest.mark.unit
@@ -379,12 +457,27 @@ def test_bucket_assignment():
     assert assign([4, 4, 4, 4, 4], ["f"] * 5, 8) == [[0, 1], [2, 3], [4]]
     assert assign([4, 4, 4, 4, 4], ["f"] * 5, 8, first_cap_bytes=4) == [[0], [1, 2], [3, 4]]
     assert assign([4, 4, 4, 4], ["f", "h", "f", "h"], 8) == [[0, 2], [1, 3]]
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256).to(torch.bfloat16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.Linear(256, 256).to(torch.bfloat16)
+    )
     buckets, slots = build_buckets(list(model.named_parameters()), bucket_mb=1000.0, census=4)
-    assert [[s.name for s in b.slots] for b in buckets] == [["1.bias", "1.weight"], ["0.bias", "0.weight"]]
-    assert buckets[1].extra == 4 and buckets[0].extra == 0 and buckets[0].buffer.dtype == torch.bfloat16
-    buckets, _ = build_buckets(list(model.float().named_parameters()), bucket_mb=0.25, first_bucket_mb=1 / MiB)
-    assert [len(b.slots) for b in buckets] == [1, 1, 2]  # 1.bias alone, 1.weight (256 KiB) closes, then layer 0
+    assert [[s.name for s in b.slots] for b in buckets] == [
+        ["1.bias", "1.weight"],
+        ["0.bias", "0.weight"],
+    ]
+    assert (
+        buckets[1].extra == 4
+        and buckets[0].extra == 0
+        and buckets[0].buffer.dtype == torch.bfloat16
+    )
+    buckets, _ = build_buckets(
+        list(model.float().named_parameters()), bucket_mb=0.25, first_bucket_mb=1 / MiB
+    )
+    assert [len(b.slots) for b in buckets] == [
+        1,
+        1,
+        2,
+    ]  # 1.bias alone, 1.weight (256 KiB) closes, then layer 0
     for bad in ({"bucket_mb": 0}, {"bucket_mb": 1.0, "first_bucket_mb": -1}):
         with pytest.raises(UserError, match="bucket_mb"):
             build_buckets(list(model.named_parameters()), **bad)
@@ -447,14 +540,24 @@ def _prioritized(world):
     applied = world.prioritize_communication(5)
     comm_tid = comm_thread(world)._thread.native_id
     t = torch.full((1000,), float(world.rank + 1))
-    all_reduce(t, world, "hierarchical", op="sum")  # still correct through the comm thread and gloo groups
-    return applied, before, os.getpriority(os.PRIO_PROCESS, me), os.getpriority(os.PRIO_PROCESS, comm_tid), float(t[0])
+    all_reduce(
+        t, world, "hierarchical", op="sum"
+    )  # still correct through the comm thread and gloo groups
+    return (
+        applied,
+        before,
+        os.getpriority(os.PRIO_PROCESS, me),
+        os.getpriority(os.PRIO_PROCESS, comm_tid),
+        float(t[0]),
+    )
 
 
 @pytest.mark.multi_process
 def test_prioritize_communication_renices_only_the_compute_thread():
     """Real 2x2 gloo world (fresh processes: the renice must not leak into the shared pool)."""
-    for applied, before, after, comm, total in run_dist(_prioritized, nnodes=2, nproc_per_node=2, fresh=True):
+    for applied, before, after, comm, total in run_dist(
+        _prioritized, nnodes=2, nproc_per_node=2, fresh=True
+    ):
         assert applied is True
         assert after == min(19, before + 5)  # the calling thread is nicer now ...
         assert comm == before  # ... the comm thread (created first) kept its priority

@@ -16,8 +16,14 @@ import torch
 from scaleout.train.precision import Precision, mlperf_numerics
 from tests.distutil import run_dist
 
-FAST = ["train.global_batch=8", "data.eval_samples=16", "optim.warmup_steps=1", "optim.total_steps=8",
-        "train.progress=false", "comm.bucket_mb=0.25"]
+FAST = [
+    "train.global_batch=8",
+    "data.eval_samples=16",
+    "optim.warmup_steps=1",
+    "optim.total_steps=8",
+    "train.progress=false",
+    "comm.bucket_mb=0.25",
+]
 
 
 def _trainer(world: Any, out: str, *overrides: str) -> Any:
@@ -30,15 +36,25 @@ def _trainer(world: Any, out: str, *overrides: str) -> Any:
 
 def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
     """Output dtypes of every nn.Linear in a training step and in the evaluation."""
-    trainer = _trainer(world, out, f"train.precision={precision}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=1")
+    trainer = _trainer(
+        world,
+        out,
+        f"train.precision={precision}",
+        "checkpoint.dir=null",
+        "checkpoint.every_steps=0",
+        "train.max_steps=1",
+    )
     trainer.build()
     import scaleout.preempt as preempt
 
     trainer.guard = preempt.install()
     seen: dict[str, set] = {"train": set(), "eval": set()}
     phase = ["train"]
-    hooks = [m.register_forward_hook(lambda _m, _i, o: seen[phase[0]].add(o.dtype))
-             for m in trainer.task.model.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, o: seen[phase[0]].add(o.dtype))
+        for m in trainer.task.model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     try:
         trainer.train_step(0)
         phase[0] = "eval"
@@ -47,20 +63,34 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
         trainer.guard.uninstall()
         for h in hooks:
             h.remove()
-    state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"train": sorted(map(str, seen["train"])), "eval": sorted(map(str, seen["eval"])),
-            "params": sorted({str(p.dtype) for p in trainer.task.model.parameters()}),
-            "grads": sorted({str(p.grad.dtype) for p in trainer.params if p.grad is not None}),
-            "state": sorted({str(t.dtype) for t in state if t.is_floating_point()})}
+    state = [
+        v
+        for s in trainer.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return {
+        "train": sorted(map(str, seen["train"])),
+        "eval": sorted(map(str, seen["eval"])),
+        "params": sorted({str(p.dtype) for p in trainer.task.model.parameters()}),
+        "grads": sorted({str(p.grad.dtype) for p in trainer.params if p.grad is not None}),
+        "state": sorted({str(t.dtype) for t in state if t.is_floating_point()}),
+    }
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize(("precision", "dtype"), [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"),
-                                                  ("fp32", "torch.float32")])
-def test_matmuls_run_in_the_configured_precision(tmp_path: Path, precision: str, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"), ("fp32", "torch.float32")],
+)
+def test_matmuls_run_in_the_configured_precision(
+    tmp_path: Path, precision: str, dtype: str
+) -> None:
     """A forward hook on every Linear sees bf16 / fp16 outputs in the trainer's step and evaluation;
     parameters, gradients and optimizer state stay fp32 (master weights). Before: fp32 everywhere."""
-    r = run_dist(_linear_dtypes, nnodes=1, nproc_per_node=2, args=(str(tmp_path), precision), timeout=300)[0]
+    r = run_dist(
+        _linear_dtypes, nnodes=1, nproc_per_node=2, args=(str(tmp_path), precision), timeout=300
+    )[0]
     assert r["train"] == [dtype] and r["eval"] == [dtype], r
     assert r["params"] == r["grads"] == r["state"] == ["torch.float32"], r
 
@@ -76,24 +106,48 @@ def test_loss_scale_follows_grad_scaler() -> None:
         mine.update(skipped)
         torch._amp_update_scale_(scale, tracker, torch.tensor([float(skipped)]), 2.0, 0.5, 3)
         assert mine.scale == scale.item() and mine.good_steps == tracker.item()
-    assert Precision("bf16", "cpu").scale_loss(torch.tensor(3.0)).item() == 3.0  # no scaling outside fp16
+    assert (
+        Precision("bf16", "cpu").scale_loss(torch.tensor(3.0)).item() == 3.0
+    )  # no scaling outside fp16
 
 
 def _scaler_run(world: Any, out: str) -> dict:
     """fp16 trainer, 4 steps; rank 1's gradients are poisoned at step 1 (after the reduction)."""
     os.environ["SCALEOUT_INJECT_NAN"] = "1:1"
     try:
-        trainer = _trainer(world, f"{out}/out", "train.precision=fp16", f"checkpoint.dir={out}/ckpt",
-                           "train.max_steps=4", "train.eval_every=4")
+        trainer = _trainer(
+            world,
+            f"{out}/out",
+            "train.precision=fp16",
+            f"checkpoint.dir={out}/ckpt",
+            "train.max_steps=4",
+            "train.eval_every=4",
+        )
         result = trainer.run()
     finally:
         del os.environ["SCALEOUT_INJECT_NAN"]
-    resumed = _trainer(world, f"{out}/out2", "train.precision=fp16", f"checkpoint.dir={out}/ckpt", "train.max_steps=4")
+    resumed = _trainer(
+        world,
+        f"{out}/out2",
+        "train.precision=fp16",
+        f"checkpoint.dir={out}/ckpt",
+        "train.max_steps=4",
+    )
     resumed.build()
     resumed.resume()
-    digest = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()]).double().sum().item()
-    return {"status": result.status, "skipped": trainer.skipped, "scale": trainer.task.precision.scale,
-            "resumed_scale": resumed.task.precision.scale, "digest": digest}
+    digest = (
+        torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
+        .double()
+        .sum()
+        .item()
+    )
+    return {
+        "status": result.status,
+        "skipped": trainer.skipped,
+        "scale": trainer.task.precision.scale,
+        "resumed_scale": resumed.task.precision.scale,
+        "digest": digest,
+    }
 
 
 @pytest.mark.full_system
@@ -112,12 +166,27 @@ def _fp16_updates(world: Any, out: str) -> dict:
     optim.eps=0.5 makes LAMB's step depend on the gradients' scale (m / (sqrt(v) + eps)), so gradients left
     scaled by S = 65536 would show."""
     got = {}
-    for name, extra in (("plain", []), ("sharded", ["optim.sharded=true"]),
-                        ("overlapped", ["optim.sharded=true", "optim.overlap_comm=true"])):
-        trainer = _trainer(world, f"{out}/{name}", "train.precision=fp16", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.max_steps=3",
-                           "train.eval_every=3", "optim.eps=0.5", "optim.warmup_steps=0", *extra)
+    for name, extra in (
+        ("plain", []),
+        ("sharded", ["optim.sharded=true"]),
+        ("overlapped", ["optim.sharded=true", "optim.overlap_comm=true"]),
+    ):
+        trainer = _trainer(
+            world,
+            f"{out}/{name}",
+            "train.precision=fp16",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+            "train.max_steps=3",
+            "train.eval_every=3",
+            "optim.eps=0.5",
+            "optim.warmup_steps=0",
+            *extra,
+        )
         trainer.build()
-        before = torch.cat([p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()])
+        before = torch.cat(
+            [p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()]
+        )
         trainer.run()
         after = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
         got[name] = (after - before).double()
@@ -145,7 +214,11 @@ def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
     x, w = torch.randn(256, 32), torch.randn(32, 1)
     y = x @ w / 6
     # fp16 autocast either way; without scaling = a constant scale of 1
-    prec = Precision("fp16", "cpu") if scaling else Precision("fp16", "cpu", init_scale=1.0, growth_interval=10**9)
+    prec = (
+        Precision("fp16", "cpu")
+        if scaling
+        else Precision("fp16", "cpu", init_scale=1.0, growth_interval=10**9)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
@@ -172,16 +245,37 @@ def _train_fp16(world: Any, out: str) -> dict:
     from scaleout.config import load_config
     from scaleout.train.loop import Trainer
 
-    cfg = load_config("bert_tiny_cpu", [
-        f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0", "train.progress=false", "train.precision=fp16",
-        # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
-        "model.bert.hidden=32", "model.bert.intermediate=128", "model.bert.layers=1",
-        "train.global_batch=32", "train.max_steps=120", "train.eval_every=20", "train.target=0.054",
-        "optim.warmup_steps=5", "optim.total_steps=200"])
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            f"train.output_dir={out}",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+            "train.progress=false",
+            "train.precision=fp16",
+            # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
+            "model.bert.hidden=32",
+            "model.bert.intermediate=128",
+            "model.bert.layers=1",
+            "train.global_batch=32",
+            "train.max_steps=120",
+            "train.eval_every=20",
+            "train.target=0.054",
+            "optim.warmup_steps=5",
+            "optim.total_steps=200",
+        ],
+    )
     trainer = Trainer(cfg, world)
     result = trainer.run()
-    return {"status": result.status, "metric": result.metric, "steps": result.steps, "skipped": trainer.skipped,
-            "scale": trainer.task.precision.scale, "first": trainer.losses[0], "last": trainer.losses[-1]}
+    return {
+        "status": result.status,
+        "metric": result.metric,
+        "steps": result.steps,
+        "skipped": trainer.skipped,
+        "scale": trainer.task.precision.scale,
+        "first": trainer.losses[0],
+        "last": trainer.losses[-1],
+    }
 
 
 @pytest.mark.full_system
@@ -198,14 +292,21 @@ def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> 
 @pytest.mark.unit
 def test_mlperf_log_says_what_ran() -> None:
     assert mlperf_numerics("bf16", "cpu", "none", "bert") == {
-        "lowest_numerical_precision_in_linear": "bfloat16", "lowest_numerical_precision_in_attn": "bfloat16",
-        "lowest_numerical_precision_in_comm": "fp32"}
-    assert mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"] == "fp16"
+        "lowest_numerical_precision_in_linear": "bfloat16",
+        "lowest_numerical_precision_in_attn": "bfloat16",
+        "lowest_numerical_precision_in_comm": "fp32",
+    }
+    assert (
+        mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"]
+        == "fp16"
+    )
     assert set(mlperf_numerics("fp32", "cpu", "bf16", "resnet").values()) == {"fp32", "bfloat16"}
     from scaleout.config import load_config
     from scaleout.train.hparams import hyperparameters
 
-    cfg = load_config("bert_large_256x8", ["optim.sharded=true"])  # sharded: fp32 reduce-scatter, whatever compression
+    cfg = load_config(
+        "bert_large_256x8", ["optim.sharded=true"]
+    )  # sharded: fp32 reduce-scatter, whatever compression
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"
 
 
@@ -218,8 +319,14 @@ def _captured_vs_eager(world: Any, compression: str) -> dict:
 
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(**TINY)).train()
-    dp = DataParallel(model, world, algorithm="hierarchical", bucket_mb=0.01, compression=compression,
-                      rebuild_buckets=False)
+    dp = DataParallel(
+        model,
+        world,
+        algorithm="hierarchical",
+        bucket_mb=0.01,
+        compression=compression,
+        rebuild_buckets=False,
+    )
     mbs = [_batch(seed=10 * world.rank + i) for i in range(2)]  # different data per rank
     for p in dp.parameters():
         p.grad = None
@@ -229,7 +336,9 @@ def _captured_vs_eager(world: Any, compression: str) -> dict:
     eager = [p.grad.clone() for p in model.parameters()]
     step = data_parallel_step(dp, lambda m, mb: m(mb).loss)  # what a CUDA graph captures
     step(mbs)
-    return {"same": [torch.equal(a, p.grad) for a, p in zip(eager, model.parameters(), strict=True)]}
+    return {
+        "same": [torch.equal(a, p.grad) for a, p in zip(eager, model.parameters(), strict=True)]
+    }
 
 
 @pytest.mark.multi_process
@@ -238,5 +347,7 @@ def test_captured_step_keeps_algorithm_and_compression(compression: str | None) 
     """The step CUDA graphs capture (capture.data_parallel_step) averages the buckets exactly as the eager
     overlapped reducer does: same algorithm (hierarchical on 2 x 2), same bf16 wire, same pre-divide, so
     the gradients are bit-identical. Before: a flat fp32 dist.all_reduce (different bits with bf16)."""
-    for r in run_dist(_captured_vs_eager, nnodes=2, nproc_per_node=2, args=(compression,), timeout=300):
+    for r in run_dist(
+        _captured_vs_eager, nnodes=2, nproc_per_node=2, args=(compression,), timeout=300
+    ):
         assert all(r["same"]), r

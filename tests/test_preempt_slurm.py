@@ -34,6 +34,8 @@ from scaleout.launchers.slurm import sbatch
 from tests.slurmutil import REPO, wait_for_text
 
 SCRIPT = "slurm/bert_256node.sh"
+
+
 def _mlperf_inputs(root: Path) -> list[str]:
     """What the item-8 run reads instead of the MLPerf files: the offline corpus written as MLPerf shards in
     NVIDIA's packed v2.0 layout (`scaleout data make-shards`), and phase-1 weights as an NVIDIA-style checkpoint
@@ -48,14 +50,27 @@ def _mlperf_inputs(root: Path) -> list[str]:
 
     tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
     b, d = tiny["model"]["bert"], tiny["data"]
-    make_shards(root / "shards", 4, "packed", max_seq_len=d["max_seq_len"], max_predictions=d["max_predictions"],
-                vocab_size=b["vocab_size"], dupe_factor=1, packing="lpfhp", max_per_pack=d["max_per_pack"])
+    make_shards(
+        root / "shards",
+        4,
+        "packed",
+        max_seq_len=d["max_seq_len"],
+        max_predictions=d["max_predictions"],
+        vocab_size=b["vocab_size"],
+        dupe_factor=1,
+        packing="lpfhp",
+        max_per_pack=d["max_per_pack"],
+    )
     torch.manual_seed(7)
     model = BertForPreTraining(BertConfig(**b))
     hf = to_hf(model.state_dict(), b["layers"])
     torch.save({"model": {f"module.{k}": v for k, v in hf.items()}, "epoch": 0}, root / "phase1.pt")
-    return ["data.source=wikipedia", f"data.path={root / 'shards'}", "data.num_workers=1",
-            f"model.init_checkpoint={root / 'phase1.pt'}"]
+    return [
+        "data.source=wikipedia",
+        f"data.path={root / 'shards'}",
+        "data.num_workers=1",
+        f"model.init_checkpoint={root / 'phase1.pt'}",
+    ]
 
 
 def _tiny() -> list[str]:
@@ -65,21 +80,56 @@ def _tiny() -> list[str]:
     from tests.test_slurm import _flatten
 
     tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
-    del tiny["train"]["output_dir"], tiny["checkpoint"]["dir"]  # the script's run directory must stay in charge
+    del (
+        tiny["train"]["output_dir"],
+        tiny["checkpoint"]["dir"],
+    )  # the script's run directory must stay in charge
     # keys the big config sets and the tiny one does not: no schedule offset, evaluation from the start
-    return _flatten("", tiny) + ["launch.env=slurm", "train.progress=false", "model.init_checkpoint=null",
-                                 "optim.start_warmup_step=0", "train.eval_start_step=0"]
+    return _flatten("", tiny) + [
+        "launch.env=slurm",
+        "train.progress=false",
+        "model.init_checkpoint=null",
+        "optim.start_warmup_step=0",
+        "train.eval_start_step=0",
+    ]
 
 
-def _submit(cluster, tmp: Path, name: str, overrides: list[str], opts: tuple[str, ...] = (),
-            env: dict[str, str] | None = None, log: Path | None = None) -> int:
+def _submit(
+    cluster,
+    tmp: Path,
+    name: str,
+    overrides: list[str],
+    opts: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+) -> int:
     """The real script, shrunk; RUN_ROOT puts its run directory (runs/<name>) under tmp."""
-    job_env = {**cluster.env, "RUN_ROOT": str(tmp),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), cluster.env.get("PYTHONPATH", "")) if p),
-               **(env or {})}
+    job_env = {
+        **cluster.env,
+        "RUN_ROOT": str(tmp),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), cluster.env.get("PYTHONPATH", "")) if p
+        ),
+        **(env or {}),
+    }
     out = ["-o", str(log)] if log is not None else []
-    return sbatch(["--chdir", str(REPO), "-J", name, "-N", "2", "--ntasks-per-node", "2", *out, *opts, SCRIPT,
-                   *overrides], env=job_env)
+    return sbatch(
+        [
+            "--chdir",
+            str(REPO),
+            "-J",
+            name,
+            "-N",
+            "2",
+            "--ntasks-per-node",
+            "2",
+            *out,
+            *opts,
+            SCRIPT,
+            *overrides,
+        ],
+        env=job_env,
+    )
 
 
 def _job_processes(job: int) -> dict[int, tuple[int, str]]:
@@ -92,7 +142,10 @@ def _job_processes(job: int) -> dict[int, tuple[int, str]]:
             env = (d / "environ").read_bytes().split(b"\0")
             state, ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[:2]
             if f"SLURM_JOB_ID={job}".encode() in env and state != "Z":
-                found[int(d.name)] = (int(ppid), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                found[int(d.name)] = (
+                    int(ppid),
+                    (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(),
+                )
         except (OSError, UnicodeDecodeError):
             continue
     return found
@@ -104,8 +157,11 @@ def _helpers(job: int) -> dict[int, str]:
     once it has stopped.)"""
     procs = _job_processes(job)
     fork = {p for p, (_, cmd) in procs.items() if "multiprocessing.forkserver" in cmd}
-    return {p: cmd for p, (ppid, cmd) in procs.items()
-            if (p in fork and ppid not in fork) or "multiprocessing.resource_tracker" in cmd}
+    return {
+        p: cmd
+        for p, (ppid, cmd) in procs.items()
+        if (p in fork and ppid not in fork) or "multiprocessing.resource_tracker" in cmd
+    }
 
 
 @pytest.mark.slurm
@@ -117,10 +173,23 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
     would make srun kill rank 0 before it requeues), and the job is requeued and resumes."""
     name = f"race-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "race.out"
-    job = _submit(slurm_cluster, tmp_path, name,
-                  [*_tiny(), "train.max_steps=400", "train.eval_every=1000", "train.target=null",
-                   "checkpoint.every_steps=2", "data.num_workers=2", "data.prefetch=2", "train.global_batch=16"],
-                  env={"SCALEOUT_TEST_REQUEUE_DELAY_S": "20"}, log=log)
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        name,
+        [
+            *_tiny(),
+            "train.max_steps=400",
+            "train.eval_every=1000",
+            "train.target=null",
+            "checkpoint.every_steps=2",
+            "data.num_workers=2",
+            "data.prefetch=2",
+            "train.global_batch=16",
+        ],
+        env={"SCALEOUT_TEST_REQUEUE_DELAY_S": "20"},
+        log=log,
+    )
     try:
         wait_for_text(log, r"checkpoint: step 2 ->", timeout_s=400)
         before = _helpers(job)
@@ -130,7 +199,9 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
         assert len(workers) == 8, workers  # 2 per rank
         slurm_cluster.run(["scancel", "--signal=USR2", str(job)])
         text = wait_for_text(log, r"preemption \(notice\) agreed by every rank", timeout_s=120)
-        time.sleep(3)  # checkpoint written; rank 0 now holds its requeue (20 s), the others wait at the barrier
+        time.sleep(
+            3
+        )  # checkpoint written; rank 0 now holds its requeue (20 s), the others wait at the barrier
         alive = _helpers(job)
         dead = {p: c for p, c in before.items() if p not in alive}
         assert not dead, f"helper processes killed by the notice: {dead}\n{text[-3000:]}"
@@ -139,7 +210,9 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
     finally:
         slurm_cluster.run(["scancel", str(job)], check=False)
     assert f"requeued Slurm job {job}" in text, text[-3000:]
-    assert "exited unexpectedly" not in text and "Traceback" not in text.split("restart 1")[0], text[-3000:]
+    assert "exited unexpectedly" not in text and "Traceback" not in text.split("restart 1")[0], (
+        text[-3000:]
+    )
     assert slurm_cluster.info(job).get("Restarts") == "1"
 
 
@@ -151,10 +224,23 @@ def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
     still requeued (Slurm itself never requeues a TIMEOUT) and resumes from the checkpoint."""
     name = f"tlimit-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "tlimit.out"
-    job = _submit(slurm_cluster, tmp_path, name,
-                  [*_tiny(), "train.max_steps=100000", "train.eval_every=100000", "train.target=null",
-                   "optim.total_steps=100000", "train.global_batch=16", "train.step_timeout_s=300"],
-                  opts=("--time=2", "--signal=USR2@60"), env={"SCALEOUT_TEST_REQUEUE_DELAY_S": "200"}, log=log)
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        name,
+        [
+            *_tiny(),
+            "train.max_steps=100000",
+            "train.eval_every=100000",
+            "train.target=null",
+            "optim.total_steps=100000",
+            "train.global_batch=16",
+            "train.step_timeout_s=300",
+        ],
+        opts=("--time=2", "--signal=USR2@60"),
+        env={"SCALEOUT_TEST_REQUEUE_DELAY_S": "200"},
+        log=log,
+    )
     try:
         slurm_cluster.release_requeued(job, restart=1, timeout_s=420)
         text = wait_for_text(log, r"resumed from .* at step \d+", timeout_s=400)
@@ -180,9 +266,16 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
 
     name = f"item8-{uuid.uuid4().hex[:6]}"
     steps = 12
-    overrides = [*_tiny(), *_mlperf_inputs(tmp_path / "inputs"), f"train.max_steps={steps}",
-                 f"train.eval_every={steps}", "train.target=0.001", "checkpoint.every_steps=2",
-                 "train.global_batch=16", "mlperf.stdout=true"]
+    overrides = [
+        *_tiny(),
+        *_mlperf_inputs(tmp_path / "inputs"),
+        f"train.max_steps={steps}",
+        f"train.eval_every={steps}",
+        "train.target=0.001",
+        "checkpoint.every_steps=2",
+        "train.global_batch=16",
+        "mlperf.stdout=true",
+    ]
     run_dir = tmp_path / name
     jobs: list[int] = []
     outs: list[Path] = []
@@ -191,10 +284,14 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
         jobs.append(job)
         outs.append(REPO / f"slurm-{name}-{job}.out")
         wait_for_text(outs[0], r"checkpoint: step 4 ->", timeout_s=400)
-        slurm_cluster.run(["scontrol", "requeue", str(job)])  # SIGTERM to every task: save, exit; Slurm requeues
+        slurm_cluster.run(
+            ["scontrol", "requeue", str(job)]
+        )  # SIGTERM to every task: save, exit; Slurm requeues
         slurm_cluster.release_requeued(job, restart=1, timeout_s=180)
         wait_for_text(outs[0], r"(?s)restart 1.*checkpoint: step \d+ ->", timeout_s=400)
-        slurm_cluster.run(["scancel", str(job)])  # ends the job for good: resubmitting is the user's move
+        slurm_cluster.run(
+            ["scancel", str(job)]
+        )  # ends the job for good: resubmitting is the user's move
         assert slurm_cluster.wait(job, timeout_s=120) == "CANCELLED"
         job2 = _submit(slurm_cluster, tmp_path, name, overrides)
         jobs.append(job2)
@@ -212,9 +309,16 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
     assert f"run dir {tmp_path}/{name}" in text and "restart 1" in text
     assert re.search(r"2 nodes \(n\[\d-\d\]\), 4 tasks x \d+ CPUs", text), text[:2000]
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["status"] == "success" and report["devices"] == 4 and report["weights_consistent"] is True
+    assert (
+        report["status"] == "success"
+        and report["devices"] == 4
+        and report["weights_consistent"] is True
+    )
     assert report["steps"] == steps - resumed[-1]
-    assert report["task"]["init_checkpoint"] == "huggingface/nvidia" and report["task"]["packing"]["per"] == "shard"
+    assert (
+        report["task"]["init_checkpoint"] == "huggingface/nvidia"
+        and report["task"]["packing"]["per"] == "shard"
+    )
 
     log = (run_dir / "mlperf.log").read_text()
     attempts = split_attempts(log)
@@ -234,18 +338,52 @@ def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", "launch.env=torchrun", "comm.algorithm=flat",
-           "train.global_batch=8", "train.max_steps=6", "train.eval_every=6", "data.eval_samples=16",
-           "optim.warmup_steps=1", "optim.total_steps=6", "train.progress=false", f"train.output_dir={tmp_path}/out",
-           f"checkpoint.dir={tmp_path}/ckpt"]
-    ranks = [subprocess.Popen(cmd, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))
+    }
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "train",
+        "bert_tiny_cpu",
+        "launch.env=torchrun",
+        "comm.algorithm=flat",
+        "train.global_batch=8",
+        "train.max_steps=6",
+        "train.eval_every=6",
+        "data.eval_samples=16",
+        "optim.warmup_steps=1",
+        "optim.total_steps=6",
+        "train.progress=false",
+        f"train.output_dir={tmp_path}/out",
+        f"checkpoint.dir={tmp_path}/ckpt",
+    ]
+    ranks = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    ]
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # rank 0 hosts the store: listening = inside the World's rendezvous
+        while (
+            time.monotonic() < deadline
+        ):  # rank 0 hosts the store: listening = inside the World's rendezvous
             with socket.socket() as probe:
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
@@ -254,8 +392,16 @@ def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
         ranks[0].send_signal(signal.SIGUSR2)
         time.sleep(1.0)
         assert ranks[0].poll() is None, f"rank 0 died of the notice: {ranks[0].returncode}"
-        ranks.append(subprocess.Popen(cmd, env={**env, "RANK": "1", "LOCAL_RANK": "1"}, cwd=REPO, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        ranks.append(
+            subprocess.Popen(
+                cmd,
+                env={**env, "RANK": "1", "LOCAL_RANK": "1"},
+                cwd=REPO,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
         outs = [r.communicate(timeout=400)[0] for r in ranks]
     finally:
         for r in ranks:
@@ -272,9 +418,15 @@ def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_metho
     """As Slurm signals every process of a step: USR2 then TERM to the whole process group. The rank notes
     both (its guard), and its workers, forkserver and resource tracker live on and deliver every batch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_"))}
-    p = subprocess.run([sys.executable, "tests/scripts/prefetch_signals.py", start_method], cwd=REPO,
-                       env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=300, start_new_session=True)  # its own process group: the signals stay there
+    p = subprocess.run(
+        [sys.executable, "tests/scripts/prefetch_signals.py", start_method],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )  # its own process group: the signals stay there
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["error"] is None and result["read"] == 11, result
@@ -289,23 +441,54 @@ def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
     from scaleout.config import load_config
     from scaleout.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^config: checkpoint.every_steps=5 needs checkpoint.dir") as exc:
+    with pytest.raises(
+        ConfigError, match=r"^config: checkpoint.every_steps=5 needs checkpoint.dir"
+    ) as exc:
         load_config(None, ["checkpoint.every_steps=5"])
     assert "\n" not in str(exc.value)
-    assert load_config(None, ["checkpoint.every_steps=5", "checkpoint.dir=/tmp/x"]).checkpoint.every_steps == 5
+    assert (
+        load_config(
+            None, ["checkpoint.every_steps=5", "checkpoint.dir=/tmp/x"]
+        ).checkpoint.every_steps
+        == 5
+    )
 
 
 @pytest.mark.full_system
 def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
     """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
     (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no scontrol is called.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMI"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SLURM_JOB_ID="999999999")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", "launch.env=single", "comm.algorithm=flat",
-         "train.global_batch=8", "train.max_steps=400", "train.eval_every=400", "data.eval_samples=16",
-         "optim.total_steps=400", "train.progress=true", f"train.output_dir={tmp_path}/out", "checkpoint.dir=null",
-         "checkpoint.every_steps=0"], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "train",
+            "bert_tiny_cpu",
+            "launch.env=single",
+            "comm.algorithm=flat",
+            "train.global_batch=8",
+            "train.max_steps=400",
+            "train.eval_every=400",
+            "data.eval_samples=16",
+            "optim.total_steps=400",
+            "train.progress=true",
+            f"train.output_dir={tmp_path}/out",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+        ],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -315,5 +498,7 @@ def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
     out = "".join(lines) + proc.stdout.read()
     proc.wait(timeout=300)
     assert proc.returncode == 75, out[-3000:]
-    assert "checkpoint.dir is not set: nothing was saved, so the job is not requeued" in out, out[-3000:]
+    assert "checkpoint.dir is not set: nothing was saved, so the job is not requeued" in out, out[
+        -3000:
+    ]
     assert "scontrol requeue" not in out

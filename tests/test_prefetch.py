@@ -18,13 +18,35 @@ import torch
 
 from tests.distutil import run_dist
 
-SMALL_BERT = ["model.arch=bert", "data.source=synthetic", "data.max_seq_len=32", "data.max_predictions=5",
-              "data.packing=lpfhp", "model.bert.vocab_size=64", "model.bert.hidden=16", "model.bert.layers=1",
-              "model.bert.heads=2", "model.bert.intermediate=32", "model.bert.max_position=32",
-              "data.eval_samples=8", "train.global_batch=8", "train.max_steps=6", "train.grad_accum=2"]
-SMALL_RESNET = ["model.arch=resnet", "data.source=synthetic", "model.resnet.depth=18", "model.resnet.width=4",
-                "model.resnet.num_classes=4", "model.resnet.image_size=16", "data.eval_samples=8",
-                "train.global_batch=8", "train.max_steps=6", "optim.name=lars"]
+SMALL_BERT = [
+    "model.arch=bert",
+    "data.source=synthetic",
+    "data.max_seq_len=32",
+    "data.max_predictions=5",
+    "data.packing=lpfhp",
+    "model.bert.vocab_size=64",
+    "model.bert.hidden=16",
+    "model.bert.layers=1",
+    "model.bert.heads=2",
+    "model.bert.intermediate=32",
+    "model.bert.max_position=32",
+    "data.eval_samples=8",
+    "train.global_batch=8",
+    "train.max_steps=6",
+    "train.grad_accum=2",
+]
+SMALL_RESNET = [
+    "model.arch=resnet",
+    "data.source=synthetic",
+    "model.resnet.depth=18",
+    "model.resnet.width=4",
+    "model.resnet.num_classes=4",
+    "model.resnet.image_size=16",
+    "data.eval_samples=8",
+    "train.global_batch=8",
+    "train.max_steps=6",
+    "optim.name=lars",
+]
 
 
 def _flat(mbs: list) -> list[torch.Tensor]:
@@ -38,7 +60,9 @@ def _flat(mbs: list) -> list[torch.Tensor]:
 
 def _same(a: list, b: list) -> bool:
     fa, fb = _flat(a), _flat(b)
-    return len(fa) == len(fb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(fa, fb, strict=True))
+    return len(fa) == len(fb) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(fa, fb, strict=True)
+    )
 
 
 def _allow_children() -> None:
@@ -69,22 +93,34 @@ def _prefetch_checks(world) -> dict:
     for name, overrides in (("bert", SMALL_BERT), ("resnet", SMALL_RESNET)):
         cfg = load_config(None, overrides)
         task = build_task(cfg, world)
-        if busy is None:  # a training rank's state when its prefetcher starts: groups, comm thread, collectives
-            assert world.intra is not None  # a non-world group now lives in world (unpicklable, as under hierarchical)
+        if (
+            busy is None
+        ):  # a training rank's state when its prefetcher starts: groups, comm thread, collectives
+            assert (
+                world.intra is not None
+            )  # a non-world group now lives in world (unpicklable, as under hierarchical)
             busy = all_reduce(torch.ones(1 << 20), world, algorithm="flat", async_op=True)
         gb, ga = cfg.train.global_batch, cfg.train.grad_accum
         sync = [task.micro_batches(s * gb, ga) for s in range(6)]
-        res[f"{name}_distinct_steps"] = not _same(sync[0], sync[1])  # so that the checks below can fail
+        res[f"{name}_distinct_steps"] = not _same(
+            sync[0], sync[1]
+        )  # so that the checks below can fail
         with Prefetcher(task, gb, ga, 0, 6, num_workers=2, prefetch=3, device=world.device) as pf:
             first = pf.get(0)
-            res["workers_forked_from_rank"] += sum(_parent_pid(w.pid) == os.getpid() for w in pf._it._workers)
-            res[f"{name}_in_order"] = _same(first, sync[0]) and all(_same(pf.get(s), sync[s]) for s in range(1, 6))
+            res["workers_forked_from_rank"] += sum(
+                _parent_pid(w.pid) == os.getpid() for w in pf._it._workers
+            )
+            res[f"{name}_in_order"] = _same(first, sync[0]) and all(
+                _same(pf.get(s), sync[s]) for s in range(1, 6)
+            )
             try:
                 pf.get(6)
                 res[f"{name}_past_stop"] = "no error"
             except UserError as e:
                 res[f"{name}_past_stop"] = str(e)
-    with Prefetcher(task, gb, ga, 3, 6, num_workers=1, prefetch=1, device=world.device) as pf:  # resume at step 3
+    with Prefetcher(
+        task, gb, ga, 3, 6, num_workers=1, prefetch=1, device=world.device
+    ) as pf:  # resume at step 3
         res["resumed"] = _same(pf.get(3), sync[3]) and _same(pf.get(4), sync[4])
         try:
             pf.get(4)
@@ -95,6 +131,8 @@ def _prefetch_checks(world) -> dict:
     # workers got the data source, not the task: the model's storages were not moved to shared memory
     res["model_shared"] = any(p.is_shared() for p in task.model.parameters())
     return res
+
+
 @pytest.mark.multi_process
 def test_prefetcher_same_batches_in_order_and_resumes() -> None:
     """2 ranks, 2 and 1 worker processes: every rank's background batches equal its synchronous ones, in
@@ -122,7 +160,9 @@ def test_bad_prefetch_settings_are_one_line_errors() -> None:
         Prefetcher(None, 8, 1, 0, 4, num_workers=-1)
     with pytest.raises(UserError, match=r"data.prefetch=0"):
         Prefetcher(None, 8, 1, 0, 4, num_workers=1, prefetch=0)
-    with pytest.raises(UserError, match=r"data.worker_start='vfork': expected one of forkserver, spawn, fork"):
+    with pytest.raises(
+        UserError, match=r"data.worker_start='vfork': expected one of forkserver, spawn, fork"
+    ):
         Prefetcher(None, 8, 1, 0, 4, num_workers=1, start_method="vfork")
 
 
@@ -139,8 +179,14 @@ def test_sequence_table_builds_the_same_batches() -> None:
     table = SequenceTable(seqs)
     assert len(table) == len(seqs)
     packs = [[i, i + 1] for i in range(0, 58, 2)]
-    for layout, (max_len, preds, depth) in ((packs, (96, 30, 2)), (padded_packs(len(seqs)), (48, 10, 1))):
-        want, got = build_batch(seqs, layout, max_len, preds, depth), build_batch(table, layout, max_len, preds, depth)
+    for layout, (max_len, preds, depth) in (
+        (packs, (96, 30, 2)),
+        (padded_packs(len(seqs)), (48, 10, 1)),
+    ):
+        want, got = (
+            build_batch(seqs, layout, max_len, preds, depth),
+            build_batch(table, layout, max_len, preds, depth),
+        )
         assert want.keys() == got.keys()
         for k in want:
             assert got[k].dtype == want[k].dtype == torch.int64 and torch.equal(got[k], want[k]), k
@@ -151,26 +197,44 @@ def _train(world, out: str, workers: int) -> dict:
     from scaleout.train.loop import Trainer
 
     _allow_children()
-    cfg = load_config(None, [*SMALL_BERT, "train.max_steps=4", "train.eval_every=4", "train.progress=false",
-                             "train.deterministic=true", "comm.algorithm=flat", f"train.output_dir={out}",
-                             f"data.num_workers={workers}", "data.prefetch=2", "optim.warmup_steps=1",
-                             "optim.total_steps=4"])
+    cfg = load_config(
+        None,
+        [
+            *SMALL_BERT,
+            "train.max_steps=4",
+            "train.eval_every=4",
+            "train.progress=false",
+            "train.deterministic=true",
+            "comm.algorithm=flat",
+            f"train.output_dir={out}",
+            f"data.num_workers={workers}",
+            "data.prefetch=2",
+            "optim.warmup_steps=1",
+            "optim.total_steps=4",
+        ],
+    )
     trainer = Trainer(cfg, world)
     trainer.run()
-    return {"weights": [p.detach().clone() for p in trainer.task.model.parameters()],
-            "prefetcher": type(trainer.prefetcher).__name__}
+    return {
+        "weights": [p.detach().clone() for p in trainer.task.model.parameters()],
+        "prefetcher": type(trainer.prefetcher).__name__,
+    }
 
 
 @pytest.mark.full_system
 def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path: Path) -> None:
     """Same 4 deterministic steps on 2 ranks with 0 and 2 data workers: bitwise equal weights; the
     report gives the fraction of step time spent waiting for data."""
-    sync = run_dist(_train, nnodes=1, nproc_per_node=2, args=(str(tmp_path / "sync"), 0), timeout=240)
+    sync = run_dist(
+        _train, nnodes=1, nproc_per_node=2, args=(str(tmp_path / "sync"), 0), timeout=240
+    )
     bg = run_dist(_train, nnodes=1, nproc_per_node=2, args=(str(tmp_path / "bg"), 2), timeout=240)
     assert sync[0]["prefetcher"] == "NoneType" and bg[0]["prefetcher"] == "Prefetcher"
     for a, b in zip(sync, bg, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True))
-    reports = {run: json.loads((tmp_path / run / "report.json").read_text()) for run in ("sync", "bg")}
+    reports = {
+        run: json.loads((tmp_path / run / "report.json").read_text()) for run in ("sync", "bg")
+    }
     for report in reports.values():
         assert 0.0 < report["data_wait_fraction"] < 1.0, report["data_wait_fraction"]
         assert report["breakdown_s"]["data"] > 0.0

@@ -27,8 +27,18 @@ def test_flop_formulas():
 def test_valid_flops_and_mfu():
     assert valid_flops(100.0, 0.759, 0.759, 5) == 100.0
     assert valid_flops(100.0, 0.70, 0.759, 5) == pytest.approx(100 * (0.70 / 0.759) ** 5)
-    r = RunReport(arch="resnet", time_to_train_s=10.0, steps=100, samples=8000, flops_per_sample=1e9,
-                  devices=8, achieved=0.74, target=0.759, device_name="A100", peak_flops_per_device=312e12)
+    r = RunReport(
+        arch="resnet",
+        time_to_train_s=10.0,
+        steps=100,
+        samples=8000,
+        flops_per_sample=1e9,
+        devices=8,
+        achieved=0.74,
+        target=0.759,
+        device_name="A100",
+        peak_flops_per_device=312e12,
+    )
     assert r.samples_per_s == 800 and r.flops_per_s == 8e11
     assert r.mfu == pytest.approx(8e11 / (8 * 312e12))
     assert r.valid_flops_per_s == pytest.approx(8e11 * (0.74 / 0.759) ** 5)
@@ -55,12 +65,27 @@ def test_timers_breakdown_in_report():
         done = t.step()
         assert set(done) == {"data", "forward", "backward", "comm", "optimizer"}
     m = t.mean()
-    assert t.steps == 3 and m["backward"] >= 0.004 and m["data"] >= 0.002 and m["comm"] == pytest.approx(0.001)
+    assert (
+        t.steps == 3
+        and m["backward"] >= 0.004
+        and m["data"] >= 0.002
+        and m["comm"] == pytest.approx(0.001)
+    )
     assert m["backward"] > m["data"] > m["optimizer"]
-    r = RunReport(arch="bert", time_to_train_s=1.0, steps=3, samples=96, flops_per_sample=1e6, devices=1,
-                  real_tokens=5000, breakdown_s=m)
+    r = RunReport(
+        arch="bert",
+        time_to_train_s=1.0,
+        steps=3,
+        samples=96,
+        flops_per_sample=1e6,
+        devices=1,
+        real_tokens=5000,
+        breakdown_s=m,
+    )
     lines = r.render().splitlines()
-    phases = [ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "ms/step" not in ln]
+    phases = [
+        ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "ms/step" not in ln
+    ]
     assert phases[-5:] == ["data", "forward", "backward", "comm", "optimizer"]
     assert "real tokens/s" in r.render()
     t2 = Timers()
@@ -97,7 +122,11 @@ def test_progress_bar_rank0_and_rate_limited():
     lines = out.getvalue().splitlines()
     assert len(lines) == 3
     assert lines[0].startswith("step 1/100") and "loss 7.5" in lines[0] and "eta" in lines[0]
-    assert "[##########----------]  50%" in lines[1] and "mlm_acc 0.25" in lines[1] and "samples/s" in lines[1]
+    assert (
+        "[##########----------]  50%" in lines[1]
+        and "mlm_acc 0.25" in lines[1]
+        and "samples/s" in lines[1]
+    )
     assert lines[2].startswith("step 100/100") and "eta" not in lines[2]
     quiet = io.StringIO()
     Progress(10, rank=1, stream=quiet).update(10, force=True)
@@ -107,30 +136,46 @@ def test_progress_bar_rank0_and_rate_limited():
 GIB = 2**30
 
 
-@pytest.mark.parametrize("name, sms, gib, part, bf16", [
-    ("NVIDIA H100 80GB HBM3", 132, 79.1, "H100 SXM5", 989e12),
-    ("NVIDIA H100 PCIe", 114, 79.2, "H100 PCIe", 756e12),  # not the SXM peak because the name says H100
-    ("NVIDIA H100 NVL", 132, 93.1, "H100 NVL", 835e12),
-    ("NVIDIA H200", 132, 139.8, "H200 SXM", 989e12),
-    ("NVIDIA H200 NVL", 132, 139.8, "H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", 132, 94.5, "GH200", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 108, 79.2, "A100 SXM4", 312e12),
-    ("NVIDIA A100-PCIE-40GB", 108, 39.4, "A100 PCIe", 312e12),
-    ("NVIDIA A10", 72, 22.5, "A10", 125e12),
-    ("Tesla V100-SXM2-16GB", 80, 15.8, "V100 SXM2", None),
-])
+@pytest.mark.parametrize(
+    "name, sms, gib, part, bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", 132, 79.1, "H100 SXM5", 989e12),
+        (
+            "NVIDIA H100 PCIe",
+            114,
+            79.2,
+            "H100 PCIe",
+            756e12,
+        ),  # not the SXM peak because the name says H100
+        ("NVIDIA H100 NVL", 132, 93.1, "H100 NVL", 835e12),
+        ("NVIDIA H200", 132, 139.8, "H200 SXM", 989e12),
+        ("NVIDIA H200 NVL", 132, 139.8, "H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 132, 94.5, "GH200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 108, 79.2, "A100 SXM4", 312e12),
+        ("NVIDIA A100-PCIE-40GB", 108, 39.4, "A100 PCIe", 312e12),
+        ("NVIDIA A10", 72, 22.5, "A10", 125e12),
+        ("Tesla V100-SXM2-16GB", 80, 15.8, "V100 SXM2", None),
+    ],
+)
 def test_gpu_part_identified_from_name_sms_and_memory(name, sms, gib, part, bf16):
     found = devices.identify_gpu(name, sms, int(gib * GIB))
     assert found is not None and found.name == part
     assert found.bf16 == bf16
 
 
-@pytest.mark.parametrize("name, sms, gib", [
-    ("NVIDIA H100 80GB HBM3", 114, 79.1),  # right name, wrong SM count: a cut-down or unknown part
-    ("NVIDIA H100 80GB HBM3", 132, 60.0),  # wrong memory size
-    ("NVIDIA B300", 160, 270.0),  # not in the table
-    ("NVIDIA A10G", 80, 22.3),  # AWS A10G: a different part from the A10
-])
+@pytest.mark.parametrize(
+    "name, sms, gib",
+    [
+        (
+            "NVIDIA H100 80GB HBM3",
+            114,
+            79.1,
+        ),  # right name, wrong SM count: a cut-down or unknown part
+        ("NVIDIA H100 80GB HBM3", 132, 60.0),  # wrong memory size
+        ("NVIDIA B300", 160, 270.0),  # not in the table
+        ("NVIDIA A10G", 80, 22.3),  # AWS A10G: a different part from the A10
+    ],
+)
 def test_unknown_gpu_part_is_none_not_a_guess(name, sms, gib):
     assert devices.identify_gpu(name, sms, int(gib * GIB)) is None
 
@@ -140,8 +185,14 @@ def test_gpu_peak_follows_precision_and_unknown_gpu_gives_report_without_mfu(mon
     of the path (identification, precision, report) is the real code."""
     from types import SimpleNamespace
 
-    props = {"h100": SimpleNamespace(name="NVIDIA H100 PCIe", multi_processor_count=114, total_memory=int(79.6 * GIB)),
-             "new": SimpleNamespace(name="NVIDIA Future X", multi_processor_count=200, total_memory=300 * GIB)}
+    props = {
+        "h100": SimpleNamespace(
+            name="NVIDIA H100 PCIe", multi_processor_count=114, total_memory=int(79.6 * GIB)
+        ),
+        "new": SimpleNamespace(
+            name="NVIDIA Future X", multi_processor_count=200, total_memory=300 * GIB
+        ),
+    }
     which = {"dev": "h100"}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[which["dev"]])
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -152,8 +203,17 @@ def test_gpu_peak_follows_precision_and_unknown_gpu_gives_report_without_mfu(mon
     which["dev"] = "new"
     peak = devices.gpu_peak("cuda:0", "bf16")
     assert peak.flops is None and "Future X" in peak.name and "train.peak_flops" in peak.source
-    r = RunReport(arch="bert", time_to_train_s=2.0, steps=1, samples=10, flops_per_sample=1e9, devices=8,
-                  device_name=peak.name, peak_flops_per_device=peak.flops, peak_source=peak.source)
+    r = RunReport(
+        arch="bert",
+        time_to_train_s=2.0,
+        steps=1,
+        samples=10,
+        flops_per_sample=1e9,
+        devices=8,
+        device_name=peak.name,
+        peak_flops_per_device=peak.flops,
+        peak_source=peak.source,
+    )
     assert r.mfu is None and r.to_dict()["mfu"] is None
     import json
 
@@ -198,7 +258,10 @@ def test_cpu_peak_measurement_ignores_time_other_processes_hold_the_core():
     os.sched_setaffinity(0, {cpu})
     try:
         alone = devices.measure_matmul_flops(torch.float32, 1, seconds=0.3)
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        hog = subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        )
         try:
             shared = devices.measure_matmul_flops(torch.float32, 1, seconds=0.3)
         finally:

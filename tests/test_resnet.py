@@ -26,9 +26,13 @@ def test_resnet_matches_published_sizes_and_v15_stride():
     first = r50.stages[1][0]
     assert isinstance(first, Bottleneck)
     assert first.conv1.stride == (1, 1) and first.conv2.stride == (2, 2)  # v1.5: stride on the 3x3
-    assert all(m.last_bn().weight.abs().sum() == 0 for m in r50.modules() if isinstance(m, Bottleneck))
+    assert all(
+        m.last_bn().weight.abs().sum() == 0 for m in r50.modules() if isinstance(m, Bottleneck)
+    )
     r50b = ResNet(50, zero_init_residual=False)
-    assert all(torch.all(m.last_bn().weight == 1) for m in r50b.modules() if isinstance(m, Bottleneck))
+    assert all(
+        torch.all(m.last_bn().weight == 1) for m in r50b.modules() if isinstance(m, Bottleneck)
+    )
 
 
 @pytest.mark.multi_process
@@ -57,7 +61,9 @@ def test_synthetic_images_deterministic_and_learnable():
     assert not torch.equal(SyntheticImages(10, 16, 100, seed=4).get(np.array([5]))[0][0], x1[0])
     # a tiny ResNet learns it well above chance (10 %) in a few dozen steps
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny convolutions: one thread avoids OpenMP spinning on a shared machine
+    torch.set_num_threads(
+        1
+    )  # tiny convolutions: one thread avoids OpenMP spinning on a shared machine
     try:
         acc = _train_tiny_resnet(data)
     finally:
@@ -97,7 +103,9 @@ def test_image_folder_reader(tmp_path):
     assert train.classes == ["n01", "n02"] and len(train) == 6
     x, y = train.get(np.arange(6), epoch=0)
     assert x.shape == (6, 3, 24, 24) and y.tolist() == [0, 0, 0, 1, 1, 1]
-    assert torch.equal(train.get(np.arange(6), epoch=0)[0], x)  # deterministic per (seed, epoch, index)
+    assert torch.equal(
+        train.get(np.arange(6), epoch=0)[0], x
+    )  # deterministic per (seed, epoch, index)
     assert not torch.equal(train.get(np.arange(6), epoch=1)[0], x)  # fresh augmentation each epoch
     val = ImageFolder(tmp_path, "val", image_size=24)
     v1, _ = val.get(np.arange(6))

@@ -30,12 +30,30 @@ def built(tmp_path_factory):
     """The same corpus samples written in the three layouts (4 training shards each)."""
     from scaleout.data.pretrain import build_pretraining_data
 
-    root, cache, docs = tmp_path_factory.mktemp("shards"), str(tmp_path_factory.mktemp("cache")), pydoc_documents()
-    kw = dict(max_seq_len=SEQ, max_predictions=PRED, vocab_size=VOCAB, dupe_factor=2, seed=3, cache=cache, docs=docs)
+    root, cache, docs = (
+        tmp_path_factory.mktemp("shards"),
+        str(tmp_path_factory.mktemp("cache")),
+        pydoc_documents(),
+    )
+    kw = dict(
+        max_seq_len=SEQ,
+        max_predictions=PRED,
+        vocab_size=VOCAB,
+        dupe_factor=2,
+        seed=3,
+        cache=cache,
+        docs=docs,
+    )
     for layout in ("fixed", "varlength", "packed"):
         make_shards(root / layout, 4, layout, packing="lpfhp", **kw)
     data = build_pretraining_data(
-        vocab_size=VOCAB, max_seq_len=SEQ, max_predictions=PRED, dupe_factor=2, seed=3, cache=cache, docs=docs
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        max_predictions=PRED,
+        dupe_factor=2,
+        seed=3,
+        cache=cache,
+        docs=docs,
     )
     return root, data
 
@@ -90,7 +108,10 @@ def test_make_shards_writes_the_reference_format(tmp_path, capsys):
             assert set(h.keys()) == set(want)
             n = h["input_ids"].shape[0]
             for k, (dt, width) in want.items():
-                assert str(h[k].dtype) == dt and h[k].shape == ((n, width) if width else (n,)), (f, k)
+                assert str(h[k].dtype) == dt and h[k].shape == ((n, width) if width else (n,)), (
+                    f,
+                    k,
+                )
             mask = h["input_mask"][:]
             assert set(np.unique(mask)) <= {0, 1} and (mask[:, 0] == 1).all()
             assert (np.diff(mask.astype(int), axis=1) <= 0).all()  # real tokens first, then padding
@@ -100,7 +121,10 @@ def test_make_shards_writes_the_reference_format(tmp_path, capsys):
     assert max(sizes) - min(sizes) <= 1
     vocab = (tmp_path / "vocab.txt").read_text().split("\n")
     assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and len(vocab) - 1 == VOCAB
-    assert cli_main(["data", "make-shards", str(tmp_path / "x"), "--shards", "2", "--layout", "zip"]) == 2
+    assert (
+        cli_main(["data", "make-shards", str(tmp_path / "x"), "--shards", "2", "--layout", "zip"])
+        == 2
+    )
     assert "--layout='zip'" in capsys.readouterr().err
 
 
@@ -109,7 +133,9 @@ def test_three_layouts_read_back_the_same_sequences(built):
     """Reference fixed, NVIDIA varlength and NVIDIA packed (v2.0) files hold the corpus samples exactly;
     the fixed file row by row, the packed one as packs that together hold every sequence once."""
     root, data = built
-    originals = [_key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train]
+    originals = [
+        _key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train
+    ]
     for layout in ("fixed", "varlength", "packed"):
         got = []
         for f in shard_files(root / layout / "train"):
@@ -118,8 +144,13 @@ def test_three_layouts_read_back_the_same_sequences(built):
             rows = r.read(np.arange(r.rows)[::-1])[::-1]  # any order; read back in file order
             r.close()
             if layout == "packed":
-                assert max(len(x) for x in rows) <= 3 and sum(sum(len(s) for s in x) > SEQ for x in rows) == 0
-            got += [_key(s.tokens, s.mlm_positions, s.mlm_labels, s.nsp_label) for x in rows for s in x]
+                assert (
+                    max(len(x) for x in rows) <= 3
+                    and sum(sum(len(s) for s in x) > SEQ for x in rows) == 0
+                )
+            got += [
+                _key(s.tokens, s.mlm_positions, s.mlm_labels, s.nsp_label) for x in rows for s in x
+            ]
         if layout == "packed":
             assert sorted(got) == sorted(originals)
         else:
@@ -167,7 +198,9 @@ def test_lazy_stream_every_sequence_once_per_epoch_on_every_layout(built, layout
             for row in range(b["input_ids"].shape[0]):
                 seen += _sequences_of_row(b, row)
         step += 1
-    whole = [_key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train]
+    whole = [
+        _key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train
+    ]
     first_epoch = seen[: len(whole)]
     assert sorted(first_epoch) == sorted(whole)  # exactly once, nothing else
     assert first_epoch != whole  # shuffled
@@ -185,7 +218,9 @@ def _sequences_of_row(b, row) -> list[tuple]:
         keep = (lab != -100) & (pos >= start) & (pos <= where[-1])
         truth = lab.copy()
         tokens = ids[where].copy()
-        out.append(_key(tokens, pos[keep] - start, truth[keep], nsp_lab[list(nsp_pos).index(start)]))
+        out.append(
+            _key(tokens, pos[keep] - start, truth[keep], nsp_lab[list(nsp_pos).index(start)])
+        )
     return out
 
 
@@ -316,19 +351,47 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
 
     root, _ = built
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "1", "--nproc-per-node", "2", "--", "scaleout",
-           "train", "bert_tiny_cpu", "data.source=wikipedia", f"data.path={root / 'packed'}",
-           f"data.max_seq_len={SEQ}", f"data.max_predictions={PRED}", f"model.bert.vocab_size={VOCAB}",
-           "train.global_batch=16", "train.max_steps=7", "train.eval_start_step=3", "train.eval_every=2",
-           "data.eval_samples=40", "optim.warmup_steps=2", "optim.total_steps=8",
-           "data.num_workers=1",  # the lazy stream is pickled into a prefetch worker, which opens the files itself
-           "train.progress=false", f"train.output_dir={out}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "launch",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "scaleout",
+        "train",
+        "bert_tiny_cpu",
+        "data.source=wikipedia",
+        f"data.path={root / 'packed'}",
+        f"data.max_seq_len={SEQ}",
+        f"data.max_predictions={PRED}",
+        f"model.bert.vocab_size={VOCAB}",
+        "train.global_batch=16",
+        "train.max_steps=7",
+        "train.eval_start_step=3",
+        "train.eval_every=2",
+        "data.eval_samples=40",
+        "optim.warmup_steps=2",
+        "optim.total_steps=8",
+        "data.num_workers=1",  # the lazy stream is pickled into a prefetch worker, which opens the files itself
+        "train.progress=false",
+        f"train.output_dir={out}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["peak_rss_mib_per_rank_max"] > 50 and report["task"]["packing"]["per"] == "shard"
-    assert report["flops_per_sample"] > 0 and 0 < report["mfu"] <= 1  # FLOPs counted from the shards' batches
-    lines = [json.loads(x.split(":::MLLOG ", 1)[1]) for x in (out / "mlperf.log").read_text().splitlines()]
+    assert (
+        report["flops_per_sample"] > 0 and 0 < report["mfu"] <= 1
+    )  # FLOPs counted from the shards' batches
+    lines = [
+        json.loads(x.split(":::MLLOG ", 1)[1])
+        for x in (out / "mlperf.log").read_text().splitlines()
+    ]
     ev = {x["key"]: x for x in lines}
     rate = round(report["task"]["packing"]["sequences_per_row"])
     assert ev["global_batch_size"]["value"] == 16 * rate
@@ -343,8 +406,16 @@ def _open_or_error(world, path, max_len, max_pred):
     from scaleout.data.shard_source import open_shards
     from scaleout.errors import ConfigError
 
-    cfg = load_config("bert_tiny_cpu", ["data.source=wikipedia", f"data.path={path}", f"data.max_seq_len={max_len}",
-                                        f"data.max_predictions={max_pred}", "train.global_batch=8"])
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=wikipedia",
+            f"data.path={path}",
+            f"data.max_seq_len={max_len}",
+            f"data.max_predictions={max_pred}",
+            "train.global_batch=8",
+        ],
+    )
     try:
         open_shards(cfg, world.rank, world.world_size, world.barrier)
     except ConfigError as exc:
@@ -360,10 +431,15 @@ def test_bad_shards_stop_every_rank_with_one_line(built):
     from distutil import run_dist
 
     root, _ = built
-    out = run_dist(_open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "varlength"), 32, PRED))
+    out = run_dist(
+        _open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "varlength"), 32, PRED)
+    )
     assert out[0] == out[1] and "data.max_seq_len=32 but part_" in out[0] and "\n" not in out[0]
     out = run_dist(_open_or_error, nnodes=1, nproc_per_node=2, args=(str(root / "fixed"), SEQ, 5))
-    assert out[0] == out[1] and f"data.max_predictions=5 but part_00000_of_00004.hdf5 has {PRED} mask slots" in out[0]
+    assert (
+        out[0] == out[1]
+        and f"data.max_predictions=5 but part_00000_of_00004.hdf5 has {PRED} mask slots" in out[0]
+    )
 
 
 @pytest.mark.multi_process
@@ -373,8 +449,14 @@ def test_one_folder_holds_out_its_first_sequences_for_eval(built):
     root, data = built
     d = _stream(root / "fixed" / "train", 1, 0, packing="none", batch=8)
     assert len(d.eval) == 40
-    held = [_key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train[:40]]
-    assert [_key(q.tokens, q.mlm_positions, q.mlm_labels, q.nsp_label) for q in (d.eval[i] for i in range(40))] == held
+    held = [
+        _key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label)
+        for s in data.train[:40]
+    ]
+    assert [
+        _key(q.tokens, q.mlm_positions, q.mlm_labels, q.nsp_label)
+        for q in (d.eval[i] for i in range(40))
+    ] == held
     assert d.stream.total == len(data.train) - 40
     seen = []
     for step in range(-(-d.stream.total // 8)):

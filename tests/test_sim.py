@@ -18,14 +18,29 @@ from scaleout.errors import ConfigError, TopologyError
 from scaleout.sim.calibrate import Sample, cross_validate, fit, split_default
 from scaleout.sim.cluster import PARAMS, Cluster, Constants, custom_cluster, get_cluster
 from scaleout.sim.collectives import allreduce_cost, plan_for, square_torus_x
-from scaleout.sim.step import TrainSpec, bucket_sizes, get_model, gpu_counts, step_time, sweep, time_to_train
+from scaleout.sim.step import (
+    TrainSpec,
+    bucket_sizes,
+    get_model,
+    gpu_counts,
+    step_time,
+    sweep,
+    time_to_train,
+)
 from scaleout.sim.validate import horovod_542, mlperf_bert, nccl_busbw_a100
 
 IDX = {k: i for i, k in enumerate(PARAMS)}
 
 
 def toy(g: int = 4, nics: int = 1, backend: str = "nccl", **consts: float) -> Cluster:
-    c = dict(base=1e-5, alpha_intra=2e-6, alpha_inter=1e-5, beta_intra=1 / 100e9, beta_inter=1 / 10e9, gamma=0.0)
+    c = dict(
+        base=1e-5,
+        alpha_intra=2e-6,
+        alpha_inter=1e-5,
+        beta_intra=1 / 100e9,
+        beta_inter=1 / 10e9,
+        gamma=0.0,
+    )
     c.update(consts)
     return Cluster("toy", g, nics, Constants(**c), streams_per_ring=1, backend=backend)
 
@@ -69,7 +84,10 @@ def test_latency_steps_ring_tree_torus():
     assert x == 64
     torus = lat("torus2d", torus_x=x, chunks=1)
     assert torus[IDX["alpha_inter"]] + torus[IDX["alpha_intra"]] == 2 * (x - 1) + 2 * (p // x - 1)
-    assert allreduce_cost("torus2d", c, k, 1e3, torus_x="square").time < allreduce_cost("ring", c, k, 1e3).time / 10
+    assert (
+        allreduce_cost("torus2d", c, k, 1e3, torus_x="square").time
+        < allreduce_cost("ring", c, k, 1e3).time / 10
+    )
 
 
 @pytest.mark.unit
@@ -77,7 +95,8 @@ def test_multi_nic_ring_uses_every_nic():
     one, eight = toy(g=8, nics=1), replace(toy(g=8, nics=8), streams_per_ring=8)
     n = 1 << 28
     assert allreduce_cost("ring", one, 4, n).bandwidth == pytest.approx(
-        8 * allreduce_cost("ring", eight, 4, n).bandwidth, rel=0.01)
+        8 * allreduce_cost("ring", eight, 4, n).bandwidth, rel=0.01
+    )
 
 
 @pytest.mark.unit
@@ -98,7 +117,9 @@ def test_fit_recovers_constants_from_model_generated_data():
                 cl = replace(truth, gpus_per_node=2)
                 t = plan_for(alg, cl, k, n, **opts).cost(np.array(truth.constants.vector()))
                 rows.append(Sample(alg, n, k, 2, t, None, opts.get("torus_x")))
-    f, checks = cross_validate(rows, split_default(rows, ["torus2d"]), prior=get_cluster("netns-1g"))
+    f, checks = cross_validate(
+        rows, split_default(rows, ["torus2d"]), prior=get_cluster("netns-1g")
+    )
     assert max(abs(c.error) for c in checks) < 1e-6
     assert f.constants.beta_inter == pytest.approx(truth.constants.beta_inter, rel=1e-6)
     assert f.constants.gamma == pytest.approx(truth.constants.gamma, rel=1e-6)
@@ -121,7 +142,9 @@ def test_fit_scales_beta_inter_by_link_rate():
 @pytest.mark.unit
 def test_overlap_hides_communication_behind_backward():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
-    slow = TrainSpec(local_batch=64, algorithm="tree")  # ~250 ms of compute: comm fits under backward
+    slow = TrainSpec(
+        local_batch=64, algorithm="tree"
+    )  # ~250 ms of compute: comm fits under backward
     r = step_time(m, slow, c, 64)
     last_bucket = allreduce_cost("tree", c, 64, bucket_sizes(m.params * m.grad_bytes, 25)[-1]).time
     assert 0 <= r.exposed <= last_bucket + 1e-12
@@ -152,18 +175,25 @@ def test_time_to_train_counts_steps():
 @pytest.mark.unit
 def test_validation_b_nccl_tests_busbw():
     v = nccl_busbw_a100()
-    print(f"\n(b) predicted {v.predicted:.1f} GB/s vs nccl-tests ~{v.reference:g} GB/s ({v.error:+.1%})")
+    print(
+        f"\n(b) predicted {v.predicted:.1f} GB/s vs nccl-tests ~{v.reference:g} GB/s ({v.error:+.1%})"
+    )
     assert v.ok, f"{v.predicted:.1f} GB/s is not within 15 % of {v.reference}"
 
 
 @pytest.mark.full_system
 def test_validation_c_mlperf_bert_time_to_train():
     v = mlperf_bert()
-    print(f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); {v.details}")
+    print(
+        f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); {v.details}"
+    )
     assert v.ok, f"{v.predicted:.3f} min is not within 30 % of {v.reference}"
     # With SHARP and the sharded update modelled, communication no longer dominates, so the MFU guess
     # matters: 30 % and the assumed 40 % are inside the tolerance (50 % gives -35 %, docs/simulate.md).
-    assert mlperf_bert(mfu=0.3).ok and mlperf_bert(mfu=0.3).predicted > v.predicted > mlperf_bert(mfu=0.5).predicted
+    assert (
+        mlperf_bert(mfu=0.3).ok
+        and mlperf_bert(mfu=0.3).predicted > v.predicted > mlperf_bert(mfu=0.5).predicted
+    )
     # DDP's replicated all-reduce on a flat ring without SHARP at 4096 GPUs would miss by far
     assert not mlperf_bert(algorithm="ring", optimizer="replicated", sharp=False).ok
 
@@ -171,8 +201,10 @@ def test_validation_c_mlperf_bert_time_to_train():
 @pytest.mark.unit
 def test_validation_d_horovod_ring_vs_hierarchical():
     ring, hier, ablation = horovod_542()
-    print(f"\n(d) ring {ring.predicted:.0f} % vs hierarchical {hier.predicted:.0f} % "
-          f"(Horovod #542: 66 % vs 91 %); ablation {ablation}")
+    print(
+        f"\n(d) ring {ring.predicted:.0f} % vs hierarchical {hier.predicted:.0f} % "
+        f"(Horovod #542: 66 % vs 91 %); ablation {ablation}"
+    )
     assert hier.predicted - ring.predicted >= 15  # published gap: 25 points
     assert abs(ring.predicted - 66) < 15 and abs(hier.predicted - 91) < 15
     # most of the gap is the single TCP stream per ring: with RDMA-like streams the ring recovers
@@ -185,14 +217,32 @@ def test_validation_d_horovod_ring_vs_hierarchical():
     [
         (lambda: get_cluster("dgx-z100"), ConfigError, "dgx-z100"),
         (lambda: get_model("gpt5"), ConfigError, "gpt5"),
-        (lambda: allreduce_cost("butterfly", get_cluster("dgx-a100"), 2, 1e6), ConfigError, "butterfly"),
-        (lambda: allreduce_cost("torus2d", get_cluster("dgx-a100"), 2, 1e6, torus_x=3), TopologyError, "x=3"),
+        (
+            lambda: allreduce_cost("butterfly", get_cluster("dgx-a100"), 2, 1e6),
+            ConfigError,
+            "butterfly",
+        ),
+        (
+            lambda: allreduce_cost("torus2d", get_cluster("dgx-a100"), 2, 1e6, torus_x=3),
+            TopologyError,
+            "x=3",
+        ),
         (lambda: allreduce_cost("ring", get_cluster("dgx-a100"), 0, 1e6), TopologyError, "got 0"),
         (lambda: custom_cluster(get_cluster("dgx-a100"), inter_gbit=-5), ConfigError, "-5"),
-        (lambda: step_time(get_model("bert-large"), TrainSpec(local_batch=0), get_cluster("dgx-a100"), 1),
-         ConfigError, "local batch"),
-        (lambda: step_time(get_model("bert-large"), TrainSpec(local_batch=4), get_cluster("netns-1g"), 1),
-         ConfigError, "samples per second"),
+        (
+            lambda: step_time(
+                get_model("bert-large"), TrainSpec(local_batch=0), get_cluster("dgx-a100"), 1
+            ),
+            ConfigError,
+            "local batch",
+        ),
+        (
+            lambda: step_time(
+                get_model("bert-large"), TrainSpec(local_batch=4), get_cluster("netns-1g"), 1
+            ),
+            ConfigError,
+            "samples per second",
+        ),
         (lambda: gpu_counts(get_cluster("dgx-a100"), 4), ConfigError, "whole number"),
     ],
 )
@@ -209,12 +259,40 @@ def test_cli_validate_scale_calibrate(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "MLPerf v2.0 BERT" in text and "assumptions (c)" in text
     checks = json.loads(out.read_text())["checks"]
-    assert [c["status"] for c in checks] == ["ok", "ok", "compare", "compare", "ok", "ok", "known miss", "known miss"]
+    assert [c["status"] for c in checks] == [
+        "ok",
+        "ok",
+        "compare",
+        "compare",
+        "ok",
+        "ok",
+        "known miss",
+        "known miss",
+    ]
 
     png, js = tmp_path / "s.png", tmp_path / "s.json"
     # matplotlib: extra "plot", which the test extra installs too (never a silently smaller check)
-    assert main(["simulate", "scale", "--cluster", "dgx-h100", "--model", "resnet50", "--local-batch", "256",
-                 "--max-gpus", "64", "--out", str(js), "--png", str(png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "scale",
+                "--cluster",
+                "dgx-h100",
+                "--model",
+                "resnet50",
+                "--local-batch",
+                "256",
+                "--max-gpus",
+                "64",
+                "--out",
+                str(js),
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(js.read_text())["rows"]
     assert {r["gpus"] for r in rows} == {8, 16, 32, 64} and len(rows) == 16
     assert png.stat().st_size > 10_000
@@ -223,9 +301,19 @@ def test_cli_validate_scale_calibrate(tmp_path, capsys):
     bench = []
     for alg in ("flat", "hierarchical", "torus2d"):
         for n in (1 << 20, 4 << 20, 16 << 20, 64 << 20):
-            t = plan_for(alg, replace(truth, gpus_per_node=2), 2, n).cost(np.array(truth.constants.vector()))
-            bench.append({"algorithm": alg, "nbytes": n, "nnodes": 2, "nproc_per_node": 2, "time_s": t,
-                          "link_rate_bps": 1e9})
+            t = plan_for(alg, replace(truth, gpus_per_node=2), 2, n).cost(
+                np.array(truth.constants.vector())
+            )
+            bench.append(
+                {
+                    "algorithm": alg,
+                    "nbytes": n,
+                    "nnodes": 2,
+                    "nproc_per_node": 2,
+                    "time_s": t,
+                    "link_rate_bps": 1e9,
+                }
+            )
     src = tmp_path / "bench.json"
     src.write_text(json.dumps({"rows": bench}))
     assert main(["simulate", "calibrate", str(src), "--holdout", "torus2d", "--out", ""]) == 0

@@ -23,7 +23,13 @@ import sys
 import pytest
 
 from scaleout.errors import ConfigError
-from scaleout.sim.calibrate import cross_validate, load_samples, parse_rate, samples_from_rows, split_default
+from scaleout.sim.calibrate import (
+    cross_validate,
+    load_samples,
+    parse_rate,
+    samples_from_rows,
+    split_default,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = "1MiB,2MiB,4MiB,8MiB,16MiB"
@@ -34,16 +40,41 @@ MAX_LOAD_PER_CORE = 10.0
 # Timing on 2 shared cores: a rerun re-measures when a burst of load skews one size (the ±20 % bar is unchanged).
 @pytest.mark.flaky(reruns=2, reruns_delay=5)
 @pytest.mark.netns
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
-                    reason="needs root and iproute2 (ip, tc) for the emulated cluster")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None,
+    reason="needs root and iproute2 (ip, tc) for the emulated cluster",
+)
 def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > MAX_LOAD_PER_CORE * cores:
-        pytest.skip(f"machine too busy for a timing fit: load {load:.1f} on {cores} cores (> {MAX_LOAD_PER_CORE:g}/core)")
+        pytest.skip(
+            f"machine too busy for a timing fit: load {load:.1f} on {cores} cores (> {MAX_LOAD_PER_CORE:g}/core)"
+        )
     out = tmp_path / "allreduce.json"
-    cmd = [sys.executable, "-m", "scaleout", "bench", "allreduce", "--nnodes", "2", "--nproc-per-node", "2",
-           "--netns", "--rate", "1gbit", "--sizes", SIZES, "--torus", "4x1", "--repeats", "5", "--out", str(out),
-           "--png", ""]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "bench",
+        "allreduce",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--netns",
+        "--rate",
+        "1gbit",
+        "--sizes",
+        SIZES,
+        "--torus",
+        "4x1",
+        "--repeats",
+        "5",
+        "--out",
+        str(out),
+        "--png",
+        "",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     samples = load_samples(out, stat="min")
@@ -57,7 +88,11 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
         for c in checks
     )
     print(f"\nfitted: {fit.constants.describe()}\n{report}")
-    assert len(held) == 9 and {c.sample.algorithm for c in held} == {"ring", "hierarchical", "torus2d"}
+    assert len(held) == 9 and {c.sample.algorithm for c in held} == {
+        "ring",
+        "hierarchical",
+        "torus2d",
+    }
     worst = max(abs(c.error) for c in held)
     assert worst <= TOLERANCE, f"held-out error {worst:.1%} > {TOLERANCE:.0%}\n{report}"
     # physical sanity: the fitted per-NIC bandwidth is within 30 % of the link rate the bench measured
@@ -67,8 +102,16 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
 
 @pytest.mark.unit
 def test_schema_aliases_and_rates(tmp_path):
-    rows = [{"algorithm": "flat", "bytes": 1 << 20, "nnodes": 2, "nproc_per_node": 2, "median_s": 0.01,
-             "rate": "1gbit"}]
+    rows = [
+        {
+            "algorithm": "flat",
+            "bytes": 1 << 20,
+            "nnodes": 2,
+            "nproc_per_node": 2,
+            "median_s": 0.01,
+            "rate": "1gbit",
+        }
+    ]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"rows": rows}))
     (s,) = load_samples(path)
@@ -81,9 +124,25 @@ def test_schema_aliases_and_rates(tmp_path):
     "row, needle",
     [
         ({"algorithm": "flat", "nnodes": 2, "nproc_per_node": 2, "time_s": 1.0}, "'nbytes'"),
-        ({"algorithm": "ring", "nbytes": 8, "nnodes": 2, "nproc_per_node": 2, "time_s": -1}, "time -1"),
-        ({"algorithm": "butterfly", "nbytes": 8, "nnodes": 1, "nproc_per_node": 2, "time_s": 1}, "butterfly"),
-        ({"algorithm": "ring", "nbytes": 8, "nnodes": 1, "nproc_per_node": 2, "time_s": 1, "rate": "fast"}, "fast"),
+        (
+            {"algorithm": "ring", "nbytes": 8, "nnodes": 2, "nproc_per_node": 2, "time_s": -1},
+            "time -1",
+        ),
+        (
+            {"algorithm": "butterfly", "nbytes": 8, "nnodes": 1, "nproc_per_node": 2, "time_s": 1},
+            "butterfly",
+        ),
+        (
+            {
+                "algorithm": "ring",
+                "nbytes": 8,
+                "nnodes": 1,
+                "nproc_per_node": 2,
+                "time_s": 1,
+                "rate": "fast",
+            },
+            "fast",
+        ),
     ],
 )
 def test_bad_rows_are_one_line_errors(row, needle):

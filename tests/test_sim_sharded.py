@@ -34,7 +34,9 @@ def coeffs(plan, cluster):
     return plan.linearize(np.array(cluster.constants.vector()))
 
 
-@pytest.mark.parametrize("alg, nodes", [("ring", 4), ("hierarchical", 4), ("hierarchical", 64), ("torus2d", 16)])
+@pytest.mark.parametrize(
+    "alg, nodes", [("ring", 4), ("hierarchical", 4), ("hierarchical", 64), ("torus2d", 16)]
+)
 def test_reduce_scatter_plus_all_gather_moves_one_allreduce_of_bytes(alg, nodes):
     """ZeRO-1 sends the same bytes as DDP (RS + AG = AR), each half half of them, through every NIC."""
     n = 64e6
@@ -43,19 +45,27 @@ def test_reduce_scatter_plus_all_gather_moves_one_allreduce_of_bytes(alg, nodes)
     ag = coeffs(half_plan("ag", alg, A100, nodes, n, "square"), A100)[IDX["beta_inter"]]
     assert rs == pytest.approx(ag) and rs + ag == pytest.approx(ar)
     k, p = nodes, 8 * nodes
-    if alg != "torus2d":  # DESIGN facts: ring 2(p-1)/p n, hierarchical 2(k-1)/k n per node over its 8 NICs
+    if (
+        alg != "torus2d"
+    ):  # DESIGN facts: ring 2(p-1)/p n, hierarchical 2(k-1)/k n per node over its 8 NICs
         assert ar == pytest.approx((2 * (p - 1) / p if alg == "ring" else 2 * (k - 1) / k) * n / 8)
 
 
 def test_sharded_update_and_state_shrink_with_the_shard():
     nodes, train = 64, TrainSpec(local_batch=4, algorithm="tree")
-    rep, world, node = (step_time(BERT, replace(train, optimizer=o), A100, nodes)
-                        for o in ("replicated", "sharded", "sharded-node"))
+    rep, world, node = (
+        step_time(BERT, replace(train, optimizer=o), A100, nodes)
+        for o in ("replicated", "sharded", "sharded-node")
+    )
     assert (rep.shard, world.shard, node.shard) == (1, 512, 8)
-    full = BERT.params * 32 / (A100.device.mem_bw * 0.8)  # 32 B/param of LAMB traffic at 80 % of HBM
+    full = (
+        BERT.params * 32 / (A100.device.mem_bw * 0.8)
+    )  # 32 B/param of LAMB traffic at 80 % of HBM
     assert rep.optimizer == pytest.approx(full) and world.optimizer == pytest.approx(full / 512)
     assert node.optimizer == pytest.approx(full / 8)
-    assert rep.state_bytes == pytest.approx(12 * 335e6) and world.state_bytes == pytest.approx(12 * 335e6 / 512)
+    assert rep.state_bytes == pytest.approx(12 * 335e6) and world.state_bytes == pytest.approx(
+        12 * 335e6 / 512
+    )
     # sharded-node sends what a hierarchical all-reduce sends: the saving is the update (~6.6 -> 0.8 ms)
     assert rep.optimizer - node.optimizer > 5e-3
 
@@ -65,10 +75,15 @@ def test_sharded_step_direction():
     all-gather after the update (~2.4 ms) is exposed, so the step is shorter. 512 nodes: a world reduce-scatter is a ring of 4095 network steps per bucket, far slower
     than the tree all-reduce; sharding inside the node keeps the tree between nodes."""
     train = TrainSpec(local_batch=4, algorithm="tree")
-    one = {o: step_time(BERT, replace(train, optimizer=o), A100, 1).step for o in ("replicated", "sharded")}
+    one = {
+        o: step_time(BERT, replace(train, optimizer=o), A100, 1).step
+        for o in ("replicated", "sharded")
+    }
     assert one["sharded"] < one["replicated"] - 2e-3
-    big = {o: step_time(BERT, replace(train, optimizer=o), A100, 512).step
-           for o in ("replicated", "sharded", "sharded-node")}
+    big = {
+        o: step_time(BERT, replace(train, optimizer=o), A100, 512).step
+        for o in ("replicated", "sharded", "sharded-node")
+    }
     assert big["sharded"] > 5 * big["replicated"]
     assert big["sharded-node"] < big["replicated"]
 
@@ -82,10 +97,18 @@ def test_sharp_sends_each_byte_once_and_pays_one_latency():
         on = coeffs(plan_for(alg, sharp, k, n, chunks=1), sharp)
         assert off[IDX["beta_inter"]] / on[IDX["beta_inter"]] == pytest.approx(without)
         assert on[IDX["alpha_inter"]] == 0 and on[IDX["alpha_sharp"]] == 1
-        assert allreduce_cost(alg, with_sharp(A100, True), k, n).time < allreduce_cost(alg, A100, k, n).time
+        assert (
+            allreduce_cost(alg, with_sharp(A100, True), k, n).time
+            < allreduce_cost(alg, A100, k, n).time
+        )
     # a ring is point to point: SHARP changes nothing; nor inside one node
-    assert allreduce_cost("ring", sharp, k, n).time == allreduce_cost("ring", nvlink_free, k, n).time
-    assert allreduce_cost("hierarchical", sharp, 1, n).time == allreduce_cost("hierarchical", nvlink_free, 1, n).time
+    assert (
+        allreduce_cost("ring", sharp, k, n).time == allreduce_cost("ring", nvlink_free, k, n).time
+    )
+    assert (
+        allreduce_cost("hierarchical", sharp, 1, n).time
+        == allreduce_cost("hierarchical", nvlink_free, 1, n).time
+    )
     # Hopper: NCCL's tuner gives CollNet 85 % of the link
     h100 = get_cluster("dgx-h100")
     bw = coeffs(plan_for("hierarchical", with_sharp(h100, True), k, n), h100)[IDX["beta_inter"]]
@@ -93,12 +116,17 @@ def test_sharp_sends_each_byte_once_and_pays_one_latency():
 
 
 def test_sharp_shortens_the_inter_node_part_of_a_sharded_node_step():
-    train = TrainSpec(local_batch=2, algorithm="tree", optimizer="sharded-node", overlap=False, bucket_mb=1e4)
+    train = TrainSpec(
+        local_batch=2, algorithm="tree", optimizer="sharded-node", overlap=False, bucket_mb=1e4
+    )
     off = reduce_time("sharded-node", "tree", A100, 512, 670e6)
     on = reduce_time("sharded-node", "tree", with_sharp(A100, True), 512, 670e6)
     intra = reduce_time("sharded-node", "tree", A100, 1, 670e6)
     assert (on - intra) < 0.55 * (off - intra)  # ~1x instead of 2x the bytes through each NIC
-    assert step_time(BERT, train, with_sharp(A100, True), 512).step < step_time(BERT, train, A100, 512).step
+    assert (
+        step_time(BERT, train, with_sharp(A100, True), 512).step
+        < step_time(BERT, train, A100, 512).step
+    )
 
 
 @pytest.mark.parametrize("run", REFERENCES[1:], ids=lambda r: r.key)
@@ -136,22 +164,33 @@ def test_c_holds_with_both_omissions_fixed():
 
 def test_mlperf_log_summary(tmp_path):
     """The way the references were read, on MLLOG lines in the submission format."""
+
     def log(i: int, seconds: float, samples: int) -> str:
         t0 = 1_000_000 + i
-        ev = [("global_batch_size", 100, t0, {}), ("run_start", None, t0, {}),
-              ("eval_accuracy", 0.5, t0 + 10, {"epoch_num": 400}), ("train_samples", samples, t0 + 20, {}),
-              ("run_stop", None, t0 + int(seconds * 1e3), {"status": "success"})]
-        lines = ['garbage', ':::MLLOG {"key": "cut']
+        ev = [
+            ("global_batch_size", 100, t0, {}),
+            ("run_start", None, t0, {}),
+            ("eval_accuracy", 0.5, t0 + 10, {"epoch_num": 400}),
+            ("train_samples", samples, t0 + 20, {}),
+            ("run_stop", None, t0 + int(seconds * 1e3), {"status": "success"}),
+        ]
+        lines = ["garbage", ':::MLLOG {"key": "cut']
         for k, v, t, md in ev:
-            lines.append(":::MLLOG " + json.dumps({"key": k, "value": v, "time_ms": t, "metadata": md}))
+            lines.append(
+                ":::MLLOG " + json.dumps({"key": k, "value": v, "time_ms": t, "metadata": md})
+            )
         return "\n".join(lines)
 
-    for i, (sec, samples) in enumerate([(10, 1000), (12, 1000), (20, 1200), (11, 1000), (30, 1000)]):
+    for i, (sec, samples) in enumerate(
+        [(10, 1000), (12, 1000), (20, 1200), (11, 1000), (30, 1000)]
+    ):
         (tmp_path / f"result_{i}.txt").write_text(log(i, sec, samples))
     (tmp_path / "result_9.txt").write_text(log(9, 5, 1000).replace('"success"', '"aborted"'))
     s = summarize_results([tmp_path])
     assert (s.runs, s.global_batch, s.steps, s.evals) == (5, 100, 10, 1)
-    assert s.per_step_ms == pytest.approx(1200)  # median of 1000, 1100, 1200, 1667, 3000 ms and s.ttt_min == pytest.approx((11 + 12 + 20) / 3 / 60)
+    assert (
+        s.per_step_ms == pytest.approx(1200)
+    )  # median of 1000, 1100, 1200, 1667, 3000 ms and s.ttt_min == pytest.approx((11 + 12 + 20) / 3 / 60)
     with pytest.raises(ConfigError, match="no MLPerf result files"):
         summarize_results([tmp_path / "nope"])
 
@@ -163,19 +202,38 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     assert run.train.local_batch == cfg.train.global_batch / 2048
     assert run.model.params == bert_params() == 336_226_108  # scaleout.models.bert counts the same
     assert run.model.grad_bytes == (4 if cfg.comm.compression == "none" else 2)
-    sharded = from_config(load_config("bert_large_256x8", ["optim.sharded=true", "optim.overlap_comm=true"]))
+    sharded = from_config(
+        load_config("bert_large_256x8", ["optim.sharded=true", "optim.overlap_comm=true"])
+    )
     assert sharded.train.optimizer == "sharded" and sharded.train.overlap
-    assert (sharded.model.grad_bytes, sharded.model.param_bytes) == (4, 4)  # ShardedLAMB's fp32 buffer
-    assert optimizer_time(sharded.model, A100, 2048) == pytest.approx(optimizer_time(run.model, A100) / 2048)
+    assert (sharded.model.grad_bytes, sharded.model.param_bytes) == (
+        4,
+        4,
+    )  # ShardedLAMB's fp32 buffer
+    assert optimizer_time(sharded.model, A100, 2048) == pytest.approx(
+        optimizer_time(run.model, A100) / 2048
+    )
     # packed: global_batch counts rows of ~2.0013 Wikipedia sequences, so 2 rows per GPU = 4 sequences
-    rows = from_config(load_config("bert_large_256x8", ["train.global_batch=4096", "data.packing=lphp"]))
+    rows = from_config(
+        load_config("bert_large_256x8", ["train.global_batch=4096", "data.packing=lphp"])
+    )
     assert rows.train.local_batch == 2
     assert 2 * rows.model.flops_per_sample == pytest.approx(4 * BERT.flops_per_sample, rel=1e-3)
 
 
 def test_cli_scale_from_config_with_sharp(capsys):
-    args = ["simulate", "scale", "--config", "bert_large_256x8", "--min-gpus", "2048", "--max-gpus", "2048",
-            "--out", ""]
+    args = [
+        "simulate",
+        "scale",
+        "--config",
+        "bert_large_256x8",
+        "--min-gpus",
+        "2048",
+        "--max-gpus",
+        "2048",
+        "--out",
+        "",
+    ]
     assert main(args + ["--optimizer", "sharded-node", "--sharp"]) == 0
     out = capsys.readouterr().out
     assert "+ SHARP" in out and "optimizer sharded-node" in out and "| 2048 | 256 " in out
@@ -199,9 +257,14 @@ def test_bad_input_is_one_line(call, needle):
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("args, needle", [(["--optimizer", "zero3"], "zero3"),
-                                          (["--cluster", "netns-1g", "--sharp"], "netns-1g"),
-                                          (["optim.sharded=true"], "need --config")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--optimizer", "zero3"], "zero3"),
+        (["--cluster", "netns-1g", "--sharp"], "netns-1g"),
+        (["optim.sharded=true"], "need --config"),
+    ],
+)
 def test_cli_bad_option_exits_2_with_one_line(args, needle, capsys):
     assert main(["simulate", "scale", "--out", ""] + args) == 2
     err = capsys.readouterr().err.strip()

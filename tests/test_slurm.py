@@ -24,8 +24,18 @@ TRAIN = "tests/scripts/tiny_train.py"
 
 
 NODELISTS = [
-    "n1", "n[1-4]", "gpu[001-004,007]", "rack[1-2]-n[01-02]", "a,b[1-3],c-d", "node[9-11]", "x[08-10]",
-    "dgx[1,3]-gpu[0-1]", "h[0-2],g[10-11]", "n[01-3]", "n[007]", "c[1-2,5-6],d",
+    "n1",
+    "n[1-4]",
+    "gpu[001-004,007]",
+    "rack[1-2]-n[01-02]",
+    "a,b[1-3],c-d",
+    "node[9-11]",
+    "x[08-10]",
+    "dgx[1,3]-gpu[0-1]",
+    "h[0-2],g[10-11]",
+    "n[01-3]",
+    "n[007]",
+    "c[1-2,5-6],d",
 ]
 
 
@@ -35,16 +45,25 @@ def test_nodelist_matches_scontrol(slurm_cluster):
         assert expand_nodelist(nodelist) == want, nodelist
     # Both refuse a descending range. (Slurm 22.05 also refuses text after the last bracket, 'n[1-2]x',
     # which our parser accepts: a leniency on input Slurm never produces.)
-    assert "Invalid hostlist" in slurm_cluster.run(["scontrol", "show", "hostnames", "n[10-8]"], check=False).stderr
+    assert (
+        "Invalid hostlist"
+        in slurm_cluster.run(["scontrol", "show", "hostnames", "n[10-8]"], check=False).stderr
+    )
     with pytest.raises(NodelistError, match="descending"):
         expand_nodelist("n[10-8]")
 
 
 def test_production_scripts_shrink_on_the_command_line(slurm_cluster):
     """The 256-node headers are accepted on the 4-node cluster once -N/--ntasks-per-node override them."""
-    for script, extra in [("slurm/bert_256node.sh", []), ("slurm/resnet50_128node.sh", []),
-                          ("slurm/scaling_sweep.sh", ["--array=0-1"])]:
-        p = slurm_cluster.run(["sbatch", "--test-only", "-N", "2", "--ntasks-per-node", "2", *extra, script], check=False)
+    for script, extra in [
+        ("slurm/bert_256node.sh", []),
+        ("slurm/resnet50_128node.sh", []),
+        ("slurm/scaling_sweep.sh", ["--array=0-1"]),
+    ]:
+        p = slurm_cluster.run(
+            ["sbatch", "--test-only", "-N", "2", "--ntasks-per-node", "2", *extra, script],
+            check=False,
+        )
         assert p.returncode == 0 and "to start at" in p.stderr, (script, p.stderr)
     # ... and without the override the real size is refused here: proof the header asks for 256 nodes.
     p = slurm_cluster.run(["sbatch", "--test-only", "slurm/bert_256node.sh"], check=False)
@@ -52,34 +71,81 @@ def test_production_scripts_shrink_on_the_command_line(slurm_cluster):
 
 
 def _worlds(text: str) -> list[dict]:
-    return sorted((json.loads(ln.split("WORLD ", 1)[1]) for ln in text.splitlines() if "WORLD " in ln),
-                  key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(ln.split("WORLD ", 1)[1]) for ln in text.splitlines() if "WORLD " in ln),
+        key=lambda r: r["rank"],
+    )
 
 
 def test_srun_environment_maps_to_world(slurm_cluster, tmp_path):
     """SLURM_* of srun tasks -> World on 2x2, 4x1 and an uneven 3-over-2 step; the batch script is not a rank."""
     jobs = {
-        "2x2": slurm_cluster.sbatch(["-N2", "--ntasks-per-node=2", "-o", f"{tmp_path}/2x2.out",
-                                     "tests/scripts/batch_env.sh"]),
-        "4x1": slurm_cluster.sbatch(["-N4", "--ntasks-per-node=1", "-o", f"{tmp_path}/4x1.out",
-                                     "--wrap", "srun python3 tests/scripts/world_report.py"]),
-        "3on2": slurm_cluster.sbatch(["-N2", "-n3", "-o", f"{tmp_path}/3on2.out",
-                                      "--wrap", "srun python3 tests/scripts/world_report.py"]),
+        "2x2": slurm_cluster.sbatch(
+            [
+                "-N2",
+                "--ntasks-per-node=2",
+                "-o",
+                f"{tmp_path}/2x2.out",
+                "tests/scripts/batch_env.sh",
+            ]
+        ),
+        "4x1": slurm_cluster.sbatch(
+            [
+                "-N4",
+                "--ntasks-per-node=1",
+                "-o",
+                f"{tmp_path}/4x1.out",
+                "--wrap",
+                "srun python3 tests/scripts/world_report.py",
+            ]
+        ),
+        "3on2": slurm_cluster.sbatch(
+            [
+                "-N2",
+                "-n3",
+                "-o",
+                f"{tmp_path}/3on2.out",
+                "--wrap",
+                "srun python3 tests/scripts/world_report.py",
+            ]
+        ),
     }
     for name, job in jobs.items():
-        assert slurm_cluster.wait(job, timeout_s=300) == "COMPLETED", (name, (tmp_path / f"{name}.out").read_text())
+        assert slurm_cluster.wait(job, timeout_s=300) == "COMPLETED", (
+            name,
+            (tmp_path / f"{name}.out").read_text(),
+        )
     out = (tmp_path / "2x2.out").read_text()
-    assert "BATCH step_id=unset procid=0 env=single" in out, out  # SLURM_PROCID alone is not an srun task
+    assert "BATCH step_id=unset procid=0 env=single" in out, (
+        out
+    )  # SLURM_PROCID alone is not an srun task
     w = _worlds(out)
-    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in w] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-    assert all(r["launcher"] == "slurm" and r["num_nodes"] == 2 and r["world_size"] == 4 and r["allreduce_ok"] for r in w)
-    assert {r["master_addr"] for r in w} == {"n1"}  # first host of the nodelist; resolves via /etc/hosts
+    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in w] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert all(
+        r["launcher"] == "slurm"
+        and r["num_nodes"] == 2
+        and r["world_size"] == 4
+        and r["allreduce_ok"]
+        for r in w
+    )
+    assert {r["master_addr"] for r in w} == {
+        "n1"
+    }  # first host of the nodelist; resolves via /etc/hosts
     assert [r["slurmd_nodename"] for r in w] == ["n1", "n1", "n2", "n2"]
     assert w[0]["ranks_per_node"] == [[0, 1], [2, 3]]
 
     w = _worlds((tmp_path / "4x1.out").read_text())
     assert [(r["node_rank"], r["local_size"], r["slurmd_nodename"]) for r in w] == [
-        (0, 1, "n1"), (1, 1, "n2"), (2, 1, "n3"), (3, 1, "n4")]
+        (0, 1, "n1"),
+        (1, 1, "n2"),
+        (2, 1, "n3"),
+        (3, 1, "n4"),
+    ]
     assert all(r["num_nodes"] == 4 and r["allreduce_ok"] for r in w)
 
     w = _worlds((tmp_path / "3on2.out").read_text())  # SLURM_TASKS_PER_NODE=2,1
@@ -116,7 +182,10 @@ def test_preempt_signals_and_requeue_outside_slurm():
     from scaleout import preempt
     from scaleout.errors import UserError
 
-    assert preempt.signal_from_name("usr2") is signal.SIGUSR2 and preempt.signal_from_name("SIGTERM") is signal.SIGTERM
+    assert (
+        preempt.signal_from_name("usr2") is signal.SIGUSR2
+        and preempt.signal_from_name("SIGTERM") is signal.SIGTERM
+    )
     with pytest.raises(UserError, match="'USR9'.*expected a signal name"):
         preempt.signal_from_name("USR9")
     with pytest.raises(UserError, match="both a notice and a terminate"):
@@ -126,7 +195,9 @@ def test_preempt_signals_and_requeue_outside_slurm():
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.terminating and guard.should_stop(None) and not guard.wants_requeue
     assert signal.getsignal(signal.SIGTERM) == prev  # handlers restored
-    with preempt.install(notice="USR1") as guard:  # a notice, then the time limit's SIGTERM: still requeue
+    with preempt.install(
+        notice="USR1"
+    ) as guard:  # a notice, then the time limit's SIGTERM: still requeue
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.terminating and guard.wants_requeue
@@ -135,8 +206,20 @@ def test_preempt_signals_and_requeue_outside_slurm():
 
 def _train_job(cluster, tmp: Path, name: str, steps: int) -> int:
     cmd = f"srun python3 {TRAIN} --ckpt {tmp}/{name}-ckpt --out {tmp}/{name}.pt --steps {steps} --step-sleep 0.15"
-    return cluster.sbatch(["-N2", "--ntasks-per-node=1", "--requeue", "--open-mode=append", "-J", name,
-                           "-o", f"{tmp}/{name}.out", "--wrap", cmd])
+    return cluster.sbatch(
+        [
+            "-N2",
+            "--ntasks-per-node=1",
+            "--requeue",
+            "--open-mode=append",
+            "-J",
+            name,
+            "-o",
+            f"{tmp}/{name}.out",
+            "--wrap",
+            cmd,
+        ]
+    )
 
 
 def test_preemption_requeue_resumes_to_identical_weights(slurm_cluster, tmp_path):
@@ -148,9 +231,31 @@ def test_preemption_requeue_resumes_to_identical_weights(slurm_cluster, tmp_path
     usr2 = _train_job(slurm_cluster, tmp_path, "usr2", steps)
     term = _train_job(slurm_cluster, tmp_path, "term", steps)
     ref = subprocess.Popen(
-        [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "1", "--",
-         "python", TRAIN, "--ckpt", f"{tmp_path}/ref-ckpt", "--out", f"{tmp_path}/ref.pt", "--steps", str(steps)],
-        cwd=REPO, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--",
+            "python",
+            TRAIN,
+            "--ckpt",
+            f"{tmp_path}/ref-ckpt",
+            "--out",
+            f"{tmp_path}/ref.pt",
+            "--steps",
+            str(steps),
+        ],
+        cwd=REPO,
+        env=slurm_cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     wait_for_text(tmp_path / "usr2.out", r"step 6 ", timeout_s=300)
     slurm_cluster.run(["scancel", "--signal=USR2", str(usr2)])
@@ -159,7 +264,9 @@ def test_preemption_requeue_resumes_to_identical_weights(slurm_cluster, tmp_path
     for job in (usr2, term):
         slurm_cluster.release_requeued(job, restart=1)
     for job, name in ((usr2, "usr2"), (term, "term")):
-        assert slurm_cluster.wait(job, timeout_s=300) == "COMPLETED", (tmp_path / f"{name}.out").read_text()
+        assert slurm_cluster.wait(job, timeout_s=300) == "COMPLETED", (
+            tmp_path / f"{name}.out"
+        ).read_text()
     ref_out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, ref_out
 
@@ -174,14 +281,24 @@ def test_preemption_requeue_resumes_to_identical_weights(slurm_cluster, tmp_path
         assert f"done {steps} steps" in log
         final = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         for key, value in reference.items():
-            assert torch.equal(final[key], value), f"{name}: {key} differs from the uninterrupted run"
+            assert torch.equal(final[key], value), (
+                f"{name}: {key} differs from the uninterrupted run"
+            )
     assert slurm_cluster.info(usr2).get("Restarts") == "1"
 
 
 def test_scancel_leaves_no_process(slurm_cluster, tmp_path):
     tag = f"scaleout-scancel-{uuid.uuid4().hex[:8]}"
-    job = slurm_cluster.sbatch(["-N2", "--ntasks-per-node=2", "-o", f"{tmp_path}/c.out", "--wrap",
-                                f"srun python3 -c 'import time; time.sleep(300)' {tag}"])
+    job = slurm_cluster.sbatch(
+        [
+            "-N2",
+            "--ntasks-per-node=2",
+            "-o",
+            f"{tmp_path}/c.out",
+            "--wrap",
+            f"srun python3 -c 'import time; time.sleep(300)' {tag}",
+        ]
+    )
 
     def count() -> int:
         p = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True)
@@ -202,36 +319,84 @@ def test_scancel_leaves_no_process(slurm_cluster, tmp_path):
 def test_submitit_job_on_two_nodes(slurm_cluster, tmp_path):
     """`scaleout submit` through submitit on the real cluster: 2 nodes x 2 tasks (GPUs emulated by the local
     cluster's gres), job id printed, rank 0's log followed, result collected from every task."""
-    p = slurm_cluster.run([sys.executable, "-m", "scaleout", "submit", "--command", "smoke --numel 1000", "--nodes", "2",
-                           "--gpus-per-node", "2", "--time", "5", "--folder", f"{tmp_path}/%j"], timeout_s=240, check=False)
+    p = slurm_cluster.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "submit",
+            "--command",
+            "smoke --numel 1000",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--time",
+            "5",
+            "--folder",
+            f"{tmp_path}/%j",
+        ],
+        timeout_s=240,
+        check=False,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert re.search(r"submitted slurm job \d+: 2 node\(s\) x 2 task\(s\)", out), out
-    assert "launcher environment : slurm" in out and "4 ranks on 2 nodes, ranks per node [2, 2]" in out
+    assert (
+        "launcher environment : slurm" in out and "4 ranks on 2 nodes, ranks per node [2, 2]" in out
+    )
     assert re.search(r"job \d+: completed", out), out
 
 
 def test_submit_rejects_bad_input(slurm_cluster):
-    p = slurm_cluster.run([sys.executable, "-m", "scaleout", "submit", "configs/x.yaml", "--nodes", "0"], check=False)
+    p = slurm_cluster.run(
+        [sys.executable, "-m", "scaleout", "submit", "configs/x.yaml", "--nodes", "0"], check=False
+    )
     assert p.returncode == 2 and "--nodes=0: expected an integer >= 1" in p.stderr
-    p = slurm_cluster.run([sys.executable, "-m", "scaleout", "submit", "c.yaml", "--array", "optim.lr"], check=False)
+    p = slurm_cluster.run(
+        [sys.executable, "-m", "scaleout", "submit", "c.yaml", "--array", "optim.lr"], check=False
+    )
     assert p.returncode == 2 and "--array 'optim.lr': expected KEY=V1,V2" in p.stderr
 
 
 def _flatten(prefix: str, obj) -> list[str]:
     if isinstance(obj, dict):
         return [s for k, v in obj.items() for s in _flatten(f"{prefix}{k}.", v)]
-    value = json.dumps(obj) if isinstance(obj, (list, tuple)) else ("null" if obj is None else str(obj))
+    value = (
+        json.dumps(obj) if isinstance(obj, (list, tuple)) else ("null" if obj is None else str(obj))
+    )
     return [f"{prefix[:-1]}={value}"]
 
 
 def test_submitit_local_executor_without_slurm(tmp_path):
     """--cluster local: submitit's local executor, its SUBMITIT_LOCAL_* variables mapped to scaleout's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMIX_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SCALEOUT_", "OMPI_", "PMIX_"))
+    }
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "scaleout", "submit", "--cluster", "local", "--command",
-                        "smoke --numel 1000", "--gpus-per-node", "2", "--folder", f"{tmp_path}/%j"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "submit",
+            "--cluster",
+            "local",
+            "--command",
+            "smoke --numel 1000",
+            "--gpus-per-node",
+            "2",
+            "--folder",
+            f"{tmp_path}/%j",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "submitted local job" in out and "launcher environment : local" in out
@@ -246,13 +411,17 @@ def test_time_limit_reached_when_slurmctld_does_not_answer(tmp_path, monkeypatch
     from scaleout import preempt
 
     fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2\nexit 1\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=2) is True
     fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=TIMEOUT Reason=TimeLimit'\n")
     assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is True
-    fake.write_text("#!/bin/sh\necho 'JobId=5 JobState=RUNNING RunTime=00:00:10 TimeLimit=00:05:00'\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'JobId=5 JobState=RUNNING RunTime=00:00:10 TimeLimit=00:05:00'\n"
+    )
     assert preempt.time_limit_reached({"SLURM_JOB_ID": "5"}, tries=1) is False  # a scancel mid-run
 
 
@@ -260,8 +429,9 @@ def test_time_limit_reached_reads_the_job(slurm_cluster, tmp_path, monkeypatch):
     """preempt.time_limit_reached on a live job (RunTime < TimeLimit) and Slurm's duration formats."""
     from scaleout import preempt
 
-    assert [preempt._slurm_seconds(t) for t in ("00:01:30", "1-02:00:00", "2", "05:07", "UNLIMITED", "")] == [
-        90, 93600, 120, 307, None, None]
+    assert [
+        preempt._slurm_seconds(t) for t in ("00:01:30", "1-02:00:00", "2", "05:07", "UNLIMITED", "")
+    ] == [90, 93600, 120, 307, None, None]
     job = slurm_cluster.sbatch(["-N1", "--time=5", "-o", f"{tmp_path}/s.out", "--wrap", "sleep 60"])
     try:
         slurm_cluster.wait(job, timeout_s=60, states={"RUNNING"})

@@ -26,7 +26,9 @@ START, STOP, COMMON = str(HERE / "start.sh"), str(HERE / "stop.sh"), str(HERE / 
 MARKER = ".scaleout-slurm-state"
 
 
-def _run(script: str, state: Path, *args: str, hosts: Path | None = None) -> subprocess.CompletedProcess:
+def _run(
+    script: str, state: Path, *args: str, hosts: Path | None = None
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "SCALEOUT_SLURM_STATE": str(state),
@@ -49,7 +51,9 @@ def _make(tmp_path: Path, kind: str) -> Path:
     elif kind == "symlink":
         (base / "real").mkdir()
         state.symlink_to(base / "real")
-    elif kind == "foreign":  # root's, safe mode, but somebody's data: no marker, not an earlier state
+    elif (
+        kind == "foreign"
+    ):  # root's, safe mode, but somebody's data: no marker, not an earlier state
         (state / "spool").mkdir(parents=True)
         (state / "important.db").write_text("keep me")
     elif kind == "parent-not-sticky":
@@ -68,7 +72,9 @@ def _make(tmp_path: Path, kind: str) -> Path:
         ("parent-not-sticky", "world-writable without the sticky bit"),
     ],
 )
-def test_start_refuses_unsafe_state_folder_before_anything(tmp_path: Path, kind: str, message: str) -> None:
+def test_start_refuses_unsafe_state_folder_before_anything(
+    tmp_path: Path, kind: str, message: str
+) -> None:
     state = _make(tmp_path, kind)
     before = sorted(p.name for p in state.iterdir()) if state.is_dir() else None
     r = _run(START, state, "--no-install", "--no-dbd")
@@ -88,7 +94,11 @@ def test_stop_and_wipe_refuse_a_folder_without_marker(tmp_path: Path) -> None:
     try:
         (state / "run" / "slurmd-n1.pid").write_text(str(sleeper.pid))
         r = _run(STOP, state, "--wipe")
-        assert r.returncode == 2 and f"has no {MARKER}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert (
+            r.returncode == 2
+            and f"has no {MARKER}" in r.stderr
+            and len(r.stderr.strip().splitlines()) == 1
+        )
         assert (state / "important.db").read_text() == "keep me" and (state / "spool").is_dir()
         assert sleeper.poll() is None
         with pytest.raises(UserError, match=f"has no {MARKER}"):
@@ -129,14 +139,18 @@ def test_stop_signals_only_this_folders_daemons(tmp_path: Path) -> None:
             time.sleep(0.05)
         for name, p in procs.items():
             (state / "run" / name).write_text(f"{p.pid}\n")
-        assert _alive(state / "run" / "slurmd-n1.pid", "slurmd") is None  # status agrees: a sleep is no slurmd
+        assert (
+            _alive(state / "run" / "slurmd-n1.pid", "slurmd") is None
+        )  # status agrees: a sleep is no slurmd
         hosts = base / "hosts"
         r = _run(STOP, state, "--wipe", hosts=hosts)
         assert r.returncode == 0, r.stderr
         assert procs["slurmd-n1.pid"].poll() is None and procs["slurmctld.pid"].poll() is None
         assert procs["munge/munged.pid"].wait(timeout=30) == -signal.SIGTERM
         assert "names pid" in r.stdout and "left alone" in r.stdout
-        assert sorted(p.name for p in state.iterdir()) == sorted([".lock", MARKER, "bin", "etc", "munge"])
+        assert sorted(p.name for p in state.iterdir()) == sorted(
+            [".lock", MARKER, "bin", "etc", "munge"]
+        )
     finally:
         for p in procs.values():
             p.kill()

@@ -21,7 +21,12 @@ from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_opt
 from scaleout.launchers.sweep import SlurmRunner, _finished, make_runner
 from scaleout.sweep import SweepPoint
 
-TINY = ["model.resnet.bn_group=1", "model.resnet.width=4", "model.resnet.image_size=16", "data.eval_samples=16"]
+TINY = [
+    "model.resnet.bn_group=1",
+    "model.resnet.width=4",
+    "model.resnet.image_size=16",
+    "data.eval_samples=16",
+]
 SHORT_SWEEP = ["--steps", "2", "--warmup", "1", "--per-rank-batch", "4", "--no-png"]
 OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type=END"]
 
@@ -29,10 +34,24 @@ OPTS = ["account=proj", "qos=high", "--constraint=a100", "exclusive", "mail_type
 @pytest.mark.unit
 def test_parse_slurm_options() -> None:
     got = parse_slurm_options(OPTS)
-    assert got == {"account": "proj", "qos": "high", "constraint": "a100", "exclusive": True, "mail_type": "END"}
-    assert sbatch_flags(got) == ["--account=proj", "--qos=high", "--constraint=a100", "--exclusive", "--mail-type=END"]
+    assert got == {
+        "account": "proj",
+        "qos": "high",
+        "constraint": "a100",
+        "exclusive": True,
+        "mail_type": "END",
+    }
+    assert sbatch_flags(got) == [
+        "--account=proj",
+        "--qos=high",
+        "--constraint=a100",
+        "--exclusive",
+        "--mail-type=END",
+    ]
     for bad in ("=x", "acc ount=x", "account=", "9x=1"):
-        with pytest.raises(UserError, match=re.escape(f"--slurm {bad!r}: expected KEY=VALUE or KEY")):
+        with pytest.raises(
+            UserError, match=re.escape(f"--slurm {bad!r}: expected KEY=VALUE or KEY")
+        ):
             parse_slurm_options([bad])
 
 
@@ -51,21 +70,32 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
     ]
     with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
         make_runner("local", slurm={"account": "proj"})
-    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log")
-    assert "--gpus-per-node=2" in gpu and not any("gpus-per-task" in a for a in gpu)  # every rank sees its node's GPUs
+    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(
+        SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log"
+    )
+    assert "--gpus-per-node=2" in gpu and not any(
+        "gpus-per-task" in a for a in gpu
+    )  # every rank sees its node's GPUs
 
 
 @pytest.mark.slurm
-def test_submitit_script_carries_the_options(slurm_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submitit_script_carries_the_options(
+    slurm_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The #SBATCH lines submitit would submit (sbatch of the local cluster on PATH, nothing submitted)."""
     import submitit
 
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
     spec = SubmitSpec(
-        argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), extra_slurm=parse_slurm_options(OPTS)
+        argv=["smoke"],
+        cluster="slurm",
+        folder=str(tmp_path / "%j"),
+        extra_slurm=parse_slurm_options(OPTS),
     )
     ex = make_executor(spec)
-    script = submitit.slurm.slurm._make_sbatch_string(command="true", folder=str(tmp_path), **ex.parameters)
+    script = submitit.slurm.slurm._make_sbatch_string(
+        command="true", folder=str(tmp_path), **ex.parameters
+    )
     for line in (
         "#SBATCH --account=proj",
         "#SBATCH --qos=high",
@@ -75,10 +105,18 @@ def test_submitit_script_carries_the_options(slurm_cluster, tmp_path: Path, monk
         "#SBATCH --requeue",
     ):
         assert line in script.splitlines(), script
-    gpu = make_executor(SubmitSpec(argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), gpus_per_node=8))
-    gpu_script = submitit.slurm.slurm._make_sbatch_string(command="true", folder=str(tmp_path), **gpu.parameters)
-    assert "#SBATCH --gpus-per-node=8" in gpu_script.splitlines() and "gpus-per-task" not in gpu_script, gpu_script
-    with pytest.raises(UserError, match="sbatch options, but this job runs on submitit's local executor"):
+    gpu = make_executor(
+        SubmitSpec(argv=["smoke"], cluster="slurm", folder=str(tmp_path / "%j"), gpus_per_node=8)
+    )
+    gpu_script = submitit.slurm.slurm._make_sbatch_string(
+        command="true", folder=str(tmp_path), **gpu.parameters
+    )
+    assert (
+        "#SBATCH --gpus-per-node=8" in gpu_script.splitlines() and "gpus-per-task" not in gpu_script
+    ), gpu_script
+    with pytest.raises(
+        UserError, match="sbatch options, but this job runs on submitit's local executor"
+    ):
         make_executor(SubmitSpec(argv=["smoke"], cluster="local", extra_slurm={"qos": "high"}))
 
 
@@ -175,7 +213,9 @@ def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.Captu
     first = json.loads((out / "sweep.json").read_text())["points"]
     log1 = out / "points" / "w001-1x1" / "launch.log"
     stamp = log1.stat().st_mtime_ns
-    (out / "points" / "w002-2x1" / "report.json").unlink()  # as if the sweep had stopped during world 2
+    (
+        out / "points" / "w002-2x1" / "report.json"
+    ).unlink()  # as if the sweep had stopped during world 2
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0
     text = capsys.readouterr().out

@@ -26,7 +26,14 @@ def _members(world, group) -> list[int]:
 
 def _observe(world, extra_grids):
     out = {
-        "id": (world.rank, world.local_rank, world.node_rank, world.num_nodes, world.local_size, world.world_size),
+        "id": (
+            world.rank,
+            world.local_rank,
+            world.node_rank,
+            world.num_nodes,
+            world.local_size,
+            world.world_size,
+        ),
         "launcher": world.launcher,
         "device": str(world.device),
         "backend": world.backend,
@@ -49,7 +56,9 @@ def _observe(world, extra_grids):
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize(("nnodes", "nproc", "grids"), [(2, 2, [(4, 1), (1, 4)]), (3, 2, [(3, 2)]), (2, 4, [(2, 4)])])
+@pytest.mark.parametrize(
+    ("nnodes", "nproc", "grids"), [(2, 2, [(4, 1), (1, 4)]), (3, 2, [(3, 2)]), (2, 4, [(2, 4)])]
+)
 def test_groups_membership(nnodes: int, nproc: int, grids) -> None:
     res = run_dist(_observe, nnodes, nproc, args=(grids,), timeout=180)
     p = nnodes * nproc
@@ -71,7 +80,9 @@ def test_groups_membership(nnodes: int, nproc: int, grids) -> None:
 
 
 def _fake_world(node_of: tuple[int, ...]) -> World:
-    spec = WorldSpec(0, 0, 0, len(set(node_of)), node_of.count(0), len(node_of), "127.0.0.1", 1, "test")
+    spec = WorldSpec(
+        0, 0, 0, len(set(node_of)), node_of.count(0), len(node_of), "127.0.0.1", 1, "test"
+    )
     return World(spec, torch.device("cpu"), "gloo", node_of)
 
 
@@ -80,7 +91,9 @@ def _fake_world(node_of: tuple[int, ...]) -> World:
 def test_unequal_ranks_per_node_rejected(family: str) -> None:
     """No process group is needed: the check runs before any group is created (Slurm '2(x2),1')."""
     world = _fake_world((0, 0, 1, 1, 2))
-    with pytest.raises(TopologyError, match=r"same number of ranks on every node, got ranks per node \[2, 2, 1\]"):
+    with pytest.raises(
+        TopologyError, match=r"same number of ranks on every node, got ranks per node \[2, 2, 1\]"
+    ):
         world.torus() if family == "torus" else getattr(world, family)
 
 
@@ -102,8 +115,13 @@ def _cyclic_torus(world) -> dict:
     x = torch.arange(1000, dtype=torch.float64) * (world.rank + 1)
     flat = all_reduce(x.clone(), world, "flat")
     torus = all_reduce(x.clone(), world, "torus2d")
-    return {"nodes": world.ranks_per_node, "row": _members(world, t.row), "col": _members(world, t.col),
-            "row_ranks": list(t.row_ranks), "equal": bool(torch.equal(flat, torus))}
+    return {
+        "nodes": world.ranks_per_node,
+        "row": _members(world, t.row),
+        "col": _members(world, t.col),
+        "row_ranks": list(t.row_ranks),
+        "equal": bool(torch.equal(flat, torus)),
+    }
 
 
 @pytest.mark.multi_process
@@ -116,8 +134,12 @@ def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
         assert r["nodes"] == [[0, 2], [1, 3]]
         node = [n for n in r["nodes"] if rank in n][0]
         assert r["row"] == node and r["row_ranks"] == node
-        assert r["col"] == sorted(n[node.index(rank)] for n in r["nodes"])  # same position on every node
-        assert r["equal"]  # torus2d on the node-shaped grid = flat, bit for bit (integer-valued data)
+        assert r["col"] == sorted(
+            n[node.index(rank)] for n in r["nodes"]
+        )  # same position on every node
+        assert r[
+            "equal"
+        ]  # torus2d on the node-shaped grid = flat, bit for bit (integer-valued data)
 
 
 @pytest.mark.full_system
@@ -130,9 +152,16 @@ def test_launch_master_port_sets_the_rendezvous_port() -> None:
     from scaleout.env import free_port
 
     port = free_port()
-    code = ("import scaleout; from scaleout.config import load_config; "
-            f"w = scaleout.init(load_config(None, ['launch.env=single', 'launch.master_port={port}'])); "
-            "print(w.master_port); w.close()")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if not k.startswith(("SCALEOUT_", "MASTER_"))})
+    code = (
+        "import scaleout; from scaleout.config import load_config; "
+        f"w = scaleout.init(load_config(None, ['launch.env=single', 'launch.master_port={port}'])); "
+        "print(w.master_port); w.close()"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SCALEOUT_", "MASTER_"))},
+    )
     assert r.returncode == 0 and r.stdout.strip() == str(port), r.stdout + r.stderr

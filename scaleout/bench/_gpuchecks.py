@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 MFU_MIN = 0.30
 OPT_RATIO_MAX = 1.5
 BUSBW_FRACTION_MIN = 0.5
-BERT_LARGE = dict(vocab_size=30522, hidden=1024, layers=24, heads=16, intermediate=4096, max_position=512)
+BERT_LARGE = dict(
+    vocab_size=30522, hidden=1024, layers=24, heads=16, intermediate=4096, max_position=512
+)
 
 Row = tuple[str, str, str, str]
 
@@ -45,7 +47,9 @@ def _timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, device: str = "
     return statistics.median(times)
 
 
-def packed_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, device: str = "cuda") -> dict[str, torch.Tensor]:
+def packed_batch(
+    rows: int, seq_len: int, vocab: int, seed: int = 0, device: str = "cuda"
+) -> dict[str, torch.Tensor]:
     """Packed rows of two sequences each (lengths ~60 % / ~40 % of the row), as the packed data path makes."""
     import numpy as np
 
@@ -56,7 +60,9 @@ def packed_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, device: str
     second = np.minimum(seq_len - first, rng.integers(seq_len // 4, seq_len // 2, rows))
     lengths = np.stack([first, second], 1).reshape(-1)
     seqs = synthetic_sequences(lengths, vocab, seed=seed)
-    batch = build_batch(seqs, [[2 * i, 2 * i + 1] for i in range(rows)], seq_len, max(8, seq_len * 3 // 20), 3)
+    batch = build_batch(
+        seqs, [[2 * i, 2 * i + 1] for i in range(rows)], seq_len, max(8, seq_len * 3 // 20), 3
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -74,7 +80,9 @@ def check_capture(world: World) -> list[Row]:
     from scaleout.train.capture import StepGraphs, data_parallel_step
     from scaleout.train.precision import Precision
 
-    small = dict(vocab_size=8192, hidden=512, layers=4, heads=8, intermediate=2048, max_position=512)
+    small = dict(
+        vocab_size=8192, hidden=512, layers=4, heads=8, intermediate=2048, max_position=512
+    )
     batch = packed_batch(16, 512, small["vocab_size"])
     prec = Precision("bf16", "cuda")
     losses = {}
@@ -85,12 +93,27 @@ def check_capture(world: World) -> list[Row]:
         run = functools.partial(graphs or step, [batch])
         losses[mode] = [float(run()) for _ in range(4)]  # warm-up, capture, replays
         losses[mode + "_s"] = _timed(run, 10, warmup=0)
-    ok = graphs.disabled is None and len(graphs.graphs) == 1 and graphs.graphs[next(iter(graphs.graphs))].replays >= 10
-    same = max(abs(a - b) / abs(b) for a, b in zip(losses["graph"], losses["eager"], strict=True)) < 1e-2
-    number = (f"{'captured' if ok else graphs.disabled}; step {losses['graph_s'] * 1e3:.1f} ms vs eager "
-              f"{losses['eager_s'] * 1e3:.1f} ms; losses {losses['graph'][-1]:.4f} / {losses['eager'][-1]:.4f}")
-    return [("CUDA-graph packed BERT step", "PASS" if ok and same else "FAIL", number,
-             "1 graph, replays, loss = eager (1 %)")]
+    ok = (
+        graphs.disabled is None
+        and len(graphs.graphs) == 1
+        and graphs.graphs[next(iter(graphs.graphs))].replays >= 10
+    )
+    same = (
+        max(abs(a - b) / abs(b) for a, b in zip(losses["graph"], losses["eager"], strict=True))
+        < 1e-2
+    )
+    number = (
+        f"{'captured' if ok else graphs.disabled}; step {losses['graph_s'] * 1e3:.1f} ms vs eager "
+        f"{losses['eager_s'] * 1e3:.1f} ms; losses {losses['graph'][-1]:.4f} / {losses['eager'][-1]:.4f}"
+    )
+    return [
+        (
+            "CUDA-graph packed BERT step",
+            "PASS" if ok and same else "FAIL",
+            number,
+            "1 graph, replays, loss = eager (1 %)",
+        )
+    ]
 
 
 def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
@@ -112,9 +135,14 @@ def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> lis
     err = ((a - b).abs().max() / b.abs().max()).item()
     loss_gap = abs(float(varlen.loss) - float(padded.loss)) / float(padded.loss)
     ok = taken and err < 2e-2 and loss_gap < 1e-2
-    return [("varlen attention = padded (bf16, 4 layers)", "PASS" if ok else "FAIL",
-             f"varlen {'taken' if taken else 'NOT available'}; max rel diff {err:.2e}; loss gap {loss_gap:.2e}",
-             "varlen taken, diff < 2e-2, loss < 1 %")]
+    return [
+        (
+            "varlen attention = padded (bf16, 4 layers)",
+            "PASS" if ok else "FAIL",
+            f"varlen {'taken' if taken else 'NOT available'}; max rel diff {err:.2e}; loss gap {loss_gap:.2e}",
+            "varlen taken, diff < 2e-2, loss < 1 %",
+        )
+    ]
 
 
 def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
@@ -127,19 +155,36 @@ def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) ->
     for p in model.parameters():
         p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
     rows: list[Row] = []
-    pairs = (("lamb", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), "fused AdamW"),
-             ("lars", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True), "fused SGD momentum"))
+    pairs = (
+        ("lamb", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), "fused AdamW"),
+        (
+            "lars",
+            lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+            "fused SGD momentum",
+        ),
+    )
     for name, baseline, label in pairs:
         ours = build_optimizer(model, OptimConfig(name=name, lr=1e-4))
         theirs = baseline(list(model.parameters()))
-        t_ours, t_theirs = _timed(ours.step, 20, device=device), _timed(theirs.step, 20, device=device)
+        t_ours, t_theirs = (
+            _timed(ours.step, 20, device=device),
+            _timed(theirs.step, 20, device=device),
+        )
         ratio = t_ours / t_theirs
-        rows.append((f"{name.upper()} step vs {label} (BERT-large shapes)", "PASS" if ratio <= OPT_RATIO_MAX else "FAIL",
-                     f"{t_ours * 1e3:.2f} ms vs {t_theirs * 1e3:.2f} ms = {ratio:.2f}x", f"<= {OPT_RATIO_MAX}x"))
+        rows.append(
+            (
+                f"{name.upper()} step vs {label} (BERT-large shapes)",
+                "PASS" if ratio <= OPT_RATIO_MAX else "FAIL",
+                f"{t_ours * 1e3:.2f} ms vs {t_theirs * 1e3:.2f} ms = {ratio:.2f}x",
+                f"<= {OPT_RATIO_MAX}x",
+            )
+        )
     return rows
 
 
-def _large_step(model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], device: str) -> tuple[float, int, float]:
+def _large_step(
+    model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], device: str
+) -> tuple[float, int, float]:
     """(seconds per bf16 training step, real tokens, training FLOPs of the step) of packed BERT, LAMB
     included; the FLOPs counted from the batch as the trainer counts them (scaleout.models.bert_flops)."""
     from scaleout.models.bert_flops import batch_flops
@@ -155,12 +200,15 @@ def _large_step(model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], devi
         opt.step()
 
     seconds = _timed(step, 5, device=device)
-    flops = batch_flops(model.cfg, {k: v.cpu() for k, v in batch.items()})  # once, outside the timed steps
+    flops = batch_flops(
+        model.cfg, {k: v.cpu() for k, v in batch.items()}
+    )  # once, outside the timed steps
     return seconds, int((batch["seq_ids"] > 0).sum()), flops
 
 
-def check_bert_large(device: str = "cuda", cfg: dict[str, Any] | None = None, rows: int = 8,
-                     max_rows: int = 1024) -> list[Row]:
+def check_bert_large(
+    device: str = "cuda", cfg: dict[str, Any] | None = None, rows: int = 8, max_rows: int = 1024
+) -> list[Row]:
     """Packed BERT-large (24 layers, seq 512) at the largest batch that fits (doubling from ``rows`` until
     out of memory): tokens/s and MFU."""
     from scaleout.config.schema import OptimConfig
@@ -181,8 +229,14 @@ def check_bert_large(device: str = "cuda", cfg: dict[str, Any] | None = None, ro
                 torch.cuda.empty_cache()
         rows *= 2
     if best is None:
-        return [("packed BERT-large step", "FAIL", f"out of memory at {first} rows x {cfg['max_position']}",
-                 f"fits {first}+ rows")]
+        return [
+            (
+                "packed BERT-large step",
+                "FAIL",
+                f"out of memory at {first} rows x {cfg['max_position']}",
+                f"fits {first}+ rows",
+            )
+        ]
     rows, seconds, tokens, step_flops = best
     flops = step_flops / seconds
     peak = device_peak(device, "bf16")
@@ -191,16 +245,26 @@ def check_bert_large(device: str = "cuda", cfg: dict[str, Any] | None = None, ro
         number = f"{rows} rows: {tokens / seconds:,.0f} tokens/s, {flops / 1e12:.0f} TFLOP/s = {mfu:.1%} of {peak.name} bf16 peak"
         result = "PASS" if mfu >= MFU_MIN else "FAIL"
     else:  # an unknown part: the throughput, MFU unknown
-        number, result = f"{rows} rows: {tokens / seconds:,.0f} tokens/s; MFU unknown ({peak.name}: {peak.source})", "FAIL"
-    return [("packed BERT-large bf16 step (largest batch)", result, number, f"MFU >= {MFU_MIN:.0%}")]
+        number, result = (
+            f"{rows} rows: {tokens / seconds:,.0f} tokens/s; MFU unknown ({peak.name}: {peak.source})",
+            "FAIL",
+        )
+    return [
+        ("packed BERT-large bf16 step (largest batch)", result, number, f"MFU >= {MFU_MIN:.0%}")
+    ]
 
 
 # -- parts that run inside launched ranks ---------------------------------------------------------------
 def rank_world(world: World) -> dict[str, Any]:
     x = torch.ones(1, device=world.device)
     torch.distributed.all_reduce(x)
-    return {"world_size": world.world_size, "backend": world.backend, "device": str(world.device),
-            "sum": float(x.item()), "gpus": torch.cuda.device_count()}
+    return {
+        "world_size": world.world_size,
+        "backend": world.backend,
+        "device": str(world.device),
+        "sum": float(x.item()),
+        "gpus": torch.cuda.device_count(),
+    }
 
 
 def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
@@ -217,6 +281,11 @@ def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
     for alg in ("flat", "hierarchical", "torus2d"):
         got = all_reduce(data.clone(), world, alg)
         buf = data.clone()
-        seconds = _timed(lambda alg=alg, buf=buf: all_reduce(buf, world, alg), 5, device=str(world.device))
-        out[alg] = {"equal": bool(torch.equal(got, ref)), "busbw_gbs": 2 * (p - 1) / p * n * 4 / seconds / 1e9}
+        seconds = _timed(
+            lambda alg=alg, buf=buf: all_reduce(buf, world, alg), 5, device=str(world.device)
+        )
+        out[alg] = {
+            "equal": bool(torch.equal(got, ref)),
+            "busbw_gbs": 2 * (p - 1) / p * n * 4 / seconds / 1e9,
+        }
     return out

@@ -71,7 +71,9 @@ def interleave(
             after_round(r - warmup)
         if say is not None:
             done = f"round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else "")
-            last = ", ".join(f"{k} {v[-1].wall * 1e3:.1f} ms" for k, v in out.items() if v and r >= warmup)
+            last = ", ".join(
+                f"{k} {v[-1].wall * 1e3:.1f} ms" for k, v in out.items() if v and r >= warmup
+            )
             say(f"  {done}" + (f": {last}" if last else ""))
     return out
 
@@ -122,19 +124,29 @@ def compare(samples: Samples, baseline: Hashable) -> list[Row]:
     rows = []
     for name, ts in samples.items():
         wall, cpu = [t.wall for t in ts], [t.cpu for t in ts]
-        rows.append(Row(
-            name=name, median_s=statistics.median(wall), min_s=min(wall), max_s=max(wall),
-            cpu_median_s=statistics.median(cpu),
-            speedup=statistics.median(t.wall for t in base) / max(statistics.median(wall), 1e-12),
-            paired_speedup=paired(base, ts, "wall"), cpu_speedup=paired(base, ts, "cpu"), times_s=wall,
-        ))
+        rows.append(
+            Row(
+                name=name,
+                median_s=statistics.median(wall),
+                min_s=min(wall),
+                max_s=max(wall),
+                cpu_median_s=statistics.median(cpu),
+                speedup=statistics.median(t.wall for t in base)
+                / max(statistics.median(wall), 1e-12),
+                paired_speedup=paired(base, ts, "wall"),
+                cpu_speedup=paired(base, ts, "cpu"),
+                times_s=wall,
+            )
+        )
     return rows
 
 
 def paired(base: Sequence[Timing], other: Sequence[Timing], clock: str = "wall") -> float:
     """The median over rounds of base / other: a ratio of two calls of the same round, so slow drift
     cancels out."""
-    return statistics.median(getattr(b, clock) / max(getattr(o, clock), 1e-12) for b, o in zip(base, other, strict=True))
+    return statistics.median(
+        getattr(b, clock) / max(getattr(o, clock), 1e-12) for b, o in zip(base, other, strict=True)
+    )
 
 
 def sum_rounds(samples: Samples, group: Callable[[Hashable], Hashable]) -> Samples:
@@ -149,27 +161,51 @@ def sum_rounds(samples: Samples, group: Callable[[Hashable], Hashable]) -> Sampl
 
 
 # -- flags --------------------------------------------------------------------------------------------
-def add_standard_arguments(p: argparse.ArgumentParser, name: str, *, repeats: int | None = None,
-                           warmup: int | None = None, png: bool = False, threads: int | None = None) -> None:
+def add_standard_arguments(
+    p: argparse.ArgumentParser,
+    name: str,
+    *,
+    repeats: int | None = None,
+    warmup: int | None = None,
+    png: bool = False,
+    threads: int | None = None,
+) -> None:
     """``--out`` (JSON), and where the benchmark has them: ``--repeats``, ``--warmup``, ``--png``, ``--threads``."""
     if repeats is not None:
-        p.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds; medians reported (default {repeats})")
+        p.add_argument(
+            "--repeats",
+            type=int,
+            default=repeats,
+            help=f"timed rounds; medians reported (default {repeats})",
+        )
     if warmup is not None:
-        p.add_argument("--warmup", type=int, default=warmup, help=f"untimed rounds first (default {warmup})")
+        p.add_argument(
+            "--warmup", type=int, default=warmup, help=f"untimed rounds first (default {warmup})"
+        )
     if threads is not None:
-        p.add_argument("--threads", type=int, default=threads,
-                       help=f"torch threads (default {threads}{': then thread-CPU time is robust to other jobs' if threads == 1 else ''}; "
-                            "0 = torch's default)")
+        p.add_argument(
+            "--threads",
+            type=int,
+            default=threads,
+            help=f"torch threads (default {threads}{': then thread-CPU time is robust to other jobs' if threads == 1 else ''}; "
+            "0 = torch's default)",
+        )
     p.add_argument("--out", default=f"bench-results/{name}.json", help="JSON output ('' = none)")
     if png:
-        p.add_argument("--png", default=f"bench-results/{name}.png", help="PNG ('' = none; needs matplotlib)")
+        p.add_argument(
+            "--png", default=f"bench-results/{name}.png", help="PNG ('' = none; needs matplotlib)"
+        )
 
 
 def check_counts(args: argparse.Namespace, **least: int) -> None:
     """One line naming every flag below its least value (``repeats=1, warmup=0``...)."""
     from scaleout.errors import UserError
 
-    bad = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k, lo in least.items() if getattr(args, k) < lo]
+    bad = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k, lo in least.items()
+        if getattr(args, k) < lo
+    ]
     if bad:
         want = ", ".join(f"--{k.replace('_', '-')} >= {lo}" for k, lo in least.items())
         raise UserError(f"{' '.join(bad)}: expected {want}")
@@ -184,9 +220,17 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 # -- output -------------------------------------------------------------------------------------------
-def emit(args: argparse.Namespace, bench: str, headers: Sequence[str], rows: Sequence[Sequence[Any]],
-         payload: dict[str, Any], *, notes: Sequence[str] = (), plot: Callable[[Any], Any] | None = None,
-         world: World | None = None) -> Path | None:
+def emit(
+    args: argparse.Namespace,
+    bench: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    payload: dict[str, Any],
+    *,
+    notes: Sequence[str] = (),
+    plot: Callable[[Any], Any] | None = None,
+    world: World | None = None,
+) -> Path | None:
     """On rank 0 (or without ranks): the table and ``notes`` on stdout, ``payload`` as JSON at ``--out``
     (with the machine, the command and ``bench``), and ``plot(plt) -> figure`` as PNG at ``--png``."""
     if world is not None and world.rank != 0:
@@ -194,8 +238,10 @@ def emit(args: argparse.Namespace, bench: str, headers: Sequence[str], rows: Seq
     print(format_table(headers, rows), flush=True)
     for line in notes:
         print(line, flush=True)
-    path = write_json(getattr(args, "out", None), {"bench": bench, "command": "scaleout " + " ".join(sys.argv[1:]),
-                                                   **payload})
+    path = write_json(
+        getattr(args, "out", None),
+        {"bench": bench, "command": "scaleout " + " ".join(sys.argv[1:]), **payload},
+    )
     if path:
         print(f"wrote {path}", flush=True)
     png = getattr(args, "png", None)
@@ -213,13 +259,28 @@ _ONE_SHOT = {"--nnodes": True, "--nproc-per-node": True, "--netns": False, "--ra
 def add_one_shot_arguments(p: argparse.ArgumentParser) -> None:
     """``--nnodes/--nproc-per-node/--netns/--rate``: start the ranks from here (see :func:`in_ranks`)."""
     one = p.add_argument_group("one-shot (start the ranks from here)")
-    one.add_argument("--nnodes", type=int, default=None, help="start this many emulated nodes via scaleout launch")
-    one.add_argument("--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)")
-    one.add_argument("--netns", action="store_true", help="one-shot in an emulated cluster (root): up, run, always down")
-    one.add_argument("--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)")
+    one.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="start this many emulated nodes via scaleout launch",
+    )
+    one.add_argument(
+        "--nproc-per-node", type=int, default=1, help="ranks per emulated node (one-shot)"
+    )
+    one.add_argument(
+        "--netns",
+        action="store_true",
+        help="one-shot in an emulated cluster (root): up, run, always down",
+    )
+    one.add_argument(
+        "--rate", default="1gbit", help="link rate of the emulated cluster (default 1gbit)"
+    )
 
 
-def add_rank_arguments(p: argparse.ArgumentParser, name: str, *, repeats: int, warmup: int, png: bool = False) -> None:
+def add_rank_arguments(
+    p: argparse.ArgumentParser, name: str, *, repeats: int, warmup: int, png: bool = False
+) -> None:
     """A benchmark that runs in ranks: the standard flags and the one-shot ones."""
     add_standard_arguments(p, name, repeats=repeats, warmup=warmup, png=png)
     add_one_shot_arguments(p)
@@ -240,8 +301,16 @@ def in_ranks(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]
             continue
         rest.append(argv[i])
         i += 1
-    cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(args.nnodes),
-           "--nproc-per-node", str(args.nproc_per_node)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "launch",
+        "--nnodes",
+        str(args.nnodes),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+    ]
     if args.netns:
         cmd += ["--netns", "--rate", args.rate]
     return subprocess.run([*cmd, "--", "scaleout", *rest]).returncode
@@ -258,7 +327,9 @@ def init_ranks(at_least: int, bench: str) -> World:
     world = scaleout.init()
     if world.world_size < at_least:
         world.close()
-        raise UserError(f"scaleout bench {bench} needs >= {at_least} ranks (e.g. --nnodes 2 --nproc-per-node 2 --netns)")
+        raise UserError(
+            f"scaleout bench {bench} needs >= {at_least} ranks (e.g. --nnodes 2 --nproc-per-node 2 --netns)"
+        )
     return world
 
 

@@ -38,7 +38,10 @@ def fmt(x: float | None, spec: str = ".1f", unit: str = "") -> str:
 
 
 def group(rows: list[dict[str, Any]], cluster: str, recipe: str) -> list[dict[str, Any]]:
-    return sorted((r for r in rows if r["cluster"] == cluster and r["recipe"] == recipe), key=lambda r: r["seed"])
+    return sorted(
+        (r for r in rows if r["cluster"] == cluster and r["recipe"] == recipe),
+        key=lambda r: r["seed"],
+    )
 
 
 def summarize(rows: list[dict[str, Any]], cluster: str, recipe: str) -> dict[str, Any]:
@@ -47,10 +50,16 @@ def summarize(rows: list[dict[str, Any]], cluster: str, recipe: str) -> dict[str
     ttts = [ttt_of(r) for r in mine]
     reached = [r for r in mine if r["reached"]]
     return {
-        "cluster": cluster, "recipe": recipe, "seeds": [r["seed"] for r in mine],
-        "ttt_s": [r["ttt_s"] for r in mine], "median_ttt_s": _finite(median(ttts)),
-        "steps": [r["steps"] for r in mine], "median_steps": statistics.median([r["steps"] for r in reached]) if reached else None,
-        "sequences": [r["samples"] for r in mine], "reached": len(reached), "runs": len(mine),
+        "cluster": cluster,
+        "recipe": recipe,
+        "seeds": [r["seed"] for r in mine],
+        "ttt_s": [r["ttt_s"] for r in mine],
+        "median_ttt_s": _finite(median(ttts)),
+        "steps": [r["steps"] for r in mine],
+        "median_steps": statistics.median([r["steps"] for r in reached]) if reached else None,
+        "sequences": [r["samples"] for r in mine],
+        "reached": len(reached),
+        "runs": len(mine),
         "s_per_step": [round(r["run_s"] / max(r["steps"], 1), 4) for r in mine],
     }
 
@@ -66,7 +75,9 @@ def ratio(slow: float | None, fast: float | None) -> float | None:
     return slow / fast
 
 
-def ablation(rows: list[dict[str, Any]], cluster: str, chain: list[tuple[str, str]]) -> dict[str, Any] | None:
+def ablation(
+    rows: list[dict[str, Any]], cluster: str, chain: list[tuple[str, str]]
+) -> dict[str, Any] | None:
     """One ingredient switched on per step along ``chain`` [(recipe, what it switches on)], from the best
     baseline to scaleout. Each step's factor is the median over seeds of ttt(previous) / ttt(this); their
     product is compared with the measured ratio (median baseline / median scaleout) and with the seeds'
@@ -77,34 +88,79 @@ def ablation(rows: list[dict[str, Any]], cluster: str, chain: list[tuple[str, st
     by = {name: {r["seed"]: ttt_of(r) for r in group(rows, cluster, name)} for name, _ in chain}
     steps = []
     for (prev, _), (name, what) in zip(chain, chain[1:], strict=False):
-        per_seed = [by[prev][s] / by[name][s] for s in seeds
-                    if s in by[prev] and s in by[name] and not math.isinf(by[prev][s]) and not math.isinf(by[name][s])]
+        per_seed = [
+            by[prev][s] / by[name][s]
+            for s in seeds
+            if s in by[prev]
+            and s in by[name]
+            and not math.isinf(by[prev][s])
+            and not math.isinf(by[name][s])
+        ]
         s = summarize(rows, cluster, name)
-        steps.append({"recipe": name, "switches_on": what, "median_ttt_s": s["median_ttt_s"],
-                      "median_steps": s["median_steps"], "factor_per_seed": [round(f, 4) for f in per_seed],
-                      "factor": statistics.median(per_seed) if len(per_seed) == len(seeds) else None})
-    total_seeds = [by[chain[0][0]][s] / by[chain[-1][0]][s] for s in seeds
-                   if not math.isinf(by[chain[0][0]].get(s, INF)) and not math.isinf(by[chain[-1][0]].get(s, INF))]
-    measured = ratio(summarize(rows, cluster, chain[0][0])["median_ttt_s"],
-                     summarize(rows, cluster, chain[-1][0])["median_ttt_s"])
+        steps.append(
+            {
+                "recipe": name,
+                "switches_on": what,
+                "median_ttt_s": s["median_ttt_s"],
+                "median_steps": s["median_steps"],
+                "factor_per_seed": [round(f, 4) for f in per_seed],
+                "factor": statistics.median(per_seed) if len(per_seed) == len(seeds) else None,
+            }
+        )
+    total_seeds = [
+        by[chain[0][0]][s] / by[chain[-1][0]][s]
+        for s in seeds
+        if not math.isinf(by[chain[0][0]].get(s, INF))
+        and not math.isinf(by[chain[-1][0]].get(s, INF))
+    ]
+    measured = ratio(
+        summarize(rows, cluster, chain[0][0])["median_ttt_s"],
+        summarize(rows, cluster, chain[-1][0])["median_ttt_s"],
+    )
     factors = [st["factor"] for st in steps]
     product = math.prod(factors) if factors and None not in factors else None
     lo, hi = (min(total_seeds), max(total_seeds)) if total_seeds else (None, None)
     adds_up = None
     if product is not None and lo is not None and measured is not None:
-        adds_up = lo * 0.999 <= product <= hi * 1.001  # float slack only: one seed telescopes exactly
-    return {"cluster": cluster, "start": chain[0][0], "steps": steps, "product": product, "measured_ratio": measured,
-            "ratio_per_seed": [round(x, 4) for x in total_seeds], "noise": [lo, hi], "adds_up": adds_up}
+        adds_up = (
+            lo * 0.999 <= product <= hi * 1.001
+        )  # float slack only: one seed telescopes exactly
+    return {
+        "cluster": cluster,
+        "start": chain[0][0],
+        "steps": steps,
+        "product": product,
+        "measured_ratio": measured,
+        "ratio_per_seed": [round(x, 4) for x in total_seeds],
+        "noise": [lo, hi],
+        "adds_up": adds_up,
+    }
 
 
 def ablation_table(ab: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["step", "switches on", "median ttt s", "median steps", "factor (median)", "factor per seed", "cumulative"]
+    headers = [
+        "step",
+        "switches on",
+        "median ttt s",
+        "median steps",
+        "factor (median)",
+        "factor per seed",
+        "cumulative",
+    ]
     table, cum = [], 1.0
     for i, st in enumerate(ab["steps"], 1):
         cum = cum * st["factor"] if (st["factor"] is not None and cum is not None) else None
-        table.append([i, st["switches_on"], fmt(st["median_ttt_s"]), st["median_steps"] or "-",
-                      fmt(st["factor"], ".3f", "x"), ", ".join(f"{f:.2f}" for f in st["factor_per_seed"]) or "-",
-                      fmt(cum, ".3f", "x")])
+        table.append(
+            [
+                i,
+                st["switches_on"],
+                fmt(st["median_ttt_s"]),
+                st["median_steps"] or "-",
+                fmt(st["factor"], ".3f", "x"),
+                ", ".join(f"{f:.2f}" for f in st["factor_per_seed"]) or "-",
+                fmt(cum, ".3f", "x"),
+            ]
+        )
     return headers, table
 
 
@@ -116,7 +172,9 @@ def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str
     if plt is None:
         return None
     clusters = sorted({r["cluster"] for r in rows}, key=lambda c: c != "netns")
-    fig, axes = plt.subplots(1, len(clusters), figsize=(7.5 * len(clusters), 5), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(clusters), figsize=(7.5 * len(clusters), 5), squeeze=False, sharey=True
+    )
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
     colors = plt.get_cmap("tab10")
     styles = ["-", "--", ":", "-."]
@@ -126,8 +184,15 @@ def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str
             k = recipes.index(r["recipe"])
             ls = styles[seeds.index(r["seed"]) % len(styles)]
             xs, ys = [p[0] for p in r["curve"]], [p[2] for p in r["curve"]]
-            ax.plot(xs, ys, ls=ls, color=colors(k % 10), lw=1.1,
-                    label=f"{r['recipe']} s{r['seed']}: {cell(r)}" + (" s" if r["ttt_s"] is not None else ""))
+            ax.plot(
+                xs,
+                ys,
+                ls=ls,
+                color=colors(k % 10),
+                lw=1.1,
+                label=f"{r['recipe']} s{r['seed']}: {cell(r)}"
+                + (" s" if r["ttt_s"] is not None else ""),
+            )
         ax.axhline(target, color="k", lw=0.8, ls="--", label=f"target {target}")
         ax.set_title(c)
         ax.set_xlabel("wall time since run_start (s)")
@@ -143,47 +208,109 @@ def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str
 HEAD = ("baseline", "scaleout", "scaleout-sharded")
 
 
-def finish(args: Any, plan: Any, clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]],
-           wall: float) -> int:
+def finish(
+    args: Any,
+    plan: Any,
+    clusters: list[Any],
+    best: dict[str, Any],
+    rows: list[dict[str, Any]],
+    wall: float,
+) -> int:
     """Print the tables and the bar, write the JSON and the PNG."""
     from scaleout.output import format_table, write_json
 
     sweep = [r for r in rows if r.get("sweep")]
-    print(f"\nbaseline sweep (seed {args.seeds[0]}; lr x global batch; a candidate slower than the best so far is cut):")
-    print(format_table(["cluster", "global batch", "lr", "ttt s", "steps", "last accuracy"],
-                       [[r["cluster"], r["batch"], f"{r['lr']:g}", cell(r), r["steps"], fmt(r["achieved"], ".4f")]
-                        for r in sweep]))
+    print(
+        f"\nbaseline sweep (seed {args.seeds[0]}; lr x global batch; a candidate slower than the best so far is cut):"
+    )
+    print(
+        format_table(
+            ["cluster", "global batch", "lr", "ttt s", "steps", "last accuracy"],
+            [
+                [
+                    r["cluster"],
+                    r["batch"],
+                    f"{r['lr']:g}",
+                    cell(r),
+                    r["steps"],
+                    fmt(r["achieved"], ".4f"),
+                ]
+                for r in sweep
+            ],
+        )
+    )
     results, table = _results(clusters, best, rows)
-    print(f"\ntime-to-train to masked-LM accuracy {plan.target} (MLPerf run_start -> run_stop, seconds; seeds {args.seeds}):")
-    print(format_table(["cluster", "recipe", "optimizer", "batches", "global batch", "lr", "all-reduce", "ttt per seed",
-                        "median ttt", "median steps", "reached", "speed-up vs baseline"], table))
+    print(
+        f"\ntime-to-train to masked-LM accuracy {plan.target} (MLPerf run_start -> run_stop, seconds; seeds {args.seeds}):"
+    )
+    print(
+        format_table(
+            [
+                "cluster",
+                "recipe",
+                "optimizer",
+                "batches",
+                "global batch",
+                "lr",
+                "all-reduce",
+                "ttt per seed",
+                "median ttt",
+                "median steps",
+                "reached",
+                "speed-up vs baseline",
+            ],
+            table,
+        )
+    )
     for name, res in results.items():
         if res["ablation"]:
             ab = res["ablation"]
             h, t = ablation_table(ab)
-            print(f"\nablation on {name} (one ingredient switched on per step, from the best baseline):")
+            print(
+                f"\nablation on {name} (one ingredient switched on per step, from the best baseline):"
+            )
             print(format_table(h, t))
-            print(f"product of the factors {fmt(ab['product'], '.3f', 'x')} vs measured ratio "
-                  f"{fmt(ab['measured_ratio'], '.3f', 'x')} (per seed {ab['ratio_per_seed']}): adds up within the "
-                  f"seeds' spread: {ab['adds_up']}")
+            print(
+                f"product of the factors {fmt(ab['product'], '.3f', 'x')} vs measured ratio "
+                f"{fmt(ab['measured_ratio'], '.3f', 'x')} (per seed {ab['ratio_per_seed']}): adds up within the "
+                f"seeds' spread: {ab['adds_up']}"
+            )
         b = res["bar"]
-        print(f"{name}: scaleout median ttt = {fmt(b['ratio'], '.2f', 'x')} faster than the best baseline; every seed "
-              f"reached the target: {b['every_seed_reached']}; bar (>= 2x, every seed): {b['passes']}")
+        print(
+            f"{name}: scaleout median ttt = {fmt(b['ratio'], '.2f', 'x')} faster than the best baseline; every seed "
+            f"reached the target: {b['every_seed_reached']}; bar (>= 2x, every seed): {b['passes']}"
+        )
     print(f"wall {wall / 60:.1f} min", flush=True)
-    path = write_json(args.out, {"bench": "ttt", "config": plan.config, "target": plan.target, "budget_sequences": plan.budget,
-                                 "eval_every_sequences": plan.eval_seqs, "packing": plan.packing,
-                                 "sequences_per_row": plan.seqs_per_row, "overrides": plan.overrides,
-                                 "seeds": args.seeds, "sweep_grid": {"lrs": args.baseline_lrs, "batches": args.baseline_batches},
-                                 "results": results, "runs": rows, "wall_s": round(wall, 1)})
+    path = write_json(
+        args.out,
+        {
+            "bench": "ttt",
+            "config": plan.config,
+            "target": plan.target,
+            "budget_sequences": plan.budget,
+            "eval_every_sequences": plan.eval_seqs,
+            "packing": plan.packing,
+            "sequences_per_row": plan.seqs_per_row,
+            "overrides": plan.overrides,
+            "seeds": args.seeds,
+            "sweep_grid": {"lrs": args.baseline_lrs, "batches": args.baseline_batches},
+            "results": results,
+            "runs": rows,
+            "wall_s": round(wall, 1),
+        },
+    )
     if path:
         print(f"wrote {path}")
     if args.png:
-        plot(rows, plan.target, args.png, f"{plan.config}: time-to-train to {plan.target}, every run")  # says where
+        plot(
+            rows, plan.target, args.png, f"{plan.config}: time-to-train to {plan.target}, every run"
+        )  # says where
     return 0
 
 
-def _results(clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]]
-             ) -> tuple[dict[str, Any], list[list[Any]]]:
+def _results(
+    clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[list[Any]]]:
     """Per cluster: the head-to-head summary, the ablation and the bar; and the head-to-head table's rows."""
     results: dict[str, Any] = {}
     table = []
@@ -191,20 +318,47 @@ def _results(clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any
         summ = {name: summarize(rows, c.name, name) for name in HEAD}
         base = summ["baseline"]["median_ttt_s"]
         for name in HEAD:
-            s, rec = summ[name], next(r for r in rows if r["cluster"] == c.name and r["recipe"] == name)
+            s, rec = (
+                summ[name],
+                next(r for r in rows if r["cluster"] == c.name and r["recipe"] == name),
+            )
             s["ratio_vs_baseline"] = ratio(base, s["median_ttt_s"]) if name != "baseline" else 1.0
-            table.append([c.name, name, rec["optimizer"], "packed rows" if rec["packing"] else "padded",
-                          rec["batch"], f"{rec['lr']:g}", rec["comm"], " / ".join(cell(r) for r in group(rows, c.name, name)),
-                          fmt(s["median_ttt_s"]), s["median_steps"] or "-", f"{s['reached']}/{s['runs']}",
-                          fmt(s["ratio_vs_baseline"], ".2f", "x")])
+            table.append(
+                [
+                    c.name,
+                    name,
+                    rec["optimizer"],
+                    "packed rows" if rec["packing"] else "padded",
+                    rec["batch"],
+                    f"{rec['lr']:g}",
+                    rec["comm"],
+                    " / ".join(cell(r) for r in group(rows, c.name, name)),
+                    fmt(s["median_ttt_s"]),
+                    s["median_steps"] or "-",
+                    f"{s['reached']}/{s['runs']}",
+                    fmt(s["ratio_vs_baseline"], ".2f", "x"),
+                ]
+            )
         chain = [("baseline", "torch DDP + AdamW, padded (best of the sweep)")]
         chain += [(r["recipe"], r["label"]) for r in _chain_rows(rows, c.name)]
         ab = ablation(rows, c.name, chain) if len(chain) > 2 else None
         sc = summ["scaleout"]
-        bar = {"ratio": sc["ratio_vs_baseline"], "every_seed_reached": sc["reached"] == sc["runs"],
-               "passes": bool(sc["ratio_vs_baseline"] and sc["ratio_vs_baseline"] >= 2.0 and sc["reached"] == sc["runs"])}
-        results[c.name] = {"cluster": {"nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node, "rate": c.rate},
-                           "best_baseline": best[c.name][1].name, "summary": summ, "ablation": ab, "bar": bar}
+        bar = {
+            "ratio": sc["ratio_vs_baseline"],
+            "every_seed_reached": sc["reached"] == sc["runs"],
+            "passes": bool(
+                sc["ratio_vs_baseline"]
+                and sc["ratio_vs_baseline"] >= 2.0
+                and sc["reached"] == sc["runs"]
+            ),
+        }
+        results[c.name] = {
+            "cluster": {"nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node, "rate": c.rate},
+            "best_baseline": best[c.name][1].name,
+            "summary": summ,
+            "ablation": ab,
+            "bar": bar,
+        }
     return results, table
 
 

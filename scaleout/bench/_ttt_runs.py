@@ -34,8 +34,16 @@ class Cluster:
         return self.nnodes * self.nproc_per_node
 
     def launch(self) -> list[str]:
-        cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(self.nnodes),
-               "--nproc-per-node", str(self.nproc_per_node)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "launch",
+            "--nnodes",
+            str(self.nnodes),
+            "--nproc-per-node",
+            str(self.nproc_per_node),
+        ]
         return cmd + (["--netns", "--rate", self.rate] if self.rate else [])
 
 
@@ -52,7 +60,9 @@ class Recipe:
     overlap: bool = True
     bucket_mb: float = 25.0
     sharded: bool = False
-    precision: str = "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
+    precision: str = (
+        "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
+    )
     compression: str = "none"  # scaleout's comm.compression: the gradients' dtype on the wire
     label: str = ""  # what this row switches on, for the tables
 
@@ -82,30 +92,75 @@ class Plan:
         return min(max(1, round(r.warmup * self.steps(r))), self.steps(r) - 1)
 
 
-def command(plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | None = None) -> list[str]:
+def command(
+    plan: Plan, r: Recipe, seed: int, out: Path, time_budget: float | None = None
+) -> list[str]:
     """The command every rank runs (under ``scaleout launch``)."""
     steps, every, warm = plan.steps(r), plan.eval_every(r), plan.warmup_steps(r)
     if r.kind == "torch":
-        cmd = [sys.executable, "-m", "scaleout.bench._ttt_baseline", "--config", plan.config, "--lr", repr(r.lr),
-               "--global-batch", str(r.batch), "--max-steps", str(steps), "--warmup-steps", str(warm),
-               "--eval-every", str(every), "--target", repr(plan.target), "--seed", str(seed),
-               "--bucket-mb", repr(r.bucket_mb), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "scaleout.bench._ttt_baseline",
+            "--config",
+            plan.config,
+            "--lr",
+            repr(r.lr),
+            "--global-batch",
+            str(r.batch),
+            "--max-steps",
+            str(steps),
+            "--warmup-steps",
+            str(warm),
+            "--eval-every",
+            str(every),
+            "--target",
+            repr(plan.target),
+            "--seed",
+            str(seed),
+            "--bucket-mb",
+            repr(r.bucket_mb),
+            "--out",
+            str(out),
+        ]
         if time_budget is not None:
             cmd += ["--time-budget", f"{time_budget:.1f}"]
         return [*cmd, *plan.overrides]
     sets = {
-        "optim.name": r.optimizer, "optim.lr": repr(r.lr), "optim.warmup_steps": warm, "optim.total_steps": steps,
-        "optim.decay_from": "warmup", "optim.power": 1.0, "optim.end_lr": 0.0, "optim.sharded": r.sharded,
+        "optim.name": r.optimizer,
+        "optim.lr": repr(r.lr),
+        "optim.warmup_steps": warm,
+        "optim.total_steps": steps,
+        "optim.decay_from": "warmup",
+        "optim.power": 1.0,
+        "optim.end_lr": 0.0,
+        "optim.sharded": r.sharded,
         "optim.overlap_comm": r.sharded and r.overlap,
         "data.packing": plan.packing if r.packing else "none",
-        "train.global_batch": r.batch, "train.max_steps": steps, "train.eval_every": every,
-        "train.eval_start_step": 0, "train.target": repr(plan.target), "train.seed": seed,
-        "train.output_dir": str(out), "train.progress": False, "train.grad_accum": 1, "train.precision": r.precision,
-        "checkpoint.dir": "null", "checkpoint.every_steps": 0,
-        "comm.algorithm": "flat" if r.comm == "ddp" else r.comm, "comm.overlap": r.overlap,
-        "comm.bucket_mb": repr(r.bucket_mb), "comm.compression": r.compression,
+        "train.global_batch": r.batch,
+        "train.max_steps": steps,
+        "train.eval_every": every,
+        "train.eval_start_step": 0,
+        "train.target": repr(plan.target),
+        "train.seed": seed,
+        "train.output_dir": str(out),
+        "train.progress": False,
+        "train.grad_accum": 1,
+        "train.precision": r.precision,
+        "checkpoint.dir": "null",
+        "checkpoint.every_steps": 0,
+        "comm.algorithm": "flat" if r.comm == "ddp" else r.comm,
+        "comm.overlap": r.overlap,
+        "comm.bucket_mb": repr(r.bucket_mb),
+        "comm.compression": r.compression,
     }
-    return ["scaleout", "train", plan.config, *plan.overrides, *(f"{k}={_yaml(v)}" for k, v in sets.items())]
+    return [
+        "scaleout",
+        "train",
+        plan.config,
+        *plan.overrides,
+        *(f"{k}={_yaml(v)}" for k, v in sets.items()),
+    ]
 
 
 def _yaml(v: Any) -> str:
@@ -124,7 +179,9 @@ def read_mlperf(path: Path) -> dict[str, Any]:
         if key == "run_start":
             start, curve = t, []  # the last attempt of an appended log
         elif key == "eval_accuracy" and start is not None:
-            curve.append([round(t - start, 3), int(rec["metadata"]["samples_count"]), float(rec["value"])])
+            curve.append(
+                [round(t - start, 3), int(rec["metadata"]["samples_count"]), float(rec["value"])]
+            )
         elif key == "run_stop":
             stop, status = t, rec["metadata"].get("status")
     if start is None or stop is None:
@@ -132,8 +189,16 @@ def read_mlperf(path: Path) -> dict[str, Any]:
     return {"ttt_s": round(stop - start, 3), "mlperf_status": status, "curve": curve}
 
 
-def execute(plan: Plan, cluster: Cluster, r: Recipe, seed: int, root: Path, *, time_budget: float | None = None,
-            tag: str = "") -> dict[str, Any]:
+def execute(
+    plan: Plan,
+    cluster: Cluster,
+    r: Recipe,
+    seed: int,
+    root: Path,
+    *,
+    time_budget: float | None = None,
+    tag: str = "",
+) -> dict[str, Any]:
     """Launch one run, wait, and return its row. A run that does not reach the target has ``ttt_s`` None."""
     out = root / cluster.name / f"{r.name}{tag}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
@@ -143,17 +208,35 @@ def execute(plan: Plan, cluster: Cluster, r: Recipe, seed: int, root: Path, *, t
     t0 = time.perf_counter()
     with open(out / "launch.log", "w") as log:
         rc = _run(argv, log)
-    row: dict[str, Any] = {"cluster": cluster.name, "recipe": r.name, "seed": seed, "rc": rc,
-                           "wall_s": round(time.perf_counter() - t0, 1), "dir": str(out), "argv": argv,
-                           "steps_budget": plan.steps(r), "eval_every": plan.eval_every(r),
-                           "warmup_steps": plan.warmup_steps(r), "time_budget_s": time_budget, **asdict(r)}
+    row: dict[str, Any] = {
+        "cluster": cluster.name,
+        "recipe": r.name,
+        "seed": seed,
+        "rc": rc,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "dir": str(out),
+        "argv": argv,
+        "steps_budget": plan.steps(r),
+        "eval_every": plan.eval_every(r),
+        "warmup_steps": plan.warmup_steps(r),
+        "time_budget_s": time_budget,
+        **asdict(r),
+    }
     if rc != 0:
-        raise SystemExit(f"{cluster.name} {r.name} seed {seed} exited {rc}; see {out / 'launch.log'}")
+        raise SystemExit(
+            f"{cluster.name} {r.name} seed {seed} exited {rc}; see {out / 'launch.log'}"
+        )
     log_ = read_mlperf(out / "mlperf.log")
     rep = json.loads((out / "report.json").read_text())
     reached = log_["mlperf_status"] == "success"
-    row.update(log_, reached=reached, steps=int(rep["steps"]), samples=int(rep["samples"]),
-               achieved=rep.get("achieved"), status=rep.get("status"))
+    row.update(
+        log_,
+        reached=reached,
+        steps=int(rep["steps"]),
+        samples=int(rep["samples"]),
+        achieved=rep.get("achieved"),
+        status=rep.get("status"),
+    )
     row["ttt_s"] = log_["ttt_s"] if reached else None
     row["run_s"] = log_["ttt_s"]  # run_start -> run_stop whether or not the target was reached
     return row
@@ -165,6 +248,7 @@ def _run(argv: list[str], log: Any) -> int:
     import signal
 
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
     def interrupted(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 

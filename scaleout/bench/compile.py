@@ -7,7 +7,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from scaleout.bench._harness import add_standard_arguments, check_counts, compare, emit, interleave, set_threads
+from scaleout.bench._harness import (
+    add_standard_arguments,
+    check_counts,
+    compare,
+    emit,
+    interleave,
+    set_threads,
+)
 
 NAME = "compile"
 HELP = "tiny BERT forward+backward+optimizer step on CPU: torch.compile (Inductor) vs eager, compile time apart"
@@ -28,8 +35,24 @@ examples:
 """
 
 
-SMOKE_ARGS = ["--backend", "eager", "--repeats", "1", "--batch", "1", "--seq-len", "16", "--hidden", "32",
-              "--layers", "1", "--intermediate", "64", "--vocab", "128"]
+SMOKE_ARGS = [
+    "--backend",
+    "eager",
+    "--repeats",
+    "1",
+    "--batch",
+    "1",
+    "--seq-len",
+    "16",
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--intermediate",
+    "64",
+    "--vocab",
+    "128",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,13 +81,23 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     from scaleout.models.bert import BertForPreTraining
     from scaleout.train.capture import compile_model
 
-    cfg = BertConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                     intermediate=args.intermediate, max_position=args.seq_len, dropout=0.0)
+    cfg = BertConfig(
+        vocab_size=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        intermediate=args.intermediate,
+        max_position=args.seq_len,
+        dropout=0.0,
+    )
     seqs = synthetic_sequences(np.full(args.batch, args.seq_len), args.vocab, seed=args.seed)
     batch = build_batch(seqs, padded_packs(args.batch), args.seq_len)
     torch.manual_seed(args.seed)
     eager = BertForPreTraining(cfg).train()
-    models = {"eager": eager, "compiled": compile_model(copy.deepcopy(eager), backend=args.backend, mode=args.mode)}
+    models = {
+        "eager": eager,
+        "compiled": compile_model(copy.deepcopy(eager), backend=args.backend, mode=args.mode),
+    }
 
     def step(m: Any) -> Callable[[], float]:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)
@@ -75,6 +108,7 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
             loss.backward()
             opt.step()
             return float(loss.detach())
+
         return run
 
     return {k: step(m) for k, m in models.items()}
@@ -87,28 +121,68 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args)
     steps = _steps(args)
     print(f"compiling ({args.backend}) ...", file=sys.stderr, flush=True)
-    first = interleave({"compiled": steps["compiled"], "eager": steps["eager"]}, 1, alternate=False)  # compile apart
+    first = interleave(
+        {"compiled": steps["compiled"], "eager": steps["eager"]}, 1, alternate=False
+    )  # compile apart
     compile_s, eager_first = first["compiled"][0].wall, first["eager"][0].wall
-    samples = interleave(steps, args.repeats,
-                         say=lambda line: print(line, file=sys.stderr, flush=True))
+    samples = interleave(
+        steps, args.repeats, say=lambda line: print(line, file=sys.stderr, flush=True)
+    )
     rows = {r.name: r for r in compare(samples, baseline="eager")}
-    diffs = [abs(c.value - e.value) for c, e in zip(samples["compiled"] + first["compiled"],
-                                                     samples["eager"] + first["eager"], strict=True)]
+    diffs = [
+        abs(c.value - e.value)
+        for c, e in zip(
+            samples["compiled"] + first["compiled"], samples["eager"] + first["eager"], strict=True
+        )
+    ]
     e, c = rows["eager"], rows["compiled"]
     winner = "compiled" if c.median_s < e.median_s else "eager"
-    payback = (f"; compile took {compile_s:.1f} s, paid back after {compile_s / max(e.median_s - c.median_s, 1e-9):.0f} "
-               "steps" if winner == "compiled" else f" (compile took {compile_s:.1f} s)")
-    table = [[k, f"{r.median_s * 1e3:.1f}", f"{r.cpu_median_s * 1e3:.1f}", f"{r.speedup:.2f}x",
-              f"{e.cpu_median_s / r.cpu_median_s:.2f}x" if r.cpu_median_s else "-",
-              f"{compile_s:.1f}" if k == "compiled" else f"{eager_first:.2f}"] for k, r in rows.items()]
-    emit(args, NAME, ["variant", "step ms (median wall)", "step ms (thread CPU)", "speed-up (wall)",
-                      "speed-up (CPU)", "first step s (compile)"], table,
-         {"args": {k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")},
-          "compile_s": compile_s, "eager_first_step_s": eager_first,
-          "median_wall_s": {k: r.median_s for k, r in rows.items()},
-          "median_thread_cpu_s": {k: r.cpu_median_s for k, r in rows.items()},
-          "speedup_wall": c.speedup, "max_loss_diff": max(diffs), "winner": winner,
-          "steps": {k: [(t.wall, t.cpu) for t in ts] for k, ts in samples.items()}},
-         notes=[f"\n{winner} wins: compiled/eager step time {c.median_s / e.median_s:.2f}{payback}",
-                f"max |loss compiled - loss eager| over the steps: {max(diffs):.2e}", f"torch threads: {torch.get_num_threads()}"])
+    payback = (
+        f"; compile took {compile_s:.1f} s, paid back after {compile_s / max(e.median_s - c.median_s, 1e-9):.0f} "
+        "steps"
+        if winner == "compiled"
+        else f" (compile took {compile_s:.1f} s)"
+    )
+    table = [
+        [
+            k,
+            f"{r.median_s * 1e3:.1f}",
+            f"{r.cpu_median_s * 1e3:.1f}",
+            f"{r.speedup:.2f}x",
+            f"{e.cpu_median_s / r.cpu_median_s:.2f}x" if r.cpu_median_s else "-",
+            f"{compile_s:.1f}" if k == "compiled" else f"{eager_first:.2f}",
+        ]
+        for k, r in rows.items()
+    ]
+    emit(
+        args,
+        NAME,
+        [
+            "variant",
+            "step ms (median wall)",
+            "step ms (thread CPU)",
+            "speed-up (wall)",
+            "speed-up (CPU)",
+            "first step s (compile)",
+        ],
+        table,
+        {
+            "args": {
+                k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")
+            },
+            "compile_s": compile_s,
+            "eager_first_step_s": eager_first,
+            "median_wall_s": {k: r.median_s for k, r in rows.items()},
+            "median_thread_cpu_s": {k: r.cpu_median_s for k, r in rows.items()},
+            "speedup_wall": c.speedup,
+            "max_loss_diff": max(diffs),
+            "winner": winner,
+            "steps": {k: [(t.wall, t.cpu) for t in ts] for k, ts in samples.items()},
+        },
+        notes=[
+            f"\n{winner} wins: compiled/eager step time {c.median_s / e.median_s:.2f}{payback}",
+            f"max |loss compiled - loss eager| over the steps: {max(diffs):.2e}",
+            f"torch threads: {torch.get_num_threads()}",
+        ],
+    )
     return 0

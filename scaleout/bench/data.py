@@ -52,20 +52,50 @@ ACCELERATORS = {
     "A100 (BERT-large seq 512 AMP, NVIDIA DLE)": ("bert512", 264.0),
 }
 PIPELINES = ("bert128", "bert512", "resnet")
-SMOKE_ARGS = ["--pipelines", "bert512", "--workers", "0,1", "--prefetch", "1", "--steps", "2", "--batch", "2"]
+SMOKE_ARGS = [
+    "--pipelines",
+    "bert512",
+    "--workers",
+    "0,1",
+    "--prefetch",
+    "1",
+    "--steps",
+    "2",
+    "--batch",
+    "2",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"comma list of {', '.join(PIPELINES)}")
-    p.add_argument("--workers", default="0,1,2", help="comma list of worker counts (0 = synchronous baseline)")
-    p.add_argument("--prefetch", default="1,4", help="comma list of queue depths for worker rows (default 1,4)")
+    p.add_argument(
+        "--pipelines", default=",".join(PIPELINES), help=f"comma list of {', '.join(PIPELINES)}"
+    )
+    p.add_argument(
+        "--workers", default="0,1,2", help="comma list of worker counts (0 = synchronous baseline)"
+    )
+    p.add_argument(
+        "--prefetch", default="1,4", help="comma list of queue depths for worker rows (default 1,4)"
+    )
     p.add_argument("--steps", type=int, default=20, help="steps timed per row (default 20)")
-    p.add_argument("--batch", type=int, default=64, help="samples (BERT: packed rows) per step (default 64)")
-    p.add_argument("--image-size", type=int, default=224, help="crop size of the augmentation (default 224)")
-    p.add_argument("--jpeg-size", default="500x375", help="synthetic JPEG WxH (default 500x375, a common ImageNet size)")
+    p.add_argument(
+        "--batch", type=int, default=64, help="samples (BERT: packed rows) per step (default 64)"
+    )
+    p.add_argument(
+        "--image-size", type=int, default=224, help="crop size of the augmentation (default 224)"
+    )
+    p.add_argument(
+        "--jpeg-size",
+        default="500x375",
+        help="synthetic JPEG WxH (default 500x375, a common ImageNet size)",
+    )
     p.add_argument("--images", type=int, default=256, help="distinct synthetic JPEGs (default 256)")
-    p.add_argument("--accel", action="append", default=[], metavar="NAME:PIPELINE=RATE",
-                   help="an extra accelerator: samples/s it trains on PIPELINE (repeatable)")
+    p.add_argument(
+        "--accel",
+        action="append",
+        default=[],
+        metavar="NAME:PIPELINE=RATE",
+        help="an extra accelerator: samples/s it trains on PIPELINE (repeatable)",
+    )
     add_standard_arguments(p, NAME, png=True)
 
 
@@ -79,9 +109,13 @@ def _accelerators(extra: list[str]) -> dict[str, tuple[str, float]]:
             pipe, rate = rest.split("=", 1)
             out[name] = (pipe, float(rate))
         except ValueError:
-            raise UserError(f"--accel {spec!r}: expected NAME:PIPELINE=RATE, e.g. h100:resnet=5000") from None
+            raise UserError(
+                f"--accel {spec!r}: expected NAME:PIPELINE=RATE, e.g. h100:resnet=5000"
+            ) from None
         if pipe not in PIPELINES or out[name][1] <= 0:
-            raise UserError(f"--accel {spec!r}: PIPELINE must be one of {', '.join(PIPELINES)} and RATE > 0")
+            raise UserError(
+                f"--accel {spec!r}: PIPELINE must be one of {', '.join(PIPELINES)} and RATE > 0"
+            )
     return out
 
 
@@ -117,19 +151,47 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
     from scaleout.config import load_config
     from scaleout.train.tasks import build_task
 
-    common = [f"train.global_batch={args.batch}", f"train.max_steps={args.steps * 4 + 4}", "checkpoint.dir=null",
-              "checkpoint.every_steps=0"]
+    common = [
+        f"train.global_batch={args.batch}",
+        f"train.max_steps={args.steps * 4 + 4}",
+        "checkpoint.dir=null",
+        "checkpoint.every_steps=0",
+    ]
     if pipeline == "bert128":
         cfg = load_config("bert_tiny_cpu", common)
     elif pipeline == "bert512":
-        cfg = load_config(None, [*common, "model.arch=bert", "data.source=synthetic", "data.max_seq_len=512",
-                                 "data.max_predictions=76", "data.packing=lpfhp", "data.eval_samples=8",
-                                 "model.bert.hidden=16", "model.bert.layers=1", "model.bert.heads=2",
-                                 "model.bert.intermediate=32", "model.bert.max_position=512"])
+        cfg = load_config(
+            None,
+            [
+                *common,
+                "model.arch=bert",
+                "data.source=synthetic",
+                "data.max_seq_len=512",
+                "data.max_predictions=76",
+                "data.packing=lpfhp",
+                "data.eval_samples=8",
+                "model.bert.hidden=16",
+                "model.bert.layers=1",
+                "model.bert.heads=2",
+                "model.bert.intermediate=32",
+                "model.bert.max_position=512",
+            ],
+        )
     else:
-        cfg = load_config(None, [*common, "model.arch=resnet", "data.source=imagenet", f"data.path={tmp}",
-                                 "model.resnet.depth=18", "model.resnet.width=4", "model.resnet.num_classes=4",
-                                 f"model.resnet.image_size={args.image_size}", "data.eval_samples=2"])
+        cfg = load_config(
+            None,
+            [
+                *common,
+                "model.arch=resnet",
+                "data.source=imagenet",
+                f"data.path={tmp}",
+                "model.resnet.depth=18",
+                "model.resnet.width=4",
+                "model.resnet.num_classes=4",
+                f"model.resnet.image_size={args.image_size}",
+                "data.eval_samples=2",
+            ],
+        )
     return build_task(cfg, world)
 
 
@@ -150,8 +212,19 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
     from scaleout.train.prefetch import Prefetcher
 
     cpu0 = _cpu_s()
-    pf = Prefetcher(task, args.batch, 1, start, start + args.steps + 1, num_workers=workers,
-                    prefetch=prefetch) if workers else None
+    pf = (
+        Prefetcher(
+            task,
+            args.batch,
+            1,
+            start,
+            start + args.steps + 1,
+            num_workers=workers,
+            prefetch=prefetch,
+        )
+        if workers
+        else None
+    )
     get = (lambda s: pf.get(s)) if pf else (lambda s: task.micro_batches(s * args.batch, 1))  # noqa: E731
     first = sum(mb.samples for mb in get(start))
     n, wait, t0 = 0, 0.0, time.perf_counter()
@@ -165,10 +238,17 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
     wall = time.perf_counter() - t0
     workers_cpu = 0.0
     if pf:
-        workers_cpu = pf.worker_cpu_s()  # the workers are the forkserver's children: not in RUSAGE_CHILDREN
+        workers_cpu = (
+            pf.worker_cpu_s()
+        )  # the workers are the forkserver's children: not in RUSAGE_CHILDREN
         pf.close()
-    return {"samples": n, "wall_s": wall, "wait_s": wait, "cpu_s": _cpu_s() - cpu0 + workers_cpu,
-            "cpu_samples": n + first}
+    return {
+        "samples": n,
+        "wall_s": wall,
+        "wait_s": wait,
+        "cpu_s": _cpu_s() - cpu0 + workers_cpu,
+        "cpu_samples": n + first,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,19 +277,74 @@ def run(args: argparse.Namespace) -> int:
         world.close()
     per_core = {r["pipeline"]: r["samples_per_cpu_s"] for r in results if r["workers"] == 0}
     base_rate = {r["pipeline"]: r["samples_per_s"] for r in results if r["workers"] == 0}
-    ratios = [{"accelerator": name, "pipeline": pipe, "samples_per_s": rate, "host_samples_per_core_s": per_core[pipe],
-               "cores_per_accelerator": rate / per_core[pipe]} for name, (pipe, rate) in accels.items() if pipe in per_core]
-    payload = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
-               "rows": results, "host_cores_per_accelerator": ratios, "synthetic_jpeg_mean_kb": kb}
-    emit(args, NAME, ["pipeline", "workers", "prefetch", "samples/s", "x sync", "samples/CPU-s", "data wait (accel = 1 core)"],
-         [[r["pipeline"], r["workers"], r["prefetch"] or "-", r["samples_per_s"], r["samples_per_s"] / base_rate[r["pipeline"]],
-           r["samples_per_cpu_s"], f"{r['data_wait_fraction']:.0%}"] for r in results], payload,
-         plot=lambda plt: _plot(plt, results))
+    ratios = [
+        {
+            "accelerator": name,
+            "pipeline": pipe,
+            "samples_per_s": rate,
+            "host_samples_per_core_s": per_core[pipe],
+            "cores_per_accelerator": rate / per_core[pipe],
+        }
+        for name, (pipe, rate) in accels.items()
+        if pipe in per_core
+    ]
+    payload = {
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
+        "rows": results,
+        "host_cores_per_accelerator": ratios,
+        "synthetic_jpeg_mean_kb": kb,
+    }
+    emit(
+        args,
+        NAME,
+        [
+            "pipeline",
+            "workers",
+            "prefetch",
+            "samples/s",
+            "x sync",
+            "samples/CPU-s",
+            "data wait (accel = 1 core)",
+        ],
+        [
+            [
+                r["pipeline"],
+                r["workers"],
+                r["prefetch"] or "-",
+                r["samples_per_s"],
+                r["samples_per_s"] / base_rate[r["pipeline"]],
+                r["samples_per_cpu_s"],
+                f"{r['data_wait_fraction']:.0%}",
+            ]
+            for r in results
+        ],
+        payload,
+        plot=lambda plt: _plot(plt, results),
+    )
     if ratios:
         print()
-        emit(args, NAME, ["accelerator", "pipeline", "its samples/s", "host samples/core-s", "host cores needed"],
-             [[r["accelerator"], r["pipeline"], r["samples_per_s"], r["host_samples_per_core_s"],
-               r["cores_per_accelerator"]] for r in ratios], payload)
+        emit(
+            args,
+            NAME,
+            [
+                "accelerator",
+                "pipeline",
+                "its samples/s",
+                "host samples/core-s",
+                "host cores needed",
+            ],
+            [
+                [
+                    r["accelerator"],
+                    r["pipeline"],
+                    r["samples_per_s"],
+                    r["host_samples_per_core_s"],
+                    r["cores_per_accelerator"],
+                ]
+                for r in ratios
+            ],
+            payload,
+        )
     return 0
 
 
@@ -220,13 +355,21 @@ def _single_rank() -> Any:
     import scaleout
     from scaleout.env import free_port
 
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+    for k, v in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
         os.environ.setdefault(k, v)
     return scaleout.init()
 
 
-def _pipeline(pipe: str, task: Any, args: argparse.Namespace, configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
+def _pipeline(
+    pipe: str, task: Any, args: argparse.Namespace, configs: list[tuple[int, int]]
+) -> list[dict[str, Any]]:
     """Each (workers, prefetch) of one pipeline: its rate with an instant consumer, and the data wait of a
     consumer as slow as the synchronous path (the emulated accelerator)."""
     import sys
@@ -234,15 +377,30 @@ def _pipeline(pipe: str, task: Any, args: argparse.Namespace, configs: list[tupl
     out: list[dict[str, Any]] = []
     base_step = None
     for w, d in configs:
-        print(f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...", file=sys.stderr, flush=True)
+        print(
+            f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...",
+            file=sys.stderr,
+            flush=True,
+        )
         fast = _measure(task, args, w, d or 1, 0, 0.0)
         if base_step is None:
-            base_step = fast["wall_s"] / args.steps  # the synchronous step: the emulated accelerator
+            base_step = (
+                fast["wall_s"] / args.steps
+            )  # the synchronous step: the emulated accelerator
         slow = _measure(task, args, w, d or 1, args.steps + 1, base_step)
-        out.append({"pipeline": pipe, "workers": w, "prefetch": d, **{f"fast_{k}": v for k, v in fast.items()},
-                    **{f"overlap_{k}": v for k, v in slow.items()}, "samples_per_s": fast["samples"] / fast["wall_s"],
-                    "samples_per_cpu_s": fast["cpu_samples"] / max(fast["cpu_s"], 1e-9),
-                    "data_wait_fraction": slow["wait_s"] / slow["wall_s"], "emulated_accelerator_step_s": base_step})
+        out.append(
+            {
+                "pipeline": pipe,
+                "workers": w,
+                "prefetch": d,
+                **{f"fast_{k}": v for k, v in fast.items()},
+                **{f"overlap_{k}": v for k, v in slow.items()},
+                "samples_per_s": fast["samples"] / fast["wall_s"],
+                "samples_per_cpu_s": fast["cpu_samples"] / max(fast["cpu_s"], 1e-9),
+                "data_wait_fraction": slow["wait_s"] / slow["wall_s"],
+                "emulated_accelerator_step_s": base_step,
+            }
+        )
     return out
 
 
@@ -253,7 +411,13 @@ def _plot(plt: Any, results: list[dict[str, Any]]) -> Any:
         rs = [r for r in results if r["pipeline"] == pipe]
         labels = ["sync" if r["workers"] == 0 else f"{r['workers']}w/p{r['prefetch']}" for r in rs]
         ax.bar(labels, [r["samples_per_s"] for r in rs], color="tab:blue", label="samples/s")
-        ax.plot(labels, [r["samples_per_cpu_s"] for r in rs], "o-", color="tab:orange", label="samples/CPU-s")
+        ax.plot(
+            labels,
+            [r["samples_per_cpu_s"] for r in rs],
+            "o-",
+            color="tab:orange",
+            label="samples/CPU-s",
+        )
         ax.set_title(pipe)
         ax.tick_params(axis="x", rotation=45)
     axes[0][0].legend(fontsize=8)

@@ -44,17 +44,42 @@ Row = tuple[str, str, str, str]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", default=",".join(CHECKS), help=f"comma list of checks (default all: {','.join(CHECKS)})")
-    p.add_argument("--train-steps", type=int, default=50, help="tiny BERT steps before its evaluation (default 50)")
-    p.add_argument("--timeout", type=float, default=150.0, help="seconds per launched sub-run (default 150)")
+    p.add_argument(
+        "--only",
+        default=",".join(CHECKS),
+        help=f"comma list of checks (default all: {','.join(CHECKS)})",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=50,
+        help="tiny BERT steps before its evaluation (default 50)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=150.0, help="seconds per launched sub-run (default 150)"
+    )
     add_standard_arguments(p, NAME)
-    p.add_argument("--rank-part", choices=("world", "allreduce"), default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--rank-part", choices=("world", "allreduce"), default=None, help=argparse.SUPPRESS
+    )
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
 
 
 def _launch(nnodes: int, nproc: int, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "scaleout", "launch", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--timeout", str(timeout), "--", *cmd]
+    argv = [
+        sys.executable,
+        "-m",
+        "scaleout",
+        "launch",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--timeout",
+        str(timeout),
+        "--",
+        *cmd,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 60)
 
 
@@ -63,11 +88,17 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
     return lines[-1][:160] if lines else f"exit {proc.returncode}"
 
 
-def _rank_json(nnodes: int, nproc: int, part: str, timeout: float) -> tuple[dict[str, Any] | None, str]:
+def _rank_json(
+    nnodes: int, nproc: int, part: str, timeout: float
+) -> tuple[dict[str, Any] | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
-        proc = _launch(nnodes, nproc, ["scaleout", "bench", "gpucheck", "--rank-part", part, "--result", str(path)],
-                       timeout)
+        proc = _launch(
+            nnodes,
+            nproc,
+            ["scaleout", "bench", "gpucheck", "--rank-part", part, "--result", str(path)],
+            timeout,
+        )
         if proc.returncode != 0 or not path.exists():
             return None, _tail(proc)
         return json.loads(path.read_text()), ""
@@ -76,8 +107,19 @@ def _rank_json(nnodes: int, nproc: int, part: str, timeout: float) -> tuple[dict
 def check_nccl(gpus: int, args: argparse.Namespace) -> list[Row]:
     r, err = _rank_json(1, gpus, "world", args.timeout)
     ok = r is not None and r["world_size"] == gpus and r["backend"] == "nccl" and r["sum"] == gpus
-    number = f"world {r['world_size']} x {r['device'].split(':')[0]}, {r['backend']}, sum {r['sum']:g}" if r else err
-    return [("NCCL world of every GPU", "PASS" if ok else "FAIL", number, f"world size {gpus}, nccl, sum {gpus}")]
+    number = (
+        f"world {r['world_size']} x {r['device'].split(':')[0]}, {r['backend']}, sum {r['sum']:g}"
+        if r
+        else err
+    )
+    return [
+        (
+            "NCCL world of every GPU",
+            "PASS" if ok else "FAIL",
+            number,
+            f"world size {gpus}, nccl, sum {gpus}",
+        )
+    ]
 
 
 def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
@@ -87,27 +129,62 @@ def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             steps = args.train_steps
-            proc = _launch(1, gpus, ["scaleout", "train", "bert_tiny_cpu", f"train.precision={prec}",
-                                     f"train.max_steps={steps}", f"train.eval_every={steps}", "train.target=null",
-                                     f"train.output_dir={tmp}/out", "checkpoint.dir=null", "checkpoint.every_steps=0",
-                                     "train.progress=false",
-                                     "comm.algorithm=flat"], args.timeout)
+            proc = _launch(
+                1,
+                gpus,
+                [
+                    "scaleout",
+                    "train",
+                    "bert_tiny_cpu",
+                    f"train.precision={prec}",
+                    f"train.max_steps={steps}",
+                    f"train.eval_every={steps}",
+                    "train.target=null",
+                    f"train.output_dir={tmp}/out",
+                    "checkpoint.dir=null",
+                    "checkpoint.every_steps=0",
+                    "train.progress=false",
+                    "comm.algorithm=flat",
+                ],
+                args.timeout,
+            )
             seconds = time.perf_counter() - t0
             log = Path(tmp, "out", "mlperf.log")
             report = Path(tmp, "out", "report.json")
-            logged = log.exists() and f'"lowest_numerical_precision_in_linear", "value": "{names[prec]}"' in log.read_text()
+            logged = (
+                log.exists()
+                and f'"lowest_numerical_precision_in_linear", "value": "{names[prec]}"'
+                in log.read_text()
+            )
             data = json.loads(report.read_text()) if report.exists() else {}
             ok = proc.returncode == 0 and logged and data.get("achieved") is not None
-            number = (f"mlm acc {data['achieved']:.4f} after {steps} steps, {data.get('skipped_steps', 0)} skipped, "
-                      f"{seconds:.0f} s" if ok else (_tail(proc) if proc.returncode else "log/report missing the precision"))
-            rows.append((f"tiny BERT {prec} train -> first eval ({gpus} GPU)", "PASS" if ok else "FAIL", number,
-                         f"exit 0, eval logged, MLPerf log says {names[prec]}"))
+            number = (
+                f"mlm acc {data['achieved']:.4f} after {steps} steps, {data.get('skipped_steps', 0)} skipped, "
+                f"{seconds:.0f} s"
+                if ok
+                else (_tail(proc) if proc.returncode else "log/report missing the precision")
+            )
+            rows.append(
+                (
+                    f"tiny BERT {prec} train -> first eval ({gpus} GPU)",
+                    "PASS" if ok else "FAIL",
+                    number,
+                    f"exit 0, eval logged, MLPerf log says {names[prec]}",
+                )
+            )
     return rows
 
 
 def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
     if gpus < 2 or gpus % 2:
-        return [("hierarchical/torus2d all-reduce = NCCL", "SKIP", f"{gpus} GPU(s)", "needs an even number >= 2")]
+        return [
+            (
+                "hierarchical/torus2d all-reduce = NCCL",
+                "SKIP",
+                f"{gpus} GPU(s)",
+                "needs an even number >= 2",
+            )
+        ]
     from scaleout.bench._gpuchecks import BUSBW_FRACTION_MIN
 
     r, err = _rank_json(2, gpus // 2, "allreduce", args.timeout)
@@ -118,9 +195,14 @@ def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
     for alg in ("hierarchical", "torus2d"):
         a = r[alg]
         ok = a["equal"] and a["busbw_gbs"] >= BUSBW_FRACTION_MIN * flat
-        rows.append((f"{alg} all-reduce = NCCL (2 x {gpus // 2} GPUs, 256 MiB)", "PASS" if ok else "FAIL",
-                     f"{'equal' if a['equal'] else 'DIFFERENT'}; busbw {a['busbw_gbs']:.0f} GB/s vs NCCL {flat:.0f} GB/s",
-                     f"bit-equal, busbw >= {BUSBW_FRACTION_MIN:.0%} of NCCL's"))
+        rows.append(
+            (
+                f"{alg} all-reduce = NCCL (2 x {gpus // 2} GPUs, 256 MiB)",
+                "PASS" if ok else "FAIL",
+                f"{'equal' if a['equal'] else 'DIFFERENT'}; busbw {a['busbw_gbs']:.0f} GB/s vs NCCL {flat:.0f} GB/s",
+                f"bit-equal, busbw >= {BUSBW_FRACTION_MIN:.0%} of NCCL's",
+            )
+        )
     return rows
 
 
@@ -128,7 +210,14 @@ def _in_process(fn: Callable[..., list[Row]], name: str, *a: Any) -> list[Row]:
     try:
         return fn(*a)
     except Exception as exc:  # noqa: BLE001 -- a crashing check is a FAIL row, the others still run
-        return [(name, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}", "no error")]
+        return [
+            (
+                name,
+                "FAIL",
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}",
+                "no error",
+            )
+        ]
 
 
 def _rank_part(args: argparse.Namespace) -> int:
@@ -137,7 +226,11 @@ def _rank_part(args: argparse.Namespace) -> int:
 
     world = scaleout.init()
     try:
-        out = _gpuchecks.rank_world(world) if args.rank_part == "world" else _gpuchecks.rank_allreduce(world)
+        out = (
+            _gpuchecks.rank_world(world)
+            if args.rank_part == "world"
+            else _gpuchecks.rank_allreduce(world)
+        )
         if world.rank == 0 and args.result:
             Path(args.result).write_text(json.dumps(out))
     finally:
@@ -153,17 +246,36 @@ def run(args: argparse.Namespace) -> int:
     only = parse_csv(args.only, "--only", choices=CHECKS)
     t0 = time.perf_counter()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    env = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}" if gpus
-           else f"torch {torch.__version__}, no CUDA device")
+    env = (
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}"
+        if gpus
+        else f"torch {torch.__version__}, no CUDA device"
+    )
     rows: list[Row] = [("environment", "PASS" if gpus else "SKIP", env, "1+ CUDA GPUs")]
-    rows += _run_checks(only, gpus, args) if gpus else [
-        (name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)", "a GPU") for name in only]
+    rows += (
+        _run_checks(only, gpus, args)
+        if gpus
+        else [
+            (name, "SKIP", "no CUDA device (torch.cuda.is_available() is False)", "a GPU")
+            for name in only
+        ]
+    )
     failed = [r[0] for r in rows if r[1] == "FAIL"]
     headers = ["check", "result", "number", "expected"]
-    emit(args, NAME, headers, [list(r) for r in rows],
-         {"rows": [dict(zip(headers, r, strict=True)) for r in rows], "failed": failed,
-          "seconds": time.perf_counter() - t0},
-         notes=[f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s"])
+    emit(
+        args,
+        NAME,
+        headers,
+        [list(r) for r in rows],
+        {
+            "rows": [dict(zip(headers, r, strict=True)) for r in rows],
+            "failed": failed,
+            "seconds": time.perf_counter() - t0,
+        },
+        notes=[
+            f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s"
+        ],
+    )
     return 1 if failed else 0
 
 
@@ -182,8 +294,12 @@ def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Ro
         world = scaleout.init(environment="single")
         try:
             for c in local:
-                fn = {"capture": lambda: g.check_capture(world), "varlen": g.check_varlen,
-                      "optimizers": g.check_optimizers, "bert_large": g.check_bert_large}[c]
+                fn = {
+                    "capture": lambda: g.check_capture(world),
+                    "varlen": g.check_varlen,
+                    "optimizers": g.check_optimizers,
+                    "bert_large": g.check_bert_large,
+                }[c]
                 rows += _in_process(fn, c)
         finally:
             world.close()

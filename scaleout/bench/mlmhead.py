@@ -7,7 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from scaleout.argtypes import parse_csv
-from scaleout.bench._harness import add_standard_arguments, check_counts, compare, emit, interleave, set_threads
+from scaleout.bench._harness import (
+    add_standard_arguments,
+    check_counts,
+    compare,
+    emit,
+    interleave,
+    set_threads,
+)
 
 NAME = "mlmhead"
 HELP = "BERT forward+backward with the vocabulary projection at all tokens vs only at the masked ones (15 percent)"
@@ -36,10 +43,14 @@ SMOKE_ARGS = ["--shapes", "tiny", "--repeats", "1", "--batch", "1", "--seq-len",
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="base,tiny", help="comma list of base, tiny (default both)")
-    p.add_argument("--base-layers", type=int, default=12, help="encoder layers of the base shape (default 12)")
+    p.add_argument(
+        "--base-layers", type=int, default=12, help="encoder layers of the base shape (default 12)"
+    )
     p.add_argument("--batch", type=int, default=4, help="rows per step (default 4)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
-    p.add_argument("--mask-prob", type=float, default=0.15, help="masked fraction (default 0.15, BERT)")
+    p.add_argument(
+        "--mask-prob", type=float, default=0.15, help="masked fraction (default 0.15, BERT)"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_standard_arguments(p, NAME, repeats=5, threads=1)
 
@@ -68,8 +79,12 @@ def _shape(name: str, args: argparse.Namespace) -> tuple[list[Any], dict[str, An
 
     kw = dict(SHAPES[name])
     kw.setdefault("layers", args.base_layers)
-    seqs = synthetic_sequences(np.full(args.batch, args.seq_len), kw["vocab_size"], seed=args.seed,
-                               mask_prob=args.mask_prob)
+    seqs = synthetic_sequences(
+        np.full(args.batch, args.seq_len),
+        kw["vocab_size"],
+        seed=args.seed,
+        mask_prob=args.mask_prob,
+    )
     batch = build_batch(seqs, padded_packs(args.batch), args.seq_len)
     models = _models(kw, args)
 
@@ -77,20 +92,41 @@ def _shape(name: str, args: argparse.Namespace) -> tuple[list[Any], dict[str, An
         def run() -> None:
             m.zero_grad(set_to_none=True)
             m(batch).loss.backward()
+
         return run
 
-    samples = interleave({k: step(m) for k, m in models.items()}, args.repeats, warmup=1,
-                         say=lambda line: print(f"  {name}{line}", flush=True))
+    samples = interleave(
+        {k: step(m) for k, m in models.items()},
+        args.repeats,
+        warmup=1,
+        say=lambda line: print(f"  {name}{line}", flush=True),
+    )
     rows = {r.name: r for r in compare(samples, baseline="full")}
     full, unpad = rows["full"], rows["unpadded"]
     masked = int((batch["mlm_labels"] != -100).sum())
-    table = [name, f"{kw['hidden']}/{kw['layers']}/{kw['vocab_size']}", f"{args.batch}x{args.seq_len}", masked,
-             f"{full.median_s:.3f}", f"{unpad.median_s:.3f}", f"{unpad.paired_speedup:.3f}",
-             f"{full.cpu_median_s:.3f}", f"{unpad.cpu_median_s:.3f}", f"{unpad.cpu_speedup:.3f}"]
-    result = {"config": kw, "masked_tokens": masked, "tokens": args.batch * args.seq_len,
-              "full_wall_s": full.times_s, "unpadded_wall_s": unpad.times_s,
-              "full_cpu_s": [t.cpu for t in samples["full"]], "unpadded_cpu_s": [t.cpu for t in samples["unpadded"]],
-              "speedup_cpu_median": unpad.cpu_speedup, "speedup_wall_median": unpad.paired_speedup}
+    table = [
+        name,
+        f"{kw['hidden']}/{kw['layers']}/{kw['vocab_size']}",
+        f"{args.batch}x{args.seq_len}",
+        masked,
+        f"{full.median_s:.3f}",
+        f"{unpad.median_s:.3f}",
+        f"{unpad.paired_speedup:.3f}",
+        f"{full.cpu_median_s:.3f}",
+        f"{unpad.cpu_median_s:.3f}",
+        f"{unpad.cpu_speedup:.3f}",
+    ]
+    result = {
+        "config": kw,
+        "masked_tokens": masked,
+        "tokens": args.batch * args.seq_len,
+        "full_wall_s": full.times_s,
+        "unpadded_wall_s": unpad.times_s,
+        "full_cpu_s": [t.cpu for t in samples["full"]],
+        "unpadded_cpu_s": [t.cpu for t in samples["unpadded"]],
+        "speedup_cpu_median": unpad.cpu_speedup,
+        "speedup_wall_median": unpad.paired_speedup,
+    }
     return table, result
 
 
@@ -104,9 +140,30 @@ def run(args: argparse.Namespace) -> int:
     for name in shapes:
         row, results[name] = _shape(name, args)
         rows.append(row)
-    emit(args, NAME, ["shape", "hidden/layers/vocab", "batch", "masked", "full wall s", "unpadded wall s",
-                      "speed-up (wall)", "full cpu s", "unpadded cpu s", "speed-up (cpu)"], rows,
-         {"args": {k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")},
-          "results": results},
-         notes=[f"torch threads: {torch.get_num_threads()}; speed-up = median over back-to-back pairs of full / unpadded"])
+    emit(
+        args,
+        NAME,
+        [
+            "shape",
+            "hidden/layers/vocab",
+            "batch",
+            "masked",
+            "full wall s",
+            "unpadded wall s",
+            "speed-up (wall)",
+            "full cpu s",
+            "unpadded cpu s",
+            "speed-up (cpu)",
+        ],
+        rows,
+        {
+            "args": {
+                k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")
+            },
+            "results": results,
+        },
+        notes=[
+            f"torch threads: {torch.get_num_threads()}; speed-up = median over back-to-back pairs of full / unpadded"
+        ],
+    )
     return 0

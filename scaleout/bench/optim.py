@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 NAME = "optim"
-HELP = "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
+HELP = (
+    "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
+)
 DESCRIPTION = """\
 Step time of scaleout's LAMB and LARS against torch.optim.AdamW(foreach=True), SGD(momentum, foreach=True)
 and torch-optimizer's Lamb on the parameter shapes of BERT-base (199 tensors, 109.5 M parameters) and
@@ -36,7 +38,18 @@ examples:
 """
 
 SHAPES = ("bert", "resnet")
-SMOKE_ARGS = ["--models", "resnet", "--repeats", "1", "--sharded-ranks", "2", "--sharded-steps", "1", "--threads", "1"]
+SMOKE_ARGS = [
+    "--models",
+    "resnet",
+    "--repeats",
+    "1",
+    "--sharded-ranks",
+    "2",
+    "--sharded-steps",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def bert_base_shapes() -> list[tuple[int, ...]]:
@@ -55,7 +68,14 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
         for b in range(blocks):
             out = width * 4
-            shapes += [(width, cin, 1, 1), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
+            shapes += [
+                (width, cin, 1, 1),
+                (width,),
+                (width,),
+                (width, width, 3, 3),
+                (width,),
+                (width,),
+            ]
             shapes += [(out, width, 1, 1), (out,), (out,)]
             if b == 0:
                 shapes += [(out, cin, 1, 1), (out,), (out,)]
@@ -64,14 +84,32 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default="bert,resnet", help="comma list of bert, resnet (default both)")
-    p.add_argument("--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)")
-    p.add_argument("--sharded-ranks", type=int, default=4, help="processes for the sharded-LAMB part (0 = skip)")
-    # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
-    p.add_argument("--sharded-model", choices=SHAPES, default="resnet", help="shapes for the sharded part (default resnet)")
-    p.add_argument("--sharded-steps", type=int, default=3, help="timed steps in the sharded part (default 3)")
     p.add_argument(
-        "--threads", type=int, default=0,
+        "--models", default="bert,resnet", help="comma list of bert, resnet (default both)"
+    )
+    p.add_argument(
+        "--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)"
+    )
+    p.add_argument(
+        "--sharded-ranks",
+        type=int,
+        default=4,
+        help="processes for the sharded-LAMB part (0 = skip)",
+    )
+    # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
+    p.add_argument(
+        "--sharded-model",
+        choices=SHAPES,
+        default="resnet",
+        help="shapes for the sharded part (default resnet)",
+    )
+    p.add_argument(
+        "--sharded-steps", type=int, default=3, help="timed steps in the sharded part (default 3)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
         help="torch threads for the single-process part (0 = torch's default). On a machine whose cores are also "
         "busy with other work, 1 avoids OpenMP barrier stalls that hit every contender unevenly",
     )
@@ -96,7 +134,9 @@ def _make(shapes: list[tuple[int, ...]], seed: int = 0) -> tuple[list[Any], list
 BASELINES = ("AdamW foreach", "SGD momentum foreach")
 
 
-def _factories(params: list[Any], groups: list[dict[str, Any]], chunks: list[int]) -> dict[str, Any]:
+def _factories(
+    params: list[Any], groups: list[dict[str, Any]], chunks: list[int]
+) -> dict[str, Any]:
     """name -> () -> step function. Built one at a time so that at most three optimizers' state is alive
     (BERT-base: 0.9 GB of parameters and gradients + at most 2.2 GB of state)."""
     import torch
@@ -112,14 +152,19 @@ def _factories(params: list[Any], groups: list[dict[str, Any]], chunks: list[int
 
     out: dict[str, Any] = {
         "AdamW foreach": lambda: torch.optim.AdamW(g(0.01), lr=1e-3, foreach=True).step,
-        "SGD momentum foreach": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True).step,
+        "SGD momentum foreach": lambda: (
+            torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True).step
+        ),
     }
     try:
         import torch_optimizer
 
         out["torch-optimizer Lamb"] = lambda: torch_optimizer.Lamb(g(0.01), lr=1e-3).step
     except ImportError:
-        print("torch-optimizer not installed: its Lamb is left out (pip install torch-optimizer)", file=sys.stderr)
+        print(
+            "torch-optimizer not installed: its Lamb is left out (pip install torch-optimizer)",
+            file=sys.stderr,
+        )
     out["scaleout LAMB"] = lambda: LAMB(g(0.01), lr=1e-3).step
     out["scaleout LAMB clip=1"] = lamb_clip
     out["scaleout LARS"] = lambda: LARS(g(5e-5), lr=0.1).step
@@ -148,9 +193,16 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
         for i, name in enumerate(contenders):
             step = facts[name]()
             step()
-            samples = interleave({**base, name: step}, repeats, alternate=False,
-                                 say=lambda line, i=i, name=name: print(f"  {model}: {name} ({i + 1}/{len(contenders)})"
-                                                                       f"{line}", file=sys.stderr, flush=True))
+            samples = interleave(
+                {**base, name: step},
+                repeats,
+                alternate=False,
+                say=lambda line, i=i, name=name: print(
+                    f"  {model}: {name} ({i + 1}/{len(contenders)}){line}",
+                    file=sys.stderr,
+                    flush=True,
+                ),
+            )
             for k, ts in samples.items():
                 times[k] += [t.wall for t in ts]
                 for b in BASELINES:
@@ -158,16 +210,30 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
             del step, samples
             gc.collect()
     n = sum(math.prod(s) for s in shapes)
-    return [{"model": model, "optimizer": k, "tensors": len(shapes), "params": n,
-             "median_ms": statistics.median(ts) * 1e3, "vs_adamw": statistics.median(ratios[k]["AdamW foreach"]),
-             "vs_sgd": statistics.median(ratios[k]["SGD momentum foreach"]), "times_ms": [t * 1e3 for t in ts]}
-            for k, ts in times.items()]
+    return [
+        {
+            "model": model,
+            "optimizer": k,
+            "tensors": len(shapes),
+            "params": n,
+            "median_ms": statistics.median(ts) * 1e3,
+            "vs_adamw": statistics.median(ratios[k]["AdamW foreach"]),
+            "vs_sgd": statistics.median(ratios[k]["SGD momentum foreach"]),
+            "times_ms": [t * 1e3 for t in ts],
+        }
+        for k, ts in times.items()
+    ]
 
 
 def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, queue: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     try:
         import torch
@@ -199,7 +265,10 @@ def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
     groups[0]["weight_decay"] = 0.01
     opt = LAMB(groups, lr=1e-3)
     lamb = interleave({"lamb": opt.step}, steps, warmup=1, world=world, slowest=False)["lamb"]
-    res: dict[str, Any] = {"lamb_ms": statistics.median(t.wall for t in lamb) * 1e3, "lamb_state_bytes": state_bytes(opt)}
+    res: dict[str, Any] = {
+        "lamb_ms": statistics.median(t.wall for t in lamb) * 1e3,
+        "lamb_state_bytes": state_bytes(opt),
+    }
     del opt
     sharded = ShardedLAMB(groups, world, lr=1e-3)
 
@@ -207,7 +276,12 @@ def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
         sharded.step()
         return dict(sharded.timings)
 
-    phases = [t.value for t in interleave({"sharded": step}, steps, warmup=1, world=world, slowest=False)["sharded"]]
+    phases = [
+        t.value
+        for t in interleave({"sharded": step}, steps, warmup=1, world=world, slowest=False)[
+            "sharded"
+        ]
+    ]
     res.update({f"{k}_ms": statistics.median(p[k] for p in phases) * 1e3 for k in phases[0]})
     res["sharded_state_bytes"] = state_bytes(sharded)
     return res
@@ -221,10 +295,17 @@ def _sharded(world_size: int, model: str, steps: int) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, model, steps, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, model, steps, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
-    print(f"  sharded LAMB: {world_size} ranks, {model} shapes, {steps} timed steps ...", file=sys.stderr, flush=True)
+    print(
+        f"  sharded LAMB: {world_size} ranks, {model} shapes, {steps} timed steps ...",
+        file=sys.stderr,
+        flush=True,
+    )
     got: dict[int, Any] = {}
     while len(got) < world_size:
         rank, res = queue.get(timeout=1800)
@@ -258,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
 
     models = parse_csv(args.models, "--models", choices=SHAPES, allow_empty=True)
     if not models and args.sharded_ranks <= 0:
-        raise UserError(f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)")
+        raise UserError(
+            f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)"
+        )
     chunks = parse_csv(args.chunks, "--chunks", int, at_least=1, allow_empty=True)
     check_counts(args, repeats=1, threads=0)
     if args.threads:
@@ -266,21 +349,60 @@ def run(args: argparse.Namespace) -> int:
     rows = [row for m in models for row in _time_model(m, args.repeats, chunks)]
     payload: dict[str, Any] = {"rows": rows, "threads": torch.get_num_threads()}
     if rows:
-        emit(args, NAME, ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
-             [[r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]] for r in rows], payload,
-             plot=lambda plt: _plot(plt, rows))
+        emit(
+            args,
+            NAME,
+            ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
+            [
+                [r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]]
+                for r in rows
+            ],
+            payload,
+            plot=lambda plt: _plot(plt, rows),
+        )
     if args.sharded_ranks > 0:
         per_rank = _sharded(args.sharded_ranks, args.sharded_model, args.sharded_steps)
-        payload["sharded"] = {"ranks": args.sharded_ranks, "model": args.sharded_model, "per_rank": per_rank}
-        print(f"\nsharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks busy at once in both "
-              "columns)")
-        emit(args, NAME, ["rank", "LAMB step ms", "sharded update ms", "x LAMB", "comm ms (pack+rs+norms+ag)",
-                          "reduce-scatter ms", "all-gather ms", "state MiB", "x LAMB state"],
-             [_sharded_row(r, res) for r, res in enumerate(per_rank)], payload)
+        payload["sharded"] = {
+            "ranks": args.sharded_ranks,
+            "model": args.sharded_model,
+            "per_rank": per_rank,
+        }
+        print(
+            f"\nsharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks busy at once in both "
+            "columns)"
+        )
+        emit(
+            args,
+            NAME,
+            [
+                "rank",
+                "LAMB step ms",
+                "sharded update ms",
+                "x LAMB",
+                "comm ms (pack+rs+norms+ag)",
+                "reduce-scatter ms",
+                "all-gather ms",
+                "state MiB",
+                "x LAMB state",
+            ],
+            [_sharded_row(r, res) for r, res in enumerate(per_rank)],
+            payload,
+        )
     return 0
 
 
 def _sharded_row(rank: int, res: dict[str, Any]) -> list[Any]:
-    comm = sum(res.get(f"{k}_ms", 0.0) for k in ("pack", "reduce_scatter", "norm_allreduce", "all_gather"))
-    return [rank, res["lamb_ms"], res["update_ms"], res["update_ms"] / res["lamb_ms"], comm, res["reduce_scatter_ms"],
-            res["all_gather_ms"], res["sharded_state_bytes"] / 2**20, res["sharded_state_bytes"] / res["lamb_state_bytes"]]
+    comm = sum(
+        res.get(f"{k}_ms", 0.0) for k in ("pack", "reduce_scatter", "norm_allreduce", "all_gather")
+    )
+    return [
+        rank,
+        res["lamb_ms"],
+        res["update_ms"],
+        res["update_ms"] / res["lamb_ms"],
+        comm,
+        res["reduce_scatter_ms"],
+        res["all_gather_ms"],
+        res["sharded_state_bytes"] / 2**20,
+        res["sharded_state_bytes"] / res["lamb_state_bytes"],
+    ]

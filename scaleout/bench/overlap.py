@@ -54,25 +54,72 @@ examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 --netns -- scaleout bench overlap --batch 1,8
 """
 
-VARIANTS = ("compute only", "no overlap", "overlap flat", "overlap hier", "torch DDP", "DDP + hier hook")
+VARIANTS = (
+    "compute only",
+    "no overlap",
+    "overlap flat",
+    "overlap hier",
+    "torch DDP",
+    "DDP + hier hook",
+)
 BASELINE = "torch DDP"
 
 
-SMOKE_ARGS = ["--nnodes", "1", "--nproc-per-node", "2", "--layers", "1", "--seq", "8", "--batch", "1",
-              "--repeats", "1", "--warmup", "0"]
+SMOKE_ARGS = [
+    "--nnodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--layers",
+    "1",
+    "--seq",
+    "8",
+    "--batch",
+    "1",
+    "--repeats",
+    "1",
+    "--warmup",
+    "0",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=2, help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)")
-    p.add_argument("--batch", default="1,6", help="comma list of per-rank batch sizes, one regime each (default 1,6)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB for all variants (default 25)")
-    p.add_argument("--first-bucket-mb", type=float, default=1.0,
-                   help="first bucket cap for DataParallel, as torch DDP's 1 MiB default (0 = same as --bucket-mb)")
-    p.add_argument("--comm-nice", type=int, default=0,
-                   help="lower the compute thread's priority by this nice value below the communication threads "
-                        "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)")
-    p.add_argument("--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)",
+    )
+    p.add_argument(
+        "--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)"
+    )
+    p.add_argument(
+        "--batch",
+        default="1,6",
+        help="comma list of per-rank batch sizes, one regime each (default 1,6)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="bucket size in MiB for all variants (default 25)",
+    )
+    p.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        default=1.0,
+        help="first bucket cap for DataParallel, as torch DDP's 1 MiB default (0 = same as --bucket-mb)",
+    )
+    p.add_argument(
+        "--comm-nice",
+        type=int,
+        default=0,
+        help="lower the compute thread's priority by this nice value below the communication threads "
+        "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)",
+    )
+    p.add_argument(
+        "--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here"
+    )
     add_rank_arguments(p, NAME, repeats=5, warmup=1, png=True)
 
 
@@ -88,7 +135,9 @@ def bert_like(layers: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.layers = torch.nn.ModuleList(
-                torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True)
+                torch.nn.TransformerEncoderLayer(
+                    768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True
+                )
                 for _ in range(layers)
             )
             self.head = torch.nn.Linear(768, 768)
@@ -116,13 +165,20 @@ def _models(args: argparse.Namespace, world: World) -> dict[str, Any]:
     mb, first = args.bucket_mb, args.first_bucket_mb or None
 
     def dp(algorithm: str, **kw: Any) -> Any:
-        return scaleout.DataParallel(copy.deepcopy(base), world, algorithm, mb, first_bucket_mb=first, **kw)
+        return scaleout.DataParallel(
+            copy.deepcopy(base), world, algorithm, mb, first_bucket_mb=first, **kw
+        )
 
     hooked = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb)
     hooked.register_comm_hook(None, ddp_comm_hook("hierarchical", world))
-    return {"compute only": copy.deepcopy(base), "no overlap": dp("flat", overlap=False), "overlap flat": dp("flat"),
-            "overlap hier": dp("hierarchical", timeline=args.timeline),
-            "torch DDP": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb), "DDP + hier hook": hooked}
+    return {
+        "compute only": copy.deepcopy(base),
+        "no overlap": dp("flat", overlap=False),
+        "overlap flat": dp("flat"),
+        "overlap hier": dp("hierarchical", timeline=args.timeline),
+        "torch DDP": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=mb),
+        "DDP + hier hook": hooked,
+    }
 
 
 def _comm_only(world: World, dp: Any) -> tuple[float, float]:
@@ -141,7 +197,9 @@ def _comm_only(world: World, dp: Any) -> tuple[float, float]:
     return wall, cpu
 
 
-def _regime(args: argparse.Namespace, world: World, models: dict[str, Any], batch: int) -> list[dict[str, Any]]:
+def _regime(
+    args: argparse.Namespace, world: World, models: dict[str, Any], batch: int
+) -> list[dict[str, Any]]:
     """Every variant's step at one per-rank batch, interleaved, with the communication alone per round."""
     import torch
 
@@ -154,18 +212,28 @@ def _regime(args: argparse.Namespace, world: World, models: dict[str, Any], batc
             m(x).float().pow(2).mean().backward()
             stats = getattr(m, "last_stats", None)  # DataParallel's own wait after backward
             return stats["exposed_s"] if stats is not None else None
+
         return run
 
     def comm_alone(_round: int) -> None:
         comm["flat"].append(_comm_only(world, models["overlap flat"]))
         comm["hierarchical"].append(_comm_only(world, models["overlap hier"]))
 
-    samples = interleave({v: step(m) for v, m in models.items()}, args.repeats, args.warmup, world=world,
-                         alternate=False, after_round=comm_alone, say=lambda line: say0(world)(f"  batch {batch}:{line}"))
+    samples = interleave(
+        {v: step(m) for v, m in models.items()},
+        args.repeats,
+        args.warmup,
+        world=world,
+        alternate=False,
+        after_round=comm_alone,
+        say=lambda line: say0(world)(f"  batch {batch}:{line}"),
+    )
     return _rows(batch, samples, comm)
 
 
-def _rows(batch: int, samples: Any, comm: dict[str, list[tuple[float, float]]]) -> list[dict[str, Any]]:
+def _rows(
+    batch: int, samples: Any, comm: dict[str, list[tuple[float, float]]]
+) -> list[dict[str, Any]]:
     by = {r.name: r for r in compare(samples, baseline=BASELINE)}
     comm_med = {a: statistics.median(w for w, _ in ts) for a, ts in comm.items()}
     rows = []
@@ -175,14 +243,24 @@ def _rows(batch: int, samples: Any, comm: dict[str, list[tuple[float, float]]]) 
         exposed = r.median_s - by["compute only"].median_s if alg else None
         waits = [t.value for t in samples[v] if t.value is not None]
         wait = statistics.median(waits) if waits else None
-        rows.append({
-            "batch": batch, "variant": v, "algorithm": alg, "step_s": r.median_s, "steps": r.times_s, "min_step_s": r.min_s,
-            "speedup_min_vs_ddp": by[BASELINE].min_s / r.min_s, "speedup_vs_ddp": r.speedup,
-            "hidden_wait": (1 - wait / comm_med[alg]) if wait is not None and alg else None,
-            "comm_alone_s": comm_med.get(alg) if alg else None,
-            "comm_cpu_s": statistics.median(c for _, c in comm[alg]) if alg else None,
-            "exposed_s": exposed, "hidden": (1 - exposed / comm_med[alg]) if alg else None, "exposed_wait_s": wait,
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "variant": v,
+                "algorithm": alg,
+                "step_s": r.median_s,
+                "steps": r.times_s,
+                "min_step_s": r.min_s,
+                "speedup_min_vs_ddp": by[BASELINE].min_s / r.min_s,
+                "speedup_vs_ddp": r.speedup,
+                "hidden_wait": (1 - wait / comm_med[alg]) if wait is not None and alg else None,
+                "comm_alone_s": comm_med.get(alg) if alg else None,
+                "comm_cpu_s": statistics.median(c for _, c in comm[alg]) if alg else None,
+                "exposed_s": exposed,
+                "hidden": (1 - exposed / comm_med[alg]) if alg else None,
+                "exposed_wait_s": wait,
+            }
+        )
     return rows
 
 
@@ -197,10 +275,12 @@ def _in_rank(args: argparse.Namespace) -> int:
         world.prioritize_communication(args.comm_nice)
     n_params = sum(q.numel() for q in models["compute only"].parameters())
     n_buckets = len(models["overlap flat"].buckets)
-    say0(world)(f"overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.layers} "
-                f"BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq {args.seq}, "
-                f"batch/rank {batches}, bucket {args.bucket_mb:g} MiB, first {args.first_bucket_mb or args.bucket_mb:g} MiB "
-                f"({n_buckets} buckets), median of {args.repeats}")
+    say0(world)(
+        f"overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.layers} "
+        f"BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq {args.seq}, "
+        f"batch/rank {batches}, bucket {args.bucket_mb:g} MiB, first {args.first_bucket_mb or args.bucket_mb:g} MiB "
+        f"({n_buckets} buckets), median of {args.repeats}"
+    )
     rows = [row for batch in batches for row in _regime(args, world, models, batch)]
     if args.timeline:
         say0(world)(f"wrote timeline {models['overlap hier'].write_timeline()}")
@@ -211,40 +291,98 @@ def _in_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, rows: list[dict[str, Any]], world: World, n_params: int, n_buckets: int) -> None:
+def _report(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    world: World,
+    n_params: int,
+    n_buckets: int,
+) -> None:
     def ms(v: float | None) -> Any:
         return v * 1e3 if v is not None else "-"
 
     def pct(v: float | None) -> str:
         return f"{v * 100:.0f} %" if v is not None else "-"
 
-    table = [[r["batch"], r["variant"], r["step_s"] * 1e3, r["speedup_vs_ddp"], r["min_step_s"] * 1e3, r["speedup_min_vs_ddp"],
-              ms(r["comm_alone_s"]), ms(r["exposed_s"]), pct(r["hidden"]), ms(r["exposed_wait_s"]), pct(r["hidden_wait"])]
-             for r in rows]
-    notes = ["exposed = step - compute-only step; hidden = 1 - exposed / comm alone; hidden (wait) = 1 - wait after "
-             "backward / comm alone (DataParallel's own measure, excludes CPU contention with compute)"]
+    table = [
+        [
+            r["batch"],
+            r["variant"],
+            r["step_s"] * 1e3,
+            r["speedup_vs_ddp"],
+            r["min_step_s"] * 1e3,
+            r["speedup_min_vs_ddp"],
+            ms(r["comm_alone_s"]),
+            ms(r["exposed_s"]),
+            pct(r["hidden"]),
+            ms(r["exposed_wait_s"]),
+            pct(r["hidden_wait"]),
+        ]
+        for r in rows
+    ]
+    notes = [
+        "exposed = step - compute-only step; hidden = 1 - exposed / comm alone; hidden (wait) = 1 - wait after "
+        "backward / comm alone (DataParallel's own measure, excludes CPU contention with compute)"
+    ]
     notes += _cpu_notes(rows, world)
-    emit(args, NAME, ["batch/rank", "variant", "step ms (median)", "speedup vs DDP", "step ms (min)", "speedup (min)",
-                      "comm alone ms", "exposed ms", "hidden", "wait after bwd ms", "hidden (wait)"], table,
-         {"rows": rows, "params": n_params, "buckets": n_buckets, "bucket_mb": args.bucket_mb, "layers": args.layers,
-          "seq": args.seq, "world": {"world_size": world.world_size, "nnodes": world.num_nodes,
-                                     "nproc_per_node": world.local_size},
-          "link_rate_bps": os.environ.get("SCALEOUT_LINK_RATE_BPS")},
-         notes=notes, plot=lambda plt: _plot(plt, rows), world=world)
+    emit(
+        args,
+        NAME,
+        [
+            "batch/rank",
+            "variant",
+            "step ms (median)",
+            "speedup vs DDP",
+            "step ms (min)",
+            "speedup (min)",
+            "comm alone ms",
+            "exposed ms",
+            "hidden",
+            "wait after bwd ms",
+            "hidden (wait)",
+        ],
+        table,
+        {
+            "rows": rows,
+            "params": n_params,
+            "buckets": n_buckets,
+            "bucket_mb": args.bucket_mb,
+            "layers": args.layers,
+            "seq": args.seq,
+            "world": {
+                "world_size": world.world_size,
+                "nnodes": world.num_nodes,
+                "nproc_per_node": world.local_size,
+            },
+            "link_rate_bps": os.environ.get("SCALEOUT_LINK_RATE_BPS"),
+        },
+        notes=notes,
+        plot=lambda plt: _plot(plt, rows),
+        world=world,
+    )
 
 
 def _cpu_notes(rows: list[dict[str, Any]], world: World) -> list[str]:
     """How much of the communication this machine's cores can hide at all (all emulated nodes share them)."""
     cores, notes = os.cpu_count() or 1, []
     for alg in ("flat", "hierarchical"):
-        cpu = next((r["comm_cpu_s"] for r in rows if r["algorithm"] == alg and r.get("comm_cpu_s") is not None), None)
+        cpu = next(
+            (
+                r["comm_cpu_s"]
+                for r in rows
+                if r["algorithm"] == alg and r.get("comm_cpu_s") is not None
+            ),
+            None,
+        )
         comm = next((r["comm_alone_s"] for r in rows if r["algorithm"] == alg), None)
         if cpu is not None and comm:
             floor = cpu * world.world_size / cores
-            notes.append(f"{alg}: the communication alone used {cpu * 1e3:.0f} ms of CPU per rank ({world.world_size} "
-                         f"ranks on {cores} cores: >= {floor * 1e3:.0f} ms of step time when backward keeps every core "
-                         f"busy, i.e. at most {max(0.0, 1 - floor / comm) * 100:.0f} % of its {comm * 1e3:.0f} ms can be "
-                         "hidden on this machine)")
+            notes.append(
+                f"{alg}: the communication alone used {cpu * 1e3:.0f} ms of CPU per rank ({world.world_size} "
+                f"ranks on {cores} cores: >= {floor * 1e3:.0f} ms of step time when backward keeps every core "
+                f"busy, i.e. at most {max(0.0, 1 - floor / comm) * 100:.0f} % of its {comm * 1e3:.0f} ms can be "
+                "hidden on this machine)"
+            )
     return notes
 
 

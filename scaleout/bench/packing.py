@@ -36,8 +36,26 @@ examples:
 """
 
 
-SMOKE_ARGS = ["--sequences", "200", "--rows", "2", "--batches", "2", "--repeats", "1", "--hidden", "32",
-              "--layers", "1", "--heads", "2", "--intermediate", "64", "--vocab", "128"]
+SMOKE_ARGS = [
+    "--sequences",
+    "200",
+    "--rows",
+    "2",
+    "--batches",
+    "2",
+    "--repeats",
+    "1",
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--intermediate",
+    "64",
+    "--vocab",
+    "128",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,17 +63,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--max-per-pack", type=int, default=3)
     p.add_argument("--algorithm", default="lphp", help="packing algorithm (default lphp)")
-    p.add_argument("--sequences", type=int, default=20000, help="sequences drawn and packed (default 20000)")
-    p.add_argument("--rows", type=int, default=4, help="rows of max_len tokens per batch (default 4)")
-    p.add_argument("--batches", type=int, default=6,
-                   help="packed batches per repeat (default 6); the padded run covers the same sequences")
+    p.add_argument(
+        "--sequences", type=int, default=20000, help="sequences drawn and packed (default 20000)"
+    )
+    p.add_argument(
+        "--rows", type=int, default=4, help="rows of max_len tokens per batch (default 4)"
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=6,
+        help="packed batches per repeat (default 6); the padded run covers the same sequences",
+    )
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=1024,
-                   help="vocabulary (default 1024: the MLM head costs the same per real token packed or padded, so a "
-                        "30522-word head on a 128-wide model would hide what packing saves; see docs/packing.md)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=1024,
+        help="vocabulary (default 1024: the MLM head costs the same per real token packed or padded, so a "
+        "30522-word head on a 128-wide model would hide what packing saves; see docs/packing.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_standard_arguments(p, NAME, repeats=5, png=True, threads=1)
 
@@ -67,18 +97,29 @@ def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     import numpy as np
 
     from scaleout.data.bert_batch import sample_lengths
-    from scaleout.data.packing import assign_sequences, histogram_from_lengths, load_histogram, pack_histogram
+    from scaleout.data.packing import (
+        assign_sequences,
+        histogram_from_lengths,
+        load_histogram,
+        pack_histogram,
+    )
     from scaleout.errors import UserError
 
     h = load_histogram(args.hist, args.max_len)
     lengths = sample_lengths(h, args.sequences, seed=args.seed)
-    strategy = pack_histogram(histogram_from_lengths(lengths, args.max_len), args.max_len, args.max_per_pack,
-                              args.algorithm)
+    strategy = pack_histogram(
+        histogram_from_lengths(lengths, args.max_len),
+        args.max_len,
+        args.max_per_pack,
+        args.algorithm,
+    )
     packs = assign_sequences(strategy, lengths, seed=args.seed).packs()
     need = args.rows * args.batches
     if len(packs) < need:
         raise UserError(f"{len(packs)} packs < --rows x --batches = {need}: raise --sequences")
-    order = sorted(range(len(packs)), key=lambda i: (len(packs[i]), sum(int(lengths[j]) for j in packs[i])))
+    order = sorted(
+        range(len(packs)), key=lambda i: (len(packs[i]), sum(int(lengths[j]) for j in packs[i]))
+    )
     stride = len(packs) // need
     start = int(np.random.default_rng(args.seed + 1).integers(stride))
     chosen = [packs[i] for i in order[start::stride][:need]]
@@ -86,7 +127,9 @@ def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     return h, lengths, strategy, chosen
 
 
-def _steps(args: argparse.Namespace, lengths: Any, chosen: list[list[int]]) -> tuple[dict[tuple[str, int], Any], int]:
+def _steps(
+    args: argparse.Namespace, lengths: Any, chosen: list[list[int]]
+) -> tuple[dict[tuple[str, int], Any], int]:
     """The same sequences both ways, as (mode, batch) -> one training step, in the interleaved order: each
     packed batch between the padded batches holding (about) its sequences. Also: the real tokens."""
     import torch
@@ -96,23 +139,39 @@ def _steps(args: argparse.Namespace, lengths: Any, chosen: list[list[int]]) -> t
     from scaleout.models.bert import BertForPreTraining
 
     seqs = synthetic_sequences(lengths, args.vocab, seed=args.seed)
-    cfg = BertConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                     intermediate=args.intermediate, max_position=args.max_len, dropout=0.1, unpad_mlm_head=True)
+    cfg = BertConfig(
+        vocab_size=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        intermediate=args.intermediate,
+        max_position=args.max_len,
+        dropout=0.1,
+        unpad_mlm_head=True,
+    )
     torch.manual_seed(args.seed)
     model = BertForPreTraining(cfg).train()
     rows_of = {"packed": chosen, "padded": [[i] for p in chosen for i in p]}
-    batches = {m: [build_batch(seqs, r[b:b + args.rows], args.max_len, max_per_pack=args.max_per_pack)
-                   for b in range(0, len(r), args.rows)] for m, r in rows_of.items()}
+    batches = {
+        m: [
+            build_batch(seqs, r[b : b + args.rows], args.max_len, max_per_pack=args.max_per_pack)
+            for b in range(0, len(r), args.rows)
+        ]
+        for m, r in rows_of.items()
+    }
 
     def step(batch: Any) -> Any:
         def run() -> None:
             model.zero_grad(set_to_none=True)
             model(batch).loss.backward()
+
         return run
 
     per = len(batches["padded"]) / len(batches["packed"])
-    order = sorted([(i, "packed", i) for i in range(len(batches["packed"]))]
-                   + [(j / per, "padded", j) for j in range(len(batches["padded"]))])
+    order = sorted(
+        [(i, "packed", i) for i in range(len(batches["packed"]))]
+        + [(j / per, "padded", j) for j in range(len(batches["padded"]))]
+    )
     step(batches["padded"][0])()  # warm-up (allocator, kernels)
     step(batches["packed"][0])()
     real = int(sum((b["seq_ids"] > 0).sum() for b in batches["packed"]))
@@ -130,33 +189,80 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args)
     h, lengths, strategy, chosen = _packs(args)
     steps, real = _steps(args, lengths, chosen)
-    per_batch = interleave(steps, args.repeats)  # reversed order on odd rounds, as the drift cancels
+    per_batch = interleave(
+        steps, args.repeats
+    )  # reversed order on odd rounds, as the drift cancels
     totals = sum_rounds(per_batch, group=lambda key: key[0])
     rows = {r.name: r for r in compare(totals, baseline="padded")}
     n_rows = {"packed": len(chosen), "padded": sum(len(p) for p in chosen)}
     med = {m: real / rows[m].median_s for m in rows}
     cpu_med = {m: real / rows[m].cpu_median_s for m in rows}
-    ratios = [t_pad.wall / t_pack.wall for t_pad, t_pack in zip(totals["padded"], totals["packed"], strict=True)]
-    cpu_ratios = [t_pad.cpu / t_pack.cpu for t_pad, t_pack in zip(totals["padded"], totals["packed"], strict=True)]
-    table = [[m, n_rows[m], n_rows["padded"], f"{real / (n_rows[m] * args.max_len):.4f}", f"{rows[m].median_s:.2f}",
-              f"{med[m]:.0f}", f"{med[m] / med['padded']:.3f}", f"{cpu_med[m]:.0f}", f"{cpu_med[m] / cpu_med['padded']:.3f}"]
-             for m in ("padded", "packed")]
-    notes = [f"BERT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, rows of {args.max_len}; "
-             f"{args.sequences} sequences packed by {strategy.algorithm} (<= {args.max_per_pack}/row): efficiency "
-             f"{strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} (ceiling {speedup_ceiling(h):.4f})",
-             f"torch threads: {torch.get_num_threads()}",
-             f"packed / padded real-token throughput over {len(ratios)} repeats: median "
-             f"{statistics.median(cpu_ratios):.3f}x by CPU time (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f}), "
-             f"{statistics.median(ratios):.3f}x by wall time (min {min(ratios):.3f}, max {max(ratios):.3f})"]
-    emit(args, NAME, ["mode", "rows", "sequences", "real-token fraction", "wall s (all rows)", "real tokens/s (wall)",
-                      "vs padded", "real tokens/cpu-s", "vs padded (cpu)"], table,
-         {"config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
-          "strategy": strategy.stats(), "real_tokens": real, "rows": n_rows,
-          "wall_s": {m: [t.wall for t in ts] for m, ts in totals.items()},
-          "cpu_s": {m: [t.cpu for t in ts] for m, ts in totals.items()}, "median_tokens_per_s": med,
-          "ratio_median": statistics.median(ratios), "ratios": ratios, "median_cpu_tokens_per_s": cpu_med,
-          "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios, "ceiling": speedup_ceiling(h)},
-         notes=notes, plot=lambda plt: _plot(plt, cpu_med, statistics.median(cpu_ratios)))
+    ratios = [
+        t_pad.wall / t_pack.wall
+        for t_pad, t_pack in zip(totals["padded"], totals["packed"], strict=True)
+    ]
+    cpu_ratios = [
+        t_pad.cpu / t_pack.cpu
+        for t_pad, t_pack in zip(totals["padded"], totals["packed"], strict=True)
+    ]
+    table = [
+        [
+            m,
+            n_rows[m],
+            n_rows["padded"],
+            f"{real / (n_rows[m] * args.max_len):.4f}",
+            f"{rows[m].median_s:.2f}",
+            f"{med[m]:.0f}",
+            f"{med[m] / med['padded']:.3f}",
+            f"{cpu_med[m]:.0f}",
+            f"{cpu_med[m] / cpu_med['padded']:.3f}",
+        ]
+        for m in ("padded", "packed")
+    ]
+    notes = [
+        f"BERT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, rows of {args.max_len}; "
+        f"{args.sequences} sequences packed by {strategy.algorithm} (<= {args.max_per_pack}/row): efficiency "
+        f"{strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} (ceiling {speedup_ceiling(h):.4f})",
+        f"torch threads: {torch.get_num_threads()}",
+        f"packed / padded real-token throughput over {len(ratios)} repeats: median "
+        f"{statistics.median(cpu_ratios):.3f}x by CPU time (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f}), "
+        f"{statistics.median(ratios):.3f}x by wall time (min {min(ratios):.3f}, max {max(ratios):.3f})",
+    ]
+    emit(
+        args,
+        NAME,
+        [
+            "mode",
+            "rows",
+            "sequences",
+            "real-token fraction",
+            "wall s (all rows)",
+            "real tokens/s (wall)",
+            "vs padded",
+            "real tokens/cpu-s",
+            "vs padded (cpu)",
+        ],
+        table,
+        {
+            "config": {
+                k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)
+            },
+            "strategy": strategy.stats(),
+            "real_tokens": real,
+            "rows": n_rows,
+            "wall_s": {m: [t.wall for t in ts] for m, ts in totals.items()},
+            "cpu_s": {m: [t.cpu for t in ts] for m, ts in totals.items()},
+            "median_tokens_per_s": med,
+            "ratio_median": statistics.median(ratios),
+            "ratios": ratios,
+            "median_cpu_tokens_per_s": cpu_med,
+            "cpu_ratio_median": statistics.median(cpu_ratios),
+            "cpu_ratios": cpu_ratios,
+            "ceiling": speedup_ceiling(h),
+        },
+        notes=notes,
+        plot=lambda plt: _plot(plt, cpu_med, statistics.median(cpu_ratios)),
+    )
     return 0
 
 

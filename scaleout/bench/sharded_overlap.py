@@ -39,16 +39,46 @@ VARIANTS = ("compute only", "sharded", "sharded overlap")
 BASELINE = "sharded"
 
 
-SMOKE_ARGS = ["--nnodes", "1", "--nproc-per-node", "2", "--layers", "1", "--seq", "8", "--batch", "1",
-              "--repeats", "1", "--warmup", "0"]
+SMOKE_ARGS = [
+    "--nnodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--layers",
+    "1",
+    "--seq",
+    "8",
+    "--batch",
+    "1",
+    "--repeats",
+    "1",
+    "--warmup",
+    "0",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=2, help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)",
+    )
+    p.add_argument(
+        "--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)"
+    )
     p.add_argument("--batch", type=int, default=2, help="per-rank batch size (default 2)")
-    p.add_argument("--bucket-mb", type=float, default=8.0, help="overlap bucket size in MiB (default 8: ~7 buckets at 2 layers)")
-    p.add_argument("--algorithm", default="flat", help="reduce-scatter / all-gather algorithm (flat, hierarchical, torus2d)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=8.0,
+        help="overlap bucket size in MiB (default 8: ~7 buckets at 2 layers)",
+    )
+    p.add_argument(
+        "--algorithm",
+        default="flat",
+        help="reduce-scatter / all-gather algorithm (flat, hierarchical, torus2d)",
+    )
     h.add_rank_arguments(p, NAME, repeats=5, warmup=1)
 
 
@@ -70,9 +100,18 @@ def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[
     x = torch.randn(args.batch, args.seq, 768, generator=torch.Generator().manual_seed(world.rank))
 
     models = {v: copy.deepcopy(base) for v in VARIANTS}
-    opts = {v: ShardedLAMB(models[v].parameters(), world, lr=1e-4, overlap=v == "sharded overlap",
-                           bucket_mb=args.bucket_mb, algorithm=args.algorithm, param_order=models[v].parameters())
-            for v in ("sharded", "sharded overlap")}
+    opts = {
+        v: ShardedLAMB(
+            models[v].parameters(),
+            world,
+            lr=1e-4,
+            overlap=v == "sharded overlap",
+            bucket_mb=args.bucket_mb,
+            algorithm=args.algorithm,
+            param_order=models[v].parameters(),
+        )
+        for v in ("sharded", "sharded overlap")
+    }
 
     def step(v: str) -> Callable[[], Any]:
         m, opt = models[v], opts.get(v)
@@ -85,9 +124,14 @@ def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[
             opt.step()
             opt.zero_grad(set_to_none=True)
             return dict(opt.timings)
+
         return run
 
-    return {v: step(v) for v in VARIANTS}, sum(q.numel() for q in base.parameters()), len(opts["sharded overlap"].buckets)
+    return (
+        {v: step(v) for v in VARIANTS},
+        sum(q.numel() for q in base.parameters()),
+        len(opts["sharded overlap"].buckets),
+    )
 
 
 def _in_rank(args: argparse.Namespace) -> int:
@@ -100,27 +144,71 @@ def _in_rank(args: argparse.Namespace) -> int:
     get_algorithm(args.algorithm)
     world = h.init_ranks(2, NAME)
     steps, n_params, nb = _steps(args, world)
-    h.say0(world)(f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
-                f"{args.layers} BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq "
-                f"{args.seq}, batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, {args.algorithm}, "
-                f"median of {args.repeats}")
+    h.say0(world)(
+        f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
+        f"{args.layers} BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq "
+        f"{args.seq}, batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, {args.algorithm}, "
+        f"median of {args.repeats}"
+    )
     samples = h.interleave(steps, args.repeats, args.warmup, world=world, say=h.say0(world))
     rows = h.compare(samples, baseline=BASELINE)
     floor = next(r.median_s for r in rows if r.name == "compute only")
     by = {r.name: r for r in rows}
     ratio = by["sharded overlap"].speedup
-    out_rows = [{"variant": r.name, "median_s": r.median_s, "added_over_compute_s": r.median_s - floor,
-                 "speedup_vs_sharded": r.speedup, "times_s": r.times_s, "phases_median_s": _phases(samples[r.name])}
-                for r in rows]
-    h.emit(args, NAME, ["variant", "step ms (median)", "over compute ms", "speed-up vs sharded", "min ms", "max ms"],
-         [[r.name, r.median_s * 1e3, (r.median_s - floor) * 1e3, r.speedup, r.min_s * 1e3, r.max_s * 1e3] for r in rows],
-         {"world_size": world.world_size, "nodes": world.num_nodes, "layers": args.layers, "seq": args.seq,
-          "batch": args.batch, "bucket_mb": args.bucket_mb, "buckets": nb, "algorithm": args.algorithm,
-          "params": n_params, "repeats": args.repeats, "baseline": BASELINE, "ratio_overlap_vs_sharded": ratio,
-          "rows": out_rows},
-         notes=[f"overlapped / non-overlapped sharded LAMB step: {ratio:.2f}x faster (added over compute: "
-                f"{(by['sharded'].median_s - floor) * 1e3:.0f} -> {(by['sharded overlap'].median_s - floor) * 1e3:.0f} ms)"],
-         world=world)
+    out_rows = [
+        {
+            "variant": r.name,
+            "median_s": r.median_s,
+            "added_over_compute_s": r.median_s - floor,
+            "speedup_vs_sharded": r.speedup,
+            "times_s": r.times_s,
+            "phases_median_s": _phases(samples[r.name]),
+        }
+        for r in rows
+    ]
+    h.emit(
+        args,
+        NAME,
+        [
+            "variant",
+            "step ms (median)",
+            "over compute ms",
+            "speed-up vs sharded",
+            "min ms",
+            "max ms",
+        ],
+        [
+            [
+                r.name,
+                r.median_s * 1e3,
+                (r.median_s - floor) * 1e3,
+                r.speedup,
+                r.min_s * 1e3,
+                r.max_s * 1e3,
+            ]
+            for r in rows
+        ],
+        {
+            "world_size": world.world_size,
+            "nodes": world.num_nodes,
+            "layers": args.layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "bucket_mb": args.bucket_mb,
+            "buckets": nb,
+            "algorithm": args.algorithm,
+            "params": n_params,
+            "repeats": args.repeats,
+            "baseline": BASELINE,
+            "ratio_overlap_vs_sharded": ratio,
+            "rows": out_rows,
+        },
+        notes=[
+            f"overlapped / non-overlapped sharded LAMB step: {ratio:.2f}x faster (added over compute: "
+            f"{(by['sharded'].median_s - floor) * 1e3:.0f} -> {(by['sharded overlap'].median_s - floor) * 1e3:.0f} ms)"
+        ],
+        world=world,
+    )
     world.close()
     return 0
 
@@ -128,4 +216,7 @@ def _in_rank(args: argparse.Namespace) -> int:
 def _phases(timings: list[Any]) -> dict[str, float]:
     """Median seconds of each optimizer phase (pack, reduce_scatter, update, all_gather, ...) over the steps."""
     phases = [t.value for t in timings if t.value]
-    return {k: statistics.median(p.get(k, 0.0) for p in phases) for k in sorted({k for p in phases for k in p})}
+    return {
+        k: statistics.median(p.get(k, 0.0) for p in phases)
+        for k in sorted({k for p in phases for k in p})
+    }

@@ -37,17 +37,29 @@ from scaleout.argtypes import csv_of
 
 NAME = "ttt"
 HELP = "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, hierarchical)"
-DESCRIPTION = __doc__ + """
+DESCRIPTION = (
+    __doc__
+    + """
 examples:
   scaleout bench ttt                                  # local + netns 2x2 at 1 Gbit, 3 seeds, ablation on netns
   scaleout bench ttt --clusters netns --seeds 1,2,3,4,5
   scaleout bench ttt --clusters local --no-ablation --baseline-lrs 2e-3 --baseline-batches 64
   scaleout bench ttt --quick                          # tiny smoke (~1 min): local 1x2, one seed, tiny model
 """
+)
 
-SMOKE_ARGS = ["--quick", "--target", "0.01"]  # every code path, ~1-2 min; run by its own end-to-end test:
+SMOKE_ARGS = [
+    "--quick",
+    "--target",
+    "0.01",
+]  # every code path, ~1-2 min; run by its own end-to-end test:
 SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
-QUICK = ["model.bert.layers=1", "model.bert.hidden=32", "model.bert.heads=1", "model.bert.intermediate=64"]
+QUICK = [
+    "model.bert.layers=1",
+    "model.bert.hidden=32",
+    "model.bert.heads=1",
+    "model.bert.intermediate=64",
+]
 
 
 def _names(text: str) -> list[str]:
@@ -63,43 +75,122 @@ _ints = csv_of(int, at_least=1, allow_empty=False)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="bert_tiny_cpu", help="model + data config for both sides (default bert_tiny_cpu)")
-    p.add_argument("--target", type=float, default=0.13,
-                   help="masked-LM accuracy to reach (default 0.13: 2.4x the most-frequent-token 0.054, above "
-                        "copy-the-input 0.117)")
-    p.add_argument("--budget", type=int, default=32000,
-                   help="training sequences every run may use; the schedules decay to 0 there (default 32000, 1.2 epochs)")
-    p.add_argument("--eval-seqs", type=int, default=1024, help="evaluate every ~this many training sequences (default 1024)")
-    p.add_argument("--seeds", type=_ints, default=[1, 2, 3], help="model-initialisation seeds (default 1,2,3)")
-    p.add_argument("--clusters", type=_names, default=["local", "netns"],
-                   help="local (scaleout launch) and/or netns (launch --netns, root) (default local,netns)")
+    p.add_argument(
+        "--config",
+        default="bert_tiny_cpu",
+        help="model + data config for both sides (default bert_tiny_cpu)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.13,
+        help="masked-LM accuracy to reach (default 0.13: 2.4x the most-frequent-token 0.054, above "
+        "copy-the-input 0.117)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=32000,
+        help="training sequences every run may use; the schedules decay to 0 there (default 32000, 1.2 epochs)",
+    )
+    p.add_argument(
+        "--eval-seqs",
+        type=int,
+        default=1024,
+        help="evaluate every ~this many training sequences (default 1024)",
+    )
+    p.add_argument(
+        "--seeds", type=_ints, default=[1, 2, 3], help="model-initialisation seeds (default 1,2,3)"
+    )
+    p.add_argument(
+        "--clusters",
+        type=_names,
+        default=["local", "netns"],
+        help="local (scaleout launch) and/or netns (launch --netns, root) (default local,netns)",
+    )
     p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--rate", default="1gbit", help="netns link rate (default 1gbit)")
-    p.add_argument("--baseline-lrs", type=_floats, default=[1e-3, 2e-3, 3e-3],
-                   help="AdamW learning rates to sweep (default 1e-3,2e-3,3e-3)")
-    p.add_argument("--baseline-batches", type=_ints, default=[32, 64],
-                   help="baseline global batches in sequences to sweep (default 32,64)")
-    p.add_argument("--baseline-warmup", type=float, default=0.1, help="baseline warm-up fraction of its steps (default 0.1)")
-    p.add_argument("--batch", type=int, default=32,
-                   help="scaleout global batch in packed rows (default 32 = ~36 sequences; docs/ttt.md: larger needs "
-                        "more sequences on this model)")
-    p.add_argument("--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)")
-    p.add_argument("--warmup", type=float, default=0.1, help="scaleout warm-up fraction of its steps (default 0.1)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
-                   help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
-                        "state; the ablation's last step switches it on, so its share of the win is shown)")
-    p.add_argument("--compression", choices=["none", "bf16", "fp16"], default="bf16",
-                   help="scaleout's comm.compression with --precision bf16/fp16: gradients all-reduced in that dtype "
-                        "(half the bytes on the wire; default bf16)")
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="scaleout DataParallel bucket size (default 1 MB)")
+    p.add_argument(
+        "--baseline-lrs",
+        type=_floats,
+        default=[1e-3, 2e-3, 3e-3],
+        help="AdamW learning rates to sweep (default 1e-3,2e-3,3e-3)",
+    )
+    p.add_argument(
+        "--baseline-batches",
+        type=_ints,
+        default=[32, 64],
+        help="baseline global batches in sequences to sweep (default 32,64)",
+    )
+    p.add_argument(
+        "--baseline-warmup",
+        type=float,
+        default=0.1,
+        help="baseline warm-up fraction of its steps (default 0.1)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=32,
+        help="scaleout global batch in packed rows (default 32 = ~36 sequences; docs/ttt.md: larger needs "
+        "more sequences on this model)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.1,
+        help="scaleout warm-up fraction of its steps (default 0.1)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="bf16",
+        help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
+        "state; the ablation's last step switches it on, so its share of the win is shown)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=["none", "bf16", "fp16"],
+        default="bf16",
+        help="scaleout's comm.compression with --precision bf16/fp16: gradients all-reduced in that dtype "
+        "(half the bytes on the wire; default bf16)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=1.0,
+        help="scaleout DataParallel bucket size (default 1 MB)",
+    )
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
-    p.add_argument("--ablation-clusters", type=_names, default=["netns"], help="clusters to run the ablation on (default netns)")
-    p.add_argument("--quick", action="store_true", help="tiny smoke: local 1x2, one seed, a 1-layer 32-wide model, small budget")
-    p.add_argument("--runs-dir", default="bench-results/ttt-runs", help="every run's output directory")
+    p.add_argument(
+        "--ablation-clusters",
+        type=_names,
+        default=["netns"],
+        help="clusters to run the ablation on (default netns)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke: local 1x2, one seed, a 1-layer 32-wide model, small budget",
+    )
+    p.add_argument(
+        "--runs-dir", default="bench-results/ttt-runs", help="every run's output directory"
+    )
     p.add_argument("--out", default="bench-results/ttt.json", help="JSON output")
-    p.add_argument("--png", default="bench-results/ttt.png", help="accuracy vs wall time of every run ('' = none)")
-    p.add_argument("overrides", nargs="*", help="model/data config overrides for both sides, e.g. model.bert.layers=1")
+    p.add_argument(
+        "--png",
+        default="bench-results/ttt.png",
+        help="accuracy vs wall time of every run ('' = none)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="model/data config overrides for both sides, e.g. model.bert.layers=1",
+    )
 
 
 def _quick(args: argparse.Namespace) -> None:
@@ -108,7 +199,11 @@ def _quick(args: argparse.Namespace) -> None:
     args.clusters, args.ablation_clusters = ["local"], ["local"]
     args.nnodes, args.nproc_per_node, args.seeds = 1, 2, args.seeds[:1]
     args.baseline_lrs, args.baseline_batches = args.baseline_lrs[:1], args.baseline_batches[:1]
-    args.budget, args.eval_seqs, args.batch = min(args.budget, 256), min(args.eval_seqs, 64), min(args.batch, 16)
+    args.budget, args.eval_seqs, args.batch = (
+        min(args.budget, 256),
+        min(args.eval_seqs, 64),
+        min(args.batch, 16),
+    )
 
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
@@ -120,7 +215,9 @@ def seqs_per_row(cfg: Any) -> tuple[float, str]:
     d = cfg.data
     algo = d.packing if d.packing != "none" else "lpfhp"
     lengths = [len(s) for s in load_bert_data(cfg).train]
-    s = pack_histogram(histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, algo)
+    s = pack_histogram(
+        histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, algo
+    )
     return float(s.speedup), algo
 
 
@@ -132,7 +229,9 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
         if name == "netns" and os.geteuid() != 0:
             print("netns: skipped (the emulated cluster needs root)", flush=True)
             continue
-        out.append(Cluster(name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None))
+        out.append(
+            Cluster(name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None)
+        )
     if not out:
         raise SystemExit("scaleout bench ttt: no cluster to run on")
     return out
@@ -142,23 +241,60 @@ def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict
     """scaleout's recipes and the ablation chain, given the best baseline recipe ``best``."""
     from scaleout.bench._ttt_runs import Recipe
 
-    rows = max(world, round(best.batch / spr / world) * world)  # packed rows carrying ~the baseline's sequences
-    full = Recipe("scaleout", "scaleout", "lamb", args.batch, args.lr, args.warmup, packing=True,
-                  comm="hierarchical", overlap=True, bucket_mb=args.bucket_mb, precision=args.precision,
-                  compression=args.compression if args.precision != "fp32" else "none",
-                  label=_low_label(args))
-    framework = Recipe("abl-framework", "scaleout", "adamw", best.batch, best.lr, best.warmup, comm="flat",
-                       bucket_mb=25.0, label="scaleout's trainer, the baseline's recipe")
+    rows = max(
+        world, round(best.batch / spr / world) * world
+    )  # packed rows carrying ~the baseline's sequences
+    full = Recipe(
+        "scaleout",
+        "scaleout",
+        "lamb",
+        args.batch,
+        args.lr,
+        args.warmup,
+        packing=True,
+        comm="hierarchical",
+        overlap=True,
+        bucket_mb=args.bucket_mb,
+        precision=args.precision,
+        compression=args.compression if args.precision != "fp32" else "none",
+        label=_low_label(args),
+    )
+    framework = Recipe(
+        "abl-framework",
+        "scaleout",
+        "adamw",
+        best.batch,
+        best.lr,
+        best.warmup,
+        comm="flat",
+        bucket_mb=25.0,
+        label="scaleout's trainer, the baseline's recipe",
+    )
     packing = replace(framework, name="abl-packing", packing=True, batch=rows, label="packing")
-    comm = replace(packing, name="abl-comm", comm="hierarchical", bucket_mb=args.bucket_mb,
-                   label="hierarchical all-reduce + overlap")
-    lamb = replace(full, name="abl-lamb", precision="fp32", compression="none",
-                   label=f"LAMB lr {args.lr:g} at {args.batch} packed rows")
+    comm = replace(
+        packing,
+        name="abl-comm",
+        comm="hierarchical",
+        bucket_mb=args.bucket_mb,
+        label="hierarchical all-reduce + overlap",
+    )
+    lamb = replace(
+        full,
+        name="abl-lamb",
+        precision="fp32",
+        compression="none",
+        label=f"LAMB lr {args.lr:g} at {args.batch} packed rows",
+    )
     chain = [framework, packing, comm] + ([lamb] if args.precision != "fp32" else []) + [full]
     if args.precision == "fp32":
         chain[-1] = replace(full, label=lamb.label)
-    return {"scaleout": full, "scaleout-sharded": replace(full, name="scaleout-sharded", sharded=True, label="sharded LAMB"),
-            "chain": chain}
+    return {
+        "scaleout": full,
+        "scaleout-sharded": replace(
+            full, name="scaleout-sharded", sharded=True, label="sharded LAMB"
+        ),
+        "chain": chain,
+    }
 
 
 def _low_label(args: argparse.Namespace) -> str:
@@ -168,20 +304,39 @@ def _low_label(args: argparse.Namespace) -> str:
     return f"{args.precision} autocast{wire}"
 
 
-def sweep(args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def sweep(
+    args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The baseline's lr x batch sweep on the first seed, candidates interleaved over the clusters; a
     candidate is cut once it is slower than the best so far on its cluster. Returns the best per cluster."""
     from scaleout.bench._ttt_runs import Recipe, execute
 
     bs, lrs = args.baseline_batches, args.baseline_lrs
-    first = (bs[(len(bs) - 1) // 2], lrs[(len(lrs) - 1) // 2])  # the grid's middle first: an early good best
-    grid = [first] + [(b, lr) for b in bs for lr in lrs if (b, lr) != first]  # cuts the others sooner
+    first = (
+        bs[(len(bs) - 1) // 2],
+        lrs[(len(lrs) - 1) // 2],
+    )  # the grid's middle first: an early good best
+    grid = [first] + [
+        (b, lr) for b in bs for lr in lrs if (b, lr) != first
+    ]  # cuts the others sooner
     best: dict[str, tuple[dict[str, Any], Any]] = {}
     seed = args.seeds[0]
     for b, lr in grid:
-        r = Recipe(f"baseline-b{b}-lr{lr:g}", "torch", "adamw", b, lr, args.baseline_warmup, label="torch DDP + AdamW")
+        r = Recipe(
+            f"baseline-b{b}-lr{lr:g}",
+            "torch",
+            "adamw",
+            b,
+            lr,
+            args.baseline_warmup,
+            label="torch DDP + AdamW",
+        )
         for c in clusters:
-            cut = best[c.name][0]["ttt_s"] if c.name in best and best[c.name][0]["ttt_s"] is not None else None
+            cut = (
+                best[c.name][0]["ttt_s"]
+                if c.name in best and best[c.name][0]["ttt_s"] is not None
+                else None
+            )
             _say(rows, c, r, seed)
             row = execute(plan, c, r, seed, root, time_budget=cut)
             row["sweep"] = True
@@ -201,8 +356,10 @@ def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
-    print(f"[{len(rows) + 1}] {c.name} {r.name} seed {seed} ({r.kind}, {r.optimizer}, batch {r.batch}, lr {r.lr:g}) ...",
-          flush=True)
+    print(
+        f"[{len(rows) + 1}] {c.name} {r.name} seed {seed} ({r.kind}, {r.optimizer}, batch {r.batch}, lr {r.lr:g}) ...",
+        flush=True,
+    )
 
 
 def _done(row: dict[str, Any], root: Path) -> None:
@@ -214,9 +371,11 @@ def _done(row: dict[str, Any], root: Path) -> None:
     with open(root / "runs.jsonl", "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
     ttt = cell(row) + (" s" if row["ttt_s"] is not None else "")
-    print(f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
-          f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
-          flush=True)
+    print(
+        f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
+        f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,16 +388,28 @@ def run(args: argparse.Namespace) -> int:
     clusters = _clusters(args)
     t0 = time.perf_counter()
     spr, algo = seqs_per_row(cfg)
-    plan = Plan(args.config, args.target, args.budget, args.eval_seqs, spr, algo, list(args.overrides))
-    print(f"{args.config}: target {args.target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
-          f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
-          f"{args.seeds}", flush=True)
+    plan = Plan(
+        args.config, args.target, args.budget, args.eval_seqs, spr, algo, list(args.overrides)
+    )
+    print(
+        f"{args.config}: target {args.target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
+        f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
+        f"{args.seeds}",
+        flush=True,
+    )
     root, rows = Path(args.runs_dir), []
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.jsonl").unlink(missing_ok=True)
     best = sweep(args, plan, clusters, root, rows)
     for c in clusters:  # the sweep's winner is the baseline of the first seed
-        rows.append({**best[c.name][0], "recipe": "baseline", "sweep": False, "from_sweep": best[c.name][1].name})
+        rows.append(
+            {
+                **best[c.name][0],
+                "recipe": "baseline",
+                "sweep": False,
+                "from_sweep": best[c.name][1].name,
+            }
+        )
     for i, seed in enumerate(args.seeds):
         for c in clusters:
             base = replace(best[c.name][1], name="baseline")
@@ -246,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
             todo = ([base] if i else []) + [rec["scaleout"], rec["scaleout-sharded"]]
             if not args.no_ablation and c.name in args.ablation_clusters:
                 todo += rec["chain"][:-1]
-            for r in todo[i % len(todo):] + todo[: i % len(todo)]:  # rotate the order per seed
+            for r in todo[i % len(todo) :] + todo[: i % len(todo)]:  # rotate the order per seed
                 _say(rows, c, r, seed)
                 rows.append(execute(plan, c, r, seed, root))
                 _done(rows[-1], root)

@@ -109,14 +109,18 @@ def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed the one-line usage error
-        raise UserError(f"invalid arguments for 'scaleout {argv[0]}': {' '.join(argv[1:])}") from exc
+        raise UserError(
+            f"invalid arguments for 'scaleout {argv[0]}': {' '.join(argv[1:])}"
+        ) from exc
     mod.preflight(args, world_size, ranks_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)  # for commands that re-launch themselves
+    args._argv = list(
+        sys.argv[1:] if argv is None else argv
+    )  # for commands that re-launch themselves
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

@@ -35,8 +35,12 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("show", "export"), help="show or export")
     p.add_argument("path", help="checkpoint file, checkpoint directory or run directory")
-    p.add_argument("--out", default=None, help="export: output directory (default: <checkpoint>-export/)")
-    p.add_argument("--format", default="plain,hf", help="export: comma list of plain, hf (default both)")
+    p.add_argument(
+        "--out", default=None, help="export: output directory (default: <checkpoint>-export/)"
+    )
+    p.add_argument(
+        "--format", default="plain,hf", help="export: comma list of plain, hf (default both)"
+    )
     p.add_argument(
         "--config",
         nargs="+",
@@ -55,12 +59,16 @@ def find_checkpoint(path: str) -> tuple[dict[str, Any], Path]:
     if p.is_file():
         return decode(p.read_bytes(), str(p)), p
     if not p.is_dir():
-        raise UserError(f"{path} does not exist; expected a ckpt-<step>.pt file, a checkpoint or a run directory")
+        raise UserError(
+            f"{path} does not exist; expected a ckpt-<step>.pt file, a checkpoint or a run directory"
+        )
     for d in (p, p / "ckpt", p / "checkpoint", p / "checkpoints"):
         found = Checkpointer(d).load_latest() if d.is_dir() else None
         if found is not None:
             return found
-    raise UserError(f"{path}: no checkpoint (ckpt-<step>.pt) that verifies in it or in its ckpt/ folder")
+    raise UserError(
+        f"{path}: no checkpoint (ckpt-<step>.pt) that verifies in it or in its ckpt/ folder"
+    )
 
 
 def _config(state: dict[str, Any], override: list[str] | None) -> Any:
@@ -72,7 +80,9 @@ def _config(state: dict[str, Any], override: list[str] | None) -> Any:
         return load_config(override[0], override[1:])
     if isinstance(state.get("config"), dict):
         return Config.model_validate(state["config"])
-    raise UserError("this checkpoint does not store its config; pass --config CONFIG [key=value ...]")
+    raise UserError(
+        "this checkpoint does not store its config; pass --config CONFIG [key=value ...]"
+    )
 
 
 def show(state: dict[str, Any], path: Path, override: list[str] | None) -> None:
@@ -90,7 +100,11 @@ def show(state: dict[str, Any], path: Path, override: list[str] | None) -> None:
         f"samples {state.get('samples')}  skipped steps {state.get('skipped')}"
     )
     print(f"weights     {len(model)} tensors, {params:,} parameters")
-    shards = f"{len(opt)} per-rank optimizer states in the file" if isinstance(opt, list) else "one optimizer state"
+    shards = (
+        f"{len(opt)} per-rank optimizer states in the file"
+        if isinstance(opt, list)
+        else "one optimizer state"
+    )
     print(f"shards      {shards}" + "".join(f"; {_describe(q)}" for q in beside))
     try:
         cfg = _config(state, override)
@@ -104,7 +118,9 @@ def show(state: dict[str, Any], path: Path, override: list[str] | None) -> None:
 def _describe(q: Path) -> str:
     if q.is_dir():
         files = [f for f in q.rglob("*") if f.is_file()]
-        return f"{q.name}/: {len(files)} files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB"
+        return (
+            f"{q.name}/: {len(files)} files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB"
+        )
     return f"{q.name}: {q.stat().st_size / 2**20:.1f} MiB"
 
 
@@ -129,7 +145,9 @@ def hf_config(b: Any) -> dict[str, Any]:
     }
 
 
-def export(state: dict[str, Any], path: Path, out: Path, formats: list[str], override: list[str] | None) -> None:
+def export(
+    state: dict[str, Any], path: Path, out: Path, formats: list[str], override: list[str] | None
+) -> None:
     import json
 
     import torch
@@ -140,7 +158,9 @@ def export(state: dict[str, Any], path: Path, out: Path, formats: list[str], ove
     model = state["model"]
     cfg = _config(state, override) if "hf" in formats else None
     if cfg is not None and cfg.model.arch != "bert":
-        raise UserError(f"--format hf: model.arch={cfg.model.arch!r}; only BERT has a Hugging Face layout")
+        raise UserError(
+            f"--format hf: model.arch={cfg.model.arch!r}; only BERT has a Hugging Face layout"
+        )
     out.mkdir(parents=True, exist_ok=True)
     if "plain" in formats:
         torch.save(model, out / "model_state_dict.pt")
@@ -164,5 +184,11 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "show":
         show(state, path, args.config)
     else:
-        export(state, path, Path(args.out) if args.out else path.with_name(path.stem + "-export"), formats, args.config)
+        export(
+            state,
+            path,
+            Path(args.out) if args.out else path.with_name(path.stem + "-export"),
+            formats,
+            args.config,
+        )
     return 0

@@ -30,10 +30,22 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--nodes", type=int, default=2, help="namespaces to create (default 2)")
-    p.add_argument("--rate", default="1gbit", help="per-node link rate, tc units (default 1gbit; 'none' = unlimited)")
-    p.add_argument("--name", default="so", help="cluster name, prefix of namespaces and links (default so)")
-    p.add_argument("--subnet", default="10.77.0", help="first three octets of the node addresses (default 10.77.0)")
-    p.add_argument("--all", action="store_true", help="down: every recorded cluster whose owner is gone")
+    p.add_argument(
+        "--rate",
+        default="1gbit",
+        help="per-node link rate, tc units (default 1gbit; 'none' = unlimited)",
+    )
+    p.add_argument(
+        "--name", default="so", help="cluster name, prefix of namespaces and links (default so)"
+    )
+    p.add_argument(
+        "--subnet",
+        default="10.77.0",
+        help="first three octets of the node addresses (default 10.77.0)",
+    )
+    p.add_argument(
+        "--all", action="store_true", help="down: every recorded cluster whose owner is gone"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,25 +57,37 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "down" and args.all:
         require_root()
         removed, skipped = down_all()
-        print(f"scaleout cluster: removed {len(removed)} ({', '.join(removed) or 'none'})"
-              + (f"; left running: {', '.join(skipped)}" if skipped else ""))
+        print(
+            f"scaleout cluster: removed {len(removed)} ({', '.join(removed) or 'none'})"
+            + (f"; left running: {', '.join(skipped)}" if skipped else "")
+        )
         return 0
     cluster = Cluster(args.nodes, args.rate, name=args.name, subnet=args.subnet)
     if args.action == "up":
         cluster.up()
-        print(f"scaleout cluster: {args.nodes} nodes up ({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), rate {args.rate}")
+        print(
+            f"scaleout cluster: {args.nodes} nodes up ({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), rate {args.rate}"
+        )
     elif args.action == "down":
         require_root()
         rec = read_records().get(args.name)
         if rec is not None and owner_alive(rec):
-            raise UserError(f"cluster {args.name!r} belongs to the running launch pid {rec['owner_pid']}: stop that launch")
+            raise UserError(
+                f"cluster {args.name!r} belongs to the running launch pid {rec['owner_pid']}: stop that launch"
+            )
         cluster.down()
         if rec is not None:
             print(f"scaleout cluster: {args.name!r} is down")
         else:
             unknown = cluster.existing()
-            print(f"scaleout cluster: no cluster {args.name!r} recorded; nothing removed"
-                  + (f" (not created by scaleout, left alone: {', '.join(unknown)})" if unknown else ""))
+            print(
+                f"scaleout cluster: no cluster {args.name!r} recorded; nothing removed"
+                + (
+                    f" (not created by scaleout, left alone: {', '.join(unknown)})"
+                    if unknown
+                    else ""
+                )
+            )
     else:
         print(json.dumps(cluster.status(), indent=2))
     return 0

@@ -18,10 +18,17 @@ the checks that need the world size (global batch divisibility, torus grid, grou
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["show"], help="what to do (show)")
-    p.add_argument("config", nargs="?", default=None, help="config file or name in configs/ (default: built-in defaults)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="config file or name in configs/ (default: built-in defaults)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-3")
     p.add_argument("--world", type=int, default=None, help="also check against this world size")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node for the --world checks")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="ranks per node for the --world checks"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

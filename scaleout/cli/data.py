@@ -33,14 +33,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = sub.add_parser("make-shards", help="offline corpus -> MLPerf BERT HDF5 shards")
     m.add_argument("dir", help="output directory (train/ and eval/ are created in it)")
     m.add_argument("--shards", type=int, required=True, help="number of training shards")
-    m.add_argument("--layout", default="fixed", help="fixed (reference), varlength or packed (NVIDIA)")
+    m.add_argument(
+        "--layout", default="fixed", help="fixed (reference), varlength or packed (NVIDIA)"
+    )
     m.add_argument("--max-seq-len", type=int, default=128, help="tokens per sequence (MLPerf: 512)")
-    m.add_argument("--max-predictions", type=int, default=20, help="mask slots per sequence (MLPerf: 76)")
-    m.add_argument("--vocab-size", type=int, default=4096, help="WordPiece vocabulary trained on the corpus")
-    m.add_argument("--dupe-factor", type=int, default=5, help="copies of the corpus with different masks")
-    m.add_argument("--eval-samples", type=int, default=None, help="eval sequences (default: all held-out ones)")
-    m.add_argument("--packing", default="lphp", help="--layout packed: packing algorithm (default lphp)")
-    m.add_argument("--max-per-pack", type=int, default=3, help="--layout packed: sequences per row (default 3)")
+    m.add_argument(
+        "--max-predictions", type=int, default=20, help="mask slots per sequence (MLPerf: 76)"
+    )
+    m.add_argument(
+        "--vocab-size", type=int, default=4096, help="WordPiece vocabulary trained on the corpus"
+    )
+    m.add_argument(
+        "--dupe-factor", type=int, default=5, help="copies of the corpus with different masks"
+    )
+    m.add_argument(
+        "--eval-samples", type=int, default=None, help="eval sequences (default: all held-out ones)"
+    )
+    m.add_argument(
+        "--packing", default="lphp", help="--layout packed: packing algorithm (default lphp)"
+    )
+    m.add_argument(
+        "--max-per-pack", type=int, default=3, help="--layout packed: sequences per row (default 3)"
+    )
     m.add_argument("--seed", type=int, default=0)
     i = sub.add_parser("index", help="build the lazy-training index of a shard directory")
     i.add_argument("dir", help="shard directory (with train/ and eval/, or the shards themselves)")
@@ -85,13 +99,17 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.errors import UserError
 
     if args.packing not in (*ALGORITHMS, "auto", "none"):
-        raise UserError(f"--packing {args.packing!r}: expected none, auto or one of {', '.join(ALGORITHMS)}")
+        raise UserError(
+            f"--packing {args.packing!r}: expected none, auto or one of {', '.join(ALGORITHMS)}"
+        )
     root = Path(args.dir)
     train = root / "train" if (root / "train").is_dir() and (root / "eval").is_dir() else root
     files = shard_files(train)
     depth = args.max_per_pack if args.packing != "none" else 1
     t = time.perf_counter()
-    summary, idx = ensure_index(files, [0] * len(files), PackSettings(args.max_seq_len, args.packing, depth, args.seed))
+    summary, idx = ensure_index(
+        files, [0] * len(files), PackSettings(args.max_seq_len, args.packing, depth, args.seed)
+    )
     packs, tokens = int(summary.packs.sum()), int(summary.tokens.sum())
     print(
         json.dumps(

@@ -32,20 +32,63 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="emulated nodes (default 1)")
     # torchrun's spellings too: --nproc_per_node, --master_addr, --master_port; auto | cpu | gpu | N
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_value, default="1", metavar="N|auto|cpu|gpu",
-                   help="processes per node (default 1); as torchrun: gpu = visible CUDA devices, cpu = usable "
-                        "cores, auto = gpu if there is one, else cpu")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's KillWait and "
-                        "torchrun: time for the trainer's checkpoint)")
-    p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("--netns", action="store_true", help="run node i's ranks in network namespace i of a private emulated cluster (root)")
-    p.add_argument("--rate", default="1gbit", help="with --netns: per-node link rate for tc (default 1gbit; 'none' = unlimited)")
-    p.add_argument("--cluster", default=None, metavar="NAME", help="run in the existing emulated cluster NAME (scaleout cluster up)")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command each rank runs")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=nproc_value,
+        default="1",
+        metavar="N|auto|cpu|gpu",
+        help="processes per node (default 1); as torchrun: gpu = visible CUDA devices, cpu = usable "
+        "cores, auto = gpu if there is one, else cpu",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default="127.0.0.1",
+        help="rendezvous address (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: a free one)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's KillWait and "
+        "torchrun: time for the trainer's checkpoint)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="stop everything after this many seconds"
+    )
+    p.add_argument(
+        "--no-prefix", action="store_true", help="do not prefix output lines with the rank"
+    )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="run node i's ranks in network namespace i of a private emulated cluster (root)",
+    )
+    p.add_argument(
+        "--rate",
+        default="1gbit",
+        help="with --netns: per-node link rate for tc (default 1gbit; 'none' = unlimited)",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="NAME",
+        help="run in the existing emulated cluster NAME (scaleout cluster up)",
+    )
+    p.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="command",
+        help="-- then the command each rank runs",
+    )
 
 
 NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -55,7 +98,9 @@ def nproc_value(text: str) -> str:
     """argparse type of --nproc-per-node: an integer >= 1 or one of torchrun's words (resolved in run)."""
     if text in NPROC_WORDS or (text.isdigit() and int(text) >= 1):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1 or one of {', '.join(NPROC_WORDS)}")
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected an integer >= 1 or one of {', '.join(NPROC_WORDS)}"
+    )
 
 
 def resolve_nproc(value: str | int) -> int:
@@ -67,14 +112,18 @@ def resolve_nproc(value: str | int) -> int:
 
     if str(value).isdigit():
         return int(value)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     if value == "cpu":
         return cores
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if value == "gpu" and gpus == 0:
-        raise UserError("--nproc-per-node gpu: no CUDA device is visible (use a number, cpu or auto)")
+        raise UserError(
+            "--nproc-per-node gpu: no CUDA device is visible (use a number, cpu or auto)"
+        )
     return gpus or cores
 
 
@@ -87,18 +136,34 @@ def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    cmd, check = resolve(cmd)  # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
+    cmd, check = resolve(
+        cmd
+    )  # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
     if args.netns or args.cluster:
         from scaleout.launchers.netns import MAX_NODES
 
         if args.nnodes > MAX_NODES:
-            raise UserError(f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster")
+            raise UserError(
+                f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster"
+            )
     check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
-    kwargs = dict(grace_s=args.grace, prefix_output=not args.no_prefix, timeout_s=args.timeout, preflight=check)
+    kwargs = dict(
+        grace_s=args.grace,
+        prefix_output=not args.no_prefix,
+        timeout_s=args.timeout,
+        preflight=check,
+    )
     if args.netns or args.cluster:
         result = _launch_netns(cmd, args, kwargs)
     else:
-        result = launch(cmd, args.nnodes, args.nproc_per_node, master_addr=args.master_addr, master_port=args.master_port, **kwargs)
+        result = launch(
+            cmd,
+            args.nnodes,
+            args.nproc_per_node,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            **kwargs,
+        )
     stream = sys.stdout if result.returncode == 0 else sys.stderr
     try:
         print(f"scaleout launch: {result.message}", file=stream, flush=True)

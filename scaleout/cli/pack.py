@@ -31,10 +31,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("histogram", nargs="?", help="histogram file ('length count' lines)")
     p.add_argument("--lengths", help="dataset as sequence lengths: text (one per line) or .npy")
     p.add_argument("--max-len", type=int, default=512, help="tokens per pack (default 512)")
-    p.add_argument("--max-per-pack", type=int, default=3, help="sequences per pack (default 3, NVIDIA MLPerf BERT)")
-    p.add_argument("--algorithms", default="spfhp,lpfhp,nnlshp,lphp", help="comma list (default: all)")
-    p.add_argument("--out", default="bench-results/packing-strategy.json", help="strategy JSON ('' = none)")
-    p.add_argument("--packed-out", default=None, help="with --lengths: write packed ids/offsets (.npz)")
+    p.add_argument(
+        "--max-per-pack",
+        type=int,
+        default=3,
+        help="sequences per pack (default 3, NVIDIA MLPerf BERT)",
+    )
+    p.add_argument(
+        "--algorithms", default="spfhp,lpfhp,nnlshp,lphp", help="comma list (default: all)"
+    )
+    p.add_argument(
+        "--out", default="bench-results/packing-strategy.json", help="strategy JSON ('' = none)"
+    )
+    p.add_argument(
+        "--packed-out", default=None, help="with --lengths: write packed ids/offsets (.npz)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sequence-to-pack assignment")
 
 
@@ -53,7 +64,9 @@ def _read_lengths(path: str):
         try:
             arr = np.load(p)  # allow_pickle=False: object arrays are refused, never unpickled
         except (ValueError, OSError, EOFError) as exc:
-            raise UserError(f"lengths file {path!r}: not a readable numeric .npy array ({exc})") from None
+            raise UserError(
+                f"lengths file {path!r}: not a readable numeric .npy array ({exc})"
+            ) from None
         if not np.issubdtype(arr.dtype, np.integer):
             example = arr.reshape(-1)[:1].tolist()
             raise UserError(
@@ -68,7 +81,9 @@ def _read_lengths(path: str):
         try:
             values.append(int(word))
         except ValueError:
-            raise UserError(f"{path}: item {no} {word!r}: expected one integer sequence length per line") from None
+            raise UserError(
+                f"{path}: item {no} {word!r}: expected one integer sequence length per line"
+            ) from None
         if abs(values[-1]) > np.iinfo(np.int64).max:
             raise UserError(f"{path}: item {no} {word!r}: length does not fit int64")
     return np.array(values, dtype=np.int64)
@@ -105,23 +120,51 @@ def run(args: argparse.Namespace) -> int:
     else:
         h = load_histogram(args.histogram, args.max_len)
     tokens = int((h * np.arange(len(h))).sum())
-    print(f"{int(h.sum())} sequences, {tokens} tokens, max_len {args.max_len}, <= {args.max_per_pack} per pack; "
-          f"speed-up ceiling {speedup_ceiling(h):.4f}", flush=True)
+    print(
+        f"{int(h.sum())} sequences, {tokens} tokens, max_len {args.max_len}, <= {args.max_per_pack} per pack; "
+        f"speed-up ceiling {speedup_ceiling(h):.4f}",
+        flush=True,
+    )
     results = []
     for a in names:
         s = pack_histogram(h, args.max_len, args.max_per_pack, a)
         results.append(s)
         print(f"  {a}: done in {s.seconds:.3f} s", flush=True)
-    rows = [[s.algorithm, f"{s.efficiency:.5f}", f"{s.speedup:.4f}", s.num_packs, len(s.packs),
-             " ".join(f"{d}:{n}" for d, n in s.depth_histogram().items()), f"{s.seconds:.3f}",
-             f"{s.cpu_seconds:.3f}"] for s in results]
-    print(format_table(["algorithm", "efficiency", "speed-up", "packs", "strategies", "depth histogram",
-                        "wall s", "cpu s"], rows))
+    rows = [
+        [
+            s.algorithm,
+            f"{s.efficiency:.5f}",
+            f"{s.speedup:.4f}",
+            s.num_packs,
+            len(s.packs),
+            " ".join(f"{d}:{n}" for d, n in s.depth_histogram().items()),
+            f"{s.seconds:.3f}",
+            f"{s.cpu_seconds:.3f}",
+        ]
+        for s in results
+    ]
+    print(
+        format_table(
+            [
+                "algorithm",
+                "efficiency",
+                "speed-up",
+                "packs",
+                "strategies",
+                "depth histogram",
+                "wall s",
+                "cpu s",
+            ],
+            rows,
+        )
+    )
     best = max(results, key=lambda s: (s.efficiency, -s.seconds))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**best.to_json(), "compared": [s.stats() for s in results]}, indent=1))
+        out.write_text(
+            json.dumps({**best.to_json(), "compared": [s.stats() for s in results]}, indent=1)
+        )
         print(f"strategy ({best.algorithm}) written to {out}")
     if args.packed_out:
         packed = assign_sequences(best, lengths, seed=args.seed)

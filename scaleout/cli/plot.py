@@ -22,7 +22,9 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run's output directory (train.output_dir), holding metrics.jsonl")
+    p.add_argument(
+        "run_dir", help="a run's output directory (train.output_dir), holding metrics.jsonl"
+    )
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
 
 
@@ -38,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if evals:
         best = max(evals, key=lambda r: r["value"])
-        print(f"{len(evals)} evaluations, best {best['metric']} {best['value']:.4f} at step {best['step']}")
+        print(
+            f"{len(evals)} evaluations, best {best['metric']} {best['value']:.4f} at step {best['step']}"
+        )
     path = plot_run(args.run_dir, args.out)
     if path is None:
         return 1

@@ -41,73 +41,169 @@ examples:
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default="dgx-a100", help="cluster preset (default dgx-a100; see 'presets')")
+    p.add_argument(
+        "--cluster", default="dgx-a100", help="cluster preset (default dgx-a100; see 'presets')"
+    )
     p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
     p.add_argument("--nics", type=int, default=None, help="override NICs per node")
-    p.add_argument("--intra-gbs", type=float, default=None, help="achievable intra-node GB/s per GPU per direction")
-    p.add_argument("--inter-gbit", type=float, default=None, help="achievable Gbit/s per NIC per direction")
-    p.add_argument("--intra-lat-us", type=float, default=None, help="latency of one intra-node step (us)")
-    p.add_argument("--inter-lat-us", type=float, default=None, help="latency of one network step (us)")
-    p.add_argument("--sharp", action=argparse.BooleanOptionalAction, default=None,
-                   help="in-network reduction between nodes (SHARP / NCCL CollNet; default off)")
+    p.add_argument(
+        "--intra-gbs",
+        type=float,
+        default=None,
+        help="achievable intra-node GB/s per GPU per direction",
+    )
+    p.add_argument(
+        "--inter-gbit", type=float, default=None, help="achievable Gbit/s per NIC per direction"
+    )
+    p.add_argument(
+        "--intra-lat-us", type=float, default=None, help="latency of one intra-node step (us)"
+    )
+    p.add_argument(
+        "--inter-lat-us", type=float, default=None, help="latency of one network step (us)"
+    )
+    p.add_argument(
+        "--sharp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="in-network reduction between nodes (SHARP / NCCL CollNet; default off)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="<action>")
-    sc = sub.add_parser("scale", help="training-step scaling sweep and time to train",
-                        description="Step time, exposed communication, efficiency and time to train per GPU count "
-                        "and algorithm. Values come from the flags, else from --config, else the defaults.")
+    sc = sub.add_parser(
+        "scale",
+        help="training-step scaling sweep and time to train",
+        description="Step time, exposed communication, efficiency and time to train per GPU count "
+        "and algorithm. Values come from the flags, else from --config, else the defaults.",
+    )
     _cluster_args(sc)
-    sc.add_argument("--config", default=None,
-                    help="training config (YAML as for `scaleout train`): model size, per-GPU batch, optim.sharded, "
-                    "comm.*, samples and the config's node count (added to the sweep)")
-    sc.add_argument("overrides", nargs="*", help="section.key=value overrides of --config, e.g. optim.sharded=true")
-    sc.add_argument("--model", default=None, help="model preset (default bert-large, or the config's model)")
-    sc.add_argument("--optimizer", default=None,
-                    help="replicated | sharded | sharded-node (default replicated, or the config's optim.sharded)")
-    sc.add_argument("--param-bytes", type=int, default=None, help="bytes per parameter a sharded optimizer all-gathers")
+    sc.add_argument(
+        "--config",
+        default=None,
+        help="training config (YAML as for `scaleout train`): model size, per-GPU batch, optim.sharded, "
+        "comm.*, samples and the config's node count (added to the sweep)",
+    )
+    sc.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.key=value overrides of --config, e.g. optim.sharded=true",
+    )
+    sc.add_argument(
+        "--model", default=None, help="model preset (default bert-large, or the config's model)"
+    )
+    sc.add_argument(
+        "--optimizer",
+        default=None,
+        help="replicated | sharded | sharded-node (default replicated, or the config's optim.sharded)",
+    )
+    sc.add_argument(
+        "--param-bytes",
+        type=int,
+        default=None,
+        help="bytes per parameter a sharded optimizer all-gathers",
+    )
     sc.add_argument("--params", type=float, default=None, help="override parameter count")
-    sc.add_argument("--flops-per-sample", type=float, default=None, help="override training FLOPs per sample")
-    sc.add_argument("--grad-bytes", type=int, default=None, help="bytes per gradient element on the wire")
-    sc.add_argument("--local-batch", type=float, default=None, help="samples per GPU per step (default 4)")
-    sc.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)")
-    sc.add_argument("--samples-per-s", type=float, default=None, help="per-device throughput (overrides --mfu)")
-    sc.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size in MB (default 25, DDP)")
+    sc.add_argument(
+        "--flops-per-sample", type=float, default=None, help="override training FLOPs per sample"
+    )
+    sc.add_argument(
+        "--grad-bytes", type=int, default=None, help="bytes per gradient element on the wire"
+    )
+    sc.add_argument(
+        "--local-batch", type=float, default=None, help="samples per GPU per step (default 4)"
+    )
+    sc.add_argument(
+        "--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)"
+    )
+    sc.add_argument(
+        "--samples-per-s", type=float, default=None, help="per-device throughput (overrides --mfu)"
+    )
+    sc.add_argument(
+        "--bucket-mb", type=float, default=None, help="gradient bucket size in MB (default 25, DDP)"
+    )
     sc.add_argument("--no-overlap", action="store_true", help="all-reduce only after backward")
-    sc.add_argument("--algorithms", default=None, help="comma list (default ring,tree,hierarchical,torus2d)")
-    sc.add_argument("--torus-x", default=None, help="torus row length: an integer, 'node' or 'square' (default)")
+    sc.add_argument(
+        "--algorithms", default=None, help="comma list (default ring,tree,hierarchical,torus2d)"
+    )
+    sc.add_argument(
+        "--torus-x", default=None, help="torus row length: an integer, 'node' or 'square' (default)"
+    )
     sc.add_argument("--min-gpus", type=int, default=None, help="first GPU count (default one node)")
     sc.add_argument("--max-gpus", type=int, default=4096, help="last GPU count (default 4096)")
-    sc.add_argument("--samples", type=float, default=None, help="samples to converge (default: the model preset's)")
-    sc.add_argument("--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)")
-    sc.add_argument("--png", default=None, help="PNG of efficiency and exposed communication vs GPUs")
+    sc.add_argument(
+        "--samples",
+        type=float,
+        default=None,
+        help="samples to converge (default: the model preset's)",
+    )
+    sc.add_argument(
+        "--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)"
+    )
+    sc.add_argument(
+        "--png", default=None, help="PNG of efficiency and exposed communication vs GPUs"
+    )
 
     ar = sub.add_parser("allreduce", help="one all-reduce: time and busbw per algorithm and size")
     _cluster_args(ar)
     ar.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    ar.add_argument("--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)")
+    ar.add_argument(
+        "--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)"
+    )
     ar.add_argument("--algorithms", default="ring,tree,hierarchical,torus2d", help="comma list")
-    ar.add_argument("--torus-x", default="square", help="torus row length: integer, 'node' or 'square'")
+    ar.add_argument(
+        "--torus-x", default="square", help="torus row length: integer, 'node' or 'square'"
+    )
 
     ca = sub.add_parser("calibrate", help="fit constants to bench JSON; held-out error")
-    ca.add_argument("bench_json", help="output of 'scaleout bench allreduce --out' (schema: scaleout.sim.calibrate)")
-    ca.add_argument("--holdout", default="", help="algorithms to leave out of the fit (comma list), e.g. torus2d")
-    ca.add_argument("--every", type=int, default=2, help="fit on every N-th size, test on the rest (default 2)")
-    ca.add_argument("--stat", default="min", choices=("min", "median"),
-                    help="per-row statistic when rows carry every run's time (default min: least disturbed)")
-    ca.add_argument("--min-bytes", default="0", help="ignore rows below this size, e.g. 1MiB (default 0)")
-    ca.add_argument("--tolerance", type=float, default=0.20, help="exit 1 if a held-out error exceeds this (default 0.20)")
-    ca.add_argument("--out", default="bench-results/simulate-calibrate.json", help="JSON output ('' to skip)")
+    ca.add_argument(
+        "bench_json",
+        help="output of 'scaleout bench allreduce --out' (schema: scaleout.sim.calibrate)",
+    )
+    ca.add_argument(
+        "--holdout",
+        default="",
+        help="algorithms to leave out of the fit (comma list), e.g. torus2d",
+    )
+    ca.add_argument(
+        "--every", type=int, default=2, help="fit on every N-th size, test on the rest (default 2)"
+    )
+    ca.add_argument(
+        "--stat",
+        default="min",
+        choices=("min", "median"),
+        help="per-row statistic when rows carry every run's time (default min: least disturbed)",
+    )
+    ca.add_argument(
+        "--min-bytes", default="0", help="ignore rows below this size, e.g. 1MiB (default 0)"
+    )
+    ca.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.20,
+        help="exit 1 if a held-out error exceeds this (default 0.20)",
+    )
+    ca.add_argument(
+        "--out", default="bench-results/simulate-calibrate.json", help="JSON output ('' to skip)"
+    )
 
-    va = sub.add_parser("validate", help="predictions vs published numbers",
-                        description="The cost model against nccl-tests, five published MLPerf BERT runs "
-                        "(A100 and H100, 64 to 4096 GPUs; sources in each check) and Horovod #542.")
-    va.add_argument("--out", default="bench-results/simulate-validate.json", help="JSON output ('' to skip)")
+    va = sub.add_parser(
+        "validate",
+        help="predictions vs published numbers",
+        description="The cost model against nccl-tests, five published MLPerf BERT runs "
+        "(A100 and H100, 64 to 4096 GPUs; sources in each check) and Horovod #542.",
+    )
+    va.add_argument(
+        "--out", default="bench-results/simulate-validate.json", help="JSON output ('' to skip)"
+    )
     sub.add_parser("presets", help="list cluster and model presets")
-    ml = sub.add_parser("mlperf-log", help="summarise MLPerf result logs (steps, time per step, score)",
-                        description="Median steps (train_samples / global_batch_size), time per step "
-                        "((run_stop - run_start) / steps) and the score (mean without fastest and slowest run) "
-                        "of MLPerf Training result_*.txt files, as scaleout.sim.mlperf records its references.")
+    ml = sub.add_parser(
+        "mlperf-log",
+        help="summarise MLPerf result logs (steps, time per step, score)",
+        description="Median steps (train_samples / global_batch_size), time per step "
+        "((run_stop - run_start) / steps) and the score (mean without fastest and slowest run) "
+        "of MLPerf Training result_*.txt files, as scaleout.sim.mlperf records its references.",
+    )
     ml.add_argument("paths", nargs="+", help="result_*.txt files or directories holding them")
     p.set_defaults(_sim_parser=p)
 
@@ -115,8 +211,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _cluster(args: argparse.Namespace, gpus_per_node: int | None = None) -> Any:
     from scaleout.sim.cluster import custom_cluster, get_cluster, with_sharp
 
-    c = custom_cluster(get_cluster(args.cluster), args.gpus_per_node or gpus_per_node, args.nics, args.intra_gbs,
-                       args.inter_gbit, args.intra_lat_us, args.inter_lat_us)
+    c = custom_cluster(
+        get_cluster(args.cluster),
+        args.gpus_per_node or gpus_per_node,
+        args.nics,
+        args.intra_gbs,
+        args.inter_gbit,
+        args.intra_lat_us,
+        args.inter_lat_us,
+    )
     return with_sharp(c, args.sharp)
 
 
@@ -148,30 +251,55 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
 
     run = None
     if args.overrides and not args.config:
-        raise ConfigError(f"overrides {' '.join(args.overrides)!r} need --config (they change a training config)")
+        raise ConfigError(
+            f"overrides {' '.join(args.overrides)!r} need --config (they change a training config)"
+        )
     if args.config:
         from scaleout.config.load import load_config
         from scaleout.sim.fromconfig import from_config
 
         # --optimizer sharded/replicated on a config means the product's optimizer, with its wire bytes
-        placement = {"sharded": ["optim.sharded=true"], "replicated": ["optim.sharded=false", "optim.overlap_comm=false"]}
+        placement = {
+            "sharded": ["optim.sharded=true"],
+            "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
+        }
         overrides = list(args.overrides) + placement.get(args.optimizer or "", [])
         run = from_config(load_config(args.config, overrides), args.config)
     cluster = _cluster(args, run.gpus_per_node if run else None)
     model = get_model(args.model or "bert-large") if args.model or not run else run.model
-    changes = {k: v for k, v in (("params", args.params), ("flops_per_sample", args.flops_per_sample),
-                                 ("grad_bytes", args.grad_bytes), ("param_bytes", args.param_bytes)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("params", args.params),
+            ("flops_per_sample", args.flops_per_sample),
+            ("grad_bytes", args.grad_bytes),
+            ("param_bytes", args.param_bytes),
+        )
+        if v is not None
+    }
     for k, v in changes.items():
         if v <= 0:
             raise ConfigError(f"--{k.replace('_', '-')} must be > 0, got {v}")
     model = replace(model, **changes)
     train = run.train if run else TrainSpec(local_batch=4, torus_x="square")
-    given = {k: v for k, v in (("local_batch", args.local_batch), ("mfu", args.mfu), ("bucket_mb", args.bucket_mb),
-                               ("samples_per_s", args.samples_per_s), ("optimizer", args.optimizer),
-                               ("torus_x", _torus_x(args.torus_x) if args.torus_x else None)) if v is not None}
+    given = {
+        k: v
+        for k, v in (
+            ("local_batch", args.local_batch),
+            ("mfu", args.mfu),
+            ("bucket_mb", args.bucket_mb),
+            ("samples_per_s", args.samples_per_s),
+            ("optimizer", args.optimizer),
+            ("torus_x", _torus_x(args.torus_x) if args.torus_x else None),
+        )
+        if v is not None
+    }
     train = replace(train, **given, **({"overlap": False} if args.no_overlap else {}))
-    algs = _algorithms(args.algorithms) if args.algorithms else (
-        [train.algorithm] if run else ["ring", "tree", "hierarchical", "torus2d"])
+    algs = (
+        _algorithms(args.algorithms)
+        if args.algorithms
+        else ([train.algorithm] if run else ["ring", "tree", "hierarchical", "torus2d"])
+    )
     gpus = gpu_counts(cluster, args.max_gpus, args.min_gpus)
     if run and run.nodes * cluster.gpus_per_node not in gpus:
         gpus = sorted(gpus + [run.nodes * cluster.gpus_per_node])
@@ -193,22 +321,77 @@ def run_scale(args: argparse.Namespace) -> int:
             t = replace(train, algorithm=alg)
             r = step_time(model, t, cluster, nodes)
             ttt = time_to_train(model, t, cluster, nodes, samples) if samples else None
-            rows.append({**asdict(r), "efficiency": r.efficiency, "throughput": r.throughput(train.local_batch),
-                         "time_to_train_s": ttt.total if ttt else None, "steps": ttt.steps if ttt else None})
-            table.append([n, nodes, alg, r.step * 1e3, r.compute * 1e3, r.optimizer * 1e3, r.exposed * 1e3,
-                          f"{r.efficiency:.1%}", r.throughput(train.local_batch), r.state_bytes / 2**20,
-                          f"{ttt.total / 60:.3f}" if ttt else "-"])
-    print(f"{model.name} on {cluster.name}{' + SHARP' if cluster.sharp else ''}: {train.local_batch:g} samples/GPU, "
-          f"{model.params / 1e6:.0f}M params, {model.grad_bytes} B grads in {train.bucket_mb:g} MB buckets, "
-          f"optimizer {train.optimizer}, "
-          + (f"{train.samples_per_s:g} samples/s/device" if train.samples_per_s else f"MFU {train.mfu:.0%}")
-          + (f", {samples:.3g} samples to converge" if samples else ""))
-    print(format_table(["GPUs", "nodes", "algorithm", "step ms", "compute ms", "optimizer ms", "exposed comm ms",
-                        "efficiency", "samples/s", "opt state MiB/GPU", "TTT min"], table))
-    _write(args.out, {"action": "scale", "cluster": cluster.summary(), "model": asdict(model),
-                      "train": asdict(train), "config": args.config, "rows": rows})
+            rows.append(
+                {
+                    **asdict(r),
+                    "efficiency": r.efficiency,
+                    "throughput": r.throughput(train.local_batch),
+                    "time_to_train_s": ttt.total if ttt else None,
+                    "steps": ttt.steps if ttt else None,
+                }
+            )
+            table.append(
+                [
+                    n,
+                    nodes,
+                    alg,
+                    r.step * 1e3,
+                    r.compute * 1e3,
+                    r.optimizer * 1e3,
+                    r.exposed * 1e3,
+                    f"{r.efficiency:.1%}",
+                    r.throughput(train.local_batch),
+                    r.state_bytes / 2**20,
+                    f"{ttt.total / 60:.3f}" if ttt else "-",
+                ]
+            )
+    print(
+        f"{model.name} on {cluster.name}{' + SHARP' if cluster.sharp else ''}: {train.local_batch:g} samples/GPU, "
+        f"{model.params / 1e6:.0f}M params, {model.grad_bytes} B grads in {train.bucket_mb:g} MB buckets, "
+        f"optimizer {train.optimizer}, "
+        + (
+            f"{train.samples_per_s:g} samples/s/device"
+            if train.samples_per_s
+            else f"MFU {train.mfu:.0%}"
+        )
+        + (f", {samples:.3g} samples to converge" if samples else "")
+    )
+    print(
+        format_table(
+            [
+                "GPUs",
+                "nodes",
+                "algorithm",
+                "step ms",
+                "compute ms",
+                "optimizer ms",
+                "exposed comm ms",
+                "efficiency",
+                "samples/s",
+                "opt state MiB/GPU",
+                "TTT min",
+            ],
+            table,
+        )
+    )
+    _write(
+        args.out,
+        {
+            "action": "scale",
+            "cluster": cluster.summary(),
+            "model": asdict(model),
+            "train": asdict(train),
+            "config": args.config,
+            "rows": rows,
+        },
+    )
     if args.png:
-        _plot_scale(rows, algs, args.png, f"{model.name} on {cluster.name}, {train.local_batch:g}/GPU, {train.optimizer}")
+        _plot_scale(
+            rows,
+            algs,
+            args.png,
+            f"{model.name} on {cluster.name}, {train.local_batch:g}/GPU, {train.optimizer}",
+        )
     return 0
 
 
@@ -221,7 +404,9 @@ def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: s
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for alg in algs:
         pts = [r for r in rows if r["algorithm"] == alg]
-        a1.plot([r["gpus"] for r in pts], [100 * r["efficiency"] for r in pts], marker="o", label=alg)
+        a1.plot(
+            [r["gpus"] for r in pts], [100 * r["efficiency"] for r in pts], marker="o", label=alg
+        )
         a2.plot([r["gpus"] for r in pts], [1e3 * r["exposed"] for r in pts], marker="o", label=alg)
     for ax, ylab in ((a1, "scaling efficiency %"), (a2, "exposed communication ms / step")):
         ax.set_xscale("log", base=2)
@@ -252,11 +437,32 @@ def run_allreduce(args: argparse.Namespace) -> int:
         for alg in _algorithms(args.algorithms):
             c = allreduce_cost(alg, cluster, args.nodes, n, torus_x=_torus_x(args.torus_x))
             base = base or c.time
-            table.append([f"{n / 2**20:g} MiB", alg, c.time * 1e3, c.busbw / 1e9, c.latency * 1e3,
-                          c.bandwidth * 1e3, f"{base / c.time:.2f}x"])
+            table.append(
+                [
+                    f"{n / 2**20:g} MiB",
+                    alg,
+                    c.time * 1e3,
+                    c.busbw / 1e9,
+                    c.latency * 1e3,
+                    c.bandwidth * 1e3,
+                    f"{base / c.time:.2f}x",
+                ]
+            )
     print(f"{cluster.name}: {args.nodes} nodes x {cluster.gpus_per_node} ranks")
-    print(format_table(["size", "algorithm", "time ms", "busbw GB/s", "latency ms", "bandwidth ms",
-                        "speedup vs first"], table))
+    print(
+        format_table(
+            [
+                "size",
+                "algorithm",
+                "time ms",
+                "busbw GB/s",
+                "latency ms",
+                "bandwidth ms",
+                "speedup vs first",
+            ],
+            table,
+        )
+    )
     return 0
 
 
@@ -268,20 +474,50 @@ def run_calibrate(args: argparse.Namespace) -> int:
     samples = load_samples(args.bench_json, args.stat, parse_size(args.min_bytes, "--min-bytes"))
     holdout = _algorithms(args.holdout, "--holdout") if args.holdout else []
     fit, checks = cross_validate(samples, split_default(samples, holdout, args.every))
-    print(f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "
-          f"(held out: every size not in each {args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})")
+    print(
+        f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "
+        f"(held out: every size not in each {args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})"
+    )
     print(format_table(["constant", "value"], list(fit.constants.describe().items())))
-    table = [[c.sample.algorithm, c.sample.nbytes, f"{c.sample.nnodes}x{c.sample.nproc_per_node}",
-              c.sample.time_s * 1e3, c.predicted * 1e3, f"{c.error:+.1%}", "fit" if c.trained_on else "held out"]
-             for c in checks]
-    print(format_table(["algorithm", "bytes", "shape", "measured ms", "predicted ms", "error", "role"], table))
+    table = [
+        [
+            c.sample.algorithm,
+            c.sample.nbytes,
+            f"{c.sample.nnodes}x{c.sample.nproc_per_node}",
+            c.sample.time_s * 1e3,
+            c.predicted * 1e3,
+            f"{c.error:+.1%}",
+            "fit" if c.trained_on else "held out",
+        ]
+        for c in checks
+    ]
+    print(
+        format_table(
+            ["algorithm", "bytes", "shape", "measured ms", "predicted ms", "error", "role"], table
+        )
+    )
     held = [abs(c.error) for c in checks if not c.trained_on]
     worst = max(held) if held else 0.0
     print(f"held-out rows: {len(held)}, max |error| {worst:.1%} (tolerance {args.tolerance:.0%})")
-    _write(args.out, {"action": "calibrate", "source": args.bench_json, "constants": fit.constants.vector(),
-                      "constants_readable": fit.constants.describe(), "max_heldout_error": worst,
-                      "rows": [{**c.sample.__dict__, "predicted_s": c.predicted, "error": c.error,
-                                "trained_on": c.trained_on} for c in checks]})
+    _write(
+        args.out,
+        {
+            "action": "calibrate",
+            "source": args.bench_json,
+            "constants": fit.constants.vector(),
+            "constants_readable": fit.constants.describe(),
+            "max_heldout_error": worst,
+            "rows": [
+                {
+                    **c.sample.__dict__,
+                    "predicted_s": c.predicted,
+                    "error": c.error,
+                    "trained_on": c.trained_on,
+                }
+                for c in checks
+            ],
+        },
+    )
     return 0 if worst <= args.tolerance else 1
 
 
@@ -292,16 +528,33 @@ def run_validate(args: argparse.Namespace) -> int:
     from scaleout.sim.validate import all_validations, bert_ablation, horovod_542, mlperf_bert
 
     vals = all_validations()
-    table = [[v.key, v.what, f"{v.predicted:.4g} {v.unit}", f"{v.reference:g} {v.unit}", f"{v.error:+.1%}",
-              "-" if v.tolerance is None else f"±{v.tolerance:.0%}", v.status] for v in vals]
-    print(format_table(["", "check", "predicted", "published", "error", "tolerance", "result"], table))
+    table = [
+        [
+            v.key,
+            v.what,
+            f"{v.predicted:.4g} {v.unit}",
+            f"{v.reference:g} {v.unit}",
+            f"{v.error:+.1%}",
+            "-" if v.tolerance is None else f"±{v.tolerance:.0%}",
+            v.status,
+        ]
+        for v in vals
+    ]
+    print(
+        format_table(["", "check", "predicted", "published", "error", "tolerance", "result"], table)
+    )
     for v in vals:
         if v.details:
             print(f"({v.key}) " + ", ".join(f"{k} {x:.4g}" for k, x in v.details.items()))
     sens = {m: mlperf_bert(mfu=m).predicted for m in (0.3, 0.5)}
-    print("(c) sensitivity to the assumed MFU: " + ", ".join(f"{m:.0%} -> {t:.3f} min" for m, t in sens.items()))
+    print(
+        "(c) sensitivity to the assumed MFU: "
+        + ", ".join(f"{m:.0%} -> {t:.3f} min" for m, t in sens.items())
+    )
     ablation = bert_ablation()
-    print("(c) error by modelled feature: " + ", ".join(f"{k}: {e:+.1%}" for k, e in ablation.items()))
+    print(
+        "(c) error by modelled feature: " + ", ".join(f"{k}: {e:+.1%}" for k, e in ablation.items())
+    )
     _, _, hvd = horovod_542()
     print("(d) what carries the gap: " + ", ".join(f"{k}: {x:.1f} %" for k, x in hvd.items()))
     seen = set()
@@ -309,10 +562,21 @@ def run_validate(args: argparse.Namespace) -> int:
         if v.key in seen:
             continue
         seen.add(v.key)
-        print(f"\nassumptions ({v.key}):\n" + "\n".join(f"  - {a}" for a in v.assumptions + v.sources))
-    _write(args.out, {"action": "validate", "checks": [{**asdict(v), "error": v.error, "ok": v.ok, "status": v.status}
-                                                       for v in vals],
-                      "bert_mfu_sensitivity_min": sens, "bert_feature_ablation": ablation, "horovod_ablation_pct": hvd})
+        print(
+            f"\nassumptions ({v.key}):\n" + "\n".join(f"  - {a}" for a in v.assumptions + v.sources)
+        )
+    _write(
+        args.out,
+        {
+            "action": "validate",
+            "checks": [
+                {**asdict(v), "error": v.error, "ok": v.ok, "status": v.status} for v in vals
+            ],
+            "bert_mfu_sensitivity_min": sens,
+            "bert_feature_ablation": ablation,
+            "horovod_ablation_pct": hvd,
+        },
+    )
     return 0 if all(v.status != "FAIL" for v in vals) else 1
 
 
@@ -324,15 +588,54 @@ def run_presets(args: argparse.Namespace) -> int:
     rows = []
     for c in PRESETS.values():
         d = c.constants.describe()
-        rows.append([c.name, c.gpus_per_node, c.nics_per_node, d["beta_intra"], d["beta_inter"], d["alpha_intra"],
-                     d["alpha_inter"], d["alpha_sharp"], c.backend, c.description])
-    print(format_table(["cluster", "GPUs/node", "NICs", "intra", "inter", "intra step", "net step", "SHARP (--sharp)",
-                        "backend", "description"], rows))
+        rows.append(
+            [
+                c.name,
+                c.gpus_per_node,
+                c.nics_per_node,
+                d["beta_intra"],
+                d["beta_inter"],
+                d["alpha_intra"],
+                d["alpha_inter"],
+                d["alpha_sharp"],
+                c.backend,
+                c.description,
+            ]
+        )
+    print(
+        format_table(
+            [
+                "cluster",
+                "GPUs/node",
+                "NICs",
+                "intra",
+                "inter",
+                "intra step",
+                "net step",
+                "SHARP (--sharp)",
+                "backend",
+                "description",
+            ],
+            rows,
+        )
+    )
     print()
-    print(format_table(["model", "params", "GFLOP/sample", "grad bytes", "samples to converge", "notes"],
-                       [[m.name, f"{m.params / 1e6:.1f}M", m.flops_per_sample / 1e9, m.grad_bytes,
-                         f"{m.samples_to_converge:.3g}" if m.samples_to_converge else "-", m.notes]
-                        for m in MODELS.values()]))
+    print(
+        format_table(
+            ["model", "params", "GFLOP/sample", "grad bytes", "samples to converge", "notes"],
+            [
+                [
+                    m.name,
+                    f"{m.params / 1e6:.1f}M",
+                    m.flops_per_sample / 1e9,
+                    m.grad_bytes,
+                    f"{m.samples_to_converge:.3g}" if m.samples_to_converge else "-",
+                    m.notes,
+                ]
+                for m in MODELS.values()
+            ],
+        )
+    )
     return 0
 
 
@@ -340,14 +643,22 @@ def run_mlperf_log(args: argparse.Namespace) -> int:
     from scaleout.sim.mlperf import summarize_results
 
     s = summarize_results(args.paths)
-    print(f"{s.runs} successful runs, global batch {s.global_batch}: median {s.steps:.1f} steps, "
-          f"{s.evals:g} evaluations, {s.per_step_ms:.2f} ms per step; score {s.ttt_min:.4f} min")
+    print(
+        f"{s.runs} successful runs, global batch {s.global_batch}: median {s.steps:.1f} steps, "
+        f"{s.evals:g} evaluations, {s.per_step_ms:.2f} ms per step; score {s.ttt_min:.4f} min"
+    )
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    actions = {"scale": run_scale, "allreduce": run_allreduce, "calibrate": run_calibrate,
-               "validate": run_validate, "presets": run_presets, "mlperf-log": run_mlperf_log}
+    actions = {
+        "scale": run_scale,
+        "allreduce": run_allreduce,
+        "calibrate": run_calibrate,
+        "validate": run_validate,
+        "presets": run_presets,
+        "mlperf-log": run_mlperf_log,
+    }
     if not getattr(args, "action", None):
         args._sim_parser.print_help()
         return 2

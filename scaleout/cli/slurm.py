@@ -26,11 +26,23 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["up", "down", "status"], help="up: start (idempotent); down: stop by PID")
-    p.add_argument("--no-dbd", action="store_true", help="up: no slurmdbd/MariaDB (faster; sacct will not work)")
-    p.add_argument("--no-install", action="store_true", help="up: never apt-get install missing packages")
+    p.add_argument(
+        "action", choices=["up", "down", "status"], help="up: start (idempotent); down: stop by PID"
+    )
+    p.add_argument(
+        "--no-dbd",
+        action="store_true",
+        help="up: no slurmdbd/MariaDB (faster; sacct will not work)",
+    )
+    p.add_argument(
+        "--no-install", action="store_true", help="up: never apt-get install missing packages"
+    )
     p.add_argument("--wipe", action="store_true", help="down: also delete spool, database and logs")
-    p.add_argument("--state", default=None, help="state folder (default $SCALEOUT_SLURM_STATE or /tmp/scaleout-slurm)")
+    p.add_argument(
+        "--state",
+        default=None,
+        help="state folder (default $SCALEOUT_SLURM_STATE or /tmp/scaleout-slurm)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,8 +18,14 @@ example:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--env", default=None, help="force a launcher environment (local, torchrun, slurm, mpi, horovod)")
-    p.add_argument("--numel", type=int, default=1 << 20, help="elements in the timed all-reduce (default 1 Mi)")
+    p.add_argument(
+        "--env",
+        default=None,
+        help="force a launcher environment (local, torchrun, slurm, mpi, horovod)",
+    )
+    p.add_argument(
+        "--numel", type=int, default=1 << 20, help="elements in the timed all-reduce (default 1 Mi)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         tg = world.torus()
         check("torus row", tg.row, list(tg.row_ranks))
         check("torus column", tg.col, list(tg.col_ranks))
-        groups = f"world, intra, inter, torus {tg.x}x{tg.y} (built in {time.perf_counter() - t1:.2f} s)"
+        groups = (
+            f"world, intra, inter, torus {tg.x}x{tg.y} (built in {time.perf_counter() - t1:.2f} s)"
+        )
     big = torch.ones(args.numel, device=world.device)
     dist.all_reduce(big)
     t2 = time.perf_counter()

@@ -25,26 +25,63 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="run config (YAML); required unless --command is given")
+    p.add_argument(
+        "config", nargs="?", help="run config (YAML); required unless --command is given"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node = ranks per node (default 1)")
-    p.add_argument("--no-gpu-request", action="store_true", help="do not ask Slurm for GPUs (CPU-only clusters)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=1, help="GPUs per node = ranks per node (default 1)"
+    )
+    p.add_argument(
+        "--no-gpu-request",
+        action="store_true",
+        help="do not ask Slurm for GPUs (CPU-only clusters)",
+    )
     p.add_argument("--partition", default=None, help="Slurm partition")
     p.add_argument("--time", type=int, default=60, help="time limit in minutes (default 60)")
-    p.add_argument("--array", default=None, metavar="KEY=V1,V2", help="one job per value of a config key")
-    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VAL",
-                   help="any sbatch option, repeatable: --slurm account=proj --slurm qos=high --slurm constraint=a100 "
-                        "--slurm exclusive (written as #SBATCH --KEY=VAL)")
-    p.add_argument("--signal", default="USR2", help="preemption notice signal (default USR2; NCCL may catch USR1)")
-    p.add_argument("--signal-delay", type=int, default=120, help="seconds of notice before the time limit (120)")
-    p.add_argument("--cluster", default="auto", choices=["auto", "slurm", "local", "debug"],
-                   help="auto: Slurm if sbatch is on PATH, else submitit's local executor")
-    p.add_argument("--folder", default="submitit/%j", help="submitit log folder (default submitit/%%j)")
+    p.add_argument(
+        "--array", default=None, metavar="KEY=V1,V2", help="one job per value of a config key"
+    )
+    p.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="any sbatch option, repeatable: --slurm account=proj --slurm qos=high --slurm constraint=a100 "
+        "--slurm exclusive (written as #SBATCH --KEY=VAL)",
+    )
+    p.add_argument(
+        "--signal",
+        default="USR2",
+        help="preemption notice signal (default USR2; NCCL may catch USR1)",
+    )
+    p.add_argument(
+        "--signal-delay",
+        type=int,
+        default=120,
+        help="seconds of notice before the time limit (120)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="auto",
+        choices=["auto", "slurm", "local", "debug"],
+        help="auto: Slurm if sbatch is on PATH, else submitit's local executor",
+    )
+    p.add_argument(
+        "--folder", default="submitit/%j", help="submitit log folder (default submitit/%%j)"
+    )
     p.add_argument("--name", default="scaleout", help="job name")
-    p.add_argument("--command", dest="subcommand", default=None, help="run this scaleout subcommand instead of train, e.g. 'smoke'")
+    p.add_argument(
+        "--command",
+        dest="subcommand",
+        default=None,
+        help="run this scaleout subcommand instead of train, e.g. 'smoke'",
+    )
     p.add_argument("--no-follow", action="store_true", help="print the job ids and return")
-    p.add_argument("--follow-timeout", type=float, default=None, help="stop following after this many seconds")
+    p.add_argument(
+        "--follow-timeout", type=float, default=None, help="stop following after this many seconds"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,15 +97,30 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if args.subcommand:
-        argv = shlex.split(args.subcommand) + ([args.config] if args.config else []) + list(args.overrides)
+        argv = (
+            shlex.split(args.subcommand)
+            + ([args.config] if args.config else [])
+            + list(args.overrides)
+        )
     elif args.config:
         argv = ["train", args.config, *args.overrides]
     else:
-        raise UserError("no CONFIG given (expected e.g. `scaleout submit configs/bert_tiny_cpu.yaml`, or --command)")
+        raise UserError(
+            "no CONFIG given (expected e.g. `scaleout submit configs/bert_tiny_cpu.yaml`, or --command)"
+        )
     spec = SubmitSpec(
-        argv=argv, nodes=args.nodes, gpus_per_node=args.gpus_per_node, request_gpus=not args.no_gpu_request,
-        partition=args.partition, time_min=args.time, signal=args.signal, signal_delay_s=args.signal_delay,
-        cluster=args.cluster, folder=args.folder, name=args.name, array=parse_array(args.array),
+        argv=argv,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        request_gpus=not args.no_gpu_request,
+        partition=args.partition,
+        time_min=args.time,
+        signal=args.signal,
+        signal_delay_s=args.signal_delay,
+        cluster=args.cluster,
+        folder=args.folder,
+        name=args.name,
+        array=parse_array(args.array),
         extra_slurm=parse_slurm_options(args.slurm),
     )
     # The same checks `scaleout launch` runs, for every job's command and this world, before anything is
@@ -80,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
     jobs = submit(spec, entry=main)
     where = resolve_cluster(spec.cluster)
     for j in jobs:
-        print(f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "
-              f"scaleout {' '.join(argv)}; logs {j.paths.stdout}",
-              flush=True)
+        print(
+            f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "
+            f"scaleout {' '.join(argv)}; logs {j.paths.stdout}",
+            flush=True,
+        )
     if args.no_follow:
         return 0
     follow(jobs, timeout_s=args.follow_timeout)
@@ -97,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 -- report the rank's error in one line
             failed += 1
             lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            why = [ln for ln in lines if "Error" in ln or "rank " in ln] or lines or [type(exc).__name__]
+            why = (
+                [ln for ln in lines if "Error" in ln or "rank " in ln]
+                or lines
+                or [type(exc).__name__]
+            )
             print(f"job {j.job_id}: failed: {why[-1].strip()} (log {j.paths.stdout})", flush=True)
     return 1 if failed else 0

@@ -70,39 +70,102 @@ def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _overrides_anywhere(p)
     p.add_argument("config", help="config file, or a name in configs/ (e.g. bert_tiny_cpu)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides applied at every point")
-    p.add_argument("--world", required=True, metavar="N1,N2,...", help="world sizes (ranks = GPUs), e.g. 1,2,4,8")
+    p.add_argument(
+        "overrides", nargs="*", help="section.key=value overrides applied at every point"
+    )
+    p.add_argument(
+        "--world",
+        required=True,
+        metavar="N1,N2,...",
+        help="world sizes (ranks = GPUs), e.g. 1,2,4,8",
+    )
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--nproc-per-node", type=int, default=None, metavar="G",
-                       help="ranks per node for every point (default: the config's launch.nproc_per_node)")
-    shape.add_argument("--nodes", default=None, metavar="M1,M2,...", help="node count per world size")
-    p.add_argument("--mode", default="weak", help="weak (per-rank batch fixed) or strong (global batch fixed)")
-    p.add_argument("--per-rank-batch", type=int, default=None,
-                   help="weak: samples per rank per step (default: the config's global_batch / its launch world)")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="strong: the global batch at every point (default: the config's train.global_batch)")
+    shape.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ranks per node for every point (default: the config's launch.nproc_per_node)",
+    )
+    shape.add_argument(
+        "--nodes", default=None, metavar="M1,M2,...", help="node count per world size"
+    )
+    p.add_argument(
+        "--mode", default="weak", help="weak (per-rank batch fixed) or strong (global batch fixed)"
+    )
+    p.add_argument(
+        "--per-rank-batch",
+        type=int,
+        default=None,
+        help="weak: samples per rank per step (default: the config's global_batch / its launch world)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="strong: the global batch at every point (default: the config's train.global_batch)",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps per point (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="first steps not timed (default 1)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median run",
+    )
     p.add_argument("--launcher", default="local", help="local, slurm or submit (default local)")
-    p.add_argument("--netns", action="store_true", help="local: every node in its own network namespace (root)")
-    p.add_argument("--rate", default="1gbit", help="with --netns: per-node link rate (default 1gbit; 'none')")
+    p.add_argument(
+        "--netns", action="store_true", help="local: every node in its own network namespace (root)"
+    )
+    p.add_argument(
+        "--rate", default="1gbit", help="with --netns: per-node link rate (default 1gbit; 'none')"
+    )
     p.add_argument("--partition", default=None, help="slurm/submit: partition")
-    p.add_argument("--time", type=int, default=30, help="slurm/submit: time limit per point in minutes (30)")
-    p.add_argument("--no-gpu-request", action="store_true", help="slurm/submit: do not ask for a GPU per task")
-    p.add_argument("--cluster", default="auto", help="submit: auto, slurm, local or debug (as scaleout submit)")
-    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VAL",
-                   help="slurm/submit: any sbatch option, repeatable (--slurm account=proj --slurm qos=high)")
-    p.add_argument("--resume", action="store_true",
-                   help="skip runs whose folder already holds a good report of the same command (an interrupted sweep)")
-    p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores / "
-                        "largest world for local runs, so a rank has the same CPU share at every point)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before a point is stopped (default none)")
-    p.add_argument("--simulate", default=None, metavar="PRESET",
-                   help="add the cost model's efficiency for each point (scaleout simulate presets, e.g. netns-1g)")
-    p.add_argument("--out-dir", default="bench-results/sweep", help="output folder (default bench-results/sweep)")
+    p.add_argument(
+        "--time", type=int, default=30, help="slurm/submit: time limit per point in minutes (30)"
+    )
+    p.add_argument(
+        "--no-gpu-request", action="store_true", help="slurm/submit: do not ask for a GPU per task"
+    )
+    p.add_argument(
+        "--cluster", default="auto", help="submit: auto, slurm, local or debug (as scaleout submit)"
+    )
+    p.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="slurm/submit: any sbatch option, repeatable (--slurm account=proj --slurm qos=high)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip runs whose folder already holds a good report of the same command (an interrupted sweep)",
+    )
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores / "
+        "largest world for local runs, so a rank has the same CPU share at every point)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before a point is stopped (default none)",
+    )
+    p.add_argument(
+        "--simulate",
+        default=None,
+        metavar="PRESET",
+        help="add the cost model's efficiency for each point (scaleout simulate presets, e.g. netns-1g)",
+    )
+    p.add_argument(
+        "--out-dir",
+        default="bench-results/sweep",
+        help="output folder (default bench-results/sweep)",
+    )
     p.add_argument("--no-png", action="store_true", help="skip the PNG")
 
 
@@ -111,11 +174,15 @@ def _batch(args: argparse.Namespace, cfg: object) -> int:
     from scaleout.sweep import default_batch
 
     if args.mode == "weak" and args.global_batch is not None:
-        raise UserError(f"--global-batch={args.global_batch} with --mode weak: weak scaling fixes the per-rank batch "
-                        f"(use --per-rank-batch)")
+        raise UserError(
+            f"--global-batch={args.global_batch} with --mode weak: weak scaling fixes the per-rank batch "
+            f"(use --per-rank-batch)"
+        )
     if args.mode == "strong" and args.per_rank_batch is not None:
-        raise UserError(f"--per-rank-batch={args.per_rank_batch} with --mode strong: strong scaling fixes the global "
-                        f"batch (use --global-batch)")
+        raise UserError(
+            f"--per-rank-batch={args.per_rank_batch} with --mode strong: strong scaling fixes the global "
+            f"batch (use --global-batch)"
+        )
     given = args.per_rank_batch if args.mode == "weak" else args.global_batch
     return given if given is not None else default_batch(cfg, args.mode)
 
@@ -149,23 +216,31 @@ def _on_this_host(args: argparse.Namespace) -> bool:
     return os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
 
 
-def _notes(args: argparse.Namespace, points: list, base_world: int | None, threads: str | None) -> list[str]:
+def _notes(
+    args: argparse.Namespace, points: list, base_world: int | None, threads: str | None
+) -> list[str]:
     cores = os.cpu_count() or 1
     most = max(p.world for p in points)
     notes = []
     if _on_this_host(args):
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        share = (f"at {most} ranks {most / cores:.1f}x oversubscribed" if most > cores else "shared")
+        share = f"at {most} ranks {most / cores:.1f}x oversubscribed" if most > cores else "shared"
         share += f" with whatever else runs (load average {load:.1f} at the end)"
-        notes.append(f"every rank runs on this machine's {cores} CPU cores, {share}: these numbers measure CPU "
-                     f"sharing more than communication (the tool measures honestly; the machine is the limit)")
+        notes.append(
+            f"every rank runs on this machine's {cores} CPU cores, {share}: these numbers measure CPU "
+            f"sharing more than communication (the tool measures honestly; the machine is the limit)"
+        )
     if base_world not in (None, 1):
-        notes.append(f"efficiency is relative to the smallest world in the sweep ({base_world} ranks), not 1")
+        notes.append(
+            f"efficiency is relative to the smallest world in the sweep ({base_world} ranks), not 1"
+        )
     if threads:
         notes.append(f"OMP_NUM_THREADS={threads} per rank at every point")
     rounds = f"; each point is the median of {args.repeats} rounds" if args.repeats > 1 else ""
-    notes.append(f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
-                 f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower ranks)")
+    notes.append(
+        f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
+        f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower ranks)"
+    )
     return notes
 
 
@@ -199,9 +274,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
     threads = _threads(args, points)
     env = {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
-    runner = make_runner(args.launcher, netns_rate=args.rate if args.netns else None, partition=args.partition,
-                         time_min=args.time, gpus=not args.no_gpu_request, cluster=args.cluster,
-                         timeout_s=args.timeout, extra_env=env, slurm=parse_slurm_options(args.slurm), entry=main)
+    runner = make_runner(
+        args.launcher,
+        netns_rate=args.rate if args.netns else None,
+        partition=args.partition,
+        time_min=args.time,
+        gpus=not args.no_gpu_request,
+        cluster=args.cluster,
+        timeout_s=args.timeout,
+        extra_env=env,
+        slurm=parse_slurm_options(args.slurm),
+        entry=main,
+    )
     runner.check(points)
     sim = None
     if args.simulate:
@@ -209,27 +293,61 @@ def run(args: argparse.Namespace) -> int:
 
         sim = Simulator(args.simulate, cfg)
 
-    print(f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
-          f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}", flush=True)
-    results = run_sweep(runner, points, config, args.overrides, args.steps, args.warmup, args.out_dir,
-                        extra_overrides=extra, progress=lambda s: print(s, flush=True), repeats=args.repeats,
-                        resume=args.resume)
+    print(
+        f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
+        f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}",
+        flush=True,
+    )
+    results = run_sweep(
+        runner,
+        points,
+        config,
+        args.overrides,
+        args.steps,
+        args.warmup,
+        args.out_dir,
+        extra_overrides=extra,
+        progress=lambda s: print(s, flush=True),
+        repeats=args.repeats,
+        resume=args.resume,
+    )
     base = add_efficiency(results, args.mode)
     if sim is not None and base is not None:
         sim.fill(results, base, args.mode)
-    meta = {"config": args.config, "config_path": config, "overrides": list(args.overrides), "mode": args.mode,
-            "launcher": args.launcher, "netns_rate": args.rate if args.netns else None, "steps": args.steps,
-            "warmup": args.warmup, "repeats": args.repeats, "base_world": base.point.world if base else None,
-            "simulate": args.simulate}
-    notes = _notes(args, points, meta["base_world"], env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"))
+    meta = {
+        "config": args.config,
+        "config_path": config,
+        "overrides": list(args.overrides),
+        "mode": args.mode,
+        "launcher": args.launcher,
+        "netns_rate": args.rate if args.netns else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "base_world": base.point.world if base else None,
+        "simulate": args.simulate,
+    }
+    notes = _notes(
+        args,
+        points,
+        meta["base_world"],
+        env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"),
+    )
     paths = write_outputs(args.out_dir, results, meta, notes)
     headers, rows = table_rows(results, simulated=sim is not None)
     print()
     print(format_table(headers, rows))
     for n in notes:
         print(f"note: {n}")
-    png = None if args.no_png else plot(results, os.path.join(args.out_dir, "sweep.png"),
-                                        f"{args.config}: {args.mode} scaling ({args.launcher})")
+    png = (
+        None
+        if args.no_png
+        else plot(
+            results,
+            os.path.join(args.out_dir, "sweep.png"),
+            f"{args.config}: {args.mode} scaling ({args.launcher})",
+        )
+    )
     written = [str(p) for p in paths.values()] + ([str(png)] if png else [])
     print(f"wrote {', '.join(written)}", flush=True)
     failed = [r for r in results if not r.ok]

@@ -6,7 +6,9 @@ import argparse
 
 NAME = "train"
 ORDER = 5
-HELP = "train a config to its target (BERT/LAMB, ResNet/LARS) under any launcher; MLPerf log + report"
+HELP = (
+    "train a config to its target (BERT/LAMB, ResNet/LARS) under any launcher; MLPerf log + report"
+)
 DESCRIPTION = """\
 scaleout train CONFIG [section.key=value ...]
 
@@ -25,7 +27,9 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="config file, or a name in configs/ (e.g. bert_tiny_cpu)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=200")
+    p.add_argument(
+        "overrides", nargs="*", help="section.key=value overrides, e.g. train.max_steps=200"
+    )
 
 
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
@@ -37,7 +41,9 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
     cfg = load_config(args.config, args.overrides)
     cfg.check_world(world_size, ranks_per_node)
     check_sinks(cfg.train.metrics)  # a missing tensorboard/wandb fails here, not in every rank
-    decide(cfg)  # the rerun policy: a start that would overwrite another run fails here, before any spawn
+    decide(
+        cfg
+    )  # the rerun policy: a start that would overwrite another run fails here, before any spawn
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,14 @@ from scaleout.comm.handles import Handle
 from scaleout.comm.shard import all_gather, reduce_scatter, shard_index
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "Handle", "all_gather", "all_reduce", "ddp_hook", "get_algorithm", "reduce_scatter",
-    "register", "shard_index",
+    "ALGORITHMS",
+    "Algorithm",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "ddp_hook",
+    "get_algorithm",
+    "reduce_scatter",
+    "register",
+    "shard_index",
 ]

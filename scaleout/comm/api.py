@@ -66,7 +66,9 @@ def get_algorithm(name: str) -> Algorithm:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise UserError(f"unknown all-reduce algorithm {name!r}: expected one of {sorted(ALGORITHMS)}") from None
+        raise UserError(
+            f"unknown all-reduce algorithm {name!r}: expected one of {sorted(ALGORITHMS)}"
+        ) from None
 
 
 def op_name(op: Any, what: str = "all_reduce") -> str:
@@ -111,13 +113,19 @@ def all_reduce(
         raise UserError(f"all_reduce chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
     composition = options.get("composition", "sharded")
     if composition not in COMPOSITIONS:
-        raise UserError(f"all_reduce composition={composition!r}: expected one of {list(COMPOSITIONS)}")
+        raise UserError(
+            f"all_reduce composition={composition!r}: expected one of {list(COMPOSITIONS)}"
+        )
     if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
 
     # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call (one-line
     # TopologyError) and group creation happens in call order on every rank.
-    grid = alg.grid(world, **{k: options[k] for k in alg.grid_options if k in options}) if alg.grid else None
+    grid = (
+        alg.grid(world, **{k: options[k] for k in alg.grid_options if k in options})
+        if alg.grid
+        else None
+    )
 
     contiguous = tensor.is_contiguous()
     buf = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 
-def ddp_hook(algorithm: str, world: World, **options: Any) -> Callable[[Any, Any], torch.futures.Future]:
+def ddp_hook(
+    algorithm: str, world: World, **options: Any
+) -> Callable[[Any, Any], torch.futures.Future]:
     get_algorithm(algorithm)  # fail now, not inside backward
 
     # Unannotated on purpose: DDP's _check_comm_hook compares annotations with dist.GradBucket, and

@@ -54,7 +54,9 @@ class Grid:
     """This rank's view of a row x column decomposition."""
 
     rank: int
-    row_ranks: tuple[int, ...]  # global ranks of this rank's row, in order (shard j belongs to row_ranks[j])
+    row_ranks: tuple[
+        int, ...
+    ]  # global ranks of this rank's row, in order (shard j belongs to row_ranks[j])
     row: Any  # process group of row_ranks
     col: Any  # process group of this rank's column
     col_size: int
@@ -76,7 +78,9 @@ def split_bounds(n: int, parts: int) -> list[int]:
 COMPOSITIONS = ("sharded", "leader")
 
 
-def reduce_grid(buf: torch.Tensor, grid: Grid, chunk_bytes: int | None = None, composition: str = "sharded") -> None:
+def reduce_grid(
+    buf: torch.Tensor, grid: Grid, chunk_bytes: int | None = None, composition: str = "sharded"
+) -> None:
     """Sum ``buf`` (1-D, contiguous) over all ranks of the grid, in place.
 
     ``composition`` (gloo only): ``sharded`` = reduce-scatter -> all-reduce of every shard -> all-gather
@@ -122,7 +126,9 @@ class _GlooSchedule:
                 continue
             lo, hi = shards[j]
             if hi > lo:
-                works.append(dist.isend(self.buf[lo:hi], dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c))
+                works.append(
+                    dist.isend(self.buf[lo:hi], dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c)
+                )
             if mine.numel():
                 tmp = torch.empty_like(mine)
                 works.append(dist.irecv(tmp, src=peer, group=self.grid.row, tag=TAG_BASE + 2 * c))
@@ -158,10 +164,16 @@ class _GlooSchedule:
             if j == self.i:
                 continue
             if mine.numel():
-                works.append(dist.isend(mine, dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1))
+                works.append(
+                    dist.isend(mine, dst=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1)
+                )
             lo, hi = shards[j]
             if hi > lo:
-                works.append(dist.irecv(self.buf[lo:hi], src=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1))
+                works.append(
+                    dist.irecv(
+                        self.buf[lo:hi], src=peer, group=self.grid.row, tag=TAG_BASE + 2 * c + 1
+                    )
+                )
         return works
 
     # -- the pipeline -----------------------------------------------------------------------------

@@ -44,8 +44,10 @@ def _grid(world: World, algorithm: str, options: dict[str, Any], what: str) -> G
     alg = get_algorithm(algorithm)
     unknown = sorted(set(options) - set(alg.grid_options))
     if unknown:
-        raise UserError(f"{what} option(s) {unknown} not understood by algorithm {algorithm!r}: "
-                        f"expected {sorted(alg.grid_options) or 'none'}")
+        raise UserError(
+            f"{what} option(s) {unknown} not understood by algorithm {algorithm!r}: "
+            f"expected {sorted(alg.grid_options) or 'none'}"
+        )
     return alg.grid(world, **options) if alg.grid else None
 
 
@@ -67,10 +69,14 @@ def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: s
     if not (out.is_contiguous() and inp.is_contiguous()):
         raise UserError(f"{what}: input and output must be contiguous tensors")
     if out.dtype != inp.dtype or out.device != inp.device:
-        raise UserError(f"{what}: input {inp.dtype} on {inp.device} and output {out.dtype} on {out.device} must match")
+        raise UserError(
+            f"{what}: input {inp.dtype} on {inp.device} and output {out.dtype} on {out.device} must match"
+        )
     if full.numel() != part.numel() * world.world_size:
-        raise UserError(f"{what}: the {big} has {full.numel()} elements, expected world_size ({world.world_size}) "
-                        f"x {part.numel()} = {part.numel() * world.world_size}")
+        raise UserError(
+            f"{what}: the {big} has {full.numel()} elements, expected world_size ({world.world_size}) "
+            f"x {part.numel()} = {part.numel() * world.world_size}"
+        )
 
 
 def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first: bool) -> None:
@@ -90,8 +96,17 @@ def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first
         op(out, mid, group=groups[1])
 
 
-def _run(world: World, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, native_op: Any, grid_op: Any,
-         finish: Any, async_op: bool, shard: int) -> Any:
+def _run(
+    world: World,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    grid: Grid | None,
+    native_op: Any,
+    grid_op: Any,
+    finish: Any,
+    async_op: bool,
+    shard: int,
+) -> Any:
     """One collective: ``native_op`` on the world group (flat) or ``grid_op``'s phases, in call order."""
 
     def native() -> Any:
@@ -114,8 +129,13 @@ def _run(world: World, out: torch.Tensor, inp: torch.Tensor, grid: Grid | None, 
 
 @traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profile.py)
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, world: World, algorithm: str = "flat", op: Any = "sum",
-    async_op: bool = False, **options: Any,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    world: World,
+    algorithm: str = "flat",
+    op: Any = "sum",
+    async_op: bool = False,
+    **options: Any,
 ) -> Any:
     """``output`` = sum (or average) over every rank of slice ``shard_index(world, algorithm)`` of
     ``input`` (``input.numel() == world_size * output.numel()``; both contiguous, same dtype/device).
@@ -131,16 +151,40 @@ def reduce_scatter(
         if opname == "avg":
             output.div_(world.world_size)
 
-    return _run(world, output, input, grid, _reduce_scatter, lambda o, i, gr: _phases(o, i, gr, _reduce_scatter, True),
-                finish, async_op, output.numel())
+    return _run(
+        world,
+        output,
+        input,
+        grid,
+        _reduce_scatter,
+        lambda o, i, gr: _phases(o, i, gr, _reduce_scatter, True),
+        finish,
+        async_op,
+        output.numel(),
+    )
 
 
 @traced("all_gather")
-def all_gather(output: torch.Tensor, input: torch.Tensor, world: World, algorithm: str = "flat",
-               async_op: bool = False, **options: Any) -> Any:
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    world: World,
+    algorithm: str = "flat",
+    async_op: bool = False,
+    **options: Any,
+) -> Any:
     """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's
     ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""
     _check(output, input, world, "all_gather", "output")
     grid = _grid(world, algorithm, options, "all_gather")
-    return _run(world, output, input, grid, _all_gather, lambda o, i, gr: _phases(o, i, gr, _all_gather, False),
-                lambda: None, async_op, input.numel())
+    return _run(
+        world,
+        output,
+        input,
+        grid,
+        _all_gather,
+        lambda o, i, gr: _phases(o, i, gr, _all_gather, False),
+        lambda: None,
+        async_op,
+        input.numel(),
+    )

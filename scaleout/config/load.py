@@ -13,7 +13,9 @@ from scaleout.config.schema import Config
 from scaleout.errors import ConfigError
 from scaleout.resources import package_path
 
-CONFIG_DIR = package_path("scaleout", "configs")  # the repository's configs/, shipped as package data
+CONFIG_DIR = package_path(
+    "scaleout", "configs"
+)  # the repository's configs/, shipped as package data
 
 
 def resolve_config_path(path: str | os.PathLike[str]) -> Path:
@@ -24,7 +26,9 @@ def resolve_config_path(path: str | os.PathLike[str]) -> Path:
         if c.is_file():
             return c
     shipped = ", ".join(sorted(c.stem for c in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"config file {str(path)!r} not found (looked in . and {CONFIG_DIR}: {shipped})")
+    raise ConfigError(
+        f"config file {str(path)!r} not found (looked in . and {CONFIG_DIR}: {shipped})"
+    )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -33,11 +37,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        raise ConfigError(
+            f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, data, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of sections (model, data, ...), got {type(data).__name__}"
+        )
     return data
 
 
@@ -47,7 +55,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-3)")
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-3)"
+            )
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
@@ -63,7 +73,9 @@ def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section")
+            raise ConfigError(
+                f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section"
+            )
         node = nxt
     node[path[-1]] = value
 
@@ -100,7 +112,9 @@ def _one_line(exc: ValidationError, source: str) -> str:
     return f"{source}: {msg}" + (f" (+{more} more)" if more > 0 else "")
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> Config:
     """Load ``path`` (or the defaults), apply overrides, validate. Raises ConfigError (one line)."""
     tree: dict[str, Any] = {}
     source = "config"

@@ -18,7 +18,9 @@ from scaleout.errors import ConfigError
 # published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k; the largest machines
 # ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
 MAX_WORLD = 1 << 20
-MAX_SEED = 2**32 - 1  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
+MAX_SEED = (
+    2**32 - 1
+)  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
 
 
@@ -49,7 +51,9 @@ class BertConfig(_Section):
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> BertConfig:
         if self.hidden % self.heads:
-            raise ValueError(f"model.bert.hidden={self.hidden} must be divisible by model.bert.heads={self.heads}")
+            raise ValueError(
+                f"model.bert.hidden={self.hidden} must be divisible by model.bert.heads={self.heads}"
+            )
         return self
 
 
@@ -85,7 +89,9 @@ class DataConfig(_Section):
     max_predictions: int = Field(20, ge=1)
     # Copies of the corpus with different masks (Google's create_pretraining_data uses 10).
     dupe_factor: int = Field(5, ge=1)
-    num_workers: int = Field(0, ge=0, le=256)  # per rank; 256 = the cores of the largest 2-socket nodes
+    num_workers: int = Field(
+        0, ge=0, le=256
+    )  # per rank; 256 = the cores of the largest 2-socket nodes
     # How prefetch workers start. forkserver: forked from a clean single-threaded server process, never
     # from the rank, whose gloo/comm/OpenMP threads make fork() unsafe (see scaleout/train/prefetch.py).
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
@@ -145,7 +151,9 @@ class CommConfig(_Section):
     @model_validator(mode="after")
     def _chunks_need_a_grid(self) -> CommConfig:
         if self.chunk_mb is not None and self.algorithm == "flat":
-            raise ValueError(f"comm.chunk_mb={self.chunk_mb} pipelines hierarchical/torus2d; comm.algorithm=flat has no chunks")
+            raise ValueError(
+                f"comm.chunk_mb={self.chunk_mb} pipelines hierarchical/torus2d; comm.algorithm=flat has no chunks"
+            )
         return self
 
 
@@ -158,7 +166,9 @@ class ProfileConfig(_Section):
     active: int = Field(3, ge=1)
     repeat: int = Field(1, ge=0)
     dir: str | None = None  # default <train.output_dir>/profile
-    ranks: list[int] | None = None  # profile only these global ranks (None = every rank, as HTA wants)
+    ranks: list[int] | None = (
+        None  # profile only these global ranks (None = every rank, as HTA wants)
+    )
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
@@ -179,8 +189,12 @@ class TrainConfig(_Section):
     # scaling (scaleout/train/precision.py).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     output_dir: str = "runs/latest"
-    init_timeout_s: float = Field(600.0, gt=0.0, le=MAX_TIMEOUT_S)  # collectives before the first step completes
-    step_timeout_s: float = Field(120.0, gt=0.0, le=MAX_TIMEOUT_S)  # collectives after it (torchtitan's two timeouts)
+    init_timeout_s: float = Field(
+        600.0, gt=0.0, le=MAX_TIMEOUT_S
+    )  # collectives before the first step completes
+    step_timeout_s: float = Field(
+        120.0, gt=0.0, le=MAX_TIMEOUT_S
+    )  # collectives after it (torchtitan's two timeouts)
     progress: bool = True
     # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
     # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
@@ -198,7 +212,9 @@ class TrainConfig(_Section):
     # steps; csv / tensorboard / wandb are added when listed here.
     log_every: int = Field(1, ge=1)
     metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
-    profile: ProfileConfig | None = None  # torch.profiler trace (scaleout/profile.py); true = defaults
+    profile: ProfileConfig | None = (
+        None  # torch.profiler trace (scaleout/profile.py); true = defaults
+    )
 
     @field_validator("profile", mode="before")
     @classmethod
@@ -220,7 +236,9 @@ class MLPerfConfig(_Section):
     # submission_platform; None = "<nodes>x<ranks per node> <device>" as the World reports it
     platform: str | None = Field(None, min_length=1)
     division: Literal["closed", "open"] = "closed"
-    status: Literal["onprem", "cloud", "preview", "research"] = "onprem"  # the checker's allowed values
+    status: Literal["onprem", "cloud", "preview", "research"] = (
+        "onprem"  # the checker's allowed values
+    )
     # Also print the :::MLLOG lines on rank 0's stdout (the Slurm log), as NVIDIA's run_and_time.sh does.
     stdout: bool = False
 
@@ -248,8 +266,10 @@ class Config(_Section):
     def _periodic_checkpoints_need_a_dir(self) -> Config:
         c = self.checkpoint
         if c.every_steps and not c.dir:
-            raise ValueError(f"checkpoint.every_steps={c.every_steps} needs checkpoint.dir (a directory for the "
-                             "checkpoints); set it, or checkpoint.every_steps=0")
+            raise ValueError(
+                f"checkpoint.every_steps={c.every_steps} needs checkpoint.dir (a directory for the "
+                "checkpoints); set it, or checkpoint.every_steps=0"
+            )
         return self
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
@@ -257,7 +277,9 @@ class Config(_Section):
         if not 1 <= world_size <= MAX_WORLD:
             raise ConfigError(f"world size {world_size}: expected an integer from 1 to {MAX_WORLD}")
         if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
-            raise ConfigError(f"ranks per node {ranks_per_node}: expected an integer from 1 to the world size {world_size}")
+            raise ConfigError(
+                f"ranks per node {ranks_per_node}: expected an integer from 1 to the world size {world_size}"
+            )
         t = self.train
         per_step = world_size * t.grad_accum
         if t.global_batch % per_step:
@@ -277,4 +299,6 @@ class Config(_Section):
         if self.model.arch == "resnet":
             k = self.model.resnet.bn_group
             if k > world_size or world_size % k:
-                raise ConfigError(f"model.resnet.bn_group={k} must divide the world size {world_size}")
+                raise ConfigError(
+                    f"model.resnet.bn_group={k} must divide the world size {world_size}"
+                )

@@ -23,7 +23,9 @@ class MicroBatch:
     target: Any  # labels (None when the model computes its own loss)
     samples: int  # sequences / images in it (BERT: sequences, not packed rows)
     tokens: int  # real (non-pad) tokens; images count 0
-    flops: float = 0.0  # training FLOPs of this micro-batch (counted where it is built: never a device read)
+    flops: float = (
+        0.0  # training FLOPs of this micro-batch (counted where it is built: never a device read)
+    )
 
 
 def _no_flops(_batch: Any) -> float:
@@ -50,8 +52,14 @@ class SequenceTable:
 
     def __init__(self, seqs: list[Any]):
         def flat(field: str, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-            lens = np.fromiter((len(getattr(q, field)) for q in seqs), dtype=np.int64, count=len(seqs))
-            values = np.fromiter(chain.from_iterable(getattr(q, field) for q in seqs), dtype=dtype, count=int(lens.sum()))
+            lens = np.fromiter(
+                (len(getattr(q, field)) for q in seqs), dtype=np.int64, count=len(seqs)
+            )
+            values = np.fromiter(
+                chain.from_iterable(getattr(q, field) for q in seqs),
+                dtype=dtype,
+                count=int(lens.sum()),
+            )
             return values, np.concatenate([[0], np.cumsum(lens)])
 
         # narrow types (vocabularies and positions are far below 2**31): a quarter of int64's bytes to pickle;
@@ -67,19 +75,34 @@ class SequenceTable:
 
     def __getitem__(self, i: int) -> Any:
         a, b, c, d = self.tok_off[i], self.tok_off[i + 1], self.mlm_off[i], self.mlm_off[i + 1]
-        return BertSequence(self.tokens[a:b], self.segments[a:b], self.mlm_positions[c:d], self.mlm_labels[c:d],
-                            int(self.nsp_labels[i]))
+        return BertSequence(
+            self.tokens[a:b],
+            self.segments[a:b],
+            self.mlm_positions[c:d],
+            self.mlm_labels[c:d],
+            int(self.nsp_labels[i]),
+        )
 
 
 class BertBatches:
     """This rank's packed/padded BERT micro-batches on the CPU, from the tokenized sequences and the
     packs. Data only (no model, no World): it is what prefetch workers unpickle."""
 
-    def __init__(self, seqs: Any, packs: list[list[int]], pack_tokens: np.ndarray, sampler: Any,
-                 max_len: int, max_pred: int, depth: int):
+    def __init__(
+        self,
+        seqs: Any,
+        packs: list[list[int]],
+        pack_tokens: np.ndarray,
+        sampler: Any,
+        max_len: int,
+        max_pred: int,
+        depth: int,
+    ):
         self.seqs, self.packs, self.pack_tokens, self.sampler = seqs, packs, pack_tokens, sampler
         self.max_len, self.max_pred, self.depth = max_len, max_pred, depth
-        self.flops: Callable[[dict[str, torch.Tensor]], float] = _no_flops  # set by the task once the model exists
+        self.flops: Callable[[dict[str, torch.Tensor]], float] = (
+            _no_flops  # set by the task once the model exists
+        )
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         rows = self.sampler.local_indices(position)
@@ -88,8 +111,11 @@ class BertBatches:
             packs = [self.packs[i] for i in part]
             seqs = {j for p in packs for j in p}
             batch = build_batch(self.seqs, packs, self.max_len, self.max_pred, self.depth)
-            out.append(MicroBatch(batch, None, len(seqs), int(self.pack_tokens[part].sum()),
-                                  self.flops(batch)))
+            out.append(
+                MicroBatch(
+                    batch, None, len(seqs), int(self.pack_tokens[part].sum()), self.flops(batch)
+                )
+            )
         return out
 
 
@@ -99,10 +125,15 @@ class ShardBertBatches:
 
     def __init__(self, stream: Any):
         self.stream = stream
-        self.flops: Callable[[dict[str, torch.Tensor]], float] = _no_flops  # set by the task once the model exists
+        self.flops: Callable[[dict[str, torch.Tensor]], float] = (
+            _no_flops  # set by the task once the model exists
+        )
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        return [MicroBatch(b, None, n, t, self.flops(b)) for b, n, t in self.stream.batches(position, grad_accum)]
+        return [
+            MicroBatch(b, None, n, t, self.flops(b))
+            for b, n, t in self.stream.batches(position, grad_accum)
+        ]
 
 
 class ImageBatches:

@@ -40,8 +40,13 @@ class BertSequence:
         return len(self.tokens)
 
 
-def build_batch(sequences: Sequence[BertSequence], packs: Sequence[Sequence[int]], max_len: int,
-                max_predictions: int | None = None, max_per_pack: int | None = None) -> dict[str, torch.Tensor]:
+def build_batch(
+    sequences: Sequence[BertSequence],
+    packs: Sequence[Sequence[int]],
+    max_len: int,
+    max_predictions: int | None = None,
+    max_per_pack: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Rows of ``max_len`` tokens, one per pack; MLM slots ``max_predictions`` (default: the most any row
     needs) and NSP slots ``max_per_pack`` (default: the deepest pack) per row."""
     if max_len < 1:
@@ -55,7 +60,10 @@ def build_batch(sequences: Sequence[BertSequence], packs: Sequence[Sequence[int]
         raise UserError(f"a row has {need_pred} masked tokens, more than max_predictions={p_slots}")
     if depth > s_slots:
         raise UserError(f"a pack has {depth} sequences, more than max_per_pack={s_slots}")
-    a = {k: np.zeros((rows, max_len), dtype=np.int64) for k in ("input_ids", "token_type_ids", "position_ids", "seq_ids")}
+    a = {
+        k: np.zeros((rows, max_len), dtype=np.int64)
+        for k in ("input_ids", "token_type_ids", "position_ids", "seq_ids")
+    }
     mlm_pos = np.zeros((rows, max(p_slots, 1)), dtype=np.int64)
     mlm_lab = np.full((rows, max(p_slots, 1)), IGNORE_INDEX, dtype=np.int64)
     nsp_pos = np.zeros((rows, s_slots), dtype=np.int64)
@@ -66,20 +74,26 @@ def build_batch(sequences: Sequence[BertSequence], packs: Sequence[Sequence[int]
             s = sequences[i]
             n = len(s)
             if start + n > max_len:
-                raise UserError(f"pack {r} ({[len(sequences[k]) for k in pack]}) is longer than max_len={max_len}")
-            a["input_ids"][r, start:start + n] = s.tokens
-            a["token_type_ids"][r, start:start + n] = s.segments
-            a["position_ids"][r, start:start + n] = np.arange(n)
-            a["seq_ids"][r, start:start + n] = j + 1
+                raise UserError(
+                    f"pack {r} ({[len(sequences[k]) for k in pack]}) is longer than max_len={max_len}"
+                )
+            a["input_ids"][r, start : start + n] = s.tokens
+            a["token_type_ids"][r, start : start + n] = s.segments
+            a["position_ids"][r, start : start + n] = np.arange(n)
+            a["seq_ids"][r, start : start + n] = j + 1
             k = len(s.mlm_positions)
-            mlm_pos[r, m:m + k] = np.asarray(s.mlm_positions, dtype=np.int64) + start
-            mlm_lab[r, m:m + k] = s.mlm_labels
+            mlm_pos[r, m : m + k] = np.asarray(s.mlm_positions, dtype=np.int64) + start
+            mlm_lab[r, m : m + k] = s.mlm_labels
             nsp_pos[r, j] = start
             nsp_lab[r, j] = s.nsp_label
             start, m = start + n, m + k
     out = {k: torch.from_numpy(v) for k, v in a.items()}
-    out.update(mlm_positions=torch.from_numpy(mlm_pos), mlm_labels=torch.from_numpy(mlm_lab),
-               nsp_positions=torch.from_numpy(nsp_pos), nsp_labels=torch.from_numpy(nsp_lab))
+    out.update(
+        mlm_positions=torch.from_numpy(mlm_pos),
+        mlm_labels=torch.from_numpy(mlm_lab),
+        nsp_positions=torch.from_numpy(nsp_pos),
+        nsp_labels=torch.from_numpy(nsp_lab),
+    )
     return out
 
 
@@ -88,7 +102,9 @@ def padded_packs(n: int) -> list[list[int]]:
     return [[i] for i in range(n)]
 
 
-def synthetic_sequence(length: int, vocab_size: int, rng: np.random.Generator, mask_prob: float = 0.15) -> BertSequence:
+def synthetic_sequence(
+    length: int, vocab_size: int, rng: np.random.Generator, mask_prob: float = 0.15
+) -> BertSequence:
     """A random ``[CLS] A [SEP] B [SEP]`` example of ``length`` tokens with BERT's masking: ``mask_prob``
     of the word tokens (at least 1) are predicted; of those 80 % become [MASK], 10 % a random word,
     10 % stay (Devlin et al. 2019)."""
@@ -120,8 +136,9 @@ def synthetic_sequence(length: int, vocab_size: int, rng: np.random.Generator, m
     return BertSequence(tokens, segments, positions, labels, int(rng.integers(0, 2)))
 
 
-def synthetic_sequences(lengths: Sequence[int] | np.ndarray, vocab_size: int, seed: int = 0,
-                        mask_prob: float = 0.15) -> list[BertSequence]:
+def synthetic_sequences(
+    lengths: Sequence[int] | np.ndarray, vocab_size: int, seed: int = 0, mask_prob: float = 0.15
+) -> list[BertSequence]:
     rng = np.random.default_rng(seed)
     return [synthetic_sequence(int(n), vocab_size, rng, mask_prob) for n in lengths]
 

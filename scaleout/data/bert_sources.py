@@ -21,8 +21,16 @@ from scaleout.data.pretrain import BertSample
 from scaleout.data.shard_format import KEYS, SUFFIXES, ShardReader, shard_files
 from scaleout.errors import UserError
 
-__all__ = ["KEYS", "SUFFIXES", "load_bert_data", "load_shards", "read_length_histogram", "shard_files",
-           "synthetic_samples", "to_bert_sequences"]
+__all__ = [
+    "KEYS",
+    "SUFFIXES",
+    "load_bert_data",
+    "load_shards",
+    "read_length_histogram",
+    "shard_files",
+    "synthetic_samples",
+    "to_bert_sequences",
+]
 
 
 def load_shards(path: str | os.PathLike[str]) -> list[BertSample]:
@@ -35,30 +43,49 @@ def load_shards(path: str | os.PathLike[str]) -> list[BertSample]:
             rows = reader.read(np.arange(reader.rows))
         finally:
             reader.close()
-        out.extend(BertSample(np.asarray(q.tokens, np.int32), np.asarray(q.segments, np.int32),
-                              np.asarray(q.mlm_positions, np.int32), np.asarray(q.mlm_labels, np.int32),
-                              1 - int(q.nsp_label)) for row in rows for q in row)
+        out.extend(
+            BertSample(
+                np.asarray(q.tokens, np.int32),
+                np.asarray(q.segments, np.int32),
+                np.asarray(q.mlm_positions, np.int32),
+                np.asarray(q.mlm_labels, np.int32),
+                1 - int(q.nsp_label),
+            )
+            for row in rows
+            for q in row
+        )
     return out
 
 
 def read_length_histogram(path: str | os.PathLike[str]) -> np.ndarray:
     """A ``length count`` per line text histogram (comments with #) -> counts indexed by length."""
-    pairs = [tuple(int(x) for x in ln.split()[:2]) for ln in Path(path).read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]
+    pairs = [
+        tuple(int(x) for x in ln.split()[:2])
+        for ln in Path(path).read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     hist = np.zeros(max(k for k, _ in pairs) + 1, np.int64)
     for k, c in pairs:
         hist[k] = c
     return hist
 
 
-def synthetic_samples(n: int, max_seq_len: int = 512, vocab_size: int = 30522, max_predictions: int = 76,
-                      seed: int = 0, length_hist: np.ndarray | None = None) -> list[BertSample]:
+def synthetic_samples(
+    n: int,
+    max_seq_len: int = 512,
+    vocab_size: int = 30522,
+    max_predictions: int = 76,
+    seed: int = 0,
+    length_hist: np.ndarray | None = None,
+) -> list[BertSample]:
     """Random-token samples (throughput runs): ids in [5, vocab), 15 % masked, random NSP labels.
 
     ``max_predictions`` = 76 is MLPerf BERT's mask slots at 512 tokens.
     """
     if n < 1 or vocab_size <= 5:
-        raise UserError(f"synthetic BERT data needs n >= 1 and vocab_size > 5, got n={n}, vocab_size={vocab_size}")
+        raise UserError(
+            f"synthetic BERT data needs n >= 1 and vocab_size > 5, got n={n}, vocab_size={vocab_size}"
+        )
     rng = np.random.default_rng(seed)
     if length_hist is None:
         lens = np.full(n, max_seq_len)
@@ -93,8 +120,16 @@ def to_bert_sequences(samples: list[BertSample]) -> list:
     """
     from scaleout.data.bert_batch import BertSequence
 
-    return [BertSequence(s.input_ids.tolist(), s.token_type_ids.tolist(), s.masked_positions.tolist(),
-                         s.masked_labels.tolist(), 1 - int(s.nsp_label)) for s in samples]
+    return [
+        BertSequence(
+            s.input_ids.tolist(),
+            s.token_type_ids.tolist(),
+            s.masked_positions.tolist(),
+            s.masked_labels.tolist(),
+            1 - int(s.nsp_label),
+        )
+        for s in samples
+    ]
 
 
 def load_bert_data(cfg, cache: str | None = None):
@@ -104,21 +139,36 @@ def load_bert_data(cfg, cache: str | None = None):
     evaluation sequences separately); a path without them is all training data and the first
     ``data.eval_samples`` sequences are held out.
     """
-    from scaleout.data.pretrain import PretrainData, build_pretraining_data, length_stats, mlm_baselines
+    from scaleout.data.pretrain import (
+        PretrainData,
+        build_pretraining_data,
+        length_stats,
+        mlm_baselines,
+    )
     from scaleout.errors import ConfigError
 
     d, b = cfg.data, cfg.model.bert
     if d.source == "pydoc":
-        data = build_pretraining_data(vocab_size=b.vocab_size, max_seq_len=d.max_seq_len,
-                                      max_predictions=d.max_predictions, mask_prob=d.mask_prob,
-                                      dupe_factor=d.dupe_factor, seed=d.seed, cache=cache)
+        data = build_pretraining_data(
+            vocab_size=b.vocab_size,
+            max_seq_len=d.max_seq_len,
+            max_predictions=d.max_predictions,
+            mask_prob=d.mask_prob,
+            dupe_factor=d.dupe_factor,
+            seed=d.seed,
+            cache=cache,
+        )
         if len(data.tokenizer) != b.vocab_size:
-            raise ConfigError(f"model.bert.vocab_size={b.vocab_size}: the corpus only yields a "
-                              f"{len(data.tokenizer)}-token WordPiece vocabulary; use at most that")
+            raise ConfigError(
+                f"model.bert.vocab_size={b.vocab_size}: the corpus only yields a "
+                f"{len(data.tokenizer)}-token WordPiece vocabulary; use at most that"
+            )
         return data
     if d.source == "wikipedia":
         if not d.path:
-            raise ConfigError("data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)")
+            raise ConfigError(
+                "data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)"
+            )
         root = Path(d.path)
         if (root / "train").is_dir() and (root / "eval").is_dir():
             train, ev = load_shards(root / "train"), load_shards(root / "eval")
@@ -129,14 +179,25 @@ def load_bert_data(cfg, cache: str | None = None):
     elif d.source == "synthetic":
         n = min(cfg.train.global_batch * cfg.train.max_steps, 65536)
         train = synthetic_samples(n, d.max_seq_len, b.vocab_size, d.max_predictions, seed=d.seed)
-        ev = synthetic_samples(d.eval_samples, d.max_seq_len, b.vocab_size, d.max_predictions, seed=d.seed + 1)
+        ev = synthetic_samples(
+            d.eval_samples, d.max_seq_len, b.vocab_size, d.max_predictions, seed=d.seed + 1
+        )
         tok = None
     else:
-        raise ConfigError(f"data.source={d.source} is not a BERT source; expected pydoc, wikipedia or synthetic")
+        raise ConfigError(
+            f"data.source={d.source} is not a BERT source; expected pydoc, wikipedia or synthetic"
+        )
     too_long = max(len(s) for s in train + ev)
     if too_long > d.max_seq_len:
-        raise ConfigError(f"data.max_seq_len={d.max_seq_len} but the data has sequences of {too_long} tokens")
-    info = {"train_samples": len(train), "eval_samples": len(ev),
-            "lengths": {k: v for k, v in length_stats(train, d.max_seq_len).items() if k != "histogram"},
-            "eval_baselines": mlm_baselines(ev)}
+        raise ConfigError(
+            f"data.max_seq_len={d.max_seq_len} but the data has sequences of {too_long} tokens"
+        )
+    info = {
+        "train_samples": len(train),
+        "eval_samples": len(ev),
+        "lengths": {
+            k: v for k, v in length_stats(train, d.max_seq_len).items() if k != "histogram"
+        },
+        "eval_baselines": mlm_baselines(ev),
+    }
     return PretrainData(tok, train, ev, info)

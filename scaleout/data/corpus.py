@@ -25,8 +25,18 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "turtledemo",
-             "lib2to3", "ensurepip", "venv"}
+SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "venv",
+}
 _SENT_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z])")
 _WS = re.compile(r"\s+")
 
@@ -119,6 +129,8 @@ def is_eval(doc: Document, fraction: float) -> bool:
 
 def cache_dir() -> str:
     """``$SCALEOUT_CACHE`` or ``~/.cache/scaleout``."""
-    d = os.environ.get("SCALEOUT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "scaleout")
+    d = os.environ.get("SCALEOUT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "scaleout"
+    )
     os.makedirs(d, exist_ok=True)
     return d

@@ -29,42 +29,76 @@ import torch
 
 from scaleout.errors import UserError
 
-MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)  # ImageNet RGB mean (torchvision/MLPerf reference)
+MEAN = np.array(
+    [0.485, 0.456, 0.406], dtype=np.float32
+)  # ImageNet RGB mean (torchvision/MLPerf reference)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 
 class SyntheticImages:
-    def __init__(self, num_classes: int = 1000, image_size: int = 224, length: int = 1_281_167, seed: int = 0,
-                 noise: float = 1.0):
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        image_size: int = 224,
+        length: int = 1_281_167,
+        seed: int = 0,
+        noise: float = 1.0,
+    ):
         if num_classes < 2 or image_size < 8 or length < 1:
             raise UserError(
                 f"synthetic images need num_classes >= 2, image_size >= 8 and length >= 1, got "
                 f"{num_classes}, {image_size}, {length}"
             )
         self.num_classes, self.image_size, self.length, self.seed, self.noise = (
-            num_classes, image_size, length, seed, noise)
+            num_classes,
+            image_size,
+            length,
+            seed,
+            noise,
+        )
         g = torch.Generator().manual_seed(seed)
         low = torch.randn(num_classes, 3, 4, 4, generator=g)
-        self.templates = torch.nn.functional.interpolate(low, size=(image_size, image_size), mode="bilinear",
-                                                         align_corners=False)
+        self.templates = torch.nn.functional.interpolate(
+            low, size=(image_size, image_size), mode="bilinear", align_corners=False
+        )
 
     def __len__(self) -> int:
         return self.length
 
     def labels(self, indices: np.ndarray) -> torch.Tensor:
-        return torch.tensor([int(np.random.default_rng([self.seed, int(i)]).integers(self.num_classes))
-                             for i in indices], dtype=torch.long)
+        return torch.tensor(
+            [
+                int(np.random.default_rng([self.seed, int(i)]).integers(self.num_classes))
+                for i in indices
+            ],
+            dtype=torch.long,
+        )
 
     def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(images [B, 3, S, S] float32, labels [B]) for the given sample indices."""
         y = self.labels(indices)
         s = self.image_size
-        noise = torch.stack([torch.randn(3, s, s, generator=torch.Generator().manual_seed(
-            self.seed * 1_000_003 + int(i))) for i in indices]) if len(indices) else torch.zeros(0, 3, s, s)
+        noise = (
+            torch.stack(
+                [
+                    torch.randn(
+                        3,
+                        s,
+                        s,
+                        generator=torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)),
+                    )
+                    for i in indices
+                ]
+            )
+            if len(indices)
+            else torch.zeros(0, 3, s, s)
+        )
         return self.templates[y] + self.noise * noise, y
 
-    def fixed_batch(self, batch: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def fixed_batch(
+        self, batch: int, device: str | torch.device = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.get(np.arange(batch))
         return x.to(device), y.to(device)
 
@@ -72,18 +106,34 @@ class SyntheticImages:
 class ImageFolder:
     """Reads ``<root>/<split>/<class>/<image>`` with PIL (see module docstring for the layout)."""
 
-    def __init__(self, root: str | os.PathLike[str], split: str = "train", image_size: int = 224,
-                 train: bool | None = None, seed: int = 0):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        split: str = "train",
+        image_size: int = 224,
+        train: bool | None = None,
+        seed: int = 0,
+    ):
         base = Path(root) / split
         if not base.is_dir():
-            raise UserError(f"data.path={root}: no '{split}' folder; expected {root}/{split}/<class>/<image>.JPEG")
+            raise UserError(
+                f"data.path={root}: no '{split}' folder; expected {root}/{split}/<class>/<image>.JPEG"
+            )
         self.classes = sorted(d.name for d in base.iterdir() if d.is_dir())
         if not self.classes:
-            raise UserError(f"data.path={root}: {base} has no class folders; expected {base}/<class>/<image>.JPEG")
-        self.samples = [(str(p), c) for c, name in enumerate(self.classes) for p in sorted((base / name).iterdir())
-                        if p.suffix.lower() in EXTENSIONS]
+            raise UserError(
+                f"data.path={root}: {base} has no class folders; expected {base}/<class>/<image>.JPEG"
+            )
+        self.samples = [
+            (str(p), c)
+            for c, name in enumerate(self.classes)
+            for p in sorted((base / name).iterdir())
+            if p.suffix.lower() in EXTENSIONS
+        ]
         if not self.samples:
-            raise UserError(f"data.path={root}: no {'/'.join(EXTENSIONS)} images under {base}/<class>/")
+            raise UserError(
+                f"data.path={root}: no {'/'.join(EXTENSIONS)} images under {base}/<class>/"
+            )
         self.image_size, self.seed = image_size, seed
         self.train = (split == "train") if train is None else train
 

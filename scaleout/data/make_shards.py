@@ -59,7 +59,9 @@ def make_shards(
         docs=docs,
     )
     if len(data.train) < shards:
-        raise UserError(f"--shards={shards}: the corpus gives only {len(data.train)} training sequences")
+        raise UserError(
+            f"--shards={shards}: the corpus gives only {len(data.train)} training sequences"
+        )
     ev = data.eval if eval_samples is None else data.eval[:eval_samples]
     root = Path(out)
     (root / "train").mkdir(parents=True, exist_ok=True)
@@ -91,7 +93,9 @@ def make_shards(
     }
 
 
-def _packed_rows(samples: list[Any], max_len: int, algorithm: str, depth: int, seed: int) -> list[list[Any]]:
+def _packed_rows(
+    samples: list[Any], max_len: int, algorithm: str, depth: int, seed: int
+) -> list[list[Any]]:
     """Samples grouped into packs (``algorithm`` on this shard's length histogram, as NVIDIA packs offline)."""
     from scaleout.data.packing import assign_sequences, histogram_from_lengths, pack_histogram
 

@@ -12,7 +12,12 @@ batch layout of a pack is :mod:`scaleout.data.bert_batch`.
 
 from scaleout.data.packing_algos import ALGORITHMS, exact_fill_patterns, pack_histogram
 from scaleout.data.packing_assign import PackedSequences, assign_sequences
-from scaleout.data.packing_hist import format_histogram, histogram_from_lengths, load_histogram, parse_histogram
+from scaleout.data.packing_hist import (
+    format_histogram,
+    histogram_from_lengths,
+    load_histogram,
+    parse_histogram,
+)
 from scaleout.data.packing_strategy import Strategy, speedup_ceiling
 
 __all__ = [

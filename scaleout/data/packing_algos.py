@@ -43,8 +43,14 @@ MAX_PATTERN_DEPTH = 3
 REFILL_FRACTION, REFILL_ROUNDS = 0.005, 2
 
 
-def _greedy(h: np.ndarray, max_len: int, k: int, worst_fit: bool, distribute: bool,
-            initial: dict[Pack, int] | None = None) -> dict[Pack, int]:
+def _greedy(
+    h: np.ndarray,
+    max_len: int,
+    k: int,
+    worst_fit: bool,
+    distribute: bool,
+    initial: dict[Pack, int] | None = None,
+) -> dict[Pack, int]:
     """Histogram bin packing, longest length first, moving whole groups of identical packs at once.
 
     Open groups are kept per remaining room; ``worst_fit`` picks the largest room (SPFHP), otherwise
@@ -101,8 +107,14 @@ def _greedy(h: np.ndarray, max_len: int, k: int, worst_fit: bool, distribute: bo
     return done
 
 
-def exact_fill_patterns(h: np.ndarray, max_len: int, depth: int, balanced: bool = False,
-                        singletons: bool = True, all_lengths: bool = False) -> list[Pack]:
+def exact_fill_patterns(
+    h: np.ndarray,
+    max_len: int,
+    depth: int,
+    balanced: bool = False,
+    singletons: bool = True,
+    all_lengths: bool = False,
+) -> list[Pack]:
     """Every pack of <= depth present lengths summing to exactly max_len, plus (``singletons``) a pack of
     one for every present length, so that any histogram can be covered. ``balanced`` keeps only packs
     whose shortest sequence is at least half the second shortest (see ``lphp``). ``all_lengths``: every
@@ -118,7 +130,11 @@ def exact_fill_patterns(h: np.ndarray, max_len: int, depth: int, balanced: bool 
         if left == 0:
             return
         if left == 1:
-            if room <= largest and room in present and (not balanced or len(prefix) < 2 or 2 * room >= prefix[-1]):
+            if (
+                room <= largest
+                and room in present
+                and (not balanced or len(prefix) < 2 or 2 * room >= prefix[-1])
+            ):
                 pats.append(prefix + (room,))
             return
         # the remaining `left` items are each <= x, so x >= room / left
@@ -153,7 +169,9 @@ def lpfhp(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
 def nnlshp(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
     from scipy.optimize import nnls
 
-    pats = exact_fill_patterns(h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True)
+    pats = exact_fill_patterns(
+        h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True
+    )
     w = np.ones(max_len)
     w[:NNLS_SHORT_CUTOFF] = NNLS_SHORT_WEIGHT
     x = np.zeros(0)
@@ -186,7 +204,9 @@ def lphp(h: np.ndarray, max_len: int, max_per_pack: int, balanced: bool = True) 
     a = _matrix(pats, max_len)[1:]
     # min sum(x) s.t. A x >= h, x >= 0 (covering: extra copies become empty slots, removed below).
     # HiGHS IPM + crossover returns a vertex (<= max_len non-zeros), which keeps the rounding loss small.
-    res = linprog(np.ones(len(pats)), A_ub=-a, b_ub=-h[1:].astype(float), bounds=(0, None), method="highs-ipm")
+    res = linprog(
+        np.ones(len(pats)), A_ub=-a, b_ub=-h[1:].astype(float), bounds=(0, None), method="highs-ipm"
+    )
     if res.status != 0:  # pragma: no cover - singletons make the LP always feasible
         raise RuntimeError(f"lphp: LP failed: {res.message}")
     packs: dict[Pack, int] = {}
@@ -211,7 +231,9 @@ def _fill(h: np.ndarray, packs: dict[Pack, int], max_len: int, k: int) -> dict[P
     return out
 
 
-def refill(packs: dict[Pack, int], max_len: int, k: int, fraction: float = REFILL_FRACTION) -> dict[Pack, int]:
+def refill(
+    packs: dict[Pack, int], max_len: int, k: int, fraction: float = REFILL_FRACTION
+) -> dict[Pack, int]:
     """Empty the ``fraction`` emptiest packs and best-fit their sequences into the room of the others.
 
     After LP rounding, the waste sits in a few packs (left-overs, packs that lost over-covered slots)
@@ -249,18 +271,29 @@ ALGORITHMS: dict[str, Callable[[np.ndarray, int, int], dict[Pack, int]]] = {
 VARIANTS: dict[str, Callable[[np.ndarray, int, int], dict[Pack, int]]] = {"lphp-full": lphp_full}
 
 
-def pack_histogram(h: np.ndarray, max_len: int, max_per_pack: int = 3, algorithm: str = "auto",
-                   budget_s: float | None = None) -> Strategy:
+def pack_histogram(
+    h: np.ndarray,
+    max_len: int,
+    max_per_pack: int = 3,
+    algorithm: str = "auto",
+    budget_s: float | None = None,
+) -> Strategy:
     """Run one algorithm on histogram ``h`` (length max_len + 1, or shorter) and time it. ``auto`` runs the
     candidates of :mod:`packing_auto` (``budget_s``: its time budget) and returns the most efficient."""
     max_len = check_max_len(max_len)
-    if isinstance(max_per_pack, bool) or not isinstance(max_per_pack, (int, np.integer)) or max_per_pack < 1:
+    if (
+        isinstance(max_per_pack, bool)
+        or not isinstance(max_per_pack, (int, np.integer))
+        or max_per_pack < 1
+    ):
         raise UserError(f"max_per_pack={max_per_pack!r} must be an integer >= 1")
     name = algorithm
     if name not in ALGORITHMS and name not in VARIANTS and name != "auto":
-        raise UserError(f"packing algorithm {algorithm!r} is not one of {', '.join([*ALGORITHMS, 'auto'])}")
+        raise UserError(
+            f"packing algorithm {algorithm!r} is not one of {', '.join([*ALGORITHMS, 'auto'])}"
+        )
     h = np.asarray(h, dtype=np.int64)
-    if h.ndim != 1 or len(h) > max_len + 1 and h[max_len + 1:].any():
+    if h.ndim != 1 or len(h) > max_len + 1 and h[max_len + 1 :].any():
         raise UserError(f"histogram has sequences longer than max_len={max_len}")
     if (h < 0).any():
         raise UserError(f"histogram has a negative count at length {int(np.nonzero(h < 0)[0][0])}")
@@ -277,6 +310,8 @@ def pack_histogram(h: np.ndarray, max_len: int, max_per_pack: int = 3, algorithm
         import scipy.optimize  # noqa: F401  (a one-off import, not the algorithm's run time)
     t, c = time.perf_counter(), time.process_time()
     packs = {**ALGORITHMS, **VARIANTS}[name](hist, max_len, int(max_per_pack))
-    s = Strategy(name, max_len, int(max_per_pack), packs, time.perf_counter() - t, time.process_time() - c)
+    s = Strategy(
+        name, max_len, int(max_per_pack), packs, time.perf_counter() - t, time.process_time() - c
+    )
     s.validate(hist)
     return s

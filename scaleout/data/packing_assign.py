@@ -28,21 +28,27 @@ class PackedSequences:
         return len(self.offsets) - 1
 
     def pack(self, i: int) -> list[int]:
-        return self.ids[self.offsets[i]: self.offsets[i + 1]].tolist()
+        return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
 
     def packs(self) -> list[list[int]]:
         return [self.pack(i) for i in range(len(self))]
 
 
-def assign_sequences(strategy: Strategy, lengths: Sequence[int] | np.ndarray, seed: int = 0,
-                     ids: Sequence[int] | np.ndarray | None = None) -> PackedSequences:
+def assign_sequences(
+    strategy: Strategy,
+    lengths: Sequence[int] | np.ndarray,
+    seed: int = 0,
+    ids: Sequence[int] | np.ndarray | None = None,
+) -> PackedSequences:
     """Place sequences (``lengths[i]`` is the length of sequence ``ids[i]``, default ``i``) into packs.
 
     The order of packs and which sequence of a given length goes where are random but fixed by ``seed``.
     Raises UserError if the sequences' histogram is not the one the strategy was made for.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    ids = np.arange(len(lengths), dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    ids = (
+        np.arange(len(lengths), dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    )
     if ids.shape != lengths.shape:
         raise UserError(f"{len(ids)} ids for {len(lengths)} lengths: expected one id per sequence")
     h = histogram_from_lengths(lengths, strategy.max_len)

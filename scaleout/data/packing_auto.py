@@ -39,11 +39,15 @@ def nnls_cells(h: np.ndarray, max_len: int, max_per_pack: int) -> int:
     """Size of NNLSHP's dense matrix: max_len rows x one column per composition of max_len."""
     from scaleout.data.packing_algos import MAX_PATTERN_DEPTH, exact_fill_patterns
 
-    pats = exact_fill_patterns(h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True)
+    pats = exact_fill_patterns(
+        h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True
+    )
     return max_len * len(pats)
 
 
-def pack_auto(h: np.ndarray, max_len: int, max_per_pack: int, budget_s: float | None = None) -> Strategy:
+def pack_auto(
+    h: np.ndarray, max_len: int, max_per_pack: int, budget_s: float | None = None
+) -> Strategy:
     """The most efficient of the candidates that ran; ``notes["auto"]`` holds every candidate's result."""
     from scaleout.data.packing_algos import pack_histogram
 
@@ -61,7 +65,16 @@ def pack_auto(h: np.ndarray, max_len: int, max_per_pack: int, budget_s: float | 
             continue
         results[name] = pack_histogram(h, max_len, max_per_pack, name)
     best = min(results.values(), key=lambda s: s.num_packs)  # min keeps the first of equals
-    notes = {"auto": {n: round(s.efficiency, 6) for n, s in results.items()}, "auto_skipped": skipped}
+    notes = {
+        "auto": {n: round(s.efficiency, 6) for n, s in results.items()},
+        "auto_skipped": skipped,
+    }
     return Strategy(
-        best.algorithm, max_len, max_per_pack, best.packs, time.perf_counter() - t0, time.process_time() - c0, notes
+        best.algorithm,
+        max_len,
+        max_per_pack,
+        best.packs,
+        time.perf_counter() - t0,
+        time.process_time() - c0,
+        notes,
     )

@@ -27,12 +27,18 @@ MAX_LEN = 1 << 20
 
 
 def check_max_len(max_len: int) -> int:
-    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= MAX_LEN:
+    if (
+        isinstance(max_len, bool)
+        or not isinstance(max_len, (int, np.integer))
+        or not 1 <= max_len <= MAX_LEN
+    ):
         raise UserError(f"max_len={max_len!r} must be an integer >= 1 and <= {MAX_LEN}")
     return int(max_len)
 
 
-def parse_histogram(text: str, max_len: int | None = None, source: str = "<histogram>") -> np.ndarray:
+def parse_histogram(
+    text: str, max_len: int | None = None, source: str = "<histogram>"
+) -> np.ndarray:
     """Parse ``length count`` lines. ``max_len`` defaults to the largest length in the file."""
     if max_len is not None:
         check_max_len(max_len)
@@ -47,7 +53,9 @@ def parse_histogram(text: str, max_len: int | None = None, source: str = "<histo
         try:
             length, count = int(parts[0]), int(parts[1])
         except ValueError:
-            raise UserError(f"{source} line {no}: expected two integers 'length count', got {raw.strip()!r}") from None
+            raise UserError(
+                f"{source} line {no}: expected two integers 'length count', got {raw.strip()!r}"
+            ) from None
         if length < 1:
             raise UserError(f"{source} line {no}: length {length} must be >= 1")
         if count < 0:
@@ -86,7 +94,9 @@ def load_histogram(path: str | os.PathLike[str], max_len: int | None = None) -> 
     try:
         text = p.read_text()
     except UnicodeDecodeError:
-        raise UserError(f"histogram file {str(path)!r} is not a text file of 'length count' lines") from None
+        raise UserError(
+            f"histogram file {str(path)!r} is not a text file of 'length count' lines"
+        ) from None
     return parse_histogram(text, max_len, source=str(path))
 
 

@@ -66,22 +66,32 @@ class Strategy:
         ``assert``: it guards data that reaches training, also under ``python -O``)."""
         for p, n in self.packs.items():
             if not (isinstance(n, (int, np.integer)) and n > 0):
-                raise UserError(f"{self.algorithm}: pack {p} has count {n!r}; expected a positive integer")
+                raise UserError(
+                    f"{self.algorithm}: pack {p} has count {n!r}; expected a positive integer"
+                )
             if not 0 < len(p) <= self.max_per_pack:
-                raise UserError(f"{self.algorithm}: pack {p} holds {len(p)} sequences; expected 1..{self.max_per_pack}")
+                raise UserError(
+                    f"{self.algorithm}: pack {p} holds {len(p)} sequences; expected 1..{self.max_per_pack}"
+                )
             if sum(p) > self.max_len or min(p) < 1:
-                raise UserError(f"{self.algorithm}: pack {p} has {sum(p)} tokens; expected sequences of 1.. and "
-                                f"at most max_len={self.max_len} in total")
+                raise UserError(
+                    f"{self.algorithm}: pack {p} has {sum(p)} tokens; expected sequences of 1.. and "
+                    f"at most max_len={self.max_len} in total"
+                )
         h = np.asarray(h, dtype=np.int64)
-        if len(h) > self.max_len + 1 and h[self.max_len + 1:].any():
-            raise UserError(f"{self.algorithm}: the histogram has sequences longer than max_len={self.max_len}")
+        if len(h) > self.max_len + 1 and h[self.max_len + 1 :].any():
+            raise UserError(
+                f"{self.algorithm}: the histogram has sequences longer than max_len={self.max_len}"
+            )
         got = self.histogram()
         want = np.zeros(self.max_len + 1, dtype=np.int64)
         want[: min(len(h), self.max_len + 1)] = h[: self.max_len + 1]
         if not np.array_equal(got, want):
             at = int(np.nonzero(got != want)[0][0])
-            raise UserError(f"{self.algorithm}: the strategy packs {int(got[at])} sequences of length {at} but the "
-                            f"histogram has {int(want[at])}; a strategy must reproduce its histogram exactly")
+            raise UserError(
+                f"{self.algorithm}: the strategy packs {int(got[at])} sequences of length {at} but the "
+                f"histogram has {int(want[at])}; a strategy must reproduce its histogram exactly"
+            )
 
     def stats(self) -> dict[str, object]:
         return {
@@ -107,7 +117,10 @@ class Strategy:
     def from_json(cls, data: dict | str) -> Strategy:
         d = json.loads(data) if isinstance(data, str) else data
         try:
-            packs = {tuple(sorted((int(x) for x in r["lengths"]), reverse=True)): int(r["count"]) for r in d["packs"]}
+            packs = {
+                tuple(sorted((int(x) for x in r["lengths"]), reverse=True)): int(r["count"])
+                for r in d["packs"]
+            }
             return cls(str(d["algorithm"]), int(d["max_len"]), int(d["max_per_pack"]), packs)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"not a packing strategy JSON (missing or bad field: {exc})") from None

@@ -52,27 +52,51 @@ class BertSample:
         return len(self.input_ids)
 
 
-def create_samples(docs: list[list[list[int]]], tok: WordPiece, max_seq_len: int = 128,
-                   max_predictions: int = 20, mask_prob: float = 0.15, short_seq_prob: float = 0.1,
-                   dupe_factor: int = 1, seed: int = 0) -> list[BertSample]:
+def create_samples(
+    docs: list[list[list[int]]],
+    tok: WordPiece,
+    max_seq_len: int = 128,
+    max_predictions: int = 20,
+    mask_prob: float = 0.15,
+    short_seq_prob: float = 0.1,
+    dupe_factor: int = 1,
+    seed: int = 0,
+) -> list[BertSample]:
     """``docs``: documents as lists of tokenised sentences. Returns samples, deterministic in ``seed``."""
     if max_seq_len < 8:
-        raise UserError(f"data.max_seq_len={max_seq_len} is too short for [CLS] A [SEP] B [SEP]; expected >= 8")
+        raise UserError(
+            f"data.max_seq_len={max_seq_len} is too short for [CLS] A [SEP] B [SEP]; expected >= 8"
+        )
     docs = [d for d in docs if d]
     if len(docs) < 2:
-        raise UserError(f"need at least 2 non-empty documents for next-sentence pairs, got {len(docs)}")
+        raise UserError(
+            f"need at least 2 non-empty documents for next-sentence pairs, got {len(docs)}"
+        )
     rng = random.Random(seed)
     vocab_words = list(range(5, len(tok)))  # random replacements never produce special tokens
     out: list[BertSample] = []
     for _ in range(dupe_factor):
         for di in range(len(docs)):
-            out.extend(_document_samples(docs, di, tok, max_seq_len, max_predictions, mask_prob,
-                                         short_seq_prob, vocab_words, rng))
+            out.extend(
+                _document_samples(
+                    docs,
+                    di,
+                    tok,
+                    max_seq_len,
+                    max_predictions,
+                    mask_prob,
+                    short_seq_prob,
+                    vocab_words,
+                    rng,
+                )
+            )
     rng.shuffle(out)
     return out
 
 
-def _document_samples(docs, di, tok, max_seq_len, max_predictions, mask_prob, short_seq_prob, vocab_words, rng):
+def _document_samples(
+    docs, di, tok, max_seq_len, max_predictions, mask_prob, short_seq_prob, vocab_words, rng
+):
     doc = docs[di]
     max_tokens = max_seq_len - 3
     target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
@@ -104,7 +128,9 @@ def _document_samples(docs, di, tok, max_seq_len, max_predictions, mask_prob, sh
                     b = [t for s in chunk[a_end:] for t in s]
                 _truncate_pair(a, b, max_tokens, rng)
                 if a and b:
-                    samples.append(_mask(tok, a, b, nsp, max_predictions, mask_prob, vocab_words, rng))
+                    samples.append(
+                        _mask(tok, a, b, nsp, max_predictions, mask_prob, vocab_words, rng)
+                    )
             chunk, length = [], 0
             target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
         i += 1
@@ -135,16 +161,23 @@ def _mask(tok, a, b, nsp, max_predictions, mask_prob, vocab_words, rng) -> BertS
         elif r < 0.9:
             ids[p] = rng.choice(vocab_words)
         # else: keep the original token
-    return BertSample(np.asarray(ids, np.int32), np.asarray(types, np.int32), np.asarray(chosen, np.int32),
-                      np.asarray(labels, np.int32), nsp)
+    return BertSample(
+        np.asarray(ids, np.int32),
+        np.asarray(types, np.int32),
+        np.asarray(chosen, np.int32),
+        np.asarray(labels, np.int32),
+        nsp,
+    )
 
 
 def to_padded(sample: BertSample, max_seq_len: int, max_predictions: int) -> dict[str, np.ndarray]:
     """Fixed-shape arrays with MLPerf's HDF5 field names (masked_lm_ids 0 = empty slot)."""
     n, m = len(sample), len(sample.masked_positions)
     if n > max_seq_len or m > max_predictions:
-        raise UserError(f"sample of length {n} with {m} masks does not fit max_seq_len={max_seq_len}, "
-                        f"max_predictions={max_predictions}")
+        raise UserError(
+            f"sample of length {n} with {m} masks does not fit max_seq_len={max_seq_len}, "
+            f"max_predictions={max_predictions}"
+        )
     out = {k: np.zeros(max_seq_len, np.int32) for k in ("input_ids", "input_mask", "segment_ids")}
     out["input_ids"][:n] = sample.input_ids
     out["input_mask"][:n] = 1
@@ -174,17 +207,27 @@ def mlm_baselines(samples: list[BertSample]) -> dict[str, Any]:
     if not total:
         raise UserError("no masked positions in the samples")
     token, count = labels.most_common(1)[0]
-    return {"most_frequent": count / total, "most_frequent_token": int(token), "copy_input": copies / total,
-            "masked_positions": total}
+    return {
+        "most_frequent": count / total,
+        "most_frequent_token": int(token),
+        "copy_input": copies / total,
+        "masked_positions": total,
+    }
 
 
 def length_stats(samples: list[BertSample], max_seq_len: int) -> dict[str, Any]:
     """Histogram (index = length) and summary of the real sequence lengths."""
     lens = np.array([len(s) for s in samples])
     hist = np.bincount(lens, minlength=max_seq_len + 1)
-    return {"count": int(len(lens)), "mean": float(lens.mean()), "p50": float(np.percentile(lens, 50)),
-            "p90": float(np.percentile(lens, 90)), "full_length_fraction": float(np.mean(lens == max_seq_len)),
-            "padding_efficiency": float(lens.mean() / max_seq_len), "histogram": hist.tolist()}
+    return {
+        "count": int(len(lens)),
+        "mean": float(lens.mean()),
+        "p50": float(np.percentile(lens, 50)),
+        "p90": float(np.percentile(lens, 90)),
+        "full_length_fraction": float(np.mean(lens == max_seq_len)),
+        "padding_efficiency": float(lens.mean() / max_seq_len),
+        "histogram": hist.tolist(),
+    }
 
 
 # -- the cached end-to-end builder -------------------------------------------------------------------
@@ -196,10 +239,18 @@ class PretrainData:
     info: dict[str, Any]
 
 
-def build_pretraining_data(vocab_size: int = 4096, max_seq_len: int = 128, max_predictions: int = 20,
-                           mask_prob: float = 0.15, dupe_factor: int = 5, eval_fraction: float = 0.05,
-                           seed: int = 0, sources: tuple[str, ...] = ("pydoc", "stdlib"),
-                           cache: str | None = None, docs: list[Document] | None = None) -> PretrainData:
+def build_pretraining_data(
+    vocab_size: int = 4096,
+    max_seq_len: int = 128,
+    max_predictions: int = 20,
+    mask_prob: float = 0.15,
+    dupe_factor: int = 5,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+    sources: tuple[str, ...] = ("pydoc", "stdlib"),
+    cache: str | None = None,
+    docs: list[Document] | None = None,
+) -> PretrainData:
     """Corpus -> tokenizer -> train/eval samples; everything cached under ``cache`` (default ~/.cache/scaleout).
 
     Eval documents (a hash-chosen ``eval_fraction``) never appear in training; eval samples are made once
@@ -209,8 +260,18 @@ def build_pretraining_data(vocab_size: int = 4096, max_seq_len: int = 128, max_p
     # One builder at a time: ranks starting together on a cold cache wait for the first one and then
     # read its files instead of all spending the same ~25 s (2-core machine) building them.
     with _file_lock(os.path.join(cache, "build.lock")):
-        return _build(vocab_size, max_seq_len, max_predictions, mask_prob, dupe_factor, eval_fraction, seed,
-                      sources, cache, docs)
+        return _build(
+            vocab_size,
+            max_seq_len,
+            max_predictions,
+            mask_prob,
+            dupe_factor,
+            eval_fraction,
+            seed,
+            sources,
+            cache,
+            docs,
+        )
 
 
 def _file_lock(path: str):
@@ -229,15 +290,29 @@ def _file_lock(path: str):
     return lock()
 
 
-def _build(vocab_size, max_seq_len, max_predictions, mask_prob, dupe_factor, eval_fraction, seed, sources,
-           cache, docs) -> PretrainData:
+def _build(
+    vocab_size,
+    max_seq_len,
+    max_predictions,
+    mask_prob,
+    dupe_factor,
+    eval_fraction,
+    seed,
+    sources,
+    cache,
+    docs,
+) -> PretrainData:
     docs = docs if docs is not None else _cached_corpus(sources, cache)
-    key_src = (f"{corpus_hash(docs)}:{vocab_size}:{max_seq_len}:{max_predictions}:{mask_prob}:{dupe_factor}:"
-               f"{eval_fraction}:{seed}:{FORMAT_VERSION}")
+    key_src = (
+        f"{corpus_hash(docs)}:{vocab_size}:{max_seq_len}:{max_predictions}:{mask_prob}:{dupe_factor}:"
+        f"{eval_fraction}:{seed}:{FORMAT_VERSION}"
+    )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     train_docs = [d for d in docs if not is_eval(d, eval_fraction)]
     eval_docs = [d for d in docs if is_eval(d, eval_fraction)]
-    tok = train_or_load([s for d in train_docs for s in d.sentences], vocab_size, corpus_hash(train_docs), cache)
+    tok = train_or_load(
+        [s for d in train_docs for s in d.sentences], vocab_size, corpus_hash(train_docs), cache
+    )
     path = os.path.join(cache, f"pretrain-{key}.npz")
     if os.path.exists(path):
         try:
@@ -246,18 +321,36 @@ def _build(vocab_size, max_seq_len, max_predictions, mask_prob, dupe_factor, eva
         except (OSError, ValueError, KeyError):
             pass
     enc = lambda ds: [[tok.encode(s) for s in d.sentences] for d in ds]  # noqa: E731
-    train = create_samples(enc(train_docs), tok, max_seq_len, max_predictions, mask_prob,
-                           dupe_factor=dupe_factor, seed=seed)
-    ev = create_samples(enc(eval_docs), tok, max_seq_len, max_predictions, mask_prob, dupe_factor=1,
-                        seed=seed + 1_000_003)
+    train = create_samples(
+        enc(train_docs),
+        tok,
+        max_seq_len,
+        max_predictions,
+        mask_prob,
+        dupe_factor=dupe_factor,
+        seed=seed,
+    )
+    ev = create_samples(
+        enc(eval_docs),
+        tok,
+        max_seq_len,
+        max_predictions,
+        mask_prob,
+        dupe_factor=1,
+        seed=seed + 1_000_003,
+    )
     save_samples(path, train, ev)
     return PretrainData(tok, train, ev, _info(train, ev, max_seq_len, path))
 
 
 def _info(train, ev, max_seq_len, path) -> dict[str, Any]:
-    return {"train_samples": len(train), "eval_samples": len(ev), "cache": path,
-            "lengths": {k: v for k, v in length_stats(train, max_seq_len).items() if k != "histogram"},
-            "eval_baselines": mlm_baselines(ev)}
+    return {
+        "train_samples": len(train),
+        "eval_samples": len(ev),
+        "cache": path,
+        "lengths": {k: v for k, v in length_stats(train, max_seq_len).items() if k != "histogram"},
+        "eval_baselines": mlm_baselines(ev),
+    }
 
 
 def _cached_corpus(sources: tuple[str, ...], cache: str) -> list[Document]:
@@ -292,7 +385,9 @@ def save_samples(path: str, train: list[BertSample], ev: list[BertSample]) -> No
     arrays: dict[str, np.ndarray] = {}
     for split, samples in (("train", train), ("eval", ev)):
         arrays[f"{split}_ids"] = np.concatenate([s.input_ids for s in samples])
-        arrays[f"{split}_types"] = np.concatenate([s.token_type_ids for s in samples]).astype(np.int8)
+        arrays[f"{split}_types"] = np.concatenate([s.token_type_ids for s in samples]).astype(
+            np.int8
+        )
         arrays[f"{split}_len"] = np.array([len(s) for s in samples], np.int32)
         arrays[f"{split}_mpos"] = np.concatenate([s.masked_positions for s in samples])
         arrays[f"{split}_mlab"] = np.concatenate([s.masked_labels for s in samples])
@@ -307,13 +402,29 @@ def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:
     with np.load(path) as z:
         out = []
         for split in ("train", "eval"):
-            ids, types, mpos, mlab = z[f"{split}_ids"], z[f"{split}_types"], z[f"{split}_mpos"], z[f"{split}_mlab"]
-            off, moff = np.concatenate([[0], np.cumsum(z[f"{split}_len"])]), np.concatenate(
-                [[0], np.cumsum(z[f"{split}_mlen"])])
+            ids, types, mpos, mlab = (
+                z[f"{split}_ids"],
+                z[f"{split}_types"],
+                z[f"{split}_mpos"],
+                z[f"{split}_mlab"],
+            )
+            off, moff = (
+                np.concatenate([[0], np.cumsum(z[f"{split}_len"])]),
+                np.concatenate([[0], np.cumsum(z[f"{split}_mlen"])]),
+            )
             nsp = z[f"{split}_nsp"]
-            out.append([BertSample(ids[off[i]:off[i + 1]], types[off[i]:off[i + 1]].astype(np.int32),
-                                   mpos[moff[i]:moff[i + 1]], mlab[moff[i]:moff[i + 1]], int(nsp[i]))
-                        for i in range(len(nsp))])
+            out.append(
+                [
+                    BertSample(
+                        ids[off[i] : off[i + 1]],
+                        types[off[i] : off[i + 1]].astype(np.int32),
+                        mpos[moff[i] : moff[i + 1]],
+                        mlab[moff[i] : moff[i + 1]],
+                        int(nsp[i]),
+                    )
+                    for i in range(len(nsp))
+                ]
+            )
     return out[0], out[1]
 
 
@@ -332,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    d = build_pretraining_data(a.vocab_size, a.max_seq_len, a.max_predictions, dupe_factor=a.dupe_factor, seed=a.seed)
+    d = build_pretraining_data(
+        a.vocab_size, a.max_seq_len, a.max_predictions, dupe_factor=a.dupe_factor, seed=a.seed
+    )
     took = time.perf_counter() - t0
     lens, base = d.info["lengths"], d.info["eval_baselines"]
     rows = [
@@ -344,7 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         ["full-length fraction", f"{lens['full_length_fraction']:.3f}"],
         ["padding efficiency (padded batches)", f"{lens['padding_efficiency']:.3f}"],
         ["eval masked positions", base["masked_positions"]],
-        ["MLM baseline: most frequent token", f"{base['most_frequent']:.4f} ('{d.tokenizer.vocab[base['most_frequent_token']]}')"],
+        [
+            "MLM baseline: most frequent token",
+            f"{base['most_frequent']:.4f} ('{d.tokenizer.vocab[base['most_frequent_token']]}')",
+        ],
         ["MLM baseline: copy the input token", f"{base['copy_input']:.4f}"],
         ["build or load time", f"{took:.1f} s"],
         ["cache", d.info["cache"]],

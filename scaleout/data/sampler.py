@@ -18,14 +18,25 @@ from scaleout.errors import ConfigError, UserError
 
 
 class ShardedSampler:
-    def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
         if num_samples < 1:
-            raise UserError(f"the data set is empty (num_samples={num_samples}); expected at least one sample")
+            raise UserError(
+                f"the data set is empty (num_samples={num_samples}); expected at least one sample"
+            )
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is not in a world of size {world_size}")
         if global_batch % world_size:
-            raise ConfigError(f"train.global_batch={global_batch} must be divisible by the world size {world_size}")
+            raise ConfigError(
+                f"train.global_batch={global_batch} must be divisible by the world size {world_size}"
+            )
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size = rank, world_size
         self.local_batch = global_batch // world_size

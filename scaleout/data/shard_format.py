@@ -33,8 +33,21 @@ import numpy as np
 
 from scaleout.errors import UserError
 
-KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
-VARLEN_KEYS = ("input_ids", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+KEYS = (
+    "input_ids",
+    "input_mask",
+    "segment_ids",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "next_sentence_labels",
+)
+VARLEN_KEYS = (
+    "input_ids",
+    "segment_ids",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "next_sentence_labels",
+)
 PACKED_KEYS = (*VARLEN_KEYS, "packed_input_len", "packed_masked_lm_len")
 LAYOUTS = ("fixed", "varlength", "packed")
 SUFFIXES = (".hdf5", ".h5", ".hdf", ".npz")
@@ -46,7 +59,9 @@ def h5py_module() -> Any:
     try:
         import h5py
     except ImportError:
-        raise UserError("MLPerf HDF5 shards need h5py (pip install 'scaleout[data]'), or .npz shards") from None
+        raise UserError(
+            "MLPerf HDF5 shards need h5py (pip install 'scaleout[data]'), or .npz shards"
+        ) from None
     return h5py
 
 
@@ -105,7 +120,9 @@ class ShardReader:
 
     def mask_slots(self) -> int | None:
         """Mask slots per sequence of a fixed-layout file (its masked_lm_positions width), else None."""
-        return int(self._dataset("masked_lm_positions").shape[1]) if self.layout == "fixed" else None
+        return (
+            int(self._dataset("masked_lm_positions").shape[1]) if self.layout == "fixed" else None
+        )
 
     # -- lengths (the index is built from these) --------------------------------------------------------
     def row_lengths(self) -> tuple[np.ndarray, list[np.ndarray] | None]:
@@ -159,7 +176,11 @@ class ShardReader:
             ]
         out, start, m = [], 0, 0
         for j, (n, k) in enumerate(
-            zip(np.asarray(got["packed_input_len"][i]), np.asarray(got["packed_masked_lm_len"][i]), strict=True)
+            zip(
+                np.asarray(got["packed_input_len"][i]),
+                np.asarray(got["packed_masked_lm_len"][i]),
+                strict=True,
+            )
         ):
             n, k = int(n), int(k)
             out.append(
@@ -183,7 +204,9 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     elif p.is_dir():
         files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
     else:
-        raise UserError(f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} files")
+        raise UserError(
+            f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} files"
+        )
     if not files:
         raise UserError(f"data.path={path} has no {'/'.join(SUFFIXES)} shards")
     return files
@@ -191,7 +214,11 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 # -- writing --------------------------------------------------------------------------------------------
 def write_shard(
-    path: str | os.PathLike[str], rows: list[list[Any]], layout: str, max_seq_len: int, max_pred: int
+    path: str | os.PathLike[str],
+    rows: list[list[Any]],
+    layout: str,
+    max_seq_len: int,
+    max_pred: int,
 ) -> None:
     """Write ``rows`` (each a list of :class:`BertSample` records: one per row unless ``packed``) in
     ``layout`` with the reference's dtypes; atomically (``.tmp`` then rename)."""
@@ -237,12 +264,16 @@ def _write_vlen(f: Any, h5py: Any, rows: list[list[Any]], layout: str) -> None:
         cols["input_ids"].append(np.concatenate([s.input_ids for s in r]).astype(np.int16))
         cols["segment_ids"].append(np.concatenate([s.token_type_ids for s in r]).astype(np.int8))
         cols["masked_lm_positions"].append(
-            np.concatenate([s.masked_positions + st for s, st in zip(r, starts, strict=True)]).astype(np.int16)
+            np.concatenate(
+                [s.masked_positions + st for s, st in zip(r, starts, strict=True)]
+            ).astype(np.int16)
         )
         cols["masked_lm_ids"].append(np.concatenate([s.masked_labels for s in r]).astype(np.int16))
         cols["next_sentence_labels"].append(np.array([s.nsp_label for s in r], np.int8))
         cols["packed_input_len"].append(np.array([len(s) for s in r], np.int16))
-        cols["packed_masked_lm_len"].append(np.array([len(s.masked_positions) for s in r], np.int16))
+        cols["packed_masked_lm_len"].append(
+            np.array([len(s.masked_positions) for s in r], np.int16)
+        )
     vlen = {
         "input_ids": i16,
         "segment_ids": i8,
@@ -257,7 +288,9 @@ def _write_vlen(f: Any, h5py: Any, rows: list[list[Any]], layout: str) -> None:
         if layout == "varlength" and k == "next_sentence_labels":
             f.create_dataset(k, data=np.array([c[0] for c in cols[k]], np.int8), dtype="i1")
             continue
-        data = np.empty(n, dtype=object)  # an object array of 1-D arrays: one write, any row lengths
+        data = np.empty(
+            n, dtype=object
+        )  # an object array of 1-D arrays: one write, any row lengths
         for i, v in enumerate(cols[k]):
             data[i] = v
         f.create_dataset(k, data=data, dtype=vlen[k])

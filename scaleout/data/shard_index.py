@@ -71,12 +71,18 @@ def index_dir(data_dir: Path) -> Path:
         return beside
     from scaleout.data.corpus import cache_dir
 
-    return Path(cache_dir()) / "shard-index" / hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    return (
+        Path(cache_dir())
+        / "shard-index"
+        / hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    )
 
 
 def shard_key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{INDEX_VERSION}".encode()).hexdigest()[:10]
+    return hashlib.sha256(
+        f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{INDEX_VERSION}".encode()
+    ).hexdigest()[:10]
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -148,7 +154,9 @@ class ShardIndex:
         rows = np.arange(self.skip, len(tokens), dtype=np.int64)
         too_long = tokens[rows].max(initial=0)
         if too_long > s.max_len:
-            raise ConfigError(f"data.max_seq_len={s.max_len} but {self.path.name} has rows of {int(too_long)} tokens")
+            raise ConfigError(
+                f"data.max_seq_len={s.max_len} but {self.path.name} has rows of {int(too_long)} tokens"
+            )
         if nseq is not None or s.algorithm == "none":  # pre-packed rows, or one sequence per row
             ids, offsets = rows, np.arange(len(rows) + 1, dtype=np.int64)
         else:
@@ -157,9 +165,16 @@ class ShardIndex:
             from scaleout.data.packing_hist import histogram_from_lengths
 
             lens = tokens[rows]
-            strategy = pack_histogram(histogram_from_lengths(lens, s.max_len), s.max_len, s.max_per_pack, s.algorithm)
-            seed = [s.seed, zlib.crc32(self.path.name.encode())]  # the same packs on every rank, any shard order
-            packed = assign_sequences(strategy, lens, seed=np.random.SeedSequence(seed).generate_state(1)[0], ids=rows)
+            strategy = pack_histogram(
+                histogram_from_lengths(lens, s.max_len), s.max_len, s.max_per_pack, s.algorithm
+            )
+            seed = [
+                s.seed,
+                zlib.crc32(self.path.name.encode()),
+            ]  # the same packs on every rank, any shard order
+            packed = assign_sequences(
+                strategy, lens, seed=np.random.SeedSequence(seed).generate_state(1)[0], ids=rows
+            )
             ids, offsets = packed.ids, packed.offsets
         packs = _with_counts(ids, offsets, tokens, nseq)
         meta = {
@@ -169,12 +184,17 @@ class ShardIndex:
             "tokens": int(packs.tokens.sum()),
             "depth": int(packs.sizes.max(initial=1)),
         }
-        _atomic(self.packs_path, lambda p: np.savez(p, ids=ids.astype(np.int32), offsets=offsets.astype(np.int64)))
+        _atomic(
+            self.packs_path,
+            lambda p: np.savez(p, ids=ids.astype(np.int32), offsets=offsets.astype(np.int64)),
+        )
         _atomic(self.meta_path, lambda p: p.write_text(json.dumps(meta)))
         return packs, meta
 
 
-def _with_counts(ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, nseq: np.ndarray | None) -> ShardPacks:
+def _with_counts(
+    ids: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, nseq: np.ndarray | None
+) -> ShardPacks:
     ids, offsets = ids.astype(np.int64), offsets.astype(np.int64)
     per_row = np.ones(len(tokens), np.int64) if nseq is None else nseq.astype(np.int64)
     csum_tok = np.concatenate([[0], np.cumsum(tokens[ids].astype(np.int64))])
@@ -215,7 +235,9 @@ def ensure_index(
         if rank == 0 and not summary_path.is_file():
             _write_summary(summary_path, shards)
         barrier()
-    if not summary_path.is_file():  # rank 0 wrote it where this rank cannot see it (node-local data)
+    if (
+        not summary_path.is_file()
+    ):  # rank 0 wrote it where this rank cannot see it (node-local data)
         _write_summary(summary_path, shards)
     with np.load(summary_path) as z:
         return Summary(z["packs"], z["sequences"], z["tokens"], z["depth"]), idx
@@ -223,7 +245,10 @@ def ensure_index(
 
 def _write_summary(path: Path, shards: list[ShardIndex]) -> None:
     metas = [s.meta() for s in shards]
-    arrays = {k: np.array([m[k] for m in metas], np.int64) for k in ("packs", "sequences", "tokens", "depth")}
+    arrays = {
+        k: np.array([m[k] for m in metas], np.int64)
+        for k in ("packs", "sequences", "tokens", "depth")
+    }
     _atomic(path, lambda p: np.savez(p, **arrays))
 
 

@@ -48,8 +48,14 @@ class ShardStream:
         shuffle: bool = True,
     ):
         if global_batch % world:
-            raise ConfigError(f"train.global_batch={global_batch} must be divisible by the world size {world}")
-        self.files, self.skips, self.counts = [str(f) for f in files], list(skips), np.asarray(counts, np.int64)
+            raise ConfigError(
+                f"train.global_batch={global_batch} must be divisible by the world size {world}"
+            )
+        self.files, self.skips, self.counts = (
+            [str(f) for f in files],
+            list(skips),
+            np.asarray(counts, np.int64),
+        )
         self.settings, self.idx, self.global_batch = settings, str(idx), global_batch
         self.rank, self.world, self.local = rank, world, global_batch // world
         self.max_pred, self.depth, self.shuffle = max_pred, depth, shuffle
@@ -101,7 +107,9 @@ class ShardStream:
         if key not in self._perm_cache:
             n = int(self.counts[j])
             self._perm_cache[key] = (
-                np.random.default_rng([self.settings.seed, e, j]).permutation(n) if self.shuffle else np.arange(n)
+                np.random.default_rng([self.settings.seed, e, j]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
             )
             while len(self._perm_cache) > PACKS_CACHE:
                 self._perm_cache.popitem(last=False)
@@ -109,7 +117,9 @@ class ShardStream:
 
     def packs(self, j: int) -> ShardPacks:
         if j not in self._packs:
-            self._packs[j] = ShardIndex(Path(self.files[j]), Path(self.idx), self.settings, self.skips[j]).packs()
+            self._packs[j] = ShardIndex(
+                Path(self.files[j]), Path(self.idx), self.settings, self.skips[j]
+            ).packs()
             if len(self._packs[j]) != self.counts[j]:
                 raise ConfigError(
                     f"{self.files[j]}: the index says {self.counts[j]} packs, the file makes "
@@ -141,7 +151,11 @@ class ShardStream:
         """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real tokens)."""
         from scaleout.data.bert_batch import build_batch
 
-        runs = [(j, int(q)) for j, which in self.segments(position + self.rank * self.local, self.local) for q in which]
+        runs = [
+            (j, int(q))
+            for j, which in self.segments(position + self.rank * self.local, self.local)
+            for q in which
+        ]
         out = []
         for part in np.array_split(np.arange(len(runs)), grad_accum):
             seqs, packs, tokens = [], [], 0
@@ -151,7 +165,9 @@ class ShardStream:
             rows_of = {}
             for j, items in by_shard.items():
                 p = self.packs(j)
-                pack_rows = [p.ids[p.offsets[runs[i][1]] : p.offsets[runs[i][1] + 1]] for i in items]
+                pack_rows = [
+                    p.ids[p.offsets[runs[i][1]] : p.offsets[runs[i][1] + 1]] for i in items
+                ]
                 got = self.reader(j).read(np.concatenate(pack_rows))
                 at = 0
                 for i, rows in zip(items, pack_rows, strict=True):
@@ -175,15 +191,22 @@ class EvalShards:
     (MLPerf Training rules, "Run Results"; NVIDIA's BERT starts reading its eval set after RUN_START too).
     The count comes from the index (sequences per row: metadata, "Other Uses of Data")."""
 
-    def __init__(self, files: list[Path], rows_per_file: list[np.ndarray], count: int, rank: int, world: int):
+    def __init__(
+        self, files: list[Path], rows_per_file: list[np.ndarray], count: int, rank: int, world: int
+    ):
         self.count, self.rank, self.world = count, rank, world
         self.files, self.rows_per_file = files, rows_per_file
         self._seqs: dict[int, Any] | None = None
-        for f in files:  # a file that is not a shard fails now, on every rank (its field names: metadata)
+        for f in (
+            files
+        ):  # a file that is not a shard fails now, on every rank (its field names: metadata)
             ShardReader(f).close()
 
     def _read(self) -> dict[int, Any]:
-        seq_per_row = [np.ones(len(n), np.int64) if n is None else n.astype(np.int64) for n in self.rows_per_file]
+        seq_per_row = [
+            np.ones(len(n), np.int64) if n is None else n.astype(np.int64)
+            for n in self.rows_per_file
+        ]
         first = np.cumsum([0] + [int(s.sum()) for s in seq_per_row])
         mine = np.arange(self.rank, self.count, self.world)
         seqs: dict[int, Any] = {}
@@ -224,20 +247,26 @@ class ShardData:
         return float(self.info["packing"]["sequences_per_row"])
 
 
-def open_shards(cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambda: None) -> ShardData:
+def open_shards(
+    cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambda: None
+) -> ShardData:
     """``data.source: wikipedia``: index ``data.path`` (``train/`` + ``eval/``, or one folder whose first
     ``data.eval_samples`` sequences are held out) and return this rank's lazy training stream and eval share.
     A collective: every rank calls it."""
     d = cfg.data
     if not d.path:
-        raise ConfigError("data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)")
+        raise ConfigError(
+            "data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)"
+        )
     root = Path(d.path)
     split = (root / "train").is_dir() and (root / "eval").is_dir()
     train_files = shard_files(root / "train" if split else root)
     eval_files = shard_files(root / "eval") if split else train_files
     _check_mask_slots(train_files[0], d.max_predictions)
     plain = PackSettings(d.max_seq_len, "none", 1, d.seed)
-    if split:  # MLPerf: a separate eval file (10,000 sequences); index it once, all ranks read the cache
+    if (
+        split
+    ):  # MLPerf: a separate eval file (10,000 sequences); index it once, all ranks read the cache
         _, ev_idx = ensure_index(eval_files, [0] * len(eval_files), plain, rank, world, barrier)
     else:
         from scaleout.data.shard_index import index_dir
@@ -255,9 +284,15 @@ def open_shards(cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambd
     if not split:  # the held-out sequences are the first rows of the first files
         left = count
         for i, n in enumerate(ev_rows):
-            skips[i] = min(int(np.searchsorted(np.cumsum(n), left, side="left")) + 1, len(n)) if left > 0 else 0
+            skips[i] = (
+                min(int(np.searchsorted(np.cumsum(n), left, side="left")) + 1, len(n))
+                if left > 0
+                else 0
+            )
             left -= int(n[: skips[i]].sum())
-    settings = PackSettings(d.max_seq_len, d.packing, d.max_per_pack if d.packing != "none" else 1, d.seed)
+    settings = PackSettings(
+        d.max_seq_len, d.packing, d.max_per_pack if d.packing != "none" else 1, d.seed
+    )
     summary, idx = ensure_index(train_files, skips, settings, rank, world, barrier)
     depth = int(max(summary.depth.max(initial=1), settings.max_per_pack))
     stream = ShardStream(
@@ -287,7 +322,9 @@ def open_shards(cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambd
             "sequences_per_row": seqs / max(packs, 1),
         },
     }
-    return ShardData(stream, EvalShards(eval_files[: len(ev_rows)], ev_rows, count, rank, world), depth, info)
+    return ShardData(
+        stream, EvalShards(eval_files[: len(ev_rows)], ev_rows, count, rank, world), depth, info
+    )
 
 
 def _check_mask_slots(path: Path, max_predictions: int) -> None:

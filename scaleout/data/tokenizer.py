@@ -88,10 +88,14 @@ class WordPiece:
         return cls(json.loads(text)["vocab"])
 
 
-def train_wordpiece(texts: Iterable[str], vocab_size: int = 4096, max_alphabet: int | None = None) -> WordPiece:
+def train_wordpiece(
+    texts: Iterable[str], vocab_size: int = 4096, max_alphabet: int | None = None
+) -> WordPiece:
     """Learn a vocabulary of ``vocab_size`` tokens (specials + characters + merged pieces)."""
     if vocab_size < len(SPECIALS) + 2:
-        raise UserError(f"vocab_size={vocab_size} is too small; expected at least {len(SPECIALS) + 2}")
+        raise UserError(
+            f"vocab_size={vocab_size} is too small; expected at least {len(SPECIALS) + 2}"
+        )
     freq: Counter[str] = Counter()
     for t in texts:
         freq.update(pre_tokenize(t))
@@ -159,7 +163,9 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 4096, max_alphabet: 
     return WordPiece(vocab)
 
 
-def train_or_load(texts: list[str], vocab_size: int, corpus_key: str, cache: str | None = None) -> WordPiece:
+def train_or_load(
+    texts: list[str], vocab_size: int, corpus_key: str, cache: str | None = None
+) -> WordPiece:
     """Train once per (corpus, vocab_size, algorithm version); later calls read ``wordpiece-<key>.json``."""
     from scaleout.data.corpus import cache_dir
 

@@ -28,7 +28,8 @@ def is_loopback(addr: str) -> bool:
     except ValueError:
         return addr == "localhost"
     return ip.is_loopback or (
-        isinstance(ip, ipaddress.IPv6Address) and bool(ip.ipv4_mapped and ip.ipv4_mapped.is_loopback)
+        isinstance(ip, ipaddress.IPv6Address)
+        and bool(ip.ipv4_mapped and ip.ipv4_mapped.is_loopback)
     )
 
 

@@ -21,7 +21,9 @@ class WorldSpec:
     world_size: int
     master_addr: str | None
     master_port: int | None
-    launcher: str  # the environment that described it (local, slurm, mpi, torchrun, horovod, single)
+    launcher: (
+        str  # the environment that described it (local, slurm, mpi, torchrun, horovod, single)
+    )
     # Ranks on each node, when the launcher says (Slurm's SLURM_TASKS_PER_NODE); None = not known here,
     # World derives it from an all-gather after init.
     tasks_per_node: tuple[int, ...] | None = None
@@ -29,10 +31,22 @@ class WorldSpec:
 
     def __post_init__(self) -> None:
         checks = [
-            (0 <= self.rank < self.world_size, f"rank {self.rank} not in [0, world_size={self.world_size})"),
-            (0 <= self.local_rank < self.local_size, f"local rank {self.local_rank} not in [0, {self.local_size})"),
-            (0 <= self.node_rank < self.num_nodes, f"node rank {self.node_rank} not in [0, {self.num_nodes})"),
-            (self.num_nodes <= self.world_size, f"{self.num_nodes} nodes but only {self.world_size} ranks"),
+            (
+                0 <= self.rank < self.world_size,
+                f"rank {self.rank} not in [0, world_size={self.world_size})",
+            ),
+            (
+                0 <= self.local_rank < self.local_size,
+                f"local rank {self.local_rank} not in [0, {self.local_size})",
+            ),
+            (
+                0 <= self.node_rank < self.num_nodes,
+                f"node rank {self.node_rank} not in [0, {self.num_nodes})",
+            ),
+            (
+                self.num_nodes <= self.world_size,
+                f"{self.num_nodes} nodes but only {self.world_size} ranks",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -43,7 +57,9 @@ class Environment:
     """A small reader of one launcher's variables. Subclasses set ``name`` and implement both methods."""
 
     name = "base"
-    rank_vars: tuple[str, ...] = ()  # the variables that hold the global rank (scaleout.log reads them early)
+    rank_vars: tuple[
+        str, ...
+    ] = ()  # the variables that hold the global rank (scaleout.log reads them early)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         raise NotImplementedError
@@ -67,7 +83,9 @@ def need_int(env: Mapping[str, str], name: str, source: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise EnvironmentError_(f"{source} environment: {name}={value!r} is not an integer") from None
+        raise EnvironmentError_(
+            f"{source} environment: {name}={value!r} is not an integer"
+        ) from None
 
 
 def opt_int(env: Mapping[str, str], name: str, source: str) -> int | None:
@@ -77,7 +95,9 @@ def opt_int(env: Mapping[str, str], name: str, source: str) -> int | None:
 def opt_port(env: Mapping[str, str], name: str, source: str) -> int | None:
     port = opt_int(env, name, source)
     if port is not None and not 1 <= port <= 65535:
-        raise EnvironmentError_(f"{source} environment: {name}={port}: expected a port from 1 to 65535")
+        raise EnvironmentError_(
+            f"{source} environment: {name}={port}: expected a port from 1 to 65535"
+        )
     return port
 
 
@@ -116,9 +136,22 @@ def local_rank_env(rank: int, nnodes: int, nproc: int, addr: str, port: int) -> 
     """The variables of rank ``rank`` of ``nnodes`` x ``nproc`` ranks (node-major) meeting at ``addr:port``:
     :data:`LOCAL_VARS`, plus torchrun's names so that torch-native scripts run unchanged."""
     node, local = divmod(rank, nproc)
-    values = {"rank": rank, "local_rank": local, "node_rank": node, "num_nodes": nnodes, "local_size": nproc,
-              "world_size": nnodes * nproc}
+    values = {
+        "rank": rank,
+        "local_rank": local,
+        "node_rank": node,
+        "num_nodes": nnodes,
+        "local_size": nproc,
+        "world_size": nnodes * nproc,
+    }
     env = {LOCAL_VARS[k]: str(v) for k, v in values.items()}
-    env.update(RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node), WORLD_SIZE=str(nnodes * nproc),
-               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=addr, MASTER_PORT=str(port))
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local),
+        GROUP_RANK=str(node),
+        WORLD_SIZE=str(nnodes * nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
     return env

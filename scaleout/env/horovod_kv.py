@@ -24,9 +24,13 @@ def _parse(body: bytes, url: str) -> tuple[str, int]:
         value = json.loads(body.decode())
         addr, port = str(value["addr"]), int(value["port"])
     except (ValueError, KeyError, TypeError):
-        raise EnvironmentError_(f"horovod environment: {url} holds {body[:80]!r}, expected {{addr, port}}") from None
+        raise EnvironmentError_(
+            f"horovod environment: {url} holds {body[:80]!r}, expected {{addr, port}}"
+        ) from None
     if not addr or not 1 <= port <= 65535:
-        raise EnvironmentError_(f"horovod environment: {url} holds addr={addr!r} port={port}, expected a port 1-65535")
+        raise EnvironmentError_(
+            f"horovod environment: {url} holds addr={addr!r} port={port}, expected a port 1-65535"
+        )
     return addr, port
 
 
@@ -49,7 +53,9 @@ def exchange_master(
         body = json.dumps({"addr": addr, "port": port}).encode()
         while True:
             try:
-                urllib.request.urlopen(urllib.request.Request(url, data=body, method="PUT"), timeout=10).read()
+                urllib.request.urlopen(
+                    urllib.request.Request(url, data=body, method="PUT"), timeout=10
+                ).read()
                 return addr, port
             except (urllib.error.URLError, OSError) as exc:
                 if time.monotonic() > deadline:
@@ -63,4 +69,6 @@ def exchange_master(
                 return _parse(resp.read(), url)
         except (urllib.error.URLError, OSError):
             time.sleep(0.2)
-    raise EnvironmentError_(f"horovod environment: no rendezvous published at {url} within {timeout_s:.0f} s")
+    raise EnvironmentError_(
+        f"horovod environment: no rendezvous published at {url} within {timeout_s:.0f} s"
+    )

@@ -15,7 +15,15 @@ import os
 from collections.abc import Mapping
 
 from scaleout.env.addr import reachable_address
-from scaleout.env.base import LOCAL_VARS, Environment, WorldSpec, free_port, need_int, opt_int, opt_port
+from scaleout.env.base import (
+    LOCAL_VARS,
+    Environment,
+    WorldSpec,
+    free_port,
+    need_int,
+    opt_int,
+    opt_port,
+)
 from scaleout.errors import EnvironmentError_
 from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 
@@ -52,8 +60,13 @@ class LocalEnv(Environment):
         n = self.name
         v = {field: need_int(env, var, n) for field, var in LOCAL_VARS.items()}
         addr, port = _master(env, n)
-        return WorldSpec(**v, master_addr=addr, master_port=port, launcher=n,
-                         tasks_per_node=(v["local_size"],) * v["num_nodes"])
+        return WorldSpec(
+            **v,
+            master_addr=addr,
+            master_port=port,
+            launcher=n,
+            tasks_per_node=(v["local_size"],) * v["num_nodes"],
+        )
 
 
 class TorchrunEnv(Environment):
@@ -63,7 +76,9 @@ class TorchrunEnv(Environment):
     rank_vars = ("RANK",)
 
     def detect(self, env: Mapping[str, str]) -> bool:
-        return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        return "TORCHELASTIC_RUN_ID" in env or all(
+            k in env for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        )
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
@@ -127,9 +142,13 @@ class SlurmEnv(Environment):
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
-        if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:  # forced (launch.env=slurm) in a batch shell
-            raise EnvironmentError_("slurm environment: SLURM_STEP_ID is not set, so srun did not start this process "
-                                    "(the batch script itself is not a rank): run it as `srun scaleout train ...`")
+        if (
+            "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env
+        ):  # forced (launch.env=slurm) in a batch shell
+            raise EnvironmentError_(
+                "slurm environment: SLURM_STEP_ID is not set, so srun did not start this process "
+                "(the batch script itself is not a rank): run it as `srun scaleout train ...`"
+            )
         nnodes = opt_int(env, "SLURM_STEP_NUM_NODES", n) or need_int(env, "SLURM_NNODES", n)
         ntasks = opt_int(env, "SLURM_STEP_NUM_TASKS", n) or need_int(env, "SLURM_NTASKS", n)
         tpn_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
@@ -142,13 +161,21 @@ class SlurmEnv(Environment):
             )
         node_id = need_int(env, "SLURM_NODEID", n)
         if not 0 <= node_id < nnodes:
-            raise EnvironmentError_(f"slurm environment: SLURM_NODEID={node_id} not in [0, {nnodes})")
+            raise EnvironmentError_(
+                f"slurm environment: SLURM_NODEID={node_id} not in [0, {nnodes})"
+            )
         addr, port = _master(env, n)
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST")
+            or env.get("SLURM_JOB_NODELIST")
+            or env.get("SLURM_NODELIST")
+        )
         hosts = expand_nodelist(nodelist) if nodelist else []
         if addr is None:
             if not hosts:
-                raise EnvironmentError_("slurm environment: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
+                raise EnvironmentError_(
+                    "slurm environment: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set"
+                )
             addr = hosts[0]
         if port is None:
             job = opt_int(env, "SLURM_JOB_ID", n) or need_int(env, "SLURM_JOBID", n)
@@ -237,7 +264,10 @@ class MPIEnv(Environment):
         payload = None
         if comm.Get_rank() == 0:
             addr = spec.master_addr or master_address(names)
-            payload = (addr, spec.master_port or free_port(addr if addr != "localhost" else "127.0.0.1"))
+            payload = (
+                addr,
+                spec.master_port or free_port(addr if addr != "localhost" else "127.0.0.1"),
+            )
         addr, port = comm.bcast(payload, root=0)
         return addr, int(port)
 
@@ -306,14 +336,18 @@ class HorovodEnv(Environment):
             return spec.master_addr, spec.master_port
         kv_addr, kv_port = spec.extra.get("rendezvous_addr"), spec.extra.get("rendezvous_port")
         if not kv_addr or not kv_port:
-            raise EnvironmentError_("horovod environment: set MASTER_ADDR/MASTER_PORT or run under horovodrun --gloo")
+            raise EnvironmentError_(
+                "horovod environment: set MASTER_ADDR/MASTER_PORT or run under horovodrun --gloo"
+            )
         from scaleout.env.horovod_kv import exchange_master  # noqa: PLC0415
 
         # Rank 0's own address: the one that routes to horovodrun's host, which every node reaches; loopback
         # only when the whole job is on one host.
         mine = None
         if spec.rank == 0:
-            mine = spec.master_addr or ("127.0.0.1" if spec.num_nodes == 1 else reachable_address([kv_addr]))
+            mine = spec.master_addr or (
+                "127.0.0.1" if spec.num_nodes == 1 else reachable_address([kv_addr])
+            )
         return exchange_master(kv_addr, kv_port, spec.rank, mine, spec.master_port)
 
 
@@ -327,7 +361,9 @@ class SingleEnv(Environment):
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         addr, port = _master(env, self.name)
-        return WorldSpec(0, 0, 0, 1, 1, 1, addr or "127.0.0.1", port, self.name, tasks_per_node=(1,))
+        return WorldSpec(
+            0, 0, 0, 1, 1, 1, addr or "127.0.0.1", port, self.name, tasks_per_node=(1,)
+        )
 
     def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
         return spec.master_addr or "127.0.0.1", spec.master_port or free_port()
@@ -341,13 +377,17 @@ DETECTION_ORDER = ("local", "torchrun", "horovod", "mpi", "slurm", "single")
 RANK_VARS = tuple(v for name in DETECTION_ORDER for v in ENVIRONMENTS[name].rank_vars)
 
 
-def detect_environment(env: Mapping[str, str] | None = None, explicit: str | None = None) -> Environment:
+def detect_environment(
+    env: Mapping[str, str] | None = None, explicit: str | None = None
+) -> Environment:
     """The environment to read: ``explicit`` (or SCALEOUT_ENV) if given and not 'auto', else the first match."""
     env = os.environ if env is None else env
     choice = explicit if explicit not in (None, "auto") else env.get("SCALEOUT_ENV")
     if choice not in (None, "", "auto"):
         if choice not in ENVIRONMENTS:
-            raise EnvironmentError_(f"launch.env={choice!r}: expected one of auto, {', '.join(ENVIRONMENTS)}")
+            raise EnvironmentError_(
+                f"launch.env={choice!r}: expected one of auto, {', '.join(ENVIRONMENTS)}"
+            )
         return ENVIRONMENTS[choice]
     for name in DETECTION_ORDER:
         if ENVIRONMENTS[name].detect(env):

@@ -66,7 +66,9 @@ OPS = (Average, Sum, Min, Max, Product)
 def resolve_op(average: bool | None, op: Any, what: str = "allreduce") -> ReduceOp:
     """Horovod's ``average=`` (deprecated) / ``op=`` pair -> one op (default Average)."""
     if average is not None and op is not None:
-        raise HorovodValueError(f"{what}: give either average= (deprecated in Horovod) or op=, not both")
+        raise HorovodValueError(
+            f"{what}: give either average= (deprecated in Horovod) or op=, not both"
+        )
     if average is not None:
         return Average if average else Sum
     op = Average if op is None else op
@@ -97,7 +99,9 @@ def _env_number(name: str, default: float, kind: type = int, minimum: float = 0)
     try:
         value = kind(raw)
     except ValueError:
-        raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}") from None
+        raise HorovodValueError(
+            f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}"
+        ) from None
     if value < minimum:
         raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}")
     return value
@@ -105,7 +109,9 @@ def _env_number(name: str, default: float, kind: type = int, minimum: float = 0)
 
 def settings_from_env() -> Settings:
     if os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise HorovodNotSupportedError("HOROVOD_ELASTIC=1: elastic training is not supported by scaleout.horovod")
+        raise HorovodNotSupportedError(
+            "HOROVOD_ELASTIC=1: elastic training is not supported by scaleout.horovod"
+        )
     timeline = os.environ.get("HOROVOD_TIMELINE") or None
     return Settings(
         fusion_threshold=_env_number("HOROVOD_FUSION_THRESHOLD", Settings.fusion_threshold),
@@ -113,7 +119,9 @@ def settings_from_env() -> Settings:
         cache_capacity=_env_number("HOROVOD_CACHE_CAPACITY", Settings.cache_capacity),
         timeline=None if timeline == "DYNAMIC" else timeline,
         mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"),
-        stall_check_s=_env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", Settings.stall_check_s, float),
+        stall_check_s=_env_number(
+            "HOROVOD_STALL_CHECK_TIME_SECONDS", Settings.stall_check_s, float
+        ),
         stall_shutdown_s=_env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float),
     )
 
@@ -149,18 +157,24 @@ def check_process_set(process_set: Any) -> None:
 
 
 def add_process_set(*_args: Any, **_kwargs: Any) -> ProcessSet:
-    raise HorovodNotSupportedError("hvd.add_process_set: process sets are not supported by scaleout.horovod")
+    raise HorovodNotSupportedError(
+        "hvd.add_process_set: process sets are not supported by scaleout.horovod"
+    )
 
 
 def remove_process_set(*_args: Any, **_kwargs: Any) -> bool:
-    raise HorovodNotSupportedError("hvd.remove_process_set: process sets are not supported by scaleout.horovod")
+    raise HorovodNotSupportedError(
+        "hvd.remove_process_set: process sets are not supported by scaleout.horovod"
+    )
 
 
 class _Elastic:
     """``hvd.elastic``: any use is a one-line error (elastic mode is not implemented)."""
 
     def __getattr__(self, name: str) -> Any:
-        raise HorovodNotSupportedError(f"hvd.elastic.{name}: elastic training is not supported by scaleout.horovod")
+        raise HorovodNotSupportedError(
+            f"hvd.elastic.{name}: elastic training is not supported by scaleout.horovod"
+        )
 
 
 elastic = _Elastic()
@@ -195,14 +209,24 @@ def _prepare_groups(world: World, algorithm: str) -> None:
         world.torus()
 
 
-def init(comm: Any = None, process_sets: Any = None, *, world: World | None = None, algorithm: str | None = None) -> None:
+def init(
+    comm: Any = None,
+    process_sets: Any = None,
+    *,
+    world: World | None = None,
+    algorithm: str | None = None,
+) -> None:
     """Start (or adopt, ``world=``) the scaleout World and the background thread. Called again while
     initialised, it only switches the all-reduce algorithm for the operations submitted after it."""
     global _state
     if comm is not None:
-        raise HorovodNotSupportedError("hvd.init(comm=...): MPI sub-communicators are not supported; pass comm=None")
+        raise HorovodNotSupportedError(
+            "hvd.init(comm=...): MPI sub-communicators are not supported; pass comm=None"
+        )
     if process_sets is not None:
-        raise HorovodNotSupportedError("hvd.init(process_sets=...): process sets are not supported by scaleout.horovod")
+        raise HorovodNotSupportedError(
+            "hvd.init(process_sets=...): process sets are not supported by scaleout.horovod"
+        )
     from scaleout.comm import get_algorithm
 
     algorithm = algorithm or _default_algorithm()

@@ -55,8 +55,12 @@ class Handle:
         self._left = n
         self._error: BaseException | None = None
         self._finish = finish
-        self.extra: dict[str, Any] = {}  # e.g. per-rank first dimensions of an allgather (for autograd)
-        self._waker: Callable[[], None] | None = None  # tells the engine that someone is blocked on us
+        self.extra: dict[
+            str, Any
+        ] = {}  # e.g. per-rank first dimensions of an allgather (for autograd)
+        self._waker: Callable[[], None] | None = (
+            None  # tells the engine that someone is blocked on us
+        )
         if n == 0:
             self._event.set()
 
@@ -169,7 +173,9 @@ class Engine:
         self.rounds = 0
         if settings.timeline:
             self.start_timeline(settings.timeline, settings.mark_cycles)
-        self._thread = threading.Thread(target=self._loop, name=f"hvd-background-r{self.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"hvd-background-r{self.rank}", daemon=True
+        )
         self._thread.start()
         ref = weakref.ref(self)
         world.add_close_hook(lambda: ref() is not None and ref().shutdown())
@@ -245,7 +251,9 @@ class Engine:
                     return
         except BaseException as exc:  # noqa: BLE001 -- every waiting handle must learn about it
             log.error("scaleout.horovod rank %d: background thread failed: %r", self.rank, exc)
-            self._die(exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(repr(exc)))
+            self._die(
+                exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(repr(exc))
+            )
 
     def _round(self) -> bool:
         with self._cv:
@@ -266,7 +274,9 @@ class Engine:
             self._die(HorovodInternalError("scaleout.horovod has been shut down"), stopping=True)
             return False
         done = {id(r) for *_, r in out.resolved if r is not None}
-        with self._cv:  # before the results are delivered: a waiter may queue the same name again at once
+        with (
+            self._cv
+        ):  # before the results are delivered: a waiter may queue the same name again at once
             self._pending = [r for r in self._pending if id(r) not in done]
             self._in_flight.difference_update(
                 (r.kind, r.name) for *_, r in out.resolved if r is not None and r.name is not None

@@ -95,12 +95,17 @@ class Executor:
         by_kind: dict[str, list[tuple]] = {}
         for key, meta, err, req in resolved:
             if req is not None:
-                self._span(f"NEGOTIATE_{key[0].upper()}", "wait", req.enqueued, now, tensor=label(key))
+                self._span(
+                    f"NEGOTIATE_{key[0].upper()}", "wait", req.enqueued, now, tensor=label(key)
+                )
                 if err is not None:
                     req.handle._fail(HorovodInternalError(err))
             if err is None:
                 by_kind.setdefault(key[0], []).append((key, meta, req))
-        for kind, items in by_kind.items():  # kinds in order of first appearance: the same on every rank
+        for (
+            kind,
+            items,
+        ) in by_kind.items():  # kinds in order of first appearance: the same on every rank
             getattr(self, f"_{kind}")(items)
 
     def _span(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
@@ -210,9 +215,16 @@ class Executor:
                             with torch.no_grad():
                                 req.tensor.copy_(value)
                         value = req.tensor
-                    req.handle._set(req.slot, value.clone() if not req.inplace and len(idx) > 1 else value)
+                    req.handle._set(
+                        req.slot, value.clone() if not req.inplace and len(idx) > 1 else value
+                    )
                 self._span(
-                    "BROADCAST", "comm", start, time.time(), root=root, tensors=[label(members[i][0]) for i in idx]
+                    "BROADCAST",
+                    "comm",
+                    start,
+                    time.time(),
+                    root=root,
+                    tensors=[label(members[i][0]) for i in idx],
                 )
 
     # -- allgather -------------------------------------------------------------------------------------
@@ -230,7 +242,10 @@ class Executor:
                 all_dims.copy_(dims)
             table = all_dims.view(self.size, len(reqs)).tolist()
             rowbytes = [math.prod(r.tensor.shape[1:]) * r.tensor.element_size() for r in reqs]
-            seg = [[aligned(table[p][t] * rowbytes[t]) for t in range(len(reqs))] for p in range(self.size)]
+            seg = [
+                [aligned(table[p][t] * rowbytes[t]) for t in range(len(reqs))]
+                for p in range(self.size)
+            ]
             width = max(sum(s) for s in seg)
             send = torch.zeros(width, dtype=torch.uint8, device=device)
             off = 0
@@ -245,7 +260,9 @@ class Executor:
                 recv.copy_(send)
             for t, r in enumerate(reqs):
                 rows = [table[p][t] for p in range(self.size)]
-                out = torch.empty((sum(rows), *r.tensor.shape[1:]), dtype=r.tensor.dtype, device=device)
+                out = torch.empty(
+                    (sum(rows), *r.tensor.shape[1:]), dtype=r.tensor.dtype, device=device
+                )
                 flat, pos = as_bytes(out) if out.numel() else None, 0
                 for p in range(self.size):
                     n = rows[p] * rowbytes[t]
@@ -255,7 +272,9 @@ class Executor:
                     pos += n
                 r.handle.extra.setdefault("rows", {})[r.slot] = rows
                 r.handle._set(r.slot, out)
-            self._span("ALLGATHER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch])
+            self._span(
+                "ALLGATHER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch]
+            )
 
     # -- alltoall --------------------------------------------------------------------------------------
     def _alltoall(self, items: list[tuple]) -> None:
@@ -275,7 +294,11 @@ class Executor:
                 dst = out.reshape(out.shape[0], -1).view(torch.uint8)
                 if self.size > 1:
                     dist.all_to_all_single(
-                        dst, src, output_split_sizes=recv, input_split_sizes=req.splits, group=self.group
+                        dst,
+                        src,
+                        output_split_sizes=recv,
+                        input_split_sizes=req.splits,
+                        group=self.group,
                     )
                 else:
                     dst.copy_(src)
@@ -294,7 +317,9 @@ class Executor:
             for idx in fuse(sizes, self.threshold):
                 self._reducescatter_batch([members[i] for i in idx], wire, op, pre, post)
 
-    def _reducescatter_batch(self, batch: list[tuple], wire: torch.dtype, op: str, pre: float, post: float) -> None:
+    def _reducescatter_batch(
+        self, batch: list[tuple], wire: torch.dtype, op: str, pre: float, post: float
+    ) -> None:
         start = time.time()
         p = self.size
         layout = []  # per tensor: (row bounds per rank, elements per row, offset inside a rank's shard)
@@ -309,7 +334,9 @@ class Executor:
             flat = req.tensor.detach().reshape(-1)
             for r in range(p):
                 n = (bounds[r + 1] - bounds[r]) * row
-                inbuf[r * width + off : r * width + off + n].copy_(flat[bounds[r] * row : bounds[r] * row + n])
+                inbuf[r * width + off : r * width + off + n].copy_(
+                    flat[bounds[r] * row : bounds[r] * row + n]
+                )
         scale_(inbuf, pre)
         out = torch.empty(width, dtype=wire, device=device)
         if p > 1 and width:
@@ -321,7 +348,9 @@ class Executor:
             mine = bounds[self.rank + 1] - bounds[self.rank]
             value = out[off : off + mine * row].view(mine, *shape[1:])
             req.handle._set(req.slot, value.to(req.tensor.dtype, copy=True))
-        self._span("REDUCESCATTER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch])
+        self._span(
+            "REDUCESCATTER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch]
+        )
 
     # -- barrier and timeline ----------------------------------------------------------------------------
     def _barrier(self, items: list[tuple]) -> None:

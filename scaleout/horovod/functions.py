@@ -24,11 +24,15 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     elif isinstance(params, Iterable):
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
-        raise HorovodValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}")
+        raise HorovodValueError(
+            f"broadcast_parameters: invalid params of type {type(params).__name__}"
+        )
     handles = []
     for name, value in items:
         if not isinstance(value, torch.Tensor):
-            raise HorovodValueError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, expected a tensor")
+            raise HorovodValueError(
+                f"broadcast_parameters: {name!r} is a {type(value).__name__}, expected a tensor"
+            )
         handles.append(broadcast_async_(value, root_rank, name))
     for h in handles:
         synchronize(h)
@@ -41,7 +45,9 @@ class _Spec:
         self.dtype, self.shape, self.on_cpu = t.dtype, tuple(t.shape), t.device.type == "cpu"
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
+) -> None:
     """Every rank loads root's optimizer state (state tensors and every param-group option, types kept).
 
     Unlike Horovod, no dummy ``step()`` initialises an empty state first: root's ``state_dict()`` structure

@@ -44,7 +44,15 @@ NEW, JOINED, STOP, STAMP, HASH, STALLED = range(6)
 HEADER = 6
 
 FIELDS = {
-    "allreduce": ("dtype", "shape", "op", "prescale_factor", "postscale_factor", "algorithm", "device"),
+    "allreduce": (
+        "dtype",
+        "shape",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "algorithm",
+        "device",
+    ),
     "allgather": ("dtype", "shape after the first dimension", "device"),
     "broadcast": ("dtype", "shape", "root_rank", "device"),
     "alltoall": ("dtype", "shape after the first dimension", "device"),
@@ -93,7 +101,9 @@ def check(key: Key, metas: dict[int, tuple], any_joined: bool) -> str | None:
     return None
 
 
-def coordinate(reports: list[tuple[bool, list[tuple[Key, tuple]]]]) -> tuple[list[tuple], dict[Key, list[int]]]:
+def coordinate(
+    reports: list[tuple[bool, list[tuple[Key, tuple]]]],
+) -> tuple[list[tuple], dict[Key, list[int]]]:
     """Rank 0's decision from every rank's (joined, queue): (resolved [(key, meta, error)], waiting
     {key: ranks that have not queued it})."""
     active = [r for r, (joined, _) in enumerate(reports) if not joined]
@@ -144,7 +154,9 @@ class ResponseCache:
 
 @dataclass
 class Outcome:
-    resolved: list[tuple[Key, tuple, str | None, Any]]  # (key, meta, error, this rank's request or None)
+    resolved: list[
+        tuple[Key, tuple, str | None, Any]
+    ]  # (key, meta, error, this rank's request or None)
     stop: bool = False
     all_joined: bool = False
     last_joined: int = -1
@@ -160,7 +172,9 @@ class Negotiator:
         self.group, self.size, self.rank = group, size, rank
         self.cache = ResponseCache(cache_capacity)
         self.uncached_rounds = 0  # rounds that needed more than the cache (observability, tests)
-        self.stall_check_s = 0.0  # warn while blocked this long waiting for the other ranks (0: never)
+        self.stall_check_s = (
+            0.0  # warn while blocked this long waiting for the other ranks (0: never)
+        )
 
     def _wait(self, work: Any, pending: list[Any]) -> None:
         """Wait for the round's all-reduce; while the other ranks do not come (they have not queued
@@ -182,25 +196,46 @@ class Negotiator:
         work.wait()
 
     def negotiate(
-        self, pending: list[Any], joined: bool, stop: bool, stamp: int | None, stalled: list[Any], now: int
+        self,
+        pending: list[Any],
+        joined: bool,
+        stop: bool,
+        stamp: int | None,
+        stalled: list[Any],
+        now: int,
     ) -> Outcome:
         entries = keyed(pending)
         local = dict(entries)
         items = [(key, r.meta) for key, r in entries]
         if self.size == 1:
-            out = Outcome([(k, m, None, local[k]) for k, m in items], stop, joined, self.rank if joined else -1)
+            out = Outcome(
+                [(k, m, None, local[k]) for k, m in items],
+                stop,
+                joined,
+                self.rank if joined else -1,
+            )
             return out
         hits = {self.cache.lookup(k, m) for k, m in items}
         new = None in hits
         bits = [1 if i in hits else (None if joined else 0) for i in range(len(self.cache.slots))]
-        header = [int(new), int(joined), int(stop), stamp, None if joined else _hash(items), int(bool(stalled))]
+        header = [
+            int(new),
+            int(joined),
+            int(stop),
+            stamp,
+            None if joined else _hash(items),
+            int(bool(stalled)),
+        ]
         values = header + bits
         n = len(values)
         vec = torch.tensor(
-            [NEUTRAL if v is None else v for v in values] + [NEUTRAL if v is None else -v for v in values],
+            [NEUTRAL if v is None else v for v in values]
+            + [NEUTRAL if v is None else -v for v in values],
             dtype=torch.int64,
         )
-        self._wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), pending)
+        self._wait(
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True), pending
+        )
         mx, neg = vec[:n].tolist(), vec[n:].tolist()
         mn = [None if v == NEUTRAL else -v for v in neg]
         out = Outcome([], stop=mx[STOP] == 1, all_joined=mn[JOINED] == 1)

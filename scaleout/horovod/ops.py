@@ -34,7 +34,9 @@ def _tensor(t: Any, what: str, min_dim: int = 0) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise HorovodValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_sparse:
-        raise HorovodValueError(f"{what}: sparse tensors need hvd.sparse_allreduce_async (or sparse_as_dense=True)")
+        raise HorovodValueError(
+            f"{what}: sparse tensors need hvd.sparse_allreduce_async (or sparse_as_dense=True)"
+        )
     if t.dim() < min_dim:
         raise HorovodValueError(
             f"{what}: expected a tensor with at least {min_dim} dimension(s), got shape {tuple(t.shape)}"
@@ -48,7 +50,9 @@ def _names(name: str | None, n: int, grouped: bool) -> list[str | None]:
     return [f"{name}.{i}" for i in range(n)] if grouped else [name]
 
 
-def _submit(kind: str, tensors: list[torch.Tensor], name: str | None, grouped: bool, meta: Any, **kw: Any) -> Handle:
+def _submit(
+    kind: str, tensors: list[torch.Tensor], name: str | None, grouped: bool, meta: Any, **kw: Any
+) -> Handle:
     handle = Handle(len(tensors), list if grouped else None)
     reqs = [
         Request(kind, nm, t, meta(t), handle, slot=i, **kw)
@@ -104,7 +108,15 @@ def _allreduce_async(
     alg = basics.state().algorithm
 
     def meta(t: torch.Tensor) -> tuple:
-        return (str(t.dtype), tuple(t.shape), op.name, float(prescale), float(postscale), alg, t.device.type)
+        return (
+            str(t.dtype),
+            tuple(t.shape),
+            op.name,
+            float(prescale),
+            float(postscale),
+            alg,
+            t.device.type,
+        )
 
     return _submit(
         "allreduce",
@@ -132,7 +144,9 @@ def allreduce_async(
     """Start reducing ``tensor`` over all ranks (default op Average); ``synchronize`` returns a new tensor."""
     check_process_set(process_set)
     op = resolve_op(average, op)
-    return _allreduce_async([tensor], name, op, prescale_factor, postscale_factor, False, False, "allreduce")
+    return _allreduce_async(
+        [tensor], name, op, prescale_factor, postscale_factor, False, False, "allreduce"
+    )
 
 
 def allreduce_async_(
@@ -147,7 +161,9 @@ def allreduce_async_(
     """In-place form of :func:`allreduce_async`: the result is written into ``tensor``."""
     check_process_set(process_set)
     op = resolve_op(average, op)
-    return _allreduce_async([tensor], name, op, prescale_factor, postscale_factor, True, False, "allreduce_")
+    return _allreduce_async(
+        [tensor], name, op, prescale_factor, postscale_factor, True, False, "allreduce_"
+    )
 
 
 class _Allreduce(torch.autograd.Function):
@@ -156,11 +172,19 @@ class _Allreduce(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(_allreduce_async([tensor], name, op, pre, post, False, False, "allreduce"))
+        return synchronize(
+            _allreduce_async([tensor], name, op, pre, post, False, False, "allreduce")
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post), None, None, None, None
+        return (
+            allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def allreduce(
@@ -177,7 +201,9 @@ def allreduce(
     check_process_set(process_set)
     op = resolve_op(average, op)
     wire, ctx = compression.compress(tensor)
-    return compression.decompress(_Allreduce.apply(wire, name, op, prescale_factor, postscale_factor), ctx)
+    return compression.decompress(
+        _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor), ctx
+    )
 
 
 def allreduce_(
@@ -189,7 +215,9 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> torch.Tensor:
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def grouped_allreduce_async(
@@ -227,15 +255,23 @@ def grouped_allreduce_async_(
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor) -> tuple:
+    def forward(
+        ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor
+    ) -> tuple:
         ctx.op, ctx.pre, ctx.post = op, pre, post
         return tuple(
-            synchronize(_allreduce_async(list(tensors), name, op, pre, post, False, True, "grouped_allreduce"))
+            synchronize(
+                _allreduce_async(
+                    list(tensors), name, op, pre, post, False, True, "grouped_allreduce"
+                )
+            )
         )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        reduced = grouped_allreduce(list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post)
+        reduced = grouped_allreduce(
+            list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post
+        )
         return (None, None, None, None, *reduced)
 
 
@@ -251,7 +287,9 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
     op = resolve_op(average, op, "grouped_allreduce")
-    wires, ctxs = zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
+    wires, ctxs = (
+        zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
+    )
     out = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *wires)
     return [compression.decompress(t, c) for t, c in zip(out, ctxs, strict=True)]
 
@@ -266,5 +304,7 @@ def grouped_allreduce_(
     process_set: Any = global_process_set,
 ) -> list[torch.Tensor]:
     return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
     )

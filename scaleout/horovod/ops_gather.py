@@ -21,13 +21,23 @@ from scaleout.horovod.ops import _submit, _tensor, allreduce, grouped_allreduce,
 
 
 # -- allgather -------------------------------------------------------------------------------------------
-def _allgather_async(tensors: list[torch.Tensor], name: str | None, grouped: bool, what: str) -> Handle:
+def _allgather_async(
+    tensors: list[torch.Tensor], name: str | None, grouped: bool, what: str
+) -> Handle:
     for t in tensors:
         _tensor(t, what, 1)
-    return _submit("allgather", tensors, name, grouped, lambda t: (str(t.dtype), tuple(t.shape[1:]), t.device.type))
+    return _submit(
+        "allgather",
+        tensors,
+        name,
+        grouped,
+        lambda t: (str(t.dtype), tuple(t.shape[1:]), t.device.type),
+    )
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> Handle:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
     """Concatenate every rank's ``tensor`` along dimension 0 (the first dimension may differ by rank)."""
     check_process_set(process_set)
     return _allgather_async([tensor], name, False, "allgather")
@@ -58,7 +68,9 @@ class _Allgather(torch.autograd.Function):
         return _own_rows(allreduce(grad, op=Average), ctx.rows), None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> torch.Tensor:
     check_process_set(process_set)
     return _Allgather.apply(tensor, name)
 
@@ -85,7 +97,9 @@ def grouped_allgather(
 
 
 # -- broadcast -------------------------------------------------------------------------------------------
-def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, what: str) -> Handle:
+def _broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, what: str
+) -> Handle:
     _tensor(tensor, what)
     n = basics.size()
     if not isinstance(root_rank, int) or not 0 <= root_rank < n:
@@ -102,7 +116,10 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, inp
 
 
 def broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> Handle:
     """Start sending root's ``tensor`` to every rank; ``synchronize`` returns a new tensor."""
     check_process_set(process_set)
@@ -110,7 +127,10 @@ def broadcast_async(
 
 
 def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> Handle:
     check_process_set(process_set)
     return _broadcast_async(tensor, root_rank, name, True, "broadcast_")
@@ -129,14 +149,20 @@ class _Broadcast(torch.autograd.Function):
 
 
 def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> torch.Tensor:
     check_process_set(process_set)
     return _Broadcast.apply(tensor, root_rank, name)
 
 
 def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> torch.Tensor:
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
@@ -152,7 +178,9 @@ def _splits(tensor: torch.Tensor, splits: Any) -> list[int]:
         return [rows // n] * n
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
-            raise HorovodValueError(f"alltoall splits dtype {splits.dtype}: expected torch.int32 (or int64)")
+            raise HorovodValueError(
+                f"alltoall splits dtype {splits.dtype}: expected torch.int32 (or int64)"
+            )
         splits = splits.tolist()
     splits = [int(s) for s in splits]
     if len(splits) != n or min(splits) < 0 or sum(splits) != rows:
@@ -163,14 +191,22 @@ def _splits(tensor: torch.Tensor, splits: Any) -> list[int]:
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> Handle:
     """Send ``splits[r]`` rows to rank r (default: equal parts); ``synchronize`` returns (output, received_splits)."""
     check_process_set(process_set)
     _tensor(tensor, "alltoall", 1)
     parts = _splits(tensor, splits)
     return _submit(
-        "alltoall", [tensor], name, False, lambda t: (str(t.dtype), tuple(t.shape[1:]), t.device.type), splits=parts
+        "alltoall",
+        [tensor],
+        name,
+        False,
+        lambda t: (str(t.dtype), tuple(t.shape[1:]), t.device.type),
+        splits=parts,
     )
 
 
@@ -191,14 +227,19 @@ class _Alltoall(torch.autograd.Function):
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> Any:
     """Differentiable alltoall: the output, plus the received splits when ``splits`` is given."""
     check_process_set(process_set)
     return _Alltoall.apply(tensor, splits, name)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set) -> Any:
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+) -> Any:
     """Reduce a sparse tensor by all-gathering its indices and values (as Horovod does); returns a callable
     that waits and returns the (uncoalesced) sparse result."""
     check_process_set(process_set)

@@ -24,10 +24,18 @@ from scaleout.horovod.ops_gather import allgather, grouped_allgather
 
 # -- reducescatter ---------------------------------------------------------------------------------------
 def _reducescatter_async(
-    tensors: list[torch.Tensor], name: str | None, op: Any, prescale: float, postscale: float, grouped: bool, what: str
+    tensors: list[torch.Tensor],
+    name: str | None,
+    op: Any,
+    prescale: float,
+    postscale: float,
+    grouped: bool,
+    what: str,
 ) -> Handle:
     if op is basics.Adasum:
-        raise HorovodNotSupportedError(f"{what} op=hvd.Adasum is not supported (Horovod refuses it too)")
+        raise HorovodNotSupportedError(
+            f"{what} op=hvd.Adasum is not supported (Horovod refuses it too)"
+        )
     if op not in (Average, Sum):
         raise HorovodValueError(f"{what} op={op!r}: expected hvd.Average or hvd.Sum")
     for t in tensors:
@@ -38,9 +46,18 @@ def _reducescatter_async(
             )
 
     def meta(t: torch.Tensor) -> tuple:
-        return (str(t.dtype), tuple(t.shape), op.name, float(prescale), float(postscale), t.device.type)
+        return (
+            str(t.dtype),
+            tuple(t.shape),
+            op.name,
+            float(prescale),
+            float(postscale),
+            t.device.type,
+        )
 
-    return _submit("reducescatter", tensors, name, grouped, meta, op=op, prescale=prescale, postscale=postscale)
+    return _submit(
+        "reducescatter", tensors, name, grouped, meta, op=op, prescale=prescale, postscale=postscale
+    )
 
 
 def reducescatter_async(
@@ -54,7 +71,9 @@ def reducescatter_async(
     """Reduce over all ranks, then rank r keeps the r-th block of rows (the first ``rows % size`` ranks
     get one row more)."""
     check_process_set(process_set)
-    return _reducescatter_async([tensor], name, op, prescale_factor, postscale_factor, False, "reducescatter")
+    return _reducescatter_async(
+        [tensor], name, op, prescale_factor, postscale_factor, False, "reducescatter"
+    )
 
 
 def grouped_reducescatter_async(
@@ -82,11 +101,19 @@ class _Reducescatter(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(_reducescatter_async([tensor], name, op, pre, post, False, "reducescatter"))
+        return synchronize(
+            _reducescatter_async([tensor], name, op, pre, post, False, "reducescatter")
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return allgather(_reducescatter_grad(grad, ctx.op, ctx.pre, ctx.post)), None, None, None, None
+        return (
+            allgather(_reducescatter_grad(grad, ctx.op, ctx.pre, ctx.post)),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def reducescatter(
@@ -100,14 +127,20 @@ def reducescatter(
 ) -> torch.Tensor:
     check_process_set(process_set)
     wire, ctx = compression.compress(tensor)
-    return compression.decompress(_Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor), ctx)
+    return compression.decompress(
+        _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor), ctx
+    )
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor) -> tuple:
+    def forward(
+        ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor
+    ) -> tuple:
         ctx.op, ctx.pre, ctx.post = op, pre, post
-        handle = _reducescatter_async(list(tensors), name, op, pre, post, True, "grouped_reducescatter")
+        handle = _reducescatter_async(
+            list(tensors), name, op, pre, post, True, "grouped_reducescatter"
+        )
         return tuple(synchronize(handle))
 
     @staticmethod
@@ -126,6 +159,8 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
-    wires, ctxs = zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
+    wires, ctxs = (
+        zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
+    )
     out = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, *wires)
     return [compression.decompress(t, c) for t, c in zip(out, ctxs, strict=True)]

@@ -48,7 +48,9 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
         raise HorovodValueError(f"named_parameters: names must be unique, found duplicates {dups}")
     named_ids = {id(p) for _, p in named}
     unnamed = [
-        i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]) if id(p) not in named_ids
+        i
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        if id(p) not in named_ids
     ]
     if unnamed:
         raise HorovodValueError(
@@ -67,7 +69,9 @@ def _groups(params: list[Any], groups: Any, names: dict[Any, str]) -> list[tuple
         k = -(-len(ordered) // groups)
         return [tuple(ordered[i : i + k]) for i in range(0, len(ordered), k)]
     if not isinstance(groups, list):
-        raise HorovodValueError(f"groups={groups!r}: expected a positive integer or a list of lists of parameters")
+        raise HorovodValueError(
+            f"groups={groups!r}: expected a positive integer or a list of lists of parameters"
+        )
     out, taken = [], set()
     for g in groups:
         members = tuple(p for p in g if any(p is q for q in params))
@@ -101,7 +105,9 @@ class _DistributedOptimizer:
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
-        self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._requires_update = [
+            p for g in self.param_groups for p in g["params"] if p.requires_grad
+        ]
         self._allreduce_delay = {p: backward_passes_per_step for p in self._requires_update}
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._synchronized = False
@@ -111,7 +117,10 @@ class _DistributedOptimizer:
         self._group_counts = {g: 0 for g in self._groups or []}
         self._grad_hooks = []
         if basics.size() > 1:
-            self._grad_hooks = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._requires_update]
+            self._grad_hooks = [
+                p.register_post_accumulate_grad_hook(self._make_hook(p))
+                for p in self._requires_update
+            ]
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._handles = {}
@@ -142,19 +151,29 @@ class _DistributedOptimizer:
             tensor = tensor.to_dense()
         wire, ctx = self._compression.compress(tensor)
         pre, post = self._scales()
-        return allreduce_async_(wire, name=name, op=self.op, prescale_factor=pre, postscale_factor=post), (ctx, wire)
+        return allreduce_async_(
+            wire, name=name, op=self.op, prescale_factor=pre, postscale_factor=post
+        ), (ctx, wire)
 
     def _grouped_allreduce_grad_async(self, group: tuple[Any, ...]) -> tuple[Any, Any]:
         wires, ctxs = zip(*[self._compression.compress(p.grad) for p in group], strict=True)
         pre, post = self._scales()
         handle = grouped_allreduce_async_(
-            list(wires), name=self._parameter_names[group[0]], op=self.op, prescale_factor=pre, postscale_factor=post
+            list(wires),
+            name=self._parameter_names[group[0]],
+            op=self.op,
+            prescale_factor=pre,
+            postscale_factor=post,
         )
         return handle, list(zip(ctxs, wires, strict=True))
 
     def _make_hook(self, p: Any) -> Any:
         def hook(_: torch.Tensor) -> None:
-            if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+            if (
+                p in self._handles
+                and self._handles[p][0] is not None
+                and self._allreduce_delay[p] <= 0
+            ):
                 raise HorovodValueError(
                     f"gradient of {self._parameter_names[p]} computed more than backward_passes_per_step="
                     f"{self.backward_passes_per_step} times before step(); raise backward_passes_per_step "
@@ -256,10 +275,16 @@ def DistributedOptimizer(  # noqa: N802 -- Horovod's name
             f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got {op!r}"
         )
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise HorovodValueError(f"backward_passes_per_step={backward_passes_per_step!r}: expected an integer >= 1")
+        raise HorovodValueError(
+            f"backward_passes_per_step={backward_passes_per_step!r}: expected an integer >= 1"
+        )
     # Only the methods: _DistributedOptimizer's own __dict__/__weakref__ descriptors would shadow the
     # wrapped class's (load_state_dict's __setstate__ writes self.__dict__).
-    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    methods = {
+        k: v
+        for k, v in _DistributedOptimizer.__dict__.items()
+        if k not in ("__dict__", "__weakref__")
+    }
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(
         optimizer.param_groups,

@@ -66,6 +66,7 @@ IGNORE_INDEX = -100
 LN_EPS = 1e-12  # BERT's LayerNorm epsilon (google-research/bert modeling.py)
 INIT_STD = 0.02  # BERT's initializer_range
 
+
 @dataclass
 class BertOutput:
     loss: torch.Tensor
@@ -114,7 +115,9 @@ def cu_seqlens(seq_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     b, n = seq_ids.shape
     flat = seq_ids.reshape(-1)
     idx = torch.nonzero(flat > 0).squeeze(1)
-    key = (idx // n) * (int(seq_ids.max()) + 1) + flat[idx]  # (row, seq) -> one id; sequences are contiguous
+    key = (idx // n) * (int(seq_ids.max()) + 1) + flat[
+        idx
+    ]  # (row, seq) -> one id; sequences are contiguous
     starts = torch.nonzero(key[1:] != key[:-1]).squeeze(1) + 1
     zero = torch.zeros(1, dtype=starts.dtype, device=starts.device)
     end = torch.full((1,), idx.numel(), dtype=starts.dtype, device=starts.device)
@@ -130,7 +133,9 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None
+    ) -> torch.Tensor:
         b, n, h = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(2)
         if varlen is not None:
@@ -139,11 +144,16 @@ class SelfAttention(nn.Module):
             idx, cu, longest = varlen
             sel = lambda t: t.reshape(b * n, self.heads, self.head_dim)[idx]  # noqa: E731
             o = varlen_attn(sel(q), sel(k), sel(v), cu, cu, longest, longest)
-            ctx = x.new_zeros(b * n, self.heads, self.head_dim).index_copy(0, idx, o.to(x.dtype)).view(b, n, h)
+            ctx = (
+                x.new_zeros(b * n, self.heads, self.head_dim)
+                .index_copy(0, idx, o.to(x.dtype))
+                .view(b, n, h)
+            )
         else:
             p = self.dropout if self.training else 0.0
-            ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=mask, dropout_p=p)
+            ctx = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=p
+            )
             ctx = ctx.transpose(1, 2).reshape(b, n, h)
         return self.out(ctx)
 
@@ -166,7 +176,9 @@ class Layer(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden, eps=LN_EPS)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, varlen: tuple | None
+    ) -> torch.Tensor:
         x = self.ln1(x + self.drop(self.attn(x, mask, varlen)))
         return self.ln2(x + self.drop(self.fc2(self.act(self.fc1(x)))))
 
@@ -204,8 +216,12 @@ class BertForPreTraining(nn.Module):
         ids, seq = batch["input_ids"], batch["seq_ids"]
         pos = batch["position_ids"]
         static = self.cfg.static_shapes
-        if not static and int(pos.max()) >= self.cfg.max_position:  # a host sync: not in the static forward
-            raise ValueError(f"position id {int(pos.max())} >= model.bert.max_position={self.cfg.max_position}")
+        if (
+            not static and int(pos.max()) >= self.cfg.max_position
+        ):  # a host sync: not in the static forward
+            raise ValueError(
+                f"position id {int(pos.max())} >= model.bert.max_position={self.cfg.max_position}"
+            )
         x = self.word(ids) + self.position(pos) + self.token_type(batch["token_type_ids"])
         x = self.emb_drop(self.emb_ln(x))
         varlen = cu_seqlens(seq) if not static and varlen_available(x) else None
@@ -245,9 +261,16 @@ class BertForPreTraining(nn.Module):
             mlm_correct = (logits.argmax(-1) == target).sum()
             nsp_correct = (nsp_logits.argmax(-1) == nsp_target).sum()
         return BertOutput(
-            loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_logits=logits,
-            mlm_correct=mlm_correct, mlm_total=torch.tensor(target.numel(), device=hidden.device), nsp_logits=nsp_logits,
-            nsp_correct=nsp_correct, nsp_total=torch.tensor(nsp_target.numel(), device=hidden.device), pooled=pooled,
+            loss=mlm_loss + nsp_loss,
+            mlm_loss=mlm_loss,
+            nsp_loss=nsp_loss,
+            mlm_logits=logits,
+            mlm_correct=mlm_correct,
+            mlm_total=torch.tensor(target.numel(), device=hidden.device),
+            nsp_logits=nsp_logits,
+            nsp_correct=nsp_correct,
+            nsp_total=torch.tensor(nsp_target.numel(), device=hidden.device),
+            pooled=pooled,
             sequence_output=hidden,
         )
 
@@ -258,7 +281,9 @@ class BertForPreTraining(nn.Module):
         flat = hidden.reshape(b * n, h)
         labels = batch["mlm_labels"].reshape(-1)  # [B*P]
         mlm_valid = labels != IGNORE_INDEX
-        slots = (rows + batch["mlm_positions"]).reshape(-1)  # unused slots point at each row's token 0
+        slots = (rows + batch["mlm_positions"]).reshape(
+            -1
+        )  # unused slots point at each row's token 0
         if self.cfg.unpad_mlm_head:
             logits = self.mlm_logits(flat.index_select(0, slots))
         else:
@@ -266,23 +291,36 @@ class BertForPreTraining(nn.Module):
         mlm_loss, mlm_total = _weighted_ce(logits, labels, mlm_valid)
         nsp_labels = batch["nsp_labels"].reshape(-1)  # [B*S]
         nsp_valid = nsp_labels != IGNORE_INDEX
-        pooled = torch.tanh(self.pooler(flat.index_select(0, (rows + batch["nsp_positions"]).reshape(-1))))
+        pooled = torch.tanh(
+            self.pooler(flat.index_select(0, (rows + batch["nsp_positions"]).reshape(-1)))
+        )
         nsp_logits = self.nsp(pooled)
         nsp_loss, nsp_total = _weighted_ce(nsp_logits, nsp_labels, nsp_valid)
         with torch.no_grad():
             mlm_correct = ((logits.argmax(-1) == labels) & mlm_valid).sum()
             nsp_correct = ((nsp_logits.argmax(-1) == nsp_labels) & nsp_valid).sum()
         return BertOutput(
-            loss=mlm_loss + nsp_loss, mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_logits=logits,
-            mlm_correct=mlm_correct, mlm_total=mlm_total, nsp_logits=nsp_logits, nsp_correct=nsp_correct,
-            nsp_total=nsp_total, pooled=pooled, sequence_output=hidden, mlm_valid=mlm_valid, nsp_valid=nsp_valid,
+            loss=mlm_loss + nsp_loss,
+            mlm_loss=mlm_loss,
+            nsp_loss=nsp_loss,
+            mlm_logits=logits,
+            mlm_correct=mlm_correct,
+            mlm_total=mlm_total,
+            nsp_logits=nsp_logits,
+            nsp_correct=nsp_correct,
+            nsp_total=nsp_total,
+            pooled=pooled,
+            sequence_output=hidden,
+            mlm_valid=mlm_valid,
+            nsp_valid=nsp_valid,
         )
 
 
-def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _weighted_ce(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the valid rows, their count) with static shapes: ignored rows give an
     exact 0 (``ignore_index``), the count stays on the device; no valid row -> a graph-connected 0."""
     per_row = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
     total = valid.sum()
     return per_row.sum() / total.clamp_min(1), total
-

@@ -96,7 +96,9 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     p = os.fspath(path)
     if not os.path.isfile(p):
-        raise UserError(f"model.init_checkpoint={p} does not exist; expected a BERT state dict .pt file")
+        raise UserError(
+            f"model.init_checkpoint={p} does not exist; expected a BERT state dict .pt file"
+        )
     with open(p, "rb") as f:
         head = f.read(len(MAGIC))
     if head == MAGIC:
@@ -151,7 +153,10 @@ def _fit_vocab(key: str, t: torch.Tensor, want: torch.Size) -> torch.Tensor:
 
 
 def from_hf(
-    sd: dict[str, torch.Tensor], model_sd: dict[str, torch.Tensor], layers: int, source: str = "checkpoint"
+    sd: dict[str, torch.Tensor],
+    model_sd: dict[str, torch.Tensor],
+    layers: int,
+    source: str = "checkpoint",
 ) -> dict[str, torch.Tensor]:
     """A Hugging Face / NVIDIA BertForPreTraining state dict -> ours (``model_sd`` gives names and shapes).
 
@@ -167,7 +172,9 @@ def from_hf(
     missing = [k for k in want if k not in sd]
     unexpected = [k for k in sd if k not in want and k not in tied and k not in _HF_BUFFERS]
     shaped = [
-        f"{k} {tuple(sd[k].shape)} (expected {tuple(s)})" for k, s in want.items() if k in sd and sd[k].shape != s
+        f"{k} {tuple(sd[k].shape)} (expected {tuple(s)})"
+        for k, s in want.items()
+        if k in sd and sd[k].shape != s
     ]
     problems = [
         f"{name} {_few(keys)}"
@@ -175,10 +182,17 @@ def from_hf(
         if keys
     ]
     if problems:
-        raise UserError(f"{source}: not a BertForPreTraining of this model.bert config: {'; '.join(problems)}")
-    for k, base in tied.items():  # our decoder is tied: a checkpoint with an untied one cannot be loaded
+        raise UserError(
+            f"{source}: not a BertForPreTraining of this model.bert config: {'; '.join(problems)}"
+        )
+    for (
+        k,
+        base,
+    ) in tied.items():  # our decoder is tied: a checkpoint with an untied one cannot be loaded
         if k in sd and base in sd and not torch.equal(_fit_vocab(k, sd[k], want[base]), sd[base]):
-            raise UserError(f"{source}: {k} differs from {base}; this model ties them (BERT's tied decoder)")
+            raise UserError(
+                f"{source}: {k} differs from {base}; this model ties them (BERT's tied decoder)"
+            )
     out = {ours: sd[hf] for ours, hf in _SIMPLE}
     for i in range(layers):
         L = f"bert.encoder.layer.{i}."
@@ -207,11 +221,15 @@ def to_hf(ours: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]
     out["cls.predictions.decoder.weight"] = ours["word.weight"]
     out["cls.predictions.decoder.bias"] = ours["mlm_bias"]
     out[_NSP[0]], out[_NSP[1]] = ours["nsp.weight"].flip(0), ours["nsp.bias"].flip(0)
-    copies: dict[int, torch.Tensor] = {}  # one copy per source tensor: tied weights stay one tensor on disk
+    copies: dict[
+        int, torch.Tensor
+    ] = {}  # one copy per source tensor: tied weights stay one tensor on disk
     return {k: copies.setdefault(id(v), v.detach().clone().contiguous()) for k, v in out.items()}
 
 
-def load_init_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str], copy: bool = True) -> str:
+def load_init_checkpoint(
+    model: torch.nn.Module, path: str | os.PathLike[str], copy: bool = True
+) -> str:
     """Check ``path`` against ``model`` and (``copy``) load its weights; returns the layout found.
 
     Every rank checks names and shapes (from the memory-mapped file: no data read), so a bad checkpoint fails

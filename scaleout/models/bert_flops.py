@@ -26,24 +26,40 @@ import numpy as np
 from scaleout.config.schema import BertConfig
 
 
-def bert_training_flops(cfg: BertConfig, tokens: float, tokens_sq: float, mlm_rows: int, nsp_rows: int) -> float:
+def bert_training_flops(
+    cfg: BertConfig, tokens: float, tokens_sq: float, mlm_rows: int, nsp_rows: int
+) -> float:
     """FLOPs of forward + backward over sequences with ``tokens`` real tokens in all and ``tokens_sq`` =
     the sum of their squared lengths, with the MLM head run on ``mlm_rows`` positions and the NSP head on
     ``nsp_rows``."""
-    d, f, layers, vocab = float(cfg.hidden), float(cfg.intermediate), float(cfg.layers), float(cfg.vocab_size)
+    d, f, layers, vocab = (
+        float(cfg.hidden),
+        float(cfg.intermediate),
+        float(cfg.layers),
+        float(cfg.vocab_size),
+    )
     encoder = layers * (2.0 * tokens * (4 * d * d + 2 * d * f) + 4.0 * d * tokens_sq)
     heads = mlm_rows * (2 * d * d + 2 * d * vocab) + nsp_rows * (2 * d * d + 2 * d * 2)
     return 3.0 * (encoder + heads)
 
 
-def sequence_flops(cfg: BertConfig, seq_lens: Sequence[int] | np.ndarray, mlm_rows: int, nsp_rows: int) -> float:
+def sequence_flops(
+    cfg: BertConfig, seq_lens: Sequence[int] | np.ndarray, mlm_rows: int, nsp_rows: int
+) -> float:
     """:func:`bert_training_flops` from the sequences' lengths."""
     lens = np.asarray(seq_lens, dtype=np.float64)
     return bert_training_flops(cfg, float(lens.sum()), float((lens**2).sum()), mlm_rows, nsp_rows)
 
 
-def head_rows(cfg: BertConfig, rows: int, max_len: int, n_masked: int, n_seqs: int,
-              mlm_slots: int, nsp_slots: int) -> tuple[int, int]:
+def head_rows(
+    cfg: BertConfig,
+    rows: int,
+    max_len: int,
+    n_masked: int,
+    n_seqs: int,
+    mlm_slots: int,
+    nsp_slots: int,
+) -> tuple[int, int]:
     """(MLM head positions, NSP head positions) that ``BertForPreTraining`` runs for a batch of ``rows``
     rows of ``max_len`` tokens with ``mlm_slots``/``nsp_slots`` slots per row (scaleout.models.bert)."""
     if cfg.static_shapes:
@@ -65,6 +81,13 @@ def batch_flops(cfg: BertConfig, batch: dict) -> float:
     lens = np.bincount(key)
     lens = lens[lens > 0]
     n_masked = int((np.asarray(batch["mlm_labels"]) != IGNORE_INDEX).sum())
-    mlm, nsp = head_rows(cfg, rows, max_len, n_masked, len(lens), batch["mlm_positions"].shape[1],
-                         batch["nsp_positions"].shape[1])
+    mlm, nsp = head_rows(
+        cfg,
+        rows,
+        max_len,
+        n_masked,
+        len(lens),
+        batch["mlm_positions"].shape[1],
+        batch["nsp_positions"].shape[1],
+    )
     return sequence_flops(cfg, lens, mlm, nsp)

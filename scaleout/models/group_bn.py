@@ -38,7 +38,9 @@ def bn_group_ranks(ranks_per_node: list[list[int]], k: int) -> list[list[int]]:
     if k < 1 or world % k:
         raise TopologyError(f"model.resnet.bn_group={k} must divide the world size {world}")
     if any(len(n) != local for n in ranks_per_node):
-        raise TopologyError(f"group BN needs the same ranks on every node, got {[len(n) for n in ranks_per_node]}")
+        raise TopologyError(
+            f"group BN needs the same ranks on every node, got {[len(n) for n in ranks_per_node]}"
+        )
     if local % k == 0:
         return [node[i : i + k] for node in ranks_per_node for i in range(0, local, k)]
     if k % local == 0:
@@ -68,7 +70,9 @@ class _GroupBNFunction(torch.autograd.Function):
         c = x.shape[1]
         count = torch.full((1,), x.numel() // c, dtype=torch.float64, device=x.device)
         # fp64 for the reduced sums: E[x^2] - E[x]^2 cancels badly in fp32 over large groups.
-        stats = torch.cat([x.sum(dims, dtype=torch.float64), (x.double() * x.double()).sum(dims), count])
+        stats = torch.cat(
+            [x.sum(dims, dtype=torch.float64), (x.double() * x.double()).sum(dims), count]
+        )
         dist.all_reduce(stats, group=group)
         n = stats[-1]
         mean = stats[:c] / n
@@ -78,7 +82,9 @@ class _GroupBNFunction(torch.autograd.Function):
         xhat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
         y = xhat * weight.view(shape) + bias.view(shape)
         ctx.save_for_backward(xhat, weight, invstd.to(x.dtype), n)
-        ctx.group = group  # n stays a device tensor: reading it would stall the host once per BN layer
+        ctx.group = (
+            group  # n stays a device tensor: reading it would stall the host once per BN layer
+        )
         mean, var = mean.to(x.dtype), var.to(x.dtype)
         ctx.mark_non_differentiable(mean, var, n)
         return y, mean, var, n
@@ -118,7 +124,9 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         y, mean, var, n = _GroupBNFunction.apply(x, self.weight, self.bias, self.group, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
-                unbiased = var * (n / (n - 1).clamp_min(1)).to(var.dtype)  # n = 1: factor 1, no host read
+                unbiased = var * (n / (n - 1).clamp_min(1)).to(
+                    var.dtype
+                )  # n = 1: factor 1, no host read
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach(), alpha=factor)
         return y
@@ -131,7 +139,9 @@ def norm_factory(world: World | None = None, k: int = 1) -> Any:
     """A ``num_features -> BatchNorm`` callable for model builders: plain BN for k = 1."""
     if k == 1 or world is None or world.world_size == 1:
         if k > 1 and world is None:
-            raise TopologyError(f"model.resnet.bn_group={k} needs a World (distributed run), got none")
+            raise TopologyError(
+                f"model.resnet.bn_group={k} needs a World (distributed run), got none"
+            )
         return nn.BatchNorm2d
     group = bn_process_group(world, k)
     return lambda c: GroupBatchNorm2d(c, group=group, group_size=k)
@@ -148,12 +158,19 @@ def sync_batchnorm_stats(model: nn.Module, world: World) -> int:
     Means are averaged; variances are pooled as E[var + mean^2] - E[mean]^2 (the variance of the union of
     equal-sized per-rank populations: the between-rank spread of the means included). One all-reduce of
     every layer's [mean, var + mean^2] on the stats' device, in fp64."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-           and m.running_mean is not None]
+    bns = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.track_running_stats
+        and m.running_mean is not None
+    ]
     if world.world_size == 1 or not bns:
         return len(bns) if world.world_size == 1 else 0
     means = [m.running_mean.double() for m in bns]
-    flat = torch.cat([*means, *(m.running_var.double() + mu * mu for m, mu in zip(bns, means, strict=True))])
+    flat = torch.cat(
+        [*means, *(m.running_var.double() + mu * mu for m, mu in zip(bns, means, strict=True))]
+    )
     dist.all_reduce(flat)
     flat /= world.world_size
     half, off = flat.numel() // 2, 0

@@ -70,7 +70,10 @@ class Bottleneck(nn.Module):
         super().__init__()
         cout = width * self.expansion
         self.conv1, self.bn1 = _conv(cin, width, 1), norm(width)
-        self.conv2, self.bn2 = _conv(width, width, 3, stride), norm(width)  # v1.5: stride on the 3x3
+        self.conv2, self.bn2 = (
+            _conv(width, width, 3, stride),
+            norm(width),
+        )  # v1.5: stride on the 3x3
         self.conv3, self.bn3 = _conv(width, cout, 1), norm(cout)
         self.relu = nn.ReLU(inplace=True)
         self.down = None
@@ -88,8 +91,15 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, depth: int = 50, width: int = 64, num_classes: int = 1000, image_size: int = 224,
-                 zero_init_residual: bool = True, norm: Norm = nn.BatchNorm2d):
+    def __init__(
+        self,
+        depth: int = 50,
+        width: int = 64,
+        num_classes: int = 1000,
+        image_size: int = 224,
+        zero_init_residual: bool = True,
+        norm: Norm = nn.BatchNorm2d,
+    ):
         super().__init__()
         if depth not in LAYERS:
             raise ConfigError(f"model.resnet.depth={depth} is not one of {sorted(LAYERS)}")
@@ -97,8 +107,12 @@ class ResNet(nn.Module):
         block = Bottleneck if kind == "bottleneck" else BasicBlock
         self.depth, self.image_size = depth, image_size
         if image_size >= 128:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), norm(width), nn.ReLU(inplace=True),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                norm(width),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, 2, 1),
+            )
         else:
             self.stem = nn.Sequential(_conv(3, width, 3), norm(width), nn.ReLU(inplace=True))
         stages, cin = [], width
@@ -133,9 +147,17 @@ def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
     from scaleout.models.group_bn import norm_factory
 
     if world is not None and cfg.bn_group > world.world_size:
-        raise ConfigError(f"model.resnet.bn_group={cfg.bn_group} exceeds the world size {world.world_size}")
-    return ResNet(cfg.depth, cfg.width, cfg.num_classes, cfg.image_size, cfg.zero_init_residual,
-                  norm=norm_factory(world, cfg.bn_group))
+        raise ConfigError(
+            f"model.resnet.bn_group={cfg.bn_group} exceeds the world size {world.world_size}"
+        )
+    return ResNet(
+        cfg.depth,
+        cfg.width,
+        cfg.num_classes,
+        cfg.image_size,
+        cfg.zero_init_residual,
+        norm=norm_factory(world, cfg.bn_group),
+    )
 
 
 def count_macs(model: nn.Module, input_shape: tuple[int, ...] = (1, 3, 224, 224)) -> int:
@@ -149,8 +171,12 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...] = (1, 3, 224, 224)
     def linear_hook(m: nn.Linear, _inp: Any, out: torch.Tensor) -> None:
         total[0] += out[0].numel() * m.in_features
 
-    handles = [m.register_forward_hook(conv_hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
-    handles += [m.register_forward_hook(linear_hook) for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_hook(conv_hook) for m in model.modules() if isinstance(m, nn.Conv2d)
+    ]
+    handles += [
+        m.register_forward_hook(linear_hook) for m in model.modules() if isinstance(m, nn.Linear)
+    ]
     was = model.training
     model.eval()
     try:

@@ -16,6 +16,16 @@ from scaleout.optim.schedule import WarmupPoly, warmup_poly
 from scaleout.optim.sharded import ShardedLAMB
 
 __all__ = [
-    "LAMB", "LARS", "LARS_ETA", "ShardedLAMB", "param_groups", "NVIDIA_BERT_NO_DECAY", "LARS_EXCLUDE",
-    "build_optimizer", "build_schedule", "WarmupPoly", "warmup_poly", "state_bytes",
+    "LAMB",
+    "LARS",
+    "LARS_ETA",
+    "ShardedLAMB",
+    "param_groups",
+    "NVIDIA_BERT_NO_DECAY",
+    "LARS_EXCLUDE",
+    "build_optimizer",
+    "build_schedule",
+    "WarmupPoly",
+    "warmup_poly",
+    "state_bytes",
 ]

@@ -67,7 +67,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], chunk: int | None | str = "auto"):
         if chunk != "auto" and chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ConfigError(f"chunk={chunk!r} must be a positive number of elements, None or 'auto'")
+            raise ConfigError(
+                f"chunk={chunk!r} must be a positive number of elements, None or 'auto'"
+            )
         self.chunk = chunk
         self._plans: dict[tuple, ChunkPlan] = {}
         self._scratch_flat: torch.Tensor | None = None
@@ -87,9 +89,16 @@ class ChunkedOptimizer(torch.optim.Optimizer):
             total = sum(p.numel() for p in params)
             flat = self._scratch_flat
             if flat is None or flat.numel() < total or flat.device != params[0].device:
-                flat = self._scratch_flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
+                flat = self._scratch_flat = torch.empty(
+                    total, dtype=torch.float32, device=params[0].device
+                )
                 self._scratch_views.clear()
-            views = [v.view(p.shape) for v, p in zip(flat[:total].split([p.numel() for p in params]), params, strict=True)]
+            views = [
+                v.view(p.shape)
+                for v, p in zip(
+                    flat[:total].split([p.numel() for p in params]), params, strict=True
+                )
+            ]
             self._scratch_views[key] = views
         return views
 
@@ -121,7 +130,9 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         for p, g in zip(params, grads, strict=True):
             if g.is_sparse:
-                raise ConfigError(f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need dense gradients")
+                raise ConfigError(
+                    f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need dense gradients"
+                )
         return params, grads
 
 

@@ -54,16 +54,23 @@ def cache_levels(sysfs: str | os.PathLike[str] = SYSFS_CACHE) -> dict[int, tuple
             kind = (d / "type").read_text().strip()
             level = int((d / "level").read_text())
             m = _SIZE.match((d / "size").read_text().strip())
-            shared = (d / "shared_cpu_list").read_text() if (d / "shared_cpu_list").exists() else "0"
+            shared = (
+                (d / "shared_cpu_list").read_text() if (d / "shared_cpu_list").exists() else "0"
+            )
         except (OSError, ValueError):
             continue
         if kind == "Instruction" or m is None:
             continue
-        out[level] = (int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()], _cpus(shared))
+        out[level] = (
+            int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()],
+            _cpus(shared),
+        )
     return out
 
 
-def chunk_for_caches(levels: dict[int, tuple[int, int]], elem_bytes: int = 4, arrays: int = LAMB_ARRAYS) -> int:
+def chunk_for_caches(
+    levels: dict[int, tuple[int, int]], elem_bytes: int = 4, arrays: int = LAMB_ARRAYS
+) -> int:
     """Elements per chunk: the largest power of two whose ``arrays`` arrays fit this CPU's share of its L2 and
     larger caches (each level's size / the CPUs sharing it), at least MIN_CPU_CHUNK. L1 is left out: no chunk
     worth its per-op cost fits there. No level 2+ cache reported: FALLBACK_CPU_CHUNK."""
@@ -105,7 +112,10 @@ class ChunkPlan:
 
 
 def plan_chunks(
-    numels: Sequence[int], chunk: int | None, splittable: Sequence[bool] | None = None, device: torch.device | str = "cpu"
+    numels: Sequence[int],
+    chunk: int | None,
+    splittable: Sequence[bool] | None = None,
+    device: torch.device | str = "cpu",
 ) -> ChunkPlan:
     """Greedy packing of tensors (in order) into chunks of about ``chunk`` elements.
 
@@ -115,7 +125,12 @@ def plan_chunks(
     numels = tuple(int(n) for n in numels)
     if chunk is None:
         owner = torch.arange(len(numels), device=device)
-        return ChunkPlan(numels, tuple((n,) for n in numels), ((0, len(numels)),) if numels else (), (owner,) if numels else ())
+        return ChunkPlan(
+            numels,
+            tuple((n,) for n in numels),
+            ((0, len(numels)),) if numels else (),
+            (owner,) if numels else (),
+        )
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
     sizes: list[tuple[int, ...]] = []
@@ -155,7 +170,12 @@ def plan_chunks(
     if cur:
         bounds.append((start, npieces))
         owners.append(cur)
-    return ChunkPlan(numels, tuple(sizes), tuple(bounds), tuple(torch.tensor(o, dtype=torch.long, device=device) for o in owners))
+    return ChunkPlan(
+        numels,
+        tuple(sizes),
+        tuple(bounds),
+        tuple(torch.tensor(o, dtype=torch.long, device=device) for o in owners),
+    )
 
 
 def pieces(tensors: Sequence[torch.Tensor], plan: ChunkPlan) -> list[list[torch.Tensor]]:

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, world: World | None = None, comm: CommConfig | None = None
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    world: World | None = None,
+    comm: CommConfig | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
 
@@ -33,33 +36,66 @@ def build_optimizer(
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
     if cfg.overlap_comm and not cfg.sharded:
-        raise ConfigError("optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's collectives)")
+        raise ConfigError(
+            "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's collectives)"
+        )
     if cfg.sharded and cfg.name != "lamb":
-        raise ConfigError(f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}")
+        raise ConfigError(
+            f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}"
+        )
     if cfg.name == "lamb":
         kw = dict(
-            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, bias_correction=cfg.bias_correction,
-            trust_clamp=cfg.trust_clamp, clip_grad_norm=cfg.clip_grad_norm,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            bias_correction=cfg.bias_correction,
+            trust_clamp=cfg.trust_clamp,
+            clip_grad_norm=cfg.clip_grad_norm,
         )
         if cfg.sharded:
             if world is None:
-                raise ConfigError("optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))")
+                raise ConfigError(
+                    "optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))"
+                )
             comm = comm or CommConfig()
             grid = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
-            return ShardedLAMB(groups, world, overlap=cfg.overlap_comm, bucket_mb=comm.bucket_mb,
-                               algorithm=comm.algorithm, param_order=model.parameters(), **grid, **kw)
+            return ShardedLAMB(
+                groups,
+                world,
+                overlap=cfg.overlap_comm,
+                bucket_mb=comm.bucket_mb,
+                algorithm=comm.algorithm,
+                param_order=model.parameters(),
+                **grid,
+                **kw,
+            )
         return LAMB(groups, **kw)
     if cfg.name == "lars":
-        return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.eta, trust_clamp=cfg.trust_clamp)
+        return LARS(
+            groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.eta, trust_clamp=cfg.trust_clamp
+        )
     for g in groups:  # torch optimizers do not know these keys
         g.pop("trust_ratio", None)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None)
+        return torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None
+        )
+    return torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None
+    )
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_schedule(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over ``optim.warmup_steps`` then polynomial decay (``power``) to ``end_lr`` at
     ``total_steps``; call ``.step()`` once per optimizer step."""
-    return warmup_poly(optimizer, cfg.warmup_steps, cfg.total_steps, cfg.power, cfg.end_lr, cfg.decay_from,
-                       cfg.start_warmup_step)
+    return warmup_poly(
+        optimizer,
+        cfg.warmup_steps,
+        cfg.total_steps,
+        cfg.power,
+        cfg.end_lr,
+        cfg.decay_from,
+        cfg.start_warmup_step,
+    )

@@ -19,7 +19,12 @@ from scaleout.errors import ConfigError
 
 NVIDIA_BERT_NO_DECAY = ("bias", "gamma", "beta", "LayerNorm")
 LARS_EXCLUDE = ("bias", "bn", "batch_norm", "batchnorm", "BatchNorm")
-_NORM_TYPES = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm)
+_NORM_TYPES = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.LocalResponseNorm,
+)
 
 
 def param_groups(
@@ -37,7 +42,9 @@ def param_groups(
     carries ``names`` so that a reader of the optimizer can see what went where.
     """
     if isinstance(no_decay, str):
-        raise ConfigError(f"no_decay={no_decay!r} must be a sequence of name patterns, e.g. ({no_decay!r},)")
+        raise ConfigError(
+            f"no_decay={no_decay!r} must be a sequence of name patterns, e.g. ({no_decay!r},)"
+        )
     norm_params: set[int] = set()
     if norm_layers:
         for mod in model.modules():
@@ -56,7 +63,12 @@ def param_groups(
     for members, wd, adapt in ((decay, weight_decay, True), (skip, 0.0, False)):
         if members:
             groups.append(
-                {"params": [p for _, p in members], "names": [n for n, _ in members], "weight_decay": wd,
-                 "trust_ratio": adapt, **group_opts}
+                {
+                    "params": [p for _, p in members],
+                    "names": [n for n, _ in members],
+                    "weight_decay": wd,
+                    "trust_ratio": adapt,
+                    **group_opts,
+                }
             )
     return groups

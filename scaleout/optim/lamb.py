@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from scaleout.optim.base import ChunkedOptimizer, check_hparams, clip_factor, fp32_state_like, scalars, sq_norms
+from scaleout.optim.base import (
+    ChunkedOptimizer,
+    check_hparams,
+    clip_factor,
+    fp32_state_like,
+    scalars,
+    sq_norms,
+)
 from scaleout.optim.chunks import pieces
 
 
@@ -57,12 +64,22 @@ class LambCoeffs:
         wd = group["weight_decay"]
         adapt = group["trust_ratio"] if group["trust_ratio"] is not None else wd != 0.0
         return LambCoeffs(
-            b1, b2, (1.0 - b1) * clip, (1.0 - b2) * clip * clip, group["eps"] * math.sqrt(bc2), wd / k, k,
-            group["lr"], bool(adapt), group["trust_clamp"],
+            b1,
+            b2,
+            (1.0 - b1) * clip,
+            (1.0 - b2) * clip * clip,
+            group["eps"] * math.sqrt(bc2),
+            wd / k,
+            k,
+            group["lr"],
+            bool(adapt),
+            group["trust_clamp"],
         )
 
 
-def update_moments(g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs) -> None:
+def update_moments(
+    g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs
+) -> None:
     if co.m_weight == 1.0 - co.beta1 and g[0].dtype == m[0].dtype:
         torch._foreach_lerp_(m, g, co.m_weight)  # one pass instead of mul_ + add_
     else:
@@ -72,7 +89,9 @@ def update_moments(g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.T
     torch._foreach_addcmul_(v, g, g, value=co.v_weight)
 
 
-def direction(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs) -> list[torch.Tensor]:
+def direction(
+    p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs
+) -> list[torch.Tensor]:
     """u / k = m / (sqrt(v) + eps') + (wd / k) w, in fp32 (fresh, chunk-sized tensors)."""
     d = torch._foreach_sqrt(v)
     torch._foreach_add_(d, co.eps)
@@ -123,7 +142,9 @@ def lamb_chunks(
             u = direction(P[c], M[c], V[c], co)
             torch._foreach_add_(P[c], u, alpha=step_scale)
         return
-    keep = nchunks == 1 and reduce_norms is None and U is None  # one chunk (accelerator layout): keep u as is
+    keep = (
+        nchunks == 1 and reduce_norms is None and U is None
+    )  # one chunk (accelerator layout): keep u as is
     wnorms: list[torch.Tensor] = []
     unorms: list[torch.Tensor] = []
     u = None
@@ -135,7 +156,9 @@ def lamb_chunks(
         if U is not None:
             torch._foreach_copy_(U[c], u)  # still in cache: cheaper than recomputing it in phase 2
     sq = torch.zeros(2, ntensors, dtype=torch.float32, device=device or owner[0].device)
-    own = (owner[0] if nchunks == 1 else torch.cat(list(owner))) if nchunks else None  # tensor of every piece
+    own = (
+        (owner[0] if nchunks == 1 else torch.cat(list(owner))) if nchunks else None
+    )  # tensor of every piece
     if own is not None:
         sq.index_add_(1, own, torch.stack([torch.stack(wnorms), torch.stack(unorms)]).square_())
     if reduce_norms is not None:
@@ -187,15 +210,27 @@ class LAMB(ChunkedOptimizer):
         check_hparams("LAMB", clip_grad_norm=clip_grad_norm)
         self.clip_grad_norm = clip_grad_norm
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            trust_clamp=trust_clamp, trust_ratio=trust_ratio,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            trust_clamp=trust_clamp,
+            trust_ratio=trust_ratio,
         )
         super().__init__(params, defaults, chunk)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_hparams("LAMB", lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], trust_clamp=g["trust_clamp"])
+        check_hparams(
+            "LAMB",
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            trust_clamp=g["trust_clamp"],
+        )
         g.setdefault("step", 0)
 
     def clip_factor(self, grads: Sequence[torch.Tensor]) -> float:
@@ -222,7 +257,16 @@ class LAMB(ChunkedOptimizer):
             plan = self.plan(params)
             co = LambCoeffs.of(group, group["step"], clip)
             U = pieces(self.scratch(params), plan) if co.adapt and plan.num_chunks > 1 else None
-            lamb_chunks(pieces(params, plan), pieces(grads, plan), pieces(ms, plan), pieces(vs, plan), plan.owner, len(params), co, U=U)
+            lamb_chunks(
+                pieces(params, plan),
+                pieces(grads, plan),
+                pieces(ms, plan),
+                pieces(vs, plan),
+                plan.owner,
+                len(params),
+                co,
+                U=U,
+            )
         return loss
 
     def _moments(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -42,14 +42,22 @@ def exact_in_kernel(s: float) -> bool:
     return s == 0.0 or abs(s) >= FUSED_MIN_SCALE
 
 
-def lars_scale(wn: float, gn: float, lr: float, eta: float, wd: float, eps: float, clamp: float | None) -> float:
+def lars_scale(
+    wn: float, gn: float, lr: float, eta: float, wd: float, eps: float, clamp: float | None
+) -> float:
     """lr * t for one tensor from its norms (Python floats); the scalar form of ``lars_scales``."""
     t = eta * wn / (gn + wd * wn + eps) if wn > 0 and gn > 0 else 1.0
     return lr * (min(t, clamp) if clamp is not None else t)
 
 
 def lars_scales(
-    wsq: torch.Tensor, gsq: torch.Tensor, lr: float, eta: float, wd: float, eps: float, clamp: float | None = None
+    wsq: torch.Tensor,
+    gsq: torch.Tensor,
+    lr: float,
+    eta: float,
+    wd: float,
+    eps: float,
+    clamp: float | None = None,
 ) -> torch.Tensor:
     """Per-tensor lr * t from squared norms; t = 1 where either norm is 0 (MLPerf reference)."""
     wn, gn = wsq.sqrt(), gsq.sqrt()
@@ -85,7 +93,12 @@ class LARS(ChunkedOptimizer):
         fused: bool | None = None,
     ):
         defaults = dict(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps, trust_clamp=trust_clamp,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            eta=eta,
+            eps=eps,
+            trust_clamp=trust_clamp,
             trust_ratio=trust_ratio,
         )
         self.fused = fused
@@ -95,7 +108,12 @@ class LARS(ChunkedOptimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         check_hparams(
-            "LARS", lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"], eta=g["eta"], eps=g["eps"],
+            "LARS",
+            lr=g["lr"],
+            momentum=g["momentum"],
+            weight_decay=g["weight_decay"],
+            eta=g["eta"],
+            eps=g["eps"],
             trust_clamp=g["trust_clamp"],
         )
         g.setdefault("step", 0)
@@ -127,7 +145,15 @@ class LARS(ChunkedOptimizer):
                         torch._foreach_add_(B[c], P[c], alpha=lr * wd)
                     torch._foreach_sub_(P[c], B[c])
                 continue
-            scale = lars_scales(sq_norms(params), sq_norms(grads), lr, group["eta"], wd, group["eps"], group["trust_clamp"])
+            scale = lars_scales(
+                sq_norms(params),
+                sq_norms(grads),
+                lr,
+                group["eta"],
+                wd,
+                group["eps"],
+                group["trust_clamp"],
+            )
             wd_scale = scale * wd
             for c in range(plan.num_chunks):
                 own = plan.owner[c]
@@ -143,10 +169,16 @@ class LARS(ChunkedOptimizer):
     def _use_fused(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
         if self.fused is not None:
             return self.fused
-        return params[0].device.type == "cpu" and all(t.dtype == torch.float32 for t in (*params, *grads))
+        return params[0].device.type == "cpu" and all(
+            t.dtype == torch.float32 for t in (*params, *grads)
+        )
 
     def _fused_cpu(
-        self, params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict[str, Any],
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bufs: list[torch.Tensor],
+        group: dict[str, Any],
         adapt: bool,
     ) -> None:
         """The fp32 CPU path: torch's fused SGD kernel, which in one pass over w, g and b computes
@@ -160,9 +192,19 @@ class LARS(ChunkedOptimizer):
         """
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
 
-        def fused(p: list[torch.Tensor], g: list[torch.Tensor], b: list[torch.Tensor], s: float) -> None:
+        def fused(
+            p: list[torch.Tensor], g: list[torch.Tensor], b: list[torch.Tensor], s: float
+        ) -> None:
             torch._fused_sgd_(
-                p, g, b, weight_decay=wd, momentum=mom, lr=1.0, dampening=1.0 - s, nesterov=False, maximize=False,
+                p,
+                g,
+                b,
+                weight_decay=wd,
+                momentum=mom,
+                lr=1.0,
+                dampening=1.0 - s,
+                nesterov=False,
+                maximize=False,
                 is_first_step=False,
             )
 
@@ -173,7 +215,10 @@ class LARS(ChunkedOptimizer):
             p.sub_(b)
 
         # the kernel walks memory linearly: tensors whose w, g, b are not all contiguous take plain ops
-        flat = [p.is_contiguous() and g.is_contiguous() and b.is_contiguous() for p, g, b in zip(params, grads, bufs, strict=True)]
+        flat = [
+            p.is_contiguous() and g.is_contiguous() and b.is_contiguous()
+            for p, g, b in zip(params, grads, bufs, strict=True)
+        ]
         if not adapt:
             if not exact_in_kernel(lr):
                 flat = [False] * len(params)

@@ -52,16 +52,22 @@ class WarmupPoly:
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.total_steps is not None and self.total_steps <= self.warmup_steps:
-            raise ConfigError(f"total_steps={self.total_steps} must be > warmup_steps={self.warmup_steps}")
+            raise ConfigError(
+                f"total_steps={self.total_steps} must be > warmup_steps={self.warmup_steps}"
+            )
         if self.power < 0:
             raise ConfigError(f"power={self.power} must be >= 0")
         if self.decay_from not in ("warmup", "start"):
             raise ConfigError(f"decay_from={self.decay_from!r} must be 'warmup' or 'start'")
         if self.start_warmup_step > 0:
-            raise ConfigError(f"start_warmup_step={self.start_warmup_step} must be <= 0 (warm-up already under way)")
+            raise ConfigError(
+                f"start_warmup_step={self.start_warmup_step} must be <= 0 (warm-up already under way)"
+            )
         if self.start_warmup_step and self.decay_from != "start":
-            raise ConfigError(f"start_warmup_step={self.start_warmup_step} needs decay_from='start' (NVIDIA's "
-                              f"LinearWarmupPolyDecayScheduler), got decay_from={self.decay_from!r}")
+            raise ConfigError(
+                f"start_warmup_step={self.start_warmup_step} needs decay_from='start' (NVIDIA's "
+                f"LinearWarmupPolyDecayScheduler), got decay_from={self.decay_from!r}"
+            )
 
     def __call__(self, step: int) -> float:
         if self.start_warmup_step:
@@ -102,5 +108,7 @@ def warmup_poly(
     check_hparams("schedule", end_lr=end_lr)
     base = optimizer.param_groups[0]["lr"]
     end_factor = end_lr / base if base > 0 else 0.0
-    schedule = WarmupPoly(warmup_steps, total_steps, power, end_factor, decay_from, start_warmup_step)
+    schedule = WarmupPoly(
+        warmup_steps, total_steps, power, end_factor, decay_from, start_warmup_step
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

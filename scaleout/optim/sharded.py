@@ -94,39 +94,74 @@ class ShardedLAMB(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Any, world: World, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
-        trust_clamp: float | None = None, trust_ratio: bool | None = None, clip_grad_norm: float | None = None,
-        chunk: int | None | str = "auto", *, overlap: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
-        algorithm: str = "flat", allow_unused: bool = False, param_order: Any = None, profile: bool = False,
+        self,
+        params: Any,
+        world: World,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        trust_clamp: float | None = None,
+        trust_ratio: bool | None = None,
+        clip_grad_norm: float | None = None,
+        chunk: int | None | str = "auto",
+        *,
+        overlap: bool = False,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+        algorithm: str = "flat",
+        allow_unused: bool = False,
+        param_order: Any = None,
+        profile: bool = False,
         **algorithm_options: Any,
     ):
         check_hparams("ShardedLAMB", clip_grad_norm=clip_grad_norm)
         if world is None:
-            raise ConfigError("ShardedLAMB needs the World (optim.sharded=true needs a distributed run)")
+            raise ConfigError(
+                "ShardedLAMB needs the World (optim.sharded=true needs a distributed run)"
+            )
         if not (isinstance(bucket_mb, int | float) and bucket_mb > 0 and math.isfinite(bucket_mb)):
-            raise ConfigError(f"ShardedLAMB bucket_mb={bucket_mb!r} must be a positive number of MiB")
+            raise ConfigError(
+                f"ShardedLAMB bucket_mb={bucket_mb!r} must be a positive number of MiB"
+            )
         self.world, self.size = world, world.world_size
         self.comm = dict(algorithm=algorithm, **algorithm_options)
-        self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice of every bucket owned here
+        self.slot = shard_index(
+            world, algorithm, **algorithm_options
+        )  # the slice of every bucket owned here
         self.overlap, self.bucket_mb, self.allow_unused = overlap, float(bucket_mb), allow_unused
         self.clip_grad_norm, self.profile = clip_grad_norm, profile
         self.timings: dict[str, float] = {}
         self.last_stats: dict[str, Any] = {}
         self._built, self._sync, self._in_backward = False, True, False
         self._unscale = 1.0  # fp16: 1/S for the reduced gradients of the next step (unscale_)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, trust_clamp=trust_clamp, trust_ratio=trust_ratio)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            trust_clamp=trust_clamp,
+            trust_ratio=trust_ratio,
+        )
         super().__init__(params, defaults)
         self._build(chunk, None if param_order is None else list(param_order))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._built:
-            raise ConfigError("ShardedLAMB: pass every parameter group at construction (the flat layout is fixed)")
+            raise ConfigError(
+                "ShardedLAMB: pass every parameter group at construction (the flat layout is fixed)"
+            )
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_hparams("ShardedLAMB", lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
-                      trust_clamp=g["trust_clamp"])
+        check_hparams(
+            "ShardedLAMB",
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            trust_clamp=g["trust_clamp"],
+        )
         g.setdefault("step", 0)
 
     # -- layout -----------------------------------------------------------------------------------
@@ -135,18 +170,26 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.params = [p for g in groups for p in g["params"]]
         self._where = [(gi, i) for gi, g in enumerate(groups) for i in range(len(g["params"]))]
         names = [g.get("names") for g in groups]
-        full = all(n is not None and len(n) == len(g["params"]) for n, g in zip(names, groups, strict=True))
+        full = all(
+            n is not None and len(n) == len(g["params"]) for n, g in zip(names, groups, strict=True)
+        )
         self.keys = [names[gi][i] if full else f"group{gi}.{i}" for gi, i in self._where]
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) != 1:
-            raise ConfigError(f"ShardedLAMB needs one dtype and device for all parameters, got {sorted(map(str, kinds))}")
+            raise ConfigError(
+                f"ShardedLAMB needs one dtype and device for all parameters, got {sorted(map(str, kinds))}"
+            )
         dtype, device = kinds.pop()
         gdtype = torch.float32 if dtype != torch.float64 else dtype
         order = list(range(len(self.params)))[::-1]  # backward meets the last parameters first
-        if param_order is not None:  # the module's registration order approximates the forward order better
+        if (
+            param_order is not None
+        ):  # the module's registration order approximates the forward order better
             rank = {id(p): i for i, p in enumerate(param_order)}
             order.sort(key=lambda k: -rank.get(id(self.params[k]), -1))
-        sizes = [self.params[k].numel() * torch.empty((), dtype=gdtype).element_size() for k in order]
+        sizes = [
+            self.params[k].numel() * torch.empty((), dtype=gdtype).element_size() for k in order
+        ]
         cap = max(1, int(self.bucket_mb * MiB)) if self.overlap else max(1, sum(sizes))
         members = [[order[m] for m in ms] for ms in assign(sizes, [0] * len(order), cap)]
         W = self.size
@@ -167,8 +210,14 @@ class ShardedLAMB(torch.optim.Optimizer):
         for b, (ms, s) in enumerate(zip(members, slices, strict=True)):
             self.buckets.append(self._bucket(b, ms, a0, s, shard_off))
             a0, shard_off = a0 + s * W, shard_off + s
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(k))
-                       for k, p in enumerate(self.params)] if self.overlap else []
+        self._hooks = (
+            [
+                p.register_post_accumulate_grad_hook(self._hook_for(k))
+                for k, p in enumerate(self.params)
+            ]
+            if self.overlap
+            else []
+        )
         self._used = [False] * len(self.params)
         self._reset_step()
         self._built = True
@@ -190,10 +239,17 @@ class ShardedLAMB(torch.optim.Optimizer):
                 segs.setdefault(gi, []).append((i, x - lo, y - lo))
                 at = shard_off + x - lo
                 for name, state in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                    self._pieces[f"{name}/{self.keys[k]}"] = Piece(state[at : at + y - x], x - off, n)
+                    self._pieces[f"{name}/{self.keys[k]}"] = Piece(
+                        state[at : at + y - x], x - off, n
+                    )
             off += n
         sl = slice(shard_off, shard_off + s)
-        P, G, M, V = self.flat_param[lo : lo + s], self.g_shard[sl], self.exp_avg[sl], self.exp_avg_sq[sl]
+        P, G, M, V = (
+            self.flat_param[lo : lo + s],
+            self.g_shard[sl],
+            self.exp_avg[sl],
+            self.exp_avg_sq[sl],
+        )
         work = []
         for gi, sg in segs.items():
             plan = plan_chunks([y - x for _, x, y in sg], self._chunk, device=P.device)
@@ -202,7 +258,9 @@ class ShardedLAMB(torch.optim.Optimizer):
             def cut(buf: torch.Tensor, sg: list = sg, plan: Any = plan) -> list[list[torch.Tensor]]:
                 return pieces([buf[x:y] for _, x, y in sg], plan)
 
-            work.append(_Work(gi, cut(P), cut(G), cut(M), cut(V), [seg_owner[o] for o in plan.owner]))
+            work.append(
+                _Work(gi, cut(P), cut(G), cut(M), cut(V), [seg_owner[o] for o in plan.owner])
+            )
         a1 = a0 + s * self.size
         return ShardBucket(b, ms, self.flat_param[a0:a1], self.flat_grad[a0:a1], P, G, work)
 
@@ -260,8 +318,10 @@ class ShardedLAMB(torch.optim.Optimizer):
         """A gradient again after a synchronising backward, without step(): send everything again (every
         rank runs the same backward passes, so every rank does this at the same point)."""
         if self._next < len(self.buckets):
-            raise UserError(f"parameter {self.keys[k]!r} received a gradient twice in one synchronising backward "
-                            "(reentrant checkpointing?): run all backward passes but the last under optimizer.no_sync()")
+            raise UserError(
+                f"parameter {self.keys[k]!r} received a gradient twice in one synchronising backward "
+                "(reentrant checkpointing?): run all backward passes but the last under optimizer.no_sync()"
+            )
         self._reset_step()
 
     def _mark(self, k: int) -> None:
@@ -275,9 +335,13 @@ class ShardedLAMB(torch.optim.Optimizer):
         self._ready[k] = True
         b = self._bucket_of[k]
         self._pending[b] -= 1
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:  # strictly in index order
+        while (
+            self._next < len(self.buckets) and self._pending[self._next] == 0
+        ):  # strictly in index order
             bk = self.buckets[self._next]
-            self._handles[self._next] = reduce_scatter(bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm)
+            self._handles[self._next] = reduce_scatter(
+                bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm
+            )
             self._next += 1
 
     def _send_all(self) -> None:
@@ -296,11 +360,17 @@ class ShardedLAMB(torch.optim.Optimizer):
         self._in_backward = False
         if not self._sync:
             return
-        t0, during = time.perf_counter(), self._next  # buckets the hooks launched while backward ran
+        t0, during = (
+            time.perf_counter(),
+            self._next,
+        )  # buckets the hooks launched while backward ran
         self._send_all()
         self._wait_all()
-        self.last_stats = {"exposed_s": time.perf_counter() - t0, "launched_in_backward": during,
-                           "buckets": len(self.buckets)}
+        self.last_stats = {
+            "exposed_s": time.perf_counter() - t0,
+            "launched_in_backward": during,
+            "buckets": len(self.buckets),
+        }
 
     def unscale_(self, factor: float) -> None:
         """fp16 loss scaling (scaleout/train/precision.py): the reduced gradients live in this optimizer's
@@ -358,8 +428,11 @@ class ShardedLAMB(torch.optim.Optimizer):
         t = self._tick("update", t, minus=comm)
         self.timings["norm_allreduce"] += comm
         self._check_census(sq[2])
-        scale = [trust_ratios(sq[0, b : b + len(g["params"])], sq[1, b : b + len(g["params"])], c) * (-c.lr * c.k)
-                 for b, g, c in zip(base, self.param_groups, co, strict=True)]
+        scale = [
+            trust_ratios(sq[0, b : b + len(g["params"])], sq[1, b : b + len(g["params"])], c)
+            * (-c.lr * c.k)
+            for b, g, c in zip(base, self.param_groups, co, strict=True)
+        ]
         gathers = self._phase2(co, scale)
         t = self._tick("update", t)
         for h in gathers:
@@ -383,7 +456,9 @@ class ShardedLAMB(torch.optim.Optimizer):
                 for k in range(len(w.P)):
                     update_moments(w.G[k], w.M[k], w.V[k], c)
                     sq[0, base[w.group] :].index_add_(0, w.owner[k], sq_norms(w.P[k]))
-                    sq[1, base[w.group] :].index_add_(0, w.owner[k], sq_norms(direction(w.P[k], w.M[k], w.V[k], c)))
+                    sq[1, base[w.group] :].index_add_(
+                        0, w.owner[k], sq_norms(direction(w.P[k], w.M[k], w.V[k], c))
+                    )
         return sq, base
 
     def _check_census(self, census: torch.Tensor) -> None:
@@ -392,8 +467,10 @@ class ShardedLAMB(torch.optim.Optimizer):
         unused = [self.keys[k] for k, n in enumerate(census.tolist()) if n == 0]
         if unused:
             self._reset_step()
-            raise UserError(f"parameters received no gradient on any rank: {unused}; pass allow_unused=True to "
-                            "ShardedLAMB if that is expected (their gradients are then zero)")
+            raise UserError(
+                f"parameters received no gradient on any rank: {unused}; pass allow_unused=True to "
+                "ShardedLAMB if that is expected (their gradients are then zero)"
+            )
 
     def _phase2(self, co: list[LambCoeffs], scale: list[torch.Tensor]) -> list[Any]:
         """Apply each bucket's update, then start that bucket's all-gather at once."""
@@ -410,7 +487,9 @@ class ShardedLAMB(torch.optim.Optimizer):
                         torch._foreach_add_(w.P[k], u)
                     else:
                         torch._foreach_add_(w.P[k], u, alpha=-c.lr * c.k)
-            gathers.append(all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm))
+            gathers.append(
+                all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
+            )
         return gathers
 
     # -- checkpoint -------------------------------------------------------------------------------
@@ -418,19 +497,28 @@ class ShardedLAMB(torch.optim.Optimizer):
         """(replicated part: groups and step counters, the same on every rank; this rank's pieces of each
         parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in per-parameter
         coordinates, so that a checkpoint loads into any world size or bucket layout)."""
-        rep = {"format": FORMAT, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-               "params": {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)}}
+        rep = {
+            "format": FORMAT,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+            ],
+            "params": {key: p.numel() for key, p in zip(self.keys, self.params, strict=True)},
+        }
         return rep, dict(self._pieces)
 
     def load_replicated(self, rep: dict[str, Any]) -> None:
         """Load the replicated part of :meth:`sharded_state` (the pieces are loaded in place by the caller)."""
         if not isinstance(rep, dict) or rep.get("format") != FORMAT:
-            raise ConfigError(f"checkpoint optimizer state is not a {FORMAT} state (saved with optim.sharded=false "
-                              "or by an older version); resume it with the settings it was saved with")
+            raise ConfigError(
+                f"checkpoint optimizer state is not a {FORMAT} state (saved with optim.sharded=false "
+                "or by an older version); resume it with the settings it was saved with"
+            )
         mine = self.sharded_state()[0]
         if rep["params"] != mine["params"] or len(rep["param_groups"]) != len(self.param_groups):
             diff = sorted(set(rep["params"].items()) ^ set(mine["params"].items()))[:3]
-            raise ConfigError(f"checkpoint optimizer parameters or groups differ from this model's, e.g. {diff}")
+            raise ConfigError(
+                f"checkpoint optimizer parameters or groups differ from this model's, e.g. {diff}"
+            )
         for g, saved in zip(self.param_groups, rep["param_groups"], strict=True):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -438,13 +526,22 @@ class ShardedLAMB(torch.optim.Optimizer):
         """This rank's state, to load on the same rank of the same layout (checkpoints: :meth:`sharded_state`)."""
         rep, pieces = self.sharded_state()
         layout = (self.slot, self.size, self.shard_numel, len(self.buckets))
-        return {**rep, "layout": layout, "state": {k: (p.offset, p.tensor.clone()) for k, p in pieces.items()}}
+        return {
+            **rep,
+            "layout": layout,
+            "state": {k: (p.offset, p.tensor.clone()) for k, p in pieces.items()},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         mine = self.state_dict()
-        if tuple(state_dict.get("layout", ())) != mine["layout"] or state_dict["state"].keys() != self._pieces.keys():
-            raise ConfigError(f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, buckets) "
-                              f"does not match this rank's {mine['layout']}: use sharded_state() and scaleout.checkpoint")
+        if (
+            tuple(state_dict.get("layout", ())) != mine["layout"]
+            or state_dict["state"].keys() != self._pieces.keys()
+        ):
+            raise ConfigError(
+                f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, buckets) "
+                f"does not match this rank's {mine['layout']}: use sharded_state() and scaleout.checkpoint"
+            )
         self.load_replicated(state_dict)
         for k, p in self._pieces.items():
             p.tensor.copy_(state_dict["state"][k][1])

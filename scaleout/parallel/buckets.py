@@ -21,7 +21,9 @@ import torch
 from scaleout.errors import UserError
 
 MiB = 1 << 20
-DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7)
+DEFAULT_BUCKET_MB = (
+    25.0  # DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7)
+)
 
 
 @dataclass
@@ -42,7 +44,9 @@ class Bucket:
     index: int
     buffer: torch.Tensor  # 1-D, contiguous, the parameters' dtype
     slots: list[Slot]
-    extra: int = 0  # trailing elements after the gradients (the unused-parameter census, last bucket)
+    extra: int = (
+        0  # trailing elements after the gradients (the unused-parameter census, last bucket)
+    )
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +58,9 @@ class Bucket:
         return self.buffer.narrow(0, 0, self.buffer.numel() - self.extra)
 
 
-def assign(sizes_bytes: list[int], keys: list[object], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+def assign(
+    sizes_bytes: list[int], keys: list[object], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
     """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes`` (the first bucket
     of each key: ``first_cap_bytes``); never mix keys."""
     if cap_bytes <= 0:
@@ -92,21 +98,31 @@ def build_buckets(
     first all-reduce starts after the last layer's gradients instead of after 25 MiB of them).
     ``order``: parameter indices in bucket-filling order (default: reverse registration order)."""
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-        raise UserError(f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)")
-    if first_bucket_mb is not None and (not isinstance(first_bucket_mb, (int, float)) or first_bucket_mb <= 0):
-        raise UserError(f"first_bucket_mb={first_bucket_mb!r}: expected a positive number of MiB or None")
+        raise UserError(
+            f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)"
+        )
+    if first_bucket_mb is not None and (
+        not isinstance(first_bucket_mb, (int, float)) or first_bucket_mb <= 0
+    ):
+        raise UserError(
+            f"first_bucket_mb={first_bucket_mb!r}: expected a positive number of MiB or None"
+        )
     params = [(i, n, p) for i, (n, p) in enumerate(named_params) if p.requires_grad]
     if not params:
         raise UserError("DataParallel: the model has no parameters that require gradients")
     for _, n, p in params:
         if not p.is_floating_point():
-            raise UserError(f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating point")
+            raise UserError(
+                f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating point"
+            )
     if order is None:
         order = params[::-1]
     else:
         by_index = {i: (i, n, p) for i, n, p in params}
         if sorted(order) != sorted(by_index):
-            raise UserError(f"bucket order {order}: expected each of the parameter indices {sorted(by_index)} once")
+            raise UserError(
+                f"bucket order {order}: expected each of the parameter indices {sorted(by_index)} once"
+            )
         order = [by_index[i] for i in order]
     groups = assign(
         [p.numel() * p.element_size() for _, _, p in order],

@@ -65,7 +65,9 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
 def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
     from scaleout.comm import all_reduce, get_algorithm
 
-    get_algorithm(algorithm)  # one-line UserError for an unknown name, now rather than inside backward
+    get_algorithm(
+        algorithm
+    )  # one-line UserError for an unknown name, now rather than inside backward
 
     def reduce(buf: torch.Tensor, async_op: bool = True) -> Any:
         return all_reduce(buf, world, algorithm, op="sum", async_op=async_op, **options)
@@ -139,15 +141,25 @@ class DataParallel(torch.nn.Module):
         self.reducer.defer_census = defer_census
 
     @classmethod
-    def from_config(cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any) -> DataParallel:
+    def from_config(
+        cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any
+    ) -> DataParallel:
         """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size, compression,
         overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other arguments."""
         options: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
         if comm.chunk_mb is not None:
             options["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
-        return cls(module, world, algorithm=comm.algorithm, bucket_mb=comm.bucket_mb,
-                   compression=None if comm.compression == "none" else comm.compression, timeline=comm.timeline,
-                   overlap=comm.overlap, **kwargs, **options)
+        return cls(
+            module,
+            world,
+            algorithm=comm.algorithm,
+            bucket_mb=comm.bucket_mb,
+            compression=None if comm.compression == "none" else comm.compression,
+            timeline=comm.timeline,
+            overlap=comm.overlap,
+            **kwargs,
+            **options,
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

@@ -56,7 +56,12 @@ def compression_dtype(compression: Any) -> torch.dtype | None:
 
 
 def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    return a is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return (
+        a is not None
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 class Reducer:
@@ -87,17 +92,24 @@ class Reducer:
         self.buckets, self.slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb)
         self.slots.sort(key=lambda s: s.index)
         self._rebuild_pending = rebuild_buckets
-        self._ready_order: list[int] = []  # slot positions in the order hooks fired (first sync step)
+        self._ready_order: list[
+            int
+        ] = []  # slot positions in the order hooks fired (first sync step)
         self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
         self.sync = True
-        self.never_used: set[str] | None = None  # names with no gradient on any rank in every step so far
+        self.never_used: set[str] | None = (
+            None  # names with no gradient on any rank in every step so far
+        )
         # True: wait() keeps the census on the device instead of reading it (census_flag / check_census),
         # so a trainer that reads one agreement flag per step reads the census with it (train/loop.py).
         self.defer_census = False
         self.pending_census: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._hook_for(k)) for k, s in enumerate(self.slots)]
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(self._hook_for(k))
+            for k, s in enumerate(self.slots)
+        ]
         for s in self.slots:
             s.param.grad = s.view
         self._used = [False] * len(self.slots)  # got a gradient since the last synchronisation
@@ -145,7 +157,9 @@ class Reducer:
             return
         self._in_backward = True
         self._bwd_start_us = now_us()
-        self._prof_backward = profile.enter("backward")  # the timeline's spans as profiler ranges too
+        self._prof_backward = profile.enter(
+            "backward"
+        )  # the timeline's spans as profiler ranges too
         Variable._execution_engine.queue_callback(self._end_backward)
         if self.sync:
             unreached, self._unreached = self._unreached or set(), None
@@ -215,7 +229,9 @@ class Reducer:
         if fut is not None:
             # bind this step's list: the callback may run after wait() returned and the step was reset
             done = self._done_us
-            fut.add_done_callback(lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us()))
+            fut.add_done_callback(
+                lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us())
+            )
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket as sent: pre-divided by the world size, then cast to the wire dtype (Horovod #326,
@@ -247,7 +263,9 @@ class Reducer:
         if not self.sync:
             self._span("backward (no_sync)", "backward", start_us, end_us)
             return
-        for k, s in enumerate(self.slots):  # unused in this backward: ready with what the slot holds
+        for k, s in enumerate(
+            self.slots
+        ):  # unused in this backward: ready with what the slot holds
             if not self._ready[k]:
                 self._adopt(s)
                 self._ready[k] = True
@@ -267,11 +285,15 @@ class Reducer:
         done_us = now_us()
         last = self.buckets[-1]
         census = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
-        if self.defer_census:  # the caller folds census_flag() into its own host read, then check_census()
+        if (
+            self.defer_census
+        ):  # the caller folds census_flag() into its own host read, then check_census()
             self.pending_census = census.clone()
             unused: list[str] = []
         else:
-            unused = self._unused(census.tolist())  # one device -> host read for every parameter's flag
+            unused = self._unused(
+                census.tolist()
+            )  # one device -> host read for every parameter's flag
         census.zero_()
         self._record(start_us, end_us, done_us, unused)
         self._used = [False] * len(self.slots)
@@ -313,11 +335,15 @@ class Reducer:
     def _record(self, start_us: float, end_us: float, done_us: float, unused: list[str]) -> None:
         self.steps += 1
         first = min(self._launch_us)
-        wires = [cb if cb is not None else b.buffer for cb, b in zip(self._comm_bufs, self.buckets, strict=True)]
+        wires = [
+            cb if cb is not None else b.buffer
+            for cb, b in zip(self._comm_bufs, self.buckets, strict=True)
+        ]
         comm_bytes = sum(w.numel() * w.element_size() for w in wires)
         self.last_stats = {
             "step": self.steps,
-            "backward_s": (end_us - start_us) / 1e6,  # first gradient-producing op to end of backward
+            "backward_s": (end_us - start_us)
+            / 1e6,  # first gradient-producing op to end of backward
             "exposed_s": (done_us - end_us) / 1e6,  # blocked on communication after backward
             "comm_s": (max(self._done_us) - first) / 1e6,  # first launch to last completion
             "bytes": comm_bytes,
@@ -332,8 +358,13 @@ class Reducer:
             self._span(f"backward {step}", "backward", start_us, end_us)
             for b, bucket in enumerate(self.buckets):
                 self._span(
-                    f"bucket {b}", "comm", self._launch_us[b], self._done_us[b],
-                    step=self.steps, bytes=bucket.nbytes, params=len(bucket.slots),
+                    f"bucket {b}",
+                    "comm",
+                    self._launch_us[b],
+                    self._done_us[b],
+                    step=self.steps,
+                    bytes=bucket.nbytes,
+                    params=len(bucket.slots),
                 )
             self._span(f"wait {step}", "wait", end_us, done_us)
 
@@ -358,7 +389,9 @@ class Reducer:
         if order == default:
             return
         named_params, bucket_mb, n_grad, first_bucket_mb = self._layout
-        buckets, slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb, order=order)
+        buckets, slots = build_buckets(
+            named_params, bucket_mb, n_grad, first_bucket_mb, order=order
+        )
         slots.sort(key=lambda s: s.index)
         for old, new in zip(self.slots, slots, strict=True):
             new.view.copy_(old.view)  # keep this step's averaged gradients for the optimizer
@@ -374,4 +407,3 @@ class Reducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-

@@ -37,7 +37,9 @@ class GradientSync(Protocol):
         """Read the census (a host read: only after census_flag() was set) and raise as configured."""
         ...
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def optimizer_state(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(the replicated part of ``optimizer``'s state, which rank 0 writes; this rank's shards or None)."""
         ...
 

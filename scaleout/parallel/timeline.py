@@ -56,12 +56,26 @@ class Timeline:
             self.events.append(ev)
 
     def metadata(self) -> list[dict[str, Any]]:
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        meta = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self.rank,
+                "args": {"name": f"rank {self.rank}"},
+            }
+        ]
         meta += [
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": i, "args": {"name": t}}
             for i, t in enumerate(TRACKS)
         ]
-        meta.append({"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}})
+        meta.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": self.rank,
+                "args": {"sort_index": self.rank},
+            }
+        )
         return meta
 
     def local_trace(self) -> list[dict[str, Any]]:

@@ -15,9 +15,30 @@ Pure Python + numpy; no torch import, so ``scaleout simulate`` is instant.
 from scaleout.sim.cluster import PRESETS, Cluster, Constants, get_cluster, with_sharp
 from scaleout.sim.collectives import ALGORITHMS, allreduce_cost
 from scaleout.sim.sharded import OPTIMIZERS
-from scaleout.sim.step import MODELS, ModelSpec, TrainSpec, get_model, step_time, sweep, time_to_train
+from scaleout.sim.step import (
+    MODELS,
+    ModelSpec,
+    TrainSpec,
+    get_model,
+    step_time,
+    sweep,
+    time_to_train,
+)
 
 __all__ = [
-    "ALGORITHMS", "MODELS", "OPTIMIZERS", "PRESETS", "Cluster", "Constants", "ModelSpec", "TrainSpec",
-    "allreduce_cost", "get_cluster", "get_model", "step_time", "sweep", "time_to_train", "with_sharp",
+    "ALGORITHMS",
+    "MODELS",
+    "OPTIMIZERS",
+    "PRESETS",
+    "Cluster",
+    "Constants",
+    "ModelSpec",
+    "TrainSpec",
+    "allreduce_cost",
+    "get_cluster",
+    "get_model",
+    "step_time",
+    "sweep",
+    "time_to_train",
+    "with_sharp",
 ]

@@ -83,7 +83,9 @@ def _get(row: dict[str, Any], key: str, index: int, required: bool = True) -> An
         if k in row and row[k] is not None:
             return row[k]
     if required:
-        raise ConfigError(f"measurement row {index} has no {key!r} (or {', '.join(_ALIASES.get(key, ()))}): {row}")
+        raise ConfigError(
+            f"measurement row {index} has no {key!r} (or {', '.join(_ALIASES.get(key, ()))}): {row}"
+        )
     return None
 
 
@@ -112,11 +114,18 @@ def samples_from_rows(rows: Iterable[dict[str, Any]], stat: str = "median") -> l
         alg = row.get("base_algorithm") or _get(row, "algorithm", i)
         if opts.get("composition") == "leader":  # scaleout.comm.grid's leader composition on gloo
             alg = "leader"  # modelled unpipelined: an upper bound for the chunked schedule
-        out.append(Sample(
-            canonical(str(alg)), int(_get(row, "nbytes", i)), int(_get(row, "nnodes", i)),
-            int(_get(row, "nproc_per_node", i)), t, parse_rate(_get(row, "link_rate_bps", i, False)),
-            int(opts["x"]) if opts.get("x") else None, int(opts["chunk_bytes"]) if opts.get("chunk_bytes") else None,
-        ))
+        out.append(
+            Sample(
+                canonical(str(alg)),
+                int(_get(row, "nbytes", i)),
+                int(_get(row, "nnodes", i)),
+                int(_get(row, "nproc_per_node", i)),
+                t,
+                parse_rate(_get(row, "link_rate_bps", i, False)),
+                int(opts["x"]) if opts.get("x") else None,
+                int(opts["chunk_bytes"]) if opts.get("chunk_bytes") else None,
+            )
+        )
     if not out:
         raise ConfigError("no measurements to fit (empty rows)")
     return out
@@ -129,11 +138,15 @@ def load_samples(path: str | Path, stat: str = "median", min_bytes: int = 0) -> 
     except FileNotFoundError:
         raise ConfigError(f"benchmark file {str(p)!r} does not exist") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"benchmark file {str(p)!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+        raise ConfigError(
+            f"benchmark file {str(p)!r} is not JSON ({exc.msg} at line {exc.lineno})"
+        ) from None
     if isinstance(data, dict):
         data = data.get("rows") or data.get("results") or data.get("measurements")
     if not isinstance(data, list):
-        raise ConfigError(f"benchmark file {str(p)!r}: expected a list of rows or an object with 'rows'")
+        raise ConfigError(
+            f"benchmark file {str(p)!r}: expected a list of rows or an object with 'rows'"
+        )
     samples = [s for s in samples_from_rows(data, stat) if s.nbytes >= min_bytes]
     if not samples:
         raise ConfigError(f"benchmark file {str(p)!r}: no rows of at least {min_bytes} bytes")
@@ -146,10 +159,18 @@ def _cluster_for(s: Sample, prior: Cluster) -> Cluster:
 
 
 def _row(s: Sample, prior: Cluster, theta: np.ndarray, ref_rate: float | None) -> np.ndarray:
-    coeffs = plan_for(s.algorithm, _cluster_for(s, prior), s.nnodes, s.nbytes, torus_x=s.torus_x,
-                      chunk_bytes=s.chunk_bytes).linearize(theta)
+    coeffs = plan_for(
+        s.algorithm,
+        _cluster_for(s, prior),
+        s.nnodes,
+        s.nbytes,
+        torus_x=s.torus_x,
+        chunk_bytes=s.chunk_bytes,
+    ).linearize(theta)
     if ref_rate and s.link_rate_bps:
-        coeffs[_BETA_INTER] *= ref_rate / s.link_rate_bps  # beta_inter is fitted at the reference rate
+        coeffs[_BETA_INTER] *= (
+            ref_rate / s.link_rate_bps
+        )  # beta_inter is fitted at the reference rate
     return coeffs
 
 
@@ -184,7 +205,9 @@ def fit(samples: list[Sample], prior: Cluster | None = None, max_iter: int = 20)
         used = np.abs(a).sum(axis=0) > 0
         fixed = np.where(used, 0.0, theta)  # unexercised constants keep the prior
         b = 1.0 - a @ fixed
-        scale = np.where(used, np.abs(a).max(axis=0), 1.0)  # column scaling: s/B and s differ by 1e9
+        scale = np.where(
+            used, np.abs(a).max(axis=0), 1.0
+        )  # column scaling: s/B and s differ by 1e9
         sol, _ = nnls(a[:, used] / scale[used], b)
         new = fixed.copy()
         new[used] = sol / scale[used]
@@ -208,8 +231,9 @@ class Check:
         return self.predicted / self.sample.time_s - 1
 
 
-def split_default(samples: list[Sample], holdout_algorithms: Iterable[str] = (), every: int = 2
-                  ) -> Callable[[Sample], bool]:
+def split_default(
+    samples: list[Sample], holdout_algorithms: Iterable[str] = (), every: int = 2
+) -> Callable[[Sample], bool]:
     """Train on every ``every``-th size (sorted) of the algorithms not held out; test on the rest."""
     held = {canonical(a) for a in holdout_algorithms}
     sizes = sorted({s.nbytes for s in samples})
@@ -217,8 +241,9 @@ def split_default(samples: list[Sample], holdout_algorithms: Iterable[str] = (),
     return lambda s: s.algorithm not in held and s.nbytes in train_sizes
 
 
-def cross_validate(samples: list[Sample], is_train: Callable[[Sample], bool], prior: Cluster | None = None
-                   ) -> tuple[Fit, list[Check]]:
+def cross_validate(
+    samples: list[Sample], is_train: Callable[[Sample], bool], prior: Cluster | None = None
+) -> tuple[Fit, list[Check]]:
     train = [s for s in samples if is_train(s)]
     if not train:
         raise ConfigError("the training split is empty: hold out fewer algorithms or sizes")

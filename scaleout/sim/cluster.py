@@ -75,7 +75,9 @@ class Constants:
             "beta_intra": bw(self.beta_intra),
             "beta_inter": bw(self.beta_inter) + " per NIC",
             "gamma": bw(self.gamma) + " reduce" if self.gamma > 0 else "0 (hidden)",
-            "alpha_sharp": f"{self.alpha_sharp * 1e6:.3g} us" if self.alpha_sharp > 0 else "no in-network reduction",
+            "alpha_sharp": f"{self.alpha_sharp * 1e6:.3g} us"
+            if self.alpha_sharp > 0
+            else "no in-network reduction",
         }
 
 
@@ -119,7 +121,10 @@ class Cluster:
 
     def inter_streams(self, rings_crossing: int) -> float:
         """NIC-equivalents busy when ``rings_crossing`` rings leave a node at once (streams_per_ring each)."""
-        return max(self.stream_fraction, min(self.nics_per_node, rings_crossing * self.streams_per_ring * self.stream_fraction))
+        return max(
+            self.stream_fraction,
+            min(self.nics_per_node, rings_crossing * self.streams_per_ring * self.stream_fraction),
+        )
 
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
@@ -135,36 +140,64 @@ def _nic(gbits: float, efficiency: float = 0.96) -> float:
     return 1.0 / (gbits / 8 * efficiency * GB)
 
 
-_NCCL_LAT = dict(base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6)  # tuning.cc, ring / Simple protocol
+_NCCL_LAT = dict(
+    base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6
+)  # tuning.cc, ring / Simple protocol
 _SHARP_LAT = 31e-6  # tuning.cc hwLat[NET][CollNetDirect][Simple]: one network latency per in-network reduction
 _SHARP_HOPPER = 0.85  # tuning.cc: CollNetDirect busBw *= .85 when minCompCap >= 90
 
-A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12)  # A100 datasheet: fp16/bf16 dense
+A100 = Device(
+    "A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12
+)  # A100 datasheet: fp16/bf16 dense
 H100 = Device("H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12)  # H100 datasheet: bf16 dense
 H200 = Device("H200-SXM-141GB", peak_flops=989e12, mem_bw=4.8e12)  # same GH100 die, faster HBM3e
 V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12)
 
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
-        "dgx-a100", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(12, 20.0), beta_inter=_nic(200), alpha_sharp=_SHARP_LAT),
-        streams_per_ring=8, device=A100,
+        "dgx-a100",
+        8,
+        8,
+        Constants(
+            **_NCCL_LAT, beta_intra=_nvlink(12, 20.0), beta_inter=_nic(200), alpha_sharp=_SHARP_LAT
+        ),
+        streams_per_ring=8,
+        device=A100,
         description="DGX A100 SuperPOD: 8 x A100, NVLink3 (12 links) via NVSwitch, 8 x HDR 200 Gb/s",
-        sources=("NCCL topo.h SM80_NVLINK_BW=20 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s",
-                 "NCCL tuning.cc ring Simple latencies", "NCCL tuning.cc CollNetDirect NET latency (SHARP)"),
+        sources=(
+            "NCCL topo.h SM80_NVLINK_BW=20 GB/s/link",
+            "NCCL NET_BW=12 GB/s per 100 Gb/s",
+            "NCCL tuning.cc ring Simple latencies",
+            "NCCL tuning.cc CollNetDirect NET latency (SHARP)",
+        ),
     ),
     "dgx-h100": Cluster(
-        "dgx-h100", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT),
-        streams_per_ring=8, device=H100, sharp_efficiency=_SHARP_HOPPER,
+        "dgx-h100",
+        8,
+        8,
+        Constants(
+            **_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT
+        ),
+        streams_per_ring=8,
+        device=H100,
+        sharp_efficiency=_SHARP_HOPPER,
         description="DGX H100 SuperPOD: 8 x H100, NVLink4 (18 links) via NVSwitch, 8 x NDR 400 Gb/s",
-        sources=("NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link", "NCCL NET_BW=12 GB/s per 100 Gb/s",
-                 "NCCL tuning.cc CollNetDirect NET latency and Hopper factor (SHARP)"),
+        sources=(
+            "NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link",
+            "NCCL NET_BW=12 GB/s per 100 Gb/s",
+            "NCCL tuning.cc CollNetDirect NET latency and Hopper factor (SHARP)",
+        ),
     ),
     "h200-superpod": Cluster(
-        "h200-superpod", 8, 8,
-        Constants(**_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT),
-        streams_per_ring=8, device=H200, sharp_efficiency=_SHARP_HOPPER,
+        "h200-superpod",
+        8,
+        8,
+        Constants(
+            **_NCCL_LAT, beta_intra=_nvlink(18, 20.6), beta_inter=_nic(400), alpha_sharp=_SHARP_LAT
+        ),
+        streams_per_ring=8,
+        device=H200,
+        sharp_efficiency=_SHARP_HOPPER,
         description="DGX H200 SuperPOD-like: 8 x H200, NVLink4 (900 GB/s bidir), 8 x NDR 400 Gb/s",
         sources=("same fabric as DGX H100; H200 differs in HBM (141 GB, 4.8 TB/s)",),
     ),
@@ -172,10 +205,20 @@ PRESETS: dict[str, Cluster] = {
     # (~33 Gbit/s), nodes over a tc-shaped 1 Gbit/s veth (Python sockets measured ~118 MB/s each way).
     # alpha/gamma/base are rough starting values; `scaleout simulate calibrate` fits the real ones.
     "netns-1g": Cluster(
-        "netns-1g", 2, 1,
-        Constants(base=100e-6, alpha_intra=30e-6, alpha_inter=120e-6, beta_intra=1 / 4.1e9,
-                  beta_inter=1 / 118e6, gamma=1 / 2.0e9),
-        streams_per_ring=1, device=None, backend="gloo",
+        "netns-1g",
+        2,
+        1,
+        Constants(
+            base=100e-6,
+            alpha_intra=30e-6,
+            alpha_inter=120e-6,
+            beta_intra=1 / 4.1e9,
+            beta_inter=1 / 118e6,
+            gamma=1 / 2.0e9,
+        ),
+        streams_per_ring=1,
+        device=None,
+        backend="gloo",
         description="emulated netns cluster: gloo on CPU, loopback inside a node, 1 Gbit/s between nodes",
         sources=("/work/shared/notes/netns-cluster.md",),
     ),
@@ -184,10 +227,19 @@ PRESETS: dict[str, Cluster] = {
     # 25 Gbit/s Ethernet NIC per node driven over TCP sockets (90 % of line rate), a 30 us network step,
     # and one TCP stream filling half the NIC (NCCL <= 2.3 opened one socket per ring).
     "horovod-2018": Cluster(
-        "horovod-2018", 8, 1,
-        Constants(base=20e-6, alpha_intra=5e-6, alpha_inter=30e-6, beta_intra=_nvlink(6, 20.0),
-                  beta_inter=_nic(25, 0.9)),
-        streams_per_ring=1, stream_fraction=0.5, device=V100,
+        "horovod-2018",
+        8,
+        1,
+        Constants(
+            base=20e-6,
+            alpha_intra=5e-6,
+            alpha_inter=30e-6,
+            beta_intra=_nvlink(6, 20.0),
+            beta_inter=_nic(25, 0.9),
+        ),
+        streams_per_ring=1,
+        stream_fraction=0.5,
+        device=V100,
         description="2018 cluster: 8 x V100 NVLink per node, one 25 Gbit/s NIC per node, TCP/RoCE",
         sources=("assumed; horovod issue #542 reports only the efficiencies",),
     ),
@@ -198,7 +250,9 @@ def get_cluster(name: str) -> Cluster:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ConfigError(f"unknown cluster preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+        raise ConfigError(
+            f"unknown cluster preset {name!r}; expected one of {', '.join(PRESETS)}"
+        ) from None
 
 
 def with_sharp(cluster: Cluster, on: bool | None) -> Cluster:
@@ -206,8 +260,10 @@ def with_sharp(cluster: Cluster, on: bool | None) -> Cluster:
     if on is None:
         return cluster
     if on and (cluster.backend != "nccl" or cluster.constants.alpha_sharp <= 0):
-        raise ConfigError(f"cluster {cluster.name!r} has no in-network reduction (SHARP needs NCCL over "
-                          f"SHARP-capable InfiniBand: dgx-a100, dgx-h100, h200-superpod)")
+        raise ConfigError(
+            f"cluster {cluster.name!r} has no in-network reduction (SHARP needs NCCL over "
+            f"SHARP-capable InfiniBand: dgx-a100, dgx-h100, h200-superpod)"
+        )
     return replace(cluster, sharp=bool(on))
 
 

@@ -130,8 +130,15 @@ class CollectiveCost:
 
 
 # -- building blocks ------------------------------------------------------------------------------
-def _hop(cluster: Cluster, chunk: float, crosses_nodes: bool, rings_crossing: int, reduce: bool,
-         intra_hop: bool, nics: float | None) -> list[np.ndarray]:
+def _hop(
+    cluster: Cluster,
+    chunk: float,
+    crosses_nodes: bool,
+    rings_crossing: int,
+    reduce: bool,
+    intra_hop: bool,
+    nics: float | None,
+) -> list[np.ndarray]:
     """Options for one lock-step step moving ``chunk`` bytes per rank (``nics`` overrides the NIC count)."""
     red = chunk if reduce else 0.0
     opts = []
@@ -143,16 +150,30 @@ def _hop(cluster: Cluster, chunk: float, crosses_nodes: bool, rings_crossing: in
     return opts
 
 
-def ring_phase(plan: Plan, cluster: Cluster, members: int, nbytes: float, kind: str, crosses_nodes: bool,
-               rings_crossing: int = 1, intra_hop: bool = True, nics: float | None = None) -> Plan:
+def ring_phase(
+    plan: Plan,
+    cluster: Cluster,
+    members: int,
+    nbytes: float,
+    kind: str,
+    crosses_nodes: bool,
+    rings_crossing: int = 1,
+    intra_hop: bool = True,
+    nics: float | None = None,
+) -> Plan:
     """A ring reduce-scatter ("rs"), all-gather ("ag") or all-reduce ("ar") of ``nbytes`` per member."""
     if members <= 1:
         return plan
     chunk = nbytes / members
     if kind in ("rs", "ar"):
-        plan.add(members - 1, *_hop(cluster, chunk, crosses_nodes, rings_crossing, True, intra_hop, nics))
+        plan.add(
+            members - 1, *_hop(cluster, chunk, crosses_nodes, rings_crossing, True, intra_hop, nics)
+        )
     if kind in ("ag", "ar"):
-        plan.add(members - 1, *_hop(cluster, chunk, crosses_nodes, rings_crossing, False, intra_hop, nics))
+        plan.add(
+            members - 1,
+            *_hop(cluster, chunk, crosses_nodes, rings_crossing, False, intra_hop, nics),
+        )
     return plan
 
 
@@ -163,8 +184,9 @@ def sharp_phase(plan: Plan, cluster: Cluster, nbytes: float, rings_crossing: int
     return plan.add(1, vec(alpha_sharp=1, beta_inter=nbytes * rings_crossing / streams))
 
 
-def direct_phase(plan: Plan, cluster: Cluster, members: int, nbytes: float, reduce: bool,
-                 crosses_nodes: bool) -> Plan:
+def direct_phase(
+    plan: Plan, cluster: Cluster, members: int, nbytes: float, reduce: bool, crosses_nodes: bool
+) -> Plan:
     """Every member sends 1/members of ``nbytes`` to each row peer at once (gloo isend/irecv).
 
     A row of x members has min(g, x) of them on each node; each sends (x - g)/x of its bytes off the
@@ -178,7 +200,9 @@ def direct_phase(plan: Plan, cluster: Cluster, members: int, nbytes: float, redu
     opts = [vec(alpha_intra=1, beta_intra=nbytes * (local - 1) / members, gamma=red)]
     if crosses_nodes:
         off_node = local * nbytes * (members - local) / members
-        opts.append(vec(alpha_inter=1, beta_inter=off_node / cluster.inter_streams(local), gamma=red))
+        opts.append(
+            vec(alpha_inter=1, beta_inter=off_node / cluster.inter_streams(local), gamma=red)
+        )
     return plan.add(1, *opts)
 
 
@@ -201,8 +225,9 @@ def gloo_chunks(nbytes: float, chunk_bytes: int | None = None) -> int:
 def ring_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     p = cluster.gpus_per_node * nodes
     plan = Plan().add(1, vec(base=1))
-    return ring_phase(plan, cluster, p, nbytes, "ar", crosses_nodes=nodes > 1,
-                      intra_hop=cluster.gpus_per_node > 1)
+    return ring_phase(
+        plan, cluster, p, nbytes, "ar", crosses_nodes=nodes > 1, intra_hop=cluster.gpus_per_node > 1
+    )
 
 
 def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
@@ -210,7 +235,9 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     if nodes == 1:  # NCCL runs rings inside a node; the tree only matters between nodes
         return ring_plan(cluster, nodes, nbytes)
     plan = Plan().add(1, vec(base=1))
-    if cluster.sharp:  # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+    if (
+        cluster.sharp
+    ):  # CollNet: a chain in the node, the switches reduce between nodes (n each way)
         plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_sharp=1, gamma=nbytes))
         inter = vec(beta_inter=nbytes / (cluster.inter_streams(1) * cluster.sharp_efficiency))
         return plan.add(1, inter, vec(beta_intra=2 * nbytes) if g > 1 else inter)
@@ -244,8 +271,16 @@ def grid_plan(cluster: Cluster, nodes: int, nbytes: float, x: int, chunks: int) 
         if kind == "ar" and sharp:
             sharp_phase(st, cluster, c / x, rings_crossing=min(x, g))
         elif kind == "ar":
-            ring_phase(st, cluster, y, c / x, "ar", crosses_nodes=col_crosses, rings_crossing=min(x, g),
-                       intra_hop=x < g)
+            ring_phase(
+                st,
+                cluster,
+                y,
+                c / x,
+                "ar",
+                crosses_nodes=col_crosses,
+                rings_crossing=min(x, g),
+                intra_hop=x < g,
+            )
         elif gloo:
             direct_phase(st, cluster, x, c, reduce=kind == "rs", crosses_nodes=row_crosses)
         else:
@@ -265,8 +300,16 @@ def grid_plan(cluster: Cluster, nodes: int, nbytes: float, x: int, chunks: int) 
     return Plan().add(1, pipelined, link_bound)
 
 
-def _grid_link_bytes(cluster: Cluster, x: int, y: int, c: float, row_crosses: bool, col_crosses: bool,
-                     gloo: bool, sharp: bool = False) -> float:
+def _grid_link_bytes(
+    cluster: Cluster,
+    x: int,
+    y: int,
+    c: float,
+    row_crosses: bool,
+    col_crosses: bool,
+    gloo: bool,
+    sharp: bool = False,
+) -> float:
     """Bytes per NIC-equivalent that one chunk of a grid all-reduce sends out of a node."""
     g = cluster.gpus_per_node
     total = 0.0
@@ -290,8 +333,16 @@ def leader_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     if g > 1:  # binomial reduce to the node leader
         plan.add(1, vec(base=1)).add(lg, vec(alpha_intra=1, beta_intra=nbytes, gamma=nbytes))
     if nodes > 1:  # the leader is one process driving one ring's streams (Horovod's MPI stage)
-        ring_phase(plan.add(1, vec(base=1)), cluster, nodes, nbytes, "ar", crosses_nodes=True,
-                   intra_hop=False, nics=cluster.inter_streams(1) / cluster.streams_per_ring)
+        ring_phase(
+            plan.add(1, vec(base=1)),
+            cluster,
+            nodes,
+            nbytes,
+            "ar",
+            crosses_nodes=True,
+            intra_hop=False,
+            nics=cluster.inter_streams(1) / cluster.streams_per_ring,
+        )
     if g > 1:  # binomial broadcast
         plan.add(1, vec(base=1)).add(lg, vec(alpha_intra=1, beta_intra=nbytes))
     return plan
@@ -308,8 +359,15 @@ def resolve_torus_x(cluster: Cluster, nodes: int, torus_x: int | str | None) -> 
         raise ConfigError(f"torus x {torus_x!r}: expected an integer, 'node' or 'square'") from None
 
 
-def plan_for(algorithm: str, cluster: Cluster, nodes: int, nbytes: float, chunks: int | None = None,
-             torus_x: int | str | None = None, chunk_bytes: int | None = None) -> Plan:
+def plan_for(
+    algorithm: str,
+    cluster: Cluster,
+    nodes: int,
+    nbytes: float,
+    chunks: int | None = None,
+    torus_x: int | str | None = None,
+    chunk_bytes: int | None = None,
+) -> Plan:
     """The cost plan of one all-reduce. ``chunks`` None: 1 on NCCL, scaleout.comm.grid's rule on gloo."""
     if nodes < 1:
         raise TopologyError(f"number of nodes must be >= 1, got {nodes}")
@@ -328,13 +386,24 @@ def plan_for(algorithm: str, cluster: Cluster, nodes: int, nbytes: float, chunks
     return grid_plan(cluster, nodes, nbytes, x, chunks)
 
 
-def allreduce_cost(algorithm: str, cluster: Cluster, nodes: int, nbytes: float, chunks: int | None = None,
-                   torus_x: int | str | None = None) -> CollectiveCost:
+def allreduce_cost(
+    algorithm: str,
+    cluster: Cluster,
+    nodes: int,
+    nbytes: float,
+    chunks: int | None = None,
+    torus_x: int | str | None = None,
+) -> CollectiveCost:
     """Predicted time of one all-reduce of ``nbytes`` per rank, split into latency/bandwidth/reduction."""
     theta = np.array(cluster.constants.vector())
     coeffs = plan_for(algorithm, cluster, nodes, nbytes, chunks, torus_x).linearize(theta)
     parts = coeffs * theta
     return CollectiveCost(
-        canonical(algorithm), float(nbytes), cluster.gpus_per_node * nodes, float(parts.sum()),
-        float(parts[LATENCY].sum()), float(parts[BANDWIDTH].sum()), float(parts[REDUCTION].sum()),
+        canonical(algorithm),
+        float(nbytes),
+        cluster.gpus_per_node * nodes,
+        float(parts.sum()),
+        float(parts[LATENCY].sum()),
+        float(parts[BANDWIDTH].sum()),
+        float(parts[REDUCTION].sum()),
     )

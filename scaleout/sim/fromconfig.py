@@ -56,12 +56,21 @@ def _bert(cfg: Any) -> tuple[ModelSpec, float]:
     tokens = WIKI_512_MEAN_TOKENS if packed else float(data.max_seq_len)
     per_sample = data.max_seq_len / tokens if packed else 1.0
     masked = data.mask_prob if b.unpad_mlm_head else 1.0
-    per_seq = bert_flops_per_sequence(tokens, b.layers, b.hidden, b.vocab_size, masked, b.intermediate)
+    per_seq = bert_flops_per_sequence(
+        tokens, b.layers, b.hidden, b.vocab_size, masked, b.intermediate
+    )
     model = replace(
-        get_model("bert-large"), name=f"bert {b.layers}x{b.hidden}", notes="from the config",
-        params=float(bert_params(b.vocab_size, b.hidden, b.layers, b.intermediate, b.max_position, b.type_vocab_size)),
+        get_model("bert-large"),
+        name=f"bert {b.layers}x{b.hidden}",
+        notes="from the config",
+        params=float(
+            bert_params(
+                b.vocab_size, b.hidden, b.layers, b.intermediate, b.max_position, b.type_vocab_size
+            )
+        ),
         flops_per_sample=per_seq * per_sample,
-        param_tensors=14 + 12 * b.layers,  # as scaleout.models.bert registers them (302 at 24 layers)
+        param_tensors=14
+        + 12 * b.layers,  # as scaleout.models.bert registers them (302 at 24 layers)
     )
     return model, per_sample
 
@@ -72,10 +81,14 @@ def from_config(cfg: Any, source: str = "") -> ConfigRun:
     grad_bytes, param_bytes = wire_bytes(cfg)
     launch, t = cfg.launch, cfg.train
     gpus = launch.nnodes * launch.nproc_per_node
-    model = replace(model, grad_bytes=grad_bytes, param_bytes=param_bytes,
-                    samples_to_converge=float(t.max_steps * t.global_batch),
-                    eval_samples=cfg.data.eval_samples / per_sample,  # evaluation counts sequences
-                    eval_every_samples=float(t.eval_every * t.global_batch))
+    model = replace(
+        model,
+        grad_bytes=grad_bytes,
+        param_bytes=param_bytes,
+        samples_to_converge=float(t.max_steps * t.global_batch),
+        eval_samples=cfg.data.eval_samples / per_sample,  # evaluation counts sequences
+        eval_every_samples=float(t.eval_every * t.global_batch),
+    )
     sharded = cfg.optim.sharded
     train = TrainSpec(
         local_batch=t.global_batch / (t.grad_accum * gpus),

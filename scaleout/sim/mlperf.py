@@ -67,31 +67,97 @@ class BertRun:
 
 
 REFERENCES: tuple[BertRun, ...] = (
-    BertRun("c", "MLPerf v2.0 NVIDIA, 512 x DGX A100 (4096 GPUs)", "dgx-a100", 512, 2, True, 16384,
-            337.7, 17, 37.03, 0.2057, True, 0,
-            _REPO + "v2.0 NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert/result_{0..9}.txt",
-            "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_512x8x2x1_pack.sh",
-            "NVIDIA/systems/dgxa100_n512_ngc22.04_pytorch.json (8x HDR 200 Gb/s compute NICs)"),
-    BertRun("e", "MLPerf v2.0 NVIDIA, 128 x DGX A100 (1024 GPUs)", "dgx-a100", 128, 2, True, 4096,
-            684.6, 16, 37.25, 0.4209, True, 0,
-            _REPO + "v2.0 NVIDIA/results/dgxa100_n128_ngc22.04_pytorch/bert/result_{0..9}.txt",
-            "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_128x8x2x1_pack.sh",
-            "NVIDIA/systems/dgxa100_n128_ngc22.04_pytorch.json"),
-    BertRun("f", "MLPerf v2.0 NVIDIA, 8 x DGX A100 (64 GPUs)", "dgx-a100", 8, 48, False, 3072,
-            1033.5, 18, 168.97, 2.9423, True, 0,
-            _REPO + "v2.0 NVIDIA/results/dgxa100_n8_ngc22.04_pytorch/bert/result_{0..9}.txt",
-            "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_8x8x48x1.sh",
-            "NVIDIA/systems/dgxa100_n8_ngc22.04_pytorch.json"),
-    BertRun("g", "MLPerf v3.0 NVIDIA, 64 x DGX H100 (512 GPUs)", "dgx-h100", 64, 3, True, 3072,
-            911.7, 16, 22.15, 0.3420, True, 5,
-            _REPO + "v3.0 NVIDIA/results/dgxh100_n64_ngc23.04_pytorch/bert/result_{0..9}.txt (9 successful)",
-            "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXH100_64x8x3x1_pack_clipafter.sh",
-            "NVIDIA/systems/dgxh100_n64_ngc23.04_pytorch.json (8x NDR 400 Gb/s compute NICs)"),
-    BertRun("h", "MLPerf v3.1 NVIDIA Eos, 434 x DGX H100 (3472 GPUs)", "dgx-h100", 434, 2, True, 13888,
-            388.8, 18, 18.31, 0.1193, True, 5,
-            _REPO + "v3.1 NVIDIA/results/eos_n434_ngc23.09_pytorch/bert/result_{0..9}.txt",
-            "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXH100_434x8x2x1_pack_clipafter.sh",
-            "NVIDIA/systems/eos_n434_ngc23.09_pytorch.json"),
+    BertRun(
+        "c",
+        "MLPerf v2.0 NVIDIA, 512 x DGX A100 (4096 GPUs)",
+        "dgx-a100",
+        512,
+        2,
+        True,
+        16384,
+        337.7,
+        17,
+        37.03,
+        0.2057,
+        True,
+        0,
+        _REPO + "v2.0 NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert/result_{0..9}.txt",
+        "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_512x8x2x1_pack.sh",
+        "NVIDIA/systems/dgxa100_n512_ngc22.04_pytorch.json (8x HDR 200 Gb/s compute NICs)",
+    ),
+    BertRun(
+        "e",
+        "MLPerf v2.0 NVIDIA, 128 x DGX A100 (1024 GPUs)",
+        "dgx-a100",
+        128,
+        2,
+        True,
+        4096,
+        684.6,
+        16,
+        37.25,
+        0.4209,
+        True,
+        0,
+        _REPO + "v2.0 NVIDIA/results/dgxa100_n128_ngc22.04_pytorch/bert/result_{0..9}.txt",
+        "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_128x8x2x1_pack.sh",
+        "NVIDIA/systems/dgxa100_n128_ngc22.04_pytorch.json",
+    ),
+    BertRun(
+        "f",
+        "MLPerf v2.0 NVIDIA, 8 x DGX A100 (64 GPUs)",
+        "dgx-a100",
+        8,
+        48,
+        False,
+        3072,
+        1033.5,
+        18,
+        168.97,
+        2.9423,
+        True,
+        0,
+        _REPO + "v2.0 NVIDIA/results/dgxa100_n8_ngc22.04_pytorch/bert/result_{0..9}.txt",
+        "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_8x8x48x1.sh",
+        "NVIDIA/systems/dgxa100_n8_ngc22.04_pytorch.json",
+    ),
+    BertRun(
+        "g",
+        "MLPerf v3.0 NVIDIA, 64 x DGX H100 (512 GPUs)",
+        "dgx-h100",
+        64,
+        3,
+        True,
+        3072,
+        911.7,
+        16,
+        22.15,
+        0.3420,
+        True,
+        5,
+        _REPO
+        + "v3.0 NVIDIA/results/dgxh100_n64_ngc23.04_pytorch/bert/result_{0..9}.txt (9 successful)",
+        "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXH100_64x8x3x1_pack_clipafter.sh",
+        "NVIDIA/systems/dgxh100_n64_ngc23.04_pytorch.json (8x NDR 400 Gb/s compute NICs)",
+    ),
+    BertRun(
+        "h",
+        "MLPerf v3.1 NVIDIA Eos, 434 x DGX H100 (3472 GPUs)",
+        "dgx-h100",
+        434,
+        2,
+        True,
+        13888,
+        388.8,
+        18,
+        18.31,
+        0.1193,
+        True,
+        5,
+        _REPO + "v3.1 NVIDIA/results/eos_n434_ngc23.09_pytorch/bert/result_{0..9}.txt",
+        "NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXH100_434x8x2x1_pack_clipafter.sh",
+        "NVIDIA/systems/eos_n434_ngc23.09_pytorch.json",
+    ),
 )
 
 
@@ -111,8 +177,13 @@ class Prediction:
         return self.ttt.total / self.ttt.steps
 
 
-def simulate(run: BertRun, mfu: float = BERT_MFU, optimizer: str = "sharded-node", sharp: bool | None = None,
-             algorithm: str = "tree") -> Prediction:
+def simulate(
+    run: BertRun,
+    mfu: float = BERT_MFU,
+    optimizer: str = "sharded-node",
+    sharp: bool | None = None,
+    algorithm: str = "tree",
+) -> Prediction:
     """The run as submitted (``optimizer``/``sharp`` switch the two modelled features for ablations).
 
     ``algorithm`` is NCCL's between nodes: with sharded-node it carries only the all-reduce among
@@ -124,8 +195,12 @@ def simulate(run: BertRun, mfu: float = BERT_MFU, optimizer: str = "sharded-node
     model = replace(base, flops_per_sample=flops, samples_to_converge=None, eval_every_samples=None)
     grads = model.params * model.grad_bytes
     train = TrainSpec(
-        local_batch=run.batch_per_gpu, algorithm=algorithm, mfu=mfu, optimizer=optimizer,
-        overlap=run.overlap_blocks > 0, bucket_mb=grads / max(run.overlap_blocks, 1) / 1e6,
+        local_batch=run.batch_per_gpu,
+        algorithm=algorithm,
+        mfu=mfu,
+        optimizer=optimizer,
+        overlap=run.overlap_blocks > 0,
+        bucket_mb=grads / max(run.overlap_blocks, 1) / 1e6,
     )
     st = step_time(model, train, cluster, run.nodes)
     # time_to_train counts steps from samples; give it exactly the logged steps and evaluations.
@@ -190,10 +265,17 @@ def summarize_results(paths: list[str | Path]) -> LogSummary:
         raise ConfigError(f"no MLPerf result files at {', '.join(missing or map(str, paths))}")
     runs = [r for r in map(_run, files) if r]
     if not runs:
-        raise ConfigError(f"none of the {len(files)} result files has a successful run with run_start/run_stop, "
-                          "global_batch_size and train_samples")
+        raise ConfigError(
+            f"none of the {len(files)} result files has a successful run with run_start/run_stop, "
+            "global_batch_size and train_samples"
+        )
     times = sorted(r["seconds"] for r in runs)
     scored = times[1:-1] if len(times) >= 5 else times
-    return LogSummary(len(runs), int(runs[0]["batch"]), statistics.median(r["steps"] for r in runs),
-                      statistics.median(r["evals"] for r in runs),
-                      statistics.median(1e3 * r["seconds"] / r["steps"] for r in runs), statistics.mean(scored) / 60)
+    return LogSummary(
+        len(runs),
+        int(runs[0]["batch"]),
+        statistics.median(r["steps"] for r in runs),
+        statistics.median(r["evals"] for r in runs),
+        statistics.median(1e3 * r["seconds"] / r["steps"] for r in runs),
+        statistics.mean(scored) / 60,
+    )

@@ -28,14 +28,23 @@ import numpy as np
 
 from scaleout.errors import ConfigError
 from scaleout.sim.cluster import Cluster
-from scaleout.sim.collectives import Plan, allreduce_cost, canonical, resolve_torus_x, ring_phase, vec
+from scaleout.sim.collectives import (
+    Plan,
+    allreduce_cost,
+    canonical,
+    resolve_torus_x,
+    ring_phase,
+    vec,
+)
 
 OPTIMIZERS = ("replicated", "sharded", "sharded-node")
 
 
 def check_optimizer(name: str) -> str:
     if name not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer placement {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+        raise ConfigError(
+            f"unknown optimizer placement {name!r}; expected one of {', '.join(OPTIMIZERS)}"
+        )
     return name
 
 
@@ -57,14 +66,22 @@ def _grid_x(algorithm: str, cluster: Cluster, nodes: int, torus_x: int | str | N
     return None
 
 
-def half_plan(kind: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
-              torus_x: int | str | None = None) -> Plan:
+def half_plan(
+    kind: str,
+    algorithm: str,
+    cluster: Cluster,
+    nodes: int,
+    nbytes: float,
+    torus_x: int | str | None = None,
+) -> Plan:
     """Reduce-scatter (``kind="rs"``) of ``nbytes`` per rank, or the all-gather (``"ag"``) whose output is
     ``nbytes`` per rank, over the whole world."""
     g = cluster.gpus_per_node
     p = g * nodes
     gloo = cluster.backend == "gloo"
-    phase = "ar" if kind == "rs" and gloo else kind  # gloo: each reduce-scatter is an all-reduce, sliced
+    phase = (
+        "ar" if kind == "rs" and gloo else kind
+    )  # gloo: each reduce-scatter is an all-reduce, sliced
     x = _grid_x(algorithm, cluster, nodes, torus_x)
     plan = Plan().add(1, vec(base=1))
     if x is None or x >= p:
@@ -72,11 +89,17 @@ def half_plan(kind: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: f
     else:
         y = p // x
         row = (x, nbytes, dict(crosses_nodes=x > g))
-        col = (y, nbytes / x, dict(crosses_nodes=nodes > 1 and y > 1, rings_crossing=min(x, g), intra_hop=x < g))
+        col = (
+            y,
+            nbytes / x,
+            dict(crosses_nodes=nodes > 1 and y > 1, rings_crossing=min(x, g), intra_hop=x < g),
+        )
         for members, size, kw in (row, col) if kind == "rs" else (col, row):
             ring_phase(plan.add(1, vec(base=1)), cluster, members, size, phase, **kw)
     if kind == "ag" and gloo:
-        plan.add(1, vec(gamma=nbytes))  # all_gather into a list, then one more copy into the flat output
+        plan.add(
+            1, vec(gamma=nbytes)
+        )  # all_gather into a list, then one more copy into the flat output
     return plan
 
 
@@ -84,7 +107,9 @@ def rail_cluster(cluster: Cluster) -> Cluster:
     """One rank per node, as seen by the g concurrent same-local-rank groups: each gets 1/g of the NICs."""
     g = cluster.gpus_per_node
     share = cluster.inter_streams(g) / g  # NIC-equivalents per rail when all g rails send at once
-    rail = replace(cluster, gpus_per_node=1, nics_per_node=1, streams_per_ring=1, stream_fraction=1.0)
+    rail = replace(
+        cluster, gpus_per_node=1, nics_per_node=1, streams_per_ring=1, stream_fraction=1.0
+    )
     return rail.with_constants(beta_inter=cluster.constants.beta_inter / share)
 
 
@@ -92,8 +117,15 @@ def _time(plan: Plan, cluster: Cluster) -> float:
     return plan.cost(np.array(cluster.constants.vector()))
 
 
-def reduce_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
-                chunks: int | None = None, torus_x: int | str | None = None) -> float:
+def reduce_time(
+    optimizer: str,
+    algorithm: str,
+    cluster: Cluster,
+    nodes: int,
+    nbytes: float,
+    chunks: int | None = None,
+    torus_x: int | str | None = None,
+) -> float:
     """Seconds to reduce one bucket of ``nbytes`` gradient bytes per rank before the update."""
     if optimizer == "replicated":
         return allreduce_cost(algorithm, cluster, nodes, nbytes, chunks, torus_x).time
@@ -102,11 +134,22 @@ def reduce_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, nb
     intra = _time(half_plan("rs", "ring", cluster, 1, nbytes), cluster)
     if nodes == 1:
         return intra
-    return intra + allreduce_cost(algorithm, rail_cluster(cluster), nodes, nbytes / cluster.gpus_per_node).time
+    return (
+        intra
+        + allreduce_cost(
+            algorithm, rail_cluster(cluster), nodes, nbytes / cluster.gpus_per_node
+        ).time
+    )
 
 
-def gather_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, nbytes: float,
-                torus_x: int | str | None = None) -> float:
+def gather_time(
+    optimizer: str,
+    algorithm: str,
+    cluster: Cluster,
+    nodes: int,
+    nbytes: float,
+    torus_x: int | str | None = None,
+) -> float:
     """Seconds to all-gather ``nbytes`` of updated parameters per rank (0 when replicated)."""
     if optimizer == "replicated":
         return 0.0

@@ -40,7 +40,9 @@ class ModelSpec:
     flops_per_sample: float  # training FLOPs (forward + backward) per sample
     grad_bytes: int = 2  # bytes per gradient element on the wire (fp16/bf16 = 2, fp32 = 4)
     opt_bytes_per_param: float = 32.0  # optimizer HBM traffic per parameter per step
-    param_bytes: int = 2  # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
+    param_bytes: int = (
+        2  # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
+    )
     # Optimizer state per parameter: fp32 master weights + two fp32 moments (ZeRO's K = 12 for
     # mixed-precision Adam, Rajbhandari et al. 2020; LAMB keeps the same state).
     state_bytes_per_param: float = 12.0
@@ -59,7 +61,9 @@ class TrainSpec:
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)
     overlap: bool = True
-    chunks: int | None = None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
+    chunks: int | None = (
+        None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
+    )
     torus_x: int | str | None = None  # integer, "node" (= GPUs per node) or "square" (~sqrt(p))
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
     optimizer: str = "replicated"  # replicated | sharded | sharded-node (scaleout.sim.sharded)
@@ -87,8 +91,14 @@ class StepResult:
         return self.gpus * local_batch / self.step
 
 
-def bert_flops_per_sequence(tokens: float = 512 / 2.0013, layers: int = 24, hidden: int = 1024,
-                            vocab: int = 30522, masked_fraction: float = 0.15, intermediate: int | None = None) -> float:
+def bert_flops_per_sequence(
+    tokens: float = 512 / 2.0013,
+    layers: int = 24,
+    hidden: int = 1024,
+    vocab: int = 30522,
+    masked_fraction: float = 0.15,
+    intermediate: int | None = None,
+) -> float:
     """Training FLOPs of one BERT sequence (3 x forward).
 
     Forward per token: 2 x (4 d^2 + 2 d I) L (QKV, projection, the I = 4d MLP) + 4 s d L (scores and weighted sum over the
@@ -102,12 +112,20 @@ def bert_flops_per_sequence(tokens: float = 512 / 2.0013, layers: int = 24, hidd
     return 3 * (tokens * per_token + head)
 
 
-def bert_params(vocab: int = 30522, hidden: int = 1024, layers: int = 24, intermediate: int = 4096,
-                max_position: int = 512, type_vocab: int = 2) -> int:
+def bert_params(
+    vocab: int = 30522,
+    hidden: int = 1024,
+    layers: int = 24,
+    intermediate: int = 4096,
+    max_position: int = 512,
+    type_vocab: int = 2,
+) -> int:
     """Parameters of BertForPreTraining (decoder tied to the word embeddings): 336.2M for BERT-large."""
     d = hidden
     embeddings = (vocab + max_position + type_vocab) * d + 2 * d
-    layer = 4 * d * d + 2 * d * intermediate + 9 * d + intermediate  # attention, FFN, two layer norms
+    layer = (
+        4 * d * d + 2 * d * intermediate + 9 * d + intermediate
+    )  # attention, FFN, two layer norms
     heads = (d * d + d) + (d * d + 3 * d + vocab) + (2 * d + 2)  # pooler, MLM transform + bias, NSP
     return embeddings + layers * layer + heads
 
@@ -115,19 +133,28 @@ def bert_params(vocab: int = 30522, hidden: int = 1024, layers: int = 24, interm
 MODELS: dict[str, ModelSpec] = {
     # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed data).
     "bert-large": ModelSpec(
-        "bert-large", params=335e6, flops_per_sample=bert_flops_per_sequence(), grad_bytes=2,
+        "bert-large",
+        params=335e6,
+        flops_per_sample=bert_flops_per_sequence(),
+        grad_bytes=2,
         # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
         opt_bytes_per_param=32.0,
         # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of 16384;
         # MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's reference (c).
         samples_to_converge=5533303,
-        eval_samples=10000, eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
+        eval_samples=10000,
+        eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
         notes="BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh",
     ),
     # ResNet-50 v1.5: 25.6M params, 4.1 GFLOP forward per 224x224 image (x3 for training).
     "resnet50": ModelSpec(
-        "resnet50", params=25.6e6, flops_per_sample=3 * 4.1e9, grad_bytes=4, opt_bytes_per_param=16.0,
-        samples_to_converge=37 * 1281167,  # MLPerf LARS runs converge in ~35-40 epochs of ImageNet-1k
+        "resnet50",
+        params=25.6e6,
+        flops_per_sample=3 * 4.1e9,
+        grad_bytes=4,
+        opt_bytes_per_param=16.0,
+        samples_to_converge=37
+        * 1281167,  # MLPerf LARS runs converge in ~35-40 epochs of ImageNet-1k
         notes="ResNet-50 v1.5, fp32 gradients (Horovod-era default)",
     ),
 }
@@ -137,7 +164,9 @@ def get_model(name: str) -> ModelSpec:
     try:
         return MODELS[name]
     except KeyError:
-        raise ConfigError(f"unknown model preset {name!r}; expected one of {', '.join(MODELS)}") from None
+        raise ConfigError(
+            f"unknown model preset {name!r}; expected one of {', '.join(MODELS)}"
+        ) from None
 
 
 def compute_time(model: ModelSpec, train: TrainSpec, cluster: Cluster) -> float:
@@ -146,7 +175,9 @@ def compute_time(model: ModelSpec, train: TrainSpec, cluster: Cluster) -> float:
     if train.samples_per_s:
         return train.local_batch / train.samples_per_s
     if cluster.device is None:
-        raise ConfigError(f"cluster {cluster.name!r} has no device FLOP/s; give samples per second per device")
+        raise ConfigError(
+            f"cluster {cluster.name!r} has no device FLOP/s; give samples per second per device"
+        )
     if not 0 < train.mfu <= 1:
         raise ConfigError(f"mfu must be in (0, 1], got {train.mfu}")
     return train.local_batch * model.flops_per_sample / (cluster.device.peak_flops * train.mfu)
@@ -156,7 +187,9 @@ def optimizer_time(model: ModelSpec, cluster: Cluster, shard: int = 1) -> float:
     """HBM-bound update of 1/shard of the parameters."""
     if cluster.device is None:
         return 0.0
-    return model.params / shard * model.opt_bytes_per_param / (cluster.device.mem_bw * MEM_EFFICIENCY)
+    return (
+        model.params / shard * model.opt_bytes_per_param / (cluster.device.mem_bw * MEM_EFFICIENCY)
+    )
 
 
 def bucket_sizes(total_bytes: float, bucket_mb: float) -> list[float]:
@@ -188,8 +221,12 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
     if gpus > 1:
         grads = model.params * model.grad_bytes
         sizes = bucket_sizes(grads, train.bucket_mb)
-        cost = [reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x) for b in sizes]
-        done_frac = [c / grads for c in accumulate(sizes)]  # share of the gradients ready with bucket i
+        cost = [
+            reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x) for b in sizes
+        ]
+        done_frac = [
+            c / grads for c in accumulate(sizes)
+        ]  # share of the gradients ready with bucket i
         ready = [t_bwd * f if train.overlap else t_bwd for f in done_frac]
         end = max(t_comp, _pipeline(t_fwd, ready, cost))
         comm_total = sum(cost)
@@ -197,13 +234,24 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
             step = end + t_opt
         else:
             t_norm = norm_time(opt, alg, cluster, nodes, model.param_tensors)
-            gather = [gather_time(opt, alg, cluster, nodes, b * model.param_bytes / model.grad_bytes, train.torus_x)
-                      for b in sizes]
+            gather = [
+                gather_time(
+                    opt,
+                    alg,
+                    cluster,
+                    nodes,
+                    b * model.param_bytes / model.grad_bytes,
+                    train.torus_x,
+                )
+                for b in sizes
+            ]
             updated = [t_opt * f for f in done_frac]
             step = max(end + t_norm + t_opt, _pipeline(end + t_norm, updated, gather))
             comm_total += t_norm + sum(gather)
     state = model.params * model.state_bytes_per_param / shard
-    return StepResult(alg, gpus, nodes, t_comp, t_opt, comm_total, step - t_comp - t_opt, step, opt, shard, state)
+    return StepResult(
+        alg, gpus, nodes, t_comp, t_opt, comm_total, step - t_comp - t_opt, step, opt, shard, state
+    )
 
 
 @dataclass(frozen=True)
@@ -215,8 +263,9 @@ class TimeToTrain:
     total: float
 
 
-def time_to_train(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int,
-                  samples: float | None = None) -> TimeToTrain:
+def time_to_train(
+    model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int, samples: float | None = None
+) -> TimeToTrain:
     samples = samples or model.samples_to_converge
     if not samples or samples <= 0:
         raise ConfigError(f"samples to converge must be > 0, got {samples}")
@@ -225,9 +274,16 @@ def time_to_train(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: i
     steps = math.ceil(samples / global_batch - 1e-9)
     evals = int(samples // model.eval_every_samples) if model.eval_every_samples else 0
     # Evaluation: forward only (1/3 of training FLOPs) on this rank's share of the eval set.
-    per_eval = compute_time(model, replace(train, local_batch=max(model.eval_samples / res.gpus, 1e-9)), cluster) / 3
+    per_eval = (
+        compute_time(
+            model, replace(train, local_batch=max(model.eval_samples / res.gpus, 1e-9)), cluster
+        )
+        / 3
+    )
     eval_time = evals * per_eval if model.eval_samples else 0.0
-    return TimeToTrain(steps, res.step, evals, eval_time, steps * res.step + eval_time + train.fixed_overhead_s)
+    return TimeToTrain(
+        steps, res.step, evals, eval_time, steps * res.step + eval_time + train.fixed_overhead_s
+    )
 
 
 def gpu_counts(cluster: Cluster, max_gpus: int = 4096, min_gpus: int | None = None) -> list[int]:
@@ -240,14 +296,19 @@ def gpu_counts(cluster: Cluster, max_gpus: int = 4096, min_gpus: int | None = No
             out.append(n)
         n *= 2
     if not out:
-        raise ConfigError(f"no GPU count between {start} and {max_gpus} is a whole number of {g}-GPU nodes")
+        raise ConfigError(
+            f"no GPU count between {start} and {max_gpus} is a whole number of {g}-GPU nodes"
+        )
     return out
 
 
-def sweep(model: ModelSpec, train: TrainSpec, cluster: Cluster, algorithms: list[str],
-          gpus: list[int]) -> list[StepResult]:
+def sweep(
+    model: ModelSpec, train: TrainSpec, cluster: Cluster, algorithms: list[str], gpus: list[int]
+) -> list[StepResult]:
     rows = []
     for n in gpus:
         for alg in algorithms:
-            rows.append(step_time(model, replace(train, algorithm=alg), cluster, n // cluster.gpus_per_node))
+            rows.append(
+                step_time(model, replace(train, algorithm=alg), cluster, n // cluster.gpus_per_node)
+            )
     return rows

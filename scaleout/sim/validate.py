@@ -17,7 +17,15 @@ from dataclasses import dataclass, field, replace
 
 from scaleout.sim.cluster import get_cluster
 from scaleout.sim.collectives import allreduce_cost
-from scaleout.sim.mlperf import BERT_MFU, PACKED_ROW_FLOPS, REFERENCES, BertRun, Prediction, get_run, simulate
+from scaleout.sim.mlperf import (
+    BERT_MFU,
+    PACKED_ROW_FLOPS,
+    REFERENCES,
+    BertRun,
+    Prediction,
+    get_run,
+    simulate,
+)
 from scaleout.sim.step import TrainSpec, get_model, step_time
 
 
@@ -32,7 +40,9 @@ class Validation:
     assumptions: list[str] = field(default_factory=list)
     details: dict[str, float] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
-    expected_miss: bool = False  # outside the tolerance, explained in the assumptions; not a failure
+    expected_miss: bool = (
+        False  # outside the tolerance, explained in the assumptions; not a failure
+    )
 
     @property
     def error(self) -> float:
@@ -55,7 +65,12 @@ def nccl_busbw_a100(nbytes: float = 4 * 2**30) -> Validation:
     """(b) one DGX A100, ring all-reduce of 4 GiB (large-message plateau), busbw vs ~235 GB/s."""
     cost = allreduce_cost("ring", get_cluster("dgx-a100"), 1, nbytes)
     return Validation(
-        "b", "8xA100 all-reduce busbw, large messages (nccl-tests)", cost.busbw / 1e9, 235.0, "GB/s", 0.15,
+        "b",
+        "8xA100 all-reduce busbw, large messages (nccl-tests)",
+        cost.busbw / 1e9,
+        235.0,
+        "GB/s",
+        0.15,
         [
             "NVLink3: 12 links per A100; achievable 20 GB/s per link (NCCL topo.h SM80_NVLINK_BW), not 25",
             "ring over 8 GPUs through NVSwitch, 14 lock-step steps, 3.4 us per step (NCCL tuning.cc)",
@@ -67,19 +82,33 @@ def nccl_busbw_a100(nbytes: float = 4 * 2**30) -> Validation:
 
 def _details(p: Prediction) -> dict[str, float]:
     st, run = p.step, p.run
-    return {"step_ms": st.step * 1e3, "compute_ms": st.compute * 1e3, "optimizer_ms": st.optimizer * 1e3,
-            "exposed_comm_ms": st.exposed * 1e3, "per_step_ms": p.per_step * 1e3, "published_per_step_ms":
-            run.per_step_ms, "unexplained_ms": run.per_step_ms - p.per_step * 1e3, "steps": p.ttt.steps,
-            "eval_s": p.ttt.eval_time}
+    return {
+        "step_ms": st.step * 1e3,
+        "compute_ms": st.compute * 1e3,
+        "optimizer_ms": st.optimizer * 1e3,
+        "exposed_comm_ms": st.exposed * 1e3,
+        "per_step_ms": p.per_step * 1e3,
+        "published_per_step_ms": run.per_step_ms,
+        "unexplained_ms": run.per_step_ms - p.per_step * 1e3,
+        "steps": p.ttt.steps,
+        "eval_s": p.ttt.eval_time,
+    }
 
 
-def _assumptions(run: BertRun, mfu: float, optimizer: str, sharp: bool, algorithm: str) -> list[str]:
+def _assumptions(
+    run: BertRun, mfu: float, optimizer: str, sharp: bool, algorithm: str
+) -> list[str]:
     cluster = get_cluster(run.cluster)
-    flops = (f"packed rows of 512 slots (--pad_fmha, MLM head on every slot): {PACKED_ROW_FLOPS / 1e9:.0f} GFLOP"
-             if run.packed else
-             f"unpadded sequences (--unpad, --dense_seq_output): {get_model('bert-large').flops_per_sample / 1e9:.0f} GFLOP")
-    overlap = (f"reductions overlapped with backward in {run.overlap_blocks} blocks" if run.overlap_blocks
-               else "reductions after backward (no --dwu-overlap-reductions)")
+    flops = (
+        f"packed rows of 512 slots (--pad_fmha, MLM head on every slot): {PACKED_ROW_FLOPS / 1e9:.0f} GFLOP"
+        if run.packed
+        else f"unpadded sequences (--unpad, --dense_seq_output): {get_model('bert-large').flops_per_sample / 1e9:.0f} GFLOP"
+    )
+    overlap = (
+        f"reductions overlapped with backward in {run.overlap_blocks} blocks"
+        if run.overlap_blocks
+        else "reductions after backward (no --dwu-overlap-reductions)"
+    )
     return [
         f"{run.nodes} x {cluster.description}",
         f"{run.batch_per_gpu} per GPU, {flops} each; global batch {run.global_batch} sequences",
@@ -92,17 +121,31 @@ def _assumptions(run: BertRun, mfu: float, optimizer: str, sharp: bool, algorith
     ]
 
 
-def mlperf_bert(mfu: float = BERT_MFU, optimizer: str = "sharded-node", sharp: bool | None = None,
-                algorithm: str = "tree") -> Validation:
+def mlperf_bert(
+    mfu: float = BERT_MFU,
+    optimizer: str = "sharded-node",
+    sharp: bool | None = None,
+    algorithm: str = "tree",
+) -> Validation:
     """(c) time to train BERT at 4096 A100 vs the published 0.206 minutes, with the logged steps."""
     run = get_run("c")
     p = simulate(run, mfu, optimizer, sharp, algorithm)
     on = run.sharp if sharp is None else sharp
-    label = "as submitted" if (optimizer, on, algorithm) == ("sharded-node", run.sharp, "tree") else \
-        f"{optimizer}, {'SHARP' if on else 'no SHARP'}, {algorithm}"
+    label = (
+        "as submitted"
+        if (optimizer, on, algorithm) == ("sharded-node", run.sharp, "tree")
+        else f"{optimizer}, {'SHARP' if on else 'no SHARP'}, {algorithm}"
+    )
     return Validation(
-        "c", f"MLPerf v2.0 BERT, 4096 A100, time to train ({label})", p.ttt.total / 60, run.ttt_min, "min", 0.30,
-        _assumptions(run, mfu, optimizer, on, algorithm), _details(p), [run.results, run.config, run.system],
+        "c",
+        f"MLPerf v2.0 BERT, 4096 A100, time to train ({label})",
+        p.ttt.total / 60,
+        run.ttt_min,
+        "min",
+        0.30,
+        _assumptions(run, mfu, optimizer, on, algorithm),
+        _details(p),
+        [run.results, run.config, run.system],
     )
 
 
@@ -114,8 +157,16 @@ def mlperf_step(run: BertRun, mfu: float = BERT_MFU) -> Validation:
     if miss:
         assumptions.append(MISSES[run.key])
     return Validation(
-        run.key, f"{run.what}, time per step", p.per_step * 1e3, run.per_step_ms, "ms", 0.30, assumptions,
-        _details(p), [run.results, run.config, run.system], miss,
+        run.key,
+        f"{run.what}, time per step",
+        p.per_step * 1e3,
+        run.per_step_ms,
+        "ms",
+        0.30,
+        assumptions,
+        _details(p),
+        [run.results, run.config, run.system],
+        miss,
     )
 
 
@@ -126,7 +177,7 @@ def mlperf_step(run: BertRun, mfu: float = BERT_MFU) -> Validation:
 # term for; on A100 it is hidden inside the tolerance by the larger compute time.
 MISSES = {
     key: "outside +-30 %: the model has no per-step cost that does not scale with FLOPs or bytes; this run "
-         "leaves ~10 ms per step unexplained, as (c) and (e) do, which is half of an H100 step at this batch"
+    "leaves ~10 ms per step unexplained, as (c) and (e) do, which is half of an H100 step at this batch"
     for key in ("g", "h")
 }
 
@@ -141,17 +192,26 @@ HVD_FUSION_MB = 64.0  # HOROVOD_FUSION_THRESHOLD default (64 MB tensor fusion bu
 def horovod_542() -> tuple[Validation, Validation, dict[str, float]]:
     """(d) ring vs hierarchical scaling efficiency at 256 GPUs, and what drives the gap."""
     cluster, model = get_cluster("horovod-2018"), get_model("resnet50")
-    base = TrainSpec(local_batch=HVD_LOCAL_BATCH, samples_per_s=HVD_IMG_PER_S, bucket_mb=HVD_FUSION_MB)
-    eff = {alg: step_time(model, replace(base, algorithm=alg), cluster, HVD_NODES).efficiency
-           for alg in ("ring", "hierarchical")}
+    base = TrainSpec(
+        local_batch=HVD_LOCAL_BATCH, samples_per_s=HVD_IMG_PER_S, bucket_mb=HVD_FUSION_MB
+    )
+    eff = {
+        alg: step_time(model, replace(base, algorithm=alg), cluster, HVD_NODES).efficiency
+        for alg in ("ring", "hierarchical")
+    }
     # Ablations: which assumption carries the gap.
     rdma = replace(cluster, stream_fraction=1.0)
     fast = cluster.with_constants(alpha_inter=cluster.constants.alpha_intra)
     ablation = {
-        "ring, one stream fills the NIC": step_time(model, replace(base, algorithm="ring"), rdma, HVD_NODES).efficiency,
-        "ring, 5 us network steps": step_time(model, replace(base, algorithm="ring"), fast, HVD_NODES).efficiency,
+        "ring, one stream fills the NIC": step_time(
+            model, replace(base, algorithm="ring"), rdma, HVD_NODES
+        ).efficiency,
+        "ring, 5 us network steps": step_time(
+            model, replace(base, algorithm="ring"), fast, HVD_NODES
+        ).efficiency,
         "hierarchical, one stream fills the NIC": step_time(
-            model, replace(base, algorithm="hierarchical"), rdma, HVD_NODES).efficiency,
+            model, replace(base, algorithm="hierarchical"), rdma, HVD_NODES
+        ).efficiency,
     }
     assumptions = [
         "32 nodes x 8 V100 (NVLink), one 25 Gbit/s NIC per node over TCP; 30 us per network step",
@@ -160,19 +220,38 @@ def horovod_542() -> tuple[Validation, Validation, dict[str, float]]:
         "all-reduce, NCCL all-gather)",
         "ResNet-50, 64 images per GPU at 360 img/s (fp32 V100), fp32 gradients, 64 MB fusion buffer",
     ]
-    ring = Validation("d", "Horovod #542: flat ring efficiency at 256 GPUs", eff["ring"] * 100, 66.0, "%", None,
-                      assumptions)
-    hier = Validation("d", "Horovod #542: hierarchical efficiency at 256 GPUs", eff["hierarchical"] * 100, 91.0,
-                      "%", None, assumptions)
+    ring = Validation(
+        "d",
+        "Horovod #542: flat ring efficiency at 256 GPUs",
+        eff["ring"] * 100,
+        66.0,
+        "%",
+        None,
+        assumptions,
+    )
+    hier = Validation(
+        "d",
+        "Horovod #542: hierarchical efficiency at 256 GPUs",
+        eff["hierarchical"] * 100,
+        91.0,
+        "%",
+        None,
+        assumptions,
+    )
     return ring, hier, {k: v * 100 for k, v in ablation.items()}
 
 
 def all_validations() -> list[Validation]:
     ring, hier, _ = horovod_542()
-    return [nccl_busbw_a100(), mlperf_bert(), ring, hier] + [mlperf_step(r) for r in REFERENCES if r.key != "c"]
+    return [nccl_busbw_a100(), mlperf_bert(), ring, hier] + [
+        mlperf_step(r) for r in REFERENCES if r.key != "c"
+    ]
 
 
 def bert_ablation() -> dict[str, float]:
     """(c)'s error for each combination of the two modelled features: what used to offset what."""
-    return {f"{opt}, {'SHARP' if sharp else 'no SHARP'}": mlperf_bert(optimizer=opt, sharp=sharp).error
-            for opt in ("replicated", "sharded-node") for sharp in (False, True)}
+    return {
+        f"{opt}, {'SHARP' if sharp else 'no SHARP'}": mlperf_bert(optimizer=opt, sharp=sharp).error
+        for opt in ("replicated", "sharded-node")
+        for sharp in (False, True)
+    }

@@ -18,10 +18,27 @@ from scaleout.sweep.plan import (
     plan_points,
     point_overrides,
 )
-from scaleout.sweep.results import PHASES, PointResult, add_efficiency, breakdown, read_point, write_outputs
+from scaleout.sweep.results import (
+    PHASES,
+    PointResult,
+    add_efficiency,
+    breakdown,
+    read_point,
+    write_outputs,
+)
 
 __all__ = [
-    "MODES", "PHASES", "PointResult", "SweepPoint", "add_efficiency", "breakdown", "check_points",
-    "default_batch", "node_shapes", "plan_points", "point_overrides", "read_point",
+    "MODES",
+    "PHASES",
+    "PointResult",
+    "SweepPoint",
+    "add_efficiency",
+    "breakdown",
+    "check_points",
+    "default_batch",
+    "node_shapes",
+    "plan_points",
+    "point_overrides",
+    "read_point",
     "write_outputs",
 ]

@@ -41,20 +41,28 @@ class SweepPoint:
         return {**asdict(self), "per_rank_batch": self.per_rank_batch, "name": self.name}
 
 
-def node_shapes(worlds: list[int], nodes: list[int] | None, ranks_per_node: int | None) -> list[tuple[int, int]]:
+def node_shapes(
+    worlds: list[int], nodes: list[int] | None, ranks_per_node: int | None
+) -> list[tuple[int, int]]:
     """(nodes, ranks per node) for each world size; see the module docstring for the rules."""
     if len(set(worlds)) != len(worlds):
         raise UserError(f"--world={','.join(map(str, worlds))}: expected each world size once")
     if nodes is not None and ranks_per_node is not None:
-        raise UserError("--nodes and --nproc-per-node both given: expected one (nodes per point, or ranks per node)")
+        raise UserError(
+            "--nodes and --nproc-per-node both given: expected one (nodes per point, or ranks per node)"
+        )
     if nodes is not None:
         if len(nodes) != len(worlds):
-            raise UserError(f"--nodes has {len(nodes)} entries but --world has {len(worlds)}: expected one node "
-                            f"count per world size")
+            raise UserError(
+                f"--nodes has {len(nodes)} entries but --world has {len(worlds)}: expected one node "
+                f"count per world size"
+            )
         shapes = []
         for w, n in zip(worlds, nodes, strict=True):
             if w % n:
-                raise UserError(f"--world {w} on --nodes {n}: world size must be a multiple of the node count")
+                raise UserError(
+                    f"--world {w} on --nodes {n}: world size must be a multiple of the node count"
+                )
             shapes.append((n, w // n))
         return shapes
     g = ranks_per_node or 1
@@ -65,8 +73,10 @@ def node_shapes(worlds: list[int], nodes: list[int] | None, ranks_per_node: int 
         if w <= g:
             shapes.append((1, w))
         elif w % g:
-            raise UserError(f"--world {w} is not divisible by --nproc-per-node {g}: expected world sizes up to {g} "
-                            f"or multiples of {g}")
+            raise UserError(
+                f"--world {w} is not divisible by --nproc-per-node {g}: expected world sizes up to {g} "
+                f"or multiples of {g}"
+            )
         else:
             shapes.append((w // g, g))
     return shapes
@@ -96,8 +106,10 @@ def plan_points(
     for w, (n, g) in zip(worlds, shapes, strict=True):
         if mode == "weak":
             if batch % grad_accum:
-                raise UserError(f"--mode weak: per-rank batch {batch} is not divisible by train.grad_accum="
-                                f"{grad_accum}")
+                raise UserError(
+                    f"--mode weak: per-rank batch {batch} is not divisible by train.grad_accum="
+                    f"{grad_accum}"
+                )
             gb = batch * w
         else:
             if batch % (w * grad_accum):
@@ -105,7 +117,8 @@ def plan_points(
                 raise UserError(
                     f"--mode strong: global batch {batch} is not divisible by world size {w}"
                     + (f" x train.grad_accum={grad_accum}" if grad_accum > 1 else "")
-                    + f" (also fails for {bad}); expected a global batch divisible by every world size")
+                    + f" (also fails for {bad}); expected a global batch divisible by every world size"
+                )
             gb = batch
         points.append(SweepPoint(w, n, g, gb))
     return points
@@ -118,8 +131,10 @@ def default_batch(cfg: Config, mode: str) -> int:
         return int(t.global_batch)
     world = launch.nnodes * launch.nproc_per_node
     if t.global_batch % world:
-        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by the config's launch world "
-                          f"{launch.nnodes}x{launch.nproc_per_node}: pass --per-rank-batch")
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by the config's launch world "
+            f"{launch.nnodes}x{launch.nproc_per_node}: pass --per-rank-batch"
+        )
     return t.global_batch // world
 
 
@@ -142,16 +157,22 @@ def point_overrides(point: SweepPoint, steps: int, warmup: int, output_dir: str)
     ]
 
 
-def check_points(config: str, overrides: list[str], points: list[SweepPoint], steps: int, warmup: int) -> None:
+def check_points(
+    config: str, overrides: list[str], points: list[SweepPoint], steps: int, warmup: int
+) -> None:
     """Load and validate the config of every point for its world (torus grid, BN group, batch)."""
     from scaleout.config import load_config
 
     if steps < 1 or warmup < 0 or warmup >= steps:
-        raise UserError(f"--steps {steps} --warmup {warmup}: expected steps >= 1 and 0 <= warmup < steps "
-                        f"(at least one timed step)")
+        raise UserError(
+            f"--steps {steps} --warmup {warmup}: expected steps >= 1 and 0 <= warmup < steps "
+            f"(at least one timed step)"
+        )
     for p in points:
         cfg = load_config(config, [*overrides, *point_overrides(p, steps, warmup, "/tmp/unused")])
         try:
             cfg.check_world(p.world, p.ranks_per_node)
         except ConfigError as exc:
-            raise ConfigError(f"sweep point world {p.world} ({p.nodes} nodes x {p.ranks_per_node}): {exc}") from None
+            raise ConfigError(
+                f"sweep point world {p.world} ({p.nodes} nodes x {p.ranks_per_node}): {exc}"
+            ) from None

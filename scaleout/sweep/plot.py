@@ -25,10 +25,16 @@ def plot(results: list[PointResult], path: str | Path, title: str) -> Path | Non
     ax2.plot(n, [e * 100 if e is not None else float("nan") for e in eff], "o-", label="measured")
     sim = [r.simulated_efficiency for r in ok]
     if any(s is not None for s in sim):
-        ax2.plot(n, [s * 100 if s is not None else float("nan") for s in sim], "s:", label="simulated")
+        ax2.plot(
+            n, [s * 100 if s is not None else float("nan") for s in sim], "s:", label="simulated"
+        )
     ax2.axhline(100, color="k", linestyle="--", label="ideal")
-    ax2.set(xlabel="GPUs (ranks)", ylabel="scaling efficiency (%)", title="efficiency",
-            ylim=(0, max([110.0] + [e * 110 for e in eff + sim if e is not None])))
+    ax2.set(
+        xlabel="GPUs (ranks)",
+        ylabel="scaling efficiency (%)",
+        title="efficiency",
+        ylim=(0, max([110.0] + [e * 110 for e in eff + sim if e is not None])),
+    )
     bottom = [0.0] * len(ok)
     labels = [str(x) for x in n]
     for phase in PHASES:

@@ -43,7 +43,9 @@ class PointResult:
     simulated_efficiency: float | None = None
     report: str | None = None
     runs: int = 1  # successful repeats this point's numbers were chosen from (the median step time)
-    step_s_range: tuple[float, float] | None = None  # (fastest, slowest) step time over those repeats
+    step_s_range: tuple[float, float] | None = (
+        None  # (fastest, slowest) step time over those repeats
+    )
 
     @property
     def ok(self) -> bool:
@@ -64,24 +66,41 @@ class PointResult:
     def row(self) -> dict[str, Any]:
         p = self.point
         out: dict[str, Any] = {
-            "world": p.world, "nodes": p.nodes, "ranks_per_node": p.ranks_per_node, "global_batch": p.global_batch,
-            "per_rank_batch": p.per_rank_batch, "status": self.status, "timed_steps": self.steps,
-            "step_s": self.step_s, "samples_per_s": self.samples_per_s,
-            "samples_per_s_per_rank": self.samples_per_s / p.world, "tokens_per_s": self.tokens_per_s,
+            "world": p.world,
+            "nodes": p.nodes,
+            "ranks_per_node": p.ranks_per_node,
+            "global_batch": p.global_batch,
+            "per_rank_batch": p.per_rank_batch,
+            "status": self.status,
+            "timed_steps": self.steps,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "samples_per_s_per_rank": self.samples_per_s / p.world,
+            "tokens_per_s": self.tokens_per_s,
         }
         out.update({f"{k}_s": self.breakdown_s.get(k, 0.0) for k in PHASES})
-        out.update(efficiency=self.efficiency, ideal_samples_per_s=self.ideal_samples_per_s,
-                   simulated_efficiency=self.simulated_efficiency, wall_s=self.wall_s, report=self.report,
-                   runs=self.runs, step_s_min=self.step_s_range[0] if self.step_s_range else self.step_s,
-                   step_s_max=self.step_s_range[1] if self.step_s_range else self.step_s)
+        out.update(
+            efficiency=self.efficiency,
+            ideal_samples_per_s=self.ideal_samples_per_s,
+            simulated_efficiency=self.simulated_efficiency,
+            wall_s=self.wall_s,
+            report=self.report,
+            runs=self.runs,
+            step_s_min=self.step_s_range[0] if self.step_s_range else self.step_s,
+            step_s_max=self.step_s_range[1] if self.step_s_range else self.step_s,
+        )
         return out
 
 
 def breakdown(report_breakdown: dict[str, float], step_s: float) -> dict[str, float]:
     """The trainer's phases (data, forward, backward, exposed_comm, optimizer) -> PHASES."""
     b = {k: float(v) for k, v in report_breakdown.items()}
-    out = {"data": b.get("data", 0.0), "compute": b.get("forward", 0.0) + b.get("backward", 0.0),
-           "exposed_comm": b.get("exposed_comm", 0.0), "optimizer": b.get("optimizer", 0.0)}
+    out = {
+        "data": b.get("data", 0.0),
+        "compute": b.get("forward", 0.0) + b.get("backward", 0.0),
+        "exposed_comm": b.get("exposed_comm", 0.0),
+        "optimizer": b.get("optimizer", 0.0),
+    }
     out["other"] = max(step_s - sum(out.values()), 0.0)
     return out
 
@@ -96,10 +115,22 @@ def read_point(point: SweepPoint, report_path: str | Path, wall_s: float) -> Poi
     if not timed or not timed.get("steps"):
         return PointResult(point, f"failed: {path} has no timed steps", wall_s, report=str(path))
     if data.get("devices") not in (None, point.world):
-        return PointResult(point, f"failed: {path} ran on {data.get('devices')} ranks, expected {point.world}",
-                           wall_s, report=str(path))
-    res = PointResult(point, "ok", wall_s, int(timed["steps"]), int(timed["samples"]), int(timed.get("tokens", 0)),
-                      float(timed["seconds"]), report=str(path))
+        return PointResult(
+            point,
+            f"failed: {path} ran on {data.get('devices')} ranks, expected {point.world}",
+            wall_s,
+            report=str(path),
+        )
+    res = PointResult(
+        point,
+        "ok",
+        wall_s,
+        int(timed["steps"]),
+        int(timed["samples"]),
+        int(timed.get("tokens", 0)),
+        float(timed["seconds"]),
+        report=str(path),
+    )
     res.breakdown_s = breakdown(data.get("breakdown_s", {}), res.step_s)
     return res
 
@@ -130,7 +161,9 @@ def add_efficiency(results: list[PointResult], mode: str) -> PointResult | None:
         n = r.point.world
         r.ideal_samples_per_s = base.samples_per_s * n / b
         if mode == "weak":
-            r.efficiency = (r.samples_per_s / n) / (base.samples_per_s / b) if base.samples_per_s else None
+            r.efficiency = (
+                (r.samples_per_s / n) / (base.samples_per_s / b) if base.samples_per_s else None
+            )
         elif mode == "strong":
             r.efficiency = (base.step_s * b) / (n * r.step_s) if r.step_s else None
         else:
@@ -138,27 +171,58 @@ def add_efficiency(results: list[PointResult], mode: str) -> PointResult | None:
     return base
 
 
-def table_rows(results: list[PointResult], simulated: bool = False) -> tuple[list[str], list[list[Any]]]:
-    headers = ["GPUs", "nodes x ranks", "global batch", "step ms", "step ms range", "samples/s", "per rank", "ideal samples/s",
-               "efficiency", "compute ms", "exposed comm ms", "optimizer ms", "data ms", "other ms"]
+def table_rows(
+    results: list[PointResult], simulated: bool = False
+) -> tuple[list[str], list[list[Any]]]:
+    headers = [
+        "GPUs",
+        "nodes x ranks",
+        "global batch",
+        "step ms",
+        "step ms range",
+        "samples/s",
+        "per rank",
+        "ideal samples/s",
+        "efficiency",
+        "compute ms",
+        "exposed comm ms",
+        "optimizer ms",
+        "data ms",
+        "other ms",
+    ]
     if simulated:
         headers.append("simulated eff.")
     rows = []
     for r in results:
         p = r.point
         if not r.ok:
-            rows.append([p.world, f"{p.nodes}x{p.ranks_per_node}", p.global_batch, r.status]
-                        + ["-"] * (len(headers) - 4))
+            rows.append(
+                [p.world, f"{p.nodes}x{p.ranks_per_node}", p.global_batch, r.status]
+                + ["-"] * (len(headers) - 4)
+            )
             continue
         ms = {k: r.breakdown_s.get(k, 0.0) * 1e3 for k in PHASES}
         lo, hi = r.step_s_range or (r.step_s, r.step_s)
-        row = [p.world, f"{p.nodes}x{p.ranks_per_node}", p.global_batch, r.step_s * 1e3,
-               f"{lo * 1e3:.4g}-{hi * 1e3:.4g} ({r.runs})", r.samples_per_s,
-               r.samples_per_s / p.world, r.ideal_samples_per_s,
-               f"{r.efficiency:.1%}" if r.efficiency is not None else "-",
-               ms["compute"], ms["exposed_comm"], ms["optimizer"], ms["data"], ms["other"]]
+        row = [
+            p.world,
+            f"{p.nodes}x{p.ranks_per_node}",
+            p.global_batch,
+            r.step_s * 1e3,
+            f"{lo * 1e3:.4g}-{hi * 1e3:.4g} ({r.runs})",
+            r.samples_per_s,
+            r.samples_per_s / p.world,
+            r.ideal_samples_per_s,
+            f"{r.efficiency:.1%}" if r.efficiency is not None else "-",
+            ms["compute"],
+            ms["exposed_comm"],
+            ms["optimizer"],
+            ms["data"],
+            ms["other"],
+        ]
         if simulated:
-            row.append(f"{r.simulated_efficiency:.1%}" if r.simulated_efficiency is not None else "-")
+            row.append(
+                f"{r.simulated_efficiency:.1%}" if r.simulated_efficiency is not None else "-"
+            )
         rows.append(row)
     return headers, rows
 
@@ -166,15 +230,20 @@ def table_rows(results: list[PointResult], simulated: bool = False) -> tuple[lis
 def markdown(results: list[PointResult], meta: dict[str, Any], notes: list[str]) -> str:
     from scaleout.output import format_table
 
-    headers, rows = table_rows(results, simulated=any(r.simulated_efficiency is not None for r in results))
-    title = (f"scaleout sweep: {meta['config']}, {meta['mode']} scaling, {meta['steps']} steps "
-             f"({meta['warmup']} warm-up not timed), launcher {meta['launcher']}")
+    headers, rows = table_rows(
+        results, simulated=any(r.simulated_efficiency is not None for r in results)
+    )
+    title = (
+        f"scaleout sweep: {meta['config']}, {meta['mode']} scaling, {meta['steps']} steps "
+        f"({meta['warmup']} warm-up not timed), launcher {meta['launcher']}"
+    )
     body = format_table(headers, rows)
     return "\n".join([f"## {title}", "", body, "", *[f"note: {n}" for n in notes]]) + "\n"
 
 
-def write_outputs(out_dir: str | Path, results: list[PointResult], meta: dict[str, Any],
-                  notes: list[str]) -> dict[str, Path]:
+def write_outputs(
+    out_dir: str | Path, results: list[PointResult], meta: dict[str, Any], notes: list[str]
+) -> dict[str, Path]:
     """sweep.csv, sweep.json and sweep.md in ``out_dir``; returns their paths."""
     from scaleout.output import write_json
 
@@ -186,7 +255,9 @@ def write_outputs(out_dir: str | Path, results: list[PointResult], meta: dict[st
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["world"])
         w.writeheader()
         w.writerows(rows)
-    write_json(paths["json"], {**meta, "notes": notes, "points": rows,
-                               "plan": [asdict(r.point) for r in results]})
+    write_json(
+        paths["json"],
+        {**meta, "notes": notes, "points": rows, "plan": [asdict(r.point) for r in results]},
+    )
     paths["md"].write_text(markdown(results, meta, notes))
     return paths

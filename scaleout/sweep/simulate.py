@@ -55,15 +55,27 @@ class Simulator:
         from scaleout.sim.fromconfig import optimizer_of
 
         p = r.point
-        model = ModelSpec(self.cfg.model.arch, params=float(self.params), flops_per_sample=1.0,
-                          grad_bytes=self.grad_bytes, param_bytes=self.param_bytes, opt_bytes_per_param=0.0)
+        model = ModelSpec(
+            self.cfg.model.arch,
+            params=float(self.params),
+            flops_per_sample=1.0,
+            grad_bytes=self.grad_bytes,
+            param_bytes=self.param_bytes,
+            opt_bytes_per_param=0.0,
+        )
         sharded = self.cfg.optim.sharded
-        train = TrainSpec(local_batch=float(p.per_rank_batch), algorithm=self.cfg.comm.algorithm,
-                          bucket_mb=self.cfg.comm.bucket_mb, samples_per_s=per_rank_speed,
-                          overlap=self.cfg.optim.overlap_comm if sharded else self.cfg.comm.overlap,
-                          optimizer=optimizer_of(self.cfg))
+        train = TrainSpec(
+            local_batch=float(p.per_rank_batch),
+            algorithm=self.cfg.comm.algorithm,
+            bucket_mb=self.cfg.comm.bucket_mb,
+            samples_per_s=per_rank_speed,
+            overlap=self.cfg.optim.overlap_comm if sharded else self.cfg.comm.overlap,
+            optimizer=optimizer_of(self.cfg),
+        )
         cluster = custom_cluster(self.cluster, gpus_per_node=p.ranks_per_node)
-        cluster = replace(cluster, device=None)  # optimizer time is inside the measured per-rank speed
+        cluster = replace(
+            cluster, device=None
+        )  # optimizer time is inside the measured per-rank speed
         return step_time(model, train, cluster, p.nodes).step
 
     def fill(self, results: list[PointResult], base: PointResult, mode: str) -> None:
@@ -71,7 +83,9 @@ class Simulator:
         busy = base.step_s - base.breakdown_s.get("exposed_comm", 0.0)
         if busy <= 0:
             return
-        speed = base.point.per_rank_batch / busy  # samples/s of one rank that does not wait on the network
+        speed = (
+            base.point.per_rank_batch / busy
+        )  # samples/s of one rank that does not wait on the network
         b = base.point.world
         t_base = self._step(base, speed)
         for r in results:
@@ -79,6 +93,8 @@ class Simulator:
                 continue
             n, t = r.point.world, self._step(r, speed)
             if mode == "weak":
-                r.simulated_efficiency = (r.point.global_batch / t / n) / (base.point.global_batch / t_base / b)
+                r.simulated_efficiency = (r.point.global_batch / t / n) / (
+                    base.point.global_batch / t_base / b
+                )
             else:
                 r.simulated_efficiency = (t_base * b) / (n * t)

@@ -72,7 +72,9 @@ log = logging.getLogger("scaleout.train.capture")
 
 
 # -- torch.compile -------------------------------------------------------------------------------------
-def compile_model(module: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> torch.nn.Module:
+def compile_model(
+    module: torch.nn.Module, backend: str = "inductor", mode: str | None = None
+) -> torch.nn.Module:
     """Compile ``module`` in place (parameters, hooks and ``state_dict`` keys unchanged) and return it."""
     module.compile(backend=backend, mode=mode)
     return module
@@ -114,7 +116,9 @@ def _clone(x: Any) -> Any:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     static_in: Any  # the buffers the graph reads
-    static_out: torch.Tensor  # what the step function returned during capture (overwritten per replay)
+    static_out: (
+        torch.Tensor
+    )  # what the step function returned during capture (overwritten per replay)
     replays: int = 0
 
 
@@ -125,12 +129,22 @@ class StepGraphs:
     :func:`shape_key`. If a capture fails, the error is logged once and every later call runs
     ``step_fn`` eagerly (``graphs.disabled`` holds the reason)."""
 
-    def __init__(self, step_fn: Callable[[Any], torch.Tensor], device: torch.device | str | None = None,
-                 warmup: int = 1):
+    def __init__(
+        self,
+        step_fn: Callable[[Any], torch.Tensor],
+        device: torch.device | str | None = None,
+        warmup: int = 1,
+    ):
         if not torch.cuda.is_available():
-            raise UserError("StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly")
+            raise UserError(
+                "StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly"
+            )
         self.step_fn = step_fn
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda", torch.cuda.current_device())
+        )
         self.warmup = max(1, warmup)
         self.graphs: dict[tuple[Any, ...], _Graph] = {}
         self.seen: dict[tuple[Any, ...], int] = {}
@@ -149,8 +163,13 @@ class StepGraphs:
             try:
                 entry = self._capture(key, batch)
             except Exception as exc:  # noqa: BLE001 -- any capture failure means: run eagerly from now on
-                self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                log.warning("model.cuda_graphs: capturing the step failed (%s); running it eagerly", self.disabled)
+                self.disabled = (
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                )
+                log.warning(
+                    "model.cuda_graphs: capturing the step failed (%s); running it eagerly",
+                    self.disabled,
+                )
                 torch.cuda.synchronize(self.device)
                 return self.step_fn(batch)
         else:
@@ -185,8 +204,12 @@ def capturable_optimizer(optimizer: Any) -> bool:
     return bool(groups) and all(g.get("capturable", False) for g in groups)
 
 
-def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any = None,
-                       precision: Any = None) -> Callable[[list[Any]], torch.Tensor]:
+def data_parallel_step(
+    model: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Any = None,
+    precision: Any = None,
+) -> Callable[[list[Any]], torch.Tensor]:
     """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads, forward +
     backward of every micro-batch under ``no_sync()`` (and ``precision``'s autocast without its weight
     cache, and its loss scale), then every bucket's all-reduce with the model's configured algorithm,
@@ -201,7 +224,11 @@ def data_parallel_step(model: Any, loss_fn: Callable[[Any, Any], torch.Tensor], 
         total = None
         with model.no_sync():
             for mb in mbs:
-                with precision.autocast(cache=False) if precision is not None else contextlib.nullcontext():
+                with (
+                    precision.autocast(cache=False)
+                    if precision is not None
+                    else contextlib.nullcontext()
+                ):
                     loss = loss_fn(model, mb) / len(mbs)
                 (precision.scale_loss(loss) if precision is not None else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
@@ -222,13 +249,21 @@ def host_sync_reason(model: Any) -> str | None:
     for attr in ("module", "_orig_mod"):
         inner = getattr(inner, attr, inner)
     cfg = getattr(inner, "cfg", None)
-    if cfg is not None and hasattr(cfg, "unpad_mlm_head") and not getattr(cfg, "static_shapes", False):
-        return ("the BERT forward has host syncs (masked-position selection, position range check); set "
-                "model.bert.static_shapes=true or leave it unset")
+    if (
+        cfg is not None
+        and hasattr(cfg, "unpad_mlm_head")
+        and not getattr(cfg, "static_shapes", False)
+    ):
+        return (
+            "the BERT forward has host syncs (masked-position selection, position range check); set "
+            "model.bert.static_shapes=true or leave it unset"
+        )
     return None
 
 
-def build_step_graphs(cfg: Config, world: World, model: torch.nn.Module, task: Any) -> StepGraphs | None:
+def build_step_graphs(
+    cfg: Config, world: World, model: torch.nn.Module, task: Any
+) -> StepGraphs | None:
     """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where it
     cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the step). The
     trainer's optimizer always runs after the replay: its NaN-skip agreement sits between the averaged
@@ -237,15 +272,22 @@ def build_step_graphs(cfg: Config, world: World, model: torch.nn.Module, task: A
         return None
     dev = torch.device(world.device)
     if dev.type != "cuda" or not torch.cuda.is_available():
-        print0(f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs eagerly",
-               rank=world.rank)
+        print0(
+            f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs eagerly",
+            rank=world.rank,
+        )
         return None
     if cfg.optim.sharded or not hasattr(model, "reducer"):
-        print0("warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): the step runs "
-               "eagerly", rank=world.rank)
+        print0(
+            "warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): the step runs "
+            "eagerly",
+            rank=world.rank,
+        )
         return None
     reason = host_sync_reason(model)
     if reason:
-        print0(f"warning: model.cuda_graphs=true: {reason}; capture will fail and the step run eagerly",
-               rank=world.rank)
+        print0(
+            f"warning: model.cuda_graphs=true: {reason}; capture will fail and the step run eagerly",
+            rank=world.rank,
+        )
     return StepGraphs(data_parallel_step(model, task.loss, precision=task.precision), dev)

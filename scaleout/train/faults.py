@@ -38,7 +38,9 @@ class StepFlags:
     unused: bool = False  # some parameter got no gradient on any rank (the reducer's census)
     notice: bool = False  # some rank received a preemption notice (so far)
     terminate: bool = False  # some rank received SIGTERM (so far)
-    flops: float = 0.0  # training FLOPs of the step summed over ranks (each rank counts its micro-batches)
+    flops: float = (
+        0.0  # training FLOPs of the step summed over ranks (each rank counts its micro-batches)
+    )
 
 
 def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
@@ -54,9 +56,16 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return not bool(nonfinite(params))
 
 
-def agree(world: World, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.Tensor | None = None,
-          unused: torch.Tensor | None = None, notice: bool = False, terminate: bool = False,
-          flops: float = 0.0) -> StepFlags:
+def agree(
+    world: World,
+    nonfinite: bool | torch.Tensor,
+    stop: bool,
+    loss: torch.Tensor | None = None,
+    unused: torch.Tensor | None = None,
+    notice: bool = False,
+    terminate: bool = False,
+    flops: float = 0.0,
+) -> StepFlags:
     """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others;
     ``flops``: this rank's training FLOPs of the step (summed, they give the global batch's)."""
     dev = world.device
@@ -66,14 +75,30 @@ def agree(world: World, nonfinite: bool | torch.Tensor, stop: bool, loss: torch.
             return x.detach().reshape(1).to(dev, torch.float32)
         return torch.tensor([float(x)], device=dev)
 
-    parts = [nonfinite, stop, notice, terminate, 0.0 if loss is None else loss, 0.0 if unused is None else unused,
-             flops]
+    parts = [
+        nonfinite,
+        stop,
+        notice,
+        terminate,
+        0.0 if loss is None else loss,
+        0.0 if unused is None else unused,
+        flops,
+    ]
     flags = torch.cat([one(x) for x in parts])
     if world.world_size > 1:
         dist.all_reduce(flags)
-    skip, stop_, notice_, term, total, census, flops_ = flags.tolist()  # the step's one host read (docstring)
-    return StepFlags(skip=skip > 0, stop=stop_ > 0, loss=total / world.world_size if loss is not None else None,
-                     unused=census > 0, notice=notice_ > 0, terminate=term > 0, flops=flops_)
+    skip, stop_, notice_, term, total, census, flops_ = (
+        flags.tolist()
+    )  # the step's one host read (docstring)
+    return StepFlags(
+        skip=skip > 0,
+        stop=stop_ > 0,
+        loss=total / world.world_size if loss is not None else None,
+        unused=census > 0,
+        notice=notice_ > 0,
+        terminate=term > 0,
+        flops=flops_,
+    )
 
 
 def injected_nan(step: int, rank: int) -> bool:
@@ -107,14 +132,18 @@ def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> Non
     process at once (``os._exit``): the collective sequence is broken, peers are being stopped by the
     launcher, and an orderly shutdown could block on a group whose peer is gone. NCCL's watchdog tears a
     process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = next(
+        (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__
+    )
     print(
         f"scaleout: {describe_rank(world, world.rank)}: a collective failed "
         f"(collective timeout {world.timeout_s:g} s): {first}",
         file=sys.stderr,
         flush=True,
     )
-    verdict = unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
+    verdict = (
+        unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
+    )
     print(f"scaleout: {describe_rank(world, world.rank)}: {verdict}", file=sys.stderr, flush=True)
     logging.shutdown()  # flush the MLPerf log and other file handlers
     sys.stdout.flush()

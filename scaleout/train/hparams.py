@@ -13,9 +13,14 @@ from scaleout.train.precision import mlperf_numerics
 from scaleout.train.tasks import task_class
 
 
-def hyperparameters(cfg: Config, world_size: int, config_file: str = "config.yaml",
-                    steps_per_epoch: int | None = None, sequences_per_row: float | None = None,
-                    device: torch.device | str = "cpu") -> dict[str, Any]:
+def hyperparameters(
+    cfg: Config,
+    world_size: int,
+    config_file: str = "config.yaml",
+    steps_per_epoch: int | None = None,
+    sequences_per_row: float | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
     """The MLPerf hyper-parameter keys of ``cfg`` (BERT/LAMB, ResNet/LARS: the task of ``model.arch``).
 
     ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use. The precision keys

@@ -71,7 +71,9 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 -- no store to beat into (e.g. an external init): no diagnosis
             self._store = None
             return
-        self._thread = threading.Thread(target=self._loop, name=f"scaleout-heartbeat-r{world.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"scaleout-heartbeat-r{world.rank}", daemon=True
+        )
         self._thread.start()
 
     def _loop(self) -> None:
@@ -92,7 +94,11 @@ class Heartbeat:
 
 def _beats(store: Any, keys: list[str]) -> list[str | None]:
     present = [k for k in keys if store.check([k])]
-    values = dict(zip(present, (v.decode() for v in store.multi_get(present)), strict=True)) if present else {}
+    values = (
+        dict(zip(present, (v.decode() for v in store.multi_get(present)), strict=True))
+        if present
+        else {}
+    )
     return [values.get(k) for k in keys]
 
 
@@ -111,7 +117,9 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
         try:
             box["verdict"] = _verdict(world, window, limit)
         except Exception as exc:  # noqa: BLE001 -- reported below
-            box["error"] = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)[:160]
+            box["error"] = next(
+                (x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__
+            )[:160]
 
     t = threading.Thread(target=work, name="scaleout-liveness", daemon=True)
     t.start()
@@ -127,13 +135,17 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
 
 def _verdict(world: World, window: float, limit: float) -> str:
     store = _client(world, limit)
-    if store.add(f"{_PREFIX}/claim", 1) == 1:  # the first to look scans; the others read its verdict
+    if (
+        store.add(f"{_PREFIX}/claim", 1) == 1
+    ):  # the first to look scans; the others read its verdict
         verdict = _scan(world, store, window)
         store.set(f"{_PREFIX}/verdict", json.dumps(verdict))
     else:
         verdict = json.loads(store.get(f"{_PREFIX}/verdict").decode())
     readers = store.add(f"{_PREFIX}/read", 1)
-    if world.rank == 0:  # hosts the store: stay until every live rank has read the verdict (bounded)
+    if (
+        world.rank == 0
+    ):  # hosts the store: stay until every live rank has read the verdict (bounded)
         deadline = time.monotonic() + window
         while readers < world.world_size - verdict["stale"] and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -83,11 +83,21 @@ class _Run:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World, config_file: str = "config.yaml",
-                 start: rerun.RunStart | None = None, guard: preempt.Preemption | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        config_file: str = "config.yaml",
+        start: rerun.RunStart | None = None,
+        guard: preempt.Preemption | None = None,
+    ):
         self.cfg, self.world, self.config_file = cfg, world, config_file
-        self.start_info = start if start is not None else rerun.decide(cfg)  # the rerun policy (train/rerun.py)
-        self.guard = guard  # preempt.Preemption installed by run_training before the World; else by run()
+        self.start_info = (
+            start if start is not None else rerun.decide(cfg)
+        )  # the rerun policy (train/rerun.py)
+        self.guard = (
+            guard  # preempt.Preemption installed by run_training before the World; else by run()
+        )
         self.out = Path(cfg.train.output_dir)
         kind = self.start_info.kind
         if world.rank == 0:
@@ -99,50 +109,89 @@ class Trainer:
         # A resumed run appends: every attempt of a requeued or resubmitted run adds its own
         # init_start..run_stop segment (scaleout.mlperf.split_attempts); none erases an earlier one.
         writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
-        self.mll = MLPerfLogger(self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout)
-        self.ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank) if cfg.checkpoint.dir else None
-        self.timers = Timers(world.device, every=cfg.train.timing_every)  # breakdown sampled: timers.py
-        self.metrics = Metrics(self.out, cfg.train.metrics, cfg.train.log_every, enabled=world.rank == 0,
-                               config=cfg.model_dump(mode="json"))
+        self.mll = MLPerfLogger(
+            self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout
+        )
+        self.ckpt = (
+            Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank)
+            if cfg.checkpoint.dir
+            else None
+        )
+        self.timers = Timers(
+            world.device, every=cfg.train.timing_every
+        )  # breakdown sampled: timers.py
+        self.metrics = Metrics(
+            self.out,
+            cfg.train.metrics,
+            cfg.train.log_every,
+            enabled=world.rank == 0,
+            config=cfg.model_dump(mode="json"),
+        )
 
     # -- construction -------------------------------------------------------------------------------
     def build(self) -> None:
         cfg, world = self.cfg, self.world
         self.mll.cache_clear()  # MLPerf requires the cache_clear event first (caches are cold at init)
         self.mll.init_start()
-        torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast anyway
+        torch.manual_seed(
+            cfg.train.seed
+        )  # same init everywhere; rank 0's weights are broadcast anyway
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         self.task: Task = build_task(cfg, world)
         m = cfg.mlperf
-        self.mll.submission(self.task.benchmark, org=m.org, division=m.division, status=m.status,
-                            platform=m.platform or default_platform(world))
+        self.mll.submission(
+            self.task.benchmark,
+            org=m.org,
+            division=m.division,
+            status=m.status,
+            platform=m.platform or default_platform(world),
+        )
         model = self.task.model
-        if cfg.model.compile:  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
+        if (
+            cfg.model.compile
+        ):  # in place, before wrapping: the reducer's hooks stay on the parameters (capture.py)
             compile_model(model)
         if cfg.optim.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
             self.model = model
         else:
-            self.model = DataParallel.from_config(model, world, cfg.comm,
-                                                  # re-bucketing after step 1 changes summation order; a
-                                                  # resumed run would re-bucket at a different step, so
-                                                  # deterministic runs keep the initial layout (bitwise resume)
-                                                  rebuild_buckets=not cfg.train.deterministic,
-                                                  defer_census=True)  # read with the step's agreement (train_step)
-        self.graphs = build_step_graphs(cfg, world, self.model, self.task)  # None unless CUDA + model.cuda_graphs
-        self.prefetcher: Any = None  # set by run() once the start step is known (scaleout/train/prefetch.py)
+            self.model = DataParallel.from_config(
+                model,
+                world,
+                cfg.comm,
+                # re-bucketing after step 1 changes summation order; a
+                # resumed run would re-bucket at a different step, so
+                # deterministic runs keep the initial layout (bitwise resume)
+                rebuild_buckets=not cfg.train.deterministic,
+                defer_census=True,
+            )  # read with the step's agreement (train_step)
+        self.graphs = build_step_graphs(
+            cfg, world, self.model, self.task
+        )  # None unless CUDA + model.cuda_graphs
+        self.prefetcher: Any = (
+            None  # set by run() once the start step is known (scaleout/train/prefetch.py)
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.losses: list[float | None] = []  # mean loss over ranks of every step this run took
         self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
         self.sync: GradientSync = self.optimizer if cfg.optim.sharded else self.model
         self.schedule = build_schedule(self.optimizer, cfg.optim)
-        if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups exist)
+        if (
+            cfg.comm.comm_nice
+        ):  # CPU/gloo: communication threads ahead of compute (after groups exist)
             world.prioritize_communication(cfg.comm.comm_nice)
-        self.mll.hyperparameters(hyperparameters(cfg, world.world_size, self.config_file,
-                                                 self.task.steps_per_epoch(cfg.train.global_batch),
-                                                 self.task.sequences_per_row, world.device))
+        self.mll.hyperparameters(
+            hyperparameters(
+                cfg,
+                world.world_size,
+                self.config_file,
+                self.task.steps_per_epoch(cfg.train.global_batch),
+                self.task.sequences_per_row,
+                world.device,
+            )
+        )
 
     # -- checkpoints (scaleout/train/state.py) ---------------------------------------------------------
     def save(self, step: int) -> None:
@@ -159,34 +208,57 @@ class Trainer:
         but the agreement's result (train/faults.py), which also carries the loss."""
         cfg, t, prec = self.cfg, self.timers, self.task.precision
         t.begin()
-        with t("data"):  # with a prefetcher: only the time spent *waiting* for it (scaleout/train/prefetch.py)
+        with t(
+            "data"
+        ):  # with a prefetcher: only the time spent *waiting* for it (scaleout/train/prefetch.py)
             if self.prefetcher is not None:
                 mbs = self.prefetcher.get(step)
             else:
                 mbs = self.task.micro_batches(step * cfg.train.global_batch, cfg.train.grad_accum)
-        if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
+        if (
+            self.graphs is not None
+        ):  # forward + backward + all-reduce as one CUDA graph per shape (capture.py)
             with t("graph"):
                 total = self.graphs(mbs)
         else:
             total = self._forward_backward(mbs)
-            exposed = self.sync.last_stats.get("exposed_s")  # backward's wait for what overlap did not hide
-            if exposed is not None:  # the non-overlapped sharded LAMB communicates inside step() instead
+            exposed = self.sync.last_stats.get(
+                "exposed_s"
+            )  # backward's wait for what overlap did not hide
+            if (
+                exposed is not None
+            ):  # the non-overlapped sharded LAMB communicates inside step() instead
                 t.add("exposed_comm", float(exposed))
                 t.add("backward", -float(exposed))
-        prec.unscale_(self.params, self.optimizer)  # fp16: gradients / S (reduced, or reduced linearly in step())
+        prec.unscale_(
+            self.params, self.optimizer
+        )  # fp16: gradients / S (reduced, or reduced linearly in step())
         if injected_nan(step, self.world.rank):
             self.params[0].grad.view(-1)[0] = float("nan")
         g = self.guard
-        flags = agree(self.world, nonfinite(self.params), g.requested, total, self.sync.census_flag(),
-                      notice=g.noticed, terminate=g.terminating, flops=sum(mb.flops for mb in mbs))
+        flags = agree(
+            self.world,
+            nonfinite(self.params),
+            g.requested,
+            total,
+            self.sync.census_flag(),
+            notice=g.noticed,
+            terminate=g.terminating,
+            flops=sum(mb.flops for mb in mbs),
+        )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused:
             self.sync.check_census()  # the same census everywhere: every rank raises the same error
-        prec.update(flags.skip)  # the same flag on every rank: the loss scale stays equal everywhere
+        prec.update(
+            flags.skip
+        )  # the same flag on every rank: the loss scale stays equal everywhere
         self.losses.append(flags.loss)
         if flags.skip:
             self.skipped += 1
-            print0(f"step {step + 1}: non-finite gradients on some rank; every rank skips this step", rank=self.world.rank)
+            print0(
+                f"step {step + 1}: non-finite gradients on some rank; every rank skips this step",
+                rank=self.world.rank,
+            )
         else:
             with t("optimizer"):
                 self.optimizer.step()
@@ -223,9 +295,13 @@ class Trainer:
         self.build()
         start = self.resume()
         self.resumed_from = start or None
-        if start:  # MLPerf's key for "this run started from a checkpoint at step N" (GPT-3 rules use it)
+        if (
+            start
+        ):  # MLPerf's key for "this run started from a checkpoint at step N" (GPT-3 rules use it)
             mll.event("init_checkpoint_step", start)
-        self.record = rerun.started(cfg, self.start_info, world.world_size) if world.rank == 0 else {}
+        self.record = (
+            rerun.started(cfg, self.start_info, world.world_size) if world.rank == 0 else {}
+        )
         # None when data.num_workers=0; reads no data until start(), after run_start (MLPerf timing rules)
         self.prefetcher = prefetch.build_prefetcher(cfg, self.task, world, start)
         own_guard = self.guard is None
@@ -238,8 +314,13 @@ class Trainer:
         if self.prefetcher is not None:
             self.prefetcher.start()  # the first touch of the training data
         self._observe_start(start)
-        run = _Run(start=start, step=start, own_guard=own_guard, samples_at_start=self.samples,
-                   progress=Progress(cfg.train.max_steps, cfg.train.progress and world.rank == 0, start))
+        run = _Run(
+            start=start,
+            step=start,
+            own_guard=own_guard,
+            samples_at_start=self.samples,
+            progress=Progress(cfg.train.max_steps, cfg.train.progress and world.rank == 0, start),
+        )
         mll.block_start(self.task.epoch_of(self.samples), 1, self.samples)
         # Timed throughput without warm-up steps (train.timing_skip_steps; used by `scaleout sweep`).
         self.timed = {"steps": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
@@ -254,15 +335,22 @@ class Trainer:
             skipped, stop = self._timed_step(run, step)
             if stop:
                 why = "SIGTERM" if self.flags.terminate else "notice"
-                print0(f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop",
-                       rank=self.world.rank)
+                print0(
+                    f"step {step + 1}: preemption ({why}) agreed by every rank: checkpoint and stop",
+                    rank=self.world.rank,
+                )
                 self.save(step + 1)
                 run.status = "preempted"
                 return
-            consecutive_skips = consecutive_skips + 1 if skipped else 0  # the same on every rank (agree())
+            consecutive_skips = (
+                consecutive_skips + 1 if skipped else 0
+            )  # the same on every rank (agree())
             if limit and consecutive_skips >= limit:
-                print0(f"step {step + 1}: {consecutive_skips} consecutive steps with non-finite gradients "
-                       f"(train.max_consecutive_skips={limit}): the run diverged; stopping", rank=self.world.rank)
+                print0(
+                    f"step {step + 1}: {consecutive_skips} consecutive steps with non-finite gradients "
+                    f"(train.max_consecutive_skips={limit}): the run diverged; stopping",
+                    rank=self.world.rank,
+                )
                 run.status = "aborted"
                 return
             done = step + 1 == cfg.train.max_steps
@@ -284,22 +372,45 @@ class Trainer:
         if skip and step == run.start + skip:
             self.timers.reset()  # breakdown_s then covers the timed steps only
         t0 = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it in train_step)
+        lr = self.optimizer.param_groups[0][
+            "lr"
+        ]  # this step's (the schedule moves it in train_step)
         loss, skipped, stop = self.train_step(step)
         run.flops += self.flags.flops  # every rank's micro-batches, summed by the step's agreement
         if step >= run.start + skip:
-            for k, v in (("steps", 1), ("samples", n), ("tokens", toks), ("seconds", time.perf_counter() - t0)):
+            for k, v in (
+                ("steps", 1),
+                ("samples", n),
+                ("tokens", toks),
+                ("seconds", time.perf_counter() - t0),
+            ):
                 self.timed[k] += v
         spans = self.timers.step(time.perf_counter() - t0)
-        if step == run.start:  # the first step is done: from now on a hung peer is a failure, not slowness
+        if (
+            step == run.start
+        ):  # the first step is done: from now on a hung peer is a failure, not slowness
             self.world.set_timeout(cfg.train.step_timeout_s)
         self.samples += n
         run.tokens += toks
         dt = time.perf_counter() - t0
-        run.progress.update(step, loss, n / max(dt, 1e-9),
-                            f"{self.task.metric_name} {run.metric:.4f}" if run.metric is not None else "")
-        self.metrics.step(step + 1, self.samples, loss, lr, dt, n, toks, spans, skipped,
-                          force=stop or step + 1 == cfg.train.max_steps or (step + 1) % cfg.train.eval_every == 0)
+        run.progress.update(
+            step,
+            loss,
+            n / max(dt, 1e-9),
+            f"{self.task.metric_name} {run.metric:.4f}" if run.metric is not None else "",
+        )
+        self.metrics.step(
+            step + 1,
+            self.samples,
+            loss,
+            lr,
+            dt,
+            n,
+            toks,
+            spans,
+            skipped,
+            force=stop or step + 1 == cfg.train.max_steps or (step + 1) % cfg.train.eval_every == 0,
+        )
         if self.profiler is not None:
             self.profiler.step()
         return skipped, stop
@@ -313,8 +424,10 @@ class Trainer:
         mll.eval_accuracy(metric, epoch, samples)
         self.metrics.eval(step + 1, samples, self.task.metric_name, metric, self.cfg.train.target)
         mll.eval_stop(epoch, samples)
-        print0(f"step {step + 1}: {self.task.metric_name} {metric:.4f} (target {self.cfg.train.target})",
-               rank=self.world.rank)
+        print0(
+            f"step {step + 1}: {self.task.metric_name} {metric:.4f} (target {self.cfg.train.target})",
+            rank=self.world.rank,
+        )
         return metric
 
     def _finish(self, run: _Run) -> TrainResult:
@@ -335,16 +448,33 @@ class Trainer:
         steps_done = step + 1 - run.start
         self.status = status
         every = cfg.checkpoint.every_steps
-        already = status == "max_steps" and every and (step + 1) % every == 0  # saved inside the loop
-        if status in ("success", "max_steps") and self.ckpt is not None and not already and steps_done > 0:
+        already = (
+            status == "max_steps" and every and (step + 1) % every == 0
+        )  # saved inside the loop
+        if (
+            status in ("success", "max_steps")
+            and self.ckpt is not None
+            and not already
+            and steps_done > 0
+        ):
             self.save(step + 1)
         if world.rank == 0:
             rerun.ended(cfg, self.record, status, step + 1)
         consistent = None if hurry else weights_consistent(self.task.model, world)
-        report = write_report(self, ttt, steps_done, self.samples - run.samples_at_start, run.tokens, run.flops,
-                              run.metric, consistent)
+        report = write_report(
+            self,
+            ttt,
+            steps_done,
+            self.samples - run.samples_at_start,
+            run.tokens,
+            run.flops,
+            run.metric,
+            consistent,
+        )
         if status == "preempted":
-            code = requeue_and_release(world, self.flags, self.guard, checkpointing=self.ckpt is not None)
+            code = requeue_and_release(
+                world, self.flags, self.guard, checkpointing=self.ckpt is not None
+            )
         else:
             code = EXIT_ABORTED if status == "aborted" else 0
         self._observe_end(status, ttt)
@@ -355,9 +485,16 @@ class Trainer:
     def _observe_start(self, start: int) -> None:
         """Metrics file header and the profiler (scaleout/metrics.py, scaleout/profile.py)."""
         w = self.world
-        self.metrics.start(world_size=w.world_size, nodes=w.num_nodes, ranks_per_node=w.local_size,
-                           launcher=w.launcher, config=self.config_file, arch=self.cfg.model.arch, start_step=start,
-                           global_batch=self.cfg.train.global_batch)
+        self.metrics.start(
+            world_size=w.world_size,
+            nodes=w.num_nodes,
+            ranks_per_node=w.local_size,
+            launcher=w.launcher,
+            config=self.config_file,
+            arch=self.cfg.model.arch,
+            start_step=start,
+            global_batch=self.cfg.train.global_batch,
+        )
         self.profiler = build_profiler(self.cfg.train.profile, self.out, w.rank)
 
     def _observe_end(self, status: str, ttt: float) -> None:
@@ -366,12 +503,17 @@ class Trainer:
         if png is not None:
             print0(f"metrics: {self.out / 'metrics.jsonl'}, curves {png}", rank=self.world.rank)
         if traces:
-            print0(f"profile: traces in {traces[0].parent} (Perfetto, TensorBoard, HTA)", rank=self.world.rank)
+            print0(
+                f"profile: traces in {traces[0].parent} (Perfetto, TensorBoard, HTA)",
+                rank=self.world.rank,
+            )
 
 
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
-    start = rerun.decide(cfg)  # the rerun policy, before any network or file: a refused start changes nothing
+    start = rerun.decide(
+        cfg
+    )  # the rerun policy, before any network or file: a refused start changes nothing
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
@@ -380,13 +522,19 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     guard = preempt.install()
     try:
         world = init(cfg)
-        heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank if one hangs
+        heartbeat = Heartbeat(
+            world, lambda: period_for(world.timeout_s)
+        )  # names a hung rank if one hangs
         try:
             cfg.check_world(world.world_size, world.local_size)
-            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+            torch.set_num_threads(
+                max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+            )
             return Trainer(cfg, world, config_file, start, guard=guard).run()
         except Exception as exc:
-            if is_comm_failure(exc):  # a hung or dead peer: one line naming it, then end this process now
+            if is_comm_failure(
+                exc
+            ):  # a hung or dead peer: one line naming it, then end this process now
                 exit_on_comm_failure(world, exc)
             raise
         finally:

@@ -36,8 +36,13 @@ INIT_SCALE, GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL = 2.0**16, 2.0, 0.5, 
 class Precision:
     """The numerics of one run: ``autocast()`` for forward passes, and for fp16 the loss scale."""
 
-    def __init__(self, name: str, device: torch.device | str, init_scale: float = INIT_SCALE,
-                 growth_interval: int = GROWTH_INTERVAL):
+    def __init__(
+        self,
+        name: str,
+        device: torch.device | str,
+        init_scale: float = INIT_SCALE,
+        growth_interval: int = GROWTH_INTERVAL,
+    ):
         if name not in DTYPES:
             raise ConfigError(f"train.precision={name!r}: expected one of {sorted(DTYPES)}")
         self.name, self.dtype = name, DTYPES[name]
@@ -104,7 +109,9 @@ class Precision:
             self.good_steps = int(state["good_steps"])
 
 
-def mlperf_numerics(precision: str, device: torch.device | str, compression: str, arch: str) -> dict[str, str]:
+def mlperf_numerics(
+    precision: str, device: torch.device | str, compression: str, arch: str
+) -> dict[str, str]:
     """MLPerf's lowest_numerical_precision_in_{linear,attn,comm} for what runs (mlperf_logging names).
 
     fp32 on CUDA is TF32 where torch lets the matmul/convolution use it (``allow_tf32`` flags and
@@ -114,10 +121,16 @@ def mlperf_numerics(precision: str, device: torch.device | str, compression: str
     names = {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}
     linear = attn = names[precision]
     if precision == "fp32" and dev.type == "cuda":
-        tf32_matmul = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        tf32_matmul = (
+            torch.backends.cuda.matmul.allow_tf32
+            or torch.get_float32_matmul_precision() != "highest"
+        )
         tf32_conv = torch.backends.cudnn.allow_tf32 and arch == "resnet"
         linear = "tf32" if tf32_matmul or tf32_conv else "fp32"
         attn = "tf32" if tf32_matmul else "fp32"
     comm = {"none": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[compression]
-    return {"lowest_numerical_precision_in_linear": linear, "lowest_numerical_precision_in_attn": attn,
-            "lowest_numerical_precision_in_comm": comm}
+    return {
+        "lowest_numerical_precision_in_linear": linear,
+        "lowest_numerical_precision_in_attn": attn,
+        "lowest_numerical_precision_in_comm": comm,
+    }

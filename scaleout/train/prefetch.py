@@ -91,8 +91,17 @@ PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
 # server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
 # scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs milliseconds.
-_PRELOAD = ["__main__", "numpy", "torch", "scaleout.train.prefetch", "scaleout.data.batches", "scaleout.data.bert_batch",
-            "scaleout.data.images", "scaleout.data.sampler", "scaleout.cli"]
+_PRELOAD = [
+    "__main__",
+    "numpy",
+    "torch",
+    "scaleout.train.prefetch",
+    "scaleout.data.batches",
+    "scaleout.data.bert_batch",
+    "scaleout.data.images",
+    "scaleout.data.sampler",
+    "scaleout.cli",
+]
 
 
 class StepBatches(torch.utils.data.Dataset):
@@ -100,7 +109,9 @@ class StepBatches(torch.utils.data.Dataset):
     pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``batches`` is the
     task's data-only batch builder (``task.batches``), which is what gets pickled into the workers."""
 
-    def __init__(self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int):
+    def __init__(
+        self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int
+    ):
         self.batches, self.global_batch, self.grad_accum = batches, global_batch, grad_accum
         self.start_step, self.stop_step = start_step, stop_step
 
@@ -131,38 +142,67 @@ class Prefetcher:
     ``get(step)`` must be called with consecutive steps from ``start_step``; anything else is a bug in
     the caller and raises (a silently skipped or repeated batch would break exact resume)."""
 
-    def __init__(self, task: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int,
-                 num_workers: int = 2, prefetch: int = 2, pin_memory: bool = True,
-                 device: torch.device | str = "cpu", timeout_s: float = 0.0, start_method: str = "forkserver"):
+    def __init__(
+        self,
+        task: Any,
+        global_batch: int,
+        grad_accum: int,
+        start_step: int,
+        stop_step: int,
+        num_workers: int = 2,
+        prefetch: int = 2,
+        pin_memory: bool = True,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 0.0,
+        start_method: str = "forkserver",
+    ):
         if num_workers < 0:
-            raise UserError(f"data.num_workers={num_workers}: expected >= 0 (0 = build batches on the main thread)")
+            raise UserError(
+                f"data.num_workers={num_workers}: expected >= 0 (0 = build batches on the main thread)"
+            )
         if prefetch < 1:
             raise UserError(f"data.prefetch={prefetch}: expected >= 1 micro-batch lists in flight")
         if stop_step < start_step:
             raise UserError(f"stop_step={stop_step} is before start_step={start_step}")
         if start_method not in START_METHODS:
-            raise UserError(f"data.worker_start={start_method!r}: expected one of {', '.join(START_METHODS)}")
+            raise UserError(
+                f"data.worker_start={start_method!r}: expected one of {', '.join(START_METHODS)}"
+            )
         self.device = torch.device(device)
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.pin = bool(pin_memory and cuda)
         self.num_workers, self.prefetch = num_workers, prefetch
         self.start_method = start_method
-        self.dataset = StepBatches(getattr(task, "batches", task), global_batch, grad_accum, start_step, stop_step)
+        self.dataset = StepBatches(
+            getattr(task, "batches", task), global_batch, grad_accum, start_step, stop_step
+        )
         kw: dict[str, Any] = {}
         if num_workers > 0:
-            kw = dict(prefetch_factor=max(1, math.ceil(prefetch / num_workers)), timeout=timeout_s,
-                      worker_init_fn=_worker_init, multiprocessing_context=_context(start_method))
-        self.loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, shuffle=False,
-                                                  num_workers=num_workers, pin_memory=self.pin,
-                                                  collate_fn=_identity,
-                                                  # its own generator: drawing the workers' base seed from
-                                                  # torch's global RNG would shift the model's dropout masks
-                                                  # and break "same run with or without workers"
-                                                  generator=torch.Generator().manual_seed(0), **kw)
+            kw = dict(
+                prefetch_factor=max(1, math.ceil(prefetch / num_workers)),
+                timeout=timeout_s,
+                worker_init_fn=_worker_init,
+                multiprocessing_context=_context(start_method),
+            )
+        self.loader = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_size=None,
+            shuffle=False,
+            num_workers=num_workers,
+            pin_memory=self.pin,
+            collate_fn=_identity,
+            # its own generator: drawing the workers' base seed from
+            # torch's global RNG would shift the model's dropout masks
+            # and break "same run with or without workers"
+            generator=torch.Generator().manual_seed(0),
+            **kw,
+        )
         self._it: Iterator[Any] | None = None  # start(): the workers and their first steps
         self._closed = False
         if num_workers > 0 and start_method == "forkserver":
-            with _signals_blocked(PREEMPTION_SIGNALS):  # the server and the tracker inherit the mask
+            with _signals_blocked(
+                PREEMPTION_SIGNALS
+            ):  # the server and the tracker inherit the mask
                 _warm_forkserver(kw["multiprocessing_context"])
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -183,13 +223,17 @@ class Prefetcher:
     def get(self, step: int) -> list[Any]:
         """This rank's micro-batches of ``step``, on the device."""
         if step != self.next_step:
-            raise UserError(f"prefetcher asked for step {step} but the next prepared step is {self.next_step}; "
-                            "steps must be consumed in order (build a new Prefetcher to jump)")
+            raise UserError(
+                f"prefetcher asked for step {step} but the next prepared step is {self.next_step}; "
+                "steps must be consumed in order (build a new Prefetcher to jump)"
+            )
         it = self._iterator()
         try:
             raw = next(it)
         except StopIteration:
-            raise UserError(f"prefetcher asked for step {step}, past its stop_step={self.dataset.stop_step}") from None
+            raise UserError(
+                f"prefetcher asked for step {step}, past its stop_step={self.dataset.stop_step}"
+            ) from None
         self.next_step += 1
         if self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
@@ -212,7 +256,9 @@ class Prefetcher:
                 fields = open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()
             except OSError:  # already gone
                 continue
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+            total += (
+                int(fields[11]) + int(fields[12])
+            ) / tick  # utime, stime (fields 14 and 15 of stat)
         return total
 
     def close(self) -> None:
@@ -283,7 +329,9 @@ def _worker_init(_worker_id: int) -> None:
     # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top would
     # oversubscribe the cores the training step itself uses.
     torch.set_num_threads(1)
-    for sig in PREEMPTION_SIGNALS:  # the rank handles them; a worker must live on to deliver its batches
+    for (
+        sig
+    ) in PREEMPTION_SIGNALS:  # the rank handles them; a worker must live on to deliver its batches
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -292,6 +340,15 @@ def build_prefetcher(cfg: Config, task: Any, world: World, start_step: int) -> P
     d = cfg.data
     if d.num_workers == 0:
         return None
-    return Prefetcher(task, cfg.train.global_batch, cfg.train.grad_accum, start_step, cfg.train.max_steps,
-                      num_workers=d.num_workers, prefetch=d.prefetch, pin_memory=d.pin_memory, device=world.device,
-                      start_method=d.worker_start)
+    return Prefetcher(
+        task,
+        cfg.train.global_batch,
+        cfg.train.grad_accum,
+        start_step,
+        cfg.train.max_steps,
+        num_workers=d.num_workers,
+        prefetch=d.prefetch,
+        pin_memory=d.pin_memory,
+        device=world.device,
+        start_method=d.worker_start,
+    )

@@ -22,8 +22,10 @@ class Progress:
         width = 24
         filled = int(width * (step + 1) / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
-        line = (f"[{bar}] step {step + 1}/{self.total} loss {loss:.4f} {samples_per_s:,.0f} samples/s"
-                f"{' ' + metric if metric else ''} eta {eta:,.0f}s")
+        line = (
+            f"[{bar}] step {step + 1}/{self.total} loss {loss:.4f} {samples_per_s:,.0f} samples/s"
+            f"{' ' + metric if metric else ''} eta {eta:,.0f}s"
+        )
         if self.tty:
             sys.stdout.write("\r" + line[:160].ljust(100))
             sys.stdout.flush()

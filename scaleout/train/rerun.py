@@ -52,7 +52,9 @@ def read_record(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable run record ({exc}); move it away to resume without it") from exc
+        raise UserError(
+            f"{path}: unreadable run record ({exc}); move it away to resume without it"
+        ) from exc
 
 
 def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
@@ -79,7 +81,11 @@ def decide(cfg: Config) -> RunStart:
         )
     status = record.get("status")
     if status == "success" or latest >= cfg.train.max_steps:
-        why = "reached its target" if status == "success" else f"reached train.max_steps={cfg.train.max_steps}"
+        why = (
+            "reached its target"
+            if status == "success"
+            else f"reached train.max_steps={cfg.train.max_steps}"
+        )
         return RunStart(
             "finished",
             latest,
@@ -116,7 +122,10 @@ def started(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
 def ended(cfg: Config, record: dict[str, Any], status: str, step: int) -> None:
     """Record (rank 0) how this segment ended: a rerun of a finished run is then refused by ``decide``."""
     if cfg.checkpoint.dir:
-        write_record(cfg.checkpoint.dir, {**record, "status": status, "step": step, "ended_unix": time.time()})
+        write_record(
+            cfg.checkpoint.dir,
+            {**record, "status": status, "step": step, "ended_unix": time.time()},
+        )
 
 
 def set_aside(path: Path) -> Path | None:

@@ -20,11 +20,17 @@ log = logging.getLogger("scaleout.train")
 def checkpoint_state(tr: Trainer, step: int) -> dict[str, Any]:
     """The replicated part of a checkpoint (only rank 0's copy is written; RNG states are gathered to it)."""
     opt_state, _ = tr.sync.optimizer_state(tr.optimizer)
-    return {"model": tr.task.model.state_dict(), "optimizer": opt_state,
-            "config": tr.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
-            "schedule": tr.schedule.state_dict(), "data_position": step * tr.cfg.train.global_batch,
-            "rng": gather_rng_states(tr.world), "samples": tr.samples, "skipped": tr.skipped,
-            "precision": tr.task.precision.state_dict()}
+    return {
+        "model": tr.task.model.state_dict(),
+        "optimizer": opt_state,
+        "config": tr.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show/export`
+        "schedule": tr.schedule.state_dict(),
+        "data_position": step * tr.cfg.train.global_batch,
+        "rng": gather_rng_states(tr.world),
+        "samples": tr.samples,
+        "skipped": tr.skipped,
+        "precision": tr.task.precision.state_dict(),
+    }
 
 
 def save_checkpoint(tr: Trainer, step: int) -> None:
@@ -52,7 +58,9 @@ def resume_checkpoint(tr: Trainer) -> int:
     state, path = found
     check_data_position(state, cfg.train.global_batch, path)  # a changed global batch is refused
     tr.task.model.load_state_dict(state["model"])
-    tr.sync.load_optimizer_state(tr.optimizer, state["optimizer"])  # shards: read in place by restore()
+    tr.sync.load_optimizer_state(
+        tr.optimizer, state["optimizer"]
+    )  # shards: read in place by restore()
     tr.schedule.load_state_dict(state["schedule"])
     if state["rng"] is None:
         log.warning("checkpoint %s has RNG states of another world size: RNG streams restart", path)

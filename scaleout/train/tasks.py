@@ -24,7 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaleout.config.schema import Config
-from scaleout.data.batches import BertBatches, ImageBatches, MicroBatch, SequenceTable, ShardBertBatches, to_device
+from scaleout.data.batches import (
+    BertBatches,
+    ImageBatches,
+    MicroBatch,
+    SequenceTable,
+    ShardBertBatches,
+    to_device,
+)
 from scaleout.data.bert_batch import build_batch
 from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
 from scaleout.data.images import ImageFolder, SyntheticImages
@@ -77,17 +84,23 @@ class Task:
     rows: int  # global number of rows (packs / images) in the training set
     batches: Any  # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
     precision: Precision | None = None  # of the run (build_task sets it)
-    sequences_per_row: float | None = None  # samples per row where a row packs several (BERT packing)
+    sequences_per_row: float | None = (
+        None  # samples per row where a row packs several (BERT packing)
+    )
 
     def __init__(self, cfg: Config, world: World):
         self.cfg, self.world = cfg, world
         self.info: dict[str, Any] = {}  # what report.json records about the data and the model
 
-    def micro_batches(self, position: int, grad_accum: int, device: torch.device | None = None) -> list[MicroBatch]:
+    def micro_batches(
+        self, position: int, grad_accum: int, device: torch.device | None = None
+    ) -> list[MicroBatch]:
         """This rank's micro-batches at data ``position`` on ``device`` (default: the world's device)."""
         dev = device or self.world.device
-        return [replace(mb, inputs=to_device(mb.inputs, dev), target=to_device(mb.target, dev))
-                for mb in self.batches.micro_batches(position, grad_accum)]
+        return [
+            replace(mb, inputs=to_device(mb.inputs, dev), target=to_device(mb.target, dev))
+            for mb in self.batches.micro_batches(position, grad_accum)
+        ]
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -135,7 +148,9 @@ class BertTask(Task):
         super().__init__(cfg, world)
         d, b = cfg.data, cfg.model.bert
         if d.max_seq_len > b.max_position:
-            raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}")
+            raise ConfigError(
+                f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}"
+            )
         self.stream: Any = None
         if d.source == "wikipedia":  # MLPerf shards, read lazily (scaleout/data/shard_source.py)
             self._open_shards(cfg, world)
@@ -148,8 +163,12 @@ class BertTask(Task):
         model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
         # micro-batches count their FLOPs with the heads this model runs
         self.batches.flops = functools.partial(batch_flops, model.cfg)
-        if cfg.model.init_checkpoint:  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
-            self.info["init_checkpoint"] = load_init_checkpoint(model, cfg.model.init_checkpoint, world.rank == 0)
+        if (
+            cfg.model.init_checkpoint
+        ):  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+            self.info["init_checkpoint"] = load_init_checkpoint(
+                model, cfg.model.init_checkpoint, world.rank == 0
+            )
         self.model = model.to(world.device)
 
     def _open_shards(self, cfg: Config, world: World) -> None:
@@ -158,7 +177,10 @@ class BertTask(Task):
         self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
         self.rows, self.max_pred = data.stream.total, data.stream.max_pred
         self.sequences_per_row = data.sequences_per_row
-        self.info["data"], self.info["packing"] = {k: v for k, v in data.info.items() if k != "packing"}, data.info["packing"]
+        self.info["data"], self.info["packing"] = (
+            {k: v for k, v in data.info.items() if k != "packing"},
+            data.info["packing"],
+        )
         self.batches = ShardBertBatches(data.stream)
 
     def _load_in_memory(self, cfg: Config, world: World) -> None:
@@ -176,23 +198,41 @@ class BertTask(Task):
         self.eval_seqs = to_bert_sequences(data.eval[: d.eval_samples])
         self.lengths = np.array([len(s) for s in self.train_seqs], dtype=np.int64)
         if d.packing != "none":
-            strategy = pack_histogram(histogram_from_lengths(self.lengths, d.max_seq_len), d.max_seq_len,
-                                      d.max_per_pack, d.packing)
+            strategy = pack_histogram(
+                histogram_from_lengths(self.lengths, d.max_seq_len),
+                d.max_seq_len,
+                d.max_per_pack,
+                d.packing,
+            )
             self.packs = assign_sequences(strategy, self.lengths, seed=d.seed).packs()
             self.depth = d.max_per_pack
-            self.info["packing"] = {"algorithm": strategy.algorithm, "efficiency": float(strategy.efficiency),
-                                    "speedup": float(strategy.speedup)}
+            self.info["packing"] = {
+                "algorithm": strategy.algorithm,
+                "efficiency": float(strategy.efficiency),
+                "speedup": float(strategy.speedup),
+            }
         else:
             self.packs = [[i] for i in range(len(self.train_seqs))]
             self.depth = 1
         self.rows = len(self.packs)
         self.sequences_per_row = sum(len(p) for p in self.packs) / max(self.rows, 1)
-        self.pack_tokens = np.array([int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64)
+        self.pack_tokens = np.array(
+            [int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64
+        )
         self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
-        self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
+        self.sampler = ShardedSampler(
+            self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+        )
         self.max_pred = d.max_predictions * self.depth
-        self.batches = BertBatches(SequenceTable(self.train_seqs), self.packs, self.pack_tokens, self.sampler,
-                                   d.max_seq_len, self.max_pred, self.depth)
+        self.batches = BertBatches(
+            SequenceTable(self.train_seqs),
+            self.packs,
+            self.pack_tokens,
+            self.sampler,
+            d.max_seq_len,
+            self.max_pred,
+            self.depth,
+        )
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
@@ -200,7 +240,9 @@ class BertTask(Task):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
         d = self.cfg.data
-        return evaluate_mlm(model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast)
+        return evaluate_mlm(
+            model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast
+        )
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         if self.stream is not None:
@@ -243,24 +285,38 @@ class ResNetTask(Task):
         r, d = cfg.model.resnet, cfg.data
         if d.source == "imagenet":
             if not d.path:
-                raise ConfigError("data.source=imagenet needs data.path (an ImageFolder root with train/ and val/)")
+                raise ConfigError(
+                    "data.source=imagenet needs data.path (an ImageFolder root with train/ and val/)"
+                )
             self.train_set = ImageFolder(d.path, "train", r.image_size)
             self.eval_set = ImageFolder(d.path, "val", r.image_size)
             self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
         elif d.source == "synthetic":
             n = max(cfg.train.global_batch * 256, 4096)
-            self.train_set = SyntheticImages(r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed)
+            self.train_set = SyntheticImages(
+                r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed
+            )
             self.eval_set = self.train_set
-            self.eval_idx = np.arange(n, n + d.eval_samples)  # held out: never in the training range
+            self.eval_idx = np.arange(
+                n, n + d.eval_samples
+            )  # held out: never in the training range
             self.train_set.length = n
         else:
-            raise ConfigError(f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)")
+            raise ConfigError(
+                f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)"
+            )
         self.rows = len(self.train_set)
-        self.sampler = ShardedSampler(self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed)
+        self.sampler = ShardedSampler(
+            self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+        )
         self.batches = ImageBatches(self.train_set, self.sampler, self.rows)
         self.model = build_resnet(r, world)
-        self.macs = count_macs(self.model, (1, 3, r.image_size, r.image_size)) if r.bn_group == 1 else None
-        if self.macs is not None:  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
+        self.macs = (
+            count_macs(self.model, (1, 3, r.image_size, r.image_size)) if r.bn_group == 1 else None
+        )
+        if (
+            self.macs is not None
+        ):  # counted on this exact model: forward 2 FLOPs per MAC, backward ~2x forward
             self.batches.flops_per_image = 3 * 2 * float(self.macs)
         else:
             self.batches.flops_per_image = resnet_flops_per_image(image_size=r.image_size)
@@ -322,8 +378,14 @@ class ResNetTask(Task):
 
 
 @torch.no_grad()
-def evaluate_mlm(model: torch.nn.Module, eval_seqs: Any, max_len: int, max_pred: int, world: Any,
-                 autocast: Any = contextlib.nullcontext) -> float:
+def evaluate_mlm(
+    model: torch.nn.Module,
+    eval_seqs: Any,
+    max_len: int,
+    max_pred: int,
+    world: Any,
+    autocast: Any = contextlib.nullcontext,
+) -> float:
     """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
     ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
     of ``scaleout bench ttt``) evaluates with exactly this function."""
@@ -353,7 +415,9 @@ def task_class(arch: str) -> type[Task]:
 
 def build_task(cfg: Config, world: World) -> Task:
     if cfg.model.init_checkpoint and cfg.model.arch != "bert":
-        raise ConfigError(f"model.init_checkpoint is for BERT (phase-1 weights); model.arch={cfg.model.arch!r}")
+        raise ConfigError(
+            f"model.init_checkpoint is for BERT (phase-1 weights); model.arch={cfg.model.arch!r}"
+        )
     task = task_class(cfg.model.arch)(cfg, world)
     task.precision = Precision(cfg.train.precision, world.device)
     return task

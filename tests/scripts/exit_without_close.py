@@ -27,7 +27,9 @@ for _ in range(3):
     opt.zero_grad()
 if callback_s > 0:
     if world.rank == 1:
-        time.sleep(0.5)  # rank 0's handle completes on a gloo worker thread, after its callback is added
+        time.sleep(
+            0.5
+        )  # rank 0's handle completes on a gloo worker thread, after its callback is added
     handle = all_reduce(torch.ones(8), world, "flat", async_op=True)
     handle.future.add_done_callback(lambda _f: time.sleep(callback_s))
     handle.wait()

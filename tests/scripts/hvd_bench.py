@@ -17,7 +17,10 @@ import time
 import torch
 from torch import nn
 
-MODELS = [(100, 64), (24, 512)]  # (layers, width): 200 tensors / 1.7 MB, 48 tensors / 25 MB of gradients
+MODELS = [
+    (100, 64),
+    (24, 512),
+]  # (layers, width): 200 tensors / 1.7 MB, 48 tensors / 25 MB of gradients
 
 
 def step_ms(world, alg: str, layers: int, width: int, steps: int, fusion: str | None) -> float:
@@ -57,7 +60,8 @@ def main() -> None:
     for alg in ("flat", "hierarchical"):
         for layers, width in MODELS:
             fused, unfused = (
-                max(run_dist(step_ms, 2, 2, args=(alg, layers, width, args.steps, f), timeout=900)) for f in (None, "0")
+                max(run_dist(step_ms, 2, 2, args=(alg, layers, width, args.steps, f), timeout=900))
+                for f in (None, "0")
             )
             print(f"{alg:<13} {f'{layers}x{width}':<9} {fused:>9.1f} {unfused:>11.1f}", flush=True)
 

@@ -1,7 +1,7 @@
 """A Horovod-style training script. The only change from a horovod.torch script is the import line.
 
-    scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/scripts/hvd_train.py --out w.pt
-    SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/scripts/hvd_train.py --out w.pt
+scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/scripts/hvd_train.py --out w.pt
+SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/scripts/hvd_train.py --out w.pt
 """
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ def make_model() -> torch.nn.Module:
 
 
 def train(steps: int = 6, passes: int = 1, compression: str = "none") -> dict[str, torch.Tensor]:
-    torch.manual_seed(hvd.rank())  # deliberately different on every rank: broadcast_parameters fixes it
+    torch.manual_seed(
+        hvd.rank()
+    )  # deliberately different on every rank: broadcast_parameters fixes it
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt = hvd.DistributedOptimizer(
-        opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+        opt,
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
         compression=hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none,
     )
     for step in range(steps):
@@ -49,8 +53,12 @@ def reference(size: int, steps: int = 6, passes: int = 1) -> dict[str, torch.Ten
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
-        total = sum(torch.nn.functional.mse_loss(model(x), y)
-                    for r in range(size) for m in range(passes) for x, y in [batch(step, m, r)])
+        total = sum(
+            torch.nn.functional.mse_loss(model(x), y)
+            for r in range(size)
+            for m in range(passes)
+            for x, y in [batch(step, m, r)]
+        )
         (total / size).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -65,8 +73,11 @@ def main() -> None:
     weights = train(passes=args.passes)
     if hvd.rank() == 0:
         torch.save(weights, args.out)
-        print(f"hvd_train: size {hvd.size()} local_size {hvd.local_size()} cross_size {hvd.cross_size()} "
-              f"algorithm {hvd.algorithm()}", flush=True)
+        print(
+            f"hvd_train: size {hvd.size()} local_size {hvd.local_size()} cross_size {hvd.cross_size()} "
+            f"algorithm {hvd.algorithm()}",
+            flush=True,
+        )
     hvd.shutdown()
 
 

@@ -45,8 +45,16 @@ def alive(pid: int | None) -> bool:
 def main() -> int:
     method = sys.argv[1] if len(sys.argv) > 1 else "forkserver"
     guard = preempt.install()
-    pf = Prefetcher(SlowSource(), global_batch=1, grad_accum=1, start_step=0, stop_step=12, num_workers=2,
-                    prefetch=2, start_method=method)
+    pf = Prefetcher(
+        SlowSource(),
+        global_batch=1,
+        grad_accum=1,
+        start_step=0,
+        stop_step=12,
+        num_workers=2,
+        prefetch=2,
+        start_method=method,
+    )
     pf.get(0)
     helpers = {f"worker{i}": w.pid for i, w in enumerate(pf._it._workers)}
     if method == "forkserver":
@@ -63,8 +71,18 @@ def main() -> int:
             read += 1
     except Exception as exc:  # noqa: BLE001 -- reported, the test asserts on it
         error = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"alive": {k: alive(v) for k, v in helpers.items()}, "noticed": guard.noticed,
-                      "terminating": guard.terminating, "read": read, "error": error}), flush=True)
+    print(
+        json.dumps(
+            {
+                "alive": {k: alive(v) for k, v in helpers.items()},
+                "noticed": guard.noticed,
+                "terminating": guard.terminating,
+                "read": read,
+                "error": error,
+            }
+        ),
+        flush=True,
+    )
     pf.close()
     guard.uninstall()
     return 0

@@ -20,7 +20,10 @@ pid_dir = os.environ["PID_DIR"]
 child = subprocess.Popen(["sleep", "300"])  # a grandchild: must not outlive the launcher
 with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}\n")
-print(f"started node={os.environ['SCALEOUT_NODE_RANK']} local={os.environ['SCALEOUT_LOCAL_RANK']}", flush=True)
+print(
+    f"started node={os.environ['SCALEOUT_NODE_RANK']} local={os.environ['SCALEOUT_LOCAL_RANK']}",
+    flush=True,
+)
 if mode == "ignoreterm":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "ok":

@@ -39,8 +39,15 @@ def main() -> int:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="slow each step down so a signal lands mid-run")
-    p.add_argument("--tag", default="", help="ignored; lets a test find this process by its command line")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="slow each step down so a signal lands mid-run",
+    )
+    p.add_argument(
+        "--tag", default="", help="ignored; lets a test find this process by its command line"
+    )
     args = p.parse_args()
 
     guard = preempt.install()
@@ -57,13 +64,21 @@ def main() -> int:
         opt.load_state_dict(state["optim"])
         start = state["step"]
     restarts = preempt.restart_count()
-    print(f"rank {world.rank}/{world.world_size} node {world.node_rank}/{world.num_nodes} "
-          f"start step {start} restart {restarts}", flush=True)
+    print(
+        f"rank {world.rank}/{world.world_size} node {world.node_rank}/{world.num_nodes} "
+        f"start step {start} restart {restarts}",
+        flush=True,
+    )
 
     def checkpoint(step: int) -> None:
         if world.rank == 0:
-            save_atomic({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, ckpt)
-            print(f"checkpoint step {step} ({guard.received.name if guard.received else 'end'})", flush=True)
+            save_atomic(
+                {"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, ckpt
+            )
+            print(
+                f"checkpoint step {step} ({guard.received.name if guard.received else 'end'})",
+                flush=True,
+            )
 
     done = start
     for step in range(start, args.steps):

@@ -23,13 +23,22 @@ def main() -> int:
         dist.all_reduce(y, group=world.intra)
         ok = ok and y.item() == world.local_size
     report = {
-        "rank": world.rank, "local_rank": world.local_rank, "node_rank": world.node_rank,
-        "num_nodes": world.num_nodes, "local_size": world.local_size, "world_size": world.world_size,
-        "launcher": world.launcher, "master_addr": world.master_addr, "master_port": world.master_port,
-        "ranks_per_node": world.ranks_per_node, "allreduce_ok": ok,
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "node_rank": world.node_rank,
+        "num_nodes": world.num_nodes,
+        "local_size": world.local_size,
+        "world_size": world.world_size,
+        "launcher": world.launcher,
+        "master_addr": world.master_addr,
+        "master_port": world.master_port,
+        "ranks_per_node": world.ranks_per_node,
+        "allreduce_ok": ok,
         "slurmd_nodename": os.environ.get("SLURMD_NODENAME"),
     }
-    if world.launcher == "mpi":  # the node split mpi4py sees (one host = one node), whatever the World says
+    if (
+        world.launcher == "mpi"
+    ):  # the node split mpi4py sees (one host = one node), whatever the World says
         from scaleout.env.readers import _mpi_topology
 
         report["mpi4py_topology"] = list(_mpi_topology())
