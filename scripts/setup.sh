@@ -37,11 +37,13 @@ fi
 echo "[setup] torch: $plan ($why)"
 [ "${SCALEOUT_SETUP_DRY_RUN:-0}" = 1 ] && exit 0
 
+# constraints.txt pins torch and the test/dev tools (a fresh venv gets what CI got). Keeping another torch:
+# the same pins with that torch's version, so pip neither resolves another torch nor drops the tool pins.
 constraints=constraints.txt
-if [ $plan = keep ] && [ "${tv%%+*}" != 2.13.0 ]; then  # keep this torch: pip must not resolve another one
+if [ $plan = keep ] && [ "${tv%%+*}" != 2.13.0 ]; then
   constraints=$(mktemp)
   trap 'rm -f "$constraints"' EXIT
-  echo "torch==$tv" >"$constraints"
+  { grep -v '^torch==' constraints.txt; echo "torch==$tv"; } >"$constraints"
 fi
 # Only the noise is filtered; with pipefail a failing pip still fails the script.
 quiet() { grep -v -e "is ignored: it is neither" -e "Running pip as the 'root'" || true; }
@@ -58,7 +60,8 @@ stamp=".setup-stamp-$extras"
 # Ask from outside the checkout (cd /): from inside it, the current directory is on sys.path and would hide a
 # missing or stale editable install (for example one that points at a deleted clone).
 installed_at() { (cd / && "$PY" -c 'import scaleout,os;print(os.path.dirname(os.path.dirname(os.path.abspath(scaleout.__file__))))' 2>/dev/null) || true; }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(installed_at)" != "$PWD" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ] \
+  || [ "$(installed_at)" != "$PWD" ]; then
   echo "[setup] installing scaleout[$extras] (editable)"
   pip_install -e ".[$extras]"
   [ "$(installed_at)" = "$PWD" ] || { echo "[setup] error: scaleout is not importable from $PWD after the install" >&2; exit 1; }

@@ -195,11 +195,19 @@ def test_gpu_peak_follows_precision_and_unknown_gpu_gives_report_without_mfu(mon
     }
     which = {"dev": "h100"}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[which["dev"]])
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert devices.gpu_peak("cuda:0", "bf16").flops == 756e12
-    assert devices.gpu_peak("cuda:0", "fp32").flops == 51e12  # no TF32: plain FP32 peak
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert devices.gpu_peak("cuda:0", "fp32").flops == 378e12
+    # allow_tf32 is served by the module's __getattr__/__setattr__ (no instance attribute), so set it
+    # through torch's setter and restore it: monkeypatch.setattr's undo would delattr it (pytest >= 9.2
+    # fails on that).
+    matmul = torch.backends.cuda.matmul
+    tf32_before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert devices.gpu_peak("cuda:0", "bf16").flops == 756e12
+        assert devices.gpu_peak("cuda:0", "fp32").flops == 51e12  # no TF32: plain FP32 peak
+        matmul.allow_tf32 = True
+        assert devices.gpu_peak("cuda:0", "fp32").flops == 378e12
+    finally:
+        matmul.allow_tf32 = tf32_before
     which["dev"] = "new"
     peak = devices.gpu_peak("cuda:0", "bf16")
     assert peak.flops is None and "Future X" in peak.name and "train.peak_flops" in peak.source
