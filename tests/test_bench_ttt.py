@@ -68,6 +68,68 @@ def test_plan_gives_every_recipe_the_same_sequences_and_eval_interval() -> None:
     )
 
 
+def _ttt_args(*argv: str):
+    from scaleout.cli import build_parser
+
+    return build_parser().parse_args(["bench", "ttt", *argv])
+
+
+@pytest.mark.unit
+def test_scaleout_recipe_is_the_config_and_command_writes_it_back() -> None:
+    """The recipe's settings are config keys (no --batch/--lr/--precision/--bucket-mb flags): the Recipe read
+    from the resolved config and the `scaleout train` overrides command() writes for it agree, key by key."""
+    from scaleout.config import load_config
+
+    args = _ttt_args("optim.lr=1e-2", "comm.bucket_mb=4", "train.precision=fp32", "--warmup", "0.2")
+    cfg = ttt.scaleout_config(args)
+    r = Recipe.from_config("scaleout", cfg, args.warmup)
+    assert (r.optimizer, r.batch, r.lr, r.bucket_mb) == ("lamb", 32, 1e-2, 4.0)
+    assert (r.precision, r.compression, r.comm) == ("fp32", "none", "hierarchical")
+    sc = command(_plan(), r, 1, __import__("pathlib").Path("o"))
+    ran = load_config(sc[2], sc[3:])  # what `scaleout train` would run
+    for key in (
+        "optim.name",
+        "optim.lr",
+        "train.global_batch",
+        "train.precision",
+        "comm.algorithm",
+    ):
+        section, name = key.split(".")
+        assert getattr(getattr(ran, section), name) == getattr(getattr(cfg, section), name), key
+    assert (ran.comm.bucket_mb, ran.comm.overlap, ran.comm.compression) == (4.0, True, "none")
+    default = ttt.scaleout_config(_ttt_args())  # SCALEOUT_RECIPE over bert_tiny_cpu
+    assert (default.train.global_batch, default.train.target, default.comm.bucket_mb) == (
+        32,
+        0.13,
+        1.0,
+    )
+    rec = ttt.recipes(args, cfg, 4, 1.2, Recipe("baseline", "torch", "adamw", 64, 2e-3, 0.1))
+    assert [c.name for c in rec["chain"]] == [
+        "abl-framework",
+        "abl-packing",
+        "abl-comm",
+        "scaleout",
+    ]
+    assert rec["chain"][2].bucket_mb == 4.0 and rec["scaleout-sharded"].sharded
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("model.bert.layerz=1", "unknown key model.bert.layerz"),
+        ("train.max_steps=5", "override train.max_steps: the benchmark sets it for every run"),
+        ("train.target=null", "train.target=null"),
+    ],
+)
+def test_bad_override_is_one_line_before_anything_runs(override: str, says: str) -> None:
+    from scaleout.errors import UserError
+
+    with pytest.raises(UserError, match=says.replace(".", "[.]")) as e:
+        ttt.scaleout_config(_ttt_args(override))
+    assert "\n" not in str(e.value)
+
+
 def _row(
     recipe: str, seed: int, ttt: float | None, steps: int = 10, cluster: str = "netns"
 ) -> dict:

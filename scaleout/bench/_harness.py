@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scaleout.errors import UserError
 from scaleout.output import format_table, pyplot, save_figure, write_json
 
 if TYPE_CHECKING:
@@ -197,9 +198,36 @@ def add_standard_arguments(
         )
 
 
+def add_config_arguments(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    """``--config`` and the positional ``key=value`` overrides of a benchmark that trains or builds from a
+    config: the config's keys are set there, never as flags of their own (tests/test_cli_surface.py)."""
+    p.add_argument("--config", default=default, help=f"{what} (default {default})")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="config overrides key=value (they win over the benchmark's defaults), e.g. "
+        "model.bert.layers=1 train.target=0.1",
+    )
+
+
+def bench_config(
+    args: argparse.Namespace, defaults: Sequence[str] = (), bench_keys: Sequence[str] = ()
+) -> Any:
+    """``args.config`` + the benchmark's ``defaults`` + ``args.overrides`` (they win), validated. An override
+    of a key the benchmark sets for every run itself (``bench_keys``) would be silently replaced, so it is
+    refused. Raises UserError, one line naming the key, before anything runs."""
+    from scaleout.config import load_config, parse_overrides  # deferred: a fast `scaleout --help`
+
+    for keys, _ in parse_overrides(args.overrides):
+        if ".".join(keys) in bench_keys:
+            raise UserError(
+                f"override {'.'.join(keys)}: the benchmark sets it for every run (see its --help)"
+            )
+    return load_config(args.config, [*defaults, *args.overrides])
+
+
 def check_counts(args: argparse.Namespace, **least: int) -> None:
     """One line naming every flag below its least value (``repeats=1, warmup=0``...)."""
-    from scaleout.errors import UserError
 
     bad = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
@@ -321,7 +349,6 @@ def init_ranks(at_least: int, bench: str) -> World:
     import torch
 
     import scaleout
-    from scaleout.errors import UserError
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = scaleout.init()

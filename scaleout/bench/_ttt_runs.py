@@ -66,6 +66,27 @@ class Recipe:
     compression: str = "none"  # scaleout's comm.compression: the gradients' dtype on the wire
     label: str = ""  # what this row switches on, for the tables
 
+    @classmethod
+    def from_config(cls, name: str, cfg: Any, warmup: float, **kw: Any) -> Recipe:
+        """``scaleout train``'s recipe as a resolved config states it (the keys :func:`command` writes
+        back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets, precision, wire dtype."""
+        low = cfg.train.precision != "fp32"
+        return cls(
+            name,
+            "scaleout",
+            cfg.optim.name,
+            cfg.train.global_batch,
+            cfg.optim.lr,
+            warmup,
+            packing=cfg.data.packing != "none",
+            comm=cfg.comm.algorithm,
+            overlap=cfg.comm.overlap,
+            bucket_mb=cfg.comm.bucket_mb,
+            precision=cfg.train.precision,
+            compression=cfg.comm.compression if low else "none",
+            **kw,
+        )
+
     def seqs_per_step(self, seqs_per_row: float) -> float:
         return self.batch * (seqs_per_row if self.packing else 1.0)
 

@@ -34,32 +34,73 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.argtypes import csv_of
+from scaleout.bench._harness import bench_config
 
 NAME = "ttt"
 HELP = "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, hierarchical)"
 DESCRIPTION = (
     __doc__
     + """
+scaleout's recipe is a config: --config plus SCALEOUT_RECIPE below plus your key=value overrides (they
+win). Its batch, learning rate, precision, wire dtype, all-reduce and buckets are config keys
+(train.global_batch, optim.lr, train.precision, comm.compression, comm.algorithm, comm.bucket_mb), the
+target is train.target and the cluster shape launch.nnodes x launch.nproc_per_node. The overrides also
+reach the baseline (its model, data and target). The keys every run sets from --budget, --eval-seqs and
+--seeds (BENCH_KEYS) are refused.
+
 examples:
   scaleout bench ttt                                  # local + netns 2x2 at 1 Gbit, 3 seeds, ablation on netns
   scaleout bench ttt --clusters netns --seeds 1,2,3,4,5
   scaleout bench ttt --clusters local --no-ablation --baseline-lrs 2e-3 --baseline-batches 64
+  scaleout bench ttt train.precision=fp32 comm.bucket_mb=4 optim.lr=1e-2 train.target=0.14
   scaleout bench ttt --quick                          # tiny smoke (~1 min): local 1x2, one seed, tiny model
 """
 )
 
-SMOKE_ARGS = [
-    "--quick",
-    "--target",
-    "0.01",
-]  # every code path, ~1-2 min; run by its own end-to-end test:
+SMOKE_ARGS = ["--quick", "train.target=0.01"]  # every code path, ~1-2 min; its own end-to-end test:
 SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
+# scaleout's recipe on top of --config (docs/ttt.md: why 32 packed rows at lr 2e-2); overrides win.
+SCALEOUT_RECIPE = [
+    "train.target=0.13",  # 2.4x the most-frequent-token 0.054, above copy-the-input 0.117
+    "train.global_batch=32",  # packed rows, ~36 sequences: larger needs more sequences on this model
+    "optim.name=lamb",
+    "optim.lr=2e-2",
+    "train.precision=bf16",  # autocast matmuls, fp32 master weights and LAMB state
+    "comm.compression=bf16",  # with bf16/fp16 precision: the gradients all-reduced in that dtype
+    "comm.algorithm=hierarchical",
+    "comm.overlap=true",
+    "comm.bucket_mb=1.0",
+    "launch.nnodes=2",  # the clusters' shape (emulated nodes x ranks per node)
+    "launch.nproc_per_node=2",
+]
 QUICK = [
     "model.bert.layers=1",
     "model.bert.hidden=32",
     "model.bert.heads=1",
     "model.bert.intermediate=64",
+    "train.global_batch=16",
+    "launch.nnodes=1",
 ]
+# Set for every run from the bench's own rules (the sequence budget, the eval interval, the seeds, the run
+# directories): an override of one would be silently replaced, so it is refused.
+BENCH_KEYS = (
+    "optim.warmup_steps",
+    "optim.total_steps",
+    "optim.decay_from",
+    "optim.power",
+    "optim.end_lr",
+    "optim.sharded",
+    "optim.overlap_comm",
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_start_step",
+    "train.seed",
+    "train.output_dir",
+    "train.progress",
+    "train.grad_accum",
+    "checkpoint.dir",
+    "checkpoint.every_steps",
+)
 
 
 def _names(text: str) -> list[str]:
@@ -78,14 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         default="bert_tiny_cpu",
-        help="model + data config for both sides (default bert_tiny_cpu)",
-    )
-    p.add_argument(
-        "--target",
-        type=float,
-        default=0.13,
-        help="masked-LM accuracy to reach (default 0.13: 2.4x the most-frequent-token 0.054, above "
-        "copy-the-input 0.117)",
+        help="model + data config for both sides, under scaleout's recipe (default bert_tiny_cpu)",
     )
     p.add_argument(
         "--budget",
@@ -108,8 +142,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=["local", "netns"],
         help="local (scaleout launch) and/or netns (launch --netns, root) (default local,netns)",
     )
-    p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
-    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--rate", default="1gbit", help="netns link rate (default 1gbit)")
     p.add_argument(
         "--baseline-lrs",
@@ -130,40 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="baseline warm-up fraction of its steps (default 0.1)",
     )
     p.add_argument(
-        "--batch",
-        type=int,
-        default=32,
-        help="scaleout global batch in packed rows (default 32 = ~36 sequences; docs/ttt.md: larger needs "
-        "more sequences on this model)",
-    )
-    p.add_argument(
-        "--lr", type=float, default=2e-2, help="scaleout LAMB learning rate (default 2e-2)"
-    )
-    p.add_argument(
         "--warmup",
         type=float,
         default=0.1,
         help="scaleout warm-up fraction of its steps (default 0.1)",
-    )
-    p.add_argument(
-        "--precision",
-        choices=["fp32", "bf16", "fp16"],
-        default="bf16",
-        help="scaleout's train.precision (default bf16: autocast matmuls, fp32 master weights and LAMB "
-        "state; the ablation's last step switches it on, so its share of the win is shown)",
-    )
-    p.add_argument(
-        "--compression",
-        choices=["none", "bf16", "fp16"],
-        default="bf16",
-        help="scaleout's comm.compression with --precision bf16/fp16: gradients all-reduced in that dtype "
-        "(half the bytes on the wire; default bf16)",
-    )
-    p.add_argument(
-        "--bucket-mb",
-        type=float,
-        default=1.0,
-        help="scaleout DataParallel bucket size (default 1 MB)",
     )
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
     p.add_argument(
@@ -189,21 +191,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="model/data config overrides for both sides, e.g. model.bert.layers=1",
+        help="config overrides key=value (after --config and SCALEOUT_RECIPE): scaleout's recipe, and "
+        "the model/data/target of both sides, e.g. optim.lr=1e-2 model.bert.layers=1",
     )
 
 
 def _quick(args: argparse.Namespace) -> None:
     """Tiny settings for a smoke test: every code path, a minute of CPU."""
     args.overrides = [*QUICK, *args.overrides]
-    args.clusters, args.ablation_clusters = ["local"], ["local"]
-    args.nnodes, args.nproc_per_node, args.seeds = 1, 2, args.seeds[:1]
+    args.clusters, args.ablation_clusters, args.seeds = ["local"], ["local"], args.seeds[:1]
     args.baseline_lrs, args.baseline_batches = args.baseline_lrs[:1], args.baseline_batches[:1]
-    args.budget, args.eval_seqs, args.batch = (
-        min(args.budget, 256),
-        min(args.eval_seqs, 64),
-        min(args.batch, 16),
-    )
+    args.budget, args.eval_seqs = min(args.budget, 256), min(args.eval_seqs, 64)
+
+
+def scaleout_config(args: argparse.Namespace) -> Any:
+    """--config + SCALEOUT_RECIPE + the overrides, validated (a bad key is one line, before any launch)."""
+    from scaleout.errors import UserError
+
+    cfg = bench_config(args, SCALEOUT_RECIPE, BENCH_KEYS)
+    if cfg.train.target is None:
+        raise UserError("train.target=null: the head to head needs a masked-LM accuracy to reach")
+    return cfg
 
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
@@ -221,7 +229,7 @@ def seqs_per_row(cfg: Any) -> tuple[float, str]:
     return float(s.speedup), algo
 
 
-def _clusters(args: argparse.Namespace) -> list[Any]:
+def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:
     from scaleout.bench._ttt_runs import Cluster
 
     out = []
@@ -230,35 +238,30 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
             print("netns: skipped (the emulated cluster needs root)", flush=True)
             continue
         out.append(
-            Cluster(name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None)
+            Cluster(
+                name,
+                cfg.launch.nnodes,
+                cfg.launch.nproc_per_node,
+                args.rate if name == "netns" else None,
+            )
         )
     if not out:
         raise SystemExit("scaleout bench ttt: no cluster to run on")
     return out
 
 
-def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict[str, Any]:
-    """scaleout's recipes and the ablation chain, given the best baseline recipe ``best``."""
+def recipes(
+    args: argparse.Namespace, cfg: Any, world: int, spr: float, best: Any
+) -> dict[str, Any]:
+    """scaleout's recipe (read from ``cfg``: :func:`scaleout_config`) and the ablation chain, given the best
+    baseline recipe ``best``."""
     from scaleout.bench._ttt_runs import Recipe
 
     rows = max(
         world, round(best.batch / spr / world) * world
     )  # packed rows carrying ~the baseline's sequences
-    full = Recipe(
-        "scaleout",
-        "scaleout",
-        "lamb",
-        args.batch,
-        args.lr,
-        args.warmup,
-        packing=True,
-        comm="hierarchical",
-        overlap=True,
-        bucket_mb=args.bucket_mb,
-        precision=args.precision,
-        compression=args.compression if args.precision != "fp32" else "none",
-        label=_low_label(args),
-    )
+    full = Recipe.from_config("scaleout", cfg, args.warmup)
+    full = replace(full, label=_low_label(full))
     framework = Recipe(
         "abl-framework",
         "scaleout",
@@ -274,34 +277,35 @@ def recipes(args: argparse.Namespace, world: int, spr: float, best: Any) -> dict
     comm = replace(
         packing,
         name="abl-comm",
-        comm="hierarchical",
-        bucket_mb=args.bucket_mb,
-        label="hierarchical all-reduce + overlap",
+        comm=full.comm,
+        bucket_mb=full.bucket_mb,
+        label=f"{full.comm} all-reduce + overlap",
     )
     lamb = replace(
         full,
         name="abl-lamb",
         precision="fp32",
         compression="none",
-        label=f"LAMB lr {args.lr:g} at {args.batch} packed rows",
+        label=f"{full.optimizer.upper()} lr {full.lr:g} at {full.batch} packed rows",
     )
-    chain = [framework, packing, comm] + ([lamb] if args.precision != "fp32" else []) + [full]
-    if args.precision == "fp32":
+    low = full.precision != "fp32"
+    chain = [framework, packing, comm] + ([lamb] if low else []) + [full]
+    if not low:
         chain[-1] = replace(full, label=lamb.label)
     return {
         "scaleout": full,
         "scaleout-sharded": replace(
-            full, name="scaleout-sharded", sharded=True, label="sharded LAMB"
+            full, name="scaleout-sharded", sharded=True, label=f"sharded {full.optimizer.upper()}"
         ),
         "chain": chain,
     }
 
 
-def _low_label(args: argparse.Namespace) -> str:
-    if args.precision == "fp32":
-        return "LAMB"
-    wire = f" + {args.compression} all-reduce" if args.compression != "none" else ""
-    return f"{args.precision} autocast{wire}"
+def _low_label(r: Any) -> str:
+    if r.precision == "fp32":
+        return r.optimizer.upper()
+    wire = f" + {r.compression} all-reduce" if r.compression != "none" else ""
+    return f"{r.precision} autocast{wire}"
 
 
 def sweep(
@@ -380,19 +384,17 @@ def _done(row: dict[str, Any], root: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scaleout.bench._ttt_runs import Plan, execute
-    from scaleout.config import load_config
 
     if args.quick:
         _quick(args)
-    cfg = load_config(args.config, args.overrides)  # bad overrides: one line, before anything runs
-    clusters = _clusters(args)
+    cfg = scaleout_config(args)  # bad overrides: one line, before anything runs
+    clusters = _clusters(args, cfg)
     t0 = time.perf_counter()
     spr, algo = seqs_per_row(cfg)
-    plan = Plan(
-        args.config, args.target, args.budget, args.eval_seqs, spr, algo, list(args.overrides)
-    )
+    target = cfg.train.target
+    plan = Plan(args.config, target, args.budget, args.eval_seqs, spr, algo, list(args.overrides))
     print(
-        f"{args.config}: target {args.target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
+        f"{args.config}: target {target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
         f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
         f"{args.seeds}",
         flush=True,
@@ -413,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
     for i, seed in enumerate(args.seeds):
         for c in clusters:
             base = replace(best[c.name][1], name="baseline")
-            rec = recipes(args, c.world, spr, base)
+            rec = recipes(args, cfg, c.world, spr, base)
             todo = ([base] if i else []) + [rec["scaleout"], rec["scaleout-sharded"]]
             if not args.no_ablation and c.name in args.ablation_clusters:
                 todo += rec["chain"][:-1]
