@@ -17,7 +17,7 @@ from scaleout.bench import largebatch
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     largebatch.add_arguments(p)
-    return p.parse_args(list(argv))
+    return largebatch.resolve(p.parse_args(list(argv)))
 
 
 @pytest.mark.unit
@@ -53,7 +53,7 @@ def test_plan_one_rule_for_every_optimizer() -> None:
         assert r["eval_every"] * r["batch"] == base["eval_every"] * base["batch"]
     with pytest.raises(SystemExit, match="warmup"):
         largebatch.plan(
-            _args("--base-steps", "80", "--warmup-steps", "20")
+            _args("--base-steps", "80", "optim.warmup_steps=20")
         )  # 10 large steps < 20 warm-up
 
 
@@ -92,12 +92,8 @@ def test_tiny_end_to_end_reports_budget(tmp_path, capsys) -> None:
         "2",
         "--base-steps",
         "6",
-        "--warmup-steps",
-        "1",
         "--eval-every",
         "1",
-        "--target",
-        "0.99",
         "--adamw-lrs",
         "1e-3",
         "--seeds",
@@ -106,6 +102,8 @@ def test_tiny_end_to_end_reports_budget(tmp_path, capsys) -> None:
         str(out),
         "--png",
         "",
+        "optim.warmup_steps=1",
+        "train.target=0.99",
         "model.bert.layers=1",
         "data.eval_samples=16",
     )

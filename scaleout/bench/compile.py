@@ -8,7 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from scaleout.bench._harness import (
+    add_config_arguments,
     add_standard_arguments,
+    bench_config,
     check_counts,
     compare,
     emit,
@@ -19,11 +21,11 @@ from scaleout.bench._harness import (
 NAME = "compile"
 HELP = "tiny BERT forward+backward+optimizer step on CPU: torch.compile (Inductor) vs eager, compile time apart"
 DESCRIPTION = """\
-Builds two copies of the same BERT (the tiny CPU shape of configs/bert_tiny_cpu.yaml by default:
-hidden 128, 2 layers, 2 heads, intermediate 512, vocab 4096), compiles one in place with
-scaleout.train.capture.compile_model (what model.compile=true does in the trainer), and times a full
-training step (forward, backward, AdamW) on the same packed-shape batch (--batch rows of --seq-len
-tokens). The first compiled step (tracing + code generation) is reported separately as compile time;
+Builds two copies of the same BERT (model.bert of --config, default configs/bert_tiny_cpu.yaml:
+hidden 128, 2 layers, 2 heads, intermediate 512, vocab 4096; key=value overrides change it), compiles one
+in place with scaleout.train.capture.compile_model (what model.compile=true does in the trainer), and
+times a full training step (forward, backward, AdamW) on the same packed-shape batch (--batch rows of
+data.max_seq_len tokens; train.seed, default 0 here, seeds the weights and the batch). The first compiled step (tracing + code generation) is reported separately as compile time;
 then eager and compiled steps alternate (--repeats each) so machine noise hits both, and the table
 gives median wall and thread-CPU time per step and the speed-up compiled / eager, whichever wins.
 Also reports the largest loss difference between the two over the timed steps (dropout 0: the same
@@ -32,6 +34,7 @@ math) as a correctness check.
 examples:
   scaleout bench compile
   scaleout bench compile --batch 32 --repeats 10 --backend inductor --mode max-autotune-no-cudagraphs
+  scaleout bench compile model.bert.hidden=256 model.bert.layers=4 data.max_seq_len=64
 """
 
 
@@ -42,31 +45,22 @@ SMOKE_ARGS = [
     "1",
     "--batch",
     "1",
-    "--seq-len",
-    "16",
-    "--hidden",
-    "32",
-    "--layers",
-    "1",
-    "--intermediate",
-    "64",
-    "--vocab",
-    "128",
+    "data.max_seq_len=16",
+    "model.bert.hidden=32",
+    "model.bert.layers=1",
+    "model.bert.intermediate=64",
+    "model.bert.vocab_size=128",
 ]
+DEFAULTS = ["train.seed=0"]  # on top of --config; the overrides win
+BENCH_KEYS = ("model.bert.dropout",)  # 0: eager and compiled do the same math (the loss check)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--mode", default=None, help="torch.compile mode (default: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
     add_standard_arguments(p, NAME, repeats=10, threads=1)
+    add_config_arguments(p, "bert_tiny_cpu", "the model (model.bert) and data.max_seq_len")
 
 
 def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
@@ -76,23 +70,16 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     import numpy as np
     import torch
 
-    from scaleout.config.schema import BertConfig
     from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
     from scaleout.models.bert import BertForPreTraining
     from scaleout.train.capture import compile_model
 
-    cfg = BertConfig(
-        vocab_size=args.vocab,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        intermediate=args.intermediate,
-        max_position=args.seq_len,
-        dropout=0.0,
-    )
-    seqs = synthetic_sequences(np.full(args.batch, args.seq_len), args.vocab, seed=args.seed)
-    batch = build_batch(seqs, padded_packs(args.batch), args.seq_len)
-    torch.manual_seed(args.seed)
+    run = bench_config(args, DEFAULTS, BENCH_KEYS)
+    seq_len, seed = run.data.max_seq_len, run.train.seed
+    cfg = run.model.bert.model_copy(update={"max_position": seq_len, "dropout": 0.0})
+    seqs = synthetic_sequences(np.full(args.batch, seq_len), cfg.vocab_size, seed=seed)
+    batch = build_batch(seqs, padded_packs(args.batch), seq_len)
+    torch.manual_seed(seed)
     eager = BertForPreTraining(cfg).train()
     models = {
         "eager": eager,

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.argtypes import csv_of
-from scaleout.bench._harness import add_standard_arguments, emit
+from scaleout.bench._harness import (
+    add_config_arguments,
+    add_standard_arguments,
+    bench_config,
+    emit,
+)
+from scaleout.errors import UserError
 
 NAME = "largebatch"
 HELP = "steps to a target: LAMB at the base batch vs LAMB and AdamW at 8x the batch (one run)"
@@ -40,11 +46,32 @@ DESCRIPTION = (
 examples:
   scaleout bench largebatch                     # tiny BERT: LAMB b2, LAMB b16, AdamW b16 x 3 LRs, target 0.12
   scaleout bench largebatch --lamb-lr 5e-3      # another base LAMB rate (scaled the same way at 8x)
-  scaleout bench largebatch --adamw-lrs 1e-3,2e-3 --target 0.10 --png ''
+  scaleout bench largebatch --adamw-lrs 1e-3,2e-3 train.target=0.10 --png ''
   scaleout bench largebatch --adamw-lrs '' train.seed=1     # LAMB only, another initialisation
 """
 )
 
+
+# On top of --config; the overrides win. The warm-up steps are the same at every batch (LEGW).
+DEFAULTS = [
+    "train.target=0.12",  # above copy-the-input 0.117 and 2.2x the most-frequent-token 0.054
+    "optim.warmup_steps=80",
+]
+# Set for every run by the plan (optimizer, lr, batch, budget, eval interval, output): refused as overrides.
+BENCH_KEYS = (
+    "launch.env",
+    "optim.name",
+    "optim.lr",
+    "train.global_batch",
+    "train.max_steps",
+    "optim.total_steps",
+    "train.eval_every",
+    "train.output_dir",
+    "checkpoint.dir",
+    "checkpoint.every_steps",
+    "train.progress",
+    "comm.algorithm",
+)
 
 SMOKE_ARGS = [
     "--base-batch",
@@ -53,12 +80,11 @@ SMOKE_ARGS = [
     "2",
     "--base-steps",
     "4",
-    "--warmup-steps",
-    "1",
     "--eval-every",
     "1",
     "--adamw-lrs",
     "1e-3",
+    "optim.warmup_steps=1",  # the overrides together: argparse takes one run of positionals
     "model.bert.layers=1",
     "data.eval_samples=16",
     "data.source=synthetic",
@@ -66,18 +92,10 @@ SMOKE_ARGS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="bert_tiny_cpu", help="config (default bert_tiny_cpu)")
     p.add_argument(
         "--base-batch", type=int, default=2, help="base global batch in packed rows (default 2)"
     )
     p.add_argument("--factor", type=int, default=8, help="large batch = factor x base (default 8)")
-    p.add_argument(
-        "--target",
-        type=float,
-        default=0.12,
-        help="masked-LM accuracy to reach (default 0.12: above copy-the-input 0.117 and 2.2x the "
-        "most-frequent-token 0.054)",
-    )
     p.add_argument(
         "--lamb-lr",
         type=float,
@@ -95,12 +113,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--base-steps", type=int, default=3200, help="step budget at the base batch (default 3200)"
     )
     p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=80,
-        help="warm-up steps, the same at every batch (linear-epoch warm-up; default 80)",
-    )
-    p.add_argument(
         "--eval-every",
         type=int,
         default=2,
@@ -114,7 +126,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the config's seed once)",
     )
     add_standard_arguments(p, NAME, png=True)
-    p.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.bert.layers=1")
+    add_config_arguments(p, "bert_tiny_cpu", "config every run trains, under DEFAULTS")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """The config's target and warm-up steps (--config + DEFAULTS + overrides; a bad key is one line before
+    any run) as ``args.target`` and ``args.warmup_steps``: the plan and the report use them."""
+    cfg = bench_config(args, DEFAULTS, BENCH_KEYS)
+    if cfg.train.target is None:
+        raise UserError("train.target=null: the benchmark counts steps to a masked-LM accuracy")
+    args.target, args.warmup_steps = cfg.train.target, cfg.optim.warmup_steps
+    return args
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -143,7 +165,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
         if r["max_steps"] <= args.warmup_steps:
             raise SystemExit(
                 f"--base-steps {args.base_steps} / --factor {f} = {r['max_steps']} steps must exceed "
-                f"--warmup-steps {args.warmup_steps}"
+                f"optim.warmup_steps={args.warmup_steps}"
             )
     return runs
 
@@ -169,6 +191,7 @@ def _train(
         cfg = load_config(
             args.config,
             [
+                *DEFAULTS,
                 *args.overrides,
                 "launch.env=single",
                 f"optim.name={run['optimizer']}",
@@ -176,8 +199,6 @@ def _train(
                 f"train.global_batch={run['batch']}",
                 f"train.max_steps={run['max_steps']}",
                 f"optim.total_steps={run['max_steps']}",
-                f"optim.warmup_steps={args.warmup_steps}",
-                f"train.target={args.target}",
                 f"train.eval_every={run['eval_every']}",
                 f"train.output_dir={tmp}",
                 "checkpoint.dir=null",
@@ -263,7 +284,7 @@ def summary(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs, t0 = plan(args), time.perf_counter()
+    runs, t0 = plan(resolve(args)), time.perf_counter()
     seeds = args.seeds or [None]  # None: the config's train.seed
     rows: list[dict[str, Any]] = []
     per_seed = []

@@ -6,7 +6,12 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from scaleout.argtypes import parse_csv
-from scaleout.bench._harness import add_standard_arguments, emit
+from scaleout.bench._harness import (
+    add_config_arguments,
+    add_standard_arguments,
+    bench_config,
+    emit,
+)
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -15,11 +20,11 @@ if TYPE_CHECKING:
 NAME = "precision"
 HELP = "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what the CPU supports"
 DESCRIPTION = """\
-Runs the real trainer (scaleout.train.loop.Trainer, one process) on CONFIG once per precision, from the
+Runs the real trainer (scaleout.train.loop.Trainer, one process) on --config once per precision, from the
 same initial weights and the same data order, and compares each run with the fp32 baseline of the same
-invocation: step time (median wall and thread-CPU time over the steps after --warmup; the speed-up is
-taken on CPU time, which other jobs on the machine do not inflate; --threads 1 by default), the loss curve (moving
-mean over --window steps; the largest relative gap to fp32 and the final one), the final masked-LM /
+invocation: step time (median wall and thread-CPU time over the steps after train.timing_skip_steps;
+the speed-up is taken on CPU time, which other jobs on the machine do not inflate; --threads 1 by
+default), the loss curve (moving mean over --window steps; the largest relative gap to fp32 and the final one), the final masked-LM /
 top-1 evaluation, and for fp16 the loss scale and the steps it skipped. The verdict: every low-precision
 curve stays within --tolerance (relative) of fp32 after the first --window steps. Also prints which
 low-precision instructions this CPU reports (/proc/cpuinfo: avx512_bf16, amx_bf16, avx512_fp16, ...)
@@ -27,24 +32,37 @@ and torch's CPU capability. JSON with the curves, and a PNG of them.
 
 examples:
   scaleout bench precision
-  scaleout bench precision bert_tiny_cpu --steps 300 --precisions fp32,bf16 --tolerance 0.03
+  scaleout bench precision --precisions fp32,bf16 --tolerance 0.03 train.max_steps=300
+Config keys are overrides (key=value, over DEFAULTS: train.max_steps=200, train.global_batch=32,
+train.timing_skip_steps=3); the keys every run sets itself (train.precision, eval, output) are refused.
 """
 
 SMOKE_ARGS = [
-    "bert_tiny_cpu",
-    "data.source=synthetic",
-    "data.eval_samples=8",
-    "--steps",
-    "4",
-    "--warmup",
-    "1",
     "--window",
     "2",
-    "--batch",
-    "4",
     "--precisions",
     "fp32,bf16",
+    "data.source=synthetic",
+    "data.eval_samples=8",
+    "train.max_steps=4",
+    "train.timing_skip_steps=1",
+    "train.global_batch=4",
 ]
+# On top of --config; the overrides win. Steps per run, global batch, steps left out of the timing.
+DEFAULTS = ["train.max_steps=200", "train.global_batch=32", "train.timing_skip_steps=3"]
+# Set for every run by the benchmark (one process, an eval at the end only, no target, no checkpoints, the
+# precision under test): refused as overrides.
+BENCH_KEYS = (
+    "launch.env",
+    "train.grad_accum",
+    "train.eval_every",
+    "train.target",
+    "checkpoint.dir",
+    "checkpoint.every_steps",
+    "train.progress",
+    "train.output_dir",
+    "train.precision",
+)
 PRECISIONS = ("fp32", "bf16", "fp16")
 CPU_FLAGS = (
     "avx512_bf16",
@@ -59,15 +77,8 @@ CPU_FLAGS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "config", nargs="?", default="bert_tiny_cpu", help="run config (default bert_tiny_cpu)"
-    )
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.add_argument(
         "--precisions", default="fp32,bf16,fp16", help="comma list; fp32 is always run first"
     )
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
-    p.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (default 3)")
     p.add_argument(
         "--window", type=int, default=20, help="moving-mean window of the loss curves (default 20)"
     )
@@ -78,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="max relative gap of a curve to fp32 (default 0.05)",
     )
     add_standard_arguments(p, NAME, threads=1, png=True)
+    add_config_arguments(p, "bert_tiny_cpu", "run config, under DEFAULTS")
 
 
 def cpu_support() -> dict[str, Any]:
@@ -153,9 +165,11 @@ def run(args: argparse.Namespace) -> int:
     names = ["fp32"] + [
         p for p in parse_csv(args.precisions, "--precisions", choices=PRECISIONS) if p != "fp32"
     ]
-    if args.steps <= args.warmup or args.window < 1:
+    t = bench_config(args, DEFAULTS, BENCH_KEYS).train  # a bad key: one line, before any run
+    if t.max_steps <= t.timing_skip_steps or args.window < 1:
         raise UserError(
-            f"--steps={args.steps} must exceed --warmup={args.warmup}; --window={args.window} >= 1"
+            f"train.max_steps={t.max_steps} must exceed train.timing_skip_steps="
+            f"{t.timing_skip_steps}; --window={args.window} >= 1"
         )
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -220,32 +234,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
-    """The same run of CONFIG in each precision, from the same weights and data order."""
+    """The same run of the config in each precision, from the same weights and data order."""
     import tempfile
 
     import scaleout
     from scaleout.config import load_config
 
     tmp = tempfile.mkdtemp(prefix="bench-precision-")
+    cfg = bench_config(args, DEFAULTS, BENCH_KEYS)
     base = [
+        *DEFAULTS,
         *args.overrides,
         "launch.env=single",
-        f"train.global_batch={args.batch}",
         "train.grad_accum=1",
-        f"train.max_steps={args.steps}",
-        f"train.eval_every={args.steps}",
+        f"train.eval_every={cfg.train.max_steps}",
         "train.target=null",
         "checkpoint.dir=null",
         "checkpoint.every_steps=0",
         "train.progress=false",
-        f"train.timing_skip_steps={args.warmup}",
         f"train.output_dir={tmp}",
     ]
     world = scaleout.init(load_config(args.config, base))
     runs: dict[str, dict[str, Any]] = {}
     try:
         for name in names:
-            print(f"  training {args.steps} steps in {name} ...", flush=True)
+            print(f"  training {cfg.train.max_steps} steps in {name} ...", flush=True)
             runs[name] = _train(load_config(args.config, [*base, f"train.precision={name}"]), world)
     finally:
         world.close()
