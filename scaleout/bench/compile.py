@@ -25,7 +25,8 @@ Builds two copies of the same BERT (model.bert of --config, default configs/bert
 hidden 128, 2 layers, 2 heads, intermediate 512, vocab 4096; key=value overrides change it), compiles one
 in place with scaleout.train.capture.compile_model (what model.compile=true does in the trainer), and
 times a full training step (forward, backward, AdamW) on the same packed-shape batch (--batch rows of
-data.max_seq_len tokens; train.seed, default 0 here, seeds the weights and the batch). The first compiled step (tracing + code generation) is reported separately as compile time;
+data.max_seq_len tokens; train.seed, default 0 here, seeds the weights and the batch). The first
+compiled step (tracing + code generation) is reported separately as compile time;
 then eager and compiled steps alternate (--repeats each) so machine noise hits both, and the table
 gives median wall and thread-CPU time per step and the speed-up compiled / eager, whichever wins.
 Also reports the largest loss difference between the two over the timed steps (dropout 0: the same
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "bert_tiny_cpu", "the model (model.bert) and data.max_seq_len")
 
 
-def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
+def _steps(args: argparse.Namespace, run: Any) -> dict[str, Callable[[], float]]:
     """A full training step (forward, backward, AdamW) of two copies of one BERT: eager and compiled."""
     import copy
 
@@ -74,7 +75,6 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     from scaleout.models.bert import BertForPreTraining
     from scaleout.train.capture import compile_model
 
-    run = bench_config(args, DEFAULTS, BENCH_KEYS)
     seq_len, seed = run.data.max_seq_len, run.train.seed
     cfg = run.model.bert.model_copy(update={"max_position": seq_len, "dropout": 0.0})
     seqs = synthetic_sequences(np.full(args.batch, seq_len), cfg.vocab_size, seed=seed)
@@ -104,9 +104,10 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    check_counts(args, repeats=1, batch=1, seq_len=8)
+    check_counts(args, repeats=1, batch=1)
+    run = bench_config(args, DEFAULTS, BENCH_KEYS)  # a bad key: one line, before any work
     set_threads(args)
-    steps = _steps(args)
+    steps = _steps(args, run)
     print(f"compiling ({args.backend}) ...", file=sys.stderr, flush=True)
     first = interleave(
         {"compiled": steps["compiled"], "eager": steps["eager"]}, 1, alternate=False
@@ -156,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         {
             "args": {
                 k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")
+            },
+            "config": {
+                "model.bert": run.model.bert.model_dump(mode="json"),
+                "data.max_seq_len": run.data.max_seq_len,
+                "train.seed": run.train.seed,
             },
             "compile_s": compile_s,
             "eager_first_step_s": eager_first,

@@ -6,7 +6,9 @@ import argparse
 from typing import Any
 
 from scaleout.bench._harness import (
+    add_config_arguments,
     add_standard_arguments,
+    bench_config,
     check_counts,
     compare,
     emit,
@@ -14,6 +16,7 @@ from scaleout.bench._harness import (
     set_threads,
     sum_rounds,
 )
+from scaleout.errors import UserError
 from scaleout.resources import package_path
 
 NAME = "packing"
@@ -23,16 +26,16 @@ DEFAULT_HIST = package_path("scaleout", "data", "wikipedia_seqlen_hist_512.txt")
 DESCRIPTION = f"""\
 Draws --sequences lengths from a sequence-length histogram (default: the Wikipedia-512 one,
 {DEFAULT_HIST}), builds synthetic BERT examples of those lengths (15 % MLM masking, NSP labels) and
-packs them (--algorithm, default lphp, <= --max-per-pack per row). It then takes --rows x --batches
+packs them (data.packing, default lphp, <= data.max_per_pack per row). It then takes --rows x --batches
 packs (a systematic sample, so they have the whole packing's mix) and times forward + backward of the same small BERT over them twice: packed, and the
-same sequences one per row padded to --max-len; the two kinds of batches are interleaved so machine
+same sequences one per row padded to data.max_seq_len (512); the two kinds of batches are interleaved so machine
 noise hits both alike. Reports real (non-pad) tokens per second (wall and, with --threads 1, per CPU
 second of the one compute thread) and the ratio packed / padded; the ceiling is the histogram's
 speed-up ceiling (2.0013 for Wikipedia-512).
 
 examples:
   scaleout bench packing
-  scaleout bench packing --hidden 256 --layers 4 --heads 4 --batches 4 --repeats 5
+  scaleout bench packing --batches 4 --repeats 5 model.bert.hidden=256 model.bert.layers=4 model.bert.heads=4
 """
 
 
@@ -45,24 +48,29 @@ SMOKE_ARGS = [
     "2",
     "--repeats",
     "1",
-    "--hidden",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--intermediate",
-    "64",
-    "--vocab",
-    "128",
+    "model.bert.hidden=32",
+    "model.bert.layers=1",
+    "model.bert.heads=2",
+    "model.bert.intermediate=64",
+    "model.bert.vocab_size=128",
 ]
+# On top of --config (the tiny BERT: hidden 128, 2 layers, 2 heads, intermediate 512); the overrides win.
+DEFAULTS = [
+    "data.max_seq_len=512",  # rows of 512 tokens: the Wikipedia-512 histogram
+    "data.packing=lphp",
+    "data.max_per_pack=3",
+    # the MLM head costs the same per real token packed or padded, so a 30522-word head on a 128-wide
+    # model would hide what packing saves (docs/packing.md)
+    "model.bert.vocab_size=1024",
+    "model.bert.dropout=0.1",
+    "model.bert.unpad_mlm_head=true",
+    "train.seed=0",  # the lengths, the packs drawn and the weights
+]
+BENCH_KEYS = ("model.bert.max_position",)  # data.max_seq_len
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hist", default=str(DEFAULT_HIST), help="sequence-length histogram file")
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-per-pack", type=int, default=3)
-    p.add_argument("--algorithm", default="lphp", help="packing algorithm (default lphp)")
     p.add_argument(
         "--sequences", type=int, default=20000, help="sequences drawn and packed (default 20000)"
     )
@@ -75,22 +83,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=6,
         help="packed batches per repeat (default 6); the padded run covers the same sequences",
     )
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument(
-        "--vocab",
-        type=int,
-        default=1024,
-        help="vocabulary (default 1024: the MLM head costs the same per real token packed or padded, so a "
-        "30522-word head on a 128-wide model would hide what packing saves; see docs/packing.md)",
-    )
-    p.add_argument("--seed", type=int, default=0)
     add_standard_arguments(p, NAME, repeats=5, png=True, threads=1)
+    add_config_arguments(
+        p, "bert_tiny_cpu", "the model (model.bert) and packing (data), under DEFAULTS"
+    )
 
 
-def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
+def resolve(args: argparse.Namespace) -> Any:
+    """--config + DEFAULTS + the overrides (a bad key: one line, before any work)."""
+    cfg = bench_config(args, DEFAULTS, BENCH_KEYS)
+    if cfg.data.packing in ("none", "auto"):
+        raise UserError(
+            f"data.packing={cfg.data.packing}: name the algorithm to measure (e.g. lphp)"
+        )
+    return cfg
+
+
+def _packs(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, Any, list[list[int]]]:
     """(histogram, lengths, strategy, the --rows x --batches packs): a systematic sample of the packing, so
     that a few dozen rows have the mix of the whole packing (a plain random draw of 24 packs swung the
     ratio between 1.9 and 2.3)."""
@@ -105,15 +114,13 @@ def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     )
     from scaleout.errors import UserError
 
-    h = load_histogram(args.hist, args.max_len)
-    lengths = sample_lengths(h, args.sequences, seed=args.seed)
+    d, seed = cfg.data, cfg.train.seed
+    h = load_histogram(args.hist, d.max_seq_len)
+    lengths = sample_lengths(h, args.sequences, seed=seed)
     strategy = pack_histogram(
-        histogram_from_lengths(lengths, args.max_len),
-        args.max_len,
-        args.max_per_pack,
-        args.algorithm,
+        histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, d.packing
     )
-    packs = assign_sequences(strategy, lengths, seed=args.seed).packs()
+    packs = assign_sequences(strategy, lengths, seed=seed).packs()
     need = args.rows * args.batches
     if len(packs) < need:
         raise UserError(f"{len(packs)} packs < --rows x --batches = {need}: raise --sequences")
@@ -121,40 +128,31 @@ def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
         range(len(packs)), key=lambda i: (len(packs[i]), sum(int(lengths[j]) for j in packs[i]))
     )
     stride = len(packs) // need
-    start = int(np.random.default_rng(args.seed + 1).integers(stride))
+    start = int(np.random.default_rng(seed + 1).integers(stride))
     chosen = [packs[i] for i in order[start::stride][:need]]
-    np.random.default_rng(args.seed + 2).shuffle(chosen)
+    np.random.default_rng(seed + 2).shuffle(chosen)
     return h, lengths, strategy, chosen
 
 
 def _steps(
-    args: argparse.Namespace, lengths: Any, chosen: list[list[int]]
+    args: argparse.Namespace, cfg: Any, lengths: Any, chosen: list[list[int]]
 ) -> tuple[dict[tuple[str, int], Any], int]:
     """The same sequences both ways, as (mode, batch) -> one training step, in the interleaved order: each
     packed batch between the padded batches holding (about) its sequences. Also: the real tokens."""
     import torch
 
-    from scaleout.config.schema import BertConfig
     from scaleout.data.bert_batch import build_batch, synthetic_sequences
     from scaleout.models.bert import BertForPreTraining
 
-    seqs = synthetic_sequences(lengths, args.vocab, seed=args.seed)
-    cfg = BertConfig(
-        vocab_size=args.vocab,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        intermediate=args.intermediate,
-        max_position=args.max_len,
-        dropout=0.1,
-        unpad_mlm_head=True,
-    )
-    torch.manual_seed(args.seed)
-    model = BertForPreTraining(cfg).train()
+    d, seed = cfg.data, cfg.train.seed
+    bert = cfg.model.bert.model_copy(update={"max_position": d.max_seq_len})
+    seqs = synthetic_sequences(lengths, bert.vocab_size, seed=seed)
+    torch.manual_seed(seed)
+    model = BertForPreTraining(bert).train()
     rows_of = {"packed": chosen, "padded": [[i] for p in chosen for i in p]}
     batches = {
         m: [
-            build_batch(seqs, r[b : b + args.rows], args.max_len, max_per_pack=args.max_per_pack)
+            build_batch(seqs, r[b : b + args.rows], d.max_seq_len, max_per_pack=d.max_per_pack)
             for b in range(0, len(r), args.rows)
         ]
         for m, r in rows_of.items()
@@ -186,9 +184,11 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.data.packing import speedup_ceiling
 
     check_counts(args, sequences=1, rows=1, batches=1, repeats=1)
+    cfg = resolve(args)
+    d, bert = cfg.data, cfg.model.bert
     set_threads(args)
-    h, lengths, strategy, chosen = _packs(args)
-    steps, real = _steps(args, lengths, chosen)
+    h, lengths, strategy, chosen = _packs(args, cfg)
+    steps, real = _steps(args, cfg, lengths, chosen)
     per_batch = interleave(
         steps, args.repeats
     )  # reversed order on odd rounds, as the drift cancels
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             m,
             n_rows[m],
             n_rows["padded"],
-            f"{real / (n_rows[m] * args.max_len):.4f}",
+            f"{real / (n_rows[m] * d.max_seq_len):.4f}",
             f"{rows[m].median_s:.2f}",
             f"{med[m]:.0f}",
             f"{med[m] / med['padded']:.3f}",
@@ -220,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
         for m in ("padded", "packed")
     ]
     notes = [
-        f"BERT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, rows of {args.max_len}; "
-        f"{args.sequences} sequences packed by {strategy.algorithm} (<= {args.max_per_pack}/row): efficiency "
+        f"BERT hidden {bert.hidden}, {bert.layers} layers, vocab {bert.vocab_size}, rows of {d.max_seq_len}; "
+        f"{args.sequences} sequences packed by {strategy.algorithm} (<= {d.max_per_pack}/row): efficiency "
         f"{strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} (ceiling {speedup_ceiling(h):.4f})",
         f"torch threads: {torch.get_num_threads()}",
         f"packed / padded real-token throughput over {len(ratios)} repeats: median "
@@ -245,7 +245,16 @@ def run(args: argparse.Namespace) -> int:
         table,
         {
             "config": {
-                k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)
+                **{
+                    k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)
+                },
+                "model.bert": bert.model_dump(mode="json"),
+                "data": {
+                    "max_seq_len": d.max_seq_len,
+                    "packing": d.packing,
+                    "max_per_pack": d.max_per_pack,
+                },
+                "train.seed": cfg.train.seed,
             },
             "strategy": strategy.stats(),
             "real_tokens": real,
