@@ -143,7 +143,7 @@ def direct_phase(
     return plan.add(1, *opts)
 
 
-def _log2(n: int) -> int:
+def ceil_log2(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 

@@ -39,9 +39,8 @@ import numpy as np
 from scaleout.comm import ALGORITHMS, Options
 from scaleout.comm.cost import (  # noqa: F401  (the building blocks, re-exported for the simulator)
     PARAMS,
-    Option,
     Plan,
-    _log2,
+    ceil_log2,
     direct_phase,
     grid_plan,
     ring_phase,
@@ -111,7 +110,7 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
         plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_sharp=1, gamma=nbytes))
         inter = vec(beta_inter=nbytes / (cluster.inter_streams(1) * cluster.sharp_efficiency))
         return plan.add(1, inter, vec(beta_intra=2 * nbytes) if g > 1 else inter)
-    plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_inter=2 * _log2(nodes), gamma=nbytes))
+    plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_inter=2 * ceil_log2(nodes), gamma=nbytes))
     # Pipelined reduce + broadcast: each node sends and receives 2n through its NICs (double binary
     # tree: interior in one tree, leaf in the other); the intra chain sends n up and n down per GPU.
     inter = vec(beta_inter=2 * nbytes / cluster.inter_streams(1))
@@ -121,7 +120,7 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
 
 def leader_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     g = cluster.gpus_per_node
-    lg = _log2(g)
+    lg = ceil_log2(g)
     plan = Plan()
     if g > 1:  # binomial reduce to the node leader
         plan.add(1, vec(base=1)).add(lg, vec(alpha_intra=1, beta_intra=nbytes, gamma=nbytes))
