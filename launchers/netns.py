@@ -40,38 +40,15 @@ from typing import Any
 
 from scaleout.errors import UserError
 from scaleout.launchers.watchdog import start_time
+from scaleout.units import parse_rate
 
 # tbf needs a bucket of at least rate/HZ; 256 kB and 50 ms queueing are what the notes measured
 # (iperf3 957 Mbit/s through a 1gbit limit).
 TBF_BURST = "256kb"
 TBF_LATENCY = "50ms"
 
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$", re.IGNORECASE)
-_UNIT_BPS = {
-    "bit": 1,
-    "kbit": 1e3,
-    "mbit": 1e6,
-    "gbit": 1e9,
-    "tbit": 1e12,
-    "bps": 8,
-    "kbps": 8e3,
-    "mbps": 8e6,
-    "gbps": 8e9,
-}
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 MAX_NODES = 250  # node i is <subnet>.(i+1) in one /24, next to the bridge side
-
-
-def parse_rate(rate: str | None) -> float | None:
-    """'1gbit' -> 1e9 bits/s (tc's units: bit = bits/s, bps = bytes/s); None/'none' -> unlimited."""
-    if rate is None or str(rate).lower() in ("none", "0", "unlimited"):
-        return None
-    m = _RATE.match(str(rate).strip())
-    if not m:
-        raise UserError(
-            f"--rate={rate!r}: expected a tc rate like 1gbit, 100mbit, 500kbit or 'none'"
-        )
-    return float(m.group(1)) * _UNIT_BPS[m.group(2).lower()]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

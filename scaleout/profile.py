@@ -24,11 +24,13 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaleout.config.schema import ProfileConfig
+# An annotation only: comm imports this module, and the config schema reads comm's registry.
+if TYPE_CHECKING:
+    from scaleout.config.schema import ProfileConfig
 
 PREFIX = "scaleout."
 

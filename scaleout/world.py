@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scaleout.comm.torus2d import resolve_grid
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.errors import TopologyError
 
@@ -169,28 +170,11 @@ class World:
         return [node[idx] for node in self.ranks_per_node]
 
     def torus_shape(self, x: int | None = None, y: int | None = None) -> tuple[int, int]:
-        """Resolve the X x Y grid; default X = ranks per node."""
-        p = self.world_size
+        """Resolve the X x Y grid (:func:`scaleout.comm.torus2d.resolve_grid`); default X = ranks per
+        node."""
         if x is None and y is None:
             self.require_uniform("the default torus grid (x = ranks per node)")
-            x = len(self.ranks_per_node[0])
-        for name, v in (("x", x), ("y", y)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise TopologyError(
-                    f"torus grid {name}={v!r}: expected a positive integer with x*y = world size {p}"
-                )
-        if x is None or y is None:
-            given, name = (x, "x") if x is not None else (y, "y")
-            if p % given:
-                raise TopologyError(
-                    f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})"
-                )
-            x, y = (given, p // given) if name == "x" else (p // given, given)
-        if x * y != p:
-            raise TopologyError(
-                f"torus grid x={x} by y={y} does not match the world size {p} (expected x*y = {p})"
-            )
-        return x, y
+        return resolve_grid(self.world_size, len(self.ranks_per_node[0]), x, y)
 
     def torus_rows(self, x: int) -> list[list[int]]:
         """The grid's rows: consecutive runs of x ranks in *node* order (node by node, each node's ranks in

@@ -10,9 +10,10 @@ import pytest
 import torch
 from distutil import run_dist
 
-from scaleout.comm import ALGORITHMS, all_reduce, ddp_hook
+from scaleout.comm import ALGORITHMS, all_reduce
 from scaleout.env import WorldSpec
 from scaleout.errors import TopologyError, UserError
+from scaleout.parallel import ddp_comm_hook
 from scaleout.world import World
 
 pytestmark = pytest.mark.multi_process
@@ -123,7 +124,7 @@ def _errors(world):
 
 
 def _ddp(world):
-    """A DDP model with our hook gets the same averaged gradients as plain DDP."""
+    """A DDP model with scaleout.parallel.ddp_comm_hook gets the same averaged gradients as plain DDP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -134,7 +135,7 @@ def _ddp(world):
             __import__("copy").deepcopy(model), bucket_cap_mb=0.001
         )  # several buckets -> several in flight
         if alg != "flat":
-            m.register_comm_hook(None, ddp_hook(alg, world))
+            m.register_comm_hook(None, ddp_comm_hook(alg, world))
         x = torch.full((8, 16), float(world.rank + 1))
         m(x).square().sum().backward()
         grads[alg] = [p.grad.clone() for p in m.parameters()]

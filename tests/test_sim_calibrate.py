@@ -78,7 +78,7 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     samples = load_samples(out, stat="min")
-    assert {s.algorithm for s in samples} == {"ring", "hierarchical", "torus2d"}
+    assert {s.algorithm for s in samples} == {"flat", "hierarchical", "torus2d"}
     assert all(s.link_rate_bps and 0.5e9 < s.link_rate_bps < 1.05e9 for s in samples)
     fit, checks = cross_validate(samples, split_default(samples, holdout_algorithms=["torus2d"]))
     held = [c for c in checks if not c.trained_on]
@@ -89,7 +89,7 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     )
     print(f"\nfitted: {fit.constants.describe()}\n{report}")
     assert len(held) == 9 and {c.sample.algorithm for c in held} == {
-        "ring",
+        "flat",
         "hierarchical",
         "torus2d",
     }
@@ -115,7 +115,7 @@ def test_schema_aliases_and_rates(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"rows": rows}))
     (s,) = load_samples(path)
-    assert (s.algorithm, s.nbytes, s.time_s, s.link_rate_bps) == ("ring", 1 << 20, 0.01, 1e9)
+    assert (s.algorithm, s.nbytes, s.time_s, s.link_rate_bps) == ("flat", 1 << 20, 0.01, 1e9)
     assert parse_rate("500mbit") == 5e8 and parse_rate(2.5e9) == 2.5e9 and parse_rate(None) is None
 
 
@@ -125,7 +125,7 @@ def test_schema_aliases_and_rates(tmp_path):
     [
         ({"algorithm": "flat", "nnodes": 2, "nproc_per_node": 2, "time_s": 1.0}, "'nbytes'"),
         (
-            {"algorithm": "ring", "nbytes": 8, "nnodes": 2, "nproc_per_node": 2, "time_s": -1},
+            {"algorithm": "flat", "nbytes": 8, "nnodes": 2, "nproc_per_node": 2, "time_s": -1},
             "time -1",
         ),
         (
@@ -134,7 +134,7 @@ def test_schema_aliases_and_rates(tmp_path):
         ),
         (
             {
-                "algorithm": "ring",
+                "algorithm": "flat",
                 "nbytes": 8,
                 "nnodes": 1,
                 "nproc_per_node": 2,

@@ -35,7 +35,7 @@ def coeffs(plan, cluster):
 
 
 @pytest.mark.parametrize(
-    "alg, nodes", [("ring", 4), ("hierarchical", 4), ("hierarchical", 64), ("torus2d", 16)]
+    "alg, nodes", [("flat", 4), ("hierarchical", 4), ("hierarchical", 64), ("torus2d", 16)]
 )
 def test_reduce_scatter_plus_all_gather_moves_one_allreduce_of_bytes(alg, nodes):
     """ZeRO-1 sends the same bytes as DDP (RS + AG = AR), each half half of them, through every NIC."""
@@ -48,7 +48,7 @@ def test_reduce_scatter_plus_all_gather_moves_one_allreduce_of_bytes(alg, nodes)
     if (
         alg != "torus2d"
     ):  # DESIGN facts: ring 2(p-1)/p n, hierarchical 2(k-1)/k n per node over its 8 NICs
-        assert ar == pytest.approx((2 * (p - 1) / p if alg == "ring" else 2 * (k - 1) / k) * n / 8)
+        assert ar == pytest.approx((2 * (p - 1) / p if alg == "flat" else 2 * (k - 1) / k) * n / 8)
 
 
 def test_sharded_update_and_state_shrink_with_the_shard():
@@ -103,7 +103,7 @@ def test_sharp_sends_each_byte_once_and_pays_one_latency():
         )
     # a ring is point to point: SHARP changes nothing; nor inside one node
     assert (
-        allreduce_cost("ring", sharp, k, n).time == allreduce_cost("ring", nvlink_free, k, n).time
+        allreduce_cost("flat", sharp, k, n).time == allreduce_cost("flat", nvlink_free, k, n).time
     )
     assert (
         allreduce_cost("hierarchical", sharp, 1, n).time

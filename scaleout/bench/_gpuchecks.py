@@ -269,7 +269,7 @@ def rank_world(world: World) -> dict[str, Any]:
 
 def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
     """Every algorithm on integer-valued fp32 (exact sums): equal to NCCL's own bit for bit; busbw."""
-    from scaleout.comm import all_reduce
+    from scaleout.comm import ALGORITHMS, all_reduce
 
     n = mib * 2**20 // 4
     gen = torch.Generator(device=world.device).manual_seed(world.rank)
@@ -278,7 +278,7 @@ def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
     torch.distributed.all_reduce(ref)
     out: dict[str, Any] = {"world_size": world.world_size, "nodes": world.num_nodes}
     p = world.world_size
-    for alg in ("flat", "hierarchical", "torus2d"):
+    for alg in ALGORITHMS:
         got = all_reduce(data.clone(), world, alg)
         buf = data.clone()
         seconds = _timed(

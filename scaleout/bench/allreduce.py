@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 NAME = "allreduce"
-HELP = "all-reduce algorithms (flat, hierarchical, torus2d) over message sizes: time, algbw, busbw, link floor"
+HELP = "every registered all-reduce algorithm over message sizes: time, algbw, busbw, link floor"
 DESCRIPTION = """\
 Times every all-reduce algorithm on every message size (median of --repeats runs, each the slowest
 rank's time, algorithms interleaved so noise hits them alike) and reports algbw = bytes / time and
@@ -156,15 +156,15 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
         grid = {"x": int(m.group(1)), "y": int(m.group(2))}
     out = []
     for name in names:
-        alg = get_algorithm(name)
+        fields = get_algorithm(name).Options.model_fields  # which of the flags apply to it
         comps = (
             parse_csv(args.composition, "--composition")
-            if args.composition and "composition" in alg.options
+            if args.composition and "composition" in fields
             else [None]
         )
         for comp in comps:
-            for c in chunks if "chunk_bytes" in alg.options else [None]:
-                opts = dict(grid) if "x" in alg.grid_options else {}
+            for c in chunks if "chunk_bytes" in fields else [None]:
+                opts = {k: v for k, v in grid.items() if k in fields}
                 tags = []
                 if comp is not None:
                     opts["composition"] = comp

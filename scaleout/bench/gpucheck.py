@@ -14,6 +14,7 @@ from typing import Any
 
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
+from scaleout.comm import ALGORITHMS
 
 NAME = "gpucheck"
 HELP = "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, BERT-large MFU, all-reduce"
@@ -192,7 +193,7 @@ def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
         return [("hierarchical/torus2d all-reduce = NCCL", "FAIL", err, "equal, busbw")]
     flat = r["flat"]["busbw_gbs"]
     rows = []
-    for alg in ("hierarchical", "torus2d"):
+    for alg in [name for name in ALGORITHMS if name != "flat"]:
         a = r[alg]
         ok = a["equal"] and a["busbw_gbs"] >= BUSBW_FRACTION_MIN * flat
         rows.append(

@@ -8,11 +8,12 @@ from typing import Any
 from scaleout.output import pyplot
 
 NAME = "simulate"
+ALL_ALGORITHMS = "every algorithm of scaleout.comm, then the simulator-only tree; also: leader"
 ORDER = 70
 HELP = "cost-model simulator: all-reduce algorithms and training steps at 8-4096+ GPUs, calibration, validation"
 DESCRIPTION = """\
-An alpha-beta-gamma model of ring, tree, hierarchical and 2D-torus all-reduce and of a data-parallel
-training step with bucketed overlap (docs/simulate.md). Instant; no GPU needed.
+An alpha-beta-gamma model of the all-reduce algorithms of scaleout.comm (each prices itself; plus the
+simulator-only NCCL tree and Horovod leader ring) and of a data-parallel training step with bucketed overlap (docs/simulate.md). Instant; no GPU needed.
 
 actions:
   scale      step time, exposed communication, scaling efficiency and time to train per algorithm
@@ -32,7 +33,7 @@ examples:
   scaleout simulate scale --config configs/bert_large_256x8.yaml --min-gpus 2048 optim.sharded=true
   scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png bench-results/sim.png
   scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
-  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms ring,hierarchical
+  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms flat,hierarchical
   scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
   scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d --min-bytes 1MiB
   scaleout simulate validate --out bench-results/sim-validate.json
@@ -123,9 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--bucket-mb", type=float, default=None, help="gradient bucket size in MB (default 25, DDP)"
     )
     sc.add_argument("--no-overlap", action="store_true", help="all-reduce only after backward")
-    sc.add_argument(
-        "--algorithms", default=None, help="comma list (default ring,tree,hierarchical,torus2d)"
-    )
+    sc.add_argument("--algorithms", default=None, help=f"comma list (default: {ALL_ALGORITHMS})")
     sc.add_argument(
         "--torus-x", default=None, help="torus row length: an integer, 'node' or 'square' (default)"
     )
@@ -150,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ar.add_argument(
         "--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)"
     )
-    ar.add_argument("--algorithms", default="ring,tree,hierarchical,torus2d", help="comma list")
+    ar.add_argument("--algorithms", default=None, help=f"comma list (default: {ALL_ALGORITHMS})")
     ar.add_argument(
         "--torus-x", default="square", help="torus row length: integer, 'node' or 'square'"
     )
@@ -223,10 +222,13 @@ def _cluster(args: argparse.Namespace, gpus_per_node: int | None = None) -> Any:
     return with_sharp(c, args.sharp)
 
 
-def _algorithms(text: str, flag: str = "--algorithms") -> list[str]:
+def _algorithms(text: str | None, flag: str = "--algorithms") -> list[str]:
+    """The names in ``text`` (checked against the simulator's list), or every one when None."""
     from scaleout.argtypes import parse_csv
-    from scaleout.sim.collectives import canonical
+    from scaleout.sim.collectives import algorithm_names, canonical
 
+    if text is None:
+        return list(algorithm_names())
     return parse_csv(text, flag, canonical, allow_empty=True)
 
 
@@ -298,7 +300,7 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
     algs = (
         _algorithms(args.algorithms)
         if args.algorithms
-        else ([train.algorithm] if run else ["ring", "tree", "hierarchical", "torus2d"])
+        else ([train.algorithm] if run else _algorithms(None))
     )
     gpus = gpu_counts(cluster, args.max_gpus, args.min_gpus)
     if run and run.nodes * cluster.gpus_per_node not in gpus:

@@ -1,22 +1,51 @@
 """Topology-aware collectives: ``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)``, and
 ``reduce_scatter`` / ``all_gather`` (with ``shard_index``) for sharded optimizers.
 
-Algorithms live in one registry (:data:`ALGORITHMS`): ``flat`` (baseline), ``hierarchical``,
-``torus2d``. See docs/collectives.md.
+Algorithms live in one registry (:data:`ALGORITHMS`, :mod:`scaleout.comm.algorithm`), one file each:
+``flat`` (baseline), ``hierarchical``, ``torus2d``. See docs/collectives.md and docs/extending-comm.md.
+
+Importing this package registers the algorithms without importing torch (the config schema reads the
+registry); the collectives themselves load on first use.
 """
 
-from scaleout.comm.api import ALGORITHMS, Algorithm, all_reduce, get_algorithm, register
-from scaleout.comm.ddp_hook import ddp_hook
-from scaleout.comm.handles import Handle
-from scaleout.comm.shard import all_gather, reduce_scatter, shard_index
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from scaleout.comm import flat, hierarchical, torus2d  # noqa: F401  (registers the built-ins)
+from scaleout.comm.algorithm import (
+    ALGORITHMS,
+    Algorithm,
+    Options,
+    config_options,
+    get_algorithm,
+    register,
+)
+
+_LAZY = {
+    "all_reduce": "scaleout.comm.api",
+    "reduce_scatter": "scaleout.comm.shard",
+    "all_gather": "scaleout.comm.shard",
+    "shard_index": "scaleout.comm.shard",
+    "Handle": "scaleout.comm.handles",
+}
+
+
+def __getattr__(name: str) -> Any:  # lazy so that the registry can be read without torch
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'scaleout.comm' has no attribute {name!r}")
+
 
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
     "Handle",
+    "Options",
     "all_gather",
     "all_reduce",
-    "ddp_hook",
+    "config_options",
     "get_algorithm",
     "reduce_scatter",
     "register",

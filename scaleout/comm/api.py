@@ -1,74 +1,21 @@
-"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` and the one algorithm registry
-(``reduce_scatter`` / ``all_gather`` over the same registry: :mod:`scaleout.comm.shard`)."""
+"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` over the algorithm registry
+(:mod:`scaleout.comm.algorithm`; ``reduce_scatter`` / ``all_gather``: :mod:`scaleout.comm.shard`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.comm import handles
-from scaleout.comm.flat import flat_async
-from scaleout.comm.grid import COMPOSITIONS, Grid, reduce_grid
-from scaleout.comm.hierarchical import hierarchical_grid
-from scaleout.comm.torus import torus_grid
+from scaleout.comm.algorithm import get_algorithm
 from scaleout.errors import UserError
 from scaleout.profile import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """An all-reduce algorithm: ``grid`` maps (world, **grid options) to the row/column decomposition;
-    ``grid=None`` is the flat baseline (torch.distributed's own all_reduce)."""
-
-    name: str
-    help: str
-    grid: Callable[..., Grid] | None
-    grid_options: tuple[str, ...] = ()
-    options: tuple[str, ...] = ()
-
-
-ALGORITHMS: dict[str, Algorithm] = {}
-
-
-def register(alg: Algorithm) -> Algorithm:
-    ALGORITHMS[alg.name] = alg
-    return alg
-
-
-register(Algorithm("flat", "torch.distributed all_reduce on the world group (baseline)", None))
-register(
-    Algorithm(
-        "hierarchical",
-        "intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather, chunk-pipelined",
-        hierarchical_grid,
-        options=("chunk_bytes", "composition"),
-    )
-)
-register(
-    Algorithm(
-        "torus2d",
-        "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row all-gather",
-        torus_grid,
-        grid_options=("x", "y"),
-        options=("chunk_bytes", "composition"),
-    )
-)
-
-
-def get_algorithm(name: str) -> Algorithm:
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise UserError(
-            f"unknown all-reduce algorithm {name!r}: expected one of {sorted(ALGORITHMS)}"
-        ) from None
 
 
 def op_name(op: Any, what: str = "all_reduce") -> str:
@@ -97,35 +44,18 @@ def all_reduce(
     integer-valued data. All ranks must issue their all-reduces in the same order (as for
     torch.distributed); several may be in flight.
 
-    Options: ``chunk_bytes`` (pipeline chunk, hierarchical/torus2d), ``composition`` ('sharded', the
-    default, or 'leader'; gloo only), ``x``/``y`` (torus2d grid; default x = ranks per node).
+    ``options``: the algorithm's ``Options`` (e.g. ``chunk_bytes`` and ``composition`` of the row/column
+    algorithms, ``x``/``y`` of the torus grid); an option it does not have is a one-line UserError.
     """
     alg = get_algorithm(algorithm)
     opname = op_name(op)
-    allowed = set(alg.grid_options) | set(alg.options)
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise UserError(
-            f"all_reduce option(s) {unknown} not understood by algorithm {algorithm!r}: expected {sorted(allowed) or 'none'}"
-        )
-    chunk_bytes = options.get("chunk_bytes")
-    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
-        raise UserError(f"all_reduce chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
-    composition = options.get("composition", "sharded")
-    if composition not in COMPOSITIONS:
-        raise UserError(
-            f"all_reduce composition={composition!r}: expected one of {list(COMPOSITIONS)}"
-        )
+    opts = alg.options(**options)
     if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
 
     # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call (one-line
     # TopologyError) and group creation happens in call order on every rank.
-    grid = (
-        alg.grid(world, **{k: options[k] for k in alg.grid_options if k in options})
-        if alg.grid
-        else None
-    )
+    prepared = alg.prepare(world, opts)
 
     contiguous = tensor.is_contiguous()
     buf = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
@@ -138,15 +68,10 @@ def all_reduce(
             tensor.copy_(buf.view(tensor.shape))
 
     def job() -> None:
-        if grid is None:
-            work = flat_async(buf, world)
-            if work is not None:
-                work.wait()
-        else:
-            reduce_grid(buf, grid, chunk_bytes, composition)
+        alg.all_reduce(buf, world, opts, prepared)
         finish()
 
-    native = (lambda: flat_async(buf, world)) if grid is None else None
+    native = (lambda: alg.start(buf, world, opts)) if alg.single_collective else None
     return dispatch(world, tensor, job, native, finish, async_op)
 
 

@@ -29,15 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Chunk size of the gloo pipeline. 4 MiB: big enough that per-chunk synchronisation (~2-3 ms on a busy
-# 2-core box, hidden behind the in-flight column all-reduces) stays small next to a chunk's ~35 ms on a
-# 1 Gbit link, small enough that pipeline fill + drain (one chunk's reduce-scatter and all-gather over
-# loopback) stays a few % of a 64 MiB all-reduce. 2, 4 and 8 MiB measured within noise of each other
-# (docs/collectives.md, `scaleout bench allreduce --chunk-bytes 2MiB,4MiB,8MiB`).
-DEFAULT_CHUNK_BYTES = 4 << 20
-# At most this many chunks per call: each chunk costs ~2-3 ms of synchronisation on a 2-core box
-# (measured: 1M fp32 in 16 KiB chunks = 245 chunks took 0.57 s vs 0.04 s in 1 MiB chunks).
-MAX_CHUNKS = 64
+from scaleout.comm.rowcol import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
+
 # How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
 # flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker threads).
 RS_AHEAD = 2
@@ -73,9 +66,6 @@ def split_bounds(n: int, parts: int) -> list[int]:
     for j in range(parts):
         out.append(out[-1] + q + (1 if j < r else 0))
     return out
-
-
-COMPOSITIONS = ("sharded", "leader")
 
 
 def reduce_grid(

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm.api import dispatch, get_algorithm, op_name
+from scaleout.comm.algorithm import get_algorithm
+from scaleout.comm.api import dispatch, op_name
 from scaleout.comm.grid import Grid
 from scaleout.errors import UserError
 from scaleout.profile import traced
@@ -40,28 +41,49 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _grid(world: World, algorithm: str, options: dict[str, Any], what: str) -> Grid | None:
+def _resolve(world: World, algorithm: str, options: dict[str, Any], what: str) -> tuple:
+    """(algorithm, its options, what it prepared in this thread: e.g. the row/column groups)."""
     alg = get_algorithm(algorithm)
-    unknown = sorted(set(options) - set(alg.grid_options))
-    if unknown:
-        raise UserError(
-            f"{what} option(s) {unknown} not understood by algorithm {algorithm!r}: "
-            f"expected {sorted(alg.grid_options) or 'none'}"
-        )
-    return alg.grid(world, **options) if alg.grid else None
-
-
-def _col_index(grid: Grid) -> int:
-    return dist.get_rank(grid.col) if grid.col_size > 1 else 0
+    opts = alg.options(what, **options)
+    return alg, opts, alg.prepare(world, opts)
 
 
 def shard_index(world: World, algorithm: str = "flat", **options: Any) -> int:
     """Which of the ``world_size`` equal slices this rank owns in :func:`reduce_scatter` /
     :func:`all_gather` with this algorithm (every rank owns a different one)."""
-    grid = _grid(world, algorithm, options, "shard_index")
-    if grid is None:
-        return world.rank
-    return grid.index * grid.col_size + _col_index(grid)
+    alg, opts, prepared = _resolve(world, algorithm, options, "shard_index")
+    return alg.shard_index(world, opts, prepared)
+
+
+# -- the runtimes the algorithms use ---------------------------------------------------------------
+def world_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, world: World) -> None:
+    """torch.distributed's reduce-scatter on the world group (rank r owns slice r)."""
+    if world.world_size == 1:
+        out.copy_(inp)
+    else:
+        _reduce_scatter(out, inp, group=world.group)
+
+
+def world_all_gather(out: torch.Tensor, inp: torch.Tensor, world: World) -> None:
+    """torch.distributed's all-gather on the world group (rank r's input is slice r)."""
+    if world.world_size == 1:
+        out.copy_(inp)
+    else:
+        _all_gather(out, inp, group=world.group)
+
+
+def grid_shard_index(grid: Grid) -> int:
+    """The slice a rank of a row x column grid owns: row index * column size + column index."""
+    col = dist.get_rank(grid.col) if grid.col_size > 1 else 0
+    return grid.index * grid.col_size + col
+
+
+def grid_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
+    _phases(out, inp, grid, _reduce_scatter, row_first=True)
+
+
+def grid_all_gather(out: torch.Tensor, inp: torch.Tensor, grid: Grid) -> None:
+    _phases(out, inp, grid, _all_gather, row_first=False)
 
 
 def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: str) -> None:
@@ -99,15 +121,16 @@ def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first
 def _run(
     world: World,
     out: torch.Tensor,
-    inp: torch.Tensor,
-    grid: Grid | None,
+    alg: Any,
+    job: Any,
     native_op: Any,
-    grid_op: Any,
+    inp: torch.Tensor,
     finish: Any,
     async_op: bool,
     shard: int,
 ) -> Any:
-    """One collective: ``native_op`` on the world group (flat) or ``grid_op``'s phases, in call order."""
+    """One collective in call order: ``job`` (the algorithm's blocking runtime) then ``finish``; a
+    ``single_collective`` algorithm starts ``native_op`` on the world group as one async work."""
 
     def native() -> Any:
         if world.world_size == 1:
@@ -115,16 +138,12 @@ def _run(
             return None
         return native_op(out, inp, group=world.group, async_op=True) if shard else None
 
-    def job() -> None:
-        if grid is None:
-            work = native()
-            if work is not None:
-                work.wait()
-        elif shard:
-            grid_op(out, inp, grid)
+    def run() -> None:
+        if shard:
+            job()
         finish()
 
-    return dispatch(world, out, job, native if grid is None else None, finish, async_op)
+    return dispatch(world, out, run, native if alg.single_collective else None, finish, async_op)
 
 
 @traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profile.py)
@@ -141,27 +160,20 @@ def reduce_scatter(
     ``input`` (``input.numel() == world_size * output.numel()``; both contiguous, same dtype/device).
 
     Returns ``output`` or, with ``async_op=True``, a :class:`~scaleout.comm.handles.Handle`. Ranks must
-    issue their collectives in the same order, as for ``all_reduce``. Options: ``x``/``y`` (torus2d).
+    issue their collectives in the same order, as for ``all_reduce``. ``options``: the algorithm's.
     """
     opname = op_name(op, "reduce_scatter")
     _check(output, input, world, "reduce_scatter", "input")
-    grid = _grid(world, algorithm, options, "reduce_scatter")
+    alg, opts, prepared = _resolve(world, algorithm, options, "reduce_scatter")
 
     def finish() -> None:
         if opname == "avg":
             output.div_(world.world_size)
 
-    return _run(
-        world,
-        output,
-        input,
-        grid,
-        _reduce_scatter,
-        lambda o, i, gr: _phases(o, i, gr, _reduce_scatter, True),
-        finish,
-        async_op,
-        output.numel(),
-    )
+    def job() -> None:
+        alg.reduce_scatter(output, input, world, opts, prepared)
+
+    return _run(world, output, alg, job, _reduce_scatter, input, finish, async_op, output.numel())
 
 
 @traced("all_gather")
@@ -176,15 +188,9 @@ def all_gather(
     """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's
     ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""
     _check(output, input, world, "all_gather", "output")
-    grid = _grid(world, algorithm, options, "all_gather")
-    return _run(
-        world,
-        output,
-        input,
-        grid,
-        _all_gather,
-        lambda o, i, gr: _phases(o, i, gr, _all_gather, False),
-        lambda: None,
-        async_op,
-        input.numel(),
-    )
+    alg, opts, prepared = _resolve(world, algorithm, options, "all_gather")
+
+    def job() -> None:
+        alg.all_gather(output, input, world, opts, prepared)
+
+    return _run(world, output, alg, job, _all_gather, input, lambda: None, async_op, input.numel())

@@ -7,10 +7,11 @@ before anything is spawned and again in every rank.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from scaleout.comm import ALGORITHMS
 from scaleout.errors import ConfigError
 
 # Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is spawned,
@@ -134,13 +135,15 @@ class OptimConfig(_Section):
 
 
 class CommConfig(_Section):
-    algorithm: Literal["flat", "hierarchical", "torus2d"] = "flat"
+    # A name in scaleout.comm.ALGORITHMS, checked against the registry when validated (so that an
+    # algorithm registered after this module was imported is accepted too).
+    algorithm: str = "flat"
     bucket_mb: float = Field(25.0, gt=0.0)  # 25 MB: the DDP paper's default bucket
     compression: Literal["none", "bf16", "fp16"] = "none"
     torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
     torus_y: int | None = Field(None, ge=1)
-    # Pipeline chunk of the hierarchical / torus2d all-reduce on gloo, in MiB (chunk_bytes of
-    # scaleout.comm.all_reduce); None = the algorithm's default (comm/grid.py, 4 MiB).
+    # Pipeline chunk of the row/column all-reduces on gloo, in MiB (chunk_bytes of
+    # scaleout.comm.all_reduce); None = the algorithm's default (comm/rowcol.py, 4 MiB).
     chunk_mb: float | None = Field(None, gt=0.0)
     overlap: bool = True
     timeline: str | None = None  # write a Chrome trace of backward/communication here
@@ -148,13 +151,34 @@ class CommConfig(_Section):
     # (World.prioritize_communication); 0 = off. Ignored on CUDA.
     comm_nice: int = Field(0, ge=0, le=19)
 
-    @model_validator(mode="after")
-    def _chunks_need_a_grid(self) -> CommConfig:
-        if self.chunk_mb is not None and self.algorithm == "flat":
+    # The keys above that are options of some algorithms (each algorithm's Options.config_keys).
+    ALGORITHM_KEYS: ClassVar[tuple[str, ...]] = ("torus_x", "torus_y", "chunk_mb")
+
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in ALGORITHMS:
             raise ValueError(
-                f"comm.chunk_mb={self.chunk_mb} pipelines hierarchical/torus2d; comm.algorithm=flat has no chunks"
+                f"comm.algorithm={name!r}: expected one of {', '.join(ALGORITHMS.names())}"
             )
+        return name
+
+    @model_validator(mode="after")
+    def _options_of_the_algorithm(self) -> CommConfig:
+        reads = ALGORITHMS.get(self.algorithm).Options.config_keys
+        for key in self.ALGORITHM_KEYS:
+            value = getattr(self, key)
+            if value is not None and key not in reads:
+                users = [n for n, a in ALGORITHMS.items() if key in a.Options.config_keys]
+                raise ValueError(
+                    f"comm.{key}={value} is an option of {', '.join(users)}; "
+                    f"comm.algorithm={self.algorithm} does not read it"
+                )
         return self
+
+    def options(self) -> Any:
+        """The algorithm's ``Options`` as this section sets them."""
+        return ALGORITHMS.get(self.algorithm).Options.from_config(self)
 
 
 class ProfileConfig(_Section):
@@ -288,14 +312,7 @@ class Config(_Section):
                 f"train.grad_accum={t.grad_accum} = {per_step}"
             )
         c = self.comm
-        if c.algorithm == "torus2d" or c.torus_x is not None or c.torus_y is not None:
-            x = c.torus_x or (c.torus_y and world_size // c.torus_y) or ranks_per_node or world_size
-            y = c.torus_y or max(world_size // max(x, 1), 1)
-            if x * y != world_size:
-                raise ConfigError(
-                    f"comm torus grid {x}x{y} (comm.torus_x={c.torus_x}, comm.torus_y={c.torus_y}) has {x * y} "
-                    f"ranks, expected the world size {world_size}"
-                )
+        ALGORITHMS.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
         if self.model.arch == "resnet":
             k = self.model.resnet.bn_group
             if k > world_size or world_size % k:

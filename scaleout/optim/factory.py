@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scaleout.comm import config_options
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
 from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
@@ -58,7 +59,6 @@ def build_optimizer(
                     "optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))"
                 )
             comm = comm or CommConfig()
-            grid = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
             return ShardedLAMB(
                 groups,
                 world,
@@ -66,7 +66,7 @@ def build_optimizer(
                 bucket_mb=comm.bucket_mb,
                 algorithm=comm.algorithm,
                 param_order=model.parameters(),
-                **grid,
+                **config_options(comm),
                 **kw,
             )
         return LAMB(groups, **kw)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from scaleout.comm import config_options
 from scaleout.errors import UserError
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
@@ -146,9 +147,7 @@ class DataParallel(torch.nn.Module):
     ) -> DataParallel:
         """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size, compression,
         overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other arguments."""
-        options: dict[str, Any] = {k: v for k, v in (("x", comm.torus_x), ("y", comm.torus_y)) if v}
-        if comm.chunk_mb is not None:
-            options["chunk_bytes"] = max(1, int(comm.chunk_mb * 2**20))
+        options = config_options(comm)
         return cls(
             module,
             world,

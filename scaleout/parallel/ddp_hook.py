@@ -3,8 +3,8 @@
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     ddp.register_comm_hook(None, ddp_comm_hook("hierarchical", world, compression="bf16"))
 
-Without compression each bucket is summed with the algorithm and divided by the world size. With
-compression it pre-divides the bucket by the world size, casts it to bf16/fp16, sums it with the
+Without compression each bucket is divided by the world size and summed with the algorithm. With
+compression it also pre-divides the bucket by the world size, casts it to bf16/fp16, sums it with the
 algorithm and casts the result back into the bucket's dtype -- the same arithmetic as
 :class:`scaleout.DataParallel`, so the two are interchangeable (torch's own ``fp16_compress_hook``
 does the same division before the cast since PyTorch issue #57410).
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scaleout.comm import all_reduce, get_algorithm
 from scaleout.parallel.reducer import compression_dtype
 
 if TYPE_CHECKING:
@@ -28,8 +29,6 @@ def ddp_comm_hook(
     algorithm: str, world: "World", compression: str | None = None, **options: Any
 ) -> Callable[[Any, Any], torch.futures.Future]:
     """A ``register_comm_hook`` hook averaging each DDP bucket with ``algorithm`` (and compression)."""
-    from scaleout.comm import all_reduce, get_algorithm
-
     get_algorithm(algorithm)  # fail now (one line), not inside backward
     dtype = compression_dtype(compression)
     p = world.world_size

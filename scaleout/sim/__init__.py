@@ -1,7 +1,7 @@
 """Cost-model simulator: all-reduce algorithms and data-parallel training steps at thousands of GPUs.
 
 - :mod:`scaleout.sim.cluster`      link constants (alpha, beta, gamma), node shape, presets
-- :mod:`scaleout.sim.collectives`  ring / tree / hierarchical / 2D-torus all-reduce cost plans, SHARP
+- :mod:`scaleout.sim.collectives`  cost plans of the registered all-reduce algorithms (+ tree, leader), SHARP
 - :mod:`scaleout.sim.sharded`      optimizer placement: replicated, ZeRO-1 over the world, sharded per node
 - :mod:`scaleout.sim.step`         bucketed, overlapped training step; scaling sweep; time to train
 - :mod:`scaleout.sim.fromconfig`   what a training config tells the simulator (optim.sharded, comm.*, batch)
@@ -13,7 +13,7 @@ Pure Python + numpy; no torch import, so ``scaleout simulate`` is instant.
 """
 
 from scaleout.sim.cluster import PRESETS, Cluster, Constants, get_cluster, with_sharp
-from scaleout.sim.collectives import ALGORITHMS, allreduce_cost
+from scaleout.sim.collectives import SIMULATOR_ONLY, algorithm_names, allreduce_cost
 from scaleout.sim.sharded import OPTIMIZERS
 from scaleout.sim.step import (
     MODELS,
@@ -26,14 +26,15 @@ from scaleout.sim.step import (
 )
 
 __all__ = [
-    "ALGORITHMS",
     "MODELS",
     "OPTIMIZERS",
     "PRESETS",
+    "SIMULATOR_ONLY",
     "Cluster",
     "Constants",
     "ModelSpec",
     "TrainSpec",
+    "algorithm_names",
     "allreduce_cost",
     "get_cluster",
     "get_model",

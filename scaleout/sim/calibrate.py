@@ -3,14 +3,15 @@
 Input: a list of measurements, one per (algorithm, size, shape). The schema (JSON: a list, or an object
 with a ``rows``/``results`` list; this is what ``scaleout bench allreduce --out`` writes):
 
-    {"algorithm": "flat" | "ring" | "tree" | "hierarchical" | "torus2d" | "leader",
+    {"algorithm": a name in scaleout.comm.ALGORITHMS, or a simulator-only model ("tree", "leader"),
                                  # ("base_algorithm" wins when present: bench labels carry options)
      "nbytes": int,              # bytes per rank (also accepted: "bytes", "size_bytes")
      "nnodes": int, "nproc_per_node": int,
      "time_s": float,            # median seconds (also: "median_s", "median_time_s", "time")
      "times": [float, ...],      # optional: every timed run; stat="min" fits the least-disturbed one
      "link_rate_bps": float,     # optional: inter-node rate limit in bit/s (also: "rate_bps", "rate",
-                                 #   a tc string like "1gbit"); rows at other rates scale beta_inter
+                                 #   a tc string like "1gbit": scaleout.units); rows at other rates
+                                 #   scale beta_inter
      "options": {"x": int, "chunk_bytes": int,    # optional: torus grid x, grid pipeline chunk,
                  "composition": "sharded" | "leader"}}   # leader rows are fitted as the "leader" model
 
@@ -23,7 +24,6 @@ training row exercises (e.g. beta_inter when every row is single-node) keep thei
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -36,6 +36,7 @@ from scipy.optimize import nnls
 from scaleout.errors import ConfigError
 from scaleout.sim.cluster import PARAMS, Cluster, Constants, get_cluster
 from scaleout.sim.collectives import canonical, plan_for
+from scaleout.units import parse_rate
 
 _BETA_INTER = PARAMS.index("beta_inter")
 
@@ -63,19 +64,6 @@ _ALIASES = {
     "nnodes": ("nnodes", "nodes", "num_nodes"),
     "nproc_per_node": ("nproc_per_node", "ranks_per_node", "local_size", "gpus_per_node"),
 }
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_rate(value: Any) -> float | None:
-    """bit/s from a number or a tc-style string ("1gbit", "500mbit", "10Gbps")."""
-    if value is None or value == "" or value == "none":
-        return None
-    if isinstance(value, (int, float)):
-        return float(value) if value > 0 else None
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps|bit/s)?\s*", str(value).lower())
-    if not m:
-        raise ConfigError(f"link rate {value!r} is not a number of bit/s or a tc rate like '1gbit'")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _get(row: dict[str, Any], key: str, index: int, required: bool = True) -> Any:
@@ -121,7 +109,7 @@ def samples_from_rows(rows: Iterable[dict[str, Any]], stat: str = "median") -> l
                 int(_get(row, "nnodes", i)),
                 int(_get(row, "nproc_per_node", i)),
                 t,
-                parse_rate(_get(row, "link_rate_bps", i, False)),
+                parse_rate(_get(row, "link_rate_bps", i, False), f"measurement row {i} rate"),
                 int(opts["x"]) if opts.get("x") else None,
                 int(opts["chunk_bytes"]) if opts.get("chunk_bytes") else None,
             )

@@ -42,9 +42,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from scaleout.comm.cost import PARAMS  # the constants vector's order (the cost algebra's)
 from scaleout.errors import ConfigError
 
-PARAMS = ("base", "alpha_intra", "alpha_inter", "beta_intra", "beta_inter", "gamma", "alpha_sharp")
 GB = 1e9
 
 

@@ -13,7 +13,7 @@
 - bytes on the wire: ShardedLAMB reduce-scatters its fp32 gradient buffer and all-gathers the parameters
   in their dtype (fp32: ``train.precision=bf16`` is autocast), so 4 B each whatever ``comm.compression``
   says; the replicated all-reduce sends 2 B with ``comm.compression`` bf16/fp16, else 4 B;
-- ``comm.algorithm`` (flat = ring), ``comm.bucket_mb``, ``comm.torus_x``;
+- ``comm.algorithm``, ``comm.bucket_mb``, ``comm.torus_x``;
 - per-GPU batch = train.global_batch / (grad_accum x launch.nnodes x launch.nproc_per_node), samples to
   converge = train.max_steps x global_batch, evaluation every ``train.eval_every`` steps on
   ``data.eval_samples``.
@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scaleout.sim.collectives import config_row_length
 from scaleout.sim.step import ModelSpec, TrainSpec, bert_flops_per_sequence, bert_params, get_model
 
 WIKI_512_MEAN_TOKENS = 512 / 2.0013  # Graphcore arXiv 2107.02027: the Wikipedia-512 packing ceiling
@@ -92,10 +93,10 @@ def from_config(cfg: Any, source: str = "") -> ConfigRun:
     sharded = cfg.optim.sharded
     train = TrainSpec(
         local_batch=t.global_batch / (t.grad_accum * gpus),
-        algorithm="ring" if cfg.comm.algorithm == "flat" else cfg.comm.algorithm,
+        algorithm=cfg.comm.algorithm,
         bucket_mb=cfg.comm.bucket_mb,
         overlap=cfg.optim.overlap_comm if sharded else cfg.comm.overlap,
-        torus_x=cfg.comm.torus_x,
+        torus_x=config_row_length(cfg.comm, launch.nnodes, launch.nproc_per_node),
         optimizer=optimizer_of(cfg),
     )
     return ConfigRun(model, train, launch.nnodes, launch.nproc_per_node, source)

@@ -26,15 +26,16 @@ from dataclasses import replace
 
 import numpy as np
 
+from scaleout.comm import ALGORITHMS
 from scaleout.errors import ConfigError
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import (
+    SIMULATOR_ONLY,
     Plan,
     allreduce_cost,
     canonical,
-    resolve_torus_x,
-    ring_phase,
-    vec,
+    row_col_half_plan,
+    sim_options,
 )
 
 OPTIMIZERS = ("replicated", "sharded", "sharded-node")
@@ -56,16 +57,6 @@ def shard_ranks(optimizer: str, cluster: Cluster, nodes: int) -> int:
     return cluster.gpus_per_node * (nodes if optimizer == "sharded" else 1)
 
 
-def _grid_x(algorithm: str, cluster: Cluster, nodes: int, torus_x: int | str | None) -> int | None:
-    """Row length of a two-phase (row, column) schedule; None for one flat ring."""
-    alg = canonical(algorithm)
-    if alg == "hierarchical":
-        return cluster.gpus_per_node
-    if alg == "torus2d":
-        return resolve_torus_x(cluster, nodes, torus_x)
-    return None
-
-
 def half_plan(
     kind: str,
     algorithm: str,
@@ -75,32 +66,13 @@ def half_plan(
     torus_x: int | str | None = None,
 ) -> Plan:
     """Reduce-scatter (``kind="rs"``) of ``nbytes`` per rank, or the all-gather (``"ag"``) whose output is
-    ``nbytes`` per rank, over the whole world."""
-    g = cluster.gpus_per_node
-    p = g * nodes
-    gloo = cluster.backend == "gloo"
-    phase = (
-        "ar" if kind == "rs" and gloo else kind
-    )  # gloo: each reduce-scatter is an all-reduce, sliced
-    x = _grid_x(algorithm, cluster, nodes, torus_x)
-    plan = Plan().add(1, vec(base=1))
-    if x is None or x >= p:
-        ring_phase(plan, cluster, p, nbytes, phase, crosses_nodes=nodes > 1, intra_hop=g > 1)
-    else:
-        y = p // x
-        row = (x, nbytes, dict(crosses_nodes=x > g))
-        col = (
-            y,
-            nbytes / x,
-            dict(crosses_nodes=nodes > 1 and y > 1, rings_crossing=min(x, g), intra_hop=x < g),
-        )
-        for members, size, kw in (row, col) if kind == "rs" else (col, row):
-            ring_phase(plan.add(1, vec(base=1)), cluster, members, size, phase, **kw)
-    if kind == "ag" and gloo:
-        plan.add(
-            1, vec(gamma=nbytes)
-        )  # all_gather into a list, then one more copy into the flat output
-    return plan
+    ``nbytes`` per rank, over the whole world, as ``algorithm`` runs it (``Algorithm.half_cost``; the
+    simulator-only models as one ring)."""
+    alg = canonical(algorithm)
+    if alg in SIMULATOR_ONLY:
+        return row_col_half_plan(kind, None, cluster, nodes, nbytes)
+    opts = sim_options(alg, cluster, nodes, torus_x)
+    return ALGORITHMS.get(alg).half_cost(kind, opts, cluster, nodes, nbytes)
 
 
 def rail_cluster(cluster: Cluster) -> Cluster:
@@ -131,7 +103,7 @@ def reduce_time(
         return allreduce_cost(algorithm, cluster, nodes, nbytes, chunks, torus_x).time
     if optimizer == "sharded":
         return _time(half_plan("rs", algorithm, cluster, nodes, nbytes, torus_x), cluster)
-    intra = _time(half_plan("rs", "ring", cluster, 1, nbytes), cluster)
+    intra = _time(half_plan("rs", "flat", cluster, 1, nbytes), cluster)
     if nodes == 1:
         return intra
     return (
@@ -155,7 +127,7 @@ def gather_time(
         return 0.0
     if optimizer == "sharded":
         return _time(half_plan("ag", algorithm, cluster, nodes, nbytes, torus_x), cluster)
-    return _time(half_plan("ag", "ring", cluster, 1, nbytes), cluster)
+    return _time(half_plan("ag", "flat", cluster, 1, nbytes), cluster)
 
 
 def norm_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, tensors: int) -> float:
@@ -166,4 +138,4 @@ def norm_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, tens
     nbytes = 3 * 4 * tensors
     if optimizer == "sharded":
         return allreduce_cost(algorithm, cluster, nodes, nbytes).time
-    return allreduce_cost("ring", cluster, 1, nbytes).time
+    return allreduce_cost("flat", cluster, 1, nbytes).time

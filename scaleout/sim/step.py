@@ -56,7 +56,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class TrainSpec:
     local_batch: float
-    algorithm: str = "ring"
+    algorithm: str = "flat"
     bucket_mb: float = 25.0
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)

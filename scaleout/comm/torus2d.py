@@ -1,0 +1,105 @@
+"""``torus2d``: Sony's 2D-torus all-reduce (Mikami et al., arXiv 1811.05233): reduce-scatter along
+the X ranks of a row, all-reduce along the Y ranks of a column, all-gather along the row. It needs
+2(X-1) + 2(Y-1) latency steps instead of a ring's 2(p-1), which is what matters for small buckets at
+thousands of ranks. Default X = ranks per node, so rows stay on a node's fast fabric; X = ranks per
+node is exactly ``hierarchical``, X ~ sqrt(p) (:func:`square_x`) has the fewest latency steps.
+
+:func:`resolve_grid` is the one X x Y rule: the runtime (``World.torus_shape``), the config check
+(``comm.torus_x`` / ``comm.torus_y``) and the simulator all call it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from scaleout.comm.algorithm import register
+from scaleout.comm.rowcol import GridAlgorithm, GridOptions
+from scaleout.errors import ConfigError, TopologyError, UserError
+
+if TYPE_CHECKING:
+    from scaleout.comm.grid import Grid
+    from scaleout.config.schema import CommConfig
+    from scaleout.world import World
+
+
+def resolve_grid(
+    world_size: int,
+    ranks_per_node: int | None,
+    x: int | None = None,
+    y: int | None = None,
+    names: tuple[str, str] = ("x", "y"),
+    error: type[UserError] = TopologyError,
+) -> tuple[int, int]:
+    """The X x Y grid of ``world_size`` ranks: X given, Y given, both, or neither (X = ranks per node,
+    or the world when that is unknown). A value that does not fit raises ``error`` naming its key."""
+    p = world_size
+    for name, v in zip(names, (x, y), strict=True):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise error(
+                f"torus grid {name}={v!r}: expected a positive integer with x*y = world size {p}"
+            )
+    if x is not None and y is not None:
+        if x * y != p:
+            raise error(
+                f"torus grid {names[0]}={x} by {names[1]}={y} does not match the world size {p} "
+                f"(expected x*y = {p})"
+            )
+        return x, y
+    if x is None and y is None:
+        x = ranks_per_node or p
+        if p % x:
+            raise error(
+                f"torus grid x = {x} ranks per node (the default) does not divide the world size {p}"
+            )
+        return x, p // x
+    name, given = (names[0], x) if x is not None else (names[1], y)
+    if p % given:
+        raise error(
+            f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})"
+        )
+    x, y = (given, p // given) if x is not None else (p // given, given)
+    return x, y
+
+
+def square_x(ranks_per_node: int, nodes: int) -> int:
+    """The multiple (or divisor) of g nearest sqrt(p) that divides p: fewest 2(X-1) + 2(Y-1) steps."""
+    g, p = ranks_per_node, ranks_per_node * nodes
+    cands = [x for x in range(1, p + 1) if p % x == 0 and (x % g == 0 or g % x == 0)]
+    return min(cands, key=lambda x: (2 * (x - 1) + 2 * (p // x - 1), -x))
+
+
+class TorusOptions(GridOptions):
+    """``x`` / ``y``: ranks per torus row / column (config ``comm.torus_x`` / ``comm.torus_y``)."""
+
+    x: int | None = Field(None, ge=1)
+    y: int | None = Field(None, ge=1)
+    config_keys = ("torus_x", "torus_y", "chunk_mb")
+
+    @classmethod
+    def from_config(cls, comm: CommConfig) -> TorusOptions:
+        return cls(x=comm.torus_x, y=comm.torus_y, **cls.chunk_from_config(comm))
+
+
+class Torus2d(GridAlgorithm):
+    name = "torus2d"
+    help = "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row all-gather"
+    Options = TorusOptions
+
+    def check(self, opts: Any, world_size: int, ranks_per_node: int | None) -> None:
+        resolve_grid(world_size, ranks_per_node, opts.x, opts.y, CONFIG_NAMES, ConfigError)
+
+    def grid(self, world: World, opts: Any) -> Grid:
+        from scaleout.comm.grid import Grid  # deferred: torch runtime
+
+        tg = world.torus(opts.x, opts.y)
+        return Grid(world.rank, tuple(tg.row_ranks), tg.row, tg.col, tg.y)
+
+    def row_length(self, opts: Any, world_size: int, ranks_per_node: int) -> int:
+        return resolve_grid(world_size, ranks_per_node, opts.x, opts.y)[0]
+
+
+CONFIG_NAMES = ("comm.torus_x", "comm.torus_y")
+
+register(Torus2d())
