@@ -1,6 +1,6 @@
 """Run M x G processes on this machine as M emulated nodes, and supervise them.
 
-Each child gets the variables ``scaleout.env.readers.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
+Each child gets the variables ``scaleout.env.local.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
 torch-native scripts work too), its own process group (so a rank's own children die with it), and its
 output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
 gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT,

@@ -232,7 +232,7 @@ def job_argvs(spec: SubmitSpec) -> list[list[str]]:
 
 def rank_mains(spec: SubmitSpec, entry: Callable[[list[str]], int] | None = None) -> list[RankMain]:
     """What every job runs: ``entry(argv)``. Slurm: the ranks derive the port from the job id
-    (scaleout.env.readers.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
+    (scaleout.env.slurm.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
     argvs = job_argvs(spec)
     local = resolve_cluster(spec.cluster) != "slurm"
     ports = free_ports(len(argvs)) if local else [None] * len(argvs)
