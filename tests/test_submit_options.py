@@ -17,8 +17,10 @@ import pytest
 
 from scaleout.cli import main
 from scaleout.errors import UserError
-from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_options, sbatch_flags
-from scaleout.launchers.sweep import SlurmRunner, _finished, make_runner
+from scaleout.launchers import LaunchOptions, make_launcher
+from scaleout.launchers.slurm import SlurmLauncher, sbatch_flags
+from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_options
+from scaleout.launchers.sweep import _finished
 from scaleout.sweep import SweepPoint
 
 TINY = [
@@ -57,9 +59,10 @@ def test_parse_slurm_options() -> None:
 
 @pytest.mark.unit
 def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
-    runner = make_runner("slurm", slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
-    assert isinstance(runner, SlurmRunner)
-    args = runner.sbatch_args(SweepPoint(4, 2, 2, 16), ["train", "x.yaml"], tmp_path / "log")
+    options = LaunchOptions(slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
+    launcher = make_launcher("slurm", options)
+    assert isinstance(launcher, SlurmLauncher)
+    args = launcher.sbatch_args(["scaleout", "train", "x.yaml"], 2, 2, tmp_path / "log")
     wrap = args.index("--wrap")
     assert args[wrap - 5 : wrap] == [
         "--account=proj",
@@ -69,9 +72,11 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
         "--mail-type=END",
     ]
     with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
-        make_runner("local", slurm={"account": "proj"})
-    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(
-        SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log"
+        make_launcher("local", LaunchOptions(slurm={"account": "proj"}))
+    with pytest.raises(UserError, match="--netns works with --launcher local, not slurm"):
+        make_launcher("slurm", LaunchOptions(rate="1gbit"))
+    gpu = make_launcher("slurm", LaunchOptions(time_min=5, gpus=True)).sbatch_args(
+        ["scaleout", "train"], 2, 2, tmp_path / "log"
     )
     assert "--gpus-per-node=2" in gpu and not any(
         "gpus-per-task" in a for a in gpu

@@ -222,7 +222,7 @@ def seqs_per_row(cfg: Any) -> tuple[float, str]:
 
 
 def _clusters(args: argparse.Namespace) -> list[Any]:
-    from scaleout.bench._ttt_runs import Cluster
+    from scaleout.bench._ttt_runs import LaunchShape
 
     out = []
     for name in args.clusters:
@@ -230,7 +230,9 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
             print("netns: skipped (the emulated cluster needs root)", flush=True)
             continue
         out.append(
-            Cluster(name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None)
+            LaunchShape(
+                name, args.nnodes, args.nproc_per_node, args.rate if name == "netns" else None
+            )
         )
     if not out:
         raise SystemExit("scaleout bench ttt: no cluster to run on")
