@@ -234,3 +234,53 @@ def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.Captu
     point = SweepPoint(1, 1, 1, 4)
     assert _finished(point, pdir, recorded) is not None
     assert _finished(point, pdir, [*recorded, "optim.lr=0.5"]) is None
+
+
+class _FakeTask:
+    def __init__(self, exc: Exception | None):
+        self.exc = exc
+
+    def exception(self) -> Exception | None:
+        return self.exc
+
+
+class _FakeJob:
+    """What SubmitJob reads of a finished submitit job whose task 3 failed."""
+
+    job_id = "42"
+    num_tasks = 4
+    paths = type("P", (), {"stdout": "/tmp/42_0_log.out"})()
+    error = RuntimeError(
+        "Job (task=3) failed during processing with trace:\n----\nTraceback ...\n"
+        "RuntimeError: rank 3: scaleout train x.yaml exited with code 2\n\nYou can check full logs"
+    )
+
+    def results(self) -> list[int]:
+        raise self.error
+
+    def task(self, i: int) -> _FakeTask:
+        return _FakeTask(self.error if i == 3 else None)
+
+
+@pytest.mark.unit
+def test_submit_failures_read_one_way() -> None:
+    """`scaleout submit` and the sweep once cut a failed job's error differently (the CLI kept the last line
+    naming an error or a rank, the sweep the last line: here "You can check full logs"). Both now read a
+    result through SubmitJob, which also names the failed rank."""
+    from scaleout.launchers.submit import SubmitJob, failure_line
+
+    assert failure_line(_FakeJob.error) == (
+        "RuntimeError: rank 3: scaleout train x.yaml exited with code 2"
+    )
+    res = SubmitJob(_FakeJob(), nproc_per_node=2).result()
+    assert res.state == "failed" and res.returncode == 1
+    assert (res.failed.rank, res.failed.node, res.failed.local_rank, res.failed.returncode) == (
+        3,
+        1,
+        1,
+        2,
+    )
+    assert res.message == (
+        "job 42: failed: RuntimeError: rank 3: scaleout train x.yaml exited with code 2 "
+        "(log /tmp/42_0_log.out)"
+    )
