@@ -550,3 +550,13 @@ def test_a_taken_name_or_priority_is_refused() -> None:
     with pytest.raises(RegistryError, match="priority 50 is already 'slurm'"):
         register(SamePriority)
     assert "same-priority" not in ENVIRONMENTS
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", [n for n in detection_order() if n != "single"])
+def test_a_forced_environment_without_its_variables_is_one_line(name: str) -> None:
+    """launch.env=<name> (or --env) where that launcher did not start the process: a one-line error naming
+    a missing variable, for every registered environment (the split into files once let mpi raise
+    StopIteration here)."""
+    with pytest.raises(UserError, match=rf"^{name} environment: \S+ is not set"):
+        detect_environment({}, name).read({})

@@ -63,7 +63,9 @@ class MPIEnv(Environment):
 
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         n = self.name
-        flavour = next(f for f in FLAVOURS.values() if f["rank"][0] in env)
+        # forced (launch.env=mpi) with none set: the last flavour's error names its variable
+        flavours = list(FLAVOURS.values())
+        flavour = next((f for f in flavours if f["rank"][0] in env), flavours[-1])
         rank = need_int(env, flavour["rank"][0], n)
         size = self._get(env, flavour["world_size"], required=True)
         local_rank = self._get(env, flavour["local_rank"], required=False)
