@@ -1,6 +1,6 @@
 """Run M x G processes on this machine as M emulated nodes, and supervise them.
 
-Each child gets the variables ``scaleout.env.readers.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
+Each child gets the variables ``scaleout.env.local.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
 torch-native scripts work too), its own process group (so a rank's own children die with it), and its
 output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
 gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT,
@@ -27,13 +27,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from scaleout.env.addr import is_loopback, loopback_interface
 from scaleout.env.base import free_port, local_rank_env
 from scaleout.errors import UserError
+from scaleout.launchers.base import (
+    EXIT_TIMED_OUT,
+    Launcher,
+    LaunchOptions,
+    LaunchResult,
+    LaunchState,
+    RankExit,
+    register,
+)
 from scaleout.launchers.watchdog import start_time
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
@@ -46,31 +55,6 @@ RANKS_PER_CORE_CAP = 64
 def max_local_ranks() -> int:
     """The most ranks one local launch may start on this machine (derived from its core count)."""
     return RANKS_PER_CORE_CAP * (os.cpu_count() or 1)
-
-
-@dataclass
-class RankExit:
-    rank: int
-    node: int
-    local_rank: int
-    returncode: int
-
-    def describe(self) -> str:
-        where = f"rank {self.rank} (node {self.node}, local rank {self.local_rank})"
-        if self.returncode < 0:
-            try:
-                name = signal.Signals(-self.returncode).name
-            except ValueError:
-                name = f"signal {-self.returncode}"
-            return f"{where} was killed by {name}"
-        return f"{where} exited with code {self.returncode}"
-
-
-@dataclass
-class LaunchResult:
-    returncode: int
-    failed: RankExit | None
-    message: str
 
 
 def resolve_command(cmd: Sequence[str]) -> list[str]:
@@ -170,8 +154,10 @@ def check_launch_args(
         raise UserError(f"--master-port={master_port}: expected a port from 1 to 65535")
 
 
-class LocalLauncher:
-    """Start, watch and stop the ranks. Use :func:`launch` for the one-call form."""
+class LocalJob:
+    """Start, watch and stop the ranks (:class:`LocalLauncher` makes one; :func:`launch` is the one-call
+    form). While it runs (``start`` to the end of ``wait``, in the main thread) SIGINT, SIGTERM and SIGHUP
+    stop every rank and SIGUSR1/SIGUSR2 are forwarded to them."""
 
     def __init__(
         self,
@@ -187,6 +173,7 @@ class LocalLauncher:
         grace_s: float = DEFAULT_GRACE_S,
         prefix_output: bool = True,
         out=None,
+        log: Path | None = None,
         on_orphan: Sequence[Sequence[str]] = (),
         preflight: Callable[[int, int], None] | None = None,
     ):
@@ -216,7 +203,10 @@ class LocalLauncher:
         self.rank_env_hook = rank_env_hook
         self.grace_s = grace_s
         self.prefix_output = prefix_output
-        self.sink = _Sink(out or sys.stdout)
+        # log: a file for the ranks' output, opened here and closed when the job is over
+        self._log = open(log, "w") if log is not None else None  # noqa: SIM115
+        self.sink = _Sink(self._log or out or sys.stdout)
+        self._handlers: dict[int, Any] = {}
         self.on_orphan = [
             list(c) for c in on_orphan
         ]  # run by the watchdog if this launcher dies first
@@ -264,6 +254,16 @@ class LocalLauncher:
         self._watchdog = None
 
     def start(self) -> None:
+        self._install_handlers()
+        try:
+            self._spawn()
+        except BaseException:
+            self.stop()
+            self._restore_handlers()
+            self._close_log()
+            raise
+
+    def _spawn(self) -> None:
         self._start_watchdog()
         for rank in range(self.world_size):
             env = rank_env(self.base_env, rank, self.nnodes, self.nproc, self.addr, self.port)
@@ -315,6 +315,16 @@ class LocalLauncher:
         self._signal_all(signum)
 
     def wait(self, timeout_s: float | None = None) -> LaunchResult:
+        try:
+            return self._supervise(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            self._restore_handlers()
+            self._close_log()
+
+    def _supervise(self, timeout_s: float | None) -> LaunchResult:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failed: RankExit | None = None
         while True:
@@ -325,12 +335,12 @@ class LocalLauncher:
                     128 + self._stop_signal,
                     None,
                     f"received {name}; stopped all {self.world_size} ranks",
+                    "stopped",
                 )
             codes = [p.poll() for p in self.procs]
             for rank, code in enumerate(codes):
                 if code not in (None, 0):
-                    node, local = divmod(rank, self.nproc)
-                    failed = RankExit(rank, node, local, code)
+                    failed = RankExit.of(rank, self.nproc, code)
                     break
             if failed is not None:
                 running = sum(c is None for c in codes)
@@ -338,17 +348,23 @@ class LocalLauncher:
                 msg = failed.describe() + (
                     f"; stopped the other {running} running ranks" if running else ""
                 )
-                return self._finish(failed.returncode if failed.returncode > 0 else 1, failed, msg)
+                code = failed.returncode if failed.returncode > 0 else 1
+                return self._finish(code, failed, msg, "failed")
             if all(c == 0 for c in codes):
-                return self._finish(0, None, f"all {self.world_size} ranks exited 0")
+                return self._finish(0, None, f"all {self.world_size} ranks exited 0", "succeeded")
             if deadline is not None and time.monotonic() > deadline:
                 self.stop()
                 return self._finish(
-                    124, None, f"timed out after {timeout_s:.0f} s; stopped all ranks"
+                    EXIT_TIMED_OUT,
+                    None,
+                    f"timed out after {timeout_s:.0f} s; stopped all ranks",
+                    "timed_out",
                 )
             time.sleep(0.05)
 
-    def _finish(self, code: int, failed: RankExit | None, msg: str) -> LaunchResult:
+    def _finish(
+        self, code: int, failed: RankExit | None, msg: str, state: LaunchState
+    ) -> LaunchResult:
         for p in (
             self.procs
         ):  # all exited (or were stopped): reaping them first makes the watchdog's "done" true
@@ -356,28 +372,76 @@ class LocalLauncher:
         self._release_watchdog()
         for t in self._pumps:
             t.join(timeout=2)
-        return LaunchResult(code, failed, msg)
+        self._close_log()
+        return LaunchResult(code, failed, msg, state)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        # SIGHUP: the terminal or ssh session went away; stop like SIGTERM rather than die and orphan.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._handlers[sig] = signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            self._handlers[sig] = signal.signal(sig, self._forward)
+
+    def _restore_handlers(self) -> None:
+        for sig, h in self._handlers.items():
+            signal.signal(sig, h)
+        self._handlers = {}
 
     def run(self, timeout_s: float | None = None) -> LaunchResult:
-        handlers = {}
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            # SIGHUP: the terminal or ssh session went away; stop like SIGTERM rather than die and orphan.
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                handlers[sig] = signal.signal(sig, self._on_signal)
-            for sig in (signal.SIGUSR1, signal.SIGUSR2):
-                handlers[sig] = signal.signal(sig, self._forward)
-        try:
-            self.start()
-            return self.wait(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        finally:
-            for sig, h in handlers.items():
-                signal.signal(sig, h)
+        self.start()
+        return self.wait(timeout_s)
 
 
 def launch(cmd: Sequence[str], nnodes: int, nproc_per_node: int, **kwargs) -> LaunchResult:
     timeout_s = kwargs.pop("timeout_s", None)
-    return LocalLauncher(cmd, nnodes, nproc_per_node, **kwargs).run(timeout_s)
+    return LocalJob(cmd, nnodes, nproc_per_node, **kwargs).run(timeout_s)
+
+
+@register
+class LocalLauncher(Launcher):
+    """Processes on this machine as emulated nodes. ``job_options``: :class:`LocalJob`'s keywords
+    (master_addr, grace_s, prefix_output, preflight...), the same for every start."""
+
+    name = "local"
+
+    def __init__(self, extra_env: Mapping[str, str] | None = None, **job_options: Any):
+        self.extra_env = dict(extra_env or {})  # e.g. OMP_NUM_THREADS for every rank
+        self.job_options = job_options
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> LocalLauncher:
+        if options.slurm:
+            raise UserError(
+                f"--slurm {', '.join(options.slurm)}: sbatch options need --launcher slurm or submit"
+            )
+        if options.rate is not None:
+            raise UserError("a link rate needs the emulated cluster: --launcher netns (or --netns)")
+        return cls(extra_env=options.extra_env)
+
+    def job_kwargs(self, log: Path | None) -> dict[str, Any]:
+        """LocalJob's keywords for one start: this launcher's options, the environment, the output."""
+        kwargs = dict(self.job_options)
+        kwargs["env"] = {**(kwargs.get("env") or os.environ), **self.extra_env}
+        if log is not None:
+            kwargs["log"] = log
+        return kwargs
+
+    def start(
+        self,
+        argv: Sequence[str],
+        nnodes: int,
+        nproc_per_node: int,
+        *,
+        log: Path | None = None,
+        name: str = "scaleout",
+    ) -> LocalJob:
+        job = LocalJob(argv, nnodes, nproc_per_node, **self.job_kwargs(log))
+        job.start()
+        return job

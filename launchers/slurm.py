@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.launchers.base import EXIT_TIMED_OUT, Launcher, LaunchOptions, LaunchResult, register
 from scaleout.resources import package_path
 
 HERE = package_path(
@@ -178,6 +182,11 @@ def can_run_local_slurm() -> str | None:
     return None
 
 
+def sbatch_flags(options: dict[str, Any]) -> list[str]:
+    """{"account": "proj", "exclusive": True} -> ["--account=proj", "--exclusive"] (as submitit writes them)."""
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
+
+
 # -- job helpers (any Slurm cluster) ----------------------------------------------------------------
 def sbatch(
     args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
@@ -235,3 +244,142 @@ def wait_job(
     raise TimeoutError(
         f"Slurm job {job_id} still {state} after {timeout_s:.0f} s (waiting for {sorted(want)})"
     )
+
+
+# -- the ``slurm`` launcher: one sbatch job per start, srun starts the ranks ---------------------------
+# How long a job may be unknown to scontrol before it counts as failed (a controller restart or a job
+# record purged after MinJobAge is seconds, not minutes).
+UNKNOWN_GRACE_S = 60.0
+
+
+def scaleout_command() -> list[str]:
+    """How a Slurm task starts scaleout: the installed entry point, else this interpreter's module."""
+    exe = shutil.which("scaleout")
+    return [exe] if exe else [sys.executable, "-u", "-m", "scaleout"]
+
+
+class SlurmJob:
+    """A submitted sbatch job. ``wait`` polls scontrol; Slurm does not say which rank failed."""
+
+    def __init__(self, job_id: int, env: Mapping[str, str], default_timeout_s: float):
+        self.job_id, self.env, self.default_timeout_s = job_id, env, default_timeout_s
+
+    def stop(self) -> None:
+        subprocess.run(
+            ["scancel", str(self.job_id)], env=self.env, check=False, capture_output=True
+        )
+
+    def wait(self, timeout_s: float | None = None) -> LaunchResult:
+        job = self.job_id
+        # Queue wait included: by default up to 10x the time limit.
+        deadline = time.monotonic() + (timeout_s or self.default_timeout_s)
+        unknown_since: float | None = None
+        try:
+            while (state := job_state(job, self.env)) not in FINAL_STATES:
+                now = time.monotonic()
+                # UNKNOWN = scontrol cannot answer: the controller is gone or has forgotten the job.
+                unknown_since = (unknown_since or now) if state == "UNKNOWN" else None
+                if unknown_since is not None and now - unknown_since > UNKNOWN_GRACE_S:
+                    return LaunchResult(
+                        1,
+                        None,
+                        f"Slurm job {job}: no answer from scontrol for {UNKNOWN_GRACE_S:.0f} s "
+                        f"(controller down?)",
+                        "failed",
+                    )
+                if now > deadline:
+                    self.stop()
+                    return LaunchResult(
+                        EXIT_TIMED_OUT,
+                        None,
+                        f"Slurm job {job} still {state} at the timeout; cancelled",
+                        "timed_out",
+                    )
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C / SIGTERM of the caller: do not leave the job running
+            self.stop()
+            raise
+        code = job_info(job, env=self.env).get("ExitCode", "?")
+        message = f"Slurm job {job} {state} (exit {code})"
+        if state == "COMPLETED":
+            return LaunchResult(0, None, message, "succeeded")
+        return LaunchResult(1, None, message, "stopped" if state == "CANCELLED" else "failed")
+
+
+@register
+class SlurmLauncher(Launcher):
+    """One ``sbatch -N nnodes --ntasks-per-node G --wrap "srun <argv>"`` job per start, on the cluster
+    ``SLURM_CONF`` names (a real one, or the local one of ``scaleout slurm up``)."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        time_min: int = 30,
+        gpus: bool = True,
+        env: Mapping[str, str] | None = None,
+        extra: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+    ):
+        self.partition, self.time_min, self.gpus = partition, time_min, gpus
+        self.env = (
+            env  # None: this process's environment at submission (sbatch exports it to the job)
+        )
+        self.extra = list(extra)  # extra sbatch flags
+        self.extra_env = dict(extra_env or {})
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> SlurmLauncher:
+        if options.rate is not None:
+            raise UserError("--netns works with --launcher local, not slurm")
+        return cls(
+            partition=options.partition,
+            time_min=options.time_min,
+            gpus=options.gpus,
+            env=options.env,
+            extra=sbatch_flags(options.slurm),
+            extra_env=options.extra_env,
+        )
+
+    def check(self, shapes: Sequence[tuple[int, int]]) -> None:
+        if shutil.which("sbatch") is None:
+            raise UserError(
+                "--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the local "
+                "cluster: scaleout slurm up; export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf)"
+            )
+
+    def sbatch_args(
+        self,
+        argv: Sequence[str],
+        nnodes: int,
+        nproc_per_node: int,
+        log: Path | None = None,
+        name: str = "scaleout",
+    ) -> list[str]:
+        argv = list(argv)
+        cmd = [*scaleout_command(), *argv[1:]] if argv[:1] == ["scaleout"] else argv
+        srun = ["srun", "--kill-on-bad-exit=1", *cmd]
+        args = ["-N", str(nnodes), "--ntasks-per-node", str(nproc_per_node), "--job-name", name]
+        if log is not None:
+            args += ["--output", str(log)]
+        args += ["--time", str(self.time_min), "--chdir", os.getcwd()]
+        if self.gpus:
+            # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink P2P
+            args.append(f"--gpus-per-node={nproc_per_node}")
+        if self.partition:
+            args += ["--partition", self.partition]
+        return [*args, *self.extra, "--wrap", shlex.join(srun)]
+
+    def start(
+        self,
+        argv: Sequence[str],
+        nnodes: int,
+        nproc_per_node: int,
+        *,
+        log: Path | None = None,
+        name: str = "scaleout",
+    ) -> SlurmJob:
+        env = {**(os.environ if self.env is None else self.env), **self.extra_env}
+        job = sbatch(self.sbatch_args(argv, nnodes, nproc_per_node, log, name), env=env)
+        return SlurmJob(job, env, default_timeout_s=10 * 60 * self.time_min)

@@ -23,6 +23,14 @@ from typing import Any
 
 from scaleout.env.base import free_ports, local_rank_env
 from scaleout.errors import UserError
+from scaleout.launchers.base import (
+    EXIT_TIMED_OUT,
+    Launcher,
+    LaunchOptions,
+    LaunchResult,
+    RankExit,
+    register,
+)
 
 
 @dataclass
@@ -99,11 +107,6 @@ def parse_slurm_options(items: Sequence[str] | None) -> dict[str, Any]:
             )
         out[key.replace("-", "_")] = value if eq else True
     return out
-
-
-def sbatch_flags(options: dict[str, Any]) -> list[str]:
-    """{"account": "proj", "exclusive": True} -> ["--account=proj", "--exclusive"] (as submitit writes them)."""
-    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
 
 
 def resolve_cluster(cluster: str) -> str:
@@ -232,7 +235,7 @@ def job_argvs(spec: SubmitSpec) -> list[list[str]]:
 
 def rank_mains(spec: SubmitSpec, entry: Callable[[list[str]], int] | None = None) -> list[RankMain]:
     """What every job runs: ``entry(argv)``. Slurm: the ranks derive the port from the job id
-    (scaleout.env.readers.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
+    (scaleout.env.slurm.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
     argvs = job_argvs(spec)
     local = resolve_cluster(spec.cluster) != "slurm"
     ports = free_ports(len(argvs)) if local else [None] * len(argvs)
@@ -283,3 +286,158 @@ def follow(
             return {j.job_id: j.state for j in jobs}
         sys.stdout.flush()
         time.sleep(poll_s)
+
+
+def failure_line(exc: BaseException) -> str:
+    """The one line of a failed task's error worth printing: the last that names an error or a rank
+    (RankMain's "rank N: ... exited with code C"), else the last line."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    why = [ln for ln in lines if "Error" in ln or "rank " in ln] or lines or [type(exc).__name__]
+    return why[-1]
+
+
+_RANK_FAILED = re.compile(r"rank (\d+): .* exited with code (-?\d+)")
+
+
+class SubmitJob:
+    """A submitit job whose tasks are the ranks (task i = rank i, ``nproc_per_node`` per node)."""
+
+    def __init__(self, job: Any, nproc_per_node: int, log_hint: str | None = None):
+        self.job, self.nproc = job, nproc_per_node
+        self.log_hint = log_hint or f"log {job.paths.stdout}"  # named in the failure message
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    def stop(self) -> None:
+        self.job.cancel(check=False)
+
+    def wait(self, timeout_s: float | None = None) -> LaunchResult:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while not self.job.done():
+                if deadline is not None and time.monotonic() > deadline:
+                    self.job.cancel()
+                    return LaunchResult(
+                        EXIT_TIMED_OUT,
+                        None,
+                        f"job {self.job_id}: timed out; cancelled",
+                        "timed_out",
+                    )
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C / SIGTERM of the caller: do not leave the job running
+            self.stop()
+            raise
+        return self.result()
+
+    def result(self) -> LaunchResult:
+        """The result of a finished job: the first task that failed is the failed rank."""
+        try:
+            self.job.results()  # every task's return value; raises with the failing task's error
+        except Exception as exc:  # noqa: BLE001 -- one line: the failing rank's error
+            failed = self.failed_rank()
+            return LaunchResult(
+                1,
+                failed,
+                f"job {self.job_id}: failed: {failure_line(exc)} ({self.log_hint})",
+                "failed",
+            )
+        return LaunchResult(0, None, f"job {self.job_id}: completed", "succeeded")
+
+    def failed_rank(self) -> RankExit | None:
+        for task in range(self.job.num_tasks):
+            exc = self.job.task(task).exception()
+            if exc is not None:
+                match = _RANK_FAILED.search(str(exc))
+                code = int(match.group(2)) if match else 1
+                return RankExit.of(task, self.nproc, code)
+        return None
+
+
+@register
+class SubmitLauncher(Launcher):
+    """One submitit job per start (Slurm when sbatch is on PATH, else submitit's local executor); every
+    task runs ``entry(argv)`` in-process (``entry``: the CLI's main, given by the caller, so that launchers
+    never import the CLI). ``spec``: the SubmitSpec fields every start shares."""
+
+    name = "submit"
+
+    def __init__(
+        self,
+        entry: Callable[[list[str]], int] | None = None,
+        extra_env: dict[str, str] | None = None,
+        **spec: Any,
+    ):
+        self.entry = entry
+        self.extra_env = dict(extra_env or {})
+        self.spec = spec
+
+    @classmethod
+    def from_options(cls, options: LaunchOptions) -> SubmitLauncher:
+        if options.rate is not None:
+            raise UserError("--netns works with --launcher local, not submit")
+        return cls(
+            entry=options.entry,
+            extra_env=options.extra_env,
+            cluster=options.cluster,
+            partition=options.partition,
+            time_min=options.time_min,
+            request_gpus=options.gpus,
+            extra_slurm=dict(options.slurm),
+        )
+
+    def check(self, shapes: Sequence[tuple[int, int]]) -> None:
+        try:
+            import submitit  # noqa: F401  # deferred: an optional dependency
+        except ImportError:
+            raise UserError(
+                "--launcher submit needs submitit: pip install 'scaleout[slurm]'"
+            ) from None
+        if resolve_cluster(self.spec.get("cluster", "auto")) != "slurm":
+            big = [nnodes * nproc for nnodes, nproc in shapes if nnodes > 1]
+            if big:
+                raise UserError(
+                    f"--launcher submit without Slurm runs one node, but world sizes {big} need more "
+                    f"than one: use --nodes 1,... or --launcher local"
+                )
+
+    def submit(self, spec: SubmitSpec) -> list[SubmitJob]:
+        """Submit ``spec`` (one job, or one per ``--array`` value) with this process's environment plus
+        ``extra_env`` (submitit's executors hand this process's environment to the job)."""
+        saved = {k: os.environ.get(k) for k in self.extra_env}
+        os.environ.update(self.extra_env)
+        try:
+            jobs = submit(spec, self.entry)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return [SubmitJob(j, spec.gpus_per_node) for j in jobs]
+
+    def start(
+        self,
+        argv: Sequence[str],
+        nnodes: int,
+        nproc_per_node: int,
+        *,
+        log: Path | None = None,
+        name: str = "scaleout",
+    ) -> SubmitJob:
+        argv = list(argv)
+        if argv[:1] != ["scaleout"]:
+            raise UserError(
+                f"the submit launcher runs scaleout subcommands in-process, not {argv[:1]}"
+            )
+        fields = dict(self.spec)
+        if log is not None:  # the job's logs beside the caller's log file
+            fields["folder"] = str(log.parent / "submitit" / "%j")
+        spec = SubmitSpec(
+            argv=argv[1:], nodes=nnodes, gpus_per_node=nproc_per_node, name=name, **fields
+        )
+        (job,) = self.submit(spec)
+        if log is not None:
+            job.log_hint = f"logs {log.parent}/submitit"
+        return job

@@ -1,6 +1,6 @@
 """Stops a launcher's ranks when the launcher itself dies without stopping them (SIGKILL, OOM killer, crash).
 
-Started by :class:`launchers.local.LocalLauncher` as ``python -I launchers/watchdog.py`` in a session of
+Started by :class:`launchers.local.LocalJob` as ``python -I launchers/watchdog.py`` in a session of
 its own, with a pipe from the launcher on stdin. The launcher writes one line per event:
 
     grace <seconds>        SIGTERM -> SIGKILL window

@@ -20,7 +20,7 @@ class NodelistError(UserError):
     """A Slurm nodelist that does not follow the hostlist grammar."""
 
 
-class EnvironmentError_(UserError):
+class LaunchEnvError(UserError):
     """Launcher variables that are missing or inconsistent."""
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 
 def _rank() -> int:
-    from scaleout.env.readers import RANK_VARS  # the launchers' rank variables, in detection order
+    from scaleout.env import rank_variables  # deferred: scaleout.log is imported first of all
 
-    for var in RANK_VARS:
+    for var in rank_variables():  # the launchers' rank variables, in detection order
         value = os.environ.get(var)
         if value is not None and value.lstrip("-").isdigit():
             return int(value)

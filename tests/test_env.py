@@ -6,10 +6,13 @@ The same readers are exercised for real under the local launcher (test_world.py)
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from scaleout.env import DETECTION_ORDER, detect_environment
-from scaleout.env.readers import SlurmEnv
+from scaleout.env import ENVIRONMENTS, detect_environment, detection_order
+from scaleout.env.slurm import SlurmEnv
 from scaleout.errors import UserError
 
 TORCHRUN = {
@@ -161,7 +164,7 @@ def test_local_launcher() -> None:
 def test_single_and_order() -> None:
     name, s = _spec({})
     assert name == "single" and _key(s) == (0, 0, 0, 1, 1, 1)
-    assert DETECTION_ORDER == ("local", "torchrun", "horovod", "mpi", "slurm", "single")
+    assert detection_order() == ("local", "torchrun", "horovod", "mpi", "slurm", "single")
     # inside an allocation mpirun ranks see SLURM_* too: MPI wins over Slurm
     assert detect_environment({**SLURM, **OMPI}).name == "mpi"
 
@@ -216,7 +219,7 @@ def test_explicit_choice_overrides_detection() -> None:
     ],
 )
 def test_bad_variables_are_one_line_errors(env, needle) -> None:
-    with pytest.raises(UserError) as exc:  # EnvironmentError_ or NodelistError
+    with pytest.raises(UserError) as exc:  # LaunchEnvError or NodelistError
         detect_environment(env).read(env)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
@@ -243,7 +246,7 @@ def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
     times), and the job-id map never lands there, for every job id residue."""
     import socket
 
-    from scaleout.env.readers import ephemeral_port_low
+    from scaleout.env.slurm import ephemeral_port_low
 
     low = ephemeral_port_low()
     socks = []
@@ -285,7 +288,7 @@ def _resolver(table):
 def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
     """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must publish
     the address of the interface that routes to the other host (pure functions: no second host here)."""
-    from scaleout.env.readers import master_address
+    from scaleout.env.mpi import master_address
 
     table = {"node1": ["127.0.1.1"], "node2": ["10.0.0.2"]}
     toward = {"10.0.0.2": "10.0.0.1"}.get
@@ -386,8 +389,8 @@ def test_horovod_publishes_rank0_address_and_port() -> None:
     """Rank 0 need not run on horovodrun's host: its own address travels with the port."""
     import threading
 
+    from scaleout.env.horovod import HorovodEnv
     from scaleout.env.horovod_kv import exchange_master
-    from scaleout.env.readers import HorovodEnv
 
     with _KV() as kv:
         kv_port = kv.server.server_address[1]
@@ -463,12 +466,12 @@ def shutil_which(name: str):
 @pytest.mark.unit
 def test_forced_slurm_outside_srun_is_refused() -> None:
     """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for SLURM_NTASKS peers."""
-    from scaleout.errors import EnvironmentError_
+    from scaleout.errors import LaunchEnvError
 
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     reader = detect_environment(env, "slurm")
     with pytest.raises(
-        EnvironmentError_,
+        LaunchEnvError,
         match=r"^slurm environment: SLURM_STEP_ID is not set, so srun did not start",
     ):
         reader.read(env)
@@ -479,14 +482,14 @@ def test_forced_slurm_outside_srun_is_refused() -> None:
 def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> None:
     """The variables scaleout's launchers write (env.base.local_rank_env) are exactly what LocalEnv reads,
     torchrun's reader sees the same rank, and scaleout.log finds it before any World exists."""
+    from scaleout.env import ENVIRONMENTS, detect_environment, rank_variables
     from scaleout.env.base import LOCAL_VARS, free_ports, local_rank_env
-    from scaleout.env.readers import ENVIRONMENTS, RANK_VARS, detect_environment
     from scaleout.log import _rank
 
     env = local_rank_env(3, nnodes=2, nproc=2, addr="10.0.0.1", port=29500)
     assert set(LOCAL_VARS.values()) <= set(env)
     assert detect_environment(env).name == "local"
-    s = ENVIRONMENTS["local"].read(env)
+    s = ENVIRONMENTS.get("local").read(env)
     assert (s.rank, s.local_rank, s.node_rank, s.num_nodes, s.local_size, s.world_size) == (
         3,
         1,
@@ -501,10 +504,11 @@ def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> No
         "local",
         (2, 2),
     )
-    t = ENVIRONMENTS["torchrun"].read(env)
+    t = ENVIRONMENTS.get("torchrun").read(env)
     assert (t.rank, t.local_rank, t.node_rank, t.world_size) == (3, 1, 1, 4)
-    assert RANK_VARS[0] == LOCAL_VARS["rank"] and "SLURM_PROCID" in RANK_VARS
-    for k in RANK_VARS:
+    rank_vars = rank_variables()
+    assert rank_vars[0] == LOCAL_VARS["rank"] and "SLURM_PROCID" in rank_vars
+    for k in rank_vars:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv(
@@ -513,3 +517,46 @@ def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> No
     assert _rank() == 2
     ports = free_ports(4)
     assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)
+
+
+@pytest.mark.unit
+def test_readme_detection_table_matches_the_registry() -> None:
+    """The README's detection table lists the registered environments in priority order (one order, one
+    place: each environment's ``priority``)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `([a-z0-9_]+)` \|", readme, flags=re.MULTILINE)
+    assert [name for _, name in rows] == list(detection_order())
+    assert [int(k) for k, _ in rows] == list(range(1, len(rows) + 1))
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "extending-env.md").read_text()
+    listed = dict(re.findall(r"`([a-z]+)` (\d+)", " ".join(guide.split())))
+    assert listed == {n: str(ENVIRONMENTS.get(n).priority) for n in detection_order()}
+
+
+@pytest.mark.unit
+def test_a_taken_name_or_priority_is_refused() -> None:
+    from scaleout.env import ENVIRONMENTS, Environment, register
+    from scaleout.registry import RegistryError
+
+    class Twin(Environment):
+        name = "local"
+        priority = 999
+
+    class SamePriority(Environment):
+        name = "same-priority"
+        priority = ENVIRONMENTS.get("slurm").priority
+
+    with pytest.raises(RegistryError, match="'local' is already registered"):
+        register(Twin)
+    with pytest.raises(RegistryError, match="priority 50 is already 'slurm'"):
+        register(SamePriority)
+    assert "same-priority" not in ENVIRONMENTS
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", [n for n in detection_order() if n != "single"])
+def test_a_forced_environment_without_its_variables_is_one_line(name: str) -> None:
+    """launch.env=<name> (or --env) where that launcher did not start the process: a one-line error naming
+    a missing variable, for every registered environment (the split into files once let mpi raise
+    StopIteration here)."""
+    with pytest.raises(UserError, match=rf"^{name} environment: \S+ is not set"):
+        detect_environment({}, name).read({})

@@ -97,8 +97,8 @@ def test_mpiexec_world_real_and_emulated_nodes():
 
 @needs_mpi
 def test_mpi_ranks_per_node_must_divide():
-    from scaleout.env.readers import MPIEnv
-    from scaleout.errors import EnvironmentError_
+    from scaleout.env.mpi import MPIEnv
+    from scaleout.errors import LaunchEnvError
 
     env = {
         "OMPI_COMM_WORLD_RANK": "1",
@@ -106,7 +106,7 @@ def test_mpi_ranks_per_node_must_divide():
         "SCALEOUT_MPI_RANKS_PER_NODE": "2",
     }
     with pytest.raises(
-        EnvironmentError_, match="SCALEOUT_MPI_RANKS_PER_NODE=2 does not divide the 3 ranks"
+        LaunchEnvError, match="SCALEOUT_MPI_RANKS_PER_NODE=2 does not divide the 3 ranks"
     ):
         MPIEnv().read(env)
     spec = MPIEnv().read({**env, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"})

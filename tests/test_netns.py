@@ -257,7 +257,7 @@ def _start_sleeping_netns_launch(tmp_path, state):
     """A 2 x 1 --netns launch whose ranks write their pids and sleep; returns (proc, name, rank pid dir)."""
     import time
 
-    from scaleout.cli.launch import private_cluster_name
+    from scaleout.launchers.netns_launcher import private_cluster_name
 
     pids = tmp_path / "pids"
     pids.mkdir()

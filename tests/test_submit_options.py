@@ -17,8 +17,10 @@ import pytest
 
 from scaleout.cli import main
 from scaleout.errors import UserError
-from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_options, sbatch_flags
-from scaleout.launchers.sweep import SlurmRunner, _finished, make_runner
+from scaleout.launchers import LaunchOptions, make_launcher
+from scaleout.launchers.slurm import SlurmLauncher, sbatch_flags
+from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_options
+from scaleout.launchers.sweep import _finished
 from scaleout.sweep import SweepPoint
 
 TINY = [
@@ -57,9 +59,10 @@ def test_parse_slurm_options() -> None:
 
 @pytest.mark.unit
 def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
-    runner = make_runner("slurm", slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
-    assert isinstance(runner, SlurmRunner)
-    args = runner.sbatch_args(SweepPoint(4, 2, 2, 16), ["train", "x.yaml"], tmp_path / "log")
+    options = LaunchOptions(slurm=parse_slurm_options(OPTS), time_min=5, gpus=False)
+    launcher = make_launcher("slurm", options)
+    assert isinstance(launcher, SlurmLauncher)
+    args = launcher.sbatch_args(["scaleout", "train", "x.yaml"], 2, 2, tmp_path / "log")
     wrap = args.index("--wrap")
     assert args[wrap - 5 : wrap] == [
         "--account=proj",
@@ -69,9 +72,11 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
         "--mail-type=END",
     ]
     with pytest.raises(UserError, match="sbatch options need --launcher slurm or submit"):
-        make_runner("local", slurm={"account": "proj"})
-    gpu = make_runner("slurm", time_min=5, gpus=True).sbatch_args(
-        SweepPoint(4, 2, 2, 16), ["train"], tmp_path / "log"
+        make_launcher("local", LaunchOptions(slurm={"account": "proj"}))
+    with pytest.raises(UserError, match="--netns works with --launcher local, not slurm"):
+        make_launcher("slurm", LaunchOptions(rate="1gbit"))
+    gpu = make_launcher("slurm", LaunchOptions(time_min=5, gpus=True)).sbatch_args(
+        ["scaleout", "train"], 2, 2, tmp_path / "log"
     )
     assert "--gpus-per-node=2" in gpu and not any(
         "gpus-per-task" in a for a in gpu
@@ -229,3 +234,53 @@ def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.Captu
     point = SweepPoint(1, 1, 1, 4)
     assert _finished(point, pdir, recorded) is not None
     assert _finished(point, pdir, [*recorded, "optim.lr=0.5"]) is None
+
+
+class _FakeTask:
+    def __init__(self, exc: Exception | None):
+        self.exc = exc
+
+    def exception(self) -> Exception | None:
+        return self.exc
+
+
+class _FakeJob:
+    """What SubmitJob reads of a finished submitit job whose task 3 failed."""
+
+    job_id = "42"
+    num_tasks = 4
+    paths = type("P", (), {"stdout": "/tmp/42_0_log.out"})()
+    error = RuntimeError(
+        "Job (task=3) failed during processing with trace:\n----\nTraceback ...\n"
+        "RuntimeError: rank 3: scaleout train x.yaml exited with code 2\n\nYou can check full logs"
+    )
+
+    def results(self) -> list[int]:
+        raise self.error
+
+    def task(self, i: int) -> _FakeTask:
+        return _FakeTask(self.error if i == 3 else None)
+
+
+@pytest.mark.unit
+def test_submit_failures_read_one_way() -> None:
+    """`scaleout submit` and the sweep once cut a failed job's error differently (the CLI kept the last line
+    naming an error or a rank, the sweep the last line: here "You can check full logs"). Both now read a
+    result through SubmitJob, which also names the failed rank."""
+    from scaleout.launchers.submit import SubmitJob, failure_line
+
+    assert failure_line(_FakeJob.error) == (
+        "RuntimeError: rank 3: scaleout train x.yaml exited with code 2"
+    )
+    res = SubmitJob(_FakeJob(), nproc_per_node=2).result()
+    assert res.state == "failed" and res.returncode == 1
+    assert (res.failed.rank, res.failed.node, res.failed.local_rank, res.failed.returncode) == (
+        3,
+        1,
+        1,
+        2,
+    )
+    assert res.message == (
+        "job 42: failed: RuntimeError: rank 3: scaleout train x.yaml exited with code 2 "
+        "(log /tmp/42_0_log.out)"
+    )

@@ -249,7 +249,7 @@ BAD = [
     ),
     (
         ["--world", "1,2", "--launcher", "pbs"],
-        "--launcher='pbs': expected one of local, slurm, submit",
+        "--launcher='pbs': expected one of local, netns, slurm, submit",
     ),
     (["--world", "1,2", "--mode", "linear"], "--mode='linear': expected weak or strong"),
     (

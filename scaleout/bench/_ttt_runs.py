@@ -14,26 +14,34 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from scaleout.launchers import Launcher, LaunchOptions, make_launcher
 
 
 @dataclass(frozen=True)
-class Cluster:
-    name: str  # "local" | "netns"
+class LaunchShape:
+    """Where a run goes: a launcher of :data:`scaleout.launchers.LAUNCHERS` and nodes x ranks per node."""
+
+    launcher: Literal["local", "netns"]
     nnodes: int
     nproc_per_node: int
     rate: str | None = None  # netns link rate (tc units)
 
     @property
+    def name(self) -> str:  # the rows' "cluster" column and the runs' folder
+        return self.launcher
+
+    @property
     def world(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def launch(self) -> list[str]:
+    def launch_argv(self) -> list[str]:
+        """The same launch as a command line (recorded in each row, to rerun one by hand)."""
         cmd = [
             sys.executable,
             "-m",
@@ -45,6 +53,9 @@ class Cluster:
             str(self.nproc_per_node),
         ]
         return cmd + (["--netns", "--rate", self.rate] if self.rate else [])
+
+    def make_launcher(self) -> Launcher:
+        return make_launcher(self.launcher, LaunchOptions(rate=self.rate))
 
 
 @dataclass(frozen=True)
@@ -212,7 +223,7 @@ def read_mlperf(path: Path) -> dict[str, Any]:
 
 def execute(
     plan: Plan,
-    cluster: Cluster,
+    cluster: LaunchShape,
     r: Recipe,
     seed: int,
     root: Path,
@@ -220,15 +231,22 @@ def execute(
     time_budget: float | None = None,
     tag: str = "",
 ) -> dict[str, Any]:
-    """Launch one run, wait, and return its row. A run that does not reach the target has ``ttt_s`` None."""
+    """Launch one run, wait, and return its row. A run that does not reach the target has ``ttt_s`` None.
+    A run that fails names its rank (the launcher's LaunchResult)."""
     out = root / cluster.name / f"{r.name}{tag}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("mlperf.log", "report.json"):
         (out / stale).unlink(missing_ok=True)
-    argv = [*cluster.launch(), "--", *command(plan, r, seed, out, time_budget)]
+    cmd = command(plan, r, seed, out, time_budget)
+    argv = [*cluster.launch_argv(), "--", *cmd]
     t0 = time.perf_counter()
-    with open(out / "launch.log", "w") as log:
-        rc = _run(argv, log)
+    # In this process: SIGINT/SIGTERM stop the ranks (and a netns cluster goes down) before we go.
+    with cluster.make_launcher() as launcher:
+        job = launcher.start(cmd, cluster.nnodes, cluster.nproc_per_node, log=out / "launch.log")
+        result = job.wait()
+    with open(out / "launch.log", "a") as log:
+        print(f"scaleout launch: {result.message}", file=log)
+    rc = result.returncode
     row: dict[str, Any] = {
         "cluster": cluster.name,
         "recipe": r.name,
@@ -245,7 +263,8 @@ def execute(
     }
     if rc != 0:
         raise SystemExit(
-            f"{cluster.name} {r.name} seed {seed} exited {rc}; see {out / 'launch.log'}"
+            f"{cluster.name} {r.name} seed {seed} exited {rc} ({result.message}); "
+            f"see {out / 'launch.log'}"
         )
     log_ = read_mlperf(out / "mlperf.log")
     rep = json.loads((out / "report.json").read_text())
@@ -261,27 +280,3 @@ def execute(
     row["ttt_s"] = log_["ttt_s"] if reached else None
     row["run_s"] = log_["ttt_s"]  # run_start -> run_stop whether or not the target was reached
     return row
-
-
-def _run(argv: list[str], log: Any) -> int:
-    """Run the launcher; if this bench is interrupted (Ctrl-C, SIGTERM), stop it the way it expects (SIGTERM:
-    it stops its ranks and removes a --netns cluster) before going."""
-    import signal
-
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-
-    def interrupted(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupted)
-    try:
-        return proc.wait()
-    except BaseException:
-        proc.terminate()
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # the launcher's watchdog still stops the ranks and removes the namespaces
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -230,7 +230,7 @@ def seqs_per_row(cfg: Any) -> tuple[float, str]:
 
 
 def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:
-    from scaleout.bench._ttt_runs import Cluster
+    from scaleout.bench._ttt_runs import LaunchShape
 
     out = []
     for name in args.clusters:
@@ -238,7 +238,7 @@ def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:
             print("netns: skipped (the emulated cluster needs root)", flush=True)
             continue
         out.append(
-            Cluster(
+            LaunchShape(
                 name,
                 cfg.launch.nnodes,
                 cfg.launch.nproc_per_node,

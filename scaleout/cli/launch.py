@@ -129,96 +129,31 @@ def resolve_nproc(value: str | int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from scaleout.cli import resolve
-    from scaleout.errors import UserError
-    from scaleout.launchers.local import check_launch_args, launch
+    from scaleout.launchers.local import LocalLauncher, check_launch_args
+    from scaleout.launchers.netns_launcher import NetnsLauncher
 
     args.nproc_per_node = resolve_nproc(args.nproc_per_node)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    cmd, check = resolve(
-        cmd
-    )  # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
+    # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
+    cmd, check = resolve(cmd)
+    options = dict(grace_s=args.grace, prefix_output=not args.no_prefix, preflight=check)
     if args.netns or args.cluster:
-        from scaleout.launchers.netns import MAX_NODES
-
-        if args.nnodes > MAX_NODES:
-            raise UserError(
-                f"--nnodes={args.nnodes}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster"
-            )
-    check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
-    kwargs = dict(
-        grace_s=args.grace,
-        prefix_output=not args.no_prefix,
-        timeout_s=args.timeout,
-        preflight=check,
-    )
-    if args.netns or args.cluster:
-        result = _launch_netns(cmd, args, kwargs)
-    else:
-        result = launch(
-            cmd,
-            args.nnodes,
-            args.nproc_per_node,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            **kwargs,
+        launcher = NetnsLauncher(
+            args.rate, cluster_name=args.cluster, master_port=args.master_port, **options
         )
+    else:
+        launcher = LocalLauncher(
+            master_addr=args.master_addr, master_port=args.master_port, **options
+        )
+    check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
+    launcher.check([(args.nnodes, args.nproc_per_node)])
+    with launcher:
+        result = launcher.start(cmd, args.nnodes, args.nproc_per_node).wait(args.timeout)
     stream = sys.stdout if result.returncode == 0 else sys.stderr
     try:
         print(f"scaleout launch: {result.message}", file=stream, flush=True)
     except OSError:  # the reader is gone (| head, a closed terminal): the exit code still tells
         pass
     return result.returncode
-
-
-def private_cluster_name(pid: int) -> str:
-    """'so' + the pid in base 36 (<= 5 characters up to Linux's largest pid, 2^22): unique among running
-    launches, and short enough for Linux's 15-character interface names (<name>-br, <name>-v249)."""
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        pid, r = divmod(pid, 36)
-        out = digits[r] + out
-        if not pid:
-            return f"so{out}"
-
-
-def _launch_netns(cmd: list[str], args: argparse.Namespace, kwargs: dict):
-    """Node i's ranks run via `ip netns exec <ns_i>`; rendezvous on node 0's cluster address."""
-    import contextlib
-    import os
-
-    from scaleout.env.base import free_port
-    from scaleout.launchers.local import launch
-    from scaleout.launchers.netns import Cluster
-
-    on_orphan: list[list[str]] = []
-    if args.cluster:
-        cluster = Cluster(args.nnodes, None, name=args.cluster)
-        cluster.check_ready(args.nnodes)
-        status = cluster.status()["rates"].get(cluster.ns(0))
-        if status and status != "unlimited":
-            cluster = Cluster(args.nnodes, status, name=args.cluster)
-        ctx = contextlib.nullcontext(cluster)
-    else:
-        # A private name per launch, so concurrent launches and a persistent `cluster up` never collide.
-        name = private_cluster_name(os.getpid())
-        ctx = Cluster(args.nnodes, args.rate, name=name)
-        # If this launcher is SIGKILLed, its watchdog removes the private cluster after stopping the ranks.
-        on_orphan.append([sys.executable, "-m", "scaleout", "cluster", "down", "--name", name])
-    with ctx as cluster:
-        env = {**os.environ, **cluster.rank_env()}
-        return launch(
-            cmd,
-            args.nnodes,
-            args.nproc_per_node,
-            master_addr=cluster.addr(0),
-            # A port free here is as good a guess as any for node 0's namespace (it has few listeners);
-            # distinct per launch, so two launches sharing one `cluster up` cluster do not collide.
-            master_port=args.master_port or free_port("0.0.0.0"),
-            env=env,
-            node_wrapper=cluster.wrapper,
-            on_orphan=on_orphan,
-            **kwargs,
-        )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from scaleout.env import detection_order
+
 NAME = "smoke"
 ORDER = 15
 HELP = "distributed smoke check: World, groups, all-reduce correctness and a short report"
@@ -21,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--env",
         default=None,
-        help="force a launcher environment (local, torchrun, slurm, mpi, horovod)",
+        help=f"force a launcher environment ({', '.join(detection_order())}; default: detect)",
     )
     p.add_argument(
         "--numel", type=int, default=1 << 20, help="elements in the timed all-reduce (default 1 Mi)"

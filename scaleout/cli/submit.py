@@ -87,13 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from scaleout.errors import UserError
     from scaleout.launchers.submit import (
+        SubmitLauncher,
         SubmitSpec,
         follow,
         job_argvs,
         parse_array,
         parse_slurm_options,
         resolve_cluster,
-        submit,
     )
 
     if args.subcommand:
@@ -129,32 +129,23 @@ def run(args: argparse.Namespace) -> int:
 
     for job_argv in job_argvs(spec):
         preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
-    jobs = submit(spec, entry=main)
+    jobs = SubmitLauncher(entry=main).submit(spec)
     where = resolve_cluster(spec.cluster)
     for j in jobs:
         print(
             f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "
-            f"scaleout {' '.join(argv)}; logs {j.paths.stdout}",
+            f"scaleout {' '.join(argv)}; logs {j.job.paths.stdout}",
             flush=True,
         )
     if args.no_follow:
         return 0
-    follow(jobs, timeout_s=args.follow_timeout)
+    follow([j.job for j in jobs], timeout_s=args.follow_timeout)
     failed = 0
     for j in jobs:
-        if not j.done():
-            print(f"job {j.job_id}: still {j.state} (stopped following)", flush=True)
+        if not j.job.done():
+            print(f"job {j.job_id}: still {j.job.state} (stopped following)", flush=True)
             continue
-        try:
-            j.results()  # every task's return value; raises with the failing rank's error
-            print(f"job {j.job_id}: completed", flush=True)
-        except Exception as exc:  # noqa: BLE001 -- report the rank's error in one line
-            failed += 1
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            why = (
-                [ln for ln in lines if "Error" in ln or "rank " in ln]
-                or lines
-                or [type(exc).__name__]
-            )
-            print(f"job {j.job_id}: failed: {why[-1].strip()} (log {j.paths.stdout})", flush=True)
+        result = j.result()  # the first failed task names the rank
+        failed += not result.ok
+        print(result.message, flush=True)
     return 1 if failed else 0

@@ -6,6 +6,8 @@ import argparse
 import os
 import re
 
+from scaleout.launchers import LAUNCHERS
+
 NAME = "sweep"
 ORDER = 32
 HELP = "scaling-efficiency sweep: run a config at several world sizes, tabulate and plot efficiency"
@@ -113,7 +115,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median run",
     )
-    p.add_argument("--launcher", default="local", help="local, slurm or submit (default local)")
+    p.add_argument(
+        "--launcher",
+        default="local",
+        help=f"{', '.join(LAUNCHERS)} (default local; netns = local --netns)",
+    )
     p.add_argument(
         "--netns", action="store_true", help="local: every node in its own network namespace (root)"
     )
@@ -250,14 +256,17 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.config import load_config
     from scaleout.config.load import resolve_config_path
     from scaleout.errors import UserError
+    from scaleout.launchers import LaunchOptions, make_launcher
     from scaleout.launchers.submit import parse_slurm_options
-    from scaleout.launchers.sweep import make_runner, run_sweep
+    from scaleout.launchers.sweep import check_launcher, run_sweep
     from scaleout.output import format_table
     from scaleout.sweep import MODES, add_efficiency, check_points, plan_points, write_outputs
     from scaleout.sweep.plot import plot
     from scaleout.sweep.results import table_rows
 
     # Everything is validated before the first rank starts.
+    if args.launcher == "netns":  # the same as --launcher local --netns
+        args.launcher, args.netns = "local", True
     if args.mode not in MODES:
         raise UserError(f"--mode={args.mode!r}: expected weak or strong")
     worlds = parse_csv(args.world, "--world", int, at_least=1)
@@ -274,19 +283,22 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--repeats={args.repeats}: expected an integer >= 1")
     threads = _threads(args, points)
     env = {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
-    runner = make_runner(
-        args.launcher,
-        netns_rate=args.rate if args.netns else None,
-        partition=args.partition,
-        time_min=args.time,
-        gpus=not args.no_gpu_request,
-        cluster=args.cluster,
-        timeout_s=args.timeout,
-        extra_env=env,
-        slurm=parse_slurm_options(args.slurm),
-        entry=main,
+    # --netns: the local launcher with every node in a network namespace (the netns launcher)
+    name = "netns" if args.launcher == "local" and args.netns else args.launcher
+    launcher = make_launcher(
+        name,
+        LaunchOptions(
+            extra_env=env,
+            rate=args.rate if args.netns else None,
+            partition=args.partition,
+            time_min=args.time,
+            gpus=not args.no_gpu_request,
+            slurm=parse_slurm_options(args.slurm),
+            cluster=args.cluster,
+            entry=main,
+        ),
     )
-    runner.check(points)
+    check_launcher(launcher, points)
     sim = None
     if args.simulate:
         from scaleout.sweep.simulate import Simulator
@@ -299,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     results = run_sweep(
-        runner,
+        launcher,
         points,
         config,
         args.overrides,
@@ -310,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
         progress=lambda s: print(s, flush=True),
         repeats=args.repeats,
         resume=args.resume,
+        timeout_s=args.timeout,
     )
     base = add_efficiency(results, args.mode)
     if sim is not None and base is not None:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scaleout.comm import ALGORITHMS
+from scaleout.env import detection_order
 from scaleout.errors import ConfigError
 
 # Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is spawned,
@@ -268,12 +269,24 @@ class MLPerfConfig(_Section):
 
 
 class LaunchConfig(_Section):
-    env: Literal["auto", "local", "torchrun", "slurm", "mpi", "horovod", "single"] = "auto"
+    # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS): checked
+    # against the registry when validated, so an environment registered later is accepted too.
+    env: str = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     nnodes: int = Field(1, ge=1, le=MAX_WORLD)
     nproc_per_node: int = Field(1, ge=1, le=1024)
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=1, le=65535)
+
+    @field_validator("env")
+    @classmethod
+    def _registered_env(cls, v: str) -> str:
+        choices = ("auto", *detection_order())
+        if v not in choices:
+            raise ValueError(
+                f"launch.env={v!r}: expected {', '.join(map(repr, choices[:-1]))} or {choices[-1]!r}"
+            )
+        return v
 
 
 class Config(_Section):

@@ -14,7 +14,7 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 
-from scaleout.errors import EnvironmentError_
+from scaleout.errors import LaunchEnvError
 
 # <linux/sockios.h> and <net/if.h>: ioctl request numbers and the loopback flag (stable Linux ABI).
 _SIOCGIFFLAGS = 0x8913
@@ -98,7 +98,7 @@ def reachable_address(
     for _, addr, loop in interfaces_fn():
         if addr and not loop and not is_loopback(addr):
             return addr
-    raise EnvironmentError_(
+    raise LaunchEnvError(
         f"no non-loopback address found for host {host!r} (it resolves to {resolve_fn(host) or 'nothing'}): "
         "set MASTER_ADDR to an address the other nodes can reach"
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from scaleout.errors import EnvironmentError_
+from scaleout.errors import LaunchEnvError
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,7 @@ class WorldSpec:
     world_size: int
     master_addr: str | None
     master_port: int | None
-    launcher: (
-        str  # the environment that described it (local, slurm, mpi, torchrun, horovod, single)
-    )
+    launcher: str  # the name of the environment that described it (scaleout.env.ENVIRONMENTS)
     # Ranks on each node, when the launcher says (Slurm's SLURM_TASKS_PER_NODE); None = not known here,
     # World derives it from an all-gather after init.
     tasks_per_node: tuple[int, ...] | None = None
@@ -50,16 +49,27 @@ class WorldSpec:
         ]
         for ok, msg in checks:
             if not ok:
-                raise EnvironmentError_(f"{self.launcher} environment: {msg}")
+                raise LaunchEnvError(f"{self.launcher} environment: {msg}")
 
 
 class Environment:
-    """A small reader of one launcher's variables. Subclasses set ``name`` and implement both methods."""
+    """A small reader of one launcher's variables (submitit's ``JobEnvironment``, cut down).
 
-    name = "base"
-    rank_vars: tuple[
-        str, ...
-    ] = ()  # the variables that hold the global rank (scaleout.log reads them early)
+    Subclasses set ``name``, ``priority`` (detection order: lower is tried first; the one place the order
+    is written), ``variables`` (WorldSpec field -> the variable that holds it, as data) and implement
+    ``detect`` and ``read``; :func:`scaleout.env.detect.register` adds an instance to ``ENVIRONMENTS``.
+    """
+
+    name: ClassVar[str] = "base"
+    priority: ClassVar[int] = 0
+    variables: ClassVar[Mapping[str, str]] = {}
+    # Where the global rank is, before any World exists (scaleout.log); default: variables["rank"].
+    rank_vars: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("rank_vars") and "rank" in cls.variables:
+            cls.rank_vars = (cls.variables["rank"],)
 
     def detect(self, env: Mapping[str, str]) -> bool:
         raise NotImplementedError
@@ -67,25 +77,37 @@ class Environment:
     def read(self, env: Mapping[str, str]) -> WorldSpec:
         raise NotImplementedError
 
+    def read_ints(
+        self, env: Mapping[str, str], variables: Mapping[str, str] | None = None
+    ) -> dict[str, int]:
+        """``{field: int(env[variable])}`` over ``variables`` (default: the declared ones); one line naming
+        the variable when one is missing or not an integer."""
+        mapping = self.variables if variables is None else variables
+        return {field: need_int(env, var, self.name) for field, var in mapping.items()}
+
     def rendezvous(self, spec: WorldSpec) -> tuple[str, int]:
         """Address and port of the TCP store. Default: what the variables said."""
         if spec.master_addr is None or spec.master_port is None:
-            raise EnvironmentError_(
-                f"{self.name} environment: MASTER_ADDR/MASTER_PORT not set and this launcher cannot derive them"
+            raise LaunchEnvError(
+                f"{self.name} environment: MASTER_ADDR/MASTER_PORT not set and this launcher "
+                "cannot derive them"
             )
         return spec.master_addr, spec.master_port
+
+
+def master(env: Mapping[str, str], source: str) -> tuple[str | None, int | None]:
+    """MASTER_ADDR / MASTER_PORT when set (every launcher lets them override its own rule)."""
+    return env.get("MASTER_ADDR") or None, opt_port(env, "MASTER_PORT", source)
 
 
 def need_int(env: Mapping[str, str], name: str, source: str) -> int:
     value = env.get(name)
     if value is None:
-        raise EnvironmentError_(f"{source} environment: {name} is not set")
+        raise LaunchEnvError(f"{source} environment: {name} is not set")
     try:
         return int(value)
     except ValueError:
-        raise EnvironmentError_(
-            f"{source} environment: {name}={value!r} is not an integer"
-        ) from None
+        raise LaunchEnvError(f"{source} environment: {name}={value!r} is not an integer") from None
 
 
 def opt_int(env: Mapping[str, str], name: str, source: str) -> int | None:
@@ -95,7 +117,7 @@ def opt_int(env: Mapping[str, str], name: str, source: str) -> int | None:
 def opt_port(env: Mapping[str, str], name: str, source: str) -> int | None:
     port = opt_int(env, name, source)
     if port is not None and not 1 <= port <= 65535:
-        raise EnvironmentError_(
+        raise LaunchEnvError(
             f"{source} environment: {name}={port}: expected a port from 1 to 65535"
         )
     return port

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 from scaleout.env.base import free_port
-from scaleout.errors import EnvironmentError_
+from scaleout.errors import LaunchEnvError
 
 _SCOPE = "scaleout"
 
@@ -24,11 +24,11 @@ def _parse(body: bytes, url: str) -> tuple[str, int]:
         value = json.loads(body.decode())
         addr, port = str(value["addr"]), int(value["port"])
     except (ValueError, KeyError, TypeError):
-        raise EnvironmentError_(
+        raise LaunchEnvError(
             f"horovod environment: {url} holds {body[:80]!r}, expected {{addr, port}}"
         ) from None
     if not addr or not 1 <= port <= 65535:
-        raise EnvironmentError_(
+        raise LaunchEnvError(
             f"horovod environment: {url} holds addr={addr!r} port={port}, expected a port 1-65535"
         )
     return addr, port
@@ -48,7 +48,7 @@ def exchange_master(
     deadline = time.monotonic() + timeout_s
     if rank == 0:
         if addr is None:
-            raise EnvironmentError_("horovod environment: rank 0 needs its own address to publish")
+            raise LaunchEnvError("horovod environment: rank 0 needs its own address to publish")
         port = port or free_port("127.0.0.1" if addr.startswith("127.") else "0.0.0.0")
         body = json.dumps({"addr": addr, "port": port}).encode()
         while True:
@@ -59,7 +59,7 @@ def exchange_master(
                 return addr, port
             except (urllib.error.URLError, OSError) as exc:
                 if time.monotonic() > deadline:
-                    raise EnvironmentError_(
+                    raise LaunchEnvError(
                         f"horovod environment: cannot publish the rendezvous at {url}: {exc}"
                     ) from None
                 time.sleep(0.2)
@@ -69,6 +69,6 @@ def exchange_master(
                 return _parse(resp.read(), url)
         except (urllib.error.URLError, OSError):
             time.sleep(0.2)
-    raise EnvironmentError_(
+    raise LaunchEnvError(
         f"horovod environment: no rendezvous published at {url} within {timeout_s:.0f} s"
     )

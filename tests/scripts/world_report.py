@@ -39,7 +39,7 @@ def main() -> int:
     if (
         world.launcher == "mpi"
     ):  # the node split mpi4py sees (one host = one node), whatever the World says
-        from scaleout.env.readers import _mpi_topology
+        from scaleout.env.mpi import _mpi_topology
 
         report["mpi4py_topology"] = list(_mpi_topology())
     print("WORLD " + json.dumps(report), flush=True)
