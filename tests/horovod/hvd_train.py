@@ -1,7 +1,7 @@
 """A Horovod-style training script. The only change from a horovod.torch script is the import line.
 
-scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/scripts/hvd_train.py --out w.pt
-SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/scripts/hvd_train.py --out w.pt
+scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/horovod/hvd_train.py --out w.pt
+SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/horovod/hvd_train.py --out w.pt
 """
 
 from __future__ import annotations

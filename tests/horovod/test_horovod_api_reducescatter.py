@@ -1,4 +1,4 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): reducescatter and its grouped form,
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): reducescatter and its grouped form,
 sparse allreduce."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_horovod_api import (
+from tests.horovod.test_horovod_api import (
     DIMS,
     REDUCE_DTYPES,
     _scaled,

@@ -1,4 +1,4 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): DistributedOptimizer, broadcast of
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): DistributedOptimizer, broadcast of
 parameters, optimizer state and objects, compression."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.test_horovod_api import on_ranks, raises
+from tests.horovod.test_horovod_api import on_ranks, raises
 
 # Every torch optimizer, as Horovod's tests take them, except L-BFGS (closure-driven), SparseAdam (needs
 # sparse gradients) and Muon (newer than those tests: it accepts only 2-D parameters, the models have biases).

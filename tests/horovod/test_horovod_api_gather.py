@@ -1,4 +1,4 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): allgather, broadcast, alltoall."""
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): allgather, broadcast, alltoall."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_horovod_api import DIMS, MOVE_DTYPES, on_ranks, raises
+from tests.horovod.test_horovod_api import DIMS, MOVE_DTYPES, on_ranks, raises
 
 pytestmark = pytest.mark.multi_process
 

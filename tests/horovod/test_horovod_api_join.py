@@ -1,4 +1,4 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): join, barrier, timeline; and the
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): join, barrier, timeline; and the
 engine's own behaviour: fusion threshold, cycle time, response cache, uneven inputs with join, what is
 not supported."""
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distutil import run_dist
-from tests.test_horovod_api import DIMS, close, on_ranks, raises, seeded, threshold
+from tests.horovod.test_horovod_api import DIMS, close, on_ranks, raises, seeded, threshold
 
 pytestmark = pytest.mark.multi_process
 
