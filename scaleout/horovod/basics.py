@@ -20,7 +20,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
+from scaleout.comm import get_algorithm
 from scaleout.errors import UserError
+from scaleout.world import init as init_world
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -227,8 +232,6 @@ def init(
         raise HorovodNotSupportedError(
             "hvd.init(process_sets=...): process sets are not supported by scaleout.horovod"
         )
-    from scaleout.comm import get_algorithm
-
     algorithm = algorithm or _default_algorithm()
     get_algorithm(algorithm)  # one-line UserError naming the choices
     if _state is not None:
@@ -238,11 +241,11 @@ def init(
     settings = settings_from_env()
     owns = world is None
     if world is None:
-        import scaleout
-
-        world = scaleout.init()
+        world = init_world()
     _prepare_groups(world, algorithm)
-    from scaleout.horovod.engine import Engine
+    from scaleout.horovod.engine import (
+        Engine,
+    )  # deferred: engine imports this module (errors, Settings)
 
     _state = _State(world, algorithm, owns, Engine(world, settings), settings)
 
@@ -319,7 +322,10 @@ def stop_timeline() -> None:
     state().engine.stop_timeline()
 
 
-# What the build has, as Horovod reports it: gloo (or NCCL through torch.distributed), no MPI.
+# What the build has, as Horovod reports it. "Built" means torch.distributed has the backend (this API
+# runs on torch.distributed, so that is what scaleout.horovod was "built with"); "enabled" means this API
+# uses it: gloo always carries the negotiation (and the tensors on CPU), MPI never does (the World's
+# backends are gloo and NCCL; under mpiexec MPI only starts the ranks).
 def mpi_threads_supported() -> bool:
     return False
 
@@ -329,21 +335,29 @@ def mpi_enabled() -> bool:
 
 
 def mpi_built() -> bool:
-    return False
+    """Whether torch.distributed has its MPI backend (scaleout.horovod itself never uses it)."""
+    return dist.is_mpi_available()
 
 
 def gloo_enabled() -> bool:
-    return True
+    return dist.is_gloo_available()
 
 
 def gloo_built() -> bool:
-    return True
+    """Whether torch.distributed has its gloo backend."""
+    return dist.is_gloo_available()
 
 
 def nccl_built() -> int:
-    import torch
-
-    return int(torch.cuda.is_available() and torch.distributed.is_nccl_available())
+    """Horovod's NCCL_VERSION_CODE (e.g. 22105 for 2.21.5) when torch.distributed has NCCL, else 0."""
+    if not dist.is_nccl_available():
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except (RuntimeError, AttributeError, TypeError):  # a build with NCCL but no version to report
+        return 1
+    # NCCL's own NCCL_VERSION(X, Y, Z): X*1000 + Y*100 + Z before 2.9, X*10000 + Y*100 + Z since.
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
 
 
 def ddl_built() -> bool:
@@ -355,10 +369,9 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    """Whether torch was built with CUDA (not whether a GPU is visible: that is torch.cuda.is_available)."""
+    return torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:
-    return False
+    return torch.version.hip is not None

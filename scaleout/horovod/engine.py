@@ -39,6 +39,9 @@ import torch
 import torch.distributed as dist
 
 from scaleout.horovod.basics import HorovodInternalError, HorovodValueError, ReduceOp, Settings
+from scaleout.horovod.execute import Executor
+from scaleout.horovod.negotiate import Negotiator
+from scaleout.parallel.timeline import Timeline
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -151,9 +154,6 @@ class Engine:
     """The queue of one rank and the thread that negotiates and runs it (see the module docstring)."""
 
     def __init__(self, world: World, settings: Settings):
-        from scaleout.horovod.execute import Executor
-        from scaleout.horovod.negotiate import Negotiator
-
         self.world, self.settings = world, settings
         self.size, self.rank = world.world_size, world.rank
         groups = private_groups(world)
@@ -208,8 +208,6 @@ class Engine:
         return handle.wait()
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
-        from scaleout.parallel.timeline import Timeline
-
         self.mark_cycles = mark_cycles
         self.timeline = Timeline(path, self.rank)
 

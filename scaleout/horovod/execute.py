@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scaleout.comm import all_reduce
 from scaleout.comm.grid import split_bounds
 from scaleout.horovod.basics import HorovodInternalError
 from scaleout.horovod.negotiate import label
+from scaleout.parallel.buckets import fuse
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -56,22 +58,6 @@ def scale_(t: torch.Tensor, factor: float) -> None:
         t.mul_(factor)
     else:
         t.copy_(t.double().mul_(factor).trunc_())
-
-
-def fuse(sizes: list[int], threshold: int) -> list[list[int]]:
-    """Consecutive runs of at most ``threshold`` bytes; a tensor larger than that travels alone."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i, s in enumerate(sizes):
-        if cur and total + s > threshold:
-            out.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += s
-    if cur:
-        out.append(cur)
-    return out
 
 
 def aligned(n: int) -> int:
@@ -152,8 +138,6 @@ class Executor:
         if self.size == 1 or buf.numel() == 0:
             return None
         if op in ("Sum", "Average"):
-            from scaleout.comm import all_reduce
-
             return all_reduce(buf, self.data_world, algorithm=alg, op="sum", async_op=True)
         return dist.all_reduce(buf, op=RED[op], group=self.group, async_op=True)
 

@@ -200,6 +200,7 @@ def allreduce(
     """Reduce over all ranks (default Average) and return a new tensor; differentiable."""
     check_process_set(process_set)
     op = resolve_op(average, op)
+    compression = Compression.of(compression)
     wire, ctx = compression.compress(tensor)
     return compression.decompress(
         _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor), ctx
@@ -287,6 +288,7 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
     op = resolve_op(average, op, "grouped_allreduce")
+    compression = Compression.of(compression)
     wires, ctxs = (
         zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
     )

@@ -126,6 +126,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     check_process_set(process_set)
+    compression = Compression.of(compression)
     wire, ctx = compression.compress(tensor)
     return compression.decompress(
         _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor), ctx
@@ -159,6 +160,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
+    compression = Compression.of(compression)
     wires, ctxs = (
         zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
     )

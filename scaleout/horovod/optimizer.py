@@ -99,7 +99,7 @@ class _DistributedOptimizer:
         sparse_as_dense: bool,
     ):
         super(self.__class__, self).__init__(params)
-        self._compression = compression
+        self._compression = Compression.of(compression)
         self._parameter_names = _names(self, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
