@@ -254,6 +254,13 @@ class _DistributedOptimizer:
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` was made by :func:`DistributedOptimizer` (its class is made per call)."""
+    return (
+        type(optimizer).__dict__.get("synchronize") is _DistributedOptimizer.__dict__["synchronize"]
+    )
+
+
 def DistributedOptimizer(  # noqa: N802 -- Horovod's name
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,

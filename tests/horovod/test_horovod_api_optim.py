@@ -157,6 +157,80 @@ def test_broadcast_state_options():
     on_ranks(r_broadcast_state_options, timeout=600)
 
 
+def _state_of(opt) -> dict:
+    return {
+        pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        for pid, st in opt.state_dict()["state"].items()
+    }
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[pid].keys() == b[pid].keys()
+        and all(
+            torch.equal(x, b[pid][k]) if torch.is_tensor(x) else x == b[pid][k]
+            for k, x in a[pid].items()
+        )
+        for pid in a
+    )
+
+
+def r_broadcast_state_lazy(hvd):
+    """Root stepped with a gradient for the first layer only, rank 1 for the second layer only, ranks 2
+    and 3 never: their state keys all differ before the broadcast."""
+    rank = hvd.rank()
+    stateful = []
+    for (name, cls), params in itertools.product(OPTIMIZERS, OPT_PARAMS):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+        opt = _new_optimizer(cls, params, model)
+        if rank < 2:
+            layer = model[rank]
+            layer(torch.randn(3, layer.in_features)).sum().backward()
+            opt.step()
+        values = [p.detach().clone() for p in model.parameters()]
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
+        assert all(
+            (g is None and p.grad is None) or torch.equal(p.grad, g)
+            for p, g in zip(model.parameters(), grads, strict=True)
+        ), name
+        state = _state_of(opt)
+        assert all(_same_state(state, other) for other in hvd.allgather_object(state)), name
+        if state:  # every trainable parameter has state, the one root never had a gradient for too
+            assert sorted(state) == [0, 1, 2, 3], (name, sorted(state))
+            stateful.append(name)
+        opt.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()  # the received state works in an update
+    # A fresh DistributedOptimizer: state created without its all-reducing step, then a real step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = _state_of(opt)
+    assert sorted(state) == [0, 1, 2, 3] and all(s["step"].item() == 1 for s in state.values())
+    assert all(_same_state(state, other) for other in hvd.allgather_object(state))
+    opt.zero_grad()
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return sorted(set(stateful)), _same_on_all_ranks(hvd, model)
+
+
+@pytest.mark.multi_process
+def test_broadcast_state_lazy():
+    """Horovod's lazy-state rule: parameters without state (no gradient yet on some ranks, or before the
+    first step) get it on every rank before the broadcast, so every rank ends with root's state, with
+    the same keys, for every optimizer; the parameters and their gradients are left as they were."""
+    out = on_ranks(r_broadcast_state_lazy, timeout=600)
+    stateful, same = zip(*out, strict=True)
+    assert all(same) and len(set(map(tuple, stateful))) == 1
+    assert {"Adam", "RMSprop", "SGD"} <= set(stateful[0])
+
+
 class _ModelNoGrad(nn.Module):
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
         super().__init__()
@@ -185,8 +259,8 @@ def r_broadcast_state_no_grad(hvd):
 @pytest.mark.multi_process
 def test_broadcast_state_no_grad():
     """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; training then works.
-    (Horovod also asserts that the trainable parameter's zero gradient, set by its dummy initialising step,
-    is equal on all ranks; scaleout.horovod takes no dummy step, see broadcast_optimizer_state.)"""
+    (Horovod also asserts that the trainable parameter's zero gradient, left by its initialising step, is
+    equal on all ranks; scaleout.horovod puts the gradients back, see broadcast_optimizer_state.)"""
     assert on_ranks(r_broadcast_state_no_grad) == [True] * 4
 
 
