@@ -2,12 +2,12 @@
 
 Change ``import horovod.torch as hvd`` to ``import scaleout.horovod as hvd`` and the script runs on
 torch.distributed under any launcher scaleout knows (scaleout launch, srun, mpiexec, torchrun,
-horovodrun), with Horovod's semantics: operations matched by name and negotiated by a background thread,
-tensor fusion (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``), a response cache, ``join`` for
-uneven inputs, the timeline (``HOROVOD_TIMELINE``), and Sum/Average reduced with scaleout's flat,
-hierarchical or 2D-torus all-reduce (``hvd.init(algorithm=...)`` or ``SCALEOUT_ALGORITHM``).
-Not implemented (a one-line error when used): process sets other than the global one, elastic mode,
-Adasum, SyncBatchNorm, MPI sub-communicators. See docs/launchers.md.
+horovodrun), with Horovod's semantics: operations matched by name and negotiated by a background
+thread, tensor fusion (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``), a response cache,
+``join`` for uneven inputs, the timeline (``HOROVOD_TIMELINE``), and Sum/Average reduced with
+scaleout's flat, hierarchical or 2D-torus all-reduce (``hvd.init(algorithm=...)`` or
+``SCALEOUT_ALGORITHM``). Not implemented (a one-line error when used): process sets other than the
+global one, elastic mode, Adasum, SyncBatchNorm, MPI sub-communicators. See docs/launchers.md.
 """
 
 from scaleout.horovod.basics import (

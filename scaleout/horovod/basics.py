@@ -1,17 +1,21 @@
-"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, errors, settings.
+"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, errors,
+settings.
 
-Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one module-level
-:class:`_State` holding the scaleout World and the background :class:`~scaleout.horovod.engine.Engine`;
-scaleout's own code passes the World explicitly instead.
+Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one
+module-level :class:`_State` holding the scaleout World and the background
+:class:`~scaleout.horovod.engine.Engine`; scaleout's own code passes the World explicitly instead.
 
 Settings come from Horovod's own environment variables, read at :func:`init`:
 
 - ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 128 MiB as in Horovod 0.28; 0 disables fusion),
 - ``HOROVOD_CYCLE_TIME`` (ms, default 1: how long the background thread lets requests accumulate),
 - ``HOROVOD_CACHE_CAPACITY`` (default 1024 response-cache entries; 0 disables the cache),
-- ``HOROVOD_TIMELINE`` (a path, or ``DYNAMIC`` for :func:`start_timeline`), ``HOROVOD_TIMELINE_MARK_CYCLES``,
-- ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0 = never),
-- ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` selects the ``hierarchical`` algorithm (``$SCALEOUT_ALGORITHM`` wins).
+- ``HOROVOD_TIMELINE`` (a path, or ``DYNAMIC`` for :func:`start_timeline`),
+  ``HOROVOD_TIMELINE_MARK_CYCLES``,
+- ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``
+  (default 0 = never),
+- ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` selects the ``hierarchical`` algorithm
+  (``$SCALEOUT_ALGORITHM`` wins).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ MiB = 1 << 20
 
 
 class HorovodInternalError(RuntimeError):
-    """A collective failed on every rank that took part (mismatched tensors, join conflict, shutdown).
-    Same name and base class as Horovod's, so ``except RuntimeError`` code keeps working."""
+    """A collective failed on every rank that took part (mismatched tensors, join conflict,
+    shutdown). Same name and base class as Horovod's, so ``except RuntimeError`` code keeps
+    working."""
 
 
 class HorovodValueError(UserError, ValueError):
@@ -43,7 +48,8 @@ class HorovodValueError(UserError, ValueError):
 
 
 class HorovodNotSupportedError(UserError, NotImplementedError):
-    """A Horovod feature that scaleout.horovod does not implement (process sets, elastic, Adasum)."""
+    """A Horovod feature that scaleout.horovod does not implement (process sets, elastic,
+    Adasum)."""
 
 
 class ReduceOp:
@@ -131,9 +137,10 @@ def settings_from_env() -> Settings:
     )
 
 
-# -- process sets: only the global one --------------------------------------------------------------
+# -- process sets: only the global one -------------------------------------------------------------
 class ProcessSet:
-    """Horovod's process set; scaleout.horovod has exactly one, :data:`global_process_set` (all ranks)."""
+    """Horovod's process set; scaleout.horovod has exactly one, :data:`global_process_set` (all
+    ranks)."""
 
     process_set_id = 0
 
@@ -156,8 +163,8 @@ global_process_set = ProcessSet()
 def check_process_set(process_set: Any) -> None:
     if process_set is not None and process_set is not global_process_set:
         raise HorovodNotSupportedError(
-            f"process_set={process_set!r}: process sets are not supported by scaleout.horovod, only "
-            "hvd.global_process_set (all ranks)"
+            f"process_set={process_set!r}: process sets are not supported by scaleout.horovod, "
+            "only hvd.global_process_set (all ranks)"
         )
 
 
@@ -185,7 +192,7 @@ class _Elastic:
 elastic = _Elastic()
 
 
-# -- init / shutdown ----------------------------------------------------------------------------------
+# -- init / shutdown -------------------------------------------------------------------------------
 @dataclass
 class _State:
     world: World
@@ -205,7 +212,8 @@ def _default_algorithm() -> str:
 
 
 def _prepare_groups(world: World, algorithm: str) -> None:
-    """Create the algorithm's process groups now, in the caller's thread, in the same order on every rank."""
+    """Create the algorithm's process groups now, in the caller's thread, in the same order on every
+    rank."""
     if world.world_size < 2 or algorithm == "flat":
         return
     if algorithm == "hierarchical":
@@ -251,7 +259,8 @@ def init(
 
 
 def shutdown() -> None:
-    """Stop the background thread (every rank must call it); close the World if :func:`init` created it."""
+    """Stop the background thread (every rank must call it); close the World if :func:`init` created
+    it."""
     global _state
     st, _state = _state, None
     if st is None:
@@ -313,19 +322,21 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record a Chrome-trace timeline (negotiation and every collective) until :func:`stop_timeline`."""
+    """Record a Chrome-trace timeline (negotiation and every collective) until
+    :func:`stop_timeline`."""
     state().engine.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Write the timeline (every rank's events merged into one file by rank 0). Every rank must call it."""
+    """Write the timeline (every rank's events merged into one file by rank 0). Every rank must call
+    it."""
     state().engine.stop_timeline()
 
 
-# What the build has, as Horovod reports it. "Built" means torch.distributed has the backend (this API
-# runs on torch.distributed, so that is what scaleout.horovod was "built with"); "enabled" means this API
-# uses it: gloo always carries the negotiation (and the tensors on CPU), MPI never does (the World's
-# backends are gloo and NCCL; under mpiexec MPI only starts the ranks).
+# What the build has, as Horovod reports it. "Built" means torch.distributed has the backend (this
+# API runs on torch.distributed, so that is what scaleout.horovod was "built with"); "enabled" means
+# this API uses it: gloo always carries the negotiation (and the tensors on CPU), MPI never does
+# (the World's backends are gloo and NCCL; under mpiexec MPI only starts the ranks).
 def mpi_threads_supported() -> bool:
     return False
 
@@ -349,7 +360,8 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    """Horovod's NCCL_VERSION_CODE (e.g. 22105 for 2.21.5) when torch.distributed has NCCL, else 0."""
+    """Horovod's NCCL_VERSION_CODE (e.g. 22105 for 2.21.5) when torch.distributed has NCCL, else
+    0."""
     if not dist.is_nccl_available():
         return 0
     try:
@@ -369,7 +381,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """Whether torch was built with CUDA (not whether a GPU is visible: that is torch.cuda.is_available)."""
+    """Whether torch was built with CUDA (not whether a GPU is visible: that is
+    torch.cuda.is_available)."""
     return torch.backends.cuda.is_built()
 
 

@@ -1,14 +1,15 @@
 """Gradient compression for the wire, as in ``horovod.torch.Compression``: ``none`` and ``fp16``.
 
-The wire dtypes are the core's: each compressor is named after an entry of the gradient reducer's table
-(:data:`scaleout.parallel.reducer.COMPRESSION`, the vocabulary of ``comm.compression`` in a config), so
-``hvd.Compression.fp16`` and ``compression: fp16`` mean the same cast. ``hvd.Compression.bf16`` (not in
-Horovod) is the reducer's ``bf16``. :meth:`Compression.of` also takes those names (``"fp16"``, ``"bf16"``,
-``"none"``, ``None``) wherever the Horovod API takes a compression.
+The wire dtypes are the core's: each compressor is named after an entry of the gradient reducer's
+table (:data:`scaleout.parallel.reducer.COMPRESSION`, the vocabulary of ``comm.compression`` in a
+config), so ``hvd.Compression.fp16`` and ``compression: fp16`` mean the same cast.
+``hvd.Compression.bf16`` (not in Horovod) is the reducer's ``bf16``. :meth:`Compression.of` also
+takes those names (``"fp16"``, ``"bf16"``, ``"none"``, ``None``) wherever the Horovod API takes a
+compression.
 
-What differs from the reducer is Horovod's arithmetic, kept on purpose: the compressed tensor is summed on
-the wire as it is (the reducer divides by the world size before the cast, see its module docstring);
-``prescale_factor`` / ``gradient_predivide_factor`` are Horovod's way to do the same.
+What differs from the reducer is Horovod's arithmetic, kept on purpose: the compressed tensor is
+summed on the wire as it is (the reducer divides by the world size before the cast, see its module
+docstring); ``prescale_factor`` / ``gradient_predivide_factor`` are Horovod's way to do the same.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from scaleout.parallel.reducer import COMPRESSION, compression_dtype
 
 
 class Compressor:
-    """Casts floating-point tensors to ``dtype`` for the wire and the result back to the input dtype;
-    other dtypes pass through. ``dtype=None``: send the tensor as it is."""
+    """Casts floating-point tensors to ``dtype`` for the wire and the result back to the input
+    dtype; other dtypes pass through. ``dtype=None``: send the tensor as it is."""
 
     name: str = "none"
     dtype: torch.dtype | None = None
@@ -50,8 +51,9 @@ def _compressor(name: str, doc: str) -> type[Compressor]:
 NoneCompressor = _compressor("none", "Send the tensor as it is.")
 FP16Compressor = _compressor(
     "fp16",
-    "Floating-point tensors travel as fp16 (half the bytes), summed in fp16 as in Horovod: fine for "
-    "gradients of moderate size and rank count, lossy for large sums (11 bits of mantissa, max 65504).",
+    "Floating-point tensors travel as fp16 (half the bytes), summed in fp16 as in Horovod: fine "
+    "for gradients of moderate size and rank count, lossy for large sums (11 bits of mantissa, max "
+    "65504).",
 )
 BF16Compressor = _compressor(
     "bf16",
@@ -60,7 +62,8 @@ BF16Compressor = _compressor(
 
 
 class Compression:
-    """``hvd.Compression.none`` / ``hvd.Compression.fp16`` (and ``bf16``, the reducer's other dtype)."""
+    """``hvd.Compression.none`` / ``hvd.Compression.fp16`` (and ``bf16``, the reducer's other
+    dtype)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
@@ -68,8 +71,8 @@ class Compression:
 
     @staticmethod
     def of(compression: Any) -> type[Compressor] | Any:
-        """A compressor from a Horovod compressor (or any object with compress/decompress, returned as
-        it is) or from one of the reducer's names."""
+        """A compressor from a Horovod compressor (or any object with compress/decompress, returned
+        as it is) or from one of the reducer's names."""
         if hasattr(compression, "compress") and hasattr(compression, "decompress"):
             return compression
         if compression is None or compression in COMPRESSION:

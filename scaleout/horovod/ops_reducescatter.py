@@ -22,7 +22,7 @@ from scaleout.horovod.ops import _submit, _tensor, synchronize
 from scaleout.horovod.ops_gather import allgather, grouped_allgather
 
 
-# -- reducescatter ---------------------------------------------------------------------------------------
+# -- reducescatter ---------------------------------------------------------------------------------
 def _reducescatter_async(
     tensors: list[torch.Tensor],
     name: str | None,
@@ -68,8 +68,8 @@ def reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
-    """Reduce over all ranks, then rank r keeps the r-th block of rows (the first ``rows % size`` ranks
-    get one row more)."""
+    """Reduce over all ranks, then rank r keeps the r-th block of rows (the first ``rows % size``
+    ranks get one row more)."""
     check_process_set(process_set)
     return _reducescatter_async(
         [tensor], name, op, prescale_factor, postscale_factor, False, "reducescatter"

@@ -1,5 +1,6 @@
-"""scaleout.horovod, the horovod.torch subset on scaleout: real gloo processes (2 emulated nodes x 2), a
-Horovod-style training script checked against the same training in one process, for every algorithm."""
+"""scaleout.horovod, the horovod.torch subset on scaleout: real gloo processes (2 emulated nodes x
+2), a Horovod-style training script checked against the same training in one process, for every
+algorithm."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def test_horovod_api_and_training_on_every_algorithm():
 
 
 def test_horovod_script_under_scaleout_launch(tmp_path):
-    """The script itself, with hvd.init() reading the launcher's environment (2 emulated nodes x 2)."""
+    """The script itself, with hvd.init() reading the launcher's environment (2 emulated nodes x
+    2)."""
     env = {
         k: v
         for k, v in os.environ.items()

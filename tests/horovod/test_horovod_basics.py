@@ -1,5 +1,6 @@
-"""scaleout.horovod's single-process facts: what the build reports (``hvd.*_built``), the compression
-vocabulary shared with the gradient reducer, and Horovod's fusion rule beside DDP's bucket rule."""
+"""scaleout.horovod's single-process facts: what the build reports (``hvd.*_built``), the
+compression vocabulary shared with the gradient reducer, and Horovod's fusion rule beside DDP's
+bucket rule."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from scaleout.parallel.reducer import COMPRESSION, compression_dtype
 pytestmark = pytest.mark.unit
 
 
-# -- what the build has --------------------------------------------------------------------------------
+# -- what the build has ----------------------------------------------------------------------------
 def test_built_flags_follow_torch() -> None:
     assert hvd.gloo_built() is dist.is_gloo_available()
     assert hvd.gloo_enabled() is dist.is_gloo_available()
@@ -41,13 +42,14 @@ def test_gloo_and_mpi_built_are_not_constants(monkeypatch: pytest.MonkeyPatch, a
 def test_nccl_built_is_horovods_version_code(
     monkeypatch: pytest.MonkeyPatch, available, version, code
 ):
-    """Horovod's nccl_built() is NCCL_VERSION_CODE: X*10000 + Y*100 + Z since NCCL 2.9, X*1000 before."""
+    """Horovod's nccl_built() is NCCL_VERSION_CODE: X*10000 + Y*100 + Z since NCCL 2.9, X*1000
+    before."""
     monkeypatch.setattr(dist, "is_nccl_available", lambda: available)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: version)
     assert hvd.nccl_built() == code
 
 
-# -- one compression vocabulary ------------------------------------------------------------------------
+# -- one compression vocabulary --------------------------------------------------------------------
 def test_compression_is_the_reducers_dtype_table() -> None:
     """hvd.Compression.fp16 and the reducer's 'fp16' once were two tables; now each compressor is an
     entry of the reducer's, and every reducer name is a compressor."""
@@ -63,10 +65,11 @@ def test_compression_is_the_reducers_dtype_table() -> None:
         hvd.Compression.of("int8")
 
 
-# -- fusion (Horovod) vs buckets (DDP) -----------------------------------------------------------------
+# -- fusion (Horovod) vs buckets (DDP) -------------------------------------------------------------
 def test_fusion_caps_from_above_buckets_from_below() -> None:
-    """Horovod fuses at most the threshold (a larger tensor alone; 0: each alone); DDP closes a bucket
-    once it holds at least the cap. Same sizes, different groupings, both in parallel/buckets.py."""
+    """Horovod fuses at most the threshold (a larger tensor alone; 0: each alone); DDP closes a
+    bucket once it holds at least the cap. Same sizes, different groupings, both in
+    parallel/buckets.py."""
     sizes = [3, 3, 3, 9, 1]
     assert fuse(sizes, 5) == [[0], [1], [2], [3], [4]]
     assert fuse(sizes, 6) == [[0, 1], [2], [3], [4]]
