@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import scaleout.horovod as hvd
-from scaleout.horovod.basics import HorovodValueError
+from scaleout.comm import get_algorithm
+from scaleout.horovod.basics import HorovodValueError, _default_algorithm
 from scaleout.parallel.buckets import assign, fuse
 from scaleout.parallel.reducer import COMPRESSION, compression_dtype
 
@@ -76,3 +77,23 @@ def test_fusion_caps_from_above_buckets_from_below() -> None:
     assert fuse(sizes, 0) == [[i] for i in range(len(sizes))]
     assert fuse(sizes, 100) == [list(range(len(sizes)))]
     assert assign(sizes, [0] * len(sizes), 5) == [[0, 1], [2, 3], [4]]
+
+
+# -- the algorithm Horovod's variables select ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, "flat"),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "hierarchical"),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "flat"),
+        ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "SCALEOUT_ALGORITHM": "flat"}, "flat"),
+    ],
+)
+def test_horovod_variables_select_a_registered_algorithm(monkeypatch, env, want) -> None:
+    """HOROVOD_HIERARCHICAL_ALLREDUCE maps onto a name of the comm registry ($SCALEOUT_ALGORITHM wins)."""
+    for k in ("HOROVOD_HIERARCHICAL_ALLREDUCE", "SCALEOUT_ALGORITHM"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _default_algorithm() == want
+    get_algorithm(want)  # registered: a renamed algorithm fails here, not at hvd.init on a cluster
