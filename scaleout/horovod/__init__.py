@@ -58,6 +58,19 @@ from scaleout.horovod.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from scaleout.horovod.movement import (
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
+)
 from scaleout.horovod.ops import (
     allreduce,
     allreduce_,
@@ -72,26 +85,13 @@ from scaleout.horovod.ops import (
     poll,
     synchronize,
 )
-from scaleout.horovod.ops_gather import (
-    allgather,
-    allgather_async,
-    alltoall,
-    alltoall_async,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather,
-    grouped_allgather_async,
-    sparse_allreduce_async,
-)
-from scaleout.horovod.ops_reducescatter import (
+from scaleout.horovod.optimizer import DistributedOptimizer
+from scaleout.horovod.reducescatter import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
 )
-from scaleout.horovod.optimizer import DistributedOptimizer
 
 __all__ = [
     "Adasum",

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from scaleout.horovod.basics import HorovodInternalError, HorovodValueError, ReduceOp, Settings
 from scaleout.horovod.execute import Executor
-from scaleout.horovod.negotiate import Negotiator
+from scaleout.horovod.negotiate import Kind, Negotiator
 from scaleout.parallel.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Handle:
 class Request:
     """One tensor's part of a collective, as queued on this rank."""
 
-    kind: str  # allreduce | allgather | broadcast | alltoall | reducescatter | barrier | timeline
+    kind: Kind
     name: str | None
     tensor: torch.Tensor | None
     meta: tuple  # what every rank must agree on (see negotiate.FIELDS)

@@ -11,8 +11,8 @@ import torch
 
 from scaleout.horovod import basics
 from scaleout.horovod.basics import HorovodValueError, check_process_set, global_process_set
+from scaleout.horovod.movement import _allgather_async, broadcast_, broadcast_async_
 from scaleout.horovod.ops import synchronize
-from scaleout.horovod.ops_gather import _allgather_async, broadcast_, broadcast_async_
 from scaleout.horovod.optimizer import is_distributed
 
 

@@ -35,7 +35,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,12 @@ NEUTRAL = -(2**63)
 NEW, JOINED, STOP, STAMP, HASH, STALLED = range(6)
 HEADER = 6
 
-FIELDS = {
+Kind = Literal[
+    "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "timeline"
+]
+
+# What every rank must agree on, per kind: the fields of a request's ``meta``, in order.
+FIELDS: dict[Kind, tuple[str, ...]] = {
     "allreduce": (
         "dtype",
         "shape",

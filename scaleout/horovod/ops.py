@@ -1,7 +1,7 @@
 """Horovod's collectives (``horovod.torch.mpi_ops``), part 1: how requests are queued, poll,
 synchronize, barrier, join, and the allreduce family (plain, in-place, async, grouped). Allgather,
-broadcast, alltoall and sparse allreduce are in :mod:`scaleout.horovod.ops_gather`, reducescatter in
-:mod:`scaleout.horovod.ops_reducescatter`.
+broadcast, alltoall and sparse allreduce are in :mod:`scaleout.horovod.movement`, reducescatter in
+:mod:`scaleout.horovod.reducescatter`.
 
 Every call validates its arguments on the calling rank (a one-line :class:`HorovodValueError`),
 queues one request per tensor with the engine and returns a handle; the blocking forms synchronize

@@ -27,8 +27,8 @@ import torch
 from scaleout.horovod import basics
 from scaleout.horovod.basics import Average, HorovodValueError, check_process_set
 from scaleout.horovod.compression import Compression
+from scaleout.horovod.movement import sparse_allreduce_async
 from scaleout.horovod.ops import allreduce_async_, grouped_allreduce_async_, synchronize
-from scaleout.horovod.ops_gather import sparse_allreduce_async
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any, str]:

@@ -4,6 +4,8 @@ bucket rule."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.distributed as dist
 import scaleout.horovod as hvd
 from scaleout.comm import get_algorithm
 from scaleout.horovod.basics import HorovodValueError, _default_algorithm
+from scaleout.horovod.negotiate import FIELDS, Kind
 from scaleout.parallel.buckets import assign, fuse
 from scaleout.parallel.reducer import COMPRESSION, compression_dtype
 
@@ -79,7 +82,7 @@ def test_fusion_caps_from_above_buckets_from_below() -> None:
     assert assign(sizes, [0] * len(sizes), 5) == [[0, 1], [2, 3], [4]]
 
 
-# -- the algorithm Horovod's variables select ----------------------------------------------------------
+# -- the algorithm Horovod's variables select ------------------------------------------------------
 @pytest.mark.parametrize(
     ("env", "want"),
     [
@@ -90,10 +93,15 @@ def test_fusion_caps_from_above_buckets_from_below() -> None:
     ],
 )
 def test_horovod_variables_select_a_registered_algorithm(monkeypatch, env, want) -> None:
-    """HOROVOD_HIERARCHICAL_ALLREDUCE maps onto a name of the comm registry ($SCALEOUT_ALGORITHM wins)."""
+    """HOROVOD_HIERARCHICAL_ALLREDUCE maps onto a name of the comm registry ($SCALEOUT_ALGORITHM
+    wins)."""
     for k in ("HOROVOD_HIERARCHICAL_ALLREDUCE", "SCALEOUT_ALGORITHM"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert _default_algorithm() == want
     get_algorithm(want)  # registered: a renamed algorithm fails here, not at hvd.init on a cluster
+
+
+def test_every_request_kind_says_what_ranks_agree_on() -> None:
+    assert sorted(FIELDS) == sorted(get_args(Kind))

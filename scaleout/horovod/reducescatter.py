@@ -18,8 +18,8 @@ from scaleout.horovod.basics import (
 )
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.movement import allgather, grouped_allgather
 from scaleout.horovod.ops import _submit, _tensor, synchronize
-from scaleout.horovod.ops_gather import allgather, grouped_allgather
 
 
 # -- reducescatter ---------------------------------------------------------------------------------
