@@ -13,9 +13,6 @@ global one, elastic mode, Adasum, SyncBatchNorm, MPI sub-communicators. See docs
 from scaleout.horovod.basics import (
     Adasum,
     Average,
-    HorovodInternalError,
-    HorovodNotSupportedError,
-    HorovodValueError,
     Max,
     Min,
     ProcessSet,
@@ -52,6 +49,11 @@ from scaleout.horovod.basics import (
 )
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import (
+    HorovodInternalError,
+    HorovodNotSupportedError,
+    HorovodValueError,
+)
 from scaleout.horovod.functions import (
     allgather_object,
     broadcast_object,

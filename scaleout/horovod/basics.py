@@ -1,11 +1,13 @@
-"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, errors,
-settings.
+"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, process
+sets, what the build has. Errors: :mod:`scaleout.horovod.errors`; settings:
+:mod:`scaleout.horovod.settings`.
 
 Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one
 module-level :class:`_State` holding the scaleout World and the background
 :class:`~scaleout.horovod.engine.Engine`; scaleout's own code passes the World explicitly instead.
 
-Settings come from Horovod's own environment variables, read at :func:`init`:
+Settings come from Horovod's own environment variables, read at :func:`init`
+(:func:`~scaleout.horovod.settings.settings_from_env`):
 
 - ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 128 MiB as in Horovod 0.28; 0 disables fusion),
 - ``HOROVOD_CYCLE_TIME`` (ms, default 1: how long the background thread lets requests accumulate),
@@ -28,28 +30,13 @@ import torch
 import torch.distributed as dist
 
 from scaleout.comm import get_algorithm
-from scaleout.errors import UserError
+from scaleout.horovod.engine import Engine
+from scaleout.horovod.errors import HorovodNotSupportedError, HorovodValueError
+from scaleout.horovod.settings import Settings, settings_from_env
 from scaleout.world import init as init_world
 
 if TYPE_CHECKING:
     from scaleout.world import World
-
-MiB = 1 << 20
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed on every rank that took part (mismatched tensors, join conflict,
-    shutdown). Same name and base class as Horovod's, so ``except RuntimeError`` code keeps
-    working."""
-
-
-class HorovodValueError(UserError, ValueError):
-    """Bad arguments, detected on the calling rank before anything is sent."""
-
-
-class HorovodNotSupportedError(UserError, NotImplementedError):
-    """A Horovod feature that scaleout.horovod does not implement (process sets, elastic,
-    Adasum)."""
 
 
 class ReduceOp:
@@ -90,51 +77,6 @@ def resolve_op(average: bool | None, op: Any, what: str = "allreduce") -> Reduce
             f"{what} op={op!r}: expected one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product"
         )
     return op
-
-
-@dataclass(frozen=True)
-class Settings:
-    fusion_threshold: int = 128 * MiB  # Horovod 0.28 operations.cc default
-    cycle_time_s: float = 1e-3  # Horovod's default HOROVOD_CYCLE_TIME, 1 ms
-    cache_capacity: int = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
-    timeline: str | None = None
-    mark_cycles: bool = False
-    stall_check_s: float = 60.0  # Horovod's stall inspector default
-    stall_shutdown_s: float = 0.0
-
-
-def _env_number(name: str, default: float, kind: type = int, minimum: float = 0) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise HorovodValueError(
-            f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}"
-        ) from None
-    if value < minimum:
-        raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}")
-    return value
-
-
-def settings_from_env() -> Settings:
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise HorovodNotSupportedError(
-            "HOROVOD_ELASTIC=1: elastic training is not supported by scaleout.horovod"
-        )
-    timeline = os.environ.get("HOROVOD_TIMELINE") or None
-    return Settings(
-        fusion_threshold=_env_number("HOROVOD_FUSION_THRESHOLD", Settings.fusion_threshold),
-        cycle_time_s=_env_number("HOROVOD_CYCLE_TIME", 1.0, float) / 1000.0,
-        cache_capacity=_env_number("HOROVOD_CACHE_CAPACITY", Settings.cache_capacity),
-        timeline=None if timeline == "DYNAMIC" else timeline,
-        mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"),
-        stall_check_s=_env_number(
-            "HOROVOD_STALL_CHECK_TIME_SECONDS", Settings.stall_check_s, float
-        ),
-        stall_shutdown_s=_env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float),
-    )
 
 
 # -- process sets: only the global one -------------------------------------------------------------
@@ -251,9 +193,6 @@ def init(
     if world is None:
         world = init_world()
     _prepare_groups(world, algorithm)
-    from scaleout.horovod.engine import (
-        Engine,
-    )  # deferred: engine imports this module (errors, Settings)
 
     _state = _State(world, algorithm, owns, Engine(world, settings), settings)
 

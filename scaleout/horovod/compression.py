@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from scaleout.horovod.basics import HorovodValueError
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.parallel.reducer import COMPRESSION, compression_dtype
 
 

@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.horovod.basics import HorovodInternalError, HorovodValueError, ReduceOp, Settings
+from scaleout.horovod.errors import HorovodInternalError, HorovodValueError
 from scaleout.horovod.execute import Executor
 from scaleout.horovod.negotiate import Kind, Negotiator
+from scaleout.horovod.settings import Settings
 from scaleout.parallel.timeline import Timeline
 
 if TYPE_CHECKING:
+    from scaleout.horovod.basics import ReduceOp
     from scaleout.world import World
 
 log = logging.getLogger("scaleout.horovod")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from scaleout.comm import all_reduce
 from scaleout.comm.grid import split_bounds
-from scaleout.horovod.basics import HorovodInternalError
+from scaleout.horovod.errors import HorovodInternalError
 from scaleout.horovod.negotiate import label
 from scaleout.parallel.buckets import fuse
 

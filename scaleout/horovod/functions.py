@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import HorovodValueError, check_process_set, global_process_set
+from scaleout.horovod.basics import check_process_set, global_process_set
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.horovod.movement import _allgather_async, broadcast_, broadcast_async_
 from scaleout.horovod.ops import synchronize
 from scaleout.horovod.optimizer import is_distributed

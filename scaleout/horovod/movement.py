@@ -9,15 +9,9 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    Average,
-    HorovodValueError,
-    Sum,
-    check_process_set,
-    global_process_set,
-    resolve_op,
-)
+from scaleout.horovod.basics import Average, Sum, check_process_set, global_process_set, resolve_op
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.horovod.ops import _submit, _tensor, allreduce, grouped_allreduce, synchronize
 
 

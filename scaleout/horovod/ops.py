@@ -20,15 +20,10 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    HorovodValueError,
-    ReduceOp,
-    check_process_set,
-    global_process_set,
-    resolve_op,
-)
+from scaleout.horovod.basics import ReduceOp, check_process_set, global_process_set, resolve_op
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle, Request
+from scaleout.horovod.errors import HorovodValueError
 
 
 def _tensor(t: Any, what: str, min_dim: int = 0) -> torch.Tensor:

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import Average, HorovodValueError, check_process_set
+from scaleout.horovod.basics import Average, check_process_set
 from scaleout.horovod.compression import Compression
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.horovod.movement import sparse_allreduce_async
 from scaleout.horovod.ops import allreduce_async_, grouped_allreduce_async_, synchronize
 

@@ -7,17 +7,10 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    Average,
-    HorovodNotSupportedError,
-    HorovodValueError,
-    ReduceOp,
-    Sum,
-    check_process_set,
-    global_process_set,
-)
+from scaleout.horovod.basics import Average, ReduceOp, Sum, check_process_set, global_process_set
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import HorovodNotSupportedError, HorovodValueError
 from scaleout.horovod.movement import allgather, grouped_allgather
 from scaleout.horovod.ops import _submit, _tensor, synchronize
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import scaleout.horovod as hvd
 from scaleout.comm import get_algorithm
-from scaleout.horovod.basics import HorovodValueError, _default_algorithm
+from scaleout.horovod.basics import _default_algorithm
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.horovod.negotiate import FIELDS, Kind
 from scaleout.parallel.buckets import assign, fuse
 from scaleout.parallel.reducer import COMPRESSION, compression_dtype
