@@ -2,20 +2,17 @@
 
 Change ``import horovod.torch as hvd`` to ``import scaleout.horovod as hvd`` and the script runs on
 torch.distributed under any launcher scaleout knows (scaleout launch, srun, mpiexec, torchrun,
-horovodrun), with Horovod's semantics: operations matched by name and negotiated by a background thread,
-tensor fusion (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``), a response cache, ``join`` for
-uneven inputs, the timeline (``HOROVOD_TIMELINE``), and Sum/Average reduced with scaleout's flat,
-hierarchical or 2D-torus all-reduce (``hvd.init(algorithm=...)`` or ``SCALEOUT_ALGORITHM``).
-Not implemented (a one-line error when used): process sets other than the global one, elastic mode,
-Adasum, SyncBatchNorm, MPI sub-communicators. See docs/launchers.md.
+horovodrun), with Horovod's semantics: operations matched by name and negotiated by a background
+thread, tensor fusion (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``), a response cache,
+``join`` for uneven inputs, the timeline (``HOROVOD_TIMELINE``), and Sum/Average reduced with
+scaleout's flat, hierarchical or 2D-torus all-reduce (``hvd.init(algorithm=...)`` or
+``SCALEOUT_ALGORITHM``). Not implemented (a one-line error when used): process sets other than the
+global one, elastic mode, Adasum, SyncBatchNorm, MPI sub-communicators. See docs/launchers.md.
 """
 
 from scaleout.horovod.basics import (
     Adasum,
     Average,
-    HorovodInternalError,
-    HorovodNotSupportedError,
-    HorovodValueError,
     Max,
     Min,
     ProcessSet,
@@ -52,11 +49,29 @@ from scaleout.horovod.basics import (
 )
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import (
+    HorovodInternalError,
+    HorovodNotSupportedError,
+    HorovodValueError,
+)
 from scaleout.horovod.functions import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+)
+from scaleout.horovod.movement import (
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
 )
 from scaleout.horovod.ops import (
     allreduce,
@@ -72,26 +87,13 @@ from scaleout.horovod.ops import (
     poll,
     synchronize,
 )
-from scaleout.horovod.ops_gather import (
-    allgather,
-    allgather_async,
-    alltoall,
-    alltoall_async,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather,
-    grouped_allgather_async,
-    sparse_allreduce_async,
-)
-from scaleout.horovod.ops_reducescatter import (
+from scaleout.horovod.optimizer import DistributedOptimizer
+from scaleout.horovod.reducescatter import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
 )
-from scaleout.horovod.optimizer import DistributedOptimizer
 
 __all__ = [
     "Adasum",

@@ -1,17 +1,23 @@
-"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, errors, settings.
+"""Process-level part of the Horovod API: init/shutdown, ranks and sizes, reduction ops, process
+sets, what the build has. Errors: :mod:`scaleout.horovod.errors`; settings:
+:mod:`scaleout.horovod.settings`.
 
-Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one module-level
-:class:`_State` holding the scaleout World and the background :class:`~scaleout.horovod.engine.Engine`;
-scaleout's own code passes the World explicitly instead.
+Horovod's API is global by design (``hvd.rank()`` anywhere), so this compat layer keeps one
+module-level :class:`_State` holding the scaleout World and the background
+:class:`~scaleout.horovod.engine.Engine`; scaleout's own code passes the World explicitly instead.
 
-Settings come from Horovod's own environment variables, read at :func:`init`:
+Settings come from Horovod's own environment variables, read at :func:`init`
+(:func:`~scaleout.horovod.settings.settings_from_env`):
 
 - ``HOROVOD_FUSION_THRESHOLD`` (bytes, default 128 MiB as in Horovod 0.28; 0 disables fusion),
 - ``HOROVOD_CYCLE_TIME`` (ms, default 1: how long the background thread lets requests accumulate),
 - ``HOROVOD_CACHE_CAPACITY`` (default 1024 response-cache entries; 0 disables the cache),
-- ``HOROVOD_TIMELINE`` (a path, or ``DYNAMIC`` for :func:`start_timeline`), ``HOROVOD_TIMELINE_MARK_CYCLES``,
-- ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0 = never),
-- ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` selects the ``hierarchical`` algorithm (``$SCALEOUT_ALGORITHM`` wins).
+- ``HOROVOD_TIMELINE`` (a path, or ``DYNAMIC`` for :func:`start_timeline`),
+  ``HOROVOD_TIMELINE_MARK_CYCLES``,
+- ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``
+  (default 0 = never),
+- ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` selects the ``hierarchical`` algorithm
+  (``$SCALEOUT_ALGORITHM`` wins).
 """
 
 from __future__ import annotations
@@ -20,25 +26,17 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scaleout.errors import UserError
+import torch
+import torch.distributed as dist
+
+from scaleout.comm import get_algorithm
+from scaleout.horovod.engine import Engine
+from scaleout.horovod.errors import HorovodNotSupportedError, HorovodValueError
+from scaleout.horovod.settings import Settings, settings_from_env
+from scaleout.world import init as init_world
 
 if TYPE_CHECKING:
     from scaleout.world import World
-
-MiB = 1 << 20
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed on every rank that took part (mismatched tensors, join conflict, shutdown).
-    Same name and base class as Horovod's, so ``except RuntimeError`` code keeps working."""
-
-
-class HorovodValueError(UserError, ValueError):
-    """Bad arguments, detected on the calling rank before anything is sent."""
-
-
-class HorovodNotSupportedError(UserError, NotImplementedError):
-    """A Horovod feature that scaleout.horovod does not implement (process sets, elastic, Adasum)."""
 
 
 class ReduceOp:
@@ -81,54 +79,10 @@ def resolve_op(average: bool | None, op: Any, what: str = "allreduce") -> Reduce
     return op
 
 
-@dataclass(frozen=True)
-class Settings:
-    fusion_threshold: int = 128 * MiB  # Horovod 0.28 operations.cc default
-    cycle_time_s: float = 1e-3  # Horovod's default HOROVOD_CYCLE_TIME, 1 ms
-    cache_capacity: int = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
-    timeline: str | None = None
-    mark_cycles: bool = False
-    stall_check_s: float = 60.0  # Horovod's stall inspector default
-    stall_shutdown_s: float = 0.0
-
-
-def _env_number(name: str, default: float, kind: type = int, minimum: float = 0) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise HorovodValueError(
-            f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}"
-        ) from None
-    if value < minimum:
-        raise HorovodValueError(f"{name}={raw!r}: expected a {kind.__name__} >= {minimum}")
-    return value
-
-
-def settings_from_env() -> Settings:
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise HorovodNotSupportedError(
-            "HOROVOD_ELASTIC=1: elastic training is not supported by scaleout.horovod"
-        )
-    timeline = os.environ.get("HOROVOD_TIMELINE") or None
-    return Settings(
-        fusion_threshold=_env_number("HOROVOD_FUSION_THRESHOLD", Settings.fusion_threshold),
-        cycle_time_s=_env_number("HOROVOD_CYCLE_TIME", 1.0, float) / 1000.0,
-        cache_capacity=_env_number("HOROVOD_CACHE_CAPACITY", Settings.cache_capacity),
-        timeline=None if timeline == "DYNAMIC" else timeline,
-        mark_cycles=os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"),
-        stall_check_s=_env_number(
-            "HOROVOD_STALL_CHECK_TIME_SECONDS", Settings.stall_check_s, float
-        ),
-        stall_shutdown_s=_env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float),
-    )
-
-
-# -- process sets: only the global one --------------------------------------------------------------
+# -- process sets: only the global one -------------------------------------------------------------
 class ProcessSet:
-    """Horovod's process set; scaleout.horovod has exactly one, :data:`global_process_set` (all ranks)."""
+    """Horovod's process set; scaleout.horovod has exactly one, :data:`global_process_set` (all
+    ranks)."""
 
     process_set_id = 0
 
@@ -151,8 +105,8 @@ global_process_set = ProcessSet()
 def check_process_set(process_set: Any) -> None:
     if process_set is not None and process_set is not global_process_set:
         raise HorovodNotSupportedError(
-            f"process_set={process_set!r}: process sets are not supported by scaleout.horovod, only "
-            "hvd.global_process_set (all ranks)"
+            f"process_set={process_set!r}: process sets are not supported by scaleout.horovod, "
+            "only hvd.global_process_set (all ranks)"
         )
 
 
@@ -180,7 +134,7 @@ class _Elastic:
 elastic = _Elastic()
 
 
-# -- init / shutdown ----------------------------------------------------------------------------------
+# -- init / shutdown -------------------------------------------------------------------------------
 @dataclass
 class _State:
     world: World
@@ -200,7 +154,8 @@ def _default_algorithm() -> str:
 
 
 def _prepare_groups(world: World, algorithm: str) -> None:
-    """Create the algorithm's process groups now, in the caller's thread, in the same order on every rank."""
+    """Create the algorithm's process groups now, in the caller's thread, in the same order on every
+    rank."""
     if world.world_size < 2 or algorithm == "flat":
         return
     if algorithm == "hierarchical":
@@ -227,8 +182,6 @@ def init(
         raise HorovodNotSupportedError(
             "hvd.init(process_sets=...): process sets are not supported by scaleout.horovod"
         )
-    from scaleout.comm import get_algorithm
-
     algorithm = algorithm or _default_algorithm()
     get_algorithm(algorithm)  # one-line UserError naming the choices
     if _state is not None:
@@ -238,17 +191,15 @@ def init(
     settings = settings_from_env()
     owns = world is None
     if world is None:
-        import scaleout
-
-        world = scaleout.init()
+        world = init_world()
     _prepare_groups(world, algorithm)
-    from scaleout.horovod.engine import Engine
 
     _state = _State(world, algorithm, owns, Engine(world, settings), settings)
 
 
 def shutdown() -> None:
-    """Stop the background thread (every rank must call it); close the World if :func:`init` created it."""
+    """Stop the background thread (every rank must call it); close the World if :func:`init` created
+    it."""
     global _state
     st, _state = _state, None
     if st is None:
@@ -310,16 +261,21 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record a Chrome-trace timeline (negotiation and every collective) until :func:`stop_timeline`."""
+    """Record a Chrome-trace timeline (negotiation and every collective) until
+    :func:`stop_timeline`."""
     state().engine.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Write the timeline (every rank's events merged into one file by rank 0). Every rank must call it."""
+    """Write the timeline (every rank's events merged into one file by rank 0). Every rank must call
+    it."""
     state().engine.stop_timeline()
 
 
-# What the build has, as Horovod reports it: gloo (or NCCL through torch.distributed), no MPI.
+# What the build has, as Horovod reports it. "Built" means torch.distributed has the backend (this
+# API runs on torch.distributed, so that is what scaleout.horovod was "built with"); "enabled" means
+# this API uses it: gloo always carries the negotiation (and the tensors on CPU), MPI never does
+# (the World's backends are gloo and NCCL; under mpiexec MPI only starts the ranks).
 def mpi_threads_supported() -> bool:
     return False
 
@@ -329,21 +285,30 @@ def mpi_enabled() -> bool:
 
 
 def mpi_built() -> bool:
-    return False
+    """Whether torch.distributed has its MPI backend (scaleout.horovod itself never uses it)."""
+    return dist.is_mpi_available()
 
 
 def gloo_enabled() -> bool:
-    return True
+    return dist.is_gloo_available()
 
 
 def gloo_built() -> bool:
-    return True
+    """Whether torch.distributed has its gloo backend."""
+    return dist.is_gloo_available()
 
 
 def nccl_built() -> int:
-    import torch
-
-    return int(torch.cuda.is_available() and torch.distributed.is_nccl_available())
+    """Horovod's NCCL_VERSION_CODE (e.g. 22105 for 2.21.5) when torch.distributed has NCCL, else
+    0."""
+    if not dist.is_nccl_available():
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except (RuntimeError, AttributeError, TypeError):  # a build with NCCL but no version to report
+        return 1
+    # NCCL's own NCCL_VERSION(X, Y, Z): X*1000 + Y*100 + Z before 2.9, X*10000 + Y*100 + Z since.
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
 
 
 def ddl_built() -> bool:
@@ -355,10 +320,10 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    """Whether torch was built with CUDA (not whether a GPU is visible: that is
+    torch.cuda.is_available)."""
+    return torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:
-    return False
+    return torch.version.hip is not None

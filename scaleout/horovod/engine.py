@@ -1,28 +1,31 @@
 """The background thread that makes scaleout.horovod behave like Horovod: negotiation, fusion, join.
 
-Horovod does not require ranks to issue collectives in the same order: every operation is queued with a
-name, and a background thread agrees with the other ranks, once per cycle, on which names every rank has
-queued (the coordinator), then runs those (fused into buffers) and leaves the rest for a later cycle. That
-is what lets a parameter that got no gradient on some ranks be all-reduced at ``step()`` there and during
-backward elsewhere, lets a rank ``join()`` and contribute zeros while the others go on, and turns a
-mismatched shape or dtype into an error on every rank instead of a hang.
+Horovod does not require ranks to issue collectives in the same order: every operation is queued
+with a name, and a background thread agrees with the other ranks, once per cycle, on which names
+every rank has queued (the coordinator), then runs those (fused into buffers) and leaves the rest
+for a later cycle. That is what lets a parameter that got no gradient on some ranks be all-reduced
+at ``step()`` there and during backward elsewhere, lets a rank ``join()`` and contribute zeros while
+the others go on, and turns a mismatched shape or dtype into an error on every rank instead of a
+hang.
 
 This module does the same on torch.distributed. One daemon thread per :class:`Engine`:
 
 1. waits until something is queued (or this rank joined, or shutdown was asked), then up to
-   ``HOROVOD_CYCLE_TIME`` so that a cycle's worth of requests accumulates (that is what gets fused), or
-   less if the program is already blocked waiting for one of them (nothing more will come meanwhile),
-2. negotiates (:mod:`scaleout.horovod.negotiate`): normally one small MAX all-reduce of a response-cache
-   bit vector, a full metadata exchange only when a request is new,
+   ``HOROVOD_CYCLE_TIME`` so that a cycle's worth of requests accumulates (that is what gets fused),
+   or less if the program is already blocked waiting for one of them (nothing more will come
+   meanwhile),
+2. negotiates (:mod:`scaleout.horovod.negotiate`): normally one small MAX all-reduce of a
+   response-cache bit vector, a full metadata exchange only when a request is new,
 3. runs the agreed operations in the agreed order (:mod:`scaleout.horovod.execute`), then delivers
    results or errors to the handles.
 
-A rank only enters a negotiation when it has something queued (or joined), and a negotiation completes
-only when every rank has entered, so an idle rank costs nothing and a rank whose peers have not caught up
-blocks in the collective, not in a busy loop.
+A rank only enters a negotiation when it has something queued (or joined), and a negotiation
+completes only when every rank has entered, so an idle rank costs nothing and a rank whose peers
+have not caught up blocks in the collective, not in a busy loop.
 
-All communication of this API is issued by this one thread, on a process group of its own (created at
-``hvd.init``), so it cannot interleave with the program's other collectives on the World's groups.
+All communication of this API is issued by this one thread, on a process group of its own (created
+at ``hvd.init``), so it cannot interleave with the program's other collectives on the World's
+groups.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.horovod.basics import HorovodInternalError, HorovodValueError, ReduceOp, Settings
+from scaleout.horovod.errors import HorovodInternalError, HorovodValueError
+from scaleout.horovod.execute import Executor
+from scaleout.horovod.negotiate import Kind, Negotiator
+from scaleout.horovod.settings import Settings
+from scaleout.parallel.timeline import Timeline
 
 if TYPE_CHECKING:
+    from scaleout.horovod.basics import ReduceOp
     from scaleout.world import World
 
 log = logging.getLogger("scaleout.horovod")
@@ -91,7 +99,7 @@ class Handle:
 class Request:
     """One tensor's part of a collective, as queued on this rank."""
 
-    kind: str  # allreduce | allgather | broadcast | alltoall | reducescatter | barrier | timeline
+    kind: Kind
     name: str | None
     tensor: torch.Tensor | None
     meta: tuple  # what every rank must agree on (see negotiate.FIELDS)
@@ -113,7 +121,8 @@ class Request:
 
 
 class _DataWorld:
-    """The World as scaleout.comm sees it, with this API's own process group as the flat (world) group."""
+    """The World as scaleout.comm sees it, with this API's own process group as the flat (world)
+    group."""
 
     def __init__(self, world: World, group: Any):
         self._world = weakref.proxy(world)  # no reference cycle through the per-World cache below
@@ -134,10 +143,10 @@ class Groups:
 
 
 def private_groups(world: World) -> Groups:
-    """This API's process groups over all ranks: created once per World (a collective: at hvd.init, which
-    every rank calls at the same point) and kept across shutdown/init (so scaleout.comm's communication
-    thread for them is made once too); the World's close destroys them. As in Horovod, control messages
-    travel on CPU (gloo) whatever carries the tensors."""
+    """This API's process groups over all ranks: created once per World (a collective: at hvd.init,
+    which every rank calls at the same point) and kept across shutdown/init (so scaleout.comm's
+    communication thread for them is made once too); the World's close destroys them. As in Horovod,
+    control messages travel on CPU (gloo) whatever carries the tensors."""
     if world not in _GROUPS:
         ranks = list(range(world.world_size))
         control = dist.new_group(ranks, backend="gloo") if world.world_size > 1 else None
@@ -148,12 +157,10 @@ def private_groups(world: World) -> Groups:
 
 
 class Engine:
-    """The queue of one rank and the thread that negotiates and runs it (see the module docstring)."""
+    """The queue of one rank and the thread that negotiates and runs it (see the module
+    docstring)."""
 
     def __init__(self, world: World, settings: Settings):
-        from scaleout.horovod.execute import Executor
-        from scaleout.horovod.negotiate import Negotiator
-
         self.world, self.settings = world, settings
         self.size, self.rank = world.world_size, world.rank
         groups = private_groups(world)
@@ -180,7 +187,7 @@ class Engine:
         ref = weakref.ref(self)
         world.add_close_hook(lambda: ref() is not None and ref().shutdown())
 
-    # -- called from user threads -----------------------------------------------------------------------
+    # -- called from user threads ------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
         """Queue requests atomically (a grouped operation is negotiated and fused as one)."""
         with self._cv:
@@ -208,14 +215,12 @@ class Engine:
         return handle.wait()
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
-        from scaleout.parallel.timeline import Timeline
-
         self.mark_cycles = mark_cycles
         self.timeline = Timeline(path, self.rank)
 
     def stop_timeline(self) -> None:
-        """Collective: every rank's events are merged into one file by rank 0 (in the background thread,
-        at an agreed point, so the gather cannot interleave with other collectives)."""
+        """Collective: every rank's events are merged into one file by rank 0 (in the background
+        thread, at an agreed point, so the gather cannot interleave with other collectives)."""
         handle = Handle(1)
         self.submit([Request("timeline", None, None, (self.timeline is not None,), handle)])
         handle.wait()
@@ -235,15 +240,15 @@ class Engine:
         if self._stop:
             raise HorovodInternalError("scaleout.horovod has been shut down")
 
-    # -- the background thread --------------------------------------------------------------------------
+    # -- the background thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while True:
                 with self._cv:
                     while not (self._pending or self._join_handles or self._stop):
                         self._cv.wait()
-                # Let a cycle's worth of requests accumulate (that is what gets fused), unless a caller is
-                # already blocked on a result: then nothing more is coming from it.
+                # Let a cycle's worth of requests accumulate (that is what gets fused), unless a
+                # caller is already blocked on a result: then nothing more is coming from it.
                 if self.settings.cycle_time_s > 0:
                     self._hurry.wait(self.settings.cycle_time_s)
                 self._hurry.clear()
@@ -298,9 +303,9 @@ class Engine:
         return True
 
     def _stalled(self, pending: list[Request]) -> list[Request] | None:
-        """Requests that have waited longer than HOROVOD_STALL_CHECK_TIME_SECONDS for the other ranks (each
-        is logged once; the negotiation then names the ranks that lack them). None: a request passed
-        HOROVOD_STALL_SHUTDOWN_TIME_SECONDS and this rank's engine stopped."""
+        """Requests that have waited longer than HOROVOD_STALL_CHECK_TIME_SECONDS for the other
+        ranks (each is logged once; the negotiation then names the ranks that lack them). None: a
+        request passed HOROVOD_STALL_SHUTDOWN_TIME_SECONDS and this rank's engine stopped."""
         limit = self.settings.stall_check_s
         now = time.time()
         late = [r for r in pending if limit > 0 and not r.warned and now - r.enqueued > limit]
@@ -318,7 +323,8 @@ class Engine:
             if cut > 0 and now - r.enqueued > cut:
                 self._die(
                     HorovodInternalError(
-                        f"{r.label} stalled for {now - r.enqueued:.0f} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)"
+                        f"{r.label} stalled for {now - r.enqueued:.0f} s "
+                        "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)"
                     )
                 )
                 return None

@@ -1,20 +1,21 @@
-"""Running what the ranks agreed on: fused buffers, scaleout's all-reduce algorithms, Horovod's scaling.
+"""Running what the ranks agreed on: fused buffers, scaleout's all-reduce algorithms, Horovod's
+scaling.
 
-Tensor fusion (Horovod's algorithm, docs/tensor-fusion.rst): the ready tensors of one round that share
-dtype, reduction and scale factors are copied, in the agreed order, into flat contiguous buffers of at
-most ``HOROVOD_FUSION_THRESHOLD`` bytes (a larger tensor travels alone; 0 disables fusion), one collective
-per buffer. Sum and Average go through :func:`scaleout.comm.all_reduce` with the chosen algorithm (flat,
-hierarchical, torus2d); Min, Max and Product through torch.distributed's own all-reduce on the engine's
-group (they are not bandwidth-bound reductions worth a topology-aware schedule). At most two buffers are
-in flight (one reducing while the next is packed), so the extra memory is bounded by twice the threshold
-whatever the number of ready gradients. Broadcasts with the same root are fused too, as raw bytes (any
-dtype); the allgathers of a round share one size exchange and one byte all-gather; reduce-scatters are
-fused like all-reduces.
+Tensor fusion (Horovod's algorithm, docs/tensor-fusion.rst): the ready tensors of one round that
+share dtype, reduction and scale factors are copied, in the agreed order, into flat contiguous
+buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes (a larger tensor travels alone; 0 disables
+fusion), one collective per buffer. Sum and Average go through :func:`scaleout.comm.all_reduce` with
+the chosen algorithm (flat, hierarchical, torus2d); Min, Max and Product through torch.distributed's
+own all-reduce on the engine's group (they are not bandwidth-bound reductions worth a topology-aware
+schedule). At most two buffers are in flight (one reducing while the next is packed), so the extra
+memory is bounded by twice the threshold whatever the number of ready gradients. Broadcasts with the
+same root are fused too, as raw bytes (any dtype); the allgathers of a round share one size exchange
+and one byte all-gather; reduce-scatters are fused like all-reduces.
 
-Scaling follows Horovod's CPU semantics: fp16/bf16 are scaled in fp32, integers in fp64 and truncated
-toward zero (so an integer Average is ``trunc(sum / size)``), fp32/fp64 in their own type. Average is the
-sum times ``postscale_factor / size``. gloo has no int16 reductions (torch 2.13: "Invalid scalar type"),
-so int16 is reduced as int32 and cast back, which is exact.
+Scaling follows Horovod's CPU semantics: fp16/bf16 are scaled in fp32, integers in fp64 and
+truncated toward zero (so an integer Average is ``trunc(sum / size)``), fp32/fp64 in their own type.
+Average is the sum times ``postscale_factor / size``. gloo has no int16 reductions (torch 2.13:
+"Invalid scalar type"), so int16 is reduced as int32 and cast back, which is exact.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scaleout.comm import all_reduce
 from scaleout.comm.grid import split_bounds
-from scaleout.horovod.basics import HorovodInternalError
+from scaleout.horovod.errors import HorovodInternalError
 from scaleout.horovod.negotiate import label
+from scaleout.parallel.buckets import fuse
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -56,22 +59,6 @@ def scale_(t: torch.Tensor, factor: float) -> None:
         t.mul_(factor)
     else:
         t.copy_(t.double().mul_(factor).trunc_())
-
-
-def fuse(sizes: list[int], threshold: int) -> list[list[int]]:
-    """Consecutive runs of at most ``threshold`` bytes; a tensor larger than that travels alone."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for i, s in enumerate(sizes):
-        if cur and total + s > threshold:
-            out.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += s
-    if cur:
-        out.append(cur)
-    return out
 
 
 def aligned(n: int) -> int:
@@ -118,7 +105,7 @@ class Executor:
                 return req.tensor.device
         return self.world.device
 
-    # -- allreduce ------------------------------------------------------------------------------------
+    # -- allreduce ---------------------------------------------------------------------------------
     def _allreduce(self, items: list[tuple]) -> None:
         groups: dict[tuple, list[tuple]] = {}
         for key, meta, req in items:
@@ -152,8 +139,6 @@ class Executor:
         if self.size == 1 or buf.numel() == 0:
             return None
         if op in ("Sum", "Average"):
-            from scaleout.comm import all_reduce
-
             return all_reduce(buf, self.data_world, algorithm=alg, op="sum", async_op=True)
         return dist.all_reduce(buf, op=RED[op], group=self.group, async_op=True)
 
@@ -187,7 +172,7 @@ class Executor:
             bytes=buf.numel() * buf.element_size(),
         )
 
-    # -- broadcast -------------------------------------------------------------------------------------
+    # -- broadcast ---------------------------------------------------------------------------------
     def _broadcast(self, items: list[tuple]) -> None:
         groups: dict[int, list[tuple]] = {}
         for key, meta, req in items:
@@ -227,7 +212,7 @@ class Executor:
                     tensors=[label(members[i][0]) for i in idx],
                 )
 
-    # -- allgather -------------------------------------------------------------------------------------
+    # -- allgather ---------------------------------------------------------------------------------
     def _allgather(self, items: list[tuple]) -> None:
         batches = [items] if self.threshold > 0 else [[it] for it in items]
         for batch in batches:
@@ -276,7 +261,7 @@ class Executor:
                 "ALLGATHER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch]
             )
 
-    # -- alltoall --------------------------------------------------------------------------------------
+    # -- alltoall ----------------------------------------------------------------------------------
     def _alltoall(self, items: list[tuple]) -> None:
         for key, _, req in items:
             start = time.time()
@@ -305,7 +290,7 @@ class Executor:
             req.handle._set(req.slot, (out, recv_splits.to(torch.int32)))
             self._span("ALLTOALL", "comm", start, time.time(), tensors=[label(key)])
 
-    # -- reducescatter ---------------------------------------------------------------------------------
+    # -- reducescatter -----------------------------------------------------------------------------
     def _reducescatter(self, items: list[tuple]) -> None:
         groups: dict[tuple, list[tuple]] = {}
         for key, meta, req in items:
@@ -322,7 +307,8 @@ class Executor:
     ) -> None:
         start = time.time()
         p = self.size
-        layout = []  # per tensor: (row bounds per rank, elements per row, offset inside a rank's shard)
+        # per tensor: (row bounds per rank, elements per row, offset inside a rank's shard)
+        layout = []
         width = 0
         for _, shape, _ in batch:
             bounds, row = split_bounds(shape[0], p), math.prod(shape[1:])
@@ -352,7 +338,7 @@ class Executor:
             "REDUCESCATTER", "comm", start, time.time(), tensors=[label(k) for k, _, _ in batch]
         )
 
-    # -- barrier and timeline ----------------------------------------------------------------------------
+    # -- barrier and timeline ----------------------------------------------------------------------
     def _barrier(self, items: list[tuple]) -> None:
         for *_, req in items:  # agreeing on it was the barrier
             if req is not None:

@@ -10,15 +10,17 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import HorovodValueError, check_process_set, global_process_set
+from scaleout.horovod.basics import check_process_set, global_process_set
+from scaleout.horovod.errors import HorovodValueError
+from scaleout.horovod.movement import _allgather_async, broadcast_, broadcast_async_
 from scaleout.horovod.ops import synchronize
-from scaleout.horovod.ops_gather import _allgather_async, broadcast_, broadcast_async_
+from scaleout.horovod.optimizer import is_distributed
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Every rank gets root's values, in place: ``model.state_dict()`` (sorted by name, as Horovod does),
-    ``model.named_parameters()``, or a list of tensors / (name, tensor) pairs. The broadcasts are queued
-    together, so the engine fuses them into a few messages."""
+    """Every rank gets root's values, in place: ``model.state_dict()`` (sorted by name, as Horovod
+    does), ``model.named_parameters()``, or a list of tensors / (name, tensor) pairs. The broadcasts
+    are queued together, so the engine fuses them into a few messages."""
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, Iterable):
@@ -45,15 +47,54 @@ class _Spec:
         self.dtype, self.shape, self.on_cpu = t.dtype, tuple(t.shape), t.device.type == "cpu"
 
 
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every trainable parameter that has none yet, as Horovod does: torch
+    optimizers create a parameter's state lazily, at its first step with a gradient, so before the
+    first step (or for a parameter that has had no gradient so far) the ranks' state keys differ
+    from the root's. Horovod runs one step with zero gradients to create it; so does this, on the
+    parameters without state only (the others get no gradient for that step, which torch optimizers
+    skip), and then puts back the parameters' values and gradients: Horovod's zero-gradient step
+    moves weights under weight decay and leaves zero gradients behind. A DistributedOptimizer steps
+    the wrapped class directly (its own step would all-reduce, and only this rank runs this). L-BFGS
+    (a closure-driven step) and optimizers without per-parameter state are left as they are."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if not missing:
+        return
+    need = {id(p) for p in missing}
+    grads = [p.grad for p in params]
+    values = [p.detach().clone() for p in missing]
+    for p in params:
+        p.grad = torch.zeros_like(p) if id(p) in need else None
+    try:
+        if is_distributed(optimizer):
+            super(type(optimizer), optimizer).step()
+        else:
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, v in zip(missing, values, strict=True):
+                p.copy_(v)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
 ) -> None:
-    """Every rank loads root's optimizer state (state tensors and every param-group option, types kept).
+    """Every rank loads root's optimizer state (state tensors and every param-group option, types
+    kept).
 
-    Unlike Horovod, no dummy ``step()`` initialises an empty state first: root's ``state_dict()`` structure
-    is broadcast as an object (tensors replaced by shape/dtype), its tensors as in-place broadcasts, and
-    the other ranks ``load_state_dict`` it. So parameters are never touched (Horovod's zero-gradient step
-    moves them under weight decay) and a fresh root state stays fresh (no step count of 1)."""
+    First every rank creates the state its trainable parameters lack (:func:`_initialise_state`,
+    Horovod's zero-gradient step, without moving the parameters), so a fresh optimizer or a
+    parameter that has had no gradient yet gets state on every rank, the root included. Then root's
+    ``state_dict()`` structure is broadcast as an object (tensors replaced by shape/dtype), its
+    tensors as in-place broadcasts, and the other ranks ``load_state_dict`` it: every rank ends with
+    root's state, the same keys and values, even where the ranks' keys differed before (Horovod
+    would broadcast by position there and mismatch)."""
+    _initialise_state(optimizer)
     sd = optimizer.state_dict()
     is_root = basics.rank() == root_rank
     skeleton = None

@@ -1,29 +1,32 @@
-"""Agreeing on what every rank has queued: Horovod's coordinator and response cache on one all-reduce.
+"""Agreeing on what every rank has queued: Horovod's coordinator and response cache on one
+all-reduce.
 
-Every round, each rank contributes one int64 vector to a MAX all-reduce on the engine's process group::
+Every round, each rank contributes one int64 vector to a MAX all-reduce on the engine's process
+group::
 
     header: [new request?, joined?, shutdown?, join stamp, hash of the queue, stalled?]
-    one entry per response-cache slot: 1 if this rank has a queued request equal to that slot (key and
-    metadata), else 0
+    one entry per response-cache slot: 1 if this rank has a queued request equal to that slot (key
+    and metadata), else 0
 
-Each value x travels as the pair (x, -x), so one MAX gives both the maximum and the minimum over ranks. A
-rank that has joined sends the neutral value (int64 min) for the slots it has nothing for, so "max == min
-== 1" means "queued on every rank that has not joined". In the steady state (a training loop whose
-tensors are all cached) a round costs one all-reduce of 16 * (6 + slots) bytes, like Horovod's response
-cache (a bit-vector all-reduce), instead of a metadata exchange per tensor.
+Each value x travels as the pair (x, -x), so one MAX gives both the maximum and the minimum over
+ranks. A rank that has joined sends the neutral value (int64 min) for the slots it has nothing for,
+so "max == min == 1" means "queued on every rank that has not joined". In the steady state (a
+training loop whose tensors are all cached) a round costs one all-reduce of 16 * (6 + slots) bytes,
+like Horovod's response cache (a bit-vector all-reduce), instead of a metadata exchange per tensor.
 
-A request that is not in the cache (new name, or its shape/dtype/op/root differ from the cached entry)
-makes the round a full exchange. If no rank has joined and every rank's queue hashes the same (the usual
-SPMD case), each rank already holds the answer. Otherwise rank 0 gathers every queue (key and metadata),
-decides, and broadcasts the decision (Horovod's coordinator): an operation is ready when every rank that
-has not joined has queued it; if their metadata differ, it fails with one line naming the field and two
-ranks, on every rank, instead of hanging in a collective. Decisions enter the cache in the same order on
-every rank (least-recently-used eviction), so the caches never diverge.
+A request that is not in the cache (new name, or its shape/dtype/op/root differ from the cached
+entry) makes the round a full exchange. If no rank has joined and every rank's queue hashes the same
+(the usual SPMD case), each rank already holds the answer. Otherwise rank 0 gathers every queue (key
+and metadata), decides, and broadcasts the decision (Horovod's coordinator): an operation is ready
+when every rank that has not joined has queued it; if their metadata differ, it fails with one line
+naming the field and two ranks, on every rank, instead of hanging in a collective. Decisions enter
+the cache in the same order on every rank (least-recently-used eviction), so the caches never
+diverge.
 
-Keys: a named operation is ``(kind, name)``. Unnamed operations of one kind are matched by order: the
-j-th queued unnamed allreduce of every rank is ``(allreduce, j)``. Resolved operations are always a
-prefix of that order on every rank, so the positions stay aligned even across ``join`` and failures
-(counting calls per rank, as Horovod's generated names do, would drift apart there).
+Keys: a named operation is ``(kind, name)``. Unnamed operations of one kind are matched by order:
+the j-th queued unnamed allreduce of every rank is ``(allreduce, j)``. Resolved operations are
+always a prefix of that order on every rank, so the positions stay aligned even across ``join`` and
+failures (counting calls per rank, as Horovod's generated names do, would drift apart there).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,12 @@ NEUTRAL = -(2**63)
 NEW, JOINED, STOP, STAMP, HASH, STALLED = range(6)
 HEADER = 6
 
-FIELDS = {
+Kind = Literal[
+    "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "timeline"
+]
+
+# What every rank must agree on, per kind: the fields of a request's ``meta``, in order.
+FIELDS: dict[Kind, tuple[str, ...]] = {
     "allreduce": (
         "dtype",
         "shape",
@@ -97,7 +105,10 @@ def check(key: Key, metas: dict[int, tuple], any_joined: bool) -> str | None:
                 f"but {metas[r][i]} on rank {r}"
             )
     if any_joined and kind in NO_JOIN:
-        return f"{label(key)}: {kind} is not supported while a rank has called hvd.join() (as in Horovod)"
+        return (
+            f"{label(key)}: {kind} is not supported while a rank has called hvd.join() "
+            "(as in Horovod)"
+        )
     return None
 
 
@@ -123,7 +134,8 @@ def coordinate(
 
 
 class ResponseCache:
-    """Slots of (key, metadata) that every rank holds identically (updated only from agreed decisions)."""
+    """Slots of (key, metadata) that every rank holds identically (updated only from agreed
+    decisions)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -187,8 +199,8 @@ class Negotiator:
                 waited += self.stall_check_s
                 names = [r.label for r in pending][:10]
                 log.warning(
-                    "scaleout.horovod rank %d: waited %.0f s for the other ranks to join a negotiation; "
-                    "queued here: %s (HOROVOD_STALL_CHECK_TIME_SECONDS)",
+                    "scaleout.horovod rank %d: waited %.0f s for the other ranks to join a "
+                    "negotiation; queued here: %s (HOROVOD_STALL_CHECK_TIME_SECONDS)",
                     self.rank,
                     waited,
                     names,

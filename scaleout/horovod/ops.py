@@ -1,15 +1,16 @@
-"""Horovod's collectives (``horovod.torch.mpi_ops``), part 1: how requests are queued, poll, synchronize,
-barrier, join, and the allreduce family (plain, in-place, async, grouped). Allgather, broadcast, alltoall
-and sparse allreduce are in :mod:`scaleout.horovod.ops_gather`, reducescatter in
-:mod:`scaleout.horovod.ops_reducescatter`.
+"""Horovod's collectives (``horovod.torch.mpi_ops``), part 1: how requests are queued, poll,
+synchronize, barrier, join, and the allreduce family (plain, in-place, async, grouped). Allgather,
+broadcast, alltoall and sparse allreduce are in :mod:`scaleout.horovod.movement`, reducescatter in
+:mod:`scaleout.horovod.reducescatter`.
 
-Every call validates its arguments on the calling rank (a one-line :class:`HorovodValueError`), queues one
-request per tensor with the engine and returns a handle; the blocking forms synchronize it. What must
-agree across ranks (dtype, shape, op, scale factors, root) travels as the request's metadata and is
-checked by the negotiation, so a mismatch fails on every rank instead of hanging. The non-async forms
-are differentiable, with Horovod's gradients: allreduce -> allreduce of the gradient with the same op;
-allgather -> averaged gradient, this rank's rows; broadcast -> averaged gradient on the root, zero
-elsewhere; alltoall -> alltoall back; reducescatter -> allgather of the (scaled) gradient.
+Every call validates its arguments on the calling rank (a one-line :class:`HorovodValueError`),
+queues one request per tensor with the engine and returns a handle; the blocking forms synchronize
+it. What must agree across ranks (dtype, shape, op, scale factors, root) travels as the request's
+metadata and is checked by the negotiation, so a mismatch fails on every rank instead of hanging.
+The non-async forms are differentiable, with Horovod's gradients: allreduce -> allreduce of the
+gradient with the same op; allgather -> averaged gradient, this rank's rows; broadcast -> averaged
+gradient on the root, zero elsewhere; alltoall -> alltoall back; reducescatter -> allgather of the
+(scaled) gradient.
 """
 
 from __future__ import annotations
@@ -19,15 +20,10 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    HorovodValueError,
-    ReduceOp,
-    check_process_set,
-    global_process_set,
-    resolve_op,
-)
+from scaleout.horovod.basics import ReduceOp, check_process_set, global_process_set, resolve_op
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle, Request
+from scaleout.horovod.errors import HorovodValueError
 
 
 def _tensor(t: Any, what: str, min_dim: int = 0) -> torch.Tensor:
@@ -39,7 +35,8 @@ def _tensor(t: Any, what: str, min_dim: int = 0) -> torch.Tensor:
         )
     if t.dim() < min_dim:
         raise HorovodValueError(
-            f"{what}: expected a tensor with at least {min_dim} dimension(s), got shape {tuple(t.shape)}"
+            f"{what}: expected a tensor with at least {min_dim} dimension(s), got shape "
+            f"{tuple(t.shape)}"
         )
     return t
 
@@ -62,14 +59,15 @@ def _submit(
     return handle
 
 
-# -- synchronisation ---------------------------------------------------------------------------------------
+# -- synchronisation -------------------------------------------------------------------------------
 def poll(handle: Handle) -> bool:
     """True once the operation has finished (``synchronize`` will not block)."""
     return handle.done()
 
 
 def synchronize(handle: Handle) -> Any:
-    """Wait for an async operation; its result, or HorovodInternalError if it failed on the ranks."""
+    """Wait for an async operation; its result, or HorovodInternalError if it failed on the
+    ranks."""
     return handle.wait()
 
 
@@ -82,13 +80,13 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data: until every rank has joined, it takes part in the others' allreduces
-    with zeros (allgather, broadcast, alltoall and reducescatter fail meanwhile, as in Horovod). Returns
-    the rank that joined last, the same on every rank."""
+    """This rank has no more data: until every rank has joined, it takes part in the others'
+    allreduces with zeros (allgather, broadcast, alltoall and reducescatter fail meanwhile, as in
+    Horovod). Returns the rank that joined last, the same on every rank."""
     return basics.state().engine.join()
 
 
-# -- allreduce ------------------------------------------------------------------------------------------
+# -- allreduce -------------------------------------------------------------------------------------
 def _allreduce_async(
     tensors: list[torch.Tensor],
     name: str | None,
@@ -141,7 +139,8 @@ def allreduce_async(
     postscale_factor: float = 1.0,
     process_set: Any = global_process_set,
 ) -> Handle:
-    """Start reducing ``tensor`` over all ranks (default op Average); ``synchronize`` returns a new tensor."""
+    """Start reducing ``tensor`` over all ranks (default op Average); ``synchronize`` returns a new
+    tensor."""
     check_process_set(process_set)
     op = resolve_op(average, op)
     return _allreduce_async(
@@ -200,6 +199,7 @@ def allreduce(
     """Reduce over all ranks (default Average) and return a new tensor; differentiable."""
     check_process_set(process_set)
     op = resolve_op(average, op)
+    compression = Compression.of(compression)
     wire, ctx = compression.compress(tensor)
     return compression.decompress(
         _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor), ctx
@@ -287,6 +287,7 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
     op = resolve_op(average, op, "grouped_allreduce")
+    compression = Compression.of(compression)
     wires, ctxs = (
         zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
     )

@@ -1,32 +1,35 @@
 """``DistributedOptimizer``: Horovod's gradient averaging overlapped with backward, on the engine.
 
 As in Horovod, the returned object is an instance of a subclass of the wrapped optimizer's class (LR
-schedulers and ``isinstance`` checks keep working). A hook on every parameter fires when its gradient
-has been accumulated; after ``backward_passes_per_step`` backward passes it queues an in-place allreduce
-of that gradient named after the parameter, so communication overlaps the rest of backward and the
-engine fuses what is ready in each cycle. ``step()`` (or ``synchronize()``) queues the parameters whose
-hook did not fire (no gradient on this rank: zeros are reduced), waits, and writes the results back.
+schedulers and ``isinstance`` checks keep working). A hook on every parameter fires when its
+gradient has been accumulated; after ``backward_passes_per_step`` backward passes it queues an
+in-place allreduce of that gradient named after the parameter, so communication overlaps the rest of
+backward and the engine fuses what is ready in each cycle. ``step()`` (or ``synchronize()``) queues
+the parameters whose hook did not fire (no gradient on this rank: zeros are reduced), waits, and
+writes the results back.
 
 Because the engine matches requests by name, a parameter that gets a gradient on some ranks only is
-reduced correctly: the ranks that computed it queue it during backward, the others at ``step()``, and
-the engine runs it once all have. Gradients accumulated over several passes are summed, not divided by
-the number of passes (Horovod's behaviour).
+reduced correctly: the ranks that computed it queue it during backward, the others at ``step()``,
+and the engine runs it once all have. Gradients accumulated over several passes are summed, not
+divided by the number of passes (Horovod's behaviour).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import Average, HorovodValueError, check_process_set
+from scaleout.horovod.basics import Average, check_process_set
 from scaleout.horovod.compression import Compression
+from scaleout.horovod.errors import HorovodValueError
+from scaleout.horovod.movement import sparse_allreduce_async
 from scaleout.horovod.ops import allreduce_async_, grouped_allreduce_async_, synchronize
-from scaleout.horovod.ops_gather import sparse_allreduce_async
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any, str]:
@@ -42,8 +45,8 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
         raise HorovodValueError(
             "named_parameters: expected (name, parameter) tuples, as model.named_parameters() gives"
         )
-    seen: set[str] = set()
-    dups = sorted({n for n, _ in named if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+    counts = Counter(n for n, _ in named)
+    dups = sorted(n for n, c in counts.items() if c > 1)
     if dups:
         raise HorovodValueError(f"named_parameters: names must be unique, found duplicates {dups}")
     named_ids = {id(p) for _, p in named}
@@ -54,14 +57,15 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
     ]
     if unnamed:
         raise HorovodValueError(
-            f"named_parameters does not name {len(unnamed)} optimizer parameter(s) (positions {unnamed[:5]})"
+            f"named_parameters does not name {len(unnamed)} optimizer parameter(s) (positions "
+            f"{unnamed[:5]})"
         )
     return {p: n for n, p in sorted(named, key=lambda x: x[0])}
 
 
 def _groups(params: list[Any], groups: Any, names: dict[Any, str]) -> list[tuple[Any, ...]] | None:
-    """Parameters reduced together (Horovod's ``groups``): an int splits them (in name order, the same on
-    every rank) into that many groups; a list of lists gives them explicitly."""
+    """Parameters reduced together (Horovod's ``groups``): an int splits them (in name order, the
+    same on every rank) into that many groups; a list of lists gives them explicitly."""
     if groups is None or groups == 0:
         return None
     if isinstance(groups, int) and groups > 0:
@@ -85,7 +89,8 @@ def _groups(params: list[Any], groups: Any, names: dict[Any, str]) -> list[tuple
 
 
 class _DistributedOptimizer:
-    """Methods copied into the dynamic subclass; ``super(self.__class__, self)`` is the wrapped class."""
+    """Methods copied into the dynamic subclass; ``super(self.__class__, self)`` is the wrapped
+    class."""
 
     def __init__(
         self,
@@ -99,7 +104,7 @@ class _DistributedOptimizer:
         sparse_as_dense: bool,
     ):
         super(self.__class__, self).__init__(params)
-        self._compression = compression
+        self._compression = Compression.of(compression)
         self._parameter_names = _names(self, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -175,9 +180,10 @@ class _DistributedOptimizer:
                 and self._allreduce_delay[p] <= 0
             ):
                 raise HorovodValueError(
-                    f"gradient of {self._parameter_names[p]} computed more than backward_passes_per_step="
-                    f"{self.backward_passes_per_step} times before step(); raise backward_passes_per_step "
-                    "to accumulate gradients locally"
+                    f"gradient of {self._parameter_names[p]} computed more than "
+                    "backward_passes_per_step="
+                    f"{self.backward_passes_per_step} times before step(); raise "
+                    "backward_passes_per_step to accumulate gradients locally"
                 )
             self._allreduce_delay[p] -= 1
             handle, ctx = None, None
@@ -209,7 +215,8 @@ class _DistributedOptimizer:
             p.grad.copy_(value)
 
     def synchronize(self) -> None:
-        """Queue what backward did not (parameters without a gradient here), wait, write gradients back."""
+        """Queue what backward did not (parameters without a gradient here), wait, write gradients
+        back."""
         done = {q for key in self._handles for q in (key if isinstance(key, tuple) else (key,))}
         for p in self._requires_update:
             if p not in done or self._handles.get(p, (0,))[0] is None:
@@ -226,7 +233,8 @@ class _DistributedOptimizer:
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """For ``optimizer.synchronize(); clip(...); with optimizer.skip_synchronize(): optimizer.step()``."""
+        """For ``optimizer.synchronize(); clip(...); with optimizer.skip_synchronize():
+        optimizer.step()``."""
         self._should_synchronize = False
         try:
             yield
@@ -254,6 +262,14 @@ class _DistributedOptimizer:
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` was made by :func:`DistributedOptimizer` (its class is made per
+    call)."""
+    return (
+        type(optimizer).__dict__.get("synchronize") is _DistributedOptimizer.__dict__["synchronize"]
+    )
+
+
 def DistributedOptimizer(  # noqa: N802 -- Horovod's name
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -266,20 +282,22 @@ def DistributedOptimizer(  # noqa: N802 -- Horovod's name
     sparse_as_dense: bool = False,
     process_set: Any = basics.global_process_set,
 ) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged (or summed, ...) over all ranks."""
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged (or summed, ...) over all
+    ranks."""
     basics.state()
     check_process_set(process_set)
     op = basics.resolve_op(None, op, "DistributedOptimizer")  # Adasum: HorovodNotSupportedError
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise HorovodValueError(
-            f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got {op!r}"
+            f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got "
+            f"{op!r}"
         )
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise HorovodValueError(
             f"backward_passes_per_step={backward_passes_per_step!r}: expected an integer >= 1"
         )
-    # Only the methods: _DistributedOptimizer's own __dict__/__weakref__ descriptors would shadow the
-    # wrapped class's (load_state_dict's __setstate__ writes self.__dict__).
+    # Only the methods: _DistributedOptimizer's own __dict__/__weakref__ descriptors would shadow
+    # the wrapped class's (load_state_dict's __setstate__ writes self.__dict__).
     methods = {
         k: v
         for k, v in _DistributedOptimizer.__dict__.items()

@@ -85,6 +85,25 @@ def assign(
     return out
 
 
+def fuse(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """Horovod's tensor fusion (docs/tensor-fusion.rst), the other bucketing rule: consecutive runs of
+    *at most* ``cap_bytes`` (a tensor larger than that travels alone; ``cap_bytes`` 0: each alone), where
+    :func:`assign` closes a bucket once it holds *at least* the cap. Fusion packs what is ready in one
+    negotiation cycle, so the cap bounds the buffers in flight; DDP's buckets are fixed at wrap time."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes_bytes):
+        if cur and total + size > cap_bytes:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += size
+    if cur:
+        out.append(cur)
+    return out
+
+
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     bucket_mb: float,

@@ -1,10 +1,12 @@
-"""DistributedOptimizer step time with and without tensor fusion, on 2 emulated nodes x 2 gloo ranks.
+"""DistributedOptimizer step time with and without tensor fusion, on 2 emulated nodes x 2 gloo
+ranks.
 
-    PYTHONPATH=$PWD python tests/scripts/hvd_bench.py [--steps 24]
+    PYTHONPATH=$PWD python tests/horovod/hvd_bench.py [--steps 24]
 
-A model of many small tensors (Linear layers) is where one collective per tensor is latency-bound; the
-baseline in the same run is the same engine with HOROVOD_FUSION_THRESHOLD=0 (one all-reduce per tensor,
-what the pre-engine shim did). Prints the median step time (max over ranks) per algorithm and model.
+A model of many small tensors (Linear layers) is where one collective per tensor is latency-bound;
+the baseline in the same run is the same engine with HOROVOD_FUSION_THRESHOLD=0 (one all-reduce per
+tensor, what the pre-engine shim did). Prints the median step time (max over ranks) per algorithm
+and model.
 """
 
 from __future__ import annotations

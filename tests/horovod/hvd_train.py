@@ -1,7 +1,7 @@
 """A Horovod-style training script. The only change from a horovod.torch script is the import line.
 
-scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/scripts/hvd_train.py --out w.pt
-SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/scripts/hvd_train.py --out w.pt
+scaleout launch --nnodes 2 --nproc-per-node 2 -- python tests/horovod/hvd_train.py --out w.pt
+SCALEOUT_ALGORITHM=torus2d mpiexec -n 4 python tests/horovod/hvd_train.py --out w.pt
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def train(steps: int = 6, passes: int = 1, compression: str = "none") -> dict[st
 
 
 def reference(size: int, steps: int = 6, passes: int = 1) -> dict[str, torch.Tensor]:
-    """The same training in one process: rank 0's init, gradient = mean over ranks of the summed passes."""
+    """The same training in one process: rank 0's init, gradient = mean over ranks of the summed
+    passes."""
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -74,8 +75,8 @@ def main() -> None:
     if hvd.rank() == 0:
         torch.save(weights, args.out)
         print(
-            f"hvd_train: size {hvd.size()} local_size {hvd.local_size()} cross_size {hvd.cross_size()} "
-            f"algorithm {hvd.algorithm()}",
+            f"hvd_train: size {hvd.size()} local_size {hvd.local_size()} cross_size "
+            f"{hvd.cross_size()} algorithm {hvd.algorithm()}",
             flush=True,
         )
     hvd.shutdown()

@@ -1,5 +1,5 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): DistributedOptimizer, broadcast of
-parameters, optimizer state and objects, compression."""
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): DistributedOptimizer,
+broadcast of parameters, optimizer state and objects, compression."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.test_horovod_api import on_ranks, raises
+from tests.horovod.test_horovod_api import on_ranks, raises
 
-# Every torch optimizer, as Horovod's tests take them, except L-BFGS (closure-driven), SparseAdam (needs
-# sparse gradients) and Muon (newer than those tests: it accepts only 2-D parameters, the models have biases).
+# Every torch optimizer, as Horovod's tests take them, except L-BFGS (closure-driven), SparseAdam
+# (needs sparse gradients) and Muon (newer than those tests: it accepts only 2-D parameters, the
+# models have biases).
 OPTIMIZERS = sorted(
     (c.__name__, c)
     for c in torch.optim.Optimizer.__subclasses__()
@@ -46,7 +47,7 @@ def _same_on_all_ranks(hvd, model: nn.Module) -> bool:
     )
 
 
-# -- broadcast of state ----------------------------------------------------------------------------------
+# -- broadcast of state ----------------------------------------------------------------------------
 def _opt_values(optimizer):
     sd = optimizer.state_dict()
     return [
@@ -107,8 +108,9 @@ def r_broadcast_state(hvd):
 
 @pytest.mark.multi_process
 def test_broadcast_state():
-    """Every optimizer: after a step on rank-specific data, a checkpoint restored on rank 0 only reaches every
-    rank through broadcast_parameters + broadcast_optimizer_state, values and types intact."""
+    """Every optimizer: after a step on rank-specific data, a checkpoint restored on rank 0 only
+    reaches every rank through broadcast_parameters + broadcast_optimizer_state, values and types
+    intact."""
     on_ranks(r_broadcast_state, timeout=600)
 
 
@@ -153,8 +155,84 @@ def r_broadcast_state_options(hvd):
 
 @pytest.mark.multi_process
 def test_broadcast_state_options():
-    """Rank 0's hyper-parameters (lr, momentum, betas, ...) replace the others', with their Python types."""
+    """Rank 0's hyper-parameters (lr, momentum, betas, ...) replace the others', with their Python
+    types."""
     on_ranks(r_broadcast_state_options, timeout=600)
+
+
+def _state_of(opt) -> dict:
+    return {
+        pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        for pid, st in opt.state_dict()["state"].items()
+    }
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[pid].keys() == b[pid].keys()
+        and all(
+            torch.equal(x, b[pid][k]) if torch.is_tensor(x) else x == b[pid][k]
+            for k, x in a[pid].items()
+        )
+        for pid in a
+    )
+
+
+def r_broadcast_state_lazy(hvd):
+    """Root stepped with a gradient for the first layer only, rank 1 for the second layer only,
+    ranks 2 and 3 never: their state keys all differ before the broadcast."""
+    rank = hvd.rank()
+    stateful = []
+    for (name, cls), params in itertools.product(OPTIMIZERS, OPT_PARAMS):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+        opt = _new_optimizer(cls, params, model)
+        if rank < 2:
+            layer = model[rank]
+            layer(torch.randn(3, layer.in_features)).sum().backward()
+            opt.step()
+        values = [p.detach().clone() for p in model.parameters()]
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
+        assert all(
+            (g is None and p.grad is None) or torch.equal(p.grad, g)
+            for p, g in zip(model.parameters(), grads, strict=True)
+        ), name
+        state = _state_of(opt)
+        assert all(_same_state(state, other) for other in hvd.allgather_object(state)), name
+        if state:  # every trainable parameter has state, the one root never had a gradient for too
+            assert sorted(state) == [0, 1, 2, 3], (name, sorted(state))
+            stateful.append(name)
+        opt.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()  # the received state works in an update
+    # A fresh DistributedOptimizer: state created without its all-reducing step, then a real step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = _state_of(opt)
+    assert sorted(state) == [0, 1, 2, 3] and all(s["step"].item() == 1 for s in state.values())
+    assert all(_same_state(state, other) for other in hvd.allgather_object(state))
+    opt.zero_grad()
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return sorted(set(stateful)), _same_on_all_ranks(hvd, model)
+
+
+@pytest.mark.multi_process
+def test_broadcast_state_lazy():
+    """Horovod's lazy-state rule: parameters without state (no gradient yet on some ranks, or before
+    the first step) get it on every rank before the broadcast, so every rank ends with root's state,
+    with the same keys, for every optimizer; the parameters and their gradients are left as they
+    were."""
+    out = on_ranks(r_broadcast_state_lazy, timeout=600)
+    stateful, same = zip(*out, strict=True)
+    assert all(same) and len(set(map(tuple, stateful))) == 1
+    assert {"Adam", "RMSprop", "SGD"} <= set(stateful[0])
 
 
 class _ModelNoGrad(nn.Module):
@@ -184,13 +262,14 @@ def r_broadcast_state_no_grad(hvd):
 
 @pytest.mark.multi_process
 def test_broadcast_state_no_grad():
-    """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; training then works.
-    (Horovod also asserts that the trainable parameter's zero gradient, set by its dummy initialising step,
-    is equal on all ranks; scaleout.horovod takes no dummy step, see broadcast_optimizer_state.)"""
+    """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; training then
+    works. (Horovod also asserts that the trainable parameter's zero gradient, left by its
+    initialising step, is equal on all ranks; scaleout.horovod puts the gradients back, see
+    broadcast_optimizer_state.)"""
     assert on_ranks(r_broadcast_state_no_grad) == [True] * 4
 
 
-# -- objects and compression -----------------------------------------------------------------------------
+# -- objects and compression -----------------------------------------------------------------------
 def r_objects(hvd):
     obj = hvd.broadcast_object({"hello": 123, 0: [1, 2]} if hvd.rank() == 0 else {}, root_rank=0)
     d = {"metric_val_1": hvd.rank()}
@@ -230,7 +309,7 @@ def test_compression_fp16():
         assert wire.dtype == dtype and back.dtype == dtype and bool((back == 1).all())
 
 
-# -- DistributedOptimizer ----------------------------------------------------------------------------------
+# -- DistributedOptimizer --------------------------------------------------------------------------
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -275,9 +354,9 @@ def r_force_allreduce(hvd):
 
 @pytest.mark.multi_process
 def test_force_allreduce():
-    """A parameter used on some ranks only (fc3 gets no gradient on rank 0) is reduced with every rank
-    taking part: no mixing with other gradients, no hang; every optimizer; plain SGD matches one process
-    averaging the four losses."""
+    """A parameter used on some ranks only (fc3 gets no gradient on rank 0) is reduced with every
+    rank taking part: no mixing with other gradients, no hang; every optimizer; plain SGD matches
+    one process averaging the four losses."""
     on_ranks(r_force_allreduce, timeout=600)
 
 
@@ -329,7 +408,8 @@ def r_no_named_parameters(hvd):
 
 @pytest.mark.multi_process
 def test_no_named_parameters():
-    """Without named_parameters every parameter gets a generated name, unique and the same on all ranks."""
+    """Without named_parameters every parameter gets a generated name, unique and the same on all
+    ranks."""
     for same, names in on_ranks(r_no_named_parameters):
         assert same and all(n == names[0] for n in names)
 
@@ -360,7 +440,8 @@ def r_dynamic_requires_grad(hvd):
 
 @pytest.mark.multi_process
 def test_dynamic_requires_grad():
-    """GAN-style alternation: gradients switched off and on between steps, each optimizer steps its half."""
+    """GAN-style alternation: gradients switched off and on between steps, each optimizer steps its
+    half."""
     on_ranks(r_dynamic_requires_grad)
 
 
@@ -398,8 +479,8 @@ def r_gradient_clipping(hvd):
 
 @pytest.mark.multi_process
 def test_gradient_clipping_and_synchronize_step_warning():
-    """synchronize(); clip; step() inside skip_synchronize() works silently; step() after synchronize()
-    without it warns (once) that the gradients are reduced again."""
+    """synchronize(); clip; step() inside skip_synchronize() works silently; step() after
+    synchronize() without it warns (once) that the gradients are reduced again."""
     for messages in on_ranks(r_gradient_clipping):
         assert len(messages) == 1
         assert "optimizer.step() called without optimizer.skip_synchronize()" in messages[0]
@@ -436,7 +517,7 @@ def r_sparse_embeddings(hvd, sparse_as_dense):
 @pytest.mark.multi_process
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 def test_sparse_embeddings(sparse_as_dense):
-    """Sparse embedding gradients (different rows on different ranks) reduced by allgather or as dense:
-    every rank applies the same update, to exactly the rows some rank used."""
+    """Sparse embedding gradients (different rows on different ranks) reduced by allgather or as
+    dense: every rank applies the same update, to exactly the rows some rank used."""
     for same, moved in on_ranks(r_sparse_embeddings, sparse_as_dense):
         assert same and moved == [1, 2, 3, 4, 5, 7, 9]

@@ -1,4 +1,5 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): allgather, broadcast, alltoall."""
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): allgather, broadcast,
+alltoall."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_horovod_api import DIMS, MOVE_DTYPES, on_ranks, raises
+from tests.horovod.test_horovod_api import DIMS, MOVE_DTYPES, on_ranks, raises
 
 pytestmark = pytest.mark.multi_process
 
@@ -17,7 +18,7 @@ def filled(shape: list[int], value: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, value).to(dtype)
 
 
-# -- allgather -------------------------------------------------------------------------------------------
+# -- allgather -------------------------------------------------------------------------------------
 def _check_gathered(
     gathered: torch.Tensor, rows: list[int], trailing: list[int], dtype: torch.dtype
 ) -> None:
@@ -119,7 +120,7 @@ def test_horovod_grouped_allgather():
     on_ranks(r_grouped_allgather)
 
 
-# -- broadcast -------------------------------------------------------------------------------------------
+# -- broadcast -------------------------------------------------------------------------------------
 def r_broadcast(hvd, inplace):
     rank, size = hvd.rank(), hvd.size()
     for dtype, dim, root in itertools.product(MOVE_DTYPES, DIMS, range(size)):
@@ -154,8 +155,8 @@ def r_broadcast_errors(hvd):
 
 
 def test_horovod_broadcast_error_type_error_rank_error():
-    """Different shapes, dtypes or root ranks across ranks fail on every rank; an impossible root is a
-    ValueError on the calling rank."""
+    """Different shapes, dtypes or root ranks across ranks fail on every rank; an impossible root is
+    a ValueError on the calling rank."""
     res = on_ranks(r_broadcast_errors)
     assert all(r[:3] == res[0][:3] for r in res)
     shape, dtype, root, bad_root = res[0]
@@ -179,7 +180,7 @@ def test_horovod_broadcast_grad():
     on_ranks(r_broadcast_grad)
 
 
-# -- alltoall --------------------------------------------------------------------------------------------
+# -- alltoall --------------------------------------------------------------------------------------
 def _alltoall_input(rank: int, size: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """rank+1 rows for every destination r, holding r; trailing dimensions of 2."""
     t = torch.tensor([r for r in range(size) for _ in range(rank + 1)], dtype=torch.float32)
@@ -209,7 +210,8 @@ def r_alltoall(hvd, with_splits):
 
 @pytest.mark.parametrize("with_splits", [True, False])
 def test_horovod_alltoall(with_splits):
-    """Uneven splits (rank r sends r+1 rows to everyone) and the equal split; every dtype, 1-3 dims."""
+    """Uneven splits (rank r sends r+1 rows to everyone) and the equal split; every dtype, 1-3
+    dims."""
     on_ranks(r_alltoall, with_splits)
 
 
@@ -235,8 +237,8 @@ def r_alltoall_errors(hvd):
 
 
 def test_horovod_alltoall_errors():
-    """Mismatched dtype / trailing shape fail on every rank; a length that does not split equally, splits
-    that do not add up to it and non-integer splits are ValueErrors on the calling rank."""
+    """Mismatched dtype / trailing shape fail on every rank; a length that does not split equally,
+    splits that do not add up to it and non-integer splits are ValueErrors on the calling rank."""
     res = on_ranks(r_alltoall_errors)
     dtype, shape, length, splits, splits_type = res[0]
     assert all(r[:2] == res[0][:2] for r in res)

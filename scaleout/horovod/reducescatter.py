@@ -7,22 +7,15 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    Average,
-    HorovodNotSupportedError,
-    HorovodValueError,
-    ReduceOp,
-    Sum,
-    check_process_set,
-    global_process_set,
-)
+from scaleout.horovod.basics import Average, ReduceOp, Sum, check_process_set, global_process_set
 from scaleout.horovod.compression import Compression
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import HorovodNotSupportedError, HorovodValueError
+from scaleout.horovod.movement import allgather, grouped_allgather
 from scaleout.horovod.ops import _submit, _tensor, synchronize
-from scaleout.horovod.ops_gather import allgather, grouped_allgather
 
 
-# -- reducescatter ---------------------------------------------------------------------------------------
+# -- reducescatter ---------------------------------------------------------------------------------
 def _reducescatter_async(
     tensors: list[torch.Tensor],
     name: str | None,
@@ -68,8 +61,8 @@ def reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
-    """Reduce over all ranks, then rank r keeps the r-th block of rows (the first ``rows % size`` ranks
-    get one row more)."""
+    """Reduce over all ranks, then rank r keeps the r-th block of rows (the first ``rows % size``
+    ranks get one row more)."""
     check_process_set(process_set)
     return _reducescatter_async(
         [tensor], name, op, prescale_factor, postscale_factor, False, "reducescatter"
@@ -126,6 +119,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     check_process_set(process_set)
+    compression = Compression.of(compression)
     wire, ctx = compression.compress(tensor)
     return compression.decompress(
         _Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor), ctx
@@ -159,6 +153,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     check_process_set(process_set)
+    compression = Compression.of(compression)
     wires, ctxs = (
         zip(*[compression.compress(t) for t in tensors], strict=True) if tensors else ((), ())
     )

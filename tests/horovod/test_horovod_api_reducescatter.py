@@ -1,5 +1,5 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): reducescatter and its grouped form,
-sparse allreduce."""
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): reducescatter and its
+grouped form, sparse allreduce."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_horovod_api import (
+from tests.horovod.test_horovod_api import (
     DIMS,
     REDUCE_DTYPES,
     _scaled,
@@ -66,7 +66,8 @@ def r_reducescatter(hvd, op, where, grouped):
     "op,where", [("Sum", None), ("Average", None), ("Sum", "pre"), ("Sum", "post")]
 )
 def test_horovod_reducescatter(op, where, grouped):
-    """Sum, Average, prescale and postscale, single and grouped: rank r gets rows [4r, 4r+4) of the result."""
+    """Sum, Average, prescale and postscale, single and grouped: rank r gets rows [4r, 4r+4) of the
+    result."""
     on_ranks(r_reducescatter, op, where, grouped)
 
 
@@ -126,14 +127,14 @@ def r_reducescatter_errors(hvd):
 
 
 def test_horovod_reducescatter_errors():
-    """Mismatched shapes / dtypes fail on every rank; a scalar (alone or in a group) is a ValueError;
-    Adasum is refused (a RuntimeError, as in Horovod)."""
+    """Mismatched shapes / dtypes fail on every rank; a scalar (alone or in a group) is a
+    ValueError; Adasum is refused (a RuntimeError, as in Horovod)."""
     res = on_ranks(r_reducescatter_errors)
     assert all(r[:3] == res[0][:3] for r in res)
     shape, ndim, dtype, scalar, grouped_scalar, adasum = res[0]
     assert (
-        "reducescatter.reducescatter_error1: shape (17, 17, 17) on rank 0 but (18, 18, 18) on rank 1"
-        in shape
+        "reducescatter.reducescatter_error1: shape (17, 17, 17) on rank 0 but (18, 18, 18) on rank "
+        "1" in shape
     )
     assert "shape (17, 1311) on rank 0 but (17, 23, 57) on rank 1" in ndim
     assert "dtype torch.float32 on rank 0 but torch.int32 on rank 1" in dtype

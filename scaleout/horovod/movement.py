@@ -1,5 +1,6 @@
-"""Horovod's data-movement collectives: allgather (and grouped), broadcast, alltoall, sparse allreduce
-(by allgather). See :mod:`scaleout.horovod.ops` for how requests are queued and checked."""
+"""Horovod's data-movement collectives: allgather (and grouped), broadcast, alltoall, sparse
+allreduce (by allgather). See :mod:`scaleout.horovod.ops` for how requests are queued and
+checked."""
 
 from __future__ import annotations
 
@@ -8,19 +9,13 @@ from typing import Any
 import torch
 
 from scaleout.horovod import basics
-from scaleout.horovod.basics import (
-    Average,
-    HorovodValueError,
-    Sum,
-    check_process_set,
-    global_process_set,
-    resolve_op,
-)
+from scaleout.horovod.basics import Average, Sum, check_process_set, global_process_set, resolve_op
 from scaleout.horovod.engine import Handle
+from scaleout.horovod.errors import HorovodValueError
 from scaleout.horovod.ops import _submit, _tensor, allreduce, grouped_allreduce, synchronize
 
 
-# -- allgather -------------------------------------------------------------------------------------------
+# -- allgather -------------------------------------------------------------------------------------
 def _allgather_async(
     tensors: list[torch.Tensor], name: str | None, grouped: bool, what: str
 ) -> Handle:
@@ -38,7 +33,8 @@ def _allgather_async(
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> Handle:
-    """Concatenate every rank's ``tensor`` along dimension 0 (the first dimension may differ by rank)."""
+    """Concatenate every rank's ``tensor`` along dimension 0 (the first dimension may differ by
+    rank)."""
     check_process_set(process_set)
     return _allgather_async([tensor], name, False, "allgather")
 
@@ -96,7 +92,7 @@ def grouped_allgather(
     return list(_GroupedAllgather.apply(name, *tensors))
 
 
-# -- broadcast -------------------------------------------------------------------------------------------
+# -- broadcast -------------------------------------------------------------------------------------
 def _broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, what: str
 ) -> Handle:
@@ -167,7 +163,7 @@ def broadcast_(
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-# -- alltoall --------------------------------------------------------------------------------------------
+# -- alltoall --------------------------------------------------------------------------------------
 def _splits(tensor: torch.Tensor, splits: Any) -> list[int]:
     n, rows = basics.size(), tensor.shape[0]
     if splits is None:
@@ -185,7 +181,8 @@ def _splits(tensor: torch.Tensor, splits: Any) -> list[int]:
     splits = [int(s) for s in splits]
     if len(splits) != n or min(splits) < 0 or sum(splits) != rows:
         raise HorovodValueError(
-            f"alltoall splits {splits}: expected {n} non-negative counts summing to the first dimension {rows}"
+            f"alltoall splits {splits}: expected {n} non-negative counts summing to the first "
+            f"dimension {rows}"
         )
     return splits
 
@@ -196,7 +193,8 @@ def alltoall_async(
     name: str | None = None,
     process_set: Any = global_process_set,
 ) -> Handle:
-    """Send ``splits[r]`` rows to rank r (default: equal parts); ``synchronize`` returns (output, received_splits)."""
+    """Send ``splits[r]`` rows to rank r (default: equal parts); ``synchronize`` returns (output,
+    received_splits)."""
     check_process_set(process_set)
     _tensor(tensor, "alltoall", 1)
     parts = _splits(tensor, splits)
@@ -240,8 +238,8 @@ def alltoall(
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
 ) -> Any:
-    """Reduce a sparse tensor by all-gathering its indices and values (as Horovod does); returns a callable
-    that waits and returns the (uncoalesced) sparse result."""
+    """Reduce a sparse tensor by all-gathering its indices and values (as Horovod does); returns a
+    callable that waits and returns the (uncoalesced) sparse result."""
     check_process_set(process_set)
     op = resolve_op(None, op, "sparse_allreduce")
     if op not in (Average, Sum):

@@ -1,10 +1,11 @@
-"""Horovod's own torch API tests (horovod/horovod test/parallel/test_torch.py), ported to scaleout.horovod.
+"""Horovod's own torch API tests (horovod/horovod test/parallel/test_torch.py), ported to
+scaleout.horovod.
 
 Each test runs on 4 real gloo processes as 2 emulated nodes x 2 (tests/distutil.run_dist) with
 ``import scaleout.horovod as hvd``; the assertions are Horovod's (every dtype, 1-3 dims, many ranks,
-gradients, errors on every rank instead of a hang), rewritten in this project's style. Tests that need a
-GPU, process sets or elastic mode are not ported (docs/launchers.md lists them). This file: basics and the
-allreduce family; test_horovod_api_{gather,reducescatter,optim}.py: the rest.
+gradients, errors on every rank instead of a hang), rewritten in this project's style. Tests that
+need a GPU, process sets or elastic mode are not ported (docs/launchers.md lists them). This file:
+basics and the allreduce family; test_horovod_api_{gather,reducescatter,optim}.py: the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from tests.distutil import run_dist
 
 pytestmark = pytest.mark.multi_process
 
-# Horovod's CPU dtypes: allreduce takes int32, int64, float16, float32, float64 (mpi_ops_v2.cc); allgather,
-# broadcast and alltoall also uint8, int8, int16. scaleout.horovod also reduces the small integer types and
-# bfloat16, tested as EXTRA.
+# Horovod's CPU dtypes: allreduce takes int32, int64, float16, float32, float64 (mpi_ops_v2.cc);
+# allgather, broadcast and alltoall also uint8, int8, int16. scaleout.horovod also reduces the small
+# integer types and bfloat16, tested as EXTRA.
 REDUCE_DTYPES = [torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
 EXTRA_REDUCE_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.bfloat16]
 MOVE_DTYPES = [
@@ -69,8 +70,8 @@ def _entry(world, fn, args, env):
 
 
 def on_ranks(fn, *args, env: dict[str, str] | None = None, timeout: float = 240) -> list:
-    """``fn(hvd, *args)`` on 2 emulated nodes x 2 ranks, between hvd.init and hvd.shutdown (``env``: Horovod
-    variables set while init reads them)."""
+    """``fn(hvd, *args)`` on 2 emulated nodes x 2 ranks, between hvd.init and hvd.shutdown (``env``:
+    Horovod variables set while init reads them)."""
     return run_dist(_entry, 2, 2, args=(fn, args, env or {}), timeout=timeout)
 
 
@@ -104,7 +105,7 @@ def raises(fn, errors: tuple = (RuntimeError,)) -> str:
     raise AssertionError(f"{fn} did not raise {errors}")
 
 
-# -- basics ---------------------------------------------------------------------------------------------
+# -- basics ----------------------------------------------------------------------------------------
 def r_reinit(hvd):
     world = hvd.world()
     before = (hvd.rank(), hvd.size())
@@ -146,7 +147,7 @@ def test_horovod_rank_size_and_is_initialized():
         assert (csize, inited, homog) == (2, True, True)
 
 
-# -- allreduce -------------------------------------------------------------------------------------------
+# -- allreduce -------------------------------------------------------------------------------------
 def r_allreduce(hvd, dtypes, average):
     size = hvd.size()
     for dtype, dim in itertools.product(dtypes, DIMS):
@@ -218,7 +219,8 @@ def test_horovod_allreduce_async_fused():
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """Horovod's CPU scaling: integers in fp64 then truncated, fp16 in fp32, others in their own type."""
+    """Horovod's CPU scaling: integers in fp64 then truncated, fp16 in fp32, others in their own
+    type."""
     dtype = tensor.dtype
     math_type = (
         torch.float32
@@ -246,7 +248,8 @@ def r_allreduce_scaled(hvd, where):
 
 @pytest.mark.parametrize("where", ["pre", "post"])
 def test_horovod_allreduce_prescale_postscale(where):
-    """prescale_factor scales before the sum, postscale_factor after, with Horovod's compute types."""
+    """prescale_factor scales before the sum, postscale_factor after, with Horovod's compute
+    types."""
     on_ranks(r_allreduce_scaled, where)
 
 
@@ -268,7 +271,8 @@ def r_allreduce_errors(hvd):
 
 
 def test_horovod_allreduce_error_and_type_error():
-    """Different shapes, ranks, dtypes or ops across ranks: an error naming the field on every rank."""
+    """Different shapes, ranks, dtypes or ops across ranks: an error naming the field on every
+    rank."""
     res = on_ranks(r_allreduce_errors)
     assert all(r == res[0] for r in res), "every rank reports the same error"
     shape, ndim, dtype, op = res[0]
@@ -298,10 +302,10 @@ def r_duplicate_name(hvd, kind):
 
 @pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast", "reducescatter"])
 def test_horovod_duplicate_name_error(kind):
-    """A second concurrent operation with the same name is refused (ValueError) on the rank issuing it;
-    the first one still completes once every rank has issued it. As in Horovod, "concurrent" means not yet
-    completed: a 100 ms HOROVOD_CYCLE_TIME keeps the first one queued while the second is issued, however
-    the busy test machine schedules the threads."""
+    """A second concurrent operation with the same name is refused (ValueError) on the rank issuing
+    it; the first one still completes once every rank has issued it. As in Horovod, "concurrent"
+    means not yet completed: a 100 ms HOROVOD_CYCLE_TIME keeps the first one queued while the second
+    is issued, however the busy test machine schedules the threads."""
     for msgs, shapes in on_ranks(r_duplicate_name, kind, env={"HOROVOD_CYCLE_TIME": "100"}):
         assert len(msgs) == 1 and "'duplicate_name' is already in flight" in msgs[0]
         assert len(shapes) == 1
@@ -322,7 +326,7 @@ def test_horovod_allreduce_grad(average):
     on_ranks(r_allreduce_grad, average)
 
 
-# -- grouped allreduce -----------------------------------------------------------------------------------
+# -- grouped allreduce -----------------------------------------------------------------------------
 def r_grouped_allreduce(hvd, mode):
     size = hvd.size()
     for dtype, dim in itertools.product(REDUCE_DTYPES, DIMS):

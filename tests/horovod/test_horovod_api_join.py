@@ -1,6 +1,6 @@
-"""Horovod's torch API tests, ported (see tests/test_horovod_api.py): join, barrier, timeline; and the
-engine's own behaviour: fusion threshold, cycle time, response cache, uneven inputs with join, what is
-not supported."""
+"""Horovod's torch API tests, ported (see tests/horovod/test_horovod_api.py): join, barrier,
+timeline; and the engine's own behaviour: fusion threshold, cycle time, response cache, uneven
+inputs with join, what is not supported."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distutil import run_dist
-from tests.test_horovod_api import DIMS, close, on_ranks, raises, seeded, threshold
+from tests.horovod.test_horovod_api import DIMS, close, on_ranks, raises, seeded, threshold
 
 pytestmark = pytest.mark.multi_process
 
 
-# -- join ------------------------------------------------------------------------------------------------
+# -- join ------------------------------------------------------------------------------------------
 def r_join_allreduce(hvd):
     rank, size = hvd.rank(), hvd.size()
     for dtype, dim, first, caching in itertools.product(
@@ -55,7 +55,8 @@ def r_join_allreduce(hvd):
 
 
 def test_horovod_join_allreduce():
-    """Each rank in turn joins first; the others' allreduces (named, fresh and cached) go on with it."""
+    """Each rank in turn joins first; the others' allreduces (named, fresh and cached) go on with
+    it."""
     on_ranks(r_join_allreduce, timeout=600)
 
 
@@ -79,8 +80,8 @@ def r_join_refuses(hvd, kind):
 
 @pytest.mark.parametrize("kind", ["allgather", "broadcast"])
 def test_horovod_join_allgather_broadcast(kind):
-    """While a rank has joined, allgather and broadcast fail on the others (Horovod's restriction), then
-    everyone joins and agrees on the last rank to join."""
+    """While a rank has joined, allgather and broadcast fail on the others (Horovod's restriction),
+    then everyone joins and agrees on the last rank to join."""
     on_ranks(r_join_refuses, kind)
 
 
@@ -120,8 +121,9 @@ def _uneven_reference(size: int) -> dict[str, torch.Tensor]:
 
 
 def test_join_with_uneven_inputs():
-    """hvd.join() for uneven data: rank r trains 2 + r steps, then joins; each step's gradient is the sum over
-    the ranks still training divided by the size (the joined ones contribute zeros), as in Horovod."""
+    """hvd.join() for uneven data: rank r trains 2 + r steps, then joins; each step's gradient is
+    the sum over the ranks still training divided by the size (the joined ones contribute zeros), as
+    in Horovod."""
     res = on_ranks(r_uneven_inputs)
     assert [last for last, _ in res] == [3] * 4
     want = _uneven_reference(4)
@@ -129,7 +131,7 @@ def test_join_with_uneven_inputs():
         assert torch.allclose(res[3][1][k], v, atol=1e-6), k
 
 
-# -- barrier ---------------------------------------------------------------------------------------------
+# -- barrier ---------------------------------------------------------------------------------------
 def r_global_barrier(hvd):
     hvd.allreduce(torch.ones(1))
     if hvd.rank() == 0:
@@ -162,7 +164,7 @@ def test_barrier_with_multiple_collectives():
     assert on_ranks(r_barrier_with_collectives) == [[(3, 3), (20, 5), (20, 5)]] * 4
 
 
-# -- timeline, fusion, cycle time, response cache -----------------------------------------------------------
+# -- timeline, fusion, cycle time, response cache --------------------------------------------------
 def r_timeline(hvd):
     texts = []
     for mark_cycles, twice in (
@@ -186,9 +188,10 @@ def r_timeline(hvd):
 
 
 def test_timeline_api():
-    """start_timeline/stop_timeline, restarted on new files: rank 0 writes one Chrome trace (all ranks)
-    with the negotiation and the allreduce of 'allreduce.test_allreduce', and cycle marks when asked.
-    (Horovod's version checks its own format's names; this is the same content in scaleout's format.)"""
+    """start_timeline/stop_timeline, restarted on new files: rank 0 writes one Chrome trace (all
+    ranks) with the negotiation and the allreduce of 'allreduce.test_allreduce', and cycle marks
+    when asked. (Horovod's version checks its own format's names; this is the same content in
+    scaleout's format.)"""
     texts = on_ranks(r_timeline)[0]
     assert len(texts) == 5
     for mark_cycles, text in texts:
@@ -208,8 +211,8 @@ def test_timeline_api():
 
 def r_fusion(hvd, n):
     handles = []
-    # 80 ms of submissions (more on a loaded machine): one 2 s cycle holds them all (it ends early, when the
-    # first synchronize blocks), 1 ms cycles do not.
+    # 80 ms of submissions (more on a loaded machine): one 2 s cycle holds them all (it ends early,
+    # when the first synchronize blocks), 1 ms cycles do not.
     for i in range(n):
         handles.append(hvd.allreduce_async(torch.full((256,), float(i)), name=f"t{i}"))
         time.sleep(0.002)
@@ -226,9 +229,10 @@ def r_fusion(hvd, n):
     ],
 )
 def test_fusion_threshold_and_cycle_time(tmp_path, threshold_bytes, cycle_ms, check):
-    """Tensors queued within one HOROVOD_CYCLE_TIME are fused into buffers of at most HOROVOD_FUSION_THRESHOLD
-    bytes (0: one tensor each; 4 KiB: four 1 KiB tensors; default 128 MiB: all 40); with 1 ms cycles the
-    same submissions spread over several rounds. The timeline records every fused buffer."""
+    """Tensors queued within one HOROVOD_CYCLE_TIME are fused into buffers of at most
+    HOROVOD_FUSION_THRESHOLD bytes (0: one tensor each; 4 KiB: four 1 KiB tensors; default 128 MiB:
+    all 40); with 1 ms cycles the same submissions spread over several rounds. The timeline records
+    every fused buffer."""
     env = {"HOROVOD_TIMELINE": str(tmp_path / "t.json"), "HOROVOD_CYCLE_TIME": cycle_ms}
     if threshold_bytes is not None:
         env["HOROVOD_FUSION_THRESHOLD"] = threshold_bytes
@@ -260,8 +264,8 @@ def r_cache(hvd):
 
 
 def test_response_cache_steady_state():
-    """After the first step every gradient is in the response cache: later steps negotiate with the small
-    bit-vector all-reduce only, never a metadata exchange."""
+    """After the first step every gradient is in the response cache: later steps negotiate with the
+    small bit-vector all-reduce only, never a metadata exchange."""
     for counts in on_ranks(r_cache):
         assert counts[0] >= 1 and counts[1:] == [counts[0]] * 4
 
@@ -283,8 +287,9 @@ def r_stall(hvd):
 
 
 def test_stall_warning():
-    """A rank blocked for longer than HOROVOD_STALL_CHECK_TIME_SECONDS waiting for the others to queue an
-    operation says so, naming it (Horovod's stall inspector); the operation completes when they do."""
+    """A rank blocked for longer than HOROVOD_STALL_CHECK_TIME_SECONDS waiting for the others to
+    queue an operation says so, naming it (Horovod's stall inspector); the operation completes when
+    they do."""
     res = on_ranks(r_stall, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
     assert any("allreduce.late" in m and "HOROVOD_STALL_CHECK_TIME_SECONDS" in m for m in res[0]), (
         res[0]
@@ -292,7 +297,7 @@ def test_stall_warning():
     assert not any(res[1:])
 
 
-# -- what is not implemented ---------------------------------------------------------------------------------
+# -- what is not implemented -----------------------------------------------------------------------
 def r_not_supported(hvd):
     model = nn.Linear(2, 2)
     return [
@@ -311,8 +316,8 @@ def r_not_supported(hvd):
 
 
 def test_not_supported_features_are_one_line_errors():
-    """Process sets, elastic mode, Adasum and SyncBatchNorm raise a NotImplementedError (also a UserError)
-    that says so, instead of misbehaving."""
+    """Process sets, elastic mode, Adasum and SyncBatchNorm raise a NotImplementedError (also a
+    UserError) that says so, instead of misbehaving."""
     for msg in on_ranks(r_not_supported)[0]:
         assert "not supported" in msg or "not provided" in msg, msg
         assert "\n" not in msg
