@@ -156,12 +156,10 @@ def _default_algorithm() -> str:
 def _prepare_groups(world: World, algorithm: str) -> None:
     """Create the algorithm's process groups now, in the caller's thread, in the same order on every
     rank."""
-    if world.world_size < 2 or algorithm == "flat":
+    if world.world_size < 2:
         return
-    if algorithm == "hierarchical":
-        _ = world.intra, world.inter
-    elif algorithm == "torus2d":
-        world.torus()
+    alg = get_algorithm(algorithm)
+    alg.prepare(world, alg.options())
 
 
 def init(
