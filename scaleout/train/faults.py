@@ -1,9 +1,9 @@
 """Per-step agreement between ranks, failed collectives, and fault injection for tests.
 
-One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, preemption
-notice received here, SIGTERM received here, this rank's loss, unused parameters (the reducer's
-unused-parameter detection), this rank's FLOPs], so
-every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
+One tiny all-reduce (SUM) per step (:func:`agree_on_step`) carries [non-finite gradients here, stop
+requested here, preemption notice received here, SIGTERM received here, this rank's loss, some parameter
+unused (the reducer's unused-parameter detection), this rank's FLOPs], so every rank takes the same
+decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
 rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
 drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was signalled,
 requeue if any rank got a notice, and leave out the optional end-of-run collectives if any rank got

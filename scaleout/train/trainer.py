@@ -174,7 +174,7 @@ class Trainer:
     ):
         # configs
         self.cfg, self.world, self.config_file = cfg, world, config_file
-        self.start_info = start if start is not None else rerun.decide(cfg)
+        self.start_info = start if start is not None else rerun.decide_start(cfg)
         self.out = Path(cfg.train.output_dir)
         self._prepare_output_dir()
 
@@ -263,9 +263,9 @@ class Trainer:
         if self.world.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             if kind == "new":  # an earlier run's log in this directory is kept, not appended to
-                rerun.set_aside(self.out / "mlperf.log")
+                rerun.set_aside_earlier(self.out / "mlperf.log")
             if kind != "finished":  # an earlier run's or segment's report is kept
-                rerun.set_aside(self.out / "report.json")
+                rerun.set_aside_earlier(self.out / "report.json")
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -484,7 +484,7 @@ class Trainer:
         first touch of the training data. Returns the clock's start (time.perf_counter)."""
         cfg, world = self.cfg, self.world
         if world.rank == 0:
-            self.run_record = rerun.started(cfg, self.start_info, world.world_size)
+            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
         if self.preemption is None:
             self.preemption = preempt.install()
         steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
@@ -531,7 +531,7 @@ class Trainer:
         if status in ("success", "max_steps") and not saved_in_loop and took_steps:
             self.save_checkpoint()
         if world.rank == 0:
-            rerun.ended(cfg, self.run_record, status, self.step)
+            rerun.record_end(cfg, self.run_record, status, self.step)
         consistent = None if peers_may_be_gone else weights_consistent(self.task.model, world)
         assert self.preemption is not None  # installed by _start_clock
         end = RunEnd(
@@ -568,7 +568,7 @@ class Trainer:
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     # the rerun policy, before any network or file: a refused start changes nothing
-    start = rerun.decide(cfg)
+    start = rerun.decide_start(cfg)
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
