@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -212,7 +213,7 @@ class ReportWriter(Observer):
     (peak memory, MAX over ranks), so every rank holds one; the trainer returns ``report``."""
 
     def __init__(
-        self, cfg: Config, world: World, out: Path, timers: Timers, benchmark: str, task_info
+        self, cfg: Config, world: World, out: Path, timers: Timers, benchmark: str, task_info: Any
     ):
         self.cfg, self.world, self.out, self.timers = cfg, world, out, timers
         self.benchmark, self.task_info = benchmark, task_info
