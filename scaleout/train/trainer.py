@@ -347,13 +347,13 @@ class Trainer:
             if step == self.start_step:  # from now on a hung peer is a failure, not slowness
                 self.world.set_timeout(cfg.train.step_timeout_s)
             self.step, self.samples = step + 1, self.samples + step_samples
-            self.skipped += flags.skip
+            self.skipped += int(flags.skip)
             self.losses.append(flags.loss)
             self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
             if step >= self.start_step + warmup:
                 self.timed = self.timed.plus(step_samples, step_tokens, seconds)
             done = self.step == cfg.train.max_steps
-            evaluate = eval_due(self.step, cfg.train.eval_every, cfg.train.eval_start_step) or done
+            eval_now = eval_due(self.step, cfg.train.eval_every, cfg.train.eval_start_step) or done
             record = StepRecord(
                 step=self.step,
                 samples=self.samples,
@@ -382,7 +382,7 @@ class Trainer:
                 )
                 status = "aborted"
                 break
-            if evaluate:
+            if eval_now:
                 self.metric = self.evaluate(last=done)
                 if cfg.train.target is not None and self.metric >= cfg.train.target:
                     status = "success"
