@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import ConfigError
+from scaleout.observe import EvalRecord, StepRecord
 
 JSONL = "metrics.jsonl"
 CSV = "metrics.csv"
 PNG = "metrics.png"
-# Breakdown columns of the CSV: the trainer's phases (scaleout/train/loop.py); "graph" = CUDA-graph replay.
+# Breakdown columns of the CSV: the trainer's phases (scaleout/train/trainer.py); "graph" = CUDA-graph replay.
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "graph")
 # Optional sinks and the package each needs (pyproject extras tb / wandb).
 PACKAGES = {"tensorboard": ("tensorboard", "tb"), "wandb": ("wandb", "wandb")}
@@ -128,35 +129,23 @@ class Metrics:
         if self.enabled:
             self._write({"type": "run", "time": time.time(), **info}, flush=True)
 
-    def step(
-        self,
-        step: int,
-        samples: int,
-        loss: float,
-        lr: float,
-        seconds: float,
-        n: int,
-        tokens: int = 0,
-        breakdown: dict[str, float] | None = None,
-        skipped: bool = False,
-        force: bool = False,
-    ) -> None:
-        """Account one finished step (``step`` counts from 1); writes every ``log_every`` steps, and when
-        ``force`` (an eval step, the last step) so that nothing accumulated is lost."""
+    def step(self, record: StepRecord) -> None:
+        """Account one finished step; writes every ``log_every`` steps, and when ``record.flush`` (an eval
+        step, the last step, a stop) so that nothing accumulated is lost."""
         if not self.enabled:
             return
-        a = self._acc
+        a, step, samples, lr = self._acc, record.step, record.samples, record.lr
         a["n"] += 1
-        a["loss"] += loss
-        a["seconds"] += seconds
-        a["samples"] += n
-        a["tokens"] += tokens
-        a["skipped"] += int(skipped)
-        if breakdown:  # only the steps the timers sampled (train.timing_every) carry a breakdown
+        a["loss"] += record.loss if record.loss is not None else float("nan")
+        a["seconds"] += record.seconds
+        a["samples"] += record.step_samples
+        a["tokens"] += record.step_tokens
+        a["skipped"] += int(record.skipped)
+        if record.breakdown_s:  # only the steps the timers sampled (train.timing_every) have one
             a["sampled"] += 1
-            for k, v in breakdown.items():
+            for k, v in record.breakdown_s.items():
                 a["breakdown"][k] = a["breakdown"].get(k, 0.0) + v
-        if step % self.log_every and not force:
+        if step % self.log_every and not record.flush:
             return
         k, secs = a["n"], max(a["seconds"], 1e-12)
         rec = {
@@ -200,26 +189,25 @@ class Metrics:
         }
         self._scalars(scalars, step)
 
-    def eval(
-        self, step: int, samples: int, metric: str, value: float, target: float | None = None
-    ) -> None:
+    def eval(self, record: EvalRecord) -> None:
         if not self.enabled:
             return
+        step, metric, value = record.step, record.metric, record.value
         self._write(
             {
                 "type": "eval",
                 "step": step,
-                "samples": samples,
+                "samples": record.samples,
                 "metric": metric,
                 "value": value,
-                "target": target,
+                "target": record.target,
                 "time": time.time(),
             },
             flush=True,
         )
         if self._csv is not None:
             self._csv.writerow(
-                ["eval", step, samples, "", "", "", "", *([""] * len(PHASES)), metric, value]
+                ["eval", step, record.samples, "", "", "", "", *([""] * len(PHASES)), metric, value]
             )
         self._scalars({f"eval/{metric}": value}, step)
 

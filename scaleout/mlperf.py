@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from scaleout.errors import UserError
 
@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 RULESET = {"bert": "5.0.0", "resnet": "4.0.0"}
 # The closed-division quality targets those rulesets check (eval_accuracy ATLEAST_ONE_CHECK).
 TARGET = {"bert": 0.720, "resnet": 0.7590}
+
+
+# MLPerf's run_stop statuses: reached the target, or anything else.
+RunStopStatus = Literal["success", "aborted"]
 
 
 class MLPerfLogger:
@@ -170,8 +174,8 @@ class MLPerfLogger:
     def eval_samples(self, n: int) -> None:
         self.event("eval_samples", int(n))
 
-    def run_stop(self, status: str, samples: int | None = None) -> None:
-        if status not in ("success", "aborted"):
+    def run_stop(self, status: RunStopStatus, samples: int | None = None) -> None:
+        if status not in get_args(RunStopStatus):
             raise UserError(f"MLPerf run_stop status '{status}' must be 'success' or 'aborted'")
         meta: dict[str, Any] = {"status": status}
         if samples is not None:

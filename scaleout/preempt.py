@@ -41,16 +41,18 @@ while a signal still has its default action terminates the process.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
+from scaleout.log import print0
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -192,21 +194,6 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def hold_requeue_for_tests(guard: Preemption) -> None:
-    """Test hook, ``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``, less
-    if its SIGTERM comes first (a stop that outlasted the notice window and met the time limit).
-    tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue under
-    ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still requeues."""
-    raw = os.environ.get("SCALEOUT_TEST_REQUEUE_DELAY_S", "")
-    if not raw:
-        return
-    import time
-
-    deadline = time.monotonic() + float(raw)
-    while time.monotonic() < deadline and not guard.terminating:
-        time.sleep(0.05)
-
-
 def _slurm_seconds(text: str) -> int | None:
     """Slurm durations: ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM`` -> seconds; UNLIMITED and the like -> None."""
     days, _, clock = text.rpartition("-")
@@ -289,3 +276,55 @@ def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bo
     if proc.returncode != 0:
         raise UserError(f"scontrol requeue {job} failed: {(proc.stderr or proc.stdout).strip()}")
     return True
+
+
+log = logging.getLogger("scaleout.train")
+
+
+def release_after_stop(
+    world: World,
+    guard: Preemption,
+    notice: bool,
+    terminate: bool,
+    checkpointing: bool,
+    before_requeue: Callable[[Preemption], None] | None = None,
+) -> int:
+    """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got a
+    notice, then every rank passes one barrier; returns the exit code (75, or 1 if the requeue failed).
+    ``notice``/``terminate``: the step's agreed flags (scaleout/train/faults.py), never a rank's own.
+
+    The barrier comes after the requeue because under ``srun --kill-on-bad-exit=1`` the first rank to exit
+    75 makes Slurm kill the others: a rank 0 still on its way to ``scontrol requeue`` would die with them
+    and the job would end, not come back. Once slurmctld has recorded the requeue, its SIGTERM only sets
+    flags here (handlers stay installed until run_training returns). ``before_requeue``: a test hook
+    (scaleout.train.faults.RequeueDelay), None in a real run."""
+    code = EXIT_PREEMPTED
+    if not notice:
+        pass  # SIGTERM only: the scheduler decides (its own requeue is done; scancel means stop)
+    elif not checkpointing:
+        print0(
+            "preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
+            "requeued (it would start again from step 0)",
+            rank=world.rank,
+        )
+    elif world.rank == 0:
+        if before_requeue is not None:
+            before_requeue(guard)
+        try:
+            if (terminate or guard.terminating) and not time_limit_reached():
+                print(
+                    "preemption notice, then SIGTERM before the time limit (scancel?): not requeueing",
+                    flush=True,
+                )
+            elif requeue():
+                print(f"requeued Slurm job {slurm_job_id()}", flush=True)
+        except (UserError, OSError, subprocess.SubprocessError) as exc:
+            print(f"rank 0: {exc}", file=sys.stderr, flush=True)
+            code = 1
+    try:
+        world.barrier()
+    except (
+        RuntimeError
+    ) as exc:  # a peer already gone (killed at the end of KillWait): nothing to wait for
+        log.warning("rank %d: final barrier after the preemption stop failed: %s", world.rank, exc)
+    return code

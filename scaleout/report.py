@@ -21,7 +21,6 @@ same. Pass ``quality_exponent`` to change it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,62 +156,3 @@ class RunReport:
             ]
             out += "\n\n" + format_table(["phase", "ms/step", "share"], brows)
         return out
-
-
-class Progress:
-    """A one-line progress bar on rank 0: step, %, samples/s, ETA and the latest metrics.
-
-    On a terminal it redraws in place (``\\r``) at most every ``every_s`` seconds; into a file or pipe
-    (a Slurm log) it prints a full line at most every ``line_every_s`` seconds, so logs stay short.
-    """
-
-    def __init__(
-        self,
-        total: int,
-        rank: int = 0,
-        stream: Any = None,
-        every_s: float = 0.5,
-        line_every_s: float = 10.0,
-        enabled: bool = True,
-    ):
-        import sys
-
-        self.total, self.enabled = max(int(total), 1), enabled and rank == 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every = every_s if self.tty else line_every_s
-        self.t0 = time.perf_counter()
-        self._last = -float("inf")
-        self._drawn = False
-
-    def render(self, step: int, samples: int | None = None, **metrics: float) -> str:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        frac = min(step / self.total, 1.0)
-        bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
-        parts = [f"step {step}/{self.total} [{bar}] {frac:4.0%}"]
-        if samples is not None:
-            parts.append(f"{samples / elapsed:.1f} samples/s")
-        if 0 < step < self.total:
-            eta = elapsed / step * (self.total - step)
-            parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
-        parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
-        return " | ".join(parts)
-
-    def update(
-        self, step: int, samples: int | None = None, force: bool = False, **metrics: float
-    ) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last < self.every and step < self.total:
-            return
-        self._last = now
-        line = self.render(step, samples, **metrics)
-        self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
-        self.stream.flush()
-        self._drawn = True
-
-    def close(self) -> None:
-        if self.enabled and self.tty and self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()

@@ -328,7 +328,7 @@ def test_flagship_config_is_the_reference_recipe():
     from scaleout.config.load import load_config
     from scaleout.optim import build_optimizer, build_schedule
     from scaleout.train.hparams import hyperparameters
-    from scaleout.train.loop import eval_due
+    from scaleout.train.trainer import eval_due
 
     cfg = load_config("bert_large_256x8", [])
     world = REF["DGXNNODES"] * REF["DGXNGPU"]

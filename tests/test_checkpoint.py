@@ -411,7 +411,7 @@ def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
         assert r["shard"] * 3.5 < r["full"]  # 4 ranks: each holds about a quarter
         assert r["max"] < r["shard"] / 20, (rank, r)
         assert r["total"] < (r["shard"] if rank == 0 else r["shard"] / 10), (rank, r)
-    for f in ("scaleout/checkpoint.py", "scaleout/checkpoint_dcp.py", "scaleout/train/loop.py"):
+    for f in ("scaleout/checkpoint.py", "scaleout/checkpoint_dcp.py", "scaleout/train/trainer.py"):
         assert "all_gather_object" not in (Path(__file__).resolve().parents[1] / f).read_text(), f
 
 

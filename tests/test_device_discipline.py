@@ -31,7 +31,7 @@ FAST = [
 def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], str]:
     """The whole trainer under FakeCuda; returns (collectives on host tensors, run status)."""
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     base = (
         "bert_tiny_cpu"
@@ -53,7 +53,7 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
         # The report reads the GPU's name and peak (torch.cuda.get_device_name): rank-local, no collective.
         trainer._report = lambda *a, **k: None  # noqa: ARG005
         try:
-            status = trainer.run().status
+            status = trainer.train().status
         except RuntimeError as exc:
             if not fc.violations:
                 raise
@@ -115,7 +115,7 @@ def _syncs_per_step(
 ) -> list[list[tuple[str, str]]]:
     """Run the trainer under FakeCuda; the device -> host reads of each train_step, in order."""
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     cfg = load_config(
         config,
@@ -144,7 +144,7 @@ def _syncs_per_step(
                 per_step.append(fc.syncs[before:])
 
         trainer.train_step = counted
-        assert trainer.run().status == "max_steps"
+        assert trainer.train().status == "max_steps"
     return per_step
 
 

@@ -54,7 +54,7 @@ def losses(*overrides: str, threads: int = 1) -> list[float]:
     import torch
 
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
     from scaleout.world import init
 
     torch.set_num_threads(threads)
@@ -63,7 +63,7 @@ def losses(*overrides: str, threads: int = 1) -> list[float]:
         world = init(cfg)
         try:
             trainer = Trainer(cfg, world)
-            result = trainer.run()
+            result = trainer.train()
         finally:
             world.close()
     assert result.status == "max_steps" and result.steps == STEPS

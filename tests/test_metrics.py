@@ -15,6 +15,7 @@ import pytest
 
 from scaleout.errors import ConfigError
 from scaleout.metrics import Metrics, plot_run, read_metrics
+from scaleout.observe import EvalRecord, StepRecord
 
 SHORT = [
     "train.global_batch=16",
@@ -48,6 +49,12 @@ def _train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPr
     )
 
 
+def _eval(
+    step: int, samples: int, metric: str, value: float, target: float | None = None
+) -> EvalRecord:
+    return EvalRecord(step, samples, 0, metric, value, target, continues=False)
+
+
 def _records(path: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
 
@@ -68,17 +75,19 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     m.start(world_size=2, nodes=1, ranks_per_node=2, launcher="local", config="c")
     for s in range(1, 8):  # step s: loss s, 0.5 s, 10 samples
         m.step(
-            s,
-            10 * s,
-            float(s),
-            0.1 * s,
-            0.5,
-            10,
-            100,
-            {"forward": 0.2, "backward": 0.3},
-            force=s == 7,
+            StepRecord(
+                step=s,
+                samples=10 * s,
+                loss=float(s),
+                lr=0.1 * s,
+                seconds=0.5,
+                step_samples=10,
+                step_tokens=100,
+                breakdown_s={"forward": 0.2, "backward": 0.3},
+                flush=s == 7,
+            )
         )
-    m.eval(7, 70, "mlm_accuracy", 0.25, target=0.3)
+    m.eval(_eval(7, 70, "mlm_accuracy", 0.25, target=0.3))
     m.close("max_steps")
     train = _records(tmp_path / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == [3, 6, 7]
@@ -97,7 +106,7 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
     assert float(rows[3]["value"]) == 0.25 and float(rows[0]["forward_s"]) == pytest.approx(0.2)
     again = Metrics(tmp_path, ["jsonl", "csv"], log_every=1)  # resumed from a checkpoint at step 5
     again.start(start_step=5)
-    again.step(6, 60, 0.5, 0.6, 0.5, 10)
+    again.step(StepRecord(6, 60, 0.5, 0.6, 0.5, 10))
     again.close("max_steps")
     data = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in data["train"]] == [(3, 2.0), (6, 0.5), (7, 7.0)]
@@ -111,8 +120,8 @@ def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     m = Metrics(tmp_path / "r1", ["csv"], enabled=False)
     m.start(world_size=2)
-    m.step(1, 1, 1.0, 0.1, 0.1, 1)
-    m.eval(1, 1, "x", 0.1)
+    m.step(StepRecord(1, 1, 1.0, 0.1, 0.1, 1))
+    m.eval(_eval(1, 1, "x", 0.1))
     assert m.close("max_steps") is None and not (tmp_path / "r1").exists()
 
 
@@ -135,8 +144,8 @@ def test_missing_sink_package_is_one_line(tmp_path: Path, monkeypatch: pytest.Mo
 def test_tensorboard_events_read_back(tmp_path: Path) -> None:
     m = Metrics(tmp_path, ["tensorboard"], log_every=2)
     for s in range(1, 5):
-        m.step(s, s, float(s), 0.01, 1.0, 1, breakdown={"optimizer": 0.25})
-    m.eval(4, 4, "top1", 0.5)
+        m.step(StepRecord(s, s, float(s), 0.01, 1.0, 1, breakdown_s={"optimizer": 0.25}))
+    m.eval(_eval(4, 4, "top1", 0.5))
     m.close()
     assert _tb_scalars(tmp_path / "tb", "train/loss") == [(2, 1.5), (4, 3.5)]
     assert _tb_scalars(tmp_path / "tb", "time/optimizer_s") == [(2, 0.25), (4, 0.25)]
@@ -252,9 +261,9 @@ def test_plot_run_draws_both_panels(tmp_path: Path) -> None:
     m = Metrics(tmp_path, log_every=1)
     m.start(world_size=4, nodes=2, ranks_per_node=2, launcher="local", config="bert_tiny_cpu")
     for s in range(1, 21):
-        m.step(s, s * 8, 10.0 / s, 1e-3 * min(s, 5) / 5, 0.1, 8)
+        m.step(StepRecord(s, s * 8, 10.0 / s, 1e-3 * min(s, 5) / 5, 0.1, 8))
         if s % 5 == 0:
-            m.eval(s, s * 8, "mlm_accuracy", 0.01 * s, target=0.15)
+            m.eval(_eval(s, s * 8, "mlm_accuracy", 0.01 * s, target=0.15))
     png = m.close("success")
     assert (
         png == tmp_path / "metrics.png"

@@ -61,7 +61,7 @@ def _timed_run(world, out: str, ckpt: str, max_steps: int, touches: str) -> dict
     import scaleout.train.prefetch as prefetch
     from scaleout.config import load_config
     from scaleout.mlperf import MLPerfLogger
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     _allow_children()
     order: list[tuple[str, float]] = []
@@ -98,7 +98,7 @@ def _timed_run(world, out: str, ckpt: str, max_steps: int, touches: str) -> dict
                 "optim.total_steps=4",
             ],
         )
-        result = Trainer(cfg, world).run()
+        result = Trainer(cfg, world).train()
     finally:
         MLPerfLogger.run_start, tud.DataLoader.__iter__ = saved[0], saved[1]
         prefetch.build_prefetcher = saved[2]

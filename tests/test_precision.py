@@ -28,7 +28,7 @@ FAST = [
 
 def _trainer(world: Any, out: str, *overrides: str) -> Any:
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     cfg = load_config("bert_tiny_cpu", [*FAST, f"train.output_dir={out}", *overrides])
     return Trainer(cfg, world)
@@ -44,10 +44,9 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
         "checkpoint.every_steps=0",
         "train.max_steps=1",
     )
-    trainer.build()
     import scaleout.preempt as preempt
 
-    trainer.guard = preempt.install()
+    trainer.preemption = preempt.install()
     seen: dict[str, set] = {"train": set(), "eval": set()}
     phase = ["train"]
     hooks = [
@@ -60,7 +59,7 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
         phase[0] = "eval"
         trainer.task.evaluate(trainer.task.model)
     finally:
-        trainer.guard.uninstall()
+        trainer.preemption.uninstall()
         for h in hooks:
             h.remove()
     state = [
@@ -123,7 +122,7 @@ def _scaler_run(world: Any, out: str) -> dict:
             "train.max_steps=4",
             "train.eval_every=4",
         )
-        result = trainer.run()
+        result = trainer.train()
     finally:
         del os.environ["SCALEOUT_INJECT_NAN"]
     resumed = _trainer(
@@ -133,8 +132,6 @@ def _scaler_run(world: Any, out: str) -> dict:
         f"checkpoint.dir={out}/ckpt",
         "train.max_steps=4",
     )
-    resumed.build()
-    resumed.resume()
     digest = (
         torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
         .double()
@@ -183,11 +180,10 @@ def _fp16_updates(world: Any, out: str) -> dict:
             "optim.warmup_steps=0",
             *extra,
         )
-        trainer.build()
         before = torch.cat(
             [p.detach().reshape(-1).clone() for p in trainer.task.model.parameters()]
         )
-        trainer.run()
+        trainer.train()
         after = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
         got[name] = (after - before).double()
     return got
@@ -243,7 +239,7 @@ def test_fp16_needs_and_gets_loss_scaling() -> None:
 
 def _train_fp16(world: Any, out: str) -> dict:
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     cfg = load_config(
         "bert_tiny_cpu",
@@ -266,7 +262,7 @@ def _train_fp16(world: Any, out: str) -> dict:
         ],
     )
     trainer = Trainer(cfg, world)
-    result = trainer.run()
+    result = trainer.train()
     return {
         "status": result.status,
         "metric": result.metric,

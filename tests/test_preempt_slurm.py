@@ -11,7 +11,7 @@ What each test would catch:
 - a notice that arrives while the World is still being built must not kill the rank;
 - helper processes survive USR2 + TERM sent to the whole process group (as Slurm signals a step).
 
-The test-only knob SCALEOUT_TEST_REQUEUE_DELAY_S (scaleout.preempt.hold_requeue_for_tests) makes rank 0 slow
+The test-only knob SCALEOUT_TEST_REQUEUE_DELAY_S (scaleout.train.faults.RequeueDelay) makes rank 0 slow
 to requeue: up to N s, less if its SIGTERM comes first.
 """
 

@@ -194,7 +194,7 @@ def test_sequence_table_builds_the_same_batches() -> None:
 
 def _train(world, out: str, workers: int) -> dict:
     from scaleout.config import load_config
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     _allow_children()
     cfg = load_config(
@@ -214,7 +214,7 @@ def _train(world, out: str, workers: int) -> dict:
         ],
     )
     trainer = Trainer(cfg, world)
-    trainer.run()
+    trainer.train()
     return {
         "weights": [p.detach().clone() for p in trainer.task.model.parameters()],
         "prefetcher": type(trainer.prefetcher).__name__,

@@ -108,29 +108,21 @@ def test_timers_synchronize_cuda_and_peak_table():
     assert peak.flops is None or peak.flops in {p.bf16 for p in devices.PARTS}
 
 
-def test_progress_bar_rank0_and_rate_limited():
-    import io
+def test_progress_line_prints_every_k_steps_off_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """scaleout/train/progress.py (the one progress bar): into a pipe, a line every ``every`` steps and
+    at the last step; a disabled bar (other ranks) prints nothing."""
+    from scaleout.train.progress import Progress
 
-    from scaleout.report import Progress
-
-    out = io.StringIO()
-    p = Progress(100, rank=0, stream=out, line_every_s=3600)
-    p.update(1, samples=32, loss=7.5)  # first line always
-    p.update(2, samples=64)  # rate-limited away
-    p.update(50, samples=1600, force=True, mlm_acc=0.25)
-    p.update(100, samples=3200)  # the last step always prints
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 3
-    assert lines[0].startswith("step 1/100") and "loss 7.5" in lines[0] and "eta" in lines[0]
-    assert (
-        "[##########----------]  50%" in lines[1]
-        and "mlm_acc 0.25" in lines[1]
-        and "samples/s" in lines[1]
-    )
-    assert lines[2].startswith("step 100/100") and "eta" not in lines[2]
-    quiet = io.StringIO()
-    Progress(10, rank=1, stream=quiet).update(10, force=True)
-    assert quiet.getvalue() == ""
+    p = Progress(10, enabled=True, every=4)
+    for step in range(10):
+        p.update(step, 7.5 - step * 0.1, 320.0, "mlm_accuracy 0.2500" if step == 9 else "")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines] == ["4/10", "8/10", "10/10"], lines
+    assert "loss 6.6000" in lines[-1] and "mlm_accuracy 0.2500" in lines[-1], lines
+    Progress(10, enabled=False).update(9, 1.0, 1.0)
+    assert capsys.readouterr().out == ""
 
 
 GIB = 2**30

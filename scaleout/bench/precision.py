@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 NAME = "precision"
 HELP = "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what the CPU supports"
 DESCRIPTION = """\
-Runs the real trainer (scaleout.train.loop.Trainer, one process) on --config once per precision, from the
+Runs the real trainer (scaleout.train.trainer.Trainer, one process) on --config once per precision, from the
 same initial weights and the same data order, and compares each run with the fp32 baseline of the same
 invocation: step time (median wall and thread-CPU time over the steps after train.timing_skip_steps;
 the speed-up is taken on CPU time, which other jobs on the machine do not inflate; --threads 1 by
@@ -130,7 +130,7 @@ def _train(cfg: Config, world: World) -> dict[str, Any]:
     import statistics
     import time
 
-    from scaleout.train.loop import Trainer
+    from scaleout.train.trainer import Trainer
 
     trainer = Trainer(cfg, world)
     times: list[tuple[float, float]] = []
@@ -145,7 +145,7 @@ def _train(cfg: Config, world: World) -> dict[str, Any]:
 
     trainer.train_step = timed  # type: ignore[method-assign]
     with contextlib.redirect_stdout(io.StringIO()):
-        result = trainer.run()
+        result = trainer.train()
     kept = times[cfg.train.timing_skip_steps :] or times
     return {
         "losses": [float(x) for x in trainer.losses],

@@ -36,12 +36,12 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
     """Validate the config for this world before any rank starts (called by launchers)."""
     from scaleout.config import load_config
     from scaleout.metrics import check_sinks
-    from scaleout.train.rerun import decide
+    from scaleout.train.rerun import decide_start
 
     cfg = load_config(args.config, args.overrides)
     cfg.check_world(world_size, ranks_per_node)
     check_sinks(cfg.train.metrics)  # a missing tensorboard/wandb fails here, not in every rank
-    decide(
+    decide_start(
         cfg
     )  # the rerun policy: a start that would overwrite another run fails here, before any spawn
 

@@ -1,5 +1,5 @@
-"""``scaleout train``: the trainer (loop.py) and what it trains (tasks.py)."""
+"""``scaleout train``: the trainer (trainer.py) and what it trains (tasks.py)."""
 
-from scaleout.train.loop import Trainer, TrainResult, run_training
+from scaleout.train.trainer import Trainer, TrainResult, run_training
 
 __all__ = ["Trainer", "TrainResult", "run_training"]

@@ -1,8 +1,9 @@
-"""Per-step agreement between ranks, and fault injection for tests.
+"""Per-step agreement between ranks, failed collectives, and fault injection for tests.
 
-One tiny all-reduce (SUM) per step carries [non-finite gradients here, stop requested here, preemption
-notice received here, SIGTERM received here, this rank's loss, the reducer's unused-parameter census, this rank's FLOPs], so
-every rank takes the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
+One tiny all-reduce (SUM) per step (:func:`agree_on_step`) carries [non-finite gradients here, stop
+requested here, preemption notice received here, SIGTERM received here, this rank's loss, some parameter
+unused (the reducer's unused-parameter detection), this rank's FLOPs], so every rank takes the same
+decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
 rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
 drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was signalled,
 requeue if any rank got a notice, and leave out the optional end-of-run collectives if any rank got
@@ -19,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,20 +29,23 @@ import torch
 import torch.distributed as dist
 
 from scaleout.comm.handles import CommFailed
+from scaleout.preempt import Preemption
 from scaleout.train.liveness import describe_rank, unresponsive_verdict
 from scaleout.world import World
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepFlags:
-    skip: bool
-    stop: bool
+    """A step's outcome as every rank agreed it (the same values on every rank)."""
+
+    skip: bool  # some rank saw non-finite gradients: every rank skips the update
+    stop: bool  # some rank was asked to stop (preemption): every rank checkpoints and stops
     loss: float | None = None  # mean over ranks of the step's loss, when one was given
-    unused: bool = False  # some parameter got no gradient on any rank (the reducer's census)
+    unused_params: bool = False  # some parameter got no gradient on any rank
     notice: bool = False  # some rank received a preemption notice (so far)
     terminate: bool = False  # some rank received SIGTERM (so far)
     flops: float = (
-        0.0  # training FLOPs of the step summed over ranks (each rank counts its micro-batches)
+        0.0  # training FLOPs of the step summed over ranks (each counts its micro-batches)
     )
 
 
@@ -52,22 +58,19 @@ def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
     return (~torch.isfinite(torch.stack(norms)).all()).float()
 
 
-def grads_finite(params: list[torch.nn.Parameter]) -> bool:
-    return not bool(nonfinite(params))
-
-
-def agree(
+def agree_on_step(
     world: World,
-    nonfinite: bool | torch.Tensor,
-    stop: bool,
+    nonfinite_grads: bool | torch.Tensor,
+    stop_requested: bool,
     loss: torch.Tensor | None = None,
-    unused: torch.Tensor | None = None,
+    unused_params: torch.Tensor | None = None,
     notice: bool = False,
     terminate: bool = False,
     flops: float = 0.0,
 ) -> StepFlags:
-    """``unused``: the reducer's census flag (DataParallel.reducer.census_flag), read with the others;
-    ``flops``: this rank's training FLOPs of the step (summed, they give the global batch's)."""
+    """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of parameters
+    that got no gradient (GradientSync.census_flag), read with the others; ``flops``: this rank's training
+    FLOPs of the step (summed, they give the global batch's)."""
     dev = world.device
 
     def one(x: Any) -> torch.Tensor:
@@ -76,36 +79,77 @@ def agree(
         return torch.tensor([float(x)], device=dev)
 
     parts = [
-        nonfinite,
-        stop,
+        nonfinite_grads,
+        stop_requested,
         notice,
         terminate,
         0.0 if loss is None else loss,
-        0.0 if unused is None else unused,
+        0.0 if unused_params is None else unused_params,
         flops,
     ]
     flags = torch.cat([one(x) for x in parts])
     if world.world_size > 1:
         dist.all_reduce(flags)
-    skip, stop_, notice_, term, total, census, flops_ = (
-        flags.tolist()
-    )  # the step's one host read (docstring)
+    skip, stop, notice_, term, total, unused, flops_ = flags.tolist()  # the step's one host read
     return StepFlags(
         skip=skip > 0,
-        stop=stop_ > 0,
+        stop=stop > 0,
         loss=total / world.world_size if loss is not None else None,
-        unused=census > 0,
+        unused_params=unused > 0,
         notice=notice_ > 0,
         terminate=term > 0,
         flops=flops_,
     )
 
 
-def injected_nan(step: int, rank: int) -> bool:
-    """SCALEOUT_INJECT_NAN="STEP:RANK[,STEP:RANK...]": poison one rank's gradients after the reduction at
-    that step (a test hook that simulates a corrupted rank; see tests/test_train.py)."""
-    spec = os.environ.get("SCALEOUT_INJECT_NAN", "")
-    return any(item == f"{step}:{rank}" for item in spec.split(",") if item)
+# -- fault injection for tests: installed at the start of a run only when its variable is set -----------
+class NanInjection:
+    """``SCALEOUT_INJECT_NAN="STEP:RANK[,STEP:RANK...]"``: poison this rank's gradients after the
+    reduction at those steps (0-based), a corrupted rank as tests/test_train.py and test_faults.py need.
+    A gradient hook of the trainer (``Trainer.gradient_hooks``), called between unscaling and the step's
+    agreement."""
+
+    VARIABLE = "SCALEOUT_INJECT_NAN"
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> NanInjection | None:
+        spec = (os.environ if env is None else env).get(cls.VARIABLE, "")
+        steps = set()
+        for item in filter(None, spec.split(",")):
+            step, _, at = item.partition(":")
+            if at == str(rank):
+                steps.add(int(step))
+        return cls(steps) if steps else None
+
+    def __call__(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        if step in self.steps:
+            params[0].grad.view(-1)[0] = float("nan")
+
+
+class RequeueDelay:
+    """``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``, less if its
+    SIGTERM comes first (a stop that outlasted the notice window and met the time limit).
+    tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue under
+    ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still requeues.
+    Passed as ``before_requeue`` to :func:`scaleout.preempt.release_after_stop`."""
+
+    VARIABLE = "SCALEOUT_TEST_REQUEUE_DELAY_S"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RequeueDelay | None:
+        raw = (os.environ if env is None else env).get(cls.VARIABLE, "")
+        return cls(float(raw)) if raw else None
+
+    def __call__(self, guard: Preemption) -> None:
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline and not guard.terminating:
+            time.sleep(0.05)
 
 
 # Markers of a failed collective in gloo's / c10d's error text (torch 2.13 raises plain RuntimeError):

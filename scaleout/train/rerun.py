@@ -27,19 +27,24 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from scaleout.checkpoint import Checkpointer, atomic_write
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
+from scaleout.observe import RunStatus
 
 RECORD = "run.json"
 FINISHED = ("success", "max_steps")
 
 
+# "new": no checkpoint; "resume": continue from the latest; "finished": a finished run, nothing to do.
+StartKind = Literal["new", "resume", "finished"]
+
+
 @dataclass(frozen=True)
 class RunStart:
-    kind: str  # "new", "resume" or "finished"
+    kind: StartKind
     latest_step: int  # of the newest checkpoint file (0 when none)
     record: dict[str, Any]  # run.json's content ({} when none)
     message: str = ""
@@ -64,7 +69,7 @@ def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> No
     atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
 
 
-def decide(cfg: Config) -> RunStart:
+def decide_start(cfg: Config) -> RunStart:
     """Classify this start (see the module docstring); raise UserError for a start that would lose data."""
     ck = cfg.checkpoint
     if not ck.dir:
@@ -103,7 +108,7 @@ def decide(cfg: Config) -> RunStart:
     return RunStart("resume", latest, record)
 
 
-def started(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
+def record_start(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
     """Record (rank 0) that this run or segment started; returns the record (with the run id)."""
     record = dict(start.record) if start.kind == "resume" else {}
     record.setdefault("run_id", uuid.uuid4().hex[:12])
@@ -119,8 +124,9 @@ def started(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
     return record
 
 
-def ended(cfg: Config, record: dict[str, Any], status: str, step: int) -> None:
-    """Record (rank 0) how this segment ended: a rerun of a finished run is then refused by ``decide``."""
+def record_end(cfg: Config, record: dict[str, Any], status: RunStatus, step: int) -> None:
+    """Record (rank 0) how this segment ended: a rerun of a finished run is then refused by
+    ``decide_start``."""
     if cfg.checkpoint.dir:
         write_record(
             cfg.checkpoint.dir,
@@ -128,7 +134,7 @@ def ended(cfg: Config, record: dict[str, Any], status: str, step: int) -> None:
         )
 
 
-def set_aside(path: Path) -> Path | None:
+def set_aside_earlier(path: Path) -> Path | None:
     """Rename an earlier run's or segment's output file to the first free ``<name>.<k>`` (k = 1, 2, ...)
     so that nothing this run writes replaces it. Returns the new path, or None if there was no file."""
     if not path.exists():

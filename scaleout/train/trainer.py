@@ -1,0 +1,597 @@
+"""The trainer: World -> task (model + data) -> gradient sync -> optimizer + schedule -> steps with
+evaluation to the target -> MLPerf log, checkpoints, report.
+
+Everything a trainer holds is declared on the class below, in four groups, and built in ``__init__``;
+``train()`` runs the steps (``train_step()`` -> ``forward_backward()``); ``state_dict()`` /
+``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces instead of modes: the task
+(scaleout/train/tasks.py) for everything about the model family, the gradient sync
+(scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
+optimizer state, and its observers (scaleout/observe.py) for everything it reports. Time-to-train is
+MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaleout import preempt
+from scaleout.checkpoint import Checkpointer, gather_rng_states, set_rng_state
+from scaleout.config.schema import Config
+from scaleout.data.batches import MicroBatch
+from scaleout.log import print0
+from scaleout.mlperf import MLPerfLogger
+from scaleout.observe import (
+    EvalRecord,
+    EvalStart,
+    InitEnd,
+    Observer,
+    RunEnd,
+    RunStart,
+    RunStatus,
+    RunStop,
+    StepRecord,
+    Throughput,
+)
+from scaleout.optim import build_optimizer, build_schedule
+from scaleout.parallel import DataParallel
+from scaleout.parallel.data_parallel import broadcast_from_rank0
+from scaleout.parallel.sync import GradientSync
+from scaleout.report import RunReport
+from scaleout.timers import Timers
+from scaleout.train import prefetch, rerun
+from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
+from scaleout.train.faults import (
+    EXIT_ABORTED,
+    NanInjection,
+    RequeueDelay,
+    StepFlags,
+    agree_on_step,
+    exit_on_comm_failure,
+    is_comm_failure,
+    nonfinite,
+)
+from scaleout.train.hparams import hyperparameters
+from scaleout.train.liveness import Heartbeat, period_for
+from scaleout.train.observers import (
+    ConsoleObserver,
+    MetricsObserver,
+    MLPerfObserver,
+    ProfilerObserver,
+    ProgressObserver,
+    ReportWriter,
+)
+from scaleout.train.rerun import check_data_position
+from scaleout.train.tasks import Task, build_task
+from scaleout.world import World, init
+
+log = logging.getLogger("scaleout.train")
+
+# Called on this rank's gradients between unscaling and the step's agreement, with (step, parameters).
+# Empty in a real run; tests install scaleout.train.faults.NanInjection through its variable.
+GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
+
+
+def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
+    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from
+    ``every``), as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
+    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
+
+
+@dataclass
+class TrainResult:
+    """What ``Trainer.train`` / ``run_training`` return."""
+
+    status: RunStatus
+    exit_code: int
+    steps: int  # steps done in total (the last step's index + 1)
+    metric: float | None  # the last evaluation's value
+    report: RunReport | None = None
+
+
+def weights_consistent(model: torch.nn.Module, world: World) -> bool:
+    """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
+    with torch.no_grad():
+        digest = (
+            torch.stack(
+                [
+                    p.detach().double().sum() + (p.detach().double() ** 2).sum()
+                    for p in model.parameters()
+                ]
+            )
+            .sum()
+            .reshape(1)
+        )
+    if world.world_size == 1:
+        return True
+    everyone = [torch.zeros_like(digest) for _ in range(world.world_size)]
+    dist.all_gather(everyone, digest)
+    return all(bool(torch.equal(d, everyone[0])) for d in everyone)
+
+
+class Trainer:
+    """Data-parallel training of one config in this rank. ``Trainer(cfg, world).train()``."""
+
+    # -- configs ----------------------------------------------------------------------------------------
+    cfg: Config
+    world: World
+    config_file: str  # the config's name, for the MLPerf log and the metrics header
+    start_info: rerun.RunStart  # new, resume or finished (the rerun policy, train/rerun.py)
+    out: Path  # train.output_dir
+
+    # -- swappable components (built from the config) -----------------------------------------------
+    task: Task  # the model family: model, data, loss, evaluation (train/tasks.py)
+    model: torch.nn.Module  # DataParallel around the task's model, or the model itself when sharded
+    optimizer: torch.optim.Optimizer
+    sync: GradientSync  # who averages the gradients: DataParallel or the sharded optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    graphs: StepGraphs | None  # CUDA graphs of the step (model.cuda_graphs), else None
+    prefetcher: prefetch.Prefetcher | None  # data in worker processes (data.num_workers > 0)
+
+    # -- runtime utilities --------------------------------------------------------------------------
+    checkpointer: Checkpointer | None  # None without checkpoint.dir
+    timers: Timers  # the sampled step-time breakdown (train.timing_every)
+    mlperf_log: MLPerfLogger
+    report_writer: ReportWriter  # also an observer; holds the RunReport train() returns
+    observers: list[Observer]  # every reporting channel, called in order (scaleout/observe.py)
+    gradient_hooks: list[GradientHook]  # empty unless a test injects faults
+    before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
+    preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
+    owns_preemption_handlers: bool  # train() installed them, so it removes them
+    params: list[torch.nn.Parameter]  # those that require grad
+
+    # -- training state (checkpointed: state_dict) ------------------------------------------------------
+    step: int  # steps done (the next step's index)
+    samples: int  # samples trained, over every run of this training
+    skipped: int  # steps skipped (non-finite gradients), over every run
+
+    # -- this run (not checkpointed) ----------------------------------------------------------------
+    start_step: int  # the step this run started from (a resumed run: its checkpoint's)
+    resumed_from: int | None
+    losses: list[float | None]  # mean loss over ranks of every step this run took
+    metric: float | None  # the last evaluation's value
+    flags: StepFlags  # the last step's agreed flags: the end of the run follows them
+    this_run: Throughput  # every step of this run
+    timed: Throughput  # the steps after train.timing_skip_steps (used by `scaleout sweep`)
+    run_record: dict[str, Any]  # run.json's record (rank 0; {} elsewhere)
+
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        config_file: str = "config.yaml",
+        start: rerun.RunStart | None = None,
+        preemption: preempt.Preemption | None = None,
+    ):
+        # configs
+        self.cfg, self.world, self.config_file = cfg, world, config_file
+        self.start_info = start if start is not None else rerun.decide_start(cfg)
+        self.out = Path(cfg.train.output_dir)
+        self._prepare_output_dir()
+
+        # runtime utilities; the MLPerf log first: its initialization starts here
+        kind = self.start_info.kind
+        writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
+        # A resumed run appends: every attempt of a requeued or resubmitted run adds its own
+        # init_start..run_stop segment (scaleout.mlperf.split_attempts); none erases an earlier one.
+        self.mlperf_log = MLPerfLogger(
+            self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout
+        )
+        mlperf_observer = MLPerfObserver(self.mlperf_log, cfg, world)
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank)
+            if cfg.checkpoint.dir
+            else None
+        )
+        self.timers = Timers(world.device, every=cfg.train.timing_every)
+        self.preemption = preemption
+        self.owns_preemption_handlers = preemption is None
+        nan = NanInjection.from_env(world.rank)
+        self.gradient_hooks = [nan] if nan is not None else []
+        self.before_requeue = RequeueDelay.from_env()
+
+        # swappable components
+        torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.task = build_task(cfg, world)
+        model = self.task.model
+        if (
+            cfg.model.compile
+        ):  # in place, before wrapping: the reducer's hooks stay on the parameters
+            compile_model(model)
+        if cfg.optim.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
+            broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
+            self.model = model
+        else:
+            self.model = DataParallel.from_config(
+                model,
+                world,
+                cfg.comm,
+                # re-bucketing after step 1 changes summation order; a resumed run would re-bucket
+                # at a different step, so deterministic runs keep the initial layout (bitwise resume)
+                rebuild_buckets=not cfg.train.deterministic,
+                defer_census=True,  # unused parameters are read with the step's agreement
+            )
+        self.graphs = build_step_graphs(cfg, world, self.model, self.task)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
+        # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
+        self.sync = self.optimizer if cfg.optim.sharded else self.model
+        self.schedule = build_schedule(self.optimizer, cfg.optim)
+        if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
+            world.prioritize_communication(cfg.comm.comm_nice)
+
+        # training state, then the checkpoint's over it
+        self.step, self.samples, self.skipped = 0, 0, 0
+        self.start_step = self.resume()
+        self.resumed_from = self.start_step or None
+
+        # this run
+        self.losses, self.metric = [], None
+        self.flags = StepFlags(skip=False, stop=False)
+        self.this_run, self.timed = Throughput(), Throughput()
+        self.run_record = {}
+        # None when data.num_workers=0; reads no data until start(), after run_start (MLPerf rules)
+        self.prefetcher = prefetch.build_prefetcher(cfg, self.task, world, self.start_step)
+
+        # observers, in the order they are called
+        self.report_writer = ReportWriter(
+            cfg, world, self.out, self.timers, self.task.benchmark, self.task.info
+        )
+        self.observers = [
+            mlperf_observer,
+            ProgressObserver(cfg, world),
+            ConsoleObserver(world.rank, cfg.train.target),
+            self.report_writer,
+            MetricsObserver(cfg, world, self.out, config_file),
+            ProfilerObserver(cfg, self.out, world.rank),
+        ]
+
+    def _prepare_output_dir(self) -> None:
+        """Rank 0 makes the output directory and sets aside what an earlier run left there."""
+        kind = self.start_info.kind
+        if self.world.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
+                rerun.set_aside_earlier(self.out / "mlperf.log")
+            if kind != "finished":  # an earlier run's or segment's report is kept
+                rerun.set_aside_earlier(self.out / "report.json")
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it). A collective: every
+        rank's RNG state is gathered to rank 0; the sharded optimizer's pieces are written apart."""
+        opt_state, _ = self.sync.optimizer_state(self.optimizer)
+        return {
+            "model": self.task.model.state_dict(),
+            "optimizer": opt_state,
+            "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
+            "schedule": self.schedule.state_dict(),
+            "data_position": self.step * self.cfg.train.global_batch,
+            "rng": gather_rng_states(self.world),
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "precision": self.task.precision.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict` (``state["rng"]``: this rank's RNG state, or None)."""
+        self.task.model.load_state_dict(state["model"])
+        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        if state["rng"] is None:
+            log.warning("checkpoint has RNG states of another world size: RNG streams restart")
+        else:
+            set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
+        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
+
+    def save_checkpoint(self) -> None:
+        """Collective: every rank takes part (BN statistics, RNG states, sharded pieces), then a barrier."""
+        if self.checkpointer is None:
+            return
+        self.task.sync_buffers()  # BN statistics equal on every rank, so a resume is exact everywhere
+        state = self.state_dict()
+        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank writes its own
+        path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
+        if path is not None:
+            print0(f"checkpoint: step {self.step} -> {path}", rank=self.world.rank)
+        self.world.barrier()
+
+    def resume(self) -> int:
+        """Load the latest checkpoint (rank 0 chooses; every rank follows); its step (0: none)."""
+        if self.checkpointer is None or not self.cfg.checkpoint.resume:
+            return 0
+        _, shards = self.sync.optimizer_state(
+            self.optimizer
+        )  # the sharded pieces are read in place
+        found = self.checkpointer.restore(self.world, shards=shards)
+        if found is None:
+            return 0
+        state, path = found
+        check_data_position(state, self.cfg.train.global_batch, path)  # a changed batch is refused
+        self.load_state_dict(state)
+        print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
+        return self.step
+
+    # -- the run ----------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Steps until the target, train.max_steps, an agreed preemption or divergence."""
+        cfg = self.cfg
+        if self.start_info.kind == "finished":
+            print0(f"scaleout train: {self.start_info.message}", rank=self.world.rank)
+            return TrainResult("finished", 0, self.start_info.latest_step, None)
+        clock = self._start_clock()
+        status: RunStatus = "max_steps"
+        reason, consecutive_skips = "", 0
+        limit, warmup = cfg.train.max_consecutive_skips, cfg.train.timing_skip_steps
+        for step in range(self.start_step, cfg.train.max_steps):
+            if warmup and step == self.start_step + warmup:
+                self.timers.reset()  # breakdown_s then covers the timed steps only
+            step_samples, step_tokens = self.task.samples_per_step(step * cfg.train.global_batch)
+            lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
+            t0 = time.perf_counter()
+            flags = self.train_step(step)
+            seconds = time.perf_counter() - t0
+            if step == self.start_step:  # from now on a hung peer is a failure, not slowness
+                self.world.set_timeout(cfg.train.step_timeout_s)
+            self.step, self.samples = step + 1, self.samples + step_samples
+            self.skipped += int(flags.skip)
+            self.losses.append(flags.loss)
+            self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
+            if step >= self.start_step + warmup:
+                self.timed = self.timed.plus(step_samples, step_tokens, seconds)
+            done = self.step == cfg.train.max_steps
+            eval_now = eval_due(self.step, cfg.train.eval_every, cfg.train.eval_start_step) or done
+            record = StepRecord(
+                step=self.step,
+                samples=self.samples,
+                loss=flags.loss,
+                lr=lr,
+                seconds=seconds,
+                step_samples=step_samples,
+                step_tokens=step_tokens,
+                breakdown_s=self.timers.step(seconds),
+                skipped=flags.skip,
+                stop=flags.stop,
+                terminate=flags.terminate,
+                flush=flags.stop or done or self.step % cfg.train.eval_every == 0,
+            )
+            for observer in self.observers:
+                observer.on_step(record)
+            if flags.stop:
+                self.save_checkpoint()
+                status = "preempted"
+                break
+            consecutive_skips = consecutive_skips + 1 if flags.skip else 0  # the same everywhere
+            if limit and consecutive_skips >= limit:
+                reason = (
+                    f"step {self.step}: {consecutive_skips} consecutive steps with non-finite "
+                    f"gradients (train.max_consecutive_skips={limit}): the run diverged; stopping"
+                )
+                status = "aborted"
+                break
+            if eval_now:
+                self.metric = self.evaluate(last=done)
+                if cfg.train.target is not None and self.metric >= cfg.train.target:
+                    status = "success"
+                    break
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save_checkpoint()
+        return self._finish(status, reason, clock)
+
+    def train_step(self, step: int) -> StepFlags:
+        """One optimizer step (grad_accum micro-batches); returns every rank's agreed outcome.
+
+        Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the
+        device but the agreement's result (train/faults.py), which also carries the loss."""
+        timers, precision = self.timers, self.task.precision
+        timers.begin()
+        with timers("data"):  # with a prefetcher: only the time spent *waiting* for it
+            if self.prefetcher is not None:
+                micro_batches = self.prefetcher.get(step)
+            else:
+                micro_batches = self.task.micro_batches(
+                    step * self.cfg.train.global_batch, self.cfg.train.grad_accum
+                )
+        if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
+            with timers("graph"):
+                loss = self.graphs(micro_batches)
+        else:
+            loss = self.forward_backward(micro_batches)
+            exposed = self.sync.last_stats.get(
+                "exposed_s"
+            )  # backward's wait for what overlap did not hide
+            if (
+                exposed is not None
+            ):  # the non-overlapped sharded LAMB communicates in step() instead
+                timers.add("exposed_comm", float(exposed))
+                timers.add("backward", -float(exposed))
+        precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
+        for hook in self.gradient_hooks:
+            hook(step, self.params)
+        preemption = self.preemption
+        flags = agree_on_step(
+            self.world,
+            nonfinite(self.params),
+            preemption.requested,
+            loss,
+            self.sync.census_flag(),
+            notice=preemption.noticed,
+            terminate=preemption.terminating,
+            flops=sum(mb.flops for mb in micro_batches),
+        )
+        self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
+        if flags.unused_params:
+            self.sync.check_census()  # the same on every rank: every rank raises the same error
+        precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
+        if not flags.skip:
+            with timers("optimizer"):
+                self.optimizer.step()
+            self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
+        return flags
+
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """Forward and backward of each micro-batch; all but the last accumulate without
+        communicating. Returns the step's loss (a device tensor: nothing is read here)."""
+        timers, total = self.timers, None
+        for i, mb in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.sync.no_sync():
+                with timers("forward"), self.task.autocast():
+                    loss = self.task.loss(self.model, mb) / len(micro_batches)
+                with timers("backward"):
+                    self.task.precision.scale_loss(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    def evaluate(self, last: bool = False) -> float:
+        """One evaluation of the task's metric, between the observers' eval events. ``last``: no
+        training follows (train.max_steps reached)."""
+        target, epoch = self.cfg.train.target, self.task.epoch_of(self.samples)
+        at = EvalStart(self.step, self.samples, epoch)
+        for observer in self.observers:
+            observer.on_eval_start(at)
+        value = self.task.evaluate(self.task.model)
+        reached = target is not None and value >= target
+        record = EvalRecord(
+            step=self.step,
+            samples=self.samples,
+            epoch=epoch,
+            metric=self.task.metric_name,
+            value=value,
+            target=target,
+            continues=not (reached or last),
+        )
+        for observer in self.observers:
+            observer.on_eval(record)
+        return value
+
+    def _start_clock(self) -> float:
+        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier, run_start, the
+        first touch of the training data. Returns the clock's start (time.perf_counter)."""
+        cfg, world = self.cfg, self.world
+        if world.rank == 0:
+            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
+        if self.preemption is None:
+            self.preemption = preempt.install()
+        steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
+        init_end = InitEnd(
+            benchmark=self.task.benchmark,
+            hyperparameters=hyperparameters(
+                cfg,
+                world.world_size,
+                self.config_file,
+                steps_per_epoch,
+                self.task.sequences_per_row,
+                world.device,
+            ),
+            resumed_from=self.resumed_from,
+        )
+        for observer in self.observers:
+            observer.on_init_end(init_end)
+        world.barrier()
+        clock = time.perf_counter()
+        start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
+        for observer in self.observers:
+            observer.on_run_start(start)
+        if self.prefetcher is not None:
+            self.prefetcher.start()  # the first touch of the training data
+        return clock
+
+    def _finish(self, status: RunStatus, reason: str, clock: float) -> TrainResult:
+        """MLPerf run_stop, the final checkpoint, the report, and the exit code of ``status``."""
+        cfg, world = self.cfg, self.world
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        # An agreed SIGTERM (the same on every rank): KillWait is short, leave out the optional
+        # collectives. A rank's own late SIGTERM changes nothing here.
+        peers_may_be_gone = status == "preempted" and self.flags.terminate
+        if not peers_may_be_gone:
+            world.barrier()
+        time_to_train = time.perf_counter() - clock
+        stop = RunStop(status, time_to_train, self.samples, self.task.eval_size, reason)
+        for observer in self.observers:
+            observer.on_run_stop(stop)
+        every = cfg.checkpoint.every_steps
+        saved_in_loop = status == "max_steps" and every and self.step % every == 0
+        took_steps = self.this_run.steps > 0
+        if status in ("success", "max_steps") and not saved_in_loop and took_steps:
+            self.save_checkpoint()
+        if world.rank == 0:
+            rerun.record_end(cfg, self.run_record, status, self.step)
+        consistent = None if peers_may_be_gone else weights_consistent(self.task.model, world)
+        assert self.preemption is not None  # installed by _start_clock
+        end = RunEnd(
+            status=status,
+            time_to_train_s=time_to_train,
+            this_run=self.this_run,
+            timed=self.timed,
+            metric=self.metric,
+            skipped=self.skipped,
+            resumed_from=self.resumed_from,
+            run_id=self.run_record.get("run_id"),
+            weights_consistent=consistent,
+            terminating=self.preemption.terminating,
+        )
+        for observer in self.observers:
+            observer.on_run_end(end)
+        if status == "preempted":
+            code = preempt.release_after_stop(
+                world,
+                self.preemption,
+                notice=self.flags.notice,
+                terminate=self.flags.terminate,
+                checkpointing=self.checkpointer is not None,
+                before_requeue=self.before_requeue,
+            )
+        else:
+            code = EXIT_ABORTED if status == "aborted" else 0
+        if self.owns_preemption_handlers:
+            self.preemption.uninstall()
+            self.preemption = None
+        return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
+
+
+def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
+    """Entry point inside every rank (``scaleout train``)."""
+    # the rerun policy, before any network or file: a refused start changes nothing
+    start = rerun.decide_start(cfg)
+    if start.kind == "finished":
+        print0(f"scaleout train: {start.message}")
+        return TrainResult("finished", 0, start.latest_step, None)
+    # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives while
+    # USR2 still has its default action would terminate the rank.
+    preemption = preempt.install()
+    try:
+        world = init(cfg)
+        heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
+        try:
+            cfg.check_world(world.world_size, world.local_size)
+            torch.set_num_threads(
+                max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+            )
+            return Trainer(cfg, world, config_file, start, preemption=preemption).train()
+        except Exception as exc:
+            if is_comm_failure(
+                exc
+            ):  # a hung or dead peer: one line naming it, then end this process
+                exit_on_comm_failure(world, exc)
+            raise
+        finally:
+            heartbeat.close()
+            world.close()
+    finally:
+        preemption.uninstall()
