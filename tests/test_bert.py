@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import scaleout.models.bert as bert_mod
-from scaleout.config.schema import BertConfig
-from scaleout.data.bert_batch import (
+import scaleout.families.bert.model as bert_mod
+from scaleout.errors import UserError
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.data.bert_batch import (
     CLS_ID,
     IGNORE_INDEX,
     MASK_ID,
@@ -16,9 +17,8 @@ from scaleout.data.bert_batch import (
     padded_packs,
     synthetic_sequences,
 )
-from scaleout.data.packing import assign_sequences, histogram_from_lengths, pack_histogram
-from scaleout.errors import UserError
-from scaleout.models.bert import BertForPreTraining, attention_mask, cu_seqlens
+from scaleout.families.bert.model import BertForPreTraining, attention_mask, cu_seqlens
+from scaleout.families.bert.packing import assign_sequences, histogram_from_lengths, pack_histogram
 
 L = 64
 CFG = BertConfig(
@@ -391,6 +391,6 @@ def test_flagship_config_is_the_reference_recipe():
 def load_histogram_or_skip():
     from conftest import WIKI_HIST
 
-    from scaleout.data.packing import load_histogram
+    from scaleout.families.bert.packing import load_histogram
 
     return load_histogram(WIKI_HIST, 512)

@@ -11,18 +11,27 @@ import numpy as np
 import pytest
 from conftest import WIKI_HIST as HIST  # noqa: E402 -- the packaged copy
 
-from scaleout.data.bert_sources import load_shards, read_length_histogram, synthetic_samples
-from scaleout.data.corpus import (
+from scaleout.data.sampler import ShardedSampler
+from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.data.bert_sources import (
+    load_shards,
+    read_length_histogram,
+    synthetic_samples,
+)
+from scaleout.families.bert.data.corpus import (
     corpus_hash,
     is_eval,
     pydoc_documents,
     split_sentences,
     stdlib_documents,
 )
-from scaleout.data.pretrain import build_pretraining_data, mlm_baselines, to_padded
-from scaleout.data.sampler import ShardedSampler
-from scaleout.data.tokenizer import SPECIALS, WordPiece, train_or_load, train_wordpiece
-from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.data.pretrain import build_pretraining_data, mlm_baselines, to_padded
+from scaleout.families.bert.data.tokenizer import (
+    SPECIALS,
+    WordPiece,
+    train_or_load,
+    train_wordpiece,
+)
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +249,8 @@ def test_sharded_sampler_covers_disjointly_and_resumes():
 
 @pytest.mark.unit
 def test_records_feed_the_packed_batch_builder(data):
-    from scaleout.data.bert_batch import IGNORE_INDEX, build_batch
-    from scaleout.data.bert_sources import to_bert_sequences
+    from scaleout.families.bert.data.bert_batch import IGNORE_INDEX, build_batch
+    from scaleout.families.bert.data.bert_sources import to_bert_sequences
 
     d, _ = data
     short = [s for s in d.train if len(s) <= 30][:3]
@@ -261,8 +270,8 @@ def test_records_feed_the_packed_batch_builder(data):
 @pytest.mark.unit
 def test_load_bert_data_from_config(tmp_path):
     from scaleout.config.schema import Config
-    from scaleout.data.bert_sources import load_bert_data
-    from scaleout.data.pretrain import to_padded
+    from scaleout.families.bert.data.bert_sources import load_bert_data
+    from scaleout.families.bert.data.pretrain import to_padded
 
     cfg = Config.model_validate(
         {

@@ -12,10 +12,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from scaleout.config.schema import BertConfig
-from scaleout.data.bert_batch import build_batch, synthetic_sequences
-from scaleout.models.bert import BertForPreTraining
-from scaleout.models.bert_flops import head_rows, sequence_flops
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
+from scaleout.families.bert.flops import head_rows, sequence_flops
+from scaleout.families.bert.model import BertForPreTraining
 
 pytestmark = pytest.mark.multi_process
 
@@ -92,8 +92,8 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
     step, to the formula over exactly the packs the sampler picks for that step."""
     import scaleout
     from scaleout.config.load import load_config
+    from scaleout.families.bert.task import BertTask
     from scaleout.train.prefetch import Prefetcher
-    from scaleout.train.tasks import BertTask
 
     cfg = load_config(
         "bert_tiny_cpu",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaleout.errors import TopologyError
-from scaleout.models.group_bn import GroupBatchNorm2d, bn_group_ranks, bn_process_group
+from scaleout.families.resnet.group_bn import GroupBatchNorm2d, bn_group_ranks, bn_process_group
 
 
 def _layer_case(world, k: int) -> dict:
@@ -70,8 +70,8 @@ def _layer_case(world, k: int) -> dict:
 
 
 def _resnet_case(world, k: int) -> dict:
-    from scaleout.config.schema import ResNetConfig
-    from scaleout.models.resnet import build_resnet
+    from scaleout.families.resnet.config import ResNetConfig
+    from scaleout.families.resnet.model import build_resnet
 
     cfg = ResNetConfig(
         depth=18, width=4, num_classes=7, image_size=16, bn_group=k, zero_init_residual=False
@@ -206,9 +206,9 @@ def test_bn_group_has_its_own_communicator() -> None:
 
 
 def _bn_sync(world) -> dict:
-    from scaleout.config.schema import ResNetConfig
-    from scaleout.models.group_bn import sync_batchnorm_stats
-    from scaleout.models.resnet import build_resnet
+    from scaleout.families.resnet.config import ResNetConfig
+    from scaleout.families.resnet.group_bn import sync_batchnorm_stats
+    from scaleout.families.resnet.model import build_resnet
 
     torch.manual_seed(0)
     model = build_resnet(

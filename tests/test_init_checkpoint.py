@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers  # the test extra installs it: missing is a failure, not a skip
 
-from scaleout.config.schema import BertConfig
-from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
 from scaleout.errors import UserError
-from scaleout.models.bert import BertForPreTraining
-from scaleout.models.bert_convert import load_init_checkpoint, to_hf
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.convert import load_init_checkpoint, to_hf
+from scaleout.families.bert.data.bert_batch import build_batch, padded_packs, synthetic_sequences
+from scaleout.families.bert.model import BertForPreTraining
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN, POS = 101, 32, 2, 4, 64, 64
 HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scaleout.cli import main as cli_main
-from scaleout.data.packing import (
+from scaleout.errors import UserError
+from scaleout.families.bert.packing import (
     ALGORITHMS,
     Strategy,
     assign_sequences,
@@ -22,7 +23,6 @@ from scaleout.data.packing import (
     parse_histogram,
     speedup_ceiling,
 )
-from scaleout.errors import UserError
 
 # SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike Wikipedia's
 SQUAD = Path(__file__).parent / "data" / "squad_1_1_seqlen_hist_384.txt"
@@ -330,7 +330,7 @@ def test_strategy_validate_survives_python_O(tmp_path):
     import sys
 
     code = (
-        "from scaleout.data.packing import Strategy, histogram_from_lengths\n"
+        "from scaleout.families.bert.packing import Strategy, histogram_from_lengths\n"
         "try:\n    Strategy('t', 8, 2, {(5, 3): 1}).validate(histogram_from_lengths([5, 3, 2], 8))\n"
         "except Exception as e:\n    print(type(e).__name__)\n"
     )

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from scaleout.cli import main as cli_main
-from scaleout.data.corpus import pydoc_documents
-from scaleout.data.make_shards import make_shards
-from scaleout.data.shard_format import ShardReader, shard_files
 from scaleout.errors import UserError
+from scaleout.families.bert.data.corpus import pydoc_documents
+from scaleout.families.bert.data.make_shards import make_shards
+from scaleout.families.bert.data.shard_format import ShardReader, shard_files
 
 SEQ, PRED, VOCAB = 64, 10, 1024
 
@@ -28,7 +28,7 @@ SEQ, PRED, VOCAB = 64, 10, 1024
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The same corpus samples written in the three layouts (4 training shards each)."""
-    from scaleout.data.pretrain import build_pretraining_data
+    from scaleout.families.bert.data.pretrain import build_pretraining_data
 
     root, cache, docs = (
         tmp_path_factory.mktemp("shards"),
@@ -162,7 +162,7 @@ def test_three_layouts_read_back_the_same_sequences(built):
 
 def _stream(root, world, rank, packing="lpfhp", batch=12):
     from scaleout.config import load_config
-    from scaleout.data.shard_source import open_shards
+    from scaleout.families.bert.data.shard_source import open_shards
 
     cfg = load_config(
         "bert_tiny_cpu",
@@ -228,7 +228,7 @@ def _sequences_of_row(b, row) -> list[tuple]:
 def test_a_rank_opens_only_the_shards_of_its_steps_and_resumes_exactly(built):
     """A step reads only the shard(s) its rows are in (the LRU holds <= 2 open files, <= 3 shards' packs);
     a stream pickled (prefetch workers) or rebuilt (a resumed run) gives the same batches at a position."""
-    from scaleout.data.shard_source import OPEN_FILES, PACKS_CACHE
+    from scaleout.families.bert.data.shard_source import OPEN_FILES, PACKS_CACHE
 
     root, _ = built
     stream = _stream(root / "fixed", 2, 1).stream
@@ -262,7 +262,7 @@ def test_index_is_built_in_parallel_and_shared(built):
 
 def _open_on_rank(world, path):
     from scaleout.config import load_config
-    from scaleout.data.shard_source import open_shards
+    from scaleout.families.bert.data.shard_source import open_shards
 
     cfg = load_config(
         "bert_tiny_cpu",
@@ -306,8 +306,8 @@ def test_host_memory_does_not_grow_with_shards(tmp_path):
     """A rank's resident heap after its data path with 8 shards <= 1.15x with 2 (same shard size); the eager
     load the trainer did before grows past that bar on the same files (so this test fails on the old code
     path). `scaleout bench shards` measures the peak RSS (ru_maxrss) through full training runs."""
-    from scaleout.data.bert_sources import synthetic_samples
-    from scaleout.data.shard_format import write_shard
+    from scaleout.families.bert.data.bert_sources import synthetic_samples
+    from scaleout.families.bert.data.shard_format import write_shard
 
     for n in (2, 8):
         (tmp_path / f"s{n}" / "train").mkdir(parents=True)
@@ -403,8 +403,8 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
 
 def _open_or_error(world, path, max_len, max_pred):
     from scaleout.config import load_config
-    from scaleout.data.shard_source import open_shards
     from scaleout.errors import ConfigError
+    from scaleout.families.bert.data.shard_source import open_shards
 
     cfg = load_config(
         "bert_tiny_cpu",

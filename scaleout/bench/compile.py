@@ -76,9 +76,13 @@ def _steps(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     import numpy as np
     import torch
 
-    from scaleout.config.schema import BertConfig
-    from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import compile_model
 
     cfg = BertConfig(

@@ -96,14 +96,14 @@ def _packs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     ratio between 1.9 and 2.3)."""
     import numpy as np
 
-    from scaleout.data.bert_batch import sample_lengths
-    from scaleout.data.packing import (
+    from scaleout.errors import UserError
+    from scaleout.families.bert.data.bert_batch import sample_lengths
+    from scaleout.families.bert.packing import (
         assign_sequences,
         histogram_from_lengths,
         load_histogram,
         pack_histogram,
     )
-    from scaleout.errors import UserError
 
     h = load_histogram(args.hist, args.max_len)
     lengths = sample_lengths(h, args.sequences, seed=args.seed)
@@ -134,9 +134,9 @@ def _steps(
     packed batch between the padded batches holding (about) its sequences. Also: the real tokens."""
     import torch
 
-    from scaleout.config.schema import BertConfig
-    from scaleout.data.bert_batch import build_batch, synthetic_sequences
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
+    from scaleout.families.bert.model import BertForPreTraining
 
     seqs = synthetic_sequences(lengths, args.vocab, seed=args.seed)
     cfg = BertConfig(
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from scaleout.data.packing import speedup_ceiling
+    from scaleout.families.bert.packing import speedup_ceiling
 
     check_counts(args, sequences=1, rows=1, batches=1, repeats=1)
     set_threads(args)

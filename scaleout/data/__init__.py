@@ -1,2 +1,2 @@
-"""Data: sequence packing (:mod:`scaleout.data.packing`), BERT batches (:mod:`scaleout.data.bert_batch`),
+"""Data: sequence packing (:mod:`scaleout.families.bert.packing`), BERT batches (:mod:`scaleout.families.bert.data.bert_batch`),
 image data and samplers. Submodules are imported explicitly so that importing one does not pull in torch."""

@@ -19,7 +19,7 @@ from scaleout.checkpoint import atomic_write
 from scaleout.devices import device_peak
 from scaleout.errors import UserError
 from scaleout.log import print0
-from scaleout.report import QUALITY_EXPONENT, RunReport
+from scaleout.report import RunReport
 from scaleout.world import World
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def write_report(
         real_tokens=tokens,
         achieved=metric,
         target=cfg.train.target,
-        quality_exponent=QUALITY_EXPONENT.get(tr.task.benchmark),
+        quality_exponent=tr.task.family.quality_exponent,
         device_name=peak.name,
         peak_flops_per_device=peak.flops,
         peak_source=peak.source,

@@ -2,7 +2,7 @@
 evaluation to the target -> MLPerf log, checkpoints, report.
 
 Kept short on purpose; every piece is built from the config elsewhere, and the loop asks interfaces instead
-of modes: the task (scaleout/train/tasks.py) for everything about the model family, the gradient sync
+of modes: the task (scaleout/families/bert/task.py) for everything about the model family, the gradient sync
 (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
 optimizer state. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
 """
@@ -47,7 +47,7 @@ from scaleout.train.hparams import hyperparameters
 from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.train.progress import Progress
 from scaleout.train.state import resume_checkpoint, save_checkpoint
-from scaleout.train.tasks import Task, build_task
+from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
 
@@ -174,7 +174,9 @@ class Trainer:
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.losses: list[float | None] = []  # mean loss over ranks of every step this run took
-        self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
+        self.optimizer = build_optimizer(
+            model, cfg.optim, world, cfg.comm, no_decay=self.task.family.no_decay
+        )
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
         self.sync: GradientSync = self.optimizer if cfg.optim.sharded else self.model
         self.schedule = build_schedule(self.optimizer, cfg.optim)

@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scaleout.data.packing_hist import check_max_len
-from scaleout.data.packing_strategy import Pack, Strategy, add_pack, remove_excess
 from scaleout.errors import UserError
+from scaleout.families.bert.packing.hist import check_max_len
+from scaleout.families.bert.packing.strategy import Pack, Strategy, add_pack, remove_excess
 
 # NNLSHP weights the residual of lengths <= 8 by 0.09 (Graphcore's reference setting).
 NNLS_SHORT_CUTOFF, NNLS_SHORT_WEIGHT = 8, 0.09
@@ -303,7 +303,7 @@ def pack_histogram(
     if hist.sum() == 0:
         raise UserError("empty histogram: nothing to pack")
     if name == "auto":
-        from scaleout.data.packing_auto import pack_auto
+        from scaleout.families.bert.packing.auto import pack_auto
 
         return pack_auto(hist, max_len, int(max_per_pack), budget_s)
     if name in ("nnlshp", "lphp", "lphp-full"):

@@ -143,7 +143,7 @@ class ShardReader:
     # -- rows -> sequences -----------------------------------------------------------------------------
     def read(self, rows: np.ndarray | list[int]) -> list[list[Any]]:
         """The sequences of each row in ``rows`` (any order, repeats allowed) as
-        :class:`~scaleout.data.bert_batch.BertSequence` (NSP converted to bert_batch's 1 = is-next)."""
+        :class:`~scaleout.families.bert.data.bert_batch.BertSequence` (NSP converted to bert_batch's 1 = is-next)."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.rows):
             raise UserError(f"{self.path}: row {int(rows.max())} is outside 0..{self.rows - 1}")
@@ -154,7 +154,7 @@ class ShardReader:
         return [decoded[i] for i in where]
 
     def _row(self, got: dict[str, Any], i: int) -> list[Any]:
-        from scaleout.data.bert_batch import BertSequence
+        from scaleout.families.bert.data.bert_batch import BertSequence
 
         nsp = np.asarray(got["next_sentence_labels"][i]).reshape(-1)
         if self.layout == "fixed":
@@ -236,7 +236,7 @@ def write_shard(
 
 
 def _write_fixed(f: Any, rows: list[list[Any]], max_seq_len: int, max_pred: int) -> None:
-    from scaleout.data.pretrain import to_padded
+    from scaleout.families.bert.data.pretrain import to_padded
 
     if any(len(r) != 1 for r in rows):
         raise UserError("the fixed layout holds one sequence per row")

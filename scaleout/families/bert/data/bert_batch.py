@@ -1,4 +1,4 @@
-"""BERT pre-training batches, packed or padded, in the layout :mod:`scaleout.models.bert` expects.
+"""BERT pre-training batches, packed or padded, in the layout :mod:`scaleout.families.bert.model` expects.
 
 A :class:`BertSequence` is one tokenized pre-training example (``[CLS] A [SEP] B [SEP]``, its segment
 ids, masked positions with their original tokens, the NSP label). :func:`build_batch` lays out rows:
@@ -10,7 +10,7 @@ packed mode puts several sequences in one row (NVIDIA MLPerf v2.0 BERT / Graphco
   first token, where the pooler reads it.
 
 Padded mode is the same with one sequence per row. ``packs`` is a list of rows, each a list of indices
-into ``sequences`` (e.g. ``PackedSequences.packs()`` from :mod:`scaleout.data.packing`).
+into ``sequences`` (e.g. ``PackedSequences.packs()`` from :mod:`scaleout.families.bert.packing`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from scaleout.errors import UserError
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3  # the synthetic vocabulary's special tokens
 FIRST_WORD_ID = 4
-IGNORE_INDEX = -100  # same as scaleout.models.bert.IGNORE_INDEX and torch's cross_entropy default
+IGNORE_INDEX = (
+    -100
+)  # same as scaleout.families.bert.model.IGNORE_INDEX and torch's cross_entropy default
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Per-shard length index and pack assignment for MLPerf BERT shards, built once and cached beside the data.
 
-Lazy training (:mod:`scaleout.data.shard_source`) needs, per shard, how many packs it makes and which rows
+Lazy training (:mod:`scaleout.families.bert.data.shard_source`) needs, per shard, how many packs it makes and which rows
 go together; it never needs every sequence of every shard in memory. Per shard ``f`` this module stores::
 
     <index>/<f>.<key>.len.npy                 real tokens per row (int32)
@@ -13,7 +13,7 @@ go together; it never needs every sequence of every shard in memory. Per shard `
 when DIR is read-only. ``<key>`` hashes the file's name, size and mtime, so a replaced shard is re-indexed;
 ``<settings>`` hashes max_len, packing algorithm, sequences per pack, seed and the rows skipped at the
 start of the shard. Packing uses each shard's own length histogram (the configured algorithm on it, then
-:func:`~scaleout.data.packing_assign.assign_sequences` with a seed derived from the shard's name), so a
+:func:`~scaleout.families.bert.packing.assign.assign_sequences` with a seed derived from the shard's name), so a
 rank that opens a shard can rebuild its packs alone and gets the same ones as every other rank.
 
 :func:`ensure_index` builds in parallel: rank r indexes the shards j with ``j % world == r`` that are not
@@ -42,7 +42,9 @@ INDEX_VERSION = 1
 @dataclass(frozen=True)
 class PackSettings:
     max_len: int
-    algorithm: str  # "none" (one sequence per row) or a scaleout.data.packing algorithm / "auto"
+    algorithm: (
+        str  # "none" (one sequence per row) or a scaleout.families.bert.packing algorithm / "auto"
+    )
     max_per_pack: int
     seed: int = 0
 
@@ -69,7 +71,7 @@ def index_dir(data_dir: Path) -> Path:
     beside = data_dir / ".scaleout-index"
     if beside.is_dir() and os.access(beside, os.W_OK) or os.access(data_dir, os.W_OK):
         return beside
-    from scaleout.data.corpus import cache_dir
+    from scaleout.families.bert.data.corpus import cache_dir
 
     return (
         Path(cache_dir())
@@ -107,7 +109,7 @@ class ShardIndex:
         tok, seq = Path(f"{self.base}.len.npy"), Path(f"{self.base}.seq.npy")
         if tok.is_file():
             return np.load(tok), (np.load(seq) if seq.is_file() else None)
-        from scaleout.data.shard_format import ShardReader
+        from scaleout.families.bert.data.shard_format import ShardReader
 
         reader = ShardReader(self.path)
         try:
@@ -160,9 +162,9 @@ class ShardIndex:
         if nseq is not None or s.algorithm == "none":  # pre-packed rows, or one sequence per row
             ids, offsets = rows, np.arange(len(rows) + 1, dtype=np.int64)
         else:
-            from scaleout.data.packing_algos import pack_histogram
-            from scaleout.data.packing_assign import assign_sequences
-            from scaleout.data.packing_hist import histogram_from_lengths
+            from scaleout.families.bert.packing.algos import pack_histogram
+            from scaleout.families.bert.packing.assign import assign_sequences
+            from scaleout.families.bert.packing.hist import histogram_from_lengths
 
             lens = tokens[rows]
             strategy = pack_histogram(

@@ -1,7 +1,7 @@
 """MLPerf BERT training from shards read lazily: each rank opens only the shards and rows its steps need.
 
 The global stream (the same on every rank, no communication): epoch ``e`` visits the training shards in
-a permutation seeded by ``(seed, e)``; inside shard ``j`` its packs (:mod:`scaleout.data.shard_index`) come in
+a permutation seeded by ``(seed, e)``; inside shard ``j`` its packs (:mod:`scaleout.families.bert.data.shard_index`) come in
 a permutation seeded by ``(seed, e, j)``. Data position ``p`` (packed rows consumed, what checkpoints store)
 is a place in that stream; the step at ``p`` is rows ``[p, p + B)`` and rank ``r`` takes the contiguous
 slice ``[p + r*B/W, p + (r+1)*B/W)``, as :class:`~scaleout.data.sampler.ShardedSampler` does for in-memory
@@ -16,14 +16,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scaleout.config.schema import Config
-from scaleout.data.shard_format import ShardReader, shard_files
-from scaleout.data.shard_index import PackSettings, ShardIndex, ShardPacks, ensure_index
 from scaleout.errors import ConfigError
+from scaleout.families.bert.data.shard_format import ShardReader, shard_files
+from scaleout.families.bert.data.shard_index import (
+    PackSettings,
+    ShardIndex,
+    ShardPacks,
+    ensure_index,
+)
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
 
 # Per process (rank or prefetch worker): shards whose packs are kept, files kept open.
 PACKS_CACHE, OPEN_FILES = 3, 2
@@ -149,7 +156,7 @@ class ShardStream:
 
     def batches(self, position: int, grad_accum: int) -> list[tuple[dict[str, Any], int, int]]:
         """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real tokens)."""
-        from scaleout.data.bert_batch import build_batch
+        from scaleout.families.bert.data.bert_batch import build_batch
 
         runs = [
             (j, int(q))
@@ -269,7 +276,7 @@ def open_shards(
     ):  # MLPerf: a separate eval file (10,000 sequences); index it once, all ranks read the cache
         _, ev_idx = ensure_index(eval_files, [0] * len(eval_files), plain, rank, world, barrier)
     else:
-        from scaleout.data.shard_index import index_dir
+        from scaleout.families.bert.data.shard_index import index_dir
 
         ev_idx = index_dir(root)
     ev_rows: list[np.ndarray] = []

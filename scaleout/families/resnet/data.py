@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from scaleout.data.batches import MicroBatch
 from scaleout.errors import UserError
 
 MEAN = np.array(
@@ -185,3 +187,20 @@ def _random_resized_crop(im, size: int, rng: np.random.Generator):
     side = min(w, h)
     left, top = (w - side) // 2, (h - side) // 2
     return im.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
+
+
+class ImageBatches:
+    """This rank's image micro-batches on the CPU (decode + augmentation happen here). Data only."""
+
+    def __init__(self, images: Any, sampler: Any, rows: int):
+        self.images, self.sampler, self.rows = images, sampler, rows
+        self.flops_per_image = 0.0  # set by the task once the model exists
+
+    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
+        idx = self.sampler.local_indices(position)
+        epoch = position // max(self.rows, 1)
+        out = []
+        for part in np.array_split(idx, grad_accum):
+            x, y = self.images.get(part, epoch)
+            out.append(MicroBatch(x, y, len(part), 0, self.flops_per_image * len(part)))
+        return out

@@ -1,9 +1,9 @@
 """Other BERT sample sources: MLPerf Wikipedia shards at a config path, and synthetic data.
 
 **Wikipedia shards** (``data.source: wikipedia``, ``data.path``): MLPerf BERT's pre-processed HDF5 in any of
-the layouts of :mod:`scaleout.data.shard_format` (the reference's fixed-length rows, NVIDIA's varlength or
+the layouts of :mod:`scaleout.families.bert.data.shard_format` (the reference's fixed-length rows, NVIDIA's varlength or
 packed shards; ``.npz`` with the fixed keys for tiny tests). Training reads them lazily, rank by rank
-(:mod:`scaleout.data.shard_source`); :func:`load_shards` here reads *everything* into memory and is for small
+(:mod:`scaleout.families.bert.data.shard_source`); :func:`load_shards` here reads *everything* into memory and is for small
 data sets and tools only.
 
 **Synthetic** samples for throughput runs: random tokens with lengths drawn from a histogram (by
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scaleout.data.pretrain import BertSample
-from scaleout.data.shard_format import KEYS, SUFFIXES, ShardReader, shard_files
 from scaleout.errors import UserError
+from scaleout.families.bert.data.pretrain import BertSample
+from scaleout.families.bert.data.shard_format import KEYS, SUFFIXES, ShardReader, shard_files
 
 __all__ = [
     "KEYS",
@@ -113,12 +113,12 @@ def synthetic_samples(
 
 
 def to_bert_sequences(samples: list[BertSample]) -> list:
-    """Records -> :class:`scaleout.data.bert_batch.BertSequence` for ``build_batch`` (packed or padded).
+    """Records -> :class:`scaleout.families.bert.data.bert_batch.BertSequence` for ``build_batch`` (packed or padded).
 
     NSP convention: our records (like Google's and MLPerf's data) use 1 = *random* next; bert_batch uses
     1 = *is* next, so the label is flipped here, in the one place the two meet.
     """
-    from scaleout.data.bert_batch import BertSequence
+    from scaleout.families.bert.data.bert_batch import BertSequence
 
     return [
         BertSequence(
@@ -139,13 +139,13 @@ def load_bert_data(cfg, cache: str | None = None):
     evaluation sequences separately); a path without them is all training data and the first
     ``data.eval_samples`` sequences are held out.
     """
-    from scaleout.data.pretrain import (
+    from scaleout.errors import ConfigError
+    from scaleout.families.bert.data.pretrain import (
         PretrainData,
         build_pretraining_data,
         length_stats,
         mlm_baselines,
     )
-    from scaleout.errors import ConfigError
 
     d, b = cfg.data, cfg.model.bert
     if d.source == "pydoc":

@@ -13,8 +13,8 @@ appendix A.1), which MLPerf's BERT data is made with:
   slots) are chosen; of those 80 % become ``[MASK]``, 10 % a random token, 10 % stay unchanged.
 
 Each sample is a :class:`BertSample` of *unpadded* numpy arrays, i.e. its real length; the collator
-(``scaleout.data.bert_batch``) pads or packs them. :func:`to_padded` gives the fixed-shape MLPerf
-layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.data.shard_format``). ``dupe_factor``
+(``scaleout.families.bert.data.bert_batch``) pads or packs them. :func:`to_padded` gives the fixed-shape MLPerf
+layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.families.bert.data.shard_format``). ``dupe_factor``
 copies of the corpus are made with different masks (Google uses 10). Everything is a function of
 ``seed``; results are cached as ``.npz`` keyed by the corpus hash and every setting.
 """
@@ -31,9 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from scaleout.data.corpus import Document, cache_dir, corpus_hash, is_eval, load_corpus
-from scaleout.data.tokenizer import WordPiece, train_or_load
 from scaleout.errors import UserError
+from scaleout.families.bert.data.corpus import (
+    Document,
+    cache_dir,
+    corpus_hash,
+    is_eval,
+    load_corpus,
+)
+from scaleout.families.bert.data.tokenizer import WordPiece, train_or_load
 
 FORMAT_VERSION = 1
 
@@ -429,13 +435,15 @@ def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 -m scaleout.data.pretrain [--vocab-size N --max-seq-len L ...]``: build (or load) and describe."""
+    """``python3 -m scaleout.families.bert.data.pretrain [--vocab-size N --max-seq-len L ...]``: build (or load) and describe."""
     import argparse
     import time
 
     from scaleout.output import format_table
 
-    p = argparse.ArgumentParser(prog="python3 -m scaleout.data.pretrain", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python3 -m scaleout.families.bert.data.pretrain", description=main.__doc__
+    )
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--max-predictions", type=int, default=20)

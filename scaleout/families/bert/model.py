@@ -2,12 +2,12 @@
 
 Contract (shared with the trainer; see docs/packing.md):
 
-``BertForPreTraining(cfg: scaleout.config.schema.BertConfig)`` -- post-LN BERT (Devlin et al. 2019):
+``BertForPreTraining(cfg: scaleout.families.bert.config.BertConfig)`` -- post-LN BERT (Devlin et al. 2019):
 GELU (``cfg.activation``: exact erf, or the tanh approximation Google's and NVIDIA's BERT use), LayerNorm eps
 1e-12, normal(0, 0.02) init, MLM decoder tied to the word embeddings. NSP class 1 = "B follows A" (the
-batch convention of :mod:`scaleout.data.bert_batch`; Hugging Face and the MLPerf data use class 0).
-Weights from Hugging Face and NVIDIA checkpoints: :mod:`scaleout.models.bert_convert`.
-``model(batch)`` takes one dict of int64 tensors (build it with :mod:`scaleout.data.bert_batch`):
+batch convention of :mod:`scaleout.families.bert.data.bert_batch`; Hugging Face and the MLPerf data use class 0).
+Weights from Hugging Face and NVIDIA checkpoints: :mod:`scaleout.families.bert.convert`.
+``model(batch)`` takes one dict of int64 tensors (build it with :mod:`scaleout.families.bert.data.bert_batch`):
 
 =================  ========  ===================================================================
 key                shape     meaning
@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.config.schema import BertConfig
+from scaleout.families.bert.config import BertConfig
 
 PAD_ID = 0
 IGNORE_INDEX = -100

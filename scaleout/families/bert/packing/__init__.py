@@ -7,18 +7,18 @@
 
 The pieces live in ``packing_hist`` (histogram files), ``packing_strategy`` (the Strategy and its
 metrics), ``packing_algos`` (the algorithms), ``packing_auto`` (best of them) and ``packing_assign`` (sequences -> packs); the BERT
-batch layout of a pack is :mod:`scaleout.data.bert_batch`.
+batch layout of a pack is :mod:`scaleout.families.bert.data.bert_batch`.
 """
 
-from scaleout.data.packing_algos import ALGORITHMS, exact_fill_patterns, pack_histogram
-from scaleout.data.packing_assign import PackedSequences, assign_sequences
-from scaleout.data.packing_hist import (
+from scaleout.families.bert.packing.algos import ALGORITHMS, exact_fill_patterns, pack_histogram
+from scaleout.families.bert.packing.assign import PackedSequences, assign_sequences
+from scaleout.families.bert.packing.hist import (
     format_histogram,
     histogram_from_lengths,
     load_histogram,
     parse_histogram,
 )
-from scaleout.data.packing_strategy import Strategy, speedup_ceiling
+from scaleout.families.bert.packing.strategy import Strategy, speedup_ceiling
 
 __all__ = [
     "ALGORITHMS",

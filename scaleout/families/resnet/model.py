@@ -8,7 +8,7 @@ down-sampling bottleneck on the 3x3 conv instead of the first 1x1 conv, which is
 the identity (Goyal et al. 2017, arXiv 1706.02677, sec. 5.1); large-batch LARS runs rely on it.
 ``width`` is the stem width (64 in the paper); stage widths are width x (1, 2, 4, 8). Images below
 128 px use a CIFAR-style stem (3x3 stride-1 conv, no max-pool) so that 32 px inputs keep spatial size.
-Batch norm is :mod:`scaleout.models.group_bn` when ``bn_group`` > 1.
+Batch norm is :mod:`scaleout.families.resnet.group_bn` when ``bn_group`` > 1.
 """
 
 from __future__ import annotations
@@ -19,20 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from scaleout.config.schema import ResNetConfig
 from scaleout.errors import ConfigError
+from scaleout.families.resnet.config import ResNetConfig
+from scaleout.families.resnet.flops import LAYERS, STEM_MIN_IMAGE
 
 if TYPE_CHECKING:
     from scaleout.world import World
-
-# depth -> (block type, blocks per stage) from He et al. 2015, Table 1
-LAYERS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
-    18: ("basic", (2, 2, 2, 2)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
-    152: ("bottleneck", (3, 8, 36, 3)),
-}
 
 Norm = Callable[[int], nn.Module]
 
@@ -106,7 +98,7 @@ class ResNet(nn.Module):
         kind, blocks = LAYERS[depth]
         block = Bottleneck if kind == "bottleneck" else BasicBlock
         self.depth, self.image_size = depth, image_size
-        if image_size >= 128:
+        if image_size >= STEM_MIN_IMAGE:
             self.stem = nn.Sequential(
                 nn.Conv2d(3, width, 7, 2, 3, bias=False),
                 norm(width),
@@ -143,8 +135,8 @@ class ResNet(nn.Module):
 
 
 def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
-    """ResNet from a :class:`scaleout.config.schema.ResNetConfig` (group BN over ``bn_group`` ranks)."""
-    from scaleout.models.group_bn import norm_factory
+    """ResNet from a :class:`scaleout.families.resnet.config.ResNetConfig` (group BN over ``bn_group`` ranks)."""
+    from scaleout.families.resnet.group_bn import norm_factory
 
     if world is not None and cfg.bn_group > world.world_size:
         raise ConfigError(

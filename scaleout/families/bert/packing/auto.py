@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from scaleout.data.packing_strategy import Strategy
+from scaleout.families.bert.packing.strategy import Strategy
 
 # Seconds after which auto stops starting optional candidates (lphp-full, nnlshp).
 AUTO_BUDGET_S = 30.0
@@ -37,7 +37,7 @@ OPTIONAL = ("lphp-full", "nnlshp")
 
 def nnls_cells(h: np.ndarray, max_len: int, max_per_pack: int) -> int:
     """Size of NNLSHP's dense matrix: max_len rows x one column per composition of max_len."""
-    from scaleout.data.packing_algos import MAX_PATTERN_DEPTH, exact_fill_patterns
+    from scaleout.families.bert.packing.algos import MAX_PATTERN_DEPTH, exact_fill_patterns
 
     pats = exact_fill_patterns(
         h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True
@@ -49,7 +49,7 @@ def pack_auto(
     h: np.ndarray, max_len: int, max_per_pack: int, budget_s: float | None = None
 ) -> Strategy:
     """The most efficient of the candidates that ran; ``notes["auto"]`` holds every candidate's result."""
-    from scaleout.data.packing_algos import pack_histogram
+    from scaleout.families.bert.packing.algos import pack_histogram
 
     budget = AUTO_BUDGET_S if budget_s is None else float(budget_s)
     t0, c0 = time.perf_counter(), time.process_time()

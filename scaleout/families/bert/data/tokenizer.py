@@ -167,7 +167,7 @@ def train_or_load(
     texts: list[str], vocab_size: int, corpus_key: str, cache: str | None = None
 ) -> WordPiece:
     """Train once per (corpus, vocab_size, algorithm version); later calls read ``wordpiece-<key>.json``."""
-    from scaleout.data.corpus import cache_dir
+    from scaleout.families.bert.data.corpus import cache_dir
 
     key = hashlib.sha256(f"{corpus_key}:{vocab_size}:{VERSION}".encode()).hexdigest()[:16]
     path = os.path.join(cache or cache_dir(), f"wordpiece-{key}.json")

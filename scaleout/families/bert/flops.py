@@ -15,6 +15,10 @@ every matmul computes the input and the weight gradient). Per forward:
 Padding tokens and masked-out attention blocks are not counted (they are not model work), so MFU
 measures useful work; ``tests/test_flops.py`` checks the count against FlopCounterMode run on each
 sequence alone.
+
+This module is the one owner of BERT's FLOP and parameter formulas: the trainer counts each batch with
+:func:`batch_flops`, the simulator (scaleout.sim) and the sweep's cost column read
+:func:`sequence_training_flops` and :func:`bert_params` through the family (scaleout.families.bert).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from scaleout.config.schema import BertConfig
+from scaleout.families.bert.config import BertConfig
 
 
 def bert_training_flops(
@@ -41,6 +45,28 @@ def bert_training_flops(
     encoder = layers * (2.0 * tokens * (4 * d * d + 2 * d * f) + 4.0 * d * tokens_sq)
     heads = mlm_rows * (2 * d * d + 2 * d * vocab) + nsp_rows * (2 * d * d + 2 * d * 2)
     return 3.0 * (encoder + heads)
+
+
+# Mean real length of a Wikipedia-512 sequence implied by the packing ceiling of 2.0013 sequences per
+# 512-token row (Graphcore arXiv 2107.02027; DESIGN facts).
+WIKI_512_MEAN_TOKENS = 512 / 2.0013
+
+
+def sequence_training_flops(
+    cfg: BertConfig, tokens: float = WIKI_512_MEAN_TOKENS, masked_fraction: float = 0.15
+) -> float:
+    """:func:`bert_training_flops` of one sequence of ``tokens`` real tokens (its own attention span),
+    the MLM head on ``masked_fraction`` of them and the NSP head once (the simulator's sample)."""
+    return bert_training_flops(cfg, tokens, tokens * tokens, masked_fraction * tokens, 1)
+
+
+def bert_params(cfg: BertConfig) -> int:
+    """Parameters of BertForPreTraining (decoder tied to the word embeddings): 336.2M for BERT-large."""
+    d, inter, vocab = cfg.hidden, cfg.intermediate, cfg.vocab_size
+    embeddings = (vocab + cfg.max_position + cfg.type_vocab_size) * d + 2 * d
+    layer = 4 * d * d + 2 * d * inter + 9 * d + inter  # attention, FFN, two layer norms
+    heads = (d * d + d) + (d * d + 3 * d + vocab) + (2 * d + 2)  # pooler, MLM transform + bias, NSP
+    return embeddings + cfg.layers * layer + heads
 
 
 def sequence_flops(
@@ -61,7 +87,7 @@ def head_rows(
     nsp_slots: int,
 ) -> tuple[int, int]:
     """(MLM head positions, NSP head positions) that ``BertForPreTraining`` runs for a batch of ``rows``
-    rows of ``max_len`` tokens with ``mlm_slots``/``nsp_slots`` slots per row (scaleout.models.bert)."""
+    rows of ``max_len`` tokens with ``mlm_slots``/``nsp_slots`` slots per row (scaleout.families.bert.model)."""
     if cfg.static_shapes:
         mlm = rows * mlm_slots if cfg.unpad_mlm_head else rows * max_len
         return mlm, rows * nsp_slots
@@ -69,11 +95,11 @@ def head_rows(
 
 
 def batch_flops(cfg: BertConfig, batch: dict) -> float:
-    """:func:`bert_training_flops` of one CPU batch from :func:`scaleout.data.bert_batch.build_batch`: the
+    """:func:`bert_training_flops` of one CPU batch from :func:`scaleout.families.bert.data.bert_batch.build_batch`: the
     sequences' lengths from ``seq_ids`` (one id per sequence of a row, 0 = padding), the masked count from
     ``mlm_labels`` and the head slots from the batch's shapes. Runs where the batch is built (prefetch
     workers included), so counting never reads the device."""
-    from scaleout.data.bert_batch import IGNORE_INDEX
+    from scaleout.families.bert.data.bert_batch import IGNORE_INDEX
 
     ids = np.asarray(batch["seq_ids"])
     rows, max_len = ids.shape

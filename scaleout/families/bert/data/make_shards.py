@@ -1,7 +1,7 @@
 """Write MLPerf BERT shards from the offline corpus (``scaleout data make-shards``).
 
-The corpus (:mod:`scaleout.data.corpus`), WordPiece vocabulary (:mod:`scaleout.data.tokenizer`) and samples
-(:mod:`scaleout.data.pretrain`, Google's ``create_pretraining_data`` procedure) are the ones ``data.source:
+The corpus (:mod:`scaleout.families.bert.data.corpus`), WordPiece vocabulary (:mod:`scaleout.families.bert.data.tokenizer`) and samples
+(:mod:`scaleout.families.bert.data.pretrain`, Google's ``create_pretraining_data`` procedure) are the ones ``data.source:
 pydoc`` trains on; this writes them in the MLPerf file layout so every ``data.source: wikipedia`` code path
 runs on files of the real format::
 
@@ -10,7 +10,7 @@ runs on files of the real format::
     DIR/eval/part_eval_<n>.hdf5            the held-out documents' sequences (MLPerf: part_eval_10k.hdf5)
     DIR/vocab.txt                          the WordPiece vocabulary, one token per line (BERT's format)
 
-Layouts (:mod:`scaleout.data.shard_format`): ``fixed`` (the reference), ``varlength`` (NVIDIA v1.0+) or
+Layouts (:mod:`scaleout.families.bert.data.shard_format`): ``fixed`` (the reference), ``varlength`` (NVIDIA v1.0+) or
 ``packed`` (NVIDIA v2.0+: each shard packed with ``packing`` at <= ``max_per_pack`` per row; the eval file
 stays unpacked, as NVIDIA's eval_varlength).
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from scaleout.data.shard_format import LAYOUTS, write_shard
 from scaleout.errors import UserError
+from scaleout.families.bert.data.shard_format import LAYOUTS, write_shard
 
 
 def make_shards(
@@ -43,7 +43,7 @@ def make_shards(
     docs: Any = None,
 ) -> dict[str, Any]:
     """Write the shards; returns what was written (files, sequences, tokens)."""
-    from scaleout.data.pretrain import build_pretraining_data
+    from scaleout.families.bert.data.pretrain import build_pretraining_data
 
     if shards < 1:
         raise UserError(f"--shards={shards}: expected at least 1 training shard")
@@ -97,7 +97,11 @@ def _packed_rows(
     samples: list[Any], max_len: int, algorithm: str, depth: int, seed: int
 ) -> list[list[Any]]:
     """Samples grouped into packs (``algorithm`` on this shard's length histogram, as NVIDIA packs offline)."""
-    from scaleout.data.packing import assign_sequences, histogram_from_lengths, pack_histogram
+    from scaleout.families.bert.packing import (
+        assign_sequences,
+        histogram_from_lengths,
+        pack_histogram,
+    )
 
     lengths = np.array([len(s) for s in samples])
     strategy = pack_histogram(histogram_from_lengths(lengths, max_len), max_len, depth, algorithm)

@@ -19,7 +19,7 @@ Name mapping, ours <- Hugging Face (``L`` = ``bert.encoder.layer.<i>``)::
     nsp.{weight,bias}                    <- cls.seq_relationship.{weight,bias}, rows swapped
 
 The NSP rows are swapped because Google's BERT, Hugging Face and the MLPerf data use class 0 = "B follows A"
-while our batches (:mod:`scaleout.data.bert_batch`) use class 1; the logits are the same numbers in the other
+while our batches (:mod:`scaleout.families.bert.data.bert_batch`) use class 1; the logits are the same numbers in the other
 order. Activation and LayerNorm eps are not in a state dict: set ``model.bert.activation`` (HF ``gelu`` ->
 ``gelu``, ``gelu_new``/``gelu_pytorch_tanh`` -> ``gelu_tanh``; NVIDIA's and Google's BERT use the tanh form)
 and keep HF's ``layer_norm_eps`` at BERT's 1e-12 (ours).

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scaleout.data.packing_hist import histogram_from_lengths
-from scaleout.data.packing_strategy import Strategy
 from scaleout.errors import UserError
+from scaleout.families.bert.packing.hist import histogram_from_lengths
+from scaleout.families.bert.packing.strategy import Strategy
 
 
 @dataclass
