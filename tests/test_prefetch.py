@@ -172,7 +172,7 @@ def test_sequence_table_builds_the_same_batches() -> None:
     (packed rows with several sequences, padded rows)."""
     import numpy as np
 
-    from scaleout.data.batches import SequenceTable
+    from scaleout.families.bert.data.batches import SequenceTable
     from scaleout.families.bert.data.bert_batch import (
         build_batch,
         padded_packs,

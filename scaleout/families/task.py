@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
 from scaleout.families import FAMILIES, Family
-from scaleout.world import World
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
     from scaleout.train.precision import Precision
+    from scaleout.world import World
 
 
 class Counts:

@@ -20,14 +20,14 @@ from scaleout.families.bert.data.bert_sources import load_bert_data, to_bert_seq
 from scaleout.families.bert.data.shard_source import open_shards
 from scaleout.families.bert.flops import batch_flops
 from scaleout.families.bert.model import BertForPreTraining
-from scaleout.families.bert.packing.algos import pack_histogram
 from scaleout.families.bert.packing.assign import assign_sequences
 from scaleout.families.bert.packing.hist import histogram_from_lengths
+from scaleout.families.bert.packing.pack import pack_histogram
 from scaleout.families.task import Counts, Task
-from scaleout.world import World
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
+    from scaleout.world import World
 
 
 class BertTask(Task):

@@ -16,10 +16,10 @@ from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
 from scaleout.families.resnet.model import build_resnet
 from scaleout.families.task import Counts, Task
-from scaleout.world import World
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
+    from scaleout.world import World
 
 
 class ResNetTask(Task):

@@ -162,9 +162,9 @@ class ShardIndex:
         if nseq is not None or s.algorithm == "none":  # pre-packed rows, or one sequence per row
             ids, offsets = rows, np.arange(len(rows) + 1, dtype=np.int64)
         else:
-            from scaleout.families.bert.packing.algos import pack_histogram
             from scaleout.families.bert.packing.assign import assign_sequences
             from scaleout.families.bert.packing.hist import histogram_from_lengths
+            from scaleout.families.bert.packing.pack import pack_histogram
 
             lens = tokens[rows]
             strategy = pack_histogram(

@@ -5,12 +5,13 @@
     s.efficiency, s.speedup, s.depth_histogram(), s.seconds
     packed = assign_sequences(s, lengths, seed=0)                          # ids per pack
 
-The pieces live in ``packing_hist`` (histogram files), ``packing_strategy`` (the Strategy and its
-metrics), ``packing_algos`` (the algorithms), ``packing_auto`` (best of them) and ``packing_assign`` (sequences -> packs); the BERT
-batch layout of a pack is :mod:`scaleout.families.bert.data.bert_batch`.
+The pieces live in ``hist`` (histogram files), ``strategy`` (the Strategy and its metrics), ``algos``
+(the algorithms), ``auto`` (best of them), ``pack`` (``pack_histogram``: one of them or auto) and
+``assign`` (sequences -> packs); the BERT batch layout of a pack is
+:mod:`scaleout.families.bert.data.bert_batch`.
 """
 
-from scaleout.families.bert.packing.algos import ALGORITHMS, exact_fill_patterns, pack_histogram
+from scaleout.families.bert.packing.algos import ALGORITHMS, exact_fill_patterns
 from scaleout.families.bert.packing.assign import PackedSequences, assign_sequences
 from scaleout.families.bert.packing.hist import (
     format_histogram,
@@ -18,6 +19,7 @@ from scaleout.families.bert.packing.hist import (
     load_histogram,
     parse_histogram,
 )
+from scaleout.families.bert.packing.pack import pack_histogram
 from scaleout.families.bert.packing.strategy import Strategy, speedup_ceiling
 
 __all__ = [

@@ -31,7 +31,6 @@ from collections.abc import Callable
 import numpy as np
 
 from scaleout.errors import UserError
-from scaleout.families.bert.packing.hist import check_max_len
 from scaleout.families.bert.packing.strategy import Pack, Strategy, add_pack, remove_excess
 
 # NNLSHP weights the residual of lengths <= 8 by 0.09 (Graphcore's reference setting).
@@ -271,24 +270,16 @@ ALGORITHMS: dict[str, Callable[[np.ndarray, int, int], dict[Pack, int]]] = {
 VARIANTS: dict[str, Callable[[np.ndarray, int, int], dict[Pack, int]]] = {"lphp-full": lphp_full}
 
 
-def pack_histogram(
-    h: np.ndarray,
-    max_len: int,
-    max_per_pack: int = 3,
-    algorithm: str = "auto",
-    budget_s: float | None = None,
-) -> Strategy:
-    """Run one algorithm on histogram ``h`` (length max_len + 1, or shorter) and time it. ``auto`` runs the
-    candidates of :mod:`packing_auto` (``budget_s``: its time budget) and returns the most efficient."""
-    max_len = check_max_len(max_len)
+def check_histogram(h: np.ndarray, max_len: int, max_per_pack: int, algorithm: str) -> np.ndarray:
+    """``h`` as a validated int64 histogram of length max_len + 1 (no length-0 sequences), or a one-line
+    UserError naming what is wrong with the arguments."""
     if (
         isinstance(max_per_pack, bool)
         or not isinstance(max_per_pack, (int, np.integer))
         or max_per_pack < 1
     ):
         raise UserError(f"max_per_pack={max_per_pack!r} must be an integer >= 1")
-    name = algorithm
-    if name not in ALGORITHMS and name not in VARIANTS and name != "auto":
+    if algorithm not in ALGORITHMS and algorithm not in VARIANTS and algorithm != "auto":
         raise UserError(
             f"packing algorithm {algorithm!r} is not one of {', '.join([*ALGORITHMS, 'auto'])}"
         )
@@ -302,10 +293,11 @@ def pack_histogram(
     hist[0] = 0
     if hist.sum() == 0:
         raise UserError("empty histogram: nothing to pack")
-    if name == "auto":
-        from scaleout.families.bert.packing.auto import pack_auto
+    return hist
 
-        return pack_auto(hist, max_len, int(max_per_pack), budget_s)
+
+def run_algorithm(hist: np.ndarray, max_len: int, max_per_pack: int, name: str) -> Strategy:
+    """Run one algorithm (or variant) on a histogram from :func:`check_histogram`, timed and validated."""
     if name in ("nnlshp", "lphp", "lphp-full"):
         import scipy.optimize  # noqa: F401  (a one-off import, not the algorithm's run time)
     t, c = time.perf_counter(), time.process_time()

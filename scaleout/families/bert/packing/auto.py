@@ -24,6 +24,11 @@ import time
 
 import numpy as np
 
+from scaleout.families.bert.packing.algos import (
+    MAX_PATTERN_DEPTH,
+    exact_fill_patterns,
+    run_algorithm,
+)
 from scaleout.families.bert.packing.strategy import Strategy
 
 # Seconds after which auto stops starting optional candidates (lphp-full, nnlshp).
@@ -37,8 +42,6 @@ OPTIONAL = ("lphp-full", "nnlshp")
 
 def nnls_cells(h: np.ndarray, max_len: int, max_per_pack: int) -> int:
     """Size of NNLSHP's dense matrix: max_len rows x one column per composition of max_len."""
-    from scaleout.families.bert.packing.algos import MAX_PATTERN_DEPTH, exact_fill_patterns
-
     pats = exact_fill_patterns(
         h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), singletons=False, all_lengths=True
     )
@@ -49,8 +52,6 @@ def pack_auto(
     h: np.ndarray, max_len: int, max_per_pack: int, budget_s: float | None = None
 ) -> Strategy:
     """The most efficient of the candidates that ran; ``notes["auto"]`` holds every candidate's result."""
-    from scaleout.families.bert.packing.algos import pack_histogram
-
     budget = AUTO_BUDGET_S if budget_s is None else float(budget_s)
     t0, c0 = time.perf_counter(), time.process_time()
     results: dict[str, Strategy] = {}
@@ -63,7 +64,7 @@ def pack_auto(
         if name == "nnlshp" and (cells := nnls_cells(h, max_len, max_per_pack)) > NNLS_MAX_CELLS:
             skipped[name] = f"NNLS matrix of {cells} cells > {NNLS_MAX_CELLS}"
             continue
-        results[name] = pack_histogram(h, max_len, max_per_pack, name)
+        results[name] = run_algorithm(h, max_len, max_per_pack, name)
     best = min(results.values(), key=lambda s: s.num_packs)  # min keeps the first of equals
     notes = {
         "auto": {n: round(s.efficiency, 6) for n, s in results.items()},
