@@ -13,7 +13,7 @@ every matmul computes the input and the weight gradient). Per forward:
 * pooler (d x d) + NSP classifier (d x 2) at each sequence's first token (every slot when static).
 
 Padding tokens and masked-out attention blocks are not counted (they are not model work), so MFU
-measures useful work; ``tests/test_flops.py`` checks the count against FlopCounterMode run on each
+measures useful work; ``tests/families/bert/test_flops.py`` checks the count against FlopCounterMode run on each
 sequence alone.
 
 This module is the one owner of BERT's FLOP and parameter formulas: the trainer counts each batch with

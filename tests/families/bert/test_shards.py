@@ -329,7 +329,7 @@ def test_host_memory_does_not_grow_with_shards(tmp_path):
             capture_output=True,
             text=True,
             check=True,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])},
         )
         return float(r.stdout.split()[-1])
 

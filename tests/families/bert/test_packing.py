@@ -25,7 +25,7 @@ from scaleout.families.bert.packing import (
 )
 
 # SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike Wikipedia's
-SQUAD = Path(__file__).parent / "data" / "squad_1_1_seqlen_hist_384.txt"
+SQUAD = Path(__file__).parents[2] / "data" / "squad_1_1_seqlen_hist_384.txt"
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +339,6 @@ def test_strategy_validate_survives_python_O(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[3],
     )
     assert out.stdout.strip() == "UserError"
