@@ -155,3 +155,15 @@ def test_mlperf_facts_come_from_the_family() -> None:
     assert "lars_opt_momentum" in hyperparameters(load_config("resnet_cpu"), 1)
     assert FAMILIES.get("bert").epoch_of(1000, 10) == 1000  # MLPerf BERT counts samples
     assert FAMILIES.get("resnet").epoch_of(1000, 300) == 3
+
+
+def test_docs_table_lists_the_registered_families() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "extending-families.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")][1:]  # below the header
+    assert [r.split("`")[1] for r in rows] == list(FAMILIES.names())
+    for row, (name, fam) in zip(rows, FAMILIES.items(), strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2].split(", ") == list(fam.data_sources), name
+        assert cells[3] == fam.metric and cells[4] == (fam.benchmark or "-"), name
