@@ -196,7 +196,7 @@ def test_opening_shards_reads_no_sequence_eval_is_read_on_first_use(
     """open_shards (the task's construction, before run_start) reads metadata only: the row lengths of the
     index and the shapes; the eval sequences are read when the first evaluation asks for them."""
     from scaleout.config import load_config
-    from scaleout.data import shard_source
+    from scaleout.families.bert.data import shard_source
     from scaleout.families.bert.data.shard_format import ShardReader
 
     rng = np.random.default_rng(0)

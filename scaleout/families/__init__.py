@@ -1,16 +1,15 @@
 """Model families: the extension point of what is trained (``model.arch``).
 
-A family is one folder, ``scaleout/families/<name>/``, whose ``__init__.py`` registers a :class:`Family`
-in :data:`FAMILIES`. What the config schema, the simulator, the report and the MLPerf log read from a
-family is torch-free (its name, config section, FLOP and parameter formulas, benchmark and metric names,
-checks): importing this package never imports torch. The runtime (model, data, :class:`Task`) is imported
-when :meth:`Family.build_task` runs, inside a rank. See docs/extending-families.md.
+A family is one folder, ``scaleout/families/<name>/``, whose ``__init__.py`` registers a
+:class:`Family` in :data:`FAMILIES`. What the config schema, the simulator, the report and the MLPerf
+log read from a family is torch-free (its name, config section, FLOP and parameter formulas, benchmark
+and metric names, checks): importing this package never imports torch. The runtime (model, data, the
+task) is imported when :meth:`Family.build_task` runs, inside a rank. See docs/extending-families.md.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
@@ -40,10 +39,9 @@ class Family:
     # Parameters left without weight decay and trust ratio: name patterns (normalisation layers are
     # always excluded by type, scaleout/optim/groups.py)
     no_decay: ClassVar[tuple[str, ...]] = ("bias",)
-    convolutions: ClassVar[bool] = (
-        False  # its matmuls include convolutions (cuDNN's TF32 flag applies)
-    )
-    # Hugging Face checkpoints: model.init_checkpoint reads one, `scaleout ckpt export --format hf` writes one
+    # Its matmuls include convolutions (cuDNN's TF32 flag applies: MLPerf's precision keys)
+    convolutions: ClassVar[bool] = False
+    # Hugging Face checkpoints: model.init_checkpoint reads one, `scaleout ckpt --format hf` writes one
     hf_checkpoints: ClassVar[bool] = False
     # The simulator preset (scaleout.sim.step.MODELS) whose bytes-per-parameter assumptions it shares
     sim_preset: ClassVar[str] = "bert-large"
@@ -123,10 +121,6 @@ def data_sources() -> tuple[str, ...]:
     for _, fam in FAMILIES.items():
         out += [s for s in fam.data_sources if s not in out]
     return tuple(out)
-
-
-def no_decay(arch: str) -> Sequence[str]:
-    return FAMILIES.get(arch).no_decay
 
 
 # The built-in families register themselves (torch-free declarations).

@@ -2,7 +2,7 @@
 evaluation to the target -> MLPerf log, checkpoints, report.
 
 Kept short on purpose; every piece is built from the config elsewhere, and the loop asks interfaces instead
-of modes: the task (scaleout/families/bert/task.py) for everything about the model family, the gradient sync
+of modes: the task (scaleout/families/task.py) for everything about the model family, the gradient sync
 (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
 optimizer state. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
 """

@@ -99,7 +99,9 @@ def batch_flops(cfg: BertConfig, batch: dict) -> float:
     sequences' lengths from ``seq_ids`` (one id per sequence of a row, 0 = padding), the masked count from
     ``mlm_labels`` and the head slots from the batch's shapes. Runs where the batch is built (prefetch
     workers included), so counting never reads the device."""
-    from scaleout.families.bert.data.bert_batch import IGNORE_INDEX
+    from scaleout.families.bert.data.bert_batch import (
+        IGNORE_INDEX,
+    )  # deferred: flops.py is torch-free
 
     ids = np.asarray(batch["seq_ids"])
     rows, max_len = ids.shape

@@ -282,7 +282,7 @@ RSS_SCRIPT = """
 import sys
 import h5py, numpy, torch  # noqa: F401 -- every import first
 from scaleout.config import load_config
-from scaleout.data import bert_sources, shard_source
+from scaleout.families.bert.data import bert_sources, shard_source
 path, mode = sys.argv[1], sys.argv[2]
 if mode == "eager":  # what every rank did before: every sequence of every shard as Python objects
     data = bert_sources.load_shards(path + "/train")
