@@ -250,6 +250,16 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _source_is_the_family_s(self) -> Config:
+        fam = FAMILIES.get(self.model.arch)
+        if self.data.source not in fam.data_sources:
+            raise ValueError(
+                f"data.source={self.data.source!r}: model.arch={fam.name} reads "
+                f"{' or '.join(fam.data_sources)}"
+            )
+        return self
+
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
         if not 1 <= world_size <= MAX_WORLD:

@@ -167,3 +167,12 @@ def test_docs_table_lists_the_registered_families() -> None:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2].split(", ") == list(fam.data_sources), name
         assert cells[3] == fam.metric and cells[4] == (fam.benchmark or "-"), name
+
+
+def test_data_source_must_be_one_the_family_reads() -> None:
+    with pytest.raises(
+        ConfigError, match="data.source='pydoc': model.arch=resnet reads synthetic or imagenet"
+    ):
+        load_config("resnet_cpu", ["data.source=pydoc"])
+    with pytest.raises(ConfigError, match="data.source='imagenet': model.arch=bert reads"):
+        load_config("bert_tiny_cpu", ["data.source=imagenet"])
