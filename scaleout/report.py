@@ -3,10 +3,12 @@
 FLOP conventions (one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward):
 
 * BERT: counted per step from what ran (real tokens, each sequence's own attention span, the MLM head
-  where it ran) by :mod:`scaleout.models.bert_flops`, checked against ``FlopCounterMode``.
-* ResNet-50 v1.5 at 224x224: 4.1 G multiply-adds forward (v1.5 moves the stride to the 3x3 conv, which
-  adds ~0.3 GMACs over v1's 3.8 G of He et al. 2015, Table 1); scaleout.models.resnet.count_macs
-  measures it, and tests check the constant against the real model). Training = 3 x 2 x 4.1e9 FLOPs.
+  where it ran) by :mod:`scaleout.families.bert.flops`, checked against ``FlopCounterMode``.
+* ResNet: forward multiply-adds from the config by :mod:`scaleout.families.resnet.flops` (4.09 G for
+  ResNet-50 v1.5 at 224x224), checked against the real model's; training = 3 x 2 x forward.
+
+Each family owns its formula (scaleout/families/<arch>/flops.py); the trainer counts each micro-batch
+with it, and this report divides what was counted.
 
 MFU = achieved model FLOP/s / (devices x peak FLOP/s per device) (PaLM appendix B). The peak comes
 from :mod:`scaleout.devices`: a GPU part identified by name, SM count and memory (data-sheet numbers for
@@ -16,7 +18,7 @@ HPC-AI500 Valid FLOPS (Jiang et al., "HPC AI500 V2.0", arXiv 2007.00279, sec. 4)
 (achieved quality / target quality)^n, with n = 5 for image classification. The paper gives no n for
 language models; we use n = 5 for BERT's masked-LM accuracy too, because it is the same kind of metric
 (a top-1 classification accuracy over the vocabulary, on a 0..1 scale), so a shortfall should cost the
-same. Pass ``quality_exponent`` to change it.
+same. Each family declares its n (``Family.quality_exponent``); pass ``quality_exponent`` to change it.
 """
 
 from __future__ import annotations
@@ -25,18 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from scaleout.errors import UserError
-
-# HPC-AI500 quality exponent n (arXiv 2007.00279): 5 for image classification; 5 for BERT (see above).
-QUALITY_EXPONENT = {"resnet": 5.0, "bert": 5.0}
-
-RESNET50_FORWARD_MACS = 4.1e9  # ResNet-50 v1.5, 224x224 (see module docstring)
-
-
-def resnet_flops_per_image(
-    forward_macs: float = RESNET50_FORWARD_MACS, image_size: int = 224
-) -> float:
-    """Training FLOPs per image: 3 passes x 2 FLOPs per MAC, scaled by area from the 224px count."""
-    return 3.0 * 2.0 * forward_macs * (image_size / 224.0) ** 2
+from scaleout.families import FAMILIES
 
 
 def valid_flops(flops: float, achieved: float, target: float, n: float) -> float:
@@ -69,7 +60,8 @@ class RunReport:
         if self.time_to_train_s <= 0:
             raise UserError(f"time_to_train_s must be positive, got {self.time_to_train_s}")
         if self.quality_exponent is None:
-            self.quality_exponent = QUALITY_EXPONENT.get(self.arch, 5.0)
+            fam = FAMILIES.get(self.arch) if self.arch in FAMILIES else None
+            self.quality_exponent = fam.quality_exponent if fam is not None else 5.0
 
     @property
     def samples_per_s(self) -> float:

@@ -24,7 +24,11 @@ TINY = dict(
 
 
 def _batch(seed: int, rows: int = 4, seq_len: int = 32) -> dict[str, torch.Tensor]:
-    from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
 
     rng = np.random.default_rng(seed)
     seqs = synthetic_sequences(rng.integers(12, seq_len + 1, rows), TINY["vocab_size"], seed=seed)
@@ -32,8 +36,8 @@ def _batch(seed: int, rows: int = 4, seq_len: int = 32) -> dict[str, torch.Tenso
 
 
 def _compile_vs_eager(world, backend: str) -> dict:
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import compile_model
 
@@ -89,8 +93,8 @@ def test_compiled_model_under_data_parallel_matches_eager() -> None:
 def test_inductor_compiled_tiny_bert_matches_eager() -> None:
     """The real Inductor backend (C++ kernels on CPU), one process: ~40-80 s cold compile on 2 shared
     cores, hence ``slow`` (the hook interplay is covered by the aot_eager test above)."""
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import compile_model
 
     torch.manual_seed(0)
@@ -140,8 +144,8 @@ def test_static_shape_bert_step_compiles_as_one_graph() -> None:
     raise), and AOTAutograd traces its backward too; loss and gradients equal the eager default
     forward. The default forward cannot be compiled that way (``int(pos.max())``, ``labels[valid]``).
     ``aot_eager``: graph breaks are the point, not Inductor's kernels (~10 s here)."""
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
 
     torch.manual_seed(0)
     dynamic = BertForPreTraining(BertConfig(**TINY)).train()
@@ -171,7 +175,7 @@ def test_cuda_graphs_select_the_capture_safe_bert_forward() -> None:
 
     from scaleout.config import load_config
     from scaleout.train.capture import host_sync_reason
-    from scaleout.train.tasks import build_task
+    from scaleout.train.task import build_task
 
     world = SimpleNamespace(
         rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), barrier=lambda: None
@@ -318,8 +322,8 @@ def _dp_graph_vs_eager(world) -> dict:
 def test_captured_static_shape_bert_step_equals_eager() -> None:
     """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and each
     replayed step's loss and gradients equal the eager default forward on the same batch."""
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import StepGraphs
 
     dev = torch.device("cuda")

@@ -173,7 +173,7 @@ def test_first_touch_of_training_data_is_after_run_start_fresh_and_resumed(tmp_p
 def _write_fixed_shard(
     path: Path, rows: int, seq: int, pred: int, rng: np.random.Generator
 ) -> None:
-    """Rows in the reference's fixed layout (scaleout/data/shard_format.py), random but well formed."""
+    """Rows in the reference's fixed layout (scaleout/families/bert/data/shard_format.py), random but well formed."""
     lens = rng.integers(pred + 2, seq + 1, rows)
     mask = (np.arange(seq)[None, :] < lens[:, None]).astype(np.int8)
     positions = np.stack(
@@ -196,8 +196,8 @@ def test_opening_shards_reads_no_sequence_eval_is_read_on_first_use(
     """open_shards (the task's construction, before run_start) reads metadata only: the row lengths of the
     index and the shapes; the eval sequences are read when the first evaluation asks for them."""
     from scaleout.config import load_config
-    from scaleout.data import shard_source
-    from scaleout.data.shard_format import ShardReader
+    from scaleout.families.bert.data import shard_source
+    from scaleout.families.bert.data.shard_format import ShardReader
 
     rng = np.random.default_rng(0)
     for split, files in (("train", 2), ("eval", 1)):

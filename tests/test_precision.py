@@ -307,8 +307,8 @@ def test_mlperf_log_says_what_ran() -> None:
 
 
 def _captured_vs_eager(world: Any, compression: str) -> dict:
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import data_parallel_step
     from tests.test_capture import TINY, _batch

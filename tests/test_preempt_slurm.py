@@ -43,10 +43,10 @@ def _mlperf_inputs(root: Path) -> list[str]:
     import torch
     import yaml
 
-    from scaleout.config.schema import BertConfig
-    from scaleout.data.make_shards import make_shards
-    from scaleout.models.bert import BertForPreTraining
-    from scaleout.models.bert_convert import to_hf
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.convert import to_hf
+    from scaleout.families.bert.data.make_shards import make_shards
+    from scaleout.families.bert.model import BertForPreTraining
 
     tiny = yaml.safe_load((REPO / "configs" / "bert_tiny_cpu.yaml").read_text())
     b, d = tiny["model"]["bert"], tiny["data"]

@@ -85,7 +85,7 @@ def _prefetch_checks(world) -> dict:
     from scaleout.config import load_config
     from scaleout.errors import UserError
     from scaleout.train.prefetch import Prefetcher
-    from scaleout.train.tasks import build_task
+    from scaleout.train.task import build_task
 
     _allow_children()
     res: dict = {"workers_forked_from_rank": 0}
@@ -172,8 +172,12 @@ def test_sequence_table_builds_the_same_batches() -> None:
     (packed rows with several sequences, padded rows)."""
     import numpy as np
 
-    from scaleout.data.batches import SequenceTable
-    from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
+    from scaleout.families.bert.data.batches import SequenceTable
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
 
     seqs = synthetic_sequences(np.random.default_rng(0).integers(1, 48, size=60), 500, seed=0)
     table = SequenceTable(seqs)

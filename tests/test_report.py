@@ -11,17 +11,11 @@ from scaleout import devices
 from scaleout.errors import UserError
 from scaleout.report import (
     RunReport,
-    resnet_flops_per_image,
     valid_flops,
 )
 from scaleout.timers import Timers
 
 pytestmark = pytest.mark.unit
-
-
-def test_flop_formulas():
-    assert resnet_flops_per_image() == pytest.approx(3 * 2 * 4.1e9)
-    assert resnet_flops_per_image(image_size=112) == pytest.approx(3 * 2 * 4.1e9 / 4)
 
 
 def test_valid_flops_and_mfu():

@@ -15,12 +15,14 @@ import pytest
 from scaleout.cli import main
 from scaleout.config.load import load_config
 from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.flops import bert_params
 from scaleout.sim.cluster import PARAMS, get_cluster, with_sharp
 from scaleout.sim.collectives import allreduce_cost, plan_for
 from scaleout.sim.fromconfig import from_config
 from scaleout.sim.mlperf import REFERENCES, get_run, simulate, summarize_results
 from scaleout.sim.sharded import half_plan, reduce_time
-from scaleout.sim.step import TrainSpec, bert_params, get_model, optimizer_time, step_time
+from scaleout.sim.step import TrainSpec, get_model, optimizer_time, step_time
 from scaleout.sim.validate import bert_ablation, mlperf_bert, mlperf_step
 
 pytestmark = pytest.mark.unit
@@ -200,7 +202,9 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     run = from_config(cfg)
     assert run.train.optimizer == "replicated" and run.nodes == 256
     assert run.train.local_batch == cfg.train.global_batch / 2048
-    assert run.model.params == bert_params() == 336_226_108  # scaleout.models.bert counts the same
+    assert (
+        run.model.params == bert_params(BertConfig()) == 336_226_108
+    )  # scaleout.families.bert.model counts the same
     assert run.model.grad_bytes == (4 if cfg.comm.compression == "none" else 2)
     sharded = from_config(
         load_config("bert_large_256x8", ["optim.sharded=true", "optim.overlap_comm=true"])

@@ -53,7 +53,7 @@ def packed_batch(
     """Packed rows of two sequences each (lengths ~60 % / ~40 % of the row), as the packed data path makes."""
     import numpy as np
 
-    from scaleout.data.bert_batch import build_batch, synthetic_sequences
+    from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
 
     rng = np.random.default_rng(seed)
     first = rng.integers(seq_len // 2, seq_len * 2 // 3, rows)
@@ -67,8 +67,8 @@ def packed_batch(
 
 
 def _bert(cfg: dict[str, Any], device: str = "cuda", **kw: Any) -> Any:
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
 
     torch.manual_seed(0)
     return BertForPreTraining(BertConfig(**{**cfg, "dropout": 0.0, **kw})).to(device)
@@ -118,7 +118,7 @@ def check_capture(world: World) -> list[Row]:
 
 def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
     """bf16 packed BERT: the varlen flash-attention path equals the masked (padded) SDPA path."""
-    from scaleout.models.bert import cu_seqlens, varlen_available
+    from scaleout.families.bert.model import cu_seqlens, varlen_available
 
     cfg = cfg or {**BERT_LARGE, "layers": 4}
     model = _bert(cfg, device)
@@ -186,8 +186,8 @@ def _large_step(
     model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], device: str
 ) -> tuple[float, int, float]:
     """(seconds per bf16 training step, real tokens, training FLOPs of the step) of packed BERT, LAMB
-    included; the FLOPs counted from the batch as the trainer counts them (scaleout.models.bert_flops)."""
-    from scaleout.models.bert_flops import batch_flops
+    included; the FLOPs counted from the batch as the trainer counts them (scaleout.families.bert.flops)."""
+    from scaleout.families.bert.flops import batch_flops
 
     batch = packed_batch(batch_rows, cfg["max_position"], cfg["vocab_size"], seed=2, device=device)
     flops = batch_flops(model.cfg, {k: v.cpu() for k, v in batch.items()})

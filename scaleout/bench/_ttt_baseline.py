@@ -8,7 +8,7 @@ Hugging Face's ``get_linear_schedule_with_warmup``), no-decay on bias and LayerN
 
 What it shares with scaleout is what the comparison must hold equal, and nothing else: the tokenized
 sequences of the offline corpus (scaleout's data pipeline, one sequence per padded row), the model class
-(``BertForPreTraining`` with the config's ``model.bert``), the evaluation (``scaleout.train.tasks.
+(``BertForPreTraining`` with the config's ``model.bert``), the evaluation (``scaleout.families.bert.task.
 evaluate_mlm``: the same eval set, masked-LM accuracy) and MLPerf's clock (``run_start`` -> ``run_stop`` in
 ``mlperf.log`` via ``MLPerfLogger``). Rank 0 also writes ``report.json`` with the status and steps.
 
@@ -132,7 +132,7 @@ def _data(cfg: Any, local_rank: int) -> tuple[list[Any], list[Any]]:
     """Tokenized train / eval sequences from scaleout's pipeline; local rank 0 builds the per-node cache."""
     import torch.distributed as dist
 
-    from scaleout.data.bert_sources import load_bert_data, to_bert_sequences
+    from scaleout.families.bert.data.bert_sources import load_bert_data, to_bert_sequences
 
     if local_rank == 0:
         data = load_bert_data(cfg)
@@ -148,8 +148,8 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from scaleout.data.bert_batch import build_batch
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.data.bert_batch import build_batch
+    from scaleout.families.bert.model import BertForPreTraining
 
     train, evals = _data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     d, o = cfg.data, cfg.optim
@@ -183,7 +183,7 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
 
 
 def _evaluate(a: argparse.Namespace, run: SimpleNamespace, mll: Any, samples: int) -> float:
-    from scaleout.train.tasks import evaluate_mlm
+    from scaleout.families.bert.task import evaluate_mlm
 
     d = run.cfg.data
     mll.block_stop(samples, samples)

@@ -71,8 +71,12 @@ def _steps(args: argparse.Namespace, run: Any) -> dict[str, Callable[[], float]]
     import numpy as np
     import torch
 
-    from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
+    from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import compile_model
 
     seq_len, seed = run.data.max_seq_len, run.train.seed

@@ -149,7 +149,7 @@ def _write_jpegs(root: str, n: int, size: str, seed: int = 0) -> float:
 
 def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
     from scaleout.config import load_config
-    from scaleout.train.tasks import build_task
+    from scaleout.train.task import build_task
 
     common = [
         f"train.global_batch={args.batch}",

@@ -59,8 +59,8 @@ def _models(kw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The same weights twice: the full MLM head and the unpadded one."""
     import torch
 
-    from scaleout.config.schema import BertConfig
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.model import BertForPreTraining
 
     models = {}
     for name, unpad in (("full", False), ("unpadded", True)):
@@ -75,7 +75,11 @@ def _shape(name: str, args: argparse.Namespace) -> tuple[list[Any], dict[str, An
     """Full vs unpadded head on one shape, interleaved: (table row, JSON result)."""
     import numpy as np
 
-    from scaleout.data.bert_batch import build_batch, padded_packs, synthetic_sequences
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
 
     kw = dict(SHAPES[name])
     kw.setdefault("layers", args.base_layers)

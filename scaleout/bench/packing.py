@@ -105,14 +105,14 @@ def _packs(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, Any, list[list
     ratio between 1.9 and 2.3)."""
     import numpy as np
 
-    from scaleout.data.bert_batch import sample_lengths
-    from scaleout.data.packing import (
+    from scaleout.errors import UserError
+    from scaleout.families.bert.data.bert_batch import sample_lengths
+    from scaleout.families.bert.packing import (
         assign_sequences,
         histogram_from_lengths,
         load_histogram,
         pack_histogram,
     )
-    from scaleout.errors import UserError
 
     d, seed = cfg.data, cfg.train.seed
     h = load_histogram(args.hist, d.max_seq_len)
@@ -141,8 +141,8 @@ def _steps(
     packed batch between the padded batches holding (about) its sequences. Also: the real tokens."""
     import torch
 
-    from scaleout.data.bert_batch import build_batch, synthetic_sequences
-    from scaleout.models.bert import BertForPreTraining
+    from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
+    from scaleout.families.bert.model import BertForPreTraining
 
     d, seed = cfg.data, cfg.train.seed
     bert = cfg.model.bert.model_copy(update={"max_position": d.max_seq_len})
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from scaleout.data.packing import speedup_ceiling
+    from scaleout.families.bert.packing import speedup_ceiling
 
     check_counts(args, sequences=1, rows=1, batches=1, repeats=1)
     cfg = resolve(args)

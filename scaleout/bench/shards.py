@@ -70,9 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _write_set(root, n: int, rows: int, args: argparse.Namespace, hist) -> None:
-    from scaleout.data.bert_sources import synthetic_samples
-    from scaleout.data.make_shards import _packed_rows
-    from scaleout.data.shard_format import write_shard
+    from scaleout.families.bert.data.bert_sources import synthetic_samples
+    from scaleout.families.bert.data.make_shards import _packed_rows
+    from scaleout.families.bert.data.shard_format import write_shard
 
     (root / "train").mkdir(parents=True, exist_ok=True)
     (root / "eval").mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def _eager(root) -> float:
     import sys
 
     code = (
-        "import resource, sys\nfrom scaleout.data.bert_sources import load_shards\n"
+        "import resource, sys\nfrom scaleout.families.bert.data.bert_sources import load_shards\n"
         f"s = load_shards({str(root / 'train')!r})\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, len(s))\n"
     )
@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     from scaleout.bench.packing import DEFAULT_HIST
-    from scaleout.data.packing import load_histogram
     from scaleout.errors import UserError
+    from scaleout.families.bert.packing import load_histogram
 
     counts = sorted(set(parse_csv(args.shards, "--shards", int, at_least=1)))
     if len(counts) < 2:

@@ -216,9 +216,9 @@ def scaleout_config(args: argparse.Namespace) -> Any:
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
     """Sequences per packed row of the corpus at the config's settings (the packed recipes' algorithm)."""
-    from scaleout.data.bert_sources import load_bert_data
-    from scaleout.data.packing_algos import pack_histogram
-    from scaleout.data.packing_hist import histogram_from_lengths
+    from scaleout.families.bert.data.bert_sources import load_bert_data
+    from scaleout.families.bert.packing.hist import histogram_from_lengths
+    from scaleout.families.bert.packing.pack import pack_histogram
 
     d = cfg.data
     algo = d.packing if d.packing != "none" else "lpfhp"

@@ -22,7 +22,7 @@ sha256sum), the weights and any optimizer shards (per-rank states in the file, a
 export (BERT): DIR/model_state_dict.pt is the model's state dict in scaleout names (torch.load works, and
 model.init_checkpoint loads it); DIR/hf/ holds pytorch_model.bin in Hugging Face BertForPreTraining names
 plus config.json, so BertForPreTraining.from_pretrained(DIR/hf) loads it. The name mapping is
-scaleout/models/bert_convert.py (the same one model.init_checkpoint reads). Checkpoints written before
+scaleout/families/bert/convert.py (the same one model.init_checkpoint reads). Checkpoints written before
 the config was stored need --config (the run's config file or name and overrides).
 
 examples:
@@ -153,11 +153,12 @@ def export(
     import torch
 
     from scaleout.errors import UserError
-    from scaleout.models.bert_convert import to_hf
+    from scaleout.families import FAMILIES
+    from scaleout.families.bert.convert import to_hf
 
     model = state["model"]
     cfg = _config(state, override) if "hf" in formats else None
-    if cfg is not None and cfg.model.arch != "bert":
+    if cfg is not None and not FAMILIES.get(cfg.model.arch).hf_checkpoints:
         raise UserError(
             f"--format hf: model.arch={cfg.model.arch!r}; only BERT has a Hugging Face layout"
         )

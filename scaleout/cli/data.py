@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     if args.action == "make-shards":
-        from scaleout.data.make_shards import make_shards
+        from scaleout.families.bert.data.make_shards import make_shards
 
         t = time.perf_counter()
         info = make_shards(
@@ -93,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from pathlib import Path
 
-    from scaleout.data.packing_algos import ALGORITHMS
-    from scaleout.data.shard_format import shard_files
-    from scaleout.data.shard_index import PackSettings, ensure_index
     from scaleout.errors import UserError
+    from scaleout.families.bert.data.shard_format import shard_files
+    from scaleout.families.bert.data.shard_index import PackSettings, ensure_index
+    from scaleout.families.bert.packing.algos import ALGORITHMS
 
     if args.packing not in (*ALGORITHMS, "auto", "none"):
         raise UserError(

@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from scaleout.argtypes import parse_csv
-    from scaleout.data.packing import (
+    from scaleout.errors import UserError
+    from scaleout.families.bert.packing import (
         ALGORITHMS,
         assign_sequences,
         histogram_from_lengths,
@@ -104,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
         pack_histogram,
         speedup_ceiling,
     )
-    from scaleout.data.packing_hist import check_max_len
-    from scaleout.errors import UserError
+    from scaleout.families.bert.packing.hist import check_max_len
     from scaleout.output import format_table
 
     check_max_len(args.max_len)

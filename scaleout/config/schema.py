@@ -9,79 +9,57 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from scaleout.comm import ALGORITHMS
 from scaleout.env import detection_order
 from scaleout.errors import ConfigError
+from scaleout.families import FAMILIES, data_sources
+from scaleout.section import MAX_WORLD
+from scaleout.section import Section as _Section
 
 # Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is spawned,
 # instead of an OOM or a fork storm in every rank later. Each is far above anything real: the largest
 # published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k; the largest machines
 # ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
-MAX_WORLD = 1 << 20
 MAX_SEED = (
     2**32 - 1
 )  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: lr=.inf or step_timeout_s=.inf would pass gt=0 and fail in every rank later.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+def _model_config() -> type[_Section]:
+    """``model``: ``arch`` (one of the registered families, scaleout/families/) and one section per family
+    that declares one (``model.bert``, ``model.resnet``: each family's config.py), then the common keys."""
+    sections: dict[str, Any] = {
+        name: (fam.config, fam.config()) for name, fam in FAMILIES.items() if fam.config is not None
+    }
+    return create_model(
+        "ModelConfig",
+        __base__=_Section,
+        __module__=__name__,
+        arch=(FAMILIES.literal(), "bert"),
+        **sections,
+        # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging Face
+        # BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see
+        # scaleout/families/bert/convert.py
+        init_checkpoint=(str | None, None),
+        compile=(bool, False),  # torch.compile the model
+        cuda_graphs=(bool, False),  # capture the step in a CUDA graph (GPU only; ignored on CPU)
+    )
 
 
-class BertConfig(_Section):
-    vocab_size: int = Field(30522, ge=8, le=1 << 20)
-    hidden: int = Field(1024, ge=8, le=1 << 16)
-    layers: int = Field(24, ge=1, le=1024)
-    heads: int = Field(16, ge=1, le=1024)
-    intermediate: int = Field(4096, ge=8, le=1 << 18)
-    max_position: int = Field(512, ge=8, le=1 << 17)
-    type_vocab_size: int = Field(2, ge=1, le=1024)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    # gelu: exact (erf), as torch and Hugging Face's "gelu"; gelu_tanh: the tanh approximation of Google's
-    # TF BERT and NVIDIA's MLPerf BERT (HF "gelu_new"), what the MLPerf phase-1 checkpoint was trained with.
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"
-    # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
-    unpad_mlm_head: bool = True
-    # Capture-safe forward (no host syncs, static shapes): MLM/NSP heads gather every fixed slot
-    # (max_predictions per sequence, as NVIDIA's masked_lm_positions + weights) and weight the loss.
-    # None = on exactly when model.cuda_graphs=true.
-    static_shapes: bool | None = None
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> BertConfig:
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"model.bert.hidden={self.hidden} must be divisible by model.bert.heads={self.heads}"
-            )
-        return self
+ModelConfig = _model_config()
 
 
-class ResNetConfig(_Section):
-    depth: Literal[18, 34, 50, 101, 152] = 50
-    width: int = Field(64, ge=4, le=4096)
-    num_classes: int = Field(1000, ge=2, le=1 << 20)
-    image_size: int = Field(224, ge=8, le=8192)
-    # Group batch norm: statistics over k ranks (1 = plain BN); record ResNet runs use 2..8.
-    bn_group: int = Field(1, ge=1, le=MAX_WORLD)
-    zero_init_residual: bool = True
-
-
-class ModelConfig(_Section):
-    arch: Literal["bert", "resnet"] = "bert"
-    bert: BertConfig = BertConfig()
-    resnet: ResNetConfig = ResNetConfig()
-    # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging Face
-    # BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see models/bert_convert.py
-    init_checkpoint: str | None = None
-    compile: bool = False  # torch.compile the model
-    cuda_graphs: bool = False  # capture the step in a CUDA graph (GPU only; ignored on CPU)
+def _data_source() -> Any:
+    """``data.source``: what some registered family reads (each family's ``data_sources``)."""
+    return Literal[data_sources()]  # type: ignore[valid-type]
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "pydoc", "wikipedia", "imagenet"] = "synthetic"
+    source: _data_source() = "synthetic"  # type: ignore[valid-type]
     path: str | None = None
     max_seq_len: int = Field(512, ge=8, le=1 << 17)
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
@@ -309,6 +287,16 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _source_is_the_family_s(self) -> Config:
+        fam = FAMILIES.get(self.model.arch)
+        if self.data.source not in fam.data_sources:
+            raise ValueError(
+                f"data.source={self.data.source!r}: model.arch={fam.name} reads "
+                f"{' or '.join(fam.data_sources)}"
+            )
+        return self
+
     def check_world(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
         if not 1 <= world_size <= MAX_WORLD:
@@ -326,9 +314,16 @@ class Config(_Section):
             )
         c = self.comm
         ALGORITHMS.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
-        if self.model.arch == "resnet":
-            k = self.model.resnet.bn_group
-            if k > world_size or world_size % k:
-                raise ConfigError(
-                    f"model.resnet.bn_group={k} must divide the world size {world_size}"
-                )
+        FAMILIES.get(self.model.arch).check(self, world_size)
+
+
+def refresh_families() -> None:
+    """Rebuild ``model`` (arch, the family sections) and ``data.source`` from the families' registry:
+    a family registered after this module was imported (scaleout.families.register) is then accepted."""
+    global ModelConfig
+    ModelConfig = _model_config()
+    Config.model_fields["model"] = FieldInfo(annotation=ModelConfig, default=ModelConfig())
+    DataConfig.model_fields["source"] = FieldInfo(annotation=_data_source(), default="synthetic")
+    DataConfig.model_rebuild(force=True)
+    Config.model_fields["data"] = FieldInfo(annotation=DataConfig, default=DataConfig())
+    Config.model_rebuild(force=True)

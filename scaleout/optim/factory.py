@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from scaleout.comm import config_options
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
-from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
+from scaleout.optim.groups import NVIDIA_BERT_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
 from scaleout.optim.schedule import warmup_poly
@@ -24,16 +25,17 @@ def build_optimizer(
     cfg: OptimConfig,
     world: World | None = None,
     comm: CommConfig | None = None,
+    no_decay: Sequence[str] = NVIDIA_BERT_NO_DECAY,
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
 
-    lamb/adamw: NVIDIA BERT groups (no decay, no trust ratio for bias/gamma/beta/LayerNorm and norm
-    layers); lars/sgd: MLPerf ResNet groups (batch norm and bias excluded). ``optim.sharded`` selects
+    ``no_decay``: the name patterns of the model family (``Family.no_decay``: NVIDIA BERT's
+    bias/gamma/beta/LayerNorm, MLPerf ResNet's bias and batch norm) get no weight decay and no trust
+    ratio, and neither do normalisation layers (scaleout/optim/groups.py). ``optim.sharded`` selects
     :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for its
     reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb`` reduce-scattered
     during backward, otherwise one bucket sent in ``step()``.
     """
-    no_decay = LARS_EXCLUDE if cfg.name in ("lars", "sgd") else NVIDIA_BERT_NO_DECAY
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
     if cfg.overlap_comm and not cfg.sharded:

@@ -1,9 +1,10 @@
 """Parameter groups by name pattern: which tensors get weight decay and the trust ratio.
 
-NVIDIA's BERT (DeepLearningExamples, run_pretraining.py) puts every parameter whose name contains
-``bias``, ``gamma``, ``beta`` or ``LayerNorm`` in a group with weight decay 0, and FusedLAMB applies the
-trust ratio only where weight decay is non-zero. The MLPerf ResNet LARS reference skips decay and
-adaptation for ``batch_normalization`` and ``bias`` variables. PyTorch names batch-norm parameters after
+Which names are excluded is model knowledge, so each model family declares it (``Family.no_decay``,
+scaleout/families/): NVIDIA's BERT (DeepLearningExamples, run_pretraining.py) puts every parameter whose
+name contains ``bias``, ``gamma``, ``beta`` or ``LayerNorm`` in a group with weight decay 0, and FusedLAMB
+applies the trust ratio only where weight decay is non-zero; the MLPerf ResNet LARS reference skips decay
+and adaptation for ``batch_normalization`` and ``bias`` variables. PyTorch names batch-norm parameters after
 the attribute (``bn1.weight``, ``downsample.1.weight``), so besides name patterns the parameters of
 normalisation modules are excluded by type (``norm_layers=True``).
 """
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 
 from scaleout.errors import ConfigError
+from scaleout.families.bert import NVIDIA_BERT_NO_DECAY
+from scaleout.families.resnet import LARS_EXCLUDE
 
-NVIDIA_BERT_NO_DECAY = ("bias", "gamma", "beta", "LayerNorm")
-LARS_EXCLUDE = ("bias", "bn", "batch_norm", "batchnorm", "BatchNorm")
+__all__ = ["LARS_EXCLUDE", "NVIDIA_BERT_NO_DECAY", "param_groups"]
 _NORM_TYPES = (
     torch.nn.modules.batchnorm._NormBase,
     torch.nn.LayerNorm,

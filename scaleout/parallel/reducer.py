@@ -101,7 +101,7 @@ class Reducer:
             None  # names with no gradient on any rank in every step so far
         )
         # True: wait() keeps the census on the device instead of reading it (census_flag / check_census),
-        # so a trainer that reads one agreement flag per step reads the census with it (train/loop.py).
+        # so a trainer that reads one agreement flag per step reads the census with it (train/trainer.py).
         self.defer_census = False
         self.pending_census: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}

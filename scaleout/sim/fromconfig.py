@@ -2,12 +2,12 @@
 
 ``scaleout simulate scale --config configs/bert_large_256x8.yaml`` simulates the run the config describes:
 
-- model: BERT parameters and FLOPs from ``model.bert`` (scaleout.sim.step.bert_params /
-  bert_flops_per_sequence). A sample is what ``train.global_batch`` counts: with ``data.packing`` a
-  packed row (variable-length attention per sequence), taken as full of Wikipedia-512's mean sequence of
-  512 / 2.0013 tokens (2.0013 per row, the packing ceiling); without packing, or on other data, one
-  sequence padded to ``data.max_seq_len`` (an upper bound). The MLM head runs on ``data.mask_prob`` of
-  the tokens with ``unpad_mlm_head``, else on all. ResNet: the ``resnet50`` preset;
+- model: parameters, parameter tensors and training FLOPs per sample from the family of ``model.arch``
+  (scaleout/families/<arch>/: ``Family.params`` / ``flops_per_sample``, each family's flops.py). A sample
+  is what ``train.global_batch`` counts: for BERT with ``data.packing`` a packed row taken as full of
+  Wikipedia-512's mean sequence (2.0013 per row, the packing ceiling), otherwise one sequence padded to
+  ``data.max_seq_len``. The bytes-per-parameter assumptions come from the family's preset
+  (``Family.sim_preset``: bert-large, resnet50);
 - optimizer placement: ``optim.sharded`` -> ``sharded`` (scaleout's ShardedLAMB, ZeRO-1 over the world),
   else ``replicated``; overlap from ``optim.overlap_comm`` (sharded) or ``comm.overlap``;
 - bytes on the wire: ShardedLAMB reduce-scatters its fp32 gradient buffer and all-gathers the parameters
@@ -24,10 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scaleout.families import FAMILIES
 from scaleout.sim.collectives import config_row_length
-from scaleout.sim.step import ModelSpec, TrainSpec, bert_flops_per_sequence, bert_params, get_model
-
-WIKI_512_MEAN_TOKENS = 512 / 2.0013  # Graphcore arXiv 2107.02027: the Wikipedia-512 packing ceiling
+from scaleout.sim.step import ModelSpec, TrainSpec, get_model
 
 
 @dataclass(frozen=True)
@@ -50,35 +49,23 @@ def wire_bytes(cfg: Any) -> tuple[int, int]:
     return (4 if cfg.comm.compression == "none" else 2), 4
 
 
-def _bert(cfg: Any) -> tuple[ModelSpec, float]:
-    """The model, and sequences per sample (packed rows hold several)."""
-    b, data = cfg.model.bert, cfg.data
-    packed = data.packing != "none" and data.source == "wikipedia" and data.max_seq_len == 512
-    tokens = WIKI_512_MEAN_TOKENS if packed else float(data.max_seq_len)
-    per_sample = data.max_seq_len / tokens if packed else 1.0
-    masked = data.mask_prob if b.unpad_mlm_head else 1.0
-    per_seq = bert_flops_per_sequence(
-        tokens, b.layers, b.hidden, b.vocab_size, masked, b.intermediate
-    )
+def model_of(cfg: Any) -> tuple[ModelSpec, float]:
+    """The model of ``cfg`` (its family's formulas), and evaluation samples per training sample."""
+    fam = FAMILIES.get(cfg.model.arch)
     model = replace(
-        get_model("bert-large"),
-        name=f"bert {b.layers}x{b.hidden}",
+        get_model(fam.sim_preset),
+        name=fam.describe(cfg),
         notes="from the config",
-        params=float(
-            bert_params(
-                b.vocab_size, b.hidden, b.layers, b.intermediate, b.max_position, b.type_vocab_size
-            )
-        ),
-        flops_per_sample=per_seq * per_sample,
-        param_tensors=14
-        + 12 * b.layers,  # as scaleout.models.bert registers them (302 at 24 layers)
+        params=float(fam.params(cfg)),
+        flops_per_sample=fam.flops_per_sample(cfg),
+        param_tensors=fam.param_tensors(cfg),
     )
-    return model, per_sample
+    return model, fam.sequences_per_sample(cfg)
 
 
 def from_config(cfg: Any, source: str = "") -> ConfigRun:
     """The simulator's inputs for the run ``cfg`` describes."""
-    model, per_sample = _bert(cfg) if cfg.model.arch == "bert" else (get_model("resnet50"), 1.0)
+    model, per_sample = model_of(cfg)
     grad_bytes, param_bytes = wire_bytes(cfg)
     launch, t = cfg.launch, cfg.train
     gpus = launch.nnodes * launch.nproc_per_node

@@ -30,19 +30,20 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import ConfigError
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.flops import sequence_training_flops
 from scaleout.sim.cluster import get_cluster, with_sharp
 from scaleout.sim.step import (
     StepResult,
     TimeToTrain,
     TrainSpec,
-    bert_flops_per_sequence,
     get_model,
     step_time,
     time_to_train,
 )
 
 BERT_MFU = 0.40  # assumed fraction of peak FLOP/s, every run and GPU generation
-PACKED_ROW_FLOPS = bert_flops_per_sequence(tokens=512, masked_fraction=1.0)
+PACKED_ROW_FLOPS = sequence_training_flops(BertConfig(), tokens=512, masked_fraction=1.0)
 _REPO = "github.com/mlcommons/training_results_"
 
 

@@ -26,6 +26,10 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from scaleout.errors import ConfigError
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.flops import sequence_training_flops
+from scaleout.families.resnet.config import ResNetConfig
+from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import canonical
 from scaleout.sim.sharded import check_optimizer, gather_time, norm_time, reduce_time, shard_ranks
@@ -91,51 +95,13 @@ class StepResult:
         return self.gpus * local_batch / self.step
 
 
-def bert_flops_per_sequence(
-    tokens: float = 512 / 2.0013,
-    layers: int = 24,
-    hidden: int = 1024,
-    vocab: int = 30522,
-    masked_fraction: float = 0.15,
-    intermediate: int | None = None,
-) -> float:
-    """Training FLOPs of one BERT sequence (3 x forward).
-
-    Forward per token: 2 x (4 d^2 + 2 d I) L (QKV, projection, the I = 4d MLP) + 4 s d L (scores and weighted sum over the
-    sequence's own s tokens: packed, unpadded attention). The MLM head runs only on masked tokens (15 %,
-    BERT paper): 2 x (d^2 + d V). Default tokens = 512 / 2.0013, the mean real length implied by the
-    Wikipedia-512 packing ceiling (Graphcore arXiv 2107.02027; DESIGN facts).
-    """
-    ffn = intermediate if intermediate is not None else 4 * hidden
-    per_token = 2 * (4 * hidden**2 + 2 * hidden * ffn) * layers + 4 * tokens * hidden * layers
-    head = masked_fraction * tokens * 2 * (hidden**2 + hidden * vocab)
-    return 3 * (tokens * per_token + head)
-
-
-def bert_params(
-    vocab: int = 30522,
-    hidden: int = 1024,
-    layers: int = 24,
-    intermediate: int = 4096,
-    max_position: int = 512,
-    type_vocab: int = 2,
-) -> int:
-    """Parameters of BertForPreTraining (decoder tied to the word embeddings): 336.2M for BERT-large."""
-    d = hidden
-    embeddings = (vocab + max_position + type_vocab) * d + 2 * d
-    layer = (
-        4 * d * d + 2 * d * intermediate + 9 * d + intermediate
-    )  # attention, FFN, two layer norms
-    heads = (d * d + d) + (d * d + 3 * d + vocab) + (2 * d + 2)  # pooler, MLM transform + bias, NSP
-    return embeddings + layers * layer + heads
-
-
 MODELS: dict[str, ModelSpec] = {
     # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed data).
     "bert-large": ModelSpec(
         "bert-large",
         params=335e6,
-        flops_per_sample=bert_flops_per_sequence(),
+        # a Wikipedia-512 sequence of mean length (scaleout/families/bert/flops.py)
+        flops_per_sample=sequence_training_flops(BertConfig()),
         grad_bytes=2,
         # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
         opt_bytes_per_param=32.0,
@@ -146,11 +112,12 @@ MODELS: dict[str, ModelSpec] = {
         eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
         notes="BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh",
     ),
-    # ResNet-50 v1.5: 25.6M params, 4.1 GFLOP forward per 224x224 image (x3 for training).
+    # ResNet-50 v1.5: 25.6M params, 4.09 G multiply-adds forward per 224x224 image (x2 FLOPs, x3 for
+    # training; scaleout/families/resnet/flops.py).
     "resnet50": ModelSpec(
         "resnet50",
         params=25.6e6,
-        flops_per_sample=3 * 4.1e9,
+        flops_per_sample=training_flops_per_image(ResNetConfig()),
         grad_bytes=4,
         opt_bytes_per_param=16.0,
         samples_to_converge=37

@@ -1,7 +1,7 @@
 """The cost model's (scaleout.sim) efficiency for the points a sweep measured, for a side-by-side column.
 
-The simulator is given what the sweep knows: the model's gradient size (parameters counted on the meta
-device, no memory), the per-rank batch of each point, the all-reduce algorithm and bucket size of the
+The simulator is given what the sweep knows: the model's gradient size (parameters from the family's formula,
+scaleout/families/<arch>/flops.py), the per-rank batch of each point, the all-reduce algorithm and bucket size of the
 config, and the per-rank compute speed measured at the base point (step time minus its exposed
 communication). It then predicts each point's step time on a preset cluster (``--simulate netns-1g``
 for the emulated cluster, ``dgx-a100`` for "what would this do there") with that point's node shape,
@@ -16,24 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scaleout.config.schema import Config
+from scaleout.families import FAMILIES
 from scaleout.sweep.results import PointResult
-
-
-def count_params(cfg: Config) -> int:
-    """Trainable parameters of the config's model, built on the meta device (no allocation)."""
-    import torch
-
-    with torch.device("meta"):
-        if cfg.model.arch == "bert":
-            from scaleout.models.bert import BertForPreTraining
-
-            model = BertForPreTraining(cfg.model.bert)
-        else:
-            from scaleout.models.resnet import ResNet
-
-            r = cfg.model.resnet
-            model = ResNet(r.depth, r.width, r.num_classes, r.image_size, r.zero_init_residual)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 class Simulator:
@@ -43,7 +27,7 @@ class Simulator:
         self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs
         self.preset = preset
         self.cfg = cfg
-        self.params = count_params(cfg)
+        self.params = FAMILIES.get(cfg.model.arch).params(cfg)
         from scaleout.sim.fromconfig import wire_bytes
 
         # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends fp32.

@@ -15,7 +15,7 @@
 - The default BERT forward graph-breaks on CPU (the ``int(pos.max())`` range check and the boolean
   selections of masked positions and NSP rows, whose sizes depend on the data); each piece is still
   fused (FC + bias + GELU, LayerNorm + residual, softmax) by Inductor. ``model.bert.static_shapes=true``
-  (the capture-safe forward, see ``scaleout/models/bert.py``) compiles as one graph with
+  (the capture-safe forward, see ``scaleout/families/bert/model.py``) compiles as one graph with
   ``fullgraph=True`` (tested). ``scaleout bench compile`` measures what compiling buys.
 
 **``model.cuda_graphs=true``** (CUDA only) captures the step with ``torch.cuda.graphs``: zero the

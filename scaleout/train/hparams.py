@@ -1,5 +1,5 @@
 """The hyper-parameter keys the MLPerf rules require for a run: the common ones (batch sizes, precision,
-parallelism, config file) here, the optimizer's from the model family's task (scaleout/train/tasks.py)."""
+parallelism, config file) here, the optimizer's from the model family (scaleout/families/<arch>/__init__.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from scaleout.config.schema import Config
+from scaleout.families import FAMILIES
 from scaleout.train.precision import mlperf_numerics
-from scaleout.train.tasks import task_class
 
 
 def hyperparameters(
@@ -21,7 +21,7 @@ def hyperparameters(
     sequences_per_row: float | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """The MLPerf hyper-parameter keys of ``cfg`` (BERT/LAMB, ResNet/LARS: the task of ``model.arch``).
+    """The MLPerf hyper-parameter keys of ``cfg`` (BERT/LAMB, ResNet/LARS: the family of ``model.arch``).
 
     ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use. The precision keys
     say what runs on ``device`` (scaleout.train.precision.mlperf_numerics).
@@ -50,4 +50,4 @@ def hyperparameters(
         "expert_parallelism": 1,
         "config_filename": os.path.basename(config_file),
     }
-    return {**common, **task_class(cfg.model.arch).mlperf_hparams(cfg, steps_per_epoch)}
+    return {**common, **FAMILIES.get(cfg.model.arch).mlperf_hparams(cfg, steps_per_epoch)}

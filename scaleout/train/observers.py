@@ -29,7 +29,7 @@ from scaleout.observe import (
     StepRecord,
 )
 from scaleout.profile import StepProfiler, build_profiler
-from scaleout.report import QUALITY_EXPONENT, RunReport
+from scaleout.report import RunReport
 from scaleout.timers import Timers
 from scaleout.train.progress import Progress
 from scaleout.world import World
@@ -213,10 +213,16 @@ class ReportWriter(Observer):
     (peak memory, MAX over ranks), so every rank holds one; the trainer returns ``report``."""
 
     def __init__(
-        self, cfg: Config, world: World, out: Path, timers: Timers, benchmark: str, task_info: Any
+        self,
+        cfg: Config,
+        world: World,
+        out: Path,
+        timers: Timers,
+        quality_exponent: float | None,
+        task_info: Any,
     ):
         self.cfg, self.world, self.out, self.timers = cfg, world, out, timers
-        self.benchmark, self.task_info = benchmark, task_info
+        self.quality_exponent, self.task_info = quality_exponent, task_info
         self.report: RunReport | None = None
 
     def on_run_end(self, end: RunEnd) -> None:
@@ -235,7 +241,7 @@ class ReportWriter(Observer):
             real_tokens=run.tokens,
             achieved=end.metric,
             target=cfg.train.target,
-            quality_exponent=QUALITY_EXPONENT.get(self.benchmark),
+            quality_exponent=self.quality_exponent,
             device_name=peak.name,
             peak_flops_per_device=peak.flops,
             peak_source=peak.source,

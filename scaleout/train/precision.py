@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from scaleout.errors import ConfigError
+from scaleout.families import FAMILIES
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch.amp.GradScaler's defaults (torch/amp/grad_scaler.py).
@@ -125,7 +126,7 @@ def mlperf_numerics(
             torch.backends.cuda.matmul.allow_tf32
             or torch.get_float32_matmul_precision() != "highest"
         )
-        tf32_conv = torch.backends.cudnn.allow_tf32 and arch == "resnet"
+        tf32_conv = torch.backends.cudnn.allow_tf32 and FAMILIES.get(arch).convolutions
         linear = "tf32" if tf32_matmul or tf32_conv else "fp32"
         attn = "tf32" if tf32_matmul else "fp32"
     comm = {"none": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[compression]

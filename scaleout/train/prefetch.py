@@ -10,7 +10,7 @@ Design, and why:
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
   ``start_step + i`` for this rank, built by the task's batch builder (``task.batches.micro_batches``, the
   same code ``task.micro_batches`` runs, minus the copy to the device).
-  Data order is already a pure function of the data position (``scaleout/train/tasks.py``), so the
+  Data order is already a pure function of the data position (``scaleout/families/task.py``), so the
   background batches are *the same* batches as the synchronous path, in the same order, and resume is
   just "start at another step": nothing about the prefetcher goes in a checkpoint.
 - **Worker processes, via ``torch.utils.data.DataLoader``** (``num_workers`` processes,
@@ -97,8 +97,8 @@ _PRELOAD = [
     "torch",
     "scaleout.train.prefetch",
     "scaleout.data.batches",
-    "scaleout.data.bert_batch",
-    "scaleout.data.images",
+    "scaleout.families.bert.data.bert_batch",
+    "scaleout.families.resnet.data",
     "scaleout.data.sampler",
     "scaleout.cli",
 ]

@@ -4,7 +4,7 @@ evaluation to the target -> MLPerf log, checkpoints, report.
 Everything a trainer holds is declared on the class below, in four groups, and built in ``__init__``;
 ``train()`` runs the steps (``train_step()`` -> ``forward_backward()``); ``state_dict()`` /
 ``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces instead of modes: the task
-(scaleout/train/tasks.py) for everything about the model family, the gradient sync
+(scaleout/families/task.py) for everything about the model family, the gradient sync
 (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
 optimizer state, and its observers (scaleout/observe.py) for everything it reports. Time-to-train is
 MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
@@ -71,7 +71,7 @@ from scaleout.train.observers import (
     ReportWriter,
 )
 from scaleout.train.rerun import check_data_position
-from scaleout.train.tasks import Task, build_task
+from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
 log = logging.getLogger("scaleout.train")
@@ -129,7 +129,7 @@ class Trainer:
     out: Path  # train.output_dir
 
     # -- swappable components (built from the config) -----------------------------------------------
-    task: Task  # the model family: model, data, loss, evaluation (train/tasks.py)
+    task: Task  # the model family: model, data, loss, evaluation (families/task.py)
     model: torch.nn.Module  # DataParallel around the task's model, or the model itself when sharded
     optimizer: torch.optim.Optimizer
     sync: GradientSync  # who averages the gradients: DataParallel or the sharded optimizer
@@ -224,7 +224,9 @@ class Trainer:
             )
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg.optim, world, cfg.comm)
+        self.optimizer = build_optimizer(
+            model, cfg.optim, world, cfg.comm, no_decay=self.task.family.no_decay
+        )
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
         self.schedule = build_schedule(self.optimizer, cfg.optim)
@@ -246,7 +248,7 @@ class Trainer:
 
         # observers, in the order they are called
         self.report_writer = ReportWriter(
-            cfg, world, self.out, self.timers, self.task.benchmark, self.task.info
+            cfg, world, self.out, self.timers, self.task.family.quality_exponent, self.task.info
         )
         self.observers = [
             mlperf_observer,

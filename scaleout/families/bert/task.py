@@ -1,0 +1,173 @@
+"""``BertTask``: BERT pre-training (MLM + NSP) on packed or padded sequences, in memory (synthetic,
+pydoc) or read lazily from MLPerf shards (wikipedia); metric = masked-LM accuracy."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from scaleout.data.batches import MicroBatch, to_device
+from scaleout.data.sampler import ShardedSampler
+from scaleout.errors import ConfigError
+from scaleout.families.bert.convert import load_init_checkpoint
+from scaleout.families.bert.data.batches import BertBatches, SequenceTable, ShardBertBatches
+from scaleout.families.bert.data.bert_batch import build_batch
+from scaleout.families.bert.data.bert_sources import load_bert_data, to_bert_sequences
+from scaleout.families.bert.data.shard_source import open_shards
+from scaleout.families.bert.flops import batch_flops
+from scaleout.families.bert.model import BertForPreTraining
+from scaleout.families.bert.packing.assign import assign_sequences
+from scaleout.families.bert.packing.hist import histogram_from_lengths
+from scaleout.families.bert.packing.pack import pack_histogram
+from scaleout.families.task import Counts, Task
+
+if TYPE_CHECKING:
+    from scaleout.config.schema import Config
+    from scaleout.world import World
+
+
+class BertTask(Task):
+    def __init__(self, cfg: Config, world: World):
+        super().__init__(cfg, world)
+        d, b = cfg.data, cfg.model.bert
+        if d.max_seq_len > b.max_position:
+            raise ConfigError(
+                f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}"
+            )
+        self.stream: Any = None
+        if (
+            d.source == "wikipedia"
+        ):  # MLPerf shards, read lazily (scaleout/families/bert/data/shard_source.py)
+            self._open_shards(cfg, world)
+        else:
+            self._load_in_memory(cfg, world)
+        # model.bert.static_shapes unset: on exactly when the step is captured in a CUDA graph (the
+        # fixed-slot MLM/NSP heads cost a few padded rows; graphs need them, eager/compile need not)
+        static = b.static_shapes if b.static_shapes is not None else cfg.model.cuda_graphs
+        self.info["bert_static_shapes"] = bool(static)
+        model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
+        # micro-batches count their FLOPs with the heads this model runs
+        self.batches.flops = functools.partial(batch_flops, model.cfg)
+        if (
+            cfg.model.init_checkpoint
+        ):  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+            self.info["init_checkpoint"] = load_init_checkpoint(
+                model, cfg.model.init_checkpoint, world.rank == 0
+            )
+        self.model = model.to(world.device)
+
+    def _open_shards(self, cfg: Config, world: World) -> None:
+        """Training stream and eval share from the shard index: nothing per sequence is loaded up front."""
+        data = open_shards(cfg, world.rank, world.world_size, world.barrier)
+        self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
+        self.rows, self.max_pred = data.stream.total, data.stream.max_pred
+        self.sequences_per_row = data.sequences_per_row
+        self.info["data"], self.info["packing"] = (
+            {k: v for k, v in data.info.items() if k != "packing"},
+            data.info["packing"],
+        )
+        self.batches = ShardBertBatches(data.stream)
+
+    def _load_in_memory(self, cfg: Config, world: World) -> None:
+        """pydoc / synthetic: every sequence in memory (small data sets)."""
+        d = cfg.data
+        # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds while
+        # the others wait, then they load the cache instead of all doing the same minutes of work.
+        if world.local_rank == 0:
+            data = load_bert_data(cfg)
+        world.barrier()
+        if world.local_rank != 0:
+            data = load_bert_data(cfg)
+        self.info["data"] = {k: v for k, v in data.info.items() if k != "cache"}
+        self.train_seqs = to_bert_sequences(data.train)
+        self.eval_seqs = to_bert_sequences(data.eval[: d.eval_samples])
+        self.lengths = np.array([len(s) for s in self.train_seqs], dtype=np.int64)
+        if d.packing != "none":
+            strategy = pack_histogram(
+                histogram_from_lengths(self.lengths, d.max_seq_len),
+                d.max_seq_len,
+                d.max_per_pack,
+                d.packing,
+            )
+            self.packs = assign_sequences(strategy, self.lengths, seed=d.seed).packs()
+            self.depth = d.max_per_pack
+            self.info["packing"] = {
+                "algorithm": strategy.algorithm,
+                "efficiency": float(strategy.efficiency),
+                "speedup": float(strategy.speedup),
+            }
+        else:
+            self.packs = [[i] for i in range(len(self.train_seqs))]
+            self.depth = 1
+        self.rows = len(self.packs)
+        self.sequences_per_row = sum(len(p) for p in self.packs) / max(self.rows, 1)
+        self.pack_tokens = np.array(
+            [int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64
+        )
+        self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
+        self.sampler = ShardedSampler(
+            self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+        )
+        self.max_pred = d.max_predictions * self.depth
+        self.batches = BertBatches(
+            SequenceTable(self.train_seqs),
+            self.packs,
+            self.pack_tokens,
+            self.sampler,
+            d.max_seq_len,
+            self.max_pred,
+            self.depth,
+        )
+
+    def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return model(mb.inputs).loss
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> float:
+        d = self.cfg.data
+        return evaluate_mlm(
+            model, self.eval_seqs, d.max_seq_len, d.max_predictions, self.world, self.autocast
+        )
+
+    def samples_per_step(self, position: int) -> tuple[int, int]:
+        if self.stream is not None:
+            return self.stream.global_counts(position)
+        idx = self.sampler.global_indices(position)
+        return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
+
+    @property
+    def eval_size(self) -> int:
+        return len(self.eval_seqs)
+
+    def epoch_of(self, samples: int) -> int:
+        return samples  # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+
+
+@torch.no_grad()
+def evaluate_mlm(
+    model: torch.nn.Module,
+    eval_seqs: Any,
+    max_len: int,
+    max_pred: int,
+    world: Any,
+    autocast: Any = contextlib.nullcontext,
+) -> float:
+    """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
+    ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
+    of ``scaleout bench ttt``) evaluates with exactly this function."""
+    mine = list(range(world.rank, len(eval_seqs), world.world_size))
+    counts = Counts(world)
+    bs = 64
+    was_training = model.training
+    model.eval()
+    for i in range(0, len(mine), bs):
+        batch = build_batch(eval_seqs, [[j] for j in mine[i : i + bs]], max_len, max_pred, 1)
+        with autocast():
+            out = model(to_device(batch, world.device))
+        counts.add(out.mlm_correct, out.mlm_total)
+    model.train(was_training)
+    return counts.ratio()

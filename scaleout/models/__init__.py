@@ -1,1 +1,0 @@
-"""Models: BERT for pre-training (:mod:`scaleout.models.bert`), ResNet (:mod:`scaleout.models.resnet`)."""
