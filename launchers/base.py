@@ -3,13 +3,15 @@
 torch.distributed.elastic's agent and ``RunResult`` / ``WorkerState``, cut down::
 
     launcher = LAUNCHERS.get("local")()            # or make_launcher("slurm", LaunchOptions(...))
-    with launcher:                                 # holds what several starts share (netns' cluster)
+    with launcher:                                 # holds what several starts share (netns'
+    cluster)
         job = launcher.start(["scaleout", "train", "cfg.yaml"], nnodes=2, nproc_per_node=2)
-        result = job.wait(timeout_s=600)           # LaunchResult(returncode, failed, message, state)
+        result = job.wait(timeout_s=600)           # LaunchResult(returncode, failed, message,
+        state)
 
-Implementations register in :data:`LAUNCHERS` (``local``: processes as emulated nodes; ``netns``: the same
-inside network namespaces; ``slurm``: sbatch + srun; ``submit``: submitit). ``scaleout launch``,
-``scaleout submit``, the sweep and ``scaleout bench ttt`` start ranks only through them.
+Implementations register in :data:`LAUNCHERS` (``local``: processes as emulated nodes; ``netns``:
+the same inside network namespaces; ``slurm``: sbatch + srun; ``submit``: submitit). ``scaleout
+launch``, ``scaleout submit``, the sweep and ``scaleout bench ttt`` start ranks only through them.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from typing import Any, ClassVar, Literal, Protocol
 from scaleout.errors import UserError
 from scaleout.registry import Registry
 
-# How a launch ended: every rank exited 0; one rank failed (named in ``failed`` when the launcher knows
-# it); the launcher was told to stop (a signal, a cancelled job); or the wait's timeout expired.
+# How a launch ended: every rank exited 0; one rank failed (named in ``failed`` when the launcher
+# knows it); the launcher was told to stop (a signal, a cancelled job); or the wait's timeout
+# expired.
 LaunchState = Literal["succeeded", "failed", "stopped", "timed_out"]
 EXIT_TIMED_OUT = 124  # timeout(1)'s code, which the launchers return when a wait times out
 
 
 @dataclass(frozen=True)
 class RankExit:
-    """The first rank that failed: where it ran and how it ended (a negative code: killed by a signal)."""
+    """The first rank that failed: where it ran and how it ended (a negative code: killed by a
+    signal)."""
 
     rank: int
     node: int
@@ -83,8 +87,9 @@ class Job(Protocol):
 
 @dataclass
 class LaunchOptions:
-    """What a tool (the sweep, bench ttt) may ask of any launcher. Each launcher takes what applies to it
-    and refuses, in one line, an option it cannot honour (sbatch options for a local launch...)."""
+    """What a tool (the sweep, bench ttt) may ask of any launcher. Each launcher takes what
+    applies to it and refuses, in one line, an option it cannot honour (sbatch options for a
+    local launch...)."""
 
     extra_env: dict[str, str] = field(default_factory=dict)  # added to every rank's environment
     rate: str | None = None  # netns: each emulated node's link rate (tc units)
@@ -98,8 +103,9 @@ class LaunchOptions:
 
 
 class Launcher:
-    """Start ``nnodes`` x ``nproc_per_node`` ranks of one command. Subclasses set ``name``, implement
-    :meth:`start` and :meth:`from_options`; ``prepare``/``close`` hold resources across starts."""
+    """Start ``nnodes`` x ``nproc_per_node`` ranks of one command. Subclasses set ``name``,
+    implement :meth:`start` and :meth:`from_options`; ``prepare``/``close`` hold resources across
+    starts."""
 
     name: ClassVar[str] = "base"
 
@@ -108,8 +114,8 @@ class Launcher:
         raise NotImplementedError
 
     def check(self, shapes: Sequence[tuple[int, int]]) -> None:
-        """One-line errors, before anything starts, for (nnodes, nproc_per_node) shapes this launcher
-        cannot run here."""
+        """One-line errors, before anything starts, for (nnodes, nproc_per_node) shapes this
+        launcher cannot run here."""
 
     def prepare(self, max_nnodes: int) -> None:
         """Set up what the coming starts share, sized for the largest (netns: its cluster)."""
@@ -132,9 +138,9 @@ class Launcher:
         log: Path | None = None,
         name: str = "scaleout",
     ) -> Job:
-        """Start every rank of ``argv`` (``scaleout ...``, a ``.py`` file or a program). ``log``: where the
-        ranks' output goes (None: this process's stdout, or the launcher's own log files); ``name``: the
-        job's name where the launcher has one."""
+        """Start every rank of ``argv`` (``scaleout ...``, a ``.py`` file or a program). ``log``:
+        where the ranks' output goes (None: this process's stdout, or the launcher's own log
+        files); ``name``: the job's name where the launcher has one."""
         raise NotImplementedError
 
 

@@ -1,19 +1,21 @@
 """Run M x G processes on this machine as M emulated nodes, and supervise them.
 
-Each child gets the variables ``scaleout.env.local.LocalEnv`` reads (plus torchrun's RANK/LOCAL_RANK/... so
-torch-native scripts work too), its own process group (so a rank's own children die with it), and its
-output prefixed with ``[rank N]``. Supervision: when a rank exits non-zero or is killed, every other rank
-gets SIGTERM, then SIGKILL after ``grace_s``; the launcher returns non-zero and names the rank. SIGINT,
-SIGTERM or SIGHUP to the launcher does the same to every child; SIGUSR1/SIGUSR2 (preemption notices) are
-forwarded to every rank, as srun forwards them.
+Each child gets the variables ``scaleout.env.local.LocalEnv`` reads (plus torchrun's
+RANK/LOCAL_RANK/... so torch-native scripts work too), its own process group (so a rank's own
+children die with it), and its output prefixed with ``[rank N]``. Supervision: when a rank exits
+non-zero or is killed, every other rank gets SIGTERM, then SIGKILL after ``grace_s``; the launcher
+returns non-zero and names the rank. SIGINT, SIGTERM or SIGHUP to the launcher does the same to
+every child; SIGUSR1/SIGUSR2 (preemption notices) are forwarded to every rank, as srun forwards
+them.
 
-Nothing outlives the launcher: a watchdog process (launchers/watchdog.py) stops the ranks when the launcher
-dies without doing so itself (SIGKILL, OOM). A closed stdout (``| head``, a dead ssh) never blocks the
-ranks: their pipes are drained and the output dropped.
+Nothing outlives the launcher: a watchdog process (launchers/watchdog.py) stops the ranks when the
+launcher dies without doing so itself (SIGKILL, OOM). A closed stdout (``| head``, a dead ssh) never
+blocks the ranks: their pipes are drained and the output dropped.
 
-The default grace is 30 s, the same as Slurm's KillWait default and torchrun's stop timeout: on SIGTERM the
-trainer finishes its step and writes a checkpoint (rank 0 gathers and writes the whole state), which for a
-real model takes seconds to tens of seconds; a shorter window kills it half-way and loses that progress.
+The default grace is 30 s, the same as Slurm's KillWait default and torchrun's stop timeout: on
+SIGTERM the trainer finishes its step and writes a checkpoint (rank 0 gathers and writes the whole
+state), which for a real model takes seconds to tens of seconds; a shorter window kills it half-way
+and loses that progress.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from scaleout.launchers.watchdog import start_time
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
 DEFAULT_GRACE_S = 30.0
-# Emulated ranks per core beyond which a local launch is a typo, not a test: each rank is at least one
-# process with its own interpreter, and 64 per core already means seconds per scheduling round.
+# Emulated ranks per core beyond which a local launch is a typo, not a test: each rank is at least
+# one process with its own interpreter, and 64 per core already means seconds per scheduling round.
 RANKS_PER_CORE_CAP = 64
 
 
@@ -58,11 +60,13 @@ def max_local_ranks() -> int:
 
 
 def resolve_command(cmd: Sequence[str]) -> list[str]:
-    """``scaleout x`` / ``script.py`` / ``python ...`` / a program -> something exec-able with this interpreter.
-    (A bare scaleout subcommand, ``smoke`` for ``scaleout smoke``, is the CLI's to resolve: it knows them.)"""
+    """``scaleout x`` / ``script.py`` / ``python ...`` / a program -> something exec-able with
+    this interpreter. (A bare scaleout subcommand, ``smoke`` for ``scaleout smoke``, is the CLI's
+    to resolve: it knows them.)"""
     if not cmd:
         raise UserError(
-            "no command given after '--' (e.g. scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke)"
+            "no command given after '--' (e.g. scaleout launch --nnodes 2 --nproc-per-node 2 -- "
+            "scaleout smoke)"
         )
     cmd = list(cmd)
     if cmd[0] == "scaleout":
@@ -73,7 +77,8 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
         return [sys.executable, "-u", *cmd[1:]]
     if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
         raise UserError(
-            f"command {cmd[0]!r} not found on PATH (expected a program, a .py file or a scaleout subcommand)"
+            f"command {cmd[0]!r} not found on PATH (expected a program, a .py file or a scaleout "
+            "subcommand)"
         )
     return cmd
 
@@ -81,7 +86,8 @@ def resolve_command(cmd: Sequence[str]) -> list[str]:
 def rank_env(
     base: dict[str, str], rank: int, nnodes: int, nproc: int, addr: str, port: int
 ) -> dict[str, str]:
-    """``base`` plus what rank ``rank`` of ``nnodes`` x ``nproc`` reads (scaleout.env.base.local_rank_env)."""
+    """``base`` plus what rank ``rank`` of ``nnodes`` x ``nproc`` reads
+    (scaleout.env.base.local_rank_env)."""
     env = dict(base)
     env.update(local_rank_env(rank, nnodes, nproc, addr, port), PYTHONUNBUFFERED="1")
     # Each emulated node gets a share of the cores, not all of them (a 2-core box would thrash).
@@ -90,8 +96,9 @@ def rank_env(
 
 
 class _Sink:
-    """Where every rank's lines go. Once the reader is gone (BrokenPipeError, EIO after a hang-up) lines are
-    dropped, but the ranks' pipes keep being drained: a rank must never block on a full pipe."""
+    """Where every rank's lines go. Once the reader is gone (BrokenPipeError, EIO after a
+    hang-up) lines are dropped, but the ranks' pipes keep being drained: a rank must never block
+    on a full pipe."""
 
     def __init__(self, out) -> None:
         self.out = out
@@ -111,8 +118,9 @@ class _Sink:
     def _break(self) -> None:
         self.broken = True
         if self.out is sys.stdout:
-            # Point fd 1 at /dev/null so that buffered text and the final message do not raise again (or
-            # print "Exception ignored ... BrokenPipeError" at exit): the recipe of Python's signal docs.
+            # Point fd 1 at /dev/null so that buffered text and the final message do not raise again
+            # (or print "Exception ignored ... BrokenPipeError" at exit): the recipe of Python's
+            # signal docs.
             try:
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, sys.stdout.fileno())
@@ -143,7 +151,8 @@ def check_launch_args(
     cap = max_local_ranks()
     if nnodes * nproc_per_node > cap:
         raise UserError(
-            f"--nnodes={nnodes} x --nproc-per-node={nproc_per_node} = {nnodes * nproc_per_node} ranks: expected at "
+            f"--nnodes={nnodes} x --nproc-per-node={nproc_per_node} = {nnodes * nproc_per_node} "
+            "ranks: expected at "
             f"most {cap} on this machine ({RANKS_PER_CORE_CAP} per core x {os.cpu_count()} cores)"
         )
     if not (math.isfinite(grace_s) and 0 <= grace_s <= 3600):
@@ -155,9 +164,9 @@ def check_launch_args(
 
 
 class LocalJob:
-    """Start, watch and stop the ranks (:class:`LocalLauncher` makes one; :func:`launch` is the one-call
-    form). While it runs (``start`` to the end of ``wait``, in the main thread) SIGINT, SIGTERM and SIGHUP
-    stop every rank and SIGUSR1/SIGUSR2 are forwarded to them."""
+    """Start, watch and stop the ranks (:class:`LocalLauncher` makes one; :func:`launch` is the
+    one-call form). While it runs (``start`` to the end of ``wait``, in the main thread) SIGINT,
+    SIGTERM and SIGHUP stop every rank and SIGUSR1/SIGUSR2 are forwarded to them."""
 
     def __init__(
         self,
@@ -194,8 +203,9 @@ class LocalJob:
             and is_loopback(self.addr)
             and "GLOO_SOCKET_IFNAME" not in self.base_env
         ):
-            # All ranks on this host: keep gloo's sockets on the loopback interface, not reachable from the
-            # network (torch's TCPStore itself listens on every interface; torch offers no bind address).
+            # All ranks on this host: keep gloo's sockets on the loopback interface, not reachable
+            # from the network (torch's TCPStore itself listens on every interface; torch offers no
+            # bind address).
             lo = loopback_interface()
             if lo:
                 self.base_env.update(GLOO_SOCKET_IFNAME=lo, TP_SOCKET_IFNAME=lo)
@@ -311,7 +321,8 @@ class LocalJob:
         self._stop_signal = signum
 
     def _forward(self, signum, _frame) -> None:
-        """SIGUSR1/SIGUSR2 are preemption notices: pass them to every rank (as srun does), keep running."""
+        """SIGUSR1/SIGUSR2 are preemption notices: pass them to every rank (as srun does), keep
+        running."""
         self._signal_all(signum)
 
     def wait(self, timeout_s: float | None = None) -> LaunchResult:
@@ -383,7 +394,8 @@ class LocalJob:
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        # SIGHUP: the terminal or ssh session went away; stop like SIGTERM rather than die and orphan.
+        # SIGHUP: the terminal or ssh session went away; stop like SIGTERM rather than die and
+        # orphan.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._handlers[sig] = signal.signal(sig, self._on_signal)
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -419,14 +431,16 @@ class LocalLauncher(Launcher):
     def from_options(cls, options: LaunchOptions) -> LocalLauncher:
         if options.slurm:
             raise UserError(
-                f"--slurm {', '.join(options.slurm)}: sbatch options need --launcher slurm or submit"
+                f"--slurm {', '.join(options.slurm)}: sbatch options need --launcher slurm or "
+                "submit"
             )
         if options.rate is not None:
             raise UserError("a link rate needs the emulated cluster: --launcher netns (or --netns)")
         return cls(extra_env=options.extra_env)
 
     def job_kwargs(self, log: Path | None) -> dict[str, Any]:
-        """LocalJob's keywords for one start: this launcher's options, the environment, the output."""
+        """LocalJob's keywords for one start: this launcher's options, the environment, the
+        output."""
         kwargs = dict(self.job_options)
         kwargs["env"] = {**(kwargs.get("env") or os.environ), **self.extra_env}
         if log is not None:

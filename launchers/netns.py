@@ -1,5 +1,6 @@
-"""An emulated multi-node cluster on one machine: one network namespace per node, joined by a bridge,
-with a tc token-bucket rate limit on both ends of every node's link (a full-duplex NIC of that rate).
+"""An emulated multi-node cluster on one machine: one network namespace per node, joined by a
+bridge, with a tc token-bucket rate limit on both ends of every node's link (a full-duplex NIC of
+that rate).
 
 Layout (../shared/notes/netns-cluster.md): node i = namespace ``<name>-n<i>`` with ``veth0`` =
 ``<subnet>.(i+1)/24``, loopback up and **no default route**; the root-side peer ``<name>-v<i>`` is
@@ -16,11 +17,12 @@ Processes that use the cluster's addresses must run *inside* its namespaces
 ``down()`` is idempotent and removes whatever a previous, crashed run left behind.
 
 What scaleout creates is recorded before it is created, one JSON file per cluster in ``state_dir()``
-(``/run/scaleout/netns``; $SCALEOUT_NETNS_STATE overrides): namespaces, links, /etc/netns folders and, for
-a launch's private cluster, the launcher's pid. ``down()`` removes only what a record lists, so it never
-touches a namespace or link that something else created under a similar name, and ``down_all()`` (``scaleout
-cluster down --all``) cleans every cluster whose owner is gone, e.g. after a SIGKILLed ``launch --netns``.
-/run is a tmpfs: records vanish at reboot together with the namespaces they describe.
+(``/run/scaleout/netns``; $SCALEOUT_NETNS_STATE overrides): namespaces, links, /etc/netns folders
+and, for a launch's private cluster, the launcher's pid. ``down()`` removes only what a record
+lists, so it never touches a namespace or link that something else created under a similar name, and
+``down_all()`` (``scaleout cluster down --all``) cleans every cluster whose owner is gone, e.g.
+after a SIGKILLed ``launch --netns``. /run is a tmpfs: records vanish at reboot together with the
+namespaces they describe.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def owner_alive(rec: dict[str, Any]) -> bool:
 
 
 def down_all() -> tuple[list[str], list[str]]:
-    """Tear down every recorded cluster whose owner is gone. Returns (removed, skipped because in use)."""
+    """Tear down every recorded cluster whose owner is gone. Returns (removed, skipped because in
+    use)."""
     removed, skipped = [], []
     for name, rec in read_records().items():
         if owner_alive(rec):
@@ -121,7 +124,8 @@ def require_root() -> None:
 
 @dataclass
 class Cluster:
-    """N namespaces on a bridge with a per-node rate limit. Names must fit Linux's 15-char interfaces."""
+    """N namespaces on a bridge with a per-node rate limit. Names must fit Linux's 15-char
+    interfaces."""
 
     nodes: int
     rate: str | None = "1gbit"
@@ -134,7 +138,8 @@ class Cluster:
             raise UserError(f"--nodes={self.nodes!r}: expected an integer from 1 to {MAX_NODES}")
         if not _NAME.match(self.name):
             raise UserError(
-                f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with a letter"
+                f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with "
+                "a letter"
             )
         if not re.match(r"^\d{1,3}\.\d{1,3}\.\d{1,3}$", self.subnet):
             raise UserError(f"cluster subnet {self.subnet!r}: expected three octets like 10.77.0")
@@ -198,8 +203,8 @@ class Cluster:
         os.replace(tmp, path)
 
     def up(self, owned: bool = False) -> Cluster:
-        """Create the cluster. ``owned``: it belongs to this process (a launch's private cluster), so
-        ``cluster down --all`` leaves it alone while this process runs."""
+        """Create the cluster. ``owned``: it belongs to this process (a launch's private
+        cluster), so ``cluster down --all`` leaves it alone while this process runs."""
         require_root()
         rec = read_records().get(self.name)
         if rec is not None and owner_alive(rec) and rec.get("owner_pid") != os.getpid():
@@ -211,13 +216,15 @@ class Cluster:
         if foreign:
             raise UserError(
                 f"network namespace {foreign[0]} exists but scaleout has no record of creating it "
-                f"(in {state_dir()}): remove it yourself (ip netns del {foreign[0]}) or pick another --name"
+                f"(in {state_dir()}): remove it yourself (ip netns del {foreign[0]}) or pick "
+                "another --name"
             )
         self._write_record(owned)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
-            # c10d's TCPStore listens on an IPv6 socket, so peers show up as ::ffff:a.b.c.d: list both forms.
+            # c10d's TCPStore listens on an IPv6 socket, so peers show up as ::ffff:a.b.c.d: list
+            # both forms.
             hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
                 f"{self.addr(i)} {self.ns(i)}\n::ffff:{self.addr(i)} {self.ns(i)}\n"
                 for i in range(self.nodes)
@@ -246,7 +253,8 @@ class Cluster:
                     ]
                     _checked(["tc", "-n", ns, "qdisc", "add", "dev", "veth0", *tbf])
                     _checked(["tc", "qdisc", "add", "dev", peer, *tbf])
-                # `ip netns exec` bind-mounts this over /etc/hosts: c10d's reverse lookups then succeed.
+                # `ip netns exec` bind-mounts this over /etc/hosts: c10d's reverse lookups then
+                # succeed.
                 os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
                 with open(f"/etc/netns/{ns}/hosts", "w") as f:
                     f.write(hosts)
@@ -256,8 +264,9 @@ class Cluster:
         return self
 
     def down(self) -> None:
-        """Remove what this cluster's record lists: namespaces (their veth0 and its root-side peer go with
-        them), the bridge, the /etc/netns folders; then the record. Nothing without a record."""
+        """Remove what this cluster's record lists: namespaces (their veth0 and its root-side
+        peer go with them), the bridge, the /etc/netns folders; then the record. Nothing without
+        a record."""
         if os.geteuid() != 0:
             return
         rec = read_records().get(self.name)
@@ -296,10 +305,12 @@ class Cluster:
         missing = [self.ns(i) for i in range(nodes) if self.ns(i) not in present]
         if missing:
             raise UserError(
-                f"emulated cluster {self.name!r} lacks namespaces {missing}: run `scaleout cluster up --nodes {nodes} --name {self.name}`"
+                f"emulated cluster {self.name!r} lacks namespaces {missing}: run `scaleout cluster "
+                f"up --nodes {nodes} --name {self.name}`"
             )
 
-    # -- context manager: teardown always runs (exception, SIGTERM, interpreter exit) ---------------
+    # -- context manager: teardown always runs (exception, SIGTERM, interpreter exit)
+    # ---------------
     def __enter__(self) -> Cluster:
         self.up(owned=True)
         self._owned = True

@@ -1,9 +1,9 @@
 """The ``netns`` launcher: the local launcher with each emulated node in its own network namespace.
 
-Node i's ranks run via ``ip netns exec <ns_i>`` (launchers/netns.py's :class:`Cluster`) and meet at node 0's
-cluster address. Either a private cluster, brought up for the largest launch (:meth:`prepare`) and always
-torn down after (by the watchdog too, if this process is SIGKILLed), or an existing one (``scaleout cluster
-up --name NAME``).
+Node i's ranks run via ``ip netns exec <ns_i>`` (launchers/netns.py's :class:`Cluster`) and meet at
+node 0's cluster address. Either a private cluster, brought up for the largest launch
+(:meth:`prepare`) and always torn down after (by the watchdog too, if this process is SIGKILLed), or
+an existing one (``scaleout cluster up --name NAME``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from scaleout.launchers.netns import MAX_NODES, Cluster, parse_rate, require_roo
 
 
 def private_cluster_name(pid: int) -> str:
-    """'so' + the pid in base 36 (<= 5 characters up to Linux's largest pid, 2^22): unique among running
-    launches, and short enough for Linux's 15-character interface names (<name>-br, <name>-v249)."""
+    """'so' + the pid in base 36 (<= 5 characters up to Linux's largest pid, 2^22): unique among
+    running launches, and short enough for Linux's 15-character interface names (<name>-br,
+    <name>-v249)."""
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"
     out = ""
     while True:
@@ -35,9 +36,10 @@ def private_cluster_name(pid: int) -> str:
 
 @register
 class NetnsLauncher(LocalLauncher):
-    """``rate``: each node's link (tc units; 'none' = unlimited) of a private cluster; ``cluster_name``:
-    use that existing cluster instead (its own rate). ``master_port``: the rendezvous port on node 0
-    (default: one free here, as good a guess as any for node 0's namespace, distinct per launch)."""
+    """``rate``: each node's link (tc units; 'none' = unlimited) of a private cluster;
+    ``cluster_name``: use that existing cluster instead (its own rate). ``master_port``: the
+    rendezvous port on node 0 (default: one free here, as good a guess as any for node 0's
+    namespace, distinct per launch)."""
 
     name = "netns"
 
@@ -59,7 +61,8 @@ class NetnsLauncher(LocalLauncher):
     def from_options(cls, options: LaunchOptions) -> NetnsLauncher:
         if options.slurm:
             raise UserError(
-                f"--slurm {', '.join(options.slurm)}: sbatch options need --launcher slurm or submit"
+                f"--slurm {', '.join(options.slurm)}: sbatch options need --launcher slurm or "
+                "submit"
             )
         return cls(rate=options.rate or "1gbit", extra_env=options.extra_env)
 
@@ -67,7 +70,8 @@ class NetnsLauncher(LocalLauncher):
         most = max((nnodes for nnodes, _ in shapes), default=1)
         if most > MAX_NODES:
             raise UserError(
-                f"--nnodes={most}: expected at most {MAX_NODES} emulated nodes with --netns/--cluster"
+                f"--nnodes={most}: expected at most {MAX_NODES} emulated nodes with "
+                "--netns/--cluster"
             )
         if self.cluster_name is None:  # a private cluster will be brought up: root, a valid rate
             require_root()
@@ -84,7 +88,8 @@ class NetnsLauncher(LocalLauncher):
                 cluster = Cluster(max_nnodes, rate, name=self.cluster_name)
             self.cluster = cluster
             return
-        # A private name per launcher, so concurrent launches and a persistent `cluster up` never collide.
+        # A private name per launcher, so concurrent launches and a persistent `cluster up` never
+        # collide.
         name = private_cluster_name(os.getpid())
         self.cluster = Cluster(max_nnodes, self.rate, name=name).__enter__()
         self._owned = True
@@ -109,7 +114,8 @@ class NetnsLauncher(LocalLauncher):
         assert self.cluster is not None
         if nnodes > self.cluster.nodes:
             raise UserError(
-                f"{nnodes} nodes, but the emulated cluster {self.cluster.name!r} was brought up with "
+                f"{nnodes} nodes, but the emulated cluster {self.cluster.name!r} was brought up "
+                "with "
                 f"{self.cluster.nodes}"
             )
         kwargs = self.job_kwargs(log)

@@ -1,10 +1,11 @@
-"""The local Slurm cluster (launchers/slurm_local/start.sh, stop.sh) and small helpers to use a Slurm cluster.
+"""The local Slurm cluster (launchers/slurm_local/start.sh, stop.sh) and small helpers to use a
+Slurm cluster.
 
-``LocalSlurm`` wraps the shell scripts: a real slurmctld + slurmdbd + four slurmd (emulated nodes n1..n4)
-on this host, state in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm, never the repo; it must be
-root's and writable by nobody else, and carry scaleout's marker before anything in it is deleted). Clients find
-it through ``SLURM_CONF``; :meth:`LocalSlurm.env` returns an environment with it set.
-The job helpers (``sbatch``, ``job_state``, ``wait_job``) work on any Slurm cluster.
+``LocalSlurm`` wraps the shell scripts: a real slurmctld + slurmdbd + four slurmd (emulated nodes
+n1..n4) on this host, state in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm, never the repo;
+it must be root's and writable by nobody else, and carry scaleout's marker before anything in it is
+deleted). Clients find it through ``SLURM_CONF``; :meth:`LocalSlurm.env` returns an environment with
+it set. The job helpers (``sbatch``, ``job_state``, ``wait_job``) work on any Slurm cluster.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class ClusterStatus:
 
 
 def _alive(pidfile: Path, *comms: str) -> int | None:
-    """The PID in ``pidfile`` if that process is alive and runs one of ``comms`` (not a reused PID)."""
+    """The PID in ``pidfile`` if that process is alive and runs one of ``comms`` (not a reused
+    PID)."""
     try:
         pid = int(pidfile.read_text().strip())
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -74,14 +76,16 @@ def _alive(pidfile: Path, *comms: str) -> int | None:
 
 
 class LocalSlurm:
-    """Start/stop/inspect the emulated 4-node cluster. Needs root and the Debian slurm-wlm/munge packages."""
+    """Start/stop/inspect the emulated 4-node cluster. Needs root and the Debian slurm-wlm/munge
+    packages."""
 
     def __init__(self, state_dir: str | None = None):
         self.state = Path(state_dir or os.environ.get("SCALEOUT_SLURM_STATE") or DEFAULT_STATE)
         repo = HERE.parent.parent
         if self.state.resolve() == repo or repo in self.state.resolve().parents:
             raise UserError(
-                f"SCALEOUT_SLURM_STATE={self.state}: the state folder must be outside the repo {repo}"
+                f"SCALEOUT_SLURM_STATE={self.state}: the state folder must be outside the repo "
+                f"{repo}"
             )
 
     @property
@@ -154,7 +158,8 @@ class LocalSlurm:
             raise UserError(
                 f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
             )
-        # Another session may have started it while we waited for start.sh's lock: then it is theirs to stop.
+        # Another session may have started it while we waited for start.sh's lock: then it is theirs
+        # to stop.
         return "already running" not in p.stdout
 
     def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
@@ -178,16 +183,21 @@ def can_run_local_slurm() -> str | None:
     if os.name != "posix" or os.geteuid() != 0:
         return "the local Slurm cluster needs root (munged/slurmd)"
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
-        return "slurmctld is not installed and apt-get is not available (scripts/setup.sh --test installs it)"
+        return (
+            "slurmctld is not installed and apt-get is not available (scripts/setup.sh --test "
+            "installs it)"
+        )
     return None
 
 
 def sbatch_flags(options: dict[str, Any]) -> list[str]:
-    """{"account": "proj", "exclusive": True} -> ["--account=proj", "--exclusive"] (as submitit writes them)."""
+    """{"account": "proj", "exclusive": True} -> ["--account=proj", "--exclusive"] (as submitit
+    writes them)."""
     return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
 
 
-# -- job helpers (any Slurm cluster) ----------------------------------------------------------------
+# -- job helpers (any Slurm cluster)
+# ----------------------------------------------------------------
 def sbatch(
     args: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
 ) -> int:
@@ -207,7 +217,8 @@ def sbatch(
 
 
 def job_info(job_id: int | str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``scontrol show job`` as a dict (JobState, RestartCnt, ExitCode, NodeList, ...); {} if unknown."""
+    """``scontrol show job`` as a dict (JobState, RestartCnt, ExitCode, NodeList, ...); {} if
+    unknown."""
     p = subprocess.run(
         ["scontrol", "show", "job", "-o", str(job_id)],
         env=dict(env or os.environ),
@@ -246,14 +257,15 @@ def wait_job(
     )
 
 
-# -- the ``slurm`` launcher: one sbatch job per start, srun starts the ranks ---------------------------
-# How long a job may be unknown to scontrol before it counts as failed (a controller restart or a job
-# record purged after MinJobAge is seconds, not minutes).
+# -- the ``slurm`` launcher: one sbatch job per start, srun starts the ranks
+# --------------------------- How long a job may be unknown to scontrol before it counts as failed
+# (a controller restart or a job record purged after MinJobAge is seconds, not minutes).
 UNKNOWN_GRACE_S = 60.0
 
 
 def scaleout_command() -> list[str]:
-    """How a Slurm task starts scaleout: the installed entry point, else this interpreter's module."""
+    """How a Slurm task starts scaleout: the installed entry point, else this interpreter's
+    module."""
     exe = shutil.which("scaleout")
     return [exe] if exe else [sys.executable, "-u", "-m", "scaleout"]
 
@@ -308,8 +320,8 @@ class SlurmJob:
 
 @register
 class SlurmLauncher(Launcher):
-    """One ``sbatch -N nnodes --ntasks-per-node G --wrap "srun <argv>"`` job per start, on the cluster
-    ``SLURM_CONF`` names (a real one, or the local one of ``scaleout slurm up``)."""
+    """One ``sbatch -N nnodes --ntasks-per-node G --wrap "srun <argv>"`` job per start, on the
+    cluster ``SLURM_CONF`` names (a real one, or the local one of ``scaleout slurm up``)."""
 
     name = "slurm"
 
@@ -345,7 +357,8 @@ class SlurmLauncher(Launcher):
     def check(self, shapes: Sequence[tuple[int, int]]) -> None:
         if shutil.which("sbatch") is None:
             raise UserError(
-                "--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the local "
+                "--launcher slurm: sbatch is not on PATH (is this a Slurm login node? for the "
+                "local "
                 "cluster: scaleout slurm up; export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf)"
             )
 
@@ -365,7 +378,8 @@ class SlurmLauncher(Launcher):
             args += ["--output", str(log)]
         args += ["--time", str(self.time_min), "--chdir", os.getcwd()]
         if self.gpus:
-            # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink P2P
+            # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink
+            # P2P
             args.append(f"--gpus-per-node={nproc_per_node}")
         if self.partition:
             args += ["--partition", self.partition]

@@ -1,12 +1,13 @@
-"""Submit scaleout runs with submitit: real Slurm when there is one, submitit's local executor otherwise.
+"""Submit scaleout runs with submitit: real Slurm when there is one, submitit's local executor
+otherwise.
 
-Every task (one per GPU) runs ``scaleout <subcommand> ...`` in-process through :class:`RankMain`, so the
-scheduler's signals reach the training loop directly: scaleout.preempt's handlers replace submitit's
-while training runs, rank 0 checkpoints and calls ``scontrol requeue``, and the requeued job (the same
-pickled RankMain) resumes from the checkpoint. Under the local executor, the submitit variables
-(SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads, and the rendezvous
-port is one that was free on this machine when the job was submitted (distinct for every job of an
-``--array``), not a hash of the job id.
+Every task (one per GPU) runs ``scaleout <subcommand> ...`` in-process through :class:`RankMain`, so
+the scheduler's signals reach the training loop directly: scaleout.preempt's handlers replace
+submitit's while training runs, rank 0 checkpoints and calls ``scontrol requeue``, and the requeued
+job (the same pickled RankMain) resumes from the checkpoint. Under the local executor, the submitit
+variables (SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads,
+and the rendezvous port is one that was free on this machine when the job was submitted (distinct
+for every job of an ``--array``), not a hash of the job id.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class SubmitSpec:
             raise UserError(f"--time={self.time_min}: expected minutes >= 1")
         if not 0 <= self.signal_delay_s < self.time_min * 60:
             raise UserError(
-                f"--signal-delay={self.signal_delay_s}: expected seconds from 0 to below --time ({self.time_min} min)"
+                f"--signal-delay={self.signal_delay_s}: expected seconds from 0 to below --time "
+                f"({self.time_min} min)"
             )
         if self.signal not in ("USR1", "USR2", "TERM", "INT", "HUP"):
             raise UserError(
@@ -95,8 +97,9 @@ _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 
 def parse_slurm_options(items: Sequence[str] | None) -> dict[str, Any]:
-    """``--slurm account=proj --slurm exclusive`` -> {"account": "proj", "exclusive": True}: sbatch options
-    without their dashes (hyphens and underscores alike), passed to sbatch as ``--account=proj --exclusive``."""
+    """``--slurm account=proj --slurm exclusive`` -> {"account": "proj", "exclusive": True}:
+    sbatch options without their dashes (hyphens and underscores alike), passed to sbatch as
+    ``--account=proj --exclusive``."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, eq, value = item.lstrip("-").partition("=")
@@ -118,10 +121,10 @@ def resolve_cluster(cluster: str) -> str:
 
 
 class RankMain:
-    """The callable every task runs: ``entry(argv)`` in this process (``entry``: the CLI's ``main``, which
-    the caller passes, so that launchers never import the CLI). Picklable: plain data and a module-level
-    function, pickled by reference. ``master_port``: the rendezvous port under submitit's local executor
-    (chosen at submission)."""
+    """The callable every task runs: ``entry(argv)`` in this process (``entry``: the CLI's
+    ``main``, which the caller passes, so that launchers never import the CLI). Picklable: plain
+    data and a module-level function, pickled by reference. ``master_port``: the rendezvous port
+    under submitit's local executor (chosen at submission)."""
 
     def __init__(
         self,
@@ -166,7 +169,8 @@ class RankMain:
             )
         rc = entry(self.argv)
         if rc == preempt.EXIT_PREEMPTED and preempt.slurm_job_id() is not None:
-            # Rank 0 asked Slurm to requeue: wait to be stopped rather than report a result for this run.
+            # Rank 0 asked Slurm to requeue: wait to be stopped rather than report a result for this
+            # run.
             time.sleep(600)
         if rc != 0:
             raise RuntimeError(
@@ -175,8 +179,9 @@ class RankMain:
         return rc
 
     def checkpoint(self) -> Any:
-        """submitit calls this on its own preemption signal if our handler is not installed yet (before
-        the training loop starts): resubmit the same command, which resumes from the latest checkpoint."""
+        """submitit calls this on its own preemption signal if our handler is not installed yet
+        (before the training loop starts): resubmit the same command, which resumes from the
+        latest checkpoint."""
         import submitit
 
         return submitit.helpers.DelayedSubmission(RankMain(self.argv, self.master_port, self.entry))
@@ -213,7 +218,8 @@ def make_executor(spec: SubmitSpec) -> Any:
         )
     if spec.extra_slurm:
         raise UserError(
-            f"--slurm {', '.join(spec.extra_slurm)}: sbatch options, but this job runs on submitit's "
+            f"--slurm {', '.join(spec.extra_slurm)}: sbatch options, but this job runs on "
+            "submitit's "
             f"{cluster} executor (no Slurm)"
         )
     ex = (
@@ -235,7 +241,8 @@ def job_argvs(spec: SubmitSpec) -> list[list[str]]:
 
 def rank_mains(spec: SubmitSpec, entry: Callable[[list[str]], int] | None = None) -> list[RankMain]:
     """What every job runs: ``entry(argv)``. Slurm: the ranks derive the port from the job id
-    (scaleout.env.slurm.SlurmEnv). Locally every job runs on this machine now: each gets its own port, free here."""
+    (scaleout.env.slurm.SlurmEnv). Locally every job runs on this machine now: each gets its own
+    port, free here."""
     argvs = job_argvs(spec)
     local = resolve_cluster(spec.cluster) != "slurm"
     ports = free_ports(len(argvs)) if local else [None] * len(argvs)
@@ -243,8 +250,8 @@ def rank_mains(spec: SubmitSpec, entry: Callable[[list[str]], int] | None = None
 
 
 def submit(spec: SubmitSpec, entry: Callable[[list[str]], int]) -> list[Any]:
-    """Submit one job (or one per ``--array`` value) whose every task runs ``entry(argv)`` (the CLI's main);
-    return the submitit Job objects."""
+    """Submit one job (or one per ``--array`` value) whose every task runs ``entry(argv)`` (the
+    CLI's main); return the submitit Job objects."""
     import submitit
 
     ex = make_executor(spec)
@@ -266,7 +273,8 @@ def follow(
     poll_s: float = 0.5,
     timeout_s: float | None = None,
 ) -> dict[str, str]:
-    """Stream rank 0's log of every job until all are done (or the timeout); return job id -> state."""
+    """Stream rank 0's log of every job until all are done (or the timeout); return job id ->
+    state."""
     offsets: dict[str, int] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -357,9 +365,9 @@ class SubmitJob:
 
 @register
 class SubmitLauncher(Launcher):
-    """One submitit job per start (Slurm when sbatch is on PATH, else submitit's local executor); every
-    task runs ``entry(argv)`` in-process (``entry``: the CLI's main, given by the caller, so that launchers
-    never import the CLI). ``spec``: the SubmitSpec fields every start shares."""
+    """One submitit job per start (Slurm when sbatch is on PATH, else submitit's local executor);
+    every task runs ``entry(argv)`` in-process (``entry``: the CLI's main, given by the caller,
+    so that launchers never import the CLI). ``spec``: the SubmitSpec fields every start shares."""
 
     name = "submit"
 
@@ -398,13 +406,15 @@ class SubmitLauncher(Launcher):
             big = [nnodes * nproc for nnodes, nproc in shapes if nnodes > 1]
             if big:
                 raise UserError(
-                    f"--launcher submit without Slurm runs one node, but world sizes {big} need more "
+                    f"--launcher submit without Slurm runs one node, but world sizes {big} need "
+                    "more "
                     f"than one: use --nodes 1,... or --launcher local"
                 )
 
     def submit(self, spec: SubmitSpec) -> list[SubmitJob]:
-        """Submit ``spec`` (one job, or one per ``--array`` value) with this process's environment plus
-        ``extra_env`` (submitit's executors hand this process's environment to the job)."""
+        """Submit ``spec`` (one job, or one per ``--array`` value) with this process's
+        environment plus ``extra_env`` (submitit's executors hand this process's environment to
+        the job)."""
         saved = {k: os.environ.get(k) for k in self.extra_env}
         os.environ.update(self.extra_env)
         try:

@@ -4,8 +4,9 @@ Every point (:class:`scaleout.sweep.SweepPoint`: nodes x ranks per node, overrid
 ``scaleout train`` started through a registered launcher (launchers/base.py: ``local``, ``netns``,
 ``slurm``, ``submit``) and waited for; its :class:`LaunchResult` says how it ended.
 
-Points run one at a time on purpose: two points sharing nodes (or, here, cores) would measure each other.
-Each point's rank output goes to ``<point dir>/launch.log``; the sweep prints one progress line per point.
+Points run one at a time on purpose: two points sharing nodes (or, here, cores) would measure each
+other. Each point's rank output goes to ``<point dir>/launch.log``; the sweep prints one progress
+line per point.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def check_launcher(launcher: Launcher, points: Sequence[SweepPoint]) -> None:
 
 
 def _finished(point: SweepPoint, pdir: Path, argv: list[str]) -> PointResult | None:
-    """The result of an earlier run of exactly ``argv`` in ``pdir`` if it finished well, else None."""
+    """The result of an earlier run of exactly ``argv`` in ``pdir`` if it finished well, else
+    None."""
     try:
         done = json.loads((pdir / POINT_FILE).read_text())
     except (OSError, ValueError):
@@ -62,12 +64,13 @@ def run_sweep(
     resume: bool = False,
     timeout_s: float | None = None,
 ) -> list[PointResult]:
-    """Run every point in order, ``repeats`` rounds; a failed run is recorded (with its log's tail) and the
-    sweep goes on. Returns one result per point: the median-step-time run of its rounds.
+    """Run every point in order, ``repeats`` rounds; a failed run is recorded (with its log's tail)
+    and the sweep goes on. Returns one result per point: the median-step-time run of its rounds.
 
-    ``resume``: a run whose folder already holds a good report of the very same command (``point.json``
-    records it) is read instead of run again, so an interrupted sweep continues where it stopped.
-    ``timeout_s``: the most one run may take (None: the launcher's own limit, if any)."""
+    ``resume``: a run whose folder already holds a good report of the very same command
+    (``point.json`` records it) is read instead of run again, so an interrupted sweep continues
+    where it stopped. ``timeout_s``: the most one run may take (None: the launcher's own limit,
+    if any)."""
     if repeats < 1:
         raise UserError(f"--repeats={repeats}: expected an integer >= 1")
     out = Path(out_dir).resolve()
@@ -90,7 +93,8 @@ def run_sweep(
             done = _finished(p, pdir, argv) if resume else None
             if done is not None:
                 progress(
-                    f"[{i}] world {p.world}: done before (--resume), {done.step_s * 1e3:.1f} ms/step, "
+                    f"[{i}] world {p.world}: done before (--resume), {done.step_s * 1e3:.1f} "
+                    "ms/step, "
                     f"{done.samples_per_s:.1f} samples/s ({report})"
                 )
                 runs[p].append(done)
@@ -99,7 +103,8 @@ def run_sweep(
             (pdir / POINT_FILE).unlink(missing_ok=True)
             progress(
                 f"[{i}] world {p.world} = {p.nodes} node(s) x {p.ranks_per_node}, global batch "
-                f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log {pdir / 'launch.log'})"
+                f"{p.global_batch} ({p.per_rank_batch}/rank), {steps} steps: running (log "
+                f"{pdir / 'launch.log'})"
             )
             t0 = time.perf_counter()
             job = launcher.start(

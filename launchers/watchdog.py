@@ -1,19 +1,22 @@
-"""Stops a launcher's ranks when the launcher itself dies without stopping them (SIGKILL, OOM killer, crash).
+"""Stops a launcher's ranks when the launcher itself dies without stopping them (SIGKILL, OOM
+killer, crash).
 
 Started by :class:`launchers.local.LocalJob` as ``python -I launchers/watchdog.py`` in a session of
 its own, with a pipe from the launcher on stdin. The launcher writes one line per event:
 
     grace <seconds>        SIGTERM -> SIGKILL window
     rank <pid> <start>     a rank's process group (its pid) and the start time from /proc/<pid>/stat
-    cleanup <json argv>    a command to run after the ranks are gone (e.g. tear down a private netns cluster)
+    cleanup <json argv>    a command to run after the ranks are gone (e.g. tear down a private netns
+    cluster)
     done                   every rank was reaped by the launcher: exit without touching anything
 
-End of input without ``done`` means the launcher is gone (the kernel closes its end of the pipe however it
-died): SIGTERM every rank's process group, SIGKILL what is left after the grace period, run the cleanup
-commands. A pipe rather than PR_SET_PDEATHSIG on each rank because the death signal reaches only the rank
-itself, not the processes it started (DataLoader workers, a shell's children), and because it fires when
-the *thread* that forked the rank exits, not the launcher. Its own session: a signal to the launcher's
-process group or terminal (Ctrl-C, SIGHUP on logout) does not reach it. Standard library only.
+End of input without ``done`` means the launcher is gone (the kernel closes its end of the pipe
+however it died): SIGTERM every rank's process group, SIGKILL what is left after the grace period,
+run the cleanup commands. A pipe rather than PR_SET_PDEATHSIG on each rank because the death signal
+reaches only the rank itself, not the processes it started (DataLoader workers, a shell's children),
+and because it fires when the *thread* that forked the rank exits, not the launcher. Its own
+session: a signal to the launcher's process group or terminal (Ctrl-C, SIGHUP on logout) does not
+reach it. Standard library only.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import time
 
 
 def start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid it names one process, not a reuse."""
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid it names one process,
+    not a reuse."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
@@ -52,8 +56,9 @@ def _signal(groups: list[int], sig: int) -> None:
 
 
 def stop_orphans(ranks: dict[int, str], grace_s: float) -> None:
-    # A group whose leader is alive under another start time is a reused pid: not ours. A group whose
-    # leader is gone keeps its id while any member lives (Linux does not hand out an id in use as a pgid).
+    # A group whose leader is alive under another start time is a reused pid: not ours. A group
+    # whose leader is gone keeps its id while any member lives (Linux does not hand out an id in use
+    # as a pgid).
     groups = [
         pid
         for pid, start in ranks.items()

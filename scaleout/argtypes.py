@@ -1,8 +1,9 @@
 """Command-line values: comma lists and byte sizes, parsed in one place.
 
-Two forms of each parser: ``parse_*(text, flag)`` raises :class:`~scaleout.errors.UserError` naming the flag
-(for values checked in a command's ``run``), and ``csv_of(...)`` / ``size_arg`` are argparse ``type=``
-callables (argparse turns their ``ArgumentTypeError`` into the usual one-line usage error).
+Two forms of each parser: ``parse_*(text, flag)`` raises :class:`~scaleout.errors.UserError` naming
+the flag (for values checked in a command's ``run``), and ``csv_of(...)`` / ``size_arg`` are
+argparse ``type=`` callables (argparse turns their ``ArgumentTypeError`` into the usual one-line
+usage error).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def parse_csv(
     choices: Sequence[Any] | None = None,
     allow_empty: bool = False,
 ) -> list[T]:
-    """``" 1, 2,4 "`` -> [1, 2, 4]: each entry converted by ``kind``; optionally each >= ``at_least`` or one of
-    ``choices``. An empty list is an error unless ``allow_empty``."""
+    """``" 1, 2,4 "`` -> [1, 2, 4]: each entry converted by ``kind``; optionally each >=
+    ``at_least`` or one of ``choices``. An empty list is an error unless ``allow_empty``."""
     what = _KIND_WORDS.get(kind, "values")  # type: ignore[arg-type]
     items = [t.strip() for t in str(text or "").split(",") if t.strip()]
     try:

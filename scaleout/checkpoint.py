@@ -2,28 +2,31 @@
 
 File layout (one replicated file per checkpoint, ``ckpt-<step:08d>.pt``)::
 
-    b"SCALEOUTCKPT1\\n" | sha256(payload) (32 bytes) | payload length (8 bytes, little endian) | payload
+b"SCALEOUTCKPT1\\n" | sha256(payload) (32 bytes) | payload length (8 bytes, little endian) | payload
 
-where the payload is ``torch.save(state)``. A save writes ``<name>.<pid>-<random>.tmp``, fsyncs it, renames it over the
-final name and fsyncs the directory, so a crash leaves either the old set or the new set of files, never
-a half-written checkpoint under a real name. ``load_latest`` verifies magic, length and digest before
-unpickling; a truncated or corrupted latest checkpoint is reported and the previous one is used.
+where the payload is ``torch.save(state)``. A save writes ``<name>.<pid>-<random>.tmp``, fsyncs it,
+renames it over the final name and fsyncs the directory, so a crash leaves either the old set or the
+new set of files, never a half-written checkpoint under a real name. ``load_latest`` verifies magic,
+length and digest before unpickling; a truncated or corrupted latest checkpoint is reported and the
+previous one is used.
 
-Everything stored is a tensor or a plain Python value, so ``torch.load(weights_only=True)`` works: RNG
-states are converted (numpy's state array becomes a list). Data-parallel ranks hold identical weights, so
-rank 0 writes; per-rank RNG states are gathered to rank 0 first (``gather_rng_states``) so every rank
-resumes its own dropout/noise stream exactly.
+Everything stored is a tensor or a plain Python value, so ``torch.load(weights_only=True)`` works:
+RNG states are converted (numpy's state array becomes a list). Data-parallel ranks hold identical
+weights, so rank 0 writes; per-rank RNG states are gathered to rank 0 first (``gather_rng_states``)
+so every rank resumes its own dropout/noise stream exactly.
 
 Sharded optimizer state (``optim.sharded``) is not gathered: every rank writes its own part with
-``torch.distributed.checkpoint`` into ``ckpt-<step>.shards-<token>/`` (:mod:`scaleout.checkpoint_dcp`), and
-only then does rank 0 write the replicated file, which names that directory and the digests of its files:
-the replicated file is the commit marker, so a checkpoint is complete exactly when it exists.
+``torch.distributed.checkpoint`` into ``ckpt-<step>.shards-<token>/``
+(:mod:`scaleout.checkpoint_dcp`), and only then does rank 0 write the replicated file, which names
+that directory and the digests of its files: the replicated file is the commit marker, so a
+checkpoint is complete exactly when it exists.
 
-Resume (:meth:`Checkpointer.restore`, a collective): rank 0 alone lists the directory and picks the newest
-checkpoint that verifies (checksum; for a sharded one also its ``.metadata`` digest and every shard file's
-size), broadcasts its choice and the replicated state (tensors by ``dist.broadcast``), scatters the RNG
-states, and every rank reads its own shard of the optimizer state. A rank that cannot read what rank 0
-chose stops the run with a one-line error naming it, on every rank, rather than fall back on its own.
+Resume (:meth:`Checkpointer.restore`, a collective): rank 0 alone lists the directory and picks the
+newest checkpoint that verifies (checksum; for a sharded one also its ``.metadata`` digest and every
+shard file's size), broadcasts its choice and the replicated state (tensors by ``dist.broadcast``),
+scatters the RNG states, and every rank reads its own shard of the optimizer state. A rank that
+cannot read what rank 0 chose stops the run with a one-line error naming it, on every rank, rather
+than fall back on its own.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class CorruptCheckpoint(UserError):
     """A checkpoint whose header, length or checksum does not match its contents."""
 
 
-# -- RNG states ---------------------------------------------------------------------------------------
+# -- RNG states
+# ---------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
     """This process's python, numpy, torch (and CUDA) RNG states as weights_only-loadable values."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -95,7 +99,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def gather_rng_states(world: World | None = None) -> list[dict[str, Any]] | None:
-    """Every rank's RNG state, indexed by rank, on rank 0 (None elsewhere; a collective: call on all ranks)."""
+    """Every rank's RNG state, indexed by rank, on rank 0 (None elsewhere; a collective: call on
+    all ranks)."""
     mine = rng_state()
     if world is None or world.world_size == 1:
         return [mine]
@@ -106,7 +111,8 @@ def gather_rng_states(world: World | None = None) -> list[dict[str, Any]] | None
     return out
 
 
-# -- files -------------------------------------------------------------------------------------------
+# -- files
+# -------------------------------------------------------------------------------------------
 def encode(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -144,8 +150,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``path`` via a temporary file and a rename. The temporary name is unique per writer (pid and
-    a random part): two runs writing the same name never write into one file."""
+    """Write ``path`` via a temporary file and a rename. The temporary name is unique per writer
+    (pid and a random part): two runs writing the same name never write into one file."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -162,11 +168,13 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 class Checkpointer:
-    """Save/load ``ckpt-<step>.pt`` files (and their shard directories) in ``directory``, keeping the newest ``keep``.
+    """Save/load ``ckpt-<step>.pt`` files (and their shard directories) in ``directory``, keeping
+    the newest ``keep``.
 
     ``state`` is whatever the trainer collects, by convention::
 
-        {"step": int, "model": model.state_dict(), "optimizer": opt.state_dict() (sharded: the replicated part),
+        {"step": int, "model": model.state_dict(), "optimizer": opt.state_dict() (sharded: the
+        replicated part),
          "schedule": sched.state_dict(), "data_position": int, "rng": gather_rng_states(world)}
     """
 
@@ -194,9 +202,9 @@ class Checkpointer:
         world: World | None = None,
         shards: dict[str, Any] | None = None,
     ) -> Path | None:
-        """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a collective) every
-        rank first writes its pieces of the sharded optimizer state. Prunes beyond ``keep``. Returns the path
-        on rank 0."""
+        """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a
+        collective) every rank first writes its pieces of the sharded optimizer state. Prunes
+        beyond ``keep``. Returns the path on rank 0."""
         record = None
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
@@ -213,8 +221,8 @@ class Checkpointer:
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 _shards().remove_tree(old)
-        # Prune only older steps: a higher step in the directory is not this save's to delete (the rerun
-        # policy in train/rerun.py keeps other runs out of a run's directory).
+        # Prune only older steps: a higher step in the directory is not this save's to delete (the
+        # rerun policy in train/rerun.py keeps other runs out of a run's directory).
         older = [p for s, p in self.list() if s < step]
         for old in older[: max(len(older) - (self.keep - 1), 0)]:
             self._drop(old)
@@ -226,7 +234,8 @@ class Checkpointer:
             _shards().remove_tree(d)
 
     def choose(self, map_location: Any = "cpu") -> tuple[dict[str, Any], Path] | None:
-        """Newest complete checkpoint that verifies, or None. Logs every one that had to be skipped."""
+        """Newest complete checkpoint that verifies, or None. Logs every one that had to be
+        skipped."""
         for step, path in reversed(self.list()):
             try:
                 state = decode(path.read_bytes(), str(path), map_location)
@@ -255,9 +264,10 @@ class Checkpointer:
     def restore(
         self, world: World, shards: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], Path] | None:
-        """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its own shards
-        into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this rank's RNG state (None
-        when the world size changed), or None on every rank when there is nothing to resume."""
+        """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its
+        own shards into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this
+        rank's RNG state (None when the world size changed), or None on every rank when there is
+        nothing to resume."""
         multi = world is not None and world.world_size > 1
         found = self.choose() if world is None or world.rank == 0 else None
         state, path = found if found is not None else (None, None)
@@ -283,8 +293,9 @@ class Checkpointer:
 
 
 def _shards() -> ModuleType:
-    """scaleout.checkpoint_dcp, imported on first use: torch.distributed.checkpoint pulls in DTensor and sympy
-    (~1.3 s of CPU per process here), which every rank of a run without a sharded optimizer would pay at start."""
+    """scaleout.checkpoint_dcp, imported on first use: torch.distributed.checkpoint pulls in
+    DTensor and sympy (~1.3 s of CPU per process here), which every rank of a run without a
+    sharded optimizer would pay at start."""
     import scaleout.checkpoint_dcp
 
     return scaleout.checkpoint_dcp
@@ -303,7 +314,8 @@ def _token(world: World) -> str:
 def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path) -> None:
     if shards is not None and "shards" not in state:
         raise ConfigError(
-            f"checkpoint {path} holds an unsharded optimizer state: resume it with optim.sharded=false"
+            f"checkpoint {path} holds an unsharded optimizer state: resume it with "
+            "optim.sharded=false"
         )
     if shards is None and "shards" in state:
         raise ConfigError(
@@ -361,13 +373,15 @@ def _slots(obj: Any, out: list[_Slot]) -> list[_Slot]:
     return out
 
 
-# Tensors of one dtype travel in flat buffers of at most this size: few collectives, bounded extra memory.
+# Tensors of one dtype travel in flat buffers of at most this size: few collectives, bounded extra
+# memory.
 BROADCAST_BYTES = 256 << 20
 
 
 def broadcast_state(state: Any, world: World) -> Any:
-    """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the structure by
-    ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device`` (returned on the CPU)."""
+    """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the
+    structure by ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device``
+    (returned on the CPU)."""
     import torch.distributed as dist
 
     tensors: list[torch.Tensor] = []

@@ -1,17 +1,19 @@
-"""Sharded optimizer state in ``torch.distributed.checkpoint`` (DCP): each rank writes and reads only its part.
+"""Sharded optimizer state in ``torch.distributed.checkpoint`` (DCP): each rank writes and reads
+only its part.
 
-The state comes as *pieces*: ``{key: (tensor, offset, numel)}``, elements [offset, offset + len) of one
-parameter's flattened state (``ShardedLAMB.sharded_state``). DCP stores each key as a 1-D tensor of ``numel``
-elements made of the chunks the ranks wrote (``ChunkStorageMetadata``; rank r writes ``__r_0.distcp``), so a
-load with another world size or bucket layout asks for its own ranges and DCP reads the overlapping parts of
-the saved chunks: resharding. The planners are DCP's defaults told where each piece sits (a plain tensor in a
-DCP state dict would mean "replicated, stored once, loaded whole"; ShardedTensor, the older way to say
-"chunk", is deprecated in torch 2.13 and DTensor only knows even splits).
+The state comes as *pieces*: ``{key: (tensor, offset, numel)}``, elements [offset, offset + len) of
+one parameter's flattened state (``ShardedLAMB.sharded_state``). DCP stores each key as a 1-D tensor
+of ``numel`` elements made of the chunks the ranks wrote (``ChunkStorageMetadata``; rank r writes
+``__r_0.distcp``), so a load with another world size or bucket layout asks for its own ranges and
+DCP reads the overlapping parts of the saved chunks: resharding. The planners are DCP's defaults
+told where each piece sits (a plain tensor in a DCP state dict would mean "replicated, stored once,
+loaded whole"; ShardedTensor, the older way to say "chunk", is deprecated in torch 2.13 and DTensor
+only knows even splits).
 
-Integrity, as for the replicated file: rank 0 records the sha256 of the ``.metadata`` file and every rank the
-sha256 and size of the files it wrote; a reader verifies ``.metadata`` before DCP unpickles it and every data
-file before reading from it. A failure on any rank raises on every rank (DCP gathers them) and is re-raised
-here as one line naming the rank.
+Integrity, as for the replicated file: rank 0 records the sha256 of the ``.metadata`` file and every
+rank the sha256 and size of the files it wrote; a reader verifies ``.metadata`` before DCP unpickles
+it and every data file before reading from it. A failure on any rank raises on every rank (DCP
+gathers them) and is re-raised here as one line naming the rank.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ METADATA = ".metadata"
 
 
 class CorruptShards(UserError):
-    """A sharded checkpoint whose files are missing, short, or do not match their recorded sha256."""
+    """A sharded checkpoint whose files are missing, short, or do not match their recorded
+    sha256."""
 
 
 class PieceLike(Protocol):
@@ -128,7 +131,8 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
 
 
 class _VerifiedReader(dcp.FileSystemReader):
-    """FileSystemReader that checks ``.metadata`` (before unpickling it) and each data file it reads from."""
+    """FileSystemReader that checks ``.metadata`` (before unpickling it) and each data file it
+    reads from."""
 
     def __init__(self, path: Path, record: dict[str, Any]):
         super().__init__(path)
@@ -169,8 +173,9 @@ def _one_line(e: BaseException, directory: Path, what: str) -> UserError:
 def save_pieces(
     pieces: dict[str, PieceLike], directory: Path, world: World
 ) -> dict[str, Any] | None:
-    """Every rank writes its pieces under ``directory`` (collective). Returns, on rank 0, the record to keep in
-    the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes, sha256)}}; None elsewhere."""
+    """Every rank writes its pieces under ``directory`` (collective). Returns, on rank 0, the
+    record to keep in the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes,
+    sha256)}}; None elsewhere."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(
         directory, single_file_per_rank=True, sync_files=True, thread_count=1
@@ -203,8 +208,9 @@ def save_pieces(
 
 
 def check_shards(root: Path, record: dict[str, Any]) -> None:
-    """Rank 0's completeness check before choosing a checkpoint: the directory, a matching ``.metadata`` and
-    every recorded file at its recorded size (stat only: the data files are verified by whoever reads them)."""
+    """Rank 0's completeness check before choosing a checkpoint: the directory, a matching
+    ``.metadata`` and every recorded file at its recorded size (stat only: the data files are
+    verified by whoever reads them)."""
     directory = root / record["dir"]
     meta = directory / METADATA
     if not meta.is_file() or sha256_file(meta) != record["metadata_sha256"]:
@@ -216,8 +222,8 @@ def check_shards(root: Path, record: dict[str, Any]) -> None:
 
 
 def load_pieces(pieces: dict[str, PieceLike], root: Path, record: dict[str, Any]) -> None:
-    """Every rank reads its pieces (in place) from the checkpoint ``record`` describes (collective); any rank's
-    failure is a one-line UserError naming it, raised on every rank."""
+    """Every rank reads its pieces (in place) from the checkpoint ``record`` describes
+    (collective); any rank's failure is a one-line UserError naming it, raised on every rank."""
     directory = root / record["dir"]
     try:
         dcp.load(

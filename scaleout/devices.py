@@ -1,15 +1,16 @@
 """Peak FLOP/s of the device a rank trains on: identified, measured, or honestly unknown.
 
 MFU is only as good as its denominator. A GPU is identified from its device properties, not from a
-substring of its name alone: an "H100" may be the SXM5 part (132 SMs, 989 TFLOP/s bf16), the PCIe card
-(114 SMs, 756 TFLOP/s) or the NVL card (132 SMs, 94 GB, 835 TFLOP/s). A part is matched when its name
-tokens, its SM count and its memory size all agree; anything else is *unknown*, and the report then says
-so (MFU "unknown") instead of guessing or failing after training.
+substring of its name alone: an "H100" may be the SXM5 part (132 SMs, 989 TFLOP/s bf16), the PCIe
+card (114 SMs, 756 TFLOP/s) or the NVL card (132 SMs, 94 GB, 835 TFLOP/s). A part is matched when
+its name tokens, its SM count and its memory size all agree; anything else is *unknown*, and the
+report then says so (MFU "unknown") instead of guessing or failing after training.
 
-A CPU has no data-sheet number that means anything for a process that shares the machine's cores with
-other ranks, so its peak is *measured*: the best matmul FLOP/s of this process in the run's precision,
-cached per (CPU model, threads, dtype, torch version) under ``~/.cache/scaleout`` (``SCALEOUT_CACHE``)
-and scaled down when the ranks of this host ask for more threads than the machine has cores.
+A CPU has no data-sheet number that means anything for a process that shares the machine's cores
+with other ranks, so its peak is *measured*: the best matmul FLOP/s of this process in the run's
+precision, cached per (CPU model, threads, dtype, torch version) under ``~/.cache/scaleout``
+(``SCALEOUT_CACHE``) and scaled down when the ranks of this host ask for more threads than the
+machine has cores.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Part:
-    """One GPU part and its dense (no structured sparsity) tensor-core peaks, from its data sheet."""
+    """One GPU part and its dense (no structured sparsity) tensor-core peaks, from its data
+    sheet."""
 
     name: str
     tokens: tuple[str, ...]  # every one must appear in torch.cuda.get_device_name()
@@ -201,7 +203,8 @@ class Peak:
 
 
 def identify_gpu(name: str, sms: int, mem_bytes: int) -> Part | None:
-    """The part whose name tokens, SM count and memory size all match; None when none (or several) do."""
+    """The part whose name tokens, SM count and memory size all match; None when none (or
+    several) do."""
     upper = name.upper()
     gib = mem_bytes / 2**30
     hits = [
@@ -240,7 +243,8 @@ def gpu_peak(device: Any, precision: str) -> Peak:
     return Peak(part.name, flops, part.source)
 
 
-# -- CPU: measured ------------------------------------------------------------------------------------
+# -- CPU: measured
+# ------------------------------------------------------------------------------------
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -257,12 +261,14 @@ def _cpu_model() -> str:
 
 
 def measure_matmul_flops(dtype: Any, threads: int = 1, seconds: float = 0.2) -> float:
-    """Peak matmul FLOP/s of ``threads`` threads: one thread's best over a few square sizes (the fastest size
-    depends on the caches and the kernel, so it is found rather than assumed) times ``threads``.
+    """Peak matmul FLOP/s of ``threads`` threads: one thread's best over a few square sizes (the
+    fastest size depends on the caches and the kernel, so it is found rather than assumed) times
+    ``threads``.
 
-    Timed by the measuring thread's own CPU time (``time.thread_time``), not the wall clock: on a shared or
-    oversubscribed host the wall clock also counts the time other processes held the core, which would
-    make the peak too low (and every MFU against it too high). Linear in threads: a peak, an upper bound."""
+    Timed by the measuring thread's own CPU time (``time.thread_time``), not the wall clock: on a
+    shared or oversubscribed host the wall clock also counts the time other processes held the
+    core, which would make the peak too low (and every MFU against it too high). Linear in
+    threads: a peak, an upper bound."""
     import torch
 
     before = torch.get_num_threads()
@@ -328,8 +334,8 @@ def device_peak(
     threads: int | None = None,
     ranks_on_host: int = 1,
 ) -> Peak:
-    """Peak FLOP/s per device for the report: ``override`` (train.peak_flops), a known GPU part, or a
-    measured CPU peak. Never raises for an unknown device: the peak is then None."""
+    """Peak FLOP/s per device for the report: ``override`` (train.peak_flops), a known GPU part,
+    or a measured CPU peak. Never raises for an unknown device: the peak is then None."""
     import torch
 
     if override is not None:

@@ -1,15 +1,18 @@
-"""Training metrics you can look at: per-step loss, learning rate, throughput, step breakdown and every
-evaluation, written by rank 0 to ``<train.output_dir>/metrics.jsonl`` always, and to CSV, TensorBoard and
-Weights & Biases when ``train.metrics`` asks for them; :func:`plot_run` draws the loss and eval curves.
+"""Training metrics you can look at: per-step loss, learning rate, throughput, step breakdown and
+every evaluation, written by rank 0 to ``<train.output_dir>/metrics.jsonl`` always, and to CSV,
+TensorBoard and Weights & Biases when ``train.metrics`` asks for them; :func:`plot_run` draws the
+loss and eval curves.
 
-``train.log_every = k`` writes one training record per k steps: the mean loss, the mean step time and
-the samples/s over those k steps (so nothing is lost between records), plus the learning rate of the
-last one. The other ranks do nothing here; on 2,048 ranks only rank 0 touches the file system.
+``train.log_every = k`` writes one training record per k steps: the mean loss, the mean step time
+and the samples/s over those k steps (so nothing is lost between records), plus the learning rate of
+the last one. The other ranks do nothing here; on 2,048 ranks only rank 0 touches the file system.
 
 Records (one JSON object per line, ``"type"`` says which):
 
-- ``run``:   at every start or resume (world size, nodes, ranks per node, launcher, config, start step)
-- ``train``: step, samples (cumulative), loss, lr, samples_per_s, tokens_per_s, step_s, breakdown_s, skipped
+- ``run``:   at every start or resume (world size, nodes, ranks per node, launcher, config, start
+  step)
+- ``train``: step, samples (cumulative), loss, lr, samples_per_s, tokens_per_s, step_s, breakdown_s,
+  skipped
 - ``eval``:  step, samples, metric (its name), value, target
 - ``end``:   status and the run's time-to-train
 
@@ -32,7 +35,8 @@ from scaleout.observe import EvalRecord, StepRecord
 JSONL = "metrics.jsonl"
 CSV = "metrics.csv"
 PNG = "metrics.png"
-# Breakdown columns of the CSV: the trainer's phases (scaleout/train/trainer.py); "graph" = CUDA-graph replay.
+# Breakdown columns of the CSV: the trainer's phases (scaleout/train/trainer.py); "graph" =
+# CUDA-graph replay.
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "graph")
 # Optional sinks and the package each needs (pyproject extras tb / wandb).
 PACKAGES = {"tensorboard": ("tensorboard", "tb"), "wandb": ("wandb", "wandb")}
@@ -97,7 +101,8 @@ class Metrics:
 
             self._tb = SummaryWriter(log_dir=str(self.out / "tb"))
         if "wandb" in sinks:
-            import wandb  # WANDB_PROJECT / WANDB_MODE (e.g. offline) come from the environment, as usual
+            # WANDB_PROJECT / WANDB_MODE (e.g. offline) come from the environment, as usual
+            import wandb
 
             self._wandb = wandb.init(dir=str(self.out), config=config or {})
 
@@ -130,8 +135,8 @@ class Metrics:
             self._write({"type": "run", "time": time.time(), **info}, flush=True)
 
     def step(self, record: StepRecord) -> None:
-        """Account one finished step; writes every ``log_every`` steps, and when ``record.flush`` (an eval
-        step, the last step, a stop) so that nothing accumulated is lost."""
+        """Account one finished step; writes every ``log_every`` steps, and when ``record.flush``
+        (an eval step, the last step, a stop) so that nothing accumulated is lost."""
         if not self.enabled:
             return
         a, step, samples, lr = self._acc, record.step, record.samples, record.lr
@@ -235,8 +240,9 @@ class Metrics:
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any]:
-    """``{"train": [...], "eval": [...], "runs": [...]}`` from a run's metrics.jsonl, sorted by step, the
-    latest record of each step kept (a resumed run redoes the steps after its checkpoint)."""
+    """``{"train": [...], "eval": [...], "runs": [...]}`` from a run's metrics.jsonl, sorted by
+    step, the latest record of each step kept (a resumed run redoes the steps after its
+    checkpoint)."""
     path = Path(run_dir) / JSONL
     if not path.is_file():
         raise ConfigError(
@@ -267,7 +273,8 @@ def read_metrics(run_dir: str | Path) -> dict[str, Any]:
 def plot_run(
     run_dir: str | Path, out: str | Path | None = None, quiet: bool = False
 ) -> Path | None:
-    """Loss (and learning rate) and eval curves of a run to a PNG; None when matplotlib is not installed."""
+    """Loss (and learning rate) and eval curves of a run to a PNG; None when matplotlib is not
+    installed."""
     data = read_metrics(run_dir)
     try:
         import matplotlib
@@ -316,7 +323,8 @@ def plot_run(
     if run:
         fig.suptitle(
             f"{run.get('config', '')}: {run.get('world_size', '?')} ranks "
-            f"({run.get('nodes', '?')} nodes x {run.get('ranks_per_node', '?')}, {run.get('launcher', '?')})"
+            f"({run.get('nodes', '?')} nodes x {run.get('ranks_per_node', '?')}, "
+            f"{run.get('launcher', '?')})"
         )
     fig.tight_layout()
     path = Path(out) if out is not None else Path(run_dir) / PNG

@@ -1,26 +1,29 @@
-"""MLPerf Training logging (``:::MLLOG`` lines via the official ``mlperf-logging`` package), rank 0 only.
+"""MLPerf Training logging (``:::MLLOG`` lines via the official ``mlperf-logging`` package), rank 0
+only.
 
     ml = MLPerfLogger("runs/x/mlperf.log", rank=world.rank)
     ml.init_start(); ml.submission("bert", org="scaleout", platform="2x2 cpu")
     ml.hyperparameters(scaleout.train.hparams.hyperparameters(cfg, world.world_size, config_file))
     ml.init_stop(); ml.run_start()
-    ml.block_start(first_epoch_num=0, epoch_count=1, samples=0) ... ml.eval_accuracy(0.41, samples=...)
+    ml.block_start(first_epoch_num=0, epoch_count=1, samples=0) ... ml.eval_accuracy(0.41,
+    samples=...)
     ml.block_stop(...); ml.train_samples(n); ml.eval_samples(m); ml.run_stop("success")
 
 We build our own ``mllog.MLLogger`` around a private ``logging.Logger`` instead of ``mllog.config``:
-``config(filename=...)`` adds a file handler to one process-global logger, so two runs in one process
-(tests, a sweep) would write into each other's files.
+``config(filename=...)`` adds a file handler to one process-global logger, so two runs in one
+process (tests, a sweep) would write into each other's files.
 
-Attempts: the file is opened for appending, so a requeued (or manually resubmitted) run adds one segment per
-attempt, each from ``cache_clear``/``init_start`` to ``run_stop``, and never erases the log of an earlier
-attempt. The compliance checker takes exactly one run per file (``run_start`` EXACTLY_ONE), as NVIDIA's
-submission scripts write one result file per run; :func:`split_attempts` cuts the file into those runs and
-:func:`check_compliance` checks one of them (the last by default). Each attempt times only itself: an MLPerf
-time-to-train must come from one uninterrupted attempt.
+Attempts: the file is opened for appending, so a requeued (or manually resubmitted) run adds one
+segment per attempt, each from ``cache_clear``/``init_start`` to ``run_stop``, and never erases the
+log of an earlier attempt. The compliance checker takes exactly one run per file (``run_start``
+EXACTLY_ONE), as NVIDIA's submission scripts write one result file per run; :func:`split_attempts`
+cuts the file into those runs and :func:`check_compliance` checks one of them (the last by default).
+Each attempt times only itself: an MLPerf time-to-train must come from one uninterrupted attempt.
 
-Rulesets: the checker's newest ruleset (6.1.0) no longer lists BERT or ResNet as benchmarks; the newest
-ones that do are 5.0.0 for BERT and 4.0.0 for ResNet (``RULESET``). We still log the keys 6.1.0 made
-mandatory (precision, parallelism, micro batch, config file) so the log is complete under either.
+Rulesets: the checker's newest ruleset (6.1.0) no longer lists BERT or ResNet as benchmarks; the
+newest ones that do are 5.0.0 for BERT and 4.0.0 for ResNet (``RULESET``). We still log the keys
+6.1.0 made mandatory (precision, parallelism, micro batch, config file) so the log is complete under
+either.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class MLPerfLogger:
         self._ml = MLLogger(logger=logger, default_stack_offset=2)
         self._logger = logger
 
-    # -- primitives ---------------------------------------------------------------------------------
+    # -- primitives
+    # ---------------------------------------------------------------------------------
     def event(self, key: str, value: Any = None, metadata: dict[str, Any] | None = None) -> None:
         if self.enabled:
             self._ml.event(key=key, value=value, metadata=metadata)
@@ -100,7 +104,8 @@ class MLPerfLogger:
                 self._logger.removeHandler(h)
         self._handlers.clear()
 
-    # -- the events a training run logs, in order -----------------------------------------------------
+    # -- the events a training run logs, in order
+    # -----------------------------------------------------
     def cache_clear(self) -> None:
         self.event("cache_clear", True)
 
@@ -184,8 +189,8 @@ class MLPerfLogger:
 
 
 def default_platform(world: World) -> str:
-    """``submission_platform`` when ``mlperf.platform`` is unset: nodes x ranks per node and the device,
-    as the World reports them (e.g. ``2x2 cpu``, ``256x8 NVIDIA A100-SXM4-80GB``)."""
+    """``submission_platform`` when ``mlperf.platform`` is unset: nodes x ranks per node and the
+    device, as the World reports them (e.g. ``2x2 cpu``, ``256x8 NVIDIA A100-SXM4-80GB``)."""
     import torch
 
     dev = torch.device(getattr(world, "device", "cpu"))
@@ -195,9 +200,10 @@ def default_platform(world: World) -> str:
 
 def split_attempts(text: str) -> list[str]:
     """The ``:::MLLOG`` lines of an appended log, one string per attempt. An attempt starts at a
-    ``cache_clear`` (the first event the trainer logs), or at an ``init_start`` once the current attempt
-    has logged anything but ``cache_clear``. Works on a captured stdout too (``mlperf.stdout``): other lines
-    are left out, and a launcher's prefix before ``:::MLLOG`` (``[rank 0] ``) is cut."""
+    ``cache_clear`` (the first event the trainer logs), or at an ``init_start`` once the current
+    attempt has logged anything but ``cache_clear``. Works on a captured stdout too
+    (``mlperf.stdout``): other lines are left out, and a launcher's prefix before ``:::MLLOG``
+    (``[rank 0] ``) is cut."""
     attempts: list[list[str]] = []
     keys: set[str] = set()
     for raw in text.splitlines():
@@ -223,8 +229,9 @@ def check_compliance(
     timeout: float = 120.0,
     attempt: int = -1,
 ) -> tuple[bool, str]:
-    """Run the real ``mlperf_logging.compliance_checker`` on one attempt of ``path`` (the checker takes one
-    run per file; ``attempt`` indexes :func:`split_attempts`, the last by default); returns (passed, output).
+    """Run the real ``mlperf_logging.compliance_checker`` on one attempt of ``path`` (the checker
+    takes one run per file; ``attempt`` indexes :func:`split_attempts`, the last by default);
+    returns (passed, output).
 
     ``quality_target`` runs the unmodified rule files of the ruleset except that the closed-division
     quality threshold (``eval_accuracy`` ATLEAST_ONE_CHECK, 0.720 for BERT) becomes the given value:
@@ -232,7 +239,8 @@ def check_compliance(
     """
     if benchmark not in RULESET:
         raise UserError(
-            f"no MLPerf ruleset known for benchmark '{benchmark}' (expected one of {sorted(RULESET)})"
+            f"no MLPerf ruleset known for benchmark '{benchmark}' (expected one of "
+            f"{sorted(RULESET)})"
         )
     ruleset = ruleset or RULESET[benchmark]
     attempts = split_attempts(Path(path).read_text())
@@ -265,7 +273,8 @@ def check_compliance(
 
 
 def _relaxed_rules(tmp: Path, ruleset: str, benchmark: str, target: float) -> Path:
-    """Copy every rule directory; rewrite only the eval_accuracy threshold of closed_<benchmark>.yaml."""
+    """Copy every rule directory; rewrite only the eval_accuracy threshold of
+    closed_<benchmark>.yaml."""
     import mlperf_logging.compliance_checker as cc
 
     src = Path(cc.__file__).parent

@@ -1,10 +1,10 @@
 """Slurm hostlist grammar: ``gpu[001-004,007]``, ``rack[1-2]-n[01-02]``, ``a,b[1-3],c-d``.
 
 A recursive-descent parser, not a regex: a list is items separated by top-level commas; an item is a
-sequence of literal text and bracket groups; a bracket group is a comma list of ``N`` or ``LO-HI`` whose
-zero padding is the width of ``LO`` (as Slurm does). Several bracket groups in one item expand as a
-cartesian product with the leftmost group varying slowest, which is what ``scontrol show hostnames``
-prints.
+sequence of literal text and bracket groups; a bracket group is a comma list of ``N`` or ``LO-HI``
+whose zero padding is the width of ``LO`` (as Slurm does). Several bracket groups in one item expand
+as a cartesian product with the leftmost group varying slowest, which is what ``scontrol show
+hostnames`` prints.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def _expand_range(spec: str, full: str) -> list[str]:
 
 
 def _expand_item(item: str, full: str, budget: int) -> list[str]:
-    """One item's hosts; ``budget`` is how many hosts the whole list may still add (checked before the
-    cartesian product is built, so ``n[0-999999]b[0-9]`` never materialises ten million names)."""
+    """One item's hosts; ``budget`` is how many hosts the whole list may still add (checked
+    before the cartesian product is built, so ``n[0-999999]b[0-9]`` never materialises ten
+    million names)."""
     pieces: list[list[str]] = []
     i = 0
     while i < len(item):
@@ -99,8 +100,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
-    """``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` -> ``[2, 2, 2, 1]``. Node counts are checked against
-    ``nnodes`` (or the host cap) before anything is expanded."""
+    """``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` -> ``[2, 2, 2, 1]``. Node counts are checked
+    against ``nnodes`` (or the host cap) before anything is expanded."""
     limit = _MAX_HOSTS if nnodes is None else nnodes
     items: list[tuple[int, int]] = []
     for part in spec.strip().split(","):

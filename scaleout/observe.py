@@ -1,15 +1,16 @@
 """What the trainer tells the world: one :class:`Observer` protocol and the typed records it passes.
 
-The trainer (scaleout/train/trainer.py) holds one list of observers and calls each hook on every one of
-them, in order; it never talks to a reporting channel directly. The channels (the MLPerf log, the metrics
-file, the progress line, console messages, the profiler, the end-of-run report) are observers in
-scaleout/train/observers.py. A new channel is one more class with the hooks it needs: subclass
-:class:`Observer` (every hook a no-op) and append it to ``Trainer.observers``.
+The trainer (scaleout/train/trainer.py) holds one list of observers and calls each hook on every one
+of them, in order; it never talks to a reporting channel directly. The channels (the MLPerf log, the
+metrics file, the progress line, console messages, the profiler, the end-of-run report) are
+observers in scaleout/train/observers.py. A new channel is one more class with the hooks it needs:
+subclass :class:`Observer` (every hook a no-op) and append it to ``Trainer.observers``.
 
-The order of a run's calls: ``on_init_end`` (all state built; before the barrier that starts the clock),
-``on_run_start`` (the clock runs), ``on_step`` after every step, ``on_eval_start`` / ``on_eval`` around
-every evaluation, ``on_run_stop`` (the clock stops), ``on_run_end`` (after the final checkpoint).
-Collectives: an observer may run one inside ``on_run_end`` only (every rank holds the same list).
+The order of a run's calls: ``on_init_end`` (all state built; before the barrier that starts the
+clock), ``on_run_start`` (the clock runs), ``on_step`` after every step, ``on_eval_start`` /
+``on_eval`` around every evaluation, ``on_run_stop`` (the clock stops), ``on_run_end`` (after the
+final checkpoint). Collectives: an observer may run one inside ``on_run_end`` only (every rank holds
+the same list).
 
 Torch-free on purpose: the records are plain data.
 """
@@ -21,7 +22,8 @@ from typing import Any, Literal
 
 # How a run ended. "success": the target was reached; "max_steps": train.max_steps were taken;
 # "preempted": every rank agreed to stop on a signal (checkpointed); "aborted": diverged
-# (train.max_consecutive_skips); "finished": nothing to do, an earlier run of this directory finished.
+# (train.max_consecutive_skips); "finished": nothing to do, an earlier run of this directory
+# finished.
 RunStatus = Literal["success", "max_steps", "preempted", "aborted", "finished"]
 
 
@@ -131,7 +133,8 @@ class RunEnd:
 
 
 class Observer:
-    """The hooks the trainer calls; each a no-op here, so an observer overrides only what it uses."""
+    """The hooks the trainer calls; each a no-op here, so an observer overrides only what it
+    uses."""
 
     def on_init_end(self, init: InitEnd) -> None:
         pass

@@ -1,6 +1,7 @@
-"""Output helpers shared by the library and the driver side: Markdown tables, JSON with the machine's
-description, and an optional matplotlib. Standard library only at import time (``torch`` and
-``matplotlib`` are imported when used), so ``scaleout --help`` and the rank-side report stay light."""
+"""Output helpers shared by the library and the driver side: Markdown tables, JSON with the
+machine's description, and an optional matplotlib. Standard library only at import time
+(``torch`` and ``matplotlib`` are imported when used), so ``scaleout --help`` and the rank-side
+report stay light."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_json(path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> Path | None:
-    """``payload`` plus ``machine`` as indented JSON at ``path`` (folders made); None when ``path`` is empty."""
+    """``payload`` plus ``machine`` as indented JSON at ``path`` (folders made); None when
+    ``path`` is empty."""
     if not path:
         return None
     p = Path(path)
@@ -59,8 +61,8 @@ def write_json(path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> 
 
 
 def pyplot(say: bool = True) -> Any:
-    """matplotlib.pyplot on the headless Agg backend, or None (after one line, if ``say``) when matplotlib
-    is not installed: PNGs are optional everywhere (``pip install 'scaleout[plot]'``)."""
+    """matplotlib.pyplot on the headless Agg backend, or None (after one line, if ``say``) when
+    matplotlib is not installed: PNGs are optional everywhere (``pip install 'scaleout[plot]'``)."""
     try:
         import matplotlib
 

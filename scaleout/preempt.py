@@ -6,37 +6,47 @@ The contract a training loop follows (docs/launchers.md, "Preemption"):
     world = scaleout.init()
     for step in ...:
         train_step()
-        if guard.should_stop(world):          # every rank, every step (or every k steps, same k on all)
-            save_checkpoint()                 # rank 0 writes; all ranks hold the same weights after a step
+        if guard.should_stop(world):          # every rank, every step (or every k steps, same k on
+        all)
+            save_checkpoint()                 # rank 0 writes; all ranks hold the same weights after
+            a step
             if guard.wants_requeue and world.rank == 0:
-                preempt.requeue()             # `scontrol requeue $SLURM_JOB_ID`, BEFORE the barrier below
-            world.barrier()                   # releases the other ranks only once the requeue is recorded
+                preempt.requeue()             # `scontrol requeue $SLURM_JOB_ID`, BEFORE the barrier
+                below
+            world.barrier()                   # releases the other ranks only once the requeue is
+            recorded
             return preempt.EXIT_PREEMPTED
     guard.uninstall()
 
 Two kinds of signal, because schedulers send two kinds:
-- **notice** (SIGUSR2 by default, from ``#SBATCH --signal=USR2@<s>`` or submitit): the job will be killed in
-  ``s`` seconds. Ranks receive it at slightly different moments, so :meth:`Preemption.should_stop` all-reduces
+- **notice** (SIGUSR2 by default, from ``#SBATCH --signal=USR2@<s>`` or submitit): the job will be
+  killed in
+  ``s`` seconds. Ranks receive it at slightly different moments, so :meth:`Preemption.should_stop`
+  all-reduces
   the flag: every rank stops after the *same* step, rank 0 checkpoints and requeues. USR2, not USR1:
   NCCL (and some MPI builds) install their own USR1 handler.
-- **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the job is
-  being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves the weights of the
+- **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the
+  job is
+  being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves the
+  weights of the
   last completed step. A requeue by the scheduler brings the job back; the trainer resumes from the
   checkpoint (``SLURM_RESTART_COUNT`` says how many times).
 
-A notice followed by the time limit's SIGTERM (the stop and checkpoint outlasted the notice window) still
-requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol requeue`` of a job that is
-completing after its limit works (checked on Slurm 22.05: the job came back). A notice followed by any
-other SIGTERM (scancel during the stop) does not: :func:`time_limit_reached` tells them apart.
+A notice followed by the time limit's SIGTERM (the stop and checkpoint outlasted the notice window)
+still requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol requeue`` of
+a job that is completing after its limit works (checked on Slurm 22.05: the job came back). A notice
+followed by any other SIGTERM (scancel during the stop) does not: :func:`time_limit_reached` tells
+them apart.
 
 Why rank 0 requeues *before* the barrier that lets the other ranks exit: the production scripts run
-``srun --kill-on-bad-exit=1``, so the first rank to exit 75 makes Slurm kill every other task of the step;
-a rank 0 that had not yet run ``scontrol requeue`` would be killed with them and the job would end instead
-of coming back. Once the requeue is recorded by slurmctld, how the tasks exit no longer matters.
+``srun --kill-on-bad-exit=1``, so the first rank to exit 75 makes Slurm kill every other task of the
+step; a rank 0 that had not yet run ``scontrol requeue`` would be killed with them and the job would
+end instead of coming back. Once the requeue is recorded by slurmctld, how the tasks exit no longer
+matters.
 
-Handlers only set flags (async-signal safe in Python's sense: they run between bytecodes of the main thread).
-Install them before anything slow (the World's rendezvous can take minutes at scale): a notice that arrives
-while a signal still has its default action terminates the process.
+Handlers only set flags (async-signal safe in Python's sense: they run between bytecodes of the main
+thread). Install them before anything slow (the World's rendezvous can take minutes at scale): a
+notice that arrives while a signal still has its default action terminates the process.
 """
 
 from __future__ import annotations
@@ -57,8 +67,9 @@ from scaleout.log import print0
 if TYPE_CHECKING:
     from scaleout.world import World
 
-# The process exit code after a clean preemption stop (checkpoint written). EX_TEMPFAIL from sysexits.h:
-# "temporary failure, the user is invited to retry" -- distinct from success and from a crash.
+# The process exit code after a clean preemption stop (checkpoint written). EX_TEMPFAIL from
+# sysexits.h: "temporary failure, the user is invited to retry" -- distinct from success and from a
+# crash.
 EXIT_PREEMPTED = 75
 
 DEFAULT_NOTICE = "USR2"
@@ -118,13 +129,15 @@ class Preemption:
 
     @property
     def wants_requeue(self) -> bool:
-        """True once a notice was received, even if SIGTERM followed: a time limit's SIGTERM after the notice
-        must not cancel the requeue (Slurm does not requeue a TIMEOUT). SIGTERM alone: the scheduler decides
-        (``scontrol requeue`` from outside has already requeued; ``scancel`` means stop)."""
+        """True once a notice was received, even if SIGTERM followed: a time limit's SIGTERM
+        after the notice must not cancel the requeue (Slurm does not requeue a TIMEOUT). SIGTERM
+        alone: the scheduler decides (``scontrol requeue`` from outside has already requeued;
+        ``scancel`` means stop)."""
         return self.noticed
 
     def should_stop(self, world: World | None = None) -> bool:
-        """True on every rank once any rank was signalled (a collective: call it at the same step everywhere).
+        """True on every rank once any rank was signalled (a collective: call it at the same step
+        everywhere).
 
         Under SIGTERM the answer is local and immediate: a collective could hang on a rank that is
         already dead. Without a world (or with one rank) the local flag is the answer.
@@ -138,8 +151,9 @@ class Preemption:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         except RuntimeError:
-            # A peer that got the scheduler's SIGTERM first answers locally and leaves; ours may still be
-            # on its way (Slurm signals all tasks, not at the same instant). Stop if it comes; else re-raise.
+            # A peer that got the scheduler's SIGTERM first answers locally and leaves; ours may
+            # still be on its way (Slurm signals all tasks, not at the same instant). Stop if it
+            # comes; else re-raise.
             if self.peer_lost():
                 return True
             raise
@@ -148,8 +162,9 @@ class Preemption:
         return self.requested
 
     def peer_lost(self, grace_s: float = 5.0) -> bool:
-        """After a collective failed because a peer left: wait up to ``grace_s`` for this rank's own
-        terminate signal; True if it came (a preemption, stop cleanly), False if not (a real failure)."""
+        """After a collective failed because a peer left: wait up to ``grace_s`` for this rank's
+        own terminate signal; True if it came (a preemption, stop cleanly), False if not (a real
+        failure)."""
         import time
 
         deadline = time.monotonic() + grace_s
@@ -195,7 +210,8 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
 
 
 def _slurm_seconds(text: str) -> int | None:
-    """Slurm durations: ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM`` -> seconds; UNLIMITED and the like -> None."""
+    """Slurm durations: ``[D-]HH:MM:SS``, ``MM:SS`` or ``MM`` -> seconds; UNLIMITED and the like
+    -> None."""
     days, _, clock = text.rpartition("-")
     parts = clock.split(":")
     if not (days.isdigit() or days == "") or not all(p.isdigit() for p in parts) or len(parts) > 3:
@@ -211,13 +227,15 @@ def _slurm_seconds(text: str) -> int | None:
 def time_limit_reached(
     env: Mapping[str, str] | None = None, timeout_s: float = 30.0, tries: int = 3
 ) -> bool:
-    """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >= TimeLimit).
+    """True when this Slurm job has run for its whole time limit (``scontrol show job``: RunTime >=
+    TimeLimit).
 
-    Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from a scancel,
-    a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do not requeue). Outside a
-    job: False. When slurmctld does not answer (a loaded controller times out exactly when many jobs end),
-    it asks ``tries`` times and then answers True: after a notice the time limit is by far the likelier
-    cause, and a job that was cancelled is not requeued by Slurm anyway."""
+    Tells the time limit's SIGTERM (requeue after a notice: Slurm never requeues a TIMEOUT) from
+    a scancel, a drain or an outside ``scontrol requeue`` (the scheduler or the user decided: do
+    not requeue). Outside a job: False. When slurmctld does not answer (a loaded controller times
+    out exactly when many jobs end), it asks ``tries`` times and then answers True: after a
+    notice the time limit is by far the likelier cause, and a job that was cancelled is not
+    requeued by Slurm anyway."""
     import time
 
     job = slurm_job_id(env)
@@ -249,7 +267,8 @@ def time_limit_reached(
         if attempt + 1 < tries:
             time.sleep(min(2.0 * (attempt + 1), 5.0))
     print(
-        f"scontrol show job {job} did not answer ({tries} tries): taking the SIGTERM for the time limit",
+        f"scontrol show job {job} did not answer ({tries} tries): taking the SIGTERM for the time "
+        "limit",
         file=sys.stderr,
         flush=True,
     )
@@ -259,10 +278,10 @@ def time_limit_reached(
 def requeue(env: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> bool:
     """Ask Slurm to requeue this job (call from rank 0 only, after the checkpoint is on disk).
 
-    Returns False when not inside a Slurm job (nothing to requeue: the caller just exits). The job must
-    be requeueable (``#SBATCH --requeue``; submitit sets it). Slurm then kills every task (SIGTERM, then
-    SIGKILL after KillWait), puts the job back in the queue and restarts the batch script with
-    SLURM_RESTART_COUNT + 1; the new run resumes from the checkpoint.
+    Returns False when not inside a Slurm job (nothing to requeue: the caller just exits). The job
+    must be requeueable (``#SBATCH --requeue``; submitit sets it). Slurm then kills every task
+    (SIGTERM, then SIGKILL after KillWait), puts the job back in the queue and restarts the batch
+    script with SLURM_RESTART_COUNT + 1; the new run resumes from the checkpoint.
     """
     job = slurm_job_id(env)
     if job is None:
@@ -289,21 +308,24 @@ def release_after_stop(
     checkpointing: bool,
     before_requeue: Callable[[Preemption], None] | None = None,
 ) -> int:
-    """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got a
-    notice, then every rank passes one barrier; returns the exit code (75, or 1 if the requeue failed).
-    ``notice``/``terminate``: the step's agreed flags (scaleout/train/faults.py), never a rank's own.
+    """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got
+    a notice, then every rank passes one barrier; returns the exit code (75, or 1 if the requeue
+    failed). ``notice``/``terminate``: the step's agreed flags (scaleout/train/faults.py), never a
+    rank's own.
 
-    The barrier comes after the requeue because under ``srun --kill-on-bad-exit=1`` the first rank to exit
-    75 makes Slurm kill the others: a rank 0 still on its way to ``scontrol requeue`` would die with them
-    and the job would end, not come back. Once slurmctld has recorded the requeue, its SIGTERM only sets
-    flags here (handlers stay installed until run_training returns). ``before_requeue``: a test hook
-    (scaleout.train.faults.RequeueDelay), None in a real run."""
+    The barrier comes after the requeue because under ``srun --kill-on-bad-exit=1`` the first
+    rank to exit 75 makes Slurm kill the others: a rank 0 still on its way to ``scontrol
+    requeue`` would die with them and the job would end, not come back. Once slurmctld has
+    recorded the requeue, its SIGTERM only sets flags here (handlers stay installed until
+    run_training returns). ``before_requeue``: a test hook (scaleout.train.faults.RequeueDelay),
+    None in a real run."""
     code = EXIT_PREEMPTED
     if not notice:
         pass  # SIGTERM only: the scheduler decides (its own requeue is done; scancel means stop)
     elif not checkpointing:
         print0(
-            "preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is not "
+            "preemption notice, but checkpoint.dir is not set: nothing was saved, so the job is "
+            "not "
             "requeued (it would start again from step 0)",
             rank=world.rank,
         )
@@ -313,7 +335,8 @@ def release_after_stop(
         try:
             if (terminate or guard.terminating) and not time_limit_reached():
                 print(
-                    "preemption notice, then SIGTERM before the time limit (scancel?): not requeueing",
+                    "preemption notice, then SIGTERM before the time limit (scancel?): not "
+                    "requeueing",
                     flush=True,
                 )
             elif requeue():

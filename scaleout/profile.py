@@ -1,21 +1,26 @@
-"""torch.profiler on a schedule (``train.profile``), and the communication timeline as profiler ranges.
+"""torch.profiler on a schedule (``train.profile``), and the communication timeline as profiler
+ranges.
 
-``train.profile: {wait: 1, warmup: 1, active: 3}`` profiles steps wait+warmup+1 .. wait+warmup+active of
-every rank (``ranks`` limits that) with ``torch.profiler.schedule`` and writes one Chrome trace per rank
-and cycle through ``tensorboard_trace_handler``: ``<dir>/rank<R>.<ns>.pt.trace.json``, which Perfetto
-(ui.perfetto.dev), chrome://tracing, TensorBoard's profiler plugin and Holistic Trace Analysis open.
+``train.profile: {wait: 1, warmup: 1, active: 3}`` profiles steps wait+warmup+1 ..
+wait+warmup+active of every rank (``ranks`` limits that) with ``torch.profiler.schedule`` and writes
+one Chrome trace per rank and cycle through ``tensorboard_trace_handler``:
+``<dir>/rank<R>.<ns>.pt.trace.json``, which Perfetto (ui.perfetto.dev), chrome://tracing,
+TensorBoard's profiler plugin and Holistic Trace Analysis open.
 
 The spans of scaleout's own communication timeline (scaleout/parallel/timeline.py) are profiler
 ranges in the same trace, so kernels, c10d/NCCL calls and scaleout's schedule line up:
 
-- ``scaleout.backward``       first gradient hook -> end of backward (the reducer's "backward" track)
-- ``scaleout.bucket <b>``     bucket b's all-reduce, launch -> completion (async: ends when its future does)
+- ``scaleout.backward``       first gradient hook -> end of backward (the reducer's "backward"
+  track)
+- ``scaleout.bucket <b>``     bucket b's all-reduce, launch -> completion (async: ends when its
+  future does)
 - ``scaleout.wait``           end of backward -> every bucket reduced (exposed communication)
 - ``scaleout.all_reduce[..]`` every scaleout.comm.all_reduce call
 - ``scaleout.reduce_scatter`` / ``scaleout.all_gather``: the sharded optimizer's collectives
 - ``scaleout.phase.<name>``   the trainer's step phases (data, forward, backward, optimizer)
 
-Every helper here costs one flag check when no profiler is recording (``torch.autograd._profiler_enabled``).
+Every helper here costs one flag check when no profiler is recording
+(``torch.autograd._profiler_enabled``).
 """
 
 from __future__ import annotations
@@ -73,10 +78,10 @@ def until_done(name: str, future: Any) -> None:
 
 
 def traced(name: str, fn: Callable[..., Any] | None = None) -> Any:
-    """``fn`` (a collective) inside a range; with ``async_op=True`` the range lasts until the returned
-    handle's future completes (or, for a Work without one, until it is waited for). Wrap a library's entry
-    points once (``traced("all_gather", dist.all_gather_into_tensor)``, or ``@traced("all_reduce")`` on a
-    definition): the callers stay as they are."""
+    """``fn`` (a collective) inside a range; with ``async_op=True`` the range lasts until the
+    returned handle's future completes (or, for a Work without one, until it is waited for). Wrap
+    a library's entry points once (``traced("all_gather", dist.all_gather_into_tensor)``, or
+    ``@traced("all_reduce")`` on a definition): the callers stay as they are."""
     if fn is None:
         return functools.partial(traced, name)
 
@@ -150,13 +155,15 @@ class StepProfiler:
         self.prof.step()
 
     def close(self) -> list[Path]:
-        """Stop (a cycle cut short by the end of the run is written too); the traces written so far."""
+        """Stop (a cycle cut short by the end of the run is written too); the traces written so
+        far."""
         self.prof.__exit__(None, None, None)
         return sorted(self.dir.glob("*.pt.trace.json"))
 
 
 def build_profiler(cfg: ProfileConfig, out_dir: str | Path, rank: int) -> StepProfiler | None:
-    """The profiler of ``train.profile`` (None when it is not set or this rank is not in ``ranks``)."""
+    """The profiler of ``train.profile`` (None when it is not set or this rank is not in
+    ``ranks``)."""
     if cfg is None or (cfg.ranks is not None and rank not in cfg.ranks):
         return None
     return StepProfiler(cfg, out_dir, rank)

@@ -1,10 +1,11 @@
 """``Registry[T]``: the one shape of scaleout's extension points.
 
 Model families (:mod:`scaleout.families`), all-reduce algorithms (:mod:`scaleout.comm`) and launcher
-environments (:mod:`scaleout.env`) each keep one registry. Everything that lists the choices (the config
-schema's ``Literal``s, CLI ``choices=``, the simulator's lists, the docs tables) reads ``names()`` from it, so
-a name is written once: where the implementation registers itself. As torch.distributed.elastic's
-``RendezvousHandlerRegistry``, a second registration under a taken name is refused.
+environments (:mod:`scaleout.env`) each keep one registry. Everything that lists the choices (the
+config schema's ``Literal``s, CLI ``choices=``, the simulator's lists, the docs tables) reads
+``names()`` from it, so a name is written once: where the implementation registers itself. As
+torch.distributed.elastic's ``RendezvousHandlerRegistry``, a second registration under a taken name
+is refused.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Registry(Generic[T]):
         return tuple(self._items)
 
     def literal(self, *extra: str) -> object:
-        """``Literal[...]`` of the registered names (plus ``extra``), for a pydantic field's type."""
+        """``Literal[...]`` of the registered names (plus ``extra``), for a pydantic field's
+        type."""
         return Literal[(*extra, *self._items)]  # type: ignore[valid-type]
 
     def items(self) -> Iterator[tuple[str, T]]:

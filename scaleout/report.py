@@ -2,23 +2,26 @@
 
 FLOP conventions (one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward):
 
-* BERT: counted per step from what ran (real tokens, each sequence's own attention span, the MLM head
+* BERT: counted per step from what ran (real tokens, each sequence's own attention span, the MLM
+  head
   where it ran) by :mod:`scaleout.families.bert.flops`, checked against ``FlopCounterMode``.
 * ResNet: forward multiply-adds from the config by :mod:`scaleout.families.resnet.flops` (4.09 G for
   ResNet-50 v1.5 at 224x224), checked against the real model's; training = 3 x 2 x forward.
 
-Each family owns its formula (scaleout/families/<arch>/flops.py); the trainer counts each micro-batch
-with it, and this report divides what was counted.
+Each family owns its formula (scaleout/families/<arch>/flops.py); the trainer counts each
+micro-batch with it, and this report divides what was counted.
 
 MFU = achieved model FLOP/s / (devices x peak FLOP/s per device) (PaLM appendix B). The peak comes
-from :mod:`scaleout.devices`: a GPU part identified by name, SM count and memory (data-sheet numbers for
-the run's precision), a CPU peak measured on the machine, or None -- then MFU is reported as unknown.
+from :mod:`scaleout.devices`: a GPU part identified by name, SM count and memory (data-sheet numbers
+for the run's precision), a CPU peak measured on the machine, or None -- then MFU is reported as
+unknown.
 
 HPC-AI500 Valid FLOPS (Jiang et al., "HPC AI500 V2.0", arXiv 2007.00279, sec. 4): VFLOPS = FLOPS x
 (achieved quality / target quality)^n, with n = 5 for image classification. The paper gives no n for
-language models; we use n = 5 for BERT's masked-LM accuracy too, because it is the same kind of metric
-(a top-1 classification accuracy over the vocabulary, on a 0..1 scale), so a shortfall should cost the
-same. Each family declares its n (``Family.quality_exponent``); pass ``quality_exponent`` to change it.
+language models; we use n = 5 for BERT's masked-LM accuracy too, because it is the same kind of
+metric (a top-1 classification accuracy over the vocabulary, on a 0..1 scale), so a shortfall should
+cost the same. Each family declares its n (``Family.quality_exponent``); pass ``quality_exponent``
+to change it.
 """
 
 from __future__ import annotations
@@ -121,7 +124,8 @@ class RunReport:
         else:
             rows.append(
                 [
-                    f"MFU ({self.devices} x {self.device_name}, {self.peak_flops_per_device / 1e12:.4g} TFLOP/s "
+                    f"MFU ({self.devices} x {self.device_name}, "
+                    f"{self.peak_flops_per_device / 1e12:.4g} TFLOP/s "
                     f"peak: {self.peak_source})",
                     f"{self.mfu:.2%}",
                 ]

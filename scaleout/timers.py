@@ -1,15 +1,15 @@
 """Named step-time spans: ``with timers("forward"): ...`` accumulated per *sampled* step.
 
-The trainer wraps each phase (data, forward, backward, optimizer) in a span; the report turns the means
-into a breakdown table. On CUDA a span must synchronise the device at both ends, otherwise the wall time
-only measures kernel *launches* (asynchronous) and attributes the real cost to whichever span happens
-to block next. Synchronising costs what it measures: the host stops running ahead of the device, which
-at small per-GPU batches is a real slowdown. So the breakdown is *sampled*: only every ``every``-th step
-(``train.timing_every``, counted from the first timed step) opens spans and synchronises; on the other
-steps a span is a no-op. The report gives both the plain step time (every step, no instrumentation:
-the trainer's own wall clock) and the sampled breakdown, with the sampled steps' own mean step time.
-"exposed_comm" times only the wait on the reducer's handles after backward, not the all-reduces that
-overlap with it.
+The trainer wraps each phase (data, forward, backward, optimizer) in a span; the report turns the
+means into a breakdown table. On CUDA a span must synchronise the device at both ends, otherwise the
+wall time only measures kernel *launches* (asynchronous) and attributes the real cost to whichever
+span happens to block next. Synchronising costs what it measures: the host stops running ahead of
+the device, which at small per-GPU batches is a real slowdown. So the breakdown is *sampled*: only
+every ``every``-th step (``train.timing_every``, counted from the first timed step) opens spans and
+synchronises; on the other steps a span is a no-op. The report gives both the plain step time (every
+step, no instrumentation: the trainer's own wall clock) and the sampled breakdown, with the sampled
+steps' own mean step time. "exposed_comm" times only the wait on the reducer's handles after
+backward, not the all-reduces that overlap with it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
 
 class Timers:
-    """Accumulates seconds per named span over sampled steps (``begin()`` decides, ``step()`` closes)."""
+    """Accumulates seconds per named span over sampled steps (``begin()`` decides, ``step()``
+    closes)."""
 
     def __init__(self, device: Any = None, sync: bool | None = None, every: int = 1):
         import torch
@@ -70,12 +71,14 @@ class Timers:
             self.add(name, time.perf_counter() - t0)
 
     def add(self, name: str, seconds: float) -> None:
-        """Add an externally measured span (e.g. a reducer's exposed wait); ignored on unsampled steps."""
+        """Add an externally measured span (e.g. a reducer's exposed wait); ignored on unsampled
+        steps."""
         if self.sampled:
             self.current[name] = self.current.get(name, 0.0) + seconds
 
     def step(self, seconds: float | None = None) -> dict[str, float]:
-        """Close the current step (``seconds``: its wall time); returns its spans ({} when unsampled)."""
+        """Close the current step (``seconds``: its wall time); returns its spans ({} when
+        unsampled)."""
         done, self.current = self.current, {}
         if not self.sampled:
             return {}
@@ -90,7 +93,8 @@ class Timers:
         return {k: v / max(self.steps, 1) for k, v in self.totals.items()}
 
     def mean_step(self) -> float:
-        """Mean wall time of the sampled steps (compare with the plain step time to see their cost)."""
+        """Mean wall time of the sampled steps (compare with the plain step time to see their
+        cost)."""
         return self.step_seconds / max(self.steps, 1)
 
     def reset(self) -> None:

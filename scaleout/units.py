@@ -1,8 +1,9 @@
 """Units shared by the launchers and the simulator (torch-free).
 
 Link rates follow tc(8)'s units, as the emulated cluster (``tc ... tbf rate``) reads them: a bare
-number and ``bit`` are bits per second, ``bps`` is *bytes* per second; SI prefixes k/m/g/t are powers of
-1000, IEC prefixes ki/mi/gi/ti powers of 1024. So ``1gbit`` = 1e9 bit/s and ``1gbps`` = 8e9 bit/s.
+number and ``bit`` are bits per second, ``bps`` is *bytes* per second; SI prefixes k/m/g/t are
+powers of 1000, IEC prefixes ki/mi/gi/ti powers of 1024. So ``1gbit`` = 1e9 bit/s and ``1gbps`` =
+8e9 bit/s.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ UNLIMITED = ("", "none", "0", "unlimited")
 
 
 def parse_rate(value: Any, what: str = "--rate") -> float | None:
-    """A link rate in bit/s: a number (bit/s) or a tc rate ("1gbit", "100mbit", "125mbps" = bytes/s);
-    None, "none", "unlimited" or 0 -> None (no limit). ``what`` names the value in the error."""
+    """A link rate in bit/s: a number (bit/s) or a tc rate ("1gbit", "100mbit", "125mbps" =
+    bytes/s); None, "none", "unlimited" or 0 -> None (no limit). ``what`` names the value in the
+    error."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):

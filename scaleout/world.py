@@ -58,8 +58,8 @@ class World:
         self._groups: dict[tuple[int, ...], Any] = {}
         self._families: dict[str, Any] = {}
         self._close_hooks: list[Any] = []
-        # Collective timeout of every group (the default group's and each subgroup's): init_timeout_s
-        # until set_timeout() shortens it after the first step.
+        # Collective timeout of every group (the default group's and each subgroup's):
+        # init_timeout_s until set_timeout() shortens it after the first step.
         self.timeout_s = float(timeout_s)
 
     # -- identity ---------------------------------------------------------------------------------
@@ -97,8 +97,10 @@ class World:
 
     def __repr__(self) -> str:
         return (
-            f"World(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}/{self.local_size}, "
-            f"node={self.node_rank}/{self.num_nodes}, device={self.device}, backend={self.backend}, "
+            f"World(rank={self.rank}/{self.world_size}, "
+            f"local_rank={self.local_rank}/{self.local_size}, "
+            f"node={self.node_rank}/{self.num_nodes}, device={self.device}, "
+            f"backend={self.backend}, "
             f"launcher={self.launcher})"
         )
 
@@ -111,13 +113,13 @@ class World:
         """Create (once) this rank's group of a partition of the ranks; return it.
 
         Only the members of a group take part in creating it (``use_local_synchronization=True``:
-        hashed group names, a member-only rendezvous, no world-wide barrier), and each rank creates only
-        the groups it belongs to, so building intra + inter + torus groups costs about as much as
-        connecting this rank's own small meshes, not k + g world-wide rendezvous (the
-        measurement is in ``scaleout bench allreduce`` -> group_creation). A group equal to the whole
-        world is the world group; the same rank list reached through two families is one group, unless
-        ``shared=False``: then the family gets its own group (its own NCCL communicator), even for a rank
-        list another family (or the world) already has.
+        hashed group names, a member-only rendezvous, no world-wide barrier), and each rank creates
+        only the groups it belongs to, so building intra + inter + torus groups costs about as much
+        as connecting this rank's own small meshes, not k + g world-wide rendezvous (the measurement
+        is in ``scaleout bench allreduce`` -> group_creation). A group equal to the whole world is
+        the world group; the same rank list reached through two families is one group, unless
+        ``shared=False``: then the family gets its own group (its own NCCL communicator), even for a
+        rank list another family (or the world) already has.
         """
         if family not in self._families:
             mine = [ranks for ranks in parts if self.rank in ranks]
@@ -140,10 +142,11 @@ class World:
         return self._families[family]
 
     def partition(self, family: str, parts: list[list[int]], shared: bool = True) -> Any:
-        """Public form of group-family creation: one group per part (every rank calls it with the same
-        parts, in the same order); returns this rank's group. ``shared=False``: a communicator of its own
-        (group batch norm, whose collectives run from the autograd thread while bucket reductions of the
-        same ranks may run from the comm thread; NCCL requires one issuing order per communicator)."""
+        """Public form of group-family creation: one group per part (every rank calls it with the
+        same parts, in the same order); returns this rank's group. ``shared=False``: a
+        communicator of its own (group batch norm, whose collectives run from the autograd thread
+        while bucket reductions of the same ranks may run from the comm thread; NCCL requires one
+        issuing order per communicator)."""
         return self._partition(family, parts, shared)
 
     @property
@@ -170,24 +173,25 @@ class World:
         return [node[idx] for node in self.ranks_per_node]
 
     def torus_shape(self, x: int | None = None, y: int | None = None) -> tuple[int, int]:
-        """Resolve the X x Y grid (:func:`scaleout.comm.torus2d.resolve_grid`); default X = ranks per
-        node."""
+        """Resolve the X x Y grid (:func:`scaleout.comm.torus2d.resolve_grid`); default X = ranks
+        per node."""
         if x is None and y is None:
             self.require_uniform("the default torus grid (x = ranks per node)")
         return resolve_grid(self.world_size, len(self.ranks_per_node[0]), x, y)
 
     def torus_rows(self, x: int) -> list[list[int]]:
-        """The grid's rows: consecutive runs of x ranks in *node* order (node by node, each node's ranks in
-        rank order), each sorted. With x = ranks per node a row is exactly one node, whether the launcher
-        placed ranks in blocks (node 0 = ranks 0..g-1) or cyclically (``srun --distribution=cyclic``,
-        ``mpirun --map-by node``: node 0 = ranks 0, k, 2k, ...); x below / above it splits a node / joins
-        consecutive nodes. Column c holds the c-th rank of every row (the same shard index)."""
+        """The grid's rows: consecutive runs of x ranks in *node* order (node by node, each
+        node's ranks in rank order), each sorted. With x = ranks per node a row is exactly one
+        node, whether the launcher placed ranks in blocks (node 0 = ranks 0..g-1) or cyclically
+        (``srun --distribution=cyclic``, ``mpirun --map-by node``: node 0 = ranks 0, k, 2k, ...);
+        x below / above it splits a node / joins consecutive nodes. Column c holds the c-th rank
+        of every row (the same shard index)."""
         order = [r for node in self.ranks_per_node for r in node]
         return [sorted(order[i : i + x]) for i in range(0, len(order), x)]
 
     def torus(self, x: int | None = None, y: int | None = None) -> TorusGroups:
-        """Row and column groups of an X x Y grid (Sony's 2D torus, arXiv 1811.05233); rows follow the
-        observed node layout (:meth:`torus_rows`)."""
+        """Row and column groups of an X x Y grid (Sony's 2D torus, arXiv 1811.05233); rows
+        follow the observed node layout (:meth:`torus_rows`)."""
         self.require_uniform("the torus groups")
         x, y = self.torus_shape(x, y)
         key = f"torus{x}x{y}"
@@ -207,12 +211,13 @@ class World:
         dist.barrier()
 
     def set_timeout(self, seconds: float, *, sync: bool = True) -> None:
-        """Set the collective timeout of every group: the default group and every subgroup built so far
-        (intra, inter, torus rows/columns, group-BN partitions); groups built later get it too.
+        """Set the collective timeout of every group: the default group and every subgroup built so
+        far (intra, inter, torus rows/columns, group-BN partitions); groups built later get it too.
 
-        ``sync``: a world barrier first, under the old timeout, so that no rank starts collectives under a
-        short timeout while a slower peer is still finishing work the long one allowed (torchtitan's
-        ``set_pg_timeouts`` does the same). Every rank must call it with the same arguments.
+        ``sync``: a world barrier first, under the old timeout, so that no rank starts collectives
+        under a short timeout while a slower peer is still finishing work the long one allowed
+        (torchtitan's ``set_pg_timeouts`` does the same). Every rank must call it with the same
+        arguments.
         """
         from torch.distributed import distributed_c10d as c10d
 
@@ -226,16 +231,18 @@ class World:
             c10d._set_pg_timeout(td, None if group is dist.group.WORLD else group)
 
     def prioritize_communication(self, nice: int = 10) -> bool:
-        """Lower the calling (compute) thread's CPU priority below the communication threads (CPU/gloo).
+        """Lower the calling (compute) thread's CPU priority below the communication threads
+        (CPU/gloo).
 
-        GPUs give collectives their own engines and high-priority streams; on CPU, gloo's IO threads, the
-        scaleout comm thread and the kernel's network work share cores with the forward/backward thread.
-        When those cores are oversubscribed (several ranks per core, as on the emulated cluster) a bucket's
-        all-reduce waits for a time slice behind compute and the overlap is lost. This creates the groups
-        and the comm thread first (so they keep the normal priority), then raises the calling thread's nice
-        value (per-thread on Linux; needs no privilege). Threads and processes started later by the calling
-        thread inherit it. No-op on CUDA (NCCL has its own streams) and where unsupported; returns whether
-        it applied. Every rank must call it (it may create process groups).
+        GPUs give collectives their own engines and high-priority streams; on CPU, gloo's IO
+        threads, the scaleout comm thread and the kernel's network work share cores with the
+        forward/backward thread. When those cores are oversubscribed (several ranks per core, as on
+        the emulated cluster) a bucket's all-reduce waits for a time slice behind compute and the
+        overlap is lost. This creates the groups and the comm thread first (so they keep the normal
+        priority), then raises the calling thread's nice value (per-thread on Linux; needs no
+        privilege). Threads and processes started later by the calling thread inherit it. No-op on
+        CUDA (NCCL has its own streams) and where unsupported; returns whether it applied. Every
+        rank must call it (it may create process groups).
         """
         import os
         import threading
@@ -259,15 +266,16 @@ class World:
         return True
 
     def add_close_hook(self, fn: Any) -> None:
-        """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a comm thread:
-        destroying gloo groups while the thread that issued their ops is alive aborts the process). A hook
-        that returns False reports a thread it could not stop: the groups are then left alone."""
+        """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a
+        comm thread: destroying gloo groups while the thread that issued their ops is alive
+        aborts the process). A hook that returns False reports a thread it could not stop: the
+        groups are then left alone."""
         self._close_hooks.append(fn)
 
     def close(self) -> None:
-        """Orderly shutdown, idempotent: close hooks (comm thread joined), then every process group
-        destroyed, which joins gloo's worker threads. :func:`init` registers it to run at interpreter exit
-        (see ``_close_at_exit``); calling it explicitly is the same."""
+        """Orderly shutdown, idempotent: close hooks (comm thread joined), then every process
+        group destroyed, which joins gloo's worker threads. :func:`init` registers it to run at
+        interpreter exit (see ``_close_at_exit``); calling it explicitly is the same."""
         atexit.unregister(self._close_at_exit)
         hooks, self._close_hooks = self._close_hooks, []
         stopped = True
@@ -282,13 +290,14 @@ class World:
     def _close_at_exit(self) -> None:
         """At interpreter exit a script that never called close() still shuts down in order.
 
-        Why: a torch future's done-callbacks run on the thread that completes it (a gloo worker, or the
-        scaleout comm thread), after ``wait()`` has already returned to the caller. If the script ends
-        while such a callback still has Python to run, that thread meets a finalizing interpreter, is
-        unwound through C++ frames that cannot unwind, and the process dies with SIGABRT ("terminate called
-        without an active exception"). Destroying the groups joins those threads first. ``atexit`` runs
-        handlers last-registered-first, so this runs before the handlers torch registered at import
-        (DataLoader, dynamo) and before multiprocessing reaps its children.
+        Why: a torch future's done-callbacks run on the thread that completes it (a gloo worker, or
+        the scaleout comm thread), after ``wait()`` has already returned to the caller. If the
+        script ends while such a callback still has Python to run, that thread meets a finalizing
+        interpreter, is unwound through C++ frames that cannot unwind, and the process dies with
+        SIGABRT ("terminate called without an active exception"). Destroying the groups joins those
+        threads first. ``atexit`` runs handlers last-registered-first, so this runs before the
+        handlers torch registered at import (DataLoader, dynamo) and before multiprocessing reaps
+        its children.
         """
         try:
             self.close()
@@ -307,13 +316,15 @@ class World:
 
 
 def _release_captured_groups(groups: list[Any]) -> None:
-    """Let destroy_process_group really destroy the groups: drop the references torch's own modules took.
+    """Let destroy_process_group really destroy the groups: drop the references torch's own modules
+    took.
 
-    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as default arguments, evaluated when
-    it is imported. Imported after init -- torch.optim imports it through dynamo, so every training script
-    does -- its functions keep the default group alive after destroy_process_group: the group's worker
-    threads are never joined, and one still running a future's Python callback at interpreter exit aborts
-    the process. Replacing such defaults by None keeps their meaning (None is the default group).
+    ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as default arguments, evaluated
+    when it is imported. Imported after init -- torch.optim imports it through dynamo, so every
+    training script does -- its functions keep the default group alive after destroy_process_group:
+    the group's worker threads are never joined, and one still running a future's Python callback at
+    interpreter exit aborts the process. Replacing such defaults by None keeps their meaning (None
+    is the default group).
     """
     ids = {id(g) for g in groups if g is not None}
     for name, module in list(sys.modules.items()):
@@ -348,10 +359,11 @@ def init(
     backend: str | None = None,
     timeout_s: float | None = None,
 ) -> World:
-    """Build the World from whichever launcher started this process and initialise torch.distributed.
+    """Build the World from whichever launcher started this process and initialise
+    torch.distributed.
 
-    ``config`` (a :class:`scaleout.config.Config`) supplies ``launch.env``, ``launch.backend`` and the
-    initial collective timeout; explicit keyword arguments win over it.
+    ``config`` (a :class:`scaleout.config.Config`) supplies ``launch.env``, ``launch.backend`` and
+    the initial collective timeout; explicit keyword arguments win over it.
     """
     env = os.environ if env is None else env
     launch = getattr(config, "launch", None)
@@ -381,7 +393,8 @@ def init(
         )
     elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
         raise TopologyError(
-            f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
+            "torch.distributed is already initialised as rank "
+            f"{dist.get_rank()}/{dist.get_world_size()}, "
             f"but the {spec.launcher} environment says {spec.rank}/{spec.world_size}"
         )
     node_of = _observe_topology(spec)
@@ -393,20 +406,22 @@ def init(
 
 
 def nccl_error_handling(env: Any) -> None:
-    """Make a timed-out or failed NCCL collective end the process (before the first NCCL group exists).
+    """Make a timed-out or failed NCCL collective end the process (before the first NCCL group
+    exists).
 
-    NCCL collectives run asynchronously on the GPU; the watchdog thread of ProcessGroupNCCL notices a
-    timeout. With TORCH_NCCL_ASYNC_ERROR_HANDLING=3 ("skip clean-up") it tears the process down at once
-    and the launcher stops the job; with 0 the hung rank would sit there, and 1 first aborts the
-    communicators, which can itself hang. torchtitan sets 3 for the same reason (and so does torch's own
-    default in recent releases; older ones defaulted to no handling). An explicit value is respected,
-    with a warning when it leaves hung ranks alive. TORCH_NCCL_DUMP_ON_TIMEOUT=1 with TORCH_FR_BUFFER_SIZE>0
-    additionally dumps the flight recorder on a timeout.
+    NCCL collectives run asynchronously on the GPU; the watchdog thread of ProcessGroupNCCL notices
+    a timeout. With TORCH_NCCL_ASYNC_ERROR_HANDLING=3 ("skip clean-up") it tears the process down at
+    once and the launcher stops the job; with 0 the hung rank would sit there, and 1 first aborts
+    the communicators, which can itself hang. torchtitan sets 3 for the same reason (and so does
+    torch's own default in recent releases; older ones defaulted to no handling). An explicit value
+    is respected, with a warning when it leaves hung ranks alive. TORCH_NCCL_DUMP_ON_TIMEOUT=1 with
+    TORCH_FR_BUFFER_SIZE>0 additionally dumps the flight recorder on a timeout.
     """
     mode = env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if mode.strip() in ("0", "2"):
         print(
-            f"scaleout: warning: TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} does not end a process whose NCCL "
+            f"scaleout: warning: TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} does not end a process "
+            "whose NCCL "
             "collective timed out: a hung peer then stalls the job (unset it or use 3)",
             file=sys.stderr,
             flush=True,
@@ -422,7 +437,8 @@ def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:
     for r, (node, local, _host) in enumerate(gathered):
         if (node, local) in seen:
             raise TopologyError(
-                f"{spec.launcher} environment: ranks {seen[(node, local)]} and {r} both claim node {node} local rank {local}"
+                f"{spec.launcher} environment: ranks {seen[(node, local)]} and {r} both claim node "
+                f"{node} local rank {local}"
             )
         seen[(node, local)] = r
     node_ids = sorted({node for node, _, _ in gathered})

@@ -15,10 +15,11 @@ SYSTEM = (
     "netns",
     "horovod",
 )  # need the real thing: a full_system test by definition
-# The suite runs on every core (pytest-xdist, pyproject addopts): these share machine-wide state -- the one
-# local Slurm cluster and /etc/hosts, the list of network namespaces, mpirun's and Horovod's rendezvous, a
-# timing fit on the emulated links -- so they run in one group, on one worker, one after another, while the
-# other workers take the rest (much of the group's time is waiting for Slurm). `-n 0` runs everything here.
+# The suite runs on every core (pytest-xdist, pyproject addopts): these share machine-wide state --
+# the one local Slurm cluster and /etc/hosts, the list of network namespaces, mpirun's and Horovod's
+# rendezvous, a timing fit on the emulated links -- so they run in one group, on one worker, one
+# after another, while the other workers take the rest (much of the group's time is waiting for
+# Slurm). `-n 0` runs everything here.
 SERIAL_FILES = {
     "test_netns.py",
     "test_sim_calibrate.py",
@@ -33,8 +34,9 @@ SERIAL_FILES = {
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """``pytest -m unit`` does not even import a test file without a unit test: importing them (torch
-    extensions, hypothesis, transformers) is most of the time the inner loop would otherwise spend collecting."""
+    """``pytest -m unit`` does not even import a test file without a unit test: importing them
+    (torch extensions, hypothesis, transformers) is most of the time the inner loop would
+    otherwise spend collecting."""
     if (
         config.getoption("markexpr") == "unit"
         and collection_path.name.startswith("test_")
@@ -46,9 +48,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test gets exactly one tier (slurm/mpi/netns/horovod tests default to full_system), the tests of
-    machine-wide state one xdist group, and a ``gpu`` test is skipped, with the reason, where this machine has
-    fewer CUDA devices than it needs."""
+    """Every test gets exactly one tier (slurm/mpi/netns/horovod tests default to full_system),
+    the tests of machine-wide state one xdist group, and a ``gpu`` test is skipped, with the
+    reason, where this machine has fewer CUDA devices than it needs."""
     untiered = []
     for item in items:
         tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
@@ -80,9 +82,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """run_dist's process pools end with the session. Its atexit hook is not enough: a pytest-xdist worker
-    leaves with os._exit, which skips atexit -- and multiprocessing's reaping of daemonic children with it --
-    so every pool of every worker would outlive the suite (found as orphans after the first parallel run)."""
+    """run_dist's process pools end with the session. Its atexit hook is not enough: a
+    pytest-xdist worker leaves with os._exit, which skips atexit -- and multiprocessing's reaping
+    of daemonic children with it -- so every pool of every worker would outlive the suite (found
+    as orphans after the first parallel run)."""
     for name in ("tests.distutil", "distutil"):  # imported under both names by different test files
         mod = sys.modules.get(name)
         if mod is not None:
@@ -97,13 +100,14 @@ def _cuda_devices() -> int:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The real local Slurm cluster (launchers/slurm_local): started if not running, stopped at the end of
-    the session if this session started it (tests/slurmutil.py)."""
+    """The real local Slurm cluster (launchers/slurm_local): started if not running, stopped at
+    the end of the session if this session started it (tests/slurmutil.py)."""
     from tests import slurmutil
 
     yield from slurmutil.cluster_session()
 
 
 # The Wikipedia-512 sequence-length histogram ships with scaleout (package data, the same file as
-# ../shared/data/): the tests that need it always run, never skip on a missing copy beside the checkout.
+# ../shared/data/): the tests that need it always run, never skip on a missing copy beside the
+# checkout.
 WIKI_HIST = Path(ROOT) / "scaleout" / "data" / "wikipedia_seqlen_hist_512.txt"

@@ -1,16 +1,16 @@
 """Run a function on N real processes as M emulated nodes (gloo), the way ``scaleout launch`` would.
 
-    results = run_dist(fn, nnodes=2, nproc_per_node=2, args=(...,))   # list indexed by rank
+results = run_dist(fn, nnodes=2, nproc_per_node=2, args=(...,))   # list indexed by rank
 
 ``fn(world, *args, **kwargs)`` must be a module-level function (pickled by reference into spawned
-processes); its return value must be picklable. Each process gets the variables ``scaleout launch`` sets
-and calls ``scaleout.init()`` once.
+processes); its return value must be picklable. Each process gets the variables ``scaleout launch``
+sets and calls ``scaleout.init()`` once.
 
-Spawning 4 processes costs ~5 s on 2 cores (torch import + rendezvous), so by default the processes of
-a (nnodes, nproc_per_node, env) shape are kept as a pool for the whole pytest session and reused by
-every call; ``fresh=True`` spawns a one-off set instead (for tests of init itself). A failure on any
-rank raises AssertionError with that rank's traceback and discards the pool (its other ranks may be
-stuck in a collective); a call that runs past ``timeout`` seconds does the same.
+Spawning 4 processes costs ~5 s on 2 cores (torch import + rendezvous), so by default the processes
+of a (nnodes, nproc_per_node, env) shape are kept as a pool for the whole pytest session and reused
+by every call; ``fresh=True`` spawns a one-off set instead (for tests of init itself). A failure on
+any rank raises AssertionError with that rank's traceback and discards the pool (its other ranks may
+be stuck in a collective); a call that runs past ``timeout`` seconds does the same.
 """
 
 from __future__ import annotations

@@ -5,31 +5,38 @@
     fc.violations                   # collectives issued on host tensors (also raised at the call)
     fc.syncs                        # device -> host reads: (kind, "file:line") per read
 
-Why: on a GPU every collective tensor must live on ``world.device`` (an NCCL-only default group has no
-CPU backend: "No backend type associated with device type cpu"), and every ``.item()`` / ``bool()`` /
-``.cpu()`` of a device tensor stalls the host until the device catches up. On CPU both mistakes are
-invisible: every tensor is on the CPU and reading one costs nothing. Only a GPU can exist for real, so
-this emulates one (a mock, said so): every tensor physically stays on the CPU, and a
-``TorchFunctionMode`` keeps the *emulated* placement:
+Why: on a GPU every collective tensor must live on ``world.device`` (an NCCL-only default group has
+no CPU backend: "No backend type associated with device type cpu"), and every ``.item()`` /
+``bool()`` / ``.cpu()`` of a device tensor stalls the host until the device catches up. On CPU both
+mistakes are invisible: every tensor is on the CPU and reading one costs nothing. Only a GPU can
+exist for real, so this emulates one (a mock, said so): every tensor physically stays on the CPU,
+and a ``TorchFunctionMode`` keeps the *emulated* placement:
 
-- a tensor is *on the host* when it was made without a device (``torch.zeros(2)``, ``torch.from_numpy``,
+- a tensor is *on the host* when it was made without a device (``torch.zeros(2)``,
+  ``torch.from_numpy``,
   ``torch.tensor([...])``), with ``device="cpu"``, by ``.cpu()`` / ``.to("cpu")``, or by an op whose
   tensor inputs are all on the host. Everything else is *on the device*: factories with
-  ``device="cuda"`` / ``world.device``, ``.to(world.device)``, ops with a device input, and tensors the
+  ``device="cuda"`` / ``world.device``, ``.to(world.device)``, ops with a device input, and tensors
+  the
   mode never saw (autograd gradients, parameters, tensors made in other threads);
-- ``t.device`` answers ``cuda:0`` / ``cpu`` and ``t.is_cuda`` accordingly, so code that derives a device
+- ``t.device`` answers ``cuda:0`` / ``cpu`` and ``t.is_cuda`` accordingly, so code that derives a
+  device
   from a tensor (``device=x.device``) behaves as on a GPU, and CUDA-only branches run;
-- an op mixing host and device tensors raises, as CUDA does (a 0-dim host tensor is allowed, as on CUDA);
+- an op mixing host and device tensors raises, as CUDA does (a 0-dim host tensor is allowed, as on
+  CUDA);
   ``.numpy()`` of a device tensor raises, as on CUDA;
-- every collective of every process group (patched on ``ProcessGroup``, so every thread and every saved
-  reference to a ``torch.distributed`` function is covered) raises on a host tensor with NCCL's message,
+- every collective of every process group (patched on ``ProcessGroup``, so every thread and every
+  saved
+  reference to a ``torch.distributed`` function is covered) raises on a host tensor with NCCL's
+  message,
   and torch's object collectives use the device as they do under NCCL;
-- reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``, boolean
+- reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
+  boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site.
 
-Limits: the mode is thread-local, so ops in other threads (the comm thread) are not classified (their
-new tensors count as device tensors, which they are on a GPU); ops inside a torch function's own
-implementation are not seen, only the call.
+Limits: the mode is thread-local, so ops in other threads (the comm thread) are not classified
+(their new tensors count as device tensors, which they are on a GPU); ops inside a torch function's
+own implementation are not seen, only the call.
 """
 
 from __future__ import annotations
@@ -140,7 +147,8 @@ def _physical(x: Any) -> Any:
 
 
 def call_site() -> str:
-    """The innermost frame in this repository outside this file: where a read or a collective came from."""
+    """The innermost frame in this repository outside this file: where a read or a collective
+    came from."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         if frame.filename.startswith(_ROOT) and not frame.filename.endswith("fakecuda.py"):
             return f"{os.path.relpath(frame.filename, _ROOT)}:{frame.lineno}"
@@ -186,7 +194,8 @@ class _Mode(TorchFunctionMode):
             and any(h.dim() > 0 for h in hosts)
         ):
             raise RuntimeError(
-                f"fakecuda: {name} mixes host and device tensors (an error on CUDA) at {call_site()}"
+                f"fakecuda: {name} mixes host and device tensors (an error on CUDA) at "
+                f"{call_site()}"
             )
         out = func(*args, **kwargs)
         if (
@@ -211,9 +220,9 @@ class _Mode(TorchFunctionMode):
         create_graph: bool = False,
         inputs: Any = None,
     ) -> None:
-        """Run the autograd engine with the mode on: gradient hooks and engine callbacks (the reducer's
-        collectives) are training code too. Tensor.backward would dispatch back here, so the engine is
-        called the way torch.autograd.backward calls it (torch 2.13)."""
+        """Run the autograd engine with the mode on: gradient hooks and engine callbacks (the
+        reducer's collectives) are training code too. Tensor.backward would dispatch back here,
+        so the engine is called the way torch.autograd.backward calls it (torch 2.13)."""
         from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
         from torch.autograd.graph import _engine_run_backward
 
@@ -271,7 +280,8 @@ class _Mode(TorchFunctionMode):
 
 
 class FakeCuda:
-    """Context manager: the emulated device (module docstring). ``device`` is what world.device becomes."""
+    """Context manager: the emulated device (module docstring). ``device`` is what world.device
+    becomes."""
 
     device = DEVICE
 
@@ -290,7 +300,8 @@ class FakeCuda:
             bad = [t for t in tree_flatten((args, kwargs))[0] if on_host(t)]
             if bad:
                 msg = (
-                    f"No backend type associated with device type cpu (fakecuda: {orig.__name__} of a host "
+                    f"No backend type associated with device type cpu (fakecuda: {orig.__name__} "
+                    "of a host "
                     f"tensor {tuple(bad[0].shape)} {bad[0].dtype} at {call_site()})"
                 )
                 self.violations.append(msg)
@@ -315,7 +326,8 @@ class FakeCuda:
         # torch.from_numpy bypasses torch-function modes: mark its tensors as host tensors here
         from_numpy = torch.from_numpy
         self._patch(torch, "from_numpy", lambda a: _mark(from_numpy(a), True))
-        # what the run asks about its device (MLPerf platform, the report's peak): an unknown part, no SMs
+        # what the run asks about its device (MLPerf platform, the report's peak): an unknown part,
+        # no SMs
         props = SimpleNamespace(
             name="fakecuda (CPU)", multi_processor_count=0, total_memory=0, major=0, minor=0
         )

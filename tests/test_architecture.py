@@ -1,9 +1,10 @@
-"""The layering README "Architecture" draws, checked on the source: imports point down, and no cycle.
+"""The layering README "Architecture" draws, checked on the source: imports point down, and no
+cycle.
 
-Library (runs in every rank): env, comm, parallel, optim, data, models, train and the top-level modules.
-Driver side: cli, bench, sweep, sim. Launchers start ranks and never import the CLI; only the CLI uses both.
-An import inside a function counts as much as one at the top: it is still a dependency. Imports under
-``if TYPE_CHECKING:`` do not: they never run.
+Library (runs in every rank): env, comm, parallel, optim, data, models, train and the top-level
+modules. Driver side: cli, bench, sweep, sim. Launchers start ranks and never import the CLI; only
+the CLI uses both. An import inside a function counts as much as one at the top: it is still a
+dependency. Imports under ``if TYPE_CHECKING:`` do not: they never run.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def _units() -> dict[str, list[Path]]:
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in the file, in functions too; not the type-only ones under
-    ``if TYPE_CHECKING:`` (never executed: ``World`` is a type every layer names)."""
+    """(line, absolute module) of every import in the file, in functions too; not the type-only
+    ones under ``if TYPE_CHECKING:`` (never executed: ``World`` is a type every layer names)."""
     tree = ast.parse(path.read_text())
     type_only = {
         id(n)
@@ -122,7 +123,8 @@ def test_no_import_cycle_between_units() -> None:
 
 
 def test_the_checks_see_a_real_upward_import(tmp_path: Path) -> None:
-    """The scan is not vacuous: it finds a function-local import of the CLI and knows where it is."""
+    """The scan is not vacuous: it finds a function-local import of the CLI and knows where it
+    is."""
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from scaleout.cli import main\n")
     assert [_target(m) for _, m in _imports(f)] == ["cli", "cli"]
@@ -144,7 +146,8 @@ def test_readme_contents_lists_every_guide() -> None:
 
 
 def test_readme_architecture_names_what_exists() -> None:
-    """Every package of scaleout/ and every launcher module is in the block; every name in it exists."""
+    """Every package of scaleout/ and every launcher module is in the block; every name in it
+    exists."""
     block = _readme_section("Architecture")
     packages = [
         p.name

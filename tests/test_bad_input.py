@@ -1,6 +1,7 @@
-"""Bad input through the real CLI: exit 2, exactly one line on stderr that names the offending value,
-nothing written, before anything is spawned. Every case is a row of docs/bad-input.md, and the table is
-generated from CASES (``python tests/test_bad_input.py --write``); the tests check that they agree.
+"""Bad input through the real CLI: exit 2, exactly one line on stderr that names the offending
+value, nothing written, before anything is spawned. Every case is a row of docs/bad-input.md, and
+the table is generated from CASES (``python tests/test_bad_input.py --write``); the tests check that
+they agree.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Every benchmark runs, end to end, with its tiny settings (``SMOKE_ARGS`` in its module): a change to
-DataParallel, the optimizers, the trainer or the data path that breaks a benchmark fails here, not on the
-next person who runs it. What a benchmark measures is checked by its own tests (test_bench_allreduce.py,
-test_bench_largebatch.py, ...); here: the real command line exits 0 and writes its JSON."""
+"""Every benchmark runs, end to end, with its tiny settings (``SMOKE_ARGS`` in its module): a
+change to DataParallel, the optimizers, the trainer or the data path that breaks a benchmark
+fails here, not on the next person who runs it. What a benchmark measures is checked by its own
+tests (test_bench_allreduce.py, test_bench_largebatch.py, ...); here: the real command line exits
+0 and writes its JSON."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from scaleout.cli.bench import benches
 pytestmark = pytest.mark.full_system
 
 BENCHES = {m.NAME: m for m in benches()}
-# A benchmark whose own test file runs it end to end through the same CLI with its SMOKE_ARGS names that
-# test in SMOKE_TEST (checked below to exist), so the suite does not pay for the same launches twice.
+# A benchmark whose own test file runs it end to end through the same CLI with its SMOKE_ARGS names
+# that test in SMOKE_TEST (checked below to exist), so the suite does not pay for the same launches
+# twice.
 OWN_TEST = {name for name, m in BENCHES.items() if getattr(m, "SMOKE_TEST", None)}
 
 

@@ -1,5 +1,6 @@
-"""`scaleout bench allreduce` speaks nccl-tests: -b/-e/-f/-n/-w/-d, time in us, count, type, #wrong from an
-in-place check, and an `# Avg bus bandwidth` line (a real 2-rank gloo run, plus the check's arithmetic)."""
+"""`scaleout bench allreduce` speaks nccl-tests: -b/-e/-f/-n/-w/-d, time in us, count, type,
+#wrong from an in-place check, and an `# Avg bus bandwidth` line (a real 2-rank gloo run, plus
+the check's arithmetic)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""`scaleout bench largebatch`: the recipe rule is the same for every run, and unreached targets say so.
+"""`scaleout bench largebatch`: the recipe rule is the same for every run, and unreached targets say
+so.
 
-The full measurement (minutes) is the bench itself; here: the plan, the verdict, and one tiny end-to-end run.
+The full measurement (minutes) is the bench itself; here: the plan, the verdict, and one tiny
+end-to-end run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""`scaleout bench ttt`: the plan holds the rules equal, unreached targets are "> budget", the ablation adds up.
+"""`scaleout bench ttt`: the plan holds the rules equal, unreached targets are "> budget", the
+ablation adds up.
 
-The measurement itself (tens of minutes on the emulated cluster) is the bench; here: the run plan, the
-report's arithmetic on hand-made rows, the baseline script's arguments, and the whole bench end to end on
-its --quick settings (real `scaleout launch` of the torch baseline and of `scaleout train`, 1 x 2 ranks).
+The measurement itself (tens of minutes on the emulated cluster) is the bench; here: the run plan,
+the report's arithmetic on hand-made rows, the baseline script's arguments, and the whole bench end
+to end on its --quick settings (real `scaleout launch` of the torch baseline and of `scaleout
+train`, 1 x 2 ranks).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def _ttt_args(*argv: str):
 
 @pytest.mark.unit
 def test_scaleout_recipe_is_the_config_and_command_writes_it_back() -> None:
-    """The recipe's settings are config keys (no --batch/--lr/--precision/--bucket-mb flags): the Recipe read
-    from the resolved config and the `scaleout train` overrides command() writes for it agree, key by key."""
+    """The recipe's settings are config keys (no --batch/--lr/--precision/--bucket-mb flags): the
+    Recipe read from the resolved config and the `scaleout train` overrides command() writes for
+    it agree, key by key."""
     from scaleout.config import load_config
 
     args = _ttt_args("optim.lr=1e-2", "comm.bucket_mb=4", "train.precision=fp32", "--warmup", "0.2")
@@ -294,9 +297,10 @@ def _bench(tmp_path, *extra: str) -> tuple[dict, str]:
 @pytest.mark.full_system
 @pytest.mark.slow
 def test_quick_bench_end_to_end(tmp_path) -> None:
-    """Real launches (1 node x 2 ranks, a 1-layer model, 256 sequences): the sweep, baseline, scaleout,
-    sharded and the ablation chain. At SMOKE_ARGS' target 0.01 the LAMB runs reach it (~0.02 at the budget)
-    and the AdamW ones cannot (~0.003): both a time-to-train and a "> budget" go through the tables."""
+    """Real launches (1 node x 2 ranks, a 1-layer model, 256 sequences): the sweep, baseline,
+    scaleout, sharded and the ablation chain. At SMOKE_ARGS' target 0.01 the LAMB runs reach it
+    (~0.02 at the budget) and the AdamW ones cannot (~0.003): both a time-to-train and a ">
+    budget" go through the tables."""
     res, stdout = _bench(tmp_path)
     names = [r["recipe"] for r in res["runs"]]
     assert names[0].startswith("baseline-b") and names.count("baseline") == 1

@@ -1,11 +1,12 @@
-"""Step capture (scaleout/train/capture.py): torch.compile of the inner model under DataParallel gives
-the eager loss and all-reduced gradients on real gloo ranks; CUDA graphs fall back to eager with one
-warning on CPU; on a GPU, a captured step (one graph per input shape) equals the eager step.
+"""Step capture (scaleout/train/capture.py): torch.compile of the inner model under DataParallel
+gives the eager loss and all-reduced gradients on real gloo ranks; CUDA graphs fall back to eager
+with one warning on CPU; on a GPU, a captured step (one graph per input shape) equals the eager
+step.
 
-The fast compile test uses dynamo + AOTAutograd with the ``aot_eager`` backend: that is the part that
-meets DataParallel's hooks (the parameters become graph inputs, the backward one autograd node), and
-it compiles the tiny BERT in ~10 s on 2 cores. Inductor (C++ code generation, ~80 s cold for the same
-model here) is checked in the ``slow`` test. The GPU tests skip without CUDA.
+The fast compile test uses dynamo + AOTAutograd with the ``aot_eager`` backend: that is the part
+that meets DataParallel's hooks (the parameters become graph inputs, the backward one autograd
+node), and it compiles the tiny BERT in ~10 s on 2 cores. Inductor (C++ code generation, ~80 s cold
+for the same model here) is checked in the ``slow`` test. The GPU tests skip without CUDA.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _compile_vs_eager(world, backend: str) -> dict:
 
 @pytest.mark.multi_process
 def test_compiled_model_under_data_parallel_matches_eager() -> None:
-    """2 ranks: the compiled model's loss and averaged gradients equal eager within fp32 tolerance, and
-    the reducer still all-reduces (gradients equal on both ranks though their batches differ)."""
+    """2 ranks: the compiled model's loss and averaged gradients equal eager within fp32
+    tolerance, and the reducer still all-reduces (gradients equal on both ranks though their
+    batches differ)."""
     r = run_dist(_compile_vs_eager, nnodes=1, nproc_per_node=2, args=("aot_eager",), timeout=300)
     for rank in r:
         assert rank["same_keys"]
@@ -91,8 +93,8 @@ def test_compiled_model_under_data_parallel_matches_eager() -> None:
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_inductor_compiled_tiny_bert_matches_eager() -> None:
-    """The real Inductor backend (C++ kernels on CPU), one process: ~40-80 s cold compile on 2 shared
-    cores, hence ``slow`` (the hook interplay is covered by the aot_eager test above)."""
+    """The real Inductor backend (C++ kernels on CPU), one process: ~40-80 s cold compile on 2
+    shared cores, hence ``slow`` (the hook interplay is covered by the aot_eager test above)."""
     from scaleout.families.bert.config import BertConfig
     from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import compile_model
@@ -139,11 +141,12 @@ def _bert_loss(model, batch):
 
 @pytest.mark.multi_process
 def test_static_shape_bert_step_compiles_as_one_graph() -> None:
-    """No host syncs, static shapes: the BERT forward + loss with ``model.bert.static_shapes`` compiles
-    with ``fullgraph=True, dynamic=False`` (any graph break, ``.item()`` or data-dependent shape would
-    raise), and AOTAutograd traces its backward too; loss and gradients equal the eager default
-    forward. The default forward cannot be compiled that way (``int(pos.max())``, ``labels[valid]``).
-    ``aot_eager``: graph breaks are the point, not Inductor's kernels (~10 s here)."""
+    """No host syncs, static shapes: the BERT forward + loss with ``model.bert.static_shapes``
+    compiles with ``fullgraph=True, dynamic=False`` (any graph break, ``.item()`` or
+    data-dependent shape would raise), and AOTAutograd traces its backward too; loss and
+    gradients equal the eager default forward. The default forward cannot be compiled that way
+    (``int(pos.max())``, ``labels[valid]``). ``aot_eager``: graph breaks are the point, not
+    Inductor's kernels (~10 s here)."""
     from scaleout.families.bert.config import BertConfig
     from scaleout.families.bert.model import BertForPreTraining
 
@@ -222,7 +225,8 @@ def test_shape_key_separates_shapes_and_dtypes() -> None:
     assert shape_key([MicroBatch(x, x.long(), 2, 0)]) != shape_key([MicroBatch(x, x.int(), 2, 0)])
 
 
-# -- GPU ------------------------------------------------------------------------------------------------
+# -- GPU
+# ------------------------------------------------------------------------------------------------
 
 
 def _mlp() -> torch.nn.Module:
@@ -232,8 +236,8 @@ def _mlp() -> torch.nn.Module:
 @pytest.mark.unit
 @pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_whole_step_equals_eager_step() -> None:
-    """Forward + backward + capturable AdamW in one graph per shape (two shapes, alternating) gives the
-    same losses and weights as the same steps run eagerly."""
+    """Forward + backward + capturable AdamW in one graph per shape (two shapes, alternating)
+    gives the same losses and weights as the same steps run eagerly."""
     from scaleout.train.capture import StepGraphs, capturable_optimizer
 
     dev = torch.device("cuda")
@@ -320,8 +324,8 @@ def _dp_graph_vs_eager(world) -> dict:
 @pytest.mark.unit
 @pytest.mark.gpu(reason="CUDA graphs")
 def test_captured_static_shape_bert_step_equals_eager() -> None:
-    """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and each
-    replayed step's loss and gradients equal the eager default forward on the same batch."""
+    """BERT with ``static_shapes`` captures (no fallback to eager), two packed-batch shapes, and
+    each replayed step's loss and gradients equal the eager default forward on the same batch."""
     from scaleout.families.bert.config import BertConfig
     from scaleout.families.bert.model import BertForPreTraining
     from scaleout.train.capture import StepGraphs
@@ -355,8 +359,9 @@ def test_captured_static_shape_bert_step_equals_eager() -> None:
 @pytest.mark.multi_process
 @pytest.mark.gpu(reason="CUDA graphs")
 def test_data_parallel_step_graph_matches_reducer() -> None:
-    """The captured DataParallel step (no_sync backward + bucket all-reduce) gives the reducer's averaged
-    gradients over 2 micro-batches. One rank (NCCL all-reduce in a graph needs one GPU per rank)."""
+    """The captured DataParallel step (no_sync backward + bucket all-reduce) gives the reducer's
+    averaged gradients over 2 micro-batches. One rank (NCCL all-reduce in a graph needs one GPU
+    per rank)."""
     n = torch.cuda.device_count()
     r = run_dist(_dp_graph_vs_eager, nnodes=1, nproc_per_node=min(n, 2), timeout=300)
     for rank in r:

@@ -156,7 +156,8 @@ def test_bitwise_resume(tmp_path):
     assert not all(torch.equal(full[k], wrong[k]) for k in full)
 
 
-# -- sharded optimizer state (torch.distributed.checkpoint) and rank 0's choice, on real gloo ranks -------------
+# -- sharded optimizer state (torch.distributed.checkpoint) and rank 0's choice, on real gloo ranks
+# -------------
 def _sharded_setup(world, algorithm: str, overlap: bool, width: int = 0):
     from scaleout.optim import ShardedLAMB
     from tests.test_optim_sharded import BUCKET_MB, HP, Net, groups
@@ -198,7 +199,8 @@ def _pieces(opt) -> dict:
 def _save(
     world, directory: str, steps: int, algorithm: str = "flat", overlap: bool = True, keep: int = 2
 ) -> dict:
-    """Train ``steps`` steps, checkpointing after each; return this rank's pieces after every step."""
+    """Train ``steps`` steps, checkpointing after each; return this rank's pieces after every
+    step."""
     from scaleout.checkpoint import Checkpointer
 
     net, opt = _sharded_setup(world, algorithm, overlap)
@@ -254,7 +256,8 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _unsharded_state(W: int, steps: int) -> dict[str, torch.Tensor]:
-    """LAMB on the global batch (the same arithmetic order as the sharded path), keyed like the pieces."""
+    """LAMB on the global batch (the same arithmetic order as the sharded path), keyed like the
+    pieces."""
     from scaleout.optim import LAMB
     from tests.test_optim_sharded import HP, Net, _global_batch_grads, groups
 
@@ -276,8 +279,9 @@ def _unsharded_state(W: int, steps: int) -> dict[str, torch.Tensor]:
 @pytest.mark.multi_process
 @pytest.mark.parametrize("save_shape,load_shape", [((2, 2), (1, 2)), ((1, 2), (2, 2))])
 def test_sharded_state_reshards_between_world_sizes(tmp_path, save_shape, load_shape) -> None:
-    """Saved by W ranks (overlapped buckets), loaded by another W (one bucket, another algorithm): every
-    element lands where it belongs, bit for bit, and equals unsharded LAMB's state."""
+    """Saved by W ranks (overlapped buckets), loaded by another W (one bucket, another
+    algorithm): every element lands where it belongs, bit for bit, and equals unsharded LAMB's
+    state."""
     from tests.distutil import run_dist
 
     saved = run_dist(_save, *save_shape, args=(str(tmp_path), 3, "hierarchical", True), timeout=300)
@@ -303,8 +307,9 @@ def test_sharded_state_reshards_between_world_sizes(tmp_path, save_shape, load_s
 
 @pytest.mark.multi_process
 def test_rank0_chooses_and_every_rank_falls_back_together(tmp_path) -> None:
-    """Newest checkpoint corrupted (replicated file) or incomplete (a shard file missing): rank 0 alone
-    decides, and every rank resumes the same older checkpoint with its own shard of that step."""
+    """Newest checkpoint corrupted (replicated file) or incomplete (a shard file missing): rank 0
+    alone decides, and every rank resumes the same older checkpoint with its own shard of that
+    step."""
     from tests.distutil import run_dist
 
     saved = run_dist(_save, 2, 2, args=(str(tmp_path), 3, "flat", True, 3), timeout=300)
@@ -349,7 +354,8 @@ def test_a_rank_that_cannot_read_its_shard_is_named(tmp_path) -> None:
 
 
 def _object_traffic(world, directory: str, width: int) -> dict:
-    """Save + restore through every object collective torch has, recording the pickled bytes of each."""
+    """Save + restore through every object collective torch has, recording the pickled bytes of
+    each."""
     import torch.distributed.distributed_c10d as c10d
 
     from scaleout.checkpoint import Checkpointer, gather_rng_states
@@ -398,11 +404,12 @@ def _object_traffic(world, directory: str, width: int) -> dict:
 
 @pytest.mark.multi_process
 def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
-    """At scale the optimizer state must never be gathered: every object that crosses a collective during a
-    save and a restore (RNG states, DCP plans, the chosen path, the structure of the replicated state) is
-    small next to a rank's shard (gathering shards, as before, sends one object of a whole shard per rank).
-    The other ranks see a tenth of their shard in all; rank 0 collects per-rank RNG states and DCP plans
-    (~15 KB a rank: O(world), but no optimizer state). The shards move only between each rank and its files."""
+    """At scale the optimizer state must never be gathered: every object that crosses a
+    collective during a save and a restore (RNG states, DCP plans, the chosen path, the structure
+    of the replicated state) is small next to a rank's shard (gathering shards, as before, sends
+    one object of a whole shard per rank). The other ranks see a tenth of their shard in all;
+    rank 0 collects per-rank RNG states and DCP plans (~15 KB a rank: O(world), but no optimizer
+    state). The shards move only between each rank and its files."""
     from tests.distutil import run_dist
 
     got = run_dist(_object_traffic, 2, 2, args=(str(tmp_path), 512), timeout=300)
@@ -417,8 +424,9 @@ def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
 
 @pytest.mark.full_system
 def test_sharded_training_resumes_bitwise(tmp_path) -> None:
-    """`scaleout train` with optim.sharded=true (overlapped buckets, hierarchical reduce-scatter) on 2 x 2 ranks:
-    stopped after 3 steps and rerun to 6, the final weights equal an uninterrupted run's bit for bit."""
+    """`scaleout train` with optim.sharded=true (overlapped buckets, hierarchical reduce-scatter)
+    on 2 x 2 ranks: stopped after 3 steps and rerun to 6, the final weights equal an
+    uninterrupted run's bit for bit."""
     import subprocess
     import sys
 
@@ -473,8 +481,8 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
 
 @pytest.mark.unit
 def test_save_never_prunes_a_higher_step(tmp_path):
-    """An older run left ckpt-1000/1100 in the directory; a save at step 200 used to be deleted at once
-    (pruning by step number) and a later resume loaded the other run's weights."""
+    """An older run left ckpt-1000/1100 in the directory; a save at step 200 used to be deleted
+    at once (pruning by step number) and a later resume loaded the other run's weights."""
     old = Checkpointer(tmp_path, keep=2)
     for step in (1000, 1100):
         old.save(step, {"w": torch.full((4,), float(step))})
@@ -500,8 +508,9 @@ def _save_many(directory, tag: float, n: int, errors: list) -> None:
 
 @pytest.mark.unit
 def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
-    """Two runs saving the same step used to share '<name>.tmp': one's rename failed (the other had moved
-    the file) or the file mixed both payloads. Each writer now has its own temporary name."""
+    """Two runs saving the same step used to share '<name>.tmp': one's rename failed (the other
+    had moved the file) or the file mixed both payloads. Each writer now has its own temporary
+    name."""
     import threading
 
     errors: list = []
@@ -522,15 +531,17 @@ def test_two_writers_of_one_checkpoint_name_never_share_a_tmp_file(tmp_path):
 
 @pytest.mark.full_system
 def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
-    """A write that fails half-way (here the file-size limit, as a full disk would) leaves the previous
-    file as it was and no temporary file (report.json and run.json are written this way)."""
+    """A write that fails half-way (here the file-size limit, as a full disk would) leaves the
+    previous file as it was and no temporary file (report.json and run.json are written this
+    way)."""
     import subprocess
     import sys
 
     target = tmp_path / "report.json"
     target.write_text('{"old": true}')
     code = (
-        "import resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+        "import resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, "
+        "signal.SIG_IGN);"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096));"
         "from scaleout.checkpoint import atomic_write;"
         "atomic_write(Path(sys.argv[1]), b'x' * 100000)"

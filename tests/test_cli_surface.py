@@ -1,15 +1,17 @@
-"""The command-line surface is frozen: every (command, flag) pair of `scaleout` -- its subcommands and the
-sub-subcommands of `bench`, `simulate`, `data`, ... as the CLI discovers them (scaleout/cli/__init__.py) --
-is checked in as tests/data/cli_surface.json, and a flag that is not there fails this test.
+"""The command-line surface is frozen: every (command, flag) pair of `scaleout` -- its subcommands
+and the sub-subcommands of `bench`, `simulate`, `data`, ... as the CLI discovers them
+(scaleout/cli/__init__.py) -- is checked in as tests/data/cli_surface.json, and a flag that is not
+there fails this test.
 
-The idea is torchtitan's (tests/unit_tests/test_no_new_cli_options.py): every flag is one more name for a
-user to learn and for the docs to keep, and a flag that re-declares a config key (`--bucket-mb` next to
-comm.bucket_mb) is a second way to say the same thing. A setting of a run belongs in the config, set from
-the command line as a key=value override (`scaleout train CONFIG comm.bucket_mb=4`, `scaleout bench ttt
-train.precision=fp32`). When a new flag is really the tool's own (a variant list, an output path), add it
-and update the snapshot deliberately, in the same commit:
+The idea is torchtitan's (tests/unit_tests/test_no_new_cli_options.py): every flag is one more name
+for a user to learn and for the docs to keep, and a flag that re-declares a config key
+(`--bucket-mb` next to comm.bucket_mb) is a second way to say the same thing. A setting of a run
+belongs in the config, set from the command line as a key=value override (`scaleout train CONFIG
+comm.bucket_mb=4`, `scaleout bench ttt train.precision=fp32`). When a new flag is really the tool's
+own (a variant list, an output path), add it and update the snapshot deliberately, in the same
+commit:
 
-    python3 tests/test_cli_surface.py --write
+python3 tests/test_cli_surface.py --write
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ WRITE = "python3 tests/test_cli_surface.py --write"
 def surface(
     parser: argparse.ArgumentParser | None = None, command: str = ""
 ) -> dict[str, list[str]]:
-    """{command: its flags} for every parser under ``parser`` (default: `scaleout`'s), ``--help`` aside.
-    A command is the words after `scaleout` ("bench ttt"); `scaleout` itself is ""."""
+    """{command: its flags} for every parser under ``parser`` (default: `scaleout`'s), ``--help``
+    aside. A command is the words after `scaleout` ("bench ttt"); `scaleout` itself is ""."""
     parser = parser or build_parser()
     flags, out = [], {}
     for action in parser._actions:
@@ -66,8 +68,10 @@ def test_no_new_flags() -> None:
     added = pairs(surface()) - pairs(_snapshot())
     assert not added, (
         f"new command-line flags: {_show(added)}. The CLI surface is frozen "
-        "(tests/test_cli_surface.py): prefer a config key, set as a key=value override (a benchmark "
-        "that trains takes --config and overrides: scaleout.bench._harness.add_config_arguments); if the "
+        "(tests/test_cli_surface.py): prefer a config key, set as a key=value override (a "
+        "benchmark "
+        "that trains takes --config and overrides: scaleout.bench._harness.add_config_arguments); "
+        "if the "
         f"flag is the tool's own, update the snapshot deliberately: {WRITE}"
     )
 
@@ -96,8 +100,9 @@ SAME_NAME_OTHER_MEANING = {
 
 
 def test_a_config_benchmark_repeats_no_config_key() -> None:
-    """A benchmark with key=value overrides takes the config's keys there only: none of its flags is named
-    after a config key (--bucket-mb beside comm.bucket_mb, --precision beside train.precision)."""
+    """A benchmark with key=value overrides takes the config's keys there only: none of its flags
+    is named after a config key (--bucket-mb beside comm.bucket_mb, --precision beside
+    train.precision)."""
     from scaleout.cli.bench import benches
     from scaleout.config.schema import Config
 

@@ -1,7 +1,8 @@
-"""scaleout.comm on real gloo processes: every algorithm equals ``flat`` (bit for bit on integer-valued
-data, to rounding on random data) for world sizes 1..8 over grids 1xN, Nx1, 2x2, 2x3, 3x2, 2x4, element
-counts 1, 7 and 1,000,003, fp32/bf16/fp16, sum and avg, in place, non-contiguous, async; plus the
-error paths. One run_dist call per world shape batches all of its checks (spawning costs seconds).
+"""scaleout.comm on real gloo processes: every algorithm equals ``flat`` (bit for bit on
+integer-valued data, to rounding on random data) for world sizes 1..8 over grids 1xN, Nx1, 2x2, 2x3,
+3x2, 2x4, element counts 1, 7 and 1,000,003, fp32/bf16/fp16, sum and avg, in place, non-contiguous,
+async; plus the error paths. One run_dist call per world shape batches all of its checks (spawning
+costs seconds).
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ def _variants(world, grids):
 
 
 def _equality(world, grids):
-    """For every variant/count/dtype/op: integer data -> exact; random data -> within dtype rounding."""
+    """For every variant/count/dtype/op: integer data -> exact; random data -> within dtype
+    rounding."""
     failures = []
     checked = 0
     for alg, opts in _variants(world, grids):
         for n in COUNTS:
             for dtype in DTYPES:
                 for op in ("sum", "avg"):
-                    # Time budget: the big count runs every dtype with sum (fp32 also avg) on the default
-                    # grids, and fp32 sum on the explicit ones; counts 1 and 7 run the full cross product.
+                    # Time budget: the big count runs every dtype with sum (fp32 also avg) on the
+                    # default grids, and fp32 sum on the explicit ones; counts 1 and 7 run the full
+                    # cross product.
                     if n == COUNTS[-1] and (
                         (dtype != torch.float32 and op == "avg")
                         or (opts and (dtype, op) != (torch.float32, "sum"))
@@ -68,7 +71,8 @@ def _equality(world, grids):
 
 
 def _layouts(world):
-    """Non-contiguous input, chunk pipelining (small chunks), several async calls in flight, int64."""
+    """Non-contiguous input, chunk pipelining (small chunks), several async calls in flight,
+    int64."""
     out = {}
     p = world.world_size
     base = torch.arange(24 * 35, dtype=torch.float32).reshape(24, 35) * (world.rank + 1)
@@ -124,7 +128,8 @@ def _errors(world):
 
 
 def _ddp(world):
-    """A DDP model with scaleout.parallel.ddp_comm_hook gets the same averaged gradients as plain DDP."""
+    """A DDP model with scaleout.parallel.ddp_comm_hook gets the same averaged gradients as plain
+    DDP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -154,9 +159,9 @@ def _all(world, grids):
     }
 
 
-# (nnodes, nproc_per_node, explicit torus grids): world sizes 1..6 and 8 (5 is the odd prime: 7 ranks cost
-# the suite 20 s on 2 cores and exercise nothing 5 does not); grids 1xN and Nx1 on every size, 2x2, 2x3, 3x2,
-# 2x4 (and 4x2 via the default) where they fit.
+# (nnodes, nproc_per_node, explicit torus grids): world sizes 1..6 and 8 (5 is the odd prime: 7
+# ranks cost the suite 20 s on 2 cores and exercise nothing 5 does not); grids 1xN and Nx1 on every
+# size, 2x2, 2x3, 3x2, 2x4 (and 4x2 via the default) where they fit.
 SHAPES = [
     (1, 1, [(1, 1)]),
     (2, 1, [(1, 2), (2, 1)]),
@@ -207,7 +212,8 @@ def _fake_world(node_of: tuple[int, ...]) -> World:
 
 @pytest.mark.parametrize("algorithm", ["hierarchical", "torus2d"])
 def test_unequal_ranks_per_node_is_a_clear_error(algorithm: str) -> None:
-    """Raised while resolving the groups, before any process group exists (so no processes needed)."""
+    """Raised while resolving the groups, before any process group exists (so no processes
+    needed)."""
     world = _fake_world((0, 0, 1))
     with pytest.raises(TopologyError, match=r"ranks per node \[2, 1\]"):
         all_reduce(torch.ones(4), world, algorithm)
@@ -233,6 +239,7 @@ def _nccl_equality(world):
 @pytest.mark.gpu(devices=2, reason="NCCL refuses two ranks on one GPU")
 @pytest.mark.parametrize(("nnodes", "nproc"), [(1, 2), (2, 1)])
 def test_nccl_composition_equals_flat(nnodes: int, nproc: int) -> None:
-    """The NCCL path (reduce_scatter_tensor -> all_reduce -> all_gather_into_tensor with padding)."""
+    """The NCCL path (reduce_scatter_tensor -> all_reduce -> all_gather_into_tensor with
+    padding)."""
     for backend, ok in run_dist(_nccl_equality, nnodes, nproc, timeout=300):
         assert backend == "nccl" and ok

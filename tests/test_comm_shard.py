@@ -1,6 +1,6 @@
-"""reduce_scatter / all_gather of scaleout.comm on real gloo processes: every algorithm gives each rank the
-sum of the slice ``shard_index`` names (every slice owned once), all_gather inverts it, async handles and
-bad input. One run_dist call per world shape batches every check."""
+"""reduce_scatter / all_gather of scaleout.comm on real gloo processes: every algorithm gives
+each rank the sum of the slice ``shard_index`` names (every slice owned once), all_gather inverts
+it, async handles and bad input. One run_dist call per world shape batches every check."""
 
 from __future__ import annotations
 

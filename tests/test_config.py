@@ -165,8 +165,8 @@ def test_every_subcommand_has_help() -> None:
 
 @pytest.mark.unit
 def test_rank_code_never_imports_launchers() -> None:
-    """Dependencies point one way: launchers -> scaleout. Only the driver side (the CLI, bench ttt's runs,
-    the sweep) may use both."""
+    """Dependencies point one way: launchers -> scaleout. Only the driver side (the CLI, bench
+    ttt's runs, the sweep) may use both."""
     root = Path(__file__).resolve().parents[1] / "scaleout"
     offenders = []
     for f in root.rglob("*.py"):
@@ -193,11 +193,12 @@ def _schema_keys(model: type, section: str = "", prefix: str = "") -> list[tuple
 
 
 class _ConfigReads:
-    """Which config fields the code reads, per section: ``x.<section>.<key>``, ``alias.<key>`` where the
-    alias was bound to a section (``d = cfg.data``, ``t, o = cfg.train, cfg.optim``, ``getattr(cfg,
-    "launch")``, ``b.model_copy(...)``) or is a parameter a call site passes a section to
-    (``build_optimizer(model, cfg.optim)``, ``BertForPreTraining(b)``), and ``getattr(<section>, "key")``.
-    A same-named attribute of something else (``self.chunks``, ``world.master_port``) does not count."""
+    """Which config fields the code reads, per section: ``x.<section>.<key>``, ``alias.<key>``
+    where the alias was bound to a section (``d = cfg.data``, ``t, o = cfg.train, cfg.optim``,
+    ``getattr(cfg, "launch")``, ``b.model_copy(...)``) or is a parameter a call site passes a
+    section to (``build_optimizer(model, cfg.optim)``, ``BertForPreTraining(b)``), and
+    ``getattr(<section>, "key")``. A same-named attribute of something else (``self.chunks``,
+    ``world.master_port``) does not count."""
 
     def __init__(self, sections: set[str], trees: list) -> None:
         import ast
@@ -299,8 +300,8 @@ class _ConfigReads:
                 self.reads.add((sec, node.args[1].value))
 
     def _own_nodes(self, scope):
-        """Nodes of ``scope`` outside nested functions and classes (those are scopes of their own, but
-        are yielded themselves so the caller can descend)."""
+        """Nodes of ``scope`` outside nested functions and classes (those are scopes of their
+        own, but are yielded themselves so the caller can descend)."""
         ast = self.ast
         stack = list(ast.iter_child_nodes(scope))
         while stack:
@@ -314,10 +315,11 @@ class _ConfigReads:
 
 @pytest.mark.multi_process
 def test_every_config_key_is_read() -> None:
-    """A key that nothing reads configures nothing (comm.chunks, launch.master_port and train.precision
-    once did): each schema field must be read from its own section (see _ConfigReads) by code outside
-    the schema itself (scaleout/config/), the MLPerf log (scaleout/mlperf.py: it only reports keys) and
-    the simulator (scaleout/sim/: it only models them)."""
+    """A key that nothing reads configures nothing (comm.chunks, launch.master_port and
+    train.precision once did): each schema field must be read from its own section (see
+    _ConfigReads) by code outside the schema itself (scaleout/config/), the MLPerf log
+    (scaleout/mlperf.py: it only reports keys) and the simulator (scaleout/sim/: it only models
+    them)."""
     import ast
 
     from scaleout.config.schema import Config

@@ -1,6 +1,7 @@
-"""constraints.txt pins what scripts/setup.sh --test installs (pip -c), so a fresh venv gets what CI got:
-every package of the extras it installs has an exact pin, and the pin is inside pyproject's range (the
-ranges stay ranges for users who install scaleout into their own environment)."""
+"""constraints.txt pins what scripts/setup.sh --test installs (pip -c), so a fresh venv gets what
+CI got: every package of the extras it installs has an exact pin, and the pin is inside
+pyproject's range (the ranges stay ranges for users who install scaleout into their own
+environment)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def _pins() -> dict[str, str]:
 
 
 def _lists() -> dict[str, list[str]]:
-    """pyproject's ``name = [ "req", ... ]`` lists (dependencies and the extras), read as text: tomllib is
-    Python >= 3.11 and scaleout supports 3.10."""
+    """pyproject's ``name = [ "req", ... ]`` lists (dependencies and the extras), read as text:
+    tomllib is Python >= 3.11 and scaleout supports 3.10."""
     text = (REPO / "pyproject.toml").read_text()
     return {
         m.group(1): re.findall(r'"([^"]+)"', re.sub(r"#.*", "", m.group(2)))

@@ -1,9 +1,10 @@
-"""Device discipline and host syncs of the training path, on an emulated CUDA device (tests/fakecuda.py).
+"""Device discipline and host syncs of the training path, on an emulated CUDA device
+(tests/fakecuda.py).
 
-Real multi-process gloo ranks run the real trainer (build, steps, evaluation, checkpoint, consistency
-check) while world.device is an emulated ``cuda:0``: any collective on a tensor that is not on the
-device raises NCCL's "No backend type associated with device type cpu", and every device -> host read
-is recorded with its call site. The GPU is the one thing mocked (none exists here).
+Real multi-process gloo ranks run the real trainer (build, steps, evaluation, checkpoint,
+consistency check) while world.device is an emulated ``cuda:0``: any collective on a tensor that is
+not on the device raises NCCL's "No backend type associated with device type cpu", and every device
+-> host read is recorded with its call site. The GPU is the one thing mocked (none exists here).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
     )
     with FakeCuda(world) as fc:
         trainer = Trainer(cfg, world)
-        # The report reads the GPU's name and peak (torch.cuda.get_device_name): rank-local, no collective.
+        # The report reads the GPU's name and peak (torch.cuda.get_device_name): rank-local, no
+        # collective.
         trainer._report = lambda *a, **k: None  # noqa: ARG005
         try:
             status = trainer.train().status
@@ -76,8 +78,9 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
 def test_every_collective_of_the_training_path_is_on_the_device(
     tmp_path: Path, overrides: list[str]
 ) -> None:
-    """2 nodes x 1 rank; fails on a collective given a host tensor anywhere in build/step/eval/save
-    (the evaluation counters were CPU tensors: every multi-GPU run crashed at its first evaluation)."""
+    """2 nodes x 1 rank; fails on a collective given a host tensor anywhere in
+    build/step/eval/save (the evaluation counters were CPU tensors: every multi-GPU run crashed
+    at its first evaluation)."""
     results = run_dist(
         _train, nnodes=2, nproc_per_node=1, args=(overrides, str(tmp_path)), timeout=300
     )
@@ -167,12 +170,12 @@ def _syncs_per_step(
 def test_unsampled_steps_read_the_device_once(
     tmp_path: Path, config: str, overrides: list[str]
 ) -> None:
-    """A training step reads nothing from the device but the agreement flags (one read per step, which
-    also carries the loss and the reducer's census); the timers synchronise only on sampled steps.
-    Before: one census .item() per parameter, a float() of the loss, a bool() of the finiteness check and
-    of each flag, one .item() per group-BN layer, and two device synchronisations per phase on every step.
-    (BERT's default forward selects masked positions by value, a documented host sync: the capture-safe
-    forward is the one without.)"""
+    """A training step reads nothing from the device but the agreement flags (one read per step,
+    which also carries the loss and the reducer's census); the timers synchronise only on sampled
+    steps. Before: one census .item() per parameter, a float() of the loss, a bool() of the
+    finiteness check and of each flag, one .item() per group-BN layer, and two device
+    synchronisations per phase on every step. (BERT's default forward selects masked positions by
+    value, a documented host sync: the capture-safe forward is the one without.)"""
     every, steps = 3, 7
     for rank, per_step in enumerate(
         run_dist(
@@ -186,7 +189,8 @@ def test_unsampled_steps_read_the_device_once(
         assert len(per_step) == steps
         for step, syncs in enumerate(per_step):
             if step == 0:
-                continue  # the first step rebuilds the buckets (an object broadcast); it is also sampled
+                # the first step rebuilds the buckets (an object broadcast); it is also sampled
+                continue
             timers = [s for s in syncs if s[0] == "synchronize"]
             reads = [s for s in syncs if s[0] != "synchronize"]
             assert bool(timers) == (step % every == 0), f"rank {rank} step {step}: {syncs}"

@@ -226,7 +226,8 @@ def test_bad_variables_are_one_line_errors(env, needle) -> None:
 
 @pytest.mark.unit
 def test_bad_variables_fail_fast() -> None:
-    """A repeat count of 10^11 is refused before anything is expanded (it used to be a MemoryError)."""
+    """A repeat count of 10^11 is refused before anything is expanded (it used to be a
+    MemoryError)."""
     import time
 
     t0 = time.perf_counter()
@@ -237,13 +238,14 @@ def test_bad_variables_fail_fast() -> None:
     assert time.perf_counter() - t0 < 2.0
 
 
-# -- rendezvous ports and addresses ------------------------------------------------------------------
+# -- rendezvous ports and addresses
+# ------------------------------------------------------------------
 
 
 @pytest.mark.multi_process
 def test_slurm_port_map_stays_below_the_real_ephemeral_range() -> None:
-    """Real check: the kernel hands out ephemeral ports from ip_local_port_range (bind to port 0 many
-    times), and the job-id map never lands there, for every job id residue."""
+    """Real check: the kernel hands out ephemeral ports from ip_local_port_range (bind to port 0
+    many times), and the job-id map never lands there, for every job id residue."""
     import socket
 
     from scaleout.env.slurm import ephemeral_port_low
@@ -286,8 +288,9 @@ def _resolver(table):
 
 @pytest.mark.unit
 def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
-    """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must publish
-    the address of the interface that routes to the other host (pure functions: no second host here)."""
+    """Debian's /etc/hosts maps the host name to 127.0.1.1. With ranks on two hosts, rank 0 must
+    publish the address of the interface that routes to the other host (pure functions: no second
+    host here)."""
     from scaleout.env.mpi import master_address
 
     table = {"node1": ["127.0.1.1"], "node2": ["10.0.0.2"]}
@@ -322,8 +325,8 @@ def test_mpi_master_address_is_never_debians_127_0_1_1() -> None:
 
 @pytest.mark.unit
 def test_reachable_address_real_sockets() -> None:
-    """On this machine: the address toward one of its own non-loopback addresses is that address, and the
-    loopback interface is found by its flag."""
+    """On this machine: the address toward one of its own non-loopback addresses is that address,
+    and the loopback interface is found by its flag."""
     from scaleout.env.addr import (
         address_toward,
         interfaces,
@@ -349,8 +352,9 @@ def test_reachable_address_real_sockets() -> None:
 
 
 class _KV:
-    """A stand-in for horovodrun's rendezvous HTTP store (horovod is not installed here): PUT stores the body
-    under the path, GET returns it or 404, the behaviour scaleout.env.horovod_kv relies on."""
+    """A stand-in for horovodrun's rendezvous HTTP store (horovod is not installed here): PUT
+    stores the body under the path, GET returns it or 404, the behaviour scaleout.env.horovod_kv
+    relies on."""
 
     def __enter__(self):
         import http.server
@@ -430,8 +434,8 @@ def json_of(body: bytes):
 
 @pytest.mark.unit
 def test_submit_local_jobs_get_distinct_free_ports() -> None:
-    """Before: 15000 + byte-sum(job id) * 7919 % 20000 took 45 values over 5-digit pids. Now every job of
-    an --array gets its own port, free on this host at submission."""
+    """Before: 15000 + byte-sum(job id) * 7919 % 20000 took 45 values over 5-digit pids. Now
+    every job of an --array gets its own port, free on this host at submission."""
     import socket
 
     from scaleout.launchers.submit import SubmitSpec, rank_mains
@@ -465,7 +469,8 @@ def shutil_which(name: str):
 
 @pytest.mark.unit
 def test_forced_slurm_outside_srun_is_refused() -> None:
-    """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for SLURM_NTASKS peers."""
+    """launch.env=slurm in the batch shell (no srun): one line, instead of waiting for
+    SLURM_NTASKS peers."""
     from scaleout.errors import LaunchEnvError
 
     env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
@@ -480,8 +485,9 @@ def test_forced_slurm_outside_srun_is_refused() -> None:
 
 @pytest.mark.unit
 def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> None:
-    """The variables scaleout's launchers write (env.base.local_rank_env) are exactly what LocalEnv reads,
-    torchrun's reader sees the same rank, and scaleout.log finds it before any World exists."""
+    """The variables scaleout's launchers write (env.base.local_rank_env) are exactly what
+    LocalEnv reads, torchrun's reader sees the same rank, and scaleout.log finds it before any
+    World exists."""
     from scaleout.env import ENVIRONMENTS, detect_environment, rank_variables
     from scaleout.env.base import LOCAL_VARS, free_ports, local_rank_env
     from scaleout.log import _rank
@@ -521,8 +527,8 @@ def test_local_variables_written_and_read_through_one_mapping(monkeypatch) -> No
 
 @pytest.mark.unit
 def test_readme_detection_table_matches_the_registry() -> None:
-    """The README's detection table lists the registered environments in priority order (one order, one
-    place: each environment's ``priority``)."""
+    """The README's detection table lists the registered environments in priority order (one
+    order, one place: each environment's ``priority``)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `([a-z0-9_]+)` \|", readme, flags=re.MULTILINE)
     assert [name for _, name in rows] == list(detection_order())
@@ -555,8 +561,8 @@ def test_a_taken_name_or_priority_is_refused() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("name", [n for n in detection_order() if n != "single"])
 def test_a_forced_environment_without_its_variables_is_one_line(name: str) -> None:
-    """launch.env=<name> (or --env) where that launcher did not start the process: a one-line error naming
-    a missing variable, for every registered environment (the split into files once let mpi raise
-    StopIteration here)."""
+    """launch.env=<name> (or --env) where that launcher did not start the process: a one-line
+    error naming a missing variable, for every registered environment (the split into files once
+    let mpi raise StopIteration here)."""
     with pytest.raises(UserError, match=rf"^{name} environment: \S+ is not set"):
         detect_environment({}, name).read({})

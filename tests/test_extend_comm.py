@@ -1,8 +1,8 @@
 """Adding an all-reduce algorithm takes one file (docs/extending-comm.md): this one registers a toy
-``naive`` all-reduce (all-gather every rank's buffer, add them up) and runs it through the real paths:
-a config naming it validates, ``scaleout simulate`` lists and prices it (all-reduce, training step,
-sharded optimizer), and ``scaleout.comm.all_reduce`` / ``reduce_scatter`` / ``all_gather`` run it on
-two gloo processes. No other file names it; it is unregistered at the end.
+``naive`` all-reduce (all-gather every rank's buffer, add them up) and runs it through the real
+paths: a config naming it validates, ``scaleout simulate`` lists and prices it (all-reduce, training
+step, sharded optimizer), and ``scaleout.comm.all_reduce`` / ``reduce_scatter`` / ``all_gather`` run
+it on two gloo processes. No other file names it; it is unregistered at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ NAME = "naive"
 
 
 class NaiveOptions(Options):
-    """Its config section: none of the ``comm.*`` keys; one option for ``all_reduce(..., **options)``."""
+    """Its config section: none of the ``comm.*`` keys; one option for ``all_reduce(...,
+    **options)``."""
 
     accumulate_fp64: bool = False
 

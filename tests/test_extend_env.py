@@ -1,9 +1,9 @@
 """Adding a launcher environment (and a launcher) is one file: this one (docs/extending-env.md).
 
-A toy PBS-like environment registers itself here and goes through the real path: detection by priority,
-``read`` -> WorldSpec, the config accepting ``launch.env=pbs``, ``scaleout.init()`` building a World from it;
-a toy launcher registers, starts ranks that read the toy environment and names the one that failed. Both
-are unregistered at the end, so no other test sees them.
+A toy PBS-like environment registers itself here and goes through the real path: detection by
+priority, ``read`` -> WorldSpec, the config accepting ``launch.env=pbs``, ``scaleout.init()``
+building a World from it; a toy launcher registers, starts ranks that read the toy environment and
+names the one that failed. Both are unregistered at the end, so no other test sees them.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def pbs_env(rank: int, nnodes: int, nproc: int) -> dict[str, str]:
 
 
 class InlineJob:
-    """Ranks as threads of this process, each running ``python -c CODE`` with its own ``environ``."""
+    """Ranks as threads of this process, each running ``python -c CODE`` with its own
+    ``environ``."""
 
     def __init__(self, code: str, nnodes: int, nproc: int):
         self.nproc = nproc
@@ -183,7 +184,8 @@ def test_a_toy_launcher_runs_ranks_and_names_the_failed_one() -> None:
 
 @pytest.mark.multi_process
 def test_init_builds_a_world_from_it() -> None:
-    """scaleout.init() through the toy environment: a one-process world (a real gloo process group)."""
+    """scaleout.init() through the toy environment: a one-process world (a real gloo process
+    group)."""
     cfg = load_config(None, ["launch.env=pbs"])
     env = {**pbs_env(0, 1, 1), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     world = scaleout.init(cfg, env=env)
@@ -195,7 +197,8 @@ def test_init_builds_a_world_from_it() -> None:
 
 @pytest.mark.unit
 def test_unregistered_it_is_gone() -> None:
-    """After the toys are removed (as the fixture does at the end of every test) the names are free."""
+    """After the toys are removed (as the fixture does at the end of every test) the names are
+    free."""
     ENVIRONMENTS.unregister("pbs")
     LAUNCHERS.unregister("inline")
     assert "pbs" not in detection_order() and "inline" not in LAUNCHERS

@@ -1,9 +1,11 @@
-"""A model family added from this one file: a 2-layer MLP classifying synthetic points (docs/extending-families.md).
+"""A model family added from this one file: a 2-layer MLP classifying synthetic points
+(docs/extending-families.md).
 
-It registers itself in :data:`scaleout.families.FAMILIES` and goes through the real path: a config naming
-``model.arch=toy_mlp`` (with its own ``model.toy_mlp`` section) validates, the simulator prices it from its
-FLOP and parameter formulas, the report uses its quality exponent, and the real Trainer trains it a few
-steps in a single-process world and evaluates it. It touches no other file and unregisters at the end.
+It registers itself in :data:`scaleout.families.FAMILIES` and goes through the real path: a config
+naming ``model.arch=toy_mlp`` (with its own ``model.toy_mlp`` section) validates, the simulator
+prices it from its FLOP and parameter formulas, the report uses its quality exponent, and the real
+Trainer trains it a few steps in a single-process world and evaluates it. It touches no other file
+and unregisters at the end.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Faults at scale, on real processes: a hung peer ends the job within the collective timeout (every group
-has it, not only the default one), user scripts exit cleanly without an explicit close, reruns and
-non-finite steps lose nothing.
+"""Faults at scale, on real processes: a hung peer ends the job within the collective timeout (every
+group has it, not only the default one), user scripts exit cleanly without an explicit close, reruns
+and non-finite steps lose nothing.
 
-The SIGSTOP test is the real thing: a 2 x 2 hierarchical `scaleout train` under `scaleout launch`, one rank
-stopped after the first step; the job must end, non-zero, naming the stopped rank, well before torch's
-default 30-minute gloo timeout.
+The SIGSTOP test is the real thing: a 2 x 2 hierarchical `scaleout train` under `scaleout launch`,
+one rank stopped after the first step; the job must end, non-zero, naming the stopped rank, well
+before torch's default 30-minute gloo timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from distutil import run_dist
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# -- every group gets the init / step timeouts --------------------------------------------------------
+# -- every group gets the init / step timeouts
+# --------------------------------------------------------
 def _timeout_of(group) -> float:
     """The collective timeout gloo applies to ``group`` (what `_set_pg_timeout` changes)."""
     return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -69,15 +70,17 @@ def _late_peer_in_intra(world, timeout_s: float, late_s: float) -> tuple[bool, f
 
 @pytest.mark.multi_process
 def test_hung_peer_in_a_subgroup_times_out_at_the_step_timeout() -> None:
-    """Rank 3 reaches the intra-node all-reduce 12 s late; with a 3 s timeout its partner gives up in ~3 s
-    (before: it waited the 30-minute default and succeeded when rank 3 arrived, at 12 s)."""
+    """Rank 3 reaches the intra-node all-reduce 12 s late; with a 3 s timeout its partner gives
+    up in ~3 s (before: it waited the 30-minute default and succeeded when rank 3 arrived, at 12
+    s)."""
     res = run_dist(_late_peer_in_intra, 2, 2, args=(3.0, 12.0), fresh=True, timeout=180)
     raised, waited, msg = res[2]
     assert raised and waited < 9.0, res[2]
     assert not res[0][0] and not res[1][0], res  # node 0's group was not affected
 
 
-# -- a hung rank in a real training run ----------------------------------------------------------------
+# -- a hung rank in a real training run
+# ----------------------------------------------------------------
 def _train_cmd(
     tmp: Path, *overrides: str, nnodes: int = 2, nproc: int = 2, grace: float | None = None
 ) -> list[str]:
@@ -136,7 +139,8 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
 
 
 class _Lines:
-    """Collect a process's output lines in a thread (a stopped rank must not block the test's reads)."""
+    """Collect a process's output lines in a thread (a stopped rank must not block the test's
+    reads)."""
 
     def __init__(self, proc: subprocess.Popen):
         self.lines: list[str] = []
@@ -162,11 +166,11 @@ class _Lines:
 @pytest.mark.full_system
 @pytest.mark.parametrize("victim", [3, 0])
 def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int) -> None:
-    """2 x 2 hierarchical tiny BERT, train.step_timeout_s=12: SIGSTOP one rank after step 2. The job must
-    end within 110 s (before: torch's 30-minute gloo default on the subgroups), non-zero, every reporting
-    rank naming the stopped one (rank 0 also hosts the rendezvous store, which stops answering with it).
-    The launcher's --grace is 3 s: a stopped process never acts on SIGTERM, so the default 30 s would only be
-    waited out before its SIGKILL."""
+    """2 x 2 hierarchical tiny BERT, train.step_timeout_s=12: SIGSTOP one rank after step 2. The
+    job must end within 110 s (before: torch's 30-minute gloo default on the subgroups),
+    non-zero, every reporting rank naming the stopped one (rank 0 also hosts the rendezvous
+    store, which stops answering with it). The launcher's --grace is 3 s: a stopped process never
+    acts on SIGTERM, so the default 30 s would only be waited out before its SIGKILL."""
     cmd = _train_cmd(
         tmp_path,
         "train.step_timeout_s=12",
@@ -190,7 +194,8 @@ def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int)
             rc = proc.wait(timeout=150)
         except subprocess.TimeoutExpired:
             pytest.fail(
-                f"the job was still running 150 s after rank {victim} was stopped:\n{out.text[-3000:]}"
+                f"the job was still running 150 s after rank {victim} was "
+                f"stopped:\n{out.text[-3000:]}"
             )
         took = time.monotonic() - t0
     finally:
@@ -209,7 +214,8 @@ def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path: Path, victim: int)
     assert not rank_pids(proc.pid)
 
 
-# -- reruns lose nothing ---------------------------------------------------------------------------------
+# -- reruns lose nothing
+# ---------------------------------------------------------------------------------
 def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
@@ -225,12 +231,17 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
     """One checkpoint directory through its life, on 2 real ranks:
     1. a run to train.max_steps=2;
-    2. the same command again: "already finished", exit 0, not one byte of output or checkpoint changes
-       (before: it resumed, logged a second run_start..run_stop, overwrote report.json and saved ckpt-3);
+    2. the same command again: "already finished", exit 0, not one byte of output or checkpoint
+       changes
+       (before: it resumed, logged a second run_start..run_stop, overwrote report.json and saved
+       ckpt-3);
     3. train.max_steps=4: resumes from step 2, says so in report.json and in the MLPerf log
-       (init_checkpoint_step; the real compliance checker accepts the log), keeps segment 1's log/report;
-    4. a changed global batch, and a non-resuming run in this directory: one-line errors, exit 2, before
-       anything is spawned or written (launcher preflight), and also inside a rank started without it."""
+       (init_checkpoint_step; the real compliance checker accepts the log), keeps segment 1's
+       log/report;
+    4. a changed global batch, and a non-resuming run in this directory: one-line errors, exit 2,
+       before
+       anything is spawned or written (launcher preflight), and also inside a rank started without
+       it."""
     from scaleout.mlperf import check_compliance, split_attempts
 
     flat = ["comm.algorithm=flat", "train.eval_every=2"]
@@ -301,9 +312,9 @@ def test_rerun_policy_finished_resumed_refused(tmp_path: Path) -> None:
 
 @pytest.mark.full_system
 def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
-    """NaN gradients on rank 1 at steps 1, 3, 4 and 5 with train.max_consecutive_skips=3: every rank skips
-    all four, the count restarts after the good step 2, and the run stops at step 5 (status aborted,
-    exit 1, MLPerf run_stop aborted) instead of skipping to train.max_steps."""
+    """NaN gradients on rank 1 at steps 1, 3, 4 and 5 with train.max_consecutive_skips=3: every
+    rank skips all four, the count restarts after the good step 2, and the run stops at step 5
+    (status aborted, exit 1, MLPerf run_stop aborted) instead of skipping to train.max_steps."""
     r = _run(
         _train_cmd(
             tmp_path,
@@ -328,7 +339,8 @@ def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
     assert len(stop) == 1 and '"status": "aborted"' in stop[0]
 
 
-# -- user scripts exit cleanly without close() -------------------------------------------------------
+# -- user scripts exit cleanly without close()
+# -------------------------------------------------------
 SCRIPT = ROOT / "tests" / "scripts" / "exit_without_close.py"
 
 
@@ -350,9 +362,10 @@ def _launch_script(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.full_system
 def test_exit_with_a_callback_still_running_is_orderly() -> None:
-    """A done-callback of an all-reduce handle is still running on a gloo worker thread when the script
-    ends: before, the interpreter finalized under it and every rank died with SIGABRT ("terminate called
-    without an active exception"); scaleout.init()'s exit handler now joins those threads first."""
+    """A done-callback of an all-reduce handle is still running on a gloo worker thread when the
+    script ends: before, the interpreter finalized under it and every rank died with SIGABRT
+    ("terminate called without an active exception"); scaleout.init()'s exit handler now joins
+    those threads first."""
     r = _launch_script("flat", "0.5")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "terminate called" not in r.stdout + r.stderr
@@ -362,10 +375,12 @@ def test_exit_with_a_callback_still_running_is_orderly() -> None:
 @pytest.mark.full_system
 @pytest.mark.slow
 def test_dataparallel_script_without_close_exits_0_every_time() -> None:
-    """6 of 6 runs of a DataParallel script that never calls close() exit 0 on 2 x 2, every algorithm twice
-    (before: about 1 run in 10 to 1 in 6 died with SIGABRT at interpreter exit; the issue's bar was checked
-    with 12 runs, here 6 keep the suite's time: a 1-in-6 failure still shows with probability 0.67 per suite
-    run, and test_exit_with_a_callback_still_running_is_orderly makes the same exit certain instead of rare)."""
+    """6 of 6 runs of a DataParallel script that never calls close() exit 0 on 2 x 2, every
+    algorithm twice (before: about 1 run in 10 to 1 in 6 died with SIGABRT at interpreter exit;
+    the issue's bar was checked with 12 runs, here 6 keep the suite's time: a 1-in-6 failure
+    still shows with probability 0.67 per suite run, and
+    test_exit_with_a_callback_still_running_is_orderly makes the same exit certain instead of
+    rare)."""
     failures = []
     for i in range(6):
         algorithm = ("flat", "hierarchical", "torus2d")[i % 3]

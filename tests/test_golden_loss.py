@@ -1,19 +1,20 @@
-"""The tiny config's first 20 training losses against stored golden values (as torchtitan keeps golden
-losses): any change to the model, the data order, packing, the optimizer, the schedule or the loop that moves
-the numbers shows up here, before a long run would show it.
+"""The tiny config's first 20 training losses against stored golden values (as torchtitan keeps
+golden losses): any change to the model, the data order, packing, the optimizer, the schedule or the
+loop that moves the numbers shows up here, before a long run would show it.
 
 The run: ``bert_tiny_cpu`` on its synthetic data (deterministic from the seed, no corpus download or
-tokenizer training), one process, ``train.deterministic=true``, 1 torch thread, global batch 8, LAMB.
-Regenerate after an intended change, and say why in the commit::
+tokenizer training), one process, ``train.deterministic=true``, 1 torch thread, global batch 8,
+LAMB. Regenerate after an intended change, and say why in the commit::
 
-    python tests/test_golden_loss.py --write
+python tests/test_golden_loss.py --write
 
-Tolerance (``RTOL``): the same run is bitwise-repeatable on one machine; across machines, CPU kernels
-(oneDNN/MKL vectorisation width, FMA) change float summation order. Measured on this machine, running the
-same 20 steps with 2 torch threads instead of 1 (another reduction order) moves the losses by at most
-``threads_drift`` relative; the smallest real change we want caught, LAMB's learning rate 1 % higher,
-moves them by ``lr_1pct`` (both recorded in the golden file by ``--write``; here 1.0e-07 and 2.3e-04). RTOL
-sits between the two: at least a decade above the drift, at most half the 1 % LR change.
+Tolerance (``RTOL``): the same run is bitwise-repeatable on one machine; across machines, CPU
+kernels (oneDNN/MKL vectorisation width, FMA) change float summation order. Measured on this
+machine, running the same 20 steps with 2 torch threads instead of 1 (another reduction order) moves
+the losses by at most ``threads_drift`` relative; the smallest real change we want caught, LAMB's
+learning rate 1 % higher, moves them by ``lr_1pct`` (both recorded in the golden file by
+``--write``; here 1.0e-07 and 2.3e-04). RTOL sits between the two: at least a decade above the
+drift, at most half the 1 % LR change.
 """
 
 from __future__ import annotations
@@ -82,13 +83,15 @@ def test_tiny_config_matches_its_golden_losses() -> None:
     got = losses()
     assert len(got) == STEPS
     assert got == pytest.approx(golden["losses"], rel=RTOL), (
-        f"max relative difference {_max_rel(got, golden['losses']):.2e} > {RTOL:g}: if the change is intended, "
+        f"max relative difference {_max_rel(got, golden['losses']):.2e} > {RTOL:g}: if the change "
+        "is intended, "
         "regenerate with `python tests/test_golden_loss.py --write` and say why in the commit"
     )
 
 
 def test_tolerance_sits_between_kernel_drift_and_a_real_change() -> None:
-    """The recorded measurements justify RTOL: a decade above the thread-count drift, at most half a 1 % LR change."""
+    """The recorded measurements justify RTOL: a decade above the thread-count drift, at most
+    half a 1 % LR change."""
     golden = json.loads(GOLDEN.read_text())
     assert golden["threads_drift"] * 10 <= RTOL <= golden["lr_1pct"] / 2, golden
 
@@ -103,7 +106,8 @@ def write() -> None:
         + "\n"
     )
     print(
-        f"wrote {GOLDEN}: {len(base)} losses; 2-thread drift {drift:.2e}, 1 % LR change {lr:.2e}, RTOL {RTOL:g}"
+        f"wrote {GOLDEN}: {len(base)} losses; 2-thread drift {drift:.2e}, 1 % LR change {lr:.2e}, "
+        f"RTOL {RTOL:g}"
     )
 
 

@@ -1,6 +1,6 @@
-"""scripts/gpu-check.sh on a machine without CUDA: every GPU row is SKIP with its reason and the exit
-status is 0. The checks' own code runs here on CPU at tiny shapes (the GPU itself is the only thing
-missing), so the first GPU run does not trip over a typo."""
+"""scripts/gpu-check.sh on a machine without CUDA: every GPU row is SKIP with its reason and the
+exit status is 0. The checks' own code runs here on CPU at tiny shapes (the GPU itself is the
+only thing missing), so the first GPU run does not trip over a typo."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The benchmark harness and the shared argument parsers: interleaving order, the comparison with the
-baseline, and one-line errors for bad comma lists and sizes."""
+"""The benchmark harness and the shared argument parsers: interleaving order, the comparison with
+the baseline, and one-line errors for bad comma lists and sizes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Local launcher supervision with real processes: failures stop everyone, name the rank, leave no orphans."""
+"""Local launcher supervision with real processes: failures stop everyone, name the rank, leave
+no orphans."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def test_bad_command_is_one_line_error_before_spawn() -> None:
 
 @pytest.mark.full_system
 def test_smoke_job_two_nodes_two_procs() -> None:
-    """The distributed smoke job end to end: World, groups and all-reduce checks on 2 x 2 real processes."""
+    """The distributed smoke job end to end: World, groups and all-reduce checks on 2 x 2 real
+    processes."""
     r = subprocess.run(
         [
             sys.executable,
@@ -180,8 +182,8 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 @pytest.mark.full_system
 @pytest.mark.parametrize("mode", ["sleep", "ignoreterm"])
 def test_sigkill_of_launcher_leaves_no_rank(tmp_path: Path, mode: str) -> None:
-    """SIGKILL cannot be caught: the watchdog stops every rank and its children (SIGTERM, then SIGKILL
-    after --grace 2 for a rank that ignores SIGTERM)."""
+    """SIGKILL cannot be caught: the watchdog stops every rank and its children (SIGTERM, then
+    SIGKILL after --grace 2 for a rank that ignores SIGTERM)."""
     proc, pid_dir = _launch(tmp_path, mode)
     pids = _pids(pid_dir, 4)
     t0 = time.monotonic()
@@ -194,7 +196,8 @@ def test_sigkill_of_launcher_leaves_no_rank(tmp_path: Path, mode: str) -> None:
 
 @pytest.mark.full_system
 def test_sighup_to_launcher_stops_every_child(tmp_path: Path) -> None:
-    """A closed terminal or ssh session sends SIGHUP: the launcher stops the ranks instead of dying."""
+    """A closed terminal or ssh session sends SIGHUP: the launcher stops the ranks instead of
+    dying."""
     proc, pid_dir = _launch(tmp_path, "sleep")
     pids = _pids(pid_dir, 4)
     proc.send_signal(signal.SIGHUP)
@@ -204,10 +207,10 @@ def test_sighup_to_launcher_stops_every_child(tmp_path: Path) -> None:
     assert not _wait_gone(pids, 10)
 
 
-CHATTY = """
-import sys
+CHATTY = """import sys
 line = "x" * 199 + "\\n"
-for i in range(1000):  # 200 kB per rank: more than a pipe holds (64 KiB), so a rank blocks if nobody reads
+for i in range(1000):  # 200 kB per rank: more than a pipe holds (64 KiB), so a rank blocks if
+nobody reads
     sys.stdout.write(f"{i} {line}")
 sys.stdout.flush()
 """
@@ -215,8 +218,9 @@ sys.stdout.flush()
 
 @pytest.mark.full_system
 def test_closed_stdout_does_not_hang(tmp_path: Path) -> None:
-    """`scaleout launch ... | head -1`: after head exits, the ranks' output is drained and dropped and the
-    launch ends with the ranks' exit code (before: the pump thread died and the ranks blocked forever)."""
+    """`scaleout launch ... | head -1`: after head exits, the ranks' output is drained and
+    dropped and the launch ends with the ranks' exit code (before: the pump thread died and the
+    ranks blocked forever)."""
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
     launch = f"{sys.executable} -m scaleout launch --nnodes 1 --nproc-per-node 2 -- {script}"

@@ -24,7 +24,8 @@ SHORT = [
     "train.eval_every=3",
     "train.progress=false",
     "checkpoint.dir=null",
-    "checkpoint.every_steps=0",  # bert_tiny_cpu checkpoints every 200 steps, which needs a checkpoint.dir
+    # bert_tiny_cpu checkpoints every 200 steps, which needs a checkpoint.dir
+    "checkpoint.every_steps=0",
 ]
 
 
@@ -69,8 +70,9 @@ def _tb_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
 
 @pytest.mark.unit
 def test_log_every_means_and_resume_dedup(tmp_path: Path) -> None:
-    """log_every=3: one record per 3 steps with the mean loss and the summed throughput, a forced record at
-    the last step; a resumed run appends and the reader keeps the latest record of a redone step."""
+    """log_every=3: one record per 3 steps with the mean loss and the summed throughput, a forced
+    record at the last step; a resumed run appends and the reader keeps the latest record of a
+    redone step."""
     m = Metrics(tmp_path, ["jsonl", "csv"], log_every=3)
     m.start(world_size=2, nodes=1, ranks_per_node=2, launcher="local", config="c")
     for s in range(1, 8):  # step s: loss s, 0.5 s, 10 samples
@@ -154,8 +156,9 @@ def test_tensorboard_events_read_back(tmp_path: Path) -> None:
 
 @pytest.mark.full_system
 def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) -> None:
-    """One 2-rank DataParallel run: metrics.jsonl (+ CSV, TensorBoard), metrics.png, and with train.profile a
-    Chrome trace per rank whose traceEvents hold the timeline's ranges next to gloo's own collectives."""
+    """One 2-rank DataParallel run: metrics.jsonl (+ CSV, TensorBoard), metrics.png, and with
+    train.profile a Chrome trace per rank whose traceEvents hold the timeline's ranges next to
+    gloo's own collectives."""
     out = tmp_path / "run"
     r = _train(
         out,
@@ -168,9 +171,11 @@ def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) 
     train = _records(out / "metrics.jsonl", "train")
     assert [t["step"] for t in train] == [1, 2, 3, 4, 5, 6]
     assert all(t["loss"] > 0 and t["samples_per_s"] > 0 for t in train)
-    # the learning rate each step used: linear warm-up over optim.warmup_steps=30 from 0 to optim.lr=2e-2
+    # the learning rate each step used: linear warm-up over optim.warmup_steps=30 from 0 to
+    # optim.lr=2e-2
     assert [t["lr"] for t in train] == pytest.approx([2e-2 * s / 30 for s in range(6)])
-    # the breakdown of the steps the timers sampled (train.timing_every=50: the first), none for the others
+    # the breakdown of the steps the timers sampled (train.timing_every=50: the first), none for the
+    # others
     assert {"data", "forward", "backward", "exposed_comm", "optimizer"} <= set(
         train[0]["breakdown_s"]
     )
@@ -236,7 +241,8 @@ def test_sharded_lamb_profile_has_its_collectives(tmp_path: Path, overlap: bool)
         spans
     )
     assert all(e["dur"] >= 0 for e in events if e["name"].startswith("scaleout."))
-    # the overlapped sharded LAMB's wait after backward is reported as exposed communication, as DataParallel's
+    # the overlapped sharded LAMB's wait after backward is reported as exposed communication, as
+    # DataParallel's
     breakdown = json.loads((out / "report.json").read_text())["breakdown_s"]
     assert ("exposed_comm" in breakdown) == overlap, breakdown
 

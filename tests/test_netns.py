@@ -1,9 +1,10 @@
-"""The emulated cluster (launchers/netns.py) for real: namespaces, bridge, tc, `scaleout launch --netns`,
-`scaleout bench allreduce` one-shot. Needs root and iproute2 (CI has both); skipped otherwise.
+"""The emulated cluster (launchers/netns.py) for real: namespaces, bridge, tc, `scaleout launch
+--netns`, `scaleout bench allreduce` one-shot. Needs root and iproute2 (CI has both); skipped
+otherwise.
 
-Quick by design (the full benchmark is `scaleout bench allreduce`): one 2 x 2 launch checks placement,
-isolation and correctness, one short bench run checks that the link is really rate-limited and that
-hierarchical beats flat on it, one failing launch checks the teardown.
+Quick by design (the full benchmark is `scaleout bench allreduce`): one 2 x 2 launch checks
+placement, isolation and correctness, one short bench run checks that the link is really
+rate-limited and that hierarchical beats flat on it, one failing launch checks the teardown.
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ def test_bad_input_and_non_root(monkeypatch) -> None:
         require_root()
 
 
-PROBE = """
-import os, subprocess, torch, scaleout
+PROBE = """import os, subprocess, torch, scaleout
 from scaleout.comm import all_reduce
 w = scaleout.init()
-addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "veth0"], capture_output=True, text=True).stdout
+addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "veth0"], capture_output=True,
+text=True).stdout
 assert f"10.77.0.{w.node_rank + 1}/24" in addr, (w.rank, addr)
 assert os.environ["GLOO_SOCKET_IFNAME"] == "veth0" and w.master_addr == "10.77.0.1"
 x = torch.arange(1_000_003, dtype=torch.float32) % 5 * (w.rank + 1)
@@ -153,11 +154,13 @@ def test_teardown_after_a_failing_rank(tmp_path) -> None:
     assert _netns() == before
 
 
-# Timing on 2 shared cores: a rerun absorbs a CPU-starved link measurement (the assertion itself is unchanged).
+# Timing on 2 shared cores: a rerun absorbs a CPU-starved link measurement (the assertion itself is
+# unchanged).
 @pytest.mark.flaky(reruns=2, reruns_delay=5)
 def test_bench_one_shot_rate_limited_and_hierarchical_wins(tmp_path) -> None:
-    """16 MiB fp32 on 2 x 2 at 1 Gbit: the link floor is ~140 ms; flat must be slower than the floor
-    (proof that tc limits the link) and hierarchical must beat flat (it sends 2/3 of flat's bytes)."""
+    """16 MiB fp32 on 2 x 2 at 1 Gbit: the link floor is ~140 ms; flat must be slower than the
+    floor (proof that tc limits the link) and hierarchical must beat flat (it sends 2/3 of flat's
+    bytes)."""
     out = tmp_path / "ar.json"
     r = _scaleout(
         "bench",
@@ -254,7 +257,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_sleeping_netns_launch(tmp_path, state):
-    """A 2 x 1 --netns launch whose ranks write their pids and sleep; returns (proc, name, rank pid dir)."""
+    """A 2 x 1 --netns launch whose ranks write their pids and sleep; returns (proc, name, rank
+    pid dir)."""
     import time
 
     from scaleout.launchers.netns_launcher import private_cluster_name
@@ -263,7 +267,8 @@ def _start_sleeping_netns_launch(tmp_path, state):
     pids.mkdir()
     script = tmp_path / "sleep.py"
     script.write_text(
-        f"import os, time\nopen(os.path.join({str(pids)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        f"import os, time\nopen(os.path.join({str(pids)!r}, os.environ['RANK']), "
+        "'w').write(str(os.getpid()))\n"
         "time.sleep(120)\n"
     )
     env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
@@ -308,7 +313,8 @@ def _gone(pids, timeout):
 
 
 def test_sigkilled_netns_launch_is_cleaned_up(tmp_path) -> None:
-    """SIGKILL of `launch --netns`: its watchdog stops the ranks and removes the private cluster and record."""
+    """SIGKILL of `launch --netns`: its watchdog stops the ranks and removes the private cluster
+    and record."""
     import time
 
     state = tmp_path / "state"
@@ -327,8 +333,9 @@ def test_sigkilled_netns_launch_is_cleaned_up(tmp_path) -> None:
 
 
 def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -> None:
-    """Launcher and watchdog both SIGKILLed: the namespaces stay, and `cluster down --all` removes them from
-    the record; a live launch's cluster and a namespace scaleout did not create are left alone."""
+    """Launcher and watchdog both SIGKILLed: the namespaces stay, and `cluster down --all`
+    removes them from the record; a live launch's cluster and a namespace scaleout did not create
+    are left alone."""
     state = tmp_path / "state"
     env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
     foreign = f"{NAME}f-n0"  # looks like a scaleout namespace, but has no record

@@ -1,9 +1,10 @@
-"""The test suite skips only for what a machine may lack (root, a GPU, Slurm, MPI, a kernel feature), never
-for something the project itself promises: a package its ``test`` extra installs, or a scaleout command.
+"""The test suite skips only for what a machine may lack (root, a GPU, Slurm, MPI, a kernel
+feature), never for something the project itself promises: a package its ``test`` extra installs, or
+a scaleout command.
 
-A skip of that kind turns a broken install, or a renamed command, into a quiet "s" in the summary where a
-failure belonged (a `"train" not in commands` skip once guarded the main Slurm test; `importorskip` of
-h5py / transformers guarded tests whose packages the test extra installs).
+A skip of that kind turns a broken install, or a renamed command, into a quiet "s" in the summary
+where a failure belonged (a `"train" not in commands` skip once guarded the main Slurm test;
+`importorskip` of h5py / transformers guarded tests whose packages the test extra installs).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _test_extra_modules() -> set[str]:
 
 
 def _probes(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, module) of every availability probe: importorskip("m"), find_spec("m"), and an import inside
-    a ``try`` whose handler catches ImportError / ModuleNotFoundError."""
+    """(line, module) of every availability probe: importorskip("m"), find_spec("m"), and an
+    import inside a ``try`` whose handler catches ImportError / ModuleNotFoundError."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
@@ -116,8 +117,10 @@ def test_the_checks_above_can_fail() -> None:
         'h5py = pytest.importorskip("h5py")\n'
         'HAS_TB = importlib.util.find_spec("tensorboard") is not None\n'
         "try:\n    import transformers\nexcept ImportError:\n    transformers = None\n"
-        '@pytest.mark.skipif("train" not in {m.NAME for m in _commands()}, reason="")\ndef test_x(): pass\n'
-        "def test_y():\n    if 'train' not in names(_commands()):\n        pytest.skip('no train')\n"
+        '@pytest.mark.skipif("train" not in {m.NAME for m in _commands()}, reason="")\ndef '
+        "test_x(): pass\n"
+        "def test_y():\n    if 'train' not in names(_commands()):\n        pytest.skip('no "
+        "train')\n"
     )
     assert sorted(m for _, m in _probes(old)) == ["h5py", "tensorboard", "transformers"]
     assert len([c for c in _skip_conditions(old) if "_commands" in ast.unparse(c)]) == 2

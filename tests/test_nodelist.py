@@ -71,7 +71,8 @@ def test_tasks_per_node() -> None:
         parse_tasks_per_node("2(xz)")
 
 
-# -- property test: build a random nodelist from parts, render it, and expand it independently ----------
+# -- property test: build a random nodelist from parts, render it, and expand it independently
+# ----------
 _prefix = st.text(alphabet="abcxyz-", min_size=1, max_size=4).filter(lambda s: not s[-1].isdigit())
 
 
@@ -89,7 +90,8 @@ def _ranges(draw):
             expanded.append(lo_s)
         else:
             parts.append(f"{lo_s}-{hi}")
-            # Slurm pads every host to the width of the low bound, whatever the high bound is written as.
+            # Slurm pads every host to the width of the low bound, whatever the high bound is
+            # written as.
             expanded.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
     return ",".join(parts), expanded
 

@@ -1,5 +1,6 @@
-"""The trainer's one extension point for reporting: a toy Observer, defined here, appended to a real
-Trainer, sees every hook in order with typed records; and a normal run installs no fault-injection hook."""
+"""The trainer's one extension point for reporting: a toy Observer, defined here, appended to a
+real Trainer, sees every hook in order with typed records; and a normal run installs no
+fault-injection hook."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """LAMB, LARS, groups, schedule and factory against plain implementations of the paper equations.
 
-The references below loop over tensors in float64, exactly as the equations read (LAMB: arXiv 1904.00962
-with NVIDIA's clipping and exclusions; LARS: the MLPerf ResNet TensorFlow reference). The optimizers under
-test run in fp32 with several chunk sizes, so chunks split tensors and mix several tensors per chunk.
+The references below loop over tensors in float64, exactly as the equations read (LAMB: arXiv
+1904.00962 with NVIDIA's clipping and exclusions; LARS: the MLPerf ResNet TensorFlow reference). The
+optimizers under test run in fp32 with several chunk sizes, so chunks split tensors and mix several
+tensors per chunk.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def test_lamb_matches_paper_equations(chunk, clip, clamp):
     )
     assert_close(params, ref, 2e-5)
     assert all(g["step"] == 5 for g in opt.param_groups)
-    # the excluded zero tensor (w = 0, g = 0) did not move; the zero-initialised decayed one did (ratio 1)
+    # the excluded zero tensor (w = 0, g = 0) did not move; the zero-initialised decayed one did
+    # (ratio 1)
     assert (
         float(params[ZERO_ALL].detach().abs().max()) == 0.0
         and float(params[ZERO_W].detach().abs().max()) > 0.0
@@ -180,7 +182,8 @@ def test_lamb_without_bias_correction_and_forced_trust_ratio():
     "chunk, fused", [(None, False), (7, False), ("auto", False), ("auto", None)]
 )
 def test_lars_matches_mlperf_reference(chunk, fused):
-    """Both CPU paths: multi-tensor foreach (fused=False) and torch's fused SGD kernel (the fp32 default)."""
+    """Both CPU paths: multi-tensor foreach (fused=False) and torch's fused SGD kernel (the fp32
+    default)."""
     params = make_params(1)
     steps = [grads_for(s, params, seed=2) for s in range(5)]
     ref = ref_lars(params, steps, lr=2.0, momentum=0.9, wd=1e-3, eta=0.001)
@@ -386,8 +389,9 @@ def test_factory_builds_the_configured_optimizer_and_schedule():
 
 @pytest.mark.unit
 def test_hot_path_has_no_python_loop_per_parameter(monkeypatch):
-    """The number of foreach calls depends on the number of chunks, not of parameters. LARS's fused path
-    is the exception by design: one fused-SGD kernel per adapted tensor (each has its own trust ratio)."""
+    """The number of foreach calls depends on the number of chunks, not of parameters. LARS's
+    fused path is the exception by design: one fused-SGD kernel per adapted tensor (each has its
+    own trust ratio)."""
 
     def count(n_params: int, kind: str) -> int:
         calls = 0
@@ -451,9 +455,10 @@ def test_cuda_path_matches_the_reference(dtype):
 @pytest.mark.unit
 @pytest.mark.parametrize("lr", [2.0, 1e-3, 1e-9])
 def test_fused_lars_keeps_precision_for_tiny_lr_times_trust(lr):
-    """The fused path passes dampening = 1 - lr t; the kernel must form 1 - dampening in double precision, or
-    a small lr t (warm-up start, tiny trust ratio) would lose most of its digits. One step from a zero buffer:
-    b = lr t (g + wd w), checked against the formula in float64 for every adapted tensor."""
+    """The fused path passes dampening = 1 - lr t; the kernel must form 1 - dampening in double
+    precision, or a small lr t (warm-up start, tiny trust ratio) would lose most of its digits.
+    One step from a zero buffer: b = lr t (g + wd w), checked against the formula in float64 for
+    every adapted tensor."""
     params = make_params(7)
     grads = grads_for(0, params, seed=7)
     w0 = [p.detach().double().clone() for p in params]

@@ -33,7 +33,8 @@ EPYC = [
     (2, "Unified", "1024K", "0"),
     (3, "Unified", "32768K", "0-1"),
 ]
-# Sapphire Rapids, one socket as bare metal reports it: 2 MiB L2 per core, 105 MiB L3 shared by 56 cores
+# Sapphire Rapids, one socket as bare metal reports it: 2 MiB L2 per core, 105 MiB L3 shared by 56
+# cores
 SPR = [
     (1, "Data", "48K", "0"),
     (1, "Instruction", "32K", "0"),
@@ -53,7 +54,8 @@ def test_reads_sysfs_and_follows_the_cache_sizes(tmp_path: Path) -> None:
     assert chunks.chunk_for_caches(epyc) == 1 << 19
     spr = chunks.cache_levels(fake_sysfs(tmp_path / "spr", SPR))
     assert spr[3] == (105 << 20, 56)
-    # 2 MiB + 105 MiB / 56 = 3.9 MiB -> 146k elements -> 2**17: smaller caches per core, smaller chunks
+    # 2 MiB + 105 MiB / 56 = 3.9 MiB -> 146k elements -> 2**17: smaller caches per core, smaller
+    # chunks
     assert chunks.chunk_for_caches(spr) == 1 << 17
     bigger = chunks.cache_levels(
         fake_sysfs(tmp_path / "big", [(2, "Unified", "2M", "0"), (3, "Unified", "256M", "0-1")])

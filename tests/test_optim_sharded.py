@@ -1,7 +1,8 @@
-"""Sharded LAMB on real gloo processes (world sizes 1..4, flat / hierarchical / torus2d reduce-scatter): the
-overlapped (buckets sent during backward) and non-overlapped (one bucket sent in step()) optimizers equal each
-other and LAMB on the gradient of the global batch, with parameters that only some ranks use (a different
-set per rank and step), a skipped non-finite step, clipping, gradient accumulation and hand-set gradients."""
+"""Sharded LAMB on real gloo processes (world sizes 1..4, flat / hierarchical / torus2d
+reduce-scatter): the overlapped (buckets sent during backward) and non-overlapped (one bucket
+sent in step()) optimizers equal each other and LAMB on the gradient of the global batch, with
+parameters that only some ranks use (a different set per rank and step), a skipped non-finite
+step, clipping, gradient accumulation and hand-set gradients."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(3)
-        # registered first, so it sits in the last bucket: a parameter that never gets a gradient holds its
-        # bucket and every later one back until the end of backward (buckets go out in order), as in DDP
+        # registered first, so it sits in the last bucket: a parameter that never gets a gradient
+        # holds its bucket and every later one back until the end of backward (buckets go out in
+        # order), as in DDP
         self.unused = torch.nn.Linear(3, 3)
         self.a = torch.nn.Linear(13, 21)
         self.norm = torch.nn.LayerNorm(21)
@@ -91,9 +93,10 @@ def _rel(m1, m2) -> float:
 
 
 def _global_batch_grads(net: torch.nn.Module, s: int, W: int, accum: int) -> None:
-    """The gradient of the global batch as the sharded path forms it: every rank's micro-batches summed, the
-    ranks summed, / W (a parameter no rank used: zero). Same arithmetic order, so that fp32 rounding in
-    nearly cancelling elements (amplified by LAMB's m / sqrt(v) to ~1e-5 relative) does not hide a bug."""
+    """The gradient of the global batch as the sharded path forms it: every rank's micro-batches
+    summed, the ranks summed, / W (a parameter no rank used: zero). Same arithmetic order, so
+    that fp32 rounding in nearly cancelling elements (amplified by LAMB's m / sqrt(v) to ~1e-5
+    relative) does not hide a bug."""
     total = None
     for k in range(W):
         rank_net = copy.deepcopy(net)
@@ -109,8 +112,8 @@ def _global_batch_grads(net: torch.nn.Module, s: int, W: int, accum: int) -> Non
 def _case(
     world, algorithm: str, steps=4, clip=None, accum=1, use_no_sync=True, manual=False, skip=1
 ) -> dict:
-    """Overlapped vs one-bucket ShardedLAMB vs LAMB on the global batch (the average of every rank's gradient;
-    a parameter no rank used gets gradient zero, as allow_unused=True says)."""
+    """Overlapped vs one-bucket ShardedLAMB vs LAMB on the global batch (the average of every
+    rank's gradient; a parameter no rank used gets gradient zero, as allow_unused=True says)."""
     W, r = world.world_size, world.rank
     nets = [Net() for _ in range(3)]
     kw = dict(clip_grad_norm=clip, algorithm=algorithm, allow_unused=True, **HP)
@@ -132,7 +135,9 @@ def _case(
         _global_batch_grads(nets[2], s, W, 1 if manual else accum)
         if (
             s != skip
-        ):  # a skipped step (every rank saw a non-finite gradient somewhere): only zero_grad follows
+            # a skipped step (every rank saw a non-finite gradient somewhere): only zero_grad
+            # follows
+        ):
             for o in (over, plain, ref):
                 o.step()
         for o in (over, plain, ref):

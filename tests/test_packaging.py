@@ -1,5 +1,6 @@
-"""A real package: scripts/setup.sh's torch policy (pin only on CI / --cpu / no torch, never replace a CUDA
-torch, fail when an install fails), `scaleout --version`, and package data found through importlib.resources."""
+"""A real package: scripts/setup.sh's torch policy (pin only on CI / --cpu / no torch, never
+replace a CUDA torch, fail when an install fails), `scaleout --version`, and package data found
+through importlib.resources."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SETUP = REPO / "scripts" / "setup.sh"
 
 
 def _fake_torch(tmp: Path, version: str | None, cuda: str | None = None) -> Path:
-    """A directory that shadows torch: the given version (CUDA build if ``cuda``), or an import error."""
+    """A directory that shadows torch: the given version (CUDA build if ``cuda``), or an import
+    error."""
     pkg = tmp / "faketorch" / "torch"
     pkg.mkdir(parents=True)
     if version is None:
@@ -83,8 +85,8 @@ def test_setup_rejects_unknown_option(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("torch_version", ["2.13.0+cpu", None])
 def test_failed_pip_install_fails_setup(tmp_path: Path, torch_version: str | None) -> None:
-    """pip exits 1 (here: a python whose `-m pip` always fails), at the torch install or at the editable
-    install of scaleout: setup.sh must exit non-zero, not print its way past it."""
+    """pip exits 1 (here: a python whose `-m pip` always fails), at the torch install or at the
+    editable install of scaleout: setup.sh must exit non-zero, not print its way past it."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for f in ("scripts/setup.sh", "pyproject.toml", "constraints.txt"):
@@ -120,7 +122,8 @@ def test_version_and_package_data() -> None:
     )
 
 
-# -- the wheel, installed and run outside the checkout ------------------------------------------------------
+# -- the wheel, installed and run outside the checkout
+# ------------------------------------------------------
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git",
     "runs",
@@ -138,8 +141,9 @@ _NOT_SOURCE = shutil.ignore_patterns(
 
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """`pip wheel --no-deps` of a copy of this checkout (symlinks kept), installed into a venv that sees the
-    system's torch (--system-site-packages). Returns (venv bin dir, the built wheel)."""
+    """`pip wheel --no-deps` of a copy of this checkout (symlinks kept), installed into a venv
+    that sees the system's torch (--system-site-packages). Returns (venv bin dir, the built
+    wheel)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO, src, symlinks=True, ignore=_NOT_SOURCE)
@@ -226,7 +230,8 @@ def test_wheel_trains_and_benches_outside_the_checkout(
         [
             str(bin_dir / "python"),
             "-c",
-            "import scaleout, scaleout.launchers.local as l; print(scaleout.__file__); print(l.__file__)",
+            "import scaleout, scaleout.launchers.local as l; print(scaleout.__file__); "
+            "print(l.__file__)",
         ],
         cwd=tmp_path,
         env=_no_checkout_env(),
@@ -283,9 +288,10 @@ def test_wheel_trains_and_benches_outside_the_checkout(
 
 @pytest.mark.slurm
 def test_wheel_slurm_up(wheel_venv: tuple[Path, Path], slurm_cluster, tmp_path: Path) -> None:
-    """`scaleout slurm up` from the wheel on the (shared, running) local cluster: idempotent, and its start.sh
-    / stop.sh templates are installed executable. Starting a second cluster from the wheel would collide
-    with the shared one's ports, so the start itself is exercised by the checkout's fixture."""
+    """`scaleout slurm up` from the wheel on the (shared, running) local cluster: idempotent, and
+    its start.sh / stop.sh templates are installed executable. Starting a second cluster from the
+    wheel would collide with the shared one's ports, so the start itself is exercised by the
+    checkout's fixture."""
     bin_dir, _ = wheel_venv
     r = _outside(bin_dir, tmp_path, "slurm", "up", timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("already running"), r.stdout + r.stderr

@@ -20,8 +20,8 @@ D = 12
 
 
 class Net(torch.nn.Module):
-    """Small BERT-ish stack: several layers so tiny buckets give many buckets; ``branch`` is used only
-    when asked (unused-parameter cases); ``never`` is used only when ``use_never``."""
+    """Small BERT-ish stack: several layers so tiny buckets give many buckets; ``branch`` is used
+    only when asked (unused-parameter cases); ``never`` is used only when ``use_never``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,7 +76,8 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def max_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """Worst over parameters of max|got - ref| / max|ref| (parameters with a zero reference: absolute)."""
+    """Worst over parameters of max|got - ref| / max|ref| (parameters with a zero reference:
+    absolute)."""
     worst = 0.0
     for n, r in ref.items():
         scale = r.abs().max().item() or 1.0
@@ -87,8 +88,9 @@ def max_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float
 def ref_grads(
     model: Net, batches: list[tuple[torch.Tensor, torch.Tensor]], flags: list[list[bool]], p: int
 ) -> dict:
-    """Single-process reference: sum over micro-steps of the mean over ranks of each rank's mean loss
-    (with every rank's branch flag), which for equal flags is the loss of the concatenated batch."""
+    """Single-process reference: sum over micro-steps of the mean over ranks of each rank's mean
+    loss (with every rank's branch flag), which for equal flags is the loss of the concatenated
+    batch."""
     model.zero_grad(set_to_none=True)
     for (x, y), fl in zip(batches, flags, strict=True):
         if all(f == fl[0] for f in fl):
@@ -99,11 +101,13 @@ def ref_grads(
     return grads(model)
 
 
-# -- rank functions (module level: pickled by reference into the pool) -------------------------------
+# -- rank functions (module level: pickled by reference into the pool)
+# -------------------------------
 
 
 def _gradient_equality(world, configs):
-    """For each config: two optimizer steps; after each, every rank's grads vs the global-batch reference."""
+    """For each config: two optimizer steps; after each, every rank's grads vs the global-batch
+    reference."""
     import scaleout
 
     p, r = world.world_size, world.rank
@@ -220,7 +224,8 @@ def _accumulation_and_unused(world):
 
     p, r = world.world_size, world.rank
     out = {}
-    # micro-step flags per rank: step 0 all use the branch, step 1 nobody, step 2 (the synced one) only rank 1
+    # micro-step flags per rank: step 0 all use the branch, step 1 nobody, step 2 (the synced one)
+    # only rank 1
     flags = [[True] * p, [False] * p, [q == 1 for q in range(p)]]
     for algorithm in ("flat", "hierarchical"):
         model, ref = make(3), make(3)
@@ -298,8 +303,9 @@ def test_no_sync_accumulation_and_unused():
 
 
 def _compression(world):
-    """bf16/fp16 buckets vs the fp32 reference, per element within the dtype's rounding bound; fp16 with
-    gradients whose un-divided sum overflows fp16 stays finite; DDP + our hook gives the same numbers."""
+    """bf16/fp16 buckets vs the fp32 reference, per element within the dtype's rounding bound;
+    fp16 with gradients whose un-divided sum overflows fp16 stays finite; DDP + our hook gives
+    the same numbers."""
     from torch.nn.parallel import DistributedDataParallel
 
     import scaleout
@@ -343,8 +349,9 @@ def _compression(world):
                 for n in got:
                     mean = sum(g[n] for g in partial) / p
                     absum = sum(g[n].abs() for g in partial) / p
-                    # each of the p terms rounded once on the cast, each of the p-1 additions once more,
-                    # the result once on the way back: (2p) roundings of at most eps * sum|g_r|/p
+                    # each of the p terms rounded once on the cast, each of the p-1 additions once
+                    # more, the result once on the way back: (2p) roundings of at most eps *
+                    # sum|g_r|/p
                     bound = 2 * p * eps[comp] * absum + 1e-30
                     worst = max(worst, ((got[n] - mean).abs() / bound).max().item())
                     finite &= bool(torch.isfinite(got[n]).all())
@@ -368,7 +375,8 @@ def test_compression_error_within_dtype_bound():
         for key, item in res.items():
             assert item["finite"], (rank, key, item)
             assert item["worst"] <= 1.0, (rank, key, item)
-        # the overflow case really would overflow without the pre-division (sum over 4 ranks > 65504)
+        # the overflow case really would overflow without the pre-division (sum over 4 ranks >
+        # 65504)
         big = res[("fp16", 1e5, "flat", "dp")]
         assert big["undivided"] > 65504, big
         # compression changes the numbers (we did not silently run in fp32)
@@ -376,8 +384,8 @@ def test_compression_error_within_dtype_bound():
 
 
 def _ddp_and_timeline(world, trace_path):
-    """torch DDP + ddp_comm_hook (no compression) equals the reference; the timeline trace holds every
-    rank's backward and per-bucket communication spans."""
+    """torch DDP + ddp_comm_hook (no compression) equals the reference; the timeline trace holds
+    every rank's backward and per-bucket communication spans."""
     from torch.nn.parallel import DistributedDataParallel
 
     import scaleout
@@ -450,7 +458,8 @@ def test_ddp_hook_and_timeline():
 
 @pytest.mark.unit
 def test_bucket_assignment():
-    """Reverse order, >= cap closes a bucket, a separate first cap, dtypes never mixed (no processes)."""
+    """Reverse order, >= cap closes a bucket, a separate first cap, dtypes never mixed (no
+    processes)."""
     from scaleout.errors import UserError
     from scaleout.parallel.buckets import MiB, assign, build_buckets
 
@@ -505,8 +514,9 @@ def test_gpu_compressed_step():
 
 
 def _rebuild_order(world):
-    """After the first step the buckets follow the order gradients became ready: in a post-LayerNorm
-    Transformer layer norm1's gradients arrive after linear1's although norm1 is registered first."""
+    """After the first step the buckets follow the order gradients became ready: in a
+    post-LayerNorm Transformer layer norm1's gradients arrive after linear1's although norm1 is
+    registered first."""
     import scaleout
 
     torch.manual_seed(0)

@@ -1,8 +1,9 @@
-"""train.precision (scaleout/train/precision.py): autocast reaches the model's matmuls, fp16 loss scaling
-behaves as torch.amp.GradScaler and is agreed by every rank, the scale survives a checkpoint, fp16 with
-scaling trains where fp16 without it cannot, the MLPerf log says what ran, and the captured (CUDA-graph)
-step keeps the configured all-reduce algorithm and compression. Real gloo ranks, real trainer, CPU
-autocast (bf16 and fp16 both exist on CPU in torch 2.13; fp16 matmuls are slow here: no AVX512-FP16)."""
+"""train.precision (scaleout/train/precision.py): autocast reaches the model's matmuls, fp16 loss
+scaling behaves as torch.amp.GradScaler and is agreed by every rank, the scale survives a
+checkpoint, fp16 with scaling trains where fp16 without it cannot, the MLPerf log says what ran,
+and the captured (CUDA-graph) step keeps the configured all-reduce algorithm and compression.
+Real gloo ranks, real trainer, CPU autocast (bf16 and fp16 both exist on CPU in torch 2.13; fp16
+matmuls are slow here: no AVX512-FP16)."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def _linear_dtypes(world: Any, out: str, precision: str) -> dict:
 def test_matmuls_run_in_the_configured_precision(
     tmp_path: Path, precision: str, dtype: str
 ) -> None:
-    """A forward hook on every Linear sees bf16 / fp16 outputs in the trainer's step and evaluation;
-    parameters, gradients and optimizer state stay fp32 (master weights). Before: fp32 everywhere."""
+    """A forward hook on every Linear sees bf16 / fp16 outputs in the trainer's step and
+    evaluation; parameters, gradients and optimizer state stay fp32 (master weights). Before:
+    fp32 everywhere."""
     r = run_dist(
         _linear_dtypes, nnodes=1, nproc_per_node=2, args=(str(tmp_path), precision), timeout=300
     )[0]
@@ -96,8 +98,9 @@ def test_matmuls_run_in_the_configured_precision(
 
 @pytest.mark.unit
 def test_loss_scale_follows_grad_scaler() -> None:
-    """The host-side rule equals torch's own GradScaler kernel (torch._amp_update_scale_) on a sequence of
-    finite / non-finite steps: back off on every skip, grow after growth_interval finite steps."""
+    """The host-side rule equals torch's own GradScaler kernel (torch._amp_update_scale_) on a
+    sequence of finite / non-finite steps: back off on every skip, grow after growth_interval
+    finite steps."""
     pattern = [False, False, True, False, False, False, False, True, True, False, False, False]
     mine = Precision("fp16", "cpu", init_scale=1024.0, growth_interval=3)
     scale, tracker = torch.tensor([1024.0]), torch.tensor([0], dtype=torch.int32)
@@ -149,8 +152,9 @@ def _scaler_run(world: Any, out: str) -> dict:
 
 @pytest.mark.full_system
 def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> None:
-    """One rank sees inf: every rank skips that step and halves the scale (65536 -> 32768), the replicas
-    stay identical, and the scale is in the checkpoint (a resumed run continues with 32768)."""
+    """One rank sees inf: every rank skips that step and halves the scale (65536 -> 32768), the
+    replicas stay identical, and the scale is in the checkpoint (a resumed run continues with
+    32768)."""
     r = run_dist(_scaler_run, nnodes=1, nproc_per_node=2, args=(str(tmp_path),), timeout=300)
     for rank in r:
         assert rank["status"] == "max_steps" and rank["skipped"] == 1, rank
@@ -159,9 +163,9 @@ def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> No
 
 
 def _fp16_updates(world: Any, out: str) -> dict:
-    """The weight update of 3 fp16 steps with plain LAMB and with the sharded LAMB, overlapped and not.
-    optim.eps=0.5 makes LAMB's step depend on the gradients' scale (m / (sqrt(v) + eps)), so gradients left
-    scaled by S = 65536 would show."""
+    """The weight update of 3 fp16 steps with plain LAMB and with the sharded LAMB, overlapped
+    and not. optim.eps=0.5 makes LAMB's step depend on the gradients' scale (m / (sqrt(v) +
+    eps)), so gradients left scaled by S = 65536 would show."""
     got = {}
     for name, extra in (
         ("plain", []),
@@ -191,9 +195,10 @@ def _fp16_updates(world: Any, out: str) -> dict:
 
 @pytest.mark.multi_process
 def test_fp16_with_the_sharded_lamb_unscales_its_own_buffers(tmp_path: Path) -> None:
-    """The sharded LAMB reduces gradients into its own shard buffers (during backward when overlapped), so
-    Precision.unscale_ hands it 1/S (ShardedLAMB.unscale_): fp16 with it takes the same steps as fp16 with
-    plain LAMB. Before: overlapped was a config error, and without the hook the update used S x gradients."""
+    """The sharded LAMB reduces gradients into its own shard buffers (during backward when
+    overlapped), so Precision.unscale_ hands it 1/S (ShardedLAMB.unscale_): fp16 with it takes
+    the same steps as fp16 with plain LAMB. Before: overlapped was a config error, and without
+    the hook the update used S x gradients."""
     r = run_dist(_fp16_updates, nnodes=1, nproc_per_node=2, args=(str(tmp_path),), timeout=600)[0]
     ref = r["plain"]
     assert ref.abs().max() > 0
@@ -203,8 +208,9 @@ def test_fp16_with_the_sharded_lamb_unscales_its_own_buffers(tmp_path: Path) -> 
 
 
 def _fit(scaling: bool, steps: int = 60) -> tuple[float, float]:
-    """A small regression in fp16 autocast whose loss is tiny (1e-6 x MSE): its activation gradients fall
-    below fp16's smallest subnormal (6e-8) and flush to zero unless the loss is scaled up first."""
+    """A small regression in fp16 autocast whose loss is tiny (1e-6 x MSE): its activation
+    gradients fall below fp16's smallest subnormal (6e-8) and flush to zero unless the loss is
+    scaled up first."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     x, w = torch.randn(256, 32), torch.randn(32, 1)
@@ -249,7 +255,8 @@ def _train_fp16(world: Any, out: str) -> dict:
             "checkpoint.every_steps=0",
             "train.progress=false",
             "train.precision=fp16",
-            # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this AMD EPYC)
+            # the tiny config shrunk (fp16 matmuls have no fast CPU kernel here: ~15x fp32 on this
+            # AMD EPYC)
             "model.bert.hidden=32",
             "model.bert.intermediate=128",
             "model.bert.layers=1",
@@ -277,9 +284,10 @@ def _train_fp16(world: Any, out: str) -> dict:
 @pytest.mark.full_system
 @pytest.mark.slow
 def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> None:
-    """The trainer in fp16 on the pydoc corpus reaches masked-LM accuracy 0.054 (the most-frequent-token
-    baseline of configs/bert_tiny_cpu.yaml; the untrained model scores ~0.03) on a shrunk tiny BERT in ~2
-    min; the full config to its target 0.15 took 39 min of fp16 here (measured run in docs/precision.md)."""
+    """The trainer in fp16 on the pydoc corpus reaches masked-LM accuracy 0.054 (the
+    most-frequent-token baseline of configs/bert_tiny_cpu.yaml; the untrained model scores ~0.03)
+    on a shrunk tiny BERT in ~2 min; the full config to its target 0.15 took 39 min of fp16 here
+    (measured run in docs/precision.md)."""
     r = run_dist(_train_fp16, nnodes=1, nproc_per_node=1, args=(str(tmp_path),), timeout=1200)[0]
     assert r["status"] == "success" and r["metric"] >= 0.054, r
     assert r["last"] < r["first"] - 1.0 and r["scale"] >= 2.0**15, r
@@ -340,9 +348,10 @@ def _captured_vs_eager(world: Any, compression: str) -> dict:
 @pytest.mark.multi_process
 @pytest.mark.parametrize("compression", ["bf16", None])
 def test_captured_step_keeps_algorithm_and_compression(compression: str | None) -> None:
-    """The step CUDA graphs capture (capture.data_parallel_step) averages the buckets exactly as the eager
-    overlapped reducer does: same algorithm (hierarchical on 2 x 2), same bf16 wire, same pre-divide, so
-    the gradients are bit-identical. Before: a flat fp32 dist.all_reduce (different bits with bf16)."""
+    """The step CUDA graphs capture (capture.data_parallel_step) averages the buckets exactly as
+    the eager overlapped reducer does: same algorithm (hierarchical on 2 x 2), same bf16 wire,
+    same pre-divide, so the gradients are bit-identical. Before: a flat fp32 dist.all_reduce
+    (different bits with bf16)."""
     for r in run_dist(
         _captured_vs_eager, nnodes=2, nproc_per_node=2, args=(compression,), timeout=300
     ):

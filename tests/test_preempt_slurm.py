@@ -1,18 +1,25 @@
-"""The production preemption path, on the real local Slurm with the real sbatch script (slurm/bert_256node.sh
-shrunk to 2 nodes x 2 tasks on the command line), and the pieces of it that need no scheduler.
+"""The production preemption path, on the real local Slurm with the real sbatch script
+(slurm/bert_256node.sh shrunk to 2 nodes x 2 tasks on the command line), and the pieces of it that
+need no scheduler.
 
 What each test would catch:
-- rank 0 slow to `scontrol requeue` under `srun --kill-on-bad-exit=1`: the other ranks must wait for it (the
-  first rank to exit 75 makes Slurm kill the rest, rank 0 included), and the data-loading helper processes
-  (forkserver, resource tracker, workers) must outlive the notice that Slurm delivers to every process;
-- a notice followed by the time limit's SIGTERM (the stop outlasted the notice window) must still requeue;
-- the whole MLPerf path (issue: item 8): requeue mid-run, resume to the end, a manual resubmission under the
-  same name resumes too, and the real compliance checker passes on the last attempt of the appended log;
+- rank 0 slow to `scontrol requeue` under `srun --kill-on-bad-exit=1`: the other ranks must wait for
+  it (the
+  first rank to exit 75 makes Slurm kill the rest, rank 0 included), and the data-loading helper
+  processes
+  (forkserver, resource tracker, workers) must outlive the notice that Slurm delivers to every
+  process;
+- a notice followed by the time limit's SIGTERM (the stop outlasted the notice window) must still
+  requeue;
+- the whole MLPerf path (issue: item 8): requeue mid-run, resume to the end, a manual resubmission
+  under the
+  same name resumes too, and the real compliance checker passes on the last attempt of the appended
+  log;
 - a notice that arrives while the World is still being built must not kill the rank;
 - helper processes survive USR2 + TERM sent to the whole process group (as Slurm signals a step).
 
-The test-only knob SCALEOUT_TEST_REQUEUE_DELAY_S (scaleout.train.faults.RequeueDelay) makes rank 0 slow
-to requeue: up to N s, less if its SIGTERM comes first.
+The test-only knob SCALEOUT_TEST_REQUEUE_DELAY_S (scaleout.train.faults.RequeueDelay) makes rank 0
+slow to requeue: up to N s, less if its SIGTERM comes first.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ SCRIPT = "slurm/bert_256node.sh"
 
 
 def _mlperf_inputs(root: Path) -> list[str]:
-    """What the item-8 run reads instead of the MLPerf files: the offline corpus written as MLPerf shards in
-    NVIDIA's packed v2.0 layout (`scaleout data make-shards`), and phase-1 weights as an NVIDIA-style checkpoint
-    ({"model": DDP-prefixed Hugging Face names}) of the tiny model, for model.init_checkpoint."""
+    """What the item-8 run reads instead of the MLPerf files: the offline corpus written as
+    MLPerf shards in NVIDIA's packed v2.0 layout (`scaleout data make-shards`), and phase-1
+    weights as an NVIDIA-style checkpoint ({"model": DDP-prefixed Hugging Face names}) of the
+    tiny model, for model.init_checkpoint."""
     import torch
     import yaml
 
@@ -74,7 +82,8 @@ def _mlperf_inputs(root: Path) -> list[str]:
 
 
 def _tiny() -> list[str]:
-    """configs/bert_tiny_cpu.yaml as overrides of the big config, in the Slurm environment, quiet."""
+    """configs/bert_tiny_cpu.yaml as overrides of the big config, in the Slurm environment,
+    quiet."""
     import yaml
 
     from tests.test_slurm import _flatten
@@ -84,7 +93,8 @@ def _tiny() -> list[str]:
         tiny["train"]["output_dir"],
         tiny["checkpoint"]["dir"],
     )  # the script's run directory must stay in charge
-    # keys the big config sets and the tiny one does not: no schedule offset, evaluation from the start
+    # keys the big config sets and the tiny one does not: no schedule offset, evaluation from the
+    # start
     return _flatten("", tiny) + [
         "launch.env=slurm",
         "train.progress=false",
@@ -133,7 +143,8 @@ def _submit(
 
 
 def _job_processes(job: int) -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every live process of Slurm job ``job`` (by its environment)."""
+    """pid -> (parent pid, command line) of every live process of Slurm job ``job`` (by its
+    environment)."""
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -152,9 +163,9 @@ def _job_processes(job: int) -> dict[int, tuple[int, str]]:
 
 
 def _helpers(job: int) -> dict[int, str]:
-    """The ranks' multiprocessing helpers that live as long as the rank: forkservers and resource trackers.
-    (Data workers share the forkserver's command line but are its children; the trainer closes them itself
-    once it has stopped.)"""
+    """The ranks' multiprocessing helpers that live as long as the rank: forkservers and resource
+    trackers. (Data workers share the forkserver's command line but are its children; the trainer
+    closes them itself once it has stopped.)"""
     procs = _job_processes(job)
     fork = {p for p, (_, cmd) in procs.items() if "multiprocessing.forkserver" in cmd}
     return {
@@ -167,10 +178,11 @@ def _helpers(job: int) -> dict[int, str]:
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
 def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_cluster, tmp_path):
-    """USR2 to every process of the step (scancel --signal, like --signal=USR2@T) with data.num_workers=2, and
-    rank 0 held 20 s before `scontrol requeue`: the forkservers and resource trackers of all 4 ranks are
-    still alive after the notice, the other ranks wait at the release barrier instead of exiting 75 (which
-    would make srun kill rank 0 before it requeues), and the job is requeued and resumes."""
+    """USR2 to every process of the step (scancel --signal, like --signal=USR2@T) with
+    data.num_workers=2, and rank 0 held 20 s before `scontrol requeue`: the forkservers and
+    resource trackers of all 4 ranks are still alive after the notice, the other ranks wait at
+    the release barrier instead of exiting 75 (which would make srun kill rank 0 before it
+    requeues), and the job is requeued and resumes."""
     name = f"race-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "race.out"
     job = _submit(
@@ -219,9 +231,10 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
 @pytest.mark.slurm
 @pytest.mark.timeout(1200)
 def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
-    """The real sequence at the end of an allocation: --signal=USR2@60 with a 2-minute limit, the stop holds
-    rank 0 until the time limit's SIGTERM arrives (a checkpoint slower than the notice window), and the job is
-    still requeued (Slurm itself never requeues a TIMEOUT) and resumes from the checkpoint."""
+    """The real sequence at the end of an allocation: --signal=USR2@60 with a 2-minute limit, the
+    stop holds rank 0 until the time limit's SIGTERM arrives (a checkpoint slower than the notice
+    window), and the job is still requeued (Slurm itself never requeues a TIMEOUT) and resumes
+    from the checkpoint."""
     name = f"tlimit-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "tlimit.out"
     job = _submit(
@@ -255,13 +268,13 @@ def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.timeout(1800)
 def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_path):
-    """Item 8, the whole path: `sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` reading
-    MLPerf-format shards lazily (packed layout, a prefetch worker per rank) from phase-1 weights in NVIDIA's
-    checkpoint layout, with the
-    script's own --output (in the submit directory, which exists), MLPerf lines on stdout too;
-    `scontrol requeue` mid-run -> the requeued job resumes; scancel mid-run -> a manual resubmission under the
-    same name resumes from the same run directory and runs to the end; the appended MLPerf log holds the three
-    attempts and the real compliance checker passes on the last one."""
+    """Item 8, the whole path: `sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny
+    overrides>` reading MLPerf-format shards lazily (packed layout, a prefetch worker per rank)
+    from phase-1 weights in NVIDIA's checkpoint layout, with the script's own --output (in the
+    submit directory, which exists), MLPerf lines on stdout too; `scontrol requeue` mid-run ->
+    the requeued job resumes; scancel mid-run -> a manual resubmission under the same name
+    resumes from the same run directory and runs to the end; the appended MLPerf log holds the
+    three attempts and the real compliance checker passes on the last one."""
     from scaleout.mlperf import check_compliance, split_attempts
 
     name = f"item8-{uuid.uuid4().hex[:6]}"
@@ -333,8 +346,9 @@ def test_bert_256node_requeue_resume_resubmit_and_mlperf_log(slurm_cluster, tmp_
 
 @pytest.mark.full_system
 def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
-    """Rank 0 of 2 (torchrun-style variables) waits in the rendezvous for rank 1; SIGUSR2 reaches it there.
-    It must survive, stop after the first step with its peer, checkpoint and exit 75 (no Slurm: no requeue)."""
+    """Rank 0 of 2 (torchrun-style variables) waits in the rendezvous for rank 1; SIGUSR2 reaches
+    it there. It must survive, stop after the first step with its peer, checkpoint and exit 75
+    (no Slurm: no requeue)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -415,8 +429,9 @@ def test_notice_while_the_world_is_being_built_does_not_kill_the_rank(tmp_path):
 @pytest.mark.full_system
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_method):
-    """As Slurm signals every process of a step: USR2 then TERM to the whole process group. The rank notes
-    both (its guard), and its workers, forkserver and resource tracker live on and deliver every batch."""
+    """As Slurm signals every process of a step: USR2 then TERM to the whole process group. The
+    rank notes both (its guard), and its workers, forkserver and resource tracker live on and
+    deliver every batch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCALEOUT_"))}
     p = subprocess.run(
         [sys.executable, "tests/scripts/prefetch_signals.py", start_method],
@@ -436,8 +451,8 @@ def test_prefetch_helpers_outlive_usr2_and_term_to_the_process_group(start_metho
 
 @pytest.mark.unit
 def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
-    """checkpoint.every_steps was silently ignored without checkpoint.dir (and a notice then requeued a fresh
-    start forever): now a one-line error before anything starts."""
+    """checkpoint.every_steps was silently ignored without checkpoint.dir (and a notice then
+    requeued a fresh start forever): now a one-line error before anything starts."""
     from scaleout.config import load_config
     from scaleout.errors import ConfigError
 
@@ -456,8 +471,9 @@ def test_every_steps_without_a_checkpoint_dir_is_a_config_error():
 
 @pytest.mark.full_system
 def test_a_notice_without_a_checkpoint_dir_does_not_requeue(tmp_path):
-    """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and says why.
-    (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no scontrol is called.)"""
+    """Nothing saved, so a requeue would start again from step 0, forever: the run stops (75) and
+    says why. (Inside Slurm the requeue would need SLURM_JOB_ID; this run sets a fake one and no
+    scontrol is called.)"""
     env = {
         k: v
         for k, v in os.environ.items()

@@ -4,8 +4,8 @@ resume from a data position; misuse raises one-line errors; and the trainer with
 the same weights as without them, reporting the fraction of step time it waited for data.
 
 The ranks are multi-threaded when their workers start (gloo groups beyond the world group, a busy
-CommThread), as a training rank is: the workers must come from the forkserver, not a fork of the rank,
-and receive the task's data only (no process groups to pickle, the model left alone).
+CommThread), as a training rank is: the workers must come from the forkserver, not a fork of the
+rank, and receive the task's data only (no process groups to pickle, the model left alone).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def _same(a: list, b: list) -> bool:
 
 
 def _allow_children() -> None:
-    """run_dist's pooled ranks are daemonic processes, which multiprocessing forbids to start children;
-    ranks started by `scaleout launch` / srun are not. Clear the flag so DataLoader workers can start
-    (they are daemonic themselves and die with the rank)."""
+    """run_dist's pooled ranks are daemonic processes, which multiprocessing forbids to start
+    children; ranks started by `scaleout launch` / srun are not. Clear the flag so DataLoader
+    workers can start (they are daemonic themselves and die with the rank)."""
     import multiprocessing as mp
 
     mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
@@ -128,17 +128,19 @@ def _prefetch_checks(world) -> dict:
         except UserError as e:
             res["repeat"] = str(e)
     busy.wait()
-    # workers got the data source, not the task: the model's storages were not moved to shared memory
+    # workers got the data source, not the task: the model's storages were not moved to shared
+    # memory
     res["model_shared"] = any(p.is_shared() for p in task.model.parameters())
     return res
 
 
 @pytest.mark.multi_process
 def test_prefetcher_same_batches_in_order_and_resumes() -> None:
-    """2 ranks, 2 and 1 worker processes: every rank's background batches equal its synchronous ones, in
-    order, also when started at a later step (resume); asking out of order or past the end raises. The
-    workers start while the rank has extra gloo groups and a collective in flight on its comm thread;
-    none is a fork of the rank, and the rank's model stays out of shared memory."""
+    """2 ranks, 2 and 1 worker processes: every rank's background batches equal its synchronous
+    ones, in order, also when started at a later step (resume); asking out of order or past the
+    end raises. The workers start while the rank has extra gloo groups and a collective in flight
+    on its comm thread; none is a fork of the rank, and the rank's model stays out of shared
+    memory."""
     results = run_dist(_prefetch_checks, nnodes=1, nproc_per_node=2, timeout=240)
     for rank, r in enumerate(results):
         for name in ("bert", "resnet"):

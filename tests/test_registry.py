@@ -1,4 +1,5 @@
-"""The extension points' registry: names in registration order, collisions refused, lookups named."""
+"""The extension points' registry: names in registration order, collisions refused, lookups
+named."""
 
 import pytest
 from pydantic import BaseModel, ValidationError

@@ -96,7 +96,8 @@ def test_timers_synchronize_cuda_and_peak_table():
         for _ in range(4):
             a = a @ a / 8192
     t.step()
-    # 4 x 2 x 8192^3 FLOPs = 4.4 TFLOP: even an H100 needs > 4 ms; unsynchronised launches take microseconds
+    # 4 x 2 x 8192^3 FLOPs = 4.4 TFLOP: even an H100 needs > 4 ms; unsynchronised launches take
+    # microseconds
     assert t.mean()["forward"] > 2e-3
     peak = devices.device_peak("cuda", "bf16")
     assert peak.flops is None or peak.flops in {p.bf16 for p in devices.PARTS}
@@ -105,8 +106,8 @@ def test_timers_synchronize_cuda_and_peak_table():
 def test_progress_line_prints_every_k_steps_off_a_terminal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """scaleout/train/progress.py (the one progress bar): into a pipe, a line every ``every`` steps and
-    at the last step; a disabled bar (other ranks) prints nothing."""
+    """scaleout/train/progress.py (the one progress bar): into a pipe, a line every ``every``
+    steps and at the last step; a disabled bar (other ranks) prints nothing."""
     from scaleout.train.progress import Progress
 
     p = Progress(10, enabled=True, every=4)
@@ -167,8 +168,8 @@ def test_unknown_gpu_part_is_none_not_a_guess(name, sms, gib):
 
 
 def test_gpu_peak_follows_precision_and_unknown_gpu_gives_report_without_mfu(monkeypatch):
-    """No GPU here: torch.cuda.get_device_properties is replaced by a stand-in object (mock), the rest
-    of the path (identification, precision, report) is the real code."""
+    """No GPU here: torch.cuda.get_device_properties is replaced by a stand-in object (mock), the
+    rest of the path (identification, precision, report) is the real code."""
     from types import SimpleNamespace
 
     props = {
@@ -181,9 +182,9 @@ def test_gpu_peak_follows_precision_and_unknown_gpu_gives_report_without_mfu(mon
     }
     which = {"dev": "h100"}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[which["dev"]])
-    # allow_tf32 is served by the module's __getattr__/__setattr__ (no instance attribute), so set it
-    # through torch's setter and restore it: monkeypatch.setattr's undo would delattr it (pytest >= 9.2
-    # fails on that).
+    # allow_tf32 is served by the module's __getattr__/__setattr__ (no instance attribute), so set
+    # it through torch's setter and restore it: monkeypatch.setattr's undo would delattr it (pytest
+    # >= 9.2 fails on that).
     matmul = torch.backends.cuda.matmul
     tf32_before = matmul.allow_tf32
     try:
@@ -240,9 +241,10 @@ def test_cpu_peak_is_measured_cached_and_shared_between_ranks(monkeypatch, tmp_p
 
 
 def test_cpu_peak_measurement_ignores_time_other_processes_hold_the_core():
-    """The CPU peak is timed by the measuring thread's CPU time: a busy process sharing its core (taskset to
-    the same CPU, so the two alternate) leaves it where it was; timed by the wall clock it halves, and every
-    CPU MFU against it doubled (a cached peak measured under load made a 2x2 tiny run report 70 % MFU)."""
+    """The CPU peak is timed by the measuring thread's CPU time: a busy process sharing its core
+    (taskset to the same CPU, so the two alternate) leaves it where it was; timed by the wall
+    clock it halves, and every CPU MFU against it doubled (a cached peak measured under load made
+    a 2x2 tiny run report 70 % MFU)."""
     import os
     import subprocess
     import sys

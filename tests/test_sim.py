@@ -1,4 +1,5 @@
-"""The cost model: textbook formulas, calibration machinery, step/overlap model, published checks, CLI.
+"""The cost model: textbook formulas, calibration machinery, step/overlap model, published checks,
+CLI.
 
 Everything here is pure arithmetic (no processes); the fit on real gloo measurements is in
 tests/test_sim_calibrate.py.
@@ -66,7 +67,8 @@ def test_ring_matches_textbook_and_busbw_tends_to_link_bandwidth():
 @pytest.mark.unit
 @pytest.mark.parametrize("g, k", [(2, 2), (4, 4), (8, 16)])
 def test_bytes_through_a_node_link_flat_vs_hierarchical(g, k):
-    """DESIGN facts: flat ring 2(p-1)/p * n leaves each node, hierarchical 2(k-1)/k * n (one NIC)."""
+    """DESIGN facts: flat ring 2(p-1)/p * n leaves each node, hierarchical 2(k-1)/k * n (one
+    NIC)."""
     c, n, p = toy(g=g, alpha_inter=0.0, alpha_intra=0.0), 1e6, g * k
     flat = coeffs("flat", c, k, n)[IDX["beta_inter"]]
     hier = coeffs("hierarchical", c, k, n, chunks=1)[IDX["beta_inter"]]
@@ -170,7 +172,8 @@ def test_efficiency_falls_with_scale_and_one_node_is_nearly_free():
 def test_time_to_train_counts_steps():
     c, m = get_cluster("dgx-a100"), get_model("bert-large")
     t = time_to_train(m, TrainSpec(local_batch=4, algorithm="tree"), c, 512)
-    # the preset converges where NVIDIA's 512-node runs did: 5533303 sequences (logs), not at MAX_STEPS=470
+    # the preset converges where NVIDIA's 512-node runs did: 5533303 sequences (logs), not at
+    # MAX_STEPS=470
     assert t.steps == 338 and t.evals == 17
     assert t.total == pytest.approx(338 * t.step + t.eval_time)
 
@@ -179,7 +182,8 @@ def test_time_to_train_counts_steps():
 def test_validation_b_nccl_tests_busbw():
     v = nccl_busbw_a100()
     print(
-        f"\n(b) predicted {v.predicted:.1f} GB/s vs nccl-tests ~{v.reference:g} GB/s ({v.error:+.1%})"
+        f"\n(b) predicted {v.predicted:.1f} GB/s vs nccl-tests ~{v.reference:g} GB/s "
+        f"({v.error:+.1%})"
     )
     assert v.ok, f"{v.predicted:.1f} GB/s is not within 15 % of {v.reference}"
 
@@ -188,11 +192,13 @@ def test_validation_b_nccl_tests_busbw():
 def test_validation_c_mlperf_bert_time_to_train():
     v = mlperf_bert()
     print(
-        f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); {v.details}"
+        f"\n(c) predicted {v.predicted:.3f} min vs published {v.reference} min ({v.error:+.1%}); "
+        f"{v.details}"
     )
     assert v.ok, f"{v.predicted:.3f} min is not within 30 % of {v.reference}"
-    # With SHARP and the sharded update modelled, communication no longer dominates, so the MFU guess
-    # matters: 30 % and the assumed 40 % are inside the tolerance (50 % gives -35 %, docs/simulate.md).
+    # With SHARP and the sharded update modelled, communication no longer dominates, so the MFU
+    # guess matters: 30 % and the assumed 40 % are inside the tolerance (50 % gives -35 %,
+    # docs/simulate.md).
     assert (
         mlperf_bert(mfu=0.3).ok
         and mlperf_bert(mfu=0.3).predicted > v.predicted > mlperf_bert(mfu=0.5).predicted

@@ -3,13 +3,13 @@
 Issue 8 (3a): constants fitted from the all-reduce bench on the emulated cluster must predict other
 sizes and algorithms within +-20 %. We run the real bench one-shot (2 nodes x 2 ranks in network
 namespaces, 1 Gbit/s tc-shaped links; flat, hierarchical and a 4 x 1 torus2d whose row spans both
-nodes), fit on flat + hierarchical at every other size, and check the held-out sizes and the held-out
-algorithm (torus2d). The links, not the 2 shared cores, set these times (1-16 MiB take 15-300 ms at
-~117 MB/s), which is what makes the check stable on a busy machine; rows keep every run and we fit
-the fastest (least disturbed). Needs root and iproute2, like tests/test_netns.py; skipped otherwise,
-and skipped with the reason printed when the box is so overloaded (> 10 runnable processes per core)
-that the CPU cannot even keep a 1 Gbit/s link busy (seen here at load 63 on 2 cores: 16 MiB took 1.5x
-its link time). The schema tests below need nothing.
+nodes), fit on flat + hierarchical at every other size, and check the held-out sizes and the
+held-out algorithm (torus2d). The links, not the 2 shared cores, set these times (1-16 MiB take
+15-300 ms at ~117 MB/s), which is what makes the check stable on a busy machine; rows keep every run
+and we fit the fastest (least disturbed). Needs root and iproute2, like tests/test_netns.py; skipped
+otherwise, and skipped with the reason printed when the box is so overloaded (> 10 runnable
+processes per core) that the CPU cannot even keep a 1 Gbit/s link busy (seen here at load 63 on 2
+cores: 16 MiB took 1.5x its link time). The schema tests below need nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ TOLERANCE = 0.20
 MAX_LOAD_PER_CORE = 10.0
 
 
-# Timing on 2 shared cores: a rerun re-measures when a burst of load skews one size (the ±20 % bar is unchanged).
+# Timing on 2 shared cores: a rerun re-measures when a burst of load skews one size (the ±20 % bar
+# is unchanged).
 @pytest.mark.flaky(reruns=2, reruns_delay=5)
 @pytest.mark.netns
 @pytest.mark.skipif(
@@ -48,7 +49,8 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > MAX_LOAD_PER_CORE * cores:
         pytest.skip(
-            f"machine too busy for a timing fit: load {load:.1f} on {cores} cores (> {MAX_LOAD_PER_CORE:g}/core)"
+            f"machine too busy for a timing fit: load {load:.1f} on {cores} cores (> "
+            f"{MAX_LOAD_PER_CORE:g}/core)"
         )
     out = tmp_path / "allreduce.json"
     cmd = [
@@ -83,7 +85,8 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     fit, checks = cross_validate(samples, split_default(samples, holdout_algorithms=["torus2d"]))
     held = [c for c in checks if not c.trained_on]
     report = "\n".join(
-        f"{c.sample.algorithm:13s} {c.sample.nbytes:>9d} B  measured {c.sample.time_s * 1e3:8.2f} ms  "
+        f"{c.sample.algorithm:13s} {c.sample.nbytes:>9d} B  measured {c.sample.time_s * 1e3:8.2f} "
+        "ms  "
         f"predicted {c.predicted * 1e3:8.2f} ms  {c.error:+.1%}{'  (fit)' if c.trained_on else ''}"
         for c in checks
     )
@@ -95,7 +98,8 @@ def test_fit_on_netns_bench_predicts_held_out_sizes_and_algorithm(tmp_path):
     }
     worst = max(abs(c.error) for c in held)
     assert worst <= TOLERANCE, f"held-out error {worst:.1%} > {TOLERANCE:.0%}\n{report}"
-    # physical sanity: the fitted per-NIC bandwidth is within 30 % of the link rate the bench measured
+    # physical sanity: the fitted per-NIC bandwidth is within 30 % of the link rate the bench
+    # measured
     link = samples[0].link_rate_bps / 8
     assert 0.7 * link < 1 / fit.constants.beta_inter < 1.3 * link, (link, fit.constants.describe())
 

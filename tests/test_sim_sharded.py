@@ -1,4 +1,5 @@
-"""The cost model at scale: sharded optimizer, in-network reduction (SHARP), published MLPerf BERT runs.
+"""The cost model at scale: sharded optimizer, in-network reduction (SHARP), published MLPerf BERT
+runs.
 
 Pure arithmetic on the simulator (no processes, no torch): the clusters are the model's presets, not
 hardware, which cannot exist here.
@@ -40,7 +41,8 @@ def coeffs(plan, cluster):
     "alg, nodes", [("flat", 4), ("hierarchical", 4), ("hierarchical", 64), ("torus2d", 16)]
 )
 def test_reduce_scatter_plus_all_gather_moves_one_allreduce_of_bytes(alg, nodes):
-    """ZeRO-1 sends the same bytes as DDP (RS + AG = AR), each half half of them, through every NIC."""
+    """ZeRO-1 sends the same bytes as DDP (RS + AG = AR), each half half of them, through every
+    NIC."""
     n = 64e6
     ar = coeffs(plan_for(alg, A100, nodes, n, chunks=1, torus_x="square"), A100)[IDX["beta_inter"]]
     rs = coeffs(half_plan("rs", alg, A100, nodes, n, "square"), A100)[IDX["beta_inter"]]
@@ -68,14 +70,16 @@ def test_sharded_update_and_state_shrink_with_the_shard():
     assert rep.state_bytes == pytest.approx(12 * 335e6) and world.state_bytes == pytest.approx(
         12 * 335e6 / 512
     )
-    # sharded-node sends what a hierarchical all-reduce sends: the saving is the update (~6.6 -> 0.8 ms)
+    # sharded-node sends what a hierarchical all-reduce sends: the saving is the update (~6.6 -> 0.8
+    # ms)
     assert rep.optimizer - node.optimizer > 5e-3
 
 
 def test_sharded_step_direction():
-    """One node (NVLink): sharding saves 7/8 of LAMB's HBM time (5.8 ms) for no extra bytes; only the
-    all-gather after the update (~2.4 ms) is exposed, so the step is shorter. 512 nodes: a world reduce-scatter is a ring of 4095 network steps per bucket, far slower
-    than the tree all-reduce; sharding inside the node keeps the tree between nodes."""
+    """One node (NVLink): sharding saves 7/8 of LAMB's HBM time (5.8 ms) for no extra bytes; only
+    the all-gather after the update (~2.4 ms) is exposed, so the step is shorter. 512 nodes: a
+    world reduce-scatter is a ring of 4095 network steps per bucket, far slower than the tree
+    all-reduce; sharding inside the node keeps the tree between nodes."""
     train = TrainSpec(local_batch=4, algorithm="tree")
     one = {
         o: step_time(BERT, replace(train, optimizer=o), A100, 1).step
@@ -133,8 +137,8 @@ def test_sharp_shortens_the_inter_node_part_of_a_sharded_node_step():
 
 @pytest.mark.parametrize("run", REFERENCES[1:], ids=lambda r: r.key)
 def test_published_mlperf_bert_runs(run):
-    """Each published run as submitted (sources in scaleout.sim.mlperf): (e) and (f) within +-30 %; the H100
-    runs at scale, (g) and (h), are a known miss, ~50 % short."""
+    """Each published run as submitted (sources in scaleout.sim.mlperf): (e) and (f) within +-30
+    %; the H100 runs at scale, (g) and (h), are a known miss, ~50 % short."""
     v = mlperf_step(run)
     print(f"\n({run.key}) {v.predicted:.2f} ms vs {v.reference} ms ({v.error:+.1%}), {v.details}")
     assert v.tolerance == 0.30 and v.sources and all(v.sources)
@@ -145,8 +149,8 @@ def test_published_mlperf_bert_runs(run):
 
 
 def test_small_batch_runs_leave_the_same_per_step_time_unexplained():
-    """A100 and H100, 512-4096 GPUs, with and without overlap: the measured step exceeds the model by
-    9.5-10.8 ms in all four, while the modelled communication differs ~4x between them."""
+    """A100 and H100, 512-4096 GPUs, with and without overlap: the measured step exceeds the
+    model by 9.5-10.8 ms in all four, while the modelled communication differs ~4x between them."""
     left = {k: mlperf_step(get_run(k)).details["unexplained_ms"] for k in ("e", "g", "h")}
     left["c"] = mlperf_bert().details["unexplained_ms"]
     assert all(9.0 < x < 11.5 for x in left.values()), left
@@ -192,7 +196,9 @@ def test_mlperf_log_summary(tmp_path):
     assert (s.runs, s.global_batch, s.steps, s.evals) == (5, 100, 10, 1)
     assert (
         s.per_step_ms == pytest.approx(1200)
-    )  # median of 1000, 1100, 1200, 1667, 3000 ms and s.ttt_min == pytest.approx((11 + 12 + 20) / 3 / 60)
+        # median of 1000, 1100, 1200, 1667, 3000 ms and s.ttt_min == pytest.approx((11 + 12 + 20) /
+        # 3 / 60)
+    )
     with pytest.raises(ConfigError, match="no MLPerf result files"):
         summarize_results([tmp_path / "nope"])
 
@@ -217,7 +223,8 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     assert optimizer_time(sharded.model, A100, 2048) == pytest.approx(
         optimizer_time(run.model, A100) / 2048
     )
-    # packed: global_batch counts rows of ~2.0013 Wikipedia sequences, so 2 rows per GPU = 4 sequences
+    # packed: global_batch counts rows of ~2.0013 Wikipedia sequences, so 2 rows per GPU = 4
+    # sequences
     rows = from_config(
         load_config("bert_large_256x8", ["train.global_batch=4096", "data.packing=lphp"])
     )

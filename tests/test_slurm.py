@@ -1,5 +1,5 @@
-"""Real Slurm: the local cluster (slurmctld + slurmdbd + 4 slurmd as nodes n1..n4), started by the session
-fixture in tests/slurmutil.py when it is not running. Nothing here is mocked."""
+"""Real Slurm: the local cluster (slurmctld + slurmdbd + 4 slurmd as nodes n1..n4), started by
+the session fixture in tests/slurmutil.py when it is not running. Nothing here is mocked."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_nodelist_matches_scontrol(slurm_cluster):
     for nodelist in NODELISTS:
         want = slurm_cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
         assert expand_nodelist(nodelist) == want, nodelist
-    # Both refuse a descending range. (Slurm 22.05 also refuses text after the last bracket, 'n[1-2]x',
-    # which our parser accepts: a leniency on input Slurm never produces.)
+    # Both refuse a descending range. (Slurm 22.05 also refuses text after the last bracket,
+    # 'n[1-2]x', which our parser accepts: a leniency on input Slurm never produces.)
     assert (
         "Invalid hostlist"
         in slurm_cluster.run(["scontrol", "show", "hostnames", "n[10-8]"], check=False).stderr
@@ -54,7 +54,8 @@ def test_nodelist_matches_scontrol(slurm_cluster):
 
 
 def test_production_scripts_shrink_on_the_command_line(slurm_cluster):
-    """The 256-node headers are accepted on the 4-node cluster once -N/--ntasks-per-node override them."""
+    """The 256-node headers are accepted on the 4-node cluster once -N/--ntasks-per-node override
+    them."""
     for script, extra in [
         ("slurm/bert_256node.sh", []),
         ("slurm/resnet50_128node.sh", []),
@@ -65,7 +66,8 @@ def test_production_scripts_shrink_on_the_command_line(slurm_cluster):
             check=False,
         )
         assert p.returncode == 0 and "to start at" in p.stderr, (script, p.stderr)
-    # ... and without the override the real size is refused here: proof the header asks for 256 nodes.
+    # ... and without the override the real size is refused here: proof the header asks for 256
+    # nodes.
     p = slurm_cluster.run(["sbatch", "--test-only", "slurm/bert_256node.sh"], check=False)
     assert p.returncode != 0 and "node" in p.stderr.lower()
 
@@ -78,7 +80,8 @@ def _worlds(text: str) -> list[dict]:
 
 
 def test_srun_environment_maps_to_world(slurm_cluster, tmp_path):
-    """SLURM_* of srun tasks -> World on 2x2, 4x1 and an uneven 3-over-2 step; the batch script is not a rank."""
+    """SLURM_* of srun tasks -> World on 2x2, 4x1 and an uneven 3-over-2 step; the batch script
+    is not a rank."""
     jobs = {
         "2x2": slurm_cluster.sbatch(
             [
@@ -205,7 +208,10 @@ def test_preempt_signals_and_requeue_outside_slurm():
 
 
 def _train_job(cluster, tmp: Path, name: str, steps: int) -> int:
-    cmd = f"srun python3 {TRAIN} --ckpt {tmp}/{name}-ckpt --out {tmp}/{name}.pt --steps {steps} --step-sleep 0.15"
+    cmd = (
+        f"srun python3 {TRAIN} --ckpt {tmp}/{name}-ckpt --out {tmp}/{name}.pt --steps {steps} "
+        "--step-sleep 0.15"
+    )
     return cluster.sbatch(
         [
             "-N2",
@@ -223,10 +229,13 @@ def _train_job(cluster, tmp: Path, name: str, steps: int) -> int:
 
 
 def test_preemption_requeue_resumes_to_identical_weights(slurm_cluster, tmp_path):
-    """Two preemptions on the real cluster, and the same run uninterrupted (scaleout launch, 2 emulated nodes):
-    - notice: SIGUSR2 to the tasks (what --signal=USR2@T sends) -> agreed stop, checkpoint, rank 0 requeues;
+    """Two preemptions on the real cluster, and the same run uninterrupted (scaleout launch, 2
+    emulated nodes):
+    - notice: SIGUSR2 to the tasks (what --signal=USR2@T sends) -> agreed stop, checkpoint, rank 0
+      requeues;
     - terminate: `scontrol requeue` from outside -> SIGTERM -> rank 0 saves the last completed step.
-    Both requeued jobs resume from their checkpoint and end with exactly the uninterrupted run's weights."""
+    Both requeued jobs resume from their checkpoint and end with exactly the uninterrupted run's
+    weights."""
     steps = 30
     usr2 = _train_job(slurm_cluster, tmp_path, "usr2", steps)
     term = _train_job(slurm_cluster, tmp_path, "term", steps)
@@ -317,8 +326,9 @@ def test_scancel_leaves_no_process(slurm_cluster, tmp_path):
 
 
 def test_submitit_job_on_two_nodes(slurm_cluster, tmp_path):
-    """`scaleout submit` through submitit on the real cluster: 2 nodes x 2 tasks (GPUs emulated by the local
-    cluster's gres), job id printed, rank 0's log followed, result collected from every task."""
+    """`scaleout submit` through submitit on the real cluster: 2 nodes x 2 tasks (GPUs emulated
+    by the local cluster's gres), job id printed, rank 0's log followed, result collected from
+    every task."""
     p = slurm_cluster.run(
         [
             sys.executable,
@@ -369,7 +379,8 @@ def _flatten(prefix: str, obj) -> list[str]:
 
 
 def test_submitit_local_executor_without_slurm(tmp_path):
-    """--cluster local: submitit's local executor, its SUBMITIT_LOCAL_* variables mapped to scaleout's."""
+    """--cluster local: submitit's local executor, its SUBMITIT_LOCAL_* variables mapped to
+    scaleout's."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -404,15 +415,19 @@ def test_submitit_local_executor_without_slurm(tmp_path):
 
 
 def test_time_limit_reached_when_slurmctld_does_not_answer(tmp_path, monkeypatch):
-    """A loaded slurmctld times out exactly when jobs end: `scontrol` printing nothing must not make a notice
-    + time-limit SIGTERM look like a scancel (the job then ended TIMEOUT without its requeue). The silent
-    controller is a stand-in script (the real one cannot be made to time out on demand); a job in state
+    """A loaded slurmctld times out exactly when jobs end: `scontrol` printing nothing must not make
+    a notice
+    + time-limit SIGTERM look like a scancel (the job then ended TIMEOUT without its requeue). The
+      silent
+    controller is a stand-in script (the real one cannot be made to time out on demand); a job in
+    state
     TIMEOUT is read as such."""
     from scaleout import preempt
 
     fake = tmp_path / "scontrol"
     fake.write_text(
-        "#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2\nexit 1\n"
+        "#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv operation' "
+        ">&2\nexit 1\n"
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
@@ -426,7 +441,8 @@ def test_time_limit_reached_when_slurmctld_does_not_answer(tmp_path, monkeypatch
 
 
 def test_time_limit_reached_reads_the_job(slurm_cluster, tmp_path, monkeypatch):
-    """preempt.time_limit_reached on a live job (RunTime < TimeLimit) and Slurm's duration formats."""
+    """preempt.time_limit_reached on a live job (RunTime < TimeLimit) and Slurm's duration
+    formats."""
     from scaleout import preempt
 
     assert [

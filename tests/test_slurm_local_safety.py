@@ -1,8 +1,10 @@
-"""Safety of the local Slurm scripts (launchers/slurm_local): they run as root, so a planted state folder,
-a stale PID file or a mistyped state path must never become root acting on someone else's files or processes.
+"""Safety of the local Slurm scripts (launchers/slurm_local): they run as root, so a planted state
+folder, a stale PID file or a mistyped state path must never become root acting on someone else's
+files or processes.
 
-Only refusal paths and stop.sh against fake state folders run here: these never start a daemon and never
-touch the shared cluster (its PIDs appear in no file these tests write). Real processes, real files.
+Only refusal paths and stop.sh against fake state folders run here: these never start a daemon and
+never touch the shared cluster (its PIDs appear in no file these tests write). Real processes, real
+files.
 """
 
 from __future__ import annotations
@@ -109,15 +111,17 @@ def test_stop_and_wipe_refuse_a_folder_without_marker(tmp_path: Path) -> None:
 
 
 def _fake_daemon(path: Path) -> subprocess.Popen:
-    """A process whose /proc/<pid>/comm is path.name (a copy of sleep), with path in its command line."""
+    """A process whose /proc/<pid>/comm is path.name (a copy of sleep), with path in its command
+    line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy("/bin/sleep", path)
     return subprocess.Popen([str(path), "300"])
 
 
 def test_stop_signals_only_this_folders_daemons(tmp_path: Path) -> None:
-    """PID files naming a plain `sleep`, a `slurmctld` of another folder and a `munged` of this folder: only
-    the last is stopped. --wipe then deletes spool/run/log/mysql and keeps configs, key and marker."""
+    """PID files naming a plain `sleep`, a `slurmctld` of another folder and a `munged` of this
+    folder: only the last is stopped. --wipe then deletes spool/run/log/mysql and keeps configs,
+    key and marker."""
     base = tmp_path / "base"
     base.mkdir()
     state = base / "state"
@@ -172,7 +176,8 @@ def test_hosts_line_is_marked_added_once_and_removed_exactly(tmp_path: Path) -> 
     assert hosts.read_text() == original + ours + "\n"
     _hosts("hosts_remove; hosts_remove", "/st", hosts)
     assert hosts.read_text() == original
-    # Names that already resolve through a line scaleout did not write: nothing to add, nothing to remove.
+    # Names that already resolve through a line scaleout did not write: nothing to add, nothing to
+    # remove.
     legacy = "127.0.0.1 localhost\n127.0.0.1 n1 n2 n3 n4\n"
     hosts.write_text(legacy)
     _hosts("hosts_add", "/st", hosts)

@@ -1,9 +1,10 @@
-"""`--slurm KEY=VAL` pass-through (account, qos, constraint, ... for `scaleout submit` and `sweep --launcher
-slurm|submit`) and `sweep --resume`.
+"""`--slurm KEY=VAL` pass-through (account, qos, constraint, ... for `scaleout submit` and `sweep
+--launcher slurm|submit`) and `sweep --resume`.
 
-The local Slurm has no accounts or QOS configured, so the pass-through of those is checked in what would be
-submitted (the sbatch command line, submitit's generated #SBATCH script); one real submission through each
-path carries a harmless option, --comment, and Slurm's own record of the job shows it.
+The local Slurm has no accounts or QOS configured, so the pass-through of those is checked in what
+would be submitted (the sbatch command line, submitit's generated #SBATCH script); one real
+submission through each path carries a harmless option, --comment, and Slurm's own record of the job
+shows it.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def test_sweep_slurm_runner_passes_options_to_sbatch(tmp_path: Path) -> None:
 def test_submitit_script_carries_the_options(
     slurm_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The #SBATCH lines submitit would submit (sbatch of the local cluster on PATH, nothing submitted)."""
+    """The #SBATCH lines submitit would submit (sbatch of the local cluster on PATH, nothing
+    submitted)."""
     import submitit
 
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
@@ -197,8 +199,8 @@ def test_real_submissions_carry_a_comment(slurm_cluster, tmp_path: Path) -> None
 
 @pytest.mark.full_system
 def test_sweep_resume_skips_finished_points(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """An interrupted sweep (here: world 2's result lost) reruns only what is missing; a point whose command
-    changed is not taken from the earlier run."""
+    """An interrupted sweep (here: world 2's result lost) reruns only what is missing; a point
+    whose command changed is not taken from the earlier run."""
     out = tmp_path / "sweep"
     argv = [
         "sweep",
@@ -264,9 +266,9 @@ class _FakeJob:
 
 @pytest.mark.unit
 def test_submit_failures_read_one_way() -> None:
-    """`scaleout submit` and the sweep once cut a failed job's error differently (the CLI kept the last line
-    naming an error or a rank, the sweep the last line: here "You can check full logs"). Both now read a
-    result through SubmitJob, which also names the failed rank."""
+    """`scaleout submit` and the sweep once cut a failed job's error differently (the CLI kept
+    the last line naming an error or a rank, the sweep the last line: here "You can check full
+    logs"). Both now read a result through SubmitJob, which also names the failed rank."""
     from scaleout.launchers.submit import SubmitJob, failure_line
 
     assert failure_line(_FakeJob.error) == (

@@ -1,5 +1,6 @@
-"""scaleout sweep: real local sweeps (real ranks, real gloo, the real trainer), the batch and node-shape
-arithmetic, the efficiency formulas, one-line errors before anything starts, and a real Slurm sweep."""
+"""scaleout sweep: real local sweeps (real ranks, real gloo, the real trainer), the batch and
+node-shape arithmetic, the efficiency formulas, one-line errors before anything starts, and a
+real Slurm sweep."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from scaleout.sweep import (
 )
 from scaleout.sweep.results import median_run
 
-# A ResNet-18 of width 4 on 16 px images: the smallest real model the trainer runs (startup dominates).
+# A ResNet-18 of width 4 on 16 px images: the smallest real model the trainer runs (startup
+# dominates).
 TINY = [
     "model.resnet.bn_group=1",
     "model.resnet.width=4",
@@ -77,7 +79,8 @@ def _check_sweep_outputs(
 
 @pytest.mark.full_system
 def test_real_local_sweep_writes_csv_json_md_png(tmp_path, capsys):
-    """world 1 (one node) and 2 (two emulated nodes x 1 rank), weak scaling, 3 steps of which 2 are timed."""
+    """world 1 (one node) and 2 (two emulated nodes x 1 rank), weak scaling, 3 steps of which 2
+    are timed."""
     out = tmp_path / "sweep"
     threads_before = os.environ.get("OMP_NUM_THREADS")
     rc = main(
@@ -177,7 +180,8 @@ def _result(world: int, global_batch: int, step_s: float, steps: int = 4) -> Poi
 
 @pytest.mark.unit
 def test_efficiency_formulas_and_median_of_rounds():
-    # Weak: per-rank throughput relative to the base; base 8 samples in 1 s, world 4: 32 in 1.25 s -> 80 %.
+    # Weak: per-rank throughput relative to the base; base 8 samples in 1 s, world 4: 32 in 1.25 s
+    # -> 80 %.
     weak = [_result(1, 8, 1.0), _result(4, 32, 1.25)]
     add_efficiency(weak, "weak")
     assert weak[0].efficiency == pytest.approx(1.0) and weak[1].efficiency == pytest.approx(0.8)
@@ -287,8 +291,9 @@ def test_bad_input_is_one_line_before_anything_starts(tmp_path, capsys, argv, me
     reason="needs root and iproute2 (ip, tc)",
 )
 def test_sweep_on_the_emulated_netns_cluster(tmp_path, capsys):
-    """--netns: the 2 nodes run in their own namespaces behind 1 Gbit/s links. Success is the proof: the
-    rendezvous address (node 0's namespace address) is unreachable from outside the namespaces."""
+    """--netns: the 2 nodes run in their own namespaces behind 1 Gbit/s links. Success is the
+    proof: the rendezvous address (node 0's namespace address) is unreachable from outside the
+    namespaces."""
     out = tmp_path / "sweep"
     rc = main(
         [
@@ -326,8 +331,9 @@ def test_sweep_on_the_emulated_netns_cluster(tmp_path, capsys):
 
 @pytest.mark.slurm
 def test_sweep_on_the_local_slurm_cluster(slurm_cluster, tmp_path):
-    """--launcher slurm: one sbatch job per point (world 1 on 1 node, world 2 on 2 nodes x 1 task), with the
-    production default of one (emulated) GPU per task; each job's report.json is collected."""
+    """--launcher slurm: one sbatch job per point (world 1 on 1 node, world 2 on 2 nodes x 1
+    task), with the production default of one (emulated) GPU per task; each job's report.json is
+    collected."""
     out = tmp_path / "sweep"
     p = slurm_cluster.run(
         [

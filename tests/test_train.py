@@ -1,5 +1,6 @@
-"""`scaleout train` end to end on real processes: MLPerf log + compliance checker, bitwise resume after a
-real preemption signal, every rank skipping a step when one rank's gradients are NaN, kill -9 of a rank.
+"""`scaleout train` end to end on real processes: MLPerf log + compliance checker, bitwise resume
+after a real preemption signal, every rank skipping a step when one rank's gradients are NaN, kill
+-9 of a rank.
 
 The runs use the tiny BERT config on the offline corpus with a small batch and few steps: they check
 behaviour, not quality (quality is the README's main command, measured separately).
@@ -66,7 +67,8 @@ def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
-    """2 nodes x 2 ranks, packed data + hierarchical all-reduce + LAMB; the log passes the real checker."""
+    """2 nodes x 2 ranks, packed data + hierarchical all-reduce + LAMB; the log passes the real
+    checker."""
     from scaleout.mlperf import check_compliance
 
     r = _run(_cmd(tmp_path, 2, 2, "train.max_steps=4", "train.eval_every=2"))
@@ -79,10 +81,14 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
         and report["skipped_steps"] == 0
     )
     assert report["task"]["packing"]["efficiency"] > 0.9
-    # MFU against the peak measured on this CPU: a real fraction, not the nominal-peak number it used to be
+    # MFU against the peak measured on this CPU: a real fraction, not the nominal-peak number it
+    # used to be
     assert "measured" in report["peak_source"] and 0 < report["mfu"] <= 1
-    # The one rule a 4-step CPU run cannot meet is the closed-division quality threshold (masked-LM accuracy
-    # >= 0.720): it is replaced by the accuracy this run reached; every other rule of the ruleset applies.
+    # The one rule a 4-step CPU run cannot meet is the closed-division quality threshold (masked-LM
+    # The one rule a 4-step CPU run cannot meet is the closed-division quality threshold (masked-LM
+    # accuracy
+    # >= 0.720): it is replaced by the accuracy this run reached; every other rule of the ruleset
+    # applies.
     ok, out = check_compliance(
         tmp_path / "out" / "mlperf.log", "bert", quality_target=report["achieved"]
     )
@@ -90,8 +96,9 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
 
 
 def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
-    """SIGUSR2 mid-run -> every rank stops at the same step, checkpoints, exits 75; rerun resumes; the
-    final weights equal an uninterrupted run's bit for bit (CPU, deterministic mode)."""
+    """SIGUSR2 mid-run -> every rank stops at the same step, checkpoints, exits 75; rerun
+    resumes; the final weights equal an uninterrupted run's bit for bit (CPU, deterministic
+    mode)."""
     steps = [
         "train.max_steps=8",
         "train.eval_every=1",
@@ -176,7 +183,8 @@ def test_kill_9_one_rank_then_rerun_resumes(tmp_path: Path) -> None:
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    """The launcher's rank processes in rank order (started in rank order), not its watchdog (also a child)."""
+    """The launcher's rank processes in rank order (started in rank order), not its watchdog
+    (also a child)."""
     try:
         with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
             children = sorted(int(x) for x in f.read().split())

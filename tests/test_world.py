@@ -1,7 +1,8 @@
-"""World under the local launcher for real (gloo processes): identity, topology and group membership.
+"""World under the local launcher for real (gloo processes): identity, topology and group
+membership.
 
-Membership is observed, not assumed: each rank all-reduces a one-hot vector of its rank inside a group,
-so the result is exactly the set of ranks that group contains.
+Membership is observed, not assumed: each rank all-reduces a one-hot vector of its rank inside a
+group, so the result is exactly the set of ranks that group contains.
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ def _cyclic_torus(world) -> dict:
 
 @pytest.mark.multi_process
 def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
-    """srun --distribution=cyclic / mpirun --map-by node: node 0 holds ranks 0 and 2. The default torus
-    rows (x = ranks per node) must be the nodes, not the rank blocks [0, 1], [2, 3] (which would put
-    every row across the network and every column inside a node)."""
+    """srun --distribution=cyclic / mpirun --map-by node: node 0 holds ranks 0 and 2. The default
+    torus rows (x = ranks per node) must be the nodes, not the rank blocks [0, 1], [2, 3] (which
+    would put every row across the network and every column inside a node)."""
     res = run_dist(_cyclic_torus, nnodes=2, nproc_per_node=2, placement="cyclic", timeout=180)
     for rank, r in enumerate(res):
         assert r["nodes"] == [[0, 2], [1, 3]]
@@ -144,7 +145,8 @@ def test_torus_rows_follow_the_nodes_under_cyclic_placement() -> None:
 
 @pytest.mark.full_system
 def test_launch_master_port_sets_the_rendezvous_port() -> None:
-    """launch.master_port (like launch.master_addr) wins over the launcher's port: the TCP store listens there."""
+    """launch.master_port (like launch.master_addr) wins over the launcher's port: the TCP store
+    listens there."""
     import os
     import subprocess
     import sys
@@ -154,7 +156,8 @@ def test_launch_master_port_sets_the_rendezvous_port() -> None:
     port = free_port()
     code = (
         "import scaleout; from scaleout.config import load_config; "
-        f"w = scaleout.init(load_config(None, ['launch.env=single', 'launch.master_port={port}'])); "
+        "w = scaleout.init(load_config(None, ['launch.env=single', "
+        f"'launch.master_port={port}'])); "
         "print(w.master_port); w.close()"
     )
     r = subprocess.run(

@@ -1,5 +1,5 @@
-"""The checks of ``scaleout bench gpucheck`` (scripts/gpu-check.sh): each returns rows of
-(check, result, number, expected). In-process checks run on ``cuda:0``; multi-GPU ones are launched by
+"""The checks of ``scaleout bench gpucheck`` (scripts/gpu-check.sh): each returns rows of (check,
+result, number, expected). In-process checks run on ``cuda:0``; multi-GPU ones are launched by
 the driver (scaleout/bench/gpucheck.py) as one process per GPU and report through a JSON file."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import torch
 if TYPE_CHECKING:
     from scaleout.world import World
 
-# Bars. Sources: a correct bf16 step must use the tensor cores: fp32 without TF32 on an H100 SXM gives at
-# most 67 / 989 = 7 % of the bf16 peak (data sheet), so 30 % MFU separates "bf16 ran" from "it did not"
-# with margin while staying below what unfused PyTorch BERT-large reaches (~40-50 %). Optimizers: apex's
-# fused LAMB costs ~1.1-1.3x a fused AdamW step (one more reduction pass for the trust ratios); 1.5x leaves
-# room for scaleout's foreach (multi-tensor, not single-kernel) implementation and flags a per-tensor
-# Python loop (>3x). Hierarchical/torus inside one node compose three NCCL collectives where NCCL runs
-# one ring: half of NCCL's own bus bandwidth is the floor for "not broken".
+# Bars. Sources: a correct bf16 step must use the tensor cores: fp32 without TF32 on an H100 SXM
+# gives at most 67 / 989 = 7 % of the bf16 peak (data sheet), so 30 % MFU separates "bf16 ran" from
+# "it did not" with margin while staying below what unfused PyTorch BERT-large reaches (~40-50 %).
+# Optimizers: apex's fused LAMB costs ~1.1-1.3x a fused AdamW step (one more reduction pass for the
+# trust ratios); 1.5x leaves room for scaleout's foreach (multi-tensor, not single-kernel)
+# implementation and flags a per-tensor Python loop (>3x). Hierarchical/torus inside one node
+# compose three NCCL collectives where NCCL runs one ring: half of NCCL's own bus bandwidth is the
+# floor for "not broken".
 MFU_MIN = 0.30
 OPT_RATIO_MAX = 1.5
 BUSBW_FRACTION_MIN = 0.5
@@ -50,7 +51,8 @@ def _timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, device: str = "
 def packed_batch(
     rows: int, seq_len: int, vocab: int, seed: int = 0, device: str = "cuda"
 ) -> dict[str, torch.Tensor]:
-    """Packed rows of two sequences each (lengths ~60 % / ~40 % of the row), as the packed data path makes."""
+    """Packed rows of two sequences each (lengths ~60 % / ~40 % of the row), as the packed data
+    path makes."""
     import numpy as np
 
     from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
@@ -75,7 +77,8 @@ def _bert(cfg: dict[str, Any], device: str = "cuda", **kw: Any) -> Any:
 
 
 def check_capture(world: World) -> list[Row]:
-    """CUDA graph of the packed BERT step (static-shape forward, bf16) vs the same step run eagerly."""
+    """CUDA graph of the packed BERT step (static-shape forward, bf16) vs the same step run
+    eagerly."""
     from scaleout.parallel import DataParallel
     from scaleout.train.capture import StepGraphs, data_parallel_step
     from scaleout.train.precision import Precision
@@ -104,7 +107,8 @@ def check_capture(world: World) -> list[Row]:
     )
     number = (
         f"{'captured' if ok else graphs.disabled}; step {losses['graph_s'] * 1e3:.1f} ms vs eager "
-        f"{losses['eager_s'] * 1e3:.1f} ms; losses {losses['graph'][-1]:.4f} / {losses['eager'][-1]:.4f}"
+        f"{losses['eager_s'] * 1e3:.1f} ms; losses {losses['graph'][-1]:.4f} / "
+        f"{losses['eager'][-1]:.4f}"
     )
     return [
         (
@@ -139,14 +143,16 @@ def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> lis
         (
             "varlen attention = padded (bf16, 4 layers)",
             "PASS" if ok else "FAIL",
-            f"varlen {'taken' if taken else 'NOT available'}; max rel diff {err:.2e}; loss gap {loss_gap:.2e}",
+            f"varlen {'taken' if taken else 'NOT available'}; max rel diff {err:.2e}; loss gap "
+            f"{loss_gap:.2e}",
             "varlen taken, diff < 2e-2, loss < 1 %",
         )
     ]
 
 
 def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
-    """scaleout LAMB / LARS step vs torch's fused AdamW / SGD on BERT-large parameter shapes (fp32)."""
+    """scaleout LAMB / LARS step vs torch's fused AdamW / SGD on BERT-large parameter shapes
+    (fp32)."""
     from scaleout.config.schema import OptimConfig
     from scaleout.optim import build_optimizer
 
@@ -185,8 +191,9 @@ def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) ->
 def _large_step(
     model: Any, opt: Any, batch_rows: int, cfg: dict[str, Any], device: str
 ) -> tuple[float, int, float]:
-    """(seconds per bf16 training step, real tokens, training FLOPs of the step) of packed BERT, LAMB
-    included; the FLOPs counted from the batch as the trainer counts them (scaleout.families.bert.flops)."""
+    """(seconds per bf16 training step, real tokens, training FLOPs of the step) of packed BERT,
+    LAMB included; the FLOPs counted from the batch as the trainer counts them
+    (scaleout.families.bert.flops)."""
     from scaleout.families.bert.flops import batch_flops
 
     batch = packed_batch(batch_rows, cfg["max_position"], cfg["vocab_size"], seed=2, device=device)
@@ -209,8 +216,8 @@ def _large_step(
 def check_bert_large(
     device: str = "cuda", cfg: dict[str, Any] | None = None, rows: int = 8, max_rows: int = 1024
 ) -> list[Row]:
-    """Packed BERT-large (24 layers, seq 512) at the largest batch that fits (doubling from ``rows`` until
-    out of memory): tokens/s and MFU."""
+    """Packed BERT-large (24 layers, seq 512) at the largest batch that fits (doubling from
+    ``rows`` until out of memory): tokens/s and MFU."""
     from scaleout.config.schema import OptimConfig
     from scaleout.devices import device_peak
     from scaleout.optim import build_optimizer
@@ -242,11 +249,15 @@ def check_bert_large(
     peak = device_peak(device, "bf16")
     if peak.flops:
         mfu = flops / peak.flops
-        number = f"{rows} rows: {tokens / seconds:,.0f} tokens/s, {flops / 1e12:.0f} TFLOP/s = {mfu:.1%} of {peak.name} bf16 peak"
+        number = (
+            f"{rows} rows: {tokens / seconds:,.0f} tokens/s, {flops / 1e12:.0f} TFLOP/s = "
+            f"{mfu:.1%} of {peak.name} bf16 peak"
+        )
         result = "PASS" if mfu >= MFU_MIN else "FAIL"
     else:  # an unknown part: the throughput, MFU unknown
         number, result = (
-            f"{rows} rows: {tokens / seconds:,.0f} tokens/s; MFU unknown ({peak.name}: {peak.source})",
+            f"{rows} rows: {tokens / seconds:,.0f} tokens/s; MFU unknown ({peak.name}: "
+            f"{peak.source})",
             "FAIL",
         )
     return [
@@ -254,7 +265,8 @@ def check_bert_large(
     ]
 
 
-# -- parts that run inside launched ranks ---------------------------------------------------------------
+# -- parts that run inside launched ranks
+# ---------------------------------------------------------------
 def rank_world(world: World) -> dict[str, Any]:
     x = torch.ones(1, device=world.device)
     torch.distributed.all_reduce(x)
@@ -268,7 +280,8 @@ def rank_world(world: World) -> dict[str, Any]:
 
 
 def rank_allreduce(world: World, mib: int = 256) -> dict[str, Any]:
-    """Every algorithm on integer-valued fp32 (exact sums): equal to NCCL's own bit for bit; busbw."""
+    """Every algorithm on integer-valued fp32 (exact sums): equal to NCCL's own bit for bit;
+    busbw."""
     from scaleout.comm import ALGORITHMS, all_reduce
 
     n = mib * 2**20 // 4

@@ -1,17 +1,20 @@
-"""What every benchmark shares: its standard flags, the interleaved measurement, the comparison with the
-baseline measured in the same run, and the output (a Markdown table on stdout, JSON, an optional PNG).
+"""What every benchmark shares: its standard flags, the interleaved measurement, the comparison with
+the baseline measured in the same run, and the output (a Markdown table on stdout, JSON, an optional
+PNG).
 
 A benchmark is then only its variants::
 
-    samples = interleave({"eager": step_eager, "compiled": step_compiled}, args.repeats, args.warmup)
+    samples = interleave({"eager": step_eager, "compiled": step_compiled}, args.repeats,
+    args.warmup)
     rows = compare(samples, baseline="eager")
-    emit(args, NAME, ["variant", "median ms", "speed-up"], [[r.name, r.median_s * 1e3, r.speedup] for r in rows],
+    emit(args, NAME, ["variant", "median ms", "speed-up"], [[r.name, r.median_s * 1e3, r.speedup]
+    for r in rows],
          {"rows": [r.to_dict() for r in rows]})
 
-Interleaving: every timed round runs every variant once, in the given order on even rounds and reversed
-on odd ones, so machine noise and slow drift (other jobs, thermal, caches) hit every variant alike. In
-ranks (``world``), each call starts after a barrier and counts as the slowest rank's time: a step ends
-when the last rank's does.
+Interleaving: every timed round runs every variant once, in the given order on even rounds and
+reversed on odd ones, so machine noise and slow drift (other jobs, thermal, caches) hit every
+variant alike. In ranks (``world``), each call starts after a barrier and counts as the slowest
+rank's time: a step ends when the last rank's does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class Timing:
     """One timed call of a variant."""
 
     wall: float  # seconds (in ranks: the slowest rank's)
-    cpu: float  # seconds of this thread's CPU time (time.thread_time: robust to other jobs on the machine)
+    # seconds of this thread's CPU time (time.thread_time: robust to other jobs on the machine)
+    cpu: float
     value: Any = None  # what the variant returned (a loss, its own stats)
 
 
@@ -57,10 +61,10 @@ def interleave(
     after_round: Callable[[int], None] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> Samples:
-    """``warmup`` untimed rounds, then ``repeats`` timed rounds of every variant (see the module docstring).
-    ``slowest=False``: in ranks, still a barrier before each call, but this rank's own time.
-    ``after_round(i)`` runs after timed round i (a measurement that belongs to the round, e.g. the
-    communication alone); ``say`` gets one progress line per round."""
+    """``warmup`` untimed rounds, then ``repeats`` timed rounds of every variant (see the module
+    docstring). ``slowest=False``: in ranks, still a barrier before each call, but this rank's
+    own time. ``after_round(i)`` runs after timed round i (a measurement that belongs to the
+    round, e.g. the communication alone); ``say`` gets one progress line per round."""
     out: Samples = {k: [] for k in variants}
     order = list(variants)
     for r in range(warmup + repeats):
@@ -91,7 +95,8 @@ def _timed(fn: Callable[[], Any], world: World | None, slowest: bool = True) -> 
 
 
 def reduce_max(world: World, values: Sequence[float]) -> list[float]:
-    """The largest of every rank's ``values`` (elementwise): one all-reduce on the world's device."""
+    """The largest of every rank's ``values`` (elementwise): one all-reduce on the world's
+    device."""
     import torch
     import torch.distributed as dist
 
@@ -120,7 +125,8 @@ class Row:
 
 
 def compare(samples: Samples, baseline: Hashable) -> list[Row]:
-    """Median, min, max and speed-ups against ``baseline`` of every variant (the baseline included, at 1.0)."""
+    """Median, min, max and speed-ups against ``baseline`` of every variant (the baseline
+    included, at 1.0)."""
     base = samples[baseline]
     rows = []
     for name, ts in samples.items():
@@ -161,7 +167,8 @@ def sum_rounds(samples: Samples, group: Callable[[Hashable], Hashable]) -> Sampl
     return out
 
 
-# -- flags --------------------------------------------------------------------------------------------
+# -- flags
+# --------------------------------------------------------------------------------------------
 def add_standard_arguments(
     p: argparse.ArgumentParser,
     name: str,
@@ -171,7 +178,8 @@ def add_standard_arguments(
     png: bool = False,
     threads: int | None = None,
 ) -> None:
-    """``--out`` (JSON), and where the benchmark has them: ``--repeats``, ``--warmup``, ``--png``, ``--threads``."""
+    """``--out`` (JSON), and where the benchmark has them: ``--repeats``, ``--warmup``,
+    ``--png``, ``--threads``."""
     if repeats is not None:
         p.add_argument(
             "--repeats",
@@ -188,7 +196,8 @@ def add_standard_arguments(
             "--threads",
             type=int,
             default=threads,
-            help=f"torch threads (default {threads}{': then thread-CPU time is robust to other jobs' if threads == 1 else ''}; "
+            help="torch threads (default "
+            f"{threads}{': then thread-CPU time is robust to other jobs' if threads == 1 else ''}; "
             "0 = torch's default)",
         )
     p.add_argument("--out", default=f"bench-results/{name}.json", help="JSON output ('' = none)")
@@ -199,8 +208,9 @@ def add_standard_arguments(
 
 
 def add_config_arguments(p: argparse.ArgumentParser, default: str, what: str) -> None:
-    """``--config`` and the positional ``key=value`` overrides of a benchmark that trains or builds from a
-    config: the config's keys are set there, never as flags of their own (tests/test_cli_surface.py)."""
+    """``--config`` and the positional ``key=value`` overrides of a benchmark that trains or
+    builds from a config: the config's keys are set there, never as flags of their own
+    (tests/test_cli_surface.py)."""
     p.add_argument("--config", default=default, help=f"{what} (default {default})")
     p.add_argument(
         "overrides",
@@ -213,9 +223,10 @@ def add_config_arguments(p: argparse.ArgumentParser, default: str, what: str) ->
 def bench_config(
     args: argparse.Namespace, defaults: Sequence[str] = (), bench_keys: Sequence[str] = ()
 ) -> Any:
-    """``args.config`` + the benchmark's ``defaults`` + ``args.overrides`` (they win), validated. An override
-    of a key the benchmark sets for every run itself (``bench_keys``) would be silently replaced, so it is
-    refused. Raises UserError, one line naming the key, before anything runs."""
+    """``args.config`` + the benchmark's ``defaults`` + ``args.overrides`` (they win), validated.
+    An override of a key the benchmark sets for every run itself (``bench_keys``) would be
+    silently replaced, so it is refused. Raises UserError, one line naming the key, before
+    anything runs."""
     from scaleout.config import load_config, parse_overrides  # deferred: a fast `scaleout --help`
 
     for keys, _ in parse_overrides(args.overrides):
@@ -247,7 +258,8 @@ def set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-# -- output -------------------------------------------------------------------------------------------
+# -- output
+# -------------------------------------------------------------------------------------------
 def emit(
     args: argparse.Namespace,
     bench: str,
@@ -259,8 +271,9 @@ def emit(
     plot: Callable[[Any], Any] | None = None,
     world: World | None = None,
 ) -> Path | None:
-    """On rank 0 (or without ranks): the table and ``notes`` on stdout, ``payload`` as JSON at ``--out``
-    (with the machine, the command and ``bench``), and ``plot(plt) -> figure`` as PNG at ``--png``."""
+    """On rank 0 (or without ranks): the table and ``notes`` on stdout, ``payload`` as JSON at
+    ``--out`` (with the machine, the command and ``bench``), and ``plot(plt) -> figure`` as PNG
+    at ``--png``."""
     if world is not None and world.rank != 0:
         return None
     print(format_table(headers, rows), flush=True)
@@ -280,12 +293,14 @@ def emit(
     return path
 
 
-# -- one-shot: a bench that runs inside ranks can also start them itself ------------------------------
+# -- one-shot: a bench that runs inside ranks can also start them itself
+# ------------------------------
 _ONE_SHOT = {"--nnodes": True, "--nproc-per-node": True, "--netns": False, "--rate": True}
 
 
 def add_one_shot_arguments(p: argparse.ArgumentParser) -> None:
-    """``--nnodes/--nproc-per-node/--netns/--rate``: start the ranks from here (see :func:`in_ranks`)."""
+    """``--nnodes/--nproc-per-node/--netns/--rate``: start the ranks from here (see
+    :func:`in_ranks`)."""
     one = p.add_argument_group("one-shot (start the ranks from here)")
     one.add_argument(
         "--nnodes",
@@ -315,10 +330,10 @@ def add_rank_arguments(
 
 
 def in_ranks(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]) -> int:
-    """``body(args)`` in this rank, or, with ``--nnodes``, this very command line re-run inside ``scaleout
-    launch`` minus the one-shot flags. A subprocess, so rank-side code never imports ``launchers``; every
-    other flag passes through unchanged, and relative paths still resolve (ranks inherit the working
-    directory, also inside namespaces)."""
+    """``body(args)`` in this rank, or, with ``--nnodes``, this very command line re-run inside
+    ``scaleout launch`` minus the one-shot flags. A subprocess, so rank-side code never imports
+    ``launchers``; every other flag passes through unchanged, and relative paths still resolve
+    (ranks inherit the working directory, also inside namespaces)."""
     if args.nnodes is None:
         return body(args)
     argv, rest, i = list(args._argv), [], 0
@@ -345,7 +360,8 @@ def in_ranks(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]
 
 
 def init_ranks(at_least: int, bench: str) -> World:
-    """The World of a bench that runs in ranks (torch threads from OMP_NUM_THREADS, as the launcher set)."""
+    """The World of a bench that runs in ranks (torch threads from OMP_NUM_THREADS, as the
+    launcher set)."""
     import torch
 
     import scaleout
@@ -355,7 +371,8 @@ def init_ranks(at_least: int, bench: str) -> World:
     if world.world_size < at_least:
         world.close()
         raise UserError(
-            f"scaleout bench {bench} needs >= {at_least} ranks (e.g. --nnodes 2 --nproc-per-node 2 --netns)"
+            f"scaleout bench {bench} needs >= {at_least} ranks (e.g. --nnodes 2 --nproc-per-node 2 "
+            "--netns)"
         )
     return world
 

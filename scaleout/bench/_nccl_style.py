@@ -1,11 +1,12 @@
-"""nccl-tests habits for ``scaleout bench allreduce``: ``-b/-e/-f`` size ranges, a rank-dependent fill
-checked after the in-place all-reduce (``#wrong``), and output laid out as nccl-tests' all_reduce_perf
-prints it (size in bytes, count, type, redop, root, time in microseconds, algbw, busbw, #wrong, and an
-``# Avg bus bandwidth`` line), so a line of this bench sits next to a line of a cluster's nccl-tests log.
+"""nccl-tests habits for ``scaleout bench allreduce``: ``-b/-e/-f`` size ranges, a rank-dependent
+fill checked after the in-place all-reduce (``#wrong``), and output laid out as nccl-tests'
+all_reduce_perf prints it (size in bytes, count, type, redop, root, time in microseconds, algbw,
+busbw, #wrong, and an ``# Avg bus bandwidth`` line), so a line of this bench sits next to a line of
+a cluster's nccl-tests log.
 
 Differences, on purpose: scaleout's all-reduce works in place only, so there are no out-of-place
-columns; the time is the median of ``-n`` runs, each the slowest rank's (nccl-tests: the mean of ``-n``
-back-to-back runs); one block per algorithm.
+columns; the time is the median of ``-n`` runs, each the slowest rank's (nccl-tests: the mean of
+``-n`` back-to-back runs); one block per algorithm.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def fill(n: int, rank: int, dtype: Any, device: Any) -> Any:
 
 
 def count_wrong(result: Any, world_size: int) -> int:
-    """Elements of an in-place sum all-reduce of :func:`fill` that differ from the exact sum. Tolerance 0 in
-    fp32 (the sums are integers below 2^24); half and bfloat16 round the sums, so p ulps there."""
+    """Elements of an in-place sum all-reduce of :func:`fill` that differ from the exact sum.
+    Tolerance 0 in fp32 (the sums are integers below 2^24); half and bfloat16 round the sums, so
+    p ulps there."""
     import torch
 
     p = world_size
@@ -62,14 +64,18 @@ def format_block(rows: list[dict[str, Any]], label: str, world: str) -> str:
     lines = [
         f"# algorithm: {label} ({world})",
         "#" + " " * 62 + "in-place",
-        f"#{'size':>11} {'count':>13} {'type':>9} {'redop':>7} {'root':>7} {'time':>8} {'algbw':>7} {'busbw':>7} "
+        f"#{'size':>11} {'count':>13} {'type':>9} {'redop':>7} {'root':>7} {'time':>8} "
+        f"{'algbw':>7} {'busbw':>7} "
         f"{'#wrong':>6}",
-        f"#{'(B)':>11} {'(elements)':>13} {'':>9} {'':>7} {'':>7} {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}",
+        f"#{'(B)':>11} {'(elements)':>13} {'':>9} {'':>7} {'':>7} {'(us)':>8} {'(GB/s)':>7} "
+        f"{'(GB/s)':>7} {'':>6}",
     ]
     for r in rows:
         lines.append(
-            f"{r['nbytes']:>12} {r['count']:>13} {TYPE_NAMES.get(r['torch_dtype'], r['dtype']):>9} {'sum':>7} "
-            f"{-1:>7} {r['time_s'] * 1e6:>8.1f} {r['algbw'] / 1e9:>7.2f} {r['busbw'] / 1e9:>7.2f} {r['wrong']:>6}"
+            f"{r['nbytes']:>12} {r['count']:>13} {TYPE_NAMES.get(r['torch_dtype'], r['dtype']):>9} "
+            f"{'sum':>7} "
+            f"{-1:>7} {r['time_s'] * 1e6:>8.1f} {r['algbw'] / 1e9:>7.2f} {r['busbw'] / 1e9:>7.2f} "
+            f"{r['wrong']:>6}"
         )
     avg = sum(r["busbw"] for r in rows) / max(len(rows), 1) / 1e9
     wrong = sum(r["wrong"] for r in rows)

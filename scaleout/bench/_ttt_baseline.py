@@ -1,19 +1,23 @@
-"""The baseline of ``scaleout bench ttt``: the plain torch script a user would write instead of scaleout.
+"""The baseline of ``scaleout bench ttt``: the plain torch script a user would write instead of
+scaleout.
 
 One process per rank under any torchrun-style launcher (``scaleout launch`` sets RANK, WORLD_SIZE,
-MASTER_ADDR, ...): ``torch.nn.parallel.DistributedDataParallel`` with its default 25 MB buckets and its own
-all-reduce, ``torch.optim.AdamW`` (fused where torch has the kernel, else foreach), padded batches from
-``DistributedSampler`` + ``DataLoader``, linear warm-up then linear decay to 0 (``LambdaLR``, as
-Hugging Face's ``get_linear_schedule_with_warmup``), no-decay on bias and LayerNorm (BERT's recipe).
+MASTER_ADDR, ...): ``torch.nn.parallel.DistributedDataParallel`` with its default 25 MB buckets and
+its own all-reduce, ``torch.optim.AdamW`` (fused where torch has the kernel, else foreach), padded
+batches from ``DistributedSampler`` + ``DataLoader``, linear warm-up then linear decay to 0
+(``LambdaLR``, as Hugging Face's ``get_linear_schedule_with_warmup``), no-decay on bias and
+LayerNorm (BERT's recipe).
 
 What it shares with scaleout is what the comparison must hold equal, and nothing else: the tokenized
-sequences of the offline corpus (scaleout's data pipeline, one sequence per padded row), the model class
-(``BertForPreTraining`` with the config's ``model.bert``), the evaluation (``scaleout.families.bert.task.
-evaluate_mlm``: the same eval set, masked-LM accuracy) and MLPerf's clock (``run_start`` -> ``run_stop`` in
-``mlperf.log`` via ``MLPerfLogger``). Rank 0 also writes ``report.json`` with the status and steps.
+sequences of the offline corpus (scaleout's data pipeline, one sequence per padded row), the model
+class (``BertForPreTraining`` with the config's ``model.bert``), the evaluation
+(``scaleout.families.bert.task. evaluate_mlm``: the same eval set, masked-LM accuracy) and MLPerf's
+clock (``run_start`` -> ``run_stop`` in ``mlperf.log`` via ``MLPerfLogger``). Rank 0 also writes
+``report.json`` with the status and steps.
 
     scaleout launch --nnodes 2 --nproc-per-node 2 -- python -m scaleout.bench._ttt_baseline \\
-        --lr 2e-3 --global-batch 64 --max-steps 500 --warmup-steps 50 --eval-every 16 --target 0.13 --out runs/b
+        --lr 2e-3 --global-batch 64 --max-steps 500 --warmup-steps 50 --eval-every 16 --target 0.13
+        --out runs/b
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ def adamw(
         {"params": decay, "weight_decay": weight_decay},
         {"params": rest, "weight_decay": 0.0},
     ]
-    try:  # the fused kernel exists on CPU since torch 2.4 and on CUDA; 2.5x faster than foreach here
+    # the fused kernel exists on CPU since torch 2.4 and on CUDA; 2.5x faster than foreach here
+    try:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
@@ -119,7 +124,8 @@ def linear_schedule(opt: Any, warmup: int, total: int) -> Any:
 
 
 def _past(t0: float, budget: float) -> bool:
-    """Rank 0's clock decides for everyone (one tiny broadcast), so no rank leaves the loop alone."""
+    """Rank 0's clock decides for everyone (one tiny broadcast), so no rank leaves the loop
+    alone."""
     import torch
     import torch.distributed as dist
 
@@ -129,7 +135,8 @@ def _past(t0: float, budget: float) -> bool:
 
 
 def _data(cfg: Any, local_rank: int) -> tuple[list[Any], list[Any]]:
-    """Tokenized train / eval sequences from scaleout's pipeline; local rank 0 builds the per-node cache."""
+    """Tokenized train / eval sequences from scaleout's pipeline; local rank 0 builds the
+    per-node cache."""
     import torch.distributed as dist
 
     from scaleout.families.bert.data.bert_sources import load_bert_data, to_bert_sequences
@@ -199,7 +206,8 @@ def _evaluate(a: argparse.Namespace, run: SimpleNamespace, mll: Any, samples: in
 def _loop(
     a: argparse.Namespace, run: SimpleNamespace, mll: Any, t0: float
 ) -> tuple[str, int, int, float | None]:
-    """Train until the target, the step budget or the time budget: (status, steps, sequences, last metric)."""
+    """Train until the target, the step budget or the time budget: (status, steps, sequences,
+    last metric)."""
     step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
     mll.block_start(0, 1, 0)
     while status == "max_steps" and step < a.max_steps:

@@ -1,7 +1,8 @@
-"""Tables, the ablation and the PNG of ``scaleout bench ttt`` (the runs themselves: ``_ttt_runs.py``).
+"""Tables, the ablation and the PNG of ``scaleout bench ttt`` (the runs themselves:
+``_ttt_runs.py``).
 
-A run that never reached the target has no time-to-train: it shows as "> budget" and counts as +inf in
-a median, so a median over seeds is a number only when more than half of them reached the target.
+A run that never reached the target has no time-to-train: it shows as "> budget" and counts as +inf
+in a median, so a median over seeds is a number only when more than half of them reached the target.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def ratio(slow: float | None, fast: float | None) -> float | None:
 def ablation(
     rows: list[dict[str, Any]], cluster: str, chain: list[tuple[str, str]]
 ) -> dict[str, Any] | None:
-    """One ingredient switched on per step along ``chain`` [(recipe, what it switches on)], from the best
-    baseline to scaleout. Each step's factor is the median over seeds of ttt(previous) / ttt(this); their
-    product is compared with the measured ratio (median baseline / median scaleout) and with the seeds'
-    spread of that ratio (the noise)."""
+    """One ingredient switched on per step along ``chain`` [(recipe, what it switches on)], from
+    the best baseline to scaleout. Each step's factor is the median over seeds of ttt(previous) /
+    ttt(this); their product is compared with the measured ratio (median baseline / median
+    scaleout) and with the seeds' spread of that ratio (the noise)."""
     if any(not group(rows, cluster, name) for name, _ in chain):
         return None
     seeds = sorted({r["seed"] for r in group(rows, cluster, chain[0][0])})
@@ -221,7 +222,8 @@ def finish(
 
     sweep = [r for r in rows if r.get("sweep")]
     print(
-        f"\nbaseline sweep (seed {args.seeds[0]}; lr x global batch; a candidate slower than the best so far is cut):"
+        f"\nbaseline sweep (seed {args.seeds[0]}; lr x global batch; a candidate slower than the "
+        "best so far is cut):"
     )
     print(
         format_table(
@@ -241,7 +243,8 @@ def finish(
     )
     results, table = _results(clusters, best, rows)
     print(
-        f"\ntime-to-train to masked-LM accuracy {plan.target} (MLPerf run_start -> run_stop, seconds; seeds {args.seeds}):"
+        f"\ntime-to-train to masked-LM accuracy {plan.target} (MLPerf run_start -> run_stop, "
+        f"seconds; seeds {args.seeds}):"
     )
     print(
         format_table(
@@ -267,17 +270,20 @@ def finish(
             ab = res["ablation"]
             h, t = ablation_table(ab)
             print(
-                f"\nablation on {name} (one ingredient switched on per step, from the best baseline):"
+                f"\nablation on {name} (one ingredient switched on per step, from the best "
+                "baseline):"
             )
             print(format_table(h, t))
             print(
                 f"product of the factors {fmt(ab['product'], '.3f', 'x')} vs measured ratio "
-                f"{fmt(ab['measured_ratio'], '.3f', 'x')} (per seed {ab['ratio_per_seed']}): adds up within the "
+                f"{fmt(ab['measured_ratio'], '.3f', 'x')} (per seed {ab['ratio_per_seed']}): adds "
+                "up within the "
                 f"seeds' spread: {ab['adds_up']}"
             )
         b = res["bar"]
         print(
-            f"{name}: scaleout median ttt = {fmt(b['ratio'], '.2f', 'x')} faster than the best baseline; every seed "
+            f"{name}: scaleout median ttt = {fmt(b['ratio'], '.2f', 'x')} faster than the best "
+            "baseline; every seed "
             f"reached the target: {b['every_seed_reached']}; bar (>= 2x, every seed): {b['passes']}"
         )
     print(f"wall {wall / 60:.1f} min", flush=True)
@@ -311,7 +317,8 @@ def finish(
 def _results(
     clusters: list[Any], best: dict[str, Any], rows: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], list[list[Any]]]:
-    """Per cluster: the head-to-head summary, the ablation and the bar; and the head-to-head table's rows."""
+    """Per cluster: the head-to-head summary, the ablation and the bar; and the head-to-head
+    table's rows."""
     results: dict[str, Any] = {}
     table = []
     for c in clusters:

@@ -1,13 +1,16 @@
-"""The runs of ``scaleout bench ttt``: a recipe on a cluster with a seed -> one launch -> its MLPerf log.
+"""The runs of ``scaleout bench ttt``: a recipe on a cluster with a seed -> one launch -> its MLPerf
+log.
 
 A :class:`Recipe` is one way to train the same model to the same target: the torch baseline
-(``scaleout.bench._ttt_baseline``) or ``scaleout train`` with some of scaleout's ingredients switched on.
-Every run gets the same *sequence* budget (its step budget is that over the sequences one step consumes;
-the learning-rate schedule decays to 0 at its end) and evaluates at the same sequence interval (MLPerf
-BERT fixes evaluation in samples too), so packing and the batch change the step counts, never the rules.
+(``scaleout.bench._ttt_baseline``) or ``scaleout train`` with some of scaleout's ingredients
+switched on. Every run gets the same *sequence* budget (its step budget is that over the sequences
+one step consumes; the learning-rate schedule decays to 0 at its end) and evaluates at the same
+sequence interval (MLPerf BERT fixes evaluation in samples too), so packing and the batch change the
+step counts, never the rules.
 
-Time-to-train and the accuracy curve come from each run's ``mlperf.log`` (``run_start`` -> ``run_stop``,
-``eval_accuracy`` with ``time_ms`` and ``samples_count``), the same parser for both sides.
+Time-to-train and the accuracy curve come from each run's ``mlperf.log`` (``run_start`` ->
+``run_stop``, ``eval_accuracy`` with ``time_ms`` and ``samples_count``), the same parser for both
+sides.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from scaleout.launchers import Launcher, LaunchOptions, make_launcher
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """Where a run goes: a launcher of :data:`scaleout.launchers.LAUNCHERS` and nodes x ranks per node."""
+    """Where a run goes: a launcher of :data:`scaleout.launchers.LAUNCHERS` and nodes x ranks per
+    node."""
 
     launcher: Literal["local", "netns"]
     nnodes: int
@@ -79,8 +83,9 @@ class Recipe:
 
     @classmethod
     def from_config(cls, name: str, cfg: Any, warmup: float, **kw: Any) -> Recipe:
-        """``scaleout train``'s recipe as a resolved config states it (the keys :func:`command` writes
-        back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets, precision, wire dtype."""
+        """``scaleout train``'s recipe as a resolved config states it (the keys :func:`command`
+        writes back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets,
+        precision, wire dtype."""
         low = cfg.train.precision != "fp32"
         return cls(
             name,
@@ -104,7 +109,8 @@ class Recipe:
 
 @dataclass
 class Plan:
-    """What every run shares: the config (model + data), target, sequence budget, evaluation interval."""
+    """What every run shares: the config (model + data), target, sequence budget, evaluation
+    interval."""
 
     config: str
     target: float
@@ -200,7 +206,8 @@ def _yaml(v: Any) -> str:
 
 
 def read_mlperf(path: Path) -> dict[str, Any]:
-    """run_start -> run_stop (s), run_stop status and the eval curve [(s since run_start, sequences, accuracy)]."""
+    """run_start -> run_stop (s), run_stop status and the eval curve [(s since run_start,
+    sequences, accuracy)]."""
     start = stop = None
     status, curve = None, []
     for line in path.read_text().splitlines():
@@ -231,8 +238,8 @@ def execute(
     time_budget: float | None = None,
     tag: str = "",
 ) -> dict[str, Any]:
-    """Launch one run, wait, and return its row. A run that does not reach the target has ``ttt_s`` None.
-    A run that fails names its rank (the launcher's LaunchResult)."""
+    """Launch one run, wait, and return its row. A run that does not reach the target has
+    ``ttt_s`` None. A run that fails names its rank (the launcher's LaunchResult)."""
     out = root / cluster.name / f"{r.name}{tag}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("mlperf.log", "report.json"):

@@ -1,4 +1,5 @@
-"""scaleout bench allreduce: every registered all-reduce algorithm, side by side, over message sizes.
+"""scaleout bench allreduce: every registered all-reduce algorithm, side by side, over message
+sizes.
 
 Runs inside the ranks (under any launcher), or one-shot: ``--nnodes/--nproc-per-node [--netns]``
 starts the ranks itself via ``scaleout launch`` and tears the emulated cluster down afterwards.
@@ -35,22 +36,27 @@ HELP = "every registered all-reduce algorithm over message sizes: time, algbw, b
 DESCRIPTION = """\
 Times every all-reduce algorithm on every message size (median of --repeats runs, each the slowest
 rank's time, algorithms interleaved so noise hits them alike) and reports algbw = bytes / time and
-busbw = algbw * 2(p-1)/p (nccl-tests). On more than one node it also measures the link: a ring shift of
-the same bytes between nodes gives the per-direction link rate, and the floor is the bytes that must
-cross a node's link, 2(k-1)/k * n, at that rate. It also times group creation (intra + inter + torus
-groups) against a plain init_process_group. Rank 0 prints a Markdown table, writes JSON (--out) and a
-PNG of busbw vs size (--png, needs matplotlib).
+busbw = algbw * 2(p-1)/p (nccl-tests). On more than one node it also measures the link: a ring shift
+of the same bytes between nodes gives the per-direction link rate, and the floor is the bytes that
+must cross a node's link, 2(k-1)/k * n, at that rate. It also times group creation (intra + inter +
+torus groups) against a plain init_process_group. Rank 0 prints a Markdown table, writes JSON
+(--out) and a PNG of busbw vs size (--png, needs matplotlib).
 
 examples:
-  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce --sizes 64MiB
-  scaleout bench allreduce --nnodes 2 --nproc-per-node 2 --netns --sizes 64MiB      # one-shot, same thing
-  scaleout bench allreduce --nnodes 4 --nproc-per-node 4 --sizes 4KiB --repeats 3   # group creation at 16 ranks
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce
+  --sizes 64MiB
+  scaleout bench allreduce --nnodes 2 --nproc-per-node 2 --netns --sizes 64MiB      # one-shot, same
+  thing
+  scaleout bench allreduce --nnodes 4 --nproc-per-node 4 --sizes 4KiB --repeats 3   # group creation
+  at 16 ranks
   srun -N 4 --ntasks-per-node 8 scaleout bench allreduce --sizes 4KiB..256MiB
-  srun -N 4 --ntasks-per-node 8 scaleout bench allreduce -b 8 -e 128M -f 2 -n 20 -w 5 -d float   # nccl-tests flags
+  srun -N 4 --ntasks-per-node 8 scaleout bench allreduce -b 8 -e 128M -f 2 -n 20 -w 5 -d float   #
+  nccl-tests flags
 
-Besides the comparison table, every algorithm gets a block laid out as nccl-tests' all_reduce_perf prints
-it (size, count, type, redop, root, time in us, algbw, busbw, #wrong from an in-place check of a
-rank-dependent fill) and an '# Avg bus bandwidth' line, to compare with a cluster's nccl-tests logs.
+Besides the comparison table, every algorithm gets a block laid out as nccl-tests' all_reduce_perf
+prints it (size, count, type, redop, root, time in us, algbw, busbw, #wrong from an in-place check
+of a rank-dependent fill) and an '# Avg bus bandwidth' line, to compare with a cluster's nccl-tests
+logs.
 """
 
 DTYPES = {
@@ -74,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="message sizes: list and/or A..B ranges in x4 steps (default 4KiB..256MiB)",
     )
-    # nccl-tests' flags (all_reduce_perf -b 8 -e 128M -f 2 -n 20 -w 5 -d float); K/M/G are powers of 1024 there too
+    # nccl-tests' flags (all_reduce_perf -b 8 -e 128M -f 2 -n 20 -w 5 -d float); K/M/G are powers of
+    # 1024 there too
     p.add_argument(
         "-b",
         "--minbytes",
@@ -200,7 +207,8 @@ def _timed_init() -> tuple[Any, dict[str, float]]:
     init_s = time.perf_counter() - t
     world = scaleout.init()
     # init_process_group's time includes waiting for the last rank to start: the last one to arrive
-    # (smallest time) shows the cost itself. Group creation starts from a barrier: the slowest rank counts.
+    # (smallest time) shows the cost itself. Group creation starts from a barrier: the slowest rank
+    # counts.
     world.barrier()
     t = time.perf_counter()
     dist.new_group(list(range(world.world_size)))  # a plain world-sized gloo mesh, for reference
@@ -225,9 +233,9 @@ def _cuda() -> bool:
 
 
 def _link_rate(world: World, nbytes: int, repeats: int) -> float | None:
-    """Bytes/s one way over a node's link, measured with raw TCP (no gloo): local rank 0 of every node
-    streams nbytes to the next node's leader while receiving as much from the previous one, so both
-    directions of every link are busy, as in an all-reduce. Median of ``repeats``."""
+    """Bytes/s one way over a node's link, measured with raw TCP (no gloo): local rank 0 of every
+    node streams nbytes to the next node's leader while receiving as much from the previous one,
+    so both directions of every link are busy, as in an all-reduce. Median of ``repeats``."""
     import torch.distributed as dist
 
     k = world.num_nodes
@@ -266,7 +274,8 @@ def _listen(world: World) -> Any:
 
 
 class _RingShift:
-    """One node leader's part of the ring shift: send nbytes to the next leader while receiving nbytes."""
+    """One node leader's part of the ring shift: send nbytes to the next leader while receiving
+    nbytes."""
 
     def __init__(self, server: Any, nxt: tuple[str, int], nbytes: int):
         import socket
@@ -305,9 +314,12 @@ def _in_rank(args: argparse.Namespace) -> int:
     variants = _variants(args)
     say = say0(world)
     say(
-        f"allreduce bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.dtype}, sizes "
-        f"{', '.join(fmt_bytes(s) for s in sizes)}, {len(variants)} variants, median of {args.repeats}; groups "
-        f"{group_cost['groups_s'] * 1e3:.1f} ms vs init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms"
+        f"allreduce bench: {world.world_size} ranks = {world.num_nodes} nodes x "
+        f"{world.local_size}, {args.dtype}, sizes "
+        f"{', '.join(fmt_bytes(s) for s in sizes)}, {len(variants)} variants, median of "
+        f"{args.repeats}; groups "
+        f"{group_cost['groups_s'] * 1e3:.1f} ms vs init_process_group "
+        f"{group_cost['init_process_group_s'] * 1e3:.1f} ms"
     )
     rate_env = os.environ.get("SCALEOUT_LINK_RATE_BPS")
     link_bps = _link_rate(world, 32 << 20, 3) if world.num_nodes > 1 else None
@@ -329,7 +341,8 @@ def _size(
     nbytes: int,
     link_bps: float | None,
 ) -> list[dict[str, Any]]:
-    """Every variant on one message size, interleaved; then each one's in-place result checked (#wrong)."""
+    """Every variant on one message size, interleaved; then each one's in-place result checked
+    (#wrong)."""
     import torch
 
     from scaleout.comm import all_reduce
@@ -433,15 +446,18 @@ def _report(
         else None
     )
     notes = [
-        f"\ngroup creation at {world.world_size} ranks: intra+inter+torus {group_cost['groups_s'] * 1e3:.1f} ms, "
-        f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio {ratio:.2f}x), "
+        f"\ngroup creation at {world.world_size} ranks: intra+inter+torus "
+        f"{group_cost['groups_s'] * 1e3:.1f} ms, "
+        f"init_process_group {group_cost['init_process_group_s'] * 1e3:.1f} ms (ratio "
+        f"{ratio:.2f}x), "
         f"a world-sized new_group {group_cost['new_world_group_s'] * 1e3:.1f} ms"
         if ratio is not None
         else ""
     ]
     if link_bps:
         notes.append(
-            f"link: {link_bps / 1e6:.1f} MB/s one way measured with raw TCP between node leaders (both "
+            f"link: {link_bps / 1e6:.1f} MB/s one way measured with raw TCP between node leaders "
+            "(both "
             "directions at once)"
         )
     emit(
@@ -488,7 +504,8 @@ def _plot(plt: Any, rows: list[dict[str, Any]]) -> Any:
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
     ax.set_title(
-        f"all-reduce, {rows[0]['nnodes']} nodes x {rows[0]['nproc_per_node']} ranks, {rows[0]['dtype']}"
+        f"all-reduce, {rows[0]['nnodes']} nodes x {rows[0]['nproc_per_node']} ranks, "
+        f"{rows[0]['dtype']}"
     )
     ax.grid(True, alpha=0.3)
     ax.legend()

@@ -19,14 +19,17 @@ from scaleout.bench._harness import (
 )
 
 NAME = "compile"
-HELP = "tiny BERT forward+backward+optimizer step on CPU: torch.compile (Inductor) vs eager, compile time apart"
+HELP = (
+    "tiny BERT forward+backward+optimizer step on CPU: torch.compile (Inductor) vs eager, "
+    "compile time apart"
+)
 DESCRIPTION = """\
 Builds two copies of the same BERT (model.bert of --config, default configs/bert_tiny_cpu.yaml:
-hidden 128, 2 layers, 2 heads, intermediate 512, vocab 4096; key=value overrides change it), compiles one
-in place with scaleout.train.capture.compile_model (what model.compile=true does in the trainer), and
-times a full training step (forward, backward, AdamW) on the same packed-shape batch (--batch rows of
-data.max_seq_len tokens; train.seed, default 0 here, seeds the weights and the batch). The first
-compiled step (tracing + code generation) is reported separately as compile time;
+hidden 128, 2 layers, 2 heads, intermediate 512, vocab 4096; key=value overrides change it),
+compiles one in place with scaleout.train.capture.compile_model (what model.compile=true does in the
+trainer), and times a full training step (forward, backward, AdamW) on the same packed-shape batch
+(--batch rows of data.max_seq_len tokens; train.seed, default 0 here, seeds the weights and the
+batch). The first compiled step (tracing + code generation) is reported separately as compile time;
 then eager and compiled steps alternate (--repeats each) so machine noise hits both, and the table
 gives median wall and thread-CPU time per step and the speed-up compiled / eager, whichever wins.
 Also reports the largest loss difference between the two over the timed steps (dropout 0: the same
@@ -34,7 +37,8 @@ math) as a correctness check.
 
 examples:
   scaleout bench compile
-  scaleout bench compile --batch 32 --repeats 10 --backend inductor --mode max-autotune-no-cudagraphs
+  scaleout bench compile --batch 32 --repeats 10 --backend inductor --mode
+  max-autotune-no-cudagraphs
   scaleout bench compile model.bert.hidden=256 model.bert.layers=4 data.max_seq_len=64
 """
 
@@ -65,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _steps(args: argparse.Namespace, run: Any) -> dict[str, Callable[[], float]]:
-    """A full training step (forward, backward, AdamW) of two copies of one BERT: eager and compiled."""
+    """A full training step (forward, backward, AdamW) of two copies of one BERT: eager and
+    compiled."""
     import copy
 
     import numpy as np
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     e, c = rows["eager"], rows["compiled"]
     winner = "compiled" if c.median_s < e.median_s else "eager"
     payback = (
-        f"; compile took {compile_s:.1f} s, paid back after {compile_s / max(e.median_s - c.median_s, 1e-9):.0f} "
+        f"; compile took {compile_s:.1f} s, paid back after "
+        f"{compile_s / max(e.median_s - c.median_s, 1e-9):.0f} "
         "steps"
         if winner == "compiled"
         else f" (compile took {compile_s:.1f} s)"

@@ -1,4 +1,5 @@
-"""scaleout bench data: samples/s per CPU core of the trainer's input pipelines, and host cores per accelerator."""
+"""scaleout bench data: samples/s per CPU core of the trainer's input pipelines, and host cores
+per accelerator."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
 
 NAME = "data"
-HELP = "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; host cores per accelerator"
+HELP = (
+    "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; "
+    "host cores per accelerator"
+)
 DESCRIPTION = """\
-Measures the trainer's own input pipeline (the task's micro_batches through scaleout/train/prefetch.py,
-exactly what `scaleout train` runs) on this host, for:
+Measures the trainer's own input pipeline (the task's micro_batches through
+scaleout/train/prefetch.py, exactly what `scaleout train` runs) on this host, for:
 
   bert128  tokenized BERT samples of the offline pydoc corpus (configs/bert_tiny_cpu.yaml), packed
            (LPFHP, <= 3 per row), collated into packed rows of 128 tokens
@@ -32,7 +36,8 @@ half the time, a prefetching worker should hide it.
 
 Last, the host:accelerator ratio: host cores needed to feed one accelerator = its samples/s (public
 numbers, below; add your own with --accel NAME:PIPELINE=RATE) / samples per CPU-second of one core.
-Host work per sample does not depend on the model's size, so the tiny model's pipeline is BERT-large's.
+Host work per sample does not depend on the model's size, so the tiny model's pipeline is
+BERT-large's.
 
 examples:
   scaleout bench data
@@ -40,11 +45,11 @@ examples:
   scaleout bench data --accel my-npu:resnet=5000
 """
 
-# Per-accelerator training throughput, mixed precision, single GPU (public numbers):
-#   ResNet-50 v1.5: NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
-#     "Training performance: NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP 2470 img/s; DGX-1 (V100 16GB) 1200 img/s.
-#   BERT-large pre-training: NVIDIA DeepLearningExamples PaddlePaddle/LanguageModeling/BERT/README.md,
-#     "Pre-training NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP: 694 seq/s at 128, 264 seq/s at 512.
+# Per-accelerator training throughput, mixed precision, single GPU (public numbers): ResNet-50 v1.5:
+# NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training
+# performance: NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP 2470 img/s; DGX-1 (V100 16GB) 1200 img/s.
+# BERT-large pre-training: NVIDIA DeepLearningExamples PaddlePaddle/LanguageModeling/BERT/README.md,
+# "Pre-training NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP: 694 seq/s at 128, 264 seq/s at 512.
 ACCELERATORS = {
     "A100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 2470.0),
     "V100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 1200.0),
@@ -120,7 +125,8 @@ def _accelerators(extra: list[str]) -> dict[str, tuple[str, float]]:
 
 
 def _write_jpegs(root: str, n: int, size: str, seed: int = 0) -> float:
-    """n synthetic JPEGs (smooth random fields + noise, quality 90) in an ImageFolder; returns mean KB."""
+    """n synthetic JPEGs (smooth random fields + noise, quality 90) in an ImageFolder; returns
+    mean KB."""
     import os
 
     import numpy as np
@@ -203,10 +209,11 @@ def _cpu_s() -> float:
 
 
 def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: float) -> dict:
-    """Steps ``start`` .. ``start + args.steps``: the first one warms up (worker start-up) untimed, the
-    rest are timed. Returns samples, wall and data-wait seconds of the timed steps, and CPU seconds of
-    this process and its workers (worker start-up included: a fork from the warm forkserver costs little
-    CPU, mostly wall; the forkserver's own one-time start-up is not counted)."""
+    """Steps ``start`` .. ``start + args.steps``: the first one warms up (worker start-up)
+    untimed, the rest are timed. Returns samples, wall and data-wait seconds of the timed steps,
+    and CPU seconds of this process and its workers (worker start-up included: a fork from the
+    warm forkserver costs little CPU, mostly wall; the forkserver's own one-time start-up is not
+    counted)."""
     import time
 
     from scaleout.train.prefetch import Prefetcher
@@ -370,8 +377,8 @@ def _single_rank() -> Any:
 def _pipeline(
     pipe: str, task: Any, args: argparse.Namespace, configs: list[tuple[int, int]]
 ) -> list[dict[str, Any]]:
-    """Each (workers, prefetch) of one pipeline: its rate with an instant consumer, and the data wait of a
-    consumer as slow as the synchronous path (the emulated accelerator)."""
+    """Each (workers, prefetch) of one pipeline: its rate with an instant consumer, and the data
+    wait of a consumer as slow as the synchronous path (the emulated accelerator)."""
     import sys
 
     out: list[dict[str, Any]] = []

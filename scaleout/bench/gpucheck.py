@@ -1,4 +1,5 @@
-"""scaleout bench gpucheck: the GPU half of the flagship path in one command (scripts/gpu-check.sh)."""
+"""scaleout bench gpucheck: the GPU half of the flagship path in one command
+(scripts/gpu-check.sh)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,26 @@ from scaleout.bench._harness import add_standard_arguments, emit
 from scaleout.comm import ALGORITHMS
 
 NAME = "gpucheck"
-HELP = "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, BERT-large MFU, all-reduce"
+HELP = (
+    "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, "
+    "BERT-large MFU, all-reduce"
+)
 DESCRIPTION = """\
 What the CPU test suite cannot show, checked on the GPUs of this machine in one go (< 8 min on one
-H100/H200): a table of check | result | number | expected, JSON with the same rows, and exit status 1
-if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0.
+H100/H200): a table of check | result | number | expected, JSON with the same rows, and exit status
+1 if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0.
 
   1. NCCL world of every GPU (scaleout launch --nproc-per-node <GPUs>: one process per GPU)
-  2. tiny BERT (configs/bert_tiny_cpu.yaml) trained to its first evaluation in bf16, and in fp16 with
+  2. tiny BERT (configs/bert_tiny_cpu.yaml) trained to its first evaluation in bf16, and in fp16
+     with
      dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
   3. CUDA-graph capture of the packed BERT training step, equal to the eager step
   4. varlen (flash) attention equal to the padded masked-attention path on packed bf16 BERT
   5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes
   6. packed BERT-large (24 layers, seq 512) bf16 training step at the largest batch that fits:
      tokens/s and MFU against the device's bf16 peak
-  7. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's own,
+  7. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's
+     own,
      and their bus bandwidth next to NCCL's
 
 examples:
@@ -160,7 +166,8 @@ def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
             data = json.loads(report.read_text()) if report.exists() else {}
             ok = proc.returncode == 0 and logged and data.get("achieved") is not None
             number = (
-                f"mlm acc {data['achieved']:.4f} after {steps} steps, {data.get('skipped_steps', 0)} skipped, "
+                f"mlm acc {data['achieved']:.4f} after {steps} steps, "
+                f"{data.get('skipped_steps', 0)} skipped, "
                 f"{seconds:.0f} s"
                 if ok
                 else (_tail(proc) if proc.returncode else "log/report missing the precision")
@@ -200,7 +207,8 @@ def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
             (
                 f"{alg} all-reduce = NCCL (2 x {gpus // 2} GPUs, 256 MiB)",
                 "PASS" if ok else "FAIL",
-                f"{'equal' if a['equal'] else 'DIFFERENT'}; busbw {a['busbw_gbs']:.0f} GB/s vs NCCL {flat:.0f} GB/s",
+                f"{'equal' if a['equal'] else 'DIFFERENT'}; busbw {a['busbw_gbs']:.0f} GB/s vs "
+                f"NCCL {flat:.0f} GB/s",
                 f"bit-equal, busbw >= {BUSBW_FRACTION_MIN:.0%} of NCCL's",
             )
         )
@@ -248,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     env = (
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x {torch.cuda.get_device_name(0)}"
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {gpus} x "
+        f"{torch.cuda.get_device_name(0)}"
         if gpus
         else f"torch {torch.__version__}, no CUDA device"
     )
@@ -274,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
             "seconds": time.perf_counter() - t0,
         },
         notes=[
-            f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - t0:.0f} s"
+            f"\n{len(rows)} rows, {len(failed)} failed ({', '.join(failed) or 'none'}) in "
+            f"{time.perf_counter() - t0:.0f} s"
         ],
     )
     return 1 if failed else 0

@@ -1,22 +1,24 @@
 """scaleout bench largebatch: why LAMB exists — steps to a target at the base batch vs 8x the batch.
 
-Single-process trainings of the same config to the same masked-LM accuracy target, in one run: LAMB at
-the base batch, LAMB at ``factor`` x the batch, and AdamW at ``factor`` x the batch for each of a few
-learning rates (the best one is compared, so AdamW is not judged on one unlucky rate). Every run sees the
-same data stream (data order is a function of the sample position) and the same eval set.
+Single-process trainings of the same config to the same masked-LM accuracy target, in one run: LAMB
+at the base batch, LAMB at ``factor`` x the batch, and AdamW at ``factor`` x the batch for each of a
+few learning rates (the best one is compared, so AdamW is not judged on one unlucky rate). Every run
+sees the same data stream (data order is a function of the sample position) and the same eval set.
 
-One recipe rule, applied to both optimizers, is the LAMB paper's BERT rule (You et al. 2019,
-arXiv 1904.00962, sec. 4 and the appendix's batch-size table):
+One recipe rule, applied to both optimizers, is the LAMB paper's BERT rule (You et al. 2019, arXiv
+1904.00962, sec. 4 and the appendix's batch-size table):
 
 * learning rate x sqrt(factor) (square-root scaling);
-* linear-epoch warm-up (LEGW, You et al. 2019, arXiv 1901.08256): the warm-up *fraction* of the run grows
-  with the batch while the epochs stay fixed, i.e. the same number of warm-up *steps* at every batch;
+* linear-epoch warm-up (LEGW, You et al. 2019, arXiv 1901.08256): the warm-up *fraction* of the run
+  grows
+  with the batch while the epochs stay fixed, i.e. the same number of warm-up *steps* at every
+  batch;
 * the same sample budget (base steps / factor at the large batch), linear decay to 0 at its end.
 
 Evaluation happens at the same sample interval in every run (every ``eval_every`` large-batch steps,
-every ``factor x eval_every`` base steps), so step counts are equally quantised. A run that never reaches
-the target is reported as "> budget", not as a number. Perfect scaling would need 1/factor of the base
-steps; the bar for LAMB is <= 1/5, and AdamW at the same batch should need more.
+every ``factor x eval_every`` base steps), so step counts are equally quantised. A run that never
+reaches the target is reported as "> budget", not as a number. Perfect scaling would need 1/factor
+of the base steps; the bar for LAMB is <= 1/5, and AdamW at the same batch should need more.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ DESCRIPTION = (
     __doc__
     + """
 examples:
-  scaleout bench largebatch                     # tiny BERT: LAMB b2, LAMB b16, AdamW b16 x 3 LRs, target 0.12
+  scaleout bench largebatch          # tiny BERT: LAMB b2, LAMB b16, AdamW b16 x 3 LRs, target 0.12
   scaleout bench largebatch --lamb-lr 5e-3      # another base LAMB rate (scaled the same way at 8x)
   scaleout bench largebatch --adamw-lrs 1e-3,2e-3 train.target=0.10 --png ''
   scaleout bench largebatch --adamw-lrs '' train.seed=1     # LAMB only, another initialisation
@@ -57,7 +59,8 @@ DEFAULTS = [
     "train.target=0.12",  # above copy-the-input 0.117 and 2.2x the most-frequent-token 0.054
     "optim.warmup_steps=80",
 ]
-# Set for every run by the plan (optimizer, lr, batch, budget, eval interval, output): refused as overrides.
+# Set for every run by the plan (optimizer, lr, batch, budget, eval interval, output): refused as
+# overrides.
 BENCH_KEYS = (
     "launch.env",
     "optim.name",
@@ -116,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--eval-every",
         type=int,
         default=2,
-        help="eval interval in large-batch steps; the base run evaluates every factor x this (default 2)",
+        help="eval interval in large-batch steps; the base run evaluates every factor x this "
+        "(default 2)",
     )
     p.add_argument(
         "--seeds",
@@ -130,8 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """The config's target and warm-up steps (--config + DEFAULTS + overrides; a bad key is one line before
-    any run) as ``args.target`` and ``args.warmup_steps``: the plan and the report use them."""
+    """The config's target and warm-up steps (--config + DEFAULTS + overrides; a bad key is one
+    line before any run) as ``args.target`` and ``args.warmup_steps``: the plan and the report
+    use them."""
     cfg = bench_config(args, DEFAULTS, BENCH_KEYS)
     if cfg.train.target is None:
         raise UserError("train.target=null: the benchmark counts steps to a masked-LM accuracy")
@@ -140,7 +145,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The runs: one recipe rule (sqrt LR scaling, same warm-up steps, same sample budget) for every one."""
+    """The runs: one recipe rule (sqrt LR scaling, same warm-up steps, same sample budget) for
+    every one."""
     f, scale = args.factor, math.sqrt(args.factor)
     large = {
         "batch": args.base_batch * f,
@@ -164,14 +170,16 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     for r in runs:
         if r["max_steps"] <= args.warmup_steps:
             raise SystemExit(
-                f"--base-steps {args.base_steps} / --factor {f} = {r['max_steps']} steps must exceed "
+                f"--base-steps {args.base_steps} / --factor {f} = {r['max_steps']} steps must "
+                "exceed "
                 f"optim.warmup_steps={args.warmup_steps}"
             )
     return runs
 
 
 def _curve(mlperf_log: Path, eval_every: int, max_steps: int) -> list[list[float]]:
-    """[(step, samples, accuracy)] from the MLPerf log; the loop evaluates every eval_every steps and at the end."""
+    """[(step, samples, accuracy)] from the MLPerf log; the loop evaluates every eval_every steps
+    and at the end."""
     evals = []
     for line in mlperf_log.read_text().splitlines():
         if ":::MLLOG" in line and '"eval_accuracy"' in line:
@@ -234,7 +242,8 @@ def steps_cell(r: dict[str, Any]) -> str:
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """LAMB at the large batch within 1/5 of the base steps; the best AdamW at the large batch worse than it."""
+    """LAMB at the large batch within 1/5 of the base steps; the best AdamW at the large batch
+    worse than it."""
     base, lamb8 = rows[0]["steps"], rows[1]["steps"]
     adamw = [r["steps"] for r in rows[2:]]
     best_adamw = min((s for s in adamw if s is not None), default=None)
@@ -335,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
             "wall_s": round(wall, 1),
         },
         notes=[
-            f"LAMB at {f}x batch needs <= 1/5 of the base steps: {v['lamb_large_within_one_fifth']}; best AdamW "
+            f"LAMB at {f}x batch needs <= 1/5 of the base steps: "
+            f"{v['lamb_large_within_one_fifth']}; best AdamW "
             f"at {f}x does worse than LAMB at {f}x: {v['adamw_large_worse_than_lamb_large']}"
             f"{' (every seed)' if len(seeds) > 1 else ''}; wall {wall:.0f} s"
         ],
@@ -349,13 +359,16 @@ def _announced(
 ) -> dict[str, Any]:
     """One training of the plan, with a line before and after."""
     print(
-        f"[{i}/{n}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} (budget {r['max_steps']} steps, warm-up "
-        f"{args.warmup_steps}, eval every {r['eval_every']}{'' if seed is None else f', seed {seed}'}) ...",
+        f"[{i}/{n}] {r['optimizer']} batch {r['batch']} lr {r['lr']:.3g} (budget {r['max_steps']} "
+        "steps, warm-up "
+        f"{args.warmup_steps}, eval every "
+        f"{r['eval_every']}{'' if seed is None else f', seed {seed}'}) ...",
         flush=True,
     )
     out = _train(args, r, seed)
     print(
-        f"      -> steps to {args.target}: {steps_cell(out)}, last metric {out['final_metric']:.4f}, "
+        f"      -> steps to {args.target}: {steps_cell(out)}, last metric "
+        f"{out['final_metric']:.4f}, "
         f"{out['wall_s']:.0f} s",
         flush=True,
     )

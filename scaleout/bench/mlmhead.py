@@ -17,13 +17,18 @@ from scaleout.bench._harness import (
 )
 
 NAME = "mlmhead"
-HELP = "BERT forward+backward with the vocabulary projection at all tokens vs only at the masked ones (15 percent)"
+HELP = (
+    "BERT forward+backward with the vocabulary projection at all tokens vs only at the masked "
+    "ones (15 percent)"
+)
 DESCRIPTION = """\
-Times a forward + backward step of BERT on CPU with model.bert.unpad_mlm_head off (project every token
+Times a forward + backward step of BERT on CPU with model.bert.unpad_mlm_head off (project every
+token
 to the vocabulary, then pick the masked ones) and on (gather the masked positions first, as NVIDIA's
 MLPerf BERT does), on two shapes: BERT-base (hidden 768, 12 heads, intermediate 3072, vocab 30522;
 --base-layers encoder layers) and the tiny CPU config (hidden 128, 2 layers, vocab 30522). 15 % of
-the tokens are masked. Full and unpadded steps alternate so noise hits both; the table shows the median
+the tokens are masked. Full and unpadded steps alternate so noise hits both; the table shows the
+median
 step time and the speed-up unpadded / full (targets: >= 1.15x base, >= 1.5x tiny).
 
 examples:
@@ -167,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             "results": results,
         },
         notes=[
-            f"torch threads: {torch.get_num_threads()}; speed-up = median over back-to-back pairs of full / unpadded"
+            f"torch threads: {torch.get_num_threads()}; speed-up = median over back-to-back pairs "
+            "of full / unpadded"
         ],
     )
     return 0

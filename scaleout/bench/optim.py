@@ -20,19 +20,22 @@ HELP = (
     "optimizer step time: LAMB/LARS vs AdamW, SGD and torch-optimizer's Lamb; sharded LAMB per rank"
 )
 DESCRIPTION = """\
-Step time of scaleout's LAMB and LARS against torch.optim.AdamW(foreach=True), SGD(momentum, foreach=True)
-and torch-optimizer's Lamb on the parameter shapes of BERT-base (199 tensors, 109.5 M parameters) and
-ResNet-50 (161 tensors, 25.6 M), with random gradients. The contenders share the parameters and run in
-turn with both baselines, round after round, so machine noise hits them alike; the table gives median
-times and the median of the per-round ratios against AdamW and SGD. At most three optimizers hold state
-at once (BERT-base: ~3.1 GB in all).
+Step time of scaleout's LAMB and LARS against torch.optim.AdamW(foreach=True), SGD(momentum,
+foreach=True) and torch-optimizer's Lamb on the parameter shapes of BERT-base (199 tensors, 109.5 M
+parameters) and ResNet-50 (161 tensors, 25.6 M), with random gradients. The contenders share the
+parameters and run in turn with both baselines, round after round, so machine noise hits them alike;
+the table gives median times and the median of the per-round ratios against AdamW and SGD. At most
+three optimizers hold state at once (BERT-base: ~3.1 GB in all).
 
 Then (--sharded-ranks, default 4) real gloo processes compare, per rank and under the same load, the
-non-sharded LAMB step with the sharded LAMB's update (communication timed apart) and its state bytes.
+non-sharded LAMB step with the sharded LAMB's update (communication timed apart) and its state
+bytes.
 
 examples:
-  scaleout bench optim                                # both models + sharded LAMB on 4 ranks (ResNet-50 shapes)
-  scaleout bench optim --models '' --sharded-model bert  # only the sharded part, BERT-base shapes (~7 GB)
+  scaleout bench optim                                # both models + sharded LAMB on 4 ranks
+  (ResNet-50 shapes)
+  scaleout bench optim --models '' --sharded-model bert  # only the sharded part, BERT-base shapes
+  (~7 GB)
   scaleout bench optim --models bert --repeats 9 --sharded-ranks 0
   scaleout bench optim --chunks 65536,262144,1048576  # LAMB/LARS cache-block size sweep
 """
@@ -53,7 +56,8 @@ SMOKE_ARGS = [
 
 
 def bert_base_shapes() -> list[tuple[int, ...]]:
-    """BERT-base (Devlin et al.): 30522-token vocabulary, hidden 768, 12 layers, FFN 3072, pooler."""
+    """BERT-base (Devlin et al.): 30522-token vocabulary, hidden 768, 12 layers, FFN 3072,
+    pooler."""
     h, f, vocab = 768, 3072, 30522
     shapes: list[tuple[int, ...]] = [(vocab, h), (512, h), (2, h), (h,), (h,)]
     for _ in range(12):
@@ -96,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="processes for the sharded-LAMB part (0 = skip)",
     )
-    # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank first)
+    # ResNet-50 shapes by default: 4 ranks x BERT-base need ~7 GB (LAMB's full state on every rank
+    # first)
     p.add_argument(
         "--sharded-model",
         choices=SHAPES,
@@ -110,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch threads for the single-process part (0 = torch's default). On a machine whose cores are also "
+        help="torch threads for the single-process part (0 = torch's default). On a machine whose "
+        "cores are also "
         "busy with other work, 1 avoids OpenMP barrier stalls that hit every contender unevenly",
     )
     add_standard_arguments(p, NAME, repeats=7, png=True)
@@ -123,7 +129,8 @@ def _make(shapes: list[tuple[int, ...]], seed: int = 0) -> tuple[list[Any], list
     params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    # 2-D+ tensors are the decayed/adapted ones; 1-D are bias and norm parameters (the references' rule)
+    # 2-D+ tensors are the decayed/adapted ones; 1-D are bias and norm parameters (the references'
+    # rule)
     groups = [
         {"params": [p for p in params if p.dim() > 1]},
         {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0},
@@ -137,8 +144,8 @@ BASELINES = ("AdamW foreach", "SGD momentum foreach")
 def _factories(
     params: list[Any], groups: list[dict[str, Any]], chunks: list[int]
 ) -> dict[str, Any]:
-    """name -> () -> step function. Built one at a time so that at most three optimizers' state is alive
-    (BERT-base: 0.9 GB of parameters and gradients + at most 2.2 GB of state)."""
+    """name -> () -> step function. Built one at a time so that at most three optimizers' state
+    is alive (BERT-base: 0.9 GB of parameters and gradients + at most 2.2 GB of state)."""
     import torch
 
     from scaleout.optim import LAMB, LARS
@@ -175,7 +182,8 @@ def _factories(
 
 
 def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, Any]]:
-    """Each contender runs in rounds with both baselines (AdamW, SGD): per-round ratios are paired."""
+    """Each contender runs in rounds with both baselines (AdamW, SGD): per-round ratios are
+    paired."""
     import gc
 
     import torch
@@ -253,7 +261,8 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, qu
 
 
 def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
-    """This rank's LAMB step and the sharded LAMB's phases on the same gradients, every rank busy at once."""
+    """This rank's LAMB step and the sharded LAMB's phases on the same gradients, every rank busy
+    at once."""
     import torch
 
     from scaleout.optim import LAMB, ShardedLAMB, state_bytes
@@ -340,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
     models = parse_csv(args.models, "--models", choices=SHAPES, allow_empty=True)
     if not models and args.sharded_ranks <= 0:
         raise UserError(
-            f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with --sharded-ranks)"
+            f"--models={args.models!r}: expected a comma list of {', '.join(SHAPES)} ('' with "
+            "--sharded-ranks)"
         )
     chunks = parse_csv(args.chunks, "--chunks", int, at_least=1, allow_empty=True)
     check_counts(args, repeats=1, threads=0)
@@ -368,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
             "per_rank": per_rank,
         }
         print(
-            f"\nsharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks busy at once in both "
+            f"\nsharded LAMB, {args.sharded_ranks} ranks, {args.sharded_model} shapes (all ranks "
+            "busy at once in both "
             "columns)"
         )
         emit(

@@ -1,5 +1,5 @@
-"""scaleout bench overlap: step time of gradient communication with and without overlap, per algorithm,
-against torch DDP with the same bucket size, and how much communication backward hides.
+"""scaleout bench overlap: step time of gradient communication with and without overlap, per
+algorithm, against torch DDP with the same bucket size, and how much communication backward hides.
 
 Runs inside the ranks (under any launcher), or one-shot: ``--nnodes/--nproc-per-node [--netns]``
 starts the ranks itself via ``scaleout launch`` (emulated cluster: launchers/netns.py).
@@ -30,10 +30,13 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 NAME = "overlap"
-HELP = "overlapped bucketed all-reduce vs no overlap vs torch DDP on BERT-like layers: step time, hidden comm"
+HELP = (
+    "overlapped bucketed all-reduce vs no overlap vs torch DDP on BERT-like layers: step time, "
+    "hidden comm"
+)
 DESCRIPTION = """\
-A model of BERT-base-shaped encoder layers (hidden 768, 12 heads, FFN 3072; --layers of them) trains on
-random data; in one run, interleaved step by step so noise hits all alike, it times a full step
+A model of BERT-base-shaped encoder layers (hidden 768, 12 heads, FFN 3072; --layers of them) trains
+on random data; in one run, interleaved step by step so noise hits all alike, it times a full step
 (forward + backward + gradient averaging, the slowest rank) of:
 
   compute only       no communication at all (the floor)
@@ -44,8 +47,8 @@ random data; in one run, interleaved step by step so noise hits all alike, it ti
   DDP + hier hook    DDP with scaleout.parallel.ddp_comm_hook('hierarchical')
 
 and, with the same buckets and no compute, the communication alone. Exposed communication = step -
-compute-only step; hidden = 1 - exposed / communication alone (so CPU contention between backward and
-communication counts as exposed). DataParallel's own measure (wait after backward) is shown too.
+compute-only step; hidden = 1 - exposed / communication alone (so CPU contention between backward
+and communication counts as exposed). DataParallel's own measure (wait after backward) is shown too.
 Each --batch value is one regime: small batches are communication-bound (step ~ communication, where
 the algorithm matters), large batches compute-bound (where overlap can hide communication).
 
@@ -108,13 +111,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--first-bucket-mb",
         type=float,
         default=1.0,
-        help="first bucket cap for DataParallel, as torch DDP's 1 MiB default (0 = same as --bucket-mb)",
+        help="first bucket cap for DataParallel, as torch DDP's 1 MiB default (0 = same as "
+        "--bucket-mb)",
     )
     p.add_argument(
         "--comm-nice",
         type=int,
         default=0,
-        help="lower the compute thread's priority by this nice value below the communication threads "
+        help="lower the compute thread's priority by this nice value below the communication "
+        "threads "
         "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)",
     )
     p.add_argument(
@@ -128,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bert_like(layers: int) -> Any:
-    """BERT-base layer shapes (Devlin et al.: hidden 768, 12 heads, intermediate 3072) and a small head."""
+    """BERT-base layer shapes (Devlin et al.: hidden 768, 12 heads, intermediate 3072) and a
+    small head."""
     import torch
 
     class Encoder(torch.nn.Module):
@@ -151,7 +157,8 @@ def bert_like(layers: int) -> Any:
 
 
 def _models(args: argparse.Namespace, world: World) -> dict[str, Any]:
-    """Every variant's copy of the same model (DataParallel broadcasts rank 0's weights; DDP too)."""
+    """Every variant's copy of the same model (DataParallel broadcasts rank 0's weights; DDP
+    too)."""
     import copy
 
     import torch
@@ -182,9 +189,9 @@ def _models(args: argparse.Namespace, world: World) -> dict[str, Any]:
 
 
 def _comm_only(world: World, dp: Any) -> tuple[float, float]:
-    """All of ``dp``'s buckets, launched back to back in order, no compute: (wall, CPU seconds of the rank's
-    every thread: gloo IO, comm thread, reductions), max over ranks. On a CPU-only box that CPU work competes
-    with backward for the cores."""
+    """All of ``dp``'s buckets, launched back to back in order, no compute: (wall, CPU seconds of
+    the rank's every thread: gloo IO, comm thread, reductions), max over ranks. On a CPU-only box
+    that CPU work competes with backward for the cores."""
     from scaleout.comm import all_reduce
 
     bufs = [b.buffer.clone() for b in dp.reducer.buckets]
@@ -200,7 +207,8 @@ def _comm_only(world: World, dp: Any) -> tuple[float, float]:
 def _regime(
     args: argparse.Namespace, world: World, models: dict[str, Any], batch: int
 ) -> list[dict[str, Any]]:
-    """Every variant's step at one per-rank batch, interleaved, with the communication alone per round."""
+    """Every variant's step at one per-rank batch, interleaved, with the communication alone per
+    round."""
     import torch
 
     x = torch.randn(batch, args.seq, 768, generator=torch.Generator().manual_seed(world.rank))
@@ -276,9 +284,12 @@ def _in_rank(args: argparse.Namespace) -> int:
     n_params = sum(q.numel() for q in models["compute only"].parameters())
     n_buckets = len(models["overlap flat"].buckets)
     say0(world)(
-        f"overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, {args.layers} "
-        f"BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq {args.seq}, "
-        f"batch/rank {batches}, bucket {args.bucket_mb:g} MiB, first {args.first_bucket_mb or args.bucket_mb:g} MiB "
+        f"overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
+        f"{args.layers} "
+        f"BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), "
+        f"seq {args.seq}, "
+        f"batch/rank {batches}, bucket {args.bucket_mb:g} MiB, first "
+        f"{args.first_bucket_mb or args.bucket_mb:g} MiB "
         f"({n_buckets} buckets), median of {args.repeats}"
     )
     rows = [row for batch in batches for row in _regime(args, world, models, batch)]
@@ -286,7 +297,8 @@ def _in_rank(args: argparse.Namespace) -> int:
         say0(world)(f"wrote timeline {models['overlap hier'].write_timeline()}")
     _report(args, rows, world, n_params, n_buckets)
     world.barrier()
-    models.clear()  # DDP reducers and our hooks hold the process group: drop them before destroying it
+    # DDP reducers and our hooks hold the process group: drop them before destroying it
+    models.clear()
     world.close()
     return 0
 
@@ -321,7 +333,8 @@ def _report(
         for r in rows
     ]
     notes = [
-        "exposed = step - compute-only step; hidden = 1 - exposed / comm alone; hidden (wait) = 1 - wait after "
+        "exposed = step - compute-only step; hidden = 1 - exposed / comm alone; hidden (wait) = 1 "
+        "- wait after "
         "backward / comm alone (DataParallel's own measure, excludes CPU contention with compute)"
     ]
     notes += _cpu_notes(rows, world)
@@ -363,7 +376,8 @@ def _report(
 
 
 def _cpu_notes(rows: list[dict[str, Any]], world: World) -> list[str]:
-    """How much of the communication this machine's cores can hide at all (all emulated nodes share them)."""
+    """How much of the communication this machine's cores can hide at all (all emulated nodes
+    share them)."""
     cores, notes = os.cpu_count() or 1, []
     for alg in ("flat", "hierarchical"):
         cpu = next(
@@ -378,9 +392,12 @@ def _cpu_notes(rows: list[dict[str, Any]], world: World) -> list[str]:
         if cpu is not None and comm:
             floor = cpu * world.world_size / cores
             notes.append(
-                f"{alg}: the communication alone used {cpu * 1e3:.0f} ms of CPU per rank ({world.world_size} "
-                f"ranks on {cores} cores: >= {floor * 1e3:.0f} ms of step time when backward keeps every core "
-                f"busy, i.e. at most {max(0.0, 1 - floor / comm) * 100:.0f} % of its {comm * 1e3:.0f} ms can be "
+                f"{alg}: the communication alone used {cpu * 1e3:.0f} ms of CPU per rank "
+                f"({world.world_size} "
+                f"ranks on {cores} cores: >= {floor * 1e3:.0f} ms of step time when backward keeps "
+                "every core "
+                f"busy, i.e. at most {max(0.0, 1 - floor / comm) * 100:.0f} % of its "
+                f"{comm * 1e3:.0f} ms can be "
                 "hidden on this machine)"
             )
     return notes

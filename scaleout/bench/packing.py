@@ -1,4 +1,5 @@
-"""scaleout bench packing: real-token throughput of the same small BERT, packed vs padded, on CPU."""
+"""scaleout bench packing: real-token throughput of the same small BERT, packed vs padded, on
+CPU."""
 
 from __future__ import annotations
 
@@ -20,22 +21,27 @@ from scaleout.errors import UserError
 from scaleout.resources import package_path
 
 NAME = "packing"
-HELP = "BERT real (non-pad) tokens/s, packed (<=3 per row, LPHP) vs padded to max_len, same model, one run"
+HELP = (
+    "BERT real (non-pad) tokens/s, packed (<=3 per row, LPHP) vs padded to max_len, same model, "
+    "one run"
+)
 # Graphcore's Wikipedia-512 histogram (provenance in the file's header), shipped as package data
 DEFAULT_HIST = package_path("scaleout", "data", "wikipedia_seqlen_hist_512.txt")
 DESCRIPTION = f"""\
 Draws --sequences lengths from a sequence-length histogram (default: the Wikipedia-512 one,
 {DEFAULT_HIST}), builds synthetic BERT examples of those lengths (15 % MLM masking, NSP labels) and
-packs them (data.packing, default lphp, <= data.max_per_pack per row). It then takes --rows x --batches
-packs (a systematic sample, so they have the whole packing's mix) and times forward + backward of the same small BERT over them twice: packed, and the
-same sequences one per row padded to data.max_seq_len (512); the two kinds of batches are interleaved so machine
-noise hits both alike. Reports real (non-pad) tokens per second (wall and, with --threads 1, per CPU
-second of the one compute thread) and the ratio packed / padded; the ceiling is the histogram's
-speed-up ceiling (2.0013 for Wikipedia-512).
+packs them (data.packing, default lphp, <= data.max_per_pack per row). It then takes --rows x
+--batches packs (a systematic sample, so they have the whole packing's mix) and times forward +
+backward of the same small BERT over them twice: packed, and the same sequences one per row padded
+to data.max_seq_len (512); the two kinds of batches are interleaved so machine noise hits both
+alike. Reports real (non-pad) tokens per second (wall and, with --threads 1, per CPU second of the
+one compute thread) and the ratio packed / padded; the ceiling is the histogram's speed-up ceiling
+(2.0013 for Wikipedia-512).
 
 examples:
   scaleout bench packing
-  scaleout bench packing --batches 4 --repeats 5 model.bert.hidden=256 model.bert.layers=4 model.bert.heads=4
+  scaleout bench packing --batches 4 --repeats 5 \\
+      model.bert.hidden=256 model.bert.layers=4 model.bert.heads=4
 """
 
 
@@ -54,13 +60,14 @@ SMOKE_ARGS = [
     "model.bert.intermediate=64",
     "model.bert.vocab_size=128",
 ]
-# On top of --config (the tiny BERT: hidden 128, 2 layers, 2 heads, intermediate 512); the overrides win.
+# On top of --config (the tiny BERT: hidden 128, 2 layers, 2 heads, intermediate 512); the overrides
+# win.
 DEFAULTS = [
     "data.max_seq_len=512",  # rows of 512 tokens: the Wikipedia-512 histogram
     "data.packing=lphp",
     "data.max_per_pack=3",
-    # the MLM head costs the same per real token packed or padded, so a 30522-word head on a 128-wide
-    # model would hide what packing saves (docs/packing.md)
+    # the MLM head costs the same per real token packed or padded, so a 30522-word head on a
+    # 128-wide model would hide what packing saves (docs/packing.md)
     "model.bert.vocab_size=1024",
     "model.bert.dropout=0.1",
     "model.bert.unpad_mlm_head=true",
@@ -100,9 +107,9 @@ def resolve(args: argparse.Namespace) -> Any:
 
 
 def _packs(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, Any, list[list[int]]]:
-    """(histogram, lengths, strategy, the --rows x --batches packs): a systematic sample of the packing, so
-    that a few dozen rows have the mix of the whole packing (a plain random draw of 24 packs swung the
-    ratio between 1.9 and 2.3)."""
+    """(histogram, lengths, strategy, the --rows x --batches packs): a systematic sample of the
+    packing, so that a few dozen rows have the mix of the whole packing (a plain random draw of
+    24 packs swung the ratio between 1.9 and 2.3)."""
     import numpy as np
 
     from scaleout.errors import UserError
@@ -137,8 +144,9 @@ def _packs(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, Any, list[list
 def _steps(
     args: argparse.Namespace, cfg: Any, lengths: Any, chosen: list[list[int]]
 ) -> tuple[dict[tuple[str, int], Any], int]:
-    """The same sequences both ways, as (mode, batch) -> one training step, in the interleaved order: each
-    packed batch between the padded batches holding (about) its sequences. Also: the real tokens."""
+    """The same sequences both ways, as (mode, batch) -> one training step, in the interleaved
+    order: each packed batch between the padded batches holding (about) its sequences. Also: the
+    real tokens."""
     import torch
 
     from scaleout.families.bert.data.bert_batch import build_batch, synthetic_sequences
@@ -220,13 +228,18 @@ def run(args: argparse.Namespace) -> int:
         for m in ("padded", "packed")
     ]
     notes = [
-        f"BERT hidden {bert.hidden}, {bert.layers} layers, vocab {bert.vocab_size}, rows of {d.max_seq_len}; "
-        f"{args.sequences} sequences packed by {strategy.algorithm} (<= {d.max_per_pack}/row): efficiency "
-        f"{strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} (ceiling {speedup_ceiling(h):.4f})",
+        f"BERT hidden {bert.hidden}, {bert.layers} layers, vocab {bert.vocab_size}, rows of "
+        f"{d.max_seq_len}; "
+        f"{args.sequences} sequences packed by {strategy.algorithm} (<= {d.max_per_pack}/row): "
+        "efficiency "
+        f"{strategy.efficiency:.4f}, speed-up {strategy.speedup:.4f} (ceiling "
+        f"{speedup_ceiling(h):.4f})",
         f"torch threads: {torch.get_num_threads()}",
         f"packed / padded real-token throughput over {len(ratios)} repeats: median "
-        f"{statistics.median(cpu_ratios):.3f}x by CPU time (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f}), "
-        f"{statistics.median(ratios):.3f}x by wall time (min {min(ratios):.3f}, max {max(ratios):.3f})",
+        f"{statistics.median(cpu_ratios):.3f}x by CPU time (min {min(cpu_ratios):.3f}, max "
+        f"{max(cpu_ratios):.3f}), "
+        f"{statistics.median(ratios):.3f}x by wall time (min {min(ratios):.3f}, max "
+        f"{max(ratios):.3f})",
     ]
     emit(
         args,

@@ -1,4 +1,5 @@
-"""scaleout bench precision: the same training run in fp32, bf16 and fp16: loss curves and step time."""
+"""scaleout bench precision: the same training run in fp32, bf16 and fp16: loss curves and step
+time."""
 
 from __future__ import annotations
 
@@ -18,23 +19,28 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 NAME = "precision"
-HELP = "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what the CPU supports"
+HELP = (
+    "train.precision fp32 vs bf16 vs fp16 on one config: loss curve agreement, step time, what "
+    "the CPU supports"
+)
 DESCRIPTION = """\
-Runs the real trainer (scaleout.train.trainer.Trainer, one process) on --config once per precision, from the
-same initial weights and the same data order, and compares each run with the fp32 baseline of the same
-invocation: step time (median wall and thread-CPU time over the steps after train.timing_skip_steps;
-the speed-up is taken on CPU time, which other jobs on the machine do not inflate; --threads 1 by
-default), the loss curve (moving mean over --window steps; the largest relative gap to fp32 and the final one), the final masked-LM /
-top-1 evaluation, and for fp16 the loss scale and the steps it skipped. The verdict: every low-precision
-curve stays within --tolerance (relative) of fp32 after the first --window steps. Also prints which
-low-precision instructions this CPU reports (/proc/cpuinfo: avx512_bf16, amx_bf16, avx512_fp16, ...)
-and torch's CPU capability. JSON with the curves, and a PNG of them.
+Runs the real trainer (scaleout.train.trainer.Trainer, one process) on --config once per precision,
+from the same initial weights and the same data order, and compares each run with the fp32 baseline
+of the same invocation: step time (median wall and thread-CPU time over the steps after
+train.timing_skip_steps; the speed-up is taken on CPU time, which other jobs on the machine do not
+inflate; --threads 1 by default), the loss curve (moving mean over --window steps; the largest
+relative gap to fp32 and the final one), the final masked-LM / top-1 evaluation, and for fp16 the
+loss scale and the steps it skipped. The verdict: every low-precision curve stays within --tolerance
+(relative) of fp32 after the first --window steps. Also prints which low-precision instructions this
+CPU reports (/proc/cpuinfo: avx512_bf16, amx_bf16, avx512_fp16, ...) and torch's CPU capability.
+JSON with the curves, and a PNG of them.
 
 examples:
   scaleout bench precision
   scaleout bench precision --precisions fp32,bf16 --tolerance 0.03 train.max_steps=300
 Config keys are overrides (key=value, over DEFAULTS: train.max_steps=200, train.global_batch=32,
-train.timing_skip_steps=3); the keys every run sets itself (train.precision, eval, output) are refused.
+train.timing_skip_steps=3); the keys every run sets itself (train.precision, eval, output) are
+refused.
 """
 
 SMOKE_ARGS = [
@@ -50,8 +56,8 @@ SMOKE_ARGS = [
 ]
 # On top of --config; the overrides win. Steps per run, global batch, steps left out of the timing.
 DEFAULTS = ["train.max_steps=200", "train.global_batch=32", "train.timing_skip_steps=3"]
-# Set for every run by the benchmark (one process, an eval at the end only, no target, no checkpoints, the
-# precision under test): refused as overrides.
+# Set for every run by the benchmark (one process, an eval at the end only, no target, no
+# checkpoints, the precision under test): refused as overrides.
 BENCH_KEYS = (
     "launch.env",
     "train.grad_accum",
@@ -226,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
             "within_tolerance": ok,
         },
         notes=[
-            f"\n{'PASS' if ok else 'FAIL'}: every curve within {args.tolerance:.0%} of fp32 after step {args.window}"
+            f"\n{'PASS' if ok else 'FAIL'}: every curve within {args.tolerance:.0%} of fp32 after "
+            f"step {args.window}"
         ],
         plot=lambda plt: _plot(plt, runs, args),
     )

@@ -1,7 +1,8 @@
-"""scaleout bench sharded-overlap: step time of the sharded LAMB with and without communication overlap.
+"""scaleout bench sharded-overlap: step time of the sharded LAMB with and without communication
+overlap.
 
-Runs inside the ranks (under any launcher), or one-shot: ``--nnodes/--nproc-per-node [--netns]`` starts
-the ranks itself via ``scaleout launch``.
+Runs inside the ranks (under any launcher), or one-shot: ``--nnodes/--nproc-per-node [--netns]``
+starts the ranks itself via ``scaleout launch``.
 """
 
 from __future__ import annotations
@@ -17,22 +18,28 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 NAME = "sharded-overlap"
-HELP = "sharded LAMB step (backward + reduce-scatter + update + all-gather): overlapped vs not, BERT-like layers"
+HELP = (
+    "sharded LAMB step (backward + reduce-scatter + update + all-gather): overlapped vs not, "
+    "BERT-like layers"
+)
 DESCRIPTION = """\
-BERT-base-shaped encoder layers (hidden 768, 12 heads, FFN 3072; --layers of them) train on random data
-with the ZeRO-1 sharded LAMB. In one run, interleaved step by step so noise hits all alike, it times a
-full step (forward + backward + optimizer step with its communication; the slowest rank) of:
+BERT-base-shaped encoder layers (hidden 768, 12 heads, FFN 3072; --layers of them) train on random
+data with the ZeRO-1 sharded LAMB. In one run, interleaved step by step so noise hits all alike, it
+times a full step (forward + backward + optimizer step with its communication; the slowest rank) of:
 
   compute only       forward + backward, no optimizer (the floor)
-  sharded            ShardedLAMB: one bucket; reduce-scatter, update, all-gather after backward   <- baseline
-  sharded overlap    ShardedLAMB(overlap=True): per-bucket reduce-scatter during backward, per-bucket
+  sharded            ShardedLAMB: one bucket; reduce-scatter, update, all-gather after backward   <-
+  baseline
+  sharded overlap    ShardedLAMB(overlap=True): per-bucket reduce-scatter during backward,
+  per-bucket
                      all-gather as soon as the bucket's shard is updated (apex DistributedFusedLAMB)
 
 Both use --algorithm's reduce-scatter / all-gather (scaleout.comm: flat, hierarchical, torus2d).
 
 examples:
   scaleout bench sharded-overlap --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit     # one-shot
-  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench sharded-overlap
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench
+  sharded-overlap
 """
 
 VARIANTS = ("compute only", "sharded", "sharded overlap")
@@ -145,9 +152,12 @@ def _in_rank(args: argparse.Namespace) -> int:
     world = h.init_ranks(2, NAME)
     steps, n_params, nb = _steps(args, world)
     h.say0(world)(
-        f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x {world.local_size}, "
-        f"{args.layers} BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} MiB fp32), seq "
-        f"{args.seq}, batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, {args.algorithm}, "
+        f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x "
+        f"{world.local_size}, "
+        f"{args.layers} BERT-base layers ({n_params / 1e6:.1f}M params, {n_params * 4 / 2**20:.0f} "
+        "MiB fp32), seq "
+        f"{args.seq}, batch/rank {args.batch}, {nb} buckets of ~{args.bucket_mb:g} MiB, "
+        f"{args.algorithm}, "
         f"median of {args.repeats}"
     )
     samples = h.interleave(steps, args.repeats, args.warmup, world=world, say=h.say0(world))
@@ -204,8 +214,10 @@ def _in_rank(args: argparse.Namespace) -> int:
             "rows": out_rows,
         },
         notes=[
-            f"overlapped / non-overlapped sharded LAMB step: {ratio:.2f}x faster (added over compute: "
-            f"{(by['sharded'].median_s - floor) * 1e3:.0f} -> {(by['sharded overlap'].median_s - floor) * 1e3:.0f} ms)"
+            f"overlapped / non-overlapped sharded LAMB step: {ratio:.2f}x faster (added over "
+            "compute: "
+            f"{(by['sharded'].median_s - floor) * 1e3:.0f} -> "
+            f"{(by['sharded overlap'].median_s - floor) * 1e3:.0f} ms)"
         ],
         world=world,
     )
@@ -214,7 +226,8 @@ def _in_rank(args: argparse.Namespace) -> int:
 
 
 def _phases(timings: list[Any]) -> dict[str, float]:
-    """Median seconds of each optimizer phase (pack, reduce_scatter, update, all_gather, ...) over the steps."""
+    """Median seconds of each optimizer phase (pack, reduce_scatter, update, all_gather, ...)
+    over the steps."""
     phases = [t.value for t in timings if t.value]
     return {
         k: statistics.median(p.get(k, 0.0) for p in phases)

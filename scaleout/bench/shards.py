@@ -1,4 +1,5 @@
-"""scaleout bench shards: peak host memory per rank vs the number of MLPerf BERT shards, lazy vs eager."""
+"""scaleout bench shards: peak host memory per rank vs the number of MLPerf BERT shards, lazy vs
+eager."""
 
 from __future__ import annotations
 
@@ -10,14 +11,20 @@ from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
 
 NAME = "shards"
-HELP = "peak RSS per rank training on 2 vs 8 MLPerf HDF5 shards (lazy reader), with the eager load as baseline"
+HELP = (
+    "peak RSS per rank training on 2 vs 8 MLPerf HDF5 shards (lazy reader), with the eager load "
+    "as baseline"
+)
 DESCRIPTION = """\
 Writes --shards sets (default 2 and 8) of MLPerf BERT HDF5 shards of the same size (--rows-per-shard
 sequences each, lengths drawn from the Wikipedia-512 histogram, synthetic tokens) and, for each set:
 
-  lazy   a real `scaleout train` run on it (--nproc ranks, --steps steps, packed with --packing): the
-         trainer's report.json field peak_rss_mib_per_rank_max (ru_maxrss all-reduced MAX over ranks);
-  eager  the baseline, what every rank did before: load_shards() of the whole set in one process, its
+  lazy   a real `scaleout train` run on it (--nproc ranks, --steps steps, packed with --packing):
+  the
+         trainer's report.json field peak_rss_mib_per_rank_max (ru_maxrss all-reduced MAX over
+         ranks);
+  eager  the baseline, what every rank did before: load_shards() of the whole set in one process,
+  its
          ru_maxrss.
 
 The bar (docs/training-blocks.md): lazy peak RSS with the most shards <= 1.15x with the fewest.
@@ -178,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     hist_path = Path(args.hist) if args.hist else DEFAULT_HIST
     hist = load_histogram(hist_path, args.max_len) if args.hist or DEFAULT_HIST.is_file() else None
     print(
-        f"sequence lengths: {hist_path if hist is not None else f'all {args.max_len} (no histogram found)'}"
+        "sequence lengths: "
+        f"{hist_path if hist is not None else f'all {args.max_len} (no histogram found)'}"
     )
     tmp = tempfile.TemporaryDirectory(prefix="scaleout-shards-") if args.dir is None else None
     try:

@@ -1,27 +1,37 @@
-"""scaleout bench ttt: time-to-train head to head, scaleout against the stack a user would pick instead.
+"""scaleout bench ttt: time-to-train head to head, scaleout against the stack a user would pick
+instead.
 
-The same model (the config's tiny BERT), the same offline corpus, the same eval set and masked-LM target,
-trained to the target on the same cluster, in one invocation:
+The same model (the config's tiny BERT), the same offline corpus, the same eval set and masked-LM
+target, trained to the target on the same cluster, in one invocation:
 
 * **baseline**: a plain torch script (``scaleout.bench._ttt_baseline``) as every rank under the same
-  launcher: ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), torch's fused AdamW, padded
-  batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch sweep on the first
-  seed (a candidate is cut once it is slower than the best so far: it cannot become the best), and the
+  launcher: ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), torch's fused AdamW,
+  padded
+  batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch sweep on
+  the first
+  seed (a candidate is cut once it is slower than the best so far: it cannot become the best), and
+  the
   best one runs every seed;
-* **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical all-reduce
-  and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The batch is a recipe
-  choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at 64-256 (docs/ttt.md);
+* **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical
+  all-reduce
+  and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The batch is a
+  recipe
+  choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at 64-256
+  (docs/ttt.md);
 * **ablation** (the waterfall from the baseline to scaleout, one ingredient switched on per step):
-  scaleout's trainer with the baseline's recipe (framework), + packing, + the hierarchical all-reduce with
-  overlap, + LAMB at scaleout's batch (= scaleout). Each factor is the median over seeds of ttt(before) /
+  scaleout's trainer with the baseline's recipe (framework), + packing, + the hierarchical
+  all-reduce with
+  overlap, + LAMB at scaleout's batch (= scaleout). Each factor is the median over seeds of
+  ttt(before) /
   ttt(after); their product is checked against the measured ratio and the seeds' spread of it.
 
-Every run has the same budget of training sequences (the schedules decay to 0 at its end) and evaluates
-every ~``--eval-seqs`` sequences (MLPerf BERT fixes evaluation in samples too). Time-to-train is MLPerf's
-``run_start`` -> ``run_stop`` from each run's ``mlperf.log``; a run that does not reach the target is
-"> budget", never a number. Runs are interleaved (all recipes of a seed, cluster by cluster) so machine
-noise hits every recipe alike. Output: a table, JSON (every run with its accuracy-vs-time curve) and a PNG
-of accuracy against wall time for every run. ``--netns`` clusters need root.
+Every run has the same budget of training sequences (the schedules decay to 0 at its end) and
+evaluates every ~``--eval-seqs`` sequences (MLPerf BERT fixes evaluation in samples too).
+Time-to-train is MLPerf's ``run_start`` -> ``run_stop`` from each run's ``mlperf.log``; a run that
+does not reach the target is "> budget", never a number. Runs are interleaved (all recipes of a
+seed, cluster by cluster) so machine noise hits every recipe alike. Output: a table, JSON (every run
+with its accuracy-vs-time curve) and a PNG of accuracy against wall time for every run. ``--netns``
+clusters need root.
 """
 
 from __future__ import annotations
@@ -37,23 +47,26 @@ from scaleout.argtypes import csv_of
 from scaleout.bench._harness import bench_config
 
 NAME = "ttt"
-HELP = "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, hierarchical)"
+HELP = (
+    "time-to-train head to head: torch DDP + AdamW (padded, swept) vs scaleout (packing, LAMB, "
+    "hierarchical)"
+)
 DESCRIPTION = (
     __doc__
     + """
-scaleout's recipe is a config: --config plus SCALEOUT_RECIPE below plus your key=value overrides (they
-win). Its batch, learning rate, precision, wire dtype, all-reduce and buckets are config keys
-(train.global_batch, optim.lr, train.precision, comm.compression, comm.algorithm, comm.bucket_mb), the
-target is train.target and the cluster shape launch.nnodes x launch.nproc_per_node. The overrides also
-reach the baseline (its model, data and target). The keys every run sets from --budget, --eval-seqs and
---seeds (BENCH_KEYS) are refused.
+scaleout's recipe is a config: --config plus SCALEOUT_RECIPE below plus your key=value overrides
+(they win). Its batch, learning rate, precision, wire dtype, all-reduce and buckets are config keys
+(train.global_batch, optim.lr, train.precision, comm.compression, comm.algorithm, comm.bucket_mb),
+the target is train.target and the cluster shape launch.nnodes x launch.nproc_per_node. The
+overrides also reach the baseline (its model, data and target). The keys every run sets from
+--budget, --eval-seqs and --seeds (BENCH_KEYS) are refused.
 
 examples:
-  scaleout bench ttt                                  # local + netns 2x2 at 1 Gbit, 3 seeds, ablation on netns
+  scaleout bench ttt                # local + netns 2x2 at 1 Gbit, 3 seeds, ablation on netns
   scaleout bench ttt --clusters netns --seeds 1,2,3,4,5
   scaleout bench ttt --clusters local --no-ablation --baseline-lrs 2e-3 --baseline-batches 64
   scaleout bench ttt train.precision=fp32 comm.bucket_mb=4 optim.lr=1e-2 train.target=0.14
-  scaleout bench ttt --quick                          # tiny smoke (~1 min): local 1x2, one seed, tiny model
+  scaleout bench ttt --quick        # tiny smoke (~1 min): local 1x2, one seed, tiny model
 """
 )
 
@@ -62,7 +75,8 @@ SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
 # scaleout's recipe on top of --config (docs/ttt.md: why 32 packed rows at lr 2e-2); overrides win.
 SCALEOUT_RECIPE = [
     "train.target=0.13",  # 2.4x the most-frequent-token 0.054, above copy-the-input 0.117
-    "train.global_batch=32",  # packed rows, ~36 sequences: larger needs more sequences on this model
+    # packed rows, ~36 sequences: larger needs more sequences on this model
+    "train.global_batch=32",
     "optim.name=lamb",
     "optim.lr=2e-2",
     "train.precision=bf16",  # autocast matmuls, fp32 master weights and LAMB state
@@ -81,8 +95,8 @@ QUICK = [
     "train.global_batch=16",
     "launch.nnodes=1",
 ]
-# Set for every run from the bench's own rules (the sequence budget, the eval interval, the seeds, the run
-# directories): an override of one would be silently replaced, so it is refused.
+# Set for every run from the bench's own rules (the sequence budget, the eval interval, the seeds,
+# the run directories): an override of one would be silently replaced, so it is refused.
 BENCH_KEYS = (
     "optim.warmup_steps",
     "optim.total_steps",
@@ -125,7 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget",
         type=int,
         default=32000,
-        help="training sequences every run may use; the schedules decay to 0 there (default 32000, 1.2 epochs)",
+        help="training sequences every run may use; the schedules decay to 0 there (default 32000, "
+        "1.2 epochs)",
     )
     p.add_argument(
         "--eval-seqs",
@@ -191,7 +206,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="config overrides key=value (after --config and SCALEOUT_RECIPE): scaleout's recipe, and "
+        help="config overrides key=value (after --config and SCALEOUT_RECIPE): scaleout's recipe, "
+        "and "
         "the model/data/target of both sides, e.g. optim.lr=1e-2 model.bert.layers=1",
     )
 
@@ -205,7 +221,8 @@ def _quick(args: argparse.Namespace) -> None:
 
 
 def scaleout_config(args: argparse.Namespace) -> Any:
-    """--config + SCALEOUT_RECIPE + the overrides, validated (a bad key is one line, before any launch)."""
+    """--config + SCALEOUT_RECIPE + the overrides, validated (a bad key is one line, before any
+    launch)."""
     from scaleout.errors import UserError
 
     cfg = bench_config(args, SCALEOUT_RECIPE, BENCH_KEYS)
@@ -215,7 +232,8 @@ def scaleout_config(args: argparse.Namespace) -> Any:
 
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
-    """Sequences per packed row of the corpus at the config's settings (the packed recipes' algorithm)."""
+    """Sequences per packed row of the corpus at the config's settings (the packed recipes'
+    algorithm)."""
     from scaleout.families.bert.data.bert_sources import load_bert_data
     from scaleout.families.bert.packing.hist import histogram_from_lengths
     from scaleout.families.bert.packing.pack import pack_histogram
@@ -253,8 +271,8 @@ def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:
 def recipes(
     args: argparse.Namespace, cfg: Any, world: int, spr: float, best: Any
 ) -> dict[str, Any]:
-    """scaleout's recipe (read from ``cfg``: :func:`scaleout_config`) and the ablation chain, given the best
-    baseline recipe ``best``."""
+    """scaleout's recipe (read from ``cfg``: :func:`scaleout_config`) and the ablation chain,
+    given the best baseline recipe ``best``."""
     from scaleout.bench._ttt_runs import Recipe
 
     rows = max(
@@ -311,8 +329,9 @@ def _low_label(r: Any) -> str:
 def sweep(
     args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The baseline's lr x batch sweep on the first seed, candidates interleaved over the clusters; a
-    candidate is cut once it is slower than the best so far on its cluster. Returns the best per cluster."""
+    """The baseline's lr x batch sweep on the first seed, candidates interleaved over the
+    clusters; a candidate is cut once it is slower than the best so far on its cluster. Returns
+    the best per cluster."""
     from scaleout.bench._ttt_runs import Recipe, execute
 
     bs, lrs = args.baseline_batches, args.baseline_lrs
@@ -361,13 +380,15 @@ def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
     print(
-        f"[{len(rows) + 1}] {c.name} {r.name} seed {seed} ({r.kind}, {r.optimizer}, batch {r.batch}, lr {r.lr:g}) ...",
+        f"[{len(rows) + 1}] {c.name} {r.name} seed {seed} ({r.kind}, {r.optimizer}, batch "
+        f"{r.batch}, lr {r.lr:g}) ...",
         flush=True,
     )
 
 
 def _done(row: dict[str, Any], root: Path) -> None:
-    """One line per run; every finished run is also appended to runs.jsonl (a long bench keeps what it did)."""
+    """One line per run; every finished run is also appended to runs.jsonl (a long bench keeps
+    what it did)."""
     import json
 
     from scaleout.bench._ttt_report import cell
@@ -377,7 +398,8 @@ def _done(row: dict[str, Any], root: Path) -> None:
     ttt = cell(row) + (" s" if row["ttt_s"] is not None else "")
     print(
         f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
-        f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall {row['wall_s']:.0f} s",
+        f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall "
+        f"{row['wall_s']:.0f} s",
         flush=True,
     )
 
@@ -394,8 +416,10 @@ def run(args: argparse.Namespace) -> int:
     target = cfg.train.target
     plan = Plan(args.config, target, args.budget, args.eval_seqs, spr, algo, list(args.overrides))
     print(
-        f"{args.config}: target {target}, budget {args.budget} sequences, eval every ~{args.eval_seqs}, "
-        f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; seeds "
+        f"{args.config}: target {target}, budget {args.budget} sequences, eval every "
+        f"~{args.eval_seqs}, "
+        f"{algo} packing {spr:.4f} sequences/row; clusters {', '.join(c.name for c in clusters)}; "
+        "seeds "
         f"{args.seeds}",
         flush=True,
     )

@@ -7,16 +7,16 @@ Every subcommand is a module in this package (``scaleout/cli/<name>.py``) that d
     def add_arguments(parser)      # argparse options
     def run(args) -> int           # exit code
 
-and optionally ``ORDER: int`` (its place in ``scaleout --help``; default 50), ``DESCRIPTION: str`` (the
-long ``--help`` text; default HELP) and ``preflight(args, world_size, ranks_per_node)`` (checks a command
-line for a world before a launcher spawns any rank; raises UserError).
+and optionally ``ORDER: int`` (its place in ``scaleout --help``; default 50), ``DESCRIPTION: str``
+(the long ``--help`` text; default HELP) and ``preflight(args, world_size, ranks_per_node)`` (checks
+a command line for a world before a launcher spawns any rank; raises UserError).
 
 Modules are discovered, so adding a subcommand touches no shared file. Command modules import heavy
 libraries (torch, launchers) inside ``run`` so that ``scaleout --help`` stays fast.
 
-The CLI is the one place allowed to use both ``scaleout`` (what runs in a rank) and ``launchers`` (what
-starts ranks): it resolves a command and checks it (:func:`preflight`), then hands a launcher an argv and
-that check; launchers never import the CLI. See README "Architecture".
+The CLI is the one place allowed to use both ``scaleout`` (what runs in a rank) and ``launchers``
+(what starts ranks): it resolves a command and checks it (:func:`preflight`), then hands a launcher
+an argv and that check; launchers never import the CLI. See README "Architecture".
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from scaleout.errors import UserError
 
 
 def discover(package: ModuleType) -> list[ModuleType]:
-    """The modules of ``package`` that define ``NAME`` and ``run`` (names starting with ``_`` are private
-    helpers), ordered by their optional ``ORDER`` (default 50), then name."""
+    """The modules of ``package`` that define ``NAME`` and ``run`` (names starting with ``_`` are
+    private helpers), ordered by their optional ``ORDER`` (default 50), then name."""
     mods = []
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_"):
@@ -60,7 +60,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="scaleout",
-        description="Max-scale data-parallel training: launch ranks, train to target, benchmark, simulate.",
+        description="Max-scale data-parallel training: launch ranks, train to target, benchmark, "
+        "simulate.",
         epilog="Run 'scaleout <command> --help' for a command's options.",
     )
     from scaleout import __version__
@@ -80,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(cmd: list[str]) -> tuple[list[str], Callable[[int, int], None] | None]:
-    """A rank command as a launcher takes it: a bare subcommand (``smoke``) becomes ``scaleout smoke``; with
-    the check of a ``scaleout`` command line for a world (:func:`preflight`), else None."""
+    """A rank command as a launcher takes it: a bare subcommand (``smoke``) becomes ``scaleout
+    smoke``; with the check of a ``scaleout`` command line for a world (:func:`preflight`), else
+    None."""
     cmd = list(cmd)
     if cmd and cmd[0] in {m.NAME for m in subcommands()}:
         cmd = ["scaleout", *cmd]

@@ -1,4 +1,5 @@
-"""scaleout ckpt: inspect a training checkpoint, export its weights as a plain state dict and for Hugging Face."""
+"""scaleout ckpt: inspect a training checkpoint, export its weights as a plain state dict and for
+Hugging Face."""
 
 from __future__ import annotations
 
@@ -8,22 +9,27 @@ from typing import Any
 
 NAME = "ckpt"
 ORDER = 45
-HELP = "checkpoints: 'show' (step, config, sha256, shards), 'export' (plain .pt + Hugging Face BertForPreTraining)"
+HELP = (
+    "checkpoints: 'show' (step, config, sha256, shards), 'export' (plain .pt + Hugging Face "
+    "BertForPreTraining)"
+)
 DESCRIPTION = """\
-scaleout ckpt show   RUN_DIR_OR_CKPT
-scaleout ckpt export RUN_DIR_OR_CKPT [--out DIR] [--format plain,hf] [--config CONFIG [key=value ...]]
+scaleout ckpt show   RUN_DIR_OR_CKPT scaleout ckpt export RUN_DIR_OR_CKPT [--out DIR] [--format
+plain,hf] [--config CONFIG [key=value ...]]
 
-RUN_DIR_OR_CKPT: a ckpt-<step>.pt file, a checkpoint directory (its newest checkpoint that verifies is
-used), or a run directory holding one (ckpt/ or checkpoint/ inside it).
+RUN_DIR_OR_CKPT: a ckpt-<step>.pt file, a checkpoint directory (its newest checkpoint that verifies
+is used), or a run directory holding one (ckpt/ or checkpoint/ inside it).
 
-show: step, data position, samples, the run's config (model, data, optim), the file's sha256 (compare with
-sha256sum), the weights and any optimizer shards (per-rank states in the file, and files beside it).
+show: step, data position, samples, the run's config (model, data, optim), the file's sha256
+(compare with sha256sum), the weights and any optimizer shards (per-rank states in the file, and
+files beside it).
 
-export (BERT): DIR/model_state_dict.pt is the model's state dict in scaleout names (torch.load works, and
-model.init_checkpoint loads it); DIR/hf/ holds pytorch_model.bin in Hugging Face BertForPreTraining names
-plus config.json, so BertForPreTraining.from_pretrained(DIR/hf) loads it. The name mapping is
-scaleout/families/bert/convert.py (the same one model.init_checkpoint reads). Checkpoints written before
-the config was stored need --config (the run's config file or name and overrides).
+export (BERT): DIR/model_state_dict.pt is the model's state dict in scaleout names (torch.load
+works, and model.init_checkpoint loads it); DIR/hf/ holds pytorch_model.bin in Hugging Face
+BertForPreTraining names plus config.json, so BertForPreTraining.from_pretrained(DIR/hf) loads it.
+The name mapping is scaleout/families/bert/convert.py (the same one model.init_checkpoint reads).
+Checkpoints written before the config was stored need --config (the run's config file or name and
+overrides).
 
 examples:
   scaleout ckpt show runs/bert_tiny_cpu/ckpt
@@ -51,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def find_checkpoint(path: str) -> tuple[dict[str, Any], Path]:
-    """(state, file) for a file, a checkpoint directory (newest that verifies) or a run directory."""
+    """(state, file) for a file, a checkpoint directory (newest that verifies) or a run
+    directory."""
     from scaleout.checkpoint import Checkpointer, decode
     from scaleout.errors import UserError
 
@@ -60,7 +67,8 @@ def find_checkpoint(path: str) -> tuple[dict[str, Any], Path]:
         return decode(p.read_bytes(), str(p)), p
     if not p.is_dir():
         raise UserError(
-            f"{path} does not exist; expected a ckpt-<step>.pt file, a checkpoint or a run directory"
+            f"{path} does not exist; expected a ckpt-<step>.pt file, a checkpoint or a run "
+            "directory"
         )
     for d in (p, p / "ckpt", p / "checkpoint", p / "checkpoints"):
         found = Checkpointer(d).load_latest() if d.is_dir() else None
@@ -125,7 +133,8 @@ def _describe(q: Path) -> str:
 
 
 def hf_config(b: Any) -> dict[str, Any]:
-    """Hugging Face BertConfig fields of a model.bert config (activation names: bert_convert docstring)."""
+    """Hugging Face BertConfig fields of a model.bert config (activation names: bert_convert
+    docstring)."""
     return {
         "architectures": ["BertForPreTraining"],
         "model_type": "bert",

@@ -9,18 +9,19 @@ NAME = "cluster"
 ORDER = 15
 HELP = "bring an emulated multi-node cluster (netns + bridge + tc rate limit) up or down (root)"
 DESCRIPTION = """\
-One network namespace per node (<name>-n<i>, veth0 = <subnet>.(i+1)/24, no default route), joined by a
-bridge, with a tc token-bucket limit of --rate on both ends of every node's link. Ranks of one node talk
-over loopback; only cross-node traffic is limited. Needs root. `down` is idempotent.
+One network namespace per node (<name>-n<i>, veth0 = <subnet>.(i+1)/24, no default route), joined by
+a bridge, with a tc token-bucket limit of --rate on both ends of every node's link. Ranks of one
+node talk over loopback; only cross-node traffic is limited. Needs root. `down` is idempotent.
 
-Everything scaleout creates is recorded first (/run/scaleout/netns/<name>.json), and `down` removes only
-what a record lists. `down --all` removes every recorded cluster whose owner is gone: persistent ones from
-`cluster up` and the private clusters of `launch --netns` runs that were killed (a running launch's
-cluster is left alone).
+Everything scaleout creates is recorded first (/run/scaleout/netns/<name>.json), and `down` removes
+only what a record lists. `down --all` removes every recorded cluster whose owner is gone:
+persistent ones from `cluster up` and the private clusters of `launch --netns` runs that were killed
+(a running launch's cluster is left alone).
 
 examples:
   scaleout cluster up --nodes 4 --rate 1gbit
-  scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes 64MiB
+  scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes
+  64MiB
   scaleout cluster status
   scaleout cluster down
   scaleout cluster down --all
@@ -66,14 +67,17 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         cluster.up()
         print(
-            f"scaleout cluster: {args.nodes} nodes up ({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), rate {args.rate}"
+            f"scaleout cluster: {args.nodes} nodes up "
+            f"({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), "
+            f"rate {args.rate}"
         )
     elif args.action == "down":
         require_root()
         rec = read_records().get(args.name)
         if rec is not None and owner_alive(rec):
             raise UserError(
-                f"cluster {args.name!r} belongs to the running launch pid {rec['owner_pid']}: stop that launch"
+                f"cluster {args.name!r} belongs to the running launch pid {rec['owner_pid']}: stop "
+                "that launch"
             )
         cluster.down()
         if rec is not None:

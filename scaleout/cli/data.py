@@ -1,4 +1,5 @@
-"""scaleout data: MLPerf BERT shards -- write them from the offline corpus, index them for lazy training."""
+"""scaleout data: MLPerf BERT shards -- write them from the offline corpus, index them for lazy
+training."""
 
 from __future__ import annotations
 
@@ -6,25 +7,30 @@ import argparse
 
 NAME = "data"
 ORDER = 42
-HELP = "MLPerf BERT shards: 'make-shards' (offline corpus -> HDF5 in the MLPerf layout), 'index' (lazy training)"
+HELP = (
+    "MLPerf BERT shards: 'make-shards' (offline corpus -> HDF5 in the MLPerf layout), 'index' "
+    "(lazy training)"
+)
 DESCRIPTION = """\
 scaleout data make-shards DIR --shards N [--layout fixed|varlength|packed] [--max-seq-len 128] ...
 scaleout data index DIR [--max-seq-len 512] [--packing lphp] [--max-per-pack 3] [--seed 0]
 
-make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in the
-MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions, masked_lm_ids,
-next_sentence_labels with the reference's dtypes and shapes (--layout fixed), or NVIDIA's variable-length
-(v1.0+) or packed (v2.0+) layouts -- from the offline pydoc/stdlib corpus, plus DIR/vocab.txt. Train on it
-with data.source=wikipedia data.path=DIR.
+make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in
+the MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions,
+masked_lm_ids, next_sentence_labels with the reference's dtypes and shapes (--layout fixed), or
+NVIDIA's variable-length (v1.0+) or packed (v2.0+) layouts -- from the offline pydoc/stdlib corpus,
+plus DIR/vocab.txt. Train on it with data.source=wikipedia data.path=DIR.
 
-index: builds the per-shard length index and packs that lazy training reads (DIR/train/.scaleout-index);
-training builds it itself when missing (in parallel over the ranks), this does it ahead of time.
+index: builds the per-shard length index and packs that lazy training reads
+(DIR/train/.scaleout-index); training builds it itself when missing (in parallel over the ranks),
+this does it ahead of time.
 
 examples:
   scaleout data make-shards /tmp/shards --shards 8
   scaleout data make-shards /tmp/packed --shards 4 --layout packed --max-seq-len 128
   scaleout data index /tmp/shards --max-seq-len 128 --packing lphp
-  scaleout launch --nproc-per-node 2 -- scaleout train bert_tiny_cpu data.source=wikipedia data.path=/tmp/shards
+  scaleout launch --nproc-per-node 2 -- scaleout train bert_tiny_cpu data.source=wikipedia
+  data.path=/tmp/shards
 """
 
 
@@ -86,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
             args.max_per_pack,
         )
         print(
-            f"{len(info['train'])} {info['layout']} training shards ({info['train_sequences']} sequences, "
-            f"{info['train_tokens']} tokens) and {info['eval']} ({info['eval_sequences']} sequences) "
+            f"{len(info['train'])} {info['layout']} training shards ({info['train_sequences']} "
+            "sequences, "
+            f"{info['train_tokens']} tokens) and {info['eval']} ({info['eval_sequences']} "
+            "sequences) "
             f"in {time.perf_counter() - t:.1f} s"
         )
         return 0

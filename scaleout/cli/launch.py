@@ -11,17 +11,18 @@ HELP = "run N processes as M emulated nodes on this machine, supervised (smoke t
 DESCRIPTION = """\
 Start nnodes x nproc-per-node processes on this machine. Each sees its own node rank and local rank
 (scaleout.init() builds the World from them; torchrun's RANK/LOCAL_RANK/WORLD_SIZE are set too).
-Output lines are prefixed with [rank N]. If a rank exits non-zero or is killed, the others are stopped
-(SIGTERM, then SIGKILL after --grace) and the launcher exits non-zero naming the rank. SIGINT, SIGTERM
-and SIGHUP stop every rank the same way; if the launcher is killed outright (SIGKILL, OOM), a watchdog
-process stops the ranks and removes a --netns launch's private cluster. A closed stdout (| head, a dead
-ssh) drops the ranks' output but never blocks them.
+Output lines are prefixed with [rank N]. If a rank exits non-zero or is killed, the others are
+stopped (SIGTERM, then SIGKILL after --grace) and the launcher exits non-zero naming the rank.
+SIGINT, SIGTERM and SIGHUP stop every rank the same way; if the launcher is killed outright
+(SIGKILL, OOM), a watchdog process stops the ranks and removes a --netns launch's private cluster. A
+closed stdout (| head, a dead ssh) drops the ranks' output but never blocks them.
 
 examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout train configs/bert_tiny_cpu.yaml
   scaleout launch --nproc-per-node 4 -- python my_script.py --lr 1e-3
-  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce --sizes 64MiB
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce
+  --sizes 64MiB
 
 --netns (root) runs every emulated node in its own network namespace with a rate-limited link
 (launchers/netns.py): a private cluster is brought up for this launch and always torn down after.
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=nproc_value,
         default="1",
         metavar="N|auto|cpu|gpu",
-        help="processes per node (default 1); as torchrun: gpu = visible CUDA devices, cpu = usable "
+        help="processes per node (default 1); as torchrun: gpu = visible CUDA devices, cpu = "
+        "usable "
         "cores, auto = gpu if there is one, else cpu",
     )
     p.add_argument(
@@ -58,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--grace",
         type=float,
         default=30.0,
-        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's KillWait and "
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 30, as Slurm's "
+        "KillWait and "
         "torchrun: time for the trainer's checkpoint)",
     )
     p.add_argument(
@@ -95,7 +98,8 @@ NPROC_WORDS = ("auto", "cpu", "gpu")
 
 
 def nproc_value(text: str) -> str:
-    """argparse type of --nproc-per-node: an integer >= 1 or one of torchrun's words (resolved in run)."""
+    """argparse type of --nproc-per-node: an integer >= 1 or one of torchrun's words (resolved in
+    run)."""
     if text in NPROC_WORDS or (text.isdigit() and int(text) >= 1):
         return text
     raise argparse.ArgumentTypeError(
@@ -104,8 +108,8 @@ def nproc_value(text: str) -> str:
 
 
 def resolve_nproc(value: str | int) -> int:
-    """torchrun's rule (torch.distributed.run.determine_local_world_size): gpu = CUDA devices, cpu = the
-    cores this process may use, auto = gpu when there is one, else cpu."""
+    """torchrun's rule (torch.distributed.run.determine_local_world_size): gpu = CUDA devices,
+    cpu = the cores this process may use, auto = gpu when there is one, else cpu."""
     import os
 
     from scaleout.errors import UserError

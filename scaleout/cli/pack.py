@@ -6,23 +6,28 @@ import argparse
 
 NAME = "pack"
 ORDER = 40
-HELP = "sequence packing: compare SPFHP/LPFHP/NNLSHP/LPHP on a histogram, write the strategy (and packs)"
+HELP = (
+    "sequence packing: compare SPFHP/LPFHP/NNLSHP/LPHP on a histogram, write the strategy (and "
+    "packs)"
+)
 DESCRIPTION = """\
-scaleout pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--algorithms a,b] [--out S.json]
+scaleout pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--algorithms a,b] [--out
+S.json]
 
 Runs every algorithm on a sequence-length histogram (Graphcore's format: 'length count' lines, '#'
 comments) or on a dataset given as its sequence lengths (--lengths: one integer per line, or a .npy
 array), prints efficiency (real tokens / (packs x max_len)), speed-up (sequences / packs), depth
 histogram and run time side by side, and writes the most efficient strategy as JSON. With --lengths
-and --packed-out it also assigns every sequence to a pack (deterministic for --seed) and writes
-ids + offsets (.npz): pack i holds ids[offsets[i]:offsets[i+1]].
+and --packed-out it also assigns every sequence to a pack (deterministic for --seed) and writes ids
++ offsets (.npz): pack i holds ids[offsets[i]:offsets[i+1]].
 
 Algorithms: spfhp, lpfhp, nnlshp (Graphcore, arXiv 2107.02027) and lphp (ours: LP over exact-fill
 packs, rounded; see docs/packing.md). nnlshp takes ~20-40 s on Wikipedia-512.
 
 examples:
   scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 3
-  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 12 --algorithms spfhp,lpfhp,lphp
+  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 12 --algorithms
+  spfhp,lpfhp,lphp
   scaleout pack --lengths lengths.txt --max-len 128 --out strategy.json --packed-out packed.npz
 """
 
@@ -50,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_lengths(path: str):
-    """Integer sequence lengths from a text file (one per line) or an integer .npy array; one-line errors."""
+    """Integer sequence lengths from a text file (one per line) or an integer .npy array;
+    one-line errors."""
     from pathlib import Path
 
     import numpy as np
@@ -70,7 +76,8 @@ def _read_lengths(path: str):
         if not np.issubdtype(arr.dtype, np.integer):
             example = arr.reshape(-1)[:1].tolist()
             raise UserError(
-                f"lengths file {path!r}: {arr.dtype} array (e.g. {example[0] if example else '?'!r}), expected integer "
+                f"lengths file {path!r}: {arr.dtype} array (e.g. "
+                f"{example[0] if example else '?'!r}), expected integer "
                 "sequence lengths (a float array would be truncated silently)"
             )
         if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
@@ -121,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         h = load_histogram(args.histogram, args.max_len)
     tokens = int((h * np.arange(len(h))).sum())
     print(
-        f"{int(h.sum())} sequences, {tokens} tokens, max_len {args.max_len}, <= {args.max_per_pack} per pack; "
+        f"{int(h.sum())} sequences, {tokens} tokens, max_len {args.max_len}, <= "
+        f"{args.max_per_pack} per pack; "
         f"speed-up ceiling {speedup_ceiling(h):.4f}",
         flush=True,
     )

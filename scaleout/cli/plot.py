@@ -10,10 +10,11 @@ HELP = "draw a run's loss, learning-rate and eval curves (RUN_DIR/metrics.jsonl)
 DESCRIPTION = """\
 scaleout plot RUN_DIR [--out PNG]
 
-Reads the metrics file every `scaleout train` writes on rank 0 (<train.output_dir>/metrics.jsonl: one record
-per train.log_every steps and one per evaluation; a resumed run's repeated steps count once, the latest)
-and draws the training loss with the learning rate, and the eval metric against its target. The end of
-a run draws the same picture to RUN_DIR/metrics.png when matplotlib is installed.
+Reads the metrics file every `scaleout train` writes on rank 0 (<train.output_dir>/metrics.jsonl:
+one record per train.log_every steps and one per evaluation; a resumed run's repeated steps count
+once, the latest) and draws the training loss with the learning rate, and the eval metric against
+its target. The end of a run draws the same picture to RUN_DIR/metrics.png when matplotlib is
+installed.
 
 examples:
   scaleout plot runs/bert_tiny_cpu
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if evals:
         best = max(evals, key=lambda r: r["value"])
         print(
-            f"{len(evals)} evaluations, best {best['metric']} {best['value']:.4f} at step {best['step']}"
+            f"{len(evals)} evaluations, best {best['metric']} {best['value']:.4f} at step "
+            f"{best['step']}"
         )
     path = plot_run(args.run_dir, args.out)
     if path is None:

@@ -10,10 +10,14 @@ from scaleout.output import pyplot
 NAME = "simulate"
 ALL_ALGORITHMS = "every algorithm of scaleout.comm, then the simulator-only tree; also: leader"
 ORDER = 70
-HELP = "cost-model simulator: all-reduce algorithms and training steps at 8-4096+ GPUs, calibration, validation"
+HELP = (
+    "cost-model simulator: all-reduce algorithms and training steps at 8-4096+ GPUs, "
+    "calibration, validation"
+)
 DESCRIPTION = """\
-An alpha-beta-gamma model of the all-reduce algorithms of scaleout.comm (each prices itself; plus the
-simulator-only NCCL tree and Horovod leader ring) and of a data-parallel training step with bucketed overlap (docs/simulate.md). Instant; no GPU needed.
+An alpha-beta-gamma model of the all-reduce algorithms of scaleout.comm (each prices itself; plus
+the simulator-only NCCL tree and Horovod leader ring) and of a data-parallel training step with
+bucketed overlap (docs/simulate.md). Instant; no GPU needed.
 
 actions:
   scale      step time, exposed communication, scaling efficiency and time to train per algorithm
@@ -21,23 +25,27 @@ actions:
   calibrate  fit the constants to `scaleout bench allreduce` JSON; report held-out prediction error
   validate   predictions vs published numbers (nccl-tests, MLPerf BERT v2.0-v3.1, Horovod #542)
   presets    list the cluster and model presets
-  mlperf-log steps, time per step and score of MLPerf result_*.txt files (how validate's numbers were read)
+  mlperf-log steps, time per step and score of MLPerf result_*.txt files (how validate's numbers
+  were read)
 
 Optimizer placement (--optimizer): replicated (all-reduce, LAMB on every parameter), sharded (ZeRO-1
 over all ranks: reduce-scatter, LAMB on 1/p, all-gather; optim.sharded=true), sharded-node (apex
-DistributedFusedLAMB: sharded within each node). --sharp: in-network reduction between nodes (SHARP via
-NCCL CollNet) for tree/hierarchical/torus2d, on InfiniBand presets.
+DistributedFusedLAMB: sharded within each node). --sharp: in-network reduction between nodes (SHARP
+via NCCL CollNet) for tree/hierarchical/torus2d, on InfiniBand presets.
 
 examples:
   scaleout simulate scale --config configs/bert_large_256x8.yaml --sharp
   scaleout simulate scale --config configs/bert_large_256x8.yaml --min-gpus 2048 optim.sharded=true
-  scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png bench-results/sim.png
+  scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png
+  bench-results/sim.png
   scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
-  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms flat,hierarchical
+  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms
+  flat,hierarchical
   scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
   scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d --min-bytes 1MiB
   scaleout simulate validate --out bench-results/sim-validate.json
-  scaleout simulate mlperf-log training_results_v2.0/NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert
+  scaleout simulate mlperf-log
+  training_results_v2.0/NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert
 """
 
 
@@ -82,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument(
         "--config",
         default=None,
-        help="training config (YAML as for `scaleout train`): model size, per-GPU batch, optim.sharded, "
+        help="training config (YAML as for `scaleout train`): model size, per-GPU batch, "
+        "optim.sharded, "
         "comm.*, samples and the config's node count (added to the sweep)",
     )
     sc.add_argument(
@@ -96,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument(
         "--optimizer",
         default=None,
-        help="replicated | sharded | sharded-node (default replicated, or the config's optim.sharded)",
+        help="replicated | sharded | sharded-node (default replicated, or the config's "
+        "optim.sharded)",
     )
     sc.add_argument(
         "--param-bytes",
@@ -260,7 +270,8 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
         from scaleout.config.load import load_config
         from scaleout.sim.fromconfig import from_config
 
-        # --optimizer sharded/replicated on a config means the product's optimizer, with its wire bytes
+        # --optimizer sharded/replicated on a config means the product's optimizer, with its wire
+        # bytes
         placement = {
             "sharded": ["optim.sharded=true"],
             "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
@@ -348,8 +359,10 @@ def run_scale(args: argparse.Namespace) -> int:
                 ]
             )
     print(
-        f"{model.name} on {cluster.name}{' + SHARP' if cluster.sharp else ''}: {train.local_batch:g} samples/GPU, "
-        f"{model.params / 1e6:.0f}M params, {model.grad_bytes} B grads in {train.bucket_mb:g} MB buckets, "
+        f"{model.name} on {cluster.name}{' + SHARP' if cluster.sharp else ''}: "
+        f"{train.local_batch:g} samples/GPU, "
+        f"{model.params / 1e6:.0f}M params, {model.grad_bytes} B grads in {train.bucket_mb:g} MB "
+        "buckets, "
         f"optimizer {train.optimizer}, "
         + (
             f"{train.samples_per_s:g} samples/s/device"
@@ -478,7 +491,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     fit, checks = cross_validate(samples, split_default(samples, holdout, args.every))
     print(
         f"fitted on {sum(c.trained_on for c in checks)} of {len(checks)} rows "
-        f"(held out: every size not in each {args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})"
+        "(held out: every size not in each "
+        f"{args.every}-th{', algorithms ' + ', '.join(holdout) if holdout else ''})"
     )
     print(format_table(["constant", "value"], list(fit.constants.describe().items())))
     table = [

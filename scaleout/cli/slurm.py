@@ -8,12 +8,13 @@ NAME = "slurm"
 ORDER = 60
 HELP = "start, stop or inspect a real local Slurm cluster (n1..n4 on this host) for tests and demos"
 DESCRIPTION = """\
-A real Slurm 22.05 cluster on one machine: munge, MariaDB + slurmdbd (sacct), slurmctld and four slurmd as
-emulated nodes n1..n4 (each 4 CPUs). Needs root; installs the Debian packages with apt when missing.
-State lives in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm). Clients need SLURM_CONF, printed by
-`status`. The state folder must be root's and writable by nobody else (a folder another user created is
-refused); `down` signals only PIDs that are that folder's daemons, `--wipe` deletes only in a folder that
-carries scaleout's marker, and the n1..n4 line `up` adds to /etc/hosts is marked and removed by `down`.
+A real Slurm 22.05 cluster on one machine: munge, MariaDB + slurmdbd (sacct), slurmctld and four
+slurmd as emulated nodes n1..n4 (each 4 CPUs). Needs root; installs the Debian packages with apt
+when missing. State lives in $SCALEOUT_SLURM_STATE (default /tmp/scaleout-slurm). Clients need
+SLURM_CONF, printed by `status`. The state folder must be root's and writable by nobody else (a
+folder another user created is refused); `down` signals only PIDs that are that folder's daemons,
+`--wipe` deletes only in a folder that carries scaleout's marker, and the n1..n4 line `up` adds to
+/etc/hosts is marked and removed by `down`.
 
 examples:
   scaleout slurm up                 # ~3 s (11 s the first time: database init)

@@ -1,4 +1,5 @@
-"""scaleout smoke: build the World and its groups, check all-reduces, print a short report (rank 0)."""
+"""scaleout smoke: build the World and its groups, check all-reduces, print a short report (rank
+0)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ NAME = "smoke"
 ORDER = 15
 HELP = "distributed smoke check: World, groups, all-reduce correctness and a short report"
 DESCRIPTION = """\
-Run under any launcher (scaleout launch, srun, mpiexec, torchrun). Every rank builds the World, creates
-the intra-node, inter-node and torus groups, checks an all-reduce on each against the expected sum, and
-rank 0 prints the topology and timings. Exits non-zero on any mismatch.
+Run under any launcher (scaleout launch, srun, mpiexec, torchrun). Every rank builds the World,
+creates the intra-node, inter-node and torus groups, checks an all-reduce on each against the
+expected sum, and rank 0 prints the topology and timings. Exits non-zero on any mismatch.
 
 example:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke
@@ -75,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
     print0(
         "scaleout smoke report\n"
         f"  launcher environment : {world.launcher}\n"
-        f"  world                : {world.world_size} ranks on {world.num_nodes} nodes, ranks per node "
+        f"  world                : {world.world_size} ranks on {world.num_nodes} nodes, ranks per "
+        "node "
         f"{[len(r) for r in world.ranks_per_node]}\n"
         f"  device / backend     : {world.device} / {world.backend}\n"
         f"  rendezvous           : {world.master_addr}:{world.master_port} (init {t_init:.2f} s)\n"
         f"  groups               : {groups}\n"
         f"  all-reduce {args.numel * 4 / 2**20:.0f} MiB fp32: {t_ar * 1e3:.1f} ms\n"
-        f"  result               : {'OK' if bad.item() == 0 else f'FAILED on {int(bad.item())} checks'}",
+        "  result               : "
+        f"{'OK' if bad.item() == 0 else f'FAILED on {int(bad.item())} checks'}",
         rank=world.rank,
     )
     world.close()

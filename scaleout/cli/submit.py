@@ -1,4 +1,5 @@
-"""scaleout submit: run training on a cluster through submitit (Slurm, or submitit's local executor)."""
+"""scaleout submit: run training on a cluster through submitit (Slurm, or submitit's local
+executor)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,23 @@ import shlex
 
 NAME = "submit"
 ORDER = 25
-HELP = "submit a run with submitit (Slurm if present, else locally); prints job ids and follows rank 0's log"
+HELP = (
+    "submit a run with submitit (Slurm if present, else locally); prints job ids and follows "
+    "rank 0's log"
+)
 DESCRIPTION = """\
-One task per GPU (--gpus-per-node tasks on each of --nodes nodes); every task runs `scaleout train CONFIG
-[overrides]` (or --command) in-process, so the training loop receives the preemption signal itself:
-rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.dir. Without Slurm
-(no sbatch on PATH) submitit's local executor runs the tasks on this machine (one node).
+One task per GPU (--gpus-per-node tasks on each of --nodes nodes); every task runs `scaleout train
+CONFIG [overrides]` (or --command) in-process, so the training loop receives the preemption signal
+itself: rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.dir. Without
+Slurm (no sbatch on PATH) submitit's local executor runs the tasks on this machine (one node).
 
 examples:
-  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time 120 \
+  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time
+  120 \
       --slurm account=myproj --slurm qos=high --slurm constraint=a100
   scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request
-  scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1 --gpus-per-node 2
+  scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1
+  --gpus-per-node 2
   scaleout submit --command "smoke --numel 1000" --nodes 2 --gpus-per-node 2
   scaleout submit configs/bert_tiny_cpu.yaml --cluster local --gpus-per-node 2 --no-follow
 """
@@ -48,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VAL",
-        help="any sbatch option, repeatable: --slurm account=proj --slurm qos=high --slurm constraint=a100 "
+        help="any sbatch option, repeatable: --slurm account=proj --slurm qos=high --slurm "
+        "constraint=a100 "
         "--slurm exclusive (written as #SBATCH --KEY=VAL)",
     )
     p.add_argument(
@@ -106,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         argv = ["train", args.config, *args.overrides]
     else:
         raise UserError(
-            "no CONFIG given (expected e.g. `scaleout submit configs/bert_tiny_cpu.yaml`, or --command)"
+            "no CONFIG given (expected e.g. `scaleout submit configs/bert_tiny_cpu.yaml`, or "
+            "--command)"
         )
     spec = SubmitSpec(
         argv=argv,
@@ -123,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         array=parse_array(args.array),
         extra_slurm=parse_slurm_options(args.slurm),
     )
-    # The same checks `scaleout launch` runs, for every job's command and this world, before anything is
-    # queued: a bad config is one line here, not a 256-node job whose every rank fails.
+    # The same checks `scaleout launch` runs, for every job's command and this world, before
+    # anything is queued: a bad config is one line here, not a 256-node job whose every rank fails.
     from scaleout.cli import main, preflight
 
     for job_argv in job_argvs(spec):
@@ -133,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     where = resolve_cluster(spec.cluster)
     for j in jobs:
         print(
-            f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} task(s), "
+            f"submitted {where} job {j.job_id}: {spec.nodes} node(s) x {spec.gpus_per_node} "
+            "task(s), "
             f"scaleout {' '.join(argv)}; logs {j.job.paths.stdout}",
             flush=True,
         )

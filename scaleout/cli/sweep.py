@@ -1,4 +1,5 @@
-"""scaleout sweep: scaling efficiency of a config over world sizes (weak or strong), on any launcher."""
+"""scaleout sweep: scaling efficiency of a config over world sizes (weak or strong), on any
+launcher."""
 
 from __future__ import annotations
 
@@ -16,36 +17,40 @@ scaleout sweep CONFIG --world 1,2,4,8 [overrides ...]
 
 Runs `scaleout train CONFIG` at every world size for --steps steps (the first --warmup steps are not
 timed), one point after another, and collects each point's report.json: step time, samples/s and its
-breakdown (compute, exposed communication, optimizer, data, other), then the scaling efficiency against
-the smallest world b of the sweep (normally 1):
+breakdown (compute, exposed communication, optimizer, data, other), then the scaling efficiency
+against the smallest world b of the sweep (normally 1):
 
   weak   (per-rank batch fixed, global = per-rank x N):  (X_N / N) / (X_b / b), X = samples/s
   strong (global batch fixed, must divide by every N):   b * T_b / (N * T_N),   T = s per step
 
-Writes sweep.csv, sweep.json, sweep.md (the table printed here) and sweep.png (throughput and efficiency
-vs GPUs with the ideal line, step-time breakdown) to --out-dir; each point's logs and report.json are in
-<out-dir>/points/w<N>-<nodes>x<ranks>/.
+Writes sweep.csv, sweep.json, sweep.md (the table printed here) and sweep.png (throughput and
+efficiency vs GPUs with the ideal line, step-time breakdown) to --out-dir; each point's logs and
+report.json are in <out-dir>/points/w<N>-<nodes>x<ranks>/.
 
 Node shape of each point (one of):
-  --nproc-per-node G   G ranks per node (default: the config's launch.nproc_per_node). N <= G runs on one
+  --nproc-per-node G   G ranks per node (default: the config's launch.nproc_per_node). N <= G runs
+  on one
                        node with N ranks; larger N must be a multiple of G and runs on N / G nodes.
   --nodes 1,1,2,4      node count per world size (same length as --world); N / nodes ranks per node.
 
 Launchers: local (launchers/local.py on this machine, each node's ranks as an emulated node; --netns
-puts every node in its own network namespace with a --rate link), slurm (one sbatch -N/--ntasks-per-node
-job per point, waited for; works with the local cluster of `scaleout slurm up` or a real one), submit
-(submitit: Slurm if sbatch is on PATH, else its local executor, one node).
+puts every node in its own network namespace with a --rate link), slurm (one sbatch
+-N/--ntasks-per-node job per point, waited for; works with the local cluster of `scaleout slurm up`
+or a real one), submit (submitit: Slurm if sbatch is on PATH, else its local executor, one node).
 
 On a machine with fewer cores than ranks the numbers measure CPU oversubscription more than the
 framework; the output says so.
 
 examples:
-  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 --simulate netns-1g
+  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 --simulate
+  netns-1g
   scaleout sweep bert_tiny_cpu --world 1,2,4 --mode strong --global-batch 32
   scaleout sweep resnet_cpu --world 2,4 --nodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --no-gpu-request
-  scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --slurm account=proj --resume
-  scaleout sweep configs/bert_large_256x8.yaml --world 8,64,512,2048 --nproc-per-node 8 --launcher slurm \\
+  scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --slurm
+  account=proj --resume
+  scaleout sweep configs/bert_large_256x8.yaml --world 8,64,512,2048 --nproc-per-node 8 --launcher
+  slurm \\
       --partition gpu --time 20 --simulate dgx-a100
 """
 
@@ -55,8 +60,9 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)+=")
 
 
 def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
-    """Let overrides follow options (`sweep CFG --world 1,2 optim.lr=1e-3`): argparse alone cannot place a
-    positional list after options, so override-shaped tokens are taken out before parsing and put back."""
+    """Let overrides follow options (`sweep CFG --world 1,2 optim.lr=1e-3`): argparse alone
+    cannot place a positional list after options, so override-shaped tokens are taken out before
+    parsing and put back."""
     parse = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
@@ -99,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--per-rank-batch",
         type=int,
         default=None,
-        help="weak: samples per rank per step (default: the config's global_batch / its launch world)",
+        help="weak: samples per rank per step (default: the config's global_batch / its launch "
+        "world)",
     )
     p.add_argument(
         "--global-batch",
@@ -113,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median run",
+        help="run the whole sweep this many rounds (1,2,4,1,2,4,...) and keep each point's median "
+        "run",
     )
     p.add_argument(
         "--launcher",
@@ -146,13 +154,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="skip runs whose folder already holds a good report of the same command (an interrupted sweep)",
+        help="skip runs whose folder already holds a good report of the same command (an "
+        "interrupted sweep)",
     )
     p.add_argument(
         "--threads-per-rank",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores / "
+        help="OMP_NUM_THREADS of every rank at every point (default: $OMP_NUM_THREADS, else cores "
+        "/ "
         "largest world for local runs, so a rank has the same CPU share at every point)",
     )
     p.add_argument(
@@ -165,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--simulate",
         default=None,
         metavar="PRESET",
-        help="add the cost model's efficiency for each point (scaleout simulate presets, e.g. netns-1g)",
+        help="add the cost model's efficiency for each point (scaleout simulate presets, e.g. "
+        "netns-1g)",
     )
     p.add_argument(
         "--out-dir",
@@ -181,12 +192,14 @@ def _batch(args: argparse.Namespace, cfg: object) -> int:
 
     if args.mode == "weak" and args.global_batch is not None:
         raise UserError(
-            f"--global-batch={args.global_batch} with --mode weak: weak scaling fixes the per-rank batch "
+            f"--global-batch={args.global_batch} with --mode weak: weak scaling fixes the per-rank "
+            "batch "
             f"(use --per-rank-batch)"
         )
     if args.mode == "strong" and args.per_rank_batch is not None:
         raise UserError(
-            f"--per-rank-batch={args.per_rank_batch} with --mode strong: strong scaling fixes the global "
+            f"--per-rank-batch={args.per_rank_batch} with --mode strong: strong scaling fixes the "
+            "global "
             f"batch (use --global-batch)"
         )
     given = args.per_rank_batch if args.mode == "weak" else args.global_batch
@@ -194,8 +207,9 @@ def _batch(args: argparse.Namespace, cfg: object) -> int:
 
 
 def _threads(args: argparse.Namespace, points: list) -> int | None:
-    """Threads per rank, the same at every point: a rank is one GPU, and a GPU does not get faster when
-    fewer ranks run (launchers.local would otherwise give each rank cores / world threads)."""
+    """Threads per rank, the same at every point: a rank is one GPU, and a GPU does not get
+    faster when fewer ranks run (launchers.local would otherwise give each rank cores / world
+    threads)."""
     from scaleout.errors import UserError
 
     if args.threads_per_rank is not None:
@@ -210,7 +224,8 @@ def _threads(args: argparse.Namespace, points: list) -> int | None:
 
 
 def _on_this_host(args: argparse.Namespace) -> bool:
-    """Do the ranks run on this machine (local launcher, submitit's local executor, the local Slurm)?"""
+    """Do the ranks run on this machine (local launcher, submitit's local executor, the local
+    Slurm)?"""
     if args.launcher == "local":
         return True
     if args.launcher == "submit":
@@ -233,8 +248,10 @@ def _notes(
         share = f"at {most} ranks {most / cores:.1f}x oversubscribed" if most > cores else "shared"
         share += f" with whatever else runs (load average {load:.1f} at the end)"
         notes.append(
-            f"every rank runs on this machine's {cores} CPU cores, {share}: these numbers measure CPU "
-            f"sharing more than communication (the tool measures honestly; the machine is the limit)"
+            f"every rank runs on this machine's {cores} CPU cores, {share}: these numbers measure "
+            "CPU "
+            "sharing more than communication (the tool measures honestly; the machine is the "
+            "limit)"
         )
     if base_world not in (None, 1):
         notes.append(
@@ -244,8 +261,10 @@ def _notes(
         notes.append(f"OMP_NUM_THREADS={threads} per rank at every point")
     rounds = f"; each point is the median of {args.repeats} rounds" if args.repeats > 1 else ""
     notes.append(
-        f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
-        f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower ranks)"
+        f"times are rank 0's mean over {args.steps - args.warmup} timed steps after {args.warmup} "
+        "warm-up"
+        f"{rounds}; 'other' = step time minus the named phases (per-step vote, waiting for slower "
+        "ranks)"
     )
     return notes
 
@@ -307,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(
         f"scaleout sweep: {args.config}, {args.mode} scaling, worlds {[p.world for p in points]}, "
-        f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> {args.out_dir}",
+        f"launcher {args.launcher}{' (netns ' + args.rate + ')' if args.netns else ''} -> "
+        f"{args.out_dir}",
         flush=True,
     )
     results = run_sweep(

@@ -12,15 +12,17 @@ HELP = (
 DESCRIPTION = """\
 scaleout train CONFIG [section.key=value ...]
 
-Runs inside every rank (start it with scaleout launch, srun, mpiexec, torchrun or horovodrun). Builds the
-World from the launcher's environment, then model, data, overlapped reducer, optimizer and schedule from
-the config; trains with periodic evaluation until train.target or train.max_steps; writes an MLPerf log,
-checkpoints and a time-to-train report under train.output_dir. Resumes from the latest valid checkpoint in
-checkpoint.dir. SIGUSR2/SIGTERM: checkpoint and exit cleanly (and requeue under Slurm).
+Runs inside every rank (start it with scaleout launch, srun, mpiexec, torchrun or horovodrun).
+Builds the World from the launcher's environment, then model, data, overlapped reducer, optimizer
+and schedule from the config; trains with periodic evaluation until train.target or train.max_steps;
+writes an MLPerf log, checkpoints and a time-to-train report under train.output_dir. Resumes from
+the latest valid checkpoint in checkpoint.dir. SIGUSR2/SIGTERM: checkpoint and exit cleanly (and
+requeue under Slurm).
 
 examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout train configs/bert_tiny_cpu.yaml
-  scaleout launch --nproc-per-node 4 -- scaleout train bert_tiny_cpu optim.lr=2e-3 comm.algorithm=torus2d
+  scaleout launch --nproc-per-node 4 -- scaleout train bert_tiny_cpu optim.lr=2e-3
+  comm.algorithm=torus2d
   srun scaleout train configs/bert_large_256x8.yaml
 """
 

@@ -1,8 +1,9 @@
-"""Topology-aware collectives: ``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)``, and
-``reduce_scatter`` / ``all_gather`` (with ``shard_index``) for sharded optimizers.
+"""Topology-aware collectives: ``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)``,
+and ``reduce_scatter`` / ``all_gather`` (with ``shard_index``) for sharded optimizers.
 
 Algorithms live in one registry (:data:`ALGORITHMS`, :mod:`scaleout.comm.algorithm`), one file each:
-``flat`` (baseline), ``hierarchical``, ``torus2d``. See docs/collectives.md and docs/extending-comm.md.
+``flat`` (baseline), ``hierarchical``, ``torus2d``. See docs/collectives.md and
+docs/extending-comm.md.
 
 Importing this package registers the algorithms without importing torch (the config schema reads the
 registry); the collectives themselves load on first use.

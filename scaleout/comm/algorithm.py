@@ -5,7 +5,8 @@ An algorithm is one file under ``scaleout/comm/`` (``flat.py``, ``hierarchical.p
 holding a subclass of :class:`Algorithm` and one ``register(...)`` call:
 
 * ``name`` and ``help``;
-* ``Options``: its options (a pydantic model; ``from_config`` reads them from the run config's ``comm``
+* ``Options``: its options (a pydantic model; ``from_config`` reads them from the run config's
+  ``comm``
   section, ``config_keys`` says which ``comm.*`` keys it reads);
 * ``check(opts, world_size, ranks_per_node)``: the checks that need the world (one-line error);
 * the runtime: ``all_reduce`` (a blocking in-place sum of a 1-D contiguous buffer), and optionally
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
 
 class Options(BaseModel):
-    """An algorithm's options (none by default). Subclasses add fields, list the ``comm.*`` config keys
-    they read in ``config_keys`` and build themselves from the config in ``from_config``."""
+    """An algorithm's options (none by default). Subclasses add fields, list the ``comm.*``
+    config keys they read in ``config_keys`` and build themselves from the config in
+    ``from_config``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     config_keys: ClassVar[tuple[str, ...]] = ()
@@ -54,12 +56,13 @@ class Algorithm:
     name: ClassVar[str]
     help: ClassVar[str] = ""
     Options: ClassVar[type[Options]] = Options
-    # True when all_reduce is one torch.distributed collective: ``start`` then returns its async work
-    # and no communication thread is needed for ``async_op=True``.
+    # True when all_reduce is one torch.distributed collective: ``start`` then returns its async
+    # work and no communication thread is needed for ``async_op=True``.
     single_collective: ClassVar[bool] = False
 
     def options(self, what: str = "all_reduce", **kwargs: Any) -> Options:
-        """``Options`` from keyword arguments (``all_reduce(..., **options)``); one-line UserError."""
+        """``Options`` from keyword arguments (``all_reduce(..., **options)``); one-line
+        UserError."""
         unknown = sorted(set(kwargs) - set(self.Options.model_fields))
         if unknown:
             raise UserError(
@@ -80,8 +83,9 @@ class Algorithm:
 
     # -- runtime (torch: import it inside, mark the import ``# deferred: torch runtime``) ----------
     def prepare(self, world: World, opts: Options) -> Any:
-        """Resolved in the caller's thread before the collective is queued (process groups are created
-        in call order on every rank, and a bad grid fails at the call). Passed to the methods below."""
+        """Resolved in the caller's thread before the collective is queued (process groups are
+        created in call order on every rank, and a bad grid fails at the call). Passed to the
+        methods below."""
         return None
 
     def start(self, buf: torch.Tensor, world: World, opts: Options) -> Any:
@@ -93,7 +97,8 @@ class Algorithm:
         raise NotImplementedError(f"all-reduce algorithm {self.name!r} has no all_reduce")
 
     def shard_index(self, world: World, opts: Options, prepared: Any) -> int:
-        """Which of the ``world_size`` equal slices this rank owns in reduce_scatter / all_gather."""
+        """Which of the ``world_size`` equal slices this rank owns in reduce_scatter /
+        all_gather."""
         return world.rank
 
     def reduce_scatter(
@@ -151,7 +156,8 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 def config_options(comm: CommConfig) -> dict[str, Any]:
-    """The keyword options of ``comm.algorithm`` as the run config's ``comm`` section sets them (the one
-    mapping from config keys to algorithm options; DataParallel and the sharded LAMB use it)."""
+    """The keyword options of ``comm.algorithm`` as the run config's ``comm`` section sets them
+    (the one mapping from config keys to algorithm options; DataParallel and the sharded LAMB use
+    it)."""
     opts = get_algorithm(comm.algorithm).Options.from_config(comm)
     return opts.model_dump(exclude_none=True)

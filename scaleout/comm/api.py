@@ -1,5 +1,6 @@
 """``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` over the algorithm registry
-(:mod:`scaleout.comm.algorithm`; ``reduce_scatter`` / ``all_gather``: :mod:`scaleout.comm.shard`)."""
+(:mod:`scaleout.comm.algorithm`; ``reduce_scatter`` / ``all_gather``:
+:mod:`scaleout.comm.shard`)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def all_reduce(
 
     Returns ``tensor`` (``async_op=False``) or a :class:`~scaleout.comm.handles.Handle` whose
     ``wait()`` returns it once every phase has completed. Any shape, element count and strides; any
-    dtype gloo/NCCL can add (fp32, bf16, fp16, integers; ``avg`` needs floating point). ``avg`` is the
-    sum divided by the world size, exactly as for ``flat``, so results match bit for bit on
+    dtype gloo/NCCL can add (fp32, bf16, fp16, integers; ``avg`` needs floating point). ``avg`` is
+    the sum divided by the world size, exactly as for ``flat``, so results match bit for bit on
     integer-valued data. All ranks must issue their all-reduces in the same order (as for
     torch.distributed); several may be in flight.
 
-    ``options``: the algorithm's ``Options`` (e.g. ``chunk_bytes`` and ``composition`` of the row/column
-    algorithms, ``x``/``y`` of the torus grid); an option it does not have is a one-line UserError.
+    ``options``: the algorithm's ``Options`` (e.g. ``chunk_bytes`` and ``composition`` of the
+    row/column algorithms, ``x``/``y`` of the torus grid); an option it does not have is a one-line
+    UserError.
     """
     alg = get_algorithm(algorithm)
     opname = op_name(op)
@@ -53,8 +55,8 @@ def all_reduce(
     if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
 
-    # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call (one-line
-    # TopologyError) and group creation happens in call order on every rank.
+    # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call
+    # (one-line TopologyError) and group creation happens in call order on every rank.
     prepared = alg.prepare(world, opts)
 
     contiguous = tensor.is_contiguous()
@@ -83,13 +85,14 @@ def dispatch(
     finish: Callable[[], None],
     async_op: bool,
 ) -> Any:
-    """Run one collective schedule in call order: ``job`` does everything (all phases, then ``finish``);
-    ``native`` (single-collective algorithms) starts one torch.distributed async work instead, or returns
-    None when there is nothing to send. Returns ``result`` (sync) or a Handle completing with it.
+    """Run one collective schedule in call order: ``job`` does everything (all phases, then
+    ``finish``); ``native`` (single-collective algorithms) starts one torch.distributed async work
+    instead, or returns None when there is nothing to send. Returns ``result`` (sync) or a Handle
+    completing with it.
 
-    In this thread when the World's communication thread has nothing queued (launch order is still the
-    call order), else queued behind it: c10d matches collectives by their order on a group, so a call
-    must never overtake an earlier one that shares its groups.
+    In this thread when the World's communication thread has nothing queued (launch order is still
+    the call order), else queued behind it: c10d matches collectives by their order on a group, so a
+    call must never overtake an earlier one that shares its groups.
     """
     thread = handles.existing_thread(world)
     idle = thread is None or thread.idle

@@ -1,10 +1,10 @@
-"""The alpha-beta-gamma algebra the all-reduce algorithms price themselves with (``Algorithm.cost``),
-and the simulator (:mod:`scaleout.sim`) builds on.
+"""The alpha-beta-gamma algebra the all-reduce algorithms price themselves with
+(``Algorithm.cost``), and the simulator (:mod:`scaleout.sim`) builds on.
 
-A cost is a :class:`Plan`: a sum of terms ``mult * max(option . theta)`` where theta is the constants
-vector (:data:`PARAMS`) and each option is a coefficient vector. The max expresses lock-step phases (a
-ring step lasts as long as its slowest hop; pipelined stages run at the pace of the slowest stage).
-Fixing which option wins makes the cost linear in theta, which is what lets
+A cost is a :class:`Plan`: a sum of terms ``mult * max(option . theta)`` where theta is the
+constants vector (:data:`PARAMS`) and each option is a coefficient vector. The max expresses
+lock-step phases (a ring step lasts as long as its slowest hop; pipelined stages run at the pace of
+the slowest stage). Fixing which option wins makes the cost linear in theta, which is what lets
 :mod:`scaleout.sim.calibrate` fit the constants with non-negative least squares.
 
 The cluster argument is a :class:`scaleout.sim.cluster.Cluster` (node shape, NICs, backend, SHARP).
@@ -41,7 +41,8 @@ Option = Union[np.ndarray, "Plan"]
 
 @dataclass
 class Plan:
-    """sum(mult * max(option . theta)) over terms; an option is a coefficient vector or a sub-plan."""
+    """sum(mult * max(option . theta)) over terms; an option is a coefficient vector or a
+    sub-plan."""
 
     terms: list[tuple[float, list[Option]]] = field(default_factory=list)
 
@@ -76,7 +77,8 @@ def _hop(
     intra_hop: bool,
     nics: float | None,
 ) -> list[np.ndarray]:
-    """Options for one lock-step step moving ``chunk`` bytes per rank (``nics`` overrides the NIC count)."""
+    """Options for one lock-step step moving ``chunk`` bytes per rank (``nics`` overrides the NIC
+    count)."""
     red = chunk if reduce else 0.0
     opts = []
     if intra_hop or not crosses_nodes:
@@ -98,7 +100,8 @@ def ring_phase(
     intra_hop: bool = True,
     nics: float | None = None,
 ) -> Plan:
-    """A ring reduce-scatter ("rs"), all-gather ("ag") or all-reduce ("ar") of ``nbytes`` per member."""
+    """A ring reduce-scatter ("rs"), all-gather ("ag") or all-reduce ("ar") of ``nbytes`` per
+    member."""
     if members <= 1:
         return plan
     chunk = nbytes / members
@@ -115,8 +118,9 @@ def ring_phase(
 
 
 def sharp_phase(plan: Plan, cluster: Cluster, nbytes: float, rings_crossing: int = 1) -> Plan:
-    """In-network all-reduce of ``nbytes`` per member among ``rings_crossing`` concurrent groups per node:
-    each member sends its bytes to the switch once and receives the result once (full duplex)."""
+    """In-network all-reduce of ``nbytes`` per member among ``rings_crossing`` concurrent groups
+    per node: each member sends its bytes to the switch once and receives the result once (full
+    duplex)."""
     streams = cluster.inter_streams(rings_crossing) * cluster.sharp_efficiency
     return plan.add(1, vec(alpha_sharp=1, beta_inter=nbytes * rings_crossing / streams))
 
@@ -228,8 +232,9 @@ def _grid_link_bytes(
 def row_col_half_plan(
     kind: str, x: int | None, cluster: Cluster, nodes: int, nbytes: float
 ) -> Plan:
-    """The building block of :func:`half_plan`: ``x`` ranks per row, then the column (scaleout.comm's
-    row x column reduce-scatter: row first; the all-gather: column first); ``x`` None: one ring."""
+    """The building block of :func:`half_plan`: ``x`` ranks per row, then the column
+    (scaleout.comm's row x column reduce-scatter: row first; the all-gather: column first); ``x``
+    None: one ring."""
     g = cluster.gpus_per_node
     p = g * nodes
     gloo = cluster.backend == "gloo"

@@ -1,10 +1,10 @@
 """``flat``: torch.distributed's own all_reduce on the world group -- the baseline.
 
-gloo runs a ring (or halving-doubling) over all p ranks, so every node boundary carries
-2(p-1)/p * n bytes each way; NCCL picks ring/tree itself. The cost model is one ring over the p ranks
-(Patarasuk & Yuan 2009): 2(p-1) lock-step steps of n/p bytes, each paced by its slowest hop (a
-node-crossing hop when k > 1), the bytes crossing each node boundary spread over the NICs a ring can
-drive (NCCL channels; gloo: one socket).
+gloo runs a ring (or halving-doubling) over all p ranks, so every node boundary carries 2(p-1)/p * n
+bytes each way; NCCL picks ring/tree itself. The cost model is one ring over the p ranks (Patarasuk
+& Yuan 2009): 2(p-1) lock-step steps of n/p bytes, each paced by its slowest hop (a node-crossing
+hop when k > 1), the bytes crossing each node boundary spread over the NICs a ring can drive (NCCL
+channels; gloo: one socket).
 """
 
 from __future__ import annotations

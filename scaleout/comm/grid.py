@@ -5,18 +5,22 @@ all-reduce of each shard along a *column* group, all-gather along the row.
   (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE, NVIDIA's DistributedFusedLAMB pattern).
 * torus2d: rows and columns of an X x Y grid (Sony, arXiv 1811.05233).
 
-Every rank of a row carries 1/g of the inter-row traffic, so a node's link carries 2(k-1)/k * n bytes
-each way instead of the flat ring's 2(p-1)/p * n (k nodes, p ranks).
+Every rank of a row carries 1/g of the inter-row traffic, so a node's link carries 2(k-1)/k * n
+bytes each way instead of the flat ring's 2(p-1)/p * n (k nodes, p ranks).
 
 Two phase compositions, chosen by backend (see docs/collectives.md for the measurements):
 
-* gloo (CPU): gloo's own reduce_scatter is an all-reduce plus a copy and its all_gather copies through
+* gloo (CPU): gloo's own reduce_scatter is an all-reduce plus a copy and its all_gather copies
+  through
   staging buffers, both slow on CPU. So the row phases are written with point-to-point isend/irecv
   (zero-copy in gloo: the tensor's memory is the send buffer), the column phase is gloo's ring
-  all_reduce on one shard, and the message is cut into chunks that are *pipelined*: while chunk c is on
-  the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D all-gathered over loopback, and
+  all_reduce on one shard, and the message is cut into chunks that are *pipelined*: while chunk c is
+  on
+  the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D all-gathered over loopback,
+  and
   D column all-reduces are in flight at once so the link never idles between chunks.
-* nccl (GPU): reduce_scatter_tensor / all_reduce / all_gather_into_tensor, which NCCL implements well;
+* nccl (GPU): reduce_scatter_tensor / all_reduce / all_gather_into_tensor, which NCCL implements
+  well;
   NCCL collectives on different communicators already run on their own streams.
 """
 
@@ -32,13 +36,15 @@ import torch.distributed as dist
 from scaleout.comm.rowcol import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
 
 # How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
-# flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker threads).
+# flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker
+# threads).
 RS_AHEAD = 2
 AR_DEPTH = 2
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Point-to-point tags of this module: away from 0 (torch's default tag) so that other code's isend/irecv
-# on the same groups cannot be matched with ours. Chunk c uses TAG_BASE + 2c (reduce-scatter), + 2c + 1.
+# Point-to-point tags of this module: away from 0 (torch's default tag) so that other code's
+# isend/irecv on the same groups cannot be matched with ours. Chunk c uses TAG_BASE + 2c
+# (reduce-scatter), + 2c + 1.
 TAG_BASE = 0x5C0000
 
 
@@ -73,10 +79,11 @@ def reduce_grid(
 ) -> None:
     """Sum ``buf`` (1-D, contiguous) over all ranks of the grid, in place.
 
-    ``composition`` (gloo only): ``sharded`` = reduce-scatter -> all-reduce of every shard -> all-gather
-    (every row member carries 1/g of the column traffic); ``leader`` = reduce to the row's first rank ->
-    all-reduce among those leaders -> broadcast (the composition of ../shared/notes/netns-cluster.md),
-    kept for side-by-side measurement: it is the same schedule with shard 0 = the whole chunk.
+    ``composition`` (gloo only): ``sharded`` = reduce-scatter -> all-reduce of every shard ->
+    all-gather (every row member carries 1/g of the column traffic); ``leader`` = reduce to the
+    row's first rank -> all-reduce among those leaders -> broadcast (the composition of
+    ../shared/notes/netns-cluster.md), kept for side-by-side measurement: it is the same schedule
+    with shard 0 = the whole chunk.
     """
     if buf.numel() == 0:
         return

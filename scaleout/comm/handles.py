@@ -7,7 +7,8 @@ for phase 1 of chunk c before it launches phase 2 of chunk c. One daemon thread 
 schedules, one call after another, in submission order. That keeps the launch order of every
 collective identical on all ranks (c10d matches collectives by their order on a group), so several
 calls can be in flight at once (e.g. one per gradient bucket) without any risk of cross-matching,
-and ``async_op=True`` costs one queue put. The heavy lifting (gloo IO, tensor adds) releases the GIL.
+and ``async_op=True`` costs one queue put. The heavy lifting (gloo IO, tensor adds) releases the
+GIL.
 
 A :class:`Handle` wraps a ``torch.futures.Future`` that completes with the reduced tensor after
 *every* phase has run, so it can also be returned from a DDP communication hook.
@@ -55,11 +56,11 @@ class CommFailed(RuntimeError):
 class CommThread:
     """A FIFO of schedules executed by one daemon thread (see module docstring).
 
-    After a schedule fails (a collective timed out, a peer died) every later schedule fails at once with
-    :class:`CommFailed` naming the first error, without touching the network: the groups' collective
-    sequence is broken (c10d matches collectives by order), so running more would only wait out one
-    timeout per queued bucket or cross-match with peers. NCCL's watchdog aborts a communicator for the
-    same reason.
+    After a schedule fails (a collective timed out, a peer died) every later schedule fails at once
+    with :class:`CommFailed` naming the first error, without touching the network: the groups'
+    collective sequence is broken (c10d matches collectives by order), so running more would only
+    wait out one timeout per queued bucket or cross-match with peers. NCCL's watchdog aborts a
+    communicator for the same reason.
     """
 
     def __init__(self, name: str):
@@ -72,7 +73,8 @@ class CommThread:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued or running (False once a schedule failed: callers then get the failure)."""
+        """Nothing queued or running (False once a schedule failed: callers then get the
+        failure)."""
         with self._lock:
             return self._pending == 0 and self.error is None
 
@@ -125,8 +127,9 @@ class CommThread:
         self._jobs.put(None)
 
     def shutdown(self, timeout_s: float = 60.0) -> bool:
-        """Finish queued work and join the thread (World.close calls this before destroying groups).
-        Returns whether the thread ended (False: it is still inside a collective after ``timeout_s``)."""
+        """Finish queued work and join the thread (World.close calls this before destroying
+        groups). Returns whether the thread ended (False: it is still inside a collective after
+        ``timeout_s``)."""
         self.close()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)

@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 class Hierarchical(GridAlgorithm):
     name = "hierarchical"
-    help = "intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather, chunk-pipelined"
+    help = (
+        "intra-node reduce-scatter -> inter-node all-reduce -> intra-node all-gather, "
+        "chunk-pipelined"
+    )
     Options = GridOptions
 
     def grid(self, world: World, opts: Any) -> Grid:

@@ -1,6 +1,7 @@
-"""The row x column all-reduce that ``hierarchical`` and ``torus2d`` share, as an :class:`Algorithm`:
-reduce-scatter along a *row* group, all-reduce of each shard along a *column* group, all-gather along
-the row (the schedule itself, chunk-pipelined on gloo, is :mod:`scaleout.comm.grid`).
+"""The row x column all-reduce that ``hierarchical`` and ``torus2d`` share, as an
+:class:`Algorithm`: reduce-scatter along a *row* group, all-reduce of each shard along a *column*
+group, all-gather along the row (the schedule itself, chunk-pipelined on gloo, is
+:mod:`scaleout.comm.grid`).
 
 A subclass says how its rows are laid out: ``grid(world, opts)`` builds the runtime's groups,
 ``row_length(opts, world_size, ranks_per_node)`` gives X for the simulator. Torch-free.
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
     from scaleout.sim.cluster import Cluster
     from scaleout.world import World
 
-# Chunk size of the gloo pipeline. 4 MiB: big enough that per-chunk synchronisation (~2-3 ms on a busy
-# 2-core box, hidden behind the in-flight column all-reduces) stays small next to a chunk's ~35 ms on a
-# 1 Gbit link, small enough that pipeline fill + drain (one chunk's reduce-scatter and all-gather over
-# loopback) stays a few % of a 64 MiB all-reduce. 2, 4 and 8 MiB measured within noise of each other
-# (docs/collectives.md, `scaleout bench allreduce --chunk-bytes 2MiB,4MiB,8MiB`).
+# Chunk size of the gloo pipeline. 4 MiB: big enough that per-chunk synchronisation (~2-3 ms on a
+# busy 2-core box, hidden behind the in-flight column all-reduces) stays small next to a chunk's ~35
+# ms on a 1 Gbit link, small enough that pipeline fill + drain (one chunk's reduce-scatter and
+# all-gather over loopback) stays a few % of a 64 MiB all-reduce. 2, 4 and 8 MiB measured within
+# noise of each other (docs/collectives.md, `scaleout bench allreduce --chunk-bytes
+# 2MiB,4MiB,8MiB`).
 DEFAULT_CHUNK_BYTES = 4 << 20
 # At most this many chunks per call: each chunk costs ~2-3 ms of synchronisation on a 2-core box
 # (measured: 1M fp32 in 16 KiB chunks = 245 chunks took 0.57 s vs 0.04 s in 1 MiB chunks).

@@ -1,12 +1,13 @@
 """``reduce_scatter`` and ``all_gather`` over the same algorithm registry as ``all_reduce``.
 
 The tensor-in/tensor-out pair a ZeRO-style sharded optimizer needs (apex DistributedFusedLAMB):
-``reduce_scatter(out, inp, world)`` gives every rank the sum of one of ``world_size`` equal slices of
-``inp``; ``all_gather(out, inp, world)`` is its inverse, writing every rank's ``inp`` into its slice of
-``out``. Which slice a rank owns depends on the algorithm: :func:`shard_index`.
+``reduce_scatter(out, inp, world)`` gives every rank the sum of one of ``world_size`` equal slices
+of ``inp``; ``all_gather(out, inp, world)`` is its inverse, writing every rank's ``inp`` into its
+slice of ``out``. Which slice a rank owns depends on the algorithm: :func:`shard_index`.
 
 * ``flat``: torch.distributed's own collective on the world group; rank r owns slice r.
-* ``hierarchical`` / ``torus2d``: the row x column grid of :mod:`scaleout.comm.grid` (rows = a node's
+* ``hierarchical`` / ``torus2d``: the row x column grid of :mod:`scaleout.comm.grid` (rows = a
+  node's
   ranks, or the X ranks of a torus row). Reduce-scatter along the row (every row member gets 1/g of
   the buffer, summed over the row, over the fast intra-node links), then reduce-scatter of that part
   along the column (the k same-local-rank peers on other nodes): each rank ends with n/(g k) = n/p
@@ -16,8 +17,8 @@ The tensor-in/tensor-out pair a ZeRO-style sharded optimizer needs (apex Distrib
   The all-gather runs the two phases in reverse (column, then row).
 
 Both phases use the tensor collectives (``reduce_scatter_single`` / ``all_gather_single``, the torch
-2.13 names of ``*_tensor``), which NCCL and, since torch 2.x, gloo implement. Averaging (``op='avg'``)
-divides by the world size after the sum, as ``all_reduce`` does.
+2.13 names of ``*_tensor``), which NCCL and, since torch 2.x, gloo implement. Averaging
+(``op='avg'``) divides by the world size after the sum, as ``all_reduce`` does.
 """
 
 from __future__ import annotations
@@ -92,18 +93,20 @@ def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: s
         raise UserError(f"{what}: input and output must be contiguous tensors")
     if out.dtype != inp.dtype or out.device != inp.device:
         raise UserError(
-            f"{what}: input {inp.dtype} on {inp.device} and output {out.dtype} on {out.device} must match"
+            f"{what}: input {inp.dtype} on {inp.device} and output {out.dtype} on {out.device} "
+            "must match"
         )
     if full.numel() != part.numel() * world.world_size:
         raise UserError(
-            f"{what}: the {big} has {full.numel()} elements, expected world_size ({world.world_size}) "
+            f"{what}: the {big} has {full.numel()} elements, expected world_size "
+            f"({world.world_size}) "
             f"x {part.numel()} = {part.numel() * world.world_size}"
         )
 
 
 def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first: bool) -> None:
-    """``op`` along the row and the column group (reduce-scatter: row first; all-gather: column first),
-    through one buffer of n/g elements; size-1 groups are skipped."""
+    """``op`` along the row and the column group (reduce-scatter: row first; all-gather: column
+    first), through one buffer of n/g elements; size-1 groups are skipped."""
     g, k = len(grid.row_ranks), grid.col_size
     groups = [grp for size, grp in ((g, grid.row), (k, grid.col)) if size > 1]
     if not row_first:
@@ -157,10 +160,12 @@ def reduce_scatter(
     **options: Any,
 ) -> Any:
     """``output`` = sum (or average) over every rank of slice ``shard_index(world, algorithm)`` of
-    ``input`` (``input.numel() == world_size * output.numel()``; both contiguous, same dtype/device).
+    ``input`` (``input.numel() == world_size * output.numel()``; both contiguous, same
+    dtype/device).
 
-    Returns ``output`` or, with ``async_op=True``, a :class:`~scaleout.comm.handles.Handle`. Ranks must
-    issue their collectives in the same order, as for ``all_reduce``. ``options``: the algorithm's.
+    Returns ``output`` or, with ``async_op=True``, a :class:`~scaleout.comm.handles.Handle`. Ranks
+    must issue their collectives in the same order, as for ``all_reduce``. ``options``: the
+    algorithm's.
     """
     opname = op_name(op, "reduce_scatter")
     _check(output, input, world, "reduce_scatter", "input")
@@ -185,8 +190,9 @@ def all_gather(
     async_op: bool = False,
     **options: Any,
 ) -> Any:
-    """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank = that rank's
-    ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output`` or a Handle."""
+    """Inverse of :func:`reduce_scatter`: slice ``shard_index`` of ``output`` on every rank =
+    that rank's ``input`` (``output.numel() == world_size * input.numel()``). Returns ``output``
+    or a Handle."""
     _check(output, input, world, "all_gather", "output")
     alg, opts, prepared = _resolve(world, algorithm, options, "all_gather")
 

@@ -32,8 +32,9 @@ def resolve_grid(
     names: tuple[str, str] = ("x", "y"),
     error: type[UserError] = TopologyError,
 ) -> tuple[int, int]:
-    """The X x Y grid of ``world_size`` ranks: X given, Y given, both, or neither (X = ranks per node,
-    or the world when that is unknown). A value that does not fit raises ``error`` naming its key."""
+    """The X x Y grid of ``world_size`` ranks: X given, Y given, both, or neither (X = ranks per
+    node, or the world when that is unknown). A value that does not fit raises ``error`` naming
+    its key."""
     p = world_size
     for name, v in zip(names, (x, y), strict=True):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -51,7 +52,8 @@ def resolve_grid(
         x = ranks_per_node or p
         if p % x:
             raise error(
-                f"torus grid x = {x} ranks per node (the default) does not divide the world size {p}"
+                f"torus grid x = {x} ranks per node (the default) does not divide the world size "
+                f"{p}"
             )
         return x, p // x
     name, given = (names[0], x) if x is not None else (names[1], y)
@@ -64,7 +66,8 @@ def resolve_grid(
 
 
 def square_x(ranks_per_node: int, nodes: int) -> int:
-    """The multiple (or divisor) of g nearest sqrt(p) that divides p: fewest 2(X-1) + 2(Y-1) steps."""
+    """The multiple (or divisor) of g nearest sqrt(p) that divides p: fewest 2(X-1) + 2(Y-1)
+    steps."""
     g, p = ranks_per_node, ranks_per_node * nodes
     cands = [x for x in range(1, p + 1) if p % x == 0 and (x % g == 0 or g % x == 0)]
     return min(cands, key=lambda x: (2 * (x - 1) + 2 * (p // x - 1), -x))
@@ -84,7 +87,10 @@ class TorusOptions(GridOptions):
 
 class Torus2d(GridAlgorithm):
     name = "torus2d"
-    help = "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row all-gather"
+    help = (
+        "2D torus X x Y (arXiv 1811.05233): row reduce-scatter -> column all-reduce -> row "
+        "all-gather"
+    )
     Options = TorusOptions
 
     def check(self, opts: Any, world_size: int, ranks_per_node: int | None) -> None:

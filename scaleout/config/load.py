@@ -19,7 +19,8 @@ CONFIG_DIR = package_path(
 
 
 def resolve_config_path(path: str | os.PathLike[str]) -> Path:
-    """A path as given, else relative to the project's ``configs/`` (``bert_tiny_cpu`` works too)."""
+    """A path as given, else relative to the project's ``configs/`` (``bert_tiny_cpu`` works
+    too)."""
     p = Path(path)
     candidates = [p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"]
     for c in candidates:

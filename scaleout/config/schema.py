@@ -1,8 +1,8 @@
 """The one typed config tree: model, data, optim, comm, train, checkpoint, launch.
 
-pydantic models with ``extra="forbid"`` so an unknown key is an error that names it. Cross-field checks
-that need the world size (grid, batch divisibility) live in ``Config.check_world``; they run in the CLI
-before anything is spawned and again in every rank.
+pydantic models with ``extra="forbid"`` so an unknown key is an error that names it. Cross-field
+checks that need the world size (grid, batch divisibility) live in ``Config.check_world``; they run
+in the CLI before anything is spawned and again in every rank.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from scaleout.families import FAMILIES, data_sources
 from scaleout.section import MAX_WORLD
 from scaleout.section import Section as _Section
 
-# Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is spawned,
-# instead of an OOM or a fork storm in every rank later. Each is far above anything real: the largest
-# published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k; the largest machines
-# ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
+# Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is
+# spawned, instead of an OOM or a fork storm in every rank later. Each is far above anything real:
+# the largest published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k;
+# the largest machines ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
 MAX_SEED = (
     2**32 - 1
 )  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
@@ -30,8 +30,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
 
 
 def _model_config() -> type[_Section]:
-    """``model``: ``arch`` (one of the registered families, scaleout/families/) and one section per family
-    that declares one (``model.bert``, ``model.resnet``: each family's config.py), then the common keys."""
+    """``model``: ``arch`` (one of the registered families, scaleout/families/) and one section
+    per family that declares one (``model.bert``, ``model.resnet``: each family's config.py),
+    then the common keys."""
     sections: dict[str, Any] = {
         name: (fam.config, fam.config()) for name, fam in FAMILIES.items() if fam.config is not None
     }
@@ -41,8 +42,8 @@ def _model_config() -> type[_Section]:
         __module__=__name__,
         arch=(FAMILIES.literal(), "bert"),
         **sections,
-        # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging Face
-        # BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see
+        # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging
+        # Face BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see
         # scaleout/families/bert/convert.py
         init_checkpoint=(str | None, None),
         compile=(bool, False),  # torch.compile the model
@@ -72,8 +73,9 @@ class DataConfig(_Section):
     num_workers: int = Field(
         0, ge=0, le=256
     )  # per rank; 256 = the cores of the largest 2-socket nodes
-    # How prefetch workers start. forkserver: forked from a clean single-threaded server process, never
-    # from the rank, whose gloo/comm/OpenMP threads make fork() unsafe (see scaleout/train/prefetch.py).
+    # How prefetch workers start. forkserver: forked from a clean single-threaded server process,
+    # never from the rank, whose gloo/comm/OpenMP threads make fork() unsafe (see
+    # scaleout/train/prefetch.py).
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     prefetch: int = Field(2, ge=1)
     pin_memory: bool = True  # used only when CUDA is present
@@ -99,10 +101,12 @@ class OptimConfig(_Section):
     end_lr: float = Field(0.0, ge=0.0)
     # Polynomial decay counted from the end of warmup (MLPerf ResNet) or from step 0 (MLPerf BERT).
     decay_from: Literal["warmup", "start"] = "warmup"
-    # NVIDIA's START_WARMUP_STEP (<= 0): warm-up as if that many steps had passed (optim/schedule.py)
+    # NVIDIA's START_WARMUP_STEP (<= 0): warm-up as if that many steps had passed
+    # (optim/schedule.py)
     start_warmup_step: int = Field(0, le=0)
     sharded: bool = False
-    # sharded LAMB only: reduce-scatter during backward, all-gather per bucket (apex DistributedFusedLAMB)
+    # sharded LAMB only: reduce-scatter during backward, all-gather per bucket (apex
+    # DistributedFusedLAMB)
     overlap_comm: bool = False
 
     @model_validator(mode="after")
@@ -161,8 +165,9 @@ class CommConfig(_Section):
 
 
 class ProfileConfig(_Section):
-    """torch.profiler on a schedule (torch.profiler.schedule): skip ``wait`` steps, trace ``warmup`` steps
-    and discard them, record ``active`` steps; ``repeat`` cycles (0 = until the run ends)."""
+    """torch.profiler on a schedule (torch.profiler.schedule): skip ``wait`` steps, trace
+    ``warmup`` steps and discard them, record ``active`` steps; ``repeat`` cycles (0 = until the
+    run ends)."""
 
     wait: int = Field(1, ge=0)
     warmup: int = Field(1, ge=0)
@@ -188,8 +193,8 @@ class TrainConfig(_Section):
     target: float | None = Field(None, gt=0.0)  # eval metric to stop at (MLM accuracy / top-1)
     seed: int = Field(1234, ge=0, le=MAX_SEED)
     deterministic: bool = False
-    # Autocast dtype of forward + loss; fp32 master weights and optimizer state; fp16 adds dynamic loss
-    # scaling (scaleout/train/precision.py).
+    # Autocast dtype of forward + loss; fp32 master weights and optimizer state; fp16 adds dynamic
+    # loss scaling (scaleout/train/precision.py).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     output_dir: str = "runs/latest"
     init_timeout_s: float = Field(
@@ -199,20 +204,21 @@ class TrainConfig(_Section):
         120.0, gt=0.0, le=MAX_TIMEOUT_S
     )  # collectives after it (torchtitan's two timeouts)
     progress: bool = True
-    # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator, first
-    # collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
+    # Steps left out of the report's "timed" throughput and of breakdown_s (warm-up: allocator,
+    # first collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
     # The step-time breakdown synchronises the device around each phase: only every timing_every-th
     # timed step is sampled so the others keep the host running ahead (scaleout/timers.py).
     timing_every: int = Field(50, ge=1)
-    # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite gradients: a run
-    # that keeps producing NaN/Inf has diverged, and skipping forever only burns the allocation. 0 = never.
+    # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite
+    # gradients: a run that keeps producing NaN/Inf has diverged, and skipping forever only burns
+    # the allocation. 0 = never.
     max_consecutive_skips: int = Field(10, ge=0)
     # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
     # (scaleout/devices.py). Set it for a GPU that is not in the table.
     peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/metrics.py), one record per log_every
-    # steps; csv / tensorboard / wandb are added when listed here.
+    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/metrics.py), one record per
+    # log_every steps; csv / tensorboard / wandb are added when listed here.
     log_every: int = Field(1, ge=1)
     metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
     profile: ProfileConfig | None = (
@@ -242,13 +248,15 @@ class MLPerfConfig(_Section):
     status: Literal["onprem", "cloud", "preview", "research"] = (
         "onprem"  # the checker's allowed values
     )
-    # Also print the :::MLLOG lines on rank 0's stdout (the Slurm log), as NVIDIA's run_and_time.sh does.
+    # Also print the :::MLLOG lines on rank 0's stdout (the Slurm log), as NVIDIA's run_and_time.sh
+    # does.
     stdout: bool = False
 
 
 class LaunchConfig(_Section):
-    # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS): checked
-    # against the registry when validated, so an environment registered later is accepted too.
+    # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS):
+    # checked against the registry when validated, so an environment registered later is accepted
+    # too.
     env: str = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     nnodes: int = Field(1, ge=1, le=MAX_WORLD)
@@ -262,7 +270,8 @@ class LaunchConfig(_Section):
         choices = ("auto", *detection_order())
         if v not in choices:
             raise ValueError(
-                f"launch.env={v!r}: expected {', '.join(map(repr, choices[:-1]))} or {choices[-1]!r}"
+                f"launch.env={v!r}: expected {', '.join(map(repr, choices[:-1]))} or "
+                f"{choices[-1]!r}"
             )
         return v
 
@@ -303,13 +312,15 @@ class Config(_Section):
             raise ConfigError(f"world size {world_size}: expected an integer from 1 to {MAX_WORLD}")
         if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
             raise ConfigError(
-                f"ranks per node {ranks_per_node}: expected an integer from 1 to the world size {world_size}"
+                f"ranks per node {ranks_per_node}: expected an integer from 1 to the world size "
+                f"{world_size}"
             )
         t = self.train
         per_step = world_size * t.grad_accum
         if t.global_batch % per_step:
             raise ConfigError(
-                f"train.global_batch={t.global_batch} must be divisible by world size {world_size} x "
+                f"train.global_batch={t.global_batch} must be divisible by world size {world_size} "
+                "x "
                 f"train.grad_accum={t.grad_accum} = {per_step}"
             )
         c = self.comm
@@ -318,8 +329,9 @@ class Config(_Section):
 
 
 def refresh_families() -> None:
-    """Rebuild ``model`` (arch, the family sections) and ``data.source`` from the families' registry:
-    a family registered after this module was imported (scaleout.families.register) is then accepted."""
+    """Rebuild ``model`` (arch, the family sections) and ``data.source`` from the families'
+    registry: a family registered after this module was imported (scaleout.families.register) is
+    then accepted."""
     global ModelConfig
     ModelConfig = _model_config()
     Config.model_fields["model"] = FieldInfo(annotation=ModelConfig, default=ModelConfig())

@@ -1,9 +1,10 @@
-"""Data-only builders of a rank's per-step micro-batches on the CPU: no model, no ``World``, no process
-groups, so they pickle cheaply. A task (scaleout/families/task.py) keeps one as ``task.batches``; the
-prefetch workers (scaleout/train/prefetch.py) receive exactly that object. The generic pieces are here;
-each family's builder lives in its folder (scaleout/families/bert/data/batches.py,
-scaleout/families/resnet/data.py). Data order is a pure function of the data
-position (global samples consumed), so a checkpoint only stores that integer and resume is exact.
+"""Data-only builders of a rank's per-step micro-batches on the CPU: no model, no ``World``, no
+process groups, so they pickle cheaply. A task (scaleout/families/task.py) keeps one as
+``task.batches``; the prefetch workers (scaleout/train/prefetch.py) receive exactly that object. The
+generic pieces are here; each family's builder lives in its folder
+(scaleout/families/bert/data/batches.py, scaleout/families/resnet/data.py). Data order is a pure
+function of the data position (global samples consumed), so a checkpoint only stores that integer
+and resume is exact.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def no_flops(_batch: Any) -> float:
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """Tensors in ``x`` (nested dicts, lists, tuples) on ``device``, copied asynchronously where possible."""
+    """Tensors in ``x`` (nested dicts, lists, tuples) on ``device``, copied asynchronously where
+    possible."""
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
     if isinstance(x, dict):

@@ -3,9 +3,9 @@
 The global sample stream is the concatenation of per-epoch permutations (epoch e shuffled with the
 seed (seed, e)), so it is the same on every rank without communication. Step s consumes the global
 positions [s*B, (s+1)*B) of that stream (B = global batch); rank r takes the contiguous slice
-[r*B/W, (r+1)*B/W) of it. The only state is the *data position* (global samples consumed), an integer
-the checkpoint stores: resuming at position p continues exactly where an uninterrupted run would be.
-A global batch may straddle an epoch boundary; nothing is dropped or repeated.
+[r*B/W, (r+1)*B/W) of it. The only state is the *data position* (global samples consumed), an
+integer the checkpoint stores: resuming at position p continues exactly where an uninterrupted run
+would be. A global batch may straddle an epoch boundary; nothing is dropped or repeated.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class ShardedSampler:
             raise UserError(f"rank {rank} is not in a world of size {world_size}")
         if global_batch % world_size:
             raise ConfigError(
-                f"train.global_batch={global_batch} must be divisible by the world size {world_size}"
+                f"train.global_batch={global_batch} must be divisible by the world size "
+                f"{world_size}"
             )
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size = rank, world_size
@@ -77,7 +78,8 @@ class ShardedSampler:
         return position / self.num_samples
 
     def iterate(self, position: int = 0) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (data position after this batch, local indices) forever, starting at ``position``."""
+        """Yield (data position after this batch, local indices) forever, starting at
+        ``position``."""
         while True:
             idx = self.local_indices(position)
             position += self.global_batch

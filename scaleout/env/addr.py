@@ -1,9 +1,10 @@
 """Addresses of this host: which one other hosts can reach, and which interface is the loopback.
 
-Debian's default /etc/hosts maps the host name to 127.0.1.1, so ``gethostbyname(gethostname())`` is a
-loopback address there: a rendezvous at it is unreachable from every other node and the job hangs until the
-init timeout. :func:`reachable_address` prefers the address of the interface that routes to another node of
-the job, then a non-loopback address of the host name, then any non-loopback interface address.
+Debian's default /etc/hosts maps the host name to 127.0.1.1, so ``gethostbyname(gethostname())`` is
+a loopback address there: a rendezvous at it is unreachable from every other node and the job hangs
+until the init timeout. :func:`reachable_address` prefers the address of the interface that routes
+to another node of the job, then a non-loopback address of the host name, then any non-loopback
+interface address.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def address_toward(peer: str) -> str | None:
 
 
 def interfaces() -> list[tuple[str, str | None, bool]]:
-    """(name, IPv4 address or None, is loopback) for every interface, in the kernel's index order."""
+    """(name, IPv4 address or None, is loopback) for every interface, in the kernel's index
+    order."""
     out = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -99,6 +101,7 @@ def reachable_address(
         if addr and not loop and not is_loopback(addr):
             return addr
     raise LaunchEnvError(
-        f"no non-loopback address found for host {host!r} (it resolves to {resolve_fn(host) or 'nothing'}): "
+        f"no non-loopback address found for host {host!r} (it resolves to "
+        f"{resolve_fn(host) or 'nothing'}): "
         "set MASTER_ADDR to an address the other nodes can reach"
     )

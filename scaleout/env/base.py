@@ -23,8 +23,8 @@ class WorldSpec:
     master_addr: str | None
     master_port: int | None
     launcher: str  # the name of the environment that described it (scaleout.env.ENVIRONMENTS)
-    # Ranks on each node, when the launcher says (Slurm's SLURM_TASKS_PER_NODE); None = not known here,
-    # World derives it from an all-gather after init.
+    # Ranks on each node, when the launcher says (Slurm's SLURM_TASKS_PER_NODE); None = not known
+    # here, World derives it from an all-gather after init.
     tasks_per_node: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -55,9 +55,10 @@ class WorldSpec:
 class Environment:
     """A small reader of one launcher's variables (submitit's ``JobEnvironment``, cut down).
 
-    Subclasses set ``name``, ``priority`` (detection order: lower is tried first; the one place the order
-    is written), ``variables`` (WorldSpec field -> the variable that holds it, as data) and implement
-    ``detect`` and ``read``; :func:`scaleout.env.detect.register` adds an instance to ``ENVIRONMENTS``.
+    Subclasses set ``name``, ``priority`` (detection order: lower is tried first; the one place the
+    order is written), ``variables`` (WorldSpec field -> the variable that holds it, as data) and
+    implement ``detect`` and ``read``; :func:`scaleout.env.detect.register` adds an instance to
+    ``ENVIRONMENTS``.
     """
 
     name: ClassVar[str] = "base"
@@ -80,8 +81,8 @@ class Environment:
     def read_ints(
         self, env: Mapping[str, str], variables: Mapping[str, str] | None = None
     ) -> dict[str, int]:
-        """``{field: int(env[variable])}`` over ``variables`` (default: the declared ones); one line naming
-        the variable when one is missing or not an integer."""
+        """``{field: int(env[variable])}`` over ``variables`` (default: the declared ones); one
+        line naming the variable when one is missing or not an integer."""
         mapping = self.variables if variables is None else variables
         return {field: need_int(env, var, self.name) for field, var in mapping.items()}
 
@@ -124,8 +125,8 @@ def opt_port(env: Mapping[str, str], name: str, source: str) -> int | None:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` right now: all n sockets are held until every port is known.
-    (Free when chosen, like torchrun's; the rendezvous binds its port within seconds.)"""
+    """``n`` distinct ports free on ``host`` right now: all n sockets are held until every port
+    is known. (Free when chosen, like torchrun's; the rendezvous binds its port within seconds.)"""
     socks = []
     try:
         for _ in range(n):
@@ -142,8 +143,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-# What scaleout's own launchers tell every rank (launchers/local.py; launchers/submit.py under submitit's
-# local executor) and LocalEnv reads back: WorldSpec field -> variable. One mapping, so writer and reader agree.
+# What scaleout's own launchers tell every rank (launchers/local.py; launchers/submit.py under
+# submitit's local executor) and LocalEnv reads back: WorldSpec field -> variable. One mapping, so
+# writer and reader agree.
 LOCAL_VARS = {
     "rank": "SCALEOUT_RANK",
     "local_rank": "SCALEOUT_LOCAL_RANK",
@@ -155,8 +157,9 @@ LOCAL_VARS = {
 
 
 def local_rank_env(rank: int, nnodes: int, nproc: int, addr: str, port: int) -> dict[str, str]:
-    """The variables of rank ``rank`` of ``nnodes`` x ``nproc`` ranks (node-major) meeting at ``addr:port``:
-    :data:`LOCAL_VARS`, plus torchrun's names so that torch-native scripts run unchanged."""
+    """The variables of rank ``rank`` of ``nnodes`` x ``nproc`` ranks (node-major) meeting at
+    ``addr:port``: :data:`LOCAL_VARS`, plus torchrun's names so that torch-native scripts run
+    unchanged."""
     node, local = divmod(rank, nproc)
     values = {
         "rank": rank,

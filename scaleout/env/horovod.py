@@ -14,9 +14,9 @@ from scaleout.errors import LaunchEnvError
 class HorovodEnv(Environment):
     """horovodrun's variables.
 
-    horovodrun's own rendezvous is an HTTP key-value store, not a torch TCPStore; unless MASTER_ADDR/PORT
-    are set, rank 0 publishes its own address and a free port through that store: rank 0 need not run on
-    horovodrun's host (a launch from a login node with ``-H c1:4,c2:4``).
+    horovodrun's own rendezvous is an HTTP key-value store, not a torch TCPStore; unless
+    MASTER_ADDR/PORT are set, rank 0 publishes its own address and a free port through that store:
+    rank 0 need not run on horovodrun's host (a launch from a login node with ``-H c1:4,c2:4``).
     """
 
     name = "horovod"

@@ -1,9 +1,9 @@
 """Exchange the torch rendezvous address and port through horovodrun's HTTP key-value store.
 
-horovodrun --gloo starts an HTTP server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) whose handler stores request
-bodies under ``/<scope>/<key>`` on PUT and returns them on GET (404 until set). Rank 0 publishes its own
-address and a free port as JSON; the others poll GET until it appears. Rank 0's address, not horovodrun's:
-the driver may run on a login node that hosts no rank.
+horovodrun --gloo starts an HTTP server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) whose handler stores
+request bodies under ``/<scope>/<key>`` on PUT and returns them on GET (404 until set). Rank 0
+publishes its own address and a free port as JSON; the others poll GET until it appears. Rank 0's
+address, not horovodrun's: the driver may run on a login node that hosts no rank.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``scaleout launch`` (launchers/local.py) and submitit's local executor: the SCALEOUT_* variables."""
+"""``scaleout launch`` (launchers/local.py) and submitit's local executor: the SCALEOUT_*
+variables."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from scaleout.env.detect import register
 
 @register
 class LocalEnv(Environment):
-    """Variables set by ``scaleout launch`` for each of its M x G processes (env.base.local_rank_env)."""
+    """Variables set by ``scaleout launch`` for each of its M x G processes
+    (env.base.local_rank_env)."""
 
     name = "local"
     priority = 10  # first: scaleout's own launchers also set torchrun's variables

@@ -1,4 +1,5 @@
-"""mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID), PMIx."""
+"""mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE,
+MPI_LOCALRANKID), PMIx."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from scaleout.env.base import Environment, WorldSpec, free_port, master, need_in
 from scaleout.env.detect import register
 from scaleout.errors import LaunchEnvError
 
-# Each MPI's variables, in the order they are looked for (the first flavour whose rank variable is set
-# is read): WorldSpec field -> variable names, the first one set wins. rank and world_size are required;
-# local_rank/local_size may be absent (then mpi4py tells).
+# Each MPI's variables, in the order they are looked for (the first flavour whose rank variable is
+# set is read): WorldSpec field -> variable names, the first one set wins. rank and world_size are
+# required; local_rank/local_size may be absent (then mpi4py tells).
 FLAVOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "openmpi": {
         "rank": ("OMPI_COMM_WORLD_RANK",),
@@ -41,10 +42,11 @@ RANKS_PER_NODE_VAR = "SCALEOUT_MPI_RANKS_PER_NODE"
 class MPIEnv(Environment):
     """mpirun/mpiexec, one of :data:`FLAVOURS`.
 
-    Node rank and node count are not in the variables of every MPI (Open MPI 5 sets OMPI_COMM_WORLD_LOCAL_*
-    but no node index); they come from mpi4py (ranks sharing memory = one node), which also gives the local
-    rank, so all four agree. SCALEOUT_MPI_RANKS_PER_NODE=k emulates nodes of k ranks on one host. The
-    rendezvous address and a free port are broadcast from rank 0 with mpi4py.
+    Node rank and node count are not in the variables of every MPI (Open MPI 5 sets
+    OMPI_COMM_WORLD_LOCAL_* but no node index); they come from mpi4py (ranks sharing memory = one
+    node), which also gives the local rank, so all four agree. SCALEOUT_MPI_RANKS_PER_NODE=k
+    emulates nodes of k ranks on one host. The rendezvous address and a free port are broadcast from
+    rank 0 with mpi4py.
     """
 
     name = "mpi"
@@ -74,11 +76,13 @@ class MPIEnv(Environment):
         num_nodes = opt_int(env, NODE_VARS["num_nodes"], n)
         per_node = opt_int(env, RANKS_PER_NODE_VAR, n)
         if per_node is not None:
-            # Emulated nodes of k consecutive ranks on one host (`mpiexec -x SCALEOUT_MPI_RANKS_PER_NODE=2`):
-            # mpiexec can only give every rank the same variables, so the split is computed here.
+            # Emulated nodes of k consecutive ranks on one host (`mpiexec -x
+            # SCALEOUT_MPI_RANKS_PER_NODE=2`): mpiexec can only give every rank the same variables,
+            # so the split is computed here.
             if per_node < 1 or size % per_node:
                 raise LaunchEnvError(
-                    f"mpi environment: {RANKS_PER_NODE_VAR}={per_node} does not divide the {size} ranks"
+                    f"mpi environment: {RANKS_PER_NODE_VAR}={per_node} does not divide the {size} "
+                    "ranks"
                 )
             node_rank, local_rank = divmod(rank, per_node)
             num_nodes, local_size = size // per_node, per_node
@@ -116,14 +120,16 @@ class MPIEnv(Environment):
 
 
 def master_address(hosts: list[str], **kwargs) -> str:
-    """Rank 0's rendezvous address given every rank's host name (rank 0's first): loopback when the whole
-    job is on rank 0's host, else an address of rank 0's host that routes to the others (never 127.0.1.1)."""
+    """Rank 0's rendezvous address given every rank's host name (rank 0's first): loopback when
+    the whole job is on rank 0's host, else an address of rank 0's host that routes to the others
+    (never 127.0.1.1)."""
     peers = sorted(set(hosts) - {hosts[0]})
     return "127.0.0.1" if not peers else reachable_address(peers, hosts[0], **kwargs)
 
 
 def _mpi_topology() -> tuple[int, int, int, int]:
-    """(local_rank, local_size, node_rank, num_nodes) from mpi4py: a node = ranks that share memory."""
+    """(local_rank, local_size, node_rank, num_nodes) from mpi4py: a node = ranks that share
+    memory."""
     try:
         from mpi4py import MPI  # deferred: only under mpirun
     except ImportError:

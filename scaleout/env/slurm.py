@@ -9,15 +9,15 @@ from scaleout.env.detect import register
 from scaleout.errors import LaunchEnvError
 from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 
-# Linux's default net.ipv4.ip_local_port_range is 32768-60999 (Documentation/networking/ip-sysctl.rst);
-# used when /proc does not say.
+# Linux's default net.ipv4.ip_local_port_range is 32768-60999
+# (Documentation/networking/ip-sysctl.rst); used when /proc does not say.
 _EPHEMERAL_LOW_DEFAULT = 32768
 _PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def ephemeral_port_low(path: str = _PORT_RANGE_FILE) -> int:
-    """Low end of the kernel's ephemeral port range: ports at or above it may already be taken by any
-    outgoing connection of the host, so a fixed rendezvous port must stay below it."""
+    """Low end of the kernel's ephemeral port range: ports at or above it may already be taken by
+    any outgoing connection of the host, so a fixed rendezvous port must stay below it."""
     try:
         with open(path) as f:
             return int(f.read().split()[0])
@@ -35,9 +35,10 @@ class SlurmEnv(Environment):
 
     The step's variables (SLURM_STEP_*) are preferred over the job's: a step may use fewer nodes.
     MASTER_ADDR = first host of the nodelist, MASTER_PORT = derived from the job id, unless set.
-    Checked under real srun (Slurm 22.05, tests/test_slurm.py): the batch script itself has SLURM_PROCID=0
-    but no SLURM_STEP_ID, so only srun tasks are detected; srun tasks get SLURM_STEP_ID/STEPID,
-    SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES/NUM_TASKS and SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``).
+    Checked under real srun (Slurm 22.05, tests/test_slurm.py): the batch script itself has
+    SLURM_PROCID=0 but no SLURM_STEP_ID, so only srun tasks are detected; srun tasks get
+    SLURM_STEP_ID/STEPID, SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES/NUM_TASKS and
+    SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``).
     """
 
     name = "slurm"
@@ -60,15 +61,16 @@ class SlurmEnv(Environment):
 
     @staticmethod
     def port_for_job(job_id: int, ephemeral_low: int | None = None) -> int:
-        """Deterministic, so every task agrees without talking: ``PORT_BASE + job_id % span`` with the
-        span ending just below the ephemeral range (15000..32767 on a default kernel, 17768 ports).
-        Every node reads its own range; the nodes of one cluster share their sysctls, and MASTER_PORT
-        overrides the map where they do not."""
+        """Deterministic, so every task agrees without talking: ``PORT_BASE + job_id % span``
+        with the span ending just below the ephemeral range (15000..32767 on a default kernel,
+        17768 ports). Every node reads its own range; the nodes of one cluster share their
+        sysctls, and MASTER_PORT overrides the map where they do not."""
         low = ephemeral_port_low() if ephemeral_low is None else ephemeral_low
         base = SlurmEnv.PORT_BASE if low - SlurmEnv.PORT_BASE >= 1024 else 1024
         if low - base < 1024:
             raise LaunchEnvError(
-                f"slurm environment: the ephemeral port range starts at {low} ({_PORT_RANGE_FILE}), "
+                f"slurm environment: the ephemeral port range starts at {low} "
+                f"({_PORT_RANGE_FILE}), "
                 "leaving no room for a rendezvous port below it: set MASTER_PORT"
             )
         return base + job_id % (low - base)

@@ -1,4 +1,5 @@
-"""torchrun / torch.distributed.elastic: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK."""
+"""torchrun / torch.distributed.elastic: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from scaleout.errors import LaunchEnvError
 
 @register
 class TorchrunEnv(Environment):
-    """torchrun's variables; the node layout, when GROUP_* are absent, from RANK // LOCAL_WORLD_SIZE."""
+    """torchrun's variables; the node layout, when GROUP_* are absent, from RANK //
+    LOCAL_WORLD_SIZE."""
 
     name = "torchrun"
     priority = 20

@@ -1,10 +1,11 @@
 """Model families: the extension point of what is trained (``model.arch``).
 
 A family is one folder, ``scaleout/families/<name>/``, whose ``__init__.py`` registers a
-:class:`Family` in :data:`FAMILIES`. What the config schema, the simulator, the report and the MLPerf
-log read from a family is torch-free (its name, config section, FLOP and parameter formulas, benchmark
-and metric names, checks): importing this package never imports torch. The runtime (model, data, the
-task) is imported when :meth:`Family.build_task` runs, inside a rank. See docs/extending-families.md.
+:class:`Family` in :data:`FAMILIES`. What the config schema, the simulator, the report and the
+MLPerf log read from a family is torch-free (its name, config section, FLOP and parameter formulas,
+benchmark and metric names, checks): importing this package never imports torch. The runtime (model,
+data, the task) is imported when :meth:`Family.build_task` runs, inside a rank. See
+docs/extending-families.md.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ class Family:
     no_decay: ClassVar[tuple[str, ...]] = ("bias",)
     # Its matmuls include convolutions (cuDNN's TF32 flag applies: MLPerf's precision keys)
     convolutions: ClassVar[bool] = False
-    # Hugging Face checkpoints: model.init_checkpoint reads one, `scaleout ckpt --format hf` writes one
+    # Hugging Face checkpoints: model.init_checkpoint reads one, `scaleout ckpt --format hf` writes
+    # one
     hf_checkpoints: ClassVar[bool] = False
-    # The simulator preset (scaleout.sim.step.MODELS) whose bytes-per-parameter assumptions it shares
+    # The simulator preset (scaleout.sim.step.MODELS) whose bytes-per-parameter assumptions it
+    # shares
     sim_preset: ClassVar[str] = "bert-large"
 
     def section(self, cfg: Any) -> Any:
         """This family's section of ``cfg`` (``cfg.model.<name>``), None when it declares none."""
         return getattr(cfg.model, self.name, None)
 
-    # -- torch-free facts ---------------------------------------------------------------------------
+    # -- torch-free facts
+    # ---------------------------------------------------------------------------
     def params(self, cfg: Any) -> int:
         """Trainable parameters of the model ``cfg`` describes."""
         raise NotImplementedError
@@ -60,7 +64,8 @@ class Family:
         return 1
 
     def flops_per_sample(self, cfg: Any) -> float:
-        """Training FLOPs (forward + backward) of one sample, as ``train.global_batch`` counts them."""
+        """Training FLOPs (forward + backward) of one sample, as ``train.global_batch`` counts
+        them."""
         raise NotImplementedError
 
     def sequences_per_sample(self, cfg: Any) -> float:
@@ -76,14 +81,16 @@ class Family:
         return samples // max(rows, 1)
 
     def check(self, cfg: Any, world_size: int) -> None:
-        """Checks that need the world size (Config.check_world); raise ConfigError naming the key."""
+        """Checks that need the world size (Config.check_world); raise ConfigError naming the
+        key."""
 
     def mlperf_hparams(self, cfg: Any, steps_per_epoch: int | None = None) -> dict[str, Any]:
         """The MLPerf hyper-parameter keys of this family (its optimizer's); the common ones are in
         scaleout.train.hparams."""
         return {"opt_name": cfg.optim.name, "opt_base_learning_rate": cfg.optim.lr}
 
-    # -- runtime ------------------------------------------------------------------------------------
+    # -- runtime
+    # ------------------------------------------------------------------------------------
     def build_task(self, cfg: Any, world: World) -> Task:
         """The family's :class:`scaleout.families.task.Task` for this rank (imports torch)."""
         raise NotImplementedError
@@ -109,7 +116,8 @@ def unregister(name: str) -> None:
 
 
 def _schema_changed() -> None:
-    # Not imported, or being imported (it reads the registry when it builds its classes): nothing to do.
+    # Not imported, or being imported (it reads the registry when it builds its classes): nothing to
+    # do.
     refresh = getattr(sys.modules.get("scaleout.config.schema"), "refresh_families", None)
     if refresh is not None:
         refresh()

@@ -1,12 +1,13 @@
 """What is trained: a model, its per-step data for this rank, its loss and its eval metric.
 
 A task hides the model family from the loop (scaleout/train/trainer.py). Each family
-(scaleout/families/<name>/) has one subclass, built by its :meth:`~scaleout.families.Family.build_task`:
-``BertTask`` (MLM + NSP on packed or padded sequences, metric = masked-LM accuracy, MLPerf's BERT quality
-metric) and ``ResNetTask`` (image classification, metric = top-1).
+(scaleout/families/<name>/) has one subclass, built by its
+:meth:`~scaleout.families.Family.build_task`: ``BertTask`` (MLM + NSP on packed or padded sequences,
+metric = masked-LM accuracy, MLPerf's BERT quality metric) and ``ResNetTask`` (image classification,
+metric = top-1).
 
-Each task keeps the recipe for its per-step data in ``task.batches`` (scaleout/data/batches.py): data only,
-so it pickles cheaply; that object is what the prefetcher's worker processes receive.
+Each task keeps the recipe for its per-step data in ``task.batches`` (scaleout/data/batches.py):
+data only, so it pickles cheaply; that object is what the prefetcher's worker processes receive.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 
 
 class Counts:
-    """(correct, total) of an evaluation, summed on the world's device and all-reduced once: collective
-    tensors live on ``world.device`` (an NCCL default group has no CPU backend), and nothing is read on
-    the host per batch."""
+    """(correct, total) of an evaluation, summed on the world's device and all-reduced once:
+    collective tensors live on ``world.device`` (an NCCL default group has no CPU backend), and
+    nothing is read on the host per batch."""
 
     def __init__(self, world: World):
         self.world = world
@@ -53,7 +54,8 @@ class Task:
 
     model: torch.nn.Module
     rows: int  # global number of rows (packs / images) in the training set
-    batches: Any  # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
+    # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
+    batches: Any
     precision: Precision | None = None  # of the run (build_task sets it)
     sequences_per_row: float | None = (
         None  # samples per row where a row packs several (BERT packing)
@@ -77,7 +79,8 @@ class Task:
     def micro_batches(
         self, position: int, grad_accum: int, device: torch.device | None = None
     ) -> list[MicroBatch]:
-        """This rank's micro-batches at data ``position`` on ``device`` (default: the world's device)."""
+        """This rank's micro-batches at data ``position`` on ``device`` (default: the world's
+        device)."""
         dev = device or self.world.device
         return [
             replace(mb, inputs=to_device(mb.inputs, dev), target=to_device(mb.target, dev))
@@ -88,18 +91,21 @@ class Task:
         raise NotImplementedError
 
     def autocast(self) -> Any:
-        """The run's mixed-precision context for forward passes (scaleout/train/precision.py; fp32: no-op)."""
+        """The run's mixed-precision context for forward passes (scaleout/train/precision.py;
+        fp32: no-op)."""
         return self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
 
     def evaluate(self, model: torch.nn.Module) -> float:
         raise NotImplementedError
 
     def sync_buffers(self) -> None:
-        """Collective: make rank-local buffers (ResNet: BN running statistics) equal on every rank, before
-        evaluation and before a checkpoint. Parameters are equal by construction; BERT has no such buffers."""
+        """Collective: make rank-local buffers (ResNet: BN running statistics) equal on every
+        rank, before evaluation and before a checkpoint. Parameters are equal by construction;
+        BERT has no such buffers."""
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
-        """(samples, real tokens) in the whole global batch at ``position``, with no communication."""
+        """(samples, real tokens) in the whole global batch at ``position``, with no
+        communication."""
         raise NotImplementedError
 
     @property
@@ -108,7 +114,8 @@ class Task:
         raise NotImplementedError
 
     def epoch_of(self, samples: int) -> int:
-        """The MLPerf epoch number of ``samples`` trained samples (``epoch_num`` / ``first_epoch_num``)."""
+        """The MLPerf epoch number of ``samples`` trained samples (``epoch_num`` /
+        ``first_epoch_num``)."""
         return self.family.epoch_of(samples, self.rows)
 
     def steps_per_epoch(self, global_batch: int) -> int:

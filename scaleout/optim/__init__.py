@@ -2,7 +2,8 @@
 
     from scaleout.optim import build_optimizer, build_schedule
     opt = build_optimizer(model, cfg.optim, world)     # LAMB / LARS / ShardedLAMB / AdamW / SGD
-    sched = build_schedule(opt, cfg.optim)             # linear warmup, polynomial decay; step() per step
+    sched = build_schedule(opt, cfg.optim)             # linear warmup, polynomial decay; step() per
+    step
 
 See docs/optim.md for the update rules, the groups and the measured speed.
 """

@@ -1,4 +1,5 @@
-"""What LAMB, LARS and the sharded LAMB share: hyper-parameter checks, fp32 state, chunk planning."""
+"""What LAMB, LARS and the sharded LAMB share: hyper-parameter checks, fp32 state, chunk
+planning."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from scaleout.optim.chunks import ChunkPlan, default_chunk, plan_chunks
 
 
 def check_hparams(where: str, **values: Any) -> None:
-    """Raise a one-line ConfigError for an impossible hyper-parameter, naming it and the expected range."""
+    """Raise a one-line ConfigError for an impossible hyper-parameter, naming it and the expected
+    range."""
     for key, val in values.items():
         if val is None:
             continue
@@ -35,8 +37,9 @@ def check_hparams(where: str, **values: Any) -> None:
 
 
 def clip_factor(norm: float, max_norm: float | None) -> float:
-    """apex FusedLAMB's global clipping: scale every gradient by max_norm / ||g|| when the global norm
-    exceeds max_norm (1 when clipping is off, or when the norm is not finite: that step is skipped anyway)."""
+    """apex FusedLAMB's global clipping: scale every gradient by max_norm / ||g|| when the global
+    norm exceeds max_norm (1 when clipping is off, or when the norm is not finite: that step is
+    skipped anyway)."""
     if max_norm is None or not math.isfinite(norm):
         return 1.0
     return max_norm / max(norm, max_norm)
@@ -57,13 +60,14 @@ def sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def scalars(values: torch.Tensor) -> list[Any]:
-    """Per-tensor scalars for a foreach op: Python floats on CPU (no sync to pay), 0-d tensors elsewhere
-    (no host sync; the foreach op then takes its per-tensor path)."""
+    """Per-tensor scalars for a foreach op: Python floats on CPU (no sync to pay), 0-d tensors
+    elsewhere (no host sync; the foreach op then takes its per-tensor path)."""
     return values.tolist() if values.device.type == "cpu" else list(values.unbind())
 
 
 class ChunkedOptimizer(torch.optim.Optimizer):
-    """torch.optim.Optimizer plus: fp32 state kept fp32 on load, and cached chunk plans per group."""
+    """torch.optim.Optimizer plus: fp32 state kept fp32 on load, and cached chunk plans per
+    group."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], chunk: int | None | str = "auto"):
         if chunk != "auto" and chunk is not None and (not isinstance(chunk, int) or chunk < 1):
@@ -79,9 +83,10 @@ class ChunkedOptimizer(torch.optim.Optimizer):
     def scratch(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """fp32 work space shaped like ``params``: views into one flat buffer kept between steps.
 
-        Not optimizer state (never saved): it holds a value only within one step. Kept because on CPU a
-        fresh multi-hundred-MB tensor per step costs more in page faults than the arithmetic it serves.
-        One buffer (the largest group's size) serves every group, since groups are stepped one at a time.
+        Not optimizer state (never saved): it holds a value only within one step. Kept because on
+        CPU a fresh multi-hundred-MB tensor per step costs more in page faults than the arithmetic
+        it serves. One buffer (the largest group's size) serves every group, since groups are
+        stepped one at a time.
         """
         key = (tuple(tuple(p.shape) for p in params), params[0].device)
         views = self._scratch_views.get(key)
@@ -115,8 +120,8 @@ class ChunkedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter dtype on load; our moments stay fp32 for bf16 params,
-        # so put the saved tensors back at their own dtype (once per load, not in the step).
+        # torch casts floating state to the parameter dtype on load; our moments stay fp32 for bf16
+        # params, so put the saved tensors back at their own dtype (once per load, not in the step).
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params, strict=True):
@@ -131,13 +136,15 @@ class ChunkedOptimizer(torch.optim.Optimizer):
         for p, g in zip(params, grads, strict=True):
             if g.is_sparse:
                 raise ConfigError(
-                    f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need dense gradients"
+                    f"sparse gradient for a parameter of shape {tuple(p.shape)}: LAMB/LARS need "
+                    "dense gradients"
                 )
         return params, grads
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensor state an optimizer holds on this rank (any torch optimizer, or ShardedLAMB)."""
+    """Bytes of tensor state an optimizer holds on this rank (any torch optimizer, or
+    ShardedLAMB)."""
     own = getattr(optimizer, "state_bytes", None)
     if callable(own):
         return int(own())

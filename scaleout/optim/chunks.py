@@ -1,15 +1,16 @@
 """Cache-blocked multi-tensor application: the CPU analogue of apex's ``multi_tensor_apply``.
 
-A ``torch._foreach_*`` op applies one elementwise op to every tensor of a list. On CUDA one launch covers
-the whole list, so the optimizers hand it whole tensors. On CPU every op is a full pass over memory, and
-an optimizer step that chains 8-12 ops over 110 M parameters re-reads each array from DRAM every time.
-apex splits tensors into 65536-element chunks for its kernels; we do the same one level up: the
-flattened tensors are cut into pieces and grouped into chunks of about ``chunk`` elements, and the whole
-chain of foreach ops runs on one chunk (a list of views) before moving to the next, so all but the first
-touch of each array hit the cache. The chunk size comes from the cache sizes the machine reports
-(:func:`cpu_chunk`): machines of this kind differ (an AMD EPYC with 1 MiB L2 per core and 32 MiB L3, an
-Intel Sapphire Rapids with 2 MiB L2 and 105 MiB L3). The Python loop is over chunks (~400 for BERT-base), never over
-parameters; ``split`` builds all pieces of a tensor in one call.
+A ``torch._foreach_*`` op applies one elementwise op to every tensor of a list. On CUDA one launch
+covers the whole list, so the optimizers hand it whole tensors. On CPU every op is a full pass over
+memory, and an optimizer step that chains 8-12 ops over 110 M parameters re-reads each array from
+DRAM every time. apex splits tensors into 65536-element chunks for its kernels; we do the same one
+level up: the flattened tensors are cut into pieces and grouped into chunks of about ``chunk``
+elements, and the whole chain of foreach ops runs on one chunk (a list of views) before moving to
+the next, so all but the first touch of each array hit the cache. The chunk size comes from the
+cache sizes the machine reports (:func:`cpu_chunk`): machines of this kind differ (an AMD EPYC with
+1 MiB L2 per core and 32 MiB L3, an Intel Sapphire Rapids with 2 MiB L2 and 105 MiB L3). The Python
+loop is over chunks (~400 for BERT-base), never over parameters; ``split`` builds all pieces of a
+tensor in one call.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from pathlib import Path
 import torch
 
 SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
-# fp32 arrays one LAMB chunk keeps hot between its foreach ops: w, g, m, v, the kept update u, and the two
-# temporaries of direction() (sqrt(v) + eps, then m / that). lamb.py's phase 1 touches all of them per chunk.
+# fp32 arrays one LAMB chunk keeps hot between its foreach ops: w, g, m, v, the kept update u, and
+# the two temporaries of direction() (sqrt(v) + eps, then m / that). lamb.py's phase 1 touches all
+# of them per chunk.
 LAMB_ARRAYS = 7
-# Below 2**16 elements the per-call cost of a foreach op (a few us, paid ~14 times per chunk) dominates: measured
-# on BERT-base shapes with `scaleout bench optim --chunks` (docs/optim.md), whatever the caches.
+# Below 2**16 elements the per-call cost of a foreach op (a few us, paid ~14 times per chunk)
+# dominates: measured on BERT-base shapes with `scaleout bench optim --chunks` (docs/optim.md),
+# whatever the caches.
 MIN_CPU_CHUNK = 1 << 16
-# When the machine reports no cache sizes: the size measured best on the development machine (AMD EPYC,
-# 1 MiB L2 per core, 32 MiB L3; 2**17..2**19 within noise there).
+# When the machine reports no cache sizes: the size measured best on the development machine (AMD
+# EPYC, 1 MiB L2 per core, 32 MiB L3; 2**17..2**19 within noise there).
 FALLBACK_CPU_CHUNK = 1 << 18
 _SIZE = re.compile(r"^(\d+)\s*([KMG]?)B?$", re.IGNORECASE)
 
@@ -71,9 +74,10 @@ def cache_levels(sysfs: str | os.PathLike[str] = SYSFS_CACHE) -> dict[int, tuple
 def chunk_for_caches(
     levels: dict[int, tuple[int, int]], elem_bytes: int = 4, arrays: int = LAMB_ARRAYS
 ) -> int:
-    """Elements per chunk: the largest power of two whose ``arrays`` arrays fit this CPU's share of its L2 and
-    larger caches (each level's size / the CPUs sharing it), at least MIN_CPU_CHUNK. L1 is left out: no chunk
-    worth its per-op cost fits there. No level 2+ cache reported: FALLBACK_CPU_CHUNK."""
+    """Elements per chunk: the largest power of two whose ``arrays`` arrays fit this CPU's share
+    of its L2 and larger caches (each level's size / the CPUs sharing it), at least
+    MIN_CPU_CHUNK. L1 is left out: no chunk worth its per-op cost fits there. No level 2+ cache
+    reported: FALLBACK_CPU_CHUNK."""
     budget = sum(size // shared for level, (size, shared) in levels.items() if level >= 2)
     if budget <= 0:
         return FALLBACK_CPU_CHUNK
@@ -88,7 +92,8 @@ def cpu_chunk() -> int:
 
 
 def default_chunk(device: torch.device) -> int | None:
-    """Chunk size for tensors on ``device``: cache-sized on CPU, whole tensors (None) on accelerators."""
+    """Chunk size for tensors on ``device``: cache-sized on CPU, whole tensors (None) on
+    accelerators."""
     return cpu_chunk() if device.type == "cpu" else None
 
 
@@ -96,9 +101,9 @@ def default_chunk(device: torch.device) -> int | None:
 class ChunkPlan:
     """How tensors of the given sizes are cut into pieces and grouped into chunks.
 
-    ``sizes[i]`` are the piece lengths of tensor i (in order, summing to its numel); ``bounds[c]`` is the
-    [start, end) range of chunk c in the concatenated piece list; ``owner[c]`` gives, for each piece of
-    chunk c, the index of the tensor it came from (for per-tensor norms).
+    ``sizes[i]`` are the piece lengths of tensor i (in order, summing to its numel); ``bounds[c]``
+    is the [start, end) range of chunk c in the concatenated piece list; ``owner[c]`` gives, for
+    each piece of chunk c, the index of the tensor it came from (for per-tensor norms).
     """
 
     numels: tuple[int, ...]
@@ -119,8 +124,8 @@ def plan_chunks(
 ) -> ChunkPlan:
     """Greedy packing of tensors (in order) into chunks of about ``chunk`` elements.
 
-    ``chunk=None`` puts every tensor whole into one chunk (the accelerator layout). A tensor that is not
-    ``splittable`` (non-contiguous parameter) stays whole, possibly making its chunk larger.
+    ``chunk=None`` puts every tensor whole into one chunk (the accelerator layout). A tensor that is
+    not ``splittable`` (non-contiguous parameter) stays whole, possibly making its chunk larger.
     """
     numels = tuple(int(n) for n in numels)
     if chunk is None:
@@ -181,9 +186,9 @@ def plan_chunks(
 def pieces(tensors: Sequence[torch.Tensor], plan: ChunkPlan) -> list[list[torch.Tensor]]:
     """Views of ``tensors`` cut as ``plan`` says, grouped by chunk.
 
-    A tensor kept whole is passed as is (any shape and strides); split tensors are flattened, which needs
-    a contiguous tensor for the in-place targets (parameters and state; the planner knows) and makes a
-    contiguous copy of a read-only input such as a non-contiguous gradient.
+    A tensor kept whole is passed as is (any shape and strides); split tensors are flattened, which
+    needs a contiguous tensor for the in-place targets (parameters and state; the planner knows) and
+    makes a contiguous copy of a read-only input such as a non-contiguous gradient.
     """
     flat: list[torch.Tensor] = []
     for t, sz in zip(tensors, plan.sizes, strict=True):

@@ -1,4 +1,5 @@
-"""What a trainer calls: ``build_optimizer(model, cfg.optim, world)`` and ``build_schedule(opt, cfg.optim)``."""
+"""What a trainer calls: ``build_optimizer(model, cfg.optim, world)`` and ``build_schedule(opt,
+cfg.optim)``."""
 
 from __future__ import annotations
 
@@ -27,20 +28,22 @@ def build_optimizer(
     comm: CommConfig | None = None,
     no_decay: Sequence[str] = NVIDIA_BERT_NO_DECAY,
 ) -> torch.optim.Optimizer:
-    """The optimizer named by ``optim.name`` over the model's parameters, with the reference's groups.
+    """The optimizer named by ``optim.name`` over the model's parameters, with the reference's
+    groups.
 
     ``no_decay``: the name patterns of the model family (``Family.no_decay``: NVIDIA BERT's
     bias/gamma/beta/LayerNorm, MLPerf ResNet's bias and batch norm) get no weight decay and no trust
     ratio, and neither do normalisation layers (scaleout/optim/groups.py). ``optim.sharded`` selects
-    :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for its
-    reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb`` reduce-scattered
-    during backward, otherwise one bucket sent in ``step()``.
+    :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for
+    its reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb``
+    reduce-scattered during backward, otherwise one bucket sent in ``step()``.
     """
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
     if cfg.overlap_comm and not cfg.sharded:
         raise ConfigError(
-            "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's collectives)"
+            "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's "
+            "collectives)"
         )
     if cfg.sharded and cfg.name != "lamb":
         raise ConfigError(
@@ -58,7 +61,8 @@ def build_optimizer(
         if cfg.sharded:
             if world is None:
                 raise ConfigError(
-                    "optim.sharded=true needs the World of a distributed run (build_optimizer(..., world=world))"
+                    "optim.sharded=true needs the World of a distributed run (build_optimizer(..., "
+                    "world=world))"
                 )
             comm = comm or CommConfig()
             return ShardedLAMB(

@@ -1,12 +1,13 @@
 """Parameter groups by name pattern: which tensors get weight decay and the trust ratio.
 
 Which names are excluded is model knowledge, so each model family declares it (``Family.no_decay``,
-scaleout/families/): NVIDIA's BERT (DeepLearningExamples, run_pretraining.py) puts every parameter whose
-name contains ``bias``, ``gamma``, ``beta`` or ``LayerNorm`` in a group with weight decay 0, and FusedLAMB
-applies the trust ratio only where weight decay is non-zero; the MLPerf ResNet LARS reference skips decay
-and adaptation for ``batch_normalization`` and ``bias`` variables. PyTorch names batch-norm parameters after
-the attribute (``bn1.weight``, ``downsample.1.weight``), so besides name patterns the parameters of
-normalisation modules are excluded by type (``norm_layers=True``).
+scaleout/families/): NVIDIA's BERT (DeepLearningExamples, run_pretraining.py) puts every parameter
+whose name contains ``bias``, ``gamma``, ``beta`` or ``LayerNorm`` in a group with weight decay 0,
+and FusedLAMB applies the trust ratio only where weight decay is non-zero; the MLPerf ResNet LARS
+reference skips decay and adaptation for ``batch_normalization`` and ``bias`` variables. PyTorch
+names batch-norm parameters after the attribute (``bn1.weight``, ``downsample.1.weight``), so
+besides name patterns the parameters of normalisation modules are excluded by type
+(``norm_layers=True``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def param_groups(
     norm_layers: bool = True,
     **group_opts: Any,
 ) -> list[dict[str, Any]]:
-    """Two groups: decayed and adapted tensors, and excluded ones (weight_decay 0, trust_ratio False).
+    """Two groups: decayed and adapted tensors, and excluded ones (weight_decay 0, trust_ratio
+    False).
 
-    A parameter is excluded when a ``no_decay`` pattern is a substring of its qualified name (NVIDIA's rule)
-    or, with ``norm_layers``, when it belongs to a normalisation module. Frozen parameters are left out;
-    tied parameters appear once. ``group_opts`` (e.g. lr) are copied into both groups. Each group also
-    carries ``names`` so that a reader of the optimizer can see what went where.
+    A parameter is excluded when a ``no_decay`` pattern is a substring of its qualified name
+    (NVIDIA's rule) or, with ``norm_layers``, when it belongs to a normalisation module. Frozen
+    parameters are left out; tied parameters appear once. ``group_opts`` (e.g. lr) are copied into
+    both groups. Each group also carries ``names`` so that a reader of the optimizer can see what
+    went where.
     """
     if isinstance(no_decay, str):
         raise ConfigError(

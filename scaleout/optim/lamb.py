@@ -3,18 +3,25 @@
 Per step, for each tensor w with gradient g (optionally pre-scaled by the global clip factor c):
 
     m = b1 m + (1 - b1) c g            v = b2 v + (1 - b2) (c g)^2
-    u = (m / bc1) / (sqrt(v / bc2) + eps) + wd w          bc = 1 - b^step (1 if bias_correction=False)
-    r = ||w|| / ||u||   (1 if either norm is 0; min(r, trust_clamp) if set; 1 if the group is not adapted)
+    u = (m / bc1) / (sqrt(v / bc2) + eps) + wd w          bc = 1 - b^step (1 if
+    bias_correction=False)
+    r = ||w|| / ||u||   (1 if either norm is 0; min(r, trust_clamp) if set; 1 if the group is not
+    adapted)
     w = w - lr r u
 
-Global clipping as in apex FusedLAMB: c = max_norm / max(||g||_all, max_norm) over every gradient of every
-group. A group is adapted (trust ratio applied) when ``trust_ratio=True``, or by default when its weight
-decay is non-zero: with NVIDIA's BERT groups (bias/LayerNorm get wd = 0) that is apex's ``use_nvlamb=False``.
+Global clipping as in apex FusedLAMB: c = max_norm / max(||g||_all, max_norm) over every gradient of
+every group. A group is adapted (trust ratio applied) when ``trust_ratio=True``, or by default when
+its weight decay is non-zero: with NVIDIA's BERT groups (bias/LayerNorm get wd = 0) that is apex's
+``use_nvlamb=False``.
 
-Speed (CPU): the bias corrections are folded into two scalars, u/k = m / (sqrt(v) + eps sqrt(bc2)) + (wd/k) w
-with k = sqrt(bc2) / bc1, and each cache-sized chunk runs the whole chain before the next (see chunks.py).
-An adapted tensor needs ||u|| before w can move, so phase 1 updates the moments and accumulates ||u||^2 and
-||w||^2 per tensor, and phase 2 recomputes u (from m, v and w, all cheap to read again) rather than writing
+Speed (CPU): the bias corrections are folded into two scalars, u/k = m / (sqrt(v) + eps sqrt(bc2)) +
+(wd/k) w
+with k = sqrt(bc2) / bc1, and each cache-sized chunk runs the whole chain before the next (see
+chunks.py).
+An adapted tensor needs ||u|| before w can move, so phase 1 updates the moments and accumulates
+||u||^2 and
+||w||^2 per tensor, and phase 2 recomputes u (from m, v and w, all cheap to read again) rather than
+writing
 and re-reading a full-size u: 10 array passes to DRAM against ~20 for AdamW-foreach.
 """
 
@@ -124,13 +131,15 @@ def lamb_chunks(
     device: torch.device | None = None,
     U: Sequence[list[torch.Tensor]] | None = None,
 ) -> None:
-    """One LAMB step over chunked views (chunk c: parameter pieces P[c], gradient G[c], moments M[c], V[c]).
+    """One LAMB step over chunked views (chunk c: parameter pieces P[c], gradient G[c], moments
+    M[c], V[c]).
 
-    ``owner[c]`` maps each piece to its tensor for the per-tensor norms; ``reduce_norms`` (sharded LAMB)
-    all-reduces the stacked partial squared norms [||w||^2; ||u||^2] across the ranks holding the pieces;
-    it is called on every rank, also one holding no piece of this group (then ``device`` must be given).
-    ``U`` (same layout, fp32): scratch that keeps each chunk's update direction from phase 1 to phase 2;
-    without it the direction is recomputed in phase 2 (one sqrt and one division more per element).
+    ``owner[c]`` maps each piece to its tensor for the per-tensor norms; ``reduce_norms`` (sharded
+    LAMB) all-reduces the stacked partial squared norms [||w||^2; ||u||^2] across the ranks holding
+    the pieces; it is called on every rank, also one holding no piece of this group (then ``device``
+    must be given). ``U`` (same layout, fp32): scratch that keeps each chunk's update direction from
+    phase 1 to phase 2; without it the direction is recomputed in phase 2 (one sqrt and one division
+    more per element).
     """
     nchunks = len(P)
     if not nchunks and reduce_norms is None:
@@ -189,9 +198,10 @@ def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
 class LAMB(ChunkedOptimizer):
     """LAMB with NVIDIA's MLPerf-BERT rules; see the module docstring for the exact update.
 
-    Group keys: lr, betas, eps, weight_decay, bias_correction, trust_clamp, trust_ratio (None = adapt iff
-    weight_decay != 0). ``clip_grad_norm`` clips the global gradient norm before the update (None = off).
-    ``chunk``: elements per cache block on CPU ('auto'), None = whole tensors (what CUDA uses).
+    Group keys: lr, betas, eps, weight_decay, bias_correction, trust_clamp, trust_ratio (None =
+    adapt iff weight_decay != 0). ``clip_grad_norm`` clips the global gradient norm before the
+    update (None = off). ``chunk``: elements per cache block on CPU ('auto'), None = whole tensors
+    (what CUDA uses).
     """
 
     def __init__(
@@ -234,7 +244,8 @@ class LAMB(ChunkedOptimizer):
         g.setdefault("step", 0)
 
     def clip_factor(self, grads: Sequence[torch.Tensor]) -> float:
-        """apex FusedLAMB: divide every gradient by ||g|| / max_norm when the global norm exceeds max_norm."""
+        """apex FusedLAMB: divide every gradient by ||g|| / max_norm when the global norm exceeds
+        max_norm."""
         if self.clip_grad_norm is None:
             return 1.0
         norm = float(global_grad_norm(grads))

@@ -1,22 +1,24 @@
 """LARS (You, Gitman, Ginsburg, arXiv 1708.03888) with the MLPerf ResNet-50 reference rules.
 
-The MLPerf reference (mlcommons/training, image_classification, TensorFlow ``LARSOptimizer``) does, for
-every tensor w with gradient g and momentum buffer b (zero-initialised):
+The MLPerf reference (mlcommons/training, image_classification, TensorFlow ``LARSOptimizer``) does,
+for every tensor w with gradient g and momentum buffer b (zero-initialised):
 
     adapted tensors:   t = eta ||w|| / (||g|| + wd ||w|| + eps)   (t = 1 if ||w|| = 0 or ||g|| = 0)
                        b = momentum b + lr t (g + wd w)
-    excluded tensors:  b = momentum b + lr g                     (batch norm and bias: no decay, no t)
+    excluded tensors:  b = momentum b + lr g                     (batch norm and bias: no decay, no
+    t)
                        w = w - b
 
-so the learning rate sits inside the momentum buffer, and weight decay is applied exactly where the trust
-ratio is. A group is adapted when ``trust_ratio=True``, or by default when its weight decay is non-zero
-(``param_groups(model, no_decay=LARS_EXCLUDE)`` builds the two groups). eta = 0.001 and eps = 0 are the
-reference defaults.
+so the learning rate sits inside the momentum buffer, and weight decay is applied exactly where the
+trust ratio is. A group is adapted when ``trust_ratio=True``, or by default when its weight decay is
+non-zero (``param_groups(model, no_decay=LARS_EXCLUDE)`` builds the two groups). eta = 0.001 and eps
+= 0 are the reference defaults.
 
-Speed (CPU, fp32): the norms are two foreach reads (w and g); the update is torch's fused SGD kernel with
-lr = 1 and dampening = 1 - lr t, one pass over w, g and b per tensor: 7 array transfers in all against 8
-for SGD-momentum-foreach. bf16/fp16 parameters and accelerators take the multi-tensor foreach path
-(cache-blocked chunks; per-tensor 0-d scalars, so the arithmetic stays fp32 for bf16 parameters).
+Speed (CPU, fp32): the norms are two foreach reads (w and g); the update is torch's fused SGD kernel
+with lr = 1 and dampening = 1 - lr t, one pass over w, g and b per tensor: 7 array transfers in all
+against 8 for SGD-momentum-foreach. bf16/fp16 parameters and accelerators take the multi-tensor
+foreach path (cache-blocked chunks; per-tensor 0-d scalars, so the arithmetic stays fp32 for bf16
+parameters).
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ from scaleout.optim.chunks import pieces
 LARS_ETA = 0.001  # trust coefficient of the MLPerf ResNet reference (and You et al. 2017)
 
 
-# The fused kernel gets s = lr t as dampening = 1 - s and forms 1 - dampening in double precision, which
-# keeps ~16 - log10(1/s) digits of s: at s >= 1e-8, 8 digits (below fp32's 7); smaller non-zero s take plain ops.
+# The fused kernel gets s = lr t as dampening = 1 - s and forms 1 - dampening in double precision,
+# which keeps ~16 - log10(1/s) digits of s: at s >= 1e-8, 8 digits (below fp32's 7); smaller
+# non-zero s take plain ops.
 FUSED_MIN_SCALE = 1e-8
 
 
 def exact_in_kernel(s: float) -> bool:
-    """Whether the fused kernel reproduces lr t = s to fp32 precision (s = 0 is exact: dampening 1)."""
+    """Whether the fused kernel reproduces lr t = s to fp32 precision (s = 0 is exact: dampening
+    1)."""
     return s == 0.0 or abs(s) >= FUSED_MIN_SCALE
 
 
@@ -73,10 +77,10 @@ class LARS(ChunkedOptimizer):
     """LARS with momentum, MLPerf form (see the module docstring).
 
     Group keys: lr, momentum, weight_decay, eta, eps, trust_clamp, trust_ratio (None = adapt iff
-    weight_decay != 0). ``chunk``: elements per cache block of the foreach path on CPU ('auto'), None = whole
-    tensors. ``fused``: use torch's fused SGD kernel (one pass per tensor); None = on CPU with fp32 parameters
-    and gradients, False = the multi-tensor foreach path (bf16/fp16 and accelerators always take it unless
-    True is given).
+    weight_decay != 0). ``chunk``: elements per cache block of the foreach path on CPU ('auto'),
+    None = whole tensors. ``fused``: use torch's fused SGD kernel (one pass per tensor); None = on
+    CPU with fp32 parameters and gradients, False = the multi-tensor foreach path (bf16/fp16 and
+    accelerators always take it unless True is given).
     """
 
     def __init__(
@@ -158,8 +162,9 @@ class LARS(ChunkedOptimizer):
             for c in range(plan.num_chunks):
                 own = plan.owner[c]
                 torch._foreach_mul_(B[c], mom)
-                # b += (lr t) g + (lr t wd) w with per-tensor scalars given as 0-d tensors (addcmul broadcasts
-                # them), which also keeps the arithmetic in fp32 for bf16 parameters and gradients.
+                # b += (lr t) g + (lr t wd) w with per-tensor scalars given as 0-d tensors (addcmul
+                # broadcasts them), which also keeps the arithmetic in fp32 for bf16 parameters and
+                # gradients.
                 torch._foreach_addcmul_(B[c], G[c], list(scale[own].unbind()))
                 if wd:
                     torch._foreach_addcmul_(B[c], P[c], list(wd_scale[own].unbind()))
@@ -183,12 +188,13 @@ class LARS(ChunkedOptimizer):
     ) -> None:
         """The fp32 CPU path: torch's fused SGD kernel, which in one pass over w, g and b computes
 
-            b = momentum b + (1 - dampening) (g + wd w);   w = w - lr b.
+        b = momentum b + (1 - dampening) (g + wd w);   w = w - lr b.
 
-        With lr = 1 and dampening = 1 - s (the kernel forms 1 - dampening in double precision) this is the
-        MLPerf LARS update with s = lr t. An excluded group shares s = lr: one call for all its tensors. An
-        adapted group needs the norms first (two reads), then one call per tensor, since each has its own t
-        (one kernel per tensor, as multi_tensor_apply launches one per chunk; no chain of ops per tensor).
+        With lr = 1 and dampening = 1 - s (the kernel forms 1 - dampening in double precision) this
+        is the MLPerf LARS update with s = lr t. An excluded group shares s = lr: one call for all
+        its tensors. An adapted group needs the norms first (two reads), then one call per tensor,
+        since each has its own t (one kernel per tensor, as multi_tensor_apply launches one per
+        chunk; no chain of ops per tensor).
         """
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
 
@@ -214,7 +220,8 @@ class LARS(ChunkedOptimizer):
                 b.add_(p, alpha=s * wd)
             p.sub_(b)
 
-        # the kernel walks memory linearly: tensors whose w, g, b are not all contiguous take plain ops
+        # the kernel walks memory linearly: tensors whose w, g, b are not all contiguous take plain
+        # ops
         flat = [
             p.is_contiguous() and g.is_contiguous() and b.is_contiguous()
             for p, g, b in zip(params, grads, bufs, strict=True)

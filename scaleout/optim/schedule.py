@@ -1,29 +1,37 @@
 """Step-based learning-rate schedule: linear warmup, then polynomial decay to ``end_lr``.
 
-Both MLPerf references use this shape with the step count of completed optimizer steps (lr = 0 at step 0):
+Both MLPerf references use this shape with the step count of completed optimizer steps (lr = 0 at
+step 0):
 
-* ResNet-50 (TF2 reference, ``PolynomialDecayWithWarmup``): lr = base * step / warmup during warmup, then
+* ResNet-50 (TF2 reference, ``PolynomialDecayWithWarmup``): lr = base * step / warmup during warmup,
+  then
   (base - end) * (1 - (step - warmup) / (total - warmup))^power + end; the reference uses power 2.
   This is ``decay_from="warmup"`` (the default).
-* BERT (TF reference ``optimization.py``): the same warmup, but the polynomial decay counts from step 0 over
-  all ``total`` steps (so it resumes below base after warmup); power 1. This is ``decay_from="start"``.
-  NVIDIA's PyTorch submissions do the same (``schedulers.py`` ``LinearWarmupPolyDecayScheduler``: the decay
+* BERT (TF reference ``optimization.py``): the same warmup, but the polynomial decay counts from
+  step 0 over
+  all ``total`` steps (so it resumes below base after warmup); power 1. This is
+  ``decay_from="start"``.
+  NVIDIA's PyTorch submissions do the same (``schedulers.py`` ``LinearWarmupPolyDecayScheduler``:
+  the decay
   progress is ``(step - offset) / total_steps``, never shifted by the warm-up).
 
-``start_warmup_step`` (BERT, ``decay_from="start"`` only; <= 0): warm-up as if ``-start_warmup_step`` steps
-had already passed, as NVIDIA's MLPerf BERT configs (``START_WARMUP_STEP=-76``). Exactly their scheduler,
-which is stepped before each optimizer step with the 1-based step ``k = s + 1`` (``s`` = completed steps)
-and subtracts ``offset = 1`` only when ``start_warmup_step == 0``::
+``start_warmup_step`` (BERT, ``decay_from="start"`` only; <= 0): warm-up as if
+``-start_warmup_step`` steps had already passed, as NVIDIA's MLPerf BERT configs
+(``START_WARMUP_STEP=-76``). Exactly their scheduler, which is stepped before each optimizer step
+with the 1-based step ``k = s + 1`` (``s`` = completed steps) and subtracts ``offset = 1`` only when
+``start_warmup_step == 0``::
 
     mod = k - offset - start_warmup_step
     lr  = base * mod / warmup                              if mod < warmup
     lr  = (base - end) * (1 - min((k - offset) / total, 1)) ** power + end   otherwise
 
-With ``start_warmup_step = 0`` this is the plain ``decay_from="start"`` schedule (``mod = s``). With -76 the
-decay runs one step ahead (``(s + 1) / total``); Google's TF reference (``optimization.py``) instead uses
-``s`` in both places. NVIDIA's ``warmup + 1e-6`` denominator (a relative 3e-9) is left out.
+With ``start_warmup_step = 0`` this is the plain ``decay_from="start"`` schedule (``mod = s``). With
+-76 the decay runs one step ahead (``(s + 1) / total``); Google's TF reference (``optimization.py``)
+instead uses ``s`` in both places. NVIDIA's ``warmup + 1e-6`` denominator (a relative 3e-9) is left
+out.
 
-After ``total_steps`` the rate stays at ``end_lr``; with ``total_steps=None`` it stays at base after warmup.
+After ``total_steps`` the rate stays at ``end_lr``; with ``total_steps=None`` it stays at base after
+warmup.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from scaleout.optim.base import check_hparams
 
 @dataclass
 class WarmupPoly:
-    """lr(step) as a factor of the base rate (a callable object so LambdaLR saves it in its state_dict)."""
+    """lr(step) as a factor of the base rate (a callable object so LambdaLR saves it in its
+    state_dict)."""
 
     warmup_steps: int = 0
     total_steps: int | None = None
@@ -61,7 +70,8 @@ class WarmupPoly:
             raise ConfigError(f"decay_from={self.decay_from!r} must be 'warmup' or 'start'")
         if self.start_warmup_step > 0:
             raise ConfigError(
-                f"start_warmup_step={self.start_warmup_step} must be <= 0 (warm-up already under way)"
+                f"start_warmup_step={self.start_warmup_step} must be <= 0 (warm-up already under "
+                "way)"
             )
         if self.start_warmup_step and self.decay_from != "start":
             raise ConfigError(
@@ -81,7 +91,8 @@ class WarmupPoly:
         return (1.0 - self.end_factor) * (1.0 - frac) ** self.power + self.end_factor
 
     def _nvidia(self, step: int) -> float:
-        """NVIDIA's LinearWarmupPolyDecayScheduler with start_warmup_step != 0 (offset 0, k = step + 1)."""
+        """NVIDIA's LinearWarmupPolyDecayScheduler with start_warmup_step != 0 (offset 0, k =
+        step + 1)."""
         k = step + 1
         mod = k - self.start_warmup_step
         if mod < self.warmup_steps:
@@ -103,7 +114,8 @@ def warmup_poly(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR (call ``.step()`` after every optimizer step) following :class:`WarmupPoly`.
 
-    ``end_lr`` is absolute for the first group's base rate; other groups end at the same fraction of theirs.
+    ``end_lr`` is absolute for the first group's base rate; other groups end at the same fraction of
+    theirs.
     """
     check_hparams("schedule", end_lr=end_lr)
     base = optimizer.param_groups[0]["lr"]

@@ -1,25 +1,37 @@
-"""Sharded LAMB (ZeRO stage 1, the pattern of apex's DistributedFusedLAMB): each rank keeps 1/world of the state.
+"""Sharded LAMB (ZeRO stage 1, the pattern of apex's DistributedFusedLAMB): each rank keeps 1/world
+of the state.
 
-Layout: the DataParallel reducer's buckets (:mod:`scaleout.parallel.buckets`: parameters in reverse order,
-a bucket closed once it reaches ``bucket_mb``; ``overlap=False``: one bucket). Each bucket is one flat buffer
-padded to a multiple of the world size, every parameter a view of it (``p.data`` re-pointed once, as in apex),
-so the all-gather writes the weights in place; this rank owns slice ``scaleout.comm.shard_index`` of each.
+Layout: the DataParallel reducer's buckets (:mod:`scaleout.parallel.buckets`: parameters in reverse
+order, a bucket closed once it reaches ``bucket_mb``; ``overlap=False``: one bucket). Each bucket is
+one flat buffer padded to a multiple of the world size, every parameter a view of it (``p.data``
+re-pointed once, as in apex), so the all-gather writes the weights in place; this rank owns slice
+``scaleout.comm.shard_index`` of each.
 
 Per step every rank issues the same collectives in the same order (c10d matches them by order):
 
-1. Gradients go into each bucket's fp32 buffer, which is reduce-scattered with the configured algorithm of
-   ``scaleout.comm`` (flat, hierarchical, torus2d), in bucket order. ``overlap=True`` works as the reducer:
-   a post-accumulate-grad hook marks a parameter ready and a complete bucket goes out at once (strictly in
-   index order); at the end of backward (an autograd callback) every parameter it gave no gradient is
-   marked ready with its ``.grad`` or zero, the rest is launched and all are waited for. So every rank sends
-   every bucket once per synchronising backward whichever parameters it used, and nothing is in flight
+1. Gradients go into each bucket's fp32 buffer, which is reduce-scattered with the configured
+   algorithm of
+   ``scaleout.comm`` (flat, hierarchical, torus2d), in bucket order. ``overlap=True`` works as the
+   reducer:
+   a post-accumulate-grad hook marks a parameter ready and a complete bucket goes out at once
+   (strictly in
+   index order); at the end of backward (an autograd callback) every parameter it gave no gradient
+   is
+   marked ready with its ``.grad`` or zero, the rest is launched and all are waited for. So every
+   rank sends
+   every bucket once per synchronising backward whichever parameters it used, and nothing is in
+   flight
    after backward (a skipped step is just ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
-2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial sums,
-   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's census (which
-   parameters got a gradient on some rank), riding on a collective that runs anyway. A parameter no rank
+2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial
+   sums,
+   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's census
+   (which
+   parameters got a gradient on some rank), riding on a collective that runs anyway. A parameter no
+   rank
    used is an error naming it unless ``allow_unused=True`` (then its gradient is zero, as in
    DataParallel). Global clipping all-reduces one scalar first.
-3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later updates).
+3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later
+   updates).
 
 Equal to LAMB on the rank-averaged gradient (sums in another order). Accumulation: :meth:`no_sync`.
 """
@@ -82,15 +94,17 @@ class ShardBucket:
 
 
 class ShardedLAMB(torch.optim.Optimizer):
-    """LAMB whose moments are sharded over ``world`` (same hyper-parameters and rules as :class:`LAMB`).
+    """LAMB whose moments are sharded over ``world`` (same hyper-parameters and rules as
+    :class:`LAMB`).
 
-    Call :meth:`step` after backward on every rank with the rank's *local* (unreduced) gradients: the
-    optimizer averages them itself, so do not also all-reduce them. All parameters must share one dtype
-    and device. ``algorithm`` (+ ``x``/``y`` for torus2d) picks the reduce-scatter / all-gather of
-    :mod:`scaleout.comm`. ``param_order`` (e.g. ``model.parameters()``): the registration order whose
-    reverse fills the buckets (default: the groups' order, which interleaves layers when groups split
-    weights from biases). Checkpoints: :meth:`sharded_state` (any world size, via
-    ``torch.distributed.checkpoint``); ``state_dict`` is this rank's shard for the same layout only.
+    Call :meth:`step` after backward on every rank with the rank's *local* (unreduced) gradients:
+    the optimizer averages them itself, so do not also all-reduce them. All parameters must share
+    one dtype and device. ``algorithm`` (+ ``x``/``y`` for torus2d) picks the reduce-scatter /
+    all-gather of :mod:`scaleout.comm`. ``param_order`` (e.g. ``model.parameters()``): the
+    registration order whose reverse fills the buckets (default: the groups' order, which
+    interleaves layers when groups split weights from biases). Checkpoints: :meth:`sharded_state`
+    (any world size, via ``torch.distributed.checkpoint``); ``state_dict`` is this rank's shard for
+    the same layout only.
     """
 
     def __init__(
@@ -177,7 +191,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) != 1:
             raise ConfigError(
-                f"ShardedLAMB needs one dtype and device for all parameters, got {sorted(map(str, kinds))}"
+                "ShardedLAMB needs one dtype and device for all parameters, got "
+                f"{sorted(map(str, kinds))}"
             )
         dtype, device = kinds.pop()
         gdtype = torch.float32 if dtype != torch.float64 else dtype
@@ -278,14 +293,16 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without communicating (all micro-batches but the last)."""
+        """Backward passes inside accumulate gradients without communicating (all micro-batches
+        but the last)."""
         old, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = old
 
-    # -- scaleout.parallel.sync.GradientSync: the trainer asks this optimizer what it asks DataParallel ----
+    # -- scaleout.parallel.sync.GradientSync: the trainer asks this optimizer what it asks
+    # DataParallel ----
     grads_are_views = False  # .grad are autograd's own tensors, copied into the buckets
 
     def census_flag(self) -> None:
@@ -315,17 +332,20 @@ class ShardedLAMB(torch.optim.Optimizer):
         return hook
 
     def _second_backward(self, k: int) -> None:
-        """A gradient again after a synchronising backward, without step(): send everything again (every
-        rank runs the same backward passes, so every rank does this at the same point)."""
+        """A gradient again after a synchronising backward, without step(): send everything again
+        (every rank runs the same backward passes, so every rank does this at the same point)."""
         if self._next < len(self.buckets):
             raise UserError(
-                f"parameter {self.keys[k]!r} received a gradient twice in one synchronising backward "
-                "(reentrant checkpointing?): run all backward passes but the last under optimizer.no_sync()"
+                f"parameter {self.keys[k]!r} received a gradient twice in one synchronising "
+                "backward "
+                "(reentrant checkpointing?): run all backward passes but the last under "
+                "optimizer.no_sync()"
             )
         self._reset_step()
 
     def _mark(self, k: int) -> None:
-        """Put parameter k's gradient (zero if it has none) into its bucket; launch buckets now complete."""
+        """Put parameter k's gradient (zero if it has none) into its bucket; launch buckets now
+        complete."""
         g, view = self.params[k].grad, self._gview[k]
         if g is None:
             view.zero_()
@@ -373,14 +393,16 @@ class ShardedLAMB(torch.optim.Optimizer):
         }
 
     def unscale_(self, factor: float) -> None:
-        """fp16 loss scaling (scaleout/train/precision.py): the reduced gradients live in this optimizer's
-        shard buffers, not in ``.grad``, so they are multiplied by ``factor`` (1/S) here, in :meth:`step` once
-        the reduce-scatters are done (overlapped: already after backward; otherwise inside step()). The
-        reduction is linear, so scaling after it equals unscaling every rank's gradients first."""
+        """fp16 loss scaling (scaleout/train/precision.py): the reduced gradients live in this
+        optimizer's shard buffers, not in ``.grad``, so they are multiplied by ``factor`` (1/S)
+        here, in :meth:`step` once the reduce-scatters are done (overlapped: already after
+        backward; otherwise inside step()). The reduction is linear, so scaling after it equals
+        unscaling every rank's gradients first."""
         self._unscale *= float(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Also forgets a backward whose step was skipped (its reduce-scatters already completed)."""
+        """Also forgets a backward whose step was skipped (its reduce-scatters already
+        completed)."""
         self._reset_step()
         self._used = [False] * len(self.params)
         super().zero_grad(set_to_none=set_to_none)
@@ -407,7 +429,8 @@ class ShardedLAMB(torch.optim.Optimizer):
                 loss = closure()
         self.timings = {}
         t = time.perf_counter()
-        self._send_all()  # overlap=False, or gradients set without backward: everything goes out here
+        # overlap=False, or gradients set without backward: everything goes out here
+        self._send_all()
         t = self._tick("pack", t)
         self._wait_all()
         if self._unscale != 1.0:
@@ -443,7 +466,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         return loss
 
     def _phase1(self, co: list[LambCoeffs]) -> tuple[torch.Tensor, list[int]]:
-        """Moments and partial squared norms of the adapted groups; row 2: this rank's usage census."""
+        """Moments and partial squared norms of the adapted groups; row 2: this rank's usage
+        census."""
         ntens = [len(g["params"]) for g in self.param_groups]
         base = [sum(ntens[:gi]) for gi in range(len(ntens))]
         sq = torch.zeros(3, len(self.params), dtype=torch.float32, device=self.flat_param.device)
@@ -494,9 +518,10 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     # -- checkpoint -------------------------------------------------------------------------------
     def sharded_state(self) -> tuple[dict[str, Any], dict[str, Piece]]:
-        """(replicated part: groups and step counters, the same on every rank; this rank's pieces of each
-        parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in per-parameter
-        coordinates, so that a checkpoint loads into any world size or bucket layout)."""
+        """(replicated part: groups and step counters, the same on every rank; this rank's pieces
+        of each parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in
+        per-parameter coordinates, so that a checkpoint loads into any world size or bucket
+        layout)."""
         rep = {
             "format": FORMAT,
             "param_groups": [
@@ -507,10 +532,12 @@ class ShardedLAMB(torch.optim.Optimizer):
         return rep, dict(self._pieces)
 
     def load_replicated(self, rep: dict[str, Any]) -> None:
-        """Load the replicated part of :meth:`sharded_state` (the pieces are loaded in place by the caller)."""
+        """Load the replicated part of :meth:`sharded_state` (the pieces are loaded in place by
+        the caller)."""
         if not isinstance(rep, dict) or rep.get("format") != FORMAT:
             raise ConfigError(
-                f"checkpoint optimizer state is not a {FORMAT} state (saved with optim.sharded=false "
+                f"checkpoint optimizer state is not a {FORMAT} state (saved with "
+                "optim.sharded=false "
                 "or by an older version); resume it with the settings it was saved with"
             )
         mine = self.sharded_state()[0]
@@ -523,7 +550,8 @@ class ShardedLAMB(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, to load on the same rank of the same layout (checkpoints: :meth:`sharded_state`)."""
+        """This rank's state, to load on the same rank of the same layout (checkpoints:
+        :meth:`sharded_state`)."""
         rep, pieces = self.sharded_state()
         layout = (self.slot, self.size, self.shard_numel, len(self.buckets))
         return {
@@ -539,8 +567,10 @@ class ShardedLAMB(torch.optim.Optimizer):
             or state_dict["state"].keys() != self._pieces.keys()
         ):
             raise ConfigError(
-                f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, buckets) "
-                f"does not match this rank's {mine['layout']}: use sharded_state() and scaleout.checkpoint"
+                f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, "
+                "buckets) "
+                f"does not match this rank's {mine['layout']}: use sharded_state() and "
+                "scaleout.checkpoint"
             )
         self.load_replicated(state_dict)
         for k, p in self._pieces.items():

@@ -1,7 +1,9 @@
-"""Data parallelism: overlapped, bucketed gradient all-reduce with any :mod:`scaleout.comm` algorithm.
+"""Data parallelism: overlapped, bucketed gradient all-reduce with any :mod:`scaleout.comm`
+algorithm.
 
 ``DataParallel`` (our reducer), ``ddp_comm_hook`` (the same algorithms inside torch's own
-DistributedDataParallel), ``Timeline`` (Chrome trace of backward and communication). See docs/overlap.md.
+DistributedDataParallel), ``Timeline`` (Chrome trace of backward and communication). See
+docs/overlap.md.
 """
 
 from scaleout.parallel.data_parallel import DataParallel

@@ -1,4 +1,5 @@
-"""Gradient buckets: fixed at wrap time, one flat contiguous buffer each, gradients as views into it.
+"""Gradient buckets: fixed at wrap time, one flat contiguous buffer each, gradients as views into
+it.
 
 Assignment follows the DDP paper (Li et al., VLDB 2020, sec. 3.2.3): parameters are taken in
 *reverse* ``model.parameters()`` order, because backward produces gradients roughly from the last
@@ -61,8 +62,8 @@ class Bucket:
 def assign(
     sizes_bytes: list[int], keys: list[object], cap_bytes: int, first_cap_bytes: int | None = None
 ) -> list[list[int]]:
-    """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes`` (the first bucket
-    of each key: ``first_cap_bytes``); never mix keys."""
+    """Group indices (already in bucket-filling order) into buckets of >= ``cap_bytes`` (the
+    first bucket of each key: ``first_cap_bytes``); never mix keys."""
     if cap_bytes <= 0:
         raise UserError(f"bucket size {cap_bytes} bytes: expected a positive bucket_mb")
     out: list[list[int]] = []
@@ -86,10 +87,14 @@ def assign(
 
 
 def fuse(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
-    """Horovod's tensor fusion (docs/tensor-fusion.rst), the other bucketing rule: consecutive runs of
-    *at most* ``cap_bytes`` (a tensor larger than that travels alone; ``cap_bytes`` 0: each alone), where
-    :func:`assign` closes a bucket once it holds *at least* the cap. Fusion packs what is ready in one
-    negotiation cycle, so the cap bounds the buffers in flight; DDP's buckets are fixed at wrap time."""
+    """Horovod's tensor fusion (docs/tensor-fusion.rst), the other bucketing rule: consecutive runs
+    of
+    *at most* ``cap_bytes`` (a tensor larger than that travels alone; ``cap_bytes`` 0: each alone),
+    where
+    :func:`assign` closes a bucket once it holds *at least* the cap. Fusion packs what is ready in
+    one
+    negotiation cycle, so the cap bounds the buffers in flight; DDP's buckets are fixed at wrap
+    time."""
     out: list[list[int]] = []
     cur: list[int] = []
     total = 0
@@ -111,14 +116,16 @@ def build_buckets(
     first_bucket_mb: float | None = None,
     order: list[int] | None = None,
 ) -> tuple[list[Bucket], list[Slot]]:
-    """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements are
-    appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb`` caps the
-    first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, so that the
-    first all-reduce starts after the last layer's gradients instead of after 25 MiB of them).
-    ``order``: parameter indices in bucket-filling order (default: reverse registration order)."""
+    """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements
+    are appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb``
+    caps the first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``,
+    so that the first all-reduce starts after the last layer's gradients instead of after 25 MiB
+    of them). ``order``: parameter indices in bucket-filling order (default: reverse registration
+    order)."""
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise UserError(
-            f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP paper's)"
+            f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP "
+            "paper's)"
         )
     if first_bucket_mb is not None and (
         not isinstance(first_bucket_mb, (int, float)) or first_bucket_mb <= 0
@@ -132,7 +139,8 @@ def build_buckets(
     for _, n, p in params:
         if not p.is_floating_point():
             raise UserError(
-                f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating point"
+                f"parameter {n!r} has dtype {p.dtype}: gradients to all-reduce must be floating "
+                "point"
             )
     if order is None:
         order = params[::-1]
@@ -140,7 +148,8 @@ def build_buckets(
         by_index = {i: (i, n, p) for i, n, p in params}
         if sorted(order) != sorted(by_index):
             raise UserError(
-                f"bucket order {order}: expected each of the parameter indices {sorted(by_index)} once"
+                f"bucket order {order}: expected each of the parameter indices {sorted(by_index)} "
+                "once"
             )
         order = [by_index[i] for i in order]
     groups = assign(

@@ -1,7 +1,8 @@
 """``DataParallel``: replicate a module on every rank and average its gradients with overlapped,
 bucketed all-reduce using any algorithm of :mod:`scaleout.comm`.
 
-    dp = scaleout.DataParallel(model, world, algorithm="hierarchical", bucket_mb=25, compression="bf16")
+    dp = scaleout.DataParallel(model, world, algorithm="hierarchical", bucket_mb=25,
+    compression="bf16")
     loss = loss_fn(dp(batch), target)
     loss.backward()          # returns with gradients averaged over all ranks
     optimizer.step()
@@ -47,7 +48,8 @@ class _BackwardStart(torch.autograd.Function):
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
-    """Make every rank's copy equal rank 0's: one broadcast per dtype/device of the flattened tensors."""
+    """Make every rank's copy equal rank 0's: one broadcast per dtype/device of the flattened
+    tensors."""
     if world.world_size == 1 or not tensors:
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -86,15 +88,20 @@ class DataParallel(torch.nn.Module):
             (``flat``, ``hierarchical``, ``torus2d``).
         bucket_mb: bucket size in MiB (25: the DDP paper's default).
         compression: ``None``/``'none'``, ``'bf16'`` or ``'fp16'``: the wire dtype of the buckets.
-        overlap: launch buckets during backward (True) or only after it (False: the no-overlap baseline).
-        allow_unused: parameters that get no gradient on any rank are an error naming them unless True
+        overlap: launch buckets during backward (True) or only after it (False: the no-overlap
+        baseline).
+        allow_unused: parameters that get no gradient on any rank are an error naming them unless
+        True
             (then their gradient is zero and their names are in ``last_stats['unused']``).
         timeline: path of a Chrome trace to collect; written by :meth:`write_timeline`.
-        first_bucket_mb: a separate (smaller) cap for the first bucket, so communication starts right
+        first_bucket_mb: a separate (smaller) cap for the first bucket, so communication starts
+        right
             after the last layers' gradients (torch DDP: 1 MiB); None = ``bucket_mb``.
-        rebuild_buckets: after the first step, rebuild the buckets once in the order gradients became
+        rebuild_buckets: after the first step, rebuild the buckets once in the order gradients
+        became
             ready (rank 0's order; as torch DDP does).
-        defer_census: do not read the unused-parameter census after backward (a host read); the caller
+        defer_census: do not read the unused-parameter census after backward (a host read); the
+        caller
             folds :meth:`census_flag` into its own read, then calls :meth:`check_census`.
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
@@ -145,8 +152,9 @@ class DataParallel(torch.nn.Module):
     def from_config(
         cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any
     ) -> DataParallel:
-        """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size, compression,
-        overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other arguments."""
+        """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size,
+        compression, overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other
+        arguments."""
         options = config_options(comm)
         return cls(
             module,
@@ -189,14 +197,15 @@ class DataParallel(torch.nn.Module):
             self.reducer.sync = prev
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the bucket buffers in place: ``.grad`` stays a view into its bucket either way (setting
-        it to None would only cost a copy into the bucket at the next backward)."""
+        """Zero the bucket buffers in place: ``.grad`` stays a view into its bucket either way
+        (setting it to None would only cost a copy into the bucket at the next backward)."""
         for b in self.reducer.buckets:
             b.buffer.zero_()
         for s in self.reducer.slots:
             s.param.grad = s.view
 
-    # -- scaleout.parallel.sync.GradientSync ------------------------------------------------------------
+    # -- scaleout.parallel.sync.GradientSync
+    # ------------------------------------------------------------
     grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
 
     def census_flag(self) -> torch.Tensor | None:
@@ -214,13 +223,13 @@ class DataParallel(torch.nn.Module):
     @property
     def last_stats(self) -> dict[str, Any]:
         """Of the last synchronising backward: ``backward_s``, ``exposed_s`` (time blocked on
-        communication after backward), ``comm_s`` (first launch to last completion), ``bytes`` on the
-        wire per rank-buffer, ``buckets``, ``launch_order``, ``unused`` (parameter names)."""
+        communication after backward), ``comm_s`` (first launch to last completion), ``bytes`` on
+        the wire per rank-buffer, ``buckets``, ``launch_order``, ``unused`` (parameter names)."""
         return self.reducer.last_stats
 
     def finish(self) -> dict[str, Any]:
-        """Kept for training loops that call it after backward: the wait already happened at the end of
-        backward (an autograd callback), so this only returns ``last_stats``."""
+        """Kept for training loops that call it after backward: the wait already happened at the
+        end of backward (an autograd callback), so this only returns ``last_stats``."""
         return self.reducer.last_stats
 
     @property

@@ -4,14 +4,15 @@
     ddp.register_comm_hook(None, ddp_comm_hook("hierarchical", world, compression="bf16"))
 
 Without compression each bucket is divided by the world size and summed with the algorithm. With
-compression it also pre-divides the bucket by the world size, casts it to bf16/fp16, sums it with the
-algorithm and casts the result back into the bucket's dtype -- the same arithmetic as
+compression it also pre-divides the bucket by the world size, casts it to bf16/fp16, sums it with
+the algorithm and casts the result back into the bucket's dtype -- the same arithmetic as
 :class:`scaleout.DataParallel`, so the two are interchangeable (torch's own ``fp16_compress_hook``
 does the same division before the cast since PyTorch issue #57410).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hook's
-# annotations and rejects anything but the real ``dist.GradBucket`` / ``torch.futures.Future[Tensor]``.
+# annotations and rejects anything but the real ``dist.GradBucket`` /
+# ``torch.futures.Future[Tensor]``.
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 def ddp_comm_hook(
     algorithm: str, world: "World", compression: str | None = None, **options: Any
 ) -> Callable[[Any, Any], torch.futures.Future]:
-    """A ``register_comm_hook`` hook averaging each DDP bucket with ``algorithm`` (and compression)."""
+    """A ``register_comm_hook`` hook averaging each DDP bucket with ``algorithm`` (and
+    compression)."""
     get_algorithm(algorithm)  # fail now (one line), not inside backward
     dtype = compression_dtype(compression)
     p = world.world_size

@@ -1,31 +1,37 @@
-"""The gradient reducer: launches each bucket's all-reduce during backward as soon as it is complete.
+"""The gradient reducer: launches each bucket's all-reduce during backward as soon as it is
+complete.
 
 Per synchronising backward:
 
-1. A post-accumulate-grad hook fires once per parameter after its ``.grad`` is final for this backward
+1. A post-accumulate-grad hook fires once per parameter after its ``.grad`` is final for this
+   backward
    (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). The gradient already lives in its
-   bucket (``.grad`` is a view, see :mod:`scaleout.parallel.buckets`); if the user replaced or cleared
-   ``.grad`` (``zero_grad(set_to_none=True)``), the fresh tensor is copied in and ``.grad`` re-pointed.
-2. When the last parameter of bucket b is ready, buckets are launched strictly in index order: bucket
+   bucket (``.grad`` is a view, see :mod:`scaleout.parallel.buckets`); if the user replaced or
+   cleared
+   ``.grad`` (``zero_grad(set_to_none=True)``), the fresh tensor is copied in and ``.grad``
+   re-pointed.
+2. When the last parameter of bucket b is ready, buckets are launched strictly in index order:
+   bucket
    b goes out only after every bucket < b, so all ranks issue the same collectives in the same order
    even when their gradients become ready in different orders (c10d matches collectives by order).
 3. At the end of backward (an autograd-engine callback queued by the first hook, as DDP's reducer
-   does) parameters that got no gradient in this backward are marked ready with what their slot holds
+   does) parameters that got no gradient in this backward are marked ready with what their slot
+   holds
    (their accumulated gradient from ``no_sync`` micro-steps, or zeros), the remaining buckets are
    launched, and the reducer waits for all of them, so ``loss.backward()`` returns with averaged
    gradients. The wait is the *exposed* communication, reported in ``last_stats``.
 
 Averaging pre-divides by the world size before the sum (DDP's default hook does the same). With
-compression the pre-divided bucket is cast to bf16/fp16 for the wire and the result is cast back into
-the parameters' dtype: dividing *before* the cast is what keeps an fp16 sum of p gradients from
+compression the pre-divided bucket is cast to bf16/fp16 for the wire and the result is cast back
+into the parameters' dtype: dividing *before* the cast is what keeps an fp16 sum of p gradients from
 overflowing (Horovod issue #326, PyTorch issue #57410: fp16 all-reduce of un-divided gradients hits
 inf at 65504).
 
-Unused parameters: the last bucket carries one extra element per parameter, 1/p if this rank gave the
-parameter a gradient since the last synchronisation, 0 otherwise. It is summed with the gradients (no
-extra collective), so every rank learns the same set of parameters that got no gradient on *any*
-rank, and every rank raises the same error naming them (unless ``allow_unused``): no rank is left
-waiting in a collective the others abandoned.
+Unused parameters: the last bucket carries one extra element per parameter, 1/p if this rank gave
+the parameter a gradient since the last synchronisation, 0 otherwise. It is summed with the
+gradients (no extra collective), so every rank learns the same set of parameters that got no
+gradient on *any* rank, and every rank raises the same error naming them (unless ``allow_unused``):
+no rank is left waiting in a collective the others abandoned.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class Reducer:
         rebuild_buckets: bool = True,
     ):
         self.world = world
-        # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in place
+        # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in
+        # place
         self._all_reduce = all_reduce
         self.comm_dtype = compression_dtype(compression)
         self.overlap = overlap
@@ -100,8 +107,9 @@ class Reducer:
         self.never_used: set[str] | None = (
             None  # names with no gradient on any rank in every step so far
         )
-        # True: wait() keeps the census on the device instead of reading it (census_flag / check_census),
-        # so a trainer that reads one agreement flag per step reads the census with it (train/trainer.py).
+        # True: wait() keeps the census on the device instead of reading it (census_flag /
+        # check_census), so a trainer that reads one agreement flag per step reads the census with
+        # it (train/trainer.py).
         self.defer_census = False
         self.pending_census: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
@@ -131,11 +139,12 @@ class Reducer:
         self._unreached: set[int] | None = None  # slots no forward since the last backward reached
 
     def expect_unused(self, outputs: list[torch.Tensor]) -> None:
-        """Find the parameters the autograd graph of ``outputs`` cannot reach, so that backward marks
-        them ready at its start instead of its end: otherwise their bucket, and every later bucket
-        (launch order is fixed), would wait for the end of backward. DDP's ``find_unused_parameters``
-        does the same traversal; it costs one walk over the graph per forward, so it only runs with
-        ``allow_unused=True``. Several forwards before one backward: only what none of them reached."""
+        """Find the parameters the autograd graph of ``outputs`` cannot reach, so that backward
+        marks them ready at its start instead of its end: otherwise their bucket, and every later
+        bucket (launch order is fixed), would wait for the end of backward. DDP's
+        ``find_unused_parameters`` does the same traversal; it costs one walk over the graph per
+        forward, so it only runs with ``allow_unused=True``. Several forwards before one
+        backward: only what none of them reached."""
         seen: set[Any] = set()
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         reached: set[int] = set()
@@ -152,7 +161,8 @@ class Reducer:
         self._unreached = unreached if self._unreached is None else self._unreached & unreached
 
     def begin_backward(self) -> None:
-        """Called once per backward (from the output marker or the first hook): queue the end callback."""
+        """Called once per backward (from the output marker or the first hook): queue the end
+        callback."""
         if self._in_backward:
             return
         self._in_backward = True
@@ -180,8 +190,10 @@ class Reducer:
             if self._ready[k]:
                 self._reset_step()
                 raise UserError(
-                    f"parameter {slot.name!r} received a gradient twice in one synchronising backward "
-                    "(two backward passes per step or reentrant checkpointing): run all but the last under dp.no_sync()"
+                    f"parameter {slot.name!r} received a gradient twice in one synchronising "
+                    "backward "
+                    "(two backward passes per step or reentrant checkpointing): run all but the "
+                    "last under dp.no_sync()"
                 )
             if self._rebuild_pending:
                 self._ready_order.append(k)
@@ -227,15 +239,16 @@ class Reducer:
         fut = getattr(handle, "future", None)
         profile.until_done(f"bucket {b}", fut)
         if fut is not None:
-            # bind this step's list: the callback may run after wait() returned and the step was reset
+            # bind this step's list: the callback may run after wait() returned and the step was
+            # reset
             done = self._done_us
             fut.add_done_callback(
                 lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us())
             )
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket as sent: pre-divided by the world size, then cast to the wire dtype (Horovod #326,
-        PyTorch #57410: divide before the cast)."""
+        """The bucket as sent: pre-divided by the world size, then cast to the wire dtype
+        (Horovod #326, PyTorch #57410: divide before the cast)."""
         buf, p = bucket.buffer, self.world.world_size
         if self.comm_dtype is not None and self.comm_dtype != buf.dtype:
             return buf.div(p).to(self.comm_dtype)
@@ -244,9 +257,10 @@ class Reducer:
         return buf
 
     def reduce_now(self) -> None:
-        """Average every bucket now, synchronously, from the calling thread and stream: the same algorithm,
-        compression and pre-divide as the overlapped path, without hooks, census or comm thread. It is
-        what a captured CUDA-graph step runs after its backward under ``no_sync()`` (scaleout/train/capture.py)."""
+        """Average every bucket now, synchronously, from the calling thread and stream: the same
+        algorithm, compression and pre-divide as the overlapped path, without hooks, census or
+        comm thread. It is what a captured CUDA-graph step runs after its backward under
+        ``no_sync()`` (scaleout/train/capture.py)."""
         for bucket in self.buckets:
             buf = self._wire(bucket)
             self._all_reduce(buf, async_op=False)
@@ -275,7 +289,8 @@ class Reducer:
             self.wait(start_us, end_us)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
-        """Wait for every bucket, write results back, check the census, record stats and the timeline."""
+        """Wait for every bucket, write results back, check the census, record stats and the
+        timeline."""
         for b, bucket in enumerate(self.buckets):
             self._handles[b].wait()
             if not self._done_us[b]:
@@ -303,7 +318,8 @@ class Reducer:
         if unused and not self.allow_unused:
             raise UserError(
                 f"parameters received no gradient on any rank in step {self.steps}: {unused}; "
-                "pass allow_unused=True to DataParallel if that is expected (their gradients are zero)"
+                "pass allow_unused=True to DataParallel if that is expected (their gradients are "
+                "zero)"
             )
         return self.last_stats
 
@@ -313,22 +329,24 @@ class Reducer:
         return unused
 
     def census_flag(self) -> torch.Tensor | None:
-        """With ``defer_census``: 1.0 on the device if some parameter got no gradient on any rank in the
-        last synchronisation (the same value on every rank: the census was all-reduced), without reading it."""
+        """With ``defer_census``: 1.0 on the device if some parameter got no gradient on any rank
+        in the last synchronisation (the same value on every rank: the census was all-reduced),
+        without reading it."""
         if self.pending_census is None:
             return None
         return (self.pending_census == 0).any().float()
 
     def check_census(self) -> list[str]:
-        """With ``defer_census``: read the last census (a host read: call it when census_flag() was set),
-        record the unused parameters and raise as a non-deferred backward would have."""
+        """With ``defer_census``: read the last census (a host read: call it when census_flag()
+        was set), record the unused parameters and raise as a non-deferred backward would have."""
         pending, self.pending_census = self.pending_census, None
         unused = self._unused(pending.tolist()) if pending is not None else []
         self.last_stats["unused"] = unused
         if unused and not self.allow_unused:
             raise UserError(
                 f"parameters received no gradient on any rank in step {self.steps}: {unused}; "
-                "pass allow_unused=True to DataParallel if that is expected (their gradients are zero)"
+                "pass allow_unused=True to DataParallel if that is expected (their gradients are "
+                "zero)"
             )
         return unused
 
@@ -369,11 +387,12 @@ class Reducer:
             self._span(f"wait {step}", "wait", end_us, done_us)
 
     def _rebuild(self) -> None:
-        """Re-bucket once, after the first synchronising step, in the order gradients actually became
-        ready (the DDP paper's bucket rebuilding, sec. 3.2.3 / torch DDP ``_rebuild_buckets``): reverse
-        registration order is only a guess (a Transformer layer registers its LayerNorms before the
-        FFN but gets their gradients after it), and one late parameter holds back its whole bucket.
-        Rank 0's order is broadcast so every rank builds the same buckets."""
+        """Re-bucket once, after the first synchronising step, in the order gradients actually
+        became ready (the DDP paper's bucket rebuilding, sec. 3.2.3 / torch DDP
+        ``_rebuild_buckets``): reverse registration order is only a guess (a Transformer layer
+        registers its LayerNorms before the FFN but gets their gradients after it), and one late
+        parameter holds back its whole bucket. Rank 0's order is broadcast so every rank builds
+        the same buckets."""
         self._rebuild_pending = False
         seen = set(self._ready_order)
         order = [self.slots[k].index for k in self._ready_order]

@@ -1,9 +1,9 @@
 """What a training loop asks of whatever averages the gradients over the ranks.
 
-Two implementations: :class:`~scaleout.parallel.DataParallel` (replicated optimizer state; the reducer
-all-reduces gradients into bucket views during backward) and :class:`~scaleout.optim.ShardedLAMB` (ZeRO-1:
-the optimizer reduce-scatters gradients into its shard and owns its state in pieces). The trainer holds
-one of them as ``sync`` and never asks which.
+Two implementations: :class:`~scaleout.parallel.DataParallel` (replicated optimizer state; the
+reducer all-reduces gradients into bucket views during backward) and
+:class:`~scaleout.optim.ShardedLAMB` (ZeRO-1: the optimizer reduce-scatters gradients into its shard
+and owns its state in pieces). The trainer holds one of them as ``sync`` and never asks which.
 """
 
 from __future__ import annotations
@@ -20,27 +20,32 @@ class GradientSync(Protocol):
     grads_are_views: bool
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """Backward passes inside accumulate locally, without communicating (all micro-batches but the last)."""
+        """Backward passes inside accumulate locally, without communicating (all micro-batches
+        but the last)."""
         ...
 
     @property
     def last_stats(self) -> dict[str, Any]:
-        """Of the last synchronising backward; ``exposed_s``: seconds backward waited for communication."""
+        """Of the last synchronising backward; ``exposed_s``: seconds backward waited for
+        communication."""
         ...
 
     def census_flag(self) -> torch.Tensor | None:
-        """1.0 on the device if some parameter got no gradient on any rank in the last synchronisation, to
-        fold into the step's one host read; None when the census is checked elsewhere."""
+        """1.0 on the device if some parameter got no gradient on any rank in the last
+        synchronisation, to fold into the step's one host read; None when the census is checked
+        elsewhere."""
         ...
 
     def check_census(self) -> list[str]:
-        """Read the census (a host read: only after census_flag() was set) and raise as configured."""
+        """Read the census (a host read: only after census_flag() was set) and raise as
+        configured."""
         ...
 
     def optimizer_state(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(the replicated part of ``optimizer``'s state, which rank 0 writes; this rank's shards or None)."""
+        """(the replicated part of ``optimizer``'s state, which rank 0 writes; this rank's shards
+        or None)."""
         ...
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -1,13 +1,13 @@
 """A Chrome-trace timeline of backward compute and per-bucket communication, per rank.
 
-What Horovod's timeline (HOROVOD_TIMELINE) gives: for every rank, when backward computed and when each
-gradient bucket's all-reduce started and finished, so you can see which communication was hidden
-behind compute and which was exposed. The file is the Chrome trace-event JSON format
+What Horovod's timeline (HOROVOD_TIMELINE) gives: for every rank, when backward computed and when
+each gradient bucket's all-reduce started and finished, so you can see which communication was
+hidden behind compute and which was exposed. The file is the Chrome trace-event JSON format
 (``{"traceEvents": [...]}``, complete events ``ph: "X"`` with ``ts``/``dur`` in microseconds); it
-opens in https://ui.perfetto.dev and chrome://tracing. ``pid`` is the rank (one track group per rank,
-named "rank N"); ``tid`` is the activity: ``backward`` (compute spans), ``comm`` (one span per bucket
-all-reduce, from launch to completion; overlapping spans are stacked by the viewer), ``wait`` (time
-the training loop was blocked on communication after backward = exposed communication).
+opens in https://ui.perfetto.dev and chrome://tracing. ``pid`` is the rank (one track group per
+rank, named "rank N"); ``tid`` is the activity: ``backward`` (compute spans), ``comm`` (one span per
+bucket all-reduce, from launch to completion; overlapping spans are stacked by the viewer), ``wait``
+(time the training loop was blocked on communication after backward = exposed communication).
 
 Timestamps are wall-clock (``time.time()``) so that ranks on one host line up exactly and ranks on
 NTP-synchronised hosts line up to the clock skew.
@@ -83,9 +83,9 @@ class Timeline:
             return self.metadata() + list(self.events)
 
     def write(self, world: World | None = None) -> Path | None:
-        """Write the trace. With a multi-rank ``world`` this is a collective: rank 0 gathers every rank's
-        events and writes one merged file at ``path`` (returns it; other ranks return None). Without
-        one, each rank writes its own events to ``path``."""
+        """Write the trace. With a multi-rank ``world`` this is a collective: rank 0 gathers
+        every rank's events and writes one merged file at ``path`` (returns it; other ranks
+        return None). Without one, each rank writes its own events to ``path``."""
         events = self.local_trace()
         if world is not None and world.world_size > 1:
             import torch.distributed as dist

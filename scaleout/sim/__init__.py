@@ -1,12 +1,18 @@
-"""Cost-model simulator: all-reduce algorithms and data-parallel training steps at thousands of GPUs.
+"""Cost-model simulator: all-reduce algorithms and data-parallel training steps at thousands of
+GPUs.
 
 - :mod:`scaleout.sim.cluster`      link constants (alpha, beta, gamma), node shape, presets
-- :mod:`scaleout.sim.collectives`  cost plans of the registered all-reduce algorithms (+ tree, leader), SHARP
-- :mod:`scaleout.sim.sharded`      optimizer placement: replicated, ZeRO-1 over the world, sharded per node
+- :mod:`scaleout.sim.collectives`  cost plans of the registered all-reduce algorithms (+ tree,
+  leader), SHARP
+- :mod:`scaleout.sim.sharded`      optimizer placement: replicated, ZeRO-1 over the world, sharded
+  per node
 - :mod:`scaleout.sim.step`         bucketed, overlapped training step; scaling sweep; time to train
-- :mod:`scaleout.sim.fromconfig`   what a training config tells the simulator (optim.sharded, comm.*, batch)
-- :mod:`scaleout.sim.calibrate`    fit the constants to ``scaleout bench allreduce`` JSON, held-out checks
-- :mod:`scaleout.sim.mlperf`       published MLPerf BERT runs (from their logs) and how each is simulated
+- :mod:`scaleout.sim.fromconfig`   what a training config tells the simulator (optim.sharded,
+  comm.*, batch)
+- :mod:`scaleout.sim.calibrate`    fit the constants to ``scaleout bench allreduce`` JSON, held-out
+  checks
+- :mod:`scaleout.sim.mlperf`       published MLPerf BERT runs (from their logs) and how each is
+  simulated
 - :mod:`scaleout.sim.validate`     checks against published numbers (nccl-tests, MLPerf, Horovod)
 
 Pure Python + numpy; no torch import, so ``scaleout simulate`` is instant.

@@ -1,19 +1,23 @@
-"""Fit the cost model's constants to measured all-reduce times and check predictions on held-out data.
+"""Fit the cost model's constants to measured all-reduce times and check predictions on held-out
+data.
 
-Input: a list of measurements, one per (algorithm, size, shape). The schema (JSON: a list, or an object
-with a ``rows``/``results`` list; this is what ``scaleout bench allreduce --out`` writes):
+Input: a list of measurements, one per (algorithm, size, shape). The schema (JSON: a list, or an
+object with a ``rows``/``results`` list; this is what ``scaleout bench allreduce --out`` writes):
 
     {"algorithm": a name in scaleout.comm.ALGORITHMS, or a simulator-only model ("tree", "leader"),
                                  # ("base_algorithm" wins when present: bench labels carry options)
      "nbytes": int,              # bytes per rank (also accepted: "bytes", "size_bytes")
      "nnodes": int, "nproc_per_node": int,
      "time_s": float,            # median seconds (also: "median_s", "median_time_s", "time")
-     "times": [float, ...],      # optional: every timed run; stat="min" fits the least-disturbed one
-     "link_rate_bps": float,     # optional: inter-node rate limit in bit/s (also: "rate_bps", "rate",
+     "times": [float, ...],      # optional: every timed run; stat="min" fits the least-disturbed
+     one
+     "link_rate_bps": float,     # optional: inter-node rate limit in bit/s (also: "rate_bps",
+     "rate",
                                  #   a tc string like "1gbit": scaleout.units); rows at other rates
                                  #   scale beta_inter
      "options": {"x": int, "chunk_bytes": int,    # optional: torus grid x, grid pipeline chunk,
-                 "composition": "sharded" | "leader"}}   # leader rows are fitted as the "leader" model
+                 "composition": "sharded" | "leader"}}   # leader rows are fitted as the "leader"
+                 model
 
 Fit: theta >= 0 minimising sum((predicted / measured - 1)^2) (relative error, so 4 KB and 64 MB rows
 count alike), by non-negative least squares on the plan coefficients; the lock-step maxima are
@@ -181,7 +185,8 @@ class Fit:
 
 
 def fit(samples: list[Sample], prior: Cluster | None = None, max_iter: int = 20) -> Fit:
-    """Non-negative least squares on relative error, re-resolving the lock-step maxima until stable."""
+    """Non-negative least squares on relative error, re-resolving the lock-step maxima until
+    stable."""
     prior = prior or get_cluster("netns-1g")
     ref = reference_rate(samples)
     theta = np.array(prior.constants.vector())
@@ -222,7 +227,8 @@ class Check:
 def split_default(
     samples: list[Sample], holdout_algorithms: Iterable[str] = (), every: int = 2
 ) -> Callable[[Sample], bool]:
-    """Train on every ``every``-th size (sorted) of the algorithms not held out; test on the rest."""
+    """Train on every ``every``-th size (sorted) of the algorithms not held out; test on the
+    rest."""
     held = {canonical(a) for a in holdout_algorithms}
     sizes = sorted({s.nbytes for s in samples})
     train_sizes = set(sizes[::every])

@@ -1,37 +1,47 @@
 """Clusters for the cost model: link constants (alpha, beta, gamma) plus node shape, and presets.
 
-The model is the classic alpha-beta-gamma one (Hockney; Thakur, Rabenseifner & Gropp 2005, "Optimization
-of collective communication operations in MPICH"): a message of m bytes over a link costs
-``alpha + m * beta`` and reducing m bytes costs ``m * gamma``. We keep separate constants for the two
-kinds of link a data-parallel job sees, and one per-call overhead:
+The model is the classic alpha-beta-gamma one (Hockney; Thakur, Rabenseifner & Gropp 2005,
+"Optimization of collective communication operations in MPICH"): a message of m bytes over a link
+costs ``alpha + m * beta`` and reducing m bytes costs ``m * gamma``. We keep separate constants for
+the two kinds of link a data-parallel job sees, and one per-call overhead:
 
     base         s      fixed cost of one collective call (kernel launch / gloo dispatch)
     alpha_intra  s      per ring step between two ranks of one node (NVLink, loopback)
     alpha_inter  s      per ring step that crosses nodes (NIC, switch, software stack)
     beta_intra   s/B    per byte sent by one rank to a peer in its node (1 / achievable bandwidth)
     beta_inter   s/B    per byte through ONE NIC (1 / achievable NIC bandwidth)
-    gamma        s/B    per byte reduced (CPU add for gloo; ~0 on GPUs, where NCCL fuses the add into the
+    gamma        s/B    per byte reduced (CPU add for gloo; ~0 on GPUs, where NCCL fuses the add
+    into the
                         copy kernel and it hides under link time)
-    alpha_sharp  s      one in-network (SHARP) reduction between nodes: up the switch aggregation tree and
-                        back, whatever the number of nodes (used only on clusters with ``sharp=True``)
+    alpha_sharp  s      one in-network (SHARP) reduction between nodes: up the switch aggregation
+    tree and
+                        back, whatever the number of nodes (used only on clusters with
+                        ``sharp=True``)
 
 ``Constants`` is also the vector that calibration fits (same order as ``PARAMS``).
 
 Preset numbers and where they come from (every one is an assumption you can override on the CLI):
-- NVLink per-link *achievable* bandwidth is NCCL's own topology model (src/graph/topo.h): SM80_NVLINK_BW
+- NVLink per-link *achievable* bandwidth is NCCL's own topology model (src/graph/topo.h):
+  SM80_NVLINK_BW
   = 20 GB/s of the nominal 25 GB/s (80 %), SM90_NVLINK_BW = 20.6 GB/s. A100 has 12 NVLink3 links
   (600 GB/s bidirectional = 300 GB/s each way), H100/H200 18 NVLink4 links (900 GB/s bidirectional).
 - NIC achievable bandwidth: NCCL's NET_BW = 12 GB/s for a 100 Gbit/s NIC (12.5 GB/s nominal, 96 %).
   DGX A100: 8 x HDR 200 Gb/s ConnectX-6 for compute; DGX H100 / H200: 8 x NDR 400 Gb/s ConnectX-7.
-- Latencies: NCCL's tuning model (src/graph/tuning.cc) for the Simple protocol ring: baseLat 8.4 us per
+- Latencies: NCCL's tuning model (src/graph/tuning.cc) for the Simple protocol ring: baseLat 8.4 us
+  per
   call, hwLat 3.4 us per NVLink step and 14 us per network step.
-- SHARP (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol (SHArP)", COMHPC; NVIDIA SHARP
+- SHARP (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol (SHArP)", COMHPC; NVIDIA
+  SHARP
   docs: the switches reduce, so data is not sent several times between endpoints): NCCL's CollNet
-  algorithms. tuning.cc charges one network latency per call, hwLat[NET][CollNetDirect][Simple] = 31 us,
+  algorithms. tuning.cc charges one network latency per call, hwLat[NET][CollNetDirect][Simple] = 31
+  us,
   instead of 2 log2(k) tree or 2(k-1) ring steps, and scales CollNetDirect's bandwidth by 0.85 on
-  compute capability >= 9.0 (Hopper), which ``sharp_efficiency`` carries. Each node sends its data once
-  and receives the result once, so a node's NICs carry ~1 x n each way instead of 2(k-1)/k x n (ring)
-  or 2 x n (double binary tree). Off unless asked for (``--sharp``): it needs SHARP-capable InfiniBand
+  compute capability >= 9.0 (Hopper), which ``sharp_efficiency`` carries. Each node sends its data
+  once
+  and receives the result once, so a node's NICs carry ~1 x n each way instead of 2(k-1)/k x n
+  (ring)
+  or 2 x n (double binary tree). Off unless asked for (``--sharp``): it needs SHARP-capable
+  InfiniBand
   switches, the NCCL SHARP plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with
   ``SBATCH_NETWORK=sharp``).
 """
@@ -83,7 +93,8 @@ class Constants:
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: peak dense half-precision FLOP/s and HBM bandwidth (for the optimizer step)."""
+    """One accelerator: peak dense half-precision FLOP/s and HBM bandwidth (for the optimizer
+    step)."""
 
     name: str
     peak_flops: float
@@ -98,8 +109,9 @@ class Cluster:
     gpus_per_node: int
     nics_per_node: int
     constants: Constants
-    # How many NICs one logical ring/tree can drive at once. NCCL splits a collective into channels, at
-    # least one per NIC on DGX systems, so it is nics_per_node; a gloo process drives one socket stream.
+    # How many NICs one logical ring/tree can drive at once. NCCL splits a collective into channels,
+    # at least one per NIC on DGX systems, so it is nics_per_node; a gloo process drives one socket
+    # stream.
     streams_per_ring: int = 1
     # Fraction of one NIC a single stream fills. 1 for RDMA (one QP saturates a NIC); < 1 for TCP,
     # where one socket cannot fill a fast link (why NCCL 2.4 added NCCL_NSOCKS_PERTHREAD).
@@ -109,8 +121,9 @@ class Cluster:
     # 8 MiB): reduce_scatter costs a full all_reduce (the whole input is all-reduced, then sliced),
     # reduce ~ all_reduce, and all_gather into a list adds a copy of the whole output.
     backend: str = "nccl"
-    # In-network reduction (SHARP via NCCL CollNet) for the inter-node all-reduce of tree, hierarchical and
-    # torus2d (see the module docstring); sharp_efficiency: fraction of the NIC rate it reaches.
+    # In-network reduction (SHARP via NCCL CollNet) for the inter-node all-reduce of tree,
+    # hierarchical and torus2d (see the module docstring); sharp_efficiency: fraction of the NIC
+    # rate it reaches.
     sharp: bool = False
     sharp_efficiency: float = 1.0
     description: str = ""
@@ -120,7 +133,8 @@ class Cluster:
         return replace(self, constants=replace(self.constants, **changes))
 
     def inter_streams(self, rings_crossing: int) -> float:
-        """NIC-equivalents busy when ``rings_crossing`` rings leave a node at once (streams_per_ring each)."""
+        """NIC-equivalents busy when ``rings_crossing`` rings leave a node at once
+        (streams_per_ring each)."""
         return max(
             self.stream_fraction,
             min(self.nics_per_node, rings_crossing * self.streams_per_ring * self.stream_fraction),
@@ -143,7 +157,8 @@ def _nic(gbits: float, efficiency: float = 0.96) -> float:
 _NCCL_LAT = dict(
     base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6
 )  # tuning.cc, ring / Simple protocol
-_SHARP_LAT = 31e-6  # tuning.cc hwLat[NET][CollNetDirect][Simple]: one network latency per in-network reduction
+# tuning.cc hwLat[NET][CollNetDirect][Simple]: one network latency per in-network reduction
+_SHARP_LAT = 31e-6
 _SHARP_HOPPER = 0.85  # tuning.cc: CollNetDirect busBw *= .85 when minCompCap >= 90
 
 A100 = Device(
@@ -163,7 +178,9 @@ PRESETS: dict[str, Cluster] = {
         ),
         streams_per_ring=8,
         device=A100,
-        description="DGX A100 SuperPOD: 8 x A100, NVLink3 (12 links) via NVSwitch, 8 x HDR 200 Gb/s",
+        description=(
+            "DGX A100 SuperPOD: 8 x A100, NVLink3 (12 links) via NVSwitch, 8 x HDR 200 Gb/s"
+        ),
         sources=(
             "NCCL topo.h SM80_NVLINK_BW=20 GB/s/link",
             "NCCL NET_BW=12 GB/s per 100 Gb/s",
@@ -181,7 +198,9 @@ PRESETS: dict[str, Cluster] = {
         streams_per_ring=8,
         device=H100,
         sharp_efficiency=_SHARP_HOPPER,
-        description="DGX H100 SuperPOD: 8 x H100, NVLink4 (18 links) via NVSwitch, 8 x NDR 400 Gb/s",
+        description=(
+            "DGX H100 SuperPOD: 8 x H100, NVLink4 (18 links) via NVSwitch, 8 x NDR 400 Gb/s"
+        ),
         sources=(
             "NCCL topo.h SM90_NVLINK_BW=20.6 GB/s/link",
             "NCCL NET_BW=12 GB/s per 100 Gb/s",
@@ -201,9 +220,10 @@ PRESETS: dict[str, Cluster] = {
         description="DGX H200 SuperPOD-like: 8 x H200, NVLink4 (900 GB/s bidir), 8 x NDR 400 Gb/s",
         sources=("same fabric as DGX H100; H200 differs in HBM (141 GB, 4.8 TB/s)",),
     ),
-    # The emulated cluster of /work/shared/notes/netns-cluster.md: ranks of one node talk over loopback
-    # (~33 Gbit/s), nodes over a tc-shaped 1 Gbit/s veth (Python sockets measured ~118 MB/s each way).
-    # alpha/gamma/base are rough starting values; `scaleout simulate calibrate` fits the real ones.
+    # The emulated cluster of /work/shared/notes/netns-cluster.md: ranks of one node talk over
+    # loopback (~33 Gbit/s), nodes over a tc-shaped 1 Gbit/s veth (Python sockets measured ~118 MB/s
+    # each way). alpha/gamma/base are rough starting values; `scaleout simulate calibrate` fits the
+    # real ones.
     "netns-1g": Cluster(
         "netns-1g",
         2,
@@ -219,13 +239,15 @@ PRESETS: dict[str, Cluster] = {
         streams_per_ring=1,
         device=None,
         backend="gloo",
-        description="emulated netns cluster: gloo on CPU, loopback inside a node, 1 Gbit/s between nodes",
+        description="emulated netns cluster: gloo on CPU, loopback inside a node, 1 Gbit/s between "
+        "nodes",
         sources=("/work/shared/notes/netns-cluster.md",),
     ),
-    # A 2018 Horovod-era cluster for the issue #542 comparison (assumptions, see scaleout.sim.validate):
-    # 8 x V100 per node over NVLink (V100: 6 links; NCCL topo.h SM70_NVLINK_BW = 20 GB/s per link), ONE
-    # 25 Gbit/s Ethernet NIC per node driven over TCP sockets (90 % of line rate), a 30 us network step,
-    # and one TCP stream filling half the NIC (NCCL <= 2.3 opened one socket per ring).
+    # A 2018 Horovod-era cluster for the issue #542 comparison (assumptions, see
+    # scaleout.sim.validate): 8 x V100 per node over NVLink (V100: 6 links; NCCL topo.h
+    # SM70_NVLINK_BW = 20 GB/s per link), ONE 25 Gbit/s Ethernet NIC per node driven over TCP
+    # sockets (90 % of line rate), a 30 us network step, and one TCP stream filling half the NIC
+    # (NCCL <= 2.3 opened one socket per ring).
     "horovod-2018": Cluster(
         "horovod-2018",
         8,

@@ -1,31 +1,38 @@
-"""Alpha-beta-gamma cost of all-reduce algorithms on a cluster: the dispatch to each algorithm's cost.
+"""Alpha-beta-gamma cost of all-reduce algorithms on a cluster: the dispatch to each algorithm's
+cost.
 
-Every algorithm is written as a :class:`~scaleout.comm.cost.Plan` (the algebra and its building blocks:
-:mod:`scaleout.comm.cost`, re-exported here): a sum of terms ``mult * max(option . theta)`` where theta
-is the constants vector and each option is a coefficient vector; the max is a lock-step phase.
+Every algorithm is written as a :class:`~scaleout.comm.cost.Plan` (the algebra and its building
+blocks: :mod:`scaleout.comm.cost`, re-exported here): a sum of terms ``mult * max(option . theta)``
+where theta is the constants vector and each option is a coefficient vector; the max is a lock-step
+phase.
 
 Algorithms (p = g x k ranks, g per node, k nodes, n bytes per rank): every algorithm of
 ``scaleout.comm.ALGORITHMS`` prices itself (``Algorithm.cost``, next to its runtime: ``flat`` in
-scaleout/comm/flat.py, the row/column grids through :func:`grid_plan`). Besides those, two models with
-no runtime in scaleout, for comparisons (:data:`SIMULATOR_ONLY`):
+scaleout/comm/flat.py, the row/column grids through :func:`grid_plan`). Besides those, two models
+with no runtime in scaleout, for comparisons (:data:`SIMULATOR_ONLY`):
 
-- ``tree``: NCCL's double binary tree between nodes (Sanders, Speck & Traeff 2009; NCCL 2.4): a chain
-  inside the node, 2 ceil(log2 k) network steps of latency instead of 2(p-1); each node still sends and
+- ``tree``: NCCL's double binary tree between nodes (Sanders, Speck & Traeff 2009; NCCL 2.4): a
+  chain
+  inside the node, 2 ceil(log2 k) network steps of latency instead of 2(p-1); each node still sends
+  and
   receives 2n bytes, pipelined, so the bandwidth term is ~2n / node bandwidth.
-- ``leader`` (the Horovod 2018 comparison): binomial reduce to a node leader, ring all-reduce of the full
+- ``leader`` (the Horovod 2018 comparison): binomial reduce to a node leader, ring all-reduce of the
+  full
   n among the k leaders (one process, one NIC), binomial broadcast (Horovod PR #329).
 
 In-network reduction (``cluster.sharp``, SHARP through NCCL CollNet): the inter-node all-reduce of
 ``tree`` (NCCL's CollNet replaces the tree between nodes) and of the row/column grids (the column
-all-reduce, when each column has one rank per node) is done by the switches: one ``alpha_sharp`` latency
-and ~1 x the column's bytes through each NIC each way, instead of 2(k-1) ring steps of 2(k-1)/k x the
-bytes. ``flat`` is unchanged (a ring is point to point), and reduce-scatter/all-gather never use it.
+all-reduce, when each column has one rank per node) is done by the switches: one ``alpha_sharp``
+latency and ~1 x the column's bytes through each NIC each way, instead of 2(k-1) ring steps of
+2(k-1)/k x the bytes. ``flat`` is unchanged (a ring is point to point), and
+reduce-scatter/all-gather never use it.
 
-Grid algorithms can be chunk-pipelined (scaleout.comm.grid on gloo: 4 MiB chunks, at most 64): the time
-is one chunk's three stages plus (chunks - 1) x the slowest stage.
+Grid algorithms can be chunk-pipelined (scaleout.comm.grid on gloo: 4 MiB chunks, at most 64): the
+time is one chunk's three stages plus (chunks - 1) x the slowest stage.
 
-``cluster.backend == "gloo"`` models torch's CPU path as scaleout.comm.grid drives it: the row phases
-are direct point-to-point exchanges (one latency, (g-1)/g of a chunk each way) instead of rings.
+``cluster.backend == "gloo"`` models torch's CPU path as scaleout.comm.grid drives it: the row
+phases are direct point-to-point exchanges (one latency, (g-1)/g of a chunk each way) instead of
+rings.
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ def algorithm_names() -> tuple[str, ...]:
 
 
 def canonical(algorithm: str) -> str:
-    """``algorithm`` if the simulator can price it, else a one-line ConfigError listing the choices."""
+    """``algorithm`` if the simulator can price it, else a one-line ConfigError listing the
+    choices."""
     if algorithm not in ALGORITHMS and algorithm not in SIMULATOR_ONLY:
         raise ConfigError(
             f"unknown all-reduce algorithm {algorithm!r}; expected one of "
@@ -140,7 +148,8 @@ def leader_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     return plan
 
 
-# Models with no runtime in scaleout.comm (NCCL's tree, Horovod 2018's leader ring), priced only here.
+# Models with no runtime in scaleout.comm (NCCL's tree, Horovod 2018's leader ring), priced only
+# here.
 SIMULATOR_ONLY = {"tree": tree_plan, "leader": leader_plan}
 
 
@@ -190,7 +199,8 @@ def plan_for(
     torus_x: int | str | None = None,
     chunk_bytes: int | None = None,
 ) -> Plan:
-    """The cost plan of one all-reduce. ``chunks`` None: 1 on NCCL, scaleout.comm.grid's rule on gloo."""
+    """The cost plan of one all-reduce. ``chunks`` None: 1 on NCCL, scaleout.comm.grid's rule on
+    gloo."""
     if nodes < 1:
         raise TopologyError(f"number of nodes must be >= 1, got {nodes}")
     if nbytes < 0:
@@ -212,7 +222,8 @@ def allreduce_cost(
     chunks: int | None = None,
     torus_x: int | str | None = None,
 ) -> CollectiveCost:
-    """Predicted time of one all-reduce of ``nbytes`` per rank, split into latency/bandwidth/reduction."""
+    """Predicted time of one all-reduce of ``nbytes`` per rank, split into
+    latency/bandwidth/reduction."""
     theta = np.array(cluster.constants.vector())
     coeffs = plan_for(algorithm, cluster, nodes, nbytes, chunks, torus_x).linearize(theta)
     parts = coeffs * theta

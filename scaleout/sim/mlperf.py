@@ -1,11 +1,13 @@
-"""Published MLPerf Training BERT runs the simulator is checked against, and how each one is simulated.
+"""Published MLPerf Training BERT runs the simulator is checked against, and how each one is
+simulated.
 
 Every number below is read from the submission itself (github.com/mlcommons/training_results_vX.Y):
 the result logs (``:::MLLOG`` lines of result_*.txt: run_start/run_stop, global_batch_size,
 train_samples, eval_accuracy), the run's config_*.sh (BATCHSIZE, PACKING_FACTOR, SBATCH_NETWORK,
 EXTRA_PARAMS) and the system JSON (GPUs, NICs). What is compared:
 
-- ``steps`` = median over the successful runs of train_samples / global_batch_size (the step at which
+- ``steps`` = median over the successful runs of train_samples / global_batch_size (the step at
+  which
   the run reached the target; not MAX_STEPS, which only sets the learning-rate schedule);
 - ``per_step_ms`` = median over the runs of (run_stop - run_start) / steps: the scored time per
   training step, evaluations and the first steps' warm-up included;
@@ -13,12 +15,12 @@ EXTRA_PARAMS) and the system JSON (GPUs, NICs). What is compared:
 
 ``summarize_results`` (``scaleout simulate mlperf-log DIR``) recomputes these from the result files.
 
-The simulator is given the same per-GPU batch, node count, optimizer placement (NVIDIA's runs use apex
-DistributedFusedLAMB sharded over one node: ``sharded-node``), SHARP (``SBATCH_NETWORK=sharp``) and
-overlap (``--dwu-overlap-reductions`` with ``--dwu-num-blocks``; without it the reductions start after
-backward), and predicts (steps x step + evaluations) / steps. The compute speed is the one assumption
-that is not in the submission: peak dense fp16/bf16 FLOP/s from the data sheet x ``BERT_MFU``, the same
-for every run (nothing is fitted per reference).
+The simulator is given the same per-GPU batch, node count, optimizer placement (NVIDIA's runs use
+apex DistributedFusedLAMB sharded over one node: ``sharded-node``), SHARP (``SBATCH_NETWORK=sharp``)
+and overlap (``--dwu-overlap-reductions`` with ``--dwu-num-blocks``; without it the reductions start
+after backward), and predicts (steps x step + evaluations) / steps. The compute speed is the one
+assumption that is not in the submission: peak dense fp16/bf16 FLOP/s from the data sheet x
+``BERT_MFU``, the same for every run (nothing is fitted per reference).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class BertRun:
     cluster: str  # scaleout.sim preset
     nodes: int
     batch_per_gpu: int  # BATCHSIZE: packed rows of 512 token slots, or sequences when not packed
-    packed: bool  # PACKING_FACTOR=2 + --pad_fmha, no --dense_seq_output: every slot computed, MLM head dense
+    # PACKING_FACTOR=2 + --pad_fmha, no --dense_seq_output: every slot computed, MLM head dense
+    packed: bool
     global_batch: int  # logged global_batch_size, in sequences
     steps: float
     evals: int
@@ -174,7 +177,8 @@ class Prediction:
 
     @property
     def per_step(self) -> float:
-        """Seconds per step with the evaluations spread over the steps, as the reference is measured."""
+        """Seconds per step with the evaluations spread over the steps, as the reference is
+        measured."""
         return self.ttt.total / self.ttt.steps
 
 
@@ -185,7 +189,8 @@ def simulate(
     sharp: bool | None = None,
     algorithm: str = "tree",
 ) -> Prediction:
-    """The run as submitted (``optimizer``/``sharp`` switch the two modelled features for ablations).
+    """The run as submitted (``optimizer``/``sharp`` switch the two modelled features for
+    ablations).
 
     ``algorithm`` is NCCL's between nodes: with sharded-node it carries only the all-reduce among
     same-local-rank GPUs (one per node), where NCCL runs its tree, or CollNet (SHARP) when enabled.

@@ -5,7 +5,8 @@
 - ``replicated``: every rank all-reduces the gradients and runs LAMB on every parameter (torch DDP +
   apex FusedLAMB; scaleout's ``LAMB`` with ``optim.sharded=false``).
 - ``sharded``: ZeRO stage 1 over the whole world (Rajbhandari et al. 2020, arXiv 1910.02054;
-  scaleout's ``ShardedLAMB``, ``optim.sharded=true``): reduce-scatter the gradients with the configured
+  scaleout's ``ShardedLAMB``, ``optim.sharded=true``): reduce-scatter the gradients with the
+  configured
   algorithm, LAMB on this rank's 1/p of the parameters, all-gather the updated parameters. A ring
   reduce-scatter plus all-gather moves the same bytes as one all-reduce; the optimizer's HBM traffic
   and state shrink p-fold.
@@ -15,9 +16,10 @@
   applies), LAMB on 1/g of the parameters, all-gather inside the node.
 
 Reduce-scatter and all-gather have no tree variant in NCCL (they run as rings); ``hierarchical`` and
-``torus2d`` do them in two phases, row then column (scaleout.comm.shard: a node's links carry (k-1)/k of
-the bytes). In-network reduction does not apply to them. On gloo, torch's reduce_scatter all-reduces the
-whole input and slices it (measured; scaleout.sim.cluster), so it costs a full all-reduce.
+``torus2d`` do them in two phases, row then column (scaleout.comm.shard: a node's links carry
+(k-1)/k of the bytes). In-network reduction does not apply to them. On gloo, torch's reduce_scatter
+all-reduces the whole input and slices it (measured; scaleout.sim.cluster), so it costs a full
+all-reduce.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def check_optimizer(name: str) -> str:
 
 
 def shard_ranks(optimizer: str, cluster: Cluster, nodes: int) -> int:
-    """How many ranks share one copy of the optimizer state (each updates 1/shard of the parameters)."""
+    """How many ranks share one copy of the optimizer state (each updates 1/shard of the
+    parameters)."""
     check_optimizer(optimizer)
     if optimizer == "replicated":
         return 1
@@ -65,9 +68,9 @@ def half_plan(
     nbytes: float,
     torus_x: int | str | None = None,
 ) -> Plan:
-    """Reduce-scatter (``kind="rs"``) of ``nbytes`` per rank, or the all-gather (``"ag"``) whose output is
-    ``nbytes`` per rank, over the whole world, as ``algorithm`` runs it (``Algorithm.half_cost``; the
-    simulator-only models as one ring)."""
+    """Reduce-scatter (``kind="rs"``) of ``nbytes`` per rank, or the all-gather (``"ag"``) whose
+    output is ``nbytes`` per rank, over the whole world, as ``algorithm`` runs it
+    (``Algorithm.half_cost``; the simulator-only models as one ring)."""
     alg = canonical(algorithm)
     if alg in SIMULATOR_ONLY:
         return row_col_half_plan(kind, None, cluster, nodes, nbytes)
@@ -76,7 +79,8 @@ def half_plan(
 
 
 def rail_cluster(cluster: Cluster) -> Cluster:
-    """One rank per node, as seen by the g concurrent same-local-rank groups: each gets 1/g of the NICs."""
+    """One rank per node, as seen by the g concurrent same-local-rank groups: each gets 1/g of
+    the NICs."""
     g = cluster.gpus_per_node
     share = cluster.inter_streams(g) / g  # NIC-equivalents per rail when all g rails send at once
     rail = replace(
@@ -131,8 +135,9 @@ def gather_time(
 
 
 def norm_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, tensors: int) -> float:
-    """LAMB's per-tensor norms are partial sums on a shard: one small all-reduce of [2, tensors] fp32
-    over the ranks that share the state (scaleout ShardedLAMB adds a census row: 3 x tensors)."""
+    """LAMB's per-tensor norms are partial sums on a shard: one small all-reduce of [2, tensors]
+    fp32 over the ranks that share the state (scaleout ShardedLAMB adds a census row: 3 x
+    tensors)."""
     if optimizer == "replicated":
         return 0.0
     nbytes = 3 * 4 * tensors

@@ -3,12 +3,14 @@
 Timeline of one step on every rank (weak scaling: the local batch is fixed, the global batch grows):
 
     forward (1/3 of compute) | backward (2/3) ............................. | optimizer
-                               bucket 1 ready -> all-reduce 1 -> all-reduce 2 -> ... (one comm stream)
+                               bucket 1 ready -> all-reduce 1 -> all-reduce 2 -> ... (one comm
+                               stream)
 
 Assumptions, each one a choice a user can change:
 - backward costs twice the forward (the standard 1:2 FLOP split, Kaplan et al. 2020 "6N" rule);
 - gradients become ready at a uniform rate during backward (parameters spread evenly over layers),
-  are packed into buckets of ``bucket_mb`` (25 MB is the PyTorch DDP default, Li et al. VLDB 2020) and
+  are packed into buckets of ``bucket_mb`` (25 MB is the PyTorch DDP default, Li et al. VLDB 2020)
+  and
   all-reduced one after another on a single communication stream, each as soon as it is ready;
 - the optimizer step runs after the last bucket and streams its state through HBM at 80 % of peak
   bandwidth (a memory-bound elementwise kernel; STREAM-like efficiency);
@@ -80,7 +82,8 @@ class StepResult:
     nodes: int
     compute: float
     optimizer: float
-    comm: float  # total communication time (serialized): all-reduces, or reduce-scatters + norms + all-gathers
+    # total communication time (serialized): all-reduces, or reduce-scatters + norms + all-gathers
+    comm: float
     exposed: float  # communication not hidden behind backward
     step: float
     optimizer_placement: str = "replicated"
@@ -96,7 +99,8 @@ class StepResult:
 
 
 MODELS: dict[str, ModelSpec] = {
-    # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed data).
+    # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed
+    # data).
     "bert-large": ModelSpec(
         "bert-large",
         params=335e6,
@@ -105,12 +109,15 @@ MODELS: dict[str, ModelSpec] = {
         grad_bytes=2,
         # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
         opt_bytes_per_param=32.0,
-        # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of 16384;
-        # MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's reference (c).
+        # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of
+        # 16384; MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's
+        # reference (c).
         samples_to_converge=5533303,
         eval_samples=10000,
         eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
-        notes="BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh",
+        notes=(
+            "BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh"
+        ),
     ),
     # ResNet-50 v1.5: 25.6M params, 4.09 G multiply-adds forward per 224x224 image (x2 FLOPs, x3 for
     # training; scaleout/families/resnet/flops.py).

@@ -1,14 +1,19 @@
 """Checks of the cost model against published numbers, each with its assumptions spelled out.
 
 (b) nccl-tests all_reduce_perf on one DGX A100 (8 x A100, NVSwitch): large-message busbw ~235 GB/s
-    (NVIDIA's published DGX A100 figure; nccl-tests PERFORMANCE.md defines busbw = algbw * 2(p-1)/p).
+    (NVIDIA's published DGX A100 figure; nccl-tests PERFORMANCE.md defines busbw = algbw *
+    2(p-1)/p).
 (c) MLPerf Training v2.0, NVIDIA's 4096-GPU BERT (512 DGX A100 nodes): 0.206 minutes.
 (d) Horovod issue #542: ResNet at 256 GPUs, 66 % scaling efficiency with the flat ring vs 91 % with
-    HOROVOD_HIERARCHICAL_ALLREDUCE. The thread gives efficiencies, not the cluster; our cluster and model
+    HOROVOD_HIERARCHICAL_ALLREDUCE. The thread gives efficiencies, not the cluster; our cluster and
+    model
     are stated assumptions, so this is a comparison with an explanation, not a tolerance check.
-(e)-(h) More published MLPerf BERT runs (scaleout.sim.mlperf: other scales, H100), per-step time. (g) and
-    (h), H100 at 512 and 3472 GPUs with 4-6 sequences per GPU, are predicted ~50 % short: a known miss
-    (``expected_miss``), reported as such and not tuned away; see ``unexplained_ms`` and docs/simulate.md.
+(e)-(h) More published MLPerf BERT runs (scaleout.sim.mlperf: other scales, H100), per-step time.
+(g) and
+    (h), H100 at 512 and 3472 GPUs with 4-6 sequences per GPU, are predicted ~50 % short: a known
+    miss
+    (``expected_miss``), reported as such and not tuned away; see ``unexplained_ms`` and
+    docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -72,8 +77,10 @@ def nccl_busbw_a100(nbytes: float = 4 * 2**30) -> Validation:
         "GB/s",
         0.15,
         [
-            "NVLink3: 12 links per A100; achievable 20 GB/s per link (NCCL topo.h SM80_NVLINK_BW), not 25",
-            "ring over 8 GPUs through NVSwitch, 14 lock-step steps, 3.4 us per step (NCCL tuning.cc)",
+            "NVLink3: 12 links per A100; achievable 20 GB/s per link (NCCL topo.h SM80_NVLINK_BW), "
+            "not 25",
+            "ring over 8 GPUs through NVSwitch, 14 lock-step steps, 3.4 us per step (NCCL "
+            "tuning.cc)",
             f"message {nbytes / 2**30:g} GiB per rank (nccl-tests -e 4G plateau)",
         ],
         {"time_ms": cost.time * 1e3, "algbw_GBps": cost.algbw / 1e9},
@@ -100,9 +107,11 @@ def _assumptions(
 ) -> list[str]:
     cluster = get_cluster(run.cluster)
     flops = (
-        f"packed rows of 512 slots (--pad_fmha, MLM head on every slot): {PACKED_ROW_FLOPS / 1e9:.0f} GFLOP"
+        "packed rows of 512 slots (--pad_fmha, MLM head on every slot): "
+        f"{PACKED_ROW_FLOPS / 1e9:.0f} GFLOP"
         if run.packed
-        else f"unpadded sequences (--unpad, --dense_seq_output): {get_model('bert-large').flops_per_sample / 1e9:.0f} GFLOP"
+        else "unpadded sequences (--unpad, --dense_seq_output): "
+        f"{get_model('bert-large').flops_per_sample / 1e9:.0f} GFLOP"
     )
     overlap = (
         f"reductions overlapped with backward in {run.overlap_blocks} blocks"
@@ -112,12 +121,16 @@ def _assumptions(
     return [
         f"{run.nodes} x {cluster.description}",
         f"{run.batch_per_gpu} per GPU, {flops} each; global batch {run.global_batch} sequences",
-        f"{run.steps:g} steps and {run.evals} evaluations of 10000 samples (forward only), from the logs",
-        f"{cluster.device.name} at {mfu:.0%} of {cluster.device.peak_flops / 1e12:g} TFLOPS (assumed MFU, "
+        f"{run.steps:g} steps and {run.evals} evaluations of 10000 samples (forward only), from "
+        "the logs",
+        f"{cluster.device.name} at {mfu:.0%} of {cluster.device.peak_flops / 1e12:g} TFLOPS "
+        "(assumed MFU, "
         "the same for every run)",
-        f"optimizer {optimizer} (apex DistributedFusedLAMB over one node: reduce-scatter in the node, all-reduce "
+        f"optimizer {optimizer} (apex DistributedFusedLAMB over one node: reduce-scatter in the "
+        "node, all-reduce "
         f"of 1/8 across nodes, LAMB on 1/8, all-gather); fp16 gradients and weights; {overlap}",
-        f"between nodes: {'SHARP in-network reduction (SBATCH_NETWORK=sharp)' if sharp else 'NCCL ' + algorithm}",
+        "between nodes: "
+        f"{'SHARP in-network reduction (SBATCH_NETWORK=sharp)' if sharp else 'NCCL ' + algorithm}",
     ]
 
 
@@ -170,14 +183,17 @@ def mlperf_step(run: BertRun, mfu: float = BERT_MFU) -> Validation:
     )
 
 
-# The two H100 runs at scale are predicted about half their measured step: both have 4-6 sequences per
-# GPU, where the model's compute (FLOPs / (peak x MFU)) is 6-8 ms. The four small-batch runs, A100 and
-# H100, 512 to 4096 GPUs, with and without overlap, all leave 9.5-10.7 ms per step unexplained, so it is
-# not communication (whose modelled share differs 4x between them) but a per-step cost the model has no
-# term for; on A100 it is hidden inside the tolerance by the larger compute time.
+# The two H100 runs at scale are predicted about half their measured step: both have 4-6 sequences
+# per GPU, where the model's compute (FLOPs / (peak x MFU)) is 6-8 ms. The four small-batch runs,
+# A100 and H100, 512 to 4096 GPUs, with and without overlap, all leave 9.5-10.7 ms per step
+# unexplained, so it is not communication (whose modelled share differs 4x between them) but a
+# per-step cost the model has no term for; on A100 it is hidden inside the tolerance by the larger
+# compute time.
 MISSES = {
-    key: "outside +-30 %: the model has no per-step cost that does not scale with FLOPs or bytes; this run "
-    "leaves ~10 ms per step unexplained, as (c) and (e) do, which is half of an H100 step at this batch"
+    key: "outside +-30 %: the model has no per-step cost that does not scale with FLOPs or bytes; "
+    "this run "
+    "leaves ~10 ms per step unexplained, as (c) and (e) do, which is half of an H100 step at this "
+    "batch"
     for key in ("g", "h")
 }
 
@@ -215,10 +231,13 @@ def horovod_542() -> tuple[Validation, Validation, dict[str, float]]:
     }
     assumptions = [
         "32 nodes x 8 V100 (NVLink), one 25 Gbit/s NIC per node over TCP; 30 us per network step",
-        "one TCP stream fills half the NIC: NCCL <= 2.3 opened one socket per ring, while the hierarchical "
-        "inter-node stage runs 8 concurrent per-local-rank rings (Horovod: NCCL reduce-scatter, MPI "
+        "one TCP stream fills half the NIC: NCCL <= 2.3 opened one socket per ring, while the "
+        "hierarchical "
+        "inter-node stage runs 8 concurrent per-local-rank rings (Horovod: NCCL reduce-scatter, "
+        "MPI "
         "all-reduce, NCCL all-gather)",
-        "ResNet-50, 64 images per GPU at 360 img/s (fp32 V100), fp32 gradients, 64 MB fusion buffer",
+        "ResNet-50, 64 images per GPU at 360 img/s (fp32 V100), fp32 gradients, "
+        "64 MB fusion buffer",
     ]
     ring = Validation(
         "d",

@@ -1,4 +1,5 @@
-"""Scaling-efficiency sweeps (``scaleout sweep``): plan the points, read their reports, tabulate and plot.
+"""Scaling-efficiency sweeps (``scaleout sweep``): plan the points, read their reports, tabulate and
+plot.
 
 What runs inside ranks is the ordinary trainer (``scaleout train``); starting the runs is a launcher
 concern (launchers/sweep.py). This package holds the launcher-independent parts:

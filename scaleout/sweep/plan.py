@@ -1,4 +1,5 @@
-"""Which runs a scaling sweep makes: world sizes -> (nodes x ranks per node, global batch) per point.
+"""Which runs a scaling sweep makes: world sizes -> (nodes x ranks per node, global batch) per
+point.
 
 Everything here is checked before the first rank starts, so a bad sweep fails in one line instead of
 after three good points have spent their minutes.
@@ -6,7 +7,8 @@ after three good points have spent their minutes.
 - Weak scaling keeps the per-rank batch fixed: global batch = per-rank batch x N.
 - Strong scaling keeps the global batch fixed: every N must divide it (x train.grad_accum).
 - Node shape: ``nodes`` (one count per point) or ``ranks_per_node`` (the same for every point;
-  N <= ranks_per_node runs on one partly filled node, as one GPU of an 8-GPU node would; larger N must
+  N <= ranks_per_node runs on one partly filled node, as one GPU of an 8-GPU node would; larger N
+  must
   be a multiple of it).
 """
 
@@ -49,12 +51,14 @@ def node_shapes(
         raise UserError(f"--world={','.join(map(str, worlds))}: expected each world size once")
     if nodes is not None and ranks_per_node is not None:
         raise UserError(
-            "--nodes and --nproc-per-node both given: expected one (nodes per point, or ranks per node)"
+            "--nodes and --nproc-per-node both given: expected one (nodes per point, or ranks per "
+            "node)"
         )
     if nodes is not None:
         if len(nodes) != len(worlds):
             raise UserError(
-                f"--nodes has {len(nodes)} entries but --world has {len(worlds)}: expected one node "
+                f"--nodes has {len(nodes)} entries but --world has {len(worlds)}: expected one "
+                "node "
                 f"count per world size"
             )
         shapes = []
@@ -74,7 +78,8 @@ def node_shapes(
             shapes.append((1, w))
         elif w % g:
             raise UserError(
-                f"--world {w} is not divisible by --nproc-per-node {g}: expected world sizes up to {g} "
+                f"--world {w} is not divisible by --nproc-per-node {g}: expected world sizes up to "
+                f"{g} "
                 f"or multiples of {g}"
             )
         else:
@@ -117,7 +122,8 @@ def plan_points(
                 raise UserError(
                     f"--mode strong: global batch {batch} is not divisible by world size {w}"
                     + (f" x train.grad_accum={grad_accum}" if grad_accum > 1 else "")
-                    + f" (also fails for {bad}); expected a global batch divisible by every world size"
+                    + f" (also fails for {bad}); expected a global batch divisible by every world "
+                    "size"
                 )
             gb = batch
         points.append(SweepPoint(w, n, g, gb))
@@ -125,7 +131,8 @@ def plan_points(
 
 
 def default_batch(cfg: Config, mode: str) -> int:
-    """Weak: the config's per-rank batch (train.global_batch / its launch world); strong: train.global_batch."""
+    """Weak: the config's per-rank batch (train.global_batch / its launch world); strong:
+    train.global_batch."""
     t, launch = cfg.train, cfg.launch
     if mode == "strong":
         return int(t.global_batch)
@@ -141,8 +148,9 @@ def default_batch(cfg: Config, mode: str) -> int:
 def point_overrides(point: SweepPoint, steps: int, warmup: int, output_dir: str) -> list[str]:
     """Overrides appended to the user's for one point (they win over the config and the user's).
 
-    A sweep measures throughput over a fixed number of steps: no early stop at the target, evaluation only
-    at the end, no checkpoints (a point must not resume from another point's checkpoint).
+    A sweep measures throughput over a fixed number of steps: no early stop at the target,
+    evaluation only at the end, no checkpoints (a point must not resume from another point's
+    checkpoint).
     """
     return [
         f"train.global_batch={point.global_batch}",

@@ -1,4 +1,5 @@
-"""PNG of a sweep: throughput and efficiency vs GPUs with the ideal line, and the step-time breakdown."""
+"""PNG of a sweep: throughput and efficiency vs GPUs with the ideal line, and the step-time
+breakdown."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A sweep's measurements: one row per point from its report.json, scaling efficiency, CSV/JSON/Markdown.
+"""A sweep's measurements: one row per point from its report.json, scaling efficiency,
+CSV/JSON/Markdown.
 
 Efficiency is computed against the smallest world in the sweep (the base b, normally 1 rank):
 
@@ -7,8 +8,8 @@ Efficiency is computed against the smallest world in the sweep (the base b, norm
 - strong scaling (global batch fixed): T_b · b / (N · T_N), T = seconds per step of the same global
   batch (T1 / (N · TN) when b = 1).
 
-Both measure the timed steps only (``train.timing_skip_steps`` drops the warm-up), on rank 0; every step
-ends in a collective (the finite-gradient vote), so rank 0's step time is the slowest rank's.
+Both measure the timed steps only (``train.timing_skip_steps`` drops the warm-up), on rank 0; every
+step ends in a collective (the finite-gradient vote), so rank 0's step time is the slowest rank's.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 from scaleout.errors import UserError
 from scaleout.sweep.plan import SweepPoint
 
-# The breakdown columns: compute = forward + backward minus the exposed wait (the trainer already moved
-# that into exposed_comm); "other" = step time - the named phases (the per-step vote, zero_grad, and
-# waiting for a slower rank).
+# The breakdown columns: compute = forward + backward minus the exposed wait (the trainer already
+# moved that into exposed_comm); "other" = step time - the named phases (the per-step vote,
+# zero_grad, and waiting for a slower rank).
 PHASES = ("data", "compute", "exposed_comm", "optimizer", "other")
 
 
@@ -106,7 +107,8 @@ def breakdown(report_breakdown: dict[str, float], step_s: float) -> dict[str, fl
 
 
 def read_point(point: SweepPoint, report_path: str | Path, wall_s: float) -> PointResult:
-    """A PointResult from the trainer's report.json (needs its "timed" block: train.timing_skip_steps)."""
+    """A PointResult from the trainer's report.json (needs its "timed" block:
+    train.timing_skip_steps)."""
     path = Path(report_path)
     if not path.is_file():
         return PointResult(point, f"failed: no report at {path}", wall_s)
@@ -136,10 +138,12 @@ def read_point(point: SweepPoint, report_path: str | Path, wall_s: float) -> Poi
 
 
 def median_run(runs: list[PointResult]) -> PointResult:
-    """The repeat with the median step time (the lower one of an even count), with the spread recorded.
+    """The repeat with the median step time (the lower one of an even count), with the spread
+    recorded.
 
-    On a shared machine a point's speed drifts with everything else that runs; repeating the whole sweep
-    in rounds (1, 2, 4, 1, 2, 4, ...) and taking each point's median exposes every point to the same drift.
+    On a shared machine a point's speed drifts with everything else that runs; repeating the whole
+    sweep in rounds (1, 2, 4, 1, 2, 4, ...) and taking each point's median exposes every point to
+    the same drift.
     """
     ok = sorted((r for r in runs if r.ok), key=lambda r: r.step_s)
     if not ok:
@@ -151,7 +155,8 @@ def median_run(runs: list[PointResult]) -> PointResult:
 
 
 def add_efficiency(results: list[PointResult], mode: str) -> PointResult | None:
-    """Fill efficiency and the ideal throughput of every ok point; return the base point (or None)."""
+    """Fill efficiency and the ideal throughput of every ok point; return the base point (or
+    None)."""
     ok = [r for r in results if r.ok]
     if not ok:
         return None

@@ -1,11 +1,13 @@
-"""The cost model's (scaleout.sim) efficiency for the points a sweep measured, for a side-by-side column.
+"""The cost model's (scaleout.sim) efficiency for the points a sweep measured, for a side-by-side
+column.
 
-The simulator is given what the sweep knows: the model's gradient size (parameters from the family's formula,
-scaleout/families/<arch>/flops.py), the per-rank batch of each point, the all-reduce algorithm and bucket size of the
-config, and the per-rank compute speed measured at the base point (step time minus its exposed
-communication). It then predicts each point's step time on a preset cluster (``--simulate netns-1g``
-for the emulated cluster, ``dgx-a100`` for "what would this do there") with that point's node shape,
-and the same efficiency formula as the measurement is applied to the predicted times.
+The simulator is given what the sweep knows: the model's gradient size (parameters from the family's
+formula, scaleout/families/<arch>/flops.py), the per-rank batch of each point, the all-reduce
+algorithm and bucket size of the config, and the per-rank compute speed measured at the base point
+(step time minus its exposed communication). It then predicts each point's step time on a preset
+cluster (``--simulate netns-1g`` for the emulated cluster, ``dgx-a100`` for "what would this do
+there") with that point's node shape, and the same efficiency formula as the measurement is applied
+to the predicted times.
 
 What the model leaves out is exactly what the comparison shows: on one machine, compute slows down
 as ranks share cores (the simulator assumes every rank computes at the base point's speed).
@@ -30,7 +32,8 @@ class Simulator:
         self.params = FAMILIES.get(cfg.model.arch).params(cfg)
         from scaleout.sim.fromconfig import wire_bytes
 
-        # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends fp32.
+        # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends
+        # fp32.
         self.grad_bytes, self.param_bytes = wire_bytes(cfg)
 
     def _step(self, r: PointResult, per_rank_speed: float) -> float:
@@ -63,7 +66,8 @@ class Simulator:
         return step_time(model, train, cluster, p.nodes).step
 
     def fill(self, results: list[PointResult], base: PointResult, mode: str) -> None:
-        """Set ``simulated_efficiency`` on every ok point (same formula as the measured efficiency)."""
+        """Set ``simulated_efficiency`` on every ok point (same formula as the measured
+        efficiency)."""
         busy = base.step_s - base.breakdown_s.get("exposed_comm", 0.0)
         if busy <= 0:
             return

@@ -3,40 +3,50 @@
 **``model.compile=true``** compiles the *inner* model in place (``nn.Module.compile``) before
 :class:`scaleout.parallel.DataParallel` wraps it, rather than ``torch.compile(DataParallel(...))``:
 
-- DataParallel's reducer lives in post-accumulate-grad hooks on the parameters and an autograd-engine
-  callback. Parameters are leaves *outside* the compiled graphs (AOTAutograd lifts them to inputs), so
+- DataParallel's reducer lives in post-accumulate-grad hooks on the parameters and an
+  autograd-engine
+  callback. Parameters are leaves *outside* the compiled graphs (AOTAutograd lifts them to inputs),
+  so
   their ``AccumulateGrad`` nodes, and the hooks on them, still run in the eager autograd engine: the
   overlapped bucketed all-reduce keeps working unchanged, with no compiled autograd needed. What
-  changes is granularity: each compiled graph's backward is one autograd node, so all gradients of one
+  changes is granularity: each compiled graph's backward is one autograd node, so all gradients of
+  one
   graph become ready together (buckets launch per graph, not per layer).
-- Compiling the wrapper instead would make dynamo trace the reducer's Python (``_BackwardStart`` carries
-  the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would hide behind
+- Compiling the wrapper instead would make dynamo trace the reducer's Python (``_BackwardStart``
+  carries
+  the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would hide
+  behind
   ``OptimizedModule``; in place, ``state_dict`` keys and checkpoints are unchanged.
 - The default BERT forward graph-breaks on CPU (the ``int(pos.max())`` range check and the boolean
   selections of masked positions and NSP rows, whose sizes depend on the data); each piece is still
-  fused (FC + bias + GELU, LayerNorm + residual, softmax) by Inductor. ``model.bert.static_shapes=true``
+  fused (FC + bias + GELU, LayerNorm + residual, softmax) by Inductor.
+  ``model.bert.static_shapes=true``
   (the capture-safe forward, see ``scaleout/families/bert/model.py``) compiles as one graph with
   ``fullgraph=True`` (tested). ``scaleout bench compile`` measures what compiling buys.
 
 **``model.cuda_graphs=true``** (CUDA only) captures the step with ``torch.cuda.graphs``: zero the
-gradients, forward + backward of every micro-batch, the gradient all-reduce of the reducer's buckets,
-and the optimizer when it can be captured. One graph per distinct input shape (a dict key -> graph),
-as NVIDIA's MLPerf BERT keeps one graph per packed shape: packing makes shapes static, so a run sees
-one or a few keys. Per key, the first ``warmup`` steps run eagerly on a side stream (lazy
-initialisation, cuBLAS workspaces, allocator warm-up: the recipe of the PyTorch CUDA-graphs docs), the
-next step captures into static input buffers and replays; after that a step is "copy the batch into
-the static buffers, replay". Every call is exactly one training step (warm-up steps are real steps).
+gradients, forward + backward of every micro-batch, the gradient all-reduce of the reducer's
+buckets, and the optimizer when it can be captured. One graph per distinct input shape (a dict key
+-> graph), as NVIDIA's MLPerf BERT keeps one graph per packed shape: packing makes shapes static, so
+a run sees one or a few keys. Per key, the first ``warmup`` steps run eagerly on a side stream (lazy
+initialisation, cuBLAS workspaces, allocator warm-up: the recipe of the PyTorch CUDA-graphs docs),
+the next step captures into static input buffers and replays; after that a step is "copy the batch
+into the static buffers, replay". Every call is exactly one training step (warm-up steps are real
+steps).
 
 What is not captured, and why:
 
 - The reducer's *overlapped* path (Python hooks, futures, a host-read census of unused parameters)
   cannot be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each
-  bucket buffer with the run's algorithm (flat / hierarchical / torus2d), compression and pre-divide,
+  bucket buffer with the run's algorithm (flat / hierarchical / torus2d), compression and
+  pre-divide,
   issued synchronously from the capturing thread (``Reducer.reduce_now``; NCCL collectives are
   capturable since NCCL 2.9.6). Launch overhead, which graphs remove, is what dominates at the small
   per-GPU batches of max-scale runs.
-- Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in captured
-  regions), and the fp16 loss scale is a device tensor the graph reads, so it can change between replays;
+- Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in
+  captured
+  regions), and the fp16 loss scale is a device tensor the graph reads, so it can change between
+  replays;
   unscaling and the finiteness agreement run eagerly after the replay.
 - scaleout's LAMB/LARS compute per-step scalars (learning rate, bias correction, global clip factor)
   on the host; a graph would freeze them at their capture-time values. The optimizer is therefore in
@@ -44,10 +54,13 @@ What is not captured, and why:
   tensor learning rate); otherwise it runs eagerly after the replay, which also keeps the trainer's
   NaN-skip agreement between gradients and update.
 - Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
-  data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and one
+  data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and
+  one
   warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects its
-  capture-safe forward (``model.bert.static_shapes``, unset = follow ``model.cuda_graphs``): fixed MLM
-  and NSP slots gathered with index tensors, the loss weighted by validity, no range check, no varlen
+  capture-safe forward (``model.bert.static_shapes``, unset = follow ``model.cuda_graphs``): fixed
+  MLM
+  and NSP slots gathered with index tensors, the loss weighted by validity, no range check, no
+  varlen
   attention, so every shape is a function of the batch *shape* and one graph per packed shape holds.
   Setting ``model.bert.static_shapes=false`` explicitly with graphs on earns a warning
   (:func:`host_sync_reason`), and the capture then fails over to eager as above.
@@ -71,16 +84,19 @@ from scaleout.world import World
 log = logging.getLogger("scaleout.train.capture")
 
 
-# -- torch.compile -------------------------------------------------------------------------------------
+# -- torch.compile
+# -------------------------------------------------------------------------------------
 def compile_model(
     module: torch.nn.Module, backend: str = "inductor", mode: str | None = None
 ) -> torch.nn.Module:
-    """Compile ``module`` in place (parameters, hooks and ``state_dict`` keys unchanged) and return it."""
+    """Compile ``module`` in place (parameters, hooks and ``state_dict`` keys unchanged) and
+    return it."""
     module.compile(backend=backend, mode=mode)
     return module
 
 
-# -- CUDA graphs ---------------------------------------------------------------------------------------
+# -- CUDA graphs
+# ---------------------------------------------------------------------------------------
 def _tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -123,7 +139,8 @@ class _Graph:
 
 
 class StepGraphs:
-    """``step_fn(batch) -> loss tensor`` run as one CUDA graph per input shape (see module docstring).
+    """``step_fn(batch) -> loss tensor`` run as one CUDA graph per input shape (see module
+    docstring).
 
     ``graphs(batch)`` returns the step's loss; the graphs are in ``graphs.graphs`` keyed by
     :func:`shape_key`. If a capture fails, the error is logged once and every later call runs
@@ -210,11 +227,12 @@ def data_parallel_step(
     optimizer: Any = None,
     precision: Any = None,
 ) -> Callable[[list[Any]], torch.Tensor]:
-    """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads, forward +
-    backward of every micro-batch under ``no_sync()`` (and ``precision``'s autocast without its weight
-    cache, and its loss scale), then every bucket's all-reduce with the model's configured algorithm,
-    compression and pre-divide (``reducer.reduce_now``: issued from this thread, so a capture records
-    it), then ``optimizer.step()`` if an optimizer is given. Returns the summed (averaged, unscaled) loss."""
+    """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads,
+    forward + backward of every micro-batch under ``no_sync()`` (and ``precision``'s autocast
+    without its weight cache, and its loss scale), then every bucket's all-reduce with the
+    model's configured algorithm, compression and pre-divide (``reducer.reduce_now``: issued from
+    this thread, so a capture records it), then ``optimizer.step()`` if an optimizer is given.
+    Returns the summed (averaged, unscaled) loss."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(mbs: list[Any]) -> torch.Tensor:
@@ -243,8 +261,9 @@ def data_parallel_step(
 
 
 def host_sync_reason(model: Any) -> str | None:
-    """Why ``model``'s forward cannot be captured (a known host sync), or None. Looks through wrappers
-    (``DataParallel.module``, ``OptimizedModule._orig_mod``); today it knows BERT's dynamic heads."""
+    """Why ``model``'s forward cannot be captured (a known host sync), or None. Looks through
+    wrappers (``DataParallel.module``, ``OptimizedModule._orig_mod``); today it knows BERT's
+    dynamic heads."""
     inner = model
     for attr in ("module", "_orig_mod"):
         inner = getattr(inner, attr, inner)
@@ -255,7 +274,8 @@ def host_sync_reason(model: Any) -> str | None:
         and not getattr(cfg, "static_shapes", False)
     ):
         return (
-            "the BERT forward has host syncs (masked-position selection, position range check); set "
+            "the BERT forward has host syncs (masked-position selection, position range check); "
+            "set "
             "model.bert.static_shapes=true or leave it unset"
         )
     return None
@@ -264,22 +284,25 @@ def host_sync_reason(model: Any) -> str | None:
 def build_step_graphs(
     cfg: Config, world: World, model: torch.nn.Module, task: Any
 ) -> StepGraphs | None:
-    """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where it
-    cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the step). The
-    trainer's optimizer always runs after the replay: its NaN-skip agreement sits between the averaged
-    gradients and the update, and LAMB/LARS keep per-step scalars on the host (module docstring)."""
+    """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where
+    it cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the
+    step). The trainer's optimizer always runs after the replay: its NaN-skip agreement sits
+    between the averaged gradients and the update, and LAMB/LARS keep per-step scalars on the
+    host (module docstring)."""
     if not cfg.model.cuda_graphs:
         return None
     dev = torch.device(world.device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         print0(
-            f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs eagerly",
+            f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs "
+            "eagerly",
             rank=world.rank,
         )
         return None
     if cfg.optim.sharded or not hasattr(model, "reducer"):
         print0(
-            "warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): the step runs "
+            "warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): "
+            "the step runs "
             "eagerly",
             rank=world.rank,
         )
@@ -287,7 +310,8 @@ def build_step_graphs(
     reason = host_sync_reason(model)
     if reason:
         print0(
-            f"warning: model.cuda_graphs=true: {reason}; capture will fail and the step run eagerly",
+            f"warning: model.cuda_graphs=true: {reason}; "
+            "capture will fail and the step run eagerly",
             rank=world.rank,
         )
     return StepGraphs(data_parallel_step(model, task.loss, precision=task.precision), dev)

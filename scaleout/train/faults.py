@@ -1,18 +1,19 @@
 """Per-step agreement between ranks, failed collectives, and fault injection for tests.
 
 One tiny all-reduce (SUM) per step (:func:`agree_on_step`) carries [non-finite gradients here, stop
-requested here, preemption notice received here, SIGTERM received here, this rank's loss, some parameter
-unused (the reducer's unused-parameter detection), this rank's FLOPs], so every rank takes the same
-decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a
-rank only sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
-drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was signalled,
-requeue if any rank got a notice, and leave out the optional end-of-run collectives if any rank got
-SIGTERM. The end of the run uses these agreed flags, never a rank's own: a SIGTERM that reached some ranks
-only, or after the agreement, must not send ranks into different collectives. The flags are 0/1 counts,
-so SUM > 0 is "any rank" exactly as MAX would be, and the same reduction gives the mean loss over ranks.
+requested here, preemption notice received here, SIGTERM received here, this rank's loss, some
+parameter unused (the reducer's unused-parameter detection), this rank's FLOPs], so every rank takes
+the same decision: skip the step if any rank saw NaN/Inf (with the sharded optimizer a rank only
+sees its own shard, so the reduced gradients alone cannot tell everyone; with fp16 the same flag
+drives the loss scale, scaleout/train/precision.py), stop (checkpoint, exit) if any rank was
+signalled, requeue if any rank got a notice, and leave out the optional end-of-run collectives if
+any rank got SIGTERM. The end of the run uses these agreed flags, never a rank's own: a SIGTERM that
+reached some ranks only, or after the agreement, must not send ranks into different collectives. The
+flags are 0/1 counts, so SUM > 0 is "any rank" exactly as MAX would be, and the same reduction gives
+the mean loss over ranks.
 
-Its result must be read on the host (the decision is Python control flow): that read is the step's one
-device -> host synchronisation. The finiteness check stays on the device until then.
+Its result must be read on the host (the decision is Python control flow): that read is the step's
+one device -> host synchronisation. The finiteness check stays on the device until then.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def agree_on_step(
     terminate: bool = False,
     flops: float = 0.0,
 ) -> StepFlags:
-    """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of parameters
-    that got no gradient (GradientSync.census_flag), read with the others; ``flops``: this rank's training
-    FLOPs of the step (summed, they give the global batch's)."""
+    """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
+    parameters that got no gradient (GradientSync.census_flag), read with the others; ``flops``:
+    this rank's training FLOPs of the step (summed, they give the global batch's)."""
     dev = world.device
 
     def one(x: Any) -> torch.Tensor:
@@ -102,12 +103,13 @@ def agree_on_step(
     )
 
 
-# -- fault injection for tests: installed at the start of a run only when its variable is set -----------
+# -- fault injection for tests: installed at the start of a run only when its variable is set
+# -----------
 class NanInjection:
     """``SCALEOUT_INJECT_NAN="STEP:RANK[,STEP:RANK...]"``: poison this rank's gradients after the
-    reduction at those steps (0-based), a corrupted rank as tests/test_train.py and test_faults.py need.
-    A gradient hook of the trainer (``Trainer.gradient_hooks``), called between unscaling and the step's
-    agreement."""
+    reduction at those steps (0-based), a corrupted rank as tests/test_train.py and
+    test_faults.py need. A gradient hook of the trainer (``Trainer.gradient_hooks``), called
+    between unscaling and the step's agreement."""
 
     VARIABLE = "SCALEOUT_INJECT_NAN"
 
@@ -130,11 +132,11 @@ class NanInjection:
 
 
 class RequeueDelay:
-    """``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``, less if its
-    SIGTERM comes first (a stop that outlasted the notice window and met the time limit).
-    tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue under
-    ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still requeues.
-    Passed as ``before_requeue`` to :func:`scaleout.preempt.release_after_stop`."""
+    """``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``,
+    less if its SIGTERM comes first (a stop that outlasted the notice window and met the time
+    limit). tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue
+    under ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still
+    requeues. Passed as ``before_requeue`` to :func:`scaleout.preempt.release_after_stop`."""
 
     VARIABLE = "SCALEOUT_TEST_REQUEUE_DELAY_S"
 
@@ -152,8 +154,8 @@ class RequeueDelay:
             time.sleep(0.05)
 
 
-# Markers of a failed collective in gloo's / c10d's error text (torch 2.13 raises plain RuntimeError):
-# a timeout, a peer that closed or reset its connection.
+# Markers of a failed collective in gloo's / c10d's error text (torch 2.13 raises plain
+# RuntimeError): a timeout, a peer that closed or reset its connection.
 _COMM_MARKERS = (
     "Timed out waiting",
     "Connection closed by peer",
@@ -172,10 +174,10 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> None:
-    """Print one line naming this rank, the error and the ranks whose heartbeat stopped, then end the
-    process at once (``os._exit``): the collective sequence is broken, peers are being stopped by the
-    launcher, and an orderly shutdown could block on a group whose peer is gone. NCCL's watchdog tears a
-    process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
+    """Print one line naming this rank, the error and the ranks whose heartbeat stopped, then end
+    the process at once (``os._exit``): the collective sequence is broken, peers are being
+    stopped by the launcher, and an orderly shutdown could block on a group whose peer is gone.
+    NCCL's watchdog tears a process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
     first = next(
         (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__
     )

@@ -1,5 +1,6 @@
-"""The hyper-parameter keys the MLPerf rules require for a run: the common ones (batch sizes, precision,
-parallelism, config file) here, the optimizer's from the model family (scaleout/families/<arch>/__init__.py)."""
+"""The hyper-parameter keys the MLPerf rules require for a run: the common ones (batch sizes,
+precision, parallelism, config file) here, the optimizer's from the model family
+(scaleout/families/<arch>/__init__.py)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,17 @@ def hyperparameters(
     sequences_per_row: float | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """The MLPerf hyper-parameter keys of ``cfg`` (BERT/LAMB, ResNet/LARS: the family of ``model.arch``).
+    """The MLPerf hyper-parameter keys of ``cfg`` (BERT/LAMB, ResNet/LARS: the family of
+    ``model.arch``).
 
-    ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use. The precision keys
-    say what runs on ``device`` (scaleout.train.precision.mlperf_numerics).
+    ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use. The precision
+    keys say what runs on ``device`` (scaleout.train.precision.mlperf_numerics).
 
-    Batch sizes are in *samples*, never packed rows: with BERT packing, ``train.global_batch`` counts rows
-    of up to ``data.max_per_pack`` sequences, and ``sequences_per_row`` (the packing's speed-up, ~2 on
-    Wikipedia; None where a row is one sample) turns rows into sequences the way NVIDIA's packed submissions
-    log it (``global_batch_size = rows x average_packing_rate``, an integer rate: run_pretraining.py
-    ``global_batch_size(args)``, training_results_v2.0+).
+    Batch sizes are in *samples*, never packed rows: with BERT packing, ``train.global_batch``
+    counts rows of up to ``data.max_per_pack`` sequences, and ``sequences_per_row`` (the packing's
+    speed-up, ~2 on Wikipedia; None where a row is one sample) turns rows into sequences the way
+    NVIDIA's packed submissions log it (``global_batch_size = rows x average_packing_rate``, an
+    integer rate: run_pretraining.py ``global_batch_size(args)``, training_results_v2.0+).
     """
     t, o = cfg.train, cfg.optim
     rate = max(1, round(sequences_per_row)) if sequences_per_row else 1

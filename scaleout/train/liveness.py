@@ -1,17 +1,18 @@
 """Naming the rank behind a failed collective.
 
-A collective that times out tells a rank only that *some* peer did not answer (gloo: "Timed out waiting
-20000ms for recv operation"); with a hierarchical or torus schedule the rank it waited on may itself be
-waiting on the culprit. So every rank of a training run beats a heartbeat into the rendezvous store (its
-own key, a counter, every ``period_for(timeout)`` seconds, from a daemon thread with its own store
-connection), and when a collective fails the first rank to notice reads every heartbeat twice, two
-periods apart: a rank whose counter did not move is stopped, hung or dead (a SIGSTOPped process beats no
-more; a rank blocked in a collective still does). It publishes the verdict in the store, and every other
-failing rank prints the same verdict instead of repeating the scan.
+A collective that times out tells a rank only that *some* peer did not answer (gloo: "Timed out
+waiting 20000ms for recv operation"); with a hierarchical or torus schedule the rank it waited on
+may itself be waiting on the culprit. So every rank of a training run beats a heartbeat into the
+rendezvous store (its own key, a counter, every ``period_for(timeout)`` seconds, from a daemon
+thread with its own store connection), and when a collective fails the first rank to notice reads
+every heartbeat twice, two periods apart: a rank whose counter did not move is stopped, hung or dead
+(a SIGSTOPped process beats no more; a rank blocked in a collective still does). It publishes the
+verdict in the store, and every other failing rank prints the same verdict instead of repeating the
+scan.
 
-Cost at 2,048 ranks: one small ``set`` per rank per period (68/s at a 120 s step timeout), and on failure
-two reads of every key by one rank. The store lives in rank 0's process: if rank 0 is the stopped one, the
-store does not answer either, and that is the verdict.
+Cost at 2,048 ranks: one small ``set`` per rank per period (68/s at a 120 s step timeout), and on
+failure two reads of every key by one rank. The store lives in rank 0's process: if rank 0 is the
+stopped one, the store does not answer either, and that is the verdict.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ _PREFIX = "scaleout/heartbeat"
 
 
 def period_for(timeout_s: float) -> float:
-    """Heartbeat period for a collective timeout: four beats per timeout, between 1 s and 30 s, so a rank
-    that stopped before a collective timed out has missed at least two beats by the time anyone looks."""
+    """Heartbeat period for a collective timeout: four beats per timeout, between 1 s and 30 s,
+    so a rank that stopped before a collective timed out has missed at least two beats by the
+    time anyone looks."""
     return min(30.0, max(1.0, timeout_s / 4.0))
 
 
 def _client(world: World, timeout_s: float) -> Any:
-    """A new connection to the rendezvous store (not the one the process groups use: a read here must not
-    queue behind, or hold up, anything else)."""
+    """A new connection to the rendezvous store (not the one the process groups use: a read here
+    must not queue behind, or hold up, anything else)."""
     return dist.TCPStore(
         str(world.master_addr),
         int(world.master_port),
@@ -103,11 +105,12 @@ def _beats(store: Any, keys: list[str]) -> list[str | None]:
 
 
 def unresponsive_verdict(world: World, timeout_s: float) -> str:
-    """One sentence naming the ranks whose heartbeat stopped (call on every rank whose collective failed).
+    """One sentence naming the ranks whose heartbeat stopped (call on every rank whose collective
+    failed).
 
-    Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead) host
-    can block past its own timeout (the kernel still accepts the connection), and a diagnosis must never
-    be the next hang.
+    Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead)
+    host can block past its own timeout (the kernel still accepts the connection), and a diagnosis
+    must never be the next hang.
     """
     window = 2.0 * period_for(timeout_s)
     limit = 2.0 * window + 10.0
@@ -128,7 +131,8 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
         return box["verdict"]
     why = box.get("error", f"no answer within {limit:.0f} s")
     return (
-        f"the rendezvous store on {describe_rank(world, 0)} did not answer ({why}): rank 0 is stopped, "
+        f"the rendezvous store on {describe_rank(world, 0)} did not answer ({why}): rank 0 is "
+        "stopped, "
         "hung or dead, or its host is unreachable"
     )
 

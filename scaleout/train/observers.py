@@ -1,6 +1,7 @@
-"""The trainer's reporting channels, each an :class:`scaleout.observe.Observer`: the MLPerf log, the
-metrics file, the progress line, the console messages, the profiler and the end-of-run report. The
-trainer builds them in ``__init__`` (:func:`default_observers`) and calls their hooks in list order."""
+"""The trainer's reporting channels, each an :class:`scaleout.observe.Observer`: the MLPerf log,
+the metrics file, the progress line, the console messages, the profiler and the end-of-run
+report. The trainer builds them in ``__init__`` (:func:`default_observers`) and calls their hooks
+in list order."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from scaleout.world import World
 
 class MLPerfObserver(Observer):
     """The MLPerf log (``<output_dir>/mlperf.log``): its constructor opens the initialization
-    (cache_clear, init_start), so the trainer makes it first; the clock runs from run_start to run_stop."""
+    (cache_clear, init_start), so the trainer makes it first; the clock runs from run_start to
+    run_stop."""
 
     def __init__(self, log: MLPerfLogger, cfg: Config, world: World):
         self.log, self.cfg, self.world = log, cfg, world
@@ -150,7 +152,8 @@ class ConsoleObserver(Observer):
     def on_step(self, record: StepRecord) -> None:
         if record.skipped:
             print0(
-                f"step {record.step}: non-finite gradients on some rank; every rank skips this step",
+                f"step {record.step}: non-finite gradients on some rank; "
+                "every rank skips this step",
                 rank=self.rank,
             )
         if record.stop:
@@ -195,8 +198,8 @@ class ProfilerObserver(Observer):
 
 
 def peak_rss_mib(world: World, terminating: bool) -> float | None:
-    """Peak resident memory of the most hungry rank process (ru_maxrss, KiB on Linux), in MiB; None when a
-    peer may be gone (a SIGTERM is pending), since it is a collective."""
+    """Peak resident memory of the most hungry rank process (ru_maxrss, KiB on Linux), in MiB;
+    None when a peer may be gone (a SIGTERM is pending), since it is a collective."""
     peak = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64
     )
@@ -209,8 +212,9 @@ def peak_rss_mib(world: World, terminating: bool) -> float | None:
 
 
 class ReportWriter(Observer):
-    """The run's RunReport: rank 0 prints it and writes ``report.json``. ``on_run_end`` is a collective
-    (peak memory, MAX over ranks), so every rank holds one; the trainer returns ``report``."""
+    """The run's RunReport: rank 0 prints it and writes ``report.json``. ``on_run_end`` is a
+    collective (peak memory, MAX over ranks), so every rank holds one; the trainer returns
+    ``report``."""
 
     def __init__(
         self,
@@ -255,7 +259,8 @@ class ReportWriter(Observer):
         timed = end.timed
         print(report.render(), flush=True)
         print(
-            f"data wait: {timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} of "
+            f"data wait: {timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} "
+            "of "
             f"step time (data.num_workers={cfg.data.num_workers})",
             flush=True,
         )

@@ -1,22 +1,26 @@
 """Mixed precision of the training step: ``train.precision: fp32 | bf16 | fp16``.
 
 - ``fp32``: nothing changes.
-- ``bf16`` / ``fp16``: the forward and the loss run under ``torch.autocast(device, dtype)``: matmuls and
-  convolutions (and attention) in the low precision, softmax / LayerNorm / losses in fp32 (autocast's op
+- ``bf16`` / ``fp16``: the forward and the loss run under ``torch.autocast(device, dtype)``: matmuls
+  and
+  convolutions (and attention) in the low precision, softmax / LayerNorm / losses in fp32
+  (autocast's op
   lists). Parameters, gradients and optimizer state stay fp32: the optimizer updates fp32 *master*
   weights and autocast casts them per op (cached within one forward), so no separate master copy is
   kept. Evaluation runs under the same autocast.
 - ``fp16`` adds dynamic loss scaling: fp16 stops at 65504 and flushes gradients below ~6e-8 to zero
-  (Micikevicius et al. 2018, "Mixed Precision Training", arXiv 1710.03740; NVIDIA's MLPerf BERT ran fp16
-  this way). The loss is multiplied by S before backward and the (reduced) gradients by 1/S before the
+  (Micikevicius et al. 2018, "Mixed Precision Training", arXiv 1710.03740; NVIDIA's MLPerf BERT ran
+  fp16
+  this way). The loss is multiplied by S before backward and the (reduced) gradients by 1/S before
+  the
   update. S follows ``torch.amp.GradScaler``'s rule and defaults: start at 2**16, halve after a step
   whose gradients are not finite (that step is skipped), double after 2000 finite steps in a row.
 
 Unlike ``GradScaler``, which decides per process from its local gradients, the skip decision here is
 the trainer's per-step agreement (:func:`scaleout.train.faults.agree_on_step`): every rank gets the
-same flag, so every rank skips the same step and moves S the same way (with a sharded optimizer no rank sees all
-gradients, so a local decision would split the ranks). S lives on the host as a Python float, so
-scaling and unscaling launch kernels but never wait for the device.
+same flag, so every rank skips the same step and moves S the same way (with a sharded optimizer no
+rank sees all gradients, so a local decision would split the ranks). S lives on the host as a Python
+float, so scaling and unscaling launch kernels but never wait for the device.
 """
 
 from __future__ import annotations
@@ -55,15 +59,17 @@ class Precision:
         self._scale_t: torch.Tensor | None = None
 
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager[Any]:
-        """Autocast for forward passes; ``cache=False`` inside a CUDA graph capture (the weight-cast cache
-        must not outlive the captured region: torch.cuda.amp docs, "CUDA Graphs")."""
+        """Autocast for forward passes; ``cache=False`` inside a CUDA graph capture (the
+        weight-cast cache must not outlive the captured region: torch.cuda.amp docs, "CUDA
+        Graphs")."""
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=cache)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What to call backward on: ``loss * S`` with fp16, ``loss`` otherwise. S is read from a device
-        tensor that :meth:`update` refills, so a CUDA graph captured once keeps using the current S."""
+        """What to call backward on: ``loss * S`` with fp16, ``loss`` otherwise. S is read from a
+        device tensor that :meth:`update` refills, so a CUDA graph captured once keeps using the
+        current S."""
         if not self.scaling:
             return loss
         if self._scale_t is None or self._scale_t.device != loss.device:
@@ -71,9 +77,10 @@ class Precision:
         return loss * self._scale_t
 
     def unscale_(self, params: list[torch.Tensor], optimizer: Any = None) -> None:
-        """Gradients * 1/S in place, after their reduction and before the finiteness check and the update
-        (inf and NaN stay non-finite). An optimizer that holds its reduced gradients elsewhere (reduced
-        during backward into its own buffers) unscales them itself through ``optimizer.unscale_(factor)``."""
+        """Gradients * 1/S in place, after their reduction and before the finiteness check and
+        the update (inf and NaN stay non-finite). An optimizer that holds its reduced gradients
+        elsewhere (reduced during backward into its own buffers) unscales them itself through
+        ``optimizer.unscale_(factor)``."""
         if not self.scaling:
             return
         own = getattr(optimizer, "unscale_", None)
@@ -85,7 +92,8 @@ class Precision:
             torch._foreach_mul_(grads, 1.0 / self.scale)
 
     def update(self, skipped: bool) -> None:
-        """After the agreement: every rank passes the same ``skipped``, so every rank's S stays equal."""
+        """After the agreement: every rank passes the same ``skipped``, so every rank's S stays
+        equal."""
         if not self.scaling:
             return
         if skipped:
@@ -104,7 +112,8 @@ class Precision:
         return {"precision": self.name, "scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the loss scale; a checkpoint of another precision keeps this run's initial scale."""
+        """Resume the loss scale; a checkpoint of another precision keeps this run's initial
+        scale."""
         if state.get("precision") == self.name:
             self._set(float(state["scale"]))
             self.good_steps = int(state["good_steps"])
@@ -113,11 +122,12 @@ class Precision:
 def mlperf_numerics(
     precision: str, device: torch.device | str, compression: str, arch: str
 ) -> dict[str, str]:
-    """MLPerf's lowest_numerical_precision_in_{linear,attn,comm} for what runs (mlperf_logging names).
+    """MLPerf's lowest_numerical_precision_in_{linear,attn,comm} for what runs (mlperf_logging
+    names).
 
     fp32 on CUDA is TF32 where torch lets the matmul/convolution use it (``allow_tf32`` flags and
-    ``torch.get_float32_matmul_precision()``); gradients are fp32 (master weights) unless the reducer
-    compresses them on the wire."""
+    ``torch.get_float32_matmul_precision()``); gradients are fp32 (master weights) unless the
+    reducer compresses them on the wire."""
     dev = torch.device(device)
     names = {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}
     linear = attn = names[precision]

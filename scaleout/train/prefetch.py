@@ -1,69 +1,101 @@
 """Background input pipeline: build each step's micro-batches ahead of time in worker processes.
 
-    pf = Prefetcher(task, global_batch=64, grad_accum=1, start_step=resume_step, stop_step=max_steps,
-                    num_workers=2, prefetch=4, pin_memory=True, device=world.device, start_method="forkserver")
-    mbs = pf.get(step)      # the same MicroBatches task.micro_batches(step * global_batch, ...) returns
+    pf = Prefetcher(task, global_batch=64, grad_accum=1, start_step=resume_step,
+    stop_step=max_steps,
+                    num_workers=2, prefetch=4, pin_memory=True, device=world.device,
+                    start_method="forkserver")
+    mbs = pf.get(step)      # the same MicroBatches task.micro_batches(step * global_batch, ...)
+    returns
     pf.close()
 
 Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
-  ``start_step + i`` for this rank, built by the task's batch builder (``task.batches.micro_batches``, the
+  ``start_step + i`` for this rank, built by the task's batch builder
+  (``task.batches.micro_batches``, the
   same code ``task.micro_batches`` runs, minus the copy to the device).
   Data order is already a pure function of the data position (``scaleout/families/task.py``), so the
-  background batches are *the same* batches as the synchronous path, in the same order, and resume is
+  background batches are *the same* batches as the synchronous path, in the same order, and resume
+  is
   just "start at another step": nothing about the prefetcher goes in a checkpoint.
 - **Worker processes, via ``torch.utils.data.DataLoader``** (``num_workers`` processes,
   ``batch_size=None``): batch building is Python + numpy (BERT collation) or PIL (JPEG decode +
-  augmentation), which holds the GIL, so threads would not add cores. DataLoader already gives ordered
-  results from N workers, bounded prefetch per worker, worker death detection and a pin-memory thread;
+  augmentation), which holds the GIL, so threads would not add cores. DataLoader already gives
+  ordered
+  results from N workers, bounded prefetch per worker, worker death detection and a pin-memory
+  thread;
   re-implementing that would be more code with the same behaviour.
 - **Workers are never forked from the rank** (``start_method="forkserver"``, ``data.worker_start``).
-  By the time the prefetcher starts, a rank is multi-threaded: gloo's IO and work threads, the TCPStore
-  client, scaleout's CommThread, the OpenMP/MKL pools. ``fork()`` copies only the calling thread, with
+  By the time the prefetcher starts, a rank is multi-threaded: gloo's IO and work threads, the
+  TCPStore
+  client, scaleout's CommThread, the OpenMP/MKL pools. ``fork()`` copies only the calling thread,
+  with
   every lock other threads held at that instant still held and any half-updated allocator or runtime
-  state frozen mid-update; POSIX allows only async-signal-safe calls in such a child, while a worker runs
+  state frozen mid-update; POSIX allows only async-signal-safe calls in such a child, while a worker
+  runs
   numpy, PIL and ATen. That is a rare, load-dependent abort or hang in the worker (the intermittent
   SIGABRT of tests/test_prefetch.py), and why Python 3.12 warns about fork in a threaded process and
-  3.14 made forkserver the default. Workers therefore fork from multiprocessing's *forkserver*, a clean
+  3.14 made forkserver the default. Workers therefore fork from multiprocessing's *forkserver*, a
+  clean
   single-threaded process the rank starts once (fork + exec), with torch, numpy and scaleout's batch
-  code preloaded, so a worker start is a fork of a warm process, not a fresh interpreter (``spawn``).
+  code preloaded, so a worker start is a fork of a warm process, not a fresh interpreter
+  (``spawn``).
   The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
   started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
-- **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset holds
-  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never the task:
-  that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could not
+- **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset
+  holds
+  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never
+  the task:
+  that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could
+  not
   start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
   shared memory under the live model. Cost: each worker unpickles the batch builder once at start-up
   (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
-- **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker, so
+- **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker,
+  so
   it gets ``ceil(prefetch / num_workers)``.
 - **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on a
   side stream; the compute stream waits on that stream only when it uses the batch, so the copy
-  overlaps the kernels of the previous step still queued on the device (the host runs ahead of the GPU).
-- **Preemption signals do not reach the workers.** Slurm delivers ``--signal=USR2@T`` (without ``B:``),
-  scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers, forkserver and
-  multiprocessing's resource tracker included. At their default action (USR1/USR2: terminate; SIGTERM:
+  overlaps the kernels of the previous step still queued on the device (the host runs ahead of the
+  GPU).
+- **Preemption signals do not reach the workers.** Slurm delivers ``--signal=USR2@T`` (without
+  ``B:``),
+  scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers, forkserver
+  and
+  multiprocessing's resource tracker included. At their default action (USR1/USR2: terminate;
+  SIGTERM:
   torch's worker handler exits unless the parent sent it, and a forkserver worker's parent is the
-  forkserver) they would die, and a rank waiting for its next batch would crash instead of reaching the
-  step at which every rank stops and checkpoints. So the workers are started with USR1/USR2/TERM blocked:
+  forkserver) they would die, and a rank waiting for its next batch would crash instead of reaching
+  the
+  step at which every rank stops and checkpoints. So the workers are started with USR1/USR2/TERM
+  blocked:
   a blocked mask survives fork and exec (the stdlib starts its resource tracker the same way for
-  SIGINT/SIGTERM), so the forkserver, the resource tracker and every worker forked from them never act
-  on these signals; the worker init also sets them to SIG_IGN (a forkserver started earlier by someone
-  else). The rank's own handlers (scaleout/preempt.py) are untouched: other threads of the rank receive
+  SIGINT/SIGTERM), so the forkserver, the resource tracker and every worker forked from them never
+  act
+  on these signals; the worker init also sets them to SIG_IGN (a forkserver started earlier by
+  someone
+  else). The rank's own handlers (scaleout/preempt.py) are untouched: other threads of the rank
+  receive
   the signals meanwhile. SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a
   worker that outlives the DataLoader's shutdown.
-- **No data before the clock** (MLPerf Training rules, "Run Results": the clock must start before any
-  part of the system touches the dataset). Constructing a Prefetcher reads nothing: the workers start,
-  and are handed their first steps, at :meth:`Prefetcher.start` (or the first :meth:`~Prefetcher.get`),
-  which the trainer calls right after ``run_start``. What holds no data is started at construction, off
-  the clock: the forkserver (a fresh interpreter importing torch, seconds) and the resource tracker, so
-  starting the workers on the clock costs a fork and the unpickling of the data source (milliseconds).
-- ``num_workers=0`` is the synchronous path (no background work), the baseline the benchmarks compare
+- **No data before the clock** (MLPerf Training rules, "Run Results": the clock must start before
+  any
+  part of the system touches the dataset). Constructing a Prefetcher reads nothing: the workers
+  start,
+  and are handed their first steps, at :meth:`Prefetcher.start` (or the first
+  :meth:`~Prefetcher.get`),
+  which the trainer calls right after ``run_start``. What holds no data is started at construction,
+  off
+  the clock: the forkserver (a fresh interpreter importing torch, seconds) and the resource tracker,
+  so
+  starting the workers on the clock costs a fork and the unpickling of the data source
+  (milliseconds).
+- ``num_workers=0`` is the synchronous path (no background work), the baseline the benchmarks
+  compare
   against.
 
-The time the trainer spends in :meth:`Prefetcher.get` is the time it *waited* for data: that is what the
-"data" phase of the step-time breakdown reports.
+The time the trainer spends in :meth:`Prefetcher.get` is the time it *waited* for data: that is what
+the "data" phase of the step-time breakdown reports.
 """
 
 from __future__ import annotations
@@ -85,12 +117,14 @@ from scaleout.errors import UserError
 from scaleout.world import World
 
 START_METHODS = ("forkserver", "spawn", "fork")
-# What schedulers send to every process of a job step; the rank handles them, its helper processes ignore them.
+# What schedulers send to every process of a job step; the rank handles them, its helper processes
+# ignore them.
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
-# Imported once by the forkserver, so a worker forked from it starts with them loaded. A worker still
-# re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it once in the
-# server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point only imports
-# scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs milliseconds.
+# Imported once by the forkserver, so a worker forked from it starts with them loaded. A worker
+# still re-runs a *script* main module as __mp_main__, as under spawn ("__main__" here would run it
+# once in the server instead, but CPython 3.11 never passes it the path); the `scaleout` entry point
+# only imports scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs
+# milliseconds.
 _PRELOAD = [
     "__main__",
     "numpy",
@@ -105,9 +139,10 @@ _PRELOAD = [
 
 
 class StepBatches(torch.utils.data.Dataset):
-    """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples (picklable,
-    pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per micro-batch. ``batches`` is the
-    task's data-only batch builder (``task.batches``), which is what gets pickled into the workers."""
+    """Item i = this rank's micro-batches of step ``start_step + i`` as plain CPU tuples
+    (picklable, pinnable by DataLoader): ``(inputs, target, samples, tokens, flops)`` per
+    micro-batch. ``batches`` is the task's data-only batch builder (``task.batches``), which is
+    what gets pickled into the workers."""
 
     def __init__(
         self, batches: Any, global_batch: int, grad_accum: int, start_step: int, stop_step: int
@@ -137,10 +172,11 @@ def _record(x: Any, stream: Any) -> None:
 
 
 class Prefetcher:
-    """Ordered background producer of the trainer's per-step micro-batches (see the module docstring).
+    """Ordered background producer of the trainer's per-step micro-batches (see the module
+    docstring).
 
-    ``get(step)`` must be called with consecutive steps from ``start_step``; anything else is a bug in
-    the caller and raises (a silently skipped or repeated batch would break exact resume)."""
+    ``get(step)`` must be called with consecutive steps from ``start_step``; anything else is a
+    bug in the caller and raises (a silently skipped or repeated batch would break exact resume)."""
 
     def __init__(
         self,
@@ -158,7 +194,8 @@ class Prefetcher:
     ):
         if num_workers < 0:
             raise UserError(
-                f"data.num_workers={num_workers}: expected >= 0 (0 = build batches on the main thread)"
+                f"data.num_workers={num_workers}: expected >= 0 (0 = build batches on the main "
+                "thread)"
             )
         if prefetch < 1:
             raise UserError(f"data.prefetch={prefetch}: expected >= 1 micro-batch lists in flight")
@@ -208,8 +245,8 @@ class Prefetcher:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
     def start(self) -> None:
-        """Start the workers and hand them their first steps: the first touch of the training data (so
-        after MLPerf's run_start). Idempotent; :meth:`get` calls it if nobody did."""
+        """Start the workers and hand them their first steps: the first touch of the training
+        data (so after MLPerf's run_start). Idempotent; :meth:`get` calls it if nobody did."""
         self._iterator()
 
     def _iterator(self) -> Iterator[Any]:
@@ -246,9 +283,9 @@ class Prefetcher:
         return [MicroBatch(*fields) for fields in moved]
 
     def worker_cpu_s(self) -> float:
-        """CPU seconds (user + system) the live workers have used so far, from /proc (Linux). Forkserver
-        workers are children of the forkserver, not of this process, so RUSAGE_CHILDREN never sees them;
-        read this before :meth:`close`."""
+        """CPU seconds (user + system) the live workers have used so far, from /proc (Linux).
+        Forkserver workers are children of the forkserver, not of this process, so
+        RUSAGE_CHILDREN never sees them; read this before :meth:`close`."""
         tick = os.sysconf("SC_CLK_TCK")
         total = 0.0
         for w in getattr(self._it, "_workers", []):
@@ -287,7 +324,8 @@ def _identity(x: Any) -> Any:
 def _context(start_method: str) -> Any:
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        # Takes effect when this process first starts its forkserver; later prefetchers reuse that server.
+        # Takes effect when this process first starts its forkserver; later prefetchers reuse that
+        # server.
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
@@ -297,10 +335,10 @@ def _ready() -> None:
 
 
 def _warm_forkserver(ctx: Any) -> None:
-    """Start the forkserver and wait until it has imported ``_PRELOAD``: it serves a fork only after its
-    imports, so one empty child started and joined does both. ``ensure_running`` alone returns while the
-    server is still importing torch (14 s on a loaded 2-core machine), which the first worker start, on the
-    clock, would then wait for."""
+    """Start the forkserver and wait until it has imported ``_PRELOAD``: it serves a fork only
+    after its imports, so one empty child started and joined does both. ``ensure_running`` alone
+    returns while the server is still importing torch (14 s on a loaded 2-core machine), which
+    the first worker start, on the clock, would then wait for."""
     child = ctx.Process(target=_ready, daemon=True)
     child.start()
     child.join()
@@ -308,16 +346,17 @@ def _warm_forkserver(ctx: Any) -> None:
 
 @contextlib.contextmanager
 def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
-    """Block ``signals`` in this thread while child processes start: they inherit the mask (module docstring).
-    Nothing is lost meanwhile: a process-directed signal goes to another thread of the rank (gloo's, the
-    comm thread) or stays pending until the mask is restored."""
+    """Block ``signals`` in this thread while child processes start: they inherit the mask
+    (module docstring). Nothing is lost meanwhile: a process-directed signal goes to another
+    thread of the rank (gloo's, the comm thread) or stays pending until the mask is restored."""
     if not signals:
         yield
         return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this thread,
-        # which would let the forkserver started next inherit SIGTERM: start it first, then block again.
+        # The stdlib starts its tracker with SIGINT/SIGTERM blocked and then *unblocks* them in this
+        # thread, which would let the forkserver started next inherit SIGTERM: start it first, then
+        # block again.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         yield
@@ -326,8 +365,8 @@ def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
 
 
 def _worker_init(_worker_id: int) -> None:
-    # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top would
-    # oversubscribe the cores the training step itself uses.
+    # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top
+    # would oversubscribe the cores the training step itself uses.
     torch.set_num_threads(1)
     for (
         sig
@@ -336,7 +375,8 @@ def _worker_init(_worker_id: int) -> None:
 
 
 def build_prefetcher(cfg: Config, task: Any, world: World, start_step: int) -> Prefetcher | None:
-    """The trainer's prefetcher from ``data.num_workers / prefetch / pin_memory``; None = synchronous."""
+    """The trainer's prefetcher from ``data.num_workers / prefetch / pin_memory``; None =
+    synchronous."""
     d = cfg.data
     if d.num_workers == 0:
         return None

@@ -1,22 +1,32 @@
-"""What a `scaleout train` does when its checkpoint directory already holds a run (the rerun policy).
+"""What a `scaleout train` does when its checkpoint directory already holds a run (the rerun
+policy).
 
-A checkpoint directory belongs to one run. ``run.json`` beside the checkpoints records it: an id, the
-global batch its data positions were counted in, and how the latest segment ended. Before anything
-is spawned or written (launcher preflight, then every rank before ``init``):
+A checkpoint directory belongs to one run. ``run.json`` beside the checkpoints records it: an id,
+the global batch its data positions were counted in, and how the latest segment ended. Before
+anything is spawned or written (launcher preflight, then every rank before ``init``):
 
-=====================================================  ==================================================
+=====================================================
+==================================================
 directory holds                                        outcome
-=====================================================  ==================================================
+=====================================================
+==================================================
 no checkpoint                                          a new run (new id)
-checkpoints, ``checkpoint.resume=false``               one-line error, exit 2: nothing is overwritten
-checkpoints, run finished (target reached, or latest   one line "already finished", exit 0, nothing is
-checkpoint at or past ``train.max_steps``)             written (a requeue of a finished job is a no-op)
-checkpoints, run.json's global batch differs           one-line error, exit 2 (the saved data position
+checkpoints, ``checkpoint.resume=false``               one-line error, exit 2: nothing is
+overwritten
+checkpoints, run finished (target reached, or latest   one line "already finished", exit 0, nothing
+is
+checkpoint at or past ``train.max_steps``)             written (a requeue of a finished job is a
+no-op)
+checkpoints, run.json's global batch differs           one-line error, exit 2 (the saved data
+position
                                                        would replay or skip samples)
-checkpoints otherwise                                  the run continues from its latest checkpoint; the
-                                                       previous segment's MLPerf log and report are kept
+checkpoints otherwise                                  the run continues from its latest checkpoint;
+the
+                                                       previous segment's MLPerf log and report are
+                                                       kept
                                                        (``mlperf.log.1``, ``report.json.1``, ...)
-=====================================================  ==================================================
+=====================================================
+==================================================
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ RECORD = "run.json"
 FINISHED = ("success", "max_steps")
 
 
-# "new": no checkpoint; "resume": continue from the latest; "finished": a finished run, nothing to do.
+# "new": no checkpoint; "resume": continue from the latest; "finished": a finished run, nothing to
+# do.
 StartKind = Literal["new", "resume", "finished"]
 
 
@@ -70,7 +81,8 @@ def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> No
 
 
 def decide_start(cfg: Config) -> RunStart:
-    """Classify this start (see the module docstring); raise UserError for a start that would lose data."""
+    """Classify this start (see the module docstring); raise UserError for a start that would
+    lose data."""
     ck = cfg.checkpoint
     if not ck.dir:
         return RunStart("new", 0, {})
@@ -80,8 +92,10 @@ def decide_start(cfg: Config) -> RunStart:
     latest, record = steps[-1], read_record(ck.dir)
     if not ck.resume:
         raise UserError(
-            f"checkpoint.dir={ck.dir} already holds checkpoints up to step {latest} and checkpoint.resume=false: "
-            "a new run would mix its checkpoints with them; resume it (checkpoint.resume=true), use an empty "
+            f"checkpoint.dir={ck.dir} already holds checkpoints up to step {latest} and "
+            "checkpoint.resume=false: "
+            "a new run would mix its checkpoints with them; resume it (checkpoint.resume=true), "
+            "use an empty "
             "checkpoint.dir, or move the old files away"
         )
     status = record.get("status")
@@ -95,14 +109,18 @@ def decide_start(cfg: Config) -> RunStart:
             "finished",
             latest,
             record,
-            f"the run in checkpoint.dir={ck.dir} already finished (it {why}; latest checkpoint step {latest}): "
-            "nothing to do. To train further raise train.max_steps; for a new run use another checkpoint.dir",
+            f"the run in checkpoint.dir={ck.dir} already finished (it {why}; latest checkpoint "
+            f"step {latest}): "
+            "nothing to do. To train further raise train.max_steps; for a new run use another "
+            "checkpoint.dir",
         )
     batch = record.get("global_batch")
     if batch is not None and batch != cfg.train.global_batch:
         raise UserError(
-            f"train.global_batch={cfg.train.global_batch} but the run in checkpoint.dir={ck.dir} counted its "
-            f"data position in batches of {batch}: resuming would replay or skip samples; resume with "
+            f"train.global_batch={cfg.train.global_batch} but the run in checkpoint.dir={ck.dir} "
+            "counted its "
+            f"data position in batches of {batch}: resuming would replay or skip samples; resume "
+            "with "
             f"train.global_batch={batch} or start a new run in another checkpoint.dir"
         )
     return RunStart("resume", latest, record)
@@ -135,8 +153,9 @@ def record_end(cfg: Config, record: dict[str, Any], status: RunStatus, step: int
 
 
 def set_aside_earlier(path: Path) -> Path | None:
-    """Rename an earlier run's or segment's output file to the first free ``<name>.<k>`` (k = 1, 2, ...)
-    so that nothing this run writes replaces it. Returns the new path, or None if there was no file."""
+    """Rename an earlier run's or segment's output file to the first free ``<name>.<k>`` (k = 1,
+    2, ...) so that nothing this run writes replaces it. Returns the new path, or None if there
+    was no file."""
     if not path.exists():
         return None
     k = 1
@@ -148,12 +167,15 @@ def set_aside_earlier(path: Path) -> Path | None:
 
 
 def check_data_position(state: dict[str, Any], global_batch: int, path: Any) -> None:
-    """The loop reads the data at ``step * train.global_batch``; a checkpoint whose saved position differs
-    was written with another global batch. Refuse (rather than silently replay or skip samples)."""
+    """The loop reads the data at ``step * train.global_batch``; a checkpoint whose saved
+    position differs was written with another global batch. Refuse (rather than silently replay
+    or skip samples)."""
     pos, step = state.get("data_position"), int(state.get("step", 0))
     if pos is not None and int(pos) != step * global_batch:
         raise UserError(
-            f"checkpoint {path} is at step {step} with data position {pos} (global batch {int(pos) // max(step, 1)}), "
-            f"but train.global_batch={global_batch}: resuming would replay or skip samples; resume with the "
+            f"checkpoint {path} is at step {step} with data position {pos} (global batch "
+            f"{int(pos) // max(step, 1)}), "
+            f"but train.global_batch={global_batch}: resuming would replay or skip samples; resume "
+            "with the "
             "checkpoint's global batch or start a new run in another checkpoint.dir"
         )

@@ -1,4 +1,5 @@
-"""``build_task``: the task of ``model.arch`` (its family's, scaleout/families/) with the run's precision."""
+"""``build_task``: the task of ``model.arch`` (its family's, scaleout/families/) with the run's
+precision."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The trainer: World -> task (model + data) -> gradient sync -> optimizer + schedule -> steps with
 evaluation to the target -> MLPerf log, checkpoints, report.
 
-Everything a trainer holds is declared on the class below, in four groups, and built in ``__init__``;
-``train()`` runs the steps (``train_step()`` -> ``forward_backward()``); ``state_dict()`` /
-``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces instead of modes: the task
-(scaleout/families/task.py) for everything about the model family, the gradient sync
-(scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything about communication and
-optimizer state, and its observers (scaleout/observe.py) for everything it reports. Time-to-train is
-MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
+Everything a trainer holds is declared on the class below, in four groups, and built in
+``__init__``; ``train()`` runs the steps (``train_step()`` -> ``forward_backward()``);
+``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces
+instead of modes: the task (scaleout/families/task.py) for everything about the model family, the
+gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything
+about communication and optimizer state, and its observers (scaleout/observe.py) for everything it
+reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ from scaleout.world import World, init
 
 log = logging.getLogger("scaleout.train")
 
-# Called on this rank's gradients between unscaling and the step's agreement, with (step, parameters).
-# Empty in a real run; tests install scaleout.train.faults.NanInjection through its variable.
+# Called on this rank's gradients between unscaling and the step's agreement, with (step,
+# parameters). Empty in a real run; tests install scaleout.train.faults.NanInjection through its
+# variable.
 GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
 
 
@@ -99,7 +100,8 @@ class TrainResult:
 
 
 def weights_consistent(model: torch.nn.Module, world: World) -> bool:
-    """Data parallelism keeps every replica identical; check it (one all-gather of a float64 digest)."""
+    """Data parallelism keeps every replica identical; check it (one all-gather of a float64
+    digest)."""
     with torch.no_grad():
         digest = (
             torch.stack(
@@ -121,14 +123,16 @@ def weights_consistent(model: torch.nn.Module, world: World) -> bool:
 class Trainer:
     """Data-parallel training of one config in this rank. ``Trainer(cfg, world).train()``."""
 
-    # -- configs ----------------------------------------------------------------------------------------
+    # -- configs
+    # ----------------------------------------------------------------------------------------
     cfg: Config
     world: World
     config_file: str  # the config's name, for the MLPerf log and the metrics header
     start_info: rerun.RunStart  # new, resume or finished (the rerun policy, train/rerun.py)
     out: Path  # train.output_dir
 
-    # -- swappable components (built from the config) -----------------------------------------------
+    # -- swappable components (built from the config)
+    # -----------------------------------------------
     task: Task  # the model family: model, data, loss, evaluation (families/task.py)
     model: torch.nn.Module  # DataParallel around the task's model, or the model itself when sharded
     optimizer: torch.optim.Optimizer
@@ -137,7 +141,8 @@ class Trainer:
     graphs: StepGraphs | None  # CUDA graphs of the step (model.cuda_graphs), else None
     prefetcher: prefetch.Prefetcher | None  # data in worker processes (data.num_workers > 0)
 
-    # -- runtime utilities --------------------------------------------------------------------------
+    # -- runtime utilities
+    # --------------------------------------------------------------------------
     checkpointer: Checkpointer | None  # None without checkpoint.dir
     timers: Timers  # the sampled step-time breakdown (train.timing_every)
     mlperf_log: MLPerfLogger
@@ -149,12 +154,14 @@ class Trainer:
     owns_preemption_handlers: bool  # train() installed them, so it removes them
     params: list[torch.nn.Parameter]  # those that require grad
 
-    # -- training state (checkpointed: state_dict) ------------------------------------------------------
+    # -- training state (checkpointed: state_dict)
+    # ------------------------------------------------------
     step: int  # steps done (the next step's index)
     samples: int  # samples trained, over every run of this training
     skipped: int  # steps skipped (non-finite gradients), over every run
 
-    # -- this run (not checkpointed) ----------------------------------------------------------------
+    # -- this run (not checkpointed)
+    # ----------------------------------------------------------------
     start_step: int  # the step this run started from (a resumed run: its checkpoint's)
     resumed_from: int | None
     losses: list[float | None]  # mean loss over ranks of every step this run took
@@ -218,7 +225,8 @@ class Trainer:
                 world,
                 cfg.comm,
                 # re-bucketing after step 1 changes summation order; a resumed run would re-bucket
-                # at a different step, so deterministic runs keep the initial layout (bitwise resume)
+                # at a different step, so deterministic runs keep the initial layout (bitwise
+                # resume)
                 rebuild_buckets=not cfg.train.deterministic,
                 defer_census=True,  # unused parameters are read with the step's agreement
             )
@@ -227,7 +235,8 @@ class Trainer:
         self.optimizer = build_optimizer(
             model, cfg.optim, world, cfg.comm, no_decay=self.task.family.no_decay
         )
-        # Who averages the gradients, and so owns the optimizer state's layout: the one mode decision.
+        # Who averages the gradients, and so owns the optimizer state's layout: the one mode
+        # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
@@ -269,10 +278,12 @@ class Trainer:
             if kind != "finished":  # an earlier run's or segment's report is kept
                 rerun.set_aside_earlier(self.out / "report.json")
 
-    # -- checkpoints ------------------------------------------------------------------------------------
+    # -- checkpoints
+    # ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it). A collective: every
-        rank's RNG state is gathered to rank 0; the sharded optimizer's pieces are written apart."""
+        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it). A collective:
+        every rank's RNG state is gathered to rank 0; the sharded optimizer's pieces are written
+        apart."""
         opt_state, _ = self.sync.optimizer_state(self.optimizer)
         return {
             "model": self.task.model.state_dict(),
@@ -300,10 +311,12 @@ class Trainer:
         self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
 
     def save_checkpoint(self) -> None:
-        """Collective: every rank takes part (BN statistics, RNG states, sharded pieces), then a barrier."""
+        """Collective: every rank takes part (BN statistics, RNG states, sharded pieces), then a
+        barrier."""
         if self.checkpointer is None:
             return
-        self.task.sync_buffers()  # BN statistics equal on every rank, so a resume is exact everywhere
+        # BN statistics equal on every rank, so a resume is exact everywhere
+        self.task.sync_buffers()
         state = self.state_dict()
         _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank writes its own
         path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
@@ -327,7 +340,8 @@ class Trainer:
         print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
         return self.step
 
-    # -- the run ----------------------------------------------------------------------------------------
+    # -- the run
+    # ----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
         cfg = self.cfg
@@ -482,8 +496,9 @@ class Trainer:
         return value
 
     def _start_clock(self) -> float:
-        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier, run_start, the
-        first touch of the training data. Returns the clock's start (time.perf_counter)."""
+        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier,
+        run_start, the first touch of the training data. Returns the clock's start
+        (time.perf_counter)."""
         cfg, world = self.cfg, self.world
         if world.rank == 0:
             self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
@@ -574,8 +589,8 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
-    # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives while
-    # USR2 still has its default action would terminate the rank.
+    # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
+    # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
     try:
         world = init(cfg)

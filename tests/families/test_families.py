@@ -1,9 +1,10 @@
 """The model-family registry and its one-fact-in-one-place formulas.
 
-Each fact had two owners before the families (issue 25): BERT FLOPs (the trainer's per-batch count and the
-simulator's per-sequence formula, which left out the NSP head), BERT parameters (the simulator's formula and
-the sweep's meta-device count), ResNet FLOPs (the model's hook count with bn_group=1, the report's scaled
-4.1 G constant otherwise), and the no-decay rule (chosen by optimizer name). These tests pin one owner.
+Each fact had two owners before the families (issue 25): BERT FLOPs (the trainer's per-batch count
+and the simulator's per-sequence formula, which left out the NSP head), BERT parameters (the
+simulator's formula and the sweep's meta-device count), ResNet FLOPs (the model's hook count with
+bn_group=1, the report's scaled 4.1 G constant otherwise), and the no-decay rule (chosen by
+optimizer name). These tests pin one owner.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def test_bert_parameters_formula_equals_the_model(kw: dict) -> None:
 @pytest.mark.parametrize("kw", BERTS)
 @pytest.mark.parametrize("unpad", [True, False])
 def test_simulator_bert_flops_equal_the_trainer_s_count(kw: dict, unpad: bool) -> None:
-    """The simulator's sample (one sequence padded to max_seq_len, mask_prob of it masked) costs what the
-    trainer counts on such a batch: the simulator once left out the NSP head."""
+    """The simulator's sample (one sequence padded to max_seq_len, mask_prob of it masked) costs
+    what the trainer counts on such a batch: the simulator once left out the NSP head."""
     b = BertConfig(**kw, unpad_mlm_head=unpad)
     cfg = load_config(
         None,
@@ -129,8 +130,9 @@ def _names(groups: list[dict]) -> list[list[str]]:
 
 
 def test_family_no_decay_keeps_the_optimizer_chosen_groups() -> None:
-    """The no-decay rule moved from the optimizer name (lamb/adamw: NVIDIA BERT's, lars/sgd: LARS's) to the
-    family; on the built-in models every rule gives the same groups, so the configs train as before."""
+    """The no-decay rule moved from the optimizer name (lamb/adamw: NVIDIA BERT's, lars/sgd:
+    LARS's) to the family; on the built-in models every rule gives the same groups, so the
+    configs train as before."""
     bert = BertForPreTraining(BertConfig(**BERTS[0]))
     resnet = ResNet(18, 8, 10, 32)
     assert FAMILIES.get("bert").no_decay == NVIDIA_BERT_NO_DECAY

@@ -1,9 +1,11 @@
 """A user script that trains with scaleout.DataParallel and simply ends (no world.close()).
 
-    scaleout launch --nnodes 2 --nproc-per-node 2 -- tests/scripts/exit_without_close.py ALGORITHM [CALLBACK_S]
+scaleout launch --nnodes 2 --nproc-per-node 2 -- tests/scripts/exit_without_close.py ALGORITHM
+[CALLBACK_S]
 
-CALLBACK_S > 0 also adds a done-callback to one all-reduce handle that is still running Python when the
-script ends (the same situation as the reducer's own completion callbacks, made certain instead of rare).
+CALLBACK_S > 0 also adds a done-callback to one all-reduce handle that is still running Python when
+the script ends (the same situation as the reducer's own completion callbacks, made certain instead
+of rare).
 """
 
 import sys

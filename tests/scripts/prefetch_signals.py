@@ -1,10 +1,10 @@
-"""Prefetch workers under the scheduler's signals: run in a process group of its own, signal the whole group
-(as Slurm does every process of a step), then keep reading batches.
+"""Prefetch workers under the scheduler's signals: run in a process group of its own, signal the
+whole group (as Slurm does every process of a step), then keep reading batches.
 
-    python tests/scripts/prefetch_signals.py [forkserver|spawn|fork]
+python tests/scripts/prefetch_signals.py [forkserver|spawn|fork]
 
-Prints one JSON line: which helper processes are still alive, what the rank's guard saw, how many batches it
-read after the signals. Used by tests/test_preempt_slurm.py.
+Prints one JSON line: which helper processes are still alive, what the rank's guard saw, how many
+batches it read after the signals. Used by tests/test_preempt_slurm.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from scaleout.train.prefetch import Prefetcher
 
 
 class SlowSource:
-    """A data source whose batches take a while, so the signals land while workers are building them."""
+    """A data source whose batches take a while, so the signals land while workers are building
+    them."""
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         time.sleep(0.2)

@@ -1,10 +1,12 @@
-"""A real, tiny data-parallel training run that follows the scaleout.preempt contract (docs/launchers.md).
+"""A real, tiny data-parallel training run that follows the scaleout.preempt contract
+(docs/launchers.md).
 
-Used by tests/test_slurm.py to prove preemption end to end on the real local Slurm: signal mid-run ->
-agreed stop -> checkpoint -> requeue -> the requeued job resumes -> final weights equal those of an
-uninterrupted run. Works under any launcher scaleout.init() knows (srun, scaleout launch, mpiexec, none).
+Used by tests/test_slurm.py to prove preemption end to end on the real local Slurm: signal mid-run
+-> agreed stop -> checkpoint -> requeue -> the requeued job resumes -> final weights equal those of
+an uninterrupted run. Works under any launcher scaleout.init() knows (srun, scaleout launch,
+mpiexec, none).
 
-    python tests/scripts/tiny_train.py --ckpt DIR --out final.pt [--steps 40] [--step-sleep 0.1]
+python tests/scripts/tiny_train.py --ckpt DIR --out final.pt [--steps 40] [--step-sleep 0.1]
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from scaleout import preempt
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic data: the same (step, rank) gives the same batch in every run and after a resume."""
+    """Deterministic data: the same (step, rank) gives the same batch in every run and after a
+    resume."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()

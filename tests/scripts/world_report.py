@@ -1,5 +1,6 @@
-"""Print this rank's World (and the launcher variables it came from) as one JSON line, then check that
-all-reduces on the world and node groups give the expected sums. Used by the Slurm/MPI tests."""
+"""Print this rank's World (and the launcher variables it came from) as one JSON line, then check
+that all-reduces on the world and node groups give the expected sums. Used by the Slurm/MPI
+tests."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from scaleout.families.task import Task
     from scaleout.world import World
 
-# NVIDIA's BERT (DeepLearningExamples, run_pretraining.py): no weight decay (and, in FusedLAMB, no trust
-# ratio) for every parameter whose name contains one of these.
+# NVIDIA's BERT (DeepLearningExamples, run_pretraining.py): no weight decay (and, in FusedLAMB, no
+# trust ratio) for every parameter whose name contains one of these.
 NVIDIA_BERT_NO_DECAY = ("bias", "gamma", "beta", "LayerNorm")
 
 
@@ -28,8 +28,9 @@ class BertFamily(Family):
     data_sources = ("synthetic", "pydoc", "wikipedia")
     benchmark = "bert"
     metric = "mlm_accuracy"
-    # HPC-AI500 gives no n for language models; masked-LM accuracy is a top-1 classification accuracy
-    # over the vocabulary on a 0..1 scale, so a shortfall costs what it costs image classification.
+    # HPC-AI500 gives no n for language models; masked-LM accuracy is a top-1 classification
+    # accuracy over the vocabulary on a 0..1 scale, so a shortfall costs what it costs image
+    # classification.
     quality_exponent = 5.0
     no_decay = NVIDIA_BERT_NO_DECAY
     hf_checkpoints = True
@@ -50,9 +51,10 @@ class BertFamily(Family):
         return cfg.data.max_seq_len / WIKI_512_MEAN_TOKENS if self._packed(cfg) else 1.0
 
     def flops_per_sample(self, cfg: Any) -> float:
-        """With ``data.packing`` on Wikipedia-512 a packed row of mean-length sequences (variable-length
-        attention per sequence); otherwise one sequence padded to ``data.max_seq_len`` (an upper bound).
-        The MLM head runs on ``data.mask_prob`` of the tokens with ``unpad_mlm_head``, else on all."""
+        """With ``data.packing`` on Wikipedia-512 a packed row of mean-length sequences
+        (variable-length attention per sequence); otherwise one sequence padded to
+        ``data.max_seq_len`` (an upper bound). The MLM head runs on ``data.mask_prob`` of the
+        tokens with ``unpad_mlm_head``, else on all."""
         b, d = cfg.model.bert, cfg.data
         tokens = WIKI_512_MEAN_TOKENS if self._packed(cfg) else float(d.max_seq_len)
         masked = d.mask_prob if b.unpad_mlm_head else 1.0
@@ -62,7 +64,8 @@ class BertFamily(Family):
         return f"bert {cfg.model.bert.layers}x{cfg.model.bert.hidden}"
 
     def epoch_of(self, samples: int, rows: int) -> int:
-        return samples  # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+        # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+        return samples
 
     def mlperf_hparams(self, cfg: Any, steps_per_epoch: int | None = None) -> dict[str, Any]:
         o = cfg.optim

@@ -18,10 +18,12 @@ class BertConfig(Section):
     max_position: int = Field(512, ge=8, le=1 << 17)
     type_vocab_size: int = Field(2, ge=1, le=1024)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    # gelu: exact (erf), as torch and Hugging Face's "gelu"; gelu_tanh: the tanh approximation of Google's
-    # TF BERT and NVIDIA's MLPerf BERT (HF "gelu_new"), what the MLPerf phase-1 checkpoint was trained with.
+    # gelu: exact (erf), as torch and Hugging Face's "gelu"; gelu_tanh: the tanh approximation of
+    # Google's TF BERT and NVIDIA's MLPerf BERT (HF "gelu_new"), what the MLPerf phase-1 checkpoint
+    # was trained with.
     activation: Literal["gelu", "gelu_tanh"] = "gelu"
-    # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head unpadding).
+    # NVIDIA's BERT computes the vocabulary projection only at masked positions (MLM-head
+    # unpadding).
     unpad_mlm_head: bool = True
     # Capture-safe forward (no host syncs, static shapes): MLM/NSP heads gather every fixed slot
     # (max_predictions per sequence, as NVIDIA's masked_lm_positions + weights) and weight the loss.
@@ -32,6 +34,7 @@ class BertConfig(Section):
     def _heads_divide_hidden(self) -> BertConfig:
         if self.hidden % self.heads:
             raise ValueError(
-                f"model.bert.hidden={self.hidden} must be divisible by model.bert.heads={self.heads}"
+                f"model.bert.hidden={self.hidden} must be divisible by "
+                f"model.bert.heads={self.heads}"
             )
         return self

@@ -1,43 +1,54 @@
-"""BERT weights in other layouts: Hugging Face ``BertForPreTraining`` and NVIDIA's MLPerf BERT checkpoint.
+"""BERT weights in other layouts: Hugging Face ``BertForPreTraining`` and NVIDIA's MLPerf BERT
+checkpoint.
 
 ``model.init_checkpoint`` (MLPerf BERT phase 2 starts from the phase-1 checkpoint) goes through
 :func:`load_init_checkpoint`; ``scaleout ckpt export`` writes :func:`to_hf` of a run's weights.
 
 Name mapping, ours <- Hugging Face (``L`` = ``bert.encoder.layer.<i>``)::
 
-    word / position / token_type.weight  <- bert.embeddings.{word,position,token_type}_embeddings.weight
+    word / position / token_type.weight  <-
+    bert.embeddings.{word,position,token_type}_embeddings.weight
     emb_ln.{weight,bias}                 <- bert.embeddings.LayerNorm.{weight,bias}
-    layers.<i>.attn.qkv.{weight,bias}    <- cat(L.attention.self.{query,key,value}.{weight,bias})  [3H, H]
+    layers.<i>.attn.qkv.{weight,bias}    <- cat(L.attention.self.{query,key,value}.{weight,bias})
+    [3H, H]
     layers.<i>.attn.out                  <- L.attention.output.dense
     layers.<i>.ln1                       <- L.attention.output.LayerNorm
     layers.<i>.fc1 / fc2                 <- L.intermediate.dense / L.output.dense
     layers.<i>.ln2                       <- L.output.LayerNorm
     pooler                               <- bert.pooler.dense
     mlm_transform / mlm_ln               <- cls.predictions.transform.dense / .LayerNorm
-    mlm_bias                             <- cls.predictions.bias (= cls.predictions.decoder.bias, tied)
-    (decoder)                            <- cls.predictions.decoder.weight: tied, must equal the word embeddings
+    mlm_bias                             <- cls.predictions.bias (= cls.predictions.decoder.bias,
+    tied)
+    (decoder)                            <- cls.predictions.decoder.weight: tied, must equal the
+    word embeddings
     nsp.{weight,bias}                    <- cls.seq_relationship.{weight,bias}, rows swapped
 
-The NSP rows are swapped because Google's BERT, Hugging Face and the MLPerf data use class 0 = "B follows A"
-while our batches (:mod:`scaleout.families.bert.data.bert_batch`) use class 1; the logits are the same numbers in the other
-order. Activation and LayerNorm eps are not in a state dict: set ``model.bert.activation`` (HF ``gelu`` ->
-``gelu``, ``gelu_new``/``gelu_pytorch_tanh`` -> ``gelu_tanh``; NVIDIA's and Google's BERT use the tanh form)
-and keep HF's ``layer_norm_eps`` at BERT's 1e-12 (ours).
+The NSP rows are swapped because Google's BERT, Hugging Face and the MLPerf data use class 0 = "B
+follows A" while our batches (:mod:`scaleout.families.bert.data.bert_batch`) use class 1; the logits
+are the same numbers in the other order. Activation and LayerNorm eps are not in a state dict: set
+``model.bert.activation`` (HF ``gelu`` -> ``gelu``, ``gelu_new``/``gelu_pytorch_tanh`` ->
+``gelu_tanh``; NVIDIA's and Google's BERT use the tanh form) and keep HF's ``layer_norm_eps`` at
+BERT's 1e-12 (ours).
 
-NVIDIA's MLPerf PyTorch BERT (training_results_v0.7..v3.1, ``modeling.py``) uses the Hugging Face names.
-Its checkpoints (``convert_tf_checkpoint.py``, ``run_pretraining.py``) differ in ways accepted here:
+NVIDIA's MLPerf PyTorch BERT (training_results_v0.7..v3.1, ``modeling.py``) uses the Hugging Face
+names. Its checkpoints (``convert_tf_checkpoint.py``, ``run_pretraining.py``) differ in ways
+accepted here:
 
-- wrapped: ``{"model": state_dict, ...}`` (``torch.load(init_checkpoint)["model"]``); a ``module.`` prefix
+- wrapped: ``{"model": state_dict, ...}`` (``torch.load(init_checkpoint)["model"]``); a ``module.``
+  prefix
   (DDP) is stripped;
-- the vocabulary padded to a multiple of 8 (30522 -> 30528 rows in the word embeddings, decoder and MLM
-  bias): with ``model.bert.vocab_size`` 30522 the padding rows are dropped (the TF phase-1 weights are
+- the vocabulary padded to a multiple of 8 (30522 -> 30528 rows in the word embeddings, decoder and
+  MLM
+  bias): with ``model.bert.vocab_size`` 30522 the padding rows are dropped (the TF phase-1 weights
+  are
   zero there), with 30528 they are kept;
 - fused multi-head attention names (``remap_attn_parameters``): ``attention.multi_head_attention.
   {q,k,v}_{weight,bias}``, ``out_proj_{weight,bias}`` and ``attention.layer_norm``; fused bias-GELU
   ``dense_act`` for ``dense``; TF-style LayerNorm ``gamma``/``beta``.
 
-A state dict already in our names (``scaleout ckpt export --format plain``) loads as is. Anything else is a
-one-line :class:`~scaleout.errors.UserError` naming the missing, unexpected or mis-shaped keys.
+A state dict already in our names (``scaleout ckpt export --format plain``) loads as is. Anything
+else is a one-line :class:`~scaleout.errors.UserError` naming the missing, unexpected or mis-shaped
+keys.
 """
 
 from __future__ import annotations
@@ -89,9 +100,9 @@ _NSP = ("cls.seq_relationship.weight", "cls.seq_relationship.bias")
 
 
 def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Tensors of a checkpoint file: a plain state dict, NVIDIA's ``{"model": ...}``, or a scaleout checkpoint
-    (its ``"model"``, read through :mod:`scaleout.checkpoint`). Memory-mapped where the file allows it, so
-    reading shapes costs no I/O until values are copied."""
+    """Tensors of a checkpoint file: a plain state dict, NVIDIA's ``{"model": ...}``, or a
+    scaleout checkpoint (its ``"model"``, read through :mod:`scaleout.checkpoint`). Memory-mapped
+    where the file allows it, so reading shapes costs no I/O until values are copied."""
     from scaleout.checkpoint import MAGIC, decode
 
     p = os.fspath(path)
@@ -145,7 +156,8 @@ def _expected_hf(model_sd: dict[str, torch.Tensor], layers: int) -> dict[str, to
 
 
 def _fit_vocab(key: str, t: torch.Tensor, want: torch.Size) -> torch.Tensor:
-    """NVIDIA pads the vocabulary to a multiple of 8: drop those rows when the model has the unpadded size."""
+    """NVIDIA pads the vocabulary to a multiple of 8: drop those rows when the model has the
+    unpadded size."""
     v = want[0]
     if t.shape[1:] == want[1:] and t.shape[0] > v and t.shape[0] == -(-v // 8) * 8:
         return t[:v]
@@ -158,7 +170,8 @@ def from_hf(
     layers: int,
     source: str = "checkpoint",
 ) -> dict[str, torch.Tensor]:
-    """A Hugging Face / NVIDIA BertForPreTraining state dict -> ours (``model_sd`` gives names and shapes).
+    """A Hugging Face / NVIDIA BertForPreTraining state dict -> ours (``model_sd`` gives names and
+    shapes).
 
     Raises UserError naming the missing, unexpected or mis-shaped keys."""
     sd = hf_names(sd)
@@ -207,8 +220,9 @@ def from_hf(
 
 
 def to_hf(ours: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
-    """Our state dict -> Hugging Face BertForPreTraining names (the inverse of :func:`from_hf`), with the tied
-    decoder weight and bias written out, so ``BertForPreTraining.load_state_dict`` (strict) accepts it."""
+    """Our state dict -> Hugging Face BertForPreTraining names (the inverse of :func:`from_hf`),
+    with the tied decoder weight and bias written out, so ``BertForPreTraining.load_state_dict``
+    (strict) accepts it."""
     out = {hf: ours[o] for o, hf in _SIMPLE}
     for i in range(layers):
         L = f"bert.encoder.layer.{i}."
@@ -232,9 +246,9 @@ def load_init_checkpoint(
 ) -> str:
     """Check ``path`` against ``model`` and (``copy``) load its weights; returns the layout found.
 
-    Every rank checks names and shapes (from the memory-mapped file: no data read), so a bad checkpoint fails
-    everywhere with the same line; only ranks with ``copy`` read the values (rank 0: data-parallel training
-    broadcasts its weights to the others)."""
+    Every rank checks names and shapes (from the memory-mapped file: no data read), so a bad
+    checkpoint fails everywhere with the same line; only ranks with ``copy`` read the values
+    (rank 0: data-parallel training broadcasts its weights to the others)."""
     sd = read_state_dict(path)
     model_sd = model.state_dict()
     src = f"model.init_checkpoint={os.fspath(path)}"

@@ -2,12 +2,13 @@
 
 Contract (shared with the trainer; see docs/packing.md):
 
-``BertForPreTraining(cfg: scaleout.families.bert.config.BertConfig)`` -- post-LN BERT (Devlin et al. 2019):
-GELU (``cfg.activation``: exact erf, or the tanh approximation Google's and NVIDIA's BERT use), LayerNorm eps
-1e-12, normal(0, 0.02) init, MLM decoder tied to the word embeddings. NSP class 1 = "B follows A" (the
-batch convention of :mod:`scaleout.families.bert.data.bert_batch`; Hugging Face and the MLPerf data use class 0).
-Weights from Hugging Face and NVIDIA checkpoints: :mod:`scaleout.families.bert.convert`.
-``model(batch)`` takes one dict of int64 tensors (build it with :mod:`scaleout.families.bert.data.bert_batch`):
+``BertForPreTraining(cfg: scaleout.families.bert.config.BertConfig)`` -- post-LN BERT (Devlin et al.
+2019): GELU (``cfg.activation``: exact erf, or the tanh approximation Google's and NVIDIA's BERT
+use), LayerNorm eps 1e-12, normal(0, 0.02) init, MLM decoder tied to the word embeddings. NSP class
+1 = "B follows A" (the batch convention of :mod:`scaleout.families.bert.data.bert_batch`; Hugging
+Face and the MLPerf data use class 0). Weights from Hugging Face and NVIDIA checkpoints:
+:mod:`scaleout.families.bert.convert`. ``model(batch)`` takes one dict of int64 tensors (build it
+with :mod:`scaleout.families.bert.data.bert_batch`):
 
 =================  ========  ===================================================================
 key                shape     meaning
@@ -24,31 +25,33 @@ nsp_labels         [B, S]    is-next label (0/1), IGNORE_INDEX where unused
 =================  ========  ===================================================================
 
 A padded batch is the special case of one sequence per row (S = 1). The result is a
-:class:`BertOutput`: ``loss = mlm_loss + nsp_loss`` (each a mean over its valid labels), the MLM logits
-at the valid masked positions in row-major order ``[N_masked, vocab]``, pooled outputs and NSP logits
-per valid sequence ``[N_seq, ...]``, and the counts for accuracy (``mlm_correct``/``mlm_total``).
+:class:`BertOutput`: ``loss = mlm_loss + nsp_loss`` (each a mean over its valid labels), the MLM
+logits at the valid masked positions in row-major order ``[N_masked, vocab]``, pooled outputs and
+NSP logits per valid sequence ``[N_seq, ...]``, and the counts for accuracy
+(``mlm_correct``/``mlm_total``).
 
 Attention: on CPU (or fp32) ``scaled_dot_product_attention`` with a block-diagonal boolean mask from
 ``seq_ids``; on CUDA with fp16/bf16 activations the tokens are unpadded and run through
 ``torch.nn.attention.varlen.varlen_attn`` (flash attention with cu_seqlens, as NVIDIA's MLPerf v2.0
-BERT does) when that function exists, else the masked SDPA. varlen_attn has no dropout argument, so that
-path runs without attention-probability dropout (hidden dropout still applies).
+BERT does) when that function exists, else the masked SDPA. varlen_attn has no dropout argument, so
+that path runs without attention-probability dropout (hidden dropout still applies).
 
 ``cfg.unpad_mlm_head``: project to the vocabulary only at the masked positions (gather first, as
 NVIDIA's BERT does) instead of at all B x L tokens; identical loss and gradients, far fewer FLOPs.
 
-``cfg.static_shapes`` (capture-safe forward, for CUDA graphs and ``fullgraph`` compiles): nothing in the
-forward depends on tensor *values* for a shape or a branch, so the host never waits on the device. The
-default forward selects the valid masked positions (``labels[labels != -100]``: output size known only
-after a device->host sync), checks ``int(position_ids.max())`` and, on CUDA, builds varlen ``cu_seqlens``
-with ``nonzero``. The static forward instead gathers *every* slot of the fixed ``[B, P]`` MLM and
-``[B, S]`` NSP tables (the layout already has ``max_predictions`` slots per sequence, padded with
-position 0, like NVIDIA's ``masked_lm_positions`` + ``masked_lm_weights``) and weights the per-slot loss
-by validity: ``sum(w * ce) / max(sum(w), 1)``, the same mean over valid labels (same loss and gradients
-to float rounding; padded slots contribute exact zeros). It skips the position range check (the data
-pipeline keeps positions < ``data.max_seq_len`` <= ``max_position``, checked at start-up) and uses the
-masked SDPA, never varlen. Outputs then cover all slots, ``[B*P, vocab]`` and ``[B*S, ...]``, with
-``mlm_valid``/``nsp_valid`` saying which are real; ``mlm_logits[mlm_valid]`` equals the default output.
+``cfg.static_shapes`` (capture-safe forward, for CUDA graphs and ``fullgraph`` compiles): nothing in
+the forward depends on tensor *values* for a shape or a branch, so the host never waits on the
+device. The default forward selects the valid masked positions (``labels[labels != -100]``: output
+size known only after a device->host sync), checks ``int(position_ids.max())`` and, on CUDA, builds
+varlen ``cu_seqlens`` with ``nonzero``. The static forward instead gathers *every* slot of the fixed
+``[B, P]`` MLM and ``[B, S]`` NSP tables (the layout already has ``max_predictions`` slots per
+sequence, padded with position 0, like NVIDIA's ``masked_lm_positions`` + ``masked_lm_weights``) and
+weights the per-slot loss by validity: ``sum(w * ce) / max(sum(w), 1)``, the same mean over valid
+labels (same loss and gradients to float rounding; padded slots contribute exact zeros). It skips
+the position range check (the data pipeline keeps positions < ``data.max_seq_len`` <=
+``max_position``, checked at start-up) and uses the masked SDPA, never varlen. Outputs then cover
+all slots, ``[B*P, vocab]`` and ``[B*S, ...]``, with ``mlm_valid``/``nsp_valid`` saying which are
+real; ``mlm_logits[mlm_valid]`` equals the default output.
 """
 
 from __future__ import annotations
@@ -86,10 +89,11 @@ class BertOutput:
 
 
 def attention_mask(seq_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool: token i may attend to j iff both belong to the same (non-padding) sequence.
+    """[B, 1, L, L] bool: token i may attend to j iff both belong to the same (non-padding)
+    sequence.
 
-    Padding queries attend only to themselves so that no softmax row is empty (an all-False row would
-    give NaN); their outputs are never read.
+    Padding queries attend only to themselves so that no softmax row is empty (an all-False row
+    would give NaN); their outputs are never read.
     """
     same = seq_ids[:, :, None] == seq_ids[:, None, :]
     real = (seq_ids != 0)[:, None, :]
@@ -98,7 +102,8 @@ def attention_mask(seq_ids: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_available(x: torch.Tensor) -> bool:
-    """CUDA with fp16/bf16 attention inputs: ``x``'s dtype, or autocast's (q/k/v come out of a Linear)."""
+    """CUDA with fp16/bf16 attention inputs: ``x``'s dtype, or autocast's (q/k/v come out of a
+    Linear)."""
     on = x.is_cuda and torch.is_autocast_enabled("cuda")
     dtype = torch.get_autocast_dtype("cuda") if on else x.dtype
     if not (x.is_cuda and dtype in (torch.float16, torch.bfloat16)):
@@ -159,7 +164,8 @@ class SelfAttention(nn.Module):
 
 
 def activation(cfg: BertConfig) -> nn.Module:
-    """The FFN / MLM-transform nonlinearity: exact GELU or its tanh approximation (HF ``gelu_new``)."""
+    """The FFN / MLM-transform nonlinearity: exact GELU or its tanh approximation (HF
+    ``gelu_new``)."""
     return nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
 
 
@@ -319,8 +325,9 @@ class BertForPreTraining(nn.Module):
 def _weighted_ce(
     logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy over the valid rows, their count) with static shapes: ignored rows give an
-    exact 0 (``ignore_index``), the count stays on the device; no valid row -> a graph-connected 0."""
+    """(mean cross-entropy over the valid rows, their count) with static shapes: ignored rows
+    give an exact 0 (``ignore_index``), the count stays on the device; no valid row -> a
+    graph-connected 0."""
     per_row = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
     total = valid.sum()
     return per_row.sum() / total.clamp_min(1), total

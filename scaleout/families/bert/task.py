@@ -61,7 +61,8 @@ class BertTask(Task):
         self.model = model.to(world.device)
 
     def _open_shards(self, cfg: Config, world: World) -> None:
-        """Training stream and eval share from the shard index: nothing per sequence is loaded up front."""
+        """Training stream and eval share from the shard index: nothing per sequence is loaded up
+        front."""
         data = open_shards(cfg, world.rank, world.world_size, world.barrier)
         self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
         self.rows, self.max_pred = data.stream.total, data.stream.max_pred
@@ -75,8 +76,9 @@ class BertTask(Task):
     def _load_in_memory(self, cfg: Config, world: World) -> None:
         """pydoc / synthetic: every sequence in memory (small data sets)."""
         d = cfg.data
-        # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds while
-        # the others wait, then they load the cache instead of all doing the same minutes of work.
+        # The corpus, tokenizer and samples are built once per node and cached: local rank 0 builds
+        # while the others wait, then they load the cache instead of all doing the same minutes of
+        # work.
         if world.local_rank == 0:
             data = load_bert_data(cfg)
         world.barrier()
@@ -144,7 +146,8 @@ class BertTask(Task):
         return len(self.eval_seqs)
 
     def epoch_of(self, samples: int) -> int:
-        return samples  # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+        # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
+        return samples
 
 
 @torch.no_grad()
@@ -156,9 +159,9 @@ def evaluate_mlm(
     world: Any,
     autocast: Any = contextlib.nullcontext,
 ) -> float:
-    """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one all-reduce).
-    ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch script (the baseline
-    of ``scaleout bench ttt``) evaluates with exactly this function."""
+    """Masked-LM accuracy over ``eval_seqs`` (padded rows, each rank a strided share, one
+    all-reduce). ``world`` needs ``rank``, ``world_size`` and ``device`` only, so a plain torch
+    script (the baseline of ``scaleout bench ttt``) evaluates with exactly this function."""
     mine = list(range(world.rank, len(eval_seqs), world.world_size))
     counts = Counts(world)
     bs = 64

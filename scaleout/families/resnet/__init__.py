@@ -1,9 +1,9 @@
 """ResNet image classification (LARS, group batch norm), MLPerf's ``resnet`` benchmark: the family's
 torch-free declaration.
 
-Folder: ``config.py`` (``model.resnet``), ``flops.py`` (multiply-adds and parameters from the config),
-``model.py``, ``group_bn.py`` (batch norm over ``bn_group`` ranks), ``data.py`` (ImageFolder, synthetic
-images), ``task.py`` (``ResNetTask``).
+Folder: ``config.py`` (``model.resnet``), ``flops.py`` (multiply-adds and parameters from the
+config), ``model.py``, ``group_bn.py`` (batch norm over ``bn_group`` ranks), ``data.py``
+(ImageFolder, synthetic images), ``task.py`` (``ResNetTask``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 # ImageNet-1k training set size: turns LARS step counts into the epochs the LARS rules ask for.
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
-# The MLPerf ResNet LARS reference skips weight decay and trust-ratio adaptation for batch-norm and bias
-# variables (batch-norm parameters are also excluded by module type: torch names them bn1.weight, ...).
+# The MLPerf ResNet LARS reference skips weight decay and trust-ratio adaptation for batch-norm and
+# bias variables (batch-norm parameters are also excluded by module type: torch names them
+# bn1.weight, ...).
 LARS_EXCLUDE = ("bias", "bn", "batch_norm", "batchnorm", "BatchNorm")
 
 

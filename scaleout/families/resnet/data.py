@@ -1,21 +1,22 @@
 """Image data for ResNet: deterministic synthetic ImageNet-shaped images and an ImageFolder reader.
 
 Synthetic: every class c has a fixed random low-frequency template; sample i (label drawn from
-(seed, i)) is template[label] + Gaussian noise, so a small ResNet can actually learn it (a CPU run can
-reach an accuracy target) while shapes and dtypes match ImageNet (3 x S x S float, 1000 classes).
-``fixed_batch`` returns one pre-generated batch for throughput runs (MLPerf-style synthetic data: the
-input pipeline is taken out of the measurement).
+(seed, i)) is template[label] + Gaussian noise, so a small ResNet can actually learn it (a CPU run
+can reach an accuracy target) while shapes and dtypes match ImageNet (3 x S x S float, 1000
+classes). ``fixed_batch`` returns one pre-generated batch for throughput runs (MLPerf-style
+synthetic data: the input pipeline is taken out of the measurement).
 
 Real ImageNet layout expected at ``data.path`` (the torchvision ImageFolder layout; ILSVRC2012's
-``train/`` tar unpacks into it, and the validation set needs its 50k images moved into class folders)::
+``train/`` tar unpacks into it, and the validation set needs its 50k images moved into class
+folders)::
 
     <path>/train/<wnid>/*.JPEG     e.g. train/n01440764/n01440764_10026.JPEG
     <path>/val/<wnid>/*.JPEG
 
 Classes are the sorted folder names (label = position). Training images get the MLPerf reference
 augmentation (random-resized crop, scale 0.08-1, aspect 3/4-4/3, then a random horizontal flip),
-deterministic per (seed, epoch, index); evaluation images are resized to S/0.875 on the short side and
-center-cropped to S. Both are normalised with the ImageNet channel mean/std.
+deterministic per (seed, epoch, index); evaluation images are resized to S/0.875 on the short side
+and center-cropped to S. Both are normalised with the ImageNet channel mean/std.
 """
 
 from __future__ import annotations
@@ -119,12 +120,14 @@ class ImageFolder:
         base = Path(root) / split
         if not base.is_dir():
             raise UserError(
-                f"data.path={root}: no '{split}' folder; expected {root}/{split}/<class>/<image>.JPEG"
+                f"data.path={root}: no '{split}' folder; expected "
+                f"{root}/{split}/<class>/<image>.JPEG"
             )
         self.classes = sorted(d.name for d in base.iterdir() if d.is_dir())
         if not self.classes:
             raise UserError(
-                f"data.path={root}: {base} has no class folders; expected {base}/<class>/<image>.JPEG"
+                f"data.path={root}: {base} has no class folders; expected "
+                f"{base}/<class>/<image>.JPEG"
             )
         self.samples = [
             (str(p), c)
@@ -172,7 +175,8 @@ class ImageFolder:
 
 
 def _random_resized_crop(im, size: int, rng: np.random.Generator):
-    """Inception-style crop: area 8-100 %, aspect 3/4-4/3, 10 tries, then a center crop (MLPerf reference)."""
+    """Inception-style crop: area 8-100 %, aspect 3/4-4/3, 10 tries, then a center crop (MLPerf
+    reference)."""
     from PIL import Image
 
     w, h = im.size

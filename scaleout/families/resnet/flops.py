@@ -1,11 +1,12 @@
 """ResNet's forward multiply-adds and parameters from the config, without building the model.
 
-The one owner of ResNet's FLOP formula: the trainer's per-image FLOPs (scaleout/families/resnet/task.py),
-the report and the simulator read it; ``tests/families/resnet/test_resnet_flops.py`` checks it against
-multiply-adds counted on the real model (any ``bn_group``: batch-norm statistics change no multiply-add).
-One multiply-add = 2 FLOPs, training = 3 x forward (backward computes input and weight gradients).
-ResNet-50 v1.5 at 224x224 is 4.09 G multiply-adds forward (v1.5 moves the stride to the 3x3 conv, which
-adds ~0.3 GMACs over v1's 3.8 G of He et al. 2015, Table 1), 25.6 M parameters.
+The one owner of ResNet's FLOP formula: the trainer's per-image FLOPs
+(scaleout/families/resnet/task.py), the report and the simulator read it;
+``tests/families/resnet/test_resnet_flops.py`` checks it against multiply-adds counted on the real
+model (any ``bn_group``: batch-norm statistics change no multiply-add). One multiply-add = 2 FLOPs,
+training = 3 x forward (backward computes input and weight gradients). ResNet-50 v1.5 at 224x224 is
+4.09 G multiply-adds forward (v1.5 moves the stride to the 3x3 conv, which adds ~0.3 GMACs over v1's
+3.8 G of He et al. 2015, Table 1), 25.6 M parameters.
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
 """Group batch norm: BatchNorm2d whose batch statistics cover a group of k ranks.
 
 Record ResNet-50 runs keep only tens of images per GPU (35 in NVIDIA's 128x8 MLPerf v1.0 config),
-and BN over so few samples hurts accuracy, so statistics are computed over k ranks (k = 2, 4, 8; e.g. NVIDIA's MLPerf MXNet ResNet "bn
-group" option; Goyal et al. 2017, arXiv 1706.02677, sec. 5.2, discuss the per-worker BN batch size).
-Groups are formed within a node first (k consecutive local ranks, which share the fast intra-node link)
-and span consecutive whole nodes only when k is a multiple of the ranks per node.
+and BN over so few samples hurts accuracy, so statistics are computed over k ranks (k = 2, 4, 8;
+e.g. NVIDIA's MLPerf MXNet ResNet "bn group" option; Goyal et al. 2017, arXiv 1706.02677, sec. 5.2,
+discuss the per-worker BN batch size). Groups are formed within a node first (k consecutive local
+ranks, which share the fast intra-node link) and span consecutive whole nodes only when k is a
+multiple of the ranks per node.
 
-Forward all-reduces one vector [sum x, sum x^2, count] per channel in the group; backward all-reduces
-[sum dy, sum dy*xhat]. With y = w xhat + b and N = group count the input gradient is
+Forward all-reduces one vector [sum x, sum x^2, count] per channel in the group; backward
+all-reduces [sum dy, sum dy*xhat]. With y = w xhat + b and N = group count the input gradient is
 
-    dx = w * invstd / N * (N dy - sum_g dy - xhat * sum_g dy*xhat)
+dx = w * invstd / N * (N dy - sum_g dy - xhat * sum_g dy*xhat)
 
-which is exactly plain BN's gradient over the concatenated group batch. Weight and bias gradients stay
-local sums: summed over the group (as data-parallel gradient averaging does) they equal plain BN's.
-Every rank of a group sees the same all-reduced statistics, so running mean/var stay identical.
-k = 1 (or eval mode) takes PyTorch's own BatchNorm path.
+which is exactly plain BN's gradient over the concatenated group batch. Weight and bias gradients
+stay local sums: summed over the group (as data-parallel gradient averaging does) they equal plain
+BN's. Every rank of a group sees the same all-reduced statistics, so running mean/var stay
+identical. k = 1 (or eval mode) takes PyTorch's own BatchNorm path.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 
 def bn_group_ranks(ranks_per_node: list[list[int]], k: int) -> list[list[int]]:
-    """Partition all ranks into groups of k: within a node first, else k/local consecutive whole nodes."""
+    """Partition all ranks into groups of k: within a node first, else k/local consecutive whole
+    nodes."""
     world = sum(len(n) for n in ranks_per_node)
     local = len(ranks_per_node[0])
     if k < 1 or world % k:
@@ -56,10 +58,11 @@ def bn_process_group(world: World, k: int) -> Any:
     if k == 1:
         return None
     parts = bn_group_ranks(world.ranks_per_node, k)
-    # World.partition creates every part's group in one fixed order on all ranks and caches it. Its own
-    # communicator (shared=False), never world.intra's: BN's all-reduces are issued from the autograd
-    # thread while the reducer's hierarchical/torus phases may run on the same ranks from the comm thread,
-    # and NCCL matches a communicator's collectives only by issue order (interleaving = hang or garbage).
+    # World.partition creates every part's group in one fixed order on all ranks and caches it. Its
+    # own communicator (shared=False), never world.intra's: BN's all-reduces are issued from the
+    # autograd thread while the reducer's hierarchical/torus phases may run on the same ranks from
+    # the comm thread, and NCCL matches a communicator's collectives only by issue order
+    # (interleaving = hang or garbage).
     return world.partition(f"bn_group{k}", parts, shared=False)
 
 
@@ -149,15 +152,16 @@ def norm_factory(world: World | None = None, k: int = 1) -> Any:
 
 @torch.no_grad()
 def sync_batchnorm_stats(model: nn.Module, world: World) -> int:
-    """Make every rank's BN running statistics the pooled statistics of all ranks; returns how many BN
-    layers were synchronised. Collective: every rank calls it at the same point (before evaluation and
-    before a checkpoint), so each rank evaluates with, and a checkpoint stores, the same statistics and a
-    resume is exact on every rank (otherwise rank r keeps the EMA of its own batches: with ``bn_group`` = 1
-    each rank evaluates its eval shard with different statistics and a checkpoint keeps only rank 0's).
+    """Make every rank's BN running statistics the pooled statistics of all ranks; returns how many
+    BN layers were synchronised. Collective: every rank calls it at the same point (before
+    evaluation and before a checkpoint), so each rank evaluates with, and a checkpoint stores, the
+    same statistics and a resume is exact on every rank (otherwise rank r keeps the EMA of its own
+    batches: with ``bn_group`` = 1 each rank evaluates its eval shard with different statistics and
+    a checkpoint keeps only rank 0's).
 
-    Means are averaged; variances are pooled as E[var + mean^2] - E[mean]^2 (the variance of the union of
-    equal-sized per-rank populations: the between-rank spread of the means included). One all-reduce of
-    every layer's [mean, var + mean^2] on the stats' device, in fp64."""
+    Means are averaged; variances are pooled as E[var + mean^2] - E[mean]^2 (the variance of the
+    union of equal-sized per-rank populations: the between-rank spread of the means included).
+    One all-reduce of every layer's [mean, var + mean^2] on the stats' device, in fp64."""
     bns = [
         m
         for m in model.modules()

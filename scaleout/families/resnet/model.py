@@ -1,14 +1,15 @@
 """ResNet-18/34/50/101/152 (v1.5, as MLPerf uses), width-scalable for small CPU variants.
 
-v1.5 (the MLPerf reference, and NVIDIA DeepLearningExamples' "ResNet-50 v1.5") puts the stride-2 of a
-down-sampling bottleneck on the 3x3 conv instead of the first 1x1 conv, which is slightly more accurate
-(~0.5 % top-1) for ~0.3 GMACs more than v1 (4.1 vs 3.8 G multiply-adds at 224 px, He et al. 2015).
+v1.5 (the MLPerf reference, and NVIDIA DeepLearningExamples' "ResNet-50 v1.5") puts the stride-2 of
+a down-sampling bottleneck on the 3x3 conv instead of the first 1x1 conv, which is slightly more
+accurate (~0.5 % top-1) for ~0.3 GMACs more than v1 (4.1 vs 3.8 G multiply-adds at 224 px, He et al.
+2015).
 
-``zero_init_residual`` sets the last BN's gamma of every residual block to 0, so each block starts as
-the identity (Goyal et al. 2017, arXiv 1706.02677, sec. 5.1); large-batch LARS runs rely on it.
+``zero_init_residual`` sets the last BN's gamma of every residual block to 0, so each block starts
+as the identity (Goyal et al. 2017, arXiv 1706.02677, sec. 5.1); large-batch LARS runs rely on it.
 ``width`` is the stem width (64 in the paper); stage widths are width x (1, 2, 4, 8). Images below
-128 px use a CIFAR-style stem (3x3 stride-1 conv, no max-pool) so that 32 px inputs keep spatial size.
-Batch norm is :mod:`scaleout.families.resnet.group_bn` when ``bn_group`` > 1.
+128 px use a CIFAR-style stem (3x3 stride-1 conv, no max-pool) so that 32 px inputs keep spatial
+size. Batch norm is :mod:`scaleout.families.resnet.group_bn` when ``bn_group`` > 1.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class ResNet(nn.Module):
 
 
 def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
-    """ResNet from a :class:`scaleout.families.resnet.config.ResNetConfig` (group BN over ``bn_group`` ranks)."""
+    """ResNet from a :class:`scaleout.families.resnet.config.ResNetConfig` (group BN over
+    ``bn_group`` ranks)."""
     from scaleout.families.resnet.group_bn import norm_factory
 
     if world is not None and cfg.bn_group > world.world_size:

@@ -29,7 +29,8 @@ class ResNetTask(Task):
         if d.source == "imagenet":
             if not d.path:
                 raise ConfigError(
-                    "data.source=imagenet needs data.path (an ImageFolder root with train/ and val/)"
+                    "data.source=imagenet needs data.path (an ImageFolder root with train/ and "
+                    "val/)"
                 )
             self.train_set = ImageFolder(d.path, "train", r.image_size)
             self.eval_set = ImageFolder(d.path, "val", r.image_size)

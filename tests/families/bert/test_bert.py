@@ -141,8 +141,9 @@ def _loss_and_grads(model, batch):
 
 @pytest.mark.multi_process
 def test_unpadded_mlm_head_is_exact():
-    """Gathering the masked positions before the vocabulary projection gives the same loss and gradients
-    as projecting every token, on packed and padded batches; a wrong gather is detected."""
+    """Gathering the masked positions before the vocabulary projection gives the same loss and
+    gradients as projecting every token, on packed and padded batches; a wrong gather is
+    detected."""
     seqs, packs = _packed_and_alone(seed=3, n=20)
     for layout in (packs, padded_packs(len(seqs))):
         batch = build_batch(seqs, layout, L)
@@ -195,8 +196,8 @@ def test_cu_seqlens():
 @pytest.mark.unit
 @pytest.mark.gpu(reason="variable-length flash attention")
 def test_varlen_attention_matches_masked_sdpa_on_gpu():
-    """CUDA + bf16 takes the varlen (cu_seqlens) path; it must agree with the masked SDPA path and keep
-    packed sequences separate."""
+    """CUDA + bf16 takes the varlen (cu_seqlens) path; it must agree with the masked SDPA path
+    and keep packed sequences separate."""
     torch.manual_seed(0)
     model = BertForPreTraining(CFG.model_copy(update={"dropout": 0.0})).cuda().eval()
     seqs, packs = _packed_and_alone()
@@ -239,9 +240,10 @@ def _seeded(model, batch):
 @pytest.mark.multi_process
 @pytest.mark.parametrize("unpad", [True, False])
 def test_static_shape_heads_equal_the_dynamic_ones(unpad):
-    """The capture-safe forward (every fixed MLM/NSP slot gathered, loss weighted by validity) gives the
-    default forward's losses, gradients, counts and, at its valid slots, logits and pooled outputs, on
-    packed and padded batches with spare slots (max_predictions above what any row needs)."""
+    """The capture-safe forward (every fixed MLM/NSP slot gathered, loss weighted by validity)
+    gives the default forward's losses, gradients, counts and, at its valid slots, logits and
+    pooled outputs, on packed and padded batches with spare slots (max_predictions above what any
+    row needs)."""
     dyn, static = _static_pair(unpad)
     seqs, packs = _packed_and_alone(seed=5, n=24)
     for layout, spare in ((packs, 7), (padded_packs(len(seqs)), 3)):
@@ -286,10 +288,11 @@ def test_static_shape_heads_without_labels_give_a_connected_zero():
     assert static.word.weight.grad is not None
 
 
-# -- the flagship recipe -------------------------------------------------------------------------------
-# NVIDIA's MLPerf Training v0.7 BERT, 256 DGX A100 nodes (mlcommons/training_results_v0.7,
-# NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_256x8x4x1.sh); v1.x 256-node configs keep the
-# optimizer values (with MAX_STEPS=600).
+# -- the flagship recipe
+# ------------------------------------------------------------------------------- NVIDIA's MLPerf
+# Training v0.7 BERT, 256 DGX A100 nodes (mlcommons/training_results_v0.7,
+# NVIDIA/benchmarks/bert/implementations/pytorch/config_DGXA100_256x8x4x1.sh); v1.x 256-node configs
+# keep the optimizer values (with MAX_STEPS=600).
 REF = dict(
     DGXNNODES=256,
     DGXNGPU=8,
@@ -308,9 +311,10 @@ REF = dict(
 
 
 def nvidia_lr(k: int, base: float, warmup: int, total: int, start_warmup: int) -> float:
-    """NVIDIA's LinearWarmupPolyDecayScheduler.get_lr (schedulers.py, training_results_v1.0; end lr 0,
-    degree 1) for the k-th optimizer step (1-based: step() runs before each optimizer step with
-    last_epoch = steps taken + 1). Written from their code, independent of scaleout's schedule."""
+    """NVIDIA's LinearWarmupPolyDecayScheduler.get_lr (schedulers.py, training_results_v1.0; end
+    lr 0, degree 1) for the k-th optimizer step (1-based: step() runs before each optimizer step
+    with last_epoch = steps taken + 1). Written from their code, independent of scaleout's
+    schedule."""
     offset = 1 if start_warmup == 0 else 0
     mod = k - offset - start_warmup
     if mod < warmup:
@@ -321,8 +325,9 @@ def nvidia_lr(k: int, base: float, warmup: int, total: int, start_warmup: int) -
 
 @pytest.mark.multi_process
 def test_flagship_config_is_the_reference_recipe():
-    """configs/bert_large_256x8.yaml against the cited reference: LR at every one of the 560 steps, the
-    global batch in sequences (what the MLPerf log says), and the steps at which it evaluates."""
+    """configs/bert_large_256x8.yaml against the cited reference: LR at every one of the 560
+    steps, the global batch in sequences (what the MLPerf log says), and the steps at which it
+    evaluates."""
     import math
 
     from scaleout.config.load import load_config
@@ -353,9 +358,11 @@ def test_flagship_config_is_the_reference_recipe():
         assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-8, abs=1e-12), k
         opt.step()
         sched.step()
-    # after warm-up the rate is the reference's (decay from step 0), not ~2x it (decay from the end of warm-up)
+    # after warm-up the rate is the reference's (decay from step 0), not ~2x it (decay from the end
+    # of warm-up)
     assert nvidia_lr(300, REF["LR"], 287, 560, -76) / REF["LR"] == pytest.approx(1 - 300 / 560)
-    # batch: packed rows x the integer packing rate = the reference's sequences per step; logged as such
+    # batch: packed rows x the integer packing rate = the reference's sequences per step; logged as
+    # such
     sequences = REF["BATCHSIZE"] * world
     wiki = load_histogram_or_skip()
     rate = pack_histogram(
@@ -373,7 +380,8 @@ def test_flagship_config_is_the_reference_recipe():
     assert (
         abs(cfg.train.global_batch * rate - sequences) / sequences < 0.002
     )  # real sequences per step
-    # eval cadence: NVIDIA evaluates when samples_trained reaches start + n * interval (run_pretraining.py)
+    # eval cadence: NVIDIA evaluates when samples_trained reaches start + n * interval
+    # (run_pretraining.py)
     ref_steps = [
         math.ceil(s / sequences)
         for s in range(REF["EVAL_ITER_START_SAMPLES"], 12_000_000, REF["EVAL_ITER_SAMPLES"])

@@ -1,7 +1,8 @@
-"""Offline BERT data: corpus, WordPiece tokenizer, pre-training samples, shards, synthetic data, sampler.
+"""Offline BERT data: corpus, WordPiece tokenizer, pre-training samples, shards, synthetic data,
+sampler.
 
-Uses the pydoc part of the corpus (79 topics) and small vocabularies to stay fast; the cache goes to a
-temporary directory so every run exercises the real build (and then the cached path)."""
+Uses the pydoc part of the corpus (79 topics) and small vocabularies to stay fast; the cache goes
+to a temporary directory so every run exercises the real build (and then the cached path)."""
 
 from __future__ import annotations
 

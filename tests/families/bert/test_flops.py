@@ -1,8 +1,10 @@
-"""The report's FLOP count against torch's own counter (``torch.utils.flop_counter.FlopCounterMode``).
+"""The report's FLOP count against torch's own counter
+(``torch.utils.flop_counter.FlopCounterMode``).
 
-The model FLOPs of a step are the FLOPs of each sequence run alone at its real length: that is the work
-packing saves and padding wastes. FlopCounterMode counts matmuls the same way (2 per multiply-add); its
-attention count needs SDPA's math backend (the fused CPU flash kernel is not in its registry).
+The model FLOPs of a step are the FLOPs of each sequence run alone at its real length: that is the
+work packing saves and padding wastes. FlopCounterMode counts matmuls the same way (2 per
+multiply-add); its attention count needs SDPA's math backend (the fused CPU flash kernel is not in
+its registry).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def test_packed_step_flops_equal_each_sequence_run_alone(unpad: bool) -> None:
         _counted_by_torch(model, build_batch(seqs, [[i]], len(seqs[i]))) for i in range(len(seqs))
     )
     n_masked = sum(len(s.mlm_positions) for s in seqs)
-    # what the packed step runs: 3 rows of 64 tokens; the MLM head at the masked positions (unpadded) or
-    # at every row position (the decoder runs over padding too, so that is counted)
+    # what the packed step runs: 3 rows of 64 tokens; the MLM head at the masked positions
+    # (unpadded) or at every row position (the decoder runs over padding too, so that is counted)
     mlm, nsp = head_rows(
         model.cfg,
         rows=len(PACKS),
@@ -70,13 +72,14 @@ def test_packed_step_flops_equal_each_sequence_run_alone(unpad: bool) -> None:
     else:  # each sequence alone runs its head on len(seq) rows; the packed step on 3 x 64
         extra = (mlm - sum(LENGTHS)) * 3 * (2 * 64 * 64 + 2 * 64 * 512)
         assert counted == alone + extra
-    # and the counter on the packed batch itself sees more: padding and the masked-out attention blocks
+    # and the counter on the packed batch itself sees more: padding and the masked-out attention
+    # blocks
     assert _counted_by_torch(model, build_batch(seqs, PACKS, 64)) > counted
 
 
 def test_padded_full_rows_and_static_heads_equal_the_counter() -> None:
-    """No padding, no packing: the step's count is exactly what FlopCounterMode sees, for the default and
-    the capture-safe (static-slot) heads."""
+    """No padding, no packing: the step's count is exactly what FlopCounterMode sees, for the
+    default and the capture-safe (static-slot) heads."""
     for static in (False, True):
         model = _model(unpad_mlm_head=True, static_shapes=static)
         seqs = synthetic_sequences([64, 64, 64], 512, seed=2)
@@ -88,8 +91,8 @@ def test_padded_full_rows_and_static_heads_equal_the_counter() -> None:
 
 
 def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
-    """The FLOPs each micro-batch carries (counted where it is built, from the batch itself) sum, over a
-    step, to the formula over exactly the packs the sampler picks for that step."""
+    """The FLOPs each micro-batch carries (counted where it is built, from the batch itself) sum,
+    over a step, to the formula over exactly the packs the sampler picks for that step."""
     import scaleout
     from scaleout.config.load import load_config
     from scaleout.families.bert.task import BertTask
@@ -124,8 +127,8 @@ def test_micro_batches_count_the_flops_they_train(tmp_path) -> None:
         counted = sum(mb.flops for mb in task.batches.micro_batches(16, 2))
         assert counted == pytest.approx(sequence_flops(task.model.cfg, lens, mlm, nsp), rel=1e-12)
         assert counted > 0
-        # The same micro-batches through the prefetcher (what data.num_workers > 0 trains on) keep their
-        # FLOPs: the report's FLOPs and MFU must not depend on who built the batch.
+        # The same micro-batches through the prefetcher (what data.num_workers > 0 trains on) keep
+        # their FLOPs: the report's FLOPs and MFU must not depend on who built the batch.
         with Prefetcher(task, cfg.train.global_batch, 1, 2, 3, num_workers=0) as pf:
             fetched = pf.get(2)
         assert [mb.flops for mb in fetched] == [mb.flops for mb in task.micro_batches(16, 1)]

@@ -1,5 +1,5 @@
-"""model.init_checkpoint: Hugging Face and NVIDIA MLPerf BERT weights give the same logits as the real
-``transformers.BertForPreTraining`` (a small random BertConfig built locally: no download)."""
+"""model.init_checkpoint: Hugging Face and NVIDIA MLPerf BERT weights give the same logits as the
+real ``transformers.BertForPreTraining`` (a small random BertConfig built locally: no download)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
 def hf_model(act: str, seed: int = 0) -> torch.nn.Module:
-    """transformers' BertForPreTraining with every weight random (LayerNorm and biases too, so a swapped or
-    dropped tensor shows in the logits)."""
+    """transformers' BertForPreTraining with every weight random (LayerNorm and biases too, so a
+    swapped or dropped tensor shows in the logits)."""
     torch.manual_seed(seed)
     cfg = transformers.BertConfig(
         vocab_size=VOCAB,
@@ -59,8 +59,8 @@ def ours(act: str, vocab: int = VOCAB) -> BertForPreTraining:
 
 
 def hf_logits(m: torch.nn.Module, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF on the sequences padded one per row: MLM logits at each sequence's masked positions (in order),
-    NSP logits per sequence."""
+    """HF on the sequences padded one per row: MLM logits at each sequence's masked positions (in
+    order), NSP logits per sequence."""
     n = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.long)
     types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -91,8 +91,9 @@ def seqs():
 @pytest.mark.multi_process
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_hf_weights_give_hf_logits_packed_and_padded(act, seqs, tmp_path):
-    """Same MLM and NSP logits to 1e-5 as transformers, for packed rows (3 + 2 + 1 sequences) and padded
-    rows. NSP: HF class 0 = is-next, ours class 1, so ours equals HF's with the two columns swapped."""
+    """Same MLM and NSP logits to 1e-5 as transformers, for packed rows (3 + 2 + 1 sequences) and
+    padded rows. NSP: HF class 0 = is-next, ours class 1, so ours equals HF's with the two
+    columns swapped."""
     hf = hf_model(act)
     path = tmp_path / "hf.pt"
     torch.save(hf.state_dict(), path)
@@ -114,8 +115,9 @@ def test_hf_weights_give_hf_logits_packed_and_padded(act, seqs, tmp_path):
 
 @pytest.mark.unit
 def test_nvidia_mlperf_layout(seqs, tmp_path):
-    """NVIDIA's checkpoint: {"model": ...}, DDP's module. prefix, vocabulary padded to a multiple of 8 (101 ->
-    104 rows), fused-MHA attention names (remap_attn_parameters) and dense_act; logits as HF's."""
+    """NVIDIA's checkpoint: {"model": ...}, DDP's module. prefix, vocabulary padded to a multiple
+    of 8 (101 -> 104 rows), fused-MHA attention names (remap_attn_parameters) and dense_act;
+    logits as HF's."""
     hf = hf_model("gelu_tanh", seed=1)
     sd = {}
     for k, v in hf.state_dict().items():
@@ -181,7 +183,8 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
 
 @pytest.mark.unit
 def test_checks_on_every_rank_copy_on_one(tmp_path):
-    """copy=False (ranks > 0) validates without touching the weights; round trip through to_hf is exact."""
+    """copy=False (ranks > 0) validates without touching the weights; round trip through to_hf is
+    exact."""
     hf = hf_model("gelu")
     path = tmp_path / "hf.pt"
     torch.save(hf.state_dict(), path)
@@ -198,9 +201,10 @@ def test_checks_on_every_rank_copy_on_one(tmp_path):
 
 @pytest.mark.full_system
 def test_ckpt_export_loads_into_transformers(tmp_path, capsys):
-    """A real (single-process, synthetic data) training run -> `scaleout ckpt show` and `ckpt export` -> the
-    HF folder loads with BertForPreTraining.from_pretrained (no missing or unexpected keys) and gives the
-    logits of the trained model; the plain .pt loads with torch.load and as model.init_checkpoint."""
+    """A real (single-process, synthetic data) training run -> `scaleout ckpt show` and `ckpt
+    export` -> the HF folder loads with BertForPreTraining.from_pretrained (no missing or
+    unexpected keys) and gives the logits of the trained model; the plain .pt loads with
+    torch.load and as model.init_checkpoint."""
     import hashlib
     import os
     import subprocess

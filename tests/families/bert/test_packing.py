@@ -1,4 +1,5 @@
-"""Sequence packing: algorithms, exact histograms, sequence assignment, histogram files, ``scaleout pack``."""
+"""Sequence packing: algorithms, exact histograms, sequence assignment, histogram files,
+``scaleout pack``."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from scaleout.families.bert.packing import (
     speedup_ceiling,
 )
 
-# SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike Wikipedia's
+# SQuAD 1.1 at max_len 384 (Graphcore's histograms.py, arXiv 2107.02027): a QA histogram unlike
+# Wikipedia's
 SQUAD = Path(__file__).parents[2] / "data" / "squad_1_1_seqlen_hist_384.txt"
 
 
@@ -236,8 +238,9 @@ def test_cli_pack(tmp_path, capsys):
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_nnlshp_reaches_the_paper_on_wikipedia(wiki):
-    """The paper's procedure (every composition of 512 into <= 3 lengths, 0.09 weight on lengths <= 8,
-    rint, (l, 512 - l) residual packs): 0.9975 published; ours 0.99746. lphp stays above it."""
+    """The paper's procedure (every composition of 512 into <= 3 lengths, 0.09 weight on lengths
+    <= 8, rint, (l, 512 - l) residual packs): 0.9975 published; ours 0.99746. lphp stays above
+    it."""
     s = pack_histogram(wiki, 512, 3, "nnlshp")
     assert round(s.efficiency, 4) == 0.9975 and s.efficiency >= 0.99745
     assert s.speedup == pytest.approx(1.99625, abs=2e-4)  # the paper's "achieved speed-up"
@@ -246,9 +249,10 @@ def test_nnlshp_reaches_the_paper_on_wikipedia(wiki):
 
 @pytest.mark.multi_process
 def test_squad_auto_beats_every_candidate_and_nnlshp_matches_the_paper_code():
-    """On SQuAD-384 at depth 3 lphp alone loses to LPFHP and SPFHP (its balanced filter); auto does not.
-    NNLSHP must equal what Graphcore's nnlshp.py gives on this histogram (0.97386, run with their code's
-    procedure); before the fix (patterns through present lengths only) it gave 0.95782."""
+    """On SQuAD-384 at depth 3 lphp alone loses to LPFHP and SPFHP (its balanced filter); auto
+    does not. NNLSHP must equal what Graphcore's nnlshp.py gives on this histogram (0.97386, run
+    with their code's procedure); before the fix (patterns through present lengths only) it gave
+    0.95782."""
     h = load_histogram(SQUAD, 384)
     got = {a: pack_histogram(h, 384, 3, a) for a in ("spfhp", "lpfhp", "lphp", "nnlshp")}
     assert (
@@ -264,8 +268,9 @@ def test_squad_auto_beats_every_candidate_and_nnlshp_matches_the_paper_code():
 
 @st.composite
 def histograms(draw):
-    """Random histograms of three shapes: uniform-random lengths, BERT-like skew (a gamma body plus a
-    spike at max_len) and a few isolated lengths (sparse, where exact-fill packs are rare)."""
+    """Random histograms of three shapes: uniform-random lengths, BERT-like skew (a gamma body
+    plus a spike at max_len) and a few isolated lengths (sparse, where exact-fill packs are
+    rare)."""
     max_len = draw(st.integers(8, 96))
     kind = draw(st.sampled_from(["random", "skewed", "sparse"]))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -293,8 +298,8 @@ def histograms(draw):
 @given(histograms())
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_auto_is_never_worse_than_spfhp_lpfhp_nnlshp(case):
-    """Property: at the same depth auto needs no more packs (= is at least as efficient) than SPFHP, LPFHP
-    and NNLSHP, and packs the histogram exactly within the limits."""
+    """Property: at the same depth auto needs no more packs (= is at least as efficient) than
+    SPFHP, LPFHP and NNLSHP, and packs the histogram exactly within the limits."""
     h, max_len, k = case
     auto = pack_histogram(h, max_len, k, "auto")
     assert np.array_equal(auto.histogram(), h)
@@ -315,7 +320,8 @@ def test_auto_is_never_worse_than_spfhp_lpfhp_nnlshp(case):
     ],
 )
 def test_strategy_validate_raises_real_errors(packs, match):
-    """Strategy.validate guards what reaches training: UserError (one line), not an assert that -O drops."""
+    """Strategy.validate guards what reaches training: UserError (one line), not an assert that
+    -O drops."""
     h = histogram_from_lengths([5, 3], 8)
     if "length 2" in match:
         h = histogram_from_lengths([5, 3, 2], 8)
@@ -331,7 +337,8 @@ def test_strategy_validate_survives_python_O(tmp_path):
 
     code = (
         "from scaleout.families.bert.packing import Strategy, histogram_from_lengths\n"
-        "try:\n    Strategy('t', 8, 2, {(5, 3): 1}).validate(histogram_from_lengths([5, 3, 2], 8))\n"
+        "try:\n    Strategy('t', 8, 2, {(5, 3): 1}).validate(histogram_from_lengths([5, 3, 2], "
+        "8))\n"
         "except Exception as e:\n    print(type(e).__name__)\n"
     )
     out = subprocess.run(

@@ -1,7 +1,8 @@
-"""MLPerf BERT shards on real files written by `scaleout data make-shards`: the exact HDF5 format, the three
-layouts (reference fixed, NVIDIA varlength and packed), the per-shard index, lazy per-rank reading (every
-sequence once per epoch, only the shards a step needs opened, exact resume), host memory that does not grow
-with the number of shards, and `scaleout train` end to end on them."""
+"""MLPerf BERT shards on real files written by `scaleout data make-shards`: the exact HDF5
+format, the three layouts (reference fixed, NVIDIA varlength and packed), the per-shard index,
+lazy per-rank reading (every sequence once per epoch, only the shards a step needs opened, exact
+resume), host memory that does not grow with the number of shards, and `scaleout train` end to
+end on them."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _key(tokens, positions, labels, nsp_is_next) -> tuple:
 @pytest.mark.full_system
 def test_make_shards_writes_the_reference_format(tmp_path, capsys):
     """CLI: N shards + eval file with exactly the reference's fields, dtypes and shapes (NVIDIA's
-    create_pretraining_data.py HDF5 writer: i4/i1/i1/i4/i4/i1), sizes balanced like chop_hdf5_files.py."""
+    create_pretraining_data.py HDF5 writer: i4/i1/i1/i4/i4/i1), sizes balanced like
+    chop_hdf5_files.py."""
     assert (
         cli_main(
             [
@@ -130,8 +132,9 @@ def test_make_shards_writes_the_reference_format(tmp_path, capsys):
 
 @pytest.mark.multi_process
 def test_three_layouts_read_back_the_same_sequences(built):
-    """Reference fixed, NVIDIA varlength and NVIDIA packed (v2.0) files hold the corpus samples exactly;
-    the fixed file row by row, the packed one as packs that together hold every sequence once."""
+    """Reference fixed, NVIDIA varlength and NVIDIA packed (v2.0) files hold the corpus samples
+    exactly; the fixed file row by row, the packed one as packs that together hold every sequence
+    once."""
     root, data = built
     originals = [
         _key(s.input_ids, s.masked_positions, s.masked_labels, 1 - s.nsp_label) for s in data.train
@@ -182,9 +185,10 @@ def _stream(root, world, rank, packing="lpfhp", batch=12):
 @pytest.mark.multi_process
 @pytest.mark.parametrize("layout", ["fixed", "packed"])
 def test_lazy_stream_every_sequence_once_per_epoch_on_every_layout(built, layout):
-    """3 ranks (each its own stream, as in separate processes): over one epoch the ranks' rows hold every
-    training sequence exactly once; each rank's share per step is its slice; global_counts (what the
-    MLPerf samples count uses, no communication) equals the sum of what the ranks got."""
+    """3 ranks (each its own stream, as in separate processes): over one epoch the ranks' rows
+    hold every training sequence exactly once; each rank's share per step is its slice;
+    global_counts (what the MLPerf samples count uses, no communication) equals the sum of what
+    the ranks got."""
     root, data = built
     world, batch = 3, 12
     streams = [_stream(root / layout, world, r, batch=batch).stream for r in range(world)]
@@ -207,7 +211,8 @@ def test_lazy_stream_every_sequence_once_per_epoch_on_every_layout(built, layout
 
 
 def _sequences_of_row(b, row) -> list[tuple]:
-    """Decode one packed row of a model batch back into (tokens, masked positions, labels, nsp) per sequence."""
+    """Decode one packed row of a model batch back into (tokens, masked positions, labels, nsp)
+    per sequence."""
     ids, sid = b["input_ids"][row].numpy(), b["seq_ids"][row].numpy()
     pos, lab = b["mlm_positions"][row].numpy(), b["mlm_labels"][row].numpy()
     nsp_pos, nsp_lab = b["nsp_positions"][row].numpy(), b["nsp_labels"][row].numpy()
@@ -226,8 +231,9 @@ def _sequences_of_row(b, row) -> list[tuple]:
 
 @pytest.mark.multi_process
 def test_a_rank_opens_only_the_shards_of_its_steps_and_resumes_exactly(built):
-    """A step reads only the shard(s) its rows are in (the LRU holds <= 2 open files, <= 3 shards' packs);
-    a stream pickled (prefetch workers) or rebuilt (a resumed run) gives the same batches at a position."""
+    """A step reads only the shard(s) its rows are in (the LRU holds <= 2 open files, <= 3
+    shards' packs); a stream pickled (prefetch workers) or rebuilt (a resumed run) gives the same
+    batches at a position."""
     from scaleout.families.bert.data.shard_source import OPEN_FILES, PACKS_CACHE
 
     root, _ = built
@@ -248,8 +254,8 @@ def test_a_rank_opens_only_the_shards_of_its_steps_and_resumes_exactly(built):
 
 @pytest.mark.multi_process
 def test_index_is_built_in_parallel_and_shared(built):
-    """2 real ranks (gloo): each indexes its half of the shards, rank 0 writes one summary, both read the
-    same counts; the cache sits beside the data."""
+    """2 real ranks (gloo): each indexes its half of the shards, rank 0 writes one summary, both
+    read the same counts; the cache sits beside the data."""
     from distutil import run_dist
 
     root, _ = built
@@ -278,8 +284,7 @@ def _open_on_rank(world, path):
     return d.stream.counts.tolist(), len(d.eval)
 
 
-RSS_SCRIPT = """
-import sys
+RSS_SCRIPT = """import sys
 import h5py, numpy, torch  # noqa: F401 -- every import first
 from scaleout.config import load_config
 from scaleout.families.bert.data import bert_sources, shard_source
@@ -287,25 +292,30 @@ path, mode = sys.argv[1], sys.argv[2]
 if mode == "eager":  # what every rank did before: every sequence of every shard as Python objects
     data = bert_sources.load_shards(path + "/train")
 else:
-    cfg = load_config("bert_tiny_cpu", ["data.source=wikipedia", "data.path=" + path, "data.max_seq_len=128",
-                                        "data.max_predictions=20", "train.global_batch=16", "data.eval_samples=32"])
+    cfg = load_config("bert_tiny_cpu", ["data.source=wikipedia", "data.path=" + path,
+    "data.max_seq_len=128",
+                                        "data.max_predictions=20", "train.global_batch=16",
+                                        "data.eval_samples=32"])
     d = shard_source.open_shards(cfg, 0, 2)
     for step in range(0, 400, 40):
         d.stream.batches(step * 16, 1)
-# anonymous resident memory (heap): file-backed library pages are left out, their count follows the page
+# anonymous resident memory (heap): file-backed library pages are left out, their count follows the
+page
 # cache of this shared machine (fault-around), not the data
 print([int(x.split()[1]) / 1024 for x in open("/proc/self/status") if x.startswith("RssAnon")][0])
 """
 
 
-ROWS = 10_000  # sequences per shard: 8 shards' eager records are far more than 15 % of a rank's base RSS
+# sequences per shard: 8 shards' eager records are far more than 15 % of a rank's base RSS
+ROWS = 10_000
 
 
 @pytest.mark.full_system
 def test_host_memory_does_not_grow_with_shards(tmp_path):
-    """A rank's resident heap after its data path with 8 shards <= 1.15x with 2 (same shard size); the eager
-    load the trainer did before grows past that bar on the same files (so this test fails on the old code
-    path). `scaleout bench shards` measures the peak RSS (ru_maxrss) through full training runs."""
+    """A rank's resident heap after its data path with 8 shards <= 1.15x with 2 (same shard
+    size); the eager load the trainer did before grows past that bar on the same files (so this
+    test fails on the old code path). `scaleout bench shards` measures the peak RSS (ru_maxrss)
+    through full training runs."""
     from scaleout.families.bert.data.bert_sources import synthetic_samples
     from scaleout.families.bert.data.shard_format import write_shard
 
@@ -343,10 +353,10 @@ def test_host_memory_does_not_grow_with_shards(tmp_path):
 
 @pytest.mark.full_system
 def test_train_on_make_shards_output_end_to_end(built, tmp_path):
-    """`scaleout train` on 2 ranks (a prefetch worker each) from the packed (NVIDIA v2.0) files: MLPerf log
-    passes the real checker,
-    global_batch_size counts sequences (rows x integer packing rate), evaluation starts at
-    train.eval_start_step then every train.eval_every, report.json has the peak RSS per rank."""
+    """`scaleout train` on 2 ranks (a prefetch worker each) from the packed (NVIDIA v2.0) files:
+    MLPerf log passes the real checker, global_batch_size counts sequences (rows x integer
+    packing rate), evaluation starts at train.eval_start_step then every train.eval_every,
+    report.json has the peak RSS per rank."""
     from scaleout.mlperf import check_compliance
 
     root, _ = built
@@ -376,7 +386,8 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
         "data.eval_samples=40",
         "optim.warmup_steps=2",
         "optim.total_steps=8",
-        "data.num_workers=1",  # the lazy stream is pickled into a prefetch worker, which opens the files itself
+        # the lazy stream is pickled into a prefetch worker, which opens the files itself
+        "data.num_workers=1",
         "train.progress=false",
         f"train.output_dir={out}",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -425,9 +436,10 @@ def _open_or_error(world, path, max_len, max_pred):
 
 @pytest.mark.multi_process
 def test_bad_shards_stop_every_rank_with_one_line(built):
-    """A shard with rows longer than data.max_seq_len, found while rank 1 indexes it, stops *both* ranks
-    with the same one-line error (not rank 1 failing while rank 0 waits at the barrier); more mask slots in
-    the file than data.max_predictions is refused before any indexing."""
+    """A shard with rows longer than data.max_seq_len, found while rank 1 indexes it, stops
+    *both* ranks with the same one-line error (not rank 1 failing while rank 0 waits at the
+    barrier); more mask slots in the file than data.max_predictions is refused before any
+    indexing."""
     from distutil import run_dist
 
     root, _ = built
@@ -444,8 +456,8 @@ def test_bad_shards_stop_every_rank_with_one_line(built):
 
 @pytest.mark.multi_process
 def test_one_folder_holds_out_its_first_sequences_for_eval(built):
-    """data.path without train/ + eval/: the first data.eval_samples sequences (sorted files, row order) are
-    the eval set, and training never sees them."""
+    """data.path without train/ + eval/: the first data.eval_samples sequences (sorted files, row
+    order) are the eval set, and training never sees them."""
     root, data = built
     d = _stream(root / "fixed" / "train", 1, 0, packing="none", batch=8)
     assert len(d.eval) == 40

@@ -1,6 +1,7 @@
-"""Group batch norm on real gloo processes (2 emulated nodes x 2 ranks): exact equivalence with plain BN
-over the concatenated group batch (outputs, input/weight/bias gradients, running statistics), for
-k = 1, 2 (within a node) and 4 (across both nodes), plus a whole ResNet with bn_group = 2."""
+"""Group batch norm on real gloo processes (2 emulated nodes x 2 ranks): exact equivalence with
+plain BN over the concatenated group batch (outputs, input/weight/bias gradients, running
+statistics), for k = 1, 2 (within a node) and 4 (across both nodes), plus a whole ResNet with
+bn_group = 2."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _layer_case(world, k: int) -> dict:
         out[it] = {
             "y": (y - yr[sl]).abs().max().item(),
             "dx": (x.grad - xr.grad[sl]).abs().max().item(),
-            # weight/bias grads are sums over the whole group batch (|dw| ~ 20 here): compared relative
-            # to their magnitude, since fp32 summation order differs between the two paths
+            # weight/bias grads are sums over the whole group batch (|dw| ~ 20 here): compared
+            # relative to their magnitude, since fp32 summation order differs between the two paths
             "dw": (
                 (gw - ref.weight.grad).abs().max() / ref.weight.grad.abs().max().clamp_min(1)
             ).item(),
@@ -149,7 +150,8 @@ def test_bn_group_partition_rules():
 
 
 def _cuda_case(world) -> dict:
-    """One rank on one GPU (NCCL): the custom autograd path against cuDNN BatchNorm on the same data."""
+    """One rank on one GPU (NCCL): the custom autograd path against cuDNN BatchNorm on the same
+    data."""
     torch.manual_seed(0)
     x = (torch.randn(8, 16, 8, 8, device=world.device) * 2 + 1).requires_grad_(True)
     dy = torch.randn_like(x)
@@ -197,8 +199,8 @@ def _own_communicator(world) -> dict:
 @pytest.mark.multi_process
 def test_bn_group_has_its_own_communicator() -> None:
     """bn_group = ranks per node: same ranks as world.intra, but not the same group (on NCCL one
-    communicator driven from two threads, autograd for BN and the comm thread for the reducer, hangs or
-    mixes data)."""
+    communicator driven from two threads, autograd for BN and the comm thread for the reducer,
+    hangs or mixes data)."""
     from tests.distutil import run_dist
 
     for r in run_dist(_own_communicator, nnodes=2, nproc_per_node=2):
@@ -241,9 +243,9 @@ def _bn_sync(world) -> dict:
 
 @pytest.mark.multi_process
 def test_running_stats_are_pooled_over_ranks() -> None:
-    """bn_group = 1 (the 1024-GPU config): each rank's running statistics follow its own data; after
-    sync_batchnorm_stats (the trainer calls it before evaluation and before a checkpoint) every rank holds
-    the same buffers: the mean of the means, the pooled variance."""
+    """bn_group = 1 (the 1024-GPU config): each rank's running statistics follow its own data;
+    after sync_batchnorm_stats (the trainer calls it before evaluation and before a checkpoint)
+    every rank holds the same buffers: the mean of the means, the pooled variance."""
     from tests.distutil import run_dist
 
     for r in run_dist(_bn_sync, nnodes=1, nproc_per_node=2):

@@ -16,11 +16,12 @@ from scaleout.families.bert.data.bert_batch import BertSequence, build_batch
 
 
 class SequenceTable:
-    """BERT sequences as flat numpy arrays with per-sequence offsets (CSR layout). It pickles as a few
-    buffers, so a prefetch worker unpickles the training set in ~10 ms instead of one Python object
-    per sequence (0.8 s for the 26,651 pydoc sequences of configs/bert_tiny_cpu.yaml).
-    ``table[i]`` is sequence i as a :class:`~scaleout.families.bert.data.bert_batch.BertSequence` of array views,
-    which ``build_batch`` lays out exactly as the list form."""
+    """BERT sequences as flat numpy arrays with per-sequence offsets (CSR layout). It pickles as
+    a few buffers, so a prefetch worker unpickles the training set in ~10 ms instead of one
+    Python object per sequence (0.8 s for the 26,651 pydoc sequences of
+    configs/bert_tiny_cpu.yaml). ``table[i]`` is sequence i as a
+    :class:`~scaleout.families.bert.data.bert_batch.BertSequence` of array views, which
+    ``build_batch`` lays out exactly as the list form."""
 
     def __init__(self, seqs: list[Any]):
         def flat(field: str, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -34,8 +35,8 @@ class SequenceTable:
             )
             return values, np.concatenate([[0], np.cumsum(lens)])
 
-        # narrow types (vocabularies and positions are far below 2**31): a quarter of int64's bytes to pickle;
-        # build_batch writes them into int64 rows exactly
+        # narrow types (vocabularies and positions are far below 2**31): a quarter of int64's bytes
+        # to pickle; build_batch writes them into int64 rows exactly
         self.tokens, self.tok_off = flat("tokens", np.int32)
         self.segments, _ = flat("segments", np.int8)
         self.mlm_positions, self.mlm_off = flat("mlm_positions", np.int32)
@@ -92,8 +93,9 @@ class BertBatches:
 
 
 class ShardBertBatches:
-    """This rank's BERT micro-batches read lazily from MLPerf shards (scaleout/families/bert/data/shard_source.py). Data
-    only: it pickles as file paths and per-shard counts, so prefetch workers start in milliseconds."""
+    """This rank's BERT micro-batches read lazily from MLPerf shards
+    (scaleout/families/bert/data/shard_source.py). Data only: it pickles as file paths and
+    per-shard counts, so prefetch workers start in milliseconds."""
 
     def __init__(self, stream: Any):
         self.stream = stream

@@ -1,16 +1,20 @@
-"""BERT pre-training batches, packed or padded, in the layout :mod:`scaleout.families.bert.model` expects.
+"""BERT pre-training batches, packed or padded, in the layout :mod:`scaleout.families.bert.model`
+expects.
 
-A :class:`BertSequence` is one tokenized pre-training example (``[CLS] A [SEP] B [SEP]``, its segment
-ids, masked positions with their original tokens, the NSP label). :func:`build_batch` lays out rows:
-packed mode puts several sequences in one row (NVIDIA MLPerf v2.0 BERT / Graphcore packedBERT):
+A :class:`BertSequence` is one tokenized pre-training example (``[CLS] A [SEP] B [SEP]``, its
+segment ids, masked positions with their original tokens, the NSP label). :func:`build_batch` lays
+out rows: packed mode puts several sequences in one row (NVIDIA MLPerf v2.0 BERT / Graphcore
+packedBERT):
 
 - position ids restart at 0 for each sequence, token-type ids are each sequence's own;
 - ``seq_ids`` = 1..k per sequence (0 = padding) restricts attention to the sequence;
-- MLM positions are offset by the sequence's start in the row; NSP positions point at each sequence's
+- MLM positions are offset by the sequence's start in the row; NSP positions point at each
+  sequence's
   first token, where the pooler reads it.
 
-Padded mode is the same with one sequence per row. ``packs`` is a list of rows, each a list of indices
-into ``sequences`` (e.g. ``PackedSequences.packs()`` from :mod:`scaleout.families.bert.packing`).
+Padded mode is the same with one sequence per row. ``packs`` is a list of rows, each a list of
+indices into ``sequences`` (e.g. ``PackedSequences.packs()`` from
+:mod:`scaleout.families.bert.packing`).
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ def build_batch(
     max_predictions: int | None = None,
     max_per_pack: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rows of ``max_len`` tokens, one per pack; MLM slots ``max_predictions`` (default: the most any row
-    needs) and NSP slots ``max_per_pack`` (default: the deepest pack) per row."""
+    """Rows of ``max_len`` tokens, one per pack; MLM slots ``max_predictions`` (default: the most
+    any row needs) and NSP slots ``max_per_pack`` (default: the deepest pack) per row."""
     if max_len < 1:
         raise UserError(f"max_len={max_len} must be >= 1")
     rows = len(packs)
@@ -77,7 +81,8 @@ def build_batch(
             n = len(s)
             if start + n > max_len:
                 raise UserError(
-                    f"pack {r} ({[len(sequences[k]) for k in pack]}) is longer than max_len={max_len}"
+                    f"pack {r} ({[len(sequences[k]) for k in pack]}) is longer than "
+                    f"max_len={max_len}"
                 )
             a["input_ids"][r, start : start + n] = s.tokens
             a["token_type_ids"][r, start : start + n] = s.segments
@@ -107,9 +112,9 @@ def padded_packs(n: int) -> list[list[int]]:
 def synthetic_sequence(
     length: int, vocab_size: int, rng: np.random.Generator, mask_prob: float = 0.15
 ) -> BertSequence:
-    """A random ``[CLS] A [SEP] B [SEP]`` example of ``length`` tokens with BERT's masking: ``mask_prob``
-    of the word tokens (at least 1) are predicted; of those 80 % become [MASK], 10 % a random word,
-    10 % stay (Devlin et al. 2019)."""
+    """A random ``[CLS] A [SEP] B [SEP]`` example of ``length`` tokens with BERT's masking:
+    ``mask_prob`` of the word tokens (at least 1) are predicted; of those 80 % become [MASK], 10
+    % a random word, 10 % stay (Devlin et al. 2019)."""
     if length < 1:
         raise UserError(f"sequence length {length} must be >= 1")
     if vocab_size <= FIRST_WORD_ID:

@@ -1,10 +1,10 @@
 """Other BERT sample sources: MLPerf Wikipedia shards at a config path, and synthetic data.
 
-**Wikipedia shards** (``data.source: wikipedia``, ``data.path``): MLPerf BERT's pre-processed HDF5 in any of
-the layouts of :mod:`scaleout.families.bert.data.shard_format` (the reference's fixed-length rows, NVIDIA's varlength or
-packed shards; ``.npz`` with the fixed keys for tiny tests). Training reads them lazily, rank by rank
-(:mod:`scaleout.families.bert.data.shard_source`); :func:`load_shards` here reads *everything* into memory and is for small
-data sets and tools only.
+**Wikipedia shards** (``data.source: wikipedia``, ``data.path``): MLPerf BERT's pre-processed HDF5
+in any of the layouts of :mod:`scaleout.families.bert.data.shard_format` (the reference's
+fixed-length rows, NVIDIA's varlength or packed shards; ``.npz`` with the fixed keys for tiny
+tests). Training reads them lazily, rank by rank (:mod:`scaleout.families.bert.data.shard_source`);
+:func:`load_shards` here reads *everything* into memory and is for small data sets and tools only.
 
 **Synthetic** samples for throughput runs: random tokens with lengths drawn from a histogram (by
 default every sequence is full length; pass the Wikipedia-512 histogram to get its distribution).
@@ -34,8 +34,9 @@ __all__ = [
 
 
 def load_shards(path: str | os.PathLike[str]) -> list[BertSample]:
-    """Every sequence of every shard, unpadded, as :class:`BertSample` records (MLPerf's NSP convention,
-    1 = random next). Eager: the whole data set in memory -- small data sets and tools, never training."""
+    """Every sequence of every shard, unpadded, as :class:`BertSample` records (MLPerf's NSP
+    convention, 1 = random next). Eager: the whole data set in memory -- small data sets and
+    tools, never training."""
     out: list[BertSample] = []
     for f in shard_files(path):
         reader = ShardReader(f)
@@ -84,7 +85,8 @@ def synthetic_samples(
     """
     if n < 1 or vocab_size <= 5:
         raise UserError(
-            f"synthetic BERT data needs n >= 1 and vocab_size > 5, got n={n}, vocab_size={vocab_size}"
+            f"synthetic BERT data needs n >= 1 and vocab_size > 5, got n={n}, "
+            f"vocab_size={vocab_size}"
         )
     rng = np.random.default_rng(seed)
     if length_hist is None:
@@ -113,10 +115,11 @@ def synthetic_samples(
 
 
 def to_bert_sequences(samples: list[BertSample]) -> list:
-    """Records -> :class:`scaleout.families.bert.data.bert_batch.BertSequence` for ``build_batch`` (packed or padded).
+    """Records -> :class:`scaleout.families.bert.data.bert_batch.BertSequence` for ``build_batch``
+    (packed or padded).
 
-    NSP convention: our records (like Google's and MLPerf's data) use 1 = *random* next; bert_batch uses
-    1 = *is* next, so the label is flipped here, in the one place the two meet.
+    NSP convention: our records (like Google's and MLPerf's data) use 1 = *random* next; bert_batch
+    uses 1 = *is* next, so the label is flipped here, in the one place the two meet.
     """
     from scaleout.families.bert.data.bert_batch import BertSequence
 

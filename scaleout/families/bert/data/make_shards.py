@@ -1,18 +1,22 @@
 """Write MLPerf BERT shards from the offline corpus (``scaleout data make-shards``).
 
-The corpus (:mod:`scaleout.families.bert.data.corpus`), WordPiece vocabulary (:mod:`scaleout.families.bert.data.tokenizer`) and samples
-(:mod:`scaleout.families.bert.data.pretrain`, Google's ``create_pretraining_data`` procedure) are the ones ``data.source:
-pydoc`` trains on; this writes them in the MLPerf file layout so every ``data.source: wikipedia`` code path
-runs on files of the real format::
+The corpus (:mod:`scaleout.families.bert.data.corpus`), WordPiece vocabulary
+(:mod:`scaleout.families.bert.data.tokenizer`) and samples
+(:mod:`scaleout.families.bert.data.pretrain`, Google's ``create_pretraining_data`` procedure) are
+the ones ``data.source: pydoc`` trains on; this writes them in the MLPerf file layout so every
+``data.source: wikipedia`` code path runs on files of the real format::
 
-    DIR/train/part_00000_of_0000N.hdf5 ... N training shards, sizes differing by at most one sequence
+    DIR/train/part_00000_of_0000N.hdf5 ... N training shards, sizes differing by at most one
+    sequence
                                           (as NVIDIA's chop_hdf5_files.py balances them)
-    DIR/eval/part_eval_<n>.hdf5            the held-out documents' sequences (MLPerf: part_eval_10k.hdf5)
-    DIR/vocab.txt                          the WordPiece vocabulary, one token per line (BERT's format)
+    DIR/eval/part_eval_<n>.hdf5            the held-out documents' sequences (MLPerf:
+    part_eval_10k.hdf5)
+    DIR/vocab.txt                          the WordPiece vocabulary, one token per line (BERT's
+    format)
 
-Layouts (:mod:`scaleout.families.bert.data.shard_format`): ``fixed`` (the reference), ``varlength`` (NVIDIA v1.0+) or
-``packed`` (NVIDIA v2.0+: each shard packed with ``packing`` at <= ``max_per_pack`` per row; the eval file
-stays unpacked, as NVIDIA's eval_varlength).
+Layouts (:mod:`scaleout.families.bert.data.shard_format`): ``fixed`` (the reference), ``varlength``
+(NVIDIA v1.0+) or ``packed`` (NVIDIA v2.0+: each shard packed with ``packing`` at <=
+``max_per_pack`` per row; the eval file stays unpacked, as NVIDIA's eval_varlength).
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def make_shards(
 def _packed_rows(
     samples: list[Any], max_len: int, algorithm: str, depth: int, seed: int
 ) -> list[list[Any]]:
-    """Samples grouped into packs (``algorithm`` on this shard's length histogram, as NVIDIA packs offline)."""
+    """Samples grouped into packs (``algorithm`` on this shard's length histogram, as NVIDIA
+    packs offline)."""
     from scaleout.families.bert.packing import (
         assign_sequences,
         histogram_from_lengths,

@@ -1,22 +1,26 @@
 """BERT pre-training samples from the offline corpus: sentence pairs, NSP labels, 15 % masking.
 
-Sample creation follows Google's BERT ``create_pretraining_data.py`` (Devlin et al. 2018, sec. 3.1 and
-appendix A.1), which MLPerf's BERT data is made with:
+Sample creation follows Google's BERT ``create_pretraining_data.py`` (Devlin et al. 2018, sec. 3.1
+and appendix A.1), which MLPerf's BERT data is made with:
 
-* per document, sentences are accumulated into a chunk up to a target length (``max_seq_len - 3``; with
-  probability ``short_seq_prob`` = 0.1 a shorter random target, so the model also sees short inputs);
+* per document, sentences are accumulated into a chunk up to a target length (``max_seq_len - 3``;
+  with
+  probability ``short_seq_prob`` = 0.1 a shorter random target, so the model also sees short
+  inputs);
   the chunk is split at a random sentence boundary into A and B;
 * with probability 0.5 B is replaced by text from a random other document (NSP label 1 = "random
   next"; 0 = B really follows A) and the unused sentences go back to the pool;
 * ``[CLS] A [SEP] B [SEP]``, the longer of A/B trimmed from a random end until it fits;
-* 15 % of the non-special tokens (``round(0.15 * len)``, at least 1, at most ``max_predictions`` mask
+* 15 % of the non-special tokens (``round(0.15 * len)``, at least 1, at most ``max_predictions``
+  mask
   slots) are chosen; of those 80 % become ``[MASK]``, 10 % a random token, 10 % stay unchanged.
 
 Each sample is a :class:`BertSample` of *unpadded* numpy arrays, i.e. its real length; the collator
-(``scaleout.families.bert.data.bert_batch``) pads or packs them. :func:`to_padded` gives the fixed-shape MLPerf
-layout (the same field names as MLPerf's HDF5 shards, see ``scaleout.families.bert.data.shard_format``). ``dupe_factor``
-copies of the corpus are made with different masks (Google uses 10). Everything is a function of
-``seed``; results are cached as ``.npz`` keyed by the corpus hash and every setting.
+(``scaleout.families.bert.data.bert_batch``) pads or packs them. :func:`to_padded` gives the
+fixed-shape MLPerf layout (the same field names as MLPerf's HDF5 shards, see
+``scaleout.families.bert.data.shard_format``). ``dupe_factor`` copies of the corpus are made with
+different masks (Google uses 10). Everything is a function of ``seed``; results are cached as
+``.npz`` keyed by the corpus hash and every setting.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def create_samples(
     dupe_factor: int = 1,
     seed: int = 0,
 ) -> list[BertSample]:
-    """``docs``: documents as lists of tokenised sentences. Returns samples, deterministic in ``seed``."""
+    """``docs``: documents as lists of tokenised sentences. Returns samples, deterministic in
+    ``seed``."""
     if max_seq_len < 8:
         raise UserError(
             f"data.max_seq_len={max_seq_len} is too short for [CLS] A [SEP] B [SEP]; expected >= 8"
@@ -200,9 +205,9 @@ def to_padded(sample: BertSample, max_seq_len: int, max_predictions: int) -> dic
 def mlm_baselines(samples: list[BertSample]) -> dict[str, Any]:
     """Accuracies a model that learned nothing gets on these masked positions.
 
-    ``most_frequent``: always predict the most frequent masked token (the floor any target must clear);
-    ``copy_input``: predict the visible input token (right on the 10 % kept unchanged, and on random
-    replacements that happen to hit). A target must sit well above both.
+    ``most_frequent``: always predict the most frequent masked token (the floor any target must
+    clear); ``copy_input``: predict the visible input token (right on the 10 % kept unchanged, and
+    on random replacements that happen to hit). A target must sit well above both.
     """
     labels: Counter[int] = Counter()
     copies = total = 0
@@ -236,7 +241,8 @@ def length_stats(samples: list[BertSample], max_seq_len: int) -> dict[str, Any]:
     }
 
 
-# -- the cached end-to-end builder -------------------------------------------------------------------
+# -- the cached end-to-end builder
+# -------------------------------------------------------------------
 @dataclass
 class PretrainData:
     tokenizer: WordPiece
@@ -257,10 +263,11 @@ def build_pretraining_data(
     cache: str | None = None,
     docs: list[Document] | None = None,
 ) -> PretrainData:
-    """Corpus -> tokenizer -> train/eval samples; everything cached under ``cache`` (default ~/.cache/scaleout).
+    """Corpus -> tokenizer -> train/eval samples; everything cached under ``cache`` (default
+    ~/.cache/scaleout).
 
-    Eval documents (a hash-chosen ``eval_fraction``) never appear in training; eval samples are made once
-    (dupe 1) with a fixed seed so every run evaluates on the same masked positions.
+    Eval documents (a hash-chosen ``eval_fraction``) never appear in training; eval samples are made
+    once (dupe 1) with a fixed seed so every run evaluates on the same masked positions.
     """
     cache = cache or cache_dir()
     # One builder at a time: ranks starting together on a cold cache wait for the first one and then
@@ -360,7 +367,8 @@ def _info(train, ev, max_seq_len, path) -> dict[str, Any]:
 
 
 def _cached_corpus(sources: tuple[str, ...], cache: str) -> list[Document]:
-    """Parsing the stdlib takes seconds; the parsed documents are cached per Python build and stdlib listing."""
+    """Parsing the stdlib takes seconds; the parsed documents are cached per Python build and
+    stdlib listing."""
     import json
     import sysconfig
 
@@ -435,7 +443,8 @@ def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 -m scaleout.families.bert.data.pretrain [--vocab-size N --max-seq-len L ...]``: build (or load) and describe."""
+    """``python3 -m scaleout.families.bert.data.pretrain [--vocab-size N --max-seq-len L ...]``:
+    build (or load) and describe."""
     import argparse
     import time
 

@@ -1,26 +1,30 @@
-"""MLPerf BERT pre-training shards: the three HDF5 layouts in use, read row by row and written exactly.
+"""MLPerf BERT pre-training shards: the three HDF5 layouts in use, read row by row and written
+exactly.
 
-``fixed`` -- the reference's ``create_pretraining_data.py`` output as NVIDIA's MLPerf BERT writes it to HDF5
-(training_results_v0.7 ``create_pretraining_data.py`` and ``cleanup_scripts/chop_hdf5_files.py``), one zero-padded
-row per sequence::
+``fixed`` -- the reference's ``create_pretraining_data.py`` output as NVIDIA's MLPerf BERT writes it
+to HDF5 (training_results_v0.7 ``create_pretraining_data.py`` and
+``cleanup_scripts/chop_hdf5_files.py``), one zero-padded row per sequence::
 
     input_ids            int32 [N, max_seq_len]    token ids after masking
     input_mask           int8  [N, max_seq_len]    1 on real tokens (defines the sequence length)
     segment_ids          int8  [N, max_seq_len]    0 for [CLS] A [SEP], 1 for B [SEP]
-    masked_lm_positions  int32 [N, max_pred]       0 = unused slot (position 0 is [CLS], never masked)
+    masked_lm_positions  int32 [N, max_pred]       0 = unused slot (position 0 is [CLS], never
+    masked)
     masked_lm_ids        int32 [N, max_pred]       original tokens there, 0 in unused slots
     next_sentence_labels int8  [N]                 1 = B is a random next segment
 
-``varlength`` -- NVIDIA's ``hdf5_4320_shards_varlength`` (v1.0+, ``convert_fixed2variable.py``): the same rows
-unpadded as HDF5 variable-length arrays (``input_ids`` vlen int16, ``segment_ids`` vlen int8,
-``masked_lm_positions``/``masked_lm_ids`` vlen int16), ``next_sentence_labels`` int8 [N], no ``input_mask``.
+``varlength`` -- NVIDIA's ``hdf5_4320_shards_varlength`` (v1.0+, ``convert_fixed2variable.py``): the
+same rows unpadded as HDF5 variable-length arrays (``input_ids`` vlen int16, ``segment_ids`` vlen
+int8, ``masked_lm_positions``/``masked_lm_ids`` vlen int16), ``next_sentence_labels`` int8 [N], no
+``input_mask``.
 
-``packed`` -- NVIDIA's packed shards (v2.0+, ``create_packed_trainset.py``): one row per *pack* of up to 3
-sequences, every field vlen (``next_sentence_labels`` int8 per sequence), plus ``packed_input_len`` and
-``packed_masked_lm_len`` (int16 per sequence); masked positions count from the start of the row.
+``packed`` -- NVIDIA's packed shards (v2.0+, ``create_packed_trainset.py``): one row per *pack* of
+up to 3 sequences, every field vlen (``next_sentence_labels`` int8 per sequence), plus
+``packed_input_len`` and ``packed_masked_lm_len`` (int16 per sequence); masked positions count from
+the start of the row.
 
-``.npz`` files with the fixed layout's keys are read too (tests, small data). :class:`ShardReader` opens one
-file and reads only the rows asked for (h5py reads those rows; nothing else is loaded).
+``.npz`` files with the fixed layout's keys are read too (tests, small data). :class:`ShardReader`
+opens one file and reads only the rows asked for (h5py reads those rows; nothing else is loaded).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def h5py_module() -> Any:
 
 
 class ShardReader:
-    """One shard file, opened for reading rows: ``rows``, ``layout``, ``row_lengths()``, ``read(rows)``."""
+    """One shard file, opened for reading rows: ``rows``, ``layout``, ``row_lengths()``,
+    ``read(rows)``."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -119,14 +124,17 @@ class ShardReader:
         return ds[rows] if self._h5 is None else ds[rows.tolist()]
 
     def mask_slots(self) -> int | None:
-        """Mask slots per sequence of a fixed-layout file (its masked_lm_positions width), else None."""
+        """Mask slots per sequence of a fixed-layout file (its masked_lm_positions width), else
+        None."""
         return (
             int(self._dataset("masked_lm_positions").shape[1]) if self.layout == "fixed" else None
         )
 
-    # -- lengths (the index is built from these) --------------------------------------------------------
+    # -- lengths (the index is built from these)
+    # --------------------------------------------------------
     def row_lengths(self) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """(real tokens per row, per-row sequence lengths for packed rows else None), scanned in chunks."""
+        """(real tokens per row, per-row sequence lengths for packed rows else None), scanned in
+        chunks."""
         tokens, per_seq = np.zeros(self.rows, np.int64), [] if self.layout == "packed" else None
         for a in range(0, self.rows, SCAN_ROWS):
             b = min(a + SCAN_ROWS, self.rows)
@@ -140,10 +148,12 @@ class ShardReader:
                 per_seq.extend(lens)
         return tokens, per_seq
 
-    # -- rows -> sequences -----------------------------------------------------------------------------
+    # -- rows -> sequences
+    # -----------------------------------------------------------------------------
     def read(self, rows: np.ndarray | list[int]) -> list[list[Any]]:
         """The sequences of each row in ``rows`` (any order, repeats allowed) as
-        :class:`~scaleout.families.bert.data.bert_batch.BertSequence` (NSP converted to bert_batch's 1 = is-next)."""
+        :class:`~scaleout.families.bert.data.bert_batch.BertSequence` (NSP converted to
+        bert_batch's 1 = is-next)."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.rows):
             raise UserError(f"{self.path}: row {int(rows.max())} is outside 0..{self.rows - 1}")
@@ -205,14 +215,16 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
         files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
     else:
         raise UserError(
-            f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} files"
+            f"data.path={path} does not exist; expected a shard file or a directory of {SUFFIXES} "
+            "files"
         )
     if not files:
         raise UserError(f"data.path={path} has no {'/'.join(SUFFIXES)} shards")
     return files
 
 
-# -- writing --------------------------------------------------------------------------------------------
+# -- writing
+# --------------------------------------------------------------------------------------------
 def write_shard(
     path: str | os.PathLike[str],
     rows: list[list[Any]],

@@ -1,25 +1,29 @@
-"""Per-shard length index and pack assignment for MLPerf BERT shards, built once and cached beside the data.
+"""Per-shard length index and pack assignment for MLPerf BERT shards, built once and cached beside
+the data.
 
-Lazy training (:mod:`scaleout.families.bert.data.shard_source`) needs, per shard, how many packs it makes and which rows
-go together; it never needs every sequence of every shard in memory. Per shard ``f`` this module stores::
+Lazy training (:mod:`scaleout.families.bert.data.shard_source`) needs, per shard, how many packs it
+makes and which rows go together; it never needs every sequence of every shard in memory. Per shard
+``f`` this module stores::
 
     <index>/<f>.<key>.len.npy                 real tokens per row (int32)
     <index>/<f>.<key>.seq.npy                 packed layout only: sequences per row (int8)
     <index>/<f>.<key>.<settings>.packs.npz    rows of each pack: ids (int32) + offsets (int64)
     <index>/<f>.<key>.<settings>.meta.json    packs, sequences, tokens, deepest pack
-    <index>/summary-<hash>.npz                the meta of every shard in one file (one read per rank)
+    <index>/summary-<hash>.npz                the meta of every shard in one file (one read per
+    rank)
 
-``<index>`` is ``DIR/.scaleout-index`` beside the shards, or ``~/.cache/scaleout/shard-index/<hash of DIR>``
-when DIR is read-only. ``<key>`` hashes the file's name, size and mtime, so a replaced shard is re-indexed;
-``<settings>`` hashes max_len, packing algorithm, sequences per pack, seed and the rows skipped at the
-start of the shard. Packing uses each shard's own length histogram (the configured algorithm on it, then
-:func:`~scaleout.families.bert.packing.assign.assign_sequences` with a seed derived from the shard's name), so a
-rank that opens a shard can rebuild its packs alone and gets the same ones as every other rank.
+``<index>`` is ``DIR/.scaleout-index`` beside the shards, or ``~/.cache/scaleout/shard-index/<hash
+of DIR>`` when DIR is read-only. ``<key>`` hashes the file's name, size and mtime, so a replaced
+shard is re-indexed; ``<settings>`` hashes max_len, packing algorithm, sequences per pack, seed and
+the rows skipped at the start of the shard. Packing uses each shard's own length histogram (the
+configured algorithm on it, then :func:`~scaleout.families.bert.packing.assign.assign_sequences`
+with a seed derived from the shard's name), so a rank that opens a shard can rebuild its packs alone
+and gets the same ones as every other rank.
 
-:func:`ensure_index` builds in parallel: rank r indexes the shards j with ``j % world == r`` that are not
-cached, all ranks meet at a barrier, rank 0 gathers the small meta files into the summary, barrier, and
-every rank reads the summary. A shard missing from a rank's view of the cache (node-local copies of the
-data) is rebuilt by that rank when it first needs it.
+:func:`ensure_index` builds in parallel: rank r indexes the shards j with ``j % world == r`` that
+are not cached, all ranks meet at a barrier, rank 0 gathers the small meta files into the summary,
+barrier, and every rank reads the summary. A shard missing from a rank's view of the cache
+(node-local copies of the data) is rebuilt by that rank when it first needs it.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class PackSettings:
     seed: int = 0
 
     def key(self, skip: int = 0) -> str:
-        text = f"{self.max_len}:{self.algorithm}:{self.max_per_pack}:{self.seed}:{skip}:{INDEX_VERSION}"
+        parts = (self.max_len, self.algorithm, self.max_per_pack, self.seed, skip, INDEX_VERSION)
+        text = ":".join(str(p) for p in parts)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -95,7 +100,8 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 
 class ShardIndex:
-    """The cached index of one shard file under ``settings`` (rows from ``skip`` on are training rows)."""
+    """The cached index of one shard file under ``settings`` (rows from ``skip`` on are training
+    rows)."""
 
     def __init__(self, path: Path, idx: Path, settings: PackSettings, skip: int = 0):
         self.path, self.idx, self.settings, self.skip = path, idx, settings, skip
@@ -105,7 +111,8 @@ class ShardIndex:
         self.error_path = Path(f"{self.base}.{settings.key(skip)}.error.txt")
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(real tokens per row, sequences per row for packed shards else None), from the cache or the file."""
+        """(real tokens per row, sequences per row for packed shards else None), from the cache
+        or the file."""
         tok, seq = Path(f"{self.base}.len.npy"), Path(f"{self.base}.seq.npy")
         if tok.is_file():
             return np.load(tok), (np.load(seq) if seq.is_file() else None)
@@ -123,8 +130,9 @@ class ShardIndex:
         return tokens.astype(np.int32), nseq
 
     def meta_or_error(self) -> None:
-        """Index the shard; a data error (too long a row, missing fields) is recorded beside the index
-        instead of raised, so the rank still meets the others at the barrier (see :func:`ensure_index`)."""
+        """Index the shard; a data error (too long a row, missing fields) is recorded beside the
+        index instead of raised, so the rank still meets the others at the barrier (see
+        :func:`ensure_index`)."""
         try:
             self.meta()
         except UserError as exc:
@@ -157,7 +165,8 @@ class ShardIndex:
         too_long = tokens[rows].max(initial=0)
         if too_long > s.max_len:
             raise ConfigError(
-                f"data.max_seq_len={s.max_len} but {self.path.name} has rows of {int(too_long)} tokens"
+                f"data.max_seq_len={s.max_len} but {self.path.name} has rows of {int(too_long)} "
+                "tokens"
             )
         if nseq is not None or s.algorithm == "none":  # pre-packed rows, or one sequence per row
             ids, offsets = rows, np.arange(len(rows) + 1, dtype=np.int64)
@@ -224,7 +233,8 @@ def ensure_index(
 ) -> tuple[Summary, Path]:
     """Index every shard (in parallel over ranks), return the summary and the index directory.
 
-    A collective when ``world > 1``: every rank must call it (it meets the others at ``barrier``)."""
+    A collective when ``world > 1``: every rank must call it (it meets the others at
+    ``barrier``)."""
     idx = index_dir(files[0].parent)
     shards = [ShardIndex(f, idx, settings, k) for f, k in zip(files, skips, strict=True)]
     digest = hashlib.sha256("|".join(s.meta_path.name for s in shards).encode()).hexdigest()[:16]

@@ -1,14 +1,16 @@
-"""MLPerf BERT training from shards read lazily: each rank opens only the shards and rows its steps need.
+"""MLPerf BERT training from shards read lazily: each rank opens only the shards and rows its steps
+need.
 
-The global stream (the same on every rank, no communication): epoch ``e`` visits the training shards in
-a permutation seeded by ``(seed, e)``; inside shard ``j`` its packs (:mod:`scaleout.families.bert.data.shard_index`) come in
-a permutation seeded by ``(seed, e, j)``. Data position ``p`` (packed rows consumed, what checkpoints store)
-is a place in that stream; the step at ``p`` is rows ``[p, p + B)`` and rank ``r`` takes the contiguous
-slice ``[p + r*B/W, p + (r+1)*B/W)``, as :class:`~scaleout.data.sampler.ShardedSampler` does for in-memory
-data. A rank holds the per-shard pack counts (one integer per shard), the packs of the one or two shards
-its current steps fall in, and a couple of open files -- never the data set: host memory per rank does not
-grow with the number of shards (``scaleout bench shards`` measures it). Eval: each rank reads its share
-(``i % W == r``) of the first ``data.eval_samples`` eval sequences.
+The global stream (the same on every rank, no communication): epoch ``e`` visits the training shards
+in a permutation seeded by ``(seed, e)``; inside shard ``j`` its packs
+(:mod:`scaleout.families.bert.data.shard_index`) come in a permutation seeded by ``(seed, e, j)``.
+Data position ``p`` (packed rows consumed, what checkpoints store) is a place in that stream; the
+step at ``p`` is rows ``[p, p + B)`` and rank ``r`` takes the contiguous slice ``[p + r*B/W, p +
+(r+1)*B/W)``, as :class:`~scaleout.data.sampler.ShardedSampler` does for in-memory data. A rank
+holds the per-shard pack counts (one integer per shard), the packs of the one or two shards its
+current steps fall in, and a couple of open files -- never the data set: host memory per rank does
+not grow with the number of shards (``scaleout bench shards`` measures it). Eval: each rank reads
+its share (``i % W == r``) of the first ``data.eval_samples`` eval sequences.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ PACKS_CACHE, OPEN_FILES = 3, 2
 
 
 class ShardStream:
-    """This rank's view of the global packed-row stream over the training shards (picklable: paths and
-    per-shard counts; caches and open files are per process)."""
+    """This rank's view of the global packed-row stream over the training shards (picklable:
+    paths and per-shard counts; caches and open files are per process)."""
 
     def __init__(
         self,
@@ -84,7 +86,8 @@ class ShardStream:
         self.__dict__.update(state)
         self._init_caches()
 
-    # -- the global order ------------------------------------------------------------------------------
+    # -- the global order
+    # ------------------------------------------------------------------------------
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         if self._epoch_cache is None or self._epoch_cache[0] != e:
             s = self.settings.seed
@@ -97,7 +100,8 @@ class ShardStream:
         return self._epoch_cache[1], self._epoch_cache[2]
 
     def segments(self, start: int, count: int) -> list[tuple[int, np.ndarray]]:
-        """Rows ``[start, start + count)`` of the stream as (shard, pack numbers in that shard) runs."""
+        """Rows ``[start, start + count)`` of the stream as (shard, pack numbers in that shard)
+        runs."""
         out, pos, end = [], start, start + count
         while pos < end:
             e, off = divmod(pos, self.total)
@@ -145,7 +149,8 @@ class ShardStream:
         self._readers.move_to_end(j)
         return self._readers[j]
 
-    # -- what the trainer asks ---------------------------------------------------------------------------
+    # -- what the trainer asks
+    # ---------------------------------------------------------------------------
     def global_counts(self, position: int) -> tuple[int, int]:
         """(sequences, real tokens) in the whole global batch at ``position``; no communication."""
         n = t = 0
@@ -155,7 +160,8 @@ class ShardStream:
         return n, t
 
     def batches(self, position: int, grad_accum: int) -> list[tuple[dict[str, Any], int, int]]:
-        """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real tokens)."""
+        """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real
+        tokens)."""
         from scaleout.families.bert.data.bert_batch import build_batch
 
         runs = [
@@ -190,13 +196,15 @@ class ShardStream:
 
 
 class EvalShards:
-    """This rank's share of the first ``count`` eval sequences: ``len()`` is the global count, indexing
-    with a global index ``i`` (``i % world == rank``) gives the sequence (what BertTask.evaluate asks).
+    """This rank's share of the first ``count`` eval sequences: ``len()`` is the global count,
+    indexing with a global index ``i`` (``i % world == rank``) gives the sequence (what
+    BertTask.evaluate asks).
 
-    The sequences are read on first use (the first evaluation), not when the data is opened: that happens
-    before MLPerf's run_start, and the clock must start before any part of the system touches the dataset
-    (MLPerf Training rules, "Run Results"; NVIDIA's BERT starts reading its eval set after RUN_START too).
-    The count comes from the index (sequences per row: metadata, "Other Uses of Data")."""
+    The sequences are read on first use (the first evaluation), not when the data is opened: that
+    happens before MLPerf's run_start, and the clock must start before any part of the system
+    touches the dataset (MLPerf Training rules, "Run Results"; NVIDIA's BERT starts reading its
+    eval set after RUN_START too). The count comes from the index (sequences per row: metadata,
+    "Other Uses of Data")."""
 
     def __init__(
         self, files: list[Path], rows_per_file: list[np.ndarray], count: int, rank: int, world: int
@@ -257,9 +265,9 @@ class ShardData:
 def open_shards(
     cfg: Config, rank: int = 0, world: int = 1, barrier: Any = lambda: None
 ) -> ShardData:
-    """``data.source: wikipedia``: index ``data.path`` (``train/`` + ``eval/``, or one folder whose first
-    ``data.eval_samples`` sequences are held out) and return this rank's lazy training stream and eval share.
-    A collective: every rank calls it."""
+    """``data.source: wikipedia``: index ``data.path`` (``train/`` + ``eval/``, or one folder
+    whose first ``data.eval_samples`` sequences are held out) and return this rank's lazy
+    training stream and eval share. A collective: every rank calls it."""
     d = cfg.data
     if not d.path:
         raise ConfigError(
@@ -335,8 +343,9 @@ def open_shards(
 
 
 def _check_mask_slots(path: Path, max_predictions: int) -> None:
-    """A fixed-layout shard declares its mask slots per sequence; more than data.max_predictions would fail
-    in the middle of training (vlen layouts are checked row by row by the batch builder)."""
+    """A fixed-layout shard declares its mask slots per sequence; more than data.max_predictions
+    would fail in the middle of training (vlen layouts are checked row by row by the batch
+    builder)."""
     reader = ShardReader(path)
     try:
         slots = reader.mask_slots()

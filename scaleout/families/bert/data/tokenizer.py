@@ -2,12 +2,12 @@
 
 Pre-tokenisation follows BERT's basic tokenizer: lower-case, split on whitespace and around every
 punctuation character. The vocabulary is learned with byte-pair-encoding merges over word
-frequencies, with word-internal pieces written ``##piece`` -- the way HuggingFace's WordPiece trainer
-builds a vocabulary -- and text is encoded with WordPiece's greedy longest-match-first (a word that
-cannot be covered becomes ``[UNK]``, as in BERT). Merges are chosen by (count, then the pair itself),
-so training is deterministic. A max-heap with lazy deletion keeps training at a few seconds for the
-~2 MB pydoc+stdlib corpus. Trained vocabularies are cached as JSON keyed by a hash of the corpus and
-the settings (see :func:`train_or_load`).
+frequencies, with word-internal pieces written ``##piece`` -- the way HuggingFace's WordPiece
+trainer builds a vocabulary -- and text is encoded with WordPiece's greedy longest-match-first (a
+word that cannot be covered becomes ``[UNK]``, as in BERT). Merges are chosen by (count, then the
+pair itself), so training is deterministic. A max-heap with lazy deletion keeps training at a few
+seconds for the ~2 MB pydoc+stdlib corpus. Trained vocabularies are cached as JSON keyed by a hash
+of the corpus and the settings (see :func:`train_or_load`).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def train_wordpiece(
 def train_or_load(
     texts: list[str], vocab_size: int, corpus_key: str, cache: str | None = None
 ) -> WordPiece:
-    """Train once per (corpus, vocab_size, algorithm version); later calls read ``wordpiece-<key>.json``."""
+    """Train once per (corpus, vocab_size, algorithm version); later calls read
+    ``wordpiece-<key>.json``."""
     from scaleout.families.bert.data.corpus import cache_dir
 
     key = hashlib.sha256(f"{corpus_key}:{vocab_size}:{VERSION}".encode()).hexdigest()[:16]

@@ -1,23 +1,30 @@
 """Histogram packing algorithms: SPFHP, LPFHP, NNLSHP (Graphcore, arXiv 2107.02027) and LPHP (ours).
 
-All take a histogram ``h`` (``h[l]`` = sequences of length ``l``, see :mod:`packing_hist`), ``max_len``
-and ``max_per_pack`` and return a :class:`Strategy` that reproduces ``h`` exactly.
+All take a histogram ``h`` (``h[l]`` = sequences of length ``l``, see :mod:`packing_hist`),
+``max_len`` and ``max_per_pack`` and return a :class:`Strategy` that reproduces ``h`` exactly.
 
-- ``spfhp``: shortest-pack-first: lengths longest first; each goes into the open pack with the *most*
+- ``spfhp``: shortest-pack-first: lengths longest first; each goes into the open pack with the
+  *most*
   room left (worst fit), whole groups of identical packs at a time.
 - ``lpfhp``: longest-pack-first: best fit (the open pack with the *least* room that still fits), and
   several copies of a short length into one pack at once ("distribute").
-- ``nnlshp``: the paper's procedure (graphcore/examples ``tutorials/blogs_code/packedBERT/nnlshp.py``):
-  non-negative least squares over *every* way of writing max_len as a sum of <= 3 lengths (lengths the
+- ``nnlshp``: the paper's procedure (graphcore/examples
+  ``tutorials/blogs_code/packedBERT/nnlshp.py``):
+  non-negative least squares over *every* way of writing max_len as a sum of <= 3 lengths (lengths
+  the
   histogram does not contain included: those slots are padding), residual of lengths 1..8 weighted
   0.09, rounded to the nearest integer; each length still under-covered gets packs
   ``(l, max_len - l)``. 0.99746 on Wikipedia-512 at depth 3 (the paper: 0.9975).
 - ``lphp`` (ours): the same exact-fill packs, but the *linear program* "fewest packs that cover the
   histogram" (HiGHS) instead of least squares -- the quantity we care about is the pack count, which
-  NNLS does not minimise. The LP vertex has at most max_len non-zero patterns, so rounding down loses
-  at most a few thousand sequences; they are best-fitted (lpfhp engine) into the room left in LP packs,
-  then into new packs, and a ``refill`` pass moves the sequences of the emptiest packs into the room of
-  the others. On Wikipedia-512: 0.99883 at <= 3 per pack (NNLSHP 0.9975 in ~24 s) and 0.99979 at <= 12
+  NNLS does not minimise. The LP vertex has at most max_len non-zero patterns, so rounding down
+  loses
+  at most a few thousand sequences; they are best-fitted (lpfhp engine) into the room left in LP
+  packs,
+  then into new packs, and a ``refill`` pass moves the sequences of the emptiest packs into the room
+  of
+  the others. On Wikipedia-512: 0.99883 at <= 3 per pack (NNLSHP 0.9975 in ~24 s) and 0.99979 at <=
+  12
   (LPFHP 0.9981), in ~0.3 s CPU (see docs/packing.md for the exact runs).
 - ``auto``: runs the candidates and keeps the most efficient (:mod:`packing_auto`).
 """
@@ -35,10 +42,12 @@ from scaleout.families.bert.packing.strategy import Pack, Strategy, add_pack, re
 
 # NNLSHP weights the residual of lengths <= 8 by 0.09 (Graphcore's reference setting).
 NNLS_SHORT_CUTOFF, NNLS_SHORT_WEIGHT = 8, 0.09
-# Exact-fill patterns are enumerated up to this many sequences (22k patterns for 512; 4 would be ~1M).
+# Exact-fill patterns are enumerated up to this many sequences (22k patterns for 512; 4 would be
+# ~1M).
 MAX_PATTERN_DEPTH = 3
 # lphp's refill: empty the 0.5 % emptiest packs and best-fit their sequences elsewhere, twice (the
-# second round gains at <= 12 per pack; more rounds or fractions 0.1-2 % changed nothing on Wikipedia-512).
+# second round gains at <= 12 per pack; more rounds or fractions 0.1-2 % changed nothing on
+# Wikipedia-512).
 REFILL_FRACTION, REFILL_ROUNDS = 0.005, 2
 
 
@@ -114,10 +123,11 @@ def exact_fill_patterns(
     singletons: bool = True,
     all_lengths: bool = False,
 ) -> list[Pack]:
-    """Every pack of <= depth present lengths summing to exactly max_len, plus (``singletons``) a pack of
-    one for every present length, so that any histogram can be covered. ``balanced`` keeps only packs
-    whose shortest sequence is at least half the second shortest (see ``lphp``). ``all_lengths``: every
-    length 1..max_len may appear in a pack, present in ``h`` or not (NNLSHP's strategy set)."""
+    """Every pack of <= depth present lengths summing to exactly max_len, plus (``singletons``) a
+    pack of one for every present length, so that any histogram can be covered. ``balanced``
+    keeps only packs whose shortest sequence is at least half the second shortest (see ``lphp``).
+    ``all_lengths``: every length 1..max_len may appear in a pack, present in ``h`` or not
+    (NNLSHP's strategy set)."""
     present = set(range(1, max_len + 1)) if all_lengths else set(np.nonzero(h)[0].tolist())
     pats: list[Pack] = [(int(x),) for x in sorted(present) if singletons or x == max_len]
 
@@ -192,17 +202,19 @@ def nnlshp(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
 def lphp(h: np.ndarray, max_len: int, max_per_pack: int, balanced: bool = True) -> dict[Pack, int]:
     """LP over exact-fill packs, rounded down, residual best-fitted.
 
-    ``balanced``: the LP is very degenerate (its dual prices are close to linear in the length over most
-    of the range, so every exact-fill triple there costs the same); keeping only triples whose two
-    shorter sequences are within a factor 2 drops 55 % of the 21.6k columns on Wikipedia-512 at an
-    LP optimum 0.99820 instead of 0.99822, and makes the interior-point solve ~3x faster (~0.2 s).
+    ``balanced``: the LP is very degenerate (its dual prices are close to linear in the length over
+    most of the range, so every exact-fill triple there costs the same); keeping only triples whose
+    two shorter sequences are within a factor 2 drops 55 % of the 21.6k columns on Wikipedia-512 at
+    an LP optimum 0.99820 instead of 0.99822, and makes the interior-point solve ~3x faster (~0.2
+    s).
     """
     from scipy.optimize import linprog
 
     pats = exact_fill_patterns(h, max_len, min(max_per_pack, MAX_PATTERN_DEPTH), balanced=balanced)
     a = _matrix(pats, max_len)[1:]
     # min sum(x) s.t. A x >= h, x >= 0 (covering: extra copies become empty slots, removed below).
-    # HiGHS IPM + crossover returns a vertex (<= max_len non-zeros), which keeps the rounding loss small.
+    # HiGHS IPM + crossover returns a vertex (<= max_len non-zeros), which keeps the rounding loss
+    # small.
     res = linprog(
         np.ones(len(pats)), A_ub=-a, b_ub=-h[1:].astype(float), bounds=(0, None), method="highs-ipm"
     )
@@ -221,7 +233,8 @@ def lphp(h: np.ndarray, max_len: int, max_per_pack: int, balanced: bool = True) 
 
 
 def _fill(h: np.ndarray, packs: dict[Pack, int], max_len: int, k: int) -> dict[Pack, int]:
-    """Best-fit the sequences of histogram ``h`` into the room left in ``packs``, then into new packs."""
+    """Best-fit the sequences of histogram ``h`` into the room left in ``packs``, then into new
+    packs."""
     full = {p: n for p, n in packs.items() if sum(p) == max_len or len(p) >= k}
     open_ = {p: n for p, n in packs.items() if p not in full}
     out = _greedy(h, max_len, k, worst_fit=False, distribute=True, initial=open_)
@@ -233,13 +246,14 @@ def _fill(h: np.ndarray, packs: dict[Pack, int], max_len: int, k: int) -> dict[P
 def refill(
     packs: dict[Pack, int], max_len: int, k: int, fraction: float = REFILL_FRACTION
 ) -> dict[Pack, int]:
-    """Empty the ``fraction`` emptiest packs and best-fit their sequences into the room of the others.
+    """Empty the ``fraction`` emptiest packs and best-fit their sequences into the room of the
+    others.
 
-    After LP rounding, the waste sits in a few packs (left-overs, packs that lost over-covered slots)
-    while many exact-fill packs have a slot or a few tokens free; moving the former into the latter is
-    a bin-packing step the LP cannot see. On Wikipedia-512 it takes lphp from 0.99822 to 0.99884 at
-    <= 3 per pack (the LP bound over *all* <= 3-sequence packs, by column generation, is 0.99884) and
-    to 0.99979 at <= 12, in a few milliseconds.
+    After LP rounding, the waste sits in a few packs (left-overs, packs that lost over-covered
+    slots) while many exact-fill packs have a slot or a few tokens free; moving the former into the
+    latter is a bin-packing step the LP cannot see. On Wikipedia-512 it takes lphp from 0.99822 to
+    0.99884 at <= 3 per pack (the LP bound over *all* <= 3-sequence packs, by column generation, is
+    0.99884) and to 0.99979 at <= 12, in a few milliseconds.
     """
     total = sum(packs.values())
     take_n = max(1, int(fraction * total))
@@ -255,8 +269,8 @@ def refill(
 
 
 def lphp_full(h: np.ndarray, max_len: int, max_per_pack: int) -> dict[Pack, int]:
-    """lphp over every exact-fill pack (no ``balanced`` filter): slower, but better where the filter drops
-    the packs that matter (SQuAD-384 at depth 3: 0.988 instead of 0.971)."""
+    """lphp over every exact-fill pack (no ``balanced`` filter): slower, but better where the
+    filter drops the packs that matter (SQuAD-384 at depth 3: 0.988 instead of 0.971)."""
     return lphp(h, max_len, max_per_pack, balanced=False)
 
 
@@ -271,8 +285,8 @@ VARIANTS: dict[str, Callable[[np.ndarray, int, int], dict[Pack, int]]] = {"lphp-
 
 
 def check_histogram(h: np.ndarray, max_len: int, max_per_pack: int, algorithm: str) -> np.ndarray:
-    """``h`` as a validated int64 histogram of length max_len + 1 (no length-0 sequences), or a one-line
-    UserError naming what is wrong with the arguments."""
+    """``h`` as a validated int64 histogram of length max_len + 1 (no length-0 sequences), or a
+    one-line UserError naming what is wrong with the arguments."""
     if (
         isinstance(max_per_pack, bool)
         or not isinstance(max_per_pack, (int, np.integer))
@@ -297,7 +311,8 @@ def check_histogram(h: np.ndarray, max_len: int, max_per_pack: int, algorithm: s
 
 
 def run_algorithm(hist: np.ndarray, max_len: int, max_per_pack: int, name: str) -> Strategy:
-    """Run one algorithm (or variant) on a histogram from :func:`check_histogram`, timed and validated."""
+    """Run one algorithm (or variant) on a histogram from :func:`check_histogram`, timed and
+    validated."""
     if name in ("nnlshp", "lphp", "lphp-full"):
         import scipy.optimize  # noqa: F401  (a one-off import, not the algorithm's run time)
     t, c = time.perf_counter(), time.process_time()

@@ -1,8 +1,8 @@
 """Assign concrete sequences to the packs of a strategy, deterministically for a seed.
 
-Every sequence lands in exactly one pack slot of its own length. Vectorised: the slots of all packs are
-laid out flat; sorting slots and (shuffled) sequence ids by length lines them up, so 16M sequences take
-seconds, not minutes.
+Every sequence lands in exactly one pack slot of its own length. Vectorised: the slots of all packs
+are laid out flat; sorting slots and (shuffled) sequence ids by length lines them up, so 16M
+sequences take seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def assign_sequences(
     seed: int = 0,
     ids: Sequence[int] | np.ndarray | None = None,
 ) -> PackedSequences:
-    """Place sequences (``lengths[i]`` is the length of sequence ``ids[i]``, default ``i``) into packs.
+    """Place sequences (``lengths[i]`` is the length of sequence ``ids[i]``, default ``i``) into
+    packs.
 
-    The order of packs and which sequence of a given length goes where are random but fixed by ``seed``.
-    Raises UserError if the sequences' histogram is not the one the strategy was made for.
+    The order of packs and which sequence of a given length goes where are random but fixed by
+    ``seed``. Raises UserError if the sequences' histogram is not the one the strategy was made for.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = (
@@ -57,7 +58,8 @@ def assign_sequences(
         diff = np.nonzero(h != want)[0]
         length = int(diff[0])
         raise UserError(
-            f"the strategy ({strategy.algorithm}) packs {int(want[length])} sequences of length {length} but the "
+            f"the strategy ({strategy.algorithm}) packs {int(want[length])} sequences of length "
+            f"{length} but the "
             f"data has {int(h[length])}: strategies must be built from the same data's histogram"
         )
     rng = np.random.default_rng(seed)

@@ -2,8 +2,8 @@
 
 A histogram is a numpy int64 array ``h`` of size ``max_len + 1`` where ``h[l]`` is the number of
 sequences of length ``l`` (``h[0]`` is always 0). The file format is Graphcore's (arXiv 2107.02027,
-``../shared/data/wikipedia_seqlen_hist_512.txt``): one ``length count`` pair per line, ``#`` comments,
-blank lines ignored.
+``../shared/data/wikipedia_seqlen_hist_512.txt``): one ``length count`` pair per line, ``#``
+comments, blank lines ignored.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import numpy as np
 
 from scaleout.errors import UserError
 
-# Sequence counts and token totals are int64 in every histogram and packing computation; keeping the totals
-# below 2^62 leaves headroom for the algorithms' own sums (packs x max_len) without wrapping silently.
+# Sequence counts and token totals are int64 in every histogram and packing computation; keeping the
+# totals below 2^62 leaves headroom for the algorithms' own sums (packs x max_len) without wrapping
+# silently.
 MAX_TOTAL = 1 << 62
 
 
 # A histogram is max_len + 1 int64 bins; 2^20 tokens per pack is 8 times the longest context of any
-# published BERT-style packing setup and an 8 MiB histogram, while 10^12 would be an 8 TB allocation.
+# published BERT-style packing setup and an 8 MiB histogram, while 10^12 would be an 8 TB
+# allocation.
 MAX_LEN = 1 << 20
 
 
@@ -82,7 +84,8 @@ def check_totals(pairs: dict[int, int], source: str) -> None:
     if sequences > MAX_TOTAL or tokens > MAX_TOTAL:
         big = max(pairs.items(), key=lambda kv: kv[1])
         raise UserError(
-            f"{source}: {sequences} sequences / {tokens} tokens in total (largest count {big[1]} for length "
+            f"{source}: {sequences} sequences / {tokens} tokens in total (largest count {big[1]} "
+            "for length "
             f"{big[0]}): expected totals below 2^62"
         )
 

@@ -1,4 +1,5 @@
-"""``pack_histogram``: the front door of packing, one algorithm by name or ``auto`` (the best of them).
+"""``pack_histogram``: the front door of packing, one algorithm by name or ``auto`` (the best of
+them).
 
 It sits above both :mod:`.algos` (the algorithms) and :mod:`.auto` (which runs several of them), so
 neither imports the other back.
@@ -21,8 +22,9 @@ def pack_histogram(
     algorithm: str = "auto",
     budget_s: float | None = None,
 ) -> Strategy:
-    """Run one algorithm on histogram ``h`` (length max_len + 1, or shorter) and time it. ``auto`` runs the
-    candidates of :mod:`.auto` (``budget_s``: its time budget) and returns the most efficient."""
+    """Run one algorithm on histogram ``h`` (length max_len + 1, or shorter) and time it.
+    ``auto`` runs the candidates of :mod:`.auto` (``budget_s``: its time budget) and returns the
+    most efficient."""
     max_len = check_max_len(max_len)
     hist = check_histogram(h, max_len, max_per_pack, algorithm)
     if algorithm == "auto":

@@ -1,9 +1,11 @@
-"""A packing strategy: which lengths go together in a pack, and how often (Graphcore, arXiv 2107.02027).
+"""A packing strategy: which lengths go together in a pack, and how often (Graphcore, arXiv
+2107.02027).
 
-``Strategy.packs`` maps a pack (a tuple of sequence lengths, longest first) to its repeat count. A valid
-strategy for a histogram ``h`` uses every sequence exactly once (``strategy.histogram() == h``), keeps
-every pack within ``max_len`` tokens and ``max_per_pack`` sequences. Metrics as in the paper:
-efficiency = real tokens / (packs x max_len); speed-up = sequences / packs (rows saved vs padding).
+``Strategy.packs`` maps a pack (a tuple of sequence lengths, longest first) to its repeat count. A
+valid strategy for a histogram ``h`` uses every sequence exactly once (``strategy.histogram() ==
+h``), keeps every pack within ``max_len`` tokens and ``max_per_pack`` sequences. Metrics as in the
+paper: efficiency = real tokens / (packs x max_len); speed-up = sequences / packs (rows saved vs
+padding).
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class Strategy:
         return h
 
     def validate(self, h: np.ndarray) -> None:
-        """Raise UserError unless this strategy packs exactly ``h`` within its limits (a real check, not an
-        ``assert``: it guards data that reaches training, also under ``python -O``)."""
+        """Raise UserError unless this strategy packs exactly ``h`` within its limits (a real
+        check, not an ``assert``: it guards data that reaches training, also under ``python
+        -O``)."""
         for p, n in self.packs.items():
             if not (isinstance(n, (int, np.integer)) and n > 0):
                 raise UserError(
@@ -71,11 +74,13 @@ class Strategy:
                 )
             if not 0 < len(p) <= self.max_per_pack:
                 raise UserError(
-                    f"{self.algorithm}: pack {p} holds {len(p)} sequences; expected 1..{self.max_per_pack}"
+                    f"{self.algorithm}: pack {p} holds {len(p)} sequences; expected "
+                    f"1..{self.max_per_pack}"
                 )
             if sum(p) > self.max_len or min(p) < 1:
                 raise UserError(
-                    f"{self.algorithm}: pack {p} has {sum(p)} tokens; expected sequences of 1.. and "
+                    f"{self.algorithm}: pack {p} has {sum(p)} tokens; expected sequences of 1.. "
+                    "and "
                     f"at most max_len={self.max_len} in total"
                 )
         h = np.asarray(h, dtype=np.int64)
@@ -89,7 +94,8 @@ class Strategy:
         if not np.array_equal(got, want):
             at = int(np.nonzero(got != want)[0][0])
             raise UserError(
-                f"{self.algorithm}: the strategy packs {int(got[at])} sequences of length {at} but the "
+                f"{self.algorithm}: the strategy packs {int(got[at])} sequences of length {at} but "
+                "the "
                 f"histogram has {int(want[at])}; a strategy must reproduce its histogram exactly"
             )
 
@@ -127,7 +133,8 @@ class Strategy:
 
 
 def speedup_ceiling(h: np.ndarray) -> float:
-    """Sequences / minimal packs if every pack were full: 2.0013 for Wikipedia-512 (arXiv 2107.02027)."""
+    """Sequences / minimal packs if every pack were full: 2.0013 for Wikipedia-512 (arXiv
+    2107.02027)."""
     max_len = len(h) - 1
     tokens = float((h * np.arange(len(h))).sum())
     return float(h.sum()) / (tokens / max_len)
