@@ -533,7 +533,9 @@ def test_readme_detection_table_matches_the_registry() -> None:
     rows = re.findall(r"^\| (\d+) \| `([a-z0-9_]+)` \|", readme, flags=re.MULTILINE)
     assert [name for _, name in rows] == list(detection_order())
     assert [int(k) for k, _ in rows] == list(range(1, len(rows) + 1))
-    guide = (Path(__file__).resolve().parents[1] / "docs" / "extending-env.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    start = text.index("## A launcher environment")
+    guide = text[start : text.index("\n## ", start + 1)]
     listed = dict(re.findall(r"`([a-z]+)` (\d+)", " ".join(guide.split())))
     assert listed == {n: str(ENVIRONMENTS.get(n).priority) for n in detection_order()}
 

@@ -1,4 +1,4 @@
-"""Adding an all-reduce algorithm takes one file (docs/extending-comm.md): this one registers a toy
+"""Adding an all-reduce algorithm takes one file (docs/extending.md): this one registers a toy
 ``naive`` all-reduce (all-gather every rank's buffer, add them up) and runs it through the real
 paths: a config naming it validates, ``scaleout simulate`` lists and prices it (all-reduce, training
 step, sharded optimizer), and ``scaleout.comm.all_reduce`` / ``reduce_scatter`` / ``all_gather`` run

@@ -1,4 +1,4 @@
-"""Adding a launcher environment (and a launcher) is one file: this one (docs/extending-env.md).
+"""Adding a launcher environment (and a launcher) is one file: this one (docs/extending.md).
 
 A toy PBS-like environment registers itself here and goes through the real path: detection by
 priority, ``read`` -> WorldSpec, the config accepting ``launch.env=pbs``, ``scaleout.init()``

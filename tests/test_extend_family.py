@@ -1,5 +1,5 @@
 """A model family added from this one file: a 2-layer MLP classifying synthetic points
-(docs/extending-families.md).
+(docs/extending.md).
 
 It registers itself in :data:`scaleout.families.FAMILIES` and goes through the real path: a config
 naming ``model.arch=toy_mlp`` (with its own ``model.toy_mlp`` section) validates, the simulator

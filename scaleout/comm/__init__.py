@@ -3,7 +3,7 @@ and ``reduce_scatter`` / ``all_gather`` (with ``shard_index``) for sharded optim
 
 Algorithms live in one registry (:data:`ALGORITHMS`, :mod:`scaleout.comm.algorithm`), one file each:
 ``flat`` (baseline), ``hierarchical``, ``torus2d``. See docs/collectives.md and
-docs/extending-comm.md.
+docs/extending.md.
 
 Importing this package registers the algorithms without importing torch (the config schema reads the
 registry); the collectives themselves load on first use.

@@ -5,7 +5,7 @@ A family is one folder, ``scaleout/families/<name>/``, whose ``__init__.py`` reg
 MLPerf log read from a family is torch-free (its name, config section, FLOP and parameter formulas,
 benchmark and metric names, checks): importing this package never imports torch. The runtime (model,
 data, the task) is imported when :meth:`Family.build_task` runs, inside a rank. See
-docs/extending-families.md.
+docs/extending.md.
 """
 
 from __future__ import annotations
