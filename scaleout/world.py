@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from scaleout.comm.torus2d import resolve_grid
 from scaleout.env import WorldSpec, detect_environment
+from scaleout.env.base import DEVICE_VAR
 from scaleout.errors import TopologyError
 
 if TYPE_CHECKING:
@@ -340,15 +341,75 @@ def _release_captured_groups(groups: list[Any]) -> None:
                 fn.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
 
 
-def pick_device(local_rank: int, backend: str = "auto") -> tuple[torch.device, str]:
-    """cuda:local_rank + NCCL when CUDA is present (unless gloo is asked for), else cpu + gloo."""
+def device_index(spec: WorldSpec, env: Mapping[str, str], count: int) -> int:
+    """This rank's CUDA device index among the ``count`` visible here (one GPU per rank).
+
+    ``SCALEOUT_DEVICE`` (env.base.DEVICE_VAR) when set: scaleout's launchers give every rank of this host
+    its own index across the emulated nodes; an index beyond the visible GPUs is refused (more ranks on
+    this host than GPUs). Otherwise the local rank, as torchrun and Slurm give it on real nodes. Where each
+    task sees fewer GPUs than there are local ranks (Slurm ``--gpus-per-task``/``--gpu-bind`` give each task
+    its own ``CUDA_VISIBLE_DEVICES``), the local rank wraps onto the visible ones; whether that shares a
+    physical GPU is what :func:`claim_device` checks across ranks.
+    """
+    given = env.get(DEVICE_VAR, "").strip()
+    if not given:
+        return spec.local_rank % count
+    try:
+        index = int(given)
+    except ValueError:
+        raise TopologyError(f"{DEVICE_VAR}={given!r}: expected a device index >= 0") from None
+    if not 0 <= index < count:
+        raise TopologyError(
+            f"rank {spec.rank}: {DEVICE_VAR}={index} but {count} CUDA device(s) are visible on "
+            f"{socket.gethostname()}: {spec.world_size} ranks here would share a GPU (one GPU per rank: "
+            f"at most {count} ranks, or set CUDA_VISIBLE_DEVICES)"
+        )
+    return index
+
+
+def pick_device(index: int, backend: str = "auto") -> tuple[torch.device, str]:
+    """cuda:index + NCCL when CUDA is present (unless gloo is asked for), else cpu + gloo. ``index`` must be
+    a visible device (:func:`device_index` gives it): never wrapped, a wrap would share a GPU silently."""
     if torch.cuda.is_available() and backend in ("auto", "nccl"):
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise TopologyError(
+                f"CUDA device index {index}: only {count} device(s) are visible (cuda:0..cuda:{count - 1})"
+            )
+        dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
         return dev, "nccl"
     if backend == "nccl":
         raise TopologyError("launch.backend='nccl' needs CUDA, and no CUDA device is visible")
     return torch.device("cpu"), "gloo"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """What names the physical GPU behind ``device`` across processes: its UUID (the same whatever
+    CUDA_VISIBLE_DEVICES renumbering a process sees), else host + the visible-devices entry."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid:
+        return f"GPU-{uuid}"
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    index = device.index or 0
+    physical = visible[index] if index < len(visible) else str(index)
+    return f"{socket.gethostname()}/{physical}"
+
+
+def claim_device(store: Any, rank: int, device: torch.device, identity: str) -> None:
+    """Record on the rendezvous store that ``rank`` uses the GPU ``identity``; a one-line TopologyError
+    when another rank already does. Called after the rendezvous and before the first NCCL collective
+    (communicators are created lazily), so NCCL never sees two ranks on one device ("Duplicate GPU
+    detected"). One compare-and-set per rank: O(1) store traffic per rank at any scale."""
+    holder = store.compare_set(f"scaleout/gpu/{identity}", "", str(rank)).decode()
+    if holder != str(rank):
+        raise TopologyError(
+            f"ranks {holder} and {rank} both use {device} ({identity}) on {socket.gethostname()}: "
+            "one GPU per rank (fewer ranks per host than visible GPUs, or one CUDA_VISIBLE_DEVICES "
+            "entry per task)"
+        )
 
 
 def init(
@@ -378,7 +439,9 @@ def init(
     ):  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
         given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
         spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
-    device, backend = pick_device(spec.local_rank, backend)
+    cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    index = device_index(spec, env, torch.cuda.device_count()) if cuda else 0
+    device, backend = pick_device(index, backend)
     if backend == "nccl":
         nccl_error_handling(os.environ)
     if not dist.is_initialized():
@@ -396,6 +459,10 @@ def init(
             "torch.distributed is already initialised as rank "
             f"{dist.get_rank()}/{dist.get_world_size()}, "
             f"but the {spec.launcher} environment says {spec.rank}/{spec.world_size}"
+        )
+    if device.type == "cuda":  # before the first NCCL collective (_observe_topology's)
+        claim_device(
+            dist.distributed_c10d._get_default_store(), spec.rank, device, gpu_identity(device)
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)

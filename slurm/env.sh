@@ -2,13 +2,15 @@
 # shares, and the job's run directory. Every value is a default: a variable the user already exported before
 # sbatch wins (sbatch passes the submitting shell's environment to the job).
 
-# NCCL: InfiniBand with GPUDirect RDMA when the fabric has it; fail fast and loudly on a hung collective
-# instead of waiting out the job (async error handling lets the watchdog abort the rank).
+# NCCL: InfiniBand with GPUDirect RDMA when the fabric has it.
 export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}
 export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# TORCH_NCCL_ASYNC_ERROR_HANDLING is deliberately not set here: scaleout.init() sets 3 (skip clean-up: the
+# watchdog ends the process at once, torch 2.13's own default) when it is unset, so a hung or dead peer
+# ends the step through --kill-on-bad-exit. 1 would first abort the communicators, which can itself hang
+# and hold every GPU of the job until its time limit. A value exported before sbatch is still respected.
 
 # CPUs: each task gets its share of the CPUs Slurm reports for the node (the scripts ask for --exclusive), or
 # what `sbatch --cpus-per-task` asked for. srun >= 22.05 no longer inherits --cpus-per-task from the batch

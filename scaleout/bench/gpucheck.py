@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,12 +28,14 @@ HELP = (
 DESCRIPTION = """\
 What the CPU test suite cannot show, checked on the GPUs of this machine in one go (< 8 min on one
 H100/H200): a table of check | result | number | expected, JSON with the same rows, and exit status
-1 if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0.
+1 if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0 --
+unless `nvidia-smi -L` lists a GPU: then torch cannot see a GPU this machine has (a CPU build, a
+CUDA build newer than the driver, CUDA_VISIBLE_DEVICES="") and the check FAILs with that reason,
+exit status 1. The dependencies row (the project's imports the GPU rows need) runs everywhere.
 
   1. NCCL world of every GPU (scaleout launch --nproc-per-node <GPUs>: one process per GPU)
   2. tiny BERT (configs/bert_tiny_cpu.yaml) trained to its first evaluation in bf16, and in fp16
-     with
-     dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
+     with dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
   3. CUDA-graph capture of the packed BERT training step, equal to the eager step
   4. varlen (flash) attention equal to the padded masked-attention path on packed bf16 BERT
   5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes
@@ -46,7 +51,7 @@ examples:
 """
 
 CHECKS = ("nccl", "train", "capture", "varlen", "optimizers", "bert_large", "allreduce")
-SMOKE_ARGS = ["--only", "nccl,capture"]  # on a machine without CUDA: every row SKIP, exit 0
+SMOKE_ARGS = ["--only", "nccl,capture"]  # without CUDA (nor nvidia-smi): GPU rows SKIP, exit 0
 Row = tuple[str, str, str, str]
 
 
@@ -215,6 +220,53 @@ def check_allreduce(gpus: int, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+# What the GPU rows import beyond torch and numpy (the config schema, the YAML configs, the MLPerf
+# log): present after scripts/setup.sh; a CPU run of the SKIP rows alone would never notice them
+# missing.
+DEPENDENCIES = ("yaml", "pydantic", "mlperf_logging")
+
+
+def check_dependencies() -> Row:
+    missing = [m for m in DEPENDENCIES if importlib.util.find_spec(m) is None]
+    number = f"missing {', '.join(missing)}: run scripts/setup.sh" if missing else "all importable"
+    return ("dependencies", "FAIL" if missing else "PASS", number, ", ".join(DEPENDENCIES))
+
+
+def listed_gpus(timeout: float = 30.0) -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (its "GPU n: ..." lines); [] without nvidia-smi or when it
+    fails (no driver: nothing that torch could use either)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("GPU ")]
+
+
+def invisible_gpus_reason(listed: list[str]) -> str:
+    """One line: nvidia-smi lists GPUs and torch sees none (why the acceptance check must not
+    pass)."""
+    import torch
+
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    why = (
+        f"CUDA_VISIBLE_DEVICES={hidden!r}"
+        if hidden is not None
+        else "install a CUDA torch the driver supports (scripts/setup.sh keeps one)"
+        if not torch.version.cuda
+        else "is the driver older than that CUDA?"
+    )
+    return (
+        f"nvidia-smi lists {len(listed)} GPU(s) ({listed[0].split(' (UUID')[0]}) but torch "
+        f"{torch.__version__} ({build}) sees none: {why}"
+    )
+
+
 def _in_process(fn: Callable[..., list[Row]], name: str, *a: Any) -> list[Row]:
     try:
         return fn(*a)
@@ -261,7 +313,17 @@ def run(args: argparse.Namespace) -> int:
         if gpus
         else f"torch {torch.__version__}, no CUDA device"
     )
-    rows: list[Row] = [("environment", "PASS" if gpus else "SKIP", env, "1+ CUDA GPUs")]
+    listed = [] if gpus else listed_gpus()
+    invisible = invisible_gpus_reason(listed) if listed else ""
+    rows: list[Row] = [
+        (
+            "environment",
+            "PASS" if gpus else "FAIL" if invisible else "SKIP",
+            invisible or env,
+            "1+ CUDA GPUs (every GPU nvidia-smi lists)",
+        ),
+        check_dependencies(),
+    ]
     rows += (
         _run_checks(only, gpus, args)
         if gpus
@@ -287,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - t0:.0f} s"
         ],
     )
+    if invisible:  # the one line that says why, after the table
+        print(f"scaleout bench gpucheck: FAIL: {invisible}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -154,12 +154,17 @@ LOCAL_VARS = {
     "local_size": "SCALEOUT_NPROC_PER_NODE",
     "world_size": "SCALEOUT_WORLD_SIZE",
 }
+# The CUDA device index of this rank among the ranks on this physical host, set by scaleout's own
+# launchers (every rank of a local or netns launch is on this host, however many nodes it emulates,
+# so it is the rank). scaleout.world uses it instead of the local rank, which restarts at 0 on each
+# emulated node: two emulated nodes on one GPU box would otherwise both use cuda:0.
+DEVICE_VAR = "SCALEOUT_DEVICE"
 
 
 def local_rank_env(rank: int, nnodes: int, nproc: int, addr: str, port: int) -> dict[str, str]:
     """The variables of rank ``rank`` of ``nnodes`` x ``nproc`` ranks (node-major) meeting at
-    ``addr:port``: :data:`LOCAL_VARS`, plus torchrun's names so that torch-native scripts run
-    unchanged."""
+    ``addr:port``, all on this host: :data:`LOCAL_VARS`, :data:`DEVICE_VAR`, plus torchrun's
+    names so that torch-native scripts run unchanged."""
     node, local = divmod(rank, nproc)
     values = {
         "rank": rank,
@@ -170,6 +175,7 @@ def local_rank_env(rank: int, nnodes: int, nproc: int, addr: str, port: int) -> 
         "world_size": nnodes * nproc,
     }
     env = {LOCAL_VARS[k]: str(v) for k, v in values.items()}
+    env[DEVICE_VAR] = str(rank)  # one GPU per rank of this host, across its emulated nodes
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local),
