@@ -344,12 +344,13 @@ def _release_captured_groups(groups: list[Any]) -> None:
 def device_index(spec: WorldSpec, env: Mapping[str, str], count: int) -> int:
     """This rank's CUDA device index among the ``count`` visible here (one GPU per rank).
 
-    ``SCALEOUT_DEVICE`` (env.base.DEVICE_VAR) when set: scaleout's launchers give every rank of this host
-    its own index across the emulated nodes; an index beyond the visible GPUs is refused (more ranks on
-    this host than GPUs). Otherwise the local rank, as torchrun and Slurm give it on real nodes. Where each
-    task sees fewer GPUs than there are local ranks (Slurm ``--gpus-per-task``/``--gpu-bind`` give each task
-    its own ``CUDA_VISIBLE_DEVICES``), the local rank wraps onto the visible ones; whether that shares a
-    physical GPU is what :func:`claim_device` checks across ranks.
+    ``SCALEOUT_DEVICE`` (env.base.DEVICE_VAR) when set: scaleout's launchers give every rank of this
+    host its own index across the emulated nodes; an index beyond the visible GPUs is refused (more
+    ranks on this host than GPUs). Otherwise the local rank, as torchrun and Slurm give it on real
+    nodes. Where each task sees fewer GPUs than there are local ranks (Slurm
+    ``--gpus-per-task``/``--gpu-bind`` give each task its own ``CUDA_VISIBLE_DEVICES``), the local
+    rank wraps onto the visible ones; whether that shares a physical GPU is what
+    :func:`claim_device` checks across ranks.
     """
     given = env.get(DEVICE_VAR, "").strip()
     if not given:
@@ -361,20 +362,23 @@ def device_index(spec: WorldSpec, env: Mapping[str, str], count: int) -> int:
     if not 0 <= index < count:
         raise TopologyError(
             f"rank {spec.rank}: {DEVICE_VAR}={index} but {count} CUDA device(s) are visible on "
-            f"{socket.gethostname()}: {spec.world_size} ranks here would share a GPU (one GPU per rank: "
+            f"{socket.gethostname()}: {spec.world_size} ranks here would share a GPU (one GPU per "
+            "rank: "
             f"at most {count} ranks, or set CUDA_VISIBLE_DEVICES)"
         )
     return index
 
 
 def pick_device(index: int, backend: str = "auto") -> tuple[torch.device, str]:
-    """cuda:index + NCCL when CUDA is present (unless gloo is asked for), else cpu + gloo. ``index`` must be
-    a visible device (:func:`device_index` gives it): never wrapped, a wrap would share a GPU silently."""
+    """cuda:index + NCCL when CUDA is present (unless gloo is asked for), else cpu + gloo.
+    ``index`` must be a visible device (:func:`device_index` gives it): never wrapped, a wrap
+    would share a GPU silently."""
     if torch.cuda.is_available() and backend in ("auto", "nccl"):
         count = torch.cuda.device_count()
         if not 0 <= index < count:
             raise TopologyError(
-                f"CUDA device index {index}: only {count} device(s) are visible (cuda:0..cuda:{count - 1})"
+                f"CUDA device index {index}: only {count} device(s) are visible "
+                f"(cuda:0..cuda:{count - 1})"
             )
         dev = torch.device("cuda", index)
         torch.cuda.set_device(dev)
@@ -399,10 +403,11 @@ def gpu_identity(device: torch.device) -> str:
 
 
 def claim_device(store: Any, rank: int, device: torch.device, identity: str) -> None:
-    """Record on the rendezvous store that ``rank`` uses the GPU ``identity``; a one-line TopologyError
-    when another rank already does. Called after the rendezvous and before the first NCCL collective
-    (communicators are created lazily), so NCCL never sees two ranks on one device ("Duplicate GPU
-    detected"). One compare-and-set per rank: O(1) store traffic per rank at any scale."""
+    """Record on the rendezvous store that ``rank`` uses the GPU ``identity``; a one-line
+    TopologyError when another rank already does. Called after the rendezvous and before the
+    first NCCL collective (communicators are created lazily), so NCCL never sees two ranks on one
+    device ("Duplicate GPU detected"). One compare-and-set per rank: O(1) store traffic per rank
+    at any scale."""
     holder = store.compare_set(f"scaleout/gpu/{identity}", "", str(rank)).decode()
     if holder != str(rank):
         raise TopologyError(

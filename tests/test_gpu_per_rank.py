@@ -1,13 +1,13 @@
 """One GPU per rank, always (issue 26 item 2): scaleout.init on a GPU host, driven on CPU.
 
 No GPU can exist on this machine, so CUDA is a mock: ``torch.cuda.is_available``/``device_count``/
-``set_device``/``get_device_properties`` are patched, and so is the part of ``torch.distributed`` that
-would meet the other ranks (``init_process_group`` does nothing, the rendezvous store is one in-process
-``HashStore`` shared by the simulated ranks, ``_observe_topology`` -- the first NCCL collective -- is not
-reached for real). What runs for real: the variables the real local launcher writes for each rank
-(``launchers.local.rank_env``) or Slurm's, the environment reader, and ``scaleout.init``'s choice of device
-and its check that no two ranks share one, which happens before NCCL would see them ("Duplicate GPU
-detected").
+``set_device``/``get_device_properties`` are patched, and so is the part of ``torch.distributed``
+that would meet the other ranks (``init_process_group`` does nothing, the rendezvous store is one
+in-process ``HashStore`` shared by the simulated ranks, ``_observe_topology`` -- the first NCCL
+collective -- is not reached for real). What runs for real: the variables the real local launcher
+writes for each rank (``launchers.local.rank_env``) or Slurm's, the environment reader, and
+``scaleout.init``'s choice of device and its check that no two ranks share one, which happens before
+NCCL would see them ("Duplicate GPU detected").
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def slurm_env(rank: int, nnodes: int, per_node: int) -> dict[str, str]:
 def test_emulated_nodes_on_one_host_get_distinct_gpus(
     monkeypatch: pytest.MonkeyPatch, nnodes: int, nproc: int
 ) -> None:
-    """`scaleout launch --nnodes 2 --nproc-per-node G` on a host with 2G GPUs: every rank its own GPU
-    (today: local_rank restarts at 0 on each emulated node, so ranks 0 and G both take cuda:0)."""
+    """`scaleout launch --nnodes 2 --nproc-per-node G` on a host with 2G GPUs: every rank its own
+    GPU (today: local_rank restarts at 0 on each emulated node, so ranks 0 and G both take
+    cuda:0)."""
     fake = FakeHost(monkeypatch, gpus=nnodes * nproc)
     devices = [fake.init(env) for env in local_envs(nnodes, nproc)]
     assert devices == [torch.device("cuda", i) for i in range(nnodes * nproc)]
@@ -106,8 +107,9 @@ def test_more_local_ranks_than_gpus_is_one_line(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.unit
 def test_two_ranks_on_one_gpu_refused_before_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slurm (no SCALEOUT_DEVICE), 5 tasks on one node with 4 GPUs visible to each: local rank 4 maps onto
-    cuda:0 again; the store check names both ranks and the GPU before any NCCL collective."""
+    """Slurm (no SCALEOUT_DEVICE), 5 tasks on one node with 4 GPUs visible to each: local rank 4
+    maps onto cuda:0 again; the store check names both ranks and the GPU before any NCCL
+    collective."""
     fake = FakeHost(monkeypatch, gpus=4)
     for rank in range(4):
         fake.init(slurm_env(rank, 1, 5))
@@ -120,8 +122,8 @@ def test_two_ranks_on_one_gpu_refused_before_nccl(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.unit
 def test_slurm_real_nodes_use_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Real nodes under Slurm: cuda:SLURM_LOCALID on each node, as before; the same index on two hosts is
-    two different GPUs, so nothing is refused."""
+    """Real nodes under Slurm: cuda:SLURM_LOCALID on each node, as before; the same index on two
+    hosts is two different GPUs, so nothing is refused."""
     fake = FakeHost(monkeypatch, gpus=4)
     devices = [fake.init(slurm_env(rank, 2, 4), host=f"gpu-node-{rank // 4}") for rank in range(8)]
     assert devices == [torch.device("cuda", r % 4) for r in range(8)]
@@ -129,8 +131,8 @@ def test_slurm_real_nodes_use_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.unit
 def test_slurm_gpus_per_task_each_rank_on_its_own_cuda0(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`srun --gpus-per-task=1`: each task sees one GPU (its own CUDA_VISIBLE_DEVICES), so every rank
-    is cuda:0 of its own set -- four different GPUs, not a shared one."""
+    """`srun --gpus-per-task=1`: each task sees one GPU (its own CUDA_VISIBLE_DEVICES), so every
+    rank is cuda:0 of its own set -- four different GPUs, not a shared one."""
     fake = FakeHost(monkeypatch, gpus=4)
     fake.per_task = True
     devices = [fake.init(slurm_env(rank, 1, 4)) for rank in range(4)]

@@ -1,8 +1,8 @@
 """The sbatch scripts' shell logic, run in bash without Slurm (issue 26, review findings 13 and 14).
 
-No cluster here: ``sbatch`` and ``srun`` are stub scripts on PATH that record their arguments; what runs
-for real is slurm/env.sh and slurm/scaling_sweep.sh. (tests/test_slurm.py submits the scripts to the local
-Slurm.)
+No cluster here: ``sbatch`` and ``srun`` are stub scripts on PATH that record their arguments; what
+runs for real is slurm/env.sh and slurm/scaling_sweep.sh. (tests/test_slurm.py submits the scripts
+to the local Slurm.)
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def _stub(bin_dir: Path, name: str, log: Path, reply: str = "") -> None:
 def test_env_sh_leaves_nccl_async_error_handling_to_scaleout(
     tmp_path: Path, given: str | None
 ) -> None:
-    """slurm/env.sh must not force TORCH_NCCL_ASYNC_ERROR_HANDLING (it forced 1: abort the communicators
-    first, which can hang, where scaleout.init() and torch 2.13 choose 3); an exported value is kept."""
+    """slurm/env.sh must not force TORCH_NCCL_ASYNC_ERROR_HANDLING (it forced 1: abort the
+    communicators first, which can hang, where scaleout.init() and torch 2.13 choose 3); an
+    exported value is kept."""
     env = _clean_env(tmp_path, SLURM_JOB_NAME="t")
     if given is not None:
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = given
@@ -105,8 +106,8 @@ def test_scaling_sweep_submits_one_job_per_size_with_its_own_nodes(tmp_path: Pat
 def test_scaling_sweep_point_weak_scales_the_global_batch(
     tmp_path: Path, config: str, per_gpu: str | None, nodes: int, tpn: int, batch: int
 ) -> None:
-    """Inside a job: srun on all the job's nodes with train.global_batch = rows per GPU x GPUs (it kept
-    the config's 4096 at every size: 512 rows per GPU on one node)."""
+    """Inside a job: srun on all the job's nodes with train.global_batch = rows per GPU x GPUs
+    (it kept the config's 4096 at every size: 512 rows per GPU on one node)."""
     log = tmp_path / "calls.log"
     _stub(tmp_path / "bin", "srun", log)
     env = _clean_env(
