@@ -2,7 +2,8 @@
 # Install what scaleout needs. Idempotent; fast when everything is already there.
 #   scripts/setup.sh          scaleout (editable) + the mpi, slurm, plot, data, tb extras
 #   scripts/setup.sh --test   also the test/bench/dev extras, the Open MPI wheel (mpi-local) and the system
-#                             packages the tests use (Slurm, munge, MariaDB for sacct, iproute2 for netns)
+#                             packages the tests use (Slurm, munge, MariaDB for sacct, PMIx for
+#                             srun --mpi=pmix, iproute2 for netns)
 #   scripts/setup.sh --cpu    pin torch 2.13.0, the CPU build, even over another CPU torch (CI=true does too)
 # torch: an installed CUDA torch (an NGC container's own build) is never replaced, and any other installed
 # torch is kept unless --cpu / CI=true. torch 2.13.0 is installed when there is none (pinned through
@@ -75,6 +76,13 @@ if [ $want_test = 1 ]; then
   command -v slurmdbd >/dev/null || pkgs="$pkgs slurmdbd"
   command -v mariadbd >/dev/null || pkgs="$pkgs mariadb-server"
   command -v ip >/dev/null || pkgs="$pkgs iproute2"
+  # srun --mpi=pmix: Slurm's PMIx plugin loads libpmix.so, the link libpmix-dev adds to libpmix2 (without it
+  # `srun --mpi=list` still lists pmix, but every step fails: "can not load PMIx library"). No slurmd
+  # restart: each step's slurmstepd loads it.
+  if command -v dpkg-query >/dev/null \
+    && ! dpkg-query -W -f='${Status}' libpmix-dev 2>/dev/null | grep -q "ok installed"; then
+    pkgs="$pkgs libpmix2 libpmix-dev"
+  fi
   if [ -n "$pkgs" ]; then
     if [ "$(id -u)" = 0 ]; then
       echo "[setup] apt-get install$pkgs"

@@ -78,6 +78,10 @@ LOCAL = {
 }
 
 
+def _without(env, *names):
+    return {k: v for k, v in env.items() if k not in names}
+
+
 def _spec(env, explicit=None):
     reader = detect_environment(env, explicit)
     return reader.name, reader.read(env)
@@ -146,6 +150,112 @@ def test_slurm_batch_script_is_not_a_task() -> None:
 def test_mpi_openmpi_and_mpich() -> None:
     assert _spec(OMPI)[0] == "mpi" and _key(_spec(OMPI)[1]) == (3, 1, 1, 2, 2, 4)
     assert _key(_spec(MPICH)[1]) == (2, 0, 1, 2, 2, 4)
+
+
+# What each launcher really sets (seen on this machine: Slurm 22.05 + Debian libpmix 4.2, the Open MPI 5
+# wheel's mpiexec, both also inside an allocation; MPICH's Hydra from its documentation).
+SRUN_PMIX = {  # srun --mpi=pmix (or MpiDefault=pmix): no size variable at all
+    **SLURM,
+    "PMIX_RANK": "6",
+    "PMIX_NAMESPACE": "slurm.pmix.4242.0",
+    "PMIX_SERVER_URI4": "pmix-server.19678;tcp4://127.0.0.1:42207",
+    "PMIX_SECURITY_MODE": "native",
+    "PMIX_VERSION": "4.2.2rc2",
+}
+SRUN_PMI2 = {**SLURM, "PMI_RANK": "6", "PMI_SIZE": "7", "PMI_FD": "11", "PMI_JOBID": "4242.0"}
+OMPI5_MPIRUN = {  # Open MPI 5's mpirun: its PMIx server sets PMIX_RANK next to OMPI_COMM_WORLD_*
+    **OMPI,
+    "OMPI_COMM_WORLD_NODE_RANK": "1",
+    "PMIX_RANK": "3",
+    "PMIX_NAMESPACE": "prterun-vm-21928@1",
+    "PMIX_SERVER_URI4": "prterun-vm-21928@0.0;tcp4://127.0.0.1:35875",
+}
+# mpirun inside an allocation starts its daemons with srun: every rank inherits the daemon's srun task
+# (SLURM_PROCID = the daemon's, SLURM_STEP_ID of the daemons' step)
+DAEMON_STEP = {
+    **SLURM,
+    "SLURM_PROCID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+}
+# MPICH/Intel MPI mpiexec (Hydra): PMI_* plus MPI_LOCALRANKID/NRANKS
+HYDRA = {**MPICH, "PMI_FD": "6"}
+
+
+# (what started the process, its variables, the environment detected, the rank read or None: not readable
+# without mpi4py)
+PMI_CASES = [
+    ("srun --mpi=none", SLURM, "slurm", 6),
+    ("srun --mpi=pmix", SRUN_PMIX, "slurm", 6),
+    ("srun --mpi=pmi2", SRUN_PMI2, "slurm", 6),
+    ("srun --mpi=pmix, step variables", {**SRUN_PMIX, "SLURM_STEP_NUM_TASKS": "7"}, "slurm", 6),
+    (
+        "srun --mpi=pmi2, older Slurm's SLURM_STEPID",
+        {**_without(SRUN_PMI2, "SLURM_STEP_ID"), "SLURM_STEPID": "0"},
+        "slurm",
+        6,
+    ),
+    ("Open MPI 5 mpirun", OMPI5_MPIRUN, "mpi", 3),
+    ("Open MPI 5 mpirun inside an allocation", {**DAEMON_STEP, **OMPI5_MPIRUN}, "mpi", 3),
+    (
+        "Open MPI 5 mpirun from the batch script",
+        {**_without(SLURM, "SLURM_STEP_ID"), **OMPI5_MPIRUN},
+        "mpi",
+        3,
+    ),
+    ("MPICH/Hydra mpiexec", HYDRA, "mpi", 2),
+    ("MPICH/Hydra mpiexec inside an allocation", {**DAEMON_STEP, **HYDRA}, "mpi", 2),
+    # a PMI launcher inside an srun task, whose values are not srun's (`srun -n1 mpiexec -n 4`)
+    (
+        "PMI_RANK/PMI_SIZE of a launcher inside an srun step",
+        {**DAEMON_STEP, "SLURM_STEP_NUM_TASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "4"},
+        "mpi",
+        None,
+    ),
+    (
+        "PMIX_RANK of a launcher inside an srun step",
+        {**SRUN_PMIX, "PMIX_RANK": "2"},
+        "mpi",
+        None,
+    ),
+    ("PMIX_RANK and an mpirun's size", {**SRUN_PMIX, "OMPI_COMM_WORLD_SIZE": "7"}, "mpi", None),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("case", "env", "want", "rank"), PMI_CASES, ids=[c[0] for c in PMI_CASES])
+def test_srun_pmi_plugins_are_slurm_and_mpirun_is_mpi(case, env, want, rank) -> None:
+    """srun's PMI plugins (--mpi=pmix/pmi2, or a cluster's MpiDefault) set PMIX_RANK or PMI_RANK/PMI_SIZE in
+    every task: those tasks are Slurm ranks (they were read as MPI and died at init, "OMPI_COMM_WORLD_SIZE is
+    not set", or hung in Open MPI's init). An mpirun/mpiexec, also inside an allocation, stays MPI."""
+    reader = detect_environment(env)
+    assert reader.name == want, case
+    if rank is not None:
+        spec = reader.read(env)
+        assert spec.rank == rank and spec.launcher == want, case
+        if want == "slurm":  # exactly what srun --mpi=none gives
+            assert (
+                _key(spec) == _key(_spec(SLURM)[1])
+                and spec.master_port == _spec(SLURM)[1].master_port
+            )
+
+
+@pytest.mark.unit
+def test_srun_pmi_ranks_log_and_read_as_slurm(monkeypatch) -> None:
+    """The rank scaleout.log finds before any World exists is the one the slurm reader gives, and MPI ranks
+    inside an allocation still read MPI's rank."""
+    from scaleout.env import rank_variables
+    from scaleout.log import _rank
+
+    for env, rank in [(SRUN_PMIX, 6), (SRUN_PMI2, 6), ({**DAEMON_STEP, **OMPI5_MPIRUN}, 3)]:
+        for k in rank_variables():
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert _rank() == rank == detect_environment(env).read(env).rank
 
 
 @pytest.mark.unit

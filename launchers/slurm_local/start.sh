@@ -63,6 +63,16 @@ if [ -n "$missing" ]; then
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $missing >>"$S/log/apt.log" 2>&1; } \
     || { echo "start.sh: apt-get install failed, see $S/log/apt.log" >&2; exit 3; }
 fi
+# srun --mpi=pmix needs libpmix.so, libpmix-dev's link to libpmix2 (pmi2 is built into Slurm). Without it only
+# --mpi=pmix steps fail ("can not load PMIx library"), so a failed install is a warning. A running slurmd
+# needs no restart: every step's slurmstepd loads the library.
+if [ $INSTALL = 1 ] && command -v dpkg-query >/dev/null \
+  && ! dpkg-query -W -f='${Status}' libpmix-dev 2>/dev/null | grep -q "ok installed"; then
+  mkdir -p "$S/log"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libpmix2 libpmix-dev >>"$S/log/apt.log" 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libpmix2 libpmix-dev >>"$S/log/apt.log" 2>&1; } \
+    || echo "start.sh: warning: apt-get install libpmix2 libpmix-dev failed (see $S/log/apt.log): srun --mpi=pmix will not work" >&2
+fi
 
 exec 9>"$S/.lock"
 flock -w 120 9 || { echo "start.sh: another start/stop holds $S/.lock" >&2; exit 4; }
@@ -81,7 +91,7 @@ fi
 hosts_add
 
 mkdir -p "$S/etc" "$S/munge" "$S/run/munge" "$S/spool/ctld" "$S/log" "$S/mysql"
-for n in $NODES; do mkdir -p "$S/spool/d/$n"; done   # pre-created: else "Domain socket directory" noise
+for n in $NODES; do mkdir -p "$S/spool/d/$n" "$S/tmp/$n"; done   # pre-created: else "Domain socket directory" noise; tmp: TmpFS
 chmod 700 "$S/munge"; chmod 755 "$S/run/munge"          # munged insists the socket dir is o+x
 HOST=$(hostname -s)
 NP=${SCALEOUT_SLURM_NODE_PORT:-17001}

@@ -1,5 +1,9 @@
-"""mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE,
-MPI_LOCALRANKID), PMIx."""
+"""mpirun/mpiexec: Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID),
+PMIx.
+
+srun's own PMI plugins (``srun --mpi=pmix|pmi2``, or ``MpiDefault`` in slurm.conf) set some of the
+same variables in every task: such a task is a Slurm rank, not an MPI one (:func:`srun_pmi_task`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import Mapping
 from scaleout.env.addr import reachable_address
 from scaleout.env.base import Environment, WorldSpec, free_port, master, need_int, opt_int
 from scaleout.env.detect import register
+from scaleout.env.slurm import SlurmEnv
 from scaleout.errors import LaunchEnvError
 
 # Each MPI's variables, in the order they are looked for (the first flavour whose rank variable is
@@ -33,6 +38,13 @@ FLAVOURS: dict[str, dict[str, tuple[str, ...]]] = {
         "local_size": ("PMIX_LOCAL_SIZE",),
     },
 }
+# The variables of FLAVOURS that srun's own PMI plugins also set, and the Slurm value each one
+# equals there (seen on the local Slurm 22.05 with Debian's libpmix 4.2, tests/test_slurm_pmi.py):
+# --mpi=pmix sets PMIX_RANK = SLURM_PROCID, PMIX_NAMESPACE, PMIX_SERVER_URI* and no size (PMIx
+# publishes it as a key, not a variable); --mpi=pmi2 sets PMI_RANK = SLURM_PROCID, PMI_SIZE = the
+# step's task count, PMI_FD, PMI_JOBID. Every other variable of FLAVOURS is set by an mpirun/mpiexec
+# only.
+SRUN_PMI_VARS = {"PMIX_RANK": "rank", "PMI_RANK": "rank", "PMI_SIZE": "world_size"}
 # scaleout's own overrides of the node layout (mpiexec -x ...).
 NODE_VARS = {"node_rank": "SCALEOUT_MPI_NODE_RANK", "num_nodes": "SCALEOUT_MPI_NUM_NODES"}
 RANKS_PER_NODE_VAR = "SCALEOUT_MPI_RANKS_PER_NODE"
@@ -54,7 +66,7 @@ class MPIEnv(Environment):
     rank_vars = tuple(f["rank"][0] for f in FLAVOURS.values())
 
     def detect(self, env: Mapping[str, str]) -> bool:
-        return any(k in env for k in self.rank_vars)
+        return any(k in env for k in self.rank_vars) and not srun_pmi_task(env)
 
     def _get(self, env: Mapping[str, str], names: tuple[str, ...], required: bool) -> int | None:
         for var in names:
@@ -117,6 +129,39 @@ class MPIEnv(Environment):
             )
         addr, port = comm.bcast(payload, root=0)
         return addr, int(port)
+
+
+def _as_int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def srun_pmi_task(env: Mapping[str, str]) -> bool:
+    """True for an srun task whose only MPI variables are those of srun's own PMI plugin (``srun
+    --mpi=pmix`` or ``--mpi=pmi2``, or a cluster's ``MpiDefault``): a Slurm rank, which the slurm
+    environment reads.
+
+    False when an mpirun/mpiexec started the process, also inside an allocation or an srun step: it
+    sets variables srun never does (Open MPI's OMPI_COMM_WORLD_*, Hydra's MPI_LOCALRANKID), and its
+    PMI rank or size differs from the srun task's own where srun started a launcher rather than the
+    ranks (Hydra's proxies are srun tasks, one per node, and the ranks are their children; ``srun
+    -n1 mpiexec -n 4``).
+    """
+    if not SlurmEnv().detect(env):
+        return False
+    flavour_vars = {v for f in FLAVOURS.values() for names in f.values() for v in names}
+    if any(v in env for v in flavour_vars - SRUN_PMI_VARS.keys()):
+        return False
+    # srun's own rank and task count (the step's, else the job's), which its PMI plugin's variables
+    # repeat
+    tasks = next((env[v] for v in SlurmEnv.step_or_job["world_size"] if env.get(v)), None)
+    own = {"rank": _as_int(env.get(SlurmEnv.variables["rank"])), "world_size": _as_int(tasks)}
+    for var, field in SRUN_PMI_VARS.items():
+        if var in env and (own[field] is None or _as_int(env[var]) != own[field]):
+            return False
+    return True
 
 
 def master_address(hosts: list[str], **kwargs) -> str:

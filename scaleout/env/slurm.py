@@ -38,11 +38,14 @@ class SlurmEnv(Environment):
     Checked under real srun (Slurm 22.05, tests/test_slurm.py): the batch script itself has
     SLURM_PROCID=0 but no SLURM_STEP_ID, so only srun tasks are detected; srun tasks get
     SLURM_STEP_ID/STEPID, SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES/NUM_TASKS and
-    SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``).
+    SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``). Tasks of ``srun --mpi=pmix`` / ``--mpi=pmi2``
+    (or ``MpiDefault``) are read here too: the MPI environment, tried first, leaves them alone
+    (:func:`scaleout.env.mpi.srun_pmi_task`; tests/test_slurm_pmi.py).
     """
 
     name = "slurm"
-    priority = 50  # after MPI: mpirun inside an allocation also sets SLURM_*
+    # after MPI: mpirun inside an allocation also sets SLURM_* (srun's PMI variables do not count)
+    priority = 50
     variables = {"rank": "SLURM_PROCID", "local_rank": "SLURM_LOCALID", "node_rank": "SLURM_NODEID"}
     # field -> (the step's variable, the job's): the step's wins when set
     step_or_job = {
