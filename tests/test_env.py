@@ -152,8 +152,8 @@ def test_mpi_openmpi_and_mpich() -> None:
     assert _key(_spec(MPICH)[1]) == (2, 0, 1, 2, 2, 4)
 
 
-# What each launcher really sets (seen on this machine: Slurm 22.05 + Debian libpmix 4.2, the Open MPI 5
-# wheel's mpiexec, both also inside an allocation; MPICH's Hydra from its documentation).
+# What each launcher really sets (seen on this machine: Slurm 22.05 + Debian libpmix 4.2, the Open
+# MPI 5 wheel's mpiexec, both also inside an allocation; MPICH's Hydra from its documentation).
 SRUN_PMIX = {  # srun --mpi=pmix (or MpiDefault=pmix): no size variable at all
     **SLURM,
     "PMIX_RANK": "6",
@@ -170,8 +170,8 @@ OMPI5_MPIRUN = {  # Open MPI 5's mpirun: its PMIx server sets PMIX_RANK next to 
     "PMIX_NAMESPACE": "prterun-vm-21928@1",
     "PMIX_SERVER_URI4": "prterun-vm-21928@0.0;tcp4://127.0.0.1:35875",
 }
-# mpirun inside an allocation starts its daemons with srun: every rank inherits the daemon's srun task
-# (SLURM_PROCID = the daemon's, SLURM_STEP_ID of the daemons' step)
+# mpirun inside an allocation starts its daemons with srun: every rank inherits the daemon's srun
+# task (SLURM_PROCID = the daemon's, SLURM_STEP_ID of the daemons' step)
 DAEMON_STEP = {
     **SLURM,
     "SLURM_PROCID": "0",
@@ -185,8 +185,8 @@ DAEMON_STEP = {
 HYDRA = {**MPICH, "PMI_FD": "6"}
 
 
-# (what started the process, its variables, the environment detected, the rank read or None: not readable
-# without mpi4py)
+# (what started the process, its variables, the environment detected, the rank read or None: not
+# readable without mpi4py)
 PMI_CASES = [
     ("srun --mpi=none", SLURM, "slurm", 6),
     ("srun --mpi=pmix", SRUN_PMIX, "slurm", 6),
@@ -228,9 +228,10 @@ PMI_CASES = [
 @pytest.mark.unit
 @pytest.mark.parametrize(("case", "env", "want", "rank"), PMI_CASES, ids=[c[0] for c in PMI_CASES])
 def test_srun_pmi_plugins_are_slurm_and_mpirun_is_mpi(case, env, want, rank) -> None:
-    """srun's PMI plugins (--mpi=pmix/pmi2, or a cluster's MpiDefault) set PMIX_RANK or PMI_RANK/PMI_SIZE in
-    every task: those tasks are Slurm ranks (they were read as MPI and died at init, "OMPI_COMM_WORLD_SIZE is
-    not set", or hung in Open MPI's init). An mpirun/mpiexec, also inside an allocation, stays MPI."""
+    """srun's PMI plugins (--mpi=pmix/pmi2, or a cluster's MpiDefault) set PMIX_RANK or
+    PMI_RANK/PMI_SIZE in every task: those tasks are Slurm ranks (they were read as MPI and died
+    at init, "OMPI_COMM_WORLD_SIZE is not set", or hung in Open MPI's init). An mpirun/mpiexec,
+    also inside an allocation, stays MPI."""
     reader = detect_environment(env)
     assert reader.name == want, case
     if rank is not None:
@@ -245,8 +246,8 @@ def test_srun_pmi_plugins_are_slurm_and_mpirun_is_mpi(case, env, want, rank) -> 
 
 @pytest.mark.unit
 def test_srun_pmi_ranks_log_and_read_as_slurm(monkeypatch) -> None:
-    """The rank scaleout.log finds before any World exists is the one the slurm reader gives, and MPI ranks
-    inside an allocation still read MPI's rank."""
+    """The rank scaleout.log finds before any World exists is the one the slurm reader gives, and
+    MPI ranks inside an allocation still read MPI's rank."""
     from scaleout.env import rank_variables
     from scaleout.log import _rank
 

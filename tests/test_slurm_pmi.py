@@ -1,12 +1,14 @@
-"""srun's PMI plugins on the real local Slurm (issue 26, item 1): ranks that `srun --mpi=pmix` or `--mpi=pmi2`
-(or a cluster's `MpiDefault=pmix`) starts are Slurm ranks; an mpirun inside an allocation is still MPI.
+"""srun's PMI plugins on the real local Slurm (issue 26, item 1): ranks that `srun --mpi=pmix` or
+`--mpi=pmi2` (or a cluster's `MpiDefault=pmix`) starts are Slurm ranks; an mpirun inside an
+allocation is still MPI.
 
-Before the fix every such rank was read as an MPI rank: under PMIx it died at `scaleout.init()` ("mpi
-environment: OMPI_COMM_WORLD_SIZE is not set"), under PMI2 it hung in Open MPI's init until killed. PMIx
-needs Debian's libpmix2 + libpmix-dev (installed by `scripts/setup.sh --test` and by the cluster's start.sh;
-a running slurmd picks the library up without a restart, since every step's slurmstepd loads it). The emulated
-nodes share one host, so each has its own TmpFS (launchers/slurm_local/slurm.conf.in): PMIx on several nodes.
-The variable sets of each launcher are unit-tested in tests/test_env.py.
+Before the fix every such rank was read as an MPI rank: under PMIx it died at `scaleout.init()`
+("mpi environment: OMPI_COMM_WORLD_SIZE is not set"), under PMI2 it hung in Open MPI's init until
+killed. PMIx needs Debian's libpmix2 + libpmix-dev (installed by `scripts/setup.sh --test` and by
+the cluster's start.sh; a running slurmd picks the library up without a restart, since every step's
+slurmstepd loads it). The emulated nodes share one host, so each has its own TmpFS
+(launchers/slurm_local/slurm.conf.in): PMIx on several nodes. The variable sets of each launcher are
+unit-tested in tests/test_env.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from tests.test_mpi import MPIEXEC, needs_mpi
 
 pytestmark = pytest.mark.slurm
 
-# srun's own time limit (minutes): the code before the fix hung under PMI2 until Slurm killed the step.
+# srun's own time limit (minutes): the code before the fix hung under PMI2 until Slurm killed the
+# step.
 TIME_LIMIT = "2"
 
 
@@ -59,9 +62,10 @@ def _report(out: str, ranks: int, nodes: int) -> None:
 
 
 def test_pmix_is_usable(slurm_cluster):
-    """The test set-up made PMIx work: `srun --mpi=list` lists it even without the library, so a step must
-    actually start; every task sees PMIX_RANK = SLURM_PROCID (what the slurm reader relies on), on two
-    emulated nodes (per-node TmpFS: without it the second node's step fails on /tmp/spmix_appdir_*)."""
+    """The test set-up made PMIx work: `srun --mpi=list` lists it even without the library, so a
+    step must actually start; every task sees PMIX_RANK = SLURM_PROCID (what the slurm reader
+    relies on), on two emulated nodes (per-node TmpFS: without it the second node's step fails on
+    /tmp/spmix_appdir_*)."""
     assert "pmix" in slurm_cluster.run(["srun", "--mpi=list"]).stdout
     line = 'echo "TASK $SLURM_PROCID $PMIX_RANK ${PMIX_SIZE-unset} ${OMPI_COMM_WORLD_SIZE-unset}"'
     p = slurm_cluster.run(
@@ -92,9 +96,9 @@ def test_srun_mpi_pmi2_smoke_two_nodes(slurm_cluster):
 
 @pytest.mark.timeout(900)
 def test_bert_256node_sbatch_under_pmix(slurm_cluster, tmp_path):
-    """`sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` with srun's MPI type pmix
-    (SLURM_MPI_TYPE, what `MpiDefault=pmix` gives every srun) and the environment detected, not forced: the
-    job completes and the ranks were Slurm ranks."""
+    """`sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` with srun's MPI
+    type pmix (SLURM_MPI_TYPE, what `MpiDefault=pmix` gives every srun) and the environment
+    detected, not forced: the job completes and the ranks were Slurm ranks."""
     from tests.test_preempt_slurm import _submit, _tiny
 
     overrides = [o for o in _tiny() if not o.startswith("launch.env=")] + [
@@ -131,8 +135,9 @@ def _metrics_header(run_dir: Path) -> dict:
 @pytest.mark.mpi
 @needs_mpi
 def test_mpirun_inside_an_allocation_is_still_mpi(slurm_cluster):
-    """Open MPI 5's mpiexec inside an allocation starts its daemons with srun, so every rank also has
-    SLURM_PROCID/SLURM_STEP_ID (the daemon's) and PMIX_RANK (mpirun's own PMIx server): still an MPI rank."""
+    """Open MPI 5's mpiexec inside an allocation starts its daemons with srun, so every rank also
+    has SLURM_PROCID/SLURM_STEP_ID (the daemon's) and PMIX_RANK (mpirun's own PMIx server): still
+    an MPI rank."""
     env = {
         **slurm_cluster.env,
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
@@ -152,7 +157,8 @@ def test_mpirun_inside_an_allocation_is_still_mpi(slurm_cluster):
         assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
         return p.stdout + p.stderr
 
-    # the premise: the ranks carry an srun task's variables and PMIX_RANK, as an srun --mpi=pmix task does
+    # the premise: the ranks carry an srun task's variables and PMIX_RANK, as an srun --mpi=pmix
+    # task does
     line = (
         'echo "RANK ${SLURM_PROCID-unset} ${SLURM_STEP_ID-unset} $PMIX_RANK $OMPI_COMM_WORLD_RANK"'
     )
