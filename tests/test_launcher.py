@@ -207,10 +207,11 @@ def test_sighup_to_launcher_stops_every_child(tmp_path: Path) -> None:
     assert not _wait_gone(pids, 10)
 
 
-CHATTY = """import sys
+CHATTY = """
+import sys
 line = "x" * 199 + "\\n"
-for i in range(1000):  # 200 kB per rank: more than a pipe holds (64 KiB), so a rank blocks if
-nobody reads
+# 200 kB per rank: more than a pipe holds (64 KiB), so a rank blocks if nobody reads
+for i in range(1000):
     sys.stdout.write(f"{i} {line}")
 sys.stdout.flush()
 """

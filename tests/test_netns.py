@@ -92,11 +92,12 @@ def test_bad_input_and_non_root(monkeypatch) -> None:
         require_root()
 
 
-PROBE = """import os, subprocess, torch, scaleout
+PROBE = """
+import os, subprocess, torch, scaleout
 from scaleout.comm import all_reduce
 w = scaleout.init()
-addr = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "veth0"], capture_output=True,
-text=True).stdout
+ip = ["ip", "-4", "-o", "addr", "show", "dev", "veth0"]
+addr = subprocess.run(ip, capture_output=True, text=True).stdout
 assert f"10.77.0.{w.node_rank + 1}/24" in addr, (w.rank, addr)
 assert os.environ["GLOO_SOCKET_IFNAME"] == "veth0" and w.master_addr == "10.77.0.1"
 x = torch.arange(1_000_003, dtype=torch.float32) % 5 * (w.rank + 1)
