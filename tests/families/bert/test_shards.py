@@ -299,9 +299,8 @@ else:
     d = shard_source.open_shards(cfg, 0, 2)
     for step in range(0, 400, 40):
         d.stream.batches(step * 16, 1)
-# anonymous resident memory (heap): file-backed library pages are left out, their count follows the
-page
-# cache of this shared machine (fault-around), not the data
+# anonymous resident memory (heap): file-backed library pages are left out, their count follows
+# the page cache of this shared machine (fault-around), not the data
 print([int(x.split()[1]) / 1024 for x in open("/proc/self/status") if x.startswith("RssAnon")][0])
 """
 
