@@ -474,3 +474,64 @@ def test_one_folder_holds_out_its_first_sequences_for_eval(built):
         b = d.stream.batches(step * 8, 1)[0][0]
         seen += [k for row in range(b["input_ids"].shape[0]) for k in _sequences_of_row(b, row)]
     assert not set(held) & set(seen[: d.stream.total])
+
+
+def _lane_streams(world: int, shards: int, per_rank: int, seed: int):
+    """Every rank's stream over ``shards`` balanced shards (pack counts within 3 %, as
+    chop_hdf5_files.py balances them): the order is a pure function, no file is opened."""
+    from scaleout.families.bert.data.shard_index import PackSettings
+    from scaleout.families.bert.data.shard_source import ShardStream
+
+    counts = np.random.default_rng(seed).integers(97, 104, shards)
+    files = [Path(f"part_{j}.hdf5") for j in range(shards)]
+    return [
+        ShardStream(
+            files,
+            [0] * shards,
+            counts,
+            PackSettings(SEQ, "none", 1),
+            Path("index"),
+            world * per_rank,
+            r,
+            world,
+            PRED,
+            1,
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "world,shards,per_rank",
+    [(8, 16, 2), (8, 8, 2), (16, 16, 4), (32, 40, 2), (12, 5, 4), (64, 10, 2)],
+)
+def test_ranks_read_different_files_at_each_step(world, shards, per_rank):
+    """Review gpu-day-one, finding 7: read in shard order, all ranks read the same one or two
+    files at every step. Over 3 epochs, at every step no file is read by more than ceil(ranks /
+    shards) + 1 ranks (twice that at the one step per epoch whose positions straddle two epochs,
+    whose shard orders differ); every pack is still read exactly once per epoch, and the order is
+    a pure function (a second set of streams gives the same runs)."""
+    streams = _lane_streams(world, shards, per_rank, seed=world + shards)
+    batch, total = world * per_rank, streams[0].total
+    bound = -(-world // shards) + 1
+    epochs: dict[int, list[tuple[int, int]]] = {}
+    for step in range(-(-3 * total // batch)):
+        readers: dict[int, int] = {}
+        for r, s in enumerate(streams):
+            start = step * batch + r * per_rank
+            runs = s.segments(start, per_rank)
+            for j in {j for j, _ in runs}:
+                readers[j] = readers.get(j, 0) + 1
+            flat = [(j, int(q)) for j, which in runs for q in which]
+            for i, item in enumerate(flat):
+                epochs.setdefault((start + i) // total, []).append(item)
+        straddles = step * batch // total != ((step + 1) * batch - 1) // total
+        assert max(readers.values()) <= bound * (2 if straddles else 1), (step, readers)
+    whole = sorted((j, q) for j in range(shards) for q in range(int(streams[0].counts[j])))
+    for e in range(3):
+        assert sorted(epochs[e]) == whole  # every pack of every shard, once
+    again = _lane_streams(world, shards, per_rank, seed=world + shards)
+    for pos in (0, 5 * batch + per_rank, total + 3):
+        a, b = streams[1].segments(pos, per_rank), again[1].segments(pos, per_rank)
+        assert [(j, w.tolist()) for j, w in a] == [(j, w.tolist()) for j, w in b]

@@ -62,6 +62,18 @@ if TYPE_CHECKING:
 PACKS_CACHE, OPEN_FILES = 5, 4
 
 
+def lane_count(world: int, counts: np.ndarray, global_batch: int) -> int:
+    """Lanes of an epoch (module docstring): the most that divide the world (each rank's slice of
+    a step then lies in one lane: ``W/K`` ranks per lane) while a lane stays longer than the
+    largest shard plus one step's chunk of it (a file then holds at most one lane's current
+    chunk). At 2,048 ranks and 4,320 balanced shards: 2,048, one rank per file."""
+    total, biggest = int(np.sum(counts)), int(np.max(counts))
+    for k in range(min(world, len(counts)), 1, -1):
+        if world % k == 0 and total // k - 1 >= biggest + global_batch // k:
+            return k
+    return 1
+
+
 class ShardStream:
     """This rank's view of the global packed-row stream over the training shards (picklable:
     paths and per-shard counts; caches and open files are per process)."""
@@ -97,7 +109,7 @@ class ShardStream:
         self.total = int(self.counts.sum())
         if self.total < 1:
             raise ConfigError("the training shards hold no sequences")
-        self.lanes = min(world, len(self.counts))
+        self.lanes = lane_count(world, self.counts, global_batch)
         self._init_caches()
 
     def _init_caches(self) -> None:
@@ -105,7 +117,7 @@ class ShardStream:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
         self._perm_cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._lane_cache: tuple[np.ndarray, ...] | None = None
+        self._lane_cache: tuple[Any, ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -127,45 +139,40 @@ class ShardStream:
             self._epoch_cache = (e, order, np.concatenate([[0], np.cumsum(self.counts[order])]))
         return self._epoch_cache[1], self._epoch_cache[2]
 
-    def _lane_layout(self) -> tuple[np.ndarray, ...]:
-        """Lane k takes ``c[k]`` packs per round of ``B`` positions (round positions ``cs[k] ..
-        cs[k+1]``) for ``R = T // B`` rounds, then ``t[k]`` of the last partial round (its
-        positions ``ts[k] .. ts[k+1]``); it covers ``[a[k], a[k] + R*c[k] + t[k])`` of the epoch's
-        shard order."""
-        if self._lane_cache is None:
-            big_t, b, k = self.total, self.global_batch, self.lanes
-            lane = np.arange(k + 1, dtype=np.int64)
-            cs = lane * b // k
-            rounds = big_t // b
-            ts = lane * (big_t - rounds * b) // k
-            c = np.diff(cs)
-            a = np.concatenate([[0], np.cumsum(rounds * c + np.diff(ts))])[:-1]
-            self._lane_cache = (cs, c, ts, a, np.int64(rounds))
-        return self._lane_cache
+    def _lane_layout(self, e: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Epoch ``e`` starts ``phase`` positions into a step. Step positions ``cs[k] .. cs[k+1]``
+        belong to lane k (``B/K`` each); lane k's packs are the next of its run ``[a[k], a[k+1])``
+        of the epoch's shard order, so the lanes end with the epoch whatever its phase."""
+        if self._lane_cache is None or self._lane_cache[0] != e:
+            b, k = self.global_batch, self.lanes
+            cs = np.arange(k + 1, dtype=np.int64) * b // k
+            phase = e * self.total % b
+            taken = self._lane_taken(cs, np.full(k, phase + self.total)) - self._lane_taken(
+                cs, np.full(k, phase)
+            )
+            self._lane_cache = (e, cs, np.concatenate([[0], np.cumsum(taken)]), phase)
+        return self._lane_cache[1], self._lane_cache[2], self._lane_cache[3]
 
-    def lane_rows(self, off: np.ndarray) -> np.ndarray:
-        """Epoch offsets -> places in the epoch's shard order (a permutation of ``[0, T)``)."""
-        cs, c, ts, a, rounds = self._lane_layout()
-        b = self.global_batch
-        off = np.asarray(off, np.int64)
-        out = np.empty_like(off)
-        full = off < rounds * b
-        q, rem = np.divmod(off[full], b)
-        k = np.searchsorted(cs, rem, side="right") - 1
-        out[full] = a[k] + q * c[k] + rem - cs[k]
-        t = off[~full] - rounds * b
-        k = np.searchsorted(ts, t, side="right") - 1  # the last of equal starts: a non-empty lane
-        out[~full] = a[k] + rounds * c[k] + t - ts[k]
-        return out
+    def _lane_taken(self, cs: np.ndarray, g: np.ndarray, k: np.ndarray | None = None) -> np.ndarray:
+        """Packs lane ``k`` (every lane when None) has taken before step position ``g``."""
+        k = np.arange(len(cs) - 1) if k is None else k
+        q, rem = np.divmod(g, self.global_batch)
+        return q * (cs[k + 1] - cs[k]) + np.clip(rem - cs[k], 0, cs[k + 1] - cs[k])
+
+    def lane_rows(self, e: int, off: np.ndarray) -> np.ndarray:
+        """Offsets in epoch ``e`` -> places in its shard order (a permutation of ``[0, T)``)."""
+        cs, a, phase = self._lane_layout(e)
+        g = np.asarray(off, np.int64) + phase
+        k = np.searchsorted(cs, g % self.global_batch, side="right") - 1
+        return a[k] + self._lane_taken(cs, g, k) - self._lane_taken(cs, np.full(len(g), phase), k)
 
     def segments(self, start: int, count: int) -> list[tuple[int, np.ndarray]]:
         """Positions ``[start, start + count)`` of the stream as (shard, pack numbers in that
         shard) runs, in position order."""
         epoch, off = np.divmod(np.arange(start, start + count, dtype=np.int64), self.total)
-        rows = self.lane_rows(off)
         out = []
         for e in dict.fromkeys(epoch.tolist()):
-            mine = rows[epoch == e]
+            mine = self.lane_rows(e, off[epoch == e])
             order, starts = self._epoch(e)
             k = np.searchsorted(starts, mine, side="right") - 1
             shard, within = order[k], mine - starts[k]
