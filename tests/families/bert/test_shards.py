@@ -535,3 +535,97 @@ def test_ranks_read_different_files_at_each_step(world, shards, per_rank):
     for pos in (0, 5 * batch + per_rank, total + 3):
         a, b = streams[1].segments(pos, per_rank), again[1].segments(pos, per_rank)
         assert [(j, w.tolist()) for j, w in a] == [(j, w.tolist()) for j, w in b]
+
+
+def _count_fs_calls_at_start(world, path):
+    """open_shards twice on this rank (the first builds the index); the second's file-system
+    metadata calls and opens, counted at the Python entry points every path goes through
+    (Path.stat/is_file/iterdir and np.load all end in these)."""
+    import builtins
+
+    from scaleout.config import load_config
+    from scaleout.families.bert.data.shard_source import open_shards
+    from scaleout.families.bert.task import TorchCollectives
+
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=wikipedia",
+            f"data.path={path}",
+            "data.max_seq_len=32",
+            "data.max_predictions=5",
+            "data.packing=none",
+            "data.eval_samples=8",
+            "train.global_batch=8",
+            "train.max_steps=4",
+        ],
+    )
+    comm = TorchCollectives(world)
+    open_shards(cfg, world.rank, world.world_size, world.barrier, comm)
+    names = ("stat", "lstat", "listdir", "scandir", "access")
+    real = {n: getattr(os, n) for n in names} | {"open": builtins.open}
+    calls: list[str] = []
+
+    def counted(name):
+        def call(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+
+        return call
+
+    try:
+        for n in names:
+            setattr(os, n, counted(n))
+        builtins.open = counted("open")
+        data = open_shards(cfg, world.rank, world.world_size, world.barrier, comm)
+    finally:
+        for n in names:
+            setattr(os, n, real[n])
+        builtins.open = real["open"]
+    return len(calls), data.stream.counts.tolist(), data.step_counts.tolist()
+
+
+@pytest.mark.multi_process
+def test_only_rank_0_lists_and_stats_the_shards_at_start(tmp_path):
+    """Review gpu-day-one, finding 10: every rank statted every shard on every start (21 M stats
+    at 2,048 ranks x 4,320 shards). 2 real ranks (gloo), warm index, 24 training shards: rank 0
+    lists and stats them (>= 24 calls), rank 1 gets the plan in one broadcast and makes O(1)
+    calls (5 per shard its first steps read, for the per-step counts: 2 shards here; before, 74
+    on each rank, growing with the shards); both see the same counts,
+    and the all-reduced per-step counts equal the single-process global_counts."""
+    from distutil import run_dist
+
+    from test_mlperf_timing import _write_fixed_shard  # tests/ is on sys.path, as for distutil
+
+    rng = np.random.default_rng(0)
+    for split, files in (("train", 24), ("eval", 1)):
+        (tmp_path / split).mkdir()
+        for j in range(files):
+            _write_fixed_shard(tmp_path / split / f"part-{j:02d}.npz", 12, 32, 5, rng)
+    out = run_dist(_count_fs_calls_at_start, nnodes=1, nproc_per_node=2, args=(str(tmp_path),))
+    (calls0, counts0, table0), (calls1, counts1, table1) = out
+    assert calls0 >= 24 and calls1 <= 12, (calls0, calls1)  # 74 and 74 before
+    assert counts0 == counts1 and table0 == table1
+    streams = [
+        _stream_at(tmp_path, r) for r in range(2)
+    ]  # no process group: each rank lists for itself
+    assert table0 == [list(streams[0].global_counts(step * 8)) for step in range(4)]
+
+
+def _stream_at(path, rank):
+    from scaleout.config import load_config
+    from scaleout.families.bert.data.shard_source import open_shards
+
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=wikipedia",
+            f"data.path={path}",
+            "data.max_seq_len=32",
+            "data.max_predictions=5",
+            "data.packing=none",
+            "data.eval_samples=8",
+            "train.global_batch=8",
+        ],
+    )
+    return open_shards(cfg, rank, 2).stream
