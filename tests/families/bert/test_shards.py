@@ -594,7 +594,6 @@ def test_only_rank_0_lists_and_stats_the_shards_at_start(tmp_path):
     on each rank, growing with the shards); both see the same counts,
     and the all-reduced per-step counts equal the single-process global_counts."""
     from distutil import run_dist
-
     from test_mlperf_timing import _write_fixed_shard  # tests/ is on sys.path, as for distutil
 
     rng = np.random.default_rng(0)
