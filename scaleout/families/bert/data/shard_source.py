@@ -9,15 +9,18 @@ step at ``p`` is positions ``[p, p + B)`` and rank ``r`` takes the slice ``[p + 
 (r+1)*B/W)``, as :class:`~scaleout.data.sampler.ShardedSampler` does for in-memory data.
 
 Positions are not read in shard order: an epoch's packs (``T`` of them, in that shard order) are
-cut into ``K = min(W, shards)`` *lanes*, contiguous runs of about ``T/K`` packs, and every step
-takes the next ``B/K`` packs of each lane (:meth:`ShardStream.lane_rows`, a fixed permutation of
-the epoch). Read straight through, all ``W`` ranks would read the same one or two files at every
-step (a shard holds a few global steps), and every few steps all of them would open the next file
-at once; in lanes, rank ``r`` reads lane ``r*K/W`` -- its own part of the epoch when ``W <=
-shards``, and at most ``ceil(W/shards) + 1`` ranks share a file otherwise. Every pack is still
-read once per epoch, and the order is a pure function of (seed, epoch, shards, ``B``, ``W``). A
-resume with another world size changes ``K``: that epoch's remaining positions then follow the
-new lanes (some packs of that one epoch may be read twice or not at all).
+cut into ``K`` *lanes*, contiguous runs of about ``T/K`` packs, and every step takes the next
+``B/K`` packs of each lane (:meth:`ShardStream.lane_rows`, a fixed permutation of the epoch; the
+lanes follow the epoch's phase within a step). ``K`` (:func:`lane_count`) is the largest divisor
+of ``W`` that keeps a lane longer than the largest shard plus one step's chunk of it. Read straight
+through, all ``W`` ranks would read the same one or two files at every step (a shard holds a few
+global steps), and every few steps all of them would open the next file at once; in lanes, rank
+``r`` reads lane ``r*K/W`` only, and a file holds one lane's current chunk, so at most ``W/K``
+ranks read a file at a step (twice that at the one step per epoch that straddles two epochs,
+whose shard orders differ): 1 at 2,048 ranks x 4,320 shards. Every pack is still read once per
+epoch, and the order is a pure function of (seed, epoch, shard counts, ``B``, ``W``). A resume
+with another world size changes ``K``: that epoch's remaining positions then follow the new
+lanes (some packs of that one epoch may be read twice or not at all).
 
 A rank holds the per-shard pack counts (one integer per shard), the packs of the few shards its
 current steps fall in, and a few open files -- never the data set: host memory per rank does not
