@@ -336,3 +336,18 @@ def test_every_config_key_is_read() -> None:
     reads = _ConfigReads(sections, [ast.parse(p.read_text(), str(p)) for p in paths]).reads
     unread = [key for key, sec, name in keys if sec and (sec, name) not in reads]
     assert not unread, f"schema keys read by nothing outside config/, mlperf.py and sim/: {unread}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["bert_large_256x8", "resnet50_128x8"])
+def test_flagship_configs_build_batches_in_input_workers(name: str) -> None:
+    """The flagship runs build their batches in worker processes (data.num_workers >= 1), with the
+    reasoning beside the key: on the training thread, ResNet's JPEG decodes (est. 150-350 ms per
+    step of one core) and BERT's HDF5 reads land inside every step (review gpu-day-one, finding
+    7)."""
+    cfg = load_config(name)
+    assert cfg.data.num_workers >= 1
+    text = (Path(__file__).parents[1] / "configs" / f"{name}.yaml").read_text()
+    lines = text.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.strip().startswith("num_workers:"))
+    assert lines[at - 1].lstrip().startswith("#"), "the reason sits in a comment above the key"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
 from scaleout.data.sampler import ShardedSampler
@@ -39,6 +40,7 @@ class BertTask(Task):
                 f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}"
             )
         self.stream: Any = None
+        self.step_counts: np.ndarray | None = None
         if (
             d.source == "wikipedia"
         ):  # MLPerf shards, read lazily (scaleout/families/bert/data/shard_source.py)
@@ -63,8 +65,11 @@ class BertTask(Task):
     def _open_shards(self, cfg: Config, world: World) -> None:
         """Training stream and eval share from the shard index: nothing per sequence is loaded up
         front."""
-        data = open_shards(cfg, world.rank, world.world_size, world.barrier)
+        data = open_shards(
+            cfg, world.rank, world.world_size, world.barrier, TorchCollectives(world)
+        )
         self.stream, self.eval_seqs, self.depth = data.stream, data.eval, data.depth
+        self.step_counts = data.step_counts
         self.rows, self.max_pred = data.stream.total, data.stream.max_pred
         self.sequences_per_row = data.sequences_per_row
         self.info["data"], self.info["packing"] = (
@@ -137,6 +142,9 @@ class BertTask(Task):
 
     def samples_per_step(self, position: int) -> tuple[int, int]:
         if self.stream is not None:
+            step, within = divmod(position, self.cfg.train.global_batch)
+            if self.step_counts is not None and not within and step < len(self.step_counts):
+                return int(self.step_counts[step, 0]), int(self.step_counts[step, 1])
             return self.stream.global_counts(position)
         idx = self.sampler.global_indices(position)
         return int(self.pack_sizes[idx].sum()), int(self.pack_tokens[idx].sum())
@@ -174,3 +182,20 @@ def evaluate_mlm(
         counts.add(out.mlm_correct, out.mlm_total)
     model.train(was_training)
     return counts.ratio()
+
+
+class TorchCollectives:
+    """:func:`open_shards`'s collectives on the world's default group (start-up only)."""
+
+    def __init__(self, world: World):
+        self.world = world
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.world.device)
+        return box[0]
+
+    def sum(self, array: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(array, np.int64)).to(self.world.device)
+        dist.all_reduce(t)
+        return t.cpu().numpy()

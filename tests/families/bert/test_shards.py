@@ -299,9 +299,8 @@ else:
     d = shard_source.open_shards(cfg, 0, 2)
     for step in range(0, 400, 40):
         d.stream.batches(step * 16, 1)
-# anonymous resident memory (heap): file-backed library pages are left out, their count follows the
-page
-# cache of this shared machine (fault-around), not the data
+# anonymous resident memory (heap): file-backed library pages are left out, their count follows
+# the page cache of this shared machine (fault-around), not the data
 print([int(x.split()[1]) / 1024 for x in open("/proc/self/status") if x.startswith("RssAnon")][0])
 """
 
@@ -475,3 +474,157 @@ def test_one_folder_holds_out_its_first_sequences_for_eval(built):
         b = d.stream.batches(step * 8, 1)[0][0]
         seen += [k for row in range(b["input_ids"].shape[0]) for k in _sequences_of_row(b, row)]
     assert not set(held) & set(seen[: d.stream.total])
+
+
+def _lane_streams(world: int, shards: int, per_rank: int, seed: int):
+    """Every rank's stream over ``shards`` balanced shards (pack counts within 3 %, as
+    chop_hdf5_files.py balances them): the order is a pure function, no file is opened."""
+    from scaleout.families.bert.data.shard_index import PackSettings
+    from scaleout.families.bert.data.shard_source import ShardStream
+
+    counts = np.random.default_rng(seed).integers(97, 104, shards)
+    files = [Path(f"part_{j}.hdf5") for j in range(shards)]
+    return [
+        ShardStream(
+            files,
+            [0] * shards,
+            counts,
+            PackSettings(SEQ, "none", 1),
+            Path("index"),
+            world * per_rank,
+            r,
+            world,
+            PRED,
+            1,
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "world,shards,per_rank",
+    [(8, 16, 2), (8, 8, 2), (16, 16, 4), (32, 40, 2), (12, 5, 4), (64, 10, 2)],
+)
+def test_ranks_read_different_files_at_each_step(world, shards, per_rank):
+    """Review gpu-day-one, finding 7: read in shard order, all ranks read the same one or two
+    files at every step. Over 3 epochs, at every step no file is read by more than ceil(ranks /
+    shards) + 1 ranks (twice that at the one step per epoch whose positions straddle two epochs,
+    whose shard orders differ); every pack is still read exactly once per epoch, and the order is
+    a pure function (a second set of streams gives the same runs)."""
+    streams = _lane_streams(world, shards, per_rank, seed=world + shards)
+    batch, total = world * per_rank, streams[0].total
+    bound = -(-world // shards) + 1
+    epochs: dict[int, list[tuple[int, int]]] = {}
+    for step in range(-(-3 * total // batch)):
+        readers: dict[int, int] = {}
+        for r, s in enumerate(streams):
+            start = step * batch + r * per_rank
+            runs = s.segments(start, per_rank)
+            for j in {j for j, _ in runs}:
+                readers[j] = readers.get(j, 0) + 1
+            flat = [(j, int(q)) for j, which in runs for q in which]
+            for i, item in enumerate(flat):
+                epochs.setdefault((start + i) // total, []).append(item)
+        straddles = step * batch // total != ((step + 1) * batch - 1) // total
+        assert max(readers.values()) <= bound * (2 if straddles else 1), (step, readers)
+    whole = sorted((j, q) for j in range(shards) for q in range(int(streams[0].counts[j])))
+    for e in range(3):
+        assert sorted(epochs[e]) == whole  # every pack of every shard, once
+    again = _lane_streams(world, shards, per_rank, seed=world + shards)
+    for pos in (0, 5 * batch + per_rank, total + 3):
+        a, b = streams[1].segments(pos, per_rank), again[1].segments(pos, per_rank)
+        assert [(j, w.tolist()) for j, w in a] == [(j, w.tolist()) for j, w in b]
+
+
+def _count_fs_calls_at_start(world, path):
+    """open_shards twice on this rank (the first builds the index); the second's file-system
+    metadata calls and opens, counted at the Python entry points every path goes through
+    (Path.stat/is_file/iterdir and np.load all end in these)."""
+    import builtins
+
+    from scaleout.config import load_config
+    from scaleout.families.bert.data.shard_source import open_shards
+    from scaleout.families.bert.task import TorchCollectives
+
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=wikipedia",
+            f"data.path={path}",
+            "data.max_seq_len=32",
+            "data.max_predictions=5",
+            "data.packing=none",
+            "data.eval_samples=8",
+            "train.global_batch=8",
+            "train.max_steps=4",
+        ],
+    )
+    comm = TorchCollectives(world)
+    open_shards(cfg, world.rank, world.world_size, world.barrier, comm)
+    names = ("stat", "lstat", "listdir", "scandir", "access")
+    real = {n: getattr(os, n) for n in names} | {"open": builtins.open}
+    calls: list[str] = []
+
+    def counted(name):
+        def call(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+
+        return call
+
+    try:
+        for n in names:
+            setattr(os, n, counted(n))
+        builtins.open = counted("open")
+        data = open_shards(cfg, world.rank, world.world_size, world.barrier, comm)
+    finally:
+        for n in names:
+            setattr(os, n, real[n])
+        builtins.open = real["open"]
+    return len(calls), data.stream.counts.tolist(), data.step_counts.tolist()
+
+
+@pytest.mark.multi_process
+def test_only_rank_0_lists_and_stats_the_shards_at_start(tmp_path):
+    """Review gpu-day-one, finding 10: every rank statted every shard on every start (21 M stats
+    at 2,048 ranks x 4,320 shards). 2 real ranks (gloo), warm index, 24 training shards: rank 0
+    lists and stats them (>= 24 calls), rank 1 gets the plan in one broadcast and makes O(1)
+    calls (5 per shard its first steps read, for the per-step counts: 2 shards here; before, 74
+    on each rank, growing with the shards); both see the same counts,
+    and the all-reduced per-step counts equal the single-process global_counts."""
+    from distutil import run_dist
+    from test_mlperf_timing import _write_fixed_shard  # tests/ is on sys.path, as for distutil
+
+    rng = np.random.default_rng(0)
+    for split, files in (("train", 24), ("eval", 1)):
+        (tmp_path / split).mkdir()
+        for j in range(files):
+            _write_fixed_shard(tmp_path / split / f"part-{j:02d}.npz", 12, 32, 5, rng)
+    out = run_dist(_count_fs_calls_at_start, nnodes=1, nproc_per_node=2, args=(str(tmp_path),))
+    (calls0, counts0, table0), (calls1, counts1, table1) = out
+    assert calls0 >= 24 and calls1 <= 12, (calls0, calls1)  # 74 and 74 before
+    assert counts0 == counts1 and table0 == table1
+    streams = [
+        _stream_at(tmp_path, r) for r in range(2)
+    ]  # no process group: each rank lists for itself
+    assert table0 == [list(streams[0].global_counts(step * 8)) for step in range(4)]
+
+
+def _stream_at(path, rank):
+    from scaleout.config import load_config
+    from scaleout.families.bert.data.shard_source import open_shards
+
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "data.source=wikipedia",
+            f"data.path={path}",
+            "data.max_seq_len=32",
+            "data.max_predictions=5",
+            "data.packing=none",
+            "data.eval_samples=8",
+            "train.global_batch=8",
+        ],
+    )
+    return open_shards(cfg, rank, 2).stream

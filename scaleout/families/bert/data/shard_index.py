@@ -103,9 +103,18 @@ class ShardIndex:
     """The cached index of one shard file under ``settings`` (rows from ``skip`` on are training
     rows)."""
 
-    def __init__(self, path: Path, idx: Path, settings: PackSettings, skip: int = 0):
+    def __init__(
+        self,
+        path: Path,
+        idx: Path,
+        settings: PackSettings,
+        skip: int = 0,
+        key: str | None = None,
+    ):
+        """``key``: the file's :func:`shard_key` when the caller has it (rank 0 stats every shard
+        once and the other ranks get the keys from it), else one ``stat`` here."""
         self.path, self.idx, self.settings, self.skip = path, idx, settings, skip
-        self.base = idx / f"{path.name}.{shard_key(path)}"
+        self.base = idx / f"{path.name}.{key or shard_key(path)}"
         self.meta_path = Path(f"{self.base}.{settings.key(skip)}.meta.json")
         self.packs_path = Path(f"{self.base}.{settings.key(skip)}.packs.npz")
         self.error_path = Path(f"{self.base}.{settings.key(skip)}.error.txt")
@@ -230,15 +239,24 @@ def ensure_index(
     rank: int = 0,
     world: int = 1,
     barrier: Callable[[], None] = lambda: None,
-) -> tuple[Summary, Path]:
+    keys: list[str] | None = None,
+    build: bool = True,
+) -> tuple[Summary, Path] | None:
     """Index every shard (in parallel over ranks), return the summary and the index directory.
 
-    A collective when ``world > 1``: every rank must call it (it meets the others at
-    ``barrier``)."""
+    A collective when ``world > 1`` and the summary is not cached yet: every rank must call it (it
+    meets the others at ``barrier``). ``keys``: the shards' :func:`shard_key` (no ``stat`` here);
+    ``build=False``: None instead of building when the summary is not cached (rank 0 checks
+    alone whether the other ranks need to join a build)."""
     idx = index_dir(files[0].parent)
-    shards = [ShardIndex(f, idx, settings, k) for f, k in zip(files, skips, strict=True)]
+    keys = keys if keys is not None else [None] * len(files)
+    shards = [
+        ShardIndex(f, idx, settings, k, key) for f, k, key in zip(files, skips, keys, strict=True)
+    ]
     digest = hashlib.sha256("|".join(s.meta_path.name for s in shards).encode()).hexdigest()[:16]
     summary_path = idx / f"summary-{digest}.npz"
+    if not build and not summary_path.is_file():
+        return None
     if not summary_path.is_file():
         for s in shards[rank::world]:
             s.meta_or_error()
