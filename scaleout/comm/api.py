@@ -104,7 +104,7 @@ def dispatch(
             thread.submit(lambda: None, result).wait()
             idle = True
         if native is None:
-            handle = handles.on_comm_stream(result, job)
+            handle = handles.on_comm_stream(result, job, cuda_future=async_op)
             return handle if async_op else handle.wait()
     if not async_op:
         if idle:  # nothing queued: run in this thread (no hand-off)

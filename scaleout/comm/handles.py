@@ -87,10 +87,13 @@ def comm_stream(device: torch.device) -> Any:
     return stream
 
 
-def on_comm_stream(tensor: torch.Tensor, job: Callable[[], Any]) -> StreamHandle:
+def on_comm_stream(
+    tensor: torch.Tensor, job: Callable[[], Any], cuda_future: bool = True
+) -> StreamHandle:
     """Run ``job`` (which issues async collectives and chains them with ``work.wait()``) in this
     thread with the comm stream current, after the comm stream waited for this thread's current
-    stream; the handle's event marks its end (module docstring)."""
+    stream; the handle's event marks its end (module docstring). ``cuda_future=False`` (a call
+    waited for at once, e.g. inside a CUDA-graph capture): ``future`` is a plain completed one."""
     device = tensor.device
     comm = comm_stream(device)
     comm.wait_stream(torch.cuda.current_stream(device))
@@ -98,7 +101,7 @@ def on_comm_stream(tensor: torch.Tensor, job: Callable[[], Any]) -> StreamHandle
         job()
         event = torch.cuda.Event()
         event.record(comm)
-        if torch.cuda.is_available():  # a CUDA future: its waiter's stream waits for this point
+        if cuda_future and torch.cuda.is_available():  # its waiter's stream waits for this point
             future = torch.futures.Future(devices=[device])
         else:  # tests/fakecuda.py: no CUDA runtime behind the emulated device
             future = torch.futures.Future()
