@@ -351,7 +351,8 @@ class _Mode(TorchFunctionMode):
         inplace = name.endswith("_") and not name.endswith("__") and src is not None
         if not getattr(func, "__module__", "").startswith("torch.distributed"):
             # (collectives are enqueued by the process-group patch, on their own stream)
-            self.owner._enqueue(name, tensors, src if inplace else out)
+            writes = inplace or (name == "__setitem__" and src is not None)
+            self.owner._enqueue(name, tensors, src if writes else out, writes)
         if inplace:
             return out  # in place: the tensor keeps its placement
         return _mark(out, host)
@@ -465,9 +466,16 @@ class FakeCuda:
     def _publish(self, stream: FakeStream, pos: int) -> None:
         self._published[stream] = max(self._published.get(stream, 0), pos)
 
-    def _enqueue(self, name: str, inputs: list[torch.Tensor], written: Any) -> None:
+    def _enqueue(self, name: str, inputs: list[torch.Tensor], written: Any, inplace: bool) -> None:
         """An op of the mode: check its device inputs' last writers, enqueue it on the thread's
-        current stream, record what it wrote."""
+        current stream, record what it wrote. Metadata reads (``numel``, ``size``) and views (an
+        output aliasing an input) touch no data: not checked, not writes."""
+        outs = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
+        if not outs and name not in _READS and name not in _VALUE_SHAPED:
+            return  # metadata
+        keys = {_storage(t) for t in inputs if not on_host(t)}
+        if not inplace and outs and all(_storage(t) in keys for t in outs):
+            return  # a view
         stream = self.current_stream()
         for t in inputs:
             w = None if on_host(t) else self._writers.get(_storage(t))
@@ -477,8 +485,8 @@ class FakeCuda:
                     f"{w[0].name} without waiting for it, at {call_site()}"
                 )
         stream.pos += 1
-        for t in tree_flatten(written)[0]:
-            if isinstance(t, torch.Tensor) and not on_host(t):
+        for t in outs:
+            if not on_host(t):
                 self._writers[_storage(t)] = (stream, stream.pos)
 
     def _launch(self, pg: Any, op: str, args: tuple, kwargs: dict) -> tuple[FakeStream, int]:

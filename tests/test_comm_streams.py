@@ -58,6 +58,48 @@ def test_fakecuda_streams_threads_and_events() -> None:
         assert len(fc.hazards) == 1, fc.hazards
 
 
+def _collective_rules(world: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    with FakeCuda(world) as fc:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            a = torch.ones(4, device=world.device)
+            dist.all_reduce(a)  # sync: on this thread's current stream
+            b = torch.ones(4, device=world.device)
+            work = dist.all_reduce(b, async_op=True)  # async: on the group's stream
+            early = float((b * 1).sum())  # reads it before waiting
+            after_early = list(fc.hazards)
+            work.wait()  # the current stream waits, not the host
+            late = float((b * 1).sum())
+            after_wait = list(fc.hazards)
+        t = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2, device=world.device)))
+        t.start()
+        t.join()
+    return {
+        "launches": fc.launches,
+        "after_early": after_early,
+        "after_wait": after_wait,
+        "threads": fc.hazards[len(after_wait) :],
+        "values": (early, late),
+    }
+
+
+@pytest.mark.multi_process
+def test_fakecuda_collective_stream_rules() -> None:
+    """The harness on 2 gloo ranks: a sync collective runs on the issuing thread's current stream,
+    an async one on its group's own stream; reading its result before ``work.wait()`` is a hazard,
+    after it is not; a second thread issuing device collectives is a hazard."""
+    for out in run_dist(_collective_rules, nnodes=1, nproc_per_node=2):
+        (sync, _, t0, s0, a0), (_, _, t1, s1, a1), (_, _, t2, *_) = out["launches"]
+        assert (s0, a0) == ("side1", False) and s1.startswith("nccl:") and a1
+        assert (t0, t1) == ("MainThread", "MainThread") and t2 != "MainThread"
+        assert len(out["after_early"]) == 1 and "written on stream nccl:" in out["after_early"][0]
+        assert out["after_wait"] == out["after_early"]
+        assert len(out["threads"]) == 1 and "from threads" in out["threads"][0]
+        assert out["values"][1] == 8.0  # (the early read may see 4.0: a real race on gloo too)
+
+
 # -- the all-reduce algorithms ---------------------------------------------------------------------
 def _grid_all_reduce(world: Any, algorithm: str, producer_side_stream: bool) -> dict[str, Any]:
     from scaleout.comm import all_reduce
