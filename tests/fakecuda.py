@@ -251,11 +251,12 @@ class FakeWork:
 _ACTIVE: list[FakeCuda] = []
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> Any:
+    """The tensor's storage (one Python object per storage while it lives), None without one."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
-        return id(t)
+        return None
 
 
 def on_host(t: Any) -> bool:
@@ -441,7 +442,9 @@ class FakeCuda:
         self.active = False
         self._local = threading.local()
         self._internal: dict[str, FakeStream] = {}  # a process group's own stream (async ops)
-        self._writers: dict[int, tuple[FakeStream, int]] = {}  # storage -> (stream, op) last write
+        # storage address -> (stream, op, the storage) of its last write; an entry whose storage
+        # died is stale (the caching allocator never hands a freed block to another stream)
+        self._writers: dict[int, tuple[FakeStream, int, Any]] = {}
         self._published: dict[FakeStream, int] = {}
         self._threads: list[str] = []  # threads that issued device collectives
         self._streams = 0
@@ -463,6 +466,16 @@ class FakeCuda:
         w, pos = writer
         return stream.covers(w, pos) or self._published.get(w, 0) >= pos
 
+    def _writer(self, storage: Any) -> tuple[FakeStream, int] | None:
+        entry = None if storage is None else self._writers.get(storage.data_ptr())
+        if entry is None or entry[2]() is not storage:
+            return None
+        return entry[0], entry[1]
+
+    def _wrote(self, storage: Any, stream: FakeStream) -> None:
+        if storage is not None:
+            self._writers[storage.data_ptr()] = (stream, stream.pos, weakref.ref(storage))
+
     def _publish(self, stream: FakeStream, pos: int) -> None:
         self._published[stream] = max(self._published.get(stream, 0), pos)
 
@@ -473,12 +486,12 @@ class FakeCuda:
         outs = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
         if not outs and name not in _READS and name not in _VALUE_SHAPED:
             return  # metadata
-        keys = {_storage(t) for t in inputs if not on_host(t)}
-        if not inplace and outs and all(_storage(t) in keys for t in outs):
+        keys = {id(_storage(t)) for t in inputs if not on_host(t)}
+        if not inplace and outs and all(id(_storage(t)) in keys for t in outs):
             return  # a view
         stream = self.current_stream()
         for t in inputs:
-            w = None if on_host(t) else self._writers.get(_storage(t))
+            w = None if on_host(t) else self._writer(_storage(t))
             if w is not None and not self._visible(stream, w):
                 self._hazard(
                     f"{name} on stream {stream.name} reads a tensor written on stream "
@@ -487,7 +500,7 @@ class FakeCuda:
         stream.pos += 1
         for t in outs:
             if not on_host(t):
-                self._writers[_storage(t)] = (stream, stream.pos)
+                self._wrote(_storage(t), stream)
 
     def _launch(self, pg: Any, op: str, args: tuple, kwargs: dict) -> tuple[FakeStream, int]:
         """A device collective: the stream it runs on (sync: the thread's current stream; async:
@@ -507,18 +520,18 @@ class FakeCuda:
             stream = issuer
         with torch._C.DisableTorchFunction():
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            keys = [_storage(t) for t in tensors]
+            storages = [_storage(t) for t in tensors]
         site = call_site()
-        for key in keys:
-            w = self._writers.get(key)
+        for storage in storages:
+            w = self._writer(storage)
             if w is not None and not self._visible(stream, w):
                 self._hazard(
                     f"{op} on stream {stream.name} reads a tensor written on stream {w[0].name} "
                     f"without waiting for it, at {site}"
                 )
         stream.pos += 1
-        for key in keys:  # in-place collectives: every tensor argument may be written
-            self._writers[key] = (stream, stream.pos)
+        for storage in storages:  # in-place collectives: every tensor argument may be written
+            self._wrote(storage, stream)
         thread = threading.current_thread().name
         if thread not in self._threads:
             self._threads.append(thread)
