@@ -34,21 +34,45 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site.
 
-Limits: the mode is thread-local, so ops in other threads (the comm thread) are not classified
-(their new tensors count as device tensors, which they are on a GPU); ops inside a torch function's
-own implementation are not seen, only the call.
+Streams (the rules a GPU run lives by, which gloo on CPU does not have):
+
+- every thread has its own *current stream*, starting at the device's default stream (the compute
+  stream); ``torch.cuda.stream(s)`` sets it for the thread, ``torch.cuda.Stream()`` makes a side
+  stream, ``torch.cuda.Event`` records a point of a stream, ``wait_event`` / ``wait_stream`` order
+  one stream after another (nothing blocks the host); every op the mode sees is enqueued on its
+  thread's current stream;
+- a *synchronous* collective (``async_op=False``) runs on the issuing thread's current stream (torch
+  >= 2.8, PyTorch #150398); an *asynchronous* one runs on its process group's internal stream, which
+  first waits for the issuing thread's current stream (as ProcessGroupNCCL does), and its
+  ``work.wait()`` makes the *caller's current stream* wait for it (not the host);
+- ``launches`` lists every collective as (op, group, thread name, stream name, async); ``hazards``
+  records what would be wrong on a GPU: a collective reading a tensor whose last writer was another
+  stream it has not waited for, an op reading a collective's result on a stream that has not waited
+  for it, and device collectives issued from more than one thread (NCCL matches a communicator's
+  collectives by issue order; several threads enqueueing onto the device in a rank-dependent order
+  can deadlock across communicators).
+
+The mode is process-wide: threads started while the context is open (the comm thread among them)
+run under it too, and the comm-thread and comm-stream registries of scaleout.comm.handles start
+empty for the context, so a rank's communication path runs under the emulation. Threads started
+before the context are not covered. Ops inside a torch function's own implementation are not seen,
+only the call.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import traceback
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+from scaleout.comm import handles
 
 DEVICE = torch.device("cuda", 0)
 HOST = torch.device("cpu")
@@ -120,6 +144,121 @@ _COLLECTIVES = (
 )
 
 
+class FakeStream:
+    """An emulated CUDA stream: a count of the ops enqueued on it (``pos``) and, for every other
+    stream, up to which of its ops this one has waited (``seen``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.device = DEVICE
+        self.pos = 0
+        self.seen: dict[FakeStream, int] = {}
+
+    def covers(self, other: FakeStream, pos: int) -> bool:
+        """Op ``pos`` of ``other`` is ordered before everything enqueued on this stream from now."""
+        return other is self or self.seen.get(other, 0) >= pos
+
+    def _join(self, other: FakeStream, pos: int, seen: dict[FakeStream, int]) -> None:
+        for s, p in [*seen.items(), (other, pos)]:
+            if s is not self and self.seen.get(s, 0) < p:
+                self.seen[s] = p
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self._join(other, other.pos, dict(other.seen))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        if event.stream is not None:
+            self._join(event.stream, event.pos, event.seen)
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or FakeEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _ACTIVE[0].syncs.append(("stream synchronize", call_site()))
+
+    def __repr__(self) -> str:
+        return f"<fake stream {self.name}>"
+
+
+class FakeEvent:
+    """An emulated ``torch.cuda.Event``: the point of a stream it was recorded at."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.stream: FakeStream | None = None
+        self.pos = 0
+        self.seen: dict[FakeStream, int] = {}
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or _ACTIVE[0].current_stream()
+        self.stream, self.pos, self.seen = stream, stream.pos, dict(stream.seen)
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        (stream or _ACTIVE[0].current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _ACTIVE[0].syncs.append(("event synchronize", call_site()))
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 0.0
+
+
+class _StreamContext:
+    def __init__(self, owner: FakeCuda, stream: FakeStream | None):
+        self.owner, self.stream = owner, stream
+
+    def __enter__(self) -> FakeStream | None:
+        self.prev = self.owner.current_stream()
+        if self.stream is not None:
+            self.owner._local.stream = self.stream
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner._local.stream = self.prev
+
+
+class FakeWork:
+    """A process group's work as the emulated device sees it: ``wait()`` makes the caller's
+    current stream wait for the collective's stream (NCCL's ``work.wait()``), then waits on the
+    host for the real (gloo) work, which has to finish for its data to exist on CPU."""
+
+    def __init__(self, work: Any, owner: FakeCuda, stream: FakeStream, pos: int):
+        self._work, self._owner, self._stream, self._pos = work, owner, stream, pos
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._owner.current_stream()._join(self._stream, self._pos, {})
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self) -> Any:
+        fut = self._work.get_future()
+        # A CUDA future makes whoever waits on it wait for the collective's stream; not emulated
+        # per waiter: the result counts as visible to every stream once the future completes.
+        fut.add_done_callback(lambda _f: self._owner._publish(self._stream, self._pos))
+        return fut
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+# The FakeCuda context that is open (process-wide), if any.
+_ACTIVE: list[FakeCuda] = []
+
+
+def _storage(t: torch.Tensor) -> Any:
+    """The tensor's storage (one Python object per storage while it lives), None without one."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
+        return None
+
+
 def on_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, _MARK, False)
 
@@ -163,6 +302,8 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        if not self.owner.active:  # a thread that outlived its FakeCuda context
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         if name == "__get__":  # property reads: answer device / is_cuda as a GPU would
@@ -208,7 +349,12 @@ class _Mode(TorchFunctionMode):
             host = target == HOST
         else:
             host = not devs  # no device input (factories, host-only ops) -> on the host
-        if name.endswith("_") and not name.endswith("__") and src is not None:
+        inplace = name.endswith("_") and not name.endswith("__") and src is not None
+        if not getattr(func, "__module__", "").startswith("torch.distributed"):
+            # (collectives are enqueued by the process-group patch, on their own stream)
+            writes = inplace or (name == "__setitem__" and src is not None)
+            self.owner._enqueue(name, tensors, src if writes else out, writes)
+        if inplace:
             return out  # in place: the tensor keeps its placement
         return _mark(out, host)
 
@@ -289,7 +435,114 @@ class FakeCuda:
         self.world = world
         self.violations: list[str] = []
         self.syncs: list[tuple[str, str]] = []
+        # (op, group, issuing thread, stream it ran on, async) per collective, in issue order
+        self.launches: list[tuple[str, str, str, str, bool]] = []
+        self.hazards: list[str] = []  # what would race or hang on a GPU (module docstring)
+        self.default = FakeStream("default")
+        self.active = False
+        self._local = threading.local()
+        self._internal: dict[str, FakeStream] = {}  # a process group's own stream (async ops)
+        # storage address -> (stream, op, the storage) of its last write; an entry whose storage
+        # died is stale (the caching allocator never hands a freed block to another stream)
+        self._writers: dict[int, tuple[FakeStream, int, Any]] = {}
+        self._published: dict[FakeStream, int] = {}
+        self._threads: list[str] = []  # threads that issued device collectives
+        self._streams = 0
         self._undo: list[tuple[Any, str, Any]] = []
+
+    # -- streams ----------------------------------------------------------------------------------
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return getattr(self._local, "stream", None) or self.default
+
+    def new_stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:
+        self._streams += 1
+        return FakeStream(f"side{self._streams}")
+
+    def _hazard(self, msg: str) -> None:
+        if msg not in self.hazards:
+            self.hazards.append(msg)
+
+    def _visible(self, stream: FakeStream, writer: tuple[FakeStream, int]) -> bool:
+        w, pos = writer
+        return stream.covers(w, pos) or self._published.get(w, 0) >= pos
+
+    def _writer(self, storage: Any) -> tuple[FakeStream, int] | None:
+        entry = None if storage is None else self._writers.get(storage.data_ptr())
+        if entry is None or entry[2]() is not storage:
+            return None
+        return entry[0], entry[1]
+
+    def _wrote(self, storage: Any, stream: FakeStream) -> None:
+        if storage is not None:
+            self._writers[storage.data_ptr()] = (stream, stream.pos, weakref.ref(storage))
+
+    def _publish(self, stream: FakeStream, pos: int) -> None:
+        self._published[stream] = max(self._published.get(stream, 0), pos)
+
+    def _enqueue(self, name: str, inputs: list[torch.Tensor], written: Any, inplace: bool) -> None:
+        """An op of the mode: check its device inputs' last writers, enqueue it on the thread's
+        current stream, record what it wrote. Metadata reads (``numel``, ``size``) and views (an
+        output aliasing an input) touch no data: not checked, not writes."""
+        outs = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
+        if not outs and name not in _READS and name not in _VALUE_SHAPED:
+            return  # metadata
+        keys = {id(_storage(t)) for t in inputs if not on_host(t)}
+        if not inplace and outs and all(id(_storage(t)) in keys for t in outs):
+            return  # a view
+        stream = self.current_stream()
+        for t in inputs:
+            w = None if on_host(t) else self._writer(_storage(t))
+            if w is not None and not self._visible(stream, w):
+                self._hazard(
+                    f"{name} on stream {stream.name} reads a tensor written on stream "
+                    f"{w[0].name} without waiting for it, at {call_site()}"
+                )
+        stream.pos += 1
+        for t in outs:
+            if not on_host(t):
+                self._wrote(_storage(t), stream)
+
+    def _launch(self, pg: Any, op: str, args: tuple, kwargs: dict) -> tuple[FakeStream, int]:
+        """A device collective: the stream it runs on (sync: the thread's current stream; async:
+        the group's own, after it waited for the current one), its data dependencies, the
+        issuing thread."""
+        opts = next((a for a in args if hasattr(a, "asyncOp")), None)
+        is_async = bool(opts.asyncOp) if opts is not None else op in ("send", "recv")
+        try:
+            group = str(pg.group_name)
+        except Exception:  # noqa: BLE001 -- a group without a name
+            group = hex(id(pg))
+        issuer = self.current_stream()
+        if is_async:
+            stream = self._internal.setdefault(group, FakeStream(f"nccl:{group}"))
+            stream.wait_stream(issuer)
+        else:
+            stream = issuer
+        with torch._C.DisableTorchFunction():
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            storages = [_storage(t) for t in tensors]
+        site = call_site()
+        for storage in storages:
+            w = self._writer(storage)
+            if w is not None and not self._visible(stream, w):
+                self._hazard(
+                    f"{op} on stream {stream.name} reads a tensor written on stream {w[0].name} "
+                    f"without waiting for it, at {site}"
+                )
+        stream.pos += 1
+        for storage in storages:  # in-place collectives: every tensor argument may be written
+            self._wrote(storage, stream)
+        thread = threading.current_thread().name
+        if thread not in self._threads:
+            self._threads.append(thread)
+            if len(self._threads) > 1:
+                self._hazard(
+                    f"device collectives issued from threads {self._threads} (NCCL matches a "
+                    "communicator's collectives by issue order; threads enqueueing onto one device "
+                    f"in a rank-dependent order deadlock across communicators), at {site}"
+                )
+        self.launches.append((op, group, thread, stream.name, is_async))
+        return stream, stream.pos
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
         self._undo.append((obj, attr, getattr(obj, attr)))
@@ -306,7 +559,11 @@ class FakeCuda:
                 )
                 self.violations.append(msg)
                 raise RuntimeError(msg)
-            return orig(pg, *args, **kwargs)
+            if not self.active:
+                return orig(pg, *args, **kwargs)
+            stream, pos = self._launch(pg, orig.__name__, args, kwargs)
+            work = orig(pg, *args, **kwargs)
+            return None if work is None else FakeWork(work, self, stream, pos)
 
         return collective
 
@@ -335,12 +592,40 @@ class FakeCuda:
         self._patch(torch.cuda, "get_device_name", lambda device=None: props.name)
         if self.world is not None:
             self._patch(self.world, "device", DEVICE)
+        # streams and events (module docstring)
+        self._patch(torch.cuda, "Stream", self.new_stream)
+        self._patch(torch.cuda, "Event", FakeEvent)
+        self._patch(torch.cuda, "current_stream", self.current_stream)
+        self._patch(torch.cuda, "default_stream", lambda device=None: self.default)
+        self._patch(torch.cuda, "stream", lambda stream: _StreamContext(self, stream))
+        # process-wide: threads started from now on run under the mode too; the comm thread and
+        # the comm streams of this context are its own
+        boot = threading.Thread._bootstrap_inner
+        owner = self
+
+        def bootstrap(thread: threading.Thread) -> None:
+            if not owner.active:
+                return boot(thread)
+            with _Mode(owner):
+                return boot(thread)
+
+        self._patch(threading.Thread, "_bootstrap_inner", bootstrap)
+        self._patch(handles, "_THREADS", weakref.WeakKeyDictionary())
+        if hasattr(handles, "_COMM_STREAMS"):  # (absent before the comm stream existed)
+            self._patch(handles, "_COMM_STREAMS", {})
+        self._comm_threads = handles._THREADS
+        _ACTIVE.insert(0, self)
+        self.active = True
         self._mode = _Mode(self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
+        for thread in list(self._comm_threads.values()):
+            thread.shutdown(30.0)
+        self.active = False
+        _ACTIVE.remove(self)
         for obj, attr, value in reversed(self._undo):
             setattr(obj, attr, value)
         self._undo.clear()

@@ -29,8 +29,9 @@ FAST = [
 ]
 
 
-def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], str]:
-    """The whole trainer under FakeCuda; returns (collectives on host tensors, run status)."""
+def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], str, list[str]]:
+    """The whole trainer under FakeCuda; returns (collectives on host tensors, run status, stream
+    hazards)."""
     from scaleout.config import load_config
     from scaleout.train.trainer import Trainer
 
@@ -60,7 +61,7 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
             if not fc.violations:
                 raise
             status = f"raised: {str(exc).splitlines()[0]}"
-    return fc.violations, status
+    return fc.violations, status, fc.hazards
 
 
 @pytest.mark.full_system
@@ -80,13 +81,15 @@ def test_every_collective_of_the_training_path_is_on_the_device(
 ) -> None:
     """2 nodes x 1 rank; fails on a collective given a host tensor anywhere in
     build/step/eval/save (the evaluation counters were CPU tensors: every multi-GPU run crashed
-    at its first evaluation)."""
+    at its first evaluation), and on a stream hazard (tests/fakecuda.py: a collective or op reading
+    data another stream wrote without waiting for it, device collectives from several threads)."""
     results = run_dist(
         _train, nnodes=2, nproc_per_node=1, args=(overrides, str(tmp_path)), timeout=300
     )
-    for rank, (violations, status) in enumerate(results):
+    for rank, (violations, status, hazards) in enumerate(results):
         assert violations == [], f"rank {rank}: {violations}"
         assert status == "max_steps", f"rank {rank}: {status}"
+        assert hazards == [], f"rank {rank}: {hazards}"
 
 
 def _bad_collective(world: Any) -> list[str]:

@@ -90,12 +90,22 @@ def dispatch(
     instead, or returns None when there is nothing to send. Returns ``result`` (sync) or a Handle
     completing with it.
 
-    In this thread when the World's communication thread has nothing queued (launch order is still
-    the call order), else queued behind it: c10d matches collectives by their order on a group, so a
-    call must never overtake an earlier one that shares its groups.
+    On a CUDA device: always in this thread (see :mod:`scaleout.comm.handles`, the stream/thread
+    rule), a multi-phase ``job`` on the comm stream (async phases chained by stream waits), a
+    native work as it is. On the host: in this thread when the World's communication thread has
+    nothing queued (launch order is still the call order), else queued behind it: c10d matches
+    collectives by their order on a group, so a call must never overtake an earlier one that shares
+    its groups.
     """
     thread = handles.existing_thread(world)
     idle = thread is None or thread.idle
+    if result.is_cuda:
+        if not idle:  # host work queued earlier goes out first (call order)
+            thread.submit(lambda: None, result).wait()
+            idle = True
+        if native is None:
+            handle = handles.on_comm_stream(result, job, cuda_future=async_op)
+            return handle if async_op else handle.wait()
     if not async_op:
         if idle:  # nothing queued: run in this thread (no hand-off)
             job()

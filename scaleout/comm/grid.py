@@ -19,9 +19,11 @@ Two phase compositions, chosen by backend (see docs/collectives.md for the measu
   the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D all-gathered over loopback,
   and
   D column all-reduces are in flight at once so the link never idles between chunks.
-* nccl (GPU): reduce_scatter_tensor / all_reduce / all_gather_into_tensor, which NCCL implements
-  well;
-  NCCL collectives on different communicators already run on their own streams.
+* nccl (GPU): reduce-scatter / all_reduce / all-gather tensor collectives, which NCCL implements
+  well, one chunk. They run in the caller's thread on the comm stream (scaleout.comm.handles: the
+  stream/thread rule): every phase is ``async_op=True`` and its ``work.wait()`` makes the comm
+  stream wait for it, so the phases are ordered on the device, the host never blocks and the
+  compute stream carries none of them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # isend/irecv on the same groups cannot be matched with ours. Chunk c uses TAG_BASE + 2c
 # (reduce-scatter), + 2c + 1.
 TAG_BASE = 0x5C0000
+
+# torch 2.13 renamed the tensor collectives (*_single); older builds only have the *_tensor names.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,10 @@ class _GlooSchedule:
 
 
 def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
-    """RS -> AR -> AG with NCCL's native collectives (padding to a multiple of the row size)."""
+    """RS -> AR -> AG with NCCL's native collectives (padding to a multiple of the row size).
+
+    Runs on the comm stream (scaleout.comm.handles.on_comm_stream): each phase is async and its
+    ``wait()`` orders the current (comm) stream after it, never the host or the compute stream."""
     g = len(grid.row_ranks)
     n = buf.numel()
     padded = math.ceil(n / g) * g
@@ -217,11 +226,11 @@ def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
     shard = x.narrow(0, grid.index * (padded // g), padded // g)
     if g > 1:
         out = torch.empty_like(shard)
-        dist.reduce_scatter_tensor(out, x, group=grid.row)
+        reduce_scatter_tensor(out, x, group=grid.row, async_op=True).wait()
         shard.copy_(out)
     if grid.col_size > 1:
-        dist.all_reduce(shard, group=grid.col)
+        dist.all_reduce(shard, group=grid.col, async_op=True).wait()
     if g > 1:
-        dist.all_gather_into_tensor(x, shard.clone(), group=grid.row)
+        all_gather_tensor(x, shard.clone(), group=grid.row, async_op=True).wait()
     if x is not buf:
         buf.copy_(x[:n])

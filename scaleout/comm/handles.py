@@ -1,14 +1,28 @@
-"""Async handles and the per-World communication thread.
+"""Async handles, the per-World communication thread (gloo) and the comm stream (NCCL).
 
-Why a thread: a hierarchical or torus all-reduce is a *schedule* of many small operations on several
-process groups (chunked reduce-scatter, all-reduce, all-gather) whose later phases depend on earlier
-ones. gloo has no device streams to express those dependencies, so something on the host has to wait
-for phase 1 of chunk c before it launches phase 2 of chunk c. One daemon thread per World runs the
-schedules, one call after another, in submission order. That keeps the launch order of every
-collective identical on all ranks (c10d matches collectives by their order on a group), so several
-calls can be in flight at once (e.g. one per gradient bucket) without any risk of cross-matching,
-and ``async_op=True`` costs one queue put. The heavy lifting (gloo IO, tensor adds) releases the
-GIL.
+**The stream/thread rule.** On a CUDA device every collective is issued from the caller's thread
+(the thread that produced the tensor: on a GPU, the autograd thread running the reducer's hooks and
+group BN's backward), in call order, and never from the comm thread. A schedule of several phases
+(hierarchical, torus2d) runs on one dedicated *comm stream* per device (:func:`on_comm_stream`): the
+comm stream first waits for the caller's current stream (the gradients exist), every phase is an
+``async_op=True`` collective whose ``work.wait()`` makes the comm stream wait for it (a stream
+wait, not a host block), and an event recorded at the end is what :class:`StreamHandle.wait` makes
+the *waiting* stream wait for. So the compute stream never carries communication (overlap), the
+phases of one call are ordered by the device, and one thread issues every collective of a rank in
+one order (no cross-communicator deadlock with group BN, whose backward all-reduce is issued by the
+same thread). Why not the comm thread on a GPU: since PyTorch #150398 a synchronous NCCL collective
+runs on the *issuing thread's current stream*, which for a fresh thread is the default (compute)
+stream, and a second issuing thread makes the order of a rank's collectives rank-dependent.
+
+Why a thread on gloo: a hierarchical or torus all-reduce is a *schedule* of many small operations on
+several process groups (chunked reduce-scatter, all-reduce, all-gather) whose later phases depend on
+earlier ones. gloo has no device streams to express those dependencies, so something on the host has
+to wait for phase 1 of chunk c before it launches phase 2 of chunk c. One daemon thread per World
+runs the schedules, one call after another, in submission order. That keeps the launch order of
+every collective identical on all ranks (c10d matches collectives by their order on a group), so
+several calls can be in flight at once (e.g. one per gradient bucket) without any risk of cross-
+matching, and ``async_op=True`` costs one queue put. The heavy lifting (gloo IO, tensor adds)
+releases the GIL.
 
 A :class:`Handle` wraps a ``torch.futures.Future`` that completes with the reduced tensor after
 *every* phase has run, so it can also be returned from a DDP communication hook.
@@ -41,6 +55,58 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self.future.done()
+
+
+class StreamHandle(Handle):
+    """A schedule enqueued on the comm stream (NCCL): ``wait()`` makes the caller's current stream
+    wait for its end event and returns the tensor, without blocking the host. ``future`` is a
+    CUDA-aware future of the same point (on a real GPU), usable as a DDP communication hook's
+    result."""
+
+    def __init__(self, future: torch.futures.Future, tensor: torch.Tensor, event: Any, device: Any):
+        super().__init__(future, tensor)
+        self.event, self.device = event, device
+
+    def wait(self) -> torch.Tensor:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+
+# One comm stream per CUDA device index (tests/fakecuda.py swaps this dict for its own).
+_COMM_STREAMS: dict[Any, Any] = {}
+
+
+def comm_stream(device: torch.device) -> Any:
+    """The device's comm stream (created on first use)."""
+    stream = _COMM_STREAMS.get(device.index)
+    if stream is None:
+        stream = _COMM_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def on_comm_stream(
+    tensor: torch.Tensor, job: Callable[[], Any], cuda_future: bool = True
+) -> StreamHandle:
+    """Run ``job`` (which issues async collectives and chains them with ``work.wait()``) in this
+    thread with the comm stream current, after the comm stream waited for this thread's current
+    stream; the handle's event marks its end (module docstring). ``cuda_future=False`` (a call
+    waited for at once, e.g. inside a CUDA-graph capture): ``future`` is a plain completed one."""
+    device = tensor.device
+    comm = comm_stream(device)
+    comm.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(comm):
+        job()
+        event = torch.cuda.Event()
+        event.record(comm)
+        if cuda_future and torch.cuda.is_available():  # its waiter's stream waits for this point
+            future = torch.futures.Future(devices=[device])
+        else:  # tests/fakecuda.py: no CUDA runtime behind the emulated device
+            future = torch.futures.Future()
+        future.set_result(tensor)
+    return StreamHandle(future, tensor, event, device)
 
 
 def completed(tensor: torch.Tensor) -> Handle:

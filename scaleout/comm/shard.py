@@ -30,16 +30,15 @@ import torch.distributed as dist
 
 from scaleout.comm.algorithm import get_algorithm
 from scaleout.comm.api import dispatch, op_name
-from scaleout.comm.grid import Grid
+from scaleout.comm.grid import Grid, all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import UserError
 from scaleout.profile import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World
 
-# torch 2.13 renamed the tensor collectives (*_single); older builds only have the *_tensor names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = reduce_scatter_tensor
+_all_gather = all_gather_tensor
 
 
 def _resolve(world: World, algorithm: str, options: dict[str, Any], what: str) -> tuple:
@@ -106,7 +105,8 @@ def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: s
 
 def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first: bool) -> None:
     """``op`` along the row and the column group (reduce-scatter: row first; all-gather: column
-    first), through one buffer of n/g elements; size-1 groups are skipped."""
+    first), through one buffer of n/g elements; size-1 groups are skipped. Each phase is async and
+    waited for: on NCCL (on the comm stream) that is a stream wait, on gloo a host wait."""
     g, k = len(grid.row_ranks), grid.col_size
     groups = [grp for size, grp in ((g, grid.row), (k, grid.col)) if size > 1]
     if not row_first:
@@ -114,11 +114,11 @@ def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first
     if not groups:
         out.copy_(inp)
     elif len(groups) == 1:
-        op(out, inp, group=groups[0])
+        op(out, inp, group=groups[0], async_op=True).wait()
     else:
         mid = torch.empty(max(out.numel(), inp.numel()) // g, dtype=inp.dtype, device=inp.device)
-        op(mid, inp, group=groups[0])
-        op(out, mid, group=groups[1])
+        op(mid, inp, group=groups[0], async_op=True).wait()
+        op(out, mid, group=groups[1], async_op=True).wait()
 
 
 def _run(

@@ -21,6 +21,10 @@ Per synchronising backward:
    launched, and the reducer waits for all of them, so ``loss.backward()`` returns with averaged
    gradients. The wait is the *exposed* communication, reported in ``last_stats``.
 
+On a CUDA device each launch is issued from the thread running the hooks (the autograd thread) and
+enqueued on the comm stream; ``wait`` makes the waiting stream wait for it (no host block):
+scaleout.comm.handles, the stream/thread rule.
+
 Averaging pre-divides by the world size before the sum (DDP's default hook does the same). With
 compression the pre-divided bucket is cast to bf16/fp16 for the wire and the result is cast back
 into the parameters' dtype: dividing *before* the cast is what keeps an fp16 sum of p gradients from

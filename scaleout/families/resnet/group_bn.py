@@ -59,10 +59,12 @@ def bn_process_group(world: World, k: int) -> Any:
         return None
     parts = bn_group_ranks(world.ranks_per_node, k)
     # World.partition creates every part's group in one fixed order on all ranks and caches it. Its
-    # own communicator (shared=False), never world.intra's: BN's all-reduces are issued from the
-    # autograd thread while the reducer's hierarchical/torus phases may run on the same ranks from
-    # the comm thread, and NCCL matches a communicator's collectives only by issue order
-    # (interleaving = hang or garbage).
+    # own communicator (shared=False), never world.intra's: BN's all-reduces and the reducer's
+    # hierarchical/torus phases interleave on the same ranks, and NCCL matches a communicator's
+    # collectives only by issue order. On a GPU both are issued by this rank's autograd thread (BN's
+    # backward and the reducer's hooks), the bucket phases on the comm stream, never from the comm
+    # thread (scaleout.comm.handles, the stream/thread rule), so every rank enqueues them in one
+    # order and the two communicators cannot deadlock each other.
     return world.partition(f"bn_group{k}", parts, shared=False)
 
 
