@@ -41,8 +41,11 @@ own implementation are not seen, only the call.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import traceback
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -341,6 +344,108 @@ class FakeCuda:
 
     def __exit__(self, *exc: object) -> None:
         self._mode.__exit__(*exc)
+        for obj, attr, value in reversed(self._undo):
+            setattr(obj, attr, value)
+        self._undo.clear()
+
+
+class _FakeStream:
+    """A stand-in for ``torch.cuda.Stream``: an identity, ordering calls are no-ops."""
+
+    def __init__(self, device: Any = None, name: str = "side"):
+        self.name = name
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<fake stream {self.name}>"
+
+
+class _FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph``: counts replays (nothing was recorded to replay)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class FakeGraphs:
+    """Mock of torch.cuda's stream and graph API (no GPU can exist here): records how a step is
+    captured, not what a GPU would do with it.
+
+        with FakeGraphs() as fg:
+            graphs = StepGraphs(step_fn, "cuda")   # torch.cuda.is_available() answers True
+            ...
+        fg.captures        # one dict per torch.cuda.graph(...): its keyword arguments (torch's
+                           # defaults filled in, e.g. capture_error_mode="global"), the thread
+        fg.current         # the current stream (fg.default until torch.cuda.stream(s) changes it)
+        fg.capturing       # True inside a capture
+
+    The body of a capture runs for real on the CPU (the ops a GPU would record), so step code can
+    check on which stream, in which mode and after how many warm-ups it ran."""
+
+    def __init__(self) -> None:
+        self.default = _FakeStream(name="default")
+        self.current: Any = self.default
+        self.capturing = False
+        self.captures: list[dict[str, Any]] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _patch(self, obj: Any, attr: str, value: Any) -> None:
+        self._undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    @contextlib.contextmanager
+    def _stream(self, s: Any) -> Iterator[None]:
+        before, self.current = self.current, s if s is not None else self.current
+        try:
+            yield
+        finally:
+            self.current = before
+
+    @contextlib.contextmanager
+    def _graph(
+        self,
+        graph: Any,
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",  # torch 2.13's default (torch/cuda/graphs.py)
+    ) -> Iterator[None]:
+        self.captures.append(
+            {
+                "graph": graph,
+                "pool": pool,
+                "stream": stream,
+                "capture_error_mode": capture_error_mode,
+                "thread": threading.get_ident(),
+            }
+        )
+        before = self.current
+        self.current, self.capturing = _FakeStream(name="capture"), True
+        try:
+            yield
+        finally:
+            self.current, self.capturing = before, False
+
+    def __enter__(self) -> FakeGraphs:
+        cuda = torch.cuda
+        self._patch(cuda, "is_available", lambda: True)
+        self._patch(cuda, "current_device", lambda: 0)
+        self._patch(cuda, "Stream", _FakeStream)
+        self._patch(cuda, "stream", self._stream)
+        self._patch(cuda, "current_stream", lambda device=None: self.current)
+        self._patch(cuda, "synchronize", lambda device=None: None)
+        self._patch(cuda, "CUDAGraph", _FakeGraph)
+        self._patch(cuda, "graph", self._graph)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         for obj, attr, value in reversed(self._undo):
             setattr(obj, attr, value)
         self._undo.clear()
