@@ -4,6 +4,7 @@
         ...training code...
     fc.violations                   # collectives issued on host tensors (also raised at the call)
     fc.syncs                        # device -> host reads: (kind, "file:line") per read
+    fc.h2d                          # host -> device copies from pageable (unpinned) memory, same
 
 Why: on a GPU every collective tensor must live on ``world.device`` (an NCCL-only default group has
 no CPU backend: "No backend type associated with device type cpu"), and every ``.item()`` /
@@ -32,7 +33,14 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   and torch's object collectives use the device as they do under NCCL;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
-  masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site.
+  masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site;
+- host -> device copies from *pageable* memory are recorded with their call site (``fc.h2d``):
+  ``torch.tensor(data, device=cuda)`` and ``as_tensor`` / ``new_tensor`` of Python values or a host
+  tensor, ``.to(cuda)`` / ``.cuda()`` / ``copy_`` of an unpinned host tensor, a host index or value
+  tensor in indexing a device tensor. On CUDA each is a synchronous staging copy (the driver may
+  wait for the stream) instead of an asynchronous DMA. Pinned memory (``pin_memory=True``,
+  ``.pin_memory()``; ``is_pinned()`` answers) is emulated as a mark: copies from it are not
+  recorded.
 
 Limits: the mode is thread-local, so ops in other threads (the comm thread) are not classified
 (their new tensors count as device tensors, which they are on a GPU); ops inside a torch function's
@@ -56,6 +64,7 @@ from torch.utils._pytree import tree_flatten
 DEVICE = torch.device("cuda", 0)
 HOST = torch.device("cpu")
 _MARK = "_fakecuda_host"
+_PINNED = "_fakecuda_pinned"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tensor methods that read a device value on the host (each one a stream synchronisation on CUDA).
@@ -127,6 +136,22 @@ def on_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, _MARK, False)
 
 
+def pinned(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _PINNED, False)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _MARK, True)
+    setattr(t, _PINNED, True)
+    return t
+
+
+# Factories that copy their data argument to the device they are given.
+_FROM_DATA = {"tensor", "as_tensor", "asarray", "new_tensor"}
+# Tensor methods where a host tensor argument is copied to the device of a device ``self``.
+_H2D_ARGS = {"copy_", "__setitem__", "index_put_", "__getitem__"}
+
+
 def _mark(out: Any, host: bool) -> Any:
     if host:
         for t in tree_flatten(out)[0]:
@@ -183,8 +208,13 @@ class _Mode(TorchFunctionMode):
             return self._move(func, name, args, kwargs)
         if func is torch.Tensor.backward:
             return self._backward(args[0], **kwargs)
-        kwargs.pop("pin_memory", None)
+        if name == "is_pinned" and src is not None:
+            return pinned(src)
+        if name == "pin_memory" and src is not None:  # a CPU-only torch cannot pin: emulated
+            return _pin(src.clone())
+        pin = bool(kwargs.pop("pin_memory", False))
         target = _emulated(kwargs["device"]) if "device" in kwargs else None
+        self._check_h2d(name, src, args, target)
         if "device" in kwargs:
             kwargs["device"] = _physical(kwargs["device"])
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -213,7 +243,30 @@ class _Mode(TorchFunctionMode):
             host = not devs  # no device input (factories, host-only ops) -> on the host
         if name.endswith("_") and not name.endswith("__") and src is not None:
             return out  # in place: the tensor keeps its placement
+        if pin and host:
+            return _pin(out)
         return _mark(out, host)
+
+    def _check_h2d(
+        self, name: str, src: torch.Tensor | None, args: tuple, target: torch.device | None
+    ) -> None:
+        """Record a host -> device copy from pageable memory (module docstring)."""
+        if name in _FROM_DATA:
+            data = args[1] if name == "new_tensor" else (args[0] if args else None)
+            to_device = (
+                target == DEVICE
+                if target is not None
+                else (name == "new_tensor" and src is not None and not on_host(src))
+            )
+            if to_device and not (isinstance(data, torch.Tensor) and not on_host(data)):
+                if not pinned(data):
+                    self.owner.h2d.append((name, call_site()))
+            return
+        if name in _H2D_ARGS and src is not None and not on_host(src):
+            for t in tree_flatten(args[1:])[0]:
+                if on_host(t) and not pinned(t) and (t.dim() > 0 or name == "copy_"):
+                    self.owner.h2d.append((name, call_site()))
+                    return
 
     def _backward(
         self,
@@ -277,6 +330,8 @@ class _Mode(TorchFunctionMode):
             return out if out is src else _mark(out, here == HOST)
         if target == HOST:
             self.owner.syncs.append(("to host", call_site()))
+        elif not pinned(src):
+            self.owner.h2d.append((name, call_site()))
         if out is src:
             out = src.clone()
         return _mark(out, target == HOST)
@@ -292,6 +347,7 @@ class FakeCuda:
         self.world = world
         self.violations: list[str] = []
         self.syncs: list[tuple[str, str]] = []
+        self.h2d: list[tuple[str, str]] = []  # host -> device copies from pageable memory
         self._undo: list[tuple[Any, str, Any]] = []
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
