@@ -118,7 +118,6 @@ def _syncs_per_step(
 ) -> list[list[tuple[str, str]]]:
     """Run the trainer under FakeCuda; the device -> host reads of each train_step, in order."""
     from scaleout.config import load_config
-    from scaleout.train.trainer import Trainer
 
     cfg = load_config(
         config,
