@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from distutil import run_dist
@@ -299,3 +300,48 @@ def test_fakecuda_records_pageable_host_to_device_copies() -> None:
         x[0] = 1.0  # a scalar: no host tensor
     assert [k for k, _ in fc.h2d] == ["tensor", "to", "copy_"], fc.h2d
     assert all("test_device_discipline.py" in site for _, site in fc.h2d), fc.h2d
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("static", [False, True], ids=["default-forward", "static-shapes"])
+def test_bert_forward_host_syncs_and_copies(static: bool) -> None:
+    """One packed BERT forward + backward on the emulated GPU: the capture-safe forward reads
+    nothing from the device; the default forward reads the position range check and one
+    value-shaped selection per head (MLM, NSP), and neither copies from pageable memory. Before:
+    the default forward made 6 reads (a boolean mask per selected tensor) and 2 pageable copies
+    (torch.tensor(count, device=cuda) for the MLM and NSP totals)."""
+    from scaleout.data.batches import to_device
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
+    from scaleout.families.bert.model import BertForPreTraining
+
+    rng = np.random.default_rng(0)
+    seqs = synthetic_sequences(rng.integers(12, 33, 6), 64, seed=0)
+    batch = build_batch(seqs, padded_packs(6)[:2] + [[2, 3], [4, 5]], 64, 6, 2)
+    torch.manual_seed(0)
+    model = BertForPreTraining(
+        BertConfig(
+            vocab_size=64,
+            hidden=16,
+            layers=1,
+            heads=2,
+            intermediate=32,
+            max_position=64,
+            static_shapes=static,
+        )
+    )
+    with FakeCuda() as fc:
+        model.to(fc.device)
+        inputs = to_device(batch, fc.device)
+        before = len(fc.syncs), len(fc.h2d)
+        model(inputs).loss.backward()
+        reads, copies = fc.syncs[before[0] :], fc.h2d[before[1] :]
+    assert copies == [], copies
+    if static:
+        assert reads == [], reads
+    else:
+        assert [k for k, _ in reads] == ["__int__", "nonzero", "nonzero"], reads
