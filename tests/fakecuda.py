@@ -351,7 +351,10 @@ class FakeCuda:
         self._undo: list[tuple[Any, str, Any]] = []
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
-        self._undo.append((obj, attr, getattr(obj, attr)))
+        # A class's own entry, not getattr's: getattr(ProcessGroup, "allgather") unwraps pybind's
+        # instance method into a plain builtin that no longer binds self once set back.
+        own = isinstance(obj, type) and attr in vars(obj)
+        self._undo.append((obj, attr, vars(obj)[attr] if own else getattr(obj, attr)))
         setattr(obj, attr, value)
 
     def _guard(self, orig: Any) -> Any:
