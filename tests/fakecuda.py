@@ -4,6 +4,7 @@
         ...training code...
     fc.violations                   # collectives issued on host tensors (also raised at the call)
     fc.syncs                        # device -> host reads: (kind, "file:line") per read
+    fc.h2d                          # host -> device copies from pageable (unpinned) memory, same
 
 Why: on a GPU every collective tensor must live on ``world.device`` (an NCCL-only default group has
 no CPU backend: "No backend type associated with device type cpu"), and every ``.item()`` /
@@ -32,7 +33,14 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   and torch's object collectives use the device as they do under NCCL;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
-  masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site.
+  masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site;
+- host -> device copies from *pageable* memory are recorded with their call site (``fc.h2d``):
+  ``torch.tensor(data, device=cuda)`` and ``as_tensor`` / ``new_tensor`` of Python values or a host
+  tensor, ``.to(cuda)`` / ``.cuda()`` / ``copy_`` of an unpinned host tensor, a host index or value
+  tensor in indexing a device tensor. On CUDA each is a synchronous staging copy (the driver may
+  wait for the stream) instead of an asynchronous DMA. Pinned memory (``pin_memory=True``,
+  ``.pin_memory()``; ``is_pinned()`` answers) is emulated as a mark: copies from it are not
+  recorded.
 
 Streams (the rules a GPU run lives by, which gloo on CPU does not have):
 
@@ -61,10 +69,12 @@ only the call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
 import weakref
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,6 +87,7 @@ from scaleout.comm import handles
 DEVICE = torch.device("cuda", 0)
 HOST = torch.device("cpu")
 _MARK = "_fakecuda_host"
+_PINNED = "_fakecuda_pinned"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tensor methods that read a device value on the host (each one a stream synchronisation on CUDA).
@@ -263,6 +274,22 @@ def on_host(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, _MARK, False)
 
 
+def pinned(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _PINNED, False)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _MARK, True)
+    setattr(t, _PINNED, True)
+    return t
+
+
+# Factories that copy their data argument to the device they are given.
+_FROM_DATA = {"tensor", "as_tensor", "asarray", "new_tensor"}
+# Tensor methods where a host tensor argument is copied to the device of a device ``self``.
+_H2D_ARGS = {"copy_", "__setitem__", "index_put_", "__getitem__"}
+
+
 def _mark(out: Any, host: bool) -> Any:
     if host:
         for t in tree_flatten(out)[0]:
@@ -321,8 +348,13 @@ class _Mode(TorchFunctionMode):
             return self._move(func, name, args, kwargs)
         if func is torch.Tensor.backward:
             return self._backward(args[0], **kwargs)
-        kwargs.pop("pin_memory", None)
+        if name == "is_pinned" and src is not None:
+            return pinned(src)
+        if name == "pin_memory" and src is not None:  # a CPU-only torch cannot pin: emulated
+            return _pin(src.clone())
+        pin = bool(kwargs.pop("pin_memory", False))
         target = _emulated(kwargs["device"]) if "device" in kwargs else None
+        self._check_h2d(name, src, args, target)
         if "device" in kwargs:
             kwargs["device"] = _physical(kwargs["device"])
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -356,7 +388,30 @@ class _Mode(TorchFunctionMode):
             self.owner._enqueue(name, tensors, src if writes else out, writes)
         if inplace:
             return out  # in place: the tensor keeps its placement
+        if pin and host:
+            return _pin(out)
         return _mark(out, host)
+
+    def _check_h2d(
+        self, name: str, src: torch.Tensor | None, args: tuple, target: torch.device | None
+    ) -> None:
+        """Record a host -> device copy from pageable memory (module docstring)."""
+        if name in _FROM_DATA:
+            data = args[1] if name == "new_tensor" else (args[0] if args else None)
+            to_device = (
+                target == DEVICE
+                if target is not None
+                else (name == "new_tensor" and src is not None and not on_host(src))
+            )
+            if to_device and not (isinstance(data, torch.Tensor) and not on_host(data)):
+                if not pinned(data):
+                    self.owner.h2d.append((name, call_site()))
+            return
+        if name in _H2D_ARGS and src is not None and not on_host(src):
+            for t in tree_flatten(args[1:])[0]:
+                if on_host(t) and not pinned(t) and (t.dim() > 0 or name == "copy_"):
+                    self.owner.h2d.append((name, call_site()))
+                    return
 
     def _backward(
         self,
@@ -420,6 +475,8 @@ class _Mode(TorchFunctionMode):
             return out if out is src else _mark(out, here == HOST)
         if target == HOST:
             self.owner.syncs.append(("to host", call_site()))
+        elif not pinned(src):
+            self.owner.h2d.append((name, call_site()))
         if out is src:
             out = src.clone()
         return _mark(out, target == HOST)
@@ -448,6 +505,7 @@ class FakeCuda:
         self._published: dict[FakeStream, int] = {}
         self._threads: list[str] = []  # threads that issued device collectives
         self._streams = 0
+        self.h2d: list[tuple[str, str]] = []  # host -> device copies from pageable memory
         self._undo: list[tuple[Any, str, Any]] = []
 
     # -- streams ----------------------------------------------------------------------------------
@@ -545,7 +603,10 @@ class FakeCuda:
         return stream, stream.pos
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
-        self._undo.append((obj, attr, getattr(obj, attr)))
+        # A class's own entry, not getattr's: getattr(ProcessGroup, "allgather") unwraps pybind's
+        # instance method into a plain builtin that no longer binds self once set back.
+        own = isinstance(obj, type) and attr in vars(obj)
+        self._undo.append((obj, attr, vars(obj)[attr] if own else getattr(obj, attr)))
         setattr(obj, attr, value)
 
     def _guard(self, orig: Any) -> Any:
@@ -626,6 +687,108 @@ class FakeCuda:
             thread.shutdown(30.0)
         self.active = False
         _ACTIVE.remove(self)
+        for obj, attr, value in reversed(self._undo):
+            setattr(obj, attr, value)
+        self._undo.clear()
+
+
+class _FakeStream:
+    """A stand-in for ``torch.cuda.Stream``: an identity, ordering calls are no-ops."""
+
+    def __init__(self, device: Any = None, name: str = "side"):
+        self.name = name
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<fake stream {self.name}>"
+
+
+class _FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph``: counts replays (nothing was recorded to replay)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class FakeGraphs:
+    """Mock of torch.cuda's stream and graph API (no GPU can exist here): records how a step is
+    captured, not what a GPU would do with it.
+
+        with FakeGraphs() as fg:
+            graphs = StepGraphs(step_fn, "cuda")   # torch.cuda.is_available() answers True
+            ...
+        fg.captures        # one dict per torch.cuda.graph(...): its keyword arguments (torch's
+                           # defaults filled in, e.g. capture_error_mode="global"), the thread
+        fg.current         # the current stream (fg.default until torch.cuda.stream(s) changes it)
+        fg.capturing       # True inside a capture
+
+    The body of a capture runs for real on the CPU (the ops a GPU would record), so step code can
+    check on which stream, in which mode and after how many warm-ups it ran."""
+
+    def __init__(self) -> None:
+        self.default = _FakeStream(name="default")
+        self.current: Any = self.default
+        self.capturing = False
+        self.captures: list[dict[str, Any]] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _patch(self, obj: Any, attr: str, value: Any) -> None:
+        self._undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    @contextlib.contextmanager
+    def _stream(self, s: Any) -> Iterator[None]:
+        before, self.current = self.current, s if s is not None else self.current
+        try:
+            yield
+        finally:
+            self.current = before
+
+    @contextlib.contextmanager
+    def _graph(
+        self,
+        graph: Any,
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",  # torch 2.13's default (torch/cuda/graphs.py)
+    ) -> Iterator[None]:
+        self.captures.append(
+            {
+                "graph": graph,
+                "pool": pool,
+                "stream": stream,
+                "capture_error_mode": capture_error_mode,
+                "thread": threading.get_ident(),
+            }
+        )
+        before = self.current
+        self.current, self.capturing = _FakeStream(name="capture"), True
+        try:
+            yield
+        finally:
+            self.current, self.capturing = before, False
+
+    def __enter__(self) -> FakeGraphs:
+        cuda = torch.cuda
+        self._patch(cuda, "is_available", lambda: True)
+        self._patch(cuda, "current_device", lambda: 0)
+        self._patch(cuda, "Stream", _FakeStream)
+        self._patch(cuda, "stream", self._stream)
+        self._patch(cuda, "current_stream", lambda device=None: self.current)
+        self._patch(cuda, "synchronize", lambda device=None: None)
+        self._patch(cuda, "CUDAGraph", _FakeGraph)
+        self._patch(cuda, "graph", self._graph)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         for obj, attr, value in reversed(self._undo):
             setattr(obj, attr, value)
         self._undo.clear()

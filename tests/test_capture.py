@@ -11,11 +11,15 @@ for the same model here) is checked in the ``slow`` test. The GPU tests skip wit
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from fakecuda import FakeGraphs
 
 from tests.distutil import run_dist
 
@@ -225,6 +229,126 @@ def test_shape_key_separates_shapes_and_dtypes() -> None:
     assert shape_key([MicroBatch(x, x.long(), 2, 0)]) != shape_key([MicroBatch(x, x.int(), 2, 0)])
 
 
+@pytest.mark.unit
+def test_capture_is_thread_local_after_three_side_stream_warmups() -> None:
+    """A mock of torch.cuda's graph API (tests/fakecuda.FakeGraphs: no GPU can exist here) records
+    how StepGraphs captures: torch's default ``capture_error_mode="global"`` lets the DataLoader's
+    pin-memory thread kill the run, so the capture must say ``"thread_local"``; and at least 3
+    eager warm-up steps run on a side stream before it (the CUDA-graphs recipe). Before: global
+    mode after 1 warm-up."""
+    from scaleout.errors import UserError
+    from scaleout.train.capture import StepGraphs
+
+    calls = []
+    with FakeGraphs() as fg:
+
+        def step(batch: torch.Tensor) -> torch.Tensor:
+            calls.append((fg.capturing, fg.current))
+            return batch.sum()
+
+        graphs = StepGraphs(step, "cuda")
+        losses = [float(graphs(torch.full((4,), float(i)))) for i in range(6)]
+    assert [c["capture_error_mode"] for c in fg.captures] == ["thread_local"]
+    warm = [stream for capturing, stream in calls if not capturing]
+    assert len(warm) >= 3 and all(s is not fg.default for s in warm), calls
+    assert len(calls) == len(warm) + 1 and calls[-1][0], calls  # then one capture, then replays
+    entry = graphs.graphs[next(iter(graphs.graphs))]
+    assert graphs.disabled is None and entry.graph.replays == 6 - len(warm)
+    assert losses[: len(warm)] == [4.0 * i for i in range(len(warm))]
+    with pytest.raises(UserError, match="warmup=1: expected >= 3"):
+        StepGraphs(step, "cuda", warmup=1)
+
+
+class _TinyDP(torch.nn.Module):
+    """What build_step_graphs reads of a DataParallel: parameters, no_sync() and a reducer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.reducer = SimpleNamespace(reduce_now=lambda: None)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.unit
+def test_trainer_graphs_with_input_workers_capture_thread_local() -> None:
+    """The trainer's StepGraphs (build_step_graphs) for a run with prefetch workers
+    (data.num_workers=2, the case where a pin-memory thread runs during the capture): thread-local
+    capture after >= 3 warm-ups. torch.cuda's graph API is mocked (tests/fakecuda.FakeGraphs:
+    no GPU can exist here); tests/test_capture.py's GPU test runs the real thing with workers."""
+    from scaleout.config import load_config
+    from scaleout.data.batches import MicroBatch
+    from scaleout.train.capture import build_step_graphs
+
+    cfg = load_config(None, ["model.cuda_graphs=true", "data.num_workers=2"])
+    world = SimpleNamespace(device=torch.device("cuda", 0), rank=0)
+    task = SimpleNamespace(loss=lambda m, mb: m(mb.inputs).sum(), precision=None)
+    with FakeGraphs() as fg:
+        graphs = build_step_graphs(cfg, world, _TinyDP(), task)
+        assert graphs is not None and graphs.warmup >= 3
+        for _ in range(graphs.warmup + 2):
+            graphs([MicroBatch(torch.ones(2, 4), None, 2, 0)])
+    assert [c["capture_error_mode"] for c in fg.captures] == ["thread_local"]
+    assert graphs.disabled is None and len(graphs.graphs) == 1
+
+
+def _train_with_workers_and_graphs(world: Any, out: str) -> dict[str, Any]:
+    from scaleout.config import load_config
+    from scaleout.train.trainer import Trainer
+
+    cfg = load_config(
+        "bert_tiny_cpu",
+        [
+            "model.cuda_graphs=true",
+            "data.num_workers=2",
+            "train.global_batch=8",
+            "data.eval_samples=16",
+            "optim.warmup_steps=1",
+            "optim.total_steps=12",
+            "train.max_steps=8",
+            "train.eval_every=8",
+            "train.progress=false",
+            f"train.output_dir={out}/out",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+        ],
+    )
+    trainer = Trainer(cfg, world)
+    assert trainer.prefetcher is not None and trainer.prefetcher.pin
+    status = trainer.train().status
+    graphs = trainer.graphs
+    return {
+        "status": status,
+        "disabled": graphs.disabled if graphs else "no graphs",
+        "replays": sum(e.replays for e in graphs.graphs.values()) if graphs else 0,
+        "losses": trainer.losses,
+    }
+
+
+@pytest.mark.multi_process
+@pytest.mark.gpu(reason="CUDA graphs with the DataLoader's pin-memory thread")
+def test_captured_training_with_prefetch_workers(tmp_path) -> None:
+    """The real trainer on one GPU: model.cuda_graphs=true with data.num_workers=2 (pin-memory
+    thread running during the capture). The capture succeeds (no fallback to eager), the graph
+    replays the steps after the warm-ups, and the run ends normally with finite losses. Global
+    capture mode failed here (cudaErrorStreamCaptureUnsupported, then the pin thread killed the
+    run)."""
+    (r,) = run_dist(
+        _train_with_workers_and_graphs,
+        nnodes=1,
+        nproc_per_node=1,
+        args=(str(tmp_path),),
+        timeout=300,
+    )
+    assert r["status"] == "max_steps" and r["disabled"] is None, r
+    assert r["replays"] >= 8 - 3 - 1, r  # 8 steps, >= 3 warm-ups, one shape (packed rows)
+    assert all(loss is not None and np.isfinite(loss) for loss in r["losses"]), r
+
+
 # -- GPU
 # ------------------------------------------------------------------------------------------------
 
@@ -263,10 +387,10 @@ def test_captured_whole_step_equals_eager_step() -> None:
 
         return step
 
-    graphs = StepGraphs(step_fn(cap), dev, warmup=1)
+    graphs = StepGraphs(step_fn(cap), dev)
     eager = step_fn(ref)
     g = torch.Generator(device=dev).manual_seed(1)
-    for i in range(8):
+    for i in range(12):
         rows = 16 if i % 2 == 0 else 24
         batch = (
             torch.randn(rows, 8, device=dev, generator=g),
@@ -347,8 +471,8 @@ def test_captured_static_shape_bert_step_equals_eager() -> None:
 
         return run
 
-    graphs, eager = StepGraphs(step(cap), dev, warmup=1), step(ref)
-    for i in range(6):
+    graphs, eager = StepGraphs(step(cap), dev), step(ref)
+    for i in range(10):
         batch = {k: v.to(dev) for k, v in _batch(seed=i, rows=4 if i % 2 else 2).items()}
         torch.testing.assert_close(graphs(batch).clone(), eager(batch), rtol=1e-5, atol=1e-6)
         for a, b in zip(cap.parameters(), ref.parameters(), strict=True):

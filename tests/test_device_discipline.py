@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from distutil import run_dist
@@ -121,7 +122,6 @@ def _syncs_per_step(
 ) -> list[list[tuple[str, str]]]:
     """Run the trainer under FakeCuda; the device -> host reads of each train_step, in order."""
     from scaleout.config import load_config
-    from scaleout.train.trainer import Trainer
 
     cfg = load_config(
         config,
@@ -136,22 +136,32 @@ def _syncs_per_step(
             *overrides,
         ],
     )
+    return _per_step(world, cfg)[0]
+
+
+def _per_step(world: Any, cfg: Any) -> tuple[list[Any], list[Any]]:
+    """The trainer's run of ``cfg`` under FakeCuda: (device -> host reads, pageable host ->
+    device copies) of each train_step, in order."""
+    from scaleout.train.trainer import Trainer
+
     per_step: list[list[tuple[str, str]]] = []
+    h2d: list[list[tuple[str, str]]] = []
     with FakeCuda(world) as fc:
         trainer = Trainer(cfg, world)
         trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name; rank-local
         inner = trainer.train_step
 
         def counted(step: int) -> Any:
-            before = len(fc.syncs)
+            before, copies = len(fc.syncs), len(fc.h2d)
             try:
                 return inner(step)
             finally:
                 per_step.append(fc.syncs[before:])
+                h2d.append(fc.h2d[copies:])
 
         trainer.train_step = counted
         assert trainer.train().status == "max_steps"
-    return per_step
+    return per_step, h2d
 
 
 @pytest.mark.full_system
@@ -200,3 +210,141 @@ def test_unsampled_steps_read_the_device_once(
             assert len(reads) == 1 and "faults.py" in reads[0][1], (
                 f"rank {rank} step {step}: {syncs}"
             )
+
+
+# configs/bert_large_256x8.yaml at tiny sizes: every feature of the flagship step kept (packed rows
+# of <= 3 sequences, unpadded MLM head, its model.cuda_graphs / static-shape choice, hierarchical
+# all-reduce with bf16 wire compression, LAMB, bf16 autocast), only the sizes and the data source
+# (the MLPerf shards are not here) changed.
+FLAGSHIP_TINY = [
+    "model.init_checkpoint=null",
+    "model.bert.vocab_size=4096",
+    "model.bert.hidden=32",
+    "model.bert.layers=2",
+    "model.bert.heads=2",
+    "model.bert.intermediate=64",
+    "model.bert.max_position=128",
+    "data.source=pydoc",
+    "data.path=null",
+    "data.max_seq_len=128",
+    "data.max_predictions=20",
+    "data.eval_samples=16",
+    "train.global_batch=4",  # 2 packed rows per rank, as the flagship's 2 per GPU
+    "train.eval_start_step=0",
+    "train.target=null",
+    "optim.warmup_steps=1",
+    "optim.start_warmup_step=0",
+    "optim.total_steps=8",
+    "comm.bucket_mb=0.25",
+    "train.progress=false",
+]
+
+
+def _flagship_step_traffic(world: Any, out: str, steps: int) -> tuple[list[Any], list[Any], bool]:
+    from scaleout.config import load_config
+
+    cfg = load_config(
+        "bert_large_256x8",
+        [
+            *FLAGSHIP_TINY,
+            f"train.output_dir={out}",
+            "checkpoint.dir=null",
+            "checkpoint.every_steps=0",
+            f"train.max_steps={steps}",
+            f"train.eval_every={steps}",
+            f"train.timing_every={steps * 10}",
+        ],
+    )
+    reads, copies = _per_step(world, cfg)
+    return reads, copies, cfg.model.cuda_graphs
+
+
+@pytest.mark.full_system
+def test_flagship_step_reads_the_device_once_and_copies_nothing_pageable(tmp_path: Path) -> None:
+    """The flagship BERT step (configs/bert_large_256x8.yaml shrunk, FLAGSHIP_TINY), 2 ranks on
+    an emulated GPU: at most one device -> host read per step (the agreement) and no host -> device
+    copy from pageable memory (each a synchronous staging copy on CUDA). Before: the default
+    forward's ~10 host syncs (position range check, masked-position and NSP selections), the
+    reducer's census and the agreement's Python flags copied with torch.tensor(..., device=cuda),
+    the batch copied from pageable memory."""
+    steps = 4
+    for rank, (reads, copies, graphs) in enumerate(
+        run_dist(
+            _flagship_step_traffic,
+            nnodes=2,
+            nproc_per_node=1,
+            args=(str(tmp_path), steps),
+            timeout=300,
+        )
+    ):
+        assert graphs, "the flagship config captures its step (model.cuda_graphs)"
+        assert len(reads) == steps
+        for step in range(1, steps):  # step 0 rebuilds the buckets (an object broadcast)
+            assert len(reads[step]) <= 1, f"rank {rank} step {step}: {reads[step]}"
+            assert all("faults.py" in site for _, site in reads[step]), reads[step]
+            assert copies[step] == [], f"rank {rank} step {step}: {copies[step]}"
+
+
+@pytest.mark.unit
+def test_fakecuda_records_pageable_host_to_device_copies() -> None:
+    """The harness: copies from pageable host memory are recorded with their call site, copies
+    from pinned memory and device-side fills are not."""
+    with FakeCuda() as fc:
+        dev = fc.device
+        x = torch.zeros(3, device=dev)
+        torch.tensor([1.0, 2.0], device=dev)  # Python values: pageable
+        torch.ones(3).to(dev, non_blocking=True)  # pageable
+        x.copy_(torch.ones(3))  # pageable
+        staged = torch.empty(3, pin_memory=True)
+        assert staged.is_pinned() and torch.ones(3).pin_memory().is_pinned()
+        x.copy_(staged, non_blocking=True)  # pinned: an asynchronous DMA
+        staged.to(dev, non_blocking=True)
+        torch.full((2,), 3.0, device=dev)  # a fill kernel, no copy
+        x[0] = 1.0  # a scalar: no host tensor
+    assert [k for k, _ in fc.h2d] == ["tensor", "to", "copy_"], fc.h2d
+    assert all("test_device_discipline.py" in site for _, site in fc.h2d), fc.h2d
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("static", [False, True], ids=["default-forward", "static-shapes"])
+def test_bert_forward_host_syncs_and_copies(static: bool) -> None:
+    """One packed BERT forward + backward on the emulated GPU: the capture-safe forward reads
+    nothing from the device; the default forward reads the position range check and one
+    value-shaped selection per head (MLM, NSP), and neither copies from pageable memory. Before:
+    the default forward made 6 reads (a boolean mask per selected tensor) and 2 pageable copies
+    (torch.tensor(count, device=cuda) for the MLM and NSP totals)."""
+    from scaleout.data.batches import to_device
+    from scaleout.families.bert.config import BertConfig
+    from scaleout.families.bert.data.bert_batch import (
+        build_batch,
+        padded_packs,
+        synthetic_sequences,
+    )
+    from scaleout.families.bert.model import BertForPreTraining
+
+    rng = np.random.default_rng(0)
+    seqs = synthetic_sequences(rng.integers(12, 33, 6), 64, seed=0)
+    batch = build_batch(seqs, padded_packs(6)[:2] + [[2, 3], [4, 5]], 64, 6, 2)
+    torch.manual_seed(0)
+    model = BertForPreTraining(
+        BertConfig(
+            vocab_size=64,
+            hidden=16,
+            layers=1,
+            heads=2,
+            intermediate=32,
+            max_position=64,
+            static_shapes=static,
+        )
+    )
+    with FakeCuda() as fc:
+        model.to(fc.device)
+        inputs = to_device(batch, fc.device)
+        before = len(fc.syncs), len(fc.h2d)
+        model(inputs).loss.backward()
+        reads, copies = fc.syncs[before[0] :], fc.h2d[before[1] :]
+    assert copies == [], copies
+    if static:
+        assert reads == [], reads
+    else:
+        assert [k for k, _ in reads] == ["__int__", "nonzero", "nonzero"], reads

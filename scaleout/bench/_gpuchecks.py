@@ -94,7 +94,7 @@ def check_capture(world: World) -> list[Row]:
         step = data_parallel_step(dp, lambda m, mb: m(mb).loss, precision=prec)
         graphs = StepGraphs(step, "cuda") if mode == "graph" else None
         run = functools.partial(graphs or step, [batch])
-        losses[mode] = [float(run()) for _ in range(4)]  # warm-up, capture, replays
+        losses[mode] = [float(run()) for _ in range(4)]  # 3 warm-ups, capture + replay
         losses[mode + "_s"] = _timed(run, 10, warmup=0)
     ok = (
         graphs.disabled is None

@@ -31,9 +31,13 @@ def no_flops(_batch: Any) -> float:
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """Tensors in ``x`` (nested dicts, lists, tuples) on ``device``, copied asynchronously where
-    possible."""
+    """Tensors in ``x`` (nested dicts, lists, tuples) on ``device``, copied asynchronously. To a
+    CUDA device, host tensors in pageable memory are pinned first: a copy from pageable memory is
+    a synchronous staging copy (the driver may wait for the stream), one from pinned memory an
+    asynchronous DMA (the prefetcher's batches come pinned already)."""
     if isinstance(x, torch.Tensor):
+        if torch.device(device).type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+            x = x.pin_memory()
         return x.to(device, non_blocking=True)
     if isinstance(x, dict):
         return {k: to_device(v, device) for k, v in x.items()}

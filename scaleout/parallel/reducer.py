@@ -125,6 +125,8 @@ class Reducer:
         for s in self.slots:
             s.param.grad = s.view
         self._used = [False] * len(self.slots)  # got a gradient since the last synchronisation
+        self._census_host: torch.Tensor | None = None  # the census's host staging buffer
+        self._census_copied: Any = None  # CUDA: an event after the last copy out of it
         self._reset_step()
 
     # -- per-step state ---------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class Reducer:
         b = bucket.index
         if bucket.extra:  # the census of parameters that got a gradient (see module docstring)
             census = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
-            census.copy_(torch.tensor(self._used, dtype=census.dtype, device=census.device))
+            self._copy_census(census)
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
         buf = self._wire(bucket)
@@ -249,6 +251,25 @@ class Reducer:
             fut.add_done_callback(
                 lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us())
             )
+
+    def _copy_census(self, census: torch.Tensor) -> None:
+        """This step's used flags into ``census`` through a preallocated host buffer, pinned for a
+        CUDA ``census``: the copy is then an asynchronous DMA mid-backward, not a pageable staging
+        copy (which may wait for the stream). On CUDA an event guards the buffer: it is rewritten
+        only once the previous step's copy out of it has completed (long since, in practice: the
+        step's agreement read the device in between)."""
+        cuda = census.device.type == "cuda"
+        host = self._census_host
+        if host is None or host.numel() != census.numel() or host.dtype != census.dtype:
+            host = torch.empty(census.numel(), dtype=census.dtype, pin_memory=cuda)
+            self._census_host = host
+        elif self._census_copied is not None:
+            self._census_copied.synchronize()
+        host.copy_(torch.tensor(self._used, dtype=census.dtype))
+        census.copy_(host, non_blocking=True)
+        if cuda and torch.cuda.is_available():
+            self._census_copied = torch.cuda.Event()
+            self._census_copied.record()
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket as sent: pre-divided by the world size, then cast to the wire dtype

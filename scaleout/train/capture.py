@@ -28,11 +28,20 @@
 gradients, forward + backward of every micro-batch, the gradient all-reduce of the reducer's
 buckets, and the optimizer when it can be captured. One graph per distinct input shape (a dict key
 -> graph), as NVIDIA's MLPerf BERT keeps one graph per packed shape: packing makes shapes static, so
-a run sees one or a few keys. Per key, the first ``warmup`` steps run eagerly on a side stream (lazy
-initialisation, cuBLAS workspaces, allocator warm-up: the recipe of the PyTorch CUDA-graphs docs),
-the next step captures into static input buffers and replays; after that a step is "copy the batch
-into the static buffers, replay". Every call is exactly one training step (warm-up steps are real
-steps).
+a run sees one or a few keys. Per key, the first ``warmup`` (>= 3, :data:`MIN_WARMUP`) steps run
+eagerly on a side stream (lazy initialisation, cuBLAS workspaces, allocator warm-up, autograd's
+stream bookkeeping: the recipe of the PyTorch CUDA-graphs docs, which warms up 3 iterations on a
+side stream), the next step captures into static input buffers and replays; after that a step is
+"copy the batch into the static buffers, replay". Every call is exactly one training step (warm-up
+steps are real steps).
+
+The capture runs in ``capture_error_mode="thread_local"``: in torch's default ``"global"`` mode any
+capture-unsafe CUDA call from *any* thread of the process during the capture (the DataLoader's
+pin-memory thread calls ``cudaHostAlloc`` and ``cudaEventQuery`` whenever ``data.num_workers > 0``
+on CUDA) fails with ``cudaErrorStreamCaptureUnsupported``; the capture then falls back to eager and
+the pin thread re-raises the error on its next batch, killing the run (pytorch/pytorch#175425).
+Thread-local mode only forbids unsafe calls from the capturing thread, which is what the step
+needs.
 
 What is not captured, and why:
 
@@ -82,6 +91,11 @@ from scaleout.log import print0
 from scaleout.world import World
 
 log = logging.getLogger("scaleout.train.capture")
+
+# Eager warm-up steps per input shape before its capture (the PyTorch CUDA-graphs recipe: 3 on a
+# side stream), and the capture error mode that tolerates the input pipeline's threads.
+MIN_WARMUP = 3
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 # -- torch.compile
@@ -150,8 +164,13 @@ class StepGraphs:
         self,
         step_fn: Callable[[Any], torch.Tensor],
         device: torch.device | str | None = None,
-        warmup: int = 1,
+        warmup: int = MIN_WARMUP,
     ):
+        if warmup < MIN_WARMUP:
+            raise UserError(
+                f"StepGraphs warmup={warmup}: expected >= {MIN_WARMUP} eager steps per shape "
+                "before its capture (the CUDA-graphs recipe)"
+            )
         if not torch.cuda.is_available():
             raise UserError(
                 "StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly"
@@ -162,7 +181,8 @@ class StepGraphs:
             if device is not None
             else torch.device("cuda", torch.cuda.current_device())
         )
-        self.warmup = max(1, warmup)
+        self.warmup = warmup
+        self._stream: Any = None  # the side stream of the warm-up steps (made on first use)
         self.graphs: dict[tuple[Any, ...], _Graph] = {}
         self.seen: dict[tuple[Any, ...], int] = {}
         self.disabled: str | None = None
@@ -197,7 +217,9 @@ class StepGraphs:
         return entry.static_out
 
     def _side_stream(self, batch: Any) -> torch.Tensor:
-        s = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        s = self._stream
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             out = self.step_fn(batch)
@@ -208,7 +230,8 @@ class StepGraphs:
         static_in = _clone(batch)  # allocated outside the graph's pool: persists between replays
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: the prefetcher's pin-memory thread keeps running (module docstring)
+        with torch.cuda.graph(g, capture_error_mode=CAPTURE_ERROR_MODE):
             out = self.step_fn(static_in)
         entry = _Graph(g, static_in, out)
         self.graphs[key] = entry

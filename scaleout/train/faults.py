@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +58,21 @@ def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
     return (~torch.isfinite(torch.stack(norms)).all()).float()
 
 
+_STAGING: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def _staging(dev: torch.device, n: int) -> torch.Tensor:
+    """The agreement's host buffer for ``n`` float32 values to ``dev``, made once and pinned when
+    ``dev`` is CUDA (a copy from pageable memory is a synchronous staging copy that may wait for
+    the stream). Reusing it is safe: every agreement ends by reading its result on the host, and
+    that read waits for the copy out of the buffer."""
+    key = (dev.type, dev.index, n)
+    buf = _STAGING.get(key)
+    if buf is None:
+        buf = _STAGING[key] = torch.empty(n, dtype=torch.float32, pin_memory=dev.type == "cuda")
+    return buf
+
+
 def agree_on_step(
     world: World,
     nonfinite_grads: bool | torch.Tensor,
@@ -72,13 +86,7 @@ def agree_on_step(
     """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
     parameters that got no gradient (GradientSync.census_flag), read with the others; ``flops``:
     this rank's training FLOPs of the step (summed, they give the global batch's)."""
-    dev = world.device
-
-    def one(x: Any) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return x.detach().reshape(1).to(dev, torch.float32)
-        return torch.tensor([float(x)], device=dev)
-
+    dev = torch.device(world.device)
     parts = [
         nonfinite_grads,
         stop_requested,
@@ -88,7 +96,15 @@ def agree_on_step(
         0.0 if unused_params is None else unused_params,
         flops,
     ]
-    flags = torch.cat([one(x) for x in parts])
+    # The Python values go up in one copy from a preallocated (on CUDA pinned) host buffer, an
+    # asynchronous DMA; the device values join with device -> device copies.
+    host = _staging(dev, len(parts))
+    host.copy_(torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in parts]))
+    flags = torch.empty(len(parts), dtype=torch.float32, device=dev)
+    flags.copy_(host, non_blocking=True)
+    for i, x in enumerate(parts):
+        if isinstance(x, torch.Tensor):
+            flags[i : i + 1].copy_(x.detach().reshape(1))
     if world.world_size > 1:
         dist.all_reduce(flags)
     skip, stop, notice_, term, total, unused, flops_ = flags.tolist()  # the step's one host read

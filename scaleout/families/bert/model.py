@@ -248,8 +248,11 @@ class BertForPreTraining(nn.Module):
         labels = batch["mlm_labels"]
         valid = labels != IGNORE_INDEX
         rows = torch.arange(b, device=hidden.device)[:, None].expand_as(labels)
-        flat_pos = (rows * n + batch["mlm_positions"])[valid]  # row-major valid masked positions
-        target = labels[valid]
+        # One value-shaped selection per head (a host sync each: the static forward has none), then
+        # plain gathers: the same elements in the same row-major order as boolean masking.
+        picked = valid.reshape(-1).nonzero().squeeze(1)
+        flat_pos = (rows * n + batch["mlm_positions"]).reshape(-1).index_select(0, picked)
+        target = labels.reshape(-1).index_select(0, picked)
         if self.cfg.unpad_mlm_head:
             logits = self.mlm_logits(hidden.reshape(b * n, h).index_select(0, flat_pos))
         else:
@@ -258,10 +261,12 @@ class BertForPreTraining(nn.Module):
         mlm_loss = F.cross_entropy(logits.float(), target) if target.numel() else zero
         nsp_valid = batch["nsp_labels"] != IGNORE_INDEX
         srows = torch.arange(b, device=hidden.device)[:, None].expand_as(batch["nsp_labels"])
-        first = hidden[srows[nsp_valid], batch["nsp_positions"][nsp_valid]]  # [N_seq, hidden]
+        seqs = nsp_valid.reshape(-1).nonzero().squeeze(1)
+        first_at = (srows * n + batch["nsp_positions"]).reshape(-1).index_select(0, seqs)
+        first = hidden.reshape(b * n, h).index_select(0, first_at)  # [N_seq, hidden]
         pooled = torch.tanh(self.pooler(first))
         nsp_logits = self.nsp(pooled)
-        nsp_target = batch["nsp_labels"][nsp_valid]
+        nsp_target = batch["nsp_labels"].reshape(-1).index_select(0, seqs)
         nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_target) if nsp_target.numel() else zero
         with torch.no_grad():
             mlm_correct = (logits.argmax(-1) == target).sum()
@@ -272,10 +277,10 @@ class BertForPreTraining(nn.Module):
             nsp_loss=nsp_loss,
             mlm_logits=logits,
             mlm_correct=mlm_correct,
-            mlm_total=torch.tensor(target.numel(), device=hidden.device),
+            mlm_total=valid.sum(),  # counted on the device: no host -> device copy
             nsp_logits=nsp_logits,
             nsp_correct=nsp_correct,
-            nsp_total=torch.tensor(nsp_target.numel(), device=hidden.device),
+            nsp_total=nsp_valid.sum(),
             pooled=pooled,
             sequence_output=hidden,
         )

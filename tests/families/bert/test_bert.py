@@ -402,3 +402,22 @@ def load_histogram_or_skip():
     from scaleout.families.bert.packing import load_histogram
 
     return load_histogram(WIKI_HIST, 512)
+
+
+@pytest.mark.unit
+def test_flagship_config_captures_its_step_in_cuda_graphs():
+    """configs/bert_large_256x8.yaml runs 2 packed rows per GPU, where the eager BERT-large step is
+    host-launch-bound (~2.5k launches for ~5 ms of GPU work, and the dynamic forward's host
+    syncs): it captures the step in CUDA graphs (model.cuda_graphs; the config's comment says why
+    not torch.compile), which selects the capture-safe forward with no host syncs, and keeps what
+    the capture needs (DataParallel's reducer, not the sharded optimizer). Before: eager."""
+    from scaleout.config.load import load_config
+
+    cfg = load_config("bert_large_256x8", [])
+    gpus = cfg.launch.nnodes * cfg.launch.nproc_per_node
+    rows_per_gpu = cfg.train.global_batch // (gpus * cfg.train.grad_accum)
+    assert rows_per_gpu == 2
+    assert cfg.model.cuda_graphs and not cfg.model.compile
+    static = cfg.model.bert.static_shapes
+    assert (static if static is not None else cfg.model.cuda_graphs) is True
+    assert not cfg.optim.sharded  # build_step_graphs runs the step eagerly with it
