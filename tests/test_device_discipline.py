@@ -229,6 +229,9 @@ FLAGSHIP_TINY = [
     "data.max_seq_len=128",
     "data.max_predictions=20",
     "data.eval_samples=16",
+    # the input workers are processes of their own (the rank here is a pool process, which cannot
+    # start children); their batches reach the step through the same to_device
+    "data.num_workers=0",
     "train.global_batch=4",  # 2 packed rows per rank, as the flagship's 2 per GPU
     "train.eval_start_step=0",
     "train.target=null",
