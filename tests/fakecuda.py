@@ -29,7 +29,9 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   saved
   reference to a ``torch.distributed`` function is covered) raises on a host tensor with NCCL's
   message,
-  and torch's object collectives use the device as they do under NCCL;
+  and torch's object collectives use the device as they do under NCCL; a group created with
+  ``new_group(backend="gloo")`` inside the context is a CPU group, as on a NCCL world (host tensors
+  and host object collectives allowed): ``cpu_groups`` holds their names;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site.
@@ -289,6 +291,7 @@ class FakeCuda:
         self.world = world
         self.violations: list[str] = []
         self.syncs: list[tuple[str, str]] = []
+        self.cpu_groups: set[str] = set()  # names of the gloo groups made in the context
         self._undo: list[tuple[Any, str, Any]] = []
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
@@ -297,6 +300,8 @@ class FakeCuda:
 
     def _guard(self, orig: Any) -> Any:
         def collective(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.is_cpu_group(pg):
+                return orig(pg, *args, **kwargs)
             bad = [t for t in tree_flatten((args, kwargs))[0] if on_host(t)]
             if bad:
                 msg = (
@@ -310,14 +315,33 @@ class FakeCuda:
 
         return collective
 
+    def is_cpu_group(self, group: Any) -> bool:
+        """Whether ``group`` (None: the default group) is a gloo group made in the context."""
+        return group is not None and getattr(group, "group_name", None) in self.cpu_groups
+
     def __enter__(self) -> FakeCuda:
+        import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
         from torch._C._distributed_c10d import ProcessGroup
 
         for name in _COLLECTIVES:
             if hasattr(ProcessGroup, name):
                 self._patch(ProcessGroup, name, self._guard(getattr(ProcessGroup, name)))
-        self._patch(c10d, "_get_object_coll_device", lambda group=None: "cuda")  # as under NCCL
+        new_group = dist.new_group
+
+        def made(*args: Any, **kwargs: Any) -> Any:
+            group = new_group(*args, **kwargs)
+            if str(kwargs.get("backend") or "").lower() == "gloo" and group is not None:
+                self.cpu_groups.add(group.group_name)
+            return group
+
+        self._patch(dist, "new_group", made)
+        # object collectives run on the device (as under NCCL), except on the CPU groups
+        self._patch(
+            c10d,
+            "_get_object_coll_device",
+            lambda group=None: "cpu" if self.is_cpu_group(group) else "cuda",
+        )
         self._patch(
             torch.cuda,
             "synchronize",
