@@ -608,3 +608,121 @@ def test_resume_refuses_a_checkpoint_written_with_another_global_batch():
         UserError, match=r"data position 640 \(global batch 64\), but train.global_batch=32"
     ):
         check_data_position({"step": 10, "data_position": 640}, 32, "ckpt-10")
+
+
+_OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "broadcast_object_list",
+)
+
+
+def _checkpoint_traffic(world, out: str, overrides: list[str]) -> dict:
+    """The trainer (dropout on) under an emulated CUDA device whose default group is NCCL-like:
+    2 steps saving after each, then a rerun to step 3 that resumes. Every object collective issued
+    inside ``save_checkpoint`` / ``resume`` is recorded with whether it ran on a CPU group, and
+    the pickled bytes each rank receives there are summed."""
+    import inspect
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from scaleout.config import load_config
+    from scaleout.train.trainer import Trainer
+    from tests.fakecuda import FakeCuda
+
+    phase: list[str] = []
+    calls: dict[str, list] = {"save": [], "resume": []}
+    received = {"save": 0, "resume": 0}
+
+    def recorded(name: str, fc: FakeCuda):
+        orig = getattr(dist, name)
+        sig = inspect.signature(orig)
+
+        def call(*args, **kwargs):
+            if phase:
+                group = sig.bind(*args, **kwargs).arguments.get("group")
+                calls[phase[-1]].append((name, fc.is_cpu_group(group)))
+            return orig(*args, **kwargs)
+
+        return call
+
+    to_object = c10d._tensor_to_object
+
+    def unpickled(tensor, size, *args, **kwargs):
+        if phase:
+            received[phase[-1]] += int(size)
+        return to_object(tensor, size, *args, **kwargs)
+
+    def during(name: str, method):
+        def run(self, *args, **kwargs):
+            phase.append(name)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                phase.pop()
+
+        return run
+
+    def cfg(steps: int):
+        return load_config(
+            "bert_tiny_cpu",
+            [
+                "train.global_batch=8",
+                "data.eval_samples=16",
+                "optim.warmup_steps=1",
+                "optim.total_steps=8",
+                "train.progress=false",
+                "train.eval_every=2",
+                "comm.bucket_mb=0.25",
+                "model.bert.dropout=0.1",
+                f"train.max_steps={steps}",
+                f"train.output_dir={out}/out",
+                f"checkpoint.dir={out}/ckpt",
+                "checkpoint.every_steps=1",
+                *overrides,
+            ],
+        )
+
+    with FakeCuda(world) as fc:
+        for name in _OBJECT_COLLECTIVES:
+            fc._patch(dist, name, recorded(name, fc))
+        fc._patch(c10d, "_tensor_to_object", unpickled)
+        fc._patch(Trainer, "save_checkpoint", during("save", Trainer.save_checkpoint))
+        fc._patch(Trainer, "resume", during("resume", Trainer.resume))
+        statuses = []
+        for steps in (2, 3):
+            trainer = Trainer(cfg(steps), world)
+            trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name only
+            statuses.append((trainer.start_step, trainer.train().status))
+    return {"calls": calls, "received": received, "statuses": statuses, "violations": fc.violations}
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param([], id="dataparallel"), pytest.param(["optim.sharded=true"], id="sharded")],
+)
+def test_checkpoints_move_no_object_through_the_device_group(tmp_path, overrides) -> None:
+    """2 x 2 ranks whose default group is an emulated NCCL one (tests/fakecuda.py: no GPU
+    exists here). Saving and resuming issue no object collective on it (each would pickle through
+    the GPU, and a gather or scatter at rank 0 is a ncclSend/ncclRecv pair per rank: at 2,048 ranks
+    rank 0 sets up ~2k P2P connections). A data-parallel save moves no object at all (every rank's
+    RNG state used to be gathered to rank 0 and scattered back on a resume); a resume broadcasts
+    two (the chosen file, the state's structure); the sharded optimizer's DCP plans and digests
+    travel on the CPU (gloo) group."""
+    from tests.distutil import run_dist
+
+    got = run_dist(_checkpoint_traffic, 2, 2, args=(str(tmp_path), overrides), timeout=600)
+    for rank, r in enumerate(got):
+        assert r["violations"] == [] and r["statuses"] == [(0, "max_steps"), (2, "max_steps")], r
+        everything = r["calls"]["save"] + r["calls"]["resume"]
+        assert everything, "nothing recorded: the check is blind"
+        on_device = [name for name, cpu in everything if not cpu]
+        assert on_device == [], f"rank {rank}: object collectives on the NCCL group: {on_device}"
+        # two resumes (the first finds nothing); DCP's load adds its plan exchange (3 collectives)
+        limit = 2 * 2 + (4 if overrides else 0)
+        assert len(r["calls"]["resume"]) <= limit, (rank, r["calls"]["resume"])
+        if not overrides:
+            assert r["calls"]["save"] == [] and r["received"]["save"] == 0, (rank, r)
