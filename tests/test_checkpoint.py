@@ -467,8 +467,9 @@ def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
 @pytest.mark.full_system
 def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     """`scaleout train` with optim.sharded=true (overlapped buckets, hierarchical reduce-scatter)
-    on 2 x 2 ranks: stopped after 3 steps and rerun to 6, the final weights equal an
-    uninterrupted run's bit for bit."""
+    and dropout on 2 x 2 ranks: stopped after 3 steps and rerun to 6, the final weights equal an
+    uninterrupted run's bit for bit (the checkpoint holds no RNG state: each step's dropout masks
+    follow from (seed, step, rank))."""
     import subprocess
     import sys
 
@@ -496,6 +497,7 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
             "optim.sharded=true",
             "optim.overlap_comm=true",
             "comm.algorithm=hierarchical",
+            "model.bert.dropout=0.1",
             f"train.max_steps={steps}",
             f"train.output_dir={tmp_path / name / 'out'}",
             f"checkpoint.dir={tmp_path / name / 'ckpt'}",
