@@ -30,7 +30,7 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   reference to a ``torch.distributed`` function is covered) raises on a host tensor with NCCL's
   message,
   and torch's object collectives use the device as they do under NCCL; a group created with
-  ``new_group(backend="gloo")`` inside the context is a CPU group, as on a NCCL world (host tensors
+  ``new_group(backend="gloo")`` under FakeCuda is a CPU group, as on a NCCL world (host tensors
   and host object collectives allowed): ``cpu_groups`` holds their names;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
@@ -55,6 +55,9 @@ from torch.utils._pytree import tree_flatten
 DEVICE = torch.device("cuda", 0)
 HOST = torch.device("cpu")
 _MARK = "_fakecuda_host"
+# Names of the gloo groups made under FakeCuda in this process: CPU groups in every later context
+# too (a pooled rank keeps its World, and the World its groups, from one test to the next).
+_CPU_GROUPS: set[str] = set()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tensor methods that read a device value on the host (each one a stream synchronisation on CUDA).
@@ -291,7 +294,7 @@ class FakeCuda:
         self.world = world
         self.violations: list[str] = []
         self.syncs: list[tuple[str, str]] = []
-        self.cpu_groups: set[str] = set()  # names of the gloo groups made in the context
+        self.cpu_groups = _CPU_GROUPS  # names of the gloo groups made under FakeCuda
         self._undo: list[tuple[Any, str, Any]] = []
 
     def _patch(self, obj: Any, attr: str, value: Any) -> None:
