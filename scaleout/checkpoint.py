@@ -4,16 +4,18 @@ File layout (one replicated file per checkpoint, ``ckpt-<step:08d>.pt``)::
 
 b"SCALEOUTCKPT1\\n" | sha256(payload) (32 bytes) | payload length (8 bytes, little endian) | payload
 
-where the payload is ``torch.save(state)``. A save writes ``<name>.<pid>-<random>.tmp``, fsyncs it,
-renames it over the final name and fsyncs the directory, so a crash leaves either the old set or the
-new set of files, never a half-written checkpoint under a real name. ``load_latest`` verifies magic,
-length and digest before unpickling; a truncated or corrupted latest checkpoint is reported and the
-previous one is used.
+where the payload is ``torch.save(state)``. A save streams ``torch.save`` into
+``<name>.<pid>-<random>.tmp`` through a hashing writer (no in-memory copy of the payload: the save's
+extra memory is torch's record buffers), writes the header's digest and length last, fsyncs the
+file, renames it over the final name and fsyncs the directory, so a crash leaves either the old set
+or the new set of files, never a half-written checkpoint under a real name. A read verifies magic,
+length and digest block by block before ``torch.load`` reads the tensors from the file; a truncated
+or corrupted latest checkpoint is reported and the previous one is used.
 
-Everything stored is a tensor or a plain Python value, so ``torch.load(weights_only=True)`` works:
-RNG states are converted (numpy's state array becomes a list). Data-parallel ranks hold identical
-weights, so rank 0 writes; per-rank RNG states are gathered to rank 0 first (``gather_rng_states``)
-so every rank resumes its own dropout/noise stream exactly.
+Everything stored is a tensor or a plain Python value, so ``torch.load(weights_only=True)`` works.
+Data-parallel ranks hold identical weights, so rank 0 writes. No per-rank state is stored: a
+step's random streams follow from (seed, step, rank) (:mod:`scaleout.train.rng`), so a save moves
+no object between ranks.
 
 Sharded optimizer state (``optim.sharded``) is not gathered: every rank writes its own part with
 ``torch.distributed.checkpoint`` into ``ckpt-<step>.shards-<token>/``
@@ -24,9 +26,12 @@ checkpoint is complete exactly when it exists.
 Resume (:meth:`Checkpointer.restore`, a collective): rank 0 alone lists the directory and picks the
 newest checkpoint that verifies (checksum; for a sharded one also its ``.metadata`` digest and every
 shard file's size), broadcasts its choice and the replicated state (tensors by ``dist.broadcast``),
-scatters the RNG states, and every rank reads its own shard of the optimizer state. A rank that
-cannot read what rank 0 chose stops the run with a one-line error naming it, on every rank, rather
-than fall back on its own.
+and every rank reads its own shard of the optimizer state. A rank that cannot read what rank 0 chose
+stops the run with a one-line error naming it, on every rank, rather than fall back on its own.
+
+Object collectives (the chosen name, the state's structure, DCP's plans and the shard digests) run
+on :attr:`World.cpu_group`, a gloo group when the default group is NCCL: never a pickled object
+through the GPU, never a ncclSend/ncclRecv pair per rank to rank 0.
 """
 
 from __future__ import annotations
@@ -36,16 +41,15 @@ import io
 import logging
 import math
 import os
-import random
 import re
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import numpy as np
 import torch
 
 from scaleout.errors import ConfigError, UserError
@@ -58,82 +62,90 @@ log = logging.getLogger("scaleout.checkpoint")
 MAGIC = b"SCALEOUTCKPT1\n"
 _HEADER = len(MAGIC) + 32 + 8
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+_BLOCK = 4 << 20  # bytes hashed per read when a file is verified
 
 
 class CorruptCheckpoint(UserError):
     """A checkpoint whose header, length or checksum does not match its contents."""
 
 
-# -- RNG states
-# ---------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """This process's python, numpy, torch (and CUDA) RNG states as weights_only-loadable values."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),  # (version, tuple of 625 ints, gauss or None): plain types
-        "numpy": {
-            "kind": kind,
-            "keys": keys.tolist(),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def gather_rng_states(world: World | None = None) -> list[dict[str, Any]] | None:
-    """Every rank's RNG state, indexed by rank, on rank 0 (None elsewhere; a collective: call on
-    all ranks)."""
-    mine = rng_state()
-    if world is None or world.world_size == 1:
-        return [mine]
-    import torch.distributed as dist
-
-    out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return out
-
-
 # -- files
 # -------------------------------------------------------------------------------------------
+class _HashingWriter:
+    """The file object ``torch.save`` writes through: each record goes to the file as torch hands
+    it over (a memoryview of the tensor's storage), hashed and counted on the way. No copy of the
+    state is made: the save's extra memory is torch's per-record buffers, not the payload."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_payload(f: BinaryIO, state: dict[str, Any]) -> None:
+    """Header and ``torch.save(state)`` into the seekable ``f``, streamed: the header's digest and
+    length are written last, over a placeholder."""
+    start = f.tell()
+    f.write(MAGIC + bytes(40))
+    out = _HashingWriter(f)
+    torch.save(state, out)
+    end = f.tell()
+    f.seek(start + len(MAGIC))
+    f.write(out.sha.digest() + struct.pack("<Q", out.size))
+    f.seek(end)
+
+
 def encode(state: dict[str, Any]) -> bytes:
+    """The bytes of a checkpoint file holding ``state`` (in memory: tests and tools; a save
+    streams to its file instead)."""
     buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    return MAGIC + hashlib.sha256(payload).digest() + struct.pack("<Q", len(payload)) + payload
+    write_payload(buf, state)
+    return buf.getvalue()
+
+
+def _check_header(head: bytes, size: int, name: str) -> tuple[bytes, int]:
+    """(digest, payload length) of a header, for a file of ``size`` bytes in all."""
+    if len(head) < _HEADER or not head.startswith(MAGIC):
+        raise CorruptCheckpoint(
+            f"{name}: not a scaleout checkpoint or truncated header ({size} bytes)"
+        )
+    (length,) = struct.unpack("<Q", head[len(MAGIC) + 32 : _HEADER])
+    if size - _HEADER != length:
+        raise CorruptCheckpoint(
+            f"{name}: truncated, payload has {size - _HEADER} of {length} bytes"
+        )
+    return head[len(MAGIC) : len(MAGIC) + 32], length
 
 
 def decode(blob: bytes, name: str = "checkpoint", map_location: Any = "cpu") -> dict[str, Any]:
     """Verify and unpickle (weights_only=True); raise CorruptCheckpoint naming what is wrong."""
-    if len(blob) < _HEADER or not blob.startswith(MAGIC):
-        raise CorruptCheckpoint(
-            f"{name}: not a scaleout checkpoint or truncated header ({len(blob)} bytes)"
-        )
-    digest = blob[len(MAGIC) : len(MAGIC) + 32]
-    (length,) = struct.unpack("<Q", blob[len(MAGIC) + 32 : _HEADER])
-    payload = blob[_HEADER:]
-    if len(payload) != length:
-        raise CorruptCheckpoint(f"{name}: truncated, payload has {len(payload)} of {length} bytes")
+    digest, _ = _check_header(blob[:_HEADER], len(blob), name)
+    payload = memoryview(blob)[_HEADER:]
     if hashlib.sha256(payload).digest() != digest:
         raise CorruptCheckpoint(f"{name}: sha256 checksum mismatch (file corrupted)")
     return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
+def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """:func:`decode` of a file without holding its bytes: the digest is checked block by block,
+    then ``torch.load`` reads the tensors from the file (the loaded state is the only copy)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest, _ = _check_header(f.read(_HEADER), size, str(path))
+        sha = hashlib.sha256()
+        while block := f.read(_BLOCK):
+            sha.update(block)
+        if sha.digest() != digest:
+            raise CorruptCheckpoint(f"{path}: sha256 checksum mismatch (file corrupted)")
+        f.seek(_HEADER)  # torch's reader takes the file's position as the archive's start
+        return torch.load(f, map_location=map_location, weights_only=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -149,13 +161,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``path`` via a temporary file and a rename. The temporary name is unique per writer
-    (pid and a random part): two runs writing the same name never write into one file."""
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` via a temporary file and a rename: ``data``, or what ``data(f)`` writes into
+    the open file. The temporary name is unique per writer (pid and a random part): two runs
+    writing the same name never write into one file."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -175,7 +191,7 @@ class Checkpointer:
 
         {"step": int, "model": model.state_dict(), "optimizer": opt.state_dict() (sharded: the
         replicated part),
-         "schedule": sched.state_dict(), "data_position": int, "rng": gather_rng_states(world)}
+         "schedule": sched.state_dict(), "data_position": int}
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2, rank: int = 0):
@@ -209,15 +225,14 @@ class Checkpointer:
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
             record = _shards().save_pieces(
-                shards, self.dir / name, world
+                shards, self.dir / name, world, _group(world)
             )  # every rank's files are written when it returns
         if self.rank != 0:
             return None
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
-        atomic_write(
-            path, encode({**state, "step": step, **({"shards": record} if record else {})})
-        )  # the commit
+        full = {**state, "step": step, **({"shards": record} if record else {})}
+        atomic_write(path, lambda f: write_payload(f, full))  # the commit, streamed to the file
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 _shards().remove_tree(old)
@@ -238,7 +253,7 @@ class Checkpointer:
         skipped."""
         for step, path in reversed(self.list()):
             try:
-                state = decode(path.read_bytes(), str(path), map_location)
+                state = read_checkpoint(path, map_location)
                 if "shards" in state:
                     _shards().check_shards(self.dir, state["shards"])
             except (
@@ -265,31 +280,29 @@ class Checkpointer:
         self, world: World, shards: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], Path] | None:
         """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its
-        own shards into ``shards`` (in place). Returns (state, path) with ``state["rng"]`` this
-        rank's RNG state (None when the world size changed), or None on every rank when there is
-        nothing to resume."""
+        own shards into ``shards`` (in place). Returns (state, path), or None on every rank when
+        there is nothing to resume. Per rank, the objects that move are O(1) and go over the CPU
+        group (:attr:`World.cpu_group`); the tensors go by ``dist.broadcast`` on the device."""
         multi = world is not None and world.world_size > 1
         found = self.choose() if world is None or world.rank == 0 else None
         state, path = found if found is not None else (None, None)
-        rngs = state.pop("rng", None) if state is not None else None
-        head = [None if state is None else (str(path), len(rngs or []))]
+        if state is not None:
+            # Checkpoints written before the RNG streams became per-step (train/rng.py) hold every
+            # rank's RNG state: not needed, and not worth broadcasting to every rank.
+            state.pop("rng", None)
+        head = [None if state is None else str(path)]
         if multi:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(head, src=0)
+            dist.broadcast_object_list(head, src=0, group=world.cpu_group)
         if head[0] is None:
             return None
-        path, n_rng = Path(head[0][0]), head[0][1]
+        path = Path(head[0])
         state = broadcast_state(state, world) if multi else state
-        rng = (
-            _scatter(rngs, world)
-            if n_rng == (world.world_size if world is not None else 1)
-            else None
-        )
         _check_kind(state, shards, path)
         if shards is not None:
-            _shards().load_pieces(shards, self.dir, state["shards"])
-        return {**state, "rng": rng}, path
+            _shards().load_pieces(shards, self.dir, state["shards"], _group(world))
+        return state, path
 
 
 def _shards() -> ModuleType:
@@ -301,13 +314,18 @@ def _shards() -> ModuleType:
     return scaleout.checkpoint_dcp
 
 
+def _group(world: World | None) -> Any:
+    """The group for object traffic (None: the default group of a one-rank or world-less run)."""
+    return world.cpu_group if world is not None and world.world_size > 1 else None
+
+
 def _token(world: World) -> str:
     """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
     box = [f"{time.time_ns():x}"]
     if world is not None and world.world_size > 1:
         import torch.distributed as dist
 
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=world.cpu_group)
     return box[0]
 
 
@@ -321,16 +339,6 @@ def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path
         raise ConfigError(
             f"checkpoint {path} holds a sharded optimizer state: resume it with optim.sharded=true"
         )
-
-
-def _scatter(items: list[Any] | None, world: World) -> Any:
-    if world is None or world.world_size == 1:
-        return items[0] if items else None
-    import torch.distributed as dist
-
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, items if world.rank == 0 else None, src=0)
-    return out[0]
 
 
 class _Slot:
@@ -380,13 +388,13 @@ BROADCAST_BYTES = 256 << 20
 
 def broadcast_state(state: Any, world: World) -> Any:
     """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the
-    structure by ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device``
-    (returned on the CPU)."""
+    structure by ``broadcast_object_list`` on the CPU group, the tensors by ``dist.broadcast`` on
+    ``world.device`` (returned on the CPU)."""
     import torch.distributed as dist
 
     tensors: list[torch.Tensor] = []
     box = [_strip(state, tensors) if world.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=world.cpu_group)
     slots = sorted(_slots(box[0], []), key=lambda s: s.index)
     out: list[torch.Tensor] = [None] * len(slots)  # type: ignore[list-item]
     batch: list[_Slot] = []

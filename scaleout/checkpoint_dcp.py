@@ -171,11 +171,12 @@ def _one_line(e: BaseException, directory: Path, what: str) -> UserError:
 
 
 def save_pieces(
-    pieces: dict[str, PieceLike], directory: Path, world: World
+    pieces: dict[str, PieceLike], directory: Path, world: World, group: Any = None
 ) -> dict[str, Any] | None:
     """Every rank writes its pieces under ``directory`` (collective). Returns, on rank 0, the
     record to keep in the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes,
-    sha256)}}; None elsewhere."""
+    sha256)}}; None elsewhere. ``group``: where DCP's plans and the digests travel (a CPU group:
+    DCP gathers every rank's plan to rank 0 and scatters them back)."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(
         directory, single_file_per_rank=True, sync_files=True, thread_count=1
@@ -185,6 +186,7 @@ def save_pieces(
             {k: p.tensor for k, p in pieces.items()},
             storage_writer=writer,
             planner=_SavePlanner(pieces),
+            process_group=group,
         )
     except dcp.CheckpointException as e:
         raise _one_line(e, directory, "write the sharded checkpoint") from None
@@ -196,7 +198,7 @@ def save_pieces(
     files: list[Any] = [mine]
     if world is not None and world.world_size > 1:  # a few bytes per rank, to rank 0 only
         files = [None] * world.world_size if rank == 0 else None
-        dist.gather_object(mine, files, dst=0)
+        dist.gather_object(mine, files, dst=0, group=group)
     if rank != 0:
         return None
     merged = {name: entry for per_rank in files for name, entry in per_rank.items()}
@@ -221,15 +223,19 @@ def check_shards(root: Path, record: dict[str, Any]) -> None:
             raise CorruptShards(f"{f}: missing or not {size} bytes")
 
 
-def load_pieces(pieces: dict[str, PieceLike], root: Path, record: dict[str, Any]) -> None:
+def load_pieces(
+    pieces: dict[str, PieceLike], root: Path, record: dict[str, Any], group: Any = None
+) -> None:
     """Every rank reads its pieces (in place) from the checkpoint ``record`` describes
-    (collective); any rank's failure is a one-line UserError naming it, raised on every rank."""
+    (collective, DCP's coordination on ``group``); any rank's failure is a one-line UserError
+    naming it, raised on every rank."""
     directory = root / record["dir"]
     try:
         dcp.load(
             {k: p.tensor for k, p in pieces.items()},
             storage_reader=_VerifiedReader(directory, record),
             planner=_LoadPlanner(pieces),
+            process_group=group,
         )
     except dcp.CheckpointException as e:
         raise _one_line(e, directory, "read the sharded checkpoint") from None

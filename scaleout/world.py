@@ -56,7 +56,7 @@ class World:
         self.device = device
         self.backend = backend
         self.node_of = node_of  # node index of every global rank, as observed after init
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[Any, ...], Any] = {}  # rank tuples; ("cpu",)
         self._families: dict[str, Any] = {}
         self._close_hooks: list[Any] = []
         # Collective timeout of every group (the default group's and each subgroup's):
@@ -206,6 +206,23 @@ class World:
                 x, y, row, col, tuple(mine), tuple(next(c for c in cols if self.rank in c))
             )
         return self._families[key]
+
+    @property
+    def cpu_group(self) -> Any:
+        """The group for object collectives (pickled Python values: checkpoint names, the
+        structure of a state, DCP's plans): the default group when its collectives run on the CPU
+        (gloo), else one gloo group over every rank, created on first use (a collective: every
+        rank's first use is at the same point). Torch's object collectives run on the group's
+        device: on the NCCL group each is pickled, copied to the GPU and read back (a host sync),
+        and a gather or scatter to rank 0 is a ncclSend/ncclRecv per rank, setting up a P2P
+        connection and its buffers on rank 0 for each of its peers."""
+        if self.device.type == "cpu":
+            return dist.group.WORLD
+        if ("cpu",) not in self._groups:
+            self._groups[("cpu",)] = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.timeout_s)
+            )
+        return self._groups[("cpu",)]
 
     # -- misc -------------------------------------------------------------------------------------
     def barrier(self) -> None:

@@ -30,7 +30,9 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   saved
   reference to a ``torch.distributed`` function is covered) raises on a host tensor with NCCL's
   message,
-  and torch's object collectives use the device as they do under NCCL;
+  and torch's object collectives use the device as they do under NCCL; a group created with
+  ``new_group(backend="gloo")`` under FakeCuda is a CPU group, as on a NCCL world (host tensors
+  and host object collectives allowed): ``cpu_groups`` holds their names;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site;
@@ -88,6 +90,9 @@ DEVICE = torch.device("cuda", 0)
 HOST = torch.device("cpu")
 _MARK = "_fakecuda_host"
 _PINNED = "_fakecuda_pinned"
+# Names of the gloo groups made under FakeCuda in this process: CPU groups in every later context
+# too (a pooled rank keeps its World, and the World its groups, from one test to the next).
+_CPU_GROUPS: set[str] = set()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tensor methods that read a device value on the host (each one a stream synchronisation on CUDA).
@@ -506,6 +511,7 @@ class FakeCuda:
         self._threads: list[str] = []  # threads that issued device collectives
         self._streams = 0
         self.h2d: list[tuple[str, str]] = []  # host -> device copies from pageable memory
+        self.cpu_groups = _CPU_GROUPS  # names of the gloo groups made under FakeCuda
         self._undo: list[tuple[Any, str, Any]] = []
 
     # -- streams ----------------------------------------------------------------------------------
@@ -611,6 +617,8 @@ class FakeCuda:
 
     def _guard(self, orig: Any) -> Any:
         def collective(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.is_cpu_group(pg):
+                return orig(pg, *args, **kwargs)
             bad = [t for t in tree_flatten((args, kwargs))[0] if on_host(t)]
             if bad:
                 msg = (
@@ -628,14 +636,33 @@ class FakeCuda:
 
         return collective
 
+    def is_cpu_group(self, group: Any) -> bool:
+        """Whether ``group`` (None: the default group) is a gloo group made in the context."""
+        return group is not None and getattr(group, "group_name", None) in self.cpu_groups
+
     def __enter__(self) -> FakeCuda:
+        import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
         from torch._C._distributed_c10d import ProcessGroup
 
         for name in _COLLECTIVES:
             if hasattr(ProcessGroup, name):
                 self._patch(ProcessGroup, name, self._guard(getattr(ProcessGroup, name)))
-        self._patch(c10d, "_get_object_coll_device", lambda group=None: "cuda")  # as under NCCL
+        new_group = dist.new_group
+
+        def made(*args: Any, **kwargs: Any) -> Any:
+            group = new_group(*args, **kwargs)
+            if str(kwargs.get("backend") or "").lower() == "gloo" and group is not None:
+                self.cpu_groups.add(group.group_name)
+            return group
+
+        self._patch(dist, "new_group", made)
+        # object collectives run on the device (as under NCCL), except on the CPU groups
+        self._patch(
+            c10d,
+            "_get_object_coll_device",
+            lambda group=None: "cpu" if self.is_cpu_group(group) else "cuda",
+        )
         self._patch(
             torch.cuda,
             "synchronize",

@@ -1,9 +1,12 @@
-"""Checkpoints: round trip, corruption/truncation fall-back, keep-N, and bitwise-exact resume."""
+"""Checkpoints: round trip, corruption/truncation fall-back, keep-N, bitwise-exact resume, the
+memory a save and a load take, and what crosses ranks during them."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,16 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from scaleout.checkpoint import (
-    Checkpointer,
-    CorruptCheckpoint,
-    decode,
-    encode,
-    rng_state,
-    set_rng_state,
-)
+from scaleout.checkpoint import Checkpointer, CorruptCheckpoint, decode, encode
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import UserError
+from scaleout.train.rng import seed_step
 
 
 @pytest.mark.unit
@@ -28,9 +25,7 @@ def test_round_trip_keep_n_and_weights_only(tmp_path):
     ck = Checkpointer(tmp_path, keep=2)
     model = nn.Linear(3, 2)
     for step in (10, 20, 30):
-        ck.save(
-            step, {"model": model.state_dict(), "data_position": step * 8, "rng": [rng_state()]}
-        )
+        ck.save(step, {"model": model.state_dict(), "data_position": step * 8})
     assert [s for s, _ in ck.list()] == [20, 30]
     state, path = ck.load_latest()
     assert path.name == "ckpt-00000030.pt" and state["step"] == 30 and state["data_position"] == 240
@@ -82,9 +77,10 @@ class _Net(nn.Module):
 
 
 def _train(
-    steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = False, restore_rng: bool = True
+    steps: int, ckpt_dir, stop_at: int | None = None, resume: bool = False, reseed: bool = True
 ) -> dict:
-    """A real loop: model + AdamW + LR schedule + sampler + python/numpy/torch randomness."""
+    """A real loop: model + AdamW + LR schedule + sampler + python/numpy/torch randomness, each
+    step's streams seeded from (seed, step, rank) as the trainer does (scaleout/train/rng.py)."""
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -97,18 +93,19 @@ def _train(
     ck = Checkpointer(ckpt_dir, keep=2)
     step, position = 0, 0
     if resume:
-        # perturb every RNG, so only the restored state can reproduce the run
+        # perturb every RNG, so only the per-step seeding can reproduce the run
         torch.manual_seed(123)
         np.random.seed(123)
         random.seed(123)
         state, _ = ck.load_latest()
+        assert "rng" not in state  # a checkpoint holds no RNG state
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
-        if restore_rng:
-            set_rng_state(state["rng"][0])
         step, position = state["step"], state["data_position"]
     while step < steps:
+        if reseed or step == 0:
+            seed_step(7, step, 0)
         idx = sampler.local_indices(position)
         x = data[idx] + 0.01 * torch.from_numpy(np.random.randn(len(idx), 8).astype(np.float32))
         if random.random() < 0.5:  # python RNG in the loop (e.g. a data augmentation choice)
@@ -126,7 +123,6 @@ def _train(
                     "optimizer": opt.state_dict(),
                     "schedule": sched.state_dict(),
                     "data_position": position,
-                    "rng": [rng_state()],
                 },
             )
             return {}
@@ -135,6 +131,10 @@ def _train(
 
 @pytest.mark.full_system
 def test_bitwise_resume(tmp_path):
+    """Interrupted after 13 of 30 steps and resumed, the weights equal the uninterrupted run's
+    bit for bit, though the checkpoint holds no RNG state: each step seeds its python, numpy and
+    torch streams from (seed, step, rank), so the resumed steps draw what the uninterrupted ones
+    drew."""
     torch.use_deterministic_algorithms(True)
     try:
         full = _train(30, tmp_path / "a")
@@ -147,13 +147,55 @@ def test_bitwise_resume(tmp_path):
     assert full.keys() == resumed.keys()
     for k in full:
         assert torch.equal(full[k], resumed[k]), k
-    # and the check is sharp: a resume that does not restore the RNG states diverges
+    # and the check is sharp: the same runs seeded once at the start (streams carried on from
+    # step to step, as before) diverge on a resume
     torch.use_deterministic_algorithms(True)
     try:
-        wrong = _train(30, tmp_path / "b", resume=True, restore_rng=False)
+        once = _train(30, tmp_path / "c", reseed=False)
+        _train(30, tmp_path / "d", stop_at=13, reseed=False)
+        wrong = _train(30, tmp_path / "d", resume=True, reseed=False)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert not all(torch.equal(full[k], wrong[k]) for k in full)
+    assert not all(torch.equal(once[k], wrong[k]) for k in once)
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status memory figure in bytes (VmRSS: now; VmHWM: the peak since reset)."""
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def _peak_extra(fn) -> int:
+    """Bytes the process's resident set grew to above where it stood, while ``fn()`` ran."""
+    gc.collect()
+    base = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux)
+    fn()
+    return _status("VmHWM") - base
+
+
+@pytest.mark.unit
+def test_save_and_load_hold_at_most_half_the_state_besides_it(tmp_path):
+    """A 64 MiB state: its save streams to the file (peak extra memory <= 0.5x the state, so the
+    save's peak is <= 1.5x the state) and its load holds the loaded state and little more (<=
+    1.5x). The save used to build the payload in a BytesIO, copy it out and prepend the header
+    (another copy): 2-3x extra; the load read the file, sliced the payload (a copy) and
+    unpickled it: ~3x. At BERT-large's 4 GB state with LAMB that was ~12 GB on rank 0."""
+    size = 64 << 20
+    state = {"model": {f"w{i}": torch.randn(2 << 20) for i in range(8)}, "step": 1}
+    assert sum(t.numel() * 4 for t in state["model"].values()) == size
+    ck = Checkpointer(tmp_path, keep=1)
+    ck.save(1, {"w": torch.ones(1000)})  # code paths warm (imports, the zip writer)
+    ck.load_latest()
+    saved = _peak_extra(lambda: ck.save(2, state))
+    box: list = []
+    loaded = _peak_extra(lambda: box.append(ck.load_latest()))
+    ((got, path),) = box
+    assert path == ck.path(2) and all(
+        torch.equal(got["model"][k], v) for k, v in state["model"].items()
+    )
+    assert saved <= 0.5 * size, f"save: {saved / 2**20:.0f} MiB extra for a 64 MiB state"
+    assert loaded <= 1.5 * size, f"load: {loaded / 2**20:.0f} MiB for a 64 MiB state"
 
 
 # -- sharded optimizer state (torch.distributed.checkpoint) and rank 0's choice, on real gloo ranks
@@ -211,7 +253,7 @@ def _save(
         rep, shards = opt.sharded_state()
         ck.save(
             s + 1,
-            {"model": net.state_dict(), "optimizer": rep, "rng": [None] * world.world_size},
+            {"model": net.state_dict(), "optimizer": rep},
             world,
             shards,
         )
@@ -358,7 +400,7 @@ def _object_traffic(world, directory: str, width: int) -> dict:
     each."""
     import torch.distributed.distributed_c10d as c10d
 
-    from scaleout.checkpoint import Checkpointer, gather_rng_states
+    from scaleout.checkpoint import Checkpointer
 
     sizes: list[int] = []
     to_tensor, to_object = c10d._object_to_tensor, c10d._tensor_to_object
@@ -380,7 +422,7 @@ def _object_traffic(world, directory: str, width: int) -> dict:
         rep, shards = opt.sharded_state()
         ck.save(
             2,
-            {"model": net.state_dict(), "optimizer": rep, "rng": gather_rng_states(world)},
+            {"model": net.state_dict(), "optimizer": rep},
             world,
             shards,
         )
@@ -405,11 +447,11 @@ def _object_traffic(world, directory: str, width: int) -> dict:
 @pytest.mark.multi_process
 def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
     """At scale the optimizer state must never be gathered: every object that crosses a
-    collective during a save and a restore (RNG states, DCP plans, the chosen path, the structure
-    of the replicated state) is small next to a rank's shard (gathering shards, as before, sends
-    one object of a whole shard per rank). The other ranks see a tenth of their shard in all;
-    rank 0 collects per-rank RNG states and DCP plans (~15 KB a rank: O(world), but no optimizer
-    state). The shards move only between each rank and its files."""
+    collective during a save and a restore (DCP plans, the chosen path, the structure of the
+    replicated state) is small next to a rank's shard (gathering shards, as before, sends one
+    object of a whole shard per rank). The other ranks see a tenth of their shard in all; rank 0
+    collects DCP's plans (O(world), on the CPU group, but no optimizer state). The shards move
+    only between each rank and its files."""
     from tests.distutil import run_dist
 
     got = run_dist(_object_traffic, 2, 2, args=(str(tmp_path), 512), timeout=300)
@@ -425,8 +467,9 @@ def test_no_rank_receives_more_than_a_fraction_of_its_shard(tmp_path) -> None:
 @pytest.mark.full_system
 def test_sharded_training_resumes_bitwise(tmp_path) -> None:
     """`scaleout train` with optim.sharded=true (overlapped buckets, hierarchical reduce-scatter)
-    on 2 x 2 ranks: stopped after 3 steps and rerun to 6, the final weights equal an
-    uninterrupted run's bit for bit."""
+    and dropout on 2 x 2 ranks: stopped after 3 steps and rerun to 6, the final weights equal an
+    uninterrupted run's bit for bit (the checkpoint holds no RNG state: each step's dropout masks
+    follow from (seed, step, rank))."""
     import subprocess
     import sys
 
@@ -454,6 +497,7 @@ def test_sharded_training_resumes_bitwise(tmp_path) -> None:
             "optim.sharded=true",
             "optim.overlap_comm=true",
             "comm.algorithm=hierarchical",
+            "model.bert.dropout=0.1",
             f"train.max_steps={steps}",
             f"train.output_dir={tmp_path / name / 'out'}",
             f"checkpoint.dir={tmp_path / name / 'ckpt'}",
@@ -566,3 +610,121 @@ def test_resume_refuses_a_checkpoint_written_with_another_global_batch():
         UserError, match=r"data position 640 \(global batch 64\), but train.global_batch=32"
     ):
         check_data_position({"step": 10, "data_position": 640}, 32, "ckpt-10")
+
+
+_OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "broadcast_object_list",
+)
+
+
+def _checkpoint_traffic(world, out: str, overrides: list[str]) -> dict:
+    """The trainer (dropout on) under an emulated CUDA device whose default group is NCCL-like:
+    2 steps saving after each, then a rerun to step 3 that resumes. Every object collective issued
+    inside ``save_checkpoint`` / ``resume`` is recorded with whether it ran on a CPU group, and
+    the pickled bytes each rank receives there are summed."""
+    import inspect
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from scaleout.config import load_config
+    from scaleout.train.trainer import Trainer
+    from tests.fakecuda import FakeCuda
+
+    phase: list[str] = []
+    calls: dict[str, list] = {"save": [], "resume": []}
+    received = {"save": 0, "resume": 0}
+
+    def recorded(name: str, fc: FakeCuda):
+        orig = getattr(dist, name)
+        sig = inspect.signature(orig)
+
+        def call(*args, **kwargs):
+            if phase:
+                group = sig.bind(*args, **kwargs).arguments.get("group")
+                calls[phase[-1]].append((name, fc.is_cpu_group(group)))
+            return orig(*args, **kwargs)
+
+        return call
+
+    to_object = c10d._tensor_to_object
+
+    def unpickled(tensor, size, *args, **kwargs):
+        if phase:
+            received[phase[-1]] += int(size)
+        return to_object(tensor, size, *args, **kwargs)
+
+    def during(name: str, method):
+        def run(self, *args, **kwargs):
+            phase.append(name)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                phase.pop()
+
+        return run
+
+    def cfg(steps: int):
+        return load_config(
+            "bert_tiny_cpu",
+            [
+                "train.global_batch=8",
+                "data.eval_samples=16",
+                "optim.warmup_steps=1",
+                "optim.total_steps=8",
+                "train.progress=false",
+                "train.eval_every=2",
+                "comm.bucket_mb=0.25",
+                "model.bert.dropout=0.1",
+                f"train.max_steps={steps}",
+                f"train.output_dir={out}/out",
+                f"checkpoint.dir={out}/ckpt",
+                "checkpoint.every_steps=1",
+                *overrides,
+            ],
+        )
+
+    with FakeCuda(world) as fc:
+        for name in _OBJECT_COLLECTIVES:
+            fc._patch(dist, name, recorded(name, fc))
+        fc._patch(c10d, "_tensor_to_object", unpickled)
+        fc._patch(Trainer, "save_checkpoint", during("save", Trainer.save_checkpoint))
+        fc._patch(Trainer, "resume", during("resume", Trainer.resume))
+        statuses = []
+        for steps in (2, 3):
+            trainer = Trainer(cfg(steps), world)
+            trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name only
+            statuses.append((trainer.start_step, trainer.train().status))
+    return {"calls": calls, "received": received, "statuses": statuses, "violations": fc.violations}
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize(
+    "overrides",
+    [pytest.param([], id="dataparallel"), pytest.param(["optim.sharded=true"], id="sharded")],
+)
+def test_checkpoints_move_no_object_through_the_device_group(tmp_path, overrides) -> None:
+    """2 x 2 ranks whose default group is an emulated NCCL one (tests/fakecuda.py: no GPU
+    exists here). Saving and resuming issue no object collective on it (each would pickle through
+    the GPU, and a gather or scatter at rank 0 is a ncclSend/ncclRecv pair per rank: at 2,048 ranks
+    rank 0 sets up ~2k P2P connections). A data-parallel save moves no object at all (every rank's
+    RNG state used to be gathered to rank 0 and scattered back on a resume); a resume broadcasts
+    two (the chosen file, the state's structure); the sharded optimizer's DCP plans and digests
+    travel on the CPU (gloo) group."""
+    from tests.distutil import run_dist
+
+    got = run_dist(_checkpoint_traffic, 2, 2, args=(str(tmp_path), overrides), timeout=600)
+    for rank, r in enumerate(got):
+        assert r["violations"] == [] and r["statuses"] == [(0, "max_steps"), (2, "max_steps")], r
+        everything = r["calls"]["save"] + r["calls"]["resume"]
+        assert everything, "nothing recorded: the check is blind"
+        on_device = [name for name, cpu in everything if not cpu]
+        assert on_device == [], f"rank {rank}: object collectives on the NCCL group: {on_device}"
+        # two resumes (the first finds nothing); DCP's load adds its plan exchange (3 collectives)
+        limit = 2 * 2 + (4 if overrides else 0)
+        assert len(r["calls"]["resume"]) <= limit, (rank, r["calls"]["resume"])
+        if not overrides:
+            assert r["calls"]["save"] == [] and r["received"]["save"] == 0, (rank, r)

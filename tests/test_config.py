@@ -351,3 +351,19 @@ def test_flagship_configs_build_batches_in_input_workers(name: str) -> None:
     lines = text.splitlines()
     at = next(i for i, x in enumerate(lines) if x.strip().startswith("num_workers:"))
     assert lines[at - 1].lstrip().startswith("#"), "the reason sits in a comment above the key"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["bert_large_256x8", "resnet50_128x8"])
+def test_flagship_runs_take_no_synchronous_save_inside_the_timed_region(name: str) -> None:
+    """MLPerf counts every save between run_start and run_stop in time-to-train, and a save
+    stalls every GPU while rank 0 writes (until issue "goodput" makes it asynchronous): the
+    flagship configs save on preemption and after run_stop only, and say why next to the key."""
+    cfg = load_config(name)
+    assert cfg.checkpoint.dir, "a preemption notice needs somewhere to save"
+    every = cfg.checkpoint.every_steps
+    timed_saves = cfg.train.max_steps // every if every else 0
+    assert timed_saves == 0, f"{name}: {timed_saves} synchronous saves inside the timed run"
+    text = (Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml").read_text()
+    block = text[text.index("\ncheckpoint:") : text.index("  every_steps:")]
+    assert "time-to-train" in block and "goodput" in block, block

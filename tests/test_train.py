@@ -98,8 +98,10 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
 def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
     """SIGUSR2 mid-run -> every rank stops at the same step, checkpoints, exits 75; rerun
     resumes; the final weights equal an uninterrupted run's bit for bit (CPU, deterministic
-    mode)."""
+    mode), dropout on: the checkpoint holds no RNG state, each step seeds its streams from (seed,
+    step, rank), so the resumed steps draw the uninterrupted run's masks."""
     steps = [
+        "model.bert.dropout=0.1",
         "train.max_steps=8",
         "train.eval_every=1",
         "train.deterministic=true",

@@ -59,12 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def find_checkpoint(path: str) -> tuple[dict[str, Any], Path]:
     """(state, file) for a file, a checkpoint directory (newest that verifies) or a run
     directory."""
-    from scaleout.checkpoint import Checkpointer, decode
+    from scaleout.checkpoint import Checkpointer, read_checkpoint
     from scaleout.errors import UserError
 
     p = Path(path)
     if p.is_file():
-        return decode(p.read_bytes(), str(p)), p
+        return read_checkpoint(p), p
     if not p.is_dir():
         raise UserError(
             f"{path} does not exist; expected a ckpt-<step>.pt file, a checkpoint or a run "

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout import preempt
-from scaleout.checkpoint import Checkpointer, gather_rng_states, set_rng_state
+from scaleout.checkpoint import Checkpointer
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
 from scaleout.log import print0
@@ -71,6 +71,7 @@ from scaleout.train.observers import (
     ReportWriter,
 )
 from scaleout.train.rerun import check_data_position
+from scaleout.train.rng import seed_step
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
@@ -281,9 +282,9 @@ class Trainer:
     # -- checkpoints
     # ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it). A collective:
-        every rank's RNG state is gathered to rank 0; the sharded optimizer's pieces are written
-        apart."""
+        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
+        optimizer's pieces are written apart. No RNG state: a step's random streams follow from
+        (train.seed, step, rank) (train/rng.py)."""
         opt_state, _ = self.sync.optimizer_state(self.optimizer)
         return {
             "model": self.task.model.state_dict(),
@@ -291,28 +292,22 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
             "schedule": self.schedule.state_dict(),
             "data_position": self.step * self.cfg.train.global_batch,
-            "rng": gather_rng_states(self.world),
             "samples": self.samples,
             "skipped": self.skipped,
             "precision": self.task.precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inverse of :meth:`state_dict` (``state["rng"]``: this rank's RNG state, or None)."""
+        """The inverse of :meth:`state_dict` (an older checkpoint's ``rng`` entry is ignored)."""
         self.task.model.load_state_dict(state["model"])
         self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        if state["rng"] is None:
-            log.warning("checkpoint has RNG states of another world size: RNG streams restart")
-        else:
-            set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
         self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
 
     def save_checkpoint(self) -> None:
-        """Collective: every rank takes part (BN statistics, RNG states, sharded pieces), then a
-        barrier."""
+        """Collective: every rank takes part (BN statistics, sharded pieces), then a barrier."""
         if self.checkpointer is None:
             return
         # BN statistics equal on every rank, so a resume is exact everywhere
@@ -358,6 +353,7 @@ class Trainer:
             step_samples, step_tokens = self.task.samples_per_step(step * cfg.train.global_batch)
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
             t0 = time.perf_counter()
+            seed_step(cfg.train.seed, step, self.world.rank)  # a resume needs no RNG state
             flags = self.train_step(step)
             seconds = time.perf_counter() - t0
             if step == self.start_step:  # from now on a hung peer is a failure, not slowness
