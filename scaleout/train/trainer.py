@@ -61,6 +61,7 @@ from scaleout.train.faults import (
     nonfinite,
 )
 from scaleout.train.hparams import hyperparameters
+from scaleout.train.inputs import check_input_files
 from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.train.observers import (
     ConsoleObserver,
@@ -589,6 +590,7 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     if start.kind == "finished":
         print0(f"scaleout train: {start.message}")
         return TrainResult("finished", 0, start.latest_step, None)
+    check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
