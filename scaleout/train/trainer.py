@@ -585,11 +585,6 @@ class Trainer:
 
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
-    # the rerun policy, before any network or file: a refused start changes nothing
-    start = rerun.decide_start(cfg)
-    if start.kind == "finished":
-        print0(f"scaleout train: {start.message}")
-        return TrainResult("finished", 0, start.latest_step, None)
     check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
@@ -598,6 +593,13 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
         try:
+            # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
+            # launcher's preflight already refused what it could before spawning): a refused start
+            # writes nothing
+            start = rerun.agree_start(cfg, world)
+            if start.kind == "finished":
+                print0(f"scaleout train: {start.message}")
+                return TrainResult("finished", 0, start.latest_step, None)
             cfg.check_world(world.world_size, world.local_size)
             torch.set_num_threads(
                 max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
