@@ -28,6 +28,7 @@ from scaleout import preempt
 from scaleout.checkpoint import Checkpointer, gather_rng_states, set_rng_state
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
+from scaleout.errors import UserError
 from scaleout.log import print0
 from scaleout.mlperf import MLPerfLogger
 from scaleout.observe import (
@@ -359,7 +360,10 @@ class Trainer:
             step_samples, step_tokens = self.task.samples_per_step(step * cfg.train.global_batch)
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
             t0 = time.perf_counter()
-            flags = self.train_step(step)
+            try:
+                flags = self.train_step(step)
+            except torch.OutOfMemoryError as exc:
+                raise out_of_memory(exc, cfg, self.world, step) from None
             seconds = time.perf_counter() - t0
             if step == self.start_step:  # from now on a hung peer is a failure, not slowness
                 self.world.set_timeout(cfg.train.step_timeout_s)
@@ -581,6 +585,20 @@ class Trainer:
             self.preemption.uninstall()
             self.preemption = None
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
+
+
+def out_of_memory(exc: BaseException, cfg: Config, world: World, step: int) -> UserError:
+    """A device out-of-memory in a training step as one line: rank, step, the per-rank batch
+    and what to change (instead of the allocator's multi-line report under a traceback)."""
+    t = cfg.train
+    rows = t.global_batch // max(1, world.world_size * t.grad_accum)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(
+        f"rank {world.rank} step {step}: out of memory on {world.device} with {rows} rows per "
+        f"micro-batch (train.global_batch={t.global_batch} / {world.world_size} ranks / "
+        f"train.grad_accum={t.grad_accum}): {first[:200]}; raise train.grad_accum or lower "
+        "train.global_batch"
+    )
 
 
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
