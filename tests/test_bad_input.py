@@ -46,6 +46,25 @@ def _npy(values, dtype=None) -> Callable[[Path], None]:
     return make
 
 
+def _torch_saved(obj) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        import torch  # deferred: only this case's file needs it
+
+        torch.save(obj, path)
+
+    return make
+
+
+def _shard_dir(content: bytes) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        (path / "train").mkdir(parents=True)
+        (path / "eval").mkdir()
+        (path / "train" / "part-00000.hdf5").write_bytes(content)
+        (path / "eval" / "eval.hdf5").write_bytes(content)
+
+    return make
+
+
 def _folder(mode: int, marker_less_data: bool = False) -> Callable[[Path], None]:
     def make(path: Path) -> None:
         path.mkdir()
@@ -205,6 +224,30 @@ CASES: list[Case] = [
     Case(
         ("submit", "--command", "smoke", "--time", "1", "--signal-delay", "100000"),
         "--signal-delay=100000",
+    ),
+    # corrupt or foreign files under path-valued keys: sniffed before anything is written
+    Case(
+        ("train", "bert_tiny_cpu", "model.init_checkpoint=/etc/passwd"),
+        "model.init_checkpoint=/etc/passwd",
+        given="a text file as the initial checkpoint",
+    ),
+    Case(
+        ("train", "bert_tiny_cpu", "model.init_checkpoint=list.pt"),
+        "model.init_checkpoint=list.pt",
+        files=(("list.pt", _torch_saved([1, 2, 3])),),
+        given="list.pt: `torch.save([1, 2, 3])`",
+    ),
+    Case(
+        ("train", "bert_tiny_cpu", "model.init_checkpoint=junk.pt"),
+        "model.init_checkpoint=junk.pt",
+        files=(("junk.pt", b"PK\x03\x04 truncated zip"),),
+        given="junk.pt: a truncated zip",
+    ),
+    Case(
+        ("train", "bert_tiny_cpu", "data.source=wikipedia", "data.path=shards"),
+        "data.path=shards",
+        files=(("shards", _shard_dir(b"not an HDF5 file\n")),),
+        given="shards/{train,eval}/*.hdf5: text files",
     ),
     # launcher environments, read by every rank (scaleout smoke reads them first)
     Case(("smoke",), "WORLD_SIZE=0", env={**TORCHRUN, "WORLD_SIZE": "0"}),

@@ -728,3 +728,44 @@ def test_checkpoints_move_no_object_through_the_device_group(tmp_path, overrides
         assert len(r["calls"]["resume"]) <= limit, (rank, r["calls"]["resume"])
         if not overrides:
             assert r["calls"]["save"] == [] and r["received"]["save"] == 0, (rank, r)
+
+
+def _agree(world, dirs, overrides):
+    from scaleout.config import load_config
+    from scaleout.train import rerun
+
+    cfg = load_config("bert_tiny_cpu", [f"checkpoint.dir={dirs[world.rank]}", *overrides])
+    try:
+        local = rerun.decide_start(cfg).kind
+    except UserError:
+        local = "refused"
+    try:
+        agreed = rerun.agree_start(cfg, world).kind
+    except UserError as exc:
+        agreed = f"refused: {exc}"
+    return local, agreed
+
+
+@pytest.mark.multi_process
+def test_start_decision_is_rank0s_on_every_rank(tmp_path):
+    """The rerun policy is decided on rank 0 and broadcast: a rank whose view of checkpoint.dir
+    differs (NFS attribute caching after a requeue; emulated by giving rank 1 another folder)
+    neither exits "finished" nor refuses while rank 0 goes on (it would leave rank 0 waiting in
+    rendezvous until train.init_timeout_s), and a refusal on rank 0 is raised on every rank."""
+    from distutil import run_dist
+
+    fresh, done = tmp_path / "fresh", tmp_path / "done"
+    fresh.mkdir()
+    done.mkdir()
+    (done / "ckpt-00000010.pt").write_bytes(b"x")
+    res = run_dist(_agree, 1, 2, args=([str(fresh), str(done)], ["train.max_steps=10"]))
+    assert [r[0] for r in res] == ["new", "finished"]  # what each rank alone would do
+    assert [r[1] for r in res] == ["new", "new"]
+    res = run_dist(
+        _agree,
+        1,
+        2,
+        args=([str(done), str(fresh)], ["train.max_steps=20", "checkpoint.resume=false"]),
+    )
+    assert [r[0] for r in res] == ["refused", "new"]
+    assert all(r[1].startswith("refused: checkpoint.dir=") for r in res), res

@@ -492,6 +492,33 @@ def test_bucket_assignment():
             build_buckets(list(model.named_parameters()), **bad)
 
 
+@pytest.mark.unit
+def test_channels_last_grads_are_channels_last_bucket_views():
+    """A channels_last parameter's gradient slot has the parameter's strides (torch DDP's bucket
+    views do the same), so backward accumulates into it in place in the parameter's layout, and
+    the bucket holds exactly the gradient (no processes)."""
+    from scaleout.parallel.buckets import build_buckets
+
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1))
+    conv = conv.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(conv)
+    buckets, slots = build_buckets(list(conv.named_parameters()), bucket_mb=1000.0)
+    for s in slots:  # same memory layout (a size-1 dimension's stride is arbitrary)
+        layout = [(n, st) for n, st in zip(s.param.shape, s.view.stride(), strict=True) if n > 1]
+        want = [(n, st) for n, st in zip(s.param.shape, s.param.stride(), strict=True) if n > 1]
+        assert layout == want, (s.name, s.view.stride(), s.param.stride())
+        s.param.grad = s.view
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    conv(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for s, r in zip(sorted(slots, key=lambda s: s.index), ref.parameters(), strict=True):
+        assert s.param.grad.data_ptr() == s.view.data_ptr()  # still the bucket view
+        assert torch.allclose(s.param.grad, r.grad, atol=1e-6)
+    total = sum(r.grad.square().sum() for r in ref.parameters())
+    assert torch.allclose(buckets[0].buffer.square().sum(), total)
+
+
 def _gpu_compressed_step(world):
     """On CUDA (NCCL): bf16-compressed buckets vs the fp32 global-batch reference."""
     import scaleout

@@ -38,6 +38,7 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
     """Validate the config for this world before any rank starts (called by launchers)."""
     from scaleout.config import load_config
     from scaleout.metrics import check_sinks
+    from scaleout.train.inputs import check_input_files
     from scaleout.train.rerun import decide_start
 
     cfg = load_config(args.config, args.overrides)
@@ -46,6 +47,7 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
     decide_start(
         cfg
     )  # the rerun policy: a start that would overwrite another run fails here, before any spawn
+    check_input_files(cfg)  # a corrupt or foreign file under a path-valued key: one line
 
 
 def run(args: argparse.Namespace) -> int:

@@ -109,6 +109,26 @@ def fuse(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
     return out
 
 
+def grad_view(buf: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient slot in ``buf`` at ``offset``: with ``p``'s own strides when ``p`` is
+    dense (a channels_last convolution weight gets a channels_last gradient, so AccumulateGrad
+    and the optimizer's foreach kernels see matching layouts instead of a strided copy; torch
+    DDP's bucket views do the same), else row-major."""
+    if not p.is_contiguous() and _dense(p):
+        return buf.as_strided(p.shape, p.stride(), buf.storage_offset() + offset)
+    return buf.narrow(0, offset, p.numel()).view(p.shape)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides are a permutation of a row-major layout's."""
+    expect = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) != 1 and t.stride(d) != expect:
+            return False
+        expect *= t.size(d)
+    return True
+
+
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     bucket_mb: float,
@@ -170,7 +190,7 @@ def build_buckets(
         for m in members:
             idx, name, p = order[m]
             s = Slot(idx, name, p, b, off, p.numel())
-            s.view = buf.narrow(0, off, p.numel()).view(p.shape)
+            s.view = grad_view(buf, off, p)
             off += p.numel()
             bucket_slots.append(s)
         buckets.append(Bucket(b, buf, bucket_slots, extra))

@@ -37,12 +37,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
 
 from scaleout.checkpoint import Checkpointer, atomic_write
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
 from scaleout.observe import RunStatus
+
+if TYPE_CHECKING:
+    from scaleout.world import World
 
 RECORD = "run.json"
 FINISHED = ("success", "max_steps")
@@ -78,6 +83,25 @@ def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> No
     path = Path(ckpt_dir) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def agree_start(cfg: Config, world: World) -> RunStart:
+    """:func:`decide_start` on rank 0, the same outcome on every rank (broadcast after init, as
+    ``Checkpointer.restore`` reads the checkpoint): a rank whose view of ``checkpoint.dir`` lags
+    (NFS attribute caching after a requeue) must not exit "finished", or refuse, while the others
+    wait in a collective until ``train.init_timeout_s``. A refusal is raised on every rank."""
+    if world.world_size == 1:
+        return decide_start(cfg)
+    box: list[Any] = [None]
+    if world.rank == 0:
+        try:
+            box[0] = decide_start(cfg)
+        except UserError as exc:
+            box[0] = str(exc)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise UserError(box[0])
+    return box[0]
 
 
 def decide_start(cfg: Config) -> RunStart:

@@ -28,6 +28,7 @@ from scaleout import preempt
 from scaleout.checkpoint import Checkpointer
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
+from scaleout.errors import UserError
 from scaleout.log import print0
 from scaleout.mlperf import MLPerfLogger
 from scaleout.observe import (
@@ -61,6 +62,7 @@ from scaleout.train.faults import (
     nonfinite,
 )
 from scaleout.train.hparams import hyperparameters
+from scaleout.train.inputs import check_input_files
 from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.train.observers import (
     ConsoleObserver,
@@ -354,7 +356,10 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
             t0 = time.perf_counter()
             seed_step(cfg.train.seed, step, self.world.rank)  # a resume needs no RNG state
-            flags = self.train_step(step)
+            try:
+                flags = self.train_step(step)
+            except torch.OutOfMemoryError as exc:
+                raise out_of_memory(exc, cfg, self.world, step) from None
             seconds = time.perf_counter() - t0
             if step == self.start_step:  # from now on a hung peer is a failure, not slowness
                 self.world.set_timeout(cfg.train.step_timeout_s)
@@ -578,13 +583,23 @@ class Trainer:
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
 
 
+def out_of_memory(exc: BaseException, cfg: Config, world: World, step: int) -> UserError:
+    """A device out-of-memory in a training step as one line: rank, step, the per-rank batch
+    and what to change (instead of the allocator's multi-line report under a traceback)."""
+    t = cfg.train
+    rows = t.global_batch // max(1, world.world_size * t.grad_accum)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(
+        f"rank {world.rank} step {step}: out of memory on {world.device} with {rows} rows per "
+        f"micro-batch (train.global_batch={t.global_batch} / {world.world_size} ranks / "
+        f"train.grad_accum={t.grad_accum}): {first[:200]}; raise train.grad_accum or lower "
+        "train.global_batch"
+    )
+
+
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
-    # the rerun policy, before any network or file: a refused start changes nothing
-    start = rerun.decide_start(cfg)
-    if start.kind == "finished":
-        print0(f"scaleout train: {start.message}")
-        return TrainResult("finished", 0, start.latest_step, None)
+    check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
@@ -592,6 +607,13 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
         try:
+            # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
+            # launcher's preflight already refused what it could before spawning): a refused start
+            # writes nothing
+            start = rerun.agree_start(cfg, world)
+            if start.kind == "finished":
+                print0(f"scaleout train: {start.message}")
+                return TrainResult("finished", 0, start.latest_step, None)
             cfg.check_world(world.world_size, world.local_size)
             torch.set_num_threads(
                 max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))

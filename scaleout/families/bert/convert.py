@@ -116,17 +116,34 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         with open(p, "rb") as f:
             obj: Any = decode(f.read(), p)
     else:
-        try:
-            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # legacy (non-zip) torch.save files cannot be memory-mapped
-            obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = _torch_load(p)
     for key in ("model", "state_dict", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UserError(f"{p}: not a state dict (a dict of tensors, or one under 'model')")
+        what = type(obj).__name__ if not isinstance(obj, dict) else "dict with non-tensor values"
+        raise UserError(
+            f"model.init_checkpoint={p}: holds a {what}, not a state dict (a dict of tensors, or "
+            "one under 'model')"
+        )
     return obj
+
+
+def _torch_load(p: str) -> Any:
+    """torch.load (weights only, memory-mapped where the file allows); a file torch cannot read
+    (a foreign or corrupt file: its unpickler raises anything from IndexError to
+    UnpicklingError) is one line naming the key and the file."""
+    try:
+        try:
+            return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) torch.save files cannot be memory-mapped
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle is the same bad input
+        raise UserError(
+            f"model.init_checkpoint={p}: not a checkpoint torch can read "
+            f"({type(exc).__name__}); expected a BERT state dict written by torch.save"
+        ) from None
 
 
 def hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,8 +33,11 @@ NSP logits per valid sequence ``[N_seq, ...]``, and the counts for accuracy
 Attention: on CPU (or fp32) ``scaled_dot_product_attention`` with a block-diagonal boolean mask from
 ``seq_ids``; on CUDA with fp16/bf16 activations the tokens are unpadded and run through
 ``torch.nn.attention.varlen.varlen_attn`` (flash attention with cu_seqlens, as NVIDIA's MLPerf v2.0
-BERT does) when that function exists, else the masked SDPA. varlen_attn has no dropout argument, so
-that path runs without attention-probability dropout (hidden dropout still applies).
+BERT does) when that function exists, else the masked SDPA. varlen_attn has no dropout argument
+(torch 2.13 hardcodes ``dropout_p=0``), so training with ``cfg.dropout > 0`` takes the masked SDPA,
+which applies attention-probability dropout as the MLPerf reference does
+(``attention_probs_dropout_prob``); evaluation, and training without dropout, take varlen
+(:meth:`BertForPreTraining.uses_varlen`).
 
 ``cfg.unpad_mlm_head``: project to the vocabulary only at the masked positions (gather first, as
 NVIDIA's BERT does) instead of at all B x L tokens; identical loss and gradients, far fewer FLOPs.
@@ -230,11 +233,19 @@ class BertForPreTraining(nn.Module):
             )
         x = self.word(ids) + self.position(pos) + self.token_type(batch["token_type_ids"])
         x = self.emb_drop(self.emb_ln(x))
-        varlen = cu_seqlens(seq) if not static and varlen_available(x) else None
+        varlen = cu_seqlens(seq) if not static and self.uses_varlen(x) else None
         mask = None if varlen is not None else attention_mask(seq)
         for layer in self.layers:
             x = layer(x, mask, varlen)
         return x
+
+    def uses_varlen(self, x: torch.Tensor) -> bool:
+        """Whether attention runs through varlen flash attention: available for ``x`` (CUDA,
+        fp16/bf16) and no attention dropout to apply (varlen_attn has none; the masked SDPA
+        keeps it, so the recipe's dropout is never dropped silently)."""
+        if self.training and self.cfg.dropout > 0:
+            return False
+        return varlen_available(x)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         t = self.mlm_ln(self.act(self.mlm_transform(hidden)))

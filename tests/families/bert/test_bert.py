@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.attention.varlen
 
 import scaleout.families.bert.model as bert_mod
 from scaleout.errors import UserError
@@ -191,6 +192,40 @@ def test_cu_seqlens():
     idx, cu, longest = cu_seqlens(seq)
     assert idx.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     assert cu.tolist() == [0, 2, 5, 11, 12, 13, 14] and longest == 6
+
+
+@pytest.mark.unit
+def test_varlen_path_never_drops_attention_dropout(monkeypatch):
+    """varlen_attn has no dropout (torch 2.13 hardcodes dropout_p=0): training with
+    model.bert.dropout > 0 must take the masked SDPA (which applies it); evaluation and dropout 0
+    take varlen. The varlen kernel is GPU-only, so varlen_available and varlen_attn are replaced
+    by stubs (the dispatch is what is tested; the kernel's numerics: the GPU test below)."""
+    calls = []
+
+    def fake_varlen_attn(q, k, v, *args, **kwargs):
+        calls.append(q.shape)
+        return q
+
+    monkeypatch.setattr(bert_mod, "varlen_available", lambda x: True)
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", fake_varlen_attn)
+    seqs, packs = _packed_and_alone(n=8)
+    batch = build_batch(seqs, packs, L)
+    torch.manual_seed(0)
+    model = BertForPreTraining(CFG)  # dropout 0.1, the flagship's
+    model.train()
+    torch.manual_seed(1)
+    a = model.encode(batch)
+    torch.manual_seed(2)
+    b = model.encode(batch)
+    assert calls == []  # the masked SDPA ran, with dropout
+    model.eval()
+    model.encode(batch)
+    assert len(calls) == CFG.layers  # evaluation: varlen in every layer
+    calls.clear()
+    nodrop = BertForPreTraining(CFG.model_copy(update={"dropout": 0.0})).train()
+    nodrop.encode(batch)
+    assert len(calls) == CFG.layers  # training without dropout: varlen
+    assert not torch.equal(a, b)  # dropout is live in training
 
 
 @pytest.mark.unit

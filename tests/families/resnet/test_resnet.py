@@ -113,3 +113,16 @@ def test_image_folder_reader(tmp_path):
     assert abs(float(v1.mean())) < 1.0  # normalised
     with pytest.raises(UserError, match="no 'test' folder"):
         ImageFolder(tmp_path, "test")
+
+
+@pytest.mark.unit
+def test_cudnn_benchmark_on_cuda_only(monkeypatch):
+    """ResNet's fixed shapes: cuDNN autotunes its convolutions on CUDA (cudnn.benchmark), not on
+    CPU. Setting the flag needs no GPU; the task calls this with its world's device."""
+    from scaleout.families.resnet.task import tune_convolutions
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    tune_convolutions(torch.device("cpu"))
+    assert torch.backends.cudnn.benchmark is False
+    tune_convolutions(torch.device("cuda", 0))
+    assert torch.backends.cudnn.benchmark is True
