@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaleout import preempt
 from scaleout.env.base import free_ports, local_rank_env
 from scaleout.errors import UserError
 from scaleout.launchers.base import (
@@ -138,8 +139,6 @@ class RankMain:
 
     def __call__(self) -> int:
         import submitit
-
-        from scaleout import preempt
 
         env = submitit.JobEnvironment()
         if (

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaleout.errors import ConfigError, UserError
 
@@ -104,7 +105,6 @@ def gather_rng_states(world: World | None = None) -> list[dict[str, Any]] | None
     mine = rng_state()
     if world is None or world.world_size == 1:
         return [mine]
-    import torch.distributed as dist
 
     out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
     dist.gather_object(mine, out, dst=0)
@@ -274,8 +274,6 @@ class Checkpointer:
         rngs = state.pop("rng", None) if state is not None else None
         head = [None if state is None else (str(path), len(rngs or []))]
         if multi:
-            import torch.distributed as dist
-
             dist.broadcast_object_list(head, src=0)
         if head[0] is None:
             return None
@@ -296,7 +294,7 @@ def _shards() -> ModuleType:
     """scaleout.checkpoint_dcp, imported on first use: torch.distributed.checkpoint pulls in
     DTensor and sympy (~1.3 s of CPU per process here), which every rank of a run without a
     sharded optimizer would pay at start."""
-    import scaleout.checkpoint_dcp
+    import scaleout.checkpoint_dcp  # deferred: torch.distributed.checkpoint, dcp format only
 
     return scaleout.checkpoint_dcp
 
@@ -305,8 +303,6 @@ def _token(world: World) -> str:
     """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
     box = [f"{time.time_ns():x}"]
     if world is not None and world.world_size > 1:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -326,7 +322,6 @@ def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path
 def _scatter(items: list[Any] | None, world: World) -> Any:
     if world is None or world.world_size == 1:
         return items[0] if items else None
-    import torch.distributed as dist
 
     out: list[Any] = [None]
     dist.scatter_object_list(out, items if world.rank == 0 else None, src=0)
@@ -382,7 +377,6 @@ def broadcast_state(state: Any, world: World) -> Any:
     """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the
     structure by ``broadcast_object_list``, the tensors by ``dist.broadcast`` on ``world.device``
     (returned on the CPU)."""
-    import torch.distributed as dist
 
     tensors: list[torch.Tensor] = []
     box = [_strip(state, tensors) if world.rank == 0 else None]
@@ -405,8 +399,6 @@ def broadcast_state(state: Any, world: World) -> Any:
 def _broadcast_batch(
     batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: World
 ) -> None:
-    import torch.distributed as dist
-
     sizes = [math.prod(s.shape) for s in batch]
     dtype = batch[0].dtype
     if world.rank == 0:

@@ -11,6 +11,7 @@ import atexit
 import os
 import socket
 import sys
+import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
+from scaleout.comm.handles import comm_thread
 from scaleout.comm.torus2d import resolve_grid
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.errors import TopologyError
@@ -219,7 +222,6 @@ class World:
         (torchtitan's ``set_pg_timeouts`` does the same). Every rank must call it with the same
         arguments.
         """
-        from torch.distributed import distributed_c10d as c10d
 
         if sync and dist.is_initialized() and self.world_size > 1:
             dist.barrier()
@@ -244,12 +246,9 @@ class World:
         CUDA (NCCL has its own streams) and where unsupported; returns whether it applied. Every
         rank must call it (it may create process groups).
         """
-        import os
-        import threading
 
         if self.device.type == "cuda" or self.world_size < 2 or not hasattr(os, "setpriority"):
             return False
-        from scaleout.comm.handles import comm_thread
 
         if self.uniform and self.num_nodes > 1 and self.local_size > 1:
             _ = (

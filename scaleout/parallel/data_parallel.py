@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from scaleout.comm import config_options
+from scaleout.comm import all_reduce, config_options, get_algorithm
 from scaleout.errors import UserError
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
@@ -66,8 +66,6 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
 
 
 def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
-    from scaleout.comm import all_reduce, get_algorithm
-
     get_algorithm(
         algorithm
     )  # one-line UserError for an unknown name, now rather than inside backward

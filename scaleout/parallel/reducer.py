@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from scaleout import profile
@@ -399,8 +400,6 @@ class Reducer:
         order += [s.index for s in reversed(self.slots) if self._k[s.index] not in seen]
         self._ready_order = []
         if self.world.world_size > 1:
-            import torch.distributed as dist
-
             box = [order]
             dist.broadcast_object_list(box, src=0)
             order = box[0]

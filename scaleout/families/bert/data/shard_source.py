@@ -29,6 +29,7 @@ from scaleout.families.bert.data.shard_index import (
     ShardIndex,
     ShardPacks,
     ensure_index,
+    index_dir,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class ShardStream:
     def batches(self, position: int, grad_accum: int) -> list[tuple[dict[str, Any], int, int]]:
         """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real
         tokens)."""
-        from scaleout.families.bert.data.bert_batch import build_batch
+        from scaleout.families.bert.data.bert_batch import build_batch  # deferred: pulls in torch
 
         runs = [
             (j, int(q))
@@ -284,8 +285,6 @@ def open_shards(
     ):  # MLPerf: a separate eval file (10,000 sequences); index it once, all ranks read the cache
         _, ev_idx = ensure_index(eval_files, [0] * len(eval_files), plain, rank, world, barrier)
     else:
-        from scaleout.families.bert.data.shard_index import index_dir
-
         ev_idx = index_dir(root)
     ev_rows: list[np.ndarray] = []
     for f in eval_files:  # sequences per row, file by file until the eval count is covered
