@@ -225,11 +225,6 @@ class DataParallel(torch.nn.Module):
         the wire per rank-buffer, ``buckets``, ``launch_order``, ``unused`` (parameter names)."""
         return self.reducer.last_stats
 
-    def finish(self) -> dict[str, Any]:
-        """Kept for training loops that call it after backward: the wait already happened at the
-        end of backward (an autograd callback), so this only returns ``last_stats``."""
-        return self.reducer.last_stats
-
     @property
     def buckets(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""

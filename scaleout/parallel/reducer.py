@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from scaleout import profile
+from scaleout import profiler
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
@@ -168,7 +168,7 @@ class Reducer:
             return
         self._in_backward = True
         self._bwd_start_us = now_us()
-        self._prof_backward = profile.enter(
+        self._prof_backward = profiler.enter(
             "backward"
         )  # the timeline's spans as profiler ranges too
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -238,7 +238,7 @@ class Reducer:
         handle = self._all_reduce(buf)
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
-        profile.until_done(f"bucket {b}", fut)
+        profiler.until_done(f"bucket {b}", fut)
         if fut is not None:
             # bind this step's list: the callback may run after wait() returned and the step was
             # reset
@@ -273,7 +273,7 @@ class Reducer:
         end_us = now_us()
         start_us = self._bwd_start_us
         self._in_backward = False
-        profile.leave(self._prof_backward)
+        profiler.leave(self._prof_backward)
         self._prof_backward = None
         if not self.sync:
             self._span("backward (no_sync)", "backward", start_us, end_us)
@@ -286,7 +286,7 @@ class Reducer:
                 self._ready[k] = True
                 self._pending[s.bucket] -= 1
         self._launch_ready()
-        with profile.prange("wait"):
+        with profiler.prange("wait"):
             self.wait(start_us, end_us)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
