@@ -98,9 +98,9 @@ class DataParallel(torch.nn.Module):
         rebuild_buckets: after the first step, rebuild the buckets once in the order gradients
         became
             ready (rank 0's order; as torch DDP does).
-        defer_census: do not read the unused-parameter census after backward (a host read); the
+        defer_unused: do not read the parameter usage after backward (a host read); the
         caller
-            folds :meth:`census_flag` into its own read, then calls :meth:`check_census`.
+            folds :meth:`unused_flag` into its own read, then calls :meth:`check_unused`.
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
 
@@ -117,7 +117,7 @@ class DataParallel(torch.nn.Module):
         timeline: str | Path | None = None,
         first_bucket_mb: float | None = None,
         rebuild_buckets: bool = True,
-        defer_census: bool = False,
+        defer_unused: bool = False,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -144,7 +144,7 @@ class DataParallel(torch.nn.Module):
             first_bucket_mb=first_bucket_mb,
             rebuild_buckets=rebuild_buckets,
         )
-        self.reducer.defer_census = defer_census
+        self.reducer.defer_unused = defer_unused
 
     @classmethod
     def from_config(
@@ -206,11 +206,11 @@ class DataParallel(torch.nn.Module):
     # ------------------------------------------------------------
     grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
 
-    def census_flag(self) -> torch.Tensor | None:
-        return self.reducer.census_flag()
+    def unused_flag(self) -> torch.Tensor | None:
+        return self.reducer.unused_flag()
 
-    def check_census(self) -> list[str]:
-        return self.reducer.check_census()
+    def check_unused(self) -> list[str]:
+        return self.reducer.check_unused()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], None]:
         return optimizer.state_dict(), None  # replicated: the same on every rank

@@ -103,16 +103,16 @@ class Reducer:
         self._ready_order: list[
             int
         ] = []  # slot positions in the order hooks fired (first sync step)
-        self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
+        self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> usage position
         self.sync = True
         self.never_used: set[str] | None = (
             None  # names with no gradient on any rank in every step so far
         )
-        # True: wait() keeps the census on the device instead of reading it (census_flag /
-        # check_census), so a trainer that reads one agreement flag per step reads the census with
+        # True: wait() keeps the usage on the device instead of reading it (unused_flag /
+        # check_unused), so a trainer that reads one agreement flag per step reads the usage with
         # it (train/trainer.py).
-        self.defer_census = False
-        self.pending_census: torch.Tensor | None = None
+        self.defer_unused = False
+        self.pending_usage: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
         self._hooks = [
@@ -227,9 +227,9 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         b = bucket.index
-        if bucket.extra:  # the census of parameters that got a gradient (see module docstring)
-            census = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
-            census.copy_(torch.tensor(self._used, dtype=census.dtype, device=census.device))
+        if bucket.extra:  # the usage of parameters that got a gradient (see module docstring)
+            usage = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
+            usage.copy_(torch.tensor(self._used, dtype=usage.dtype, device=usage.device))
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
         buf = self._wire(bucket)
@@ -259,7 +259,7 @@ class Reducer:
 
     def reduce_now(self) -> None:
         """Average every bucket now, synchronously, from the calling thread and stream: the same
-        algorithm, compression and pre-divide as the overlapped path, without hooks, census or
+        algorithm, compression and pre-divide as the overlapped path, without hooks, usage or
         comm thread. It is what a captured CUDA-graph step runs after its backward under
         ``no_sync()`` (scaleout/train/capture.py)."""
         for bucket in self.buckets:
@@ -290,7 +290,7 @@ class Reducer:
             self.wait(start_us, end_us)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
-        """Wait for every bucket, write results back, check the census, record stats and the
+        """Wait for every bucket, write results back, check the usage, record stats and the
         timeline."""
         for b, bucket in enumerate(self.buckets):
             self._handles[b].wait()
@@ -300,17 +300,17 @@ class Reducer:
                 bucket.buffer.copy_(self._comm_bufs[b])  # back into the parameters' dtype
         done_us = now_us()
         last = self.buckets[-1]
-        census = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
+        usage = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
         if (
-            self.defer_census
-        ):  # the caller folds census_flag() into its own host read, then check_census()
-            self.pending_census = census.clone()
+            self.defer_unused
+        ):  # the caller folds unused_flag() into its own host read, then check_unused()
+            self.pending_usage = usage.clone()
             unused: list[str] = []
         else:
             unused = self._unused(
-                census.tolist()
+                usage.tolist()
             )  # one device -> host read for every parameter's flag
-        census.zero_()
+        usage.zero_()
         self._record(start_us, end_us, done_us, unused)
         self._used = [False] * len(self.slots)
         self._reset_step()
@@ -329,18 +329,18 @@ class Reducer:
         self.never_used = set(unused) if self.never_used is None else self.never_used & set(unused)
         return unused
 
-    def census_flag(self) -> torch.Tensor | None:
-        """With ``defer_census``: 1.0 on the device if some parameter got no gradient on any rank
-        in the last synchronisation (the same value on every rank: the census was all-reduced),
+    def unused_flag(self) -> torch.Tensor | None:
+        """With ``defer_unused``: 1.0 on the device if some parameter got no gradient on any rank
+        in the last synchronisation (the same value on every rank: the usage was all-reduced),
         without reading it."""
-        if self.pending_census is None:
+        if self.pending_usage is None:
             return None
-        return (self.pending_census == 0).any().float()
+        return (self.pending_usage == 0).any().float()
 
-    def check_census(self) -> list[str]:
-        """With ``defer_census``: read the last census (a host read: call it when census_flag()
+    def check_unused(self) -> list[str]:
+        """With ``defer_unused``: read the last usage (a host read: call it when unused_flag()
         was set), record the unused parameters and raise as a non-deferred backward would have."""
-        pending, self.pending_census = self.pending_census, None
+        pending, self.pending_usage = self.pending_usage, None
         unused = self._unused(pending.tolist()) if pending is not None else []
         self.last_stats["unused"] = unused
         if unused and not self.allow_unused:
