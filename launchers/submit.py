@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from scaleout import preempt
 from scaleout.env.base import free_ports, local_rank_env
 from scaleout.errors import UserError
 from scaleout.launchers.base import (
@@ -46,7 +47,7 @@ class SubmitSpec:
     time_min: int = 60
     signal: str = "USR2"  # USR2: NCCL may install its own USR1 handler
     signal_delay_s: int = 120  # notice before the time limit: enough to write a checkpoint
-    cluster: str = "auto"  # auto | slurm | local | debug
+    cluster: Literal["auto", "slurm", "local", "debug"] = "auto"
     folder: str = "submitit/%j"
     name: str = "scaleout"
     array: dict[str, list[str]] = field(
@@ -138,8 +139,6 @@ class RankMain:
 
     def __call__(self) -> int:
         import submitit
-
-        from scaleout import preempt
 
         env = submitit.JobEnvironment()
         if (

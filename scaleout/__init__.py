@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -19,8 +20,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:  # lazy so that `scaleout --help` does not import torch
     if name in _LAZY:
-        import importlib
-
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'scaleout' has no attribute {name!r}")

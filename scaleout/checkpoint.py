@@ -51,6 +51,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
+import torch.distributed as dist
 
 from scaleout.errors import ConfigError, UserError
 
@@ -292,8 +293,6 @@ class Checkpointer:
             state.pop("rng", None)
         head = [None if state is None else str(path)]
         if multi:
-            import torch.distributed as dist
-
             dist.broadcast_object_list(head, src=0, group=world.cpu_group)
         if head[0] is None:
             return None
@@ -309,7 +308,7 @@ def _shards() -> ModuleType:
     """scaleout.checkpoint_dcp, imported on first use: torch.distributed.checkpoint pulls in
     DTensor and sympy (~1.3 s of CPU per process here), which every rank of a run without a
     sharded optimizer would pay at start."""
-    import scaleout.checkpoint_dcp
+    import scaleout.checkpoint_dcp  # deferred: torch.distributed.checkpoint, dcp format only
 
     return scaleout.checkpoint_dcp
 
@@ -323,8 +322,6 @@ def _token(world: World) -> str:
     """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
     box = [f"{time.time_ns():x}"]
     if world is not None and world.world_size > 1:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(box, src=0, group=world.cpu_group)
     return box[0]
 
@@ -390,8 +387,6 @@ def broadcast_state(state: Any, world: World) -> Any:
     """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the
     structure by ``broadcast_object_list`` on the CPU group, the tensors by ``dist.broadcast`` on
     ``world.device`` (returned on the CPU)."""
-    import torch.distributed as dist
-
     tensors: list[torch.Tensor] = []
     box = [_strip(state, tensors) if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=world.cpu_group)
@@ -413,8 +408,6 @@ def broadcast_state(state: Any, world: World) -> Any:
 def _broadcast_batch(
     batch: list[_Slot], tensors: list[torch.Tensor], out: list[torch.Tensor], world: World
 ) -> None:
-    import torch.distributed as dist
-
     sizes = [math.prod(s.shape) for s in batch]
     dtype = batch[0].dtype
     if world.rank == 0:

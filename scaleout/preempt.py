@@ -57,6 +57,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -165,7 +166,6 @@ class Preemption:
         """After a collective failed because a peer left: wait up to ``grace_s`` for this rank's
         own terminate signal; True if it came (a preemption, stop cleanly), False if not (a real
         failure)."""
-        import time
 
         deadline = time.monotonic() + grace_s
         while not self.terminating and time.monotonic() < deadline:
@@ -236,7 +236,6 @@ def time_limit_reached(
     out exactly when many jobs end), it asks ``tries`` times and then answers True: after a
     notice the time limit is by far the likelier cause, and a job that was cancelled is not
     requeued by Slurm anyway."""
-    import time
 
     job = slurm_job_id(env)
     scontrol = shutil.which("scontrol")

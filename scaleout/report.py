@@ -31,6 +31,7 @@ from typing import Any
 
 from scaleout.errors import UserError
 from scaleout.families import FAMILIES
+from scaleout.output import format_table
 
 
 def valid_flops(flops: float, achieved: float, target: float, n: float) -> float:
@@ -104,8 +105,6 @@ class RunReport:
         return d
 
     def render(self) -> str:
-        from scaleout.output import format_table
-
         rows: list[list[Any]] = [
             ["time to train (run_start -> run_stop)", f"{self.time_to_train_s:.2f} s"],
             ["steps / samples", f"{self.steps} / {self.samples}"],
@@ -141,7 +140,7 @@ class RunReport:
         out = format_table(["metric", "value"], rows)
         if self.breakdown_s:
             total = sum(self.breakdown_s.values()) or 1.0
-            from scaleout.timers import PHASES
+            from scaleout.timers import PHASES  # deferred: timers imports torch
 
             names = [p for p in PHASES if p in self.breakdown_s] + sorted(
                 set(self.breakdown_s) - set(PHASES)

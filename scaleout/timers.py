@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from scaleout.profile import prange
+from scaleout.profiler import prange
 
 # The order of the step-time breakdown in the report.
 PHASES = ("data", "forward", "backward", "comm", "optimizer")

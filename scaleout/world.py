@@ -1,7 +1,7 @@
 """``World``: who this rank is, where it runs, and the process groups topology-aware code needs.
 
 Built once by :func:`scaleout.init` and passed explicitly to whatever needs it (no module globals).
-Groups are created lazily and once: every rank must touch a group family (``intra``, ``inter``,
+Groups are created lazily and once: every rank must touch a group kind (``intra``, ``inter``,
 ``torus``) in the same order, which collective code does by construction.
 """
 
@@ -11,6 +11,7 @@ import atexit
 import os
 import socket
 import sys
+import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
+from scaleout.comm.handles import comm_thread
 from scaleout.comm.torus2d import resolve_grid
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.env.base import DEVICE_VAR
@@ -57,7 +60,7 @@ class World:
         self.backend = backend
         self.node_of = node_of  # node index of every global rank, as observed after init
         self._groups: dict[tuple[Any, ...], Any] = {}  # rank tuples; ("cpu",)
-        self._families: dict[str, Any] = {}
+        self._by_kind: dict[str, Any] = {}
         self._close_hooks: list[Any] = []
         # Collective timeout of every group (the default group's and each subgroup's):
         # init_timeout_s until set_timeout() shortens it after the first step.
@@ -73,10 +76,6 @@ class World:
     master_addr = property(lambda self: self.spec.master_addr)
     master_port = property(lambda self: self.spec.master_port)
     launcher = property(lambda self: self.spec.launcher)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     @property
     def ranks_per_node(self) -> list[list[int]]:
@@ -110,7 +109,7 @@ class World:
     def group(self) -> Any:
         return dist.group.WORLD
 
-    def _partition(self, family: str, parts: list[list[int]], shared: bool = True) -> Any:
+    def partition(self, kind: str, parts: list[list[int]], shared: bool = True) -> Any:
         """Create (once) this rank's group of a partition of the ranks; return it.
 
         Only the members of a group take part in creating it (``use_local_synchronization=True``:
@@ -118,18 +117,21 @@ class World:
         only the groups it belongs to, so building intra + inter + torus groups costs about as much
         as connecting this rank's own small meshes, not k + g world-wide rendezvous (the measurement
         is in ``scaleout bench allreduce`` -> group_creation). A group equal to the whole world is
-        the world group; the same rank list reached through two families is one group, unless
-        ``shared=False``: then the family gets its own group (its own NCCL communicator), even for a
-        rank list another family (or the world) already has.
+        the world group; the same rank list reached through two kinds is one group, unless
+        ``shared=False``: then the kind gets its own group (its own NCCL communicator), even for a
+        rank list another kind (or the world) already has: group batch norm, whose collectives run
+        from the autograd thread while bucket reductions of the same ranks may run from the comm
+        thread (NCCL requires one issuing order per communicator). Every rank calls it with the
+        same parts, in the same order.
         """
-        if family not in self._families:
+        if kind not in self._by_kind:
             mine = [ranks for ranks in parts if self.rank in ranks]
             if len(mine) != 1:
                 raise TopologyError(
-                    f"{family} groups {parts}: rank {self.rank} must be in exactly one of them"
+                    f"{kind} groups {parts}: rank {self.rank} must be in exactly one of them"
                 )
             ranks = tuple(sorted(mine[0]))
-            key: tuple[Any, ...] = ranks if shared else (family, *ranks)
+            key: tuple[Any, ...] = ranks if shared else (kind, *ranks)
             if key not in self._groups:
                 if shared and len(ranks) == self.world_size:
                     self._groups[key] = dist.group.WORLD
@@ -139,28 +141,20 @@ class World:
                         timeout=timedelta(seconds=self.timeout_s),
                         use_local_synchronization=True,
                     )
-            self._families[family] = self._groups[key]
-        return self._families[family]
-
-    def partition(self, family: str, parts: list[list[int]], shared: bool = True) -> Any:
-        """Public form of group-family creation: one group per part (every rank calls it with the
-        same parts, in the same order); returns this rank's group. ``shared=False``: a
-        communicator of its own (group batch norm, whose collectives run from the autograd thread
-        while bucket reductions of the same ranks may run from the comm thread; NCCL requires one
-        issuing order per communicator)."""
-        return self._partition(family, parts, shared)
+            self._by_kind[kind] = self._groups[key]
+        return self._by_kind[kind]
 
     @property
     def intra(self) -> Any:
         """Ranks on this node."""
         self.require_uniform("the intra-node group")
-        return self._partition("intra", self.ranks_per_node)
+        return self.partition("intra", self.ranks_per_node)
 
     @property
     def inter(self) -> Any:
         """Ranks with this rank's local rank, one per node."""
         self.require_uniform("the inter-node group")
-        return self._partition(
+        return self.partition(
             "inter", [list(col) for col in zip(*self.ranks_per_node, strict=True)]
         )
 
@@ -196,16 +190,16 @@ class World:
         self.require_uniform("the torus groups")
         x, y = self.torus_shape(x, y)
         key = f"torus{x}x{y}"
-        if key not in self._families:
+        if key not in self._by_kind:
             rows = self.torus_rows(x)
             cols = [[row[c] for row in rows] for c in range(x)]
-            row = self._partition(key + "row", rows)
-            col = self._partition(key + "col", cols)
+            row = self.partition(key + "row", rows)
+            col = self.partition(key + "col", cols)
             mine = next(r for r in rows if self.rank in r)
-            self._families[key] = TorusGroups(
+            self._by_kind[key] = TorusGroups(
                 x, y, row, col, tuple(mine), tuple(next(c for c in cols if self.rank in c))
             )
-        return self._families[key]
+        return self._by_kind[key]
 
     @property
     def cpu_group(self) -> Any:
@@ -237,7 +231,6 @@ class World:
         (torchtitan's ``set_pg_timeouts`` does the same). Every rank must call it with the same
         arguments.
         """
-        from torch.distributed import distributed_c10d as c10d
 
         if sync and dist.is_initialized() and self.world_size > 1:
             dist.barrier()
@@ -262,12 +255,9 @@ class World:
         CUDA (NCCL has its own streams) and where unsupported; returns whether it applied. Every
         rank must call it (it may create process groups).
         """
-        import os
-        import threading
 
         if self.device.type == "cuda" or self.world_size < 2 or not hasattr(os, "setpriority"):
             return False
-        from scaleout.comm.handles import comm_thread
 
         if self.uniform and self.num_nodes > 1 and self.local_size > 1:
             _ = (
@@ -303,7 +293,7 @@ class World:
             _release_captured_groups([dist.group.WORLD, *self._groups.values()])
             dist.destroy_process_group()
         self._groups.clear()
-        self._families.clear()
+        self._by_kind.clear()
 
     def _close_at_exit(self) -> None:
         """At interpreter exit a script that never called close() still shuts down in order.

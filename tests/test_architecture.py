@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +169,134 @@ def test_readme_architecture_names_what_exists() -> None:
         if not (ROOT / "scaleout" / n).is_dir()
     )
     assert not stale, f"README Architecture names folders that do not exist: {stale}"
+
+
+# Function-level imports: the one rule (README "Architecture" says it too).
+DEFERRING_PACKAGES = ("cli", "bench")
+HEAVY = frozenset(
+    {
+        "torch",  # only where the module does not import torch at its top (a torch-free module)
+        "numpy",
+        "scipy",
+        "matplotlib",
+        "PIL",
+        "h5py",
+        "mpi4py",
+        "submitit",
+        "transformers",
+        "mlperf_logging",
+        "tensorboard",
+        "wandb",
+        "torch_optimizer",
+        "horovod",
+    }
+)
+
+
+def _function_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, source lines) of every import inside a function body."""
+    src = path.read_text()
+    lines = src.splitlines()
+    found = []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                walk(child, True)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                if in_function:
+                    if isinstance(child, ast.ImportFrom):
+                        module = "." if child.level else child.module or ""
+                    else:
+                        module = child.names[0].name
+                    text = "\n".join(lines[child.lineno - 1 : child.end_lineno])
+                    found.append((child.lineno, module, text))
+            else:
+                walk(child, in_function)
+
+    walk(ast.parse(src), False)
+    return found
+
+
+def _imported_at_top(path: Path) -> set[str]:
+    """Modules the file imports in its module body (not in functions), with their top-level
+    packages."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+    return out | {m.split(".")[0] for m in out}
+
+
+def _import_violations(path: Path) -> list[str]:
+    rel = path.relative_to(ROOT)
+    in_driver_cli = rel.parts[:1] == ("scaleout",) and rel.parts[1:2] in (
+        (p,) for p in DEFERRING_PACKAGES
+    )
+    at_top = _imported_at_top(path)
+    bad = []
+    for line, module, text in _function_imports(path):
+        top = module.split(".")[0]
+        # the same module, or a third-party package, already imported at the top: nothing deferred
+        already = module in at_top or (top not in ("scaleout", "launchers") and top in at_top)
+        if "# deferred:" in text:
+            continue
+        if top in HEAVY and not already:
+            continue
+        if in_driver_cli and top not in sys.stdlib_module_names and not already:
+            continue
+        bad.append(f"{rel}:{line}: {text.strip().splitlines()[0]}")
+    return bad
+
+
+def _library_and_launcher_files() -> list[Path]:
+    return [f for files in _units().values() for f in files]
+
+
+def test_imports_inside_functions_only_where_deferred_on_purpose() -> None:
+    """An import sits at the module top unless it is deferred on purpose, which is one of:
+
+    (a) in ``scaleout/cli/`` and ``scaleout/bench/``: the CLI imports every subcommand module to
+        build its parser, so these modules import the library (and torch) only when the command
+        runs, keeping ``scaleout --help`` fast and torch-free;
+    (b) a heavy or optional third-party package (``HEAVY``: torch where the module is torch-free
+        at its top, numpy, scipy, matplotlib, submitit, mpi4py, ...);
+    (c) any other import marked ``# deferred: <why>`` on its line (an import cycle, a torch-free
+        module that must not pull in torch through an internal import, a large stdlib module).
+
+    A standard-library import is never deferred without a mark, nor is a package the module
+    already imports at its top.
+    """
+    offenders = [v for f in _library_and_launcher_files() for v in _import_violations(f)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_import_rule_sees_an_undeferred_import(tmp_path: Path) -> None:
+    """The rule is not vacuous: a stdlib import in a function is flagged, a marked one is not, and
+    torch is heavy only in a module that does not import torch at its top."""
+    f = ROOT / "scaleout" / "_probe_import_rule.py"  # under scaleout/: rule (a) must not apply
+    f.write_text(
+        "import torch\n\n\ndef f():\n    import json\n    import os  # deferred: test\n"
+        "    import torch.distributed\n    import scipy\n"
+    )
+    try:
+        bad = _import_violations(f)
+    finally:
+        f.unlink()
+    assert [b.split(": ", 1)[1] for b in bad] == ["import json", "import torch.distributed"]
+
+
+def test_cli_parser_is_torch_free() -> None:
+    """Building the whole ``scaleout`` parser (every subcommand module) imports no torch: the
+    reason rule (a) of the import rule exists."""
+    code = (
+        "import sys, scaleout.cli as c; c.build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout[:500]

@@ -184,8 +184,8 @@ def test_unsampled_steps_read_the_device_once(
     tmp_path: Path, config: str, overrides: list[str]
 ) -> None:
     """A training step reads nothing from the device but the agreement flags (one read per step,
-    which also carries the loss and the reducer's census); the timers synchronise only on sampled
-    steps. Before: one census .item() per parameter, a float() of the loss, a bool() of the
+    which also carries the loss and the reducer's usage); the timers synchronise only on sampled
+    steps. Before: one usage .item() per parameter, a float() of the loss, a bool() of the
     finiteness check and of each flag, one .item() per group-BN layer, and two device
     synchronisations per phase on every step. (BERT's default forward selects masked positions by
     value, a documented host sync: the capture-safe forward is the one without.)"""

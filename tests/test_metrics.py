@@ -1,5 +1,5 @@
 """Metrics you can look at (scaleout/metrics.py, `scaleout plot`) and torch.profiler traces with the
-communication timeline's ranges (scaleout/profile.py), from real 2-rank runs of the tiny config."""
+communication timeline's ranges (scaleout/profiler.py), from real 2-rank runs of the tiny config."""
 
 from __future__ import annotations
 

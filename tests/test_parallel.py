@@ -469,7 +469,7 @@ def test_bucket_assignment():
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 256), torch.nn.Linear(256, 256).to(torch.bfloat16)
     )
-    buckets, slots = build_buckets(list(model.named_parameters()), bucket_mb=1000.0, census=4)
+    buckets, slots = build_buckets(list(model.named_parameters()), bucket_mb=1000.0, usage=4)
     assert [[s.name for s in b.slots] for b in buckets] == [
         ["1.bias", "1.weight"],
         ["0.bias", "0.weight"],

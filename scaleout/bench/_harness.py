@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import scaleout
 from scaleout.errors import UserError
 from scaleout.output import format_table, pyplot, save_figure, write_json
 
@@ -363,8 +364,6 @@ def init_ranks(at_least: int, bench: str) -> World:
     """The World of a bench that runs in ranks (torch threads from OMP_NUM_THREADS, as the
     launcher set)."""
     import torch
-
-    import scaleout
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = scaleout.init()

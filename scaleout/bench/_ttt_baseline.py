@@ -28,7 +28,10 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scaleout.mlperf import MLPerfLogger
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,27 +192,29 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
     )
 
 
-def _evaluate(a: argparse.Namespace, run: SimpleNamespace, mll: Any, samples: int) -> float:
+def _evaluate(
+    a: argparse.Namespace, run: SimpleNamespace, mlperf_log: MLPerfLogger, samples: int
+) -> float:
     from scaleout.families.bert.task import evaluate_mlm
 
     d = run.cfg.data
-    mll.block_stop(samples, samples)
-    mll.eval_start(samples, samples)
+    mlperf_log.block_stop(samples, samples)
+    mlperf_log.eval_start(samples, samples)
     metric = evaluate_mlm(run.model, run.evals, d.max_seq_len, d.max_predictions, run.me)
-    mll.eval_accuracy(metric, samples, samples)
-    mll.eval_stop(samples, samples)
+    mlperf_log.eval_accuracy(metric, samples, samples)
+    mlperf_log.eval_stop(samples, samples)
     if run.me.rank == 0:
         print(f"samples {samples}: mlm_accuracy {metric:.4f} (target {a.target})", flush=True)
     return metric
 
 
 def _loop(
-    a: argparse.Namespace, run: SimpleNamespace, mll: Any, t0: float
+    a: argparse.Namespace, run: SimpleNamespace, mlperf_log: MLPerfLogger, t0: float
 ) -> tuple[str, int, int, float | None]:
     """Train until the target, the step budget or the time budget: (status, steps, sequences,
     last metric)."""
     step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
-    mll.block_start(0, 1, 0)
+    mlperf_log.block_start(0, 1, 0)
     while status == "max_steps" and step < a.max_steps:
         run.sampler.set_epoch(epoch)
         for batch in run.loader:
@@ -219,7 +224,7 @@ def _loop(
             run.opt.zero_grad(set_to_none=True)
             step, samples = step + 1, samples + a.global_batch
             if step % a.eval_every == 0 or step == a.max_steps:
-                metric = _evaluate(a, run, mll, samples)
+                metric = _evaluate(a, run, mlperf_log, samples)
                 if metric >= a.target:
                     status = "success"
                     break
@@ -228,7 +233,7 @@ def _loop(
                 ):  # checked at evaluations only
                     status = "time_budget"
                     break
-                mll.block_start(samples, 1, samples)
+                mlperf_log.block_start(samples, 1, samples)
             if step == a.max_steps:
                 break
         epoch += 1
@@ -254,20 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    mll = MLPerfLogger(out / "mlperf.log", rank=rank)
-    mll.cache_clear()
-    mll.init_start()
+    mlperf_log = MLPerfLogger(out / "mlperf.log", rank=rank)
+    mlperf_log.cache_clear()
+    mlperf_log.init_start()
     run = _build(a, cfg, rank, world)
-    mll.init_stop()
+    mlperf_log.init_stop()
     dist.barrier()
-    mll.run_start()
+    mlperf_log.run_start()
     t0 = time.perf_counter()
-    status, step, samples, metric = _loop(a, run, mll, t0)
+    status, step, samples, metric = _loop(a, run, mlperf_log, t0)
     dist.barrier()
     ttt = time.perf_counter() - t0
-    mll.train_samples(samples)
-    mll.eval_samples(len(run.evals))
-    mll.run_stop("success" if status == "success" else "aborted", samples)
+    mlperf_log.train_samples(samples)
+    mlperf_log.eval_samples(len(run.evals))
+    mlperf_log.run_stop("success" if status == "success" else "aborted", samples)
     if rank == 0:
         report = {
             "status": status,

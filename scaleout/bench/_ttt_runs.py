@@ -65,13 +65,13 @@ class LaunchShape:
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    kind: str  # "torch" (the baseline script) | "scaleout" (scaleout train)
-    optimizer: str  # "adamw" | "lamb"
+    kind: Literal["torch", "scaleout"]  # the baseline script, or scaleout train
+    optimizer: Literal["adamw", "lamb"]
     batch: int  # global batch: sequences (padded) or packed rows
     lr: float
     warmup: float  # warm-up as a fraction of the step budget
     packing: bool = False
-    comm: str = "ddp"  # "ddp" (torch's own) | "flat" | "hierarchical"
+    comm: Literal["ddp", "flat", "hierarchical"] = "ddp"  # ddp: torch's own
     overlap: bool = True
     bucket_mb: float = 25.0
     sharded: bool = False

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import scaleout
 from scaleout.argtypes import fmt_bytes, parse_csv, parse_size, parse_sizes
 from scaleout.bench._harness import (
     add_one_shot_arguments,
@@ -185,11 +189,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
 
 def _timed_init() -> tuple[Any, dict[str, float]]:
     """init_process_group and group creation, each timed as the slowest rank after a barrier."""
-    from datetime import timedelta
 
     import torch.distributed as dist
 
-    import scaleout
     from scaleout.env import detect_environment
 
     reader = detect_environment(os.environ)
@@ -259,7 +261,6 @@ def _link_rate(world: World, nbytes: int, repeats: int) -> float | None:
 
 def _listen(world: World) -> Any:
     """A listening TCP socket on the address peers reach this rank on."""
-    import socket
 
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.connect(
@@ -278,8 +279,6 @@ class _RingShift:
     nbytes."""
 
     def __init__(self, server: Any, nxt: tuple[str, int], nbytes: int):
-        import socket
-
         self.server, self.nbytes = server, nbytes
         self.out = socket.create_connection(nxt)
         self.out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -292,8 +291,6 @@ class _RingShift:
             left -= self.inc.recv_into(self.sink, min(left, len(self.sink)))
 
     def run(self) -> None:
-        import threading
-
         rx = threading.Thread(target=self._receive)
         rx.start()
         self.out.sendall(self.payload)

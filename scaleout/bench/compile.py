@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _steps(args: argparse.Namespace, run: Any) -> dict[str, Callable[[], float]]:
     """A full training step (forward, backward, AdamW) of two copies of one BERT: eager and
     compiled."""
-    import copy
 
     import numpy as np
     import torch

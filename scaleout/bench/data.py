@@ -4,8 +4,14 @@ per accelerator."""
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
 from typing import Any
 
+import scaleout
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
 
@@ -127,7 +133,6 @@ def _accelerators(extra: list[str]) -> dict[str, tuple[str, float]]:
 def _write_jpegs(root: str, n: int, size: str, seed: int = 0) -> float:
     """n synthetic JPEGs (smooth random fields + noise, quality 90) in an ImageFolder; returns
     mean KB."""
-    import os
 
     import numpy as np
     from PIL import Image
@@ -202,8 +207,6 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
 
 
 def _cpu_s() -> float:
-    import resource
-
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
@@ -214,7 +217,6 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
     and CPU seconds of this process and its workers (worker start-up included: a fork from the
     warm forkserver costs little CPU, mostly wall; the forkserver's own one-time start-up is not
     counted)."""
-    import time
 
     from scaleout.train.prefetch import Prefetcher
 
@@ -259,8 +261,6 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
     import torch
 
     from scaleout.errors import UserError
@@ -357,9 +357,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _single_rank() -> Any:
     """A one-rank World (the tasks take one), whatever launcher variables are around."""
-    import os
 
-    import scaleout
     from scaleout.env import free_port
 
     for k, v in (
@@ -379,7 +377,6 @@ def _pipeline(
 ) -> list[dict[str, Any]]:
     """Each (workers, prefetch) of one pipeline: its rate with an instant consumer, and the data
     wait of a consumer as slow as the synchronous path (the emulated accelerator)."""
-    import sys
 
     out: list[dict[str, Any]] = []
     base_step = None

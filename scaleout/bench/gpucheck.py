@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import scaleout
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, emit
 from scaleout.comm import ALGORITHMS
@@ -282,7 +283,6 @@ def _in_process(fn: Callable[..., list[Row]], name: str, *a: Any) -> list[Row]:
 
 
 def _rank_part(args: argparse.Namespace) -> int:
-    import scaleout
     from scaleout.bench import _gpuchecks
 
     world = scaleout.init()
@@ -364,8 +364,6 @@ def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Ro
         rows += _in_process(check_train, "tiny BERT train", gpus, args)
     local = [c for c in ("capture", "varlen", "optimizers", "bert_large") if c in only]
     if local:  # in this process, on cuda:0, as a world of one
-        import scaleout
-
         world = scaleout.init(environment="single")
         try:
             for c in local:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import math
+import multiprocessing as mp
 import os
 import statistics
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any
 
+import scaleout
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import add_standard_arguments, check_counts, emit, interleave
 
@@ -184,7 +188,6 @@ def _factories(
 def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, Any]]:
     """Each contender runs in rounds with both baselines (AdamW, SGD): per-round ratios are
     paired."""
-    import gc
 
     import torch
 
@@ -246,8 +249,6 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, qu
     try:
         import torch
 
-        import scaleout
-
         torch.set_num_threads(1)  # world_size processes share the cores, like ranks on a node
         world = scaleout.init(environment="torchrun")
         with torch.no_grad():
@@ -255,8 +256,6 @@ def _rank_main(rank: int, world_size: int, port: int, model: str, steps: int, qu
         world.close()
         queue.put((rank, res))
     except BaseException as e:  # noqa: BLE001 -- name the rank and carry on to the parent
-        import traceback
-
         queue.put((rank, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
@@ -297,8 +296,6 @@ def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
 
 
 def _sharded(world_size: int, model: str, steps: int) -> list[dict[str, Any]]:
-    import multiprocessing as mp
-
     from scaleout.env import free_port
 
     ctx = mp.get_context("spawn")

@@ -8,12 +8,14 @@ starts the ranks itself via ``scaleout launch`` (emulated cluster: launchers/net
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import scaleout
 from scaleout.bench._harness import (
     add_rank_arguments,
     check_counts,
@@ -159,12 +161,10 @@ def bert_like(layers: int) -> Any:
 def _models(args: argparse.Namespace, world: World) -> dict[str, Any]:
     """Every variant's copy of the same model (DataParallel broadcasts rank 0's weights; DDP
     too)."""
-    import copy
 
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    import scaleout
     from scaleout.parallel import ddp_comm_hook
 
     torch.manual_seed(0)

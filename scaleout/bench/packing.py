@@ -4,6 +4,7 @@ CPU."""
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 from scaleout.bench._harness import (
@@ -112,7 +113,6 @@ def _packs(args: argparse.Namespace, cfg: Any) -> tuple[Any, Any, Any, list[list
     24 packs swung the ratio between 1.9 and 2.3)."""
     import numpy as np
 
-    from scaleout.errors import UserError
     from scaleout.families.bert.data.bert_batch import sample_lengths
     from scaleout.families.bert.packing import (
         assign_sequences,
@@ -185,8 +185,6 @@ def _steps(
 
 
 def run(args: argparse.Namespace) -> int:
-    import statistics
-
     import torch
 
     from scaleout.families.bert.packing import speedup_ceiling

@@ -4,8 +4,14 @@ time."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import statistics
+import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
+import scaleout
 from scaleout.argtypes import parse_csv
 from scaleout.bench._harness import (
     add_config_arguments,
@@ -131,11 +137,6 @@ def smooth(xs: list[float], window: int) -> list[float]:
 
 
 def _train(cfg: Config, world: World) -> dict[str, Any]:
-    import contextlib
-    import io
-    import statistics
-    import time
-
     from scaleout.train.trainer import Trainer
 
     trainer = Trainer(cfg, world)
@@ -242,9 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
     """The same run of the config in each precision, from the same weights and data order."""
-    import tempfile
 
-    import scaleout
     from scaleout.config import load_config
 
     tmp = tempfile.mkdtemp(prefix="bench-precision-")

@@ -8,6 +8,7 @@ starts the ranks itself via ``scaleout launch``.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[], Any]], int, int]:
     """(variant -> one full step, parameters, buckets of the overlapped optimizer)."""
-    import copy
 
     import torch
 

@@ -4,6 +4,12 @@ eager."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +109,6 @@ def _write_set(root, n: int, rows: int, args: argparse.Namespace, hist) -> None:
 
 
 def _lazy(root, args: argparse.Namespace) -> float:
-    import json
-    import os
-    import subprocess
-    import sys
-
     from scaleout.errors import UserError
 
     out = root / "run"
@@ -156,9 +157,6 @@ def _lazy(root, args: argparse.Namespace) -> float:
 
 
 def _eager(root) -> float:
-    import subprocess
-    import sys
-
     code = (
         "import resource, sys\nfrom scaleout.families.bert.data.bert_sources import load_shards\n"
         f"s = load_shards({str(root / 'train')!r})\n"
@@ -169,8 +167,6 @@ def _eager(root) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
     from scaleout.bench.packing import DEFAULT_HIST
     from scaleout.errors import UserError
     from scaleout.families.bert.packing import load_histogram
@@ -231,7 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _one_set(root: Path, n: int, args: argparse.Namespace, hist: Any) -> dict[str, Any]:
     """Write ``n`` shards, train on them lazily, load them eagerly: the peak memory of each."""
-    import time
 
     t = time.perf_counter()
     _write_set(root, n, args.rows_per_shard, args, hist)

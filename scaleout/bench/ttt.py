@@ -37,6 +37,7 @@ clusters need root.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import replace
@@ -389,7 +390,6 @@ def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
 def _done(row: dict[str, Any], root: Path) -> None:
     """One line per run; every finished run is also appended to runs.jsonl (a long bench keeps
     what it did)."""
-    import json
 
     from scaleout.bench._ttt_report import cell
 

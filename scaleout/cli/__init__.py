@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+from scaleout import __version__
 from scaleout.errors import UserError
 
 
@@ -64,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate.",
         epilog="Run 'scaleout <command> --help' for a command's options.",
     )
-    from scaleout import __version__
 
     parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)

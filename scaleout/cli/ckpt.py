@@ -4,6 +4,8 @@ Hugging Face."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +96,6 @@ def _config(state: dict[str, Any], override: list[str] | None) -> Any:
 
 
 def show(state: dict[str, Any], path: Path, override: list[str] | None) -> None:
-    import hashlib
-
     model = state.get("model", {})
     params = sum(t.numel() for t in model.values())
     opt = state.get("optimizer")
@@ -157,8 +157,6 @@ def hf_config(b: Any) -> dict[str, Any]:
 def export(
     state: dict[str, Any], path: Path, out: Path, formats: list[str], override: list[str] | None
 ) -> None:
-    import json
-
     import torch
 
     from scaleout.errors import UserError

@@ -4,6 +4,9 @@ training."""
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
 
 NAME = "data"
 ORDER = 42
@@ -71,9 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    import time
-
     if args.action == "make-shards":
         from scaleout.families.bert.data.make_shards import make_shards
 
@@ -99,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
             f"in {time.perf_counter() - t:.1f} s"
         )
         return 0
-    from pathlib import Path
 
     from scaleout.errors import UserError
     from scaleout.families.bert.data.shard_format import shard_files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 NAME = "launch"
@@ -110,7 +111,6 @@ def nproc_value(text: str) -> str:
 def resolve_nproc(value: str | int) -> int:
     """torchrun's rule (torch.distributed.run.determine_local_world_size): gpu = CUDA devices,
     cpu = the cores this process may use, auto = gpu when there is one, else cpu."""
-    import os
 
     from scaleout.errors import UserError
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 NAME = "pack"
 ORDER = 40
@@ -57,7 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _read_lengths(path: str):
     """Integer sequence lengths from a text file (one per line) or an integer .npy array;
     one-line errors."""
-    from pathlib import Path
 
     import numpy as np
 
@@ -97,9 +98,6 @@ def _read_lengths(path: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     import numpy as np
 
     from scaleout.argtypes import parse_csv

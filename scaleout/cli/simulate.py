@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
-from scaleout.output import pyplot
+from scaleout.output import format_table, pyplot, write_json
 
 NAME = "simulate"
 ALL_ALGORITHMS = "every algorithm of scaleout.comm, then the simulator-only tree; also: leader"
@@ -247,8 +249,6 @@ def _torus_x(text: str) -> int | str:
 
 
 def _write(path: str | None, payload: dict[str, Any]) -> None:
-    from scaleout.output import write_json
-
     out = write_json(path or None, payload)
     if out:
         print(f"wrote {out}")
@@ -256,7 +256,6 @@ def _write(path: str | None, payload: dict[str, Any]) -> None:
 
 def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], list[str]]:
     """(cluster, model, train, GPU counts, algorithms): flags over --config over the defaults."""
-    from dataclasses import replace
 
     from scaleout.errors import ConfigError
     from scaleout.sim.step import TrainSpec, get_model, gpu_counts
@@ -320,9 +319,6 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    from dataclasses import asdict, replace
-
-    from scaleout.output import format_table
     from scaleout.sim.step import step_time, time_to_train
 
     cluster, model, train, gpus, algs = _scale_specs(args)
@@ -414,7 +410,6 @@ def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: s
     plt = pyplot()
     if plt is None:
         return
-    from pathlib import Path
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for alg in algs:
@@ -441,7 +436,6 @@ def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: s
 
 def run_allreduce(args: argparse.Namespace) -> int:
     from scaleout.argtypes import parse_csv
-    from scaleout.output import format_table
     from scaleout.sim.collectives import allreduce_cost
 
     cluster = _cluster(args)
@@ -483,7 +477,6 @@ def run_allreduce(args: argparse.Namespace) -> int:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from scaleout.argtypes import parse_size
-    from scaleout.output import format_table
     from scaleout.sim.calibrate import cross_validate, load_samples, split_default
 
     samples = load_samples(args.bench_json, args.stat, parse_size(args.min_bytes, "--min-bytes"))
@@ -538,9 +531,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from scaleout.output import format_table
     from scaleout.sim.validate import all_validations, bert_ablation, horovod_542, mlperf_bert
 
     vals = all_validations()
@@ -597,7 +587,6 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_presets(args: argparse.Namespace) -> int:
-    from scaleout.output import format_table
     from scaleout.sim.cluster import PRESETS
     from scaleout.sim.step import MODELS
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import time
 
+import scaleout
 from scaleout.env import detection_order
 
 NAME = "smoke"
@@ -32,12 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import time
-
     import torch
     import torch.distributed as dist
 
-    import scaleout
     from scaleout.log import print0
 
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import argparse
 import os
 import re
 
-from scaleout.launchers import LAUNCHERS
+from scaleout.launchers import LAUNCHERS, LaunchOptions, make_launcher
 
 NAME = "sweep"
 ORDER = 32
@@ -275,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.config import load_config
     from scaleout.config.load import resolve_config_path
     from scaleout.errors import UserError
-    from scaleout.launchers import LaunchOptions, make_launcher
     from scaleout.launchers.submit import parse_slurm_options
     from scaleout.launchers.sweep import check_launcher, run_sweep
     from scaleout.output import format_table

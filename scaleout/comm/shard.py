@@ -32,7 +32,7 @@ from scaleout.comm.algorithm import get_algorithm
 from scaleout.comm.api import dispatch, op_name
 from scaleout.comm.grid import Grid, all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import UserError
-from scaleout.profile import traced
+from scaleout.profiler import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -149,7 +149,7 @@ def _run(
     return dispatch(world, out, run, native if alg.single_collective else None, finish, async_op)
 
 
-@traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profile.py)
+@traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profiler.py)
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,

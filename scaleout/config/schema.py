@@ -222,7 +222,7 @@ class TrainConfig(_Section):
     log_every: int = Field(1, ge=1)
     metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
     profile: ProfileConfig | None = (
-        None  # torch.profiler trace (scaleout/profile.py); true = defaults
+        None  # torch.profiler trace (scaleout/profiler.py); true = defaults
     )
 
     @field_validator("profile", mode="before")

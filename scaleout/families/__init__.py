@@ -49,10 +49,6 @@ class Family:
     # shares
     sim_preset: ClassVar[str] = "bert-large"
 
-    def section(self, cfg: Any) -> Any:
-        """This family's section of ``cfg`` (``cfg.model.<name>``), None when it declares none."""
-        return getattr(cfg.model, self.name, None)
-
     # -- torch-free facts
     # ---------------------------------------------------------------------------
     def params(self, cfg: Any) -> int:

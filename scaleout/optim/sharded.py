@@ -24,7 +24,7 @@ Per step every rank issues the same collectives in the same order (c10d matches 
    after backward (a skipped step is just ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
 2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial
    sums,
-   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's census
+   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's usage
    (which
    parameters got a gradient on some rank), riding on a collective that runs anyway. A parameter no
    rank
@@ -305,10 +305,10 @@ class ShardedLAMB(torch.optim.Optimizer):
     # DataParallel ----
     grads_are_views = False  # .grad are autograd's own tensors, copied into the buckets
 
-    def census_flag(self) -> None:
-        return None  # the census rides on step()'s norm all-reduce (_check_census)
+    def unused_flag(self) -> None:
+        return None  # the usage rides on step()'s norm all-reduce (_check_unused)
 
-    def check_census(self) -> list[str]:
+    def check_unused(self) -> list[str]:
         return []
 
     def optimizer_state(self, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Piece]]:
@@ -450,7 +450,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         comm = self._all_reduce(sq)
         t = self._tick("update", t, minus=comm)
         self.timings["norm_allreduce"] += comm
-        self._check_census(sq[2])
+        self._check_unused(sq[2])
         scale = [
             trust_ratios(sq[0, b : b + len(g["params"])], sq[1, b : b + len(g["params"])], c)
             * (-c.lr * c.k)
@@ -466,8 +466,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         return loss
 
     def _phase1(self, co: list[LambCoeffs]) -> tuple[torch.Tensor, list[int]]:
-        """Moments and partial squared norms of the adapted groups; row 2: this rank's usage
-        census."""
+        """Moments and partial squared norms of the adapted groups; row 2: this rank's
+        parameter usage."""
         ntens = [len(g["params"]) for g in self.param_groups]
         base = [sum(ntens[:gi]) for gi in range(len(ntens))]
         sq = torch.zeros(3, len(self.params), dtype=torch.float32, device=self.flat_param.device)
@@ -485,10 +485,10 @@ class ShardedLAMB(torch.optim.Optimizer):
                     )
         return sq, base
 
-    def _check_census(self, census: torch.Tensor) -> None:
+    def _check_unused(self, usage: torch.Tensor) -> None:
         if self.allow_unused:
             return
-        unused = [self.keys[k] for k, n in enumerate(census.tolist()) if n == 0]
+        unused = [self.keys[k] for k, n in enumerate(usage.tolist()) if n == 0]
         if unused:
             self._reset_step()
             raise UserError(

@@ -45,9 +45,7 @@ class Bucket:
     index: int
     buffer: torch.Tensor  # 1-D, contiguous, the parameters' dtype
     slots: list[Slot]
-    extra: int = (
-        0  # trailing elements after the gradients (the unused-parameter census, last bucket)
-    )
+    extra: int = 0  # trailing elements after the gradients (the parameter usage, last bucket)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +53,7 @@ class Bucket:
 
     @property
     def grads(self) -> torch.Tensor:
-        """The gradient part of the buffer (without the trailing census)."""
+        """The gradient part of the buffer (without the trailing usage)."""
         return self.buffer.narrow(0, 0, self.buffer.numel() - self.extra)
 
 
@@ -132,11 +130,11 @@ def _dense(t: torch.Tensor) -> bool:
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     bucket_mb: float,
-    census: int = 0,
+    usage: int = 0,
     first_bucket_mb: float | None = None,
     order: list[int] | None = None,
 ) -> tuple[list[Bucket], list[Slot]]:
-    """Buckets over the parameters that require grad, in reverse order; ``census`` extra elements
+    """Buckets over the parameters that require grad, in reverse order; ``usage`` extra elements
     are appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb``
     caps the first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``,
     so that the first all-reduce starts after the last layer's gradients instead of after 25 MiB
@@ -182,7 +180,7 @@ def build_buckets(
     slots: list[Slot] = []
     for b, members in enumerate(groups):
         first = order[members[0]][2]
-        extra = census if b == len(groups) - 1 else 0
+        extra = usage if b == len(groups) - 1 else 0
         total = sum(order[m][2].numel() for m in members)
         buf = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
         bucket_slots = []

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from scaleout.comm import config_options
+from scaleout.comm import all_reduce, config_options, get_algorithm
 from scaleout.errors import UserError
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
@@ -66,8 +66,6 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
 
 
 def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
-    from scaleout.comm import all_reduce, get_algorithm
-
     get_algorithm(
         algorithm
     )  # one-line UserError for an unknown name, now rather than inside backward
@@ -100,9 +98,9 @@ class DataParallel(torch.nn.Module):
         rebuild_buckets: after the first step, rebuild the buckets once in the order gradients
         became
             ready (rank 0's order; as torch DDP does).
-        defer_census: do not read the unused-parameter census after backward (a host read); the
+        defer_unused: do not read the parameter usage after backward (a host read); the
         caller
-            folds :meth:`census_flag` into its own read, then calls :meth:`check_census`.
+            folds :meth:`unused_flag` into its own read, then calls :meth:`check_unused`.
         **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
     """
 
@@ -119,7 +117,7 @@ class DataParallel(torch.nn.Module):
         timeline: str | Path | None = None,
         first_bucket_mb: float | None = None,
         rebuild_buckets: bool = True,
-        defer_census: bool = False,
+        defer_unused: bool = False,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -146,7 +144,7 @@ class DataParallel(torch.nn.Module):
             first_bucket_mb=first_bucket_mb,
             rebuild_buckets=rebuild_buckets,
         )
-        self.reducer.defer_census = defer_census
+        self.reducer.defer_unused = defer_unused
 
     @classmethod
     def from_config(
@@ -208,11 +206,11 @@ class DataParallel(torch.nn.Module):
     # ------------------------------------------------------------
     grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
 
-    def census_flag(self) -> torch.Tensor | None:
-        return self.reducer.census_flag()
+    def unused_flag(self) -> torch.Tensor | None:
+        return self.reducer.unused_flag()
 
-    def check_census(self) -> list[str]:
-        return self.reducer.check_census()
+    def check_unused(self) -> list[str]:
+        return self.reducer.check_unused()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], None]:
         return optimizer.state_dict(), None  # replicated: the same on every rank
@@ -225,11 +223,6 @@ class DataParallel(torch.nn.Module):
         """Of the last synchronising backward: ``backward_s``, ``exposed_s`` (time blocked on
         communication after backward), ``comm_s`` (first launch to last completion), ``bytes`` on
         the wire per rank-buffer, ``buckets``, ``launch_order``, ``unused`` (parameter names)."""
-        return self.reducer.last_stats
-
-    def finish(self) -> dict[str, Any]:
-        """Kept for training loops that call it after backward: the wait already happened at the
-        end of backward (an autograd callback), so this only returns ``last_stats``."""
         return self.reducer.last_stats
 
     @property

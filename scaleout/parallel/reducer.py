@@ -44,9 +44,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
-from scaleout import profile
+from scaleout import profiler
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
@@ -106,16 +107,16 @@ class Reducer:
         self._ready_order: list[
             int
         ] = []  # slot positions in the order hooks fired (first sync step)
-        self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> census position
+        self._k = {s.index: k for k, s in enumerate(self.slots)}  # param index -> usage position
         self.sync = True
         self.never_used: set[str] | None = (
             None  # names with no gradient on any rank in every step so far
         )
-        # True: wait() keeps the census on the device instead of reading it (census_flag /
-        # check_census), so a trainer that reads one agreement flag per step reads the census with
+        # True: wait() keeps the usage on the device instead of reading it (unused_flag /
+        # check_unused), so a trainer that reads one agreement flag per step reads the usage with
         # it (train/trainer.py).
-        self.defer_census = False
-        self.pending_census: torch.Tensor | None = None
+        self.defer_unused = False
+        self.pending_usage: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
         self._hooks = [
@@ -125,8 +126,8 @@ class Reducer:
         for s in self.slots:
             s.param.grad = s.view
         self._used = [False] * len(self.slots)  # got a gradient since the last synchronisation
-        self._census_host: torch.Tensor | None = None  # the census's host staging buffer
-        self._census_copied: Any = None  # CUDA: an event after the last copy out of it
+        self._usage_host: torch.Tensor | None = None  # the usage flags' host staging buffer
+        self._usage_copied: Any = None  # CUDA: an event after the last copy out of it
         self._reset_step()
 
     # -- per-step state ---------------------------------------------------------------------------
@@ -173,7 +174,7 @@ class Reducer:
             return
         self._in_backward = True
         self._bwd_start_us = now_us()
-        self._prof_backward = profile.enter(
+        self._prof_backward = profiler.enter(
             "backward"
         )  # the timeline's spans as profiler ranges too
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -232,9 +233,9 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         b = bucket.index
-        if bucket.extra:  # the census of parameters that got a gradient (see module docstring)
-            census = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
-            self._copy_census(census)
+        if bucket.extra:  # the usage of parameters that got a gradient (see module docstring)
+            usage = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
+            self._copy_usage(usage)
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
         buf = self._wire(bucket)
@@ -243,7 +244,7 @@ class Reducer:
         handle = self._all_reduce(buf)
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
-        profile.until_done(f"bucket {b}", fut)
+        profiler.until_done(f"bucket {b}", fut)
         if fut is not None:
             # bind this step's list: the callback may run after wait() returned and the step was
             # reset
@@ -252,24 +253,24 @@ class Reducer:
                 lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us())
             )
 
-    def _copy_census(self, census: torch.Tensor) -> None:
-        """This step's used flags into ``census`` through a preallocated host buffer, pinned for a
-        CUDA ``census``: the copy is then an asynchronous DMA mid-backward, not a pageable staging
+    def _copy_usage(self, usage: torch.Tensor) -> None:
+        """This step's used flags into ``usage`` through a preallocated host buffer, pinned for a
+        CUDA ``usage``: the copy is then an asynchronous DMA mid-backward, not a pageable staging
         copy (which may wait for the stream). On CUDA an event guards the buffer: it is rewritten
         only once the previous step's copy out of it has completed (long since, in practice: the
         step's agreement read the device in between)."""
-        cuda = census.device.type == "cuda"
-        host = self._census_host
-        if host is None or host.numel() != census.numel() or host.dtype != census.dtype:
-            host = torch.empty(census.numel(), dtype=census.dtype, pin_memory=cuda)
-            self._census_host = host
-        elif self._census_copied is not None:
-            self._census_copied.synchronize()
-        host.copy_(torch.tensor(self._used, dtype=census.dtype))
-        census.copy_(host, non_blocking=True)
+        cuda = usage.device.type == "cuda"
+        host = self._usage_host
+        if host is None or host.numel() != usage.numel() or host.dtype != usage.dtype:
+            host = torch.empty(usage.numel(), dtype=usage.dtype, pin_memory=cuda)
+            self._usage_host = host
+        elif self._usage_copied is not None:
+            self._usage_copied.synchronize()
+        host.copy_(torch.tensor(self._used, dtype=usage.dtype))
+        usage.copy_(host, non_blocking=True)
         if cuda and torch.cuda.is_available():
-            self._census_copied = torch.cuda.Event()
-            self._census_copied.record()
+            self._usage_copied = torch.cuda.Event()
+            self._usage_copied.record()
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket as sent: pre-divided by the world size, then cast to the wire dtype
@@ -283,7 +284,7 @@ class Reducer:
 
     def reduce_now(self) -> None:
         """Average every bucket now, synchronously, from the calling thread and stream: the same
-        algorithm, compression and pre-divide as the overlapped path, without hooks, census or
+        algorithm, compression and pre-divide as the overlapped path, without hooks, usage or
         comm thread. It is what a captured CUDA-graph step runs after its backward under
         ``no_sync()`` (scaleout/train/capture.py)."""
         for bucket in self.buckets:
@@ -297,7 +298,7 @@ class Reducer:
         end_us = now_us()
         start_us = self._bwd_start_us
         self._in_backward = False
-        profile.leave(self._prof_backward)
+        profiler.leave(self._prof_backward)
         self._prof_backward = None
         if not self.sync:
             self._span("backward (no_sync)", "backward", start_us, end_us)
@@ -310,11 +311,11 @@ class Reducer:
                 self._ready[k] = True
                 self._pending[s.bucket] -= 1
         self._launch_ready()
-        with profile.prange("wait"):
+        with profiler.prange("wait"):
             self.wait(start_us, end_us)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
-        """Wait for every bucket, write results back, check the census, record stats and the
+        """Wait for every bucket, write results back, check the usage, record stats and the
         timeline."""
         for b, bucket in enumerate(self.buckets):
             self._handles[b].wait()
@@ -324,17 +325,17 @@ class Reducer:
                 bucket.buffer.copy_(self._comm_bufs[b])  # back into the parameters' dtype
         done_us = now_us()
         last = self.buckets[-1]
-        census = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
+        usage = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
         if (
-            self.defer_census
-        ):  # the caller folds census_flag() into its own host read, then check_census()
-            self.pending_census = census.clone()
+            self.defer_unused
+        ):  # the caller folds unused_flag() into its own host read, then check_unused()
+            self.pending_usage = usage.clone()
             unused: list[str] = []
         else:
             unused = self._unused(
-                census.tolist()
+                usage.tolist()
             )  # one device -> host read for every parameter's flag
-        census.zero_()
+        usage.zero_()
         self._record(start_us, end_us, done_us, unused)
         self._used = [False] * len(self.slots)
         self._reset_step()
@@ -353,18 +354,18 @@ class Reducer:
         self.never_used = set(unused) if self.never_used is None else self.never_used & set(unused)
         return unused
 
-    def census_flag(self) -> torch.Tensor | None:
-        """With ``defer_census``: 1.0 on the device if some parameter got no gradient on any rank
-        in the last synchronisation (the same value on every rank: the census was all-reduced),
+    def unused_flag(self) -> torch.Tensor | None:
+        """With ``defer_unused``: 1.0 on the device if some parameter got no gradient on any rank
+        in the last synchronisation (the same value on every rank: the usage was all-reduced),
         without reading it."""
-        if self.pending_census is None:
+        if self.pending_usage is None:
             return None
-        return (self.pending_census == 0).any().float()
+        return (self.pending_usage == 0).any().float()
 
-    def check_census(self) -> list[str]:
-        """With ``defer_census``: read the last census (a host read: call it when census_flag()
+    def check_unused(self) -> list[str]:
+        """With ``defer_unused``: read the last usage (a host read: call it when unused_flag()
         was set), record the unused parameters and raise as a non-deferred backward would have."""
-        pending, self.pending_census = self.pending_census, None
+        pending, self.pending_usage = self.pending_usage, None
         unused = self._unused(pending.tolist()) if pending is not None else []
         self.last_stats["unused"] = unused
         if unused and not self.allow_unused:
@@ -424,8 +425,6 @@ class Reducer:
         order += [s.index for s in reversed(self.slots) if self._k[s.index] not in seen]
         self._ready_order = []
         if self.world.world_size > 1:
-            import torch.distributed as dist
-
             box = [order]
             dist.broadcast_object_list(box, src=0)
             order = box[0]

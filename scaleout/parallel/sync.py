@@ -30,14 +30,14 @@ class GradientSync(Protocol):
         communication."""
         ...
 
-    def census_flag(self) -> torch.Tensor | None:
+    def unused_flag(self) -> torch.Tensor | None:
         """1.0 on the device if some parameter got no gradient on any rank in the last
-        synchronisation, to fold into the step's one host read; None when the census is checked
+        synchronisation, to fold into the step's one host read; None when the usage is checked
         elsewhere."""
         ...
 
-    def check_census(self) -> list[str]:
-        """Read the census (a host read: only after census_flag() was set) and raise as
+    def check_unused(self) -> list[str]:
+        """Read the usage (a host read: only after unused_flag() was set) and raise as
         configured."""
         ...
 

@@ -136,7 +136,7 @@ def gather_time(
 
 def norm_time(optimizer: str, algorithm: str, cluster: Cluster, nodes: int, tensors: int) -> float:
     """LAMB's per-tensor norms are partial sums on a shard: one small all-reduce of [2, tensors]
-    fp32 over the ranks that share the state (scaleout ShardedLAMB adds a census row: 3 x
+    fp32 over the ranks that share the state (scaleout ShardedLAMB adds a usage row: 3 x
     tensors)."""
     if optimizer == "replicated":
         return 0.0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Literal
 
 from scaleout.errors import ConfigError
 from scaleout.families.bert.config import BertConfig
@@ -70,9 +71,9 @@ class TrainSpec:
     chunks: int | None = (
         None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
     )
-    torus_x: int | str | None = None  # integer, "node" (= GPUs per node) or "square" (~sqrt(p))
+    torus_x: int | Literal["node", "square"] | None = None  # node: GPUs per node; square: ~sqrt(p)
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
-    optimizer: str = "replicated"  # replicated | sharded | sharded-node (scaleout.sim.sharded)
+    optimizer: Literal["replicated", "sharded", "sharded-node"] = "replicated"  # sim/sharded.py
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scaleout.config import load_config
 from scaleout.config.schema import Config
 from scaleout.errors import ConfigError, UserError
 
@@ -169,7 +170,6 @@ def check_points(
     config: str, overrides: list[str], points: list[SweepPoint], steps: int, warmup: int
 ) -> None:
     """Load and validate the config of every point for its world (torus grid, BN group, batch)."""
-    from scaleout.config import load_config
 
     if steps < 1 or warmup < 0 or warmup >= steps:
         raise UserError(

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.output import format_table, write_json
 from scaleout.sweep.plan import SweepPoint
 
 # The breakdown columns: compute = forward + backward minus the exposed wait (the trainer already
@@ -233,8 +234,6 @@ def table_rows(
 
 
 def markdown(results: list[PointResult], meta: dict[str, Any], notes: list[str]) -> str:
-    from scaleout.output import format_table
-
     headers, rows = table_rows(
         results, simulated=any(r.simulated_efficiency is not None for r in results)
     )
@@ -250,7 +249,6 @@ def write_outputs(
     out_dir: str | Path, results: list[PointResult], meta: dict[str, Any], notes: list[str]
 ) -> dict[str, Path]:
     """sweep.csv, sweep.json and sweep.md in ``out_dir``; returns their paths."""
-    from scaleout.output import write_json
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,28 +19,24 @@ from dataclasses import replace
 
 from scaleout.config.schema import Config
 from scaleout.families import FAMILIES
+from scaleout.sim import ModelSpec, TrainSpec, get_cluster, step_time
+from scaleout.sim.cluster import custom_cluster
+from scaleout.sim.fromconfig import optimizer_of, wire_bytes
 from scaleout.sweep.results import PointResult
 
 
 class Simulator:
     def __init__(self, preset: str, cfg: Config):
-        from scaleout.sim import get_cluster
-
         self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs
         self.preset = preset
         self.cfg = cfg
         self.params = FAMILIES.get(cfg.model.arch).params(cfg)
-        from scaleout.sim.fromconfig import wire_bytes
 
         # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends
         # fp32.
         self.grad_bytes, self.param_bytes = wire_bytes(cfg)
 
     def _step(self, r: PointResult, per_rank_speed: float) -> float:
-        from scaleout.sim import ModelSpec, TrainSpec, step_time
-        from scaleout.sim.cluster import custom_cluster
-        from scaleout.sim.fromconfig import optimizer_of
-
         p = r.point
         model = ModelSpec(
             self.cfg.model.arch,

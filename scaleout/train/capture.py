@@ -45,7 +45,7 @@ needs.
 
 What is not captured, and why:
 
-- The reducer's *overlapped* path (Python hooks, futures, a host-read census of unused parameters)
+- The reducer's *overlapped* path (Python hooks, futures, a host read of the parameter usage)
   cannot be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each
   bucket buffer with the run's algorithm (flat / hierarchical / torus2d), compression and
   pre-divide,

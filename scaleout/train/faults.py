@@ -84,7 +84,7 @@ def agree_on_step(
     flops: float = 0.0,
 ) -> StepFlags:
     """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
-    parameters that got no gradient (GradientSync.census_flag), read with the others; ``flops``:
+    parameters that got no gradient (GradientSync.unused_flag), read with the others; ``flops``:
     this rank's training FLOPs of the step (summed, they give the global batch's)."""
     dev = torch.device(world.device)
     parts = [

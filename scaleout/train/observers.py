@@ -29,7 +29,7 @@ from scaleout.observe import (
     RunStop,
     StepRecord,
 )
-from scaleout.profile import StepProfiler, build_profiler
+from scaleout.profiler import StepProfiler, build_profiler
 from scaleout.report import RunReport
 from scaleout.timers import Timers
 from scaleout.train.progress import Progress
@@ -175,7 +175,7 @@ class ConsoleObserver(Observer):
 
 
 class ProfilerObserver(Observer):
-    """``train.profile``: torch.profiler over a schedule of steps (scaleout/profile.py)."""
+    """``train.profile``: torch.profiler over a schedule of steps (scaleout/profiler.py)."""
 
     def __init__(self, cfg: Config, out: Path, rank: int):
         self.cfg, self.out, self.rank = cfg, out, rank

@@ -231,7 +231,7 @@ class Trainer:
                 # at a different step, so deterministic runs keep the initial layout (bitwise
                 # resume)
                 rebuild_buckets=not cfg.train.deterministic,
-                defer_census=True,  # unused parameters are read with the step's agreement
+                defer_unused=True,  # unused parameters are read with the step's agreement
             )
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -444,14 +444,14 @@ class Trainer:
             nonfinite(self.params),
             preemption.requested,
             loss,
-            self.sync.census_flag(),
+            self.sync.unused_flag(),
             notice=preemption.noticed,
             terminate=preemption.terminating,
             flops=sum(mb.flops for mb in micro_batches),
         )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
-            self.sync.check_census()  # the same on every rank: every rank raises the same error
+            self.sync.check_unused()  # the same on every rank: every rank raises the same error
         precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         if not flags.skip:
             with timers("optimizer"):

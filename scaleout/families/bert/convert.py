@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from scaleout.checkpoint import MAGIC, decode
 from scaleout.errors import UserError
 
 # Buffers Hugging Face keeps in some versions; they carry no weights.
@@ -103,7 +104,6 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Tensors of a checkpoint file: a plain state dict, NVIDIA's ``{"model": ...}``, or a
     scaleout checkpoint (its ``"model"``, read through :mod:`scaleout.checkpoint`). Memory-mapped
     where the file allows it, so reading shapes costs no I/O until values are copied."""
-    from scaleout.checkpoint import MAGIC, decode
 
     p = os.fspath(path)
     if not os.path.isfile(p):

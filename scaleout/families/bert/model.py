@@ -112,7 +112,7 @@ def varlen_available(x: torch.Tensor) -> bool:
     if not (x.is_cuda and dtype in (torch.float16, torch.bfloat16)):
         return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  # deferred: newer torch only
     except ImportError:
         return False
     return True
@@ -147,7 +147,7 @@ class SelfAttention(nn.Module):
         b, n, h = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(2)
         if varlen is not None:
-            from torch.nn.attention.varlen import varlen_attn
+            from torch.nn.attention.varlen import varlen_attn  # deferred: newer torch only
 
             idx, cu, longest = varlen
             sel = lambda t: t.reshape(b * n, self.heads, self.head_dim)[idx]  # noqa: E731

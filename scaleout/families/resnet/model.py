@@ -23,6 +23,7 @@ from torch import nn
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.config import ResNetConfig
 from scaleout.families.resnet.flops import LAYERS, STEM_MIN_IMAGE
+from scaleout.families.resnet.group_bn import norm_factory
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -138,7 +139,6 @@ class ResNet(nn.Module):
 def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
     """ResNet from a :class:`scaleout.families.resnet.config.ResNetConfig` (group BN over
     ``bn_group`` ranks)."""
-    from scaleout.families.resnet.group_bn import norm_factory
 
     if world is not None and cfg.bn_group > world.world_size:
         raise ConfigError(

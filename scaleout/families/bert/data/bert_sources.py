@@ -17,8 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from scaleout.errors import UserError
-from scaleout.families.bert.data.pretrain import BertSample
+from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.data.pretrain import (
+    BertSample,
+    PretrainData,
+    build_pretraining_data,
+    length_stats,
+    mlm_baselines,
+)
 from scaleout.families.bert.data.shard_format import KEYS, SUFFIXES, ShardReader, shard_files
 
 __all__ = [
@@ -121,7 +127,7 @@ def to_bert_sequences(samples: list[BertSample]) -> list:
     NSP convention: our records (like Google's and MLPerf's data) use 1 = *random* next; bert_batch
     uses 1 = *is* next, so the label is flipped here, in the one place the two meet.
     """
-    from scaleout.families.bert.data.bert_batch import BertSequence
+    from scaleout.families.bert.data.bert_batch import BertSequence  # deferred: pulls in torch
 
     return [
         BertSequence(
@@ -142,13 +148,6 @@ def load_bert_data(cfg, cache: str | None = None):
     evaluation sequences separately); a path without them is all training data and the first
     ``data.eval_samples`` sequences are held out.
     """
-    from scaleout.errors import ConfigError
-    from scaleout.families.bert.data.pretrain import (
-        PretrainData,
-        build_pretraining_data,
-        length_stats,
-        mlm_baselines,
-    )
 
     d, b = cfg.data, cfg.model.bert
     if d.source == "pydoc":

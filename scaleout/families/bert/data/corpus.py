@@ -28,6 +28,8 @@ import re
 import sysconfig
 from dataclasses import dataclass
 
+from scaleout.errors import UserError
+
 SKIP_DIRS = {
     "site-packages",
     "dist-packages",
@@ -62,7 +64,7 @@ def split_sentences(text: str) -> list[str]:
 
 
 def pydoc_documents() -> list[Document]:
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # deferred: 700 kB of text, read once
 
     return [Document(f"pydoc:{k}", tuple(split_sentences(topics[k]))) for k in sorted(topics)]
 
@@ -107,8 +109,6 @@ def load_corpus(sources: tuple[str, ...] = ("pydoc", "stdlib")) -> list[Document
         elif s == "stdlib":
             docs += stdlib_documents()
         else:
-            from scaleout.errors import UserError
-
             raise UserError(f"unknown corpus source '{s}'; expected 'pydoc' or 'stdlib'")
     return docs
 

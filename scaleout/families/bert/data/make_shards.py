@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from scaleout.errors import UserError
+from scaleout.families.bert.data.pretrain import build_pretraining_data
 from scaleout.families.bert.data.shard_format import LAYOUTS, write_shard
+from scaleout.families.bert.packing import assign_sequences, histogram_from_lengths, pack_histogram
 
 
 def make_shards(
@@ -47,7 +49,6 @@ def make_shards(
     docs: Any = None,
 ) -> dict[str, Any]:
     """Write the shards; returns what was written (files, sequences, tokens)."""
-    from scaleout.families.bert.data.pretrain import build_pretraining_data
 
     if shards < 1:
         raise UserError(f"--shards={shards}: expected at least 1 training shard")
@@ -102,11 +103,6 @@ def _packed_rows(
 ) -> list[list[Any]]:
     """Samples grouped into packs (``algorithm`` on this shard's length histogram, as NVIDIA
     packs offline)."""
-    from scaleout.families.bert.packing import (
-        assign_sequences,
-        histogram_from_lengths,
-        pack_histogram,
-    )
 
     lengths = np.array([len(s) for s in samples])
     strategy = pack_histogram(histogram_from_lengths(lengths, max_len), max_len, depth, algorithm)

@@ -25,10 +25,16 @@ different masks (Google uses 10). Everything is a function of ``seed``; results 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import random
 import sys
+import sysconfig
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +50,7 @@ from scaleout.families.bert.data.corpus import (
     load_corpus,
 )
 from scaleout.families.bert.data.tokenizer import WordPiece, train_or_load
+from scaleout.output import format_table
 
 FORMAT_VERSION = 1
 
@@ -288,9 +295,6 @@ def build_pretraining_data(
 
 
 def _file_lock(path: str):
-    import contextlib
-    import fcntl
-
     @contextlib.contextmanager
     def lock():
         with open(path, "a") as fh:
@@ -369,8 +373,6 @@ def _info(train, ev, max_seq_len, path) -> dict[str, Any]:
 def _cached_corpus(sources: tuple[str, ...], cache: str) -> list[Document]:
     """Parsing the stdlib takes seconds; the parsed documents are cached per Python build and
     stdlib listing."""
-    import json
-    import sysconfig
 
     root = sysconfig.get_paths()["stdlib"]
     h = hashlib.sha256(f"{sys.version}:{root}:{sources}".encode())
@@ -445,10 +447,6 @@ def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m scaleout.families.bert.data.pretrain [--vocab-size N --max-seq-len L ...]``:
     build (or load) and describe."""
-    import argparse
-    import time
-
-    from scaleout.output import format_table
 
     p = argparse.ArgumentParser(
         prog="python3 -m scaleout.families.bert.data.pretrain", description=main.__doc__

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from scaleout.errors import UserError
+from scaleout.families.bert.data.pretrain import to_padded
 
 KEYS = (
     "input_ids",
@@ -164,7 +165,7 @@ class ShardReader:
         return [decoded[i] for i in where]
 
     def _row(self, got: dict[str, Any], i: int) -> list[Any]:
-        from scaleout.families.bert.data.bert_batch import BertSequence
+        from scaleout.families.bert.data.bert_batch import BertSequence  # deferred: pulls in torch
 
         nsp = np.asarray(got["next_sentence_labels"][i]).reshape(-1)
         if self.layout == "fixed":
@@ -248,8 +249,6 @@ def write_shard(
 
 
 def _write_fixed(f: Any, rows: list[list[Any]], max_seq_len: int, max_pred: int) -> None:
-    from scaleout.families.bert.data.pretrain import to_padded
-
     if any(len(r) != 1 for r in rows):
         raise UserError("the fixed layout holds one sequence per row")
     padded = [to_padded(r[0], max_seq_len, max_pred) for r in rows]

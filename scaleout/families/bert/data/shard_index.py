@@ -39,6 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.data.corpus import cache_dir
+from scaleout.families.bert.data.shard_format import ShardReader
+from scaleout.families.bert.packing.assign import assign_sequences
+from scaleout.families.bert.packing.hist import histogram_from_lengths
+from scaleout.families.bert.packing.pack import pack_histogram
 
 INDEX_VERSION = 1
 
@@ -76,7 +81,6 @@ def index_dir(data_dir: Path) -> Path:
     beside = data_dir / ".scaleout-index"
     if beside.is_dir() and os.access(beside, os.W_OK) or os.access(data_dir, os.W_OK):
         return beside
-    from scaleout.families.bert.data.corpus import cache_dir
 
     return (
         Path(cache_dir())
@@ -125,7 +129,6 @@ class ShardIndex:
         tok, seq = Path(f"{self.base}.len.npy"), Path(f"{self.base}.seq.npy")
         if tok.is_file():
             return np.load(tok), (np.load(seq) if seq.is_file() else None)
-        from scaleout.families.bert.data.shard_format import ShardReader
 
         reader = ShardReader(self.path)
         try:
@@ -180,10 +183,6 @@ class ShardIndex:
         if nseq is not None or s.algorithm == "none":  # pre-packed rows, or one sequence per row
             ids, offsets = rows, np.arange(len(rows) + 1, dtype=np.int64)
         else:
-            from scaleout.families.bert.packing.assign import assign_sequences
-            from scaleout.families.bert.packing.hist import histogram_from_lengths
-            from scaleout.families.bert.packing.pack import pack_histogram
-
             lens = tokens[rows]
             strategy = pack_histogram(
                 histogram_from_lengths(lens, s.max_len), s.max_len, s.max_per_pack, s.algorithm

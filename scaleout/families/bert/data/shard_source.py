@@ -247,7 +247,7 @@ class ShardStream:
     def batches(self, position: int, grad_accum: int) -> list[tuple[dict[str, Any], int, int]]:
         """This rank's micro-batches at ``position``: (batch dict for the model, sequences, real
         tokens)."""
-        from scaleout.families.bert.data.bert_batch import build_batch
+        from scaleout.families.bert.data.bert_batch import build_batch  # deferred: pulls in torch
 
         runs = [
             (j, int(q))

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from itertools import pairwise
 
 from scaleout.errors import UserError
+from scaleout.families.bert.data.corpus import cache_dir
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
@@ -168,7 +169,6 @@ def train_or_load(
 ) -> WordPiece:
     """Train once per (corpus, vocab_size, algorithm version); later calls read
     ``wordpiece-<key>.json``."""
-    from scaleout.families.bert.data.corpus import cache_dir
 
     key = hashlib.sha256(f"{corpus_key}:{vocab_size}:{VERSION}".encode()).hexdigest()[:16]
     path = os.path.join(cache or cache_dir(), f"wordpiece-{key}.json")

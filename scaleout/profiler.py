@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 # An annotation only: comm imports this module, and the config schema reads comm's registry.
 if TYPE_CHECKING:
@@ -132,8 +133,6 @@ class StepProfiler:
     """``torch.profiler.profile`` with a schedule; :meth:`step` after every training step."""
 
     def __init__(self, cfg: ProfileConfig, out_dir: str | Path, rank: int):
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
         self.dir = Path(cfg.dir) if cfg.dir else Path(out_dir) / "profile"
         self.dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
