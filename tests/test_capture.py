@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -329,21 +333,32 @@ def _train_with_workers_and_graphs(world: Any, out: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.multi_process
+@pytest.mark.full_system
 @pytest.mark.gpu(reason="CUDA graphs with the DataLoader's pin-memory thread")
 def test_captured_training_with_prefetch_workers(tmp_path) -> None:
     """The real trainer on one GPU: model.cuda_graphs=true with data.num_workers=2 (pin-memory
     thread running during the capture). The capture succeeds (no fallback to eager), the graph
     replays the steps after the warm-ups, and the run ends normally with finite losses. Global
     capture mode failed here (cudaErrorStreamCaptureUnsupported, then the pin thread killed the
-    run)."""
-    (r,) = run_dist(
-        _train_with_workers_and_graphs,
-        nnodes=1,
-        nproc_per_node=1,
-        args=(str(tmp_path),),
-        timeout=300,
+    run). A process of its own: the input workers are its children, which a pooled (daemonic)
+    rank of run_dist cannot have."""
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import json, sys\n"
+        f"sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]\n"
+        "import scaleout\n"
+        "from test_capture import _train_with_workers_and_graphs\n"
+        "world = scaleout.init()\n"
+        f"r = _train_with_workers_and_graphs(world, {str(tmp_path)!r})\n"
+        "world.close()\n"
+        "print('RESULT', json.dumps(r))\n"
     )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1].removeprefix("RESULT "))
     assert r["status"] == "max_steps" and r["disabled"] is None, r
     assert r["replays"] >= 8 - 3 - 1, r  # 8 steps, >= 3 warm-ups, one shape (packed rows)
     assert all(loss is not None and np.isfinite(loss) for loss in r["losses"]), r
