@@ -339,6 +339,17 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
     are left alone."""
     state = tmp_path / "state"
     env = {**os.environ, "SCALEOUT_NETNS_STATE": str(state)}
+
+    def down(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "scaleout", "cluster", "down", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
+
     foreign = f"{NAME}f-n0"  # looks like a scaleout namespace, but has no record
     subprocess.run(["ip", "netns", "add", foreign], check=True)
     live = None
@@ -355,40 +366,19 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
         # A cluster whose owner is alive (this test process) must survive --all.
         monkeypatch.setenv("SCALEOUT_NETNS_STATE", str(state))
         live = Cluster(1, None, name=f"{NAME}l").__enter__()
-        r = subprocess.run(
-            [sys.executable, "-m", "scaleout", "cluster", "down", "--all"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            env=env,
-        )
+        r = down("--all")
         assert r.returncode == 0, r.stderr
         assert f"removed 1 ({name})" in r.stdout and f"left running: {NAME}l" in r.stdout, r.stdout
         assert not {f"{name}-n0", f"{name}-n1"} & _netns()
         assert not (state / f"{name}.json").exists()
         assert foreign in _netns() and live.ns(0) in _netns()
-        r = subprocess.run(
-            [sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}l"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            env=env,
-        )
+        r = down("--name", f"{NAME}l")
         assert (
             r.returncode == 2
             and "belongs to the running launch" in r.stderr
             and live.ns(0) in _netns()
         )
-        r = subprocess.run(
-            [sys.executable, "-m", "scaleout", "cluster", "down", "--name", f"{NAME}f"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            env=env,
-        )
+        r = down("--name", f"{NAME}f")
         assert (
             r.returncode == 0
             and "not created by scaleout, left alone" in r.stdout
