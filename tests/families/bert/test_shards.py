@@ -543,23 +543,10 @@ def _count_fs_calls_at_start(world, path):
     (Path.stat/is_file/iterdir and np.load all end in these)."""
     import builtins
 
-    from scaleout.config import load_config
     from scaleout.families.bert.data.shard_source import open_shards
     from scaleout.families.bert.task import TorchCollectives
 
-    cfg = load_config(
-        "bert_tiny_cpu",
-        [
-            "data.source=wikipedia",
-            f"data.path={path}",
-            "data.max_seq_len=32",
-            "data.max_predictions=5",
-            "data.packing=none",
-            "data.eval_samples=8",
-            "train.global_batch=8",
-            "train.max_steps=4",
-        ],
-    )
+    cfg = _small_shard_config(path, "train.max_steps=4")
     comm = TorchCollectives(world)
     open_shards(cfg, world.rank, world.world_size, world.barrier, comm)
     names = ("stat", "lstat", "listdir", "scandir", "access")
@@ -611,11 +598,11 @@ def test_only_rank_0_lists_and_stats_the_shards_at_start(tmp_path):
     assert table0 == [list(streams[0].global_counts(step * 8)) for step in range(4)]
 
 
-def _stream_at(path, rank):
+def _small_shard_config(path, *extra: str):
+    """bert_tiny_cpu reading the small unpacked shards at ``path`` (8 sequences a step)."""
     from scaleout.config import load_config
-    from scaleout.families.bert.data.shard_source import open_shards
 
-    cfg = load_config(
+    return load_config(
         "bert_tiny_cpu",
         [
             "data.source=wikipedia",
@@ -625,6 +612,13 @@ def _stream_at(path, rank):
             "data.packing=none",
             "data.eval_samples=8",
             "train.global_batch=8",
+            *extra,
         ],
     )
+
+
+def _stream_at(path, rank):
+    from scaleout.families.bert.data.shard_source import open_shards
+
+    cfg = _small_shard_config(path)
     return open_shards(cfg, rank, 2).stream
