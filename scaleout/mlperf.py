@@ -28,6 +28,7 @@ either.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -52,6 +53,11 @@ TARGET = {"bert": 0.720, "resnet": 0.7590}
 # MLPerf's run_stop statuses: reached the target, or anything else.
 RunStopStatus = Literal["success", "aborted"]
 
+# One private logger name per MLPerfLogger. Not id(self): a dropped logger's address is reused,
+# and logging.getLogger would hand the next one the old logger with its file handler still on it
+# (every line written twice, into two files).
+_LOGGER_SERIAL = itertools.count()
+
 
 class MLPerfLogger:
     """Writes MLPerf log lines on rank 0; every method is a no-op on other ranks."""
@@ -66,7 +72,7 @@ class MLPerfLogger:
         from mlperf_logging.mllog.mllog import MLLogger
 
         self.constants = mllog.constants
-        logger = logging.getLogger(f"scaleout.mlperf.{id(self)}")
+        logger = logging.getLogger(f"scaleout.mlperf.{os.getpid()}.{next(_LOGGER_SERIAL)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
         if self.path is not None:
@@ -97,12 +103,17 @@ class MLPerfLogger:
             self._ml.end(key=key, value=value, metadata=metadata)
 
     def close(self) -> None:
+        """Flush and close the file; the private logger leaves logging's registry (a process that
+        runs many trainings, a sweep or a test pool, keeps no handler or logger per run)."""
         for h in self._handlers:
             h.flush()
             h.close()
             if self.enabled:
                 self._logger.removeHandler(h)
         self._handlers.clear()
+        if self.enabled:
+            logging.Logger.manager.loggerDict.pop(self._logger.name, None)
+            self.enabled = False  # later events are no-ops, as on other ranks
 
     # -- the events a training run logs, in order
     # -----------------------------------------------------

@@ -316,3 +316,36 @@ def test_mlperf_keys_are_validated():
         load_config(None, ["mlperf.status=lab"])
     with pytest.raises(ConfigError, match="mlperf.org=''"):
         load_config(None, ["mlperf.org="])
+
+
+@pytest.mark.unit
+def test_a_dropped_logger_does_not_write_into_the_next_ones_file(tmp_path, monkeypatch):
+    """The CI failure of stop 30 (an appended log cut into 4 attempts instead of 2): loggers were
+    named by ``id(self)``; a logger dropped without ``close`` kept its file handler on the
+    process-global ``logging`` logger, and the next MLPerfLogger at the same address got that
+    logger back, so each line went to both files. In a process that runs many trainings (a pooled
+    test rank, a sweep) that happens whenever CPython reuses the address; here every address is
+    the same (``id`` patched in scaleout.mlperf: address reuse cannot be forced otherwise)."""
+    import logging
+
+    import scaleout.mlperf as mlperf
+
+    monkeypatch.setattr(mlperf, "id", lambda obj: 4242, raising=False)
+    first = MLPerfLogger(tmp_path / "a.log")
+    first.cache_clear()
+    del first  # never closed
+    for i in range(3):
+        ml = MLPerfLogger(tmp_path / f"b{i}.log")
+        ml.cache_clear()
+        ml.close()
+    for i in range(3):
+        lines = (tmp_path / f"b{i}.log").read_text().splitlines()
+        assert len(lines) == 1, (i, lines)
+    assert len((tmp_path / "a.log").read_text().splitlines()) == 1
+    # close() leaves no logger in logging's registry, and later events are no-ops
+    ml = MLPerfLogger(tmp_path / "c.log")
+    name = ml._logger.name
+    ml.close()
+    assert name not in logging.Logger.manager.loggerDict
+    ml.cache_clear()
+    assert (tmp_path / "c.log").read_text() == ""

@@ -80,6 +80,7 @@ class MLPerfObserver(Observer):
         self.log.train_samples(stop.samples)
         self.log.eval_samples(stop.eval_samples)
         self.log.run_stop("success" if stop.status == "success" else "aborted", stop.samples)
+        self.log.close()  # the attempt's segment is complete
 
 
 class MetricsObserver(Observer):

@@ -341,6 +341,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
+        try:
+            return self._train()
+        finally:  # also when a step raises: the log file is closed, its lines are on disk
+            self.mlperf_log.close()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         if self.start_info.kind == "finished":
             print0(f"scaleout train: {self.start_info.message}", rank=self.world.rank)
