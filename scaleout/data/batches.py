@@ -2,7 +2,7 @@
 process groups, so they pickle cheaply. A task (scaleout/families/task.py) keeps one as
 ``task.batches``; the prefetch workers (scaleout/train/prefetch.py) receive exactly that object. The
 generic pieces are here; each family's builder lives in its folder
-(scaleout/families/bert/data/batches.py, scaleout/families/resnet/data.py). Data order is a pure
+(scaleout/families/bert/data/batches.py, scaleout/families/resnet/data/). Data order is a pure
 function of the data position (global samples consumed), so a checkpoint only stores that integer
 and resume is exact.
 """

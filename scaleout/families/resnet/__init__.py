@@ -2,7 +2,7 @@
 torch-free declaration.
 
 Folder: ``config.py`` (``model.resnet``), ``flops.py`` (multiply-adds and parameters from the
-config), ``model.py``, ``group_bn.py`` (batch norm over ``bn_group`` ranks), ``data.py``
+config), ``model.py``, ``group_bn.py`` (batch norm over ``bn_group`` ranks), ``data/``
 (ImageFolder, synthetic images), ``task.py`` (``ResNetTask``).
 """
 

@@ -1,10 +1,4 @@
-"""Image data for ResNet: deterministic synthetic ImageNet-shaped images and an ImageFolder reader.
-
-Synthetic: every class c has a fixed random low-frequency template; sample i (label drawn from
-(seed, i)) is template[label] + Gaussian noise, so a small ResNet can actually learn it (a CPU run
-can reach an accuracy target) while shapes and dtypes match ImageNet (3 x S x S float, 1000
-classes). ``fixed_batch`` returns one pre-generated batch for throughput runs (MLPerf-style
-synthetic data: the input pipeline is taken out of the measurement).
+"""ImageFolder: ``<root>/<split>/<class>/<image>`` read with PIL.
 
 Real ImageNet layout expected at ``data.path`` (the torchvision ImageFolder layout; ILSVRC2012's
 ``train/`` tar unpacks into it, and the validation set needs its 50k images moved into class
@@ -24,12 +18,10 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from scaleout.data.batches import MicroBatch
 from scaleout.errors import UserError
 
 MEAN = np.array(
@@ -37,73 +29,6 @@ MEAN = np.array(
 )  # ImageNet RGB mean (torchvision/MLPerf reference)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 EXTENSIONS = (".jpeg", ".jpg", ".png")
-
-
-class SyntheticImages:
-    def __init__(
-        self,
-        num_classes: int = 1000,
-        image_size: int = 224,
-        length: int = 1_281_167,
-        seed: int = 0,
-        noise: float = 1.0,
-    ):
-        if num_classes < 2 or image_size < 8 or length < 1:
-            raise UserError(
-                f"synthetic images need num_classes >= 2, image_size >= 8 and length >= 1, got "
-                f"{num_classes}, {image_size}, {length}"
-            )
-        self.num_classes, self.image_size, self.length, self.seed, self.noise = (
-            num_classes,
-            image_size,
-            length,
-            seed,
-            noise,
-        )
-        g = torch.Generator().manual_seed(seed)
-        low = torch.randn(num_classes, 3, 4, 4, generator=g)
-        self.templates = torch.nn.functional.interpolate(
-            low, size=(image_size, image_size), mode="bilinear", align_corners=False
-        )
-
-    def __len__(self) -> int:
-        return self.length
-
-    def labels(self, indices: np.ndarray) -> torch.Tensor:
-        return torch.tensor(
-            [
-                int(np.random.default_rng([self.seed, int(i)]).integers(self.num_classes))
-                for i in indices
-            ],
-            dtype=torch.long,
-        )
-
-    def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images [B, 3, S, S] float32, labels [B]) for the given sample indices."""
-        y = self.labels(indices)
-        s = self.image_size
-        noise = (
-            torch.stack(
-                [
-                    torch.randn(
-                        3,
-                        s,
-                        s,
-                        generator=torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)),
-                    )
-                    for i in indices
-                ]
-            )
-            if len(indices)
-            else torch.zeros(0, 3, s, s)
-        )
-        return self.templates[y] + self.noise * noise, y
-
-    def fixed_batch(
-        self, batch: int, device: str | torch.device = "cpu"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.get(np.arange(batch))
-        return x.to(device), y.to(device)
 
 
 class ImageFolder:
@@ -191,20 +116,3 @@ def _random_resized_crop(im, size: int, rng: np.random.Generator):
     side = min(w, h)
     left, top = (w - side) // 2, (h - side) // 2
     return im.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
-
-
-class ImageBatches:
-    """This rank's image micro-batches on the CPU (decode + augmentation happen here). Data only."""
-
-    def __init__(self, images: Any, sampler: Any, rows: int):
-        self.images, self.sampler, self.rows = images, sampler, rows
-        self.flops_per_image = 0.0  # set by the task once the model exists
-
-    def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
-        idx = self.sampler.local_indices(position)
-        epoch = position // max(self.rows, 1)
-        out = []
-        for part in np.array_split(idx, grad_accum):
-            x, y = self.images.get(part, epoch)
-            out.append(MicroBatch(x, y, len(part), 0, self.flops_per_image * len(part)))
-        return out
