@@ -69,6 +69,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   touch "$stamp"
 fi
 
+# configs/resnet_cpu.yaml trains on the real Fashion-MNIST images (Debian's dataset-fashion-mnist, 30 MB:
+# /usr/share/datasets/fashion-mnist/*-ubyte.gz); `scaleout data prepare-fashion-mnist` writes them as images.
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] apt-get install dataset-fashion-mnist"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends dataset-fashion-mnist >/tmp/scaleout-apt.log 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends dataset-fashion-mnist >>/tmp/scaleout-apt.log 2>&1; } \
+      || echo "[setup] warning: apt-get install dataset-fashion-mnist failed (see /tmp/scaleout-apt.log); configs/resnet_cpu.yaml needs it"
+  else
+    echo "[setup] not root: skipping apt-get install dataset-fashion-mnist (configs/resnet_cpu.yaml needs it)"
+  fi
+fi
+
 if [ $want_test = 1 ]; then
   pkgs=""
   command -v slurmctld >/dev/null || pkgs="$pkgs slurm-wlm"
