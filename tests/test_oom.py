@@ -30,7 +30,9 @@ def test_step_out_of_memory_is_one_line_naming_rank_step_batch(monkeypatch) -> N
         task=SimpleNamespace(samples_per_step=lambda n: (64, 64 * 128)),
         optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}]),
         _start_clock=lambda: 0.0,
+        mlperf_log=SimpleNamespace(close=lambda: None),
     )
+    fake._train = lambda: trainer_mod.Trainer._train(fake)  # train() = _train() + closing the log
 
     def oom(step):
         raise torch.OutOfMemoryError(report)
