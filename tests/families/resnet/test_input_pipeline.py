@@ -240,7 +240,7 @@ def test_gpu_decode_host_half_matches_the_cpu_path(tmp_path: Path, folder: Path)
         box, flip = T.train_params(500, 375, 7, 3, i, 0.3)
         assert batch.boxes[i] == tuple(map(float, box)) and batch.flips[i] == flip
     decoded = [
-        torch.from_numpy(np.asarray(Image.open(io.BytesIO(t.numpy().tobytes())).convert("RGB")))
+        torch.from_numpy(np.array(Image.open(io.BytesIO(t.numpy().tobytes())).convert("RGB")))
         .permute(2, 0, 1)
         .contiguous()
         for t in batch.jpegs
