@@ -476,11 +476,11 @@ def check_gpu_decode(
         img = np.clip(img + rng.normal(0, 12, img.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()
         Image.fromarray(img).save(buf, format="JPEG", quality=90)
-        jpegs.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+        jpegs.append(buf.getvalue())
         box, flip = train_params(w, h, 0, 0, i)
         boxes.append(tuple(float(v) for v in box))
         flips.append(flip)
-    batch = JpegBatch(jpegs, boxes, flips, 224)
+    batch = JpegBatch.of(jpegs, boxes, flips, 224)
     norm: dict[Any, Any] = {}
     dev = torch.device(device)
     seconds = _timed(

@@ -276,7 +276,7 @@ def _input_bytes(x: Any) -> int:
     from scaleout.train.prefetch import _nbytes
 
     if isinstance(x, JpegBatch):
-        return sum(t.nbytes for t in x.jpegs)
+        return x.data.nbytes
     return _nbytes(x)
 
 

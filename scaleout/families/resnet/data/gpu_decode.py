@@ -40,13 +40,34 @@ class JpegBatch:
     """Encoded images of one micro-batch and what to do with each, decided on the host. Plain
     Python (lists, floats, uint8 byte tensors) so nothing is read back from the device."""
 
-    jpegs: list[torch.Tensor]  # 1-D uint8 tensors: the encoded files (stay on the host)
+    data: torch.Tensor  # 1-D uint8: the encoded files end to end (stays on the host)
+    offsets: list[int]  # file i is data[offsets[i]:offsets[i + 1]]
     boxes: list[Box]  # crop box per image, in full-size pixels (left, top, right, bottom)
     flips: list[bool]  # horizontal flip per image
     size: int  # output side S
 
+    @classmethod
+    def of(cls, files: list[bytes], boxes: list[Box], flips: list[bool], size: int) -> JpegBatch:
+        """One tensor for the whole batch: a worker hands it over as one shared-memory block,
+        not one per image."""
+        offsets = np.cumsum([0, *(len(f) for f in files)]).tolist()
+        data = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8) if files else None
+        return cls(
+            data if data is not None else torch.zeros(0, dtype=torch.uint8),
+            offsets,
+            boxes,
+            flips,
+            size,
+        )
+
+    @property
+    def jpegs(self) -> list[torch.Tensor]:
+        """The encoded files as 1-D uint8 views (what decode_jpeg takes)."""
+        o = self.offsets
+        return [self.data[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+
     def __len__(self) -> int:
-        return len(self.jpegs)
+        return len(self.offsets) - 1
 
 
 def require_torchvision() -> Any:
@@ -112,16 +133,16 @@ class JpegImages:
         return eval_crop(w, h, f.image_size), False
 
     def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[JpegBatch, torch.Tensor]:
-        jpegs, boxes, flips = [], [], []
+        files, boxes, flips = [], [], []
         for i in indices:
             path, _ = self.folder.samples[int(i)]
             data, w, h = read_jpeg(path)
             box, flip = self.params(int(i), epoch, w, h)
-            jpegs.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            files.append(data)
             boxes.append(tuple(float(v) for v in box))
             flips.append(flip)
         y = torch.tensor([self.folder.samples[int(i)][1] for i in indices], dtype=torch.long)
-        return JpegBatch(jpegs, boxes, flips, self.folder.image_size), y
+        return JpegBatch.of(files, boxes, flips, self.folder.image_size), y
 
 
 def crop_resize_flip(images: list[torch.Tensor], batch: JpegBatch) -> torch.Tensor:
