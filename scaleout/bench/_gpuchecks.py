@@ -5,6 +5,7 @@ the driver (scaleout/bench/gpucheck.py) as one process per GPU and report throug
 from __future__ import annotations
 
 import functools
+import io
 import statistics
 import time
 from collections.abc import Callable
@@ -448,8 +449,6 @@ def check_gpu_decode(
     """data.decode=gpu on this device: one batched nvJPEG decode of ``images`` synthetic
     ``size`` JPEGs (quality 90) + crop/resize/flip + normalise, images/s. SKIP without
     torchvision."""
-    import io
-
     import numpy as np
     from PIL import Image
 
