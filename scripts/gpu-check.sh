@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU half of the flagship path in one command: NCCL world of every GPU, tiny BERT bf16/fp16 training to
 # its first evaluation, CUDA-graph capture, varlen attention, LAMB/LARS vs torch's fused optimizers,
-# packed BERT-large tokens/s + MFU, hierarchical/torus all-reduce vs NCCL (2+ GPUs). Prints a table
+# packed BERT-large tokens/s + MFU, ResNet-50 bf16 img/s at 35/64/128 per GPU (+ nvJPEG decode rate with
+# torchvision), hierarchical/torus all-reduce vs NCCL (2+ GPUs). Prints a table
 # (check | result | number | expected), writes bench-results/gpucheck.json, exits 1 if any check fails.
 # Without CUDA the GPU rows are SKIP (with the reason) and it exits 0, unless `nvidia-smi -L` lists a GPU:
 # then torch cannot see a GPU this machine has, and it exits 1 saying why. Under 8 minutes on one H100/H200.

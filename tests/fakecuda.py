@@ -33,6 +33,7 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   and torch's object collectives use the device as they do under NCCL; a group created with
   ``new_group(backend="gloo")`` under FakeCuda is a CPU group, as on a NCCL world (host tensors
   and host object collectives allowed): ``cpu_groups`` holds their names;
+- ``tensor.record_stream(s)`` is recorded in ``recorded`` (shape, dtype, stream name);
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site;
@@ -511,6 +512,8 @@ class FakeCuda:
         self._threads: list[str] = []  # threads that issued device collectives
         self._streams = 0
         self.h2d: list[tuple[str, str]] = []  # host -> device copies from pageable memory
+        # tensor.record_stream(s) calls: (shape, dtype, stream name) of the tensor a stream uses
+        self.recorded: list[tuple[tuple[int, ...], torch.dtype, str]] = []
         self.cpu_groups = _CPU_GROUPS  # names of the gloo groups made under FakeCuda
         self._undo: list[tuple[Any, str, Any]] = []
 
@@ -686,6 +689,13 @@ class FakeCuda:
         self._patch(torch.cuda, "current_stream", self.current_stream)
         self._patch(torch.cuda, "default_stream", lambda device=None: self.default)
         self._patch(torch.cuda, "stream", lambda stream: _StreamContext(self, stream))
+        # the caching allocator's note that a stream uses a tensor (torch's argument parser rejects
+        # a fake stream before any torch-function mode sees the call): recorded
+        self._patch(
+            torch.Tensor,
+            "record_stream",
+            lambda t, stream: self.recorded.append((tuple(t.shape), t.dtype, stream.name)),
+        )
         # process-wide: threads started from now on run under the mode too; the comm thread and
         # the comm streams of this context are its own
         boot = threading.Thread._bootstrap_inner

@@ -61,6 +61,7 @@ def test_gpu_check_script_skips_every_gpu_row_on_cpu(tmp_path: Path) -> None:
         "varlen",
         "optimizers",
         "bert_large",
+        "resnet50",
         "allreduce",
     ]
     assert rows[1]["result"] == "PASS", rows[1]
@@ -150,3 +151,23 @@ def test_rank_parts_on_gloo() -> None:
             r["allreduce"][a]["equal"] and r["allreduce"][a]["busbw_gbs"] > 0
             for a in ("flat", "hierarchical", "torus2d")
         ), r
+
+
+@pytest.mark.unit
+def test_resnet50_row_runs_on_cpu_at_tiny_shapes() -> None:
+    """The ResNet-50 images/s row's own code on CPU (ResNet-18 w4 at 32 px, batches 2 and 4):
+    uint8 NHWC inputs normalised in the step, bf16 autocast, LARS; eager only (graphs need CUDA
+    and a world). The GPU-decode row SKIPs here in one line: torchvision cannot be imported on
+    this machine."""
+    from scaleout.families.resnet.config import ResNetConfig
+
+    cfg = ResNetConfig(depth=18, width=4, num_classes=10, image_size=32)
+    [(name, result, number, expected)] = g.check_resnet50(None, "cpu", cfg, (2, 4), repeats=1)
+    assert name.startswith("ResNet-50") and result in ("PASS", "FAIL"), name
+    assert "img/s per GPU (eager) at batch 2: " in number and ", 4: " in number, number
+    assert "best " in number and ">= " in expected, (number, expected)
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 -- this machine: its wheel needs CUDA libraries
+        [(name, result, number, _)] = g.check_gpu_decode("cpu")
+        assert result == "SKIP" and "data.decode=gpu needs torchvision" in number, number

@@ -17,8 +17,8 @@ from scaleout.bench._harness import add_standard_arguments, emit
 
 NAME = "data"
 HELP = (
-    "input pipeline samples/s per CPU core (packed BERT, JPEG decode + augment), 0/1/2 workers; "
-    "host cores per accelerator"
+    "input pipeline samples/s per CPU core (packed BERT; JPEG decode paths: PIL float, PIL "
+    "reduced-scale uint8, GPU decode's host share), 0/1/2 workers; host cores per accelerator"
 )
 DESCRIPTION = """\
 Measures the trainer's own input pipeline (the task's micro_batches through
@@ -28,9 +28,16 @@ scaleout/train/prefetch.py, exactly what `scaleout train` runs) on this host, fo
            (LPFHP, <= 3 per row), collated into packed rows of 128 tokens
   bert512  full-length synthetic BERT samples of 512 tokens (76 mask slots, MLPerf's), the upper
            bound of host work per phase-2 sequence
-  resnet   ImageNet-like JPEGs (--jpeg-size, quality 90, made in memory with PIL from synthetic
-           images and written to a temporary ImageFolder) decoded + MLPerf-augmented (random-resized
-           crop to --image-size, flip, normalise)
+  resnet-float  ImageNet-like JPEGs (--jpeg-size, quality 90, made with PIL from synthetic
+           images and written to a temporary ImageFolder), the host path before issue 27: full
+           PIL decode + MLPerf augmentation (random-resized crop to --image-size, flip) +
+           normalise to float32 CHW on the host (4 bytes per pixel value to the device)
+  resnet   the same JPEGs, today's CPU path (data.decode=cpu): PIL reduced-scale decode
+           (Image.draft, the crop still >= the output size) + crop + flip, uint8 HWC out (1 byte
+           per value; the device normalises)
+  resnet-gpu  the same JPEGs, the host share of data.decode=gpu: read the file, parse the JPEG
+           header, decide crop box + flip; decode/crop/resize happen on the GPU (not measured
+           here: `scaleout bench gpucheck` has the device's rate)
 
 Each runs synchronously (0 workers: the baseline) and with 1 and 2 worker processes at --prefetch
 depths. Two numbers per row: samples/s with a consumer that takes no time (the pipeline's rate), and
@@ -41,13 +48,16 @@ a GPU), the fraction of the consumer's time spent waiting for data: the synchron
 half the time, a prefetching worker should hide it.
 
 Last, the host:accelerator ratio: host cores needed to feed one accelerator = its samples/s (public
-numbers, below; add your own with --accel NAME:PIPELINE=RATE) / samples per CPU-second of one core.
+numbers and the issue-27 targets, below; add your own with --accel NAME:PIPELINE=RATE, where
+PIPELINE=resnet applies to every resnet-* path) / samples per CPU-second of one core. The "H2D
+B/sample" column is what one sample sends to the device (images: pixels, or the JPEG bytes).
 Host work per sample does not depend on the model's size, so the tiny model's pipeline is
 BERT-large's.
 
 examples:
   scaleout bench data
   scaleout bench data --pipelines resnet --workers 0,1,2 --prefetch 1,4 --steps 12 --batch 32
+  scaleout bench data --pipelines resnet-float,resnet,resnet-gpu --workers 0 --steps 10
   scaleout bench data --accel my-npu:resnet=5000
 """
 
@@ -56,13 +66,18 @@ examples:
 # performance: NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP 2470 img/s; DGX-1 (V100 16GB) 1200 img/s.
 # BERT-large pre-training: NVIDIA DeepLearningExamples PaddlePaddle/LanguageModeling/BERT/README.md,
 # "Pre-training NVIDIA DGX A100 (8x A100 80GB)" 1 GPU AMP: 694 seq/s at 128, 264 seq/s at 512.
+# 2,500 and 3,000 img/s: issue 27's per-A100 target for the input pipeline (MLPerf-class ResNet-50
+# submissions train at ~2,500-3,000 img/s per A100).
 ACCELERATORS = {
+    "A100 (ResNet-50 target, issue 27)": ("resnet", 2500.0),
+    "A100 (ResNet-50 target high, issue 27)": ("resnet", 3000.0),
     "A100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 2470.0),
     "V100 (ResNet-50 AMP, NVIDIA DLE)": ("resnet", 1200.0),
     "A100 (BERT-large seq 128 AMP, NVIDIA DLE)": ("bert128", 694.0),
     "A100 (BERT-large seq 512 AMP, NVIDIA DLE)": ("bert512", 264.0),
 }
-PIPELINES = ("bert128", "bert512", "resnet")
+PIPELINES = ("bert128", "bert512", "resnet-float", "resnet", "resnet-gpu")
+RESNET = ("resnet-float", "resnet", "resnet-gpu")
 SMOKE_ARGS = [
     "--pipelines",
     "bert512",
@@ -159,7 +174,8 @@ def _write_jpegs(root: str, n: int, size: str, seed: int = 0) -> float:
 
 
 def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
-    from scaleout.config import load_config
+    from scaleout.config import load_config  # deferred: `scaleout bench --list` stays torch-free
+    from scaleout.families.resnet.data.gpu_decode import JpegImages  # deferred: as above
     from scaleout.train.task import build_task
 
     common = [
@@ -188,7 +204,7 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
                 "model.bert.max_position=512",
             ],
         )
-    else:
+    else:  # the resnet-* paths: one ImageFolder task, its image source swapped per path
         cfg = load_config(
             None,
             [
@@ -203,7 +219,65 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
                 "data.eval_samples=2",
             ],
         )
-    return build_task(cfg, world)
+    task = build_task(cfg, world)
+    if pipeline == "resnet-float":
+        task.batches.images = FloatImages(task.train_set)
+    elif pipeline == "resnet-gpu":
+        task.batches.images = JpegImages(task.train_set)
+        task.prepare_inputs = _unchanged  # the device half (nvJPEG) is not part of the host share
+    return task
+
+
+def _unchanged(x: Any) -> Any:
+    return x
+
+
+class FloatImages:
+    """The host path before issue 27, for the comparison: full PIL decode (no Image.draft), crop,
+    flip, then normalised float32 CHW on the host (transforms.normalise_reference)."""
+
+    def __init__(self, folder: Any):
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def get(self, indices: Any, epoch: int = 0) -> tuple[Any, Any]:
+        import numpy as np
+        import torch
+
+        from scaleout.families.resnet.data.transforms import load_image, normalise_reference
+
+        f = self.folder
+        x = np.stack(
+            [
+                normalise_reference(
+                    load_image(
+                        f.samples[int(i)][0],
+                        f.image_size,
+                        f.train,
+                        f.seed,
+                        epoch,
+                        int(i),
+                        f.crop_min_area,
+                        draft=False,
+                    )[None]
+                )[0]
+                for i in indices
+            ]
+        )
+        y = torch.tensor([f.samples[int(i)][1] for i in indices], dtype=torch.long)
+        return torch.from_numpy(x), y
+
+
+def _input_bytes(x: Any) -> int:
+    """Bytes one micro-batch's inputs send to the device (a JpegBatch: its encoded files)."""
+    from scaleout.families.resnet.data.gpu_decode import JpegBatch
+    from scaleout.train.prefetch import _nbytes
+
+    if isinstance(x, JpegBatch):
+        return x.data.nbytes
+    return _nbytes(x)
 
 
 def _cpu_s() -> float:
@@ -277,7 +351,11 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="scaleout-bench-data-") as tmp:
-            kb = _write_jpegs(tmp, args.images, args.jpeg_size) if "resnet" in pipes else 0.0
+            kb = (
+                _write_jpegs(tmp, args.images, args.jpeg_size)
+                if any(p in RESNET for p in pipes)
+                else 0.0
+            )
             for pipe in pipes:
                 results += _pipeline(pipe, _task(pipe, args, world, tmp), args, configs)
     finally:
@@ -292,8 +370,9 @@ def run(args: argparse.Namespace) -> int:
             "host_samples_per_core_s": per_core[pipe],
             "cores_per_accelerator": rate / per_core[pipe],
         }
-        for name, (pipe, rate) in accels.items()
-        if pipe in per_core
+        for name, (family, rate) in accels.items()
+        for pipe in per_core
+        if pipe == family or pipe.startswith(family + "-")
     ]
     payload = {
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
@@ -312,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
             "x sync",
             "samples/CPU-s",
             "data wait (accel = 1 core)",
+            "H2D B/sample",
         ],
         [
             [
@@ -322,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
                 r["samples_per_s"] / base_rate[r["pipeline"]],
                 r["samples_per_cpu_s"],
                 f"{r['data_wait_fraction']:.0%}",
+                round(r["h2d_bytes_per_sample"]),
             ]
             for r in results
         ],
@@ -380,6 +461,8 @@ def _pipeline(
 
     out: list[dict[str, Any]] = []
     base_step = None
+    probe = task.batches.micro_batches(0, 1)[0]
+    h2d_per_sample = _input_bytes(probe.inputs) / max(probe.samples, 1)
     for w, d in configs:
         print(
             f"[{pipe}] workers={w} prefetch={d or '-'}: timing {args.steps} steps ...",
@@ -403,6 +486,7 @@ def _pipeline(
                 "samples_per_cpu_s": fast["cpu_samples"] / max(fast["cpu_s"], 1e-9),
                 "data_wait_fraction": slow["wait_s"] / slow["wall_s"],
                 "emulated_accelerator_step_s": base_step,
+                "h2d_bytes_per_sample": h2d_per_sample,
             }
         )
     return out

@@ -24,7 +24,7 @@ from scaleout.comm import ALGORITHMS
 NAME = "gpucheck"
 HELP = (
     "GPU acceptance: NCCL world, bf16/fp16 training, CUDA graphs, varlen, optimizers, "
-    "BERT-large MFU, all-reduce"
+    "BERT-large MFU, ResNet-50 img/s, all-reduce"
 )
 DESCRIPTION = """\
 What the CPU test suite cannot show, checked on the GPUs of this machine in one go (< 8 min on one
@@ -42,7 +42,11 @@ exit status 1. The dependencies row (the project's imports the GPU rows need) ru
   5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes
   6. packed BERT-large (24 layers, seq 512) bf16 training step at the largest batch that fits:
      tokens/s and MFU against the device's bf16 peak
-  7. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's
+  7. ResNet-50 bf16 channels_last training step from uint8 batches already on the GPU (input
+     pipeline out, device normalisation in) at 35 / 64 / 128 images per GPU, eager and as a CUDA
+     graph: images/s, >= 2,500 at the best batch on an A100-class part; plus, when torchvision
+     imports, the batched nvJPEG decode rate of data.decode=gpu (SKIP otherwise)
+  8. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's
      own,
      and their bus bandwidth next to NCCL's
 
@@ -51,7 +55,16 @@ examples:
   scaleout bench gpucheck --only nccl,bert_large --out bench-results/gpucheck.json
 """
 
-CHECKS = ("nccl", "train", "capture", "varlen", "optimizers", "bert_large", "allreduce")
+CHECKS = (
+    "nccl",
+    "train",
+    "capture",
+    "varlen",
+    "optimizers",
+    "bert_large",
+    "resnet50",
+    "allreduce",
+)
 SMOKE_ARGS = ["--only", "nccl,capture"]  # without CUDA (nor nvidia-smi): GPU rows SKIP, exit 0
 Row = tuple[str, str, str, str]
 
@@ -362,7 +375,7 @@ def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Ro
         rows += _in_process(check_nccl, "NCCL world of every GPU", gpus, args)
     if "train" in only:
         rows += _in_process(check_train, "tiny BERT train", gpus, args)
-    local = [c for c in ("capture", "varlen", "optimizers", "bert_large") if c in only]
+    local = [c for c in ("capture", "varlen", "optimizers", "bert_large", "resnet50") if c in only]
     if local:  # in this process, on cuda:0, as a world of one
         world = scaleout.init(environment="single")
         try:
@@ -372,6 +385,7 @@ def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Ro
                     "varlen": g.check_varlen,
                     "optimizers": g.check_optimizers,
                     "bert_large": g.check_bert_large,
+                    "resnet50": lambda: g.check_resnet50(world) + g.check_gpu_decode(),
                 }[c]
                 rows += _in_process(fn, c)
         finally:

@@ -81,6 +81,11 @@ class DataConfig(_Section):
     pin_memory: bool = True  # used only when CUDA is present
     eval_samples: int = Field(256, ge=1, le=1 << 31)
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    # Images: random-resized-crop minimum area fraction (MLPerf reference 0.08; NVIDIA uses 0.05).
+    crop_min_area: float = Field(0.08, gt=0.0, le=1.0)
+    # Images: where JPEGs are decoded. cpu: PIL in the workers (reduced-scale decode, uint8 out);
+    # gpu: torchvision.io.decode_jpeg(device="cuda"), batched (families/resnet/data/gpu_decode.py).
+    decode: Literal["cpu", "gpu"] = "cpu"
 
 
 class OptimConfig(_Section):

@@ -83,9 +83,20 @@ class Task:
         device)."""
         dev = device or self.world.device
         return [
-            replace(mb, inputs=to_device(mb.inputs, dev), target=to_device(mb.target, dev))
+            replace(
+                mb,
+                inputs=self.prepare_inputs(to_device(mb.inputs, dev)),
+                target=to_device(mb.target, dev),
+            )
             for mb in self.batches.micro_batches(position, grad_accum)
         ]
+
+    def prepare_inputs(self, inputs: Any) -> Any:
+        """The host batch's inputs, just copied to the device, as the model takes them (default:
+        unchanged). Runs on the device: ResNet turns uint8 NHWC pixels into normalised float NCHW
+        here. The prefetcher calls it on its copy stream right after the host-to-device copy, so
+        it overlaps the previous step's kernels; ``micro_batches`` and evaluation call it too."""
+        return inputs
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError

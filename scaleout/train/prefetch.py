@@ -55,9 +55,10 @@ Design, and why:
   so
   it gets ``ceil(prefetch / num_workers)``.
 - **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on a
-  side stream; the compute stream waits on that stream only when it uses the batch, so the copy
-  overlaps the kernels of the previous step still queued on the device (the host runs ahead of the
-  GPU).
+  side stream; the task's ``prepare_inputs`` (ResNet: uint8 NHWC -> normalised float NCHW) runs on
+  that stream right after the copy; the compute stream waits on that stream only when it uses the
+  batch, so copy and preparation overlap the kernels of the previous step still queued on the
+  device (the host runs ahead of the GPU).
 - **Preemption signals do not reach the workers.** Slurm delivers ``--signal=USR2@T`` (without
   ``B:``),
   scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers, forkserver
@@ -171,6 +172,17 @@ def _record(x: Any, stream: Any) -> None:
             _record(v, stream)
 
 
+def _nbytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (nested lists, tuples, dicts)."""
+    if isinstance(x, torch.Tensor):
+        return x.nbytes
+    if isinstance(x, dict):
+        return sum(_nbytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
 class Prefetcher:
     """Ordered background producer of the trainer's per-step micro-batches (see the module
     docstring).
@@ -213,6 +225,9 @@ class Prefetcher:
         self.dataset = StepBatches(
             getattr(task, "batches", task), global_batch, grad_accum, start_step, stop_step
         )
+        # the task's device-side input hook (Task.prepare_inputs); None when given a bare builder
+        self.prepare = getattr(task, "prepare_inputs", None) if hasattr(task, "batches") else None
+        self.h2d_bytes = 0  # bytes of host tensors handed to the device so far (what crosses H2D)
         kw: dict[str, Any] = {}
         if num_workers > 0:
             kw = dict(
@@ -272,15 +287,24 @@ class Prefetcher:
                 f"prefetcher asked for step {step}, past its stop_step={self.dataset.stop_step}"
             ) from None
         self.next_step += 1
+        self.h2d_bytes += _nbytes(raw)
         if self.copy_stream is not None:
+            # copy and prepare (ResNet: uint8 NHWC -> normalised float NCHW) on the side stream;
+            # the compute stream waits for both, and the caching allocator learns that the
+            # compute stream uses what the side stream allocated
             with torch.cuda.stream(self.copy_stream):
-                moved = to_device(raw, self.device)
+                moved = self._prepare(to_device(raw, self.device))
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             _record(moved, compute)
         else:
-            moved = to_device(raw, self.device)
+            moved = self._prepare(to_device(raw, self.device))
         return [MicroBatch(*fields) for fields in moved]
+
+    def _prepare(self, moved: list[Any]) -> list[Any]:
+        if self.prepare is None:
+            return moved
+        return [(self.prepare(fields[0]), *fields[1:]) for fields in moved]
 
     def worker_cpu_s(self) -> float:
         """CPU seconds (user + system) the live workers have used so far, from /proc (Linux).

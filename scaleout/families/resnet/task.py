@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scaleout.data.batches import MicroBatch
+from scaleout.data.batches import MicroBatch, to_device
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageBatches, ImageFolder, SyntheticImages
+from scaleout.families.resnet.data.gpu_decode import (
+    JpegBatch,
+    JpegImages,
+    check_gpu_decode,
+    decode_on_device,
+)
+from scaleout.families.resnet.data.transforms import MEAN, STD
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
 from scaleout.families.resnet.model import build_resnet
@@ -26,6 +33,8 @@ class ResNetTask(Task):
     def __init__(self, cfg: Config, world: World):
         super().__init__(cfg, world)
         r, d = cfg.model.resnet, cfg.data
+        check_input_pipeline(cfg, world.device)
+        self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if d.source == "imagenet":
             if not d.path:
                 raise ConfigError(
@@ -34,11 +43,17 @@ class ResNetTask(Task):
                 )
             self.train_set = ImageFolder(d.path, "train", r.image_size)
             self.eval_set = ImageFolder(d.path, "val", r.image_size)
+            self.train_set.crop_min_area = d.crop_min_area
+            if d.decode == "gpu":  # workers read bytes + crop boxes; decode in prepare_inputs
+                self.train_set, self.eval_set = (
+                    JpegImages(self.train_set),
+                    JpegImages(self.eval_set),
+                )
             self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
         elif d.source == "synthetic":
             n = max(cfg.train.global_batch * 256, 4096)
             self.train_set = SyntheticImages(
-                r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed
+                r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed, uint8=True
             )
             self.eval_set = self.train_set
             self.eval_idx = np.arange(
@@ -62,6 +77,14 @@ class ResNetTask(Task):
             self.model = self.model.to(memory_format=torch.channels_last)
         tune_convolutions(world.device)
 
+    def prepare_inputs(self, inputs: Any) -> torch.Tensor:
+        """On the device: (GPU decode, then) uint8 NHWC pixels -> float NCHW normalised with the
+        ImageNet mean/std, channels_last strides on CUDA (the permute of NHWC is channels_last
+        for free), contiguous on CPU (the CPU model's format)."""
+        if isinstance(inputs, JpegBatch):
+            inputs = decode_on_device(inputs, self.world.device)
+        return normalise_images(inputs, self._norm)
+
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return F.cross_entropy(model(mb.inputs), mb.target)
 
@@ -76,9 +99,10 @@ class ResNetTask(Task):
         for i in range(0, len(mine), 64):
             part = mine[i : i + 64]
             x, y = self.eval_set.get(part)
+            x = self.prepare_inputs(to_device(x, w.device))
             with self.autocast():
-                pred = model(x.to(w.device, non_blocking=True)).argmax(1)
-            counts.add((pred == y.to(w.device, non_blocking=True)).sum(), len(part))
+                pred = model(x).argmax(1)
+            counts.add((pred == to_device(y, w.device)).sum(), len(part))
         model.train(was_training)
         return counts.ratio()
 
@@ -103,3 +127,40 @@ def tune_convolutions(device: torch.device) -> None:
     several times slower for channels_last bf16 convolutions."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+
+
+def normalise_images(
+    x: torch.Tensor, cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> torch.Tensor:
+    """uint8 NHWC pixels on any device -> float32 NCHW ``(x / 255 - MEAN) / STD``: the same
+    float32 operations the host used to run (transforms.normalise_reference), so equal to it.
+    ``cache`` keeps the per-device mean/std tensors (made once per device). A float tensor is
+    taken as already prepared."""
+    if x.dtype != torch.uint8:
+        return x
+    dev = x.device
+    consts = None if cache is None else cache.get(dev)
+    if consts is None:
+        consts = tuple(
+            to_device(torch.from_numpy(a.copy()).view(1, 3, 1, 1), dev) for a in (MEAN, STD)
+        )
+        if cache is not None:
+            cache[dev] = consts
+    mean, std = consts
+    y = x.permute(0, 3, 1, 2).float().div_(255.0).sub_(mean).div_(std)
+    if dev.type == "cuda":
+        return y.contiguous(memory_format=torch.channels_last)  # a no-op for a permuted NHWC
+    return y.contiguous()
+
+
+def check_input_pipeline(cfg: Config, device: torch.device) -> None:
+    """Input settings that cannot feed this device, refused in one line before anything runs."""
+    d = cfg.data
+    if d.decode == "gpu":
+        check_gpu_decode(device, d.source)
+    elif d.source == "imagenet" and d.num_workers == 0 and torch.device(device).type == "cuda":
+        raise ConfigError(
+            "data.num_workers=0 with data.source=imagenet on a GPU decodes every JPEG on the "
+            "training thread (about a tenth of what a GPU trains): set data.num_workers (8-12 "
+            "per GPU; scaleout bench data measures it) or data.decode=gpu"
+        )

@@ -10,12 +10,12 @@ folders)::
 Classes are the sorted folder names (label = position). Training images get the MLPerf reference
 augmentation (random-resized crop, scale 0.08-1, aspect 3/4-4/3, then a random horizontal flip),
 deterministic per (seed, epoch, index); evaluation images are resized to S/0.875 on the short side
-and center-cropped to S. Both are normalised with the ImageNet channel mean/std.
+and center-cropped to S. Decode and augmentation are in ``transforms.py``; images leave the host
+as uint8 NHWC and are normalised on the device (``ResNetTask.prepare_inputs``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -23,16 +23,17 @@ import numpy as np
 import torch
 
 from scaleout.errors import UserError
+from scaleout.families.resnet.data.transforms import MEAN, STD, load_image
 
-MEAN = np.array(
-    [0.485, 0.456, 0.406], dtype=np.float32
-)  # ImageNet RGB mean (torchvision/MLPerf reference)
-STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+__all__ = ["EXTENSIONS", "MEAN", "STD", "ImageFolder"]
+
 EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 
 class ImageFolder:
     """Reads ``<root>/<split>/<class>/<image>`` with PIL (see module docstring for the layout)."""
+
+    crop_min_area = 0.08  # data.crop_min_area (the task sets it); decode: transforms.py
 
     def __init__(
         self,
@@ -71,48 +72,18 @@ class ImageFolder:
         return len(self.samples)
 
     def _load(self, i: int, epoch: int) -> np.ndarray:
-        from PIL import Image
-
         path, _ = self.samples[i]
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            s = self.image_size
-            if self.train:
-                rng = np.random.default_rng([self.seed, epoch, i])
-                im = _random_resized_crop(im, s, rng)
-                if rng.random() < 0.5:
-                    im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            else:
-                short = round(s / 0.875)  # resize 256 / crop 224 (standard ImageNet evaluation)
-                w, h = im.size
-                scale = short / min(w, h)
-                im = im.resize((max(s, round(w * scale)), max(s, round(h * scale))), Image.BILINEAR)
-                w, h = im.size
-                left, top = (w - s) // 2, (h - s) // 2
-                im = im.crop((left, top, left + s, top + s))
-            a = np.asarray(im, dtype=np.float32) / 255.0
-        return ((a - MEAN) / STD).transpose(2, 0, 1)
+        return load_image(
+            path, self.image_size, self.train, self.seed, epoch, i, self.crop_min_area
+        )
 
     def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        x = np.stack([self._load(int(i), epoch) for i in indices])
+        """(uint8 images [B, S, S, 3] RGB, int64 labels [B]); the task normalises on the device."""
+        s = self.image_size
+        x = (
+            np.stack([self._load(int(i), epoch) for i in indices])
+            if len(indices)
+            else np.zeros((0, s, s, 3), np.uint8)
+        )
         y = torch.tensor([self.samples[int(i)][1] for i in indices], dtype=torch.long)
         return torch.from_numpy(x), y
-
-
-def _random_resized_crop(im, size: int, rng: np.random.Generator):
-    """Inception-style crop: area 8-100 %, aspect 3/4-4/3, 10 tries, then a center crop (MLPerf
-    reference)."""
-    from PIL import Image
-
-    w, h = im.size
-    area = w * h
-    for _ in range(10):
-        target = area * rng.uniform(0.08, 1.0)
-        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-        cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
-        if 0 < cw <= w and 0 < ch <= h:
-            left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-            return im.resize((size, size), Image.BILINEAR, box=(left, top, left + cw, top + ch))
-    side = min(w, h)
-    left, top = (w - side) // 2, (h - side) // 2
-    return im.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from scaleout.errors import UserError
+from scaleout.families.resnet.data.transforms import MEAN, STD
 
 
 class SyntheticImages:
@@ -23,6 +24,7 @@ class SyntheticImages:
         length: int = 1_281_167,
         seed: int = 0,
         noise: float = 1.0,
+        uint8: bool = False,
     ):
         if num_classes < 2 or image_size < 8 or length < 1:
             raise UserError(
@@ -36,6 +38,7 @@ class SyntheticImages:
             seed,
             noise,
         )
+        self.uint8 = uint8
         g = torch.Generator().manual_seed(seed)
         low = torch.randn(num_classes, 3, 4, 4, generator=g)
         self.templates = torch.nn.functional.interpolate(
@@ -55,7 +58,10 @@ class SyntheticImages:
         )
 
     def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(images [B, 3, S, S] float32, labels [B]) for the given sample indices."""
+        """(images, labels [B] int64) for the given sample indices: images are normalised float32
+        [B, 3, S, S], or with ``uint8`` the host batch format of the real sources, uint8
+        [B, S, S, 3] RGB pixels (the float image de-normalised with transforms.MEAN/STD, rounded and
+        clipped to 0..255; the task's prepare_inputs normalises it back on the device)."""
         y = self.labels(indices)
         s = self.image_size
         noise = (
@@ -73,10 +79,20 @@ class SyntheticImages:
             if len(indices)
             else torch.zeros(0, 3, s, s)
         )
-        return self.templates[y] + self.noise * noise, y
+        x = self.templates[y] + self.noise * noise
+        return (to_uint8_nhwc(x) if self.uint8 else x), y
 
     def fixed_batch(
         self, batch: int, device: str | torch.device = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.get(np.arange(batch))
         return x.to(device), y.to(device)
+
+
+def to_uint8_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """Normalised float NCHW -> uint8 NHWC pixels (the inverse of the device normalisation,
+    rounded and clipped)."""
+    mean = torch.from_numpy(MEAN).view(1, 3, 1, 1)
+    std = torch.from_numpy(STD).view(1, 3, 1, 1)
+    px = ((x * std + mean) * 255.0).round_().clamp_(0, 255)
+    return px.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
