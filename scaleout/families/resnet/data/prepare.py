@@ -52,9 +52,8 @@ def prepare_imagenet(
     _prepare_val(out / "val", val, labels, meta, set(classes), progress)
     progress("checking counts (and building the file index training reads)")
     tr = ImageFolder(out, "train", expect_classes=expect_classes, expect_images=expect_train)
-    va = ImageFolder(
-        out, "val", classes_from=tr, expect_classes=expect_classes, expect_images=expect_val
-    )
+    n_train = len(tr)  # train's counts are checked first
+    va = ImageFolder(out, "val", classes_from=tr, expect_images=expect_val)
     n_val = len(va)
     val_classes = sorted({int(c) for c in va.labels})
     if len(val_classes) != len(tr.classes):
@@ -63,7 +62,7 @@ def prepare_imagenet(
             f"{out}/val has no images of class {tr.classes[missing[0]]!r} ({len(missing)} in all);"
             f" expected val's classes to be train's {len(tr.classes)}"
         )
-    summary = {"classes": len(tr.classes), "train": len(tr), "val": n_val}
+    summary = {"classes": len(tr.classes), "train": n_train, "val": n_val}
     progress(f"{out}: {summary['classes']} classes, {summary['train']} train, {n_val} val images")
     return summary
 
