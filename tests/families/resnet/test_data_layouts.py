@@ -384,3 +384,78 @@ def _refused(capsys, pattern: str) -> None:
     """The command's error is one line on stderr that matches ``pattern``."""
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(pattern, err), err
+
+
+def _task_on(world, overrides: list[str]) -> dict:
+    """Build the ResNet task on 2 real ranks, counting this rank's directory listings."""
+    from scaleout.config import load_config
+    from scaleout.train.task import build_task
+
+    calls = {"n": 0}
+    saved = (os.scandir, os.listdir)
+
+    def counted(real):
+        def f(*a, **k):
+            calls["n"] += 1
+            return real(*a, **k)
+
+        return f
+
+    os.scandir, os.listdir = counted(saved[0]), counted(saved[1])
+    try:
+        task = build_task(load_config(None, overrides), world)
+        at_build = calls["n"]
+        try:
+            first = task.batches.micro_batches(0, 1)[0].target.tolist()
+        except UserError as exc:
+            first = str(exc)
+        return {
+            "at_build": at_build,
+            "rows": task.rows,
+            "first": first,
+            "sampler": type(task.sampler).__name__,
+            "idx": task.sampler.local_indices(0).tolist() if not isinstance(first, str) else None,
+            "eval": task.eval_idx.tolist() if not isinstance(first, str) else None,
+        }
+    finally:
+        os.scandir, os.listdir = saved
+
+
+@pytest.mark.multi_process
+def test_task_reads_no_tree_before_the_clock_on_any_layout(tmp_path):
+    """data.source=imagenet lists nothing when the task is built (its sizes are known; the counts
+    are checked at the first batch, after run_start); data.source=images reads its size from the
+    index, which only rank 0 lists; shards get the per-node sampler."""
+    root = make_tree(tmp_path / "f", {"n01": 4, "n02": 4}, {"n01": 2, "n02": 2})
+    write_shards(root, tmp_path / "s", 0.0005, progress=lambda _: None)
+    small = [
+        "model.arch=resnet",
+        "model.resnet.depth=18",
+        "model.resnet.width=4",
+        "model.resnet.num_classes=4",
+        "model.resnet.image_size=8",
+        "train.global_batch=4",
+        "data.eval_samples=2",
+        f"train.output_dir={tmp_path / 'out'}",
+    ]
+    imagenet = run_dist(
+        _task_on, nproc_per_node=2, args=([*small, "data.source=imagenet", f"data.path={root}"],)
+    )
+    assert [r["at_build"] for r in imagenet] == [0, 0] and imagenet[0]["rows"] == 1_281_167
+    assert "train/ has 2 class folders; expected 1000" in imagenet[0]["first"]
+    for p in (root / ".scaleout-index").iterdir():
+        p.unlink()  # a fresh tree for the images run
+    images = run_dist(
+        _task_on, nproc_per_node=2, args=([*small, "data.source=images", f"data.path={root}"],)
+    )
+    assert images[0]["at_build"] > 0 and images[1]["at_build"] == 0, images
+    assert [r["rows"] for r in images] == [8, 8] and images[0]["sampler"] == "ShardedSampler"
+    assert images[0]["eval"] == [0, 2]  # a subset spread over the class-sorted val: both classes
+    shards = run_dist(
+        _task_on,
+        nproc_per_node=2,
+        args=([*small, "data.source=images", f"data.path={tmp_path / 's'}"],),
+    )
+    assert [r["at_build"] for r in shards] == [0, 0] and shards[0]["sampler"] == "NodeShardSampler"
+    assert [r["rows"] for r in shards] == [8, 8]
+    assert not set(shards[0]["idx"]) & set(shards[1]["idx"])  # the node's ranks: disjoint slices
