@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,8 +90,11 @@ def load_or_build(
                 _atomic(error, lambda p: p.write_text(message))
                 raise
             _atomic(path, lambda p: np.savez(p, **arrays))
-            for old in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*"):
-                if old.name not in (path.name, error.name) and ".tmp" not in old.name:
+            same = re.compile(
+                rf"{re.escape(path.name.rsplit('-', 1)[0])}-[0-9a-f]{{12}}\.(npz|error)"
+            )
+            for old in path.parent.iterdir():  # rank 0 only, a small folder
+                if same.fullmatch(old.name) and old.name not in (path.name, error.name):
                     old.unlink(missing_ok=True)  # indexes of an older version of the tree
             return arrays
         _wait(path, error, rank, timeout_s)
