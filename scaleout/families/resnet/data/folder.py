@@ -144,7 +144,7 @@ class ImageFolder:
         if self.expect_images is not None and n != self.expect_images:
             raise UserError(f"{where} has {n} images; expected {self.expect_images}")
         if self.classes_from is None:
-            arrays["labels"] = arrays["folder"].astype(np.int64)
+            arrays["labels"] = arrays["folder"]  # the same array: no copy per worker
             self._classes = folders
             return arrays
         train = self.classes_from.classes
@@ -156,7 +156,7 @@ class ImageFolder:
                 f"{self.classes_from.split}/ does not have; expected val classes among "
                 f"{self.classes_from.split}'s {len(train)}"
             )
-        remap = np.array([position[c] for c in folders], np.int64)
+        remap = np.array([position[c] for c in folders], np.int32)
         arrays["labels"] = remap[arrays["folder"]]
         self._classes = train
         return arrays
