@@ -253,7 +253,7 @@ class FloatImages:
             [
                 normalise_reference(
                     load_image(
-                        f.samples[int(i)][0],
+                        f._open(int(i)),
                         f.image_size,
                         f.train,
                         f.seed,
@@ -266,7 +266,7 @@ class FloatImages:
                 for i in indices
             ]
         )
-        y = torch.tensor([f.samples[int(i)][1] for i in indices], dtype=torch.long)
+        y = torch.tensor([int(f.labels[int(i)]) for i in indices], dtype=torch.long)
         return torch.from_numpy(x), y
 
 

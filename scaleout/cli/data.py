@@ -1,5 +1,5 @@
-"""scaleout data: MLPerf BERT shards -- write them from the offline corpus, index them for lazy
-training."""
+"""scaleout data: MLPerf BERT shards (write them from the offline corpus, index them for lazy
+training) and image data (ImageNet as an ImageFolder, images as tar shards)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from pathlib import Path
 NAME = "data"
 ORDER = 42
 HELP = (
-    "MLPerf BERT shards: 'make-shards' (offline corpus -> HDF5 in the MLPerf layout), 'index' "
-    "(lazy training)"
+    "MLPerf BERT shards: 'make-shards', 'index'; images: 'prepare-imagenet' (ILSVRC2012 -> "
+    "checked ImageFolder), 'make-image-shards' (ImageFolder -> tar shards)"
 )
 DESCRIPTION = """\
 scaleout data make-shards DIR --shards N [--layout fixed|varlength|packed] [--max-seq-len 128] ...
 scaleout data index DIR [--max-seq-len 512] [--packing lphp] [--max-per-pack 3] [--seed 0]
+scaleout data prepare-imagenet OUT --train DIR --val DIR [--labels FILE [--meta meta.mat]]
+scaleout data make-image-shards IMAGEFOLDER OUT [--shard-mb 256]
 
 make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in
 the MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -28,7 +30,24 @@ index: builds the per-shard length index and packs that lazy training reads
 (DIR/train/.scaleout-index); training builds it itself when missing (in parallel over the ranks),
 this does it ahead of time.
 
+prepare-imagenet: the ILSVRC2012 download as OUT/train/<wnid>/ and OUT/val/<wnid>/
+(docs/data-layouts.md). --train: class folders, or the 1,000 n*.tar that ILSVRC2012_img_train.tar
+holds (unpacked into OUT/train/<wnid>/). --val: the flat ILSVRC2012_val_*.JPEG folder, filed into
+class folders with hard links (symlinks across file systems; nothing is copied) using --labels: the
+devkit's ILSVRC2012_validation_ground_truth.txt plus --meta (the devkit's meta.mat, needs scipy),
+Kaggle's LOC_val_solution.csv, or a text file of '<file> <wnid>' lines. Then checks 1,000 classes,
+1,281,167 train and 50,000 val images (--expect-* change them) and that val's classes are train's,
+and builds the file index training reads. Train on it with data.source=imagenet data.path=OUT.
+
+make-image-shards: an ImageFolder (IMAGEFOLDER/train, /val) as tar shards in the webdataset layout:
+OUT/train-000000.tar ... and OUT/val-000000.tar ..., members <key>.jpg + <key>.cls, OUT/classes.txt,
+about --shard-mb MB each, with their member index. Train on it with data.path=OUT (data.format=auto
+finds the shards); each node reads only its own shards (i % nodes == node).
+
 examples:
+  scaleout data prepare-imagenet /data/imagenet --train /raw/train --val /raw/val \
+    --labels /raw/LOC_val_solution.csv
+  scaleout data make-image-shards /data/imagenet /data/imagenet-shards --shard-mb 256
   scaleout data make-shards /tmp/shards --shards 8
   scaleout data make-shards /tmp/packed --shards 4 --layout packed --max-seq-len 128
   scaleout data index /tmp/shards --max-seq-len 128 --packing lphp
@@ -71,9 +90,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--packing", default="lphp", help="none, spfhp, lpfhp, nnlshp, lphp or auto")
     i.add_argument("--max-per-pack", type=int, default=3)
     i.add_argument("--seed", type=int, default=0, help="data.seed of the runs that will read it")
+    pi = sub.add_parser(
+        "prepare-imagenet",
+        help="ILSVRC2012 train/val -> a checked ImageFolder (val filed by its labels)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pi.add_argument("out", help="output folder (OUT/train, OUT/val)")
+    pi.add_argument("--train", required=True, help="class folders, or the n*.tar class tars")
+    pi.add_argument("--val", required=True, help="flat ILSVRC2012_val_*.JPEG folder")
+    pi.add_argument(
+        "--labels",
+        help="val labels: ILSVRC2012_validation_ground_truth.txt (with --meta), "
+        "LOC_val_solution.csv, or '<file> <wnid>' lines",
+    )
+    pi.add_argument("--meta", help="the devkit's meta.mat (ILSVRC2012 ID -> wnid)")
+    pi.add_argument("--expect-classes", type=int, default=1000, help="default 1000")
+    pi.add_argument("--expect-train", type=int, default=1_281_167, help="default 1281167")
+    pi.add_argument("--expect-val", type=int, default=50_000, help="default 50000")
+    ms = sub.add_parser(
+        "make-image-shards",
+        help="ImageFolder -> tar shards (webdataset layout) with their index",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ms.add_argument("src", help="ImageFolder root (src/train/<class>/..., src/val/<class>/...)")
+    ms.add_argument("out", help="output folder for <split>-NNNNNN.tar")
+    ms.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MB (default 256)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "prepare-imagenet":
+        from scaleout.families.resnet.data.prepare import (  # deferred: PIL/torch for this action
+            prepare_imagenet,
+        )
+
+        summary = prepare_imagenet(
+            args.out,
+            args.train,
+            args.val,
+            args.labels,
+            args.meta,
+            args.expect_classes,
+            args.expect_train,
+            args.expect_val,
+            progress=lambda line: print(line, flush=True),
+        )
+        print(json.dumps(summary))
+        return 0
+    if args.action == "make-image-shards":
+        from scaleout.families.resnet.data.shards import (  # deferred: PIL/torch for this action
+            write_shards,
+        )
+
+        t = time.perf_counter()
+        summary = write_shards(
+            args.src, args.out, args.shard_mb, progress=lambda line: print(line, flush=True)
+        )
+        print(json.dumps({**summary, "seconds": round(time.perf_counter() - t, 2)}))
+        return 0
     if args.action == "make-shards":
         from scaleout.families.bert.data.make_shards import make_shards
 

@@ -62,6 +62,13 @@ def _data_source() -> Any:
 class DataConfig(_Section):
     source: _data_source() = "synthetic"  # type: ignore[valid-type]
     path: str | None = None
+    # Image sets (data.source imagenet/images): folder = <path>/{train,val}/<class>/<image>,
+    # shards = <path>/{train,val}-NNNNNN.tar (webdataset layout); auto = shards when
+    # <path>/train-000000.tar exists (docs/data-layouts.md).
+    format: Literal["auto", "folder", "shards"] = "auto"
+    # Keep decoded uint8 images in memory (per process, up to 12 GiB per rank split over its
+    # workers, as NVIDIA's DALI_CACHE_SIZE): with shards, each node's share of the set.
+    cache_decoded: bool = False
     max_seq_len: int = Field(512, ge=8, le=1 << 17)
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
     max_per_pack: int = Field(3, ge=1)

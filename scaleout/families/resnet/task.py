@@ -1,4 +1,5 @@
-"""``ResNetTask``: image classification (synthetic images or an ImageFolder), metric = top-1."""
+"""``ResNetTask``: image classification (synthetic images, or a real set as class folders or tar
+shards), metric = top-1."""
 
 from __future__ import annotations
 
@@ -18,11 +19,17 @@ from scaleout.families.resnet.data.gpu_decode import (
     check_gpu_decode,
     decode_on_device,
 )
+from scaleout.families.resnet.data.prepare import IMAGENET_CLASSES, IMAGENET_TRAIN, IMAGENET_VAL
+from scaleout.families.resnet.data.shards import NodeShardSampler, ShardImages, has_shards
 from scaleout.families.resnet.data.transforms import MEAN, STD
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
 from scaleout.families.resnet.model import build_resnet
 from scaleout.families.task import Counts, Task
+
+# data.cache_decoded: decoded images kept per rank (split over its workers), as NVIDIA's
+# DALI_CACHE_SIZE
+DECODED_CACHE_BYTES = 12 << 30
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -35,39 +42,33 @@ class ResNetTask(Task):
         r, d = cfg.model.resnet, cfg.data
         check_input_pipeline(cfg, world.device)
         self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        if d.source == "imagenet":
-            if not d.path:
-                raise ConfigError(
-                    "data.source=imagenet needs data.path (an ImageFolder root with train/ and "
-                    "val/)"
-                )
-            self.train_set = ImageFolder(d.path, "train", r.image_size)
-            self.eval_set = ImageFolder(d.path, "val", r.image_size)
+        if d.source in ("imagenet", "images"):
+            self._open_images(cfg, world)
             self.train_set.crop_min_area = d.crop_min_area
             if d.decode == "gpu":  # workers read bytes + crop boxes; decode in prepare_inputs
                 self.train_set, self.eval_set = (
                     JpegImages(self.train_set),
                     JpegImages(self.eval_set),
                 )
-            self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
         elif d.source == "synthetic":
             n = max(cfg.train.global_batch * 256, 4096)
             self.train_set = SyntheticImages(
                 r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed, uint8=True
             )
             self.eval_set = self.train_set
-            self.eval_idx = np.arange(
+            self._eval_idx = np.arange(
                 n, n + d.eval_samples
             )  # held out: never in the training range
             self.train_set.length = n
+            self.rows = len(self.train_set)
+            self.sampler = ShardedSampler(
+                self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+            )
         else:
             raise ConfigError(
-                f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)"
+                f"data.source={d.source!r} is not an image source (expected synthetic, imagenet "
+                "or images)"
             )
-        self.rows = len(self.train_set)
-        self.sampler = ShardedSampler(
-            self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
-        )
         self.batches = ImageBatches(self.train_set, self.sampler, self.rows)
         self.model = build_resnet(r, world)
         # forward 2 FLOPs per multiply-add, backward 2x forward; any bn_group (flops.py)
@@ -84,6 +85,78 @@ class ResNetTask(Task):
         if isinstance(inputs, JpegBatch):
             inputs = decode_on_device(inputs, self.world.device)
         return normalise_images(inputs, self._norm)
+
+    def _open_images(self, cfg: Config, world: World) -> None:
+        """A real labelled set at data.path, as class folders or tar shards (data.format), opened
+        lazily: nothing is listed here (the index is built on the first item access, after
+        run_start; scaleout/families/resnet/data/index.py). data.source=imagenet also checks
+        ImageNet's counts, and its known size is the training set's size until then."""
+        r, d = cfg.model.resnet, cfg.data
+        if not d.path:
+            raise ConfigError(
+                f"data.source={d.source} needs data.path (train/ and val/ class folders, or "
+                "train-000000.tar ... shards)"
+            )
+        shards = d.format == "shards" or (d.format == "auto" and has_shards(d.path))
+        cls = ShardImages if shards else ImageFolder
+        imagenet = d.source == "imagenet"
+        workers = max(d.num_workers, 1)
+        common = {
+            "rank": world.rank,
+            "index_root": cfg.train.output_dir,
+            "expect_classes": IMAGENET_CLASSES if imagenet else None,
+            "cache_bytes": DECODED_CACHE_BYTES // workers if d.cache_decoded else 0,
+            "max_classes": r.num_classes,
+        }
+        self.train_set = cls(
+            d.path,
+            "train",
+            r.image_size,
+            seed=d.seed,
+            expect_images=IMAGENET_TRAIN if imagenet else None,
+            **common,
+        )
+        self.eval_set = cls(
+            d.path,
+            "val",
+            r.image_size,
+            classes_from=self.train_set,
+            expect_images=IMAGENET_VAL if imagenet else None,
+            **common,
+        )
+        self.info["data_layout"] = "shards" if shards else "folder"
+        # ImageNet's size is known; any other set's is read from its index (metadata, which
+        # MLPerf allows before the clock: one file read per rank, rank 0 builds it if missing)
+        self.rows = IMAGENET_TRAIN if imagenet else len(self.train_set)
+        self._eval_idx = None
+        g = cfg.train.global_batch
+        if shards:
+            nodes = world.ranks_per_node
+            node = next(n for n, ranks in enumerate(nodes) if world.rank in ranks)
+            self.sampler = NodeShardSampler(
+                self.train_set,
+                self.rows,
+                g,
+                world.rank,
+                world.world_size,
+                node,
+                len(nodes),
+                nodes[node].index(world.rank),
+                len(nodes[node]),
+                seed=d.seed,
+            )
+        else:
+            self.sampler = ShardedSampler(self.rows, g, world.rank, world.world_size, seed=d.seed)
+
+    @property
+    def eval_idx(self) -> np.ndarray:
+        """The evaluated val samples: all, or data.eval_samples of them spread evenly over the
+        (class-sorted) set, so that every class is in a subset."""
+        if self._eval_idx is None:
+            n = len(self.eval_set)
+            k = min(self.cfg.data.eval_samples, n)
+            self._eval_idx = np.arange(k, dtype=np.int64) * n // k
+        return self._eval_idx
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return F.cross_entropy(model(mb.inputs), mb.target)
@@ -114,6 +187,8 @@ class ResNetTask(Task):
 
     @property
     def eval_size(self) -> int:
+        if self._eval_idx is None and self.cfg.data.source == "imagenet":
+            return min(self.cfg.data.eval_samples, IMAGENET_VAL)  # known: no listing for it
         return len(self.eval_idx)
 
     def epoch_of(self, samples: int) -> int:

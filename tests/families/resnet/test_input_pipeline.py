@@ -101,7 +101,7 @@ def test_device_normalisation_equals_the_old_host_float_path(folder: Path) -> No
     1e-6, and the crop/flip decisions are the old ones draw for draw."""
     train = ImageFolder(folder, "train", image_size=32, seed=5)
     for i in range(len(train)):
-        path = train.samples[i][0]
+        path = train.path(i)
         u8 = T.load_image(path, 32, True, seed=5, epoch=2, index=i, draft=False)
         assert u8.dtype == np.uint8 and u8.shape == (32, 32, 3)
         got = normalise_images(torch.from_numpy(u8[None].copy()))
@@ -248,7 +248,7 @@ def test_gpu_decode_host_half_matches_the_cpu_path(tmp_path: Path, folder: Path)
     out = crop_resize_flip(decoded, batch)
     assert out.shape == (4, 32, 32, 3) and out.dtype == torch.uint8
     cpu = np.stack(
-        [T.load_image(train.samples[i][0], 32, True, 7, 3, i, 0.3, False) for i in range(4)]
+        [T.load_image(train.path(i), 32, True, 7, 3, i, 0.3, False) for i in range(4)]
     )
     assert np.abs(out.numpy().astype(float) - cpu.astype(float)).mean() < 6.0
     for mode, fmt in (("CMYK", "JPEG"), ("RGB", "PNG")):

@@ -24,8 +24,9 @@ on the host as RGB JPEG (quality 95) so the batch is always decodable by nvJPEG.
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -100,13 +101,16 @@ def check_gpu_decode(device: torch.device, source: str) -> None:
     require_torchvision()
 
 
-def read_jpeg(path: str) -> tuple[bytes, int, int]:
+def read_jpeg(path: str | IO[bytes]) -> tuple[bytes, int, int]:
     """(the file as JPEG bytes, full width, full height) from the header; non-JPEG or non-RGB/L
     files re-encoded as RGB JPEG (module docstring)."""
     from PIL import Image  # deferred: PIL only where images are read (workers)
 
-    with open(path, "rb") as f:
-        data = f.read()
+    if isinstance(path, str | os.PathLike):
+        with open(path, "rb") as f:
+            data = f.read()
+    else:  # a file object (a tar shard's member)
+        data = path.read()
     with Image.open(io.BytesIO(data)) as im:
         w, h = im.size  # header only: nothing decoded
         if im.format == "JPEG" and im.mode in ("RGB", "L"):
@@ -118,7 +122,7 @@ def read_jpeg(path: str) -> tuple[bytes, int, int]:
 
 class JpegImages:
     """The host half over an :class:`~scaleout.families.resnet.data.folder.ImageFolder` (its
-    samples, split, seed, size and crop area): ``get`` returns ``(JpegBatch, labels)``."""
+    files, labels, split, seed, size and crop area): ``get`` returns ``(JpegBatch, labels)``."""
 
     def __init__(self, folder: Any):
         self.folder = folder
@@ -135,13 +139,13 @@ class JpegImages:
     def get(self, indices: np.ndarray, epoch: int = 0) -> tuple[JpegBatch, torch.Tensor]:
         files, boxes, flips = [], [], []
         for i in indices:
-            path, _ = self.folder.samples[int(i)]
-            data, w, h = read_jpeg(path)
+            data, w, h = read_jpeg(self.folder._open(int(i)))
             box, flip = self.params(int(i), epoch, w, h)
             files.append(data)
             boxes.append(tuple(float(v) for v in box))
             flips.append(flip)
-        y = torch.tensor([self.folder.samples[int(i)][1] for i in indices], dtype=torch.long)
+        labels = self.folder.labels
+        y = torch.tensor([int(labels[int(i)]) for i in indices], dtype=torch.long)
         return JpegBatch.of(files, boxes, flips, self.folder.image_size), y
 
 

@@ -21,10 +21,11 @@ pixels each way, so the output is resampled *down* as before (never up from a co
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def _draft_request(w: int, h: int, box: Box, size: int) -> tuple[int, int]:
 
 
 def load_image(
-    source: str | os.PathLike[str] | bytes,
+    source: str | os.PathLike[str] | bytes | np.ndarray | IO[bytes],
     size: int,
     train: bool,
     seed: int = 0,
@@ -87,12 +88,17 @@ def load_image(
     min_area: float = 0.08,
     draft: bool = True,
 ) -> np.ndarray:
-    """One image (a path or the encoded bytes) decoded and augmented: ``uint8 [size, size, 3]``
+    """One image (a path, a file object, the encoded bytes, or an already decoded uint8 RGB
+    array) decoded and augmented: ``uint8 [size, size, 3]``
     RGB. ``draft``: decode a JPEG at reduced scale where the crop allows (module docstring)."""
     from PIL import Image  # deferred: PIL only where images are decoded (workers), not on import
 
-    f: Any = io.BytesIO(source) if isinstance(source, bytes | bytearray) else source
-    with Image.open(f) as im:
+    if isinstance(source, np.ndarray):  # already decoded (the decoded cache): uint8 [H, W, 3]
+        im_ctx: Any = contextlib.nullcontext(Image.fromarray(source))
+    else:
+        f: Any = io.BytesIO(source) if isinstance(source, bytes | bytearray) else source
+        im_ctx = Image.open(f)
+    with im_ctx as im:
         w, h = im.size  # from the header: nothing decoded yet
         if train:
             box, flip = train_params(w, h, seed, epoch, index, min_area)
