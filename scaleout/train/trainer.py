@@ -42,6 +42,7 @@ from scaleout.observe import (
     RunStop,
     StepRecord,
     Throughput,
+    eval_due,
 )
 from scaleout.optim import build_optimizer, build_schedule
 from scaleout.parallel import DataParallel
@@ -83,12 +84,6 @@ log = logging.getLogger("scaleout.train")
 # parameters). Empty in a real run; tests install scaleout.train.faults.NanInjection through its
 # variable.
 GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
-
-
-def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
-    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from
-    ``every``), as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
-    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
 
 
 @dataclass
@@ -523,6 +518,8 @@ class Trainer:
                 world.device,
             ),
             resumed_from=self.resumed_from,
+            steps_per_epoch=steps_per_epoch,
+            train_set_size=self.task.rows,
         )
         for observer in self.observers:
             observer.on_init_end(init_end)
