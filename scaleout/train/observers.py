@@ -301,6 +301,7 @@ class ReportWriter(Observer):
             real_tokens=run.tokens,
             achieved=end.metric,
             target=cfg.train.target,
+            hpcai500_target=cfg.hpcai500.target if cfg.hpcai500 is not None else None,
             quality_exponent=self.quality_exponent,
             device_name=peak.name,
             peak_flops_per_device=peak.flops,

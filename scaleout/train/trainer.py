@@ -86,6 +86,17 @@ log = logging.getLogger("scaleout.train")
 GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
 
 
+def check_fixed_epochs(cfg: Config, steps_per_epoch: int) -> None:
+    """hpcai500.epochs (HPC-AI500's fixed-epoch protocol): train.max_steps must be exactly that
+    many epochs of ``steps_per_epoch`` steps."""
+    h = cfg.hpcai500
+    if h is not None and h.epochs is not None and cfg.train.max_steps != h.epochs * steps_per_epoch:
+        raise UserError(
+            f"hpcai500.epochs={h.epochs} needs train.max_steps={h.epochs * steps_per_epoch} "
+            f"({steps_per_epoch} steps per epoch), got train.max_steps={cfg.train.max_steps}"
+        )
+
+
 @dataclass
 class TrainResult:
     """What ``Trainer.train`` / ``run_training`` return."""
@@ -402,7 +413,7 @@ class Trainer:
                 break
             if eval_now:
                 self.metric = self.evaluate(last=done)
-                if cfg.train.target is not None and self.metric >= cfg.train.target:
+                if self.stops_at_target and self.metric >= cfg.train.target:
                     status = "success"
                     break
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
@@ -475,6 +486,14 @@ class Trainer:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    @property
+    def stops_at_target(self) -> bool:
+        """Stop when an evaluation reaches train.target: unless there is none, or HPC-AI500's
+        fixed-epoch protocol (hpcai500.epochs) runs every epoch whatever the quality."""
+        h = self.cfg.hpcai500
+        fixed = h is not None and h.epochs is not None
+        return self.cfg.train.target is not None and not fixed
+
     def evaluate(self, last: bool = False) -> float:
         """One evaluation of the task's metric, between the observers' eval events. ``last``: no
         training follows (train.max_steps reached)."""
@@ -483,7 +502,7 @@ class Trainer:
         for observer in self.observers:
             observer.on_eval_start(at)
         value = self.task.evaluate(self.task.model)
-        reached = target is not None and value >= target
+        reached = self.stops_at_target and value >= target
         record = EvalRecord(
             step=self.step,
             samples=self.samples,
@@ -507,6 +526,7 @@ class Trainer:
         if self.preemption is None:
             self.preemption = preempt.install()
         steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
+        check_fixed_epochs(cfg, steps_per_epoch)
         init_end = InitEnd(
             benchmark=self.task.benchmark,
             hyperparameters=hyperparameters(

@@ -81,7 +81,8 @@ def _resnet_case(world, k: int) -> dict:
     torch.manual_seed(1)
     model = build_resnet(cfg, world)
     torch.manual_seed(1)
-    plain = build_resnet(cfg.model_copy(update={"bn_group": 1}), None)
+    plain_cfg = cfg.model_copy(update={"bn_group": 1})
+    plain = build_resnet(plain_cfg, None)
     torch.manual_seed(2)
     x_all = torch.randn(2 * world.world_size, 3, 16, 16)
     groups = bn_group_ranks(world.ranks_per_node, k)
@@ -98,7 +99,15 @@ def _resnet_case(world, k: int) -> dict:
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         err_grad = max(err_grad, ((g - q.grad).abs().max() / (q.grad.abs().max() + 1e-12)).item())
-    return {"y": (y - yr[pos * 2 : pos * 2 + 2]).abs().max().item(), "grad_rel": err_grad}
+    from scaleout.families.resnet.flops import forward_macs
+    from scaleout.families.resnet.model import count_macs
+
+    return {
+        "y": (y - yr[pos * 2 : pos * 2 + 2]).abs().max().item(),
+        "grad_rel": err_grad,
+        # multiply-adds counted on the real bn_group = 2 model: the formula's, as for bn_group = 1
+        "macs": (count_macs(model, (1, 3, 16, 16)), forward_macs(cfg), forward_macs(plain_cfg)),
+    }
 
 
 class _DtypeLog(TorchDispatchMode):
@@ -171,6 +180,8 @@ def test_group_bn_matches_plain_bn_over_group_batch():
             assert case["eval"] < 1e-5
         assert res["resnet"]["y"] < 1e-4, res["resnet"]
         assert res["resnet"]["grad_rel"] < 1e-4, res["resnet"]
+        macs = res["resnet"]["macs"]
+        assert macs[0] == macs[1] == macs[2] > 0, macs
         bf = res["bf16"]  # activation dtype in and out, fp32 statistics, no fp64 anywhere
         assert bf["y_dtype"] == bf["dx_dtype"] == torch.bfloat16 and not bf["fp64"], bf
         assert bf["y"] < 2e-2 and bf["dx"] < 2e-2 and bf["rm"] < 1e-4, bf
