@@ -78,12 +78,19 @@ def bn_process_group(world: World, k: int) -> Any:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Use torch's CUDA batch-norm kernels: x's memory is on a GPU. The storage's device, not
+    ``x.is_cuda``: an emulated device (tests/fakecuda.py) answers is_cuda for CPU memory, where
+    those kernels do not exist."""
+    return x.is_cuda and x.untyped_storage().device.type == "cuda"
+
+
 def _local_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's per-channel (mean, biased variance) in fp32, whatever x's dtype. CUDA: torch's
     fused Welford kernel (``torch.batch_norm_stats``, as SyncBatchNorm uses), which reads x once
     and materialises nothing. Elsewhere (CPU, tests): a two-pass fp32 mean/variance (the kernel
     exists only for CUDA)."""
-    if x.is_cuda:
+    if _fused(x):
         mean, invstd = torch.batch_norm_stats(x, eps)
         return mean, invstd.pow(-2) - eps
     dims = [0] + list(range(2, x.dim()))
@@ -114,7 +121,7 @@ class _GroupBNFunction(torch.autograd.Function):
         mean, var, n = _combine(rows, c)
         invstd = torch.rsqrt(var + eps)
         w = weight.float()
-        if x.is_cuda:  # fused: fp32 maths, output in x's dtype (bf16 under autocast)
+        if _fused(x):  # fused: fp32 maths, output in x's dtype (bf16 under autocast)
             y = torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
         else:  # y = x * scale + shift with per-channel fp32 coefficients, cast to x's dtype
             shape = [1, c] + [1] * (x.dim() - 2)
@@ -132,7 +139,7 @@ class _GroupBNFunction(torch.autograd.Function):
         x, weight, mean, invstd, n, counts = ctx.saved_tensors
         c = dy.shape[1]
         dy = dy.contiguous(memory_format=_memory_format(x))
-        if dy.is_cuda:
+        if _fused(dy):
             sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
                 dy, x, mean, invstd, weight, True, True, True
             )
@@ -146,7 +153,7 @@ class _GroupBNFunction(torch.autograd.Function):
         both = torch.cat([sum_dy, sum_dy_xmu])
         dist.all_reduce(both, group=ctx.group)
         sum_dy, sum_dy_xmu = both[:c], both[c:]
-        if dy.is_cuda:
+        if _fused(dy):
             dx = torch.batch_norm_backward_elemt(
                 dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts.to(torch.int32)
             )
