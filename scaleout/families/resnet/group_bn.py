@@ -110,8 +110,9 @@ def _combine(stats: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 class _GroupBNFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, eps, group_size):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, group, eps):  # type: ignore[override]
         c = x.shape[1]
+        group_size = dist.get_world_size(group)  # the group's own size (a host-side lookup)
         local_mean, local_var = _local_stats(x, eps)
         count = torch.full((1,), x.numel() // c, dtype=torch.float32, device=x.device)
         mine = torch.cat([local_mean, local_var, count])
@@ -169,7 +170,7 @@ class _GroupBNFunction(torch.autograd.Function):
                 dy,
                 a.to(dy.dtype).view(shape),
             )
-        return dx, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None
+        return dx, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
@@ -211,9 +212,7 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         else:
             self.num_batches_tracked.add_(1)
             factor = self.momentum
-        y, mean, var, n = _GroupBNFunction.apply(
-            x, self.weight, self.bias, self.group, self.eps, self.group_size
-        )
+        y, mean, var, n = _GroupBNFunction.apply(x, self.weight, self.bias, self.group, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
                 unbiased = var * (n / (n - 1).clamp_min(1))  # n = 1: factor 1, no host read
