@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -304,3 +305,126 @@ def _relaxed_rules(tmp: Path, ruleset: str, benchmark: str, target: float) -> Pa
         raise UserError(f"{rule}: expected one eval_accuracy threshold to replace, found {n}")
     rule.write_text(text)
     return tmp / f"training_{ruleset}" / "common.yaml"
+
+
+# -- RCP check over seeds ----------------------------------------------------------------------
+
+
+@dataclass
+class RCPResult:
+    """What :func:`check_rcp` found: the checker's verdict over one set of seed logs."""
+
+    passed: bool
+    message: str  # the checker's: "RCP found", "RCP Interpolation", "Missing RCP ...", ...
+    benchmark: str
+    ruleset: str
+    global_batch: int
+    epochs: list[float]  # epochs to converge per log (inf: did not converge), in log order
+    required_runs: int  # the submission runs the rules ask for at this benchmark (resnet: 5)
+    norm_factor: float  # the checker's score normalisation (1.0: converged no faster than the RCP)
+    logs: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        rows = "\n".join(
+            f"  {e if e != float('inf') else 'did not converge'}  {p}"
+            for e, p in zip(self.epochs, self.logs, strict=True)
+        )
+        short = len(self.logs) < self.required_runs
+        note = (
+            f"\nnote: {len(self.logs)} logs; an RCP claim needs {self.required_runs} runs"
+            if short
+            else ""
+        )
+        return (
+            f"RCP check ({self.benchmark}, ruleset {self.ruleset}, global batch "
+            f"{self.global_batch}): {'PASSED' if self.passed else 'FAILED'}: {self.message}\n"
+            f"epochs to converge per log:\n{rows}\n"
+            f"score normalisation factor: {self.norm_factor:.4f}{note}"
+        )
+
+
+def find_logs(paths: list[str | os.PathLike[str]]) -> list[Path]:
+    """MLPerf logs named on a command line: files as given; a directory gives every
+    ``mlperf.log`` under it (one run directory per seed) and its ``result_*.txt`` files."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and (f.name == "mlperf.log" or re.fullmatch(r"result_.*\.txt", f.name))
+            )
+            if not found:
+                raise UserError(f"{p}: no mlperf.log or result_*.txt under this directory")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise UserError(f"{p}: no such MLPerf log file or directory")
+    return out
+
+
+def check_rcp(
+    logs: list[str | os.PathLike[str]],
+    benchmark: str | None = None,
+    ruleset: str | None = None,
+    rcp_file: str | os.PathLike[str] | None = None,
+    rcp_pass: str = "pruned_rcps",
+) -> RCPResult:
+    """Run ``mlperf_logging.rcp_checker`` (the real one) over the seed logs ``logs`` (files or
+    directories, :func:`find_logs`): the last attempt of each (:func:`split_attempts`) becomes one
+    ``result_<i>.txt``, as a submission's results directory holds them. ``benchmark`` defaults to
+    the logs' ``submission_benchmark``; ``ruleset`` to :data:`RULESET`'s; ``rcp_file`` replaces the
+    package's RCP table (the checker's ``--custom_rcps``: e.g. RCPs measured for a CPU stand-in)."""
+    from mlperf_logging.rcp_checker import rcp_checker  # deferred: scipy and numpy on demand
+
+    files = find_logs(logs)
+    if len(files) < 3:
+        raise UserError(
+            f"the RCP check needs at least 3 seed logs (olympic scoring drops the fastest and the "
+            f"slowest), got {len(files)}"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        results = []
+        for i, f in enumerate(files):
+            attempts = split_attempts(f.read_text(encoding="latin-1"))
+            if not attempts:
+                raise UserError(f"{f}: no :::MLLOG lines")
+            results.append(Path(tmp) / f"result_{i}.txt")
+            results[-1].write_text(attempts[-1])
+        found = _logged_benchmark(results[0])
+        benchmark = benchmark or found
+        if benchmark not in RULESET:
+            raise UserError(
+                f"no MLPerf ruleset known for benchmark {benchmark!r} (expected one of "
+                f"{sorted(RULESET)})"
+            )
+        ruleset = ruleset or RULESET[benchmark]
+        epochs = [rcp_checker.read_submission_file(str(r), ruleset, False)[1] for r in results]
+        bs = rcp_checker.get_submission_epochs([str(r) for r in results], ruleset, False)[0]
+        custom = open(rcp_file) if rcp_file is not None else None  # noqa: SIM115
+        try:
+            passed, message, norm = rcp_checker.check_directory(
+                tmp, "training", ruleset, False, False, rcp_file=custom, rcp_pass=rcp_pass
+            )
+        finally:
+            if custom is not None:
+                custom.close()
+    return RCPResult(
+        passed=bool(passed),
+        message=message,
+        benchmark=benchmark,
+        ruleset=ruleset,
+        global_batch=int(bs),
+        epochs=[float("inf") if e >= 1e9 else float(e) for e in epochs],
+        required_runs=rcp_checker.submission_runs["training"].get(benchmark, 0),
+        norm_factor=float(norm),
+        logs=[str(f) for f in files],
+    )
+
+
+def _logged_benchmark(path: Path) -> str | None:
+    m = re.search(r'"key":\s*"submission_benchmark",\s*"value":\s*"([^"]+)"', path.read_text())
+    return m.group(1) if m else None

@@ -27,6 +27,19 @@ from typing import Any, Literal
 RunStatus = Literal["success", "max_steps", "preempted", "aborted", "finished"]
 
 
+def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
+    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from
+    ``every``), as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
+    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
+
+
+def next_eval(steps_done: int, every: int, first: int = 0) -> int:
+    """The first step count after ``steps_done`` at which :func:`eval_due` holds."""
+    if steps_done < first:
+        return first
+    return steps_done + every - (steps_done - first) % every
+
+
 @dataclass(frozen=True)
 class InitEnd:
     """Everything is built (and resumed): the end of MLPerf's initialization."""
@@ -34,6 +47,8 @@ class InitEnd:
     benchmark: str  # MLPerf benchmark name of the task ("bert", "resnet")
     hyperparameters: dict[str, Any]  # MLPerf hyper-parameter events (scaleout/train/hparams.py)
     resumed_from: int | None  # the checkpoint's step, None for a fresh start
+    steps_per_epoch: int = 1  # optimizer steps per pass over the training set
+    train_set_size: int | None = None  # samples in the training set (ResNet's train_samples)
 
 
 @dataclass(frozen=True)

@@ -349,3 +349,110 @@ def test_a_dropped_logger_does_not_write_into_the_next_ones_file(tmp_path, monke
     assert name not in logging.Logger.manager.loggerDict
     ml.cache_clear()
     assert (tmp_path / "c.log").read_text() == ""
+
+
+def _resnet_cfg(**train) -> Config:
+    return Config.model_validate(
+        {
+            "model": {"arch": "resnet", "resnet": {"bn_group": 2}},
+            "optim": {
+                "name": "lars",
+                "lr": 8.0,
+                "weight_decay": 5e-5,
+                "warmup_steps": 3,
+                "total_steps": 12,
+                "end_lr": 1e-4,
+                "power": 2.0,
+            },
+            "train": {"global_batch": 8, "eval_every": 6, "max_steps": 12, "target": 0.759} | train,
+        }
+    )
+
+
+def _observe_resnet(path, cfg: Config, accuracies: dict[int, float]) -> list[tuple[str, dict]]:
+    """The trainer's observer calls for a 20-image training set at global batch 8 (3 steps per
+    epoch, NVIDIA's ceil), evaluations at the steps in ``accuracies``; returns (key, metadata)."""
+    from types import SimpleNamespace
+
+    from scaleout.observe import EvalRecord, EvalStart, InitEnd, RunStart, RunStop, StepRecord
+    from scaleout.train.observers import MLPerfObserver
+
+    world = SimpleNamespace(num_nodes=1, local_size=2, device="cpu")
+    obs = MLPerfObserver(MLPerfLogger(path), cfg, world)
+    hp = hyperparameters(cfg, world_size=2, config_file="resnet.yaml", steps_per_epoch=3)
+    obs.on_init_end(InitEnd("resnet", hp, None, steps_per_epoch=3, train_set_size=20))
+    obs.on_run_start(RunStart(0, 0, 0))
+    status = "max_steps"
+    for step in range(1, cfg.train.max_steps + 1):
+        samples = step * 8
+        obs.on_step(StepRecord(step, samples, 1.0, 0.1, 0.01, 8))
+        if step in accuracies:
+            obs.on_eval_start(EvalStart(step, samples, samples // 20))
+            done = accuracies[step] >= cfg.train.target or step == cfg.train.max_steps
+            obs.on_eval(
+                EvalRecord(step, samples, samples // 20, "top1", accuracies[step], 0.759, not done)
+            )
+            if accuracies[step] >= cfg.train.target:
+                status = "success"
+                break
+    obs.on_run_stop(RunStop(status, 1.0, samples, 10))
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line[line.index(":::MLLOG") + len(":::MLLOG") :])
+        out.append((rec["key"], rec.get("metadata", {}), rec.get("value")))
+    return out
+
+
+@pytest.mark.full_system
+def test_resnet_log_counts_epochs_as_the_reference_and_nvidia(tmp_path):
+    """ResNet's MLPerf log (B5 of the ResNet review): 1-based epochs of steps_per_epoch steps,
+    epoch_start/epoch_stop around each, block_start's epoch_count = the eval period in epochs,
+    train_samples = the training set's size (not samples trained), model_bn_span logged, the
+    reference's decay steps (train - warm-up + 1); and the unmodified checker passes."""
+    cfg = _resnet_cfg()
+    events = _observe_resnet(tmp_path / "r.log", cfg, {6: 0.5, 12: 0.77})
+    timeline = [
+        (k, m.get("first_epoch_num", m.get("epoch_num")), m.get("epoch_count"))
+        for k, m, _ in events
+        if k.startswith(("block_", "epoch_", "eval_"))
+    ]
+    assert timeline == [
+        ("block_start", 1, 2),
+        ("epoch_start", 1, None),
+        ("epoch_stop", 1, None),
+        ("epoch_start", 2, None),
+        ("epoch_stop", 2, None),
+        ("block_stop", 1, None),
+        ("eval_start", 2, None),
+        ("eval_accuracy", 2, None),
+        ("eval_stop", 2, None),
+        ("block_start", 3, 2),
+        ("epoch_start", 3, None),
+        ("epoch_stop", 3, None),
+        ("epoch_start", 4, None),
+        ("epoch_stop", 4, None),
+        ("block_stop", 3, None),
+        ("eval_start", 4, None),
+        ("eval_accuracy", 4, None),
+        ("eval_stop", 4, None),
+        ("eval_samples", None, None),
+    ]
+    values = {k: v for k, _, v in events}
+    assert values["train_samples"] == 20  # the data set, though 96 samples were trained
+    assert values["model_bn_span"] == 8  # 4 images per rank x bn_group 2
+    assert values["lars_opt_learning_rate_decay_steps"] == 12 - 3 + 1
+    ok, out = check_compliance(tmp_path / "r.log", "resnet")
+    assert ok, out
+
+
+@pytest.mark.unit
+def test_resnet_log_mid_epoch_evaluations_and_eval_offset(tmp_path):
+    """An evaluation inside an epoch carries that (1-based) epoch and the next block starts in
+    it; a first evaluation after eval_start_step steps makes the first block that long."""
+    cfg = _resnet_cfg(eval_every=4, eval_start_step=7, max_steps=11)
+    events = _observe_resnet(tmp_path / "r.log", cfg, {7: 0.5, 11: 0.6})
+    blocks = [(m["first_epoch_num"], m["epoch_count"]) for k, m, _ in events if k == "block_start"]
+    evals = [m["epoch_num"] for k, m, _ in events if k == "eval_accuracy"]
+    assert blocks == [(1, 3), (3, 2)] and evals == [3, 4]
+    assert [m["epoch_num"] for k, m, _ in events if k == "epoch_start"] == [1, 2, 3, 4]
+    assert dict((k, m) for k, m, _ in events)["run_stop"]["status"] == "aborted"

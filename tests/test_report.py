@@ -266,3 +266,67 @@ def test_cpu_peak_measurement_ignores_time_other_processes_hold_the_core():
     finally:
         os.sched_setaffinity(0, before)
     assert shared > 0.6 * alone, (shared, alone)
+
+
+def test_hpcai500_mode_valid_flops_against_its_own_target():
+    """hpcai500: Valid FLOPS against HPC-AI500's 0.763, not train.target (MLPerf's 0.759): a run
+    stopped at 0.759 gets (0.759/0.763)^5 = 0.974, not 1.0; the raw ratio is printed."""
+    from scaleout.config import load_config
+
+    cfg = load_config(None, ["model.arch=resnet", "hpcai500.epochs=90"])
+    assert (cfg.hpcai500.target, cfg.hpcai500.epochs) == (0.763, 90)
+    r = RunReport(
+        arch="resnet",
+        time_to_train_s=10.0,
+        steps=100,
+        samples=8000,
+        flops_per_sample=1e9,
+        devices=8,
+        achieved=0.759,
+        target=0.759,
+        hpcai500_target=cfg.hpcai500.target,
+    )
+    assert r.quality_ratio == pytest.approx(0.759 / 0.763)
+    assert r.valid_flops_per_s == pytest.approx(8e11 * 0.97412, rel=1e-4)
+    text = r.render()
+    assert "HPC-AI500 target 0.7630 (raw, uncapped)" in text and "0.9948" in text
+    assert r.to_dict()["quality_ratio"] == pytest.approx(0.99476, rel=1e-4)
+
+
+def test_hpcai500_fixed_epochs_protocol():
+    """hpcai500.epochs: exactly that many epochs (max_steps checked against the steps per
+    epoch), and the run does not stop at train.target."""
+    from types import SimpleNamespace
+
+    from scaleout.config import load_config
+    from scaleout.errors import UserError
+    from scaleout.train.trainer import Trainer, check_fixed_epochs
+
+    cfg = load_config(None, ["model.arch=resnet", "hpcai500.epochs=90", "train.target=0.759"])
+    with pytest.raises(UserError, match=r"hpcai500.epochs=90 needs train.max_steps=3240"):
+        check_fixed_epochs(cfg, 36)
+    check_fixed_epochs(
+        cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 3240})}), 36
+    )
+    assert not Trainer.stops_at_target.fget(SimpleNamespace(cfg=cfg))
+    report_only = load_config(
+        None, ["model.arch=resnet", "hpcai500.target=0.763", "train.target=0.759"]
+    )
+    assert Trainer.stops_at_target.fget(SimpleNamespace(cfg=report_only))
+    check_fixed_epochs(report_only, 36)  # no epochs: no protocol to check
+
+
+def test_resnet_flops_do_not_depend_on_bn_group():
+    """The review's B6/B7: bn_group > 1 once made the counted FLOPs 9.4x too high. FLOPs come from
+    the architecture (scaleout/families/resnet/flops.py); the BN group changes no multiply-add."""
+    from scaleout.config import load_config
+    from scaleout.families import FAMILIES
+
+    fam = FAMILIES.get("resnet")
+    one = load_config(None, ["model.arch=resnet", "model.resnet.bn_group=1"])
+    two = load_config(None, ["model.arch=resnet", "model.resnet.bn_group=2"])
+    assert (
+        fam.flops_per_sample(two)
+        == fam.flops_per_sample(one)
+        == pytest.approx(3 * 2 * 4.089e9, rel=1e-3)
+    )

@@ -265,6 +265,18 @@ class MLPerfConfig(_Section):
     stdout: bool = False
 
 
+class HPCAI500Config(_Section):
+    """HPC-AI500's report mode (BenchCouncil, arXiv 2007.00279; benchcouncil.org/aibench/hpcai500):
+    Valid FLOPS = FLOPS x (achieved / ``target``)^n against HPC-AI500's own quality target (ImageNet
+    top-1 0.763), not train.target (MLPerf's 0.759). ``epochs``: its fixed-epoch protocol (90 for
+    ResNet-50): the run trains exactly that many epochs (train.max_steps must equal epochs x steps
+    per epoch) and does not stop at train.target; null = report only, the run stops at
+    train.target as usual."""
+
+    target: float = Field(0.763, gt=0.0, le=1.0)
+    epochs: int | None = Field(None, ge=1)
+
+
 class LaunchConfig(_Section):
     # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS):
     # checked against the registry when validated, so an environment registered later is accepted
@@ -297,6 +309,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     mlperf: MLPerfConfig = MLPerfConfig()
     launch: LaunchConfig = LaunchConfig()
+    hpcai500: HPCAI500Config | None = None  # HPC-AI500 report mode (Valid FLOPS target, epochs)
 
     @model_validator(mode="after")
     def _periodic_checkpoints_need_a_dir(self) -> Config:

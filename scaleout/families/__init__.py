@@ -37,6 +37,11 @@ class Family:
     quality_exponent: ClassVar[float] = 5.0
     # Training samples of the reference data set (an MLPerf epoch), None where epochs count samples
     train_samples: ClassVar[int | None] = None
+    # The MLPerf log counts real epochs, as the ResNet reference and NVIDIA write it: 1-based epoch
+    # numbers of steps_per_epoch steps, block_start's epoch_count = the epochs until the next
+    # evaluation, epoch_start/epoch_stop around every epoch, train_samples = the training set's
+    # size. False (BERT): epoch_num = samples, one-epoch blocks, train_samples = samples trained.
+    mlperf_epochs: ClassVar[bool] = False
     # Parameters left without weight decay and trust ratio: name patterns (normalisation layers are
     # always excluded by type, scaleout/optim/groups.py)
     no_decay: ClassVar[tuple[str, ...]] = ("bias",)
@@ -80,7 +85,9 @@ class Family:
         """Checks that need the world size (Config.check_world); raise ConfigError naming the
         key."""
 
-    def mlperf_hparams(self, cfg: Any, steps_per_epoch: int | None = None) -> dict[str, Any]:
+    def mlperf_hparams(
+        self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1
+    ) -> dict[str, Any]:
         """The MLPerf hyper-parameter keys of this family (its optimizer's); the common ones are in
         scaleout.train.hparams."""
         return {"opt_name": cfg.optim.name, "opt_base_learning_rate": cfg.optim.lr}

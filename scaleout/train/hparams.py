@@ -52,4 +52,5 @@ def hyperparameters(
         "expert_parallelism": 1,
         "config_filename": os.path.basename(config_file),
     }
-    return {**common, **FAMILIES.get(cfg.model.arch).mlperf_hparams(cfg, steps_per_epoch)}
+    family = FAMILIES.get(cfg.model.arch)
+    return {**common, **family.mlperf_hparams(cfg, steps_per_epoch, world_size)}

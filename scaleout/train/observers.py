@@ -16,6 +16,7 @@ import torch.distributed as dist
 from scaleout.checkpoint import atomic_write
 from scaleout.config.schema import Config
 from scaleout.devices import device_peak
+from scaleout.families import FAMILIES
 from scaleout.log import print0
 from scaleout.metrics import Metrics
 from scaleout.mlperf import MLPerfLogger, default_platform
@@ -28,6 +29,8 @@ from scaleout.observe import (
     RunStart,
     RunStop,
     StepRecord,
+    eval_due,
+    next_eval,
 )
 from scaleout.profiler import StepProfiler, build_profiler
 from scaleout.report import RunReport
@@ -39,15 +42,25 @@ from scaleout.world import World
 class MLPerfObserver(Observer):
     """The MLPerf log (``<output_dir>/mlperf.log``): its constructor opens the initialization
     (cache_clear, init_start), so the trainer makes it first; the clock runs from run_start to
-    run_stop."""
+    run_stop.
+
+    Families with ``mlperf_epochs`` (ResNet) are logged as the MLPerf reference and NVIDIA's
+    ``mlperf_fit`` write them: an epoch is ``steps_per_epoch`` steps (NVIDIA's
+    ``get_epoch_size``), numbered from 1; ``epoch_start``/``epoch_stop`` around every epoch;
+    ``block_start`` carries the block's first epoch and ``epoch_count`` = the epochs until the next
+    evaluation (the eval period); evaluations carry the epoch of the last step trained; and
+    ``train_samples`` is the training set's size. Others (BERT) keep samples as epoch numbers."""
 
     def __init__(self, log: MLPerfLogger, cfg: Config, world: World):
         self.log, self.cfg, self.world = log, cfg, world
+        self.epochs = FAMILIES.get(cfg.model.arch).mlperf_epochs
+        self.spe, self.train_set_size, self.block_first = 1, None, 1
         log.cache_clear()  # MLPerf requires the cache_clear event first (caches are cold at init)
         log.init_start()
 
     def on_init_end(self, init: InitEnd) -> None:
         m = self.cfg.mlperf
+        self.spe, self.train_set_size = max(init.steps_per_epoch, 1), init.train_set_size
         self.log.submission(
             init.benchmark,
             org=m.org,
@@ -62,22 +75,64 @@ class MLPerfObserver(Observer):
             self.log.event("init_checkpoint_step", init.resumed_from)
         self.log.init_stop()
 
+    # -- epochs (mlperf_epochs families)
+    def _epoch_of_step(self, steps_done: int) -> int:
+        """The 1-based epoch the last step taken belongs to."""
+        return -(-steps_done // self.spe)
+
+    def _eval_due(self, steps_done: int) -> bool:
+        t = self.cfg.train
+        return eval_due(steps_done, t.eval_every, t.eval_start_step) or steps_done >= t.max_steps
+
+    def _block_start(self, steps_done: int, samples: int) -> None:
+        t = self.cfg.train
+        first = steps_done // self.spe + 1
+        until = min(next_eval(steps_done, t.eval_every, t.eval_start_step), t.max_steps)
+        count = max(self._epoch_of_step(until) - first + 1, 1)
+        self.block_first = first
+        self.log.block_start(first, count, samples)
+
     def on_run_start(self, start: RunStart) -> None:
         self.log.run_start()
-        self.log.block_start(start.epoch, 1, start.samples)
+        if not self.epochs:
+            self.log.block_start(start.epoch, 1, start.samples)
+            return
+        self._block_start(start.start_step, start.samples)
+        self.log.epoch_start(start.start_step // self.spe + 1, start.samples)
+
+    def on_step(self, record: StepRecord) -> None:
+        if not self.epochs or record.step % self.spe:
+            return
+        epoch = record.step // self.spe
+        self.log.epoch_stop(epoch, record.samples)
+        # the next epoch starts here unless an evaluation (its block_start) or the end comes first
+        if not (self._eval_due(record.step) or record.stop):
+            self.log.epoch_start(epoch + 1, record.samples)
 
     def on_eval_start(self, at: EvalStart) -> None:
-        self.log.block_stop(at.epoch, at.samples)
-        self.log.eval_start(at.epoch, at.samples)
+        if not self.epochs:
+            self.log.block_stop(at.epoch, at.samples)
+            self.log.eval_start(at.epoch, at.samples)
+            return
+        self.log.block_stop(self.block_first, at.samples)
+        self.log.eval_start(self._epoch_of_step(at.step), at.samples)
 
     def on_eval(self, record: EvalRecord) -> None:
-        self.log.eval_accuracy(record.value, record.epoch, record.samples)
-        self.log.eval_stop(record.epoch, record.samples)
-        if record.continues:
+        epoch = self._epoch_of_step(record.step) if self.epochs else record.epoch
+        self.log.eval_accuracy(record.value, epoch, record.samples)
+        self.log.eval_stop(epoch, record.samples)
+        if not record.continues:
+            return
+        if not self.epochs:
             self.log.block_start(record.epoch, 1, record.samples)
+            return
+        self._block_start(record.step, record.samples)
+        if record.step % self.spe == 0:  # an evaluation at an epoch's end: the next one starts
+            self.log.epoch_start(record.step // self.spe + 1, record.samples)
 
     def on_run_stop(self, stop: RunStop) -> None:
-        self.log.train_samples(stop.samples)
+        dataset = self.epochs and self.train_set_size is not None
+        self.log.train_samples(self.train_set_size if dataset else stop.samples)
         self.log.eval_samples(stop.eval_samples)
         self.log.run_stop("success" if stop.status == "success" else "aborted", stop.samples)
         self.log.close()  # the attempt's segment is complete
@@ -246,6 +301,7 @@ class ReportWriter(Observer):
             real_tokens=run.tokens,
             achieved=end.metric,
             target=cfg.train.target,
+            hpcai500_target=cfg.hpcai500.target if cfg.hpcai500 is not None else None,
             quality_exponent=self.quality_exponent,
             device_name=peak.name,
             peak_flops_per_device=peak.flops,

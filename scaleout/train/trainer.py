@@ -42,6 +42,7 @@ from scaleout.observe import (
     RunStop,
     StepRecord,
     Throughput,
+    eval_due,
 )
 from scaleout.optim import build_optimizer, build_schedule
 from scaleout.parallel import DataParallel
@@ -85,10 +86,15 @@ log = logging.getLogger("scaleout.train")
 GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
 
 
-def eval_due(steps_done: int, every: int, first: int = 0) -> bool:
-    """Evaluate after ``steps_done`` steps? Every ``every`` steps, from step ``first`` on (0: from
-    ``every``), as NVIDIA's eval_iter_start_samples / eval_iter_samples in steps."""
-    return steps_done >= first and (steps_done - first) % every == 0 and steps_done > 0
+def check_fixed_epochs(cfg: Config, steps_per_epoch: int) -> None:
+    """hpcai500.epochs (HPC-AI500's fixed-epoch protocol): train.max_steps must be exactly that
+    many epochs of ``steps_per_epoch`` steps."""
+    h = cfg.hpcai500
+    if h is not None and h.epochs is not None and cfg.train.max_steps != h.epochs * steps_per_epoch:
+        raise UserError(
+            f"hpcai500.epochs={h.epochs} needs train.max_steps={h.epochs * steps_per_epoch} "
+            f"({steps_per_epoch} steps per epoch), got train.max_steps={cfg.train.max_steps}"
+        )
 
 
 @dataclass
@@ -407,7 +413,7 @@ class Trainer:
                 break
             if eval_now:
                 self.metric = self.evaluate(last=done)
-                if cfg.train.target is not None and self.metric >= cfg.train.target:
+                if self.stops_at_target and self.metric >= cfg.train.target:
                     status = "success"
                     break
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
@@ -480,6 +486,14 @@ class Trainer:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    @property
+    def stops_at_target(self) -> bool:
+        """Stop when an evaluation reaches train.target: unless there is none, or HPC-AI500's
+        fixed-epoch protocol (hpcai500.epochs) runs every epoch whatever the quality."""
+        h = self.cfg.hpcai500
+        fixed = h is not None and h.epochs is not None
+        return self.cfg.train.target is not None and not fixed
+
     def evaluate(self, last: bool = False) -> float:
         """One evaluation of the task's metric, between the observers' eval events. ``last``: no
         training follows (train.max_steps reached)."""
@@ -488,7 +502,7 @@ class Trainer:
         for observer in self.observers:
             observer.on_eval_start(at)
         value = self.task.evaluate(self.task.model)
-        reached = target is not None and value >= target
+        reached = self.stops_at_target and value >= target
         record = EvalRecord(
             step=self.step,
             samples=self.samples,
@@ -512,6 +526,7 @@ class Trainer:
         if self.preemption is None:
             self.preemption = preempt.install()
         steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
+        check_fixed_epochs(cfg, steps_per_epoch)
         init_end = InitEnd(
             benchmark=self.task.benchmark,
             hyperparameters=hyperparameters(
@@ -523,6 +538,8 @@ class Trainer:
                 world.device,
             ),
             resumed_from=self.resumed_from,
+            steps_per_epoch=steps_per_epoch,
+            train_set_size=self.task.rows,
         )
         for observer in self.observers:
             observer.on_init_end(init_end)

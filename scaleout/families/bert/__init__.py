@@ -67,7 +67,9 @@ class BertFamily(Family):
         # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
         return samples
 
-    def mlperf_hparams(self, cfg: Any, steps_per_epoch: int | None = None) -> dict[str, Any]:
+    def mlperf_hparams(
+        self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1
+    ) -> dict[str, Any]:
         o = cfg.optim
         return {
             "opt_name": o.name,

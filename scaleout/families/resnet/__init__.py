@@ -42,6 +42,7 @@ class ResNetFamily(Family):
     metric = "top1"
     quality_exponent = 5.0  # HPC-AI500's n for image classification
     train_samples = IMAGENET_TRAIN_IMAGES
+    mlperf_epochs = True
     no_decay = LARS_EXCLUDE
     convolutions = True
     sim_preset = "resnet50"
@@ -63,18 +64,26 @@ class ResNetFamily(Family):
         if k > world_size or world_size % k:
             raise ConfigError(f"model.resnet.bn_group={k} must divide the world size {world_size}")
 
-    def mlperf_hparams(self, cfg: Any, steps_per_epoch: int | None = None) -> dict[str, Any]:
-        """LARS keys. ``steps_per_epoch`` turns step counts into the epochs they use; by default one
-        ImageNet-1k epoch at the configured global batch."""
+    def mlperf_hparams(
+        self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1
+    ) -> dict[str, Any]:
+        """LARS keys and ``model_bn_span``. ``steps_per_epoch`` turns step counts into the epochs
+        they use; by default one ImageNet-1k epoch at the configured global batch.
+
+        ``lars_opt_learning_rate_decay_steps`` is the reference's (lars_util.py): train steps -
+        warm-up steps + 1. ``model_bn_span``: the images one BN layer's statistics cover, the
+        per-rank batch x ``bn_group`` (as the reference and NVIDIA log it)."""
         o, t = cfg.optim, cfg.train
         total = o.total_steps or t.max_steps
         spe = steps_per_epoch or max(math.ceil(IMAGENET_TRAIN_IMAGES / t.global_batch), 1)
+        local = max(t.global_batch // (max(world_size, 1) * t.grad_accum), 1)
         return {
+            "model_bn_span": local * cfg.model.resnet.bn_group,
             "opt_name": o.name,
             "lars_opt_base_learning_rate": o.lr,
             "lars_opt_end_learning_rate": o.end_lr,
             "lars_opt_learning_rate_decay_poly_power": o.power,
-            "lars_opt_learning_rate_decay_steps": max(total - o.warmup_steps, 0),
+            "lars_opt_learning_rate_decay_steps": max(total - o.warmup_steps + 1, 1),
             "lars_epsilon": 0.0,
             "lars_opt_learning_rate_warmup_epochs": o.warmup_steps / spe,
             "lars_opt_momentum": o.momentum,

@@ -17,3 +17,13 @@ class ResNetConfig(Section):
     # Group batch norm: statistics over k ranks (1 = plain BN); record ResNet runs use 2..8.
     bn_group: int = Field(1, ge=1, le=MAX_WORLD)
     zero_init_residual: bool = True
+    # Cross-entropy label smoothing (F.cross_entropy(label_smoothing=...)): every MLPerf ResNet
+    # anchor (the reference, NVIDIA, torchvision's recipe) trains with 0.1; 0 = plain cross-entropy.
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    # Batch-norm statistics at evaluation. "running": the moving averages, pooled over all ranks
+    # before every evaluation and checkpoint (one all-reduce of every BN buffer). "batch": the
+    # HPC-AI500 variant that drops the moving average (and its sync): each evaluation batch is
+    # normalised with its own statistics (BN in training mode, running buffers left untouched).
+    # Trade-off: no sync before eval, but the result depends on the eval batch size and content
+    # (64 images per forward here), and a checkpoint's running buffers are not what was evaluated.
+    eval_bn: Literal["running", "batch"] = "running"

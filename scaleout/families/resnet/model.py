@@ -150,7 +150,7 @@ def build_resnet(cfg: ResNetConfig, world: World | None = None) -> ResNet:
         cfg.num_classes,
         cfg.image_size,
         cfg.zero_init_residual,
-        norm=norm_factory(world, cfg.bn_group),
+        norm=norm_factory(world, cfg.bn_group, cfg.eval_bn),
     )
 
 

@@ -159,7 +159,9 @@ class ResNetTask(Task):
         return self._eval_idx
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        return F.cross_entropy(model(mb.inputs), mb.target)
+        # label smoothing as the MLPerf reference and NVIDIA train ResNet-50 (model.resnet)
+        smoothing = self.cfg.model.resnet.label_smoothing
+        return F.cross_entropy(model(mb.inputs), mb.target, label_smoothing=smoothing)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaleout.errors import TopologyError
 from scaleout.families.resnet.group_bn import GroupBatchNorm2d, bn_group_ranks, bn_process_group
@@ -80,7 +81,8 @@ def _resnet_case(world, k: int) -> dict:
     torch.manual_seed(1)
     model = build_resnet(cfg, world)
     torch.manual_seed(1)
-    plain = build_resnet(cfg.model_copy(update={"bn_group": 1}), None)
+    plain_cfg = cfg.model_copy(update={"bn_group": 1})
+    plain = build_resnet(plain_cfg, None)
     torch.manual_seed(2)
     x_all = torch.randn(2 * world.world_size, 3, 16, 16)
     groups = bn_group_ranks(world.ranks_per_node, k)
@@ -97,13 +99,70 @@ def _resnet_case(world, k: int) -> dict:
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         err_grad = max(err_grad, ((g - q.grad).abs().max() / (q.grad.abs().max() + 1e-12)).item())
-    return {"y": (y - yr[pos * 2 : pos * 2 + 2]).abs().max().item(), "grad_rel": err_grad}
+    from scaleout.families.resnet.flops import forward_macs
+    from scaleout.families.resnet.model import count_macs
+
+    return {
+        "y": (y - yr[pos * 2 : pos * 2 + 2]).abs().max().item(),
+        "grad_rel": err_grad,
+        # multiply-adds counted on the real bn_group = 2 model: the formula's, as for bn_group = 1
+        "macs": (count_macs(model, (1, 3, 16, 16)), forward_macs(cfg), forward_macs(plain_cfg)),
+    }
+
+
+class _DtypeLog(TorchDispatchMode):
+    """Every dtype an op produced (the forward and backward of one group-BN layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def _bf16_case(world) -> dict:
+    """bf16 activations (what autocast hands a BN layer after a bf16 convolution): the output and
+    the input gradient come back in bf16, no op makes an fp64 tensor, and both stay within bf16
+    rounding of plain fp32 BN over the group batch."""
+    torch.manual_seed(0)
+    per, c, k = 4, 6, 2
+    x_all = torch.randn(per * world.world_size, c, 5, 5) * 2 + 3
+    dy_all = torch.randn_like(x_all)
+    groups = bn_group_ranks(world.ranks_per_node, k)
+    mine = next(g for g in groups if world.rank in g)
+    pos = mine.index(world.rank)
+    rows = torch.cat([torch.arange(r * per, (r + 1) * per) for r in mine])
+    gbn = GroupBatchNorm2d(c, group=bn_process_group(world, k), group_size=k)
+    ref = nn.BatchNorm2d(c)
+    x = x_all[world.rank * per : (world.rank + 1) * per].to(torch.bfloat16).requires_grad_(True)
+    log = _DtypeLog()
+    with torch.autocast("cpu", dtype=torch.bfloat16), log:
+        y = gbn(x)
+        y.backward(dy_all[world.rank * per : (world.rank + 1) * per].to(torch.bfloat16))
+    xr = x_all[rows].to(torch.bfloat16).float().requires_grad_(True)
+    yr = ref(xr)
+    yr.backward(dy_all[rows].to(torch.bfloat16).float())
+    sl = slice(pos * per, (pos + 1) * per)
+    return {
+        "y_dtype": y.dtype,
+        "dx_dtype": x.grad.dtype,
+        "fp64": torch.float64 in log.dtypes,
+        "y": ((y.float() - yr[sl]).abs().max() / yr.abs().max()).item(),
+        "dx": ((x.grad.float() - xr.grad[sl]).abs().max() / xr.grad.abs().max()).item(),
+        "rm": (gbn.running_mean - ref.running_mean).abs().max().item(),
+    }
 
 
 def _all_cases(world) -> dict:
     return {
         "layer": {k: _layer_case(world, k) for k in (1, 2, 4)},
         "resnet": _resnet_case(world, 2),
+        "bf16": _bf16_case(world),
     }
 
 
@@ -121,6 +180,11 @@ def test_group_bn_matches_plain_bn_over_group_batch():
             assert case["eval"] < 1e-5
         assert res["resnet"]["y"] < 1e-4, res["resnet"]
         assert res["resnet"]["grad_rel"] < 1e-4, res["resnet"]
+        macs = res["resnet"]["macs"]
+        assert macs[0] == macs[1] == macs[2] > 0, macs
+        bf = res["bf16"]  # activation dtype in and out, fp32 statistics, no fp64 anywhere
+        assert bf["y_dtype"] == bf["dx_dtype"] == torch.bfloat16 and not bf["fp64"], bf
+        assert bf["y"] < 2e-2 and bf["dx"] < 2e-2 and bf["rm"] < 1e-4, bf
     # groups within a node first, then across nodes; running stats identical inside each group
     assert results[0]["layer"][2]["group"] == [0, 1] and results[2]["layer"][2]["group"] == [2, 3]
     assert results[0]["layer"][4]["group"] == [0, 1, 2, 3]
@@ -251,3 +315,34 @@ def test_running_stats_are_pooled_over_ranks() -> None:
     for r in run_dist(_bn_sync, nnodes=1, nproc_per_node=2):
         assert r["layers"] == 20 and r["differed"] and r["equal"], r
         assert r["mean_err"] < 1e-6 and r["var_err"] < 1e-5, r
+
+
+@pytest.mark.unit
+def test_eval_bn_batch_uses_batch_statistics_and_skips_the_sync():
+    """model.resnet.eval_bn=batch (HPC-AI500's variant without the moving average): in eval mode
+    every BN layer normalises with the batch's own statistics, leaves its running buffers alone,
+    and sync_batchnorm_stats has nothing to pool; eval_bn=running keeps torch's BatchNorm2d."""
+    from scaleout.families.resnet.config import ResNetConfig
+    from scaleout.families.resnet.group_bn import sync_batchnorm_stats
+    from scaleout.families.resnet.model import build_resnet
+
+    cfg = ResNetConfig(depth=18, width=4, num_classes=5, image_size=16, eval_bn="batch")
+    torch.manual_seed(0)
+    model = build_resnet(cfg)
+    torch.manual_seed(0)
+    plain = build_resnet(cfg.model_copy(update={"eval_bn": "running"}))
+    assert type(next(m for m in plain.modules() if isinstance(m, nn.BatchNorm2d))) is nn.BatchNorm2d
+    x = torch.randn(6, 3, 16, 16) * 2 + 1
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.eval()
+    with torch.no_grad():
+        y_eval = model(x)
+        plain.train()  # batch statistics: what training mode computes (without its EMA update)
+        y_train_mode = plain(x)
+        plain.eval()
+        y_running = plain(x)
+    assert torch.allclose(y_eval, y_train_mode, atol=1e-5)
+    assert not torch.allclose(y_eval, y_running, atol=1e-3)  # the running stats are not used
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    world = type("W", (), {"world_size": 2})()
+    assert sync_batchnorm_stats(model, world) == 0  # nothing to pool: no collective at all

@@ -247,9 +247,7 @@ def test_gpu_decode_host_half_matches_the_cpu_path(tmp_path: Path, folder: Path)
     ]
     out = crop_resize_flip(decoded, batch)
     assert out.shape == (4, 32, 32, 3) and out.dtype == torch.uint8
-    cpu = np.stack(
-        [T.load_image(train.path(i), 32, True, 7, 3, i, 0.3, False) for i in range(4)]
-    )
+    cpu = np.stack([T.load_image(train.path(i), 32, True, 7, 3, i, 0.3, False) for i in range(4)])
     assert np.abs(out.numpy().astype(float) - cpu.astype(float)).mean() < 6.0
     for mode, fmt in (("CMYK", "JPEG"), ("RGB", "PNG")):
         p = tmp_path / f"x.{fmt.lower()}"
