@@ -88,10 +88,10 @@ def require_torchvision() -> Any:
 def check_gpu_decode(device: torch.device, source: str) -> None:
     """Refuse ``data.decode=gpu`` where it cannot run: not a CUDA rank, no JPEG source, or no
     torchvision."""
-    if source != "imagenet":
+    if source not in ("imagenet", "images"):  # files on disk (others are re-encoded as JPEG)
         raise ConfigError(
-            f"data.decode=gpu decodes JPEG files: data.source={source!r} has none (use "
-            "data.decode=cpu, or data.source=imagenet)"
+            f"data.decode=gpu decodes image files: data.source={source!r} has none (use "
+            "data.decode=cpu, or data.source=imagenet or images)"
         )
     if torch.device(device).type != "cuda":
         raise ConfigError(
