@@ -235,9 +235,13 @@ def check_input_pipeline(cfg: Config, device: torch.device) -> None:
     d = cfg.data
     if d.decode == "gpu":
         check_gpu_decode(device, d.source)
-    elif d.source == "imagenet" and d.num_workers == 0 and torch.device(device).type == "cuda":
+    elif (
+        d.source in ("imagenet", "images")
+        and d.num_workers == 0
+        and torch.device(device).type == "cuda"
+    ):
         raise ConfigError(
-            "data.num_workers=0 with data.source=imagenet on a GPU decodes every JPEG on the "
+            f"data.num_workers=0 with data.source={d.source} on a GPU decodes every image on the "
             "training thread (about a tenth of what a GPU trains): set data.num_workers (8-12 "
             "per GPU; scaleout bench data measures it) or data.decode=gpu"
         )

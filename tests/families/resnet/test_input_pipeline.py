@@ -266,6 +266,9 @@ def test_input_settings_refused_where_they_cannot_feed_the_device() -> None:
         check_input_pipeline(cfg, torch.device("cuda", 0))
     assert "\n" not in str(e.value)
     check_input_pipeline(cfg, torch.device("cpu"))  # CPU: the synchronous path is fine
+    other = load_config(None, [*SMALL, "data.source=images", "data.path=/x", "data.num_workers=0"])
+    with pytest.raises(ConfigError, match="data.num_workers=0 with data.source=images"):
+        check_input_pipeline(other, torch.device("cuda", 0))
     gpu = cfg.model_copy(update={"data": cfg.data.model_copy(update={"decode": "gpu"})})
     with pytest.raises(ConfigError, match="data.decode=gpu needs a CUDA device"):
         check_input_pipeline(gpu, torch.device("cpu"))
