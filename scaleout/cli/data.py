@@ -1,5 +1,5 @@
 """scaleout data: MLPerf BERT shards -- write them from the offline corpus, index them for lazy
-training."""
+training; Fashion-MNIST written once as PNG class folders (the ResNet CPU time-to-train data)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ NAME = "data"
 ORDER = 42
 HELP = (
     "MLPerf BERT shards: 'make-shards' (offline corpus -> HDF5 in the MLPerf layout), 'index' "
-    "(lazy training)"
+    "(lazy training), 'prepare-fashion-mnist' (PNG class folders for ResNet)"
 )
 DESCRIPTION = """\
 scaleout data make-shards DIR --shards N [--layout fixed|varlength|packed] [--max-seq-len 128] ...
 scaleout data index DIR [--max-seq-len 512] [--packing lphp] [--max-per-pack 3] [--seed 0]
+scaleout data prepare-fashion-mnist [--out runs/data/fashion-mnist] [--source DIR]
 
 make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in
 the MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -28,10 +29,17 @@ index: builds the per-shard length index and packs that lazy training reads
 (DIR/train/.scaleout-index); training builds it itself when missing (in parallel over the ranks),
 this does it ahead of time.
 
+prepare-fashion-mnist: Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist/*.gz)
+written once as 28x28 PNGs into OUT/train/<class>/<i>.png (60,000) and OUT/val/<class>/<i>.png
+(10,000), classes 0_tshirt ... 9_ankle_boot; a marker file makes a second call instant. Train on it
+with data.source=images data.path=OUT (configs/resnet_cpu.yaml; its data.prepare: fashion-mnist
+runs this on first use).
+
 examples:
   scaleout data make-shards /tmp/shards --shards 8
   scaleout data make-shards /tmp/packed --shards 4 --layout packed --max-seq-len 128
   scaleout data index /tmp/shards --max-seq-len 128 --packing lphp
+  scaleout data prepare-fashion-mnist --out runs/data/fashion-mnist
   scaleout launch --nproc-per-node 2 -- scaleout train bert_tiny_cpu data.source=wikipedia
   data.path=/tmp/shards
 """
@@ -71,9 +79,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--packing", default="lphp", help="none, spfhp, lpfhp, nnlshp, lphp or auto")
     i.add_argument("--max-per-pack", type=int, default=3)
     i.add_argument("--seed", type=int, default=0, help="data.seed of the runs that will read it")
+    f = sub.add_parser(
+        "prepare-fashion-mnist", help="Fashion-MNIST idx files -> PNG class folders (once)"
+    )
+    f.add_argument("--out", default=None, help="output directory (default runs/data/fashion-mnist)")
+    f.add_argument(
+        "--source",
+        default=None,
+        help="idx .gz directory (default /usr/share/datasets/fashion-mnist)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "prepare-fashion-mnist":
+        return _prepare_fashion_mnist(args)
     if args.action == "make-shards":
         from scaleout.families.bert.data.make_shards import make_shards
 
@@ -129,5 +148,18 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": round(time.perf_counter() - t, 2),
             }
         )
+    )
+    return 0
+
+
+def _prepare_fashion_mnist(args: argparse.Namespace) -> int:
+    from scaleout.families.resnet.data import fashion
+
+    t = time.perf_counter()
+    out = args.out or fashion.DEFAULT_OUT
+    counts = fashion.prepare(out, args.source or fashion.SOURCE_DIR)
+    print(
+        f"{out}: {counts['train']} train and {counts['val']} val PNGs in "
+        f"{len(counts['classes'])} classes ({time.perf_counter() - t:.1f} s)"
     )
     return 0

@@ -36,7 +36,7 @@ LARS_EXCLUDE = ("bias", "bn", "batch_norm", "batchnorm", "BatchNorm")
 class ResNetFamily(Family):
     name = "resnet"
     config = ResNetConfig
-    data_sources = ("synthetic", "imagenet")
+    data_sources = ("synthetic", "imagenet", "images")
     benchmark = "resnet"
     metric = "top1"
     quality_exponent = 5.0  # HPC-AI500's n for image classification

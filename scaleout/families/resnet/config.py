@@ -17,3 +17,5 @@ class ResNetConfig(Section):
     # Group batch norm: statistics over k ranks (1 = plain BN); record ResNet runs use 2..8.
     bn_group: int = Field(1, ge=1, le=MAX_WORLD)
     zero_init_residual: bool = True
+    # Cross-entropy label smoothing (the MLPerf LARS recipe and resnet_cpu use 0.1).
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)

@@ -12,6 +12,7 @@ from scaleout.data.batches import MicroBatch
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageBatches, ImageFolder, SyntheticImages
+from scaleout.families.resnet.data.fashion import ensure_prepared
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
 from scaleout.families.resnet.model import build_resnet
@@ -26,13 +27,17 @@ class ResNetTask(Task):
     def __init__(self, cfg: Config, world: World):
         super().__init__(cfg, world)
         r, d = cfg.model.resnet, cfg.data
-        if d.source == "imagenet":
+        if d.source in ("imagenet", "images"):
             if not d.path:
                 raise ConfigError(
-                    "data.source=imagenet needs data.path (an ImageFolder root with train/ and "
+                    f"data.source={d.source} needs data.path (an ImageFolder root with train/ and "
                     "val/)"
                 )
-            self.train_set = ImageFolder(d.path, "train", r.image_size)
+            if d.prepare == "fashion-mnist":
+                ensure_prepared(d.path, world)  # first use: rank 0 writes it, the others wait
+            self.train_set = ImageFolder(
+                d.path, "train", r.image_size, seed=d.seed, min_area=d.crop_min_area
+            )
             self.eval_set = ImageFolder(d.path, "val", r.image_size)
             self.eval_idx = np.arange(min(d.eval_samples, len(self.eval_set)))
         elif d.source == "synthetic":
@@ -47,7 +52,8 @@ class ResNetTask(Task):
             self.train_set.length = n
         else:
             raise ConfigError(
-                f"data.source={d.source!r} is not an image source (expected synthetic or imagenet)"
+                f"data.source={d.source!r} is not an image source (expected synthetic, imagenet "
+                "or images)"
             )
         self.rows = len(self.train_set)
         self.sampler = ShardedSampler(
@@ -63,7 +69,8 @@ class ResNetTask(Task):
         tune_convolutions(world.device)
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        return F.cross_entropy(model(mb.inputs), mb.target)
+        smoothing = self.cfg.model.resnet.label_smoothing
+        return F.cross_entropy(model(mb.inputs), mb.target, label_smoothing=smoothing)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:

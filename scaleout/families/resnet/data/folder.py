@@ -41,6 +41,7 @@ class ImageFolder:
         image_size: int = 224,
         train: bool | None = None,
         seed: int = 0,
+        min_area: float = 0.08,
     ):
         base = Path(root) / split
         if not base.is_dir():
@@ -64,7 +65,7 @@ class ImageFolder:
             raise UserError(
                 f"data.path={root}: no {'/'.join(EXTENSIONS)} images under {base}/<class>/"
             )
-        self.image_size, self.seed = image_size, seed
+        self.image_size, self.seed, self.min_area = image_size, seed, min_area
         self.train = (split == "train") if train is None else train
 
     def __len__(self) -> int:
@@ -79,7 +80,7 @@ class ImageFolder:
             s = self.image_size
             if self.train:
                 rng = np.random.default_rng([self.seed, epoch, i])
-                im = _random_resized_crop(im, s, rng)
+                im = _random_resized_crop(im, s, rng, self.min_area)
                 if rng.random() < 0.5:
                     im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             else:
@@ -99,15 +100,15 @@ class ImageFolder:
         return torch.from_numpy(x), y
 
 
-def _random_resized_crop(im, size: int, rng: np.random.Generator):
-    """Inception-style crop: area 8-100 %, aspect 3/4-4/3, 10 tries, then a center crop (MLPerf
-    reference)."""
+def _random_resized_crop(im, size: int, rng: np.random.Generator, min_area: float = 0.08):
+    """Inception-style crop: area min_area (data.crop_min_area, 8 %)-100 %, aspect 3/4-4/3, 10
+    tries, then a center crop (MLPerf reference)."""
     from PIL import Image
 
     w, h = im.size
     area = w * h
     for _ in range(10):
-        target = area * rng.uniform(0.08, 1.0)
+        target = area * rng.uniform(min_area, 1.0)
         ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
         cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
         if 0 < cw <= w and 0 < ch <= h:
