@@ -4,9 +4,10 @@ write instead of scaleout.
 One process per rank under any torchrun-style launcher (``scaleout launch`` sets RANK, WORLD_SIZE,
 ...): ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), ``torch.optim.SGD`` with
 momentum 0.9 and weight decay (not on BN weights and biases), plain cross-entropy, fp32, linear
-warm-up then cosine decay to 0, and torchvision's CIFAR-style augmentation written out without
-torchvision (which cannot be imported on CPU-only machines here): pad 4 px (zeros), random crop back
-to the image size, random horizontal flip, then the ImageNet mean/std normalisation; a
+warm-up then cosine decay to 0, and torchvision-style augmentation written out without torchvision
+(which cannot be imported on CPU-only machines here): ``Resize(S/0.875)`` (the eval's resize),
+``RandomCrop(S, padding=--pad)``, ``RandomHorizontalFlip``, then the ImageNet mean/std normalisation
+(the eval's center crop is one of the training crops); a
 ``DistributedSampler`` + ``DataLoader`` (``data.num_workers`` workers) reading the PNGs with PIL.
 
 What it shares with scaleout is what the comparison holds equal: the PNG class folders at
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--weight-decay", type=float, default=5e-4, help="SGD weight decay (not BN/bias)"
     )
-    p.add_argument("--pad", type=int, default=4, help="random-crop padding in pixels (4)")
+    p.add_argument("--pad", type=int, default=0, help="random-crop zero padding in pixels (0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument(
         "--time-budget",
@@ -80,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class PaddedCropFlip:
-    """torchvision's ``RandomCrop(size, padding=pad)`` + ``RandomHorizontalFlip()`` +
-    ``ToTensor()`` + ``Normalize(MEAN, STD)`` on the class-foldered PNGs, without torchvision."""
+    """torchvision's ``Resize(size / 0.875)`` + ``RandomCrop(size, padding=pad)`` +
+    ``RandomHorizontalFlip()`` + ``ToTensor()`` + ``Normalize(MEAN, STD)`` on the class-foldered
+    PNGs, without torchvision."""
 
     def __init__(self, samples: list[tuple[str, int]], size: int, pad: int, seed: int):
         self.samples, self.size, self.pad, self.seed = samples, size, pad, seed
@@ -98,11 +100,12 @@ class PaddedCropFlip:
 
         path, label = self.samples[i]
         with Image.open(path) as im:
-            a = np.asarray(im.convert("RGB").resize((self.size, self.size)), dtype=np.float32)
+            big = round(self.size / 0.875)  # as the eval: resize, then crop S
+            a = np.asarray(im.convert("RGB").resize((big, big), Image.BILINEAR), np.float32)
         rng = np.random.default_rng([self.seed, self.epoch, i])
         p, s = self.pad, self.size
         a = np.pad(a / 255.0, ((p, p), (p, p), (0, 0)))
-        top, left = rng.integers(0, 2 * p + 1, size=2)
+        top, left = rng.integers(0, a.shape[0] - s + 1, size=2)
         a = a[top : top + s, left : left + s]
         if rng.random() < 0.5:
             a = a[:, ::-1]

@@ -357,7 +357,7 @@ def _results(
                     fmt(s["ratio_vs_baseline"], ".2f", "x"),
                 ]
             )
-        first = "SGD, pad-crop + flip" if resnet else "AdamW, padded"
+        first = "SGD, crop + flip" if resnet else "AdamW, padded"
         chain = [("baseline", f"torch DDP + {first} (best of the sweep)")]
         chain += [(r["recipe"], r["label"]) for r in _chain_rows(rows, c.name, resnet)]
         ab = ablation(rows, c.name, chain) if len(chain) > 2 else None

@@ -56,7 +56,7 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     try:
         with opener(p, "rb") as f:
             data = f.read()
-    except OSError as e:
+    except (OSError, EOFError) as e:
         raise UserError(
             f"{p}: cannot read ({e}); expected an idx file (apt-get install dataset-fashion-mnist)"
         ) from e
