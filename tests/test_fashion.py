@@ -117,8 +117,14 @@ def test_bench_ttt_resnet_plumbing() -> None:
     args = build_parser().parse_args(["bench", "ttt", "--task", "resnet", "--seeds", "1"])
     cfg = ttt.scaleout_config(args)
     assert (args.config, args.budget, args.baseline_lrs) == ("resnet_cpu", 180000, [0.05, 0.1, 0.2])
-    assert (cfg.optim.name, cfg.model.resnet.bn_group, cfg.train.precision) == ("lars", 2, "bf16")
+    assert (cfg.optim.name, cfg.model.resnet.bn_group, cfg.train.precision) == ("lars", 1, "fp32")
     best = Recipe("baseline", "torch", "sgd", 128, 0.1, 0.1)
+    rec = ttt.recipes(args, cfg, 4, 1.0, best)
+    assert [c.name for c in rec["chain"]] == ["abl-framework", "abl-lars", "scaleout"]
+    args = build_parser().parse_args(
+        ["bench", "ttt", "--task", "resnet", "model.resnet.bn_group=2", "train.precision=bf16"]
+    )
+    cfg = ttt.scaleout_config(args)
     rec = ttt.recipes(args, cfg, 4, 1.0, best)
     chain = [c.name for c in rec["chain"]]
     assert chain == ["abl-framework", "abl-lars", "abl-groupbn", "abl-comm", "scaleout"]

@@ -389,7 +389,8 @@ def _chain_rows(
     optional = ("abl-lamb",)  # abl-lamb only when scaleout runs in bf16/fp16
     if resnet:
         order = ["abl-framework", "abl-lars", "abl-groupbn", "abl-comm", "scaleout"]
-        optional = ("abl-groupbn",)  # only when scaleout's bn_group > 1
+        # group BN only when scaleout's bn_group > 1; abl-comm only when scaleout runs in bf16
+        optional = ("abl-groupbn", "abl-comm")
     out = []
     for name in order:
         r = next((x for x in rows if x["cluster"] == cluster and x["recipe"] == name), None)
