@@ -160,7 +160,7 @@ def test_baseline_augmentation_is_padded_crop_and_flip(tmp_path) -> None:
     from scaleout.bench._ttt_baseline_resnet import PaddedCropFlip
 
     png = tmp_path / "a.png"
-    Image.fromarray(np.full((28, 28), 255, np.uint8), mode="L").save(png)
+    Image.fromarray(np.full((28, 28), 255, np.uint8)).save(png)
     data = PaddedCropFlip([(str(png), 3)] * 64, 28, 4, seed=0)
     shifted = 0
     for i in range(64):

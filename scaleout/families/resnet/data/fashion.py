@@ -129,7 +129,7 @@ def prepare(
             for name in CLASSES:
                 (tmp / split / name).mkdir(parents=True)
             for i, (im, y) in enumerate(zip(images, labels, strict=True)):
-                Image.fromarray(im, mode="L").save(tmp / split / CLASSES[y] / f"{i}.png")
+                Image.fromarray(im).save(tmp / split / CLASSES[y] / f"{i}.png")
             counts[split] = len(labels)
             counts[f"{split}_per_class"] = np.bincount(labels, minlength=len(CLASSES)).tolist()
         (tmp / MARKER).write_text(json.dumps(counts, indent=1) + "\n")
