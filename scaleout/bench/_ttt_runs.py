@@ -25,6 +25,11 @@ from typing import Any, Literal
 
 from scaleout.launchers import Launcher, LaunchOptions, make_launcher
 
+BASELINE_MODULE = {
+    "bert": "scaleout.bench._ttt_baseline",
+    "resnet": "scaleout.bench._ttt_baseline_resnet",
+}
+
 
 @dataclass(frozen=True)
 class LaunchShape:
@@ -66,8 +71,8 @@ class LaunchShape:
 class Recipe:
     name: str
     kind: Literal["torch", "scaleout"]  # the baseline script, or scaleout train
-    optimizer: Literal["adamw", "lamb"]
-    batch: int  # global batch: sequences (padded) or packed rows
+    optimizer: Literal["adamw", "lamb", "sgd", "lars"]
+    batch: int  # global batch: sequences (padded) or packed rows; images (--task resnet)
     lr: float
     warmup: float  # warm-up as a fraction of the step budget
     packing: bool = False
@@ -79,6 +84,9 @@ class Recipe:
         "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
     )
     compression: str = "none"  # scaleout's comm.compression: the gradients' dtype on the wire
+    bn_group: int = 1  # --task resnet: model.resnet.bn_group (group BN over this many ranks)
+    # --task resnet: model.resnet.label_smoothing (None: the config's)
+    label_smoothing: float | None = None
     label: str = ""  # what this row switches on, for the tables
 
     @classmethod
@@ -100,6 +108,7 @@ class Recipe:
             bucket_mb=cfg.comm.bucket_mb,
             precision=cfg.train.precision,
             compression=cfg.comm.compression if low else "none",
+            bn_group=cfg.model.resnet.bn_group if cfg.model.arch == "resnet" else 1,
             **kw,
         )
 
@@ -119,6 +128,8 @@ class Plan:
     seqs_per_row: float  # of the packing, measured on the corpus
     packing: str = "lpfhp"  # the algorithm of the packed recipes
     overrides: list[str] = field(default_factory=list)  # model/data overrides for both sides
+    task: Literal["bert", "resnet"] = "bert"  # resnet: images, SGD baseline, poly-2 schedule
+    power: float = 1.0  # scaleout's optim.power (linear decay for BERT, 2 for ResNet LARS)
 
     def steps(self, r: Recipe) -> int:
         return max(2, math.ceil(self.budget / r.seqs_per_step(self.seqs_per_row)))
@@ -139,7 +150,7 @@ def command(
         cmd = [
             sys.executable,
             "-m",
-            "scaleout.bench._ttt_baseline",
+            BASELINE_MODULE[plan.task],
             "--config",
             plan.config,
             "--lr",
@@ -170,7 +181,7 @@ def command(
         "optim.warmup_steps": warm,
         "optim.total_steps": steps,
         "optim.decay_from": "warmup",
-        "optim.power": 1.0,
+        "optim.power": plan.power,
         "optim.end_lr": 0.0,
         "optim.sharded": r.sharded,
         "optim.overlap_comm": r.sharded and r.overlap,
@@ -192,6 +203,11 @@ def command(
         "comm.bucket_mb": repr(r.bucket_mb),
         "comm.compression": r.compression,
     }
+    if plan.task == "resnet":
+        del sets["data.packing"]
+        sets["model.resnet.bn_group"] = r.bn_group
+        if r.label_smoothing is not None:
+            sets["model.resnet.label_smoothing"] = repr(r.label_smoothing)
     return [
         "scaleout",
         "train",

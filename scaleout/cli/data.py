@@ -1,5 +1,6 @@
 """scaleout data: MLPerf BERT shards (write them from the offline corpus, index them for lazy
-training) and image data (ImageNet as an ImageFolder, images as tar shards)."""
+training) and image data (ImageNet as an ImageFolder, images as tar shards, Fashion-MNIST written
+once as PNG class folders: the ResNet CPU time-to-train data)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ NAME = "data"
 ORDER = 42
 HELP = (
     "MLPerf BERT shards: 'make-shards', 'index'; images: 'prepare-imagenet' (ILSVRC2012 -> "
-    "checked ImageFolder), 'make-image-shards' (ImageFolder -> tar shards)"
+    "checked ImageFolder), 'make-image-shards' (ImageFolder -> tar shards), "
+    "'prepare-fashion-mnist' (PNG class folders for ResNet)"
 )
 DESCRIPTION = """\
 scaleout data make-shards DIR --shards N [--layout fixed|varlength|packed] [--max-seq-len 128] ...
 scaleout data index DIR [--max-seq-len 512] [--packing lphp] [--max-per-pack 3] [--seed 0]
 scaleout data prepare-imagenet OUT --train DIR --val DIR [--labels FILE [--meta meta.mat]]
 scaleout data make-image-shards IMAGEFOLDER OUT [--shard-mb 256]
+scaleout data prepare-fashion-mnist [--out runs/data/fashion-mnist] [--source DIR]
 
 make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in
 the MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -44,6 +47,12 @@ OUT/train-000000.tar ... and OUT/val-000000.tar ..., members <key>.jpg + <key>.c
 about --shard-mb MB each, with their member index. Train on it with data.path=OUT (data.format=auto
 finds the shards); each node reads only its own shards (i % nodes == node).
 
+prepare-fashion-mnist: Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist/*.gz)
+written once as 28x28 PNGs into OUT/train/<class>/<i>.png (60,000) and OUT/val/<class>/<i>.png
+(10,000), classes 0_tshirt ... 9_ankle_boot; a marker file makes a second call instant. Train on it
+with data.source=images data.path=OUT (configs/resnet_cpu.yaml; its data.prepare: fashion-mnist
+runs this on first use).
+
 examples:
   scaleout data prepare-imagenet /data/imagenet --train /raw/train --val /raw/val \
     --labels /raw/LOC_val_solution.csv
@@ -51,6 +60,7 @@ examples:
   scaleout data make-shards /tmp/shards --shards 8
   scaleout data make-shards /tmp/packed --shards 4 --layout packed --max-seq-len 128
   scaleout data index /tmp/shards --max-seq-len 128 --packing lphp
+  scaleout data prepare-fashion-mnist --out runs/data/fashion-mnist
   scaleout launch --nproc-per-node 2 -- scaleout train bert_tiny_cpu data.source=wikipedia
   data.path=/tmp/shards
 """
@@ -117,9 +127,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ms.add_argument("src", help="ImageFolder root (src/train/<class>/..., src/val/<class>/...)")
     ms.add_argument("out", help="output folder for <split>-NNNNNN.tar")
     ms.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MB (default 256)")
+    f = sub.add_parser(
+        "prepare-fashion-mnist", help="Fashion-MNIST idx files -> PNG class folders (once)"
+    )
+    f.add_argument("--out", default=None, help="output directory (default runs/data/fashion-mnist)")
+    f.add_argument(
+        "--source",
+        default=None,
+        help="idx .gz directory (default /usr/share/datasets/fashion-mnist)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "prepare-fashion-mnist":
+        return _prepare_fashion_mnist(args)
     if args.action == "prepare-imagenet":
         from scaleout.families.resnet.data.prepare import (  # deferred: PIL/torch for this action
             prepare_imagenet,
@@ -204,5 +225,18 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": round(time.perf_counter() - t, 2),
             }
         )
+    )
+    return 0
+
+
+def _prepare_fashion_mnist(args: argparse.Namespace) -> int:
+    from scaleout.families.resnet.data import fashion
+
+    t = time.perf_counter()
+    out = args.out or fashion.DEFAULT_OUT
+    counts = fashion.prepare(out, args.source or fashion.SOURCE_DIR)
+    print(
+        f"{out}: {counts['train']} train and {counts['val']} val PNGs in "
+        f"{len(counts['classes'])} classes ({time.perf_counter() - t:.1f} s)"
     )
     return 0

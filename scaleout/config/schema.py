@@ -93,6 +93,9 @@ class DataConfig(_Section):
     # Images: where JPEGs are decoded. cpu: PIL in the workers (reduced-scale decode, uint8 out);
     # gpu: torchvision.io.decode_jpeg(device="cuda"), batched (families/resnet/data/gpu_decode.py).
     decode: Literal["cpu", "gpu"] = "cpu"
+    # Write a known data set to data.path on first use (rank 0 writes, the others wait):
+    # fashion-mnist = scaleout data prepare-fashion-mnist --out <data.path>.
+    prepare: Literal["none", "fashion-mnist"] = "none"
 
 
 class OptimConfig(_Section):

@@ -13,6 +13,7 @@ from scaleout.data.batches import MicroBatch, to_device
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageBatches, ImageFolder, SyntheticImages
+from scaleout.families.resnet.data.fashion import ensure_prepared
 from scaleout.families.resnet.data.gpu_decode import (
     JpegBatch,
     JpegImages,
@@ -43,6 +44,8 @@ class ResNetTask(Task):
         check_input_pipeline(cfg, world.device)
         self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if d.source in ("imagenet", "images"):
+            if d.path and d.prepare == "fashion-mnist":
+                ensure_prepared(d.path, world)  # first use: rank 0 writes it, the others wait
             self._open_images(cfg, world)
             self.train_set.crop_min_area = d.crop_min_area
             if d.decode == "gpu":  # workers read bytes + crop boxes; decode in prepare_inputs

@@ -1,0 +1,280 @@
+"""The ResNet baseline of ``scaleout bench ttt --task resnet``: the plain torch script a user would
+write instead of scaleout.
+
+One process per rank under any torchrun-style launcher (``scaleout launch`` sets RANK, WORLD_SIZE,
+...): ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), ``torch.optim.SGD`` with
+momentum 0.9 and weight decay (not on BN weights and biases), plain cross-entropy, fp32, linear
+warm-up then cosine decay to 0, and torchvision-style augmentation written out without torchvision
+(which cannot be imported on CPU-only machines here): ``Resize(S/0.875)`` (the eval's resize),
+``RandomCrop(S, padding=--pad)``, ``RandomHorizontalFlip``, then the ImageNet mean/std normalisation
+(the eval's center crop is one of the training crops); a
+``DistributedSampler`` + ``DataLoader`` (``data.num_workers`` workers) reading the PNGs with PIL.
+
+What it shares with scaleout is what the comparison holds equal: the PNG class folders at
+``data.path`` (Fashion-MNIST, written on first use as scaleout train does), the model class
+(``scaleout.families.resnet.model.build_resnet`` with the config's ``model.resnet``, plain BN), the
+evaluation (scaleout's ``ImageFolder`` val images, top-1 over ``data.eval_samples``) and MLPerf's
+clock (``run_start`` -> ``run_stop`` in ``mlperf.log``). Rank 0 also writes ``report.json``.
+
+    scaleout launch --nnodes 2 --nproc-per-node 2 -- \\
+        python -m scaleout.bench._ttt_baseline_resnet --lr 0.2 --global-batch 128 \\
+        --max-steps 900 --warmup-steps 45 --eval-every 117 --target 0.85 --out runs/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from scaleout.bench._ttt_baseline import _past
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scaleout.bench._ttt_baseline_resnet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="resnet_cpu", help="config for the model and data")
+    p.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    p.add_argument(
+        "--global-batch", type=int, required=True, help="images per step, all ranks together"
+    )
+    p.add_argument(
+        "--max-steps", type=int, required=True, help="step budget; the schedule ends at 0 there"
+    )
+    p.add_argument("--warmup-steps", type=int, required=True, help="linear warm-up steps")
+    p.add_argument(
+        "--eval-every", type=int, required=True, help="evaluate every this many steps (and last)"
+    )
+    p.add_argument("--target", type=float, required=True, help="top-1 that ends the run")
+    p.add_argument("--seed", type=int, default=1234, help="model initialisation")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument(
+        "--weight-decay", type=float, default=5e-4, help="SGD weight decay (not BN/bias)"
+    )
+    p.add_argument("--pad", type=int, default=0, help="random-crop zero padding in pixels (0)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="stop (target not reached) once run_start is this many seconds ago (the sweep's cut)",
+    )
+    p.add_argument("--out", required=True, help="output directory (mlperf.log, report.json)")
+    p.add_argument("overrides", nargs="*", help="config overrides for model/data")
+    a = p.parse_args(argv)
+    for k in ("lr", "global_batch", "max_steps", "warmup_steps", "eval_every"):
+        if getattr(a, k) <= 0:
+            p.error(f"--{k.replace('_', '-')}={getattr(a, k)}: expected a positive number")
+    if a.warmup_steps >= a.max_steps:
+        p.error(f"--warmup-steps {a.warmup_steps} must be below --max-steps {a.max_steps}")
+    return a
+
+
+class PaddedCropFlip:
+    """torchvision's ``Resize(size / 0.875)`` + ``RandomCrop(size, padding=pad)`` +
+    ``RandomHorizontalFlip()`` + ``ToTensor()`` + ``Normalize(MEAN, STD)`` on the class-foldered
+    PNGs, without torchvision."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: int, pad: int, seed: int):
+        self.samples, self.size, self.pad, self.seed = samples, size, pad, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import torch
+        from PIL import Image
+
+        from scaleout.families.resnet.data.folder import MEAN, STD
+
+        path, label = self.samples[i]
+        with Image.open(path) as im:
+            big = round(self.size / 0.875)  # as the eval: resize, then crop S
+            a = np.asarray(im.convert("RGB").resize((big, big), Image.BILINEAR), np.float32)
+        rng = np.random.default_rng([self.seed, self.epoch, i])
+        p, s = self.pad, self.size
+        a = np.pad(a / 255.0, ((p, p), (p, p), (0, 0)))
+        top, left = rng.integers(0, a.shape[0] - s + 1, size=2)
+        a = a[top : top + s, left : left + s]
+        if rng.random() < 0.5:
+            a = a[:, ::-1]
+        a = ((a - MEAN) / STD).transpose(2, 0, 1)
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)), label
+
+
+def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleNamespace:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from scaleout.families.resnet.data import ImageFolder
+    from scaleout.families.resnet.data.fashion import prepare
+    from scaleout.families.resnet.model import build_resnet
+
+    d, r = cfg.data, cfg.model.resnet.model_copy(update={"bn_group": 1})
+    if d.prepare == "fashion-mnist":  # as scaleout train: written once on first use
+        if rank == 0:
+            prepare(d.path)
+        torch.distributed.barrier()
+    train = ImageFolder(d.path, "train", r.image_size)  # the file list only
+    evals = ImageFolder(d.path, "val", r.image_size)
+    torch.manual_seed(a.seed)
+    model = build_resnet(r)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    opt = torch.optim.SGD(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=a.lr,
+        momentum=a.momentum,
+    )
+
+    def factor(step: int) -> float:
+        if step < a.warmup_steps:
+            return (step + 1) / a.warmup_steps
+        t = (step - a.warmup_steps) / max(a.max_steps - a.warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+    data = PaddedCropFlip(train.samples, r.image_size, a.pad, d.seed)
+    sampler = DistributedSampler(data, world, rank, shuffle=True, seed=d.seed, drop_last=True)
+    loader = DataLoader(
+        data,
+        batch_size=a.global_batch // world,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=d.num_workers,
+        persistent_workers=d.num_workers > 0,
+    )
+    return SimpleNamespace(
+        model=model,
+        ddp=ddp,
+        opt=opt,
+        sched=torch.optim.lr_scheduler.LambdaLR(opt, factor),
+        data=data,
+        sampler=sampler,
+        loader=loader,
+        evals=evals,
+        eval_idx=np.arange(min(d.eval_samples, len(evals))),
+        rank=rank,
+        world=world,
+    )
+
+
+def _evaluate(a: argparse.Namespace, run: SimpleNamespace, log: Any, samples: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    log.block_stop(samples, samples)
+    log.eval_start(samples, samples)
+    run.model.eval()
+    mine = run.eval_idx[run.rank :: run.world]
+    counts = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(0, len(mine), 256):
+            x, y = run.evals.get(mine[i : i + 256])
+            counts += torch.tensor([(run.model(x).argmax(1) == y).sum().item(), len(y)])
+    dist.all_reduce(counts)
+    run.model.train()
+    metric = float(counts[0] / counts[1])
+    log.eval_accuracy(metric, samples, samples)
+    log.eval_stop(samples, samples)
+    if run.rank == 0:
+        print(f"samples {samples}: top1 {metric:.4f} (target {a.target})", flush=True)
+    return metric
+
+
+def _loop(
+    a: argparse.Namespace, run: SimpleNamespace, log: Any, t0: float
+) -> tuple[str, int, int, float | None]:
+    import torch.nn.functional as F
+
+    step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
+    log.block_start(0, 1, 0)
+    while status == "max_steps" and step < a.max_steps:
+        run.sampler.set_epoch(epoch)
+        run.data.epoch = epoch  # read by the workers when the epoch's iterator starts
+        for x, y in run.loader:
+            F.cross_entropy(run.ddp(x), y).backward()
+            run.opt.step()
+            run.sched.step()
+            run.opt.zero_grad(set_to_none=True)
+            step, samples = step + 1, samples + a.global_batch
+            if step % a.eval_every == 0 or step == a.max_steps:
+                metric = _evaluate(a, run, log, samples)
+                if metric >= a.target:
+                    status = "success"
+                    break
+                if a.time_budget is not None and _past(t0, a.time_budget):
+                    status = "time_budget"
+                    break
+                log.block_start(samples, 1, samples)
+            if step == a.max_steps:
+                break
+        epoch += 1
+    return status, step, samples, metric
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from scaleout.config import load_config
+    from scaleout.mlperf import MLPerfLogger
+
+    a = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if a.global_batch % world:
+        raise SystemExit(f"--global-batch {a.global_batch} is not divisible by the world {world}")
+    cfg = load_config(a.config, a.overrides)
+    out = Path(a.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    log = MLPerfLogger(out / "mlperf.log", rank=rank)
+    log.cache_clear()
+    log.init_start()
+    run = _build(a, cfg, rank, world)
+    log.init_stop()
+    dist.barrier()
+    log.run_start()
+    t0 = time.perf_counter()
+    status, step, samples, metric = _loop(a, run, log, t0)
+    dist.barrier()
+    ttt = time.perf_counter() - t0
+    log.train_samples(samples)
+    log.eval_samples(len(run.eval_idx))
+    log.run_stop("success" if status == "success" else "aborted", samples)
+    if rank == 0:
+        report = {
+            "status": status,
+            "steps": step,
+            "samples": samples,
+            "achieved": metric,
+            "target": a.target,
+            "time_to_train_s": ttt,
+            "optimizer": "SGD",
+            "ddp_bucket_mb": a.bucket_mb,
+            "global_batch": a.global_batch,
+            "lr": a.lr,
+            "world_size": world,
+        }
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        print(f"baseline: {status} after {step} steps, {samples} images, {ttt:.1f} s", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
