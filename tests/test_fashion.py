@@ -119,6 +119,8 @@ def test_bench_ttt_resnet_plumbing() -> None:
     cfg = ttt.scaleout_config(args)
     assert (args.config, args.budget, args.baseline_lrs) == ("resnet_cpu", 180000, [0.05, 0.1, 0.2])
     assert (cfg.optim.name, cfg.model.resnet.bn_group, cfg.train.precision) == ("lars", 1, "fp32")
+    # scaleout's warm-up share is its config's (40 of 705 steps), not BERT's 0.1
+    assert args.warmup == cfg.optim.warmup_steps / cfg.optim.total_steps == 40 / 705
     best = Recipe("baseline", "torch", "sgd", 128, 0.1, 0.1)
     rec = ttt.recipes(args, cfg, 4, 1.0, best)
     assert [c.name for c in rec["chain"]] == ["abl-framework", "abl-lars", "scaleout"]

@@ -217,8 +217,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup",
         type=float,
-        default=0.1,
-        help="scaleout warm-up fraction of its steps (default 0.1)",
+        default=None,
+        help="scaleout warm-up fraction of its steps (default: bert 0.1; resnet the config's "
+        "optim.warmup_steps / optim.total_steps, 40/705 in resnet_cpu)",
     )
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
     p.add_argument(
@@ -283,6 +284,10 @@ def scaleout_config(args: argparse.Namespace) -> Any:
     cfg = bench_config(args, TASKS[args.task][1], BENCH_KEYS)
     if cfg.train.target is None:
         raise UserError("train.target=null: the head to head needs a metric to reach")
+    if args.warmup is None:  # scaleout's own recipe: the config's warm-up share (BERT: 0.1)
+        o = cfg.optim
+        resnet = args.task == "resnet" and o.total_steps
+        args.warmup = o.warmup_steps / o.total_steps if resnet else 0.1
     if (args.task == "resnet") != (cfg.model.arch == "resnet"):
         raise UserError(
             f"--config {args.config}: model.arch={cfg.model.arch} does not fit --task {args.task}"
