@@ -254,6 +254,18 @@ CASES: list[Case] = [
     Case(("smoke",), "MASTER_PORT=70000", env={**TORCHRUN, "MASTER_PORT": "70000"}),
     Case(("smoke",), "2(x99999999999)", env={**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)"}),
     Case(("smoke",), "n[0-999999]b[0-9]", env={**SLURM, "SLURM_JOB_NODELIST": "n[0-999999]b[0-9]"}),
+    # ResNet data and recipe (issue 27): config keys, then the data/config/mlperf commands
+    Case(("config", "show", "resnet_cpu", "data.crop_min_area=0"), "data.crop_min_area=0"),
+    Case(("config", "show", "resnet_cpu", "data.decode=tpu"), "data.decode='tpu'"),
+    Case(("config", "show", "resnet_cpu", "hpcai500.target=1.5"), "hpcai500.target=1.5"),
+    Case(
+        ("config", "resnet-rcp", "--global-batch", "1000", "--nodes", "2", "--gpus-per-node", "8"),
+        "--global-batch 1000",
+    ),
+    Case(("mlperf", "rcp", "nowhere"), "nowhere"),
+    Case(("data", "prepare-imagenet", "out", "--train", "nowhere", "--val", "v"), "--train nowhere"),
+    Case(("data", "make-image-shards", "nowhere", "out"), "data.path=nowhere"),
+    Case(("data", "prepare-fashion-mnist", "--source", "nowhere", "--out", "fm"), "nowhere"),
     # the local Slurm scripts (root): refused before anything starts or is deleted
     Case(
         ("slurm", "up", "--no-install", "--state", "planted"),

@@ -288,10 +288,10 @@ def write_shards(
     src, out = Path(src), Path(out)
     if shard_mb <= 0:
         raise UserError(f"--shard-mb {shard_mb}: expected a size in MB > 0")
+    train = ImageFolder(src, "train")
+    classes = train.classes  # lists src (a bad source fails here, before out is created)
     out.mkdir(parents=True, exist_ok=True)
     (out / ".scaleout-index").mkdir(exist_ok=True)  # before any index name hashes out's files
-    train = ImageFolder(src, "train")
-    classes = train.classes
     (out / "classes.txt").write_text("".join(f"{c}\n" for c in classes))
     summary = {}
     for split in splits:
