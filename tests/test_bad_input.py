@@ -263,7 +263,9 @@ CASES: list[Case] = [
         "--global-batch 1000",
     ),
     Case(("mlperf", "rcp", "nowhere"), "nowhere"),
-    Case(("data", "prepare-imagenet", "out", "--train", "nowhere", "--val", "v"), "--train nowhere"),
+    Case(
+        ("data", "prepare-imagenet", "out", "--train", "nowhere", "--val", "v"), "--train nowhere"
+    ),
     Case(("data", "make-image-shards", "nowhere", "out"), "data.path=nowhere"),
     Case(("data", "prepare-fashion-mnist", "--source", "nowhere", "--out", "fm"), "nowhere"),
     # the local Slurm scripts (root): refused before anything starts or is deleted
