@@ -45,6 +45,7 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
         base,
         [
             *FAST,
+            *(SYNTHETIC_IMAGES if base == "resnet_cpu" else []),
             f"train.output_dir={out}/out",
             f"checkpoint.dir={out}/ckpt",
             "checkpoint.every_steps=1",
@@ -63,6 +64,15 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
                 raise
             status = f"raised: {str(exc).splitlines()[0]}"
     return fc.violations, status, fc.hazards
+# resnet_cpu trains on Fashion-MNIST PNGs (written on first use, read by input workers): these
+# tests check the device path, so they take in-memory synthetic images and no worker processes (a
+# pooled rank is daemonic and cannot start them).
+SYNTHETIC_IMAGES = [
+    "data.source=synthetic",
+    "data.prepare=none",
+    "data.num_workers=0",
+    "model.resnet.image_size=32",
+]
 
 
 @pytest.mark.full_system
@@ -127,6 +137,7 @@ def _syncs_per_step(
         config,
         [
             *FAST,
+            *(SYNTHETIC_IMAGES if config == "resnet_cpu" else []),
             f"train.output_dir={out}",
             "checkpoint.dir=null",
             "checkpoint.every_steps=0",

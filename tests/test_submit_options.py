@@ -24,7 +24,11 @@ from scaleout.launchers.submit import SubmitSpec, make_executor, parse_slurm_opt
 from scaleout.launchers.sweep import _finished
 from scaleout.sweep import SweepPoint
 
+# synthetic images: the sweep's plumbing, not resnet_cpu's Fashion-MNIST (written on first use)
 TINY = [
+    "data.source=synthetic",
+    "data.prepare=none",
+    "data.num_workers=0",
     "model.resnet.bn_group=1",
     "model.resnet.width=4",
     "model.resnet.image_size=16",

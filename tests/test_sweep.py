@@ -28,7 +28,11 @@ from scaleout.sweep.results import median_run
 
 # A ResNet-18 of width 4 on 16 px images: the smallest real model the trainer runs (startup
 # dominates).
+# synthetic images: the sweep's plumbing, not resnet_cpu's Fashion-MNIST (written on first use)
 TINY = [
+    "data.source=synthetic",
+    "data.prepare=none",
+    "data.num_workers=0",
     "model.resnet.bn_group=1",
     "model.resnet.width=4",
     "model.resnet.image_size=16",
