@@ -64,6 +64,8 @@ def _train(world: Any, arch_overrides: list[str], out: str) -> tuple[list[str], 
                 raise
             status = f"raised: {str(exc).splitlines()[0]}"
     return fc.violations, status, fc.hazards
+
+
 # resnet_cpu trains on Fashion-MNIST PNGs (written on first use, read by input workers): these
 # tests check the device path, so they take in-memory synthetic images and no worker processes (a
 # pooled rank is daemonic and cannot start them).
