@@ -71,12 +71,7 @@ class ImageFolder:
         max_classes: int | None = None,
     ):
         self.root, self.split = Path(root), split
-        self.base = self.root / split
-        if not self.base.is_dir():  # one stat per rank, no listing
-            raise UserError(
-                f"data.path={root}: no '{split}' folder; expected "
-                f"{root}/{split}/<class>/<image>.JPEG"
-            )
+        self.base = self._locate()  # one stat per rank, no listing
         self.image_size, self.seed = image_size, seed
         self.train = (split == "train") if train is None else train
         self.rank, self.index_root, self.classes_from = rank, index_root, classes_from
@@ -84,6 +79,16 @@ class ImageFolder:
         self.max_classes = max_classes
         self.cache = DecodedCache(cache_bytes)
         self._index: dict[str, np.ndarray] | None = None
+
+    def _locate(self) -> Path:
+        """The split's folder (a tar-shard set overrides this with its first shard)."""
+        base = self.root / self.split
+        if not base.is_dir():
+            raise UserError(
+                f"data.path={self.root}: no '{self.split}' folder; expected "
+                f"{self.root}/{self.split}/<class>/<image>.JPEG"
+            )
+        return base
 
     # -- the lazy index ----------------------------------------------------------------------------
     def _ensure(self) -> dict[str, np.ndarray]:

@@ -29,12 +29,13 @@ import io
 import os
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import UserError
-from scaleout.families.resnet.data.folder import EXTENSIONS, DecodedCache, ImageFolder
+from scaleout.families.resnet.data.folder import EXTENSIONS, ImageFolder
 from scaleout.families.resnet.data.index import (
     index_dir,
     index_path,
@@ -124,37 +125,19 @@ class ShardImages(ImageFolder):
     """The images of ``<root>/<split>-NNNNNN.tar`` (see module docstring); decode, augmentation,
     labels and checks are ImageFolder's."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        split: str = "train",
-        image_size: int = 224,
-        train: bool | None = None,
-        seed: int = 0,
-        *,
-        rank: int = 0,
-        index_root: str | os.PathLike[str] | None = None,
-        classes_from: ImageFolder | None = None,
-        expect_classes: int | None = None,
-        expect_images: int | None = None,
-        cache_bytes: int = 0,
-        max_classes: int | None = None,
-    ):
-        self.root, self.split = Path(root), split
-        self.base = self.root / shard_name(split, 0)
-        if not self.base.is_file():  # one stat per rank, no listing
-            raise UserError(
-                f"data.path={root}: no {shard_name(split, 0)}; expected "
-                f"{root}/{split}-000000.tar ... (scaleout data make-image-shards)"
-            )
-        self.image_size, self.seed = image_size, seed
-        self.train = (split == "train") if train is None else train
-        self.rank, self.index_root, self.classes_from = rank, index_root, classes_from
-        self.expect_classes, self.expect_images = expect_classes, expect_images
-        self.max_classes = max_classes
-        self.cache = DecodedCache(cache_bytes)
-        self._index = None
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self._files: dict[int, int] = {}
+
+    def _locate(self) -> Path:
+        """The split's first shard (its existence is the one check before the lazy index)."""
+        first = self.root / shard_name(self.split, 0)
+        if not first.is_file():
+            raise UserError(
+                f"data.path={self.root}: no {shard_name(self.split, 0)}; expected "
+                f"{self.root}/{self.split}-000000.tar ... (scaleout data make-image-shards)"
+            )
+        return first
 
     def _ensure(self) -> dict[str, np.ndarray]:
         if self._index is None:
