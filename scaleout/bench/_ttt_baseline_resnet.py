@@ -85,12 +85,14 @@ class PaddedCropFlip:
     ``RandomHorizontalFlip()`` + ``ToTensor()`` + ``Normalize(MEAN, STD)`` on the class-foldered
     PNGs, without torchvision."""
 
-    def __init__(self, samples: list[tuple[str, int]], size: int, pad: int, seed: int):
-        self.samples, self.size, self.pad, self.seed = samples, size, pad, seed
+    def __init__(self, folder: Any, size: int, pad: int, seed: int):
+        # folder: scaleout's ImageFolder (its file index: path(i), labels), the list a user's
+        # torchvision ImageFolder would hold
+        self.folder, self.size, self.pad, self.seed = folder, size, pad, seed
         self.epoch = 0
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.folder)
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         import torch
@@ -98,7 +100,7 @@ class PaddedCropFlip:
 
         from scaleout.families.resnet.data.folder import MEAN, STD
 
-        path, label = self.samples[i]
+        path, label = self.folder.path(i), int(self.folder.labels[i])
         with Image.open(path) as im:
             big = round(self.size / 0.875)  # as the eval: resize, then crop S
             a = np.asarray(im.convert("RGB").resize((big, big), Image.BILINEAR), np.float32)
@@ -127,8 +129,8 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
         if rank == 0:
             prepare(d.path)
         torch.distributed.barrier()
-    train = ImageFolder(d.path, "train", r.image_size)  # the file list only
-    evals = ImageFolder(d.path, "val", r.image_size)
+    train = ImageFolder(d.path, "train", r.image_size, rank=rank)  # the file list only
+    evals = ImageFolder(d.path, "val", r.image_size, rank=rank, classes_from=train)
     torch.manual_seed(a.seed)
     model = build_resnet(r)
     ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
@@ -146,7 +148,7 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
         t = (step - a.warmup_steps) / max(a.max_steps - a.warmup_steps, 1)
         return 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
 
-    data = PaddedCropFlip(train.samples, r.image_size, a.pad, d.seed)
+    data = PaddedCropFlip(train, r.image_size, a.pad, d.seed)
     sampler = DistributedSampler(data, world, rank, shuffle=True, seed=d.seed, drop_last=True)
     loader = DataLoader(
         data,
@@ -175,6 +177,8 @@ def _evaluate(a: argparse.Namespace, run: SimpleNamespace, log: Any, samples: in
     import torch
     import torch.distributed as dist
 
+    from scaleout.families.resnet.data.transforms import normalise_reference
+
     log.block_stop(samples, samples)
     log.eval_start(samples, samples)
     run.model.eval()
@@ -182,7 +186,8 @@ def _evaluate(a: argparse.Namespace, run: SimpleNamespace, log: Any, samples: in
     counts = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(0, len(mine), 256):
-            x, y = run.evals.get(mine[i : i + 256])
+            x, y = run.evals.get(mine[i : i + 256])  # uint8 NHWC, scaleout's eval crop
+            x = torch.from_numpy(normalise_reference(x.numpy()))
             counts += torch.tensor([(run.model(x).argmax(1) == y).sum().item(), len(y)])
     dist.all_reduce(counts)
     run.model.train()
