@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -240,14 +241,23 @@ def _loop(
     return status, step, samples, metric
 
 
-def main(argv: list[str] | None = None) -> int:
+def timed_main(
+    a: argparse.Namespace,
+    build: Callable[[argparse.Namespace, Any, int, int], SimpleNamespace],
+    loop: Callable[..., tuple[str, int, int, float | None]],
+    eval_count: Callable[[SimpleNamespace], int],
+    describe: Callable[[SimpleNamespace], dict[str, Any]],
+    unit: str,
+) -> int:
+    """What both baselines (BERT here, ResNet in ``_ttt_baseline_resnet``) do around their own
+    build and loop: the gloo group, the config, MLPerf's init/run_start/run_stop clock in
+    ``mlperf.log`` (the same clock scaleout's runs are timed by) and rank 0's ``report.json``."""
     import torch
     import torch.distributed as dist
 
     from scaleout.config import load_config
     from scaleout.mlperf import MLPerfLogger
 
-    a = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -262,16 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     mlperf_log = MLPerfLogger(out / "mlperf.log", rank=rank)
     mlperf_log.cache_clear()
     mlperf_log.init_start()
-    run = _build(a, cfg, rank, world)
+    run = build(a, cfg, rank, world)
     mlperf_log.init_stop()
     dist.barrier()
     mlperf_log.run_start()
     t0 = time.perf_counter()
-    status, step, samples, metric = _loop(a, run, mlperf_log, t0)
+    status, step, samples, metric = loop(a, run, mlperf_log, t0)
     dist.barrier()
     ttt = time.perf_counter() - t0
     mlperf_log.train_samples(samples)
-    mlperf_log.eval_samples(len(run.evals))
+    mlperf_log.eval_samples(eval_count(run))
     mlperf_log.run_stop("success" if status == "success" else "aborted", samples)
     if rank == 0:
         report = {
@@ -281,19 +291,30 @@ def main(argv: list[str] | None = None) -> int:
             "achieved": metric,
             "target": a.target,
             "time_to_train_s": ttt,
-            "optimizer": type(run.opt).__name__,
-            "fused": bool(run.opt.defaults.get("fused")),
+            **describe(run),
             "ddp_bucket_mb": a.bucket_mb,
             "global_batch": a.global_batch,
             "lr": a.lr,
             "world_size": world,
         }
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        print(
-            f"baseline: {status} after {step} steps, {samples} sequences, {ttt:.1f} s", flush=True
-        )
+        print(f"baseline: {status} after {step} steps, {samples} {unit}, {ttt:.1f} s", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return timed_main(
+        parse_args(argv),
+        _build,
+        _loop,
+        lambda run: len(run.evals),
+        lambda run: {
+            "optimizer": type(run.opt).__name__,
+            "fused": bool(run.opt.defaults.get("fused")),
+        },
+        "sequences",
+    )
 
 
 if __name__ == "__main__":

@@ -24,17 +24,13 @@ clock (``run_start`` -> ``run_stop`` in ``mlperf.log``). Rank 0 also writes ``re
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from scaleout.bench._ttt_baseline import _past
+from scaleout.bench._ttt_baseline import _past, timed_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,54 +227,14 @@ def _loop(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from scaleout.config import load_config
-    from scaleout.mlperf import MLPerfLogger
-
-    a = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if a.global_batch % world:
-        raise SystemExit(f"--global-batch {a.global_batch} is not divisible by the world {world}")
-    cfg = load_config(a.config, a.overrides)
-    out = Path(a.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    log = MLPerfLogger(out / "mlperf.log", rank=rank)
-    log.cache_clear()
-    log.init_start()
-    run = _build(a, cfg, rank, world)
-    log.init_stop()
-    dist.barrier()
-    log.run_start()
-    t0 = time.perf_counter()
-    status, step, samples, metric = _loop(a, run, log, t0)
-    dist.barrier()
-    ttt = time.perf_counter() - t0
-    log.train_samples(samples)
-    log.eval_samples(len(run.eval_idx))
-    log.run_stop("success" if status == "success" else "aborted", samples)
-    if rank == 0:
-        report = {
-            "status": status,
-            "steps": step,
-            "samples": samples,
-            "achieved": metric,
-            "target": a.target,
-            "time_to_train_s": ttt,
-            "optimizer": "SGD",
-            "ddp_bucket_mb": a.bucket_mb,
-            "global_batch": a.global_batch,
-            "lr": a.lr,
-            "world_size": world,
-        }
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        print(f"baseline: {status} after {step} steps, {samples} images, {ttt:.1f} s", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return timed_main(
+        parse_args(argv),
+        _build,
+        _loop,
+        lambda run: len(run.eval_idx),
+        lambda run: {"optimizer": "SGD"},
+        "images",
+    )
 
 
 if __name__ == "__main__":
