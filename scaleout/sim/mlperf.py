@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,12 @@ from scaleout.errors import ConfigError
 from scaleout.families.bert.config import BertConfig
 from scaleout.families.bert.flops import sequence_training_flops
 from scaleout.sim.cluster import get_cluster, with_sharp
+from scaleout.sim.convergence import ConvergenceCurve
 from scaleout.sim.step import (
     StepResult,
     TimeToTrain,
     TrainSpec,
+    eval_interval,
     get_model,
     step_time,
     time_to_train,
@@ -182,23 +185,39 @@ class Prediction:
         return self.ttt.total / self.ttt.steps
 
 
+# The per-step host cost of NVIDIA's BERT stack is calibrated on this run; the others are predicted.
+CALIBRATION_RUN = "e"
+
+
 def simulate(
     run: BertRun,
     mfu: float = BERT_MFU,
     optimizer: str = "sharded-node",
     sharp: bool | None = None,
     algorithm: str = "tree",
+    host_s: float | None = None,
+    convergence: ConvergenceCurve | None = None,
 ) -> Prediction:
     """The run as submitted (``optimizer``/``sharp`` switch the two modelled features for
     ablations).
 
     ``algorithm`` is NCCL's between nodes: with sharded-node it carries only the all-reduce among
     same-local-rank GPUs (one per node), where NCCL runs its tree, or CollNet (SHARP) when enabled.
+    ``host_s``: the fixed per-step cost (default: ``nvidia_host_s()``; every run uses
+    ``--use_cuda_graph``). Without ``convergence`` the run gets its logged steps and evaluations;
+    with it, samples to converge come from the curve at the run's global batch (sequences) and the
+    evaluations from MLPerf's schedule (``eval_interval``): a prediction from the batch alone.
     """
     cluster = with_sharp(get_cluster(run.cluster), run.sharp if sharp is None else sharp)
     base = get_model("bert-large")
     flops = PACKED_ROW_FLOPS if run.packed else base.flops_per_sample
-    model = replace(base, flops_per_sample=flops, samples_to_converge=None, eval_every_samples=None)
+    model = replace(
+        base,
+        flops_per_sample=flops,
+        samples_to_converge=None,
+        eval_every_samples=None,
+        eval_rule=None,
+    )
     grads = model.params * model.grad_bytes
     train = TrainSpec(
         local_batch=run.batch_per_gpu,
@@ -207,13 +226,50 @@ def simulate(
         optimizer=optimizer,
         overlap=run.overlap_blocks > 0,
         bucket_mb=grads / max(run.overlap_blocks, 1) / 1e6,
+        cuda_graphs=True,
+        host_s=nvidia_host_s() if host_s is None else host_s,
     )
     st = step_time(model, train, cluster, run.nodes)
-    # time_to_train counts steps from samples; give it exactly the logged steps and evaluations.
+    # time_to_train counts in the run's rows (packed rows or sequences); the RCPs and MLPerf's
+    # evaluation schedule count sequences (the logged global_batch_size).
     rows_per_step = st.gpus * run.batch_per_gpu
-    evals = replace(model, eval_every_samples=run.steps * rows_per_step / run.evals * (1 - 1e-9))
-    ttt = time_to_train(evals, train, cluster, run.nodes, samples=run.steps * rows_per_step)
+    if convergence is None:
+        steps, evals = run.steps, run.evals
+    else:
+        sequences = convergence.samples(run.global_batch)
+        steps = sequences / run.global_batch
+        evals = int(sequences // eval_interval(base, run.global_batch))
+    every = steps * rows_per_step / evals * (1 - 1e-9) if evals else None
+    ttt = time_to_train(
+        replace(model, eval_every_samples=every), train, cluster, run.nodes, steps * rows_per_step
+    )
     return Prediction(run, st, ttt)
+
+
+@lru_cache(maxsize=1)
+def nvidia_host_s() -> float:
+    """NVIDIA's per-step host cost, calibrated on run ``CALIBRATION_RUN`` (e): the host time per
+    step that makes the model's time per step equal the logged one at 40 % MFU (time per step is
+    linear in it). Held out: every other run, A100 and H100; docs/simulate.md says why one
+    constant can carry across GPU generations."""
+    run = get_run(CALIBRATION_RUN)
+    p0 = simulate(run, host_s=0.0).per_step
+    p1 = simulate(run, host_s=1e-3).per_step
+    return (run.per_step_ms / 1e3 - p0) / (p1 - p0) * 1e-3
+
+
+def speedup(
+    small: str = "e", large: str = "c", convergence: ConvergenceCurve | None = None
+) -> tuple[float, Prediction, Prediction]:
+    """Predicted time-to-train ratio of run ``small`` over run ``large``, each from its batch alone
+    (samples from ``convergence``; None: the bert-large preset's fixed samples at every batch, the
+    old model)."""
+    if convergence is None:
+        fixed = get_model("bert-large").samples_to_converge
+        convergence = ConvergenceCurve(((1.0, fixed),), "fixed samples (bert-large preset)")
+    a = simulate(get_run(small), convergence=convergence)
+    b = simulate(get_run(large), convergence=convergence)
+    return a.ttt.total / b.ttt.total, a, b
 
 
 @dataclass(frozen=True)

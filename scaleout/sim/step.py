@@ -17,6 +17,11 @@ Assumptions, each one a choice a user can change:
 - a sharded optimizer (``TrainSpec.optimizer``, scaleout.sim.sharded) reduce-scatters instead, runs
   one small all-reduce of LAMB's per-tensor norms, updates its 1/shard of the parameters bucket by
   bucket and all-gathers each updated bucket at once (gathers overlap the later buckets' updates);
+- a fixed per-step cost that scales with neither FLOPs nor bytes (``TrainSpec.host_s``: host work
+  between steps that the device waits for: the next batch, the replay or launches, per-step
+  checks), added once per step; without CUDA graphs the device also cannot finish before the host
+  has issued the step's kernels (``TrainSpec.launch_s``: step >= launch time). Calibrations with
+  their sources: ``STEP_OVERHEADS`` (scaleout's own H200 rows) and scaleout.sim.mlperf (NVIDIA's);
 - scaling efficiency = (compute + optimizer) / step time, i.e. per-GPU throughput relative to one
   GPU that does not communicate.
 """
@@ -35,6 +40,7 @@ from scaleout.families.resnet.config import ResNetConfig
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import canonical
+from scaleout.sim.convergence import ConvergenceCurve
 from scaleout.sim.sharded import check_optimizer, gather_time, norm_time, reduce_time, shard_ranks
 
 MEM_EFFICIENCY = 0.8
@@ -57,6 +63,9 @@ class ModelSpec:
     samples_to_converge: float | None = None
     eval_samples: float = 0.0
     eval_every_samples: float | None = None
+    # MLPerf's evaluation schedule, a function of the global batch (``eval_interval``); overrides
+    # eval_every_samples when set: "mlperf-bert" or "mlperf-resnet"
+    eval_rule: str | None = None
     notes: str = ""
 
 
@@ -74,6 +83,12 @@ class TrainSpec:
     torus_x: int | Literal["node", "square"] | None = None  # node: GPUs per node; square: ~sqrt(p)
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
     optimizer: Literal["replicated", "sharded", "sharded-node"] = "replicated"  # sim/sharded.py
+    # Fixed per-step costs (see the module doc and STEP_OVERHEADS): host time the device waits for,
+    # once per step; and, eager only, the host's launch time of one step (the step takes at least
+    # that long: compute hides launches only when it is longer).
+    cuda_graphs: bool = True
+    host_s: float = 0.0
+    launch_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,7 @@ class StepResult:
     optimizer_placement: str = "replicated"
     shard: int = 1  # ranks sharing one copy of the optimizer state
     state_bytes: float = 0.0  # optimizer state per rank
+    host: float = 0.0  # fixed per-step cost: host work, and eager launch time not hidden
 
     @property
     def efficiency(self) -> float:
@@ -114,8 +130,8 @@ MODELS: dict[str, ModelSpec] = {
         # 16384; MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's
         # reference (c).
         samples_to_converge=5533303,
-        eval_samples=10000,
-        eval_every_samples=325000,  # MLPerf BERT eval set; EVAL_ITER_SAMPLES in config
+        eval_samples=10000,  # MLPerf BERT eval set
+        eval_rule="mlperf-bert",  # EVAL_ITER_SAMPLES, a function of the batch: eval_interval
         notes=(
             "BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh"
         ),
@@ -130,9 +146,88 @@ MODELS: dict[str, ModelSpec] = {
         opt_bytes_per_param=16.0,
         samples_to_converge=37
         * 1281167,  # MLPerf LARS runs converge in ~35-40 epochs of ImageNet-1k
+        eval_samples=50000,  # ImageNet validation set
+        eval_rule="mlperf-resnet",
         notes="ResNet-50 v1.5, fp32 gradients (Horovod-era default)",
     ),
 }
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """Fixed per-step costs of one software stack, with and without CUDA graphs."""
+
+    name: str
+    graphed_host_s: float  # per step with the step captured (replay + what stays on the host)
+    eager_launch_s: float  # eager: the host's time to issue one step (the step's floor)
+    source: str
+
+
+# scaleout's own stack, measured: `scaleout bench gpucheck` resnet50 rows on one H200
+# (docs/step-optimizations.md, "ResNet-50 on the GPU"): (images/GPU, eager img/s, graphed img/s).
+H200_RESNET50_ROWS = ((35, 1044.0, 3180.0), (64, 1794.0, 3833.0), (128, 3902.0, 4299.0))
+
+
+def _h200_overhead() -> StepOverhead:
+    """Graphed: the intercept of the least-squares line step(b) = host + b x per-image through the
+    graphed rows (what a step costs at zero batch: the replay and the eager LARS after it). Eager:
+    the eager rows' mean step time, flat in the batch (1,044-3,902 img/s at 35-128 images is
+    33-36 ms every step), i.e. launch-bound: the host's time to issue a step."""
+    xs = [b for b, _, _ in H200_RESNET50_ROWS]
+    ys = [b / g for b, _, g in H200_RESNET50_ROWS]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    eager = [b / e for b, e, _ in H200_RESNET50_ROWS]
+    return StepOverhead(
+        "scaleout-h200",
+        my - slope * mx,
+        sum(eager) / len(eager),
+        "scaleout bench gpucheck, ResNet-50 bf16 on one H200 (docs/step-optimizations.md): "
+        "graphed rows' intercept; eager rows' launch-bound step",
+    )
+
+
+STEP_OVERHEADS: dict[str, StepOverhead] = {
+    "none": StepOverhead("none", 0.0, 0.0, "no fixed per-step cost"),
+    "scaleout-h200": _h200_overhead(),
+}
+
+
+def with_overhead(train: TrainSpec, overhead: StepOverhead) -> TrainSpec:
+    """``train`` with ``overhead``'s per-step costs for its ``cuda_graphs`` setting."""
+    if train.cuda_graphs:
+        return replace(train, host_s=overhead.graphed_host_s, launch_s=0.0)
+    return replace(train, host_s=0.0, launch_s=overhead.eager_launch_s)
+
+
+def get_overhead(name: str) -> StepOverhead:
+    try:
+        return STEP_OVERHEADS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown step-overhead calibration {name!r}; "
+            f"expected one of {', '.join(STEP_OVERHEADS)}"
+        ) from None
+
+
+def eval_interval(model: ModelSpec, global_batch: float) -> float | None:
+    """Training samples between evaluations.
+
+    mlperf-bert: EVAL_ITER_SAMPLES = 25000 x floor(0.05 x (230.23 x B + 3,000,000) / 25000), the
+    formula in NVIDIA's MLPerf v2.0 BERT configs (config_DGXA100_512x8x2x1_pack.sh: 325,000 at
+    B = 16384; 175,000 at 4096 and 3072; 300,000 at 13888, as their logs show). mlperf-resnet:
+    every 4 epochs (the MLPerf ResNet rule; the first evaluation's offset is ignored)."""
+    if model.eval_rule == "mlperf-bert":
+        return 25000.0 * math.floor(0.05 * (230.23 * global_batch + 3_000_000) / 25000)
+    if model.eval_rule == "mlperf-resnet":
+        return 4.0 * 1281167
+    if model.eval_rule is not None:
+        raise ConfigError(
+            f"unknown eval_rule {model.eval_rule!r}; expected mlperf-bert or mlperf-resnet"
+        )
+    return model.eval_every_samples
 
 
 def get_model(name: str) -> ModelSpec:
@@ -223,9 +318,14 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
             updated = [t_opt * f for f in done_frac]
             step = max(end + t_norm + t_opt, _pipeline(end + t_norm, updated, gather))
             comm_total += t_norm + sum(gather)
+    exposed = step - t_comp - t_opt
+    # Fixed per-step costs: eager, the device waits for the host's launches (exposed launch time);
+    # always, the host work between steps.
+    host = train.host_s + (0.0 if train.cuda_graphs else max(0.0, train.launch_s - step))
+    step += host
     state = model.params * model.state_bytes_per_param / shard
     return StepResult(
-        alg, gpus, nodes, t_comp, t_opt, comm_total, step - t_comp - t_opt, step, opt, shard, state
+        alg, gpus, nodes, t_comp, t_opt, comm_total, exposed, step, opt, shard, state, host
     )
 
 
@@ -236,28 +336,41 @@ class TimeToTrain:
     evals: int
     eval_time: float
     total: float
+    samples: float = 0.0  # samples to converge used
 
 
 def time_to_train(
-    model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int, samples: float | None = None
+    model: ModelSpec,
+    train: TrainSpec,
+    cluster: Cluster,
+    nodes: int,
+    samples: float | None = None,
+    convergence: ConvergenceCurve | None = None,
 ) -> TimeToTrain:
+    """Steps x step time + evaluations. Samples to converge: ``samples`` if given, else the
+    ``convergence`` curve at this global batch (scaleout.sim.convergence), else the preset's."""
+    res = step_time(model, train, cluster, nodes)
+    global_batch = res.gpus * train.local_batch
+    if not samples and convergence is not None:
+        samples = convergence.samples(global_batch)
     samples = samples or model.samples_to_converge
     if not samples or samples <= 0:
         raise ConfigError(f"samples to converge must be > 0, got {samples}")
-    res = step_time(model, train, cluster, nodes)
-    global_batch = res.gpus * train.local_batch
     steps = math.ceil(samples / global_batch - 1e-9)
-    evals = int(samples // model.eval_every_samples) if model.eval_every_samples else 0
-    # Evaluation: forward only (1/3 of training FLOPs) on this rank's share of the eval set.
-    per_eval = (
-        compute_time(
-            model, replace(train, local_batch=max(model.eval_samples / res.gpus, 1e-9)), cluster
-        )
-        / 3
-    )
+    every = eval_interval(model, global_batch)
+    evals = int(samples // every) if every else 0
+    # Evaluation: forward only (1/3 of training FLOPs) on this rank's share of the eval set, plus
+    # the per-step host cost once (one result read per evaluation).
+    share = max(model.eval_samples / res.gpus, 1e-9)
+    per_eval = compute_time(model, replace(train, local_batch=share), cluster) / 3 + train.host_s
     eval_time = evals * per_eval if model.eval_samples else 0.0
     return TimeToTrain(
-        steps, res.step, evals, eval_time, steps * res.step + eval_time + train.fixed_overhead_s
+        steps,
+        res.step,
+        evals,
+        eval_time,
+        steps * res.step + eval_time + train.fixed_overhead_s,
+        samples,
     )
 
 
