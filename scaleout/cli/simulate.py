@@ -23,9 +23,15 @@ bucketed overlap (docs/simulate.md). Instant; no GPU needed.
 
 actions:
   scale      step time, exposed communication, scaling efficiency and time to train per algorithm
+             (samples to converge from MLCommons' RCPs at each global batch, or a fit to your
+             `scaleout bench largebatch` runs: --convergence; a fixed per-step host cost:
+             --overhead, --cuda-graphs)
+  convergence  samples to converge vs global batch: the RCP table (or the fit to a bench
+             largebatch JSON) and the curve at chosen batches
   allreduce  predicted time / busbw of one all-reduce per algorithm and message size
   calibrate  fit the constants to `scaleout bench allreduce` JSON; report held-out prediction error
-  validate   predictions vs published numbers (nccl-tests, MLPerf BERT v2.0-v3.1, Horovod #542)
+  validate   predictions vs published numbers (nccl-tests, MLPerf BERT v2.0-v3.1 and the
+             1024 -> 4096 A100 speed-up, Horovod #542)
   presets    list the cluster and model presets
   mlperf-log steps, time per step and score of MLPerf result_*.txt files (how validate's numbers
   were read)
@@ -45,6 +51,8 @@ examples:
   flat,hierarchical
   scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
   scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d --min-bytes 1MiB
+  scaleout simulate scale --model bert-large --convergence bench-results/largebatch.json
+  scaleout simulate convergence rcp --model resnet50 --batches 1024,4096,32768
   scaleout simulate validate --out bench-results/sim-validate.json
   scaleout simulate mlperf-log
   training_results_v2.0/NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert
@@ -146,7 +154,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--samples",
         type=float,
         default=None,
-        help="samples to converge (default: the model preset's)",
+        help="samples to converge at every batch (default: --convergence)",
+    )
+    _convergence_args(sc)
+    sc.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the step is one CUDA graph (default): the per-step host cost only; "
+        "--no-cuda-graphs: eager, the step takes at least the host's launch time",
+    )
+    sc.add_argument(
+        "--overhead",
+        default="scaleout-h200",
+        help="calibration of the fixed per-step cost: scaleout-h200 (default; scaleout's "
+        "measured H200 rows), nvidia-bert (NVIDIA's MLPerf BERT, calibrated on a published run) "
+        "or none",
+    )
+    sc.add_argument(
+        "--host-ms", type=float, default=None, help="per-step host time in ms (overrides)"
+    )
+    sc.add_argument(
+        "--launch-ms", type=float, default=None, help="eager launch time per step in ms (overrides)"
     )
     sc.add_argument(
         "--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)"
@@ -207,6 +236,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     va.add_argument(
         "--out", default="bench-results/simulate-validate.json", help="JSON output ('' to skip)"
     )
+    cv = sub.add_parser(
+        "convergence",
+        help="samples to converge vs global batch (RCPs or a fit to bench largebatch)",
+        description="The curve the time to train uses: MLCommons' RCP table for the model's "
+        "MLPerf benchmark, read from the installed mlperf-logging (olympic means, pruned as "
+        "rcp_checker prunes, linear in the batch between them), or the fit samples = E_min "
+        "(1 + B / B_crit) to a `scaleout bench largebatch --out` JSON, with the data beside it.",
+    )
+    cv.add_argument(
+        "source", nargs="?", default="rcp", help="rcp (default) or a bench largebatch JSON"
+    )
+    cv.add_argument(
+        "--model", default="bert-large", help="model preset (rcp: bert-large, resnet50)"
+    )
+    cv.add_argument(
+        "--rcp-ruleset", default=None, help="MLPerf Training ruleset of the RCPs (default 2.0.0)"
+    )
+    cv.add_argument(
+        "--batches", default=None, help="global batches to evaluate the curve at (comma list)"
+    )
+    cv.add_argument("--png", default=None, help="PNG of the curve with its points")
     sub.add_parser("presets", help="list cluster and model presets")
     ml = sub.add_parser(
         "mlperf-log",
@@ -217,6 +267,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     ml.add_argument("paths", nargs="+", help="result_*.txt files or directories holding them")
     p.set_defaults(_sim_parser=p)
+
+
+def _convergence_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--convergence",
+        default=None,
+        help="samples to converge as a function of the global batch: rcp (MLCommons' reference "
+        "convergence points for the model's MLPerf benchmark, from the installed mlperf-logging), "
+        "a `scaleout bench largebatch --out` JSON (fitted), or fixed (the preset's samples at "
+        "every batch). Default: rcp for the bert-large/resnet50 presets, fixed with --config",
+    )
+    p.add_argument(
+        "--rcp-ruleset",
+        default=None,
+        help="MLPerf Training ruleset whose RCPs to read (default 2.0.0)",
+    )
 
 
 def _cluster(args: argparse.Namespace, gpus_per_node: int | None = None) -> Any:
@@ -318,25 +384,59 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
     return cluster, model, train, gpus, algs
 
 
+def _curve(args: argparse.Namespace, model_name: str, default: str | None) -> Any:
+    from scaleout.sim.convergence import DEFAULT_RULESET, curve_for
+
+    source = args.convergence if args.convergence is not None else default
+    return curve_for(model_name, source, args.rcp_ruleset or DEFAULT_RULESET)
+
+
+def _overhead(args: argparse.Namespace, train: Any) -> Any:
+    from scaleout.errors import ConfigError
+    from scaleout.sim.step import get_overhead, with_overhead
+
+    train = with_overhead(replace(train, cuda_graphs=args.cuda_graphs), get_overhead(args.overhead))
+    for flag, value, key in (
+        ("--host-ms", args.host_ms, "host_s"),
+        ("--launch-ms", args.launch_ms, "launch_s"),
+    ):
+        if value is not None:
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+            train = replace(train, **{key: value / 1e3})
+    return train
+
+
 def run_scale(args: argparse.Namespace) -> int:
     from scaleout.sim.step import step_time, time_to_train
 
     cluster, model, train, gpus, algs = _scale_specs(args)
-    samples = args.samples or model.samples_to_converge
+    train = _overhead(args, train)
+    fixed = args.samples or args.config
+    curve = None if args.samples else _curve(args, model.name, "fixed" if fixed else "rcp")
+    samples = args.samples or (None if curve else model.samples_to_converge)
     rows, table = [], []
     for n in gpus:
         nodes = n // cluster.gpus_per_node
         for alg in algs:
             t = replace(train, algorithm=alg)
             r = step_time(model, t, cluster, nodes)
-            ttt = time_to_train(model, t, cluster, nodes, samples) if samples else None
+            ttt = (
+                time_to_train(model, t, cluster, nodes, samples, curve)
+                if samples or curve
+                else None
+            )
             rows.append(
                 {
                     **asdict(r),
                     "efficiency": r.efficiency,
                     "throughput": r.throughput(train.local_batch),
+                    "global_batch": n * train.local_batch,
+                    "samples_to_converge": ttt.samples if ttt else None,
+                    "extrapolated": bool(curve and curve.extrapolated(n * train.local_batch)),
                     "time_to_train_s": ttt.total if ttt else None,
                     "steps": ttt.steps if ttt else None,
+                    "evals": ttt.evals if ttt else None,
                 }
             )
             table.append(
@@ -348,9 +448,13 @@ def run_scale(args: argparse.Namespace) -> int:
                     r.compute * 1e3,
                     r.optimizer * 1e3,
                     r.exposed * 1e3,
+                    r.host * 1e3,
                     f"{r.efficiency:.1%}",
                     r.throughput(train.local_batch),
                     r.state_bytes / 2**20,
+                    (f"{ttt.samples / 1e6:.3g}" + ("*" if rows[-1]["extrapolated"] else ""))
+                    if ttt
+                    else "-",
                     f"{ttt.total / 60:.3f}" if ttt else "-",
                 ]
             )
@@ -365,7 +469,14 @@ def run_scale(args: argparse.Namespace) -> int:
             if train.samples_per_s
             else f"MFU {train.mfu:.0%}"
         )
-        + (f", {samples:.3g} samples to converge" if samples else "")
+        + (f", {samples:.3g} samples to converge at every batch" if samples else "")
+        + (f", samples to converge: {curve.describe()}" if curve else "")
+        + (
+            f"; per step: {'CUDA graph' if train.cuda_graphs else 'eager'}, host "
+            f"{train.host_s * 1e3:.2f} ms"
+            + ("" if train.cuda_graphs else f", launch {train.launch_s * 1e3:.1f} ms")
+            + f" ({args.overhead})"
+        )
     )
     print(
         format_table(
@@ -377,14 +488,18 @@ def run_scale(args: argparse.Namespace) -> int:
                 "compute ms",
                 "optimizer ms",
                 "exposed comm ms",
+                "host ms",
                 "efficiency",
                 "samples/s",
                 "opt state MiB/GPU",
+                "samples M",
                 "TTT min",
             ],
             table,
         )
     )
+    if any(r["extrapolated"] for r in rows):
+        print("* above the largest batch of the curve: its last segment extrapolated")
     _write(
         args.out,
         {
@@ -393,6 +508,7 @@ def run_scale(args: argparse.Namespace) -> int:
             "model": asdict(model),
             "train": asdict(train),
             "config": args.config,
+            "convergence": curve.describe() if curve else None,
             "rows": rows,
         },
     )
@@ -586,6 +702,82 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0 if all(v.status != "FAIL" for v in vals) else 1
 
 
+def run_convergence(args: argparse.Namespace) -> int:
+    from scaleout.argtypes import parse_csv
+    from scaleout.sim.convergence import (
+        DEFAULT_RULESET,
+        MODEL_BENCHMARK,
+        curve_for,
+        fit_table,
+        load_rcps,
+    )
+
+    ruleset = args.rcp_ruleset or DEFAULT_RULESET
+    curve = curve_for(args.model, args.source, ruleset)
+    print(curve.describe())
+    if curve.e_min is None:
+        kept = {b for b, _ in curve.points}
+        rows = [
+            [
+                r.name,
+                r.batch,
+                len(r.runs),
+                f"{r.mean / 1e6:.4g}",
+                "kept" if r.batch in kept else "pruned",
+            ]
+            for r in load_rcps(MODEL_BENCHMARK[args.model], ruleset)
+        ]
+        print(format_table(["RCP", "batch", "runs", "olympic mean M samples", "curve"], rows))
+    else:
+        for note in curve.notes:
+            print(note)
+        print(format_table(["batch", "measured samples", "fitted", "error"], fit_table(curve)))
+    lo, hi = curve.points[0][0], curve.points[-1][0]
+    batches = (
+        parse_csv(args.batches, "--batches", float, at_least=1)
+        if args.batches
+        else sorted({lo, hi, *(2.0**k for k in range(20) if lo < 2.0**k < hi)})
+    )
+    print(
+        format_table(
+            ["global batch", "samples to converge", "steps", ""],
+            [
+                [
+                    f"{b:g}",
+                    f"{curve.samples(b):.4g}",
+                    f"{curve.samples(b) / b:.1f}",
+                    "extrapolated" if curve.extrapolated(b) else "",
+                ]
+                for b in batches
+            ],
+        )
+    )
+    if args.png:
+        _plot_curve(curve, batches, args.png)
+    return 0
+
+
+def _plot_curve(curve: Any, batches: list[float], path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    lo = min(min(batches), curve.points[0][0])
+    hi = max(max(batches), curve.points[-1][0])
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [curve.samples(x) for x in xs], label=curve.describe()[:80])
+    ax.plot([b for b, _ in curve.points], [s for _, s in curve.points], "o", label="points")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch")
+    ax.set_ylabel("samples to converge")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def run_presets(args: argparse.Namespace) -> int:
     from scaleout.sim.cluster import PRESETS
     from scaleout.sim.step import MODELS
@@ -661,6 +853,7 @@ def run(args: argparse.Namespace) -> int:
         "allreduce": run_allreduce,
         "calibrate": run_calibrate,
         "validate": run_validate,
+        "convergence": run_convergence,
         "presets": run_presets,
         "mlperf-log": run_mlperf_log,
     }

@@ -203,12 +203,26 @@ def with_overhead(train: TrainSpec, overhead: StepOverhead) -> TrainSpec:
 
 
 def get_overhead(name: str) -> StepOverhead:
+    """A calibration of ``STEP_OVERHEADS``, or ``nvidia-bert``: NVIDIA's MLPerf BERT stack, host
+    time calibrated on a published run (scaleout.sim.mlperf.nvidia_host_s; graphed only)."""
+    if name == "nvidia-bert":
+        # deferred: scaleout.sim.mlperf imports this module (it simulates runs with step_time)
+        from scaleout.sim.mlperf import CALIBRATION_RUN, nvidia_host_s
+
+        host = nvidia_host_s()
+        return StepOverhead(
+            name,
+            host,
+            host,
+            f"NVIDIA MLPerf BERT (--use_cuda_graph full_iteration), calibrated on run "
+            f"({CALIBRATION_RUN}); eager: not measured, the graphed host time as a floor",
+        )
     try:
         return STEP_OVERHEADS[name]
     except KeyError:
         raise ConfigError(
             f"unknown step-overhead calibration {name!r}; "
-            f"expected one of {', '.join(STEP_OVERHEADS)}"
+            f"expected one of {', '.join([*STEP_OVERHEADS, 'nvidia-bert'])}"
         ) from None
 
 
