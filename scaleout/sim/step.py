@@ -22,8 +22,8 @@ Assumptions, each one a choice a user can change:
   checks), added once per step; without CUDA graphs the device also cannot finish before the host
   has issued the step's kernels (``TrainSpec.launch_s``: step >= launch time). Calibrations with
   their sources: ``STEP_OVERHEADS`` (scaleout's own H200 rows) and scaleout.sim.mlperf (NVIDIA's);
-- scaling efficiency = (compute + optimizer) / step time, i.e. per-GPU throughput relative to one
-  GPU that does not communicate.
+- scaling efficiency = (compute + optimizer + host) / step time, i.e. per-GPU throughput relative
+  to one GPU that does not communicate.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class StepResult:
 
     @property
     def efficiency(self) -> float:
-        return (self.compute + self.optimizer) / self.step
+        """Relative to one GPU that does not communicate (which pays the per-step host cost too)."""
+        return (self.compute + self.optimizer + self.host) / self.step
 
     def throughput(self, local_batch: float) -> float:
         return self.gpus * local_batch / self.step
@@ -206,8 +207,10 @@ def get_overhead(name: str) -> StepOverhead:
     """A calibration of ``STEP_OVERHEADS``, or ``nvidia-bert``: NVIDIA's MLPerf BERT stack, host
     time calibrated on a published run (scaleout.sim.mlperf.nvidia_host_s; graphed only)."""
     if name == "nvidia-bert":
-        # deferred: scaleout.sim.mlperf imports this module (it simulates runs with step_time)
-        from scaleout.sim.mlperf import CALIBRATION_RUN, nvidia_host_s
+        from scaleout.sim.mlperf import (
+            CALIBRATION_RUN,
+            nvidia_host_s,
+        )  # deferred: mlperf imports us
 
         host = nvidia_host_s()
         return StepOverhead(
