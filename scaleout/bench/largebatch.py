@@ -19,6 +19,10 @@ Evaluation happens at the same sample interval in every run (every ``eval_every`
 every ``factor x eval_every`` base steps), so step counts are equally quantised. A run that never
 reaches the target is reported as "> budget", not as a number. Perfect scaling would need 1/factor
 of the base steps; the bar for LAMB is <= 1/5, and AdamW at the same batch should need more.
+
+The ``--out`` JSON is a samples-to-converge curve for the simulator: ``scaleout simulate
+convergence FILE`` fits samples(B) = E_min (1 + B / B_crit) to its LAMB runs and shows the fit, and
+``scaleout simulate scale --convergence FILE`` predicts time to train with it.
 """
 
 from __future__ import annotations

@@ -6,14 +6,18 @@ GPUs.
   leader), SHARP
 - :mod:`scaleout.sim.sharded`      optimizer placement: replicated, ZeRO-1 over the world, sharded
   per node
-- :mod:`scaleout.sim.step`         bucketed, overlapped training step; scaling sweep; time to train
+- :mod:`scaleout.sim.step`         bucketed, overlapped training step, fixed per-step host cost;
+  scaling sweep; time to train with MLPerf's evaluation schedule
+- :mod:`scaleout.sim.convergence`  samples to converge vs global batch: MLCommons' RCPs (installed
+  mlperf-logging) or a fit to ``scaleout bench largebatch`` runs
 - :mod:`scaleout.sim.fromconfig`   what a training config tells the simulator (optim.sharded,
   comm.*, batch)
 - :mod:`scaleout.sim.calibrate`    fit the constants to ``scaleout bench allreduce`` JSON, held-out
   checks
 - :mod:`scaleout.sim.mlperf`       published MLPerf BERT runs (from their logs) and how each is
   simulated
-- :mod:`scaleout.sim.validate`     checks against published numbers (nccl-tests, MLPerf, Horovod)
+- :mod:`scaleout.sim.validate`     checks against published numbers (nccl-tests, MLPerf runs and a
+  speed-up between two of them, Horovod)
 
 Pure Python + numpy; no torch import, so ``scaleout simulate`` is instant.
 """
