@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -150,36 +151,47 @@ class NanInjection:
 
 
 class HangInjection:
-    """``SCALEOUT_TEST_HANG="STEP:RANK:PHASE[,...]"``: this rank stops making progress (sleeps
-    forever, its heartbeat thread still beating) when it enters PHASE (scaleout.train.liveness
-    PHASES: data, forward, ...) of step STEP (0-based) -- an alive rank stuck in its data loader or
-    a forward that never ends, the case a stopped heartbeat cannot name. Installed as the
-    trainer's ``progress.fault``; tests/test_faults.py uses it."""
+    """``SCALEOUT_TEST_HANG="STEP:RANK:PHASE[:stop][,...]"``: this rank stops making progress when
+    it enters PHASE (scaleout.train.liveness PHASES: data, forward, ...) of step STEP (0-based):
+    it sleeps forever, its heartbeat thread still beating (an alive rank stuck in its data loader
+    or in a forward that never ends: the case a stopped heartbeat cannot name), or with ``:stop``
+    it SIGSTOPs itself (a frozen process or node: no heartbeat either). Installed as the trainer's
+    ``progress.fault``; tests/test_faults.py drives both."""
 
     VARIABLE = "SCALEOUT_TEST_HANG"
 
-    def __init__(self, points: set[tuple[int, str]]):
-        self.points = points
+    def __init__(self, points: dict[tuple[int, str], bool]):
+        self.points = points  # (step, phase) -> SIGSTOP (else sleep)
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> HangInjection | None:
         spec = (os.environ if env is None else env).get(cls.VARIABLE, "")
-        points = set()
+        points = {}
         for item in filter(None, spec.split(",")):
-            step, at, phase = (item.split(":") + ["", ""])[:3]
-            if phase not in PHASES or not step.isdigit() or not at.isdigit():
+            step, at, phase, *how = item.split(":") + ([] if item.count(":") >= 2 else ["", ""])
+            if (
+                phase not in PHASES
+                or not step.isdigit()
+                or not at.isdigit()
+                or how not in ([], ["stop"])
+            ):
                 raise UserError(
-                    f"{cls.VARIABLE}={spec!r}: expected STEP:RANK:PHASE with PHASE one of "
-                    f"{', '.join(PHASES)}"
+                    f"{cls.VARIABLE}={spec!r}: expected STEP:RANK:PHASE or STEP:RANK:PHASE:stop "
+                    f"with PHASE one of {', '.join(PHASES)}"
                 )
             if int(at) == rank:
-                points.add((int(step), phase))
+                points[(int(step), phase)] = how == ["stop"]
         return cls(points) if points else None
 
     def __call__(self, step: int, phase: str) -> None:
-        if (step, phase) in self.points:
-            while True:  # until the launcher's SIGKILL
-                time.sleep(3600)
+        stop = self.points.get((step, phase))
+        if stop is None:
+            return
+        sys.stdout.flush()
+        if stop:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:  # until the launcher's SIGKILL
+            time.sleep(3600)
 
 
 class RequeueDelay:

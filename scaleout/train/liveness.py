@@ -156,9 +156,15 @@ class Heartbeat:
         return json.dumps({"beat": beats, **self.progress.snapshot()})
 
     def _loop(self) -> None:
-        beats = 0
-        while not self._stop.wait(self.period()):
-            beats += 1
+        # Wakes at least every second and beats once a period has passed since the last beat: the
+        # period follows the collective timeout, which shrinks after the first step (600 s at init
+        # -> a 30 s period; train.step_timeout_s=8 -> 2 s), and a beat slept through at the old
+        # period would leave a healthy rank looking stopped.
+        beats, last = 0, time.monotonic()
+        while not self._stop.wait(min(1.0, self.period())):
+            if time.monotonic() - last < self.period():
+                continue
+            beats, last = beats + 1, time.monotonic()
             try:
                 self._store.set(f"{_PREFIX}/{self.world.rank}", self._value(beats))
             except Exception:  # noqa: BLE001 -- a slow or stopped store host: keep trying, never raise
