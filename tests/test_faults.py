@@ -164,6 +164,7 @@ def test_a_stuck_rank_ends_the_job_and_the_launchers_last_line_names_it(
     sleeping nor a stopped rank acts on SIGTERM."""
     cmd = _train_cmd(
         tmp_path,
+        "data.source=synthetic",  # starts faster than the pydoc corpus; the data do not matter
         "train.step_timeout_s=2",
         "train.max_steps=4",
         "train.eval_every=100000",
