@@ -61,12 +61,15 @@ class RankExit:
 @dataclass(frozen=True)
 class LaunchResult:
     """How a launch ended: the launcher's exit code, the failed rank (None when all succeeded or the
-    launcher cannot tell which), one line for the user, and the state."""
+    launcher cannot tell which), one line for the user, the state, and the ranks' verdict."""
 
     returncode: int
     failed: RankExit | None
     message: str
     state: LaunchState = "succeeded"
+    # the failing ranks' hang verdict (scaleout/verdict.py) when they printed one: the root cause,
+    # which ``message`` names first (``failed`` is only the first rank to exit)
+    verdict: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -8,6 +8,14 @@ returns non-zero and names the rank. SIGINT, SIGTERM or SIGHUP to the launcher d
 every child; SIGUSR1/SIGUSR2 (preemption notices) are forwarded to every rank, as srun forwards
 them.
 
+When ranks fail, the launcher's last line names the root cause rather than the first rank to exit
+(usually one that merely timed out waiting for the culprit): a rank whose collective failed prints
+the hang verdict (scaleout/train/liveness.py: a stopped heartbeat, or the rank that is behind) as a
+``verdict:`` line (scaleout/verdict.py), and the launcher puts the first one it read in front of
+"rank 1 ... exited with code 1". Error blocks that several ranks print alike (a Python traceback, a
+C++ stack from c10) are printed once: each later copy becomes one line pointing to the first, and a
+closing line says which ranks printed it (:class:`TracebackFolder`).
+
 Nothing outlives the launcher: a watchdog process (launchers/watchdog.py) stops the ranks when the
 launcher dies without doing so itself (SIGKILL, OOM). A closed stdout (``| head``, a dead ssh) never
 blocks the ranks: their pipes are drained and the output dropped.
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +55,7 @@ from scaleout.launchers.base import (
     register,
 )
 from scaleout.launchers.watchdog import start_time
+from scaleout.verdict import read_verdict
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
 DEFAULT_GRACE_S = 30.0
@@ -129,11 +139,134 @@ class _Sink:
                 pass
 
 
-def _pump(stream, prefix: str, sink: _Sink) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
-    stream.close()
+# Error blocks: where one starts, and which lines continue it (see TracebackFolder).
+_PY_START = "Traceback (most recent call last):"
+_CXX_START = "Exception raised from "
+_CHAINED = (
+    "During handling of the above exception",
+    "The above exception was the direct cause",
+    _PY_START,
+)
+_CXX_FRAME = re.compile(r"^frame #\d+: ")
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def _cxx(line: str) -> bool:
+    return line.startswith(_CXX_START) or bool(_CXX_FRAME.match(line))
+
+
+class TracebackFolder:
+    """Prints an error block that several ranks print alike only once.
+
+    A block is a Python traceback (from ``Traceback (most recent call last):`` through the
+    exception line, chained tracebacks and the C++ frames of a torch error's message) or a c10 C++
+    stack (``Exception raised from ...`` and its ``frame #N:`` lines). A rank's block is held back
+    until it ends (the next line that does not continue it, or the end of the rank's output); the
+    first rank to finish a block gets it printed; every later identical one (identical but for hex
+    addresses, which differ per process) becomes one line saying so, and :meth:`summary` lists the
+    ranks that printed each folded block. Feed it lines without their newline; it returns
+    ``(rank, line)`` pairs to print. Thread-safe (one pump thread per rank)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[str, list[str]]] = {}  # rank -> (state, lines so far)
+        self._first: dict[str, int] = {}  # normalised block -> the rank printed under
+        self._ranks: dict[str, list[int]] = {}  # normalised block -> every rank that printed it
+
+    def feed(self, rank: int, line: str) -> list[tuple[int, str]]:
+        with self._lock:
+            return self._feed(rank, line)
+
+    def close(self, rank: int) -> list[tuple[int, str]]:
+        """The end of ``rank``'s output: a block still open ends here."""
+        with self._lock:
+            return self._end(rank)
+
+    def summary(self) -> list[str]:
+        """One line per block that more than one rank printed, in the order they were first
+        printed."""
+        with self._lock:
+            return [
+                f"the error block printed under [rank {self._first[key]}] was the same on ranks "
+                + ",".join(map(str, sorted(ranks)))
+                for key, ranks in self._ranks.items()
+                if len(ranks) > 1
+            ]
+
+    def _feed(self, rank: int, line: str) -> list[tuple[int, str]]:
+        if rank in self._open:
+            state, lines = self._open[rank]
+            nxt = self._continue(state, line)
+            if nxt is not None:
+                lines.append(line)
+                self._open[rank] = (nxt, lines)
+                return []
+            out = self._end(rank)
+            return out + self._feed(rank, line)
+        if line.startswith(_PY_START):
+            self._open[rank] = ("body", [line])
+            return []
+        if line.startswith(_CXX_START):
+            self._open[rank] = ("cxx", [line])
+            return []
+        return [(rank, line)]
+
+    @staticmethod
+    def _continue(state: str, line: str) -> str | None:
+        """The block's state after ``line`` when ``line`` continues it, else None."""
+        if state == "cxx":
+            return "cxx" if _cxx(line) else None
+        if line.startswith(_CHAINED):
+            return "body"
+        if line.startswith(" ") or not line.strip():  # File/code/caret lines; blank lines
+            return state
+        if _cxx(line):
+            return "tail"
+        # a non-indented line: the exception in the body; after it, the next output
+        return "tail" if state == "body" else None
+
+    def _end(self, rank: int) -> list[tuple[int, str]]:
+        if rank not in self._open:
+            return []
+        _, lines = self._open.pop(rank)
+        while len(lines) > 1 and not lines[-1].strip():  # trailing blank lines are not the block
+            lines.pop()
+        key = "\n".join(_ADDRESS.sub("0x?", x) for x in lines)
+        first = self._first.setdefault(key, rank)
+        self._ranks.setdefault(key, []).append(rank)
+        if first == rank or len(lines) < 2:
+            return [(rank, x) for x in lines]
+        return [(rank, f"(the same {len(lines)}-line error block as [rank {first}] above)")]
+
+
+class _RankOutput:
+    """What the pump threads share: the sink, the traceback folder, the first verdict read."""
+
+    def __init__(self, sink: _Sink) -> None:
+        self.sink = sink
+        self.folder = TracebackFolder()
+        self.verdict: str | None = None
+
+    def line(self, rank: int, text: str) -> None:
+        if self.verdict is None:
+            self.verdict = read_verdict(text)
+        self._write(self.folder.feed(rank, text))
+
+    def close(self, rank: int) -> None:
+        self._write(self.folder.close(rank))
+
+    def _write(self, lines: list[tuple[int, str]]) -> None:
+        if lines:
+            self.sink.write("".join(f"[rank {rank}] {x}\n" for rank, x in lines))
+
+
+def _pump(stream, rank: int, output: _RankOutput) -> None:
+    try:
+        for raw in iter(stream.readline, b""):
+            output.line(rank, raw.decode(errors="replace").rstrip("\n"))
+    finally:
+        output.close(rank)
+        stream.close()
 
 
 def check_launch_args(
@@ -216,6 +349,7 @@ class LocalJob:
         # log: a file for the ranks' output, opened here and closed when the job is over
         self._log = open(log, "w") if log is not None else None  # noqa: SIM115
         self.sink = _Sink(self._log or out or sys.stdout)
+        self.output = _RankOutput(self.sink)
         self._handlers: dict[int, Any] = {}
         self.on_orphan = [
             list(c) for c in on_orphan
@@ -294,7 +428,7 @@ class LocalJob:
             self._tell_watchdog(f"rank {proc.pid} {start_time(proc.pid)}")
             if self.prefix_output:
                 t = threading.Thread(
-                    target=_pump, args=(proc.stdout, f"[rank {rank}] ", self.sink), daemon=True
+                    target=_pump, args=(proc.stdout, rank, self.output), daemon=True
                 )
                 t.start()
                 self._pumps.append(t)
@@ -383,8 +517,13 @@ class LocalJob:
         self._release_watchdog()
         for t in self._pumps:
             t.join(timeout=2)
+        for line in self.output.folder.summary():
+            self.sink.write(f"scaleout launch: {line}\n")
+        verdict = self.output.verdict
+        if failed is not None and verdict is not None:  # the root cause first, then who exited
+            msg = f"{verdict}; then {msg}"
         self._close_log()
-        return LaunchResult(code, failed, msg, state)
+        return LaunchResult(code, failed, msg, state, verdict)
 
     def _close_log(self) -> None:
         if self._log is not None:

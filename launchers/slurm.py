@@ -25,6 +25,7 @@ from typing import Any
 from scaleout.errors import UserError
 from scaleout.launchers.base import EXIT_TIMED_OUT, Launcher, LaunchOptions, LaunchResult, register
 from scaleout.resources import package_path
+from scaleout.verdict import first_verdict
 
 HERE = package_path(
     __package__, "slurm_local"
@@ -271,10 +272,28 @@ def scaleout_command() -> list[str]:
 
 
 class SlurmJob:
-    """A submitted sbatch job. ``wait`` polls scontrol; Slurm does not say which rank failed."""
+    """A submitted sbatch job. ``wait`` polls scontrol; Slurm does not say which rank failed, but
+    the ranks' hang verdict in the job's output file (``log``), when there is one, names the root
+    cause (scaleout/verdict.py)."""
 
-    def __init__(self, job_id: int, env: Mapping[str, str], default_timeout_s: float):
+    def __init__(
+        self,
+        job_id: int,
+        env: Mapping[str, str],
+        default_timeout_s: float,
+        log: Path | None = None,
+    ):
         self.job_id, self.env, self.default_timeout_s = job_id, env, default_timeout_s
+        self.log = log
+
+    def _verdict(self) -> str | None:
+        if self.log is None:  # the output went to Slurm's default file: not looked for
+            return None
+        try:
+            with open(self.log, errors="replace") as f:
+                return first_verdict(line.rstrip("\n") for line in f)
+        except OSError:  # no output file
+            return None
 
     def stop(self) -> None:
         subprocess.run(
@@ -315,7 +334,12 @@ class SlurmJob:
         message = f"Slurm job {job} {state} (exit {code})"
         if state == "COMPLETED":
             return LaunchResult(0, None, message, "succeeded")
-        return LaunchResult(1, None, message, "stopped" if state == "CANCELLED" else "failed")
+        verdict = self._verdict()
+        if verdict is not None:  # the root cause first
+            message = f"{verdict}; then {message}"
+        return LaunchResult(
+            1, None, message, "stopped" if state == "CANCELLED" else "failed", verdict
+        )
 
 
 @register
@@ -396,4 +420,4 @@ class SlurmLauncher(Launcher):
     ) -> SlurmJob:
         env = {**(os.environ if self.env is None else self.env), **self.extra_env}
         job = sbatch(self.sbatch_args(argv, nnodes, nproc_per_node, log, name), env=env)
-        return SlurmJob(job, env, default_timeout_s=10 * 60 * self.time_min)
+        return SlurmJob(job, env, default_timeout_s=10 * 60 * self.time_min, log=log)

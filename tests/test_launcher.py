@@ -4,6 +4,7 @@ no orphans."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,34 @@ def test_rank_exit_code_stops_everyone(tmp_path: Path) -> None:
     assert "rank 2 (node 1, local rank 0) exited with code 3" in err
     assert time.monotonic() - t0 < 15
     assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+@pytest.mark.full_system
+def test_last_line_names_the_verdicts_root_cause_and_a_shared_traceback_prints_once(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0, 1, 2 print the same traceback and the verdict naming rank 3; rank 1 exits first.
+    The launcher's last line names rank 3 before rank 1 (before: only "rank 1 ... exited with
+    code 1"), and the traceback is printed once, under one rank, the others' copies one line each
+    (before: three copies)."""
+    proc, pid_dir = _launch(tmp_path, "verdict", {"TARGET": "3"})
+    pids = _pids(pid_dir, 4)
+    code, out, err = _finish(proc)
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "scaleout launch: rank 3 (node 1, local rank 1) is behind: step 5 in data, collective #9 "
+        "while the others are at #10 (step 5, grad-sync); then rank 1 (node 0, local rank 1) "
+        "exited with code 1; stopped the other 3 running ranks"
+    )
+    assert out.count("Traceback (most recent call last):") == 1
+    assert out.count("frame #0: c10::Error::Error()") == 1
+    folded = re.findall(
+        r"\[rank (\d)\] \(the same 6-line error block as \[rank (\d)\] above\)", out
+    )
+    shown = {first for _, first in folded}
+    assert len(folded) == 2 and len(shown) == 1 and shown.isdisjoint(r for r, _ in folded), out
+    assert "was the same on ranks 0,1,2" in out
+    assert not [p for p in pids if _alive(p)]
 
 
 @pytest.mark.full_system

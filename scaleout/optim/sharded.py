@@ -147,6 +147,9 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.clip_grad_norm, self.profile = clip_grad_norm, profile
         self.timings: dict[str, float] = {}
         self.last_stats: dict[str, Any] = {}
+        # For the heartbeat (scaleout/train/liveness.py Progress.watch): collectives issued so far
+        # and whether the gradients' reduce-scatters are being waited for. Plain writes only.
+        self.issued, self.waiting = 0, False
         self._built, self._sync, self._in_backward = False, True, False
         self._unscale = 1.0  # fp16: 1/S for the reduced gradients of the next step (unscale_)
         defaults = dict(
@@ -359,6 +362,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             self._next < len(self.buckets) and self._pending[self._next] == 0
         ):  # strictly in index order
             bk = self.buckets[self._next]
+            self.issued += 1
             self._handles[self._next] = reduce_scatter(
                 bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm
             )
@@ -371,8 +375,10 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     def _wait_all(self) -> None:
         if self._handles and self._handles[0] is not None:
+            self.waiting = True
             for h in self._handles:
                 h.wait()
+            self.waiting = False
             self.g_shard.div_(self.size)  # sum -> average (ReduceOp.AVG is NCCL-only)
             self._handles = [None] * len(self.buckets)
 
@@ -418,6 +424,7 @@ class ShardedLAMB(torch.optim.Optimizer):
     def _all_reduce(self, x: torch.Tensor) -> float:
         t0 = time.perf_counter()
         if self.size > 1:
+            self.issued += 1
             dist.all_reduce(x, group=self.world.group)
         return time.perf_counter() - t0
 
@@ -511,6 +518,7 @@ class ShardedLAMB(torch.optim.Optimizer):
                         torch._foreach_add_(w.P[k], u)
                     else:
                         torch._foreach_add_(w.P[k], u, alpha=-c.lr * c.k)
+            self.issued += 1
             gathers.append(
                 all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
             )

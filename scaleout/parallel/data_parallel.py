@@ -206,6 +206,16 @@ class DataParallel(torch.nn.Module):
     # ------------------------------------------------------------
     grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
 
+    @property
+    def issued(self) -> int:
+        """Bucket all-reduces issued so far (the heartbeat's collective count)."""
+        return self.reducer.issued
+
+    @property
+    def waiting(self) -> bool:
+        """Backward is blocked waiting for the gradient sync (the heartbeat's "grad-sync")."""
+        return self.reducer.waiting
+
     def unused_flag(self) -> torch.Tensor | None:
         return self.reducer.unused_flag()
 

@@ -119,6 +119,11 @@ class Reducer:
         self.pending_usage: torch.Tensor | None = None
         self.last_stats: dict[str, Any] = {}
         self.steps = 0
+        # For the heartbeat (scaleout/train/liveness.py Progress.watch), read from its thread:
+        # bucket all-reduces issued so far (every rank issues the same ones, in the same order),
+        # and whether backward is blocked waiting for them. Plain writes, nothing else.
+        self.issued = 0
+        self.waiting = False
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._hook_for(k))
             for k, s in enumerate(self.slots)
@@ -241,6 +246,7 @@ class Reducer:
         buf = self._wire(bucket)
         if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
+        self.issued += 1
         handle = self._all_reduce(buf)
         self._handles[b] = handle
         fut = getattr(handle, "future", None)
@@ -289,6 +295,7 @@ class Reducer:
         ``no_sync()`` (scaleout/train/capture.py)."""
         for bucket in self.buckets:
             buf = self._wire(bucket)
+            self.issued += 1
             self._all_reduce(buf, async_op=False)
             if buf is not bucket.buffer:
                 bucket.buffer.copy_(buf)
@@ -317,12 +324,14 @@ class Reducer:
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
         """Wait for every bucket, write results back, check the usage, record stats and the
         timeline."""
+        self.waiting = True
         for b, bucket in enumerate(self.buckets):
             self._handles[b].wait()
             if not self._done_us[b]:
                 self._done_us[b] = now_us()
             if self._comm_bufs[b] is not None:
                 bucket.buffer.copy_(self._comm_bufs[b])  # back into the parameters' dtype
+        self.waiting = False
         done_us = now_us()
         last = self.buckets[-1]
         usage = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -29,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from scaleout.comm.handles import CommFailed
+from scaleout.errors import UserError
 from scaleout.preempt import Preemption
-from scaleout.train.liveness import describe_rank, unresponsive_verdict
+from scaleout.train.liveness import PHASES, describe_rank, unresponsive_verdict
+from scaleout.verdict import verdict_line
 from scaleout.world import World
 
 
@@ -147,6 +150,50 @@ class NanInjection:
             params[0].grad.view(-1)[0] = float("nan")
 
 
+class HangInjection:
+    """``SCALEOUT_TEST_HANG="STEP:RANK:PHASE[:stop][,...]"``: this rank stops making progress when
+    it enters PHASE (scaleout.train.liveness PHASES: data, forward, ...) of step STEP (0-based):
+    it sleeps forever, its heartbeat thread still beating (an alive rank stuck in its data loader
+    or in a forward that never ends: the case a stopped heartbeat cannot name), or with ``:stop``
+    it SIGSTOPs itself (a frozen process or node: no heartbeat either). Installed as the trainer's
+    ``progress.fault``; tests/test_faults.py drives both."""
+
+    VARIABLE = "SCALEOUT_TEST_HANG"
+
+    def __init__(self, points: dict[tuple[int, str], bool]):
+        self.points = points  # (step, phase) -> SIGSTOP (else sleep)
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> HangInjection | None:
+        spec = (os.environ if env is None else env).get(cls.VARIABLE, "")
+        points = {}
+        for item in filter(None, spec.split(",")):
+            step, at, phase, *how = item.split(":") + ([] if item.count(":") >= 2 else ["", ""])
+            if (
+                phase not in PHASES
+                or not step.isdigit()
+                or not at.isdigit()
+                or how not in ([], ["stop"])
+            ):
+                raise UserError(
+                    f"{cls.VARIABLE}={spec!r}: expected STEP:RANK:PHASE or STEP:RANK:PHASE:stop "
+                    f"with PHASE one of {', '.join(PHASES)}"
+                )
+            if int(at) == rank:
+                points[(int(step), phase)] = how == ["stop"]
+        return cls(points) if points else None
+
+    def __call__(self, step: int, phase: str) -> None:
+        stop = self.points.get((step, phase))
+        if stop is None:
+            return
+        sys.stdout.flush()
+        if stop:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:  # until the launcher's SIGKILL
+            time.sleep(3600)
+
+
 class RequeueDelay:
     """``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``,
     less if its SIGTERM comes first (a stop that outlasted the notice window and met the time
@@ -190,7 +237,8 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> None:
-    """Print one line naming this rank, the error and the ranks whose heartbeat stopped, then end
+    """Print one line naming this rank and the error, then the verdict (the ranks whose heartbeat
+    stopped, else the rank that is behind: scaleout/train/liveness.py), then end
     the process at once (``os._exit``): the collective sequence is broken, peers are being
     stopped by the launcher, and an orderly shutdown could block on a group whose peer is gone.
     NCCL's watchdog tears a process down for the same reason (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)."""
@@ -206,7 +254,8 @@ def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> Non
     verdict = (
         unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
     )
-    print(f"scaleout: {describe_rank(world, world.rank)}: {verdict}", file=sys.stderr, flush=True)
+    # the launcher reads this line back (scaleout/verdict.py) to name the root cause last
+    print(verdict_line(describe_rank(world, world.rank), verdict), file=sys.stderr, flush=True)
     logging.shutdown()  # flush the MLPerf log and other file handlers
     sys.stdout.flush()
     os._exit(code)

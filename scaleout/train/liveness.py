@@ -10,6 +10,18 @@ every heartbeat twice, two periods apart: a rank whose counter did not move is s
 verdict in the store, and every other failing rank prints the same verdict instead of repeating the
 scan.
 
+A rank can also be alive and still be the culprit: stuck in its data loader, in a forward that
+never ends, in a checkpoint write while the others wait at the barrier. So each beat also carries
+where the rank is (:class:`Progress`): the step, the phase (the trainer marks its phase boundaries
+with ``progress.at(step, phase)``, a plain attribute write) and how many collectives it has issued
+(the trainer's own, plus the gradient sync's ``issued`` counter). With every heartbeat alive, the
+verdict names the rank that is *behind* -- lowest step, then fewest collectives issued, then the
+earliest phase -- against where the others are: "rank 3 (node 1, local rank 1) is behind: step 12
+in forward, collective #40 while the others are at #41 (step 12, grad-sync)". The failing ranks
+print it as a ``verdict:`` line (scaleout/verdict.py) that the launcher reads back for its own last
+line. Nothing of this touches the step: the beat thread reads the attributes, the step never
+calls the store.
+
 Cost at 2,048 ranks: one small ``set`` per rank per period (68/s at a 120 s step timeout), and on
 failure two reads of every key by one rank. The store lives in rank 0's process: if rank 0 is the
 stopped one, the store does not answer either, and that is the verdict.
@@ -20,7 +32,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +42,24 @@ import torch.distributed as dist
 from scaleout.world import World
 
 _PREFIX = "scaleout/heartbeat"
+
+# Where a rank can be, in the order it passes them: init, then per step index s the evaluation and
+# checkpoint after s steps, then step s's data, forward, backward, the wait for the gradient sync,
+# the step's agreement and the optimizer; finish after the last. "Earlier" in a verdict is this
+# order.
+PHASES = (
+    "init",
+    "eval",
+    "checkpoint",
+    "data",
+    "forward",
+    "backward",
+    "grad-sync",
+    "agreement",
+    "optimizer",
+    "finish",
+)
+_ORDER = {p: i for i, p in enumerate(PHASES)}
 
 
 def period_for(timeout_s: float) -> float:
@@ -57,11 +88,50 @@ def describe_rank(world: World, rank: int) -> str:
     return f"rank {rank} (node {node}, local rank {local})"
 
 
+class Progress:
+    """Where this rank is, for its heartbeat to publish: ``point`` = (step, phase) as the trainer
+    marked it last (:meth:`at`), and the collectives it has issued: ``collectives`` (the trainer's
+    own: the agreement, barriers) plus ``issued`` of every object it :meth:`watch`-es (the gradient
+    sync counts its bucket launches; its ``waiting`` flag turns the phase into "grad-sync"). Plain
+    attribute writes, no lock, no call into the store: the heartbeat thread reads them (a tuple
+    store is atomic under the GIL, so step and phase never tear)."""
+
+    __slots__ = ("point", "collectives", "fault", "_sources")
+
+    def __init__(self) -> None:
+        self.point: tuple[int, str] = (0, "init")
+        self.collectives = 0
+        self.fault: Callable[[int, str], None] | None = None  # a test's HangInjection, else None
+        self._sources: list[Any] = []
+
+    def at(self, step: int, phase: str) -> None:
+        """This rank enters ``phase`` of step ``step`` (a step index; eval/checkpoint: the steps
+        done)."""
+        self.point = (step, phase)
+        if self.fault is not None:
+            self.fault(step, phase)
+
+    def watch(self, source: Any) -> None:
+        """Also count ``source.issued`` (collectives) and read ``source.waiting`` (grad-sync)."""
+        self._sources.append(source)
+
+    def snapshot(self) -> dict[str, Any]:
+        step, phase = self.point
+        seq = self.collectives
+        for source in self._sources:
+            seq += int(getattr(source, "issued", 0))
+            if getattr(source, "waiting", False):
+                phase = "grad-sync"
+        return {"step": step, "phase": phase, "seq": seq}
+
+
 class Heartbeat:
-    """A daemon thread that bumps this rank's counter in the store every ``period()`` seconds."""
+    """A daemon thread that bumps this rank's counter in the store every ``period()`` seconds,
+    with where :attr:`progress` says the rank is."""
 
     def __init__(self, world: World, period: Callable[[], float]):
         self.world, self.period = world, period
+        self.progress = Progress()
         self._stop = threading.Event()
         self._store: Any = None
         self._thread: threading.Thread | None = None
@@ -69,7 +139,7 @@ class Heartbeat:
             return
         try:
             self._store = _client(world, 30.0)
-            self._store.set(f"{_PREFIX}/{world.rank}", "0")
+            self._store.set(f"{_PREFIX}/{world.rank}", self._value(0))
         except Exception:  # noqa: BLE001 -- no store to beat into (e.g. an external init): no diagnosis
             self._store = None
             return
@@ -78,12 +148,25 @@ class Heartbeat:
         )
         self._thread.start()
 
+    def at(self, step: int, phase: str) -> None:
+        """``self.progress.at``: this rank enters ``phase`` of step ``step``."""
+        self.progress.at(step, phase)
+
+    def _value(self, beats: int) -> str:
+        return json.dumps({"beat": beats, **self.progress.snapshot()})
+
     def _loop(self) -> None:
-        beats = 0
-        while not self._stop.wait(self.period()):
-            beats += 1
+        # Wakes at least every second and beats once a period has passed since the last beat: the
+        # period follows the collective timeout, which shrinks after the first step (600 s at init
+        # -> a 30 s period; train.step_timeout_s=8 -> 2 s), and a beat slept through at the old
+        # period would leave a healthy rank looking stopped.
+        beats, last = 0, time.monotonic()
+        while not self._stop.wait(min(1.0, self.period())):
+            if time.monotonic() - last < self.period():
+                continue
+            beats, last = beats + 1, time.monotonic()
             try:
-                self._store.set(f"{_PREFIX}/{self.world.rank}", str(beats))
+                self._store.set(f"{_PREFIX}/{self.world.rank}", self._value(beats))
             except Exception:  # noqa: BLE001 -- a slow or stopped store host: keep trying, never raise
                 continue
 
@@ -94,19 +177,29 @@ class Heartbeat:
         self._thread, self._store = None, None
 
 
-def _beats(store: Any, keys: list[str]) -> list[str | None]:
+def _beats(store: Any, keys: list[str]) -> list[dict[str, Any] | None]:
     present = [k for k in keys if store.check([k])]
     values = (
         dict(zip(present, (v.decode() for v in store.multi_get(present)), strict=True))
         if present
         else {}
     )
-    return [values.get(k) for k in keys]
+    return [_parse(values.get(k)) for k in keys]
+
+
+def _parse(raw: str | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        beat = json.loads(raw)
+    except ValueError:
+        return {"beat": raw}
+    return beat if isinstance(beat, dict) else {"beat": beat}
 
 
 def unresponsive_verdict(world: World, timeout_s: float) -> str:
-    """One sentence naming the ranks whose heartbeat stopped (call on every rank whose collective
-    failed).
+    """One sentence naming the root cause of a failed collective: the ranks whose heartbeat
+    stopped, else the rank that is behind (call on every rank whose collective failed).
 
     Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead)
     host can block past its own timeout (the kernel still accepts the connection), and a diagnosis
@@ -131,9 +224,8 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
         return box["verdict"]
     why = box.get("error", f"no answer within {limit:.0f} s")
     return (
-        f"the rendezvous store on {describe_rank(world, 0)} did not answer ({why}): rank 0 is "
-        "stopped, "
-        "hung or dead, or its host is unreachable"
+        f"{describe_rank(world, 0)}, which hosts the rendezvous store, did not answer ({why}): "
+        "stopped, hung or dead, or its host is unreachable"
     )
 
 
@@ -149,9 +241,10 @@ def _verdict(world: World, window: float, limit: float) -> str:
     readers = store.add(f"{_PREFIX}/read", 1)
     if (
         world.rank == 0
-    ):  # hosts the store: stay until every live rank has read the verdict (bounded)
+    ):  # hosts the store: stay until every other failing rank has read the verdict (bounded)
         deadline = time.monotonic() + window
-        while readers < world.world_size - verdict["stale"] and time.monotonic() < deadline:
+        expected = world.world_size - len(verdict["culprits"])  # a culprit never comes to read
+        while readers < expected and time.monotonic() < deadline:
             time.sleep(0.2)
             readers = store.add(f"{_PREFIX}/read", 0)
     return verdict["text"]
@@ -162,14 +255,84 @@ def _scan(world: World, store: Any, window: float) -> dict[str, Any]:
     first = _beats(store, keys)
     time.sleep(window)
     second = _beats(store, keys)
-    stale = [r for r in range(world.world_size) if second[r] is None or second[r] == first[r]]
-    if not stale:
-        text = (
-            "every rank's heartbeat is alive: a rank is blocked elsewhere (collectives issued in a "
-            "different order?) or the network between ranks failed"
+    return judge(first, second, window, lambda r: describe_rank(world, r))
+
+
+def _where(beat: Mapping[str, Any]) -> str:
+    return f"step {beat.get('step', '?')} in {beat.get('phase', '?')}"
+
+
+def _key(beat: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Who is further: more steps, then more collectives issued, then a later phase."""
+    return (
+        int(beat.get("step", 0)),
+        int(beat.get("seq", 0)),
+        _ORDER.get(str(beat.get("phase")), len(PHASES)),
+    )
+
+
+def judge(
+    first: list[dict[str, Any] | None],
+    second: list[dict[str, Any] | None],
+    window: float,
+    describe: Callable[[int], str],
+) -> dict[str, Any]:
+    """The verdict from every rank's heartbeat read twice, ``window`` seconds apart (each a beat
+    as published: ``{"beat", "step", "phase", "seq"}``, or None where a rank never beat).
+
+    Ranks whose beat did not move are stopped, hung or dead: they are the culprits. With every
+    heartbeat alive, the culprits are the ranks that are behind (lowest step, then fewest
+    collectives issued, then the earliest phase: :data:`PHASES`), described against where most of
+    the others are. Returns ``{"text": one sentence, "culprits": [ranks]}``."""
+    n = len(second)
+    stale = [
+        r
+        for r in range(n)
+        if second[r] is None
+        or (first[r] is not None and second[r].get("beat") == first[r].get("beat"))
+    ]
+    if stale:
+        named = ", ".join(
+            describe(r)
+            + (
+                f" (last seen at {_where(second[r])}, collective #{second[r].get('seq', '?')})"
+                if second[r] is not None and "step" in second[r]
+                else ""
+            )
+            for r in stale[:8]
         )
-    else:
-        named = ", ".join(describe_rank(world, r) for r in stale[:8])
         more = f" and {len(stale) - 8} more" if len(stale) > 8 else ""
-        text = f"no heartbeat for {window:.0f} s from {named}{more}: stopped, hung or dead"
-    return {"text": text, "stale": len(stale)}
+        return {
+            "text": f"{named}{more} sent no heartbeat for {window:.0f} s: stopped, hung or dead",
+            "culprits": stale,
+        }
+    beats = [b for b in second if b is not None]
+    keys = [_key(b) for b in beats]
+    lowest = min(keys)
+    behind = [r for r in range(n) if keys[r] == lowest]
+    if len(behind) == n:
+        return {
+            "text": (
+                f"every rank's heartbeat is alive, all at {_where(beats[0])}, collective "
+                f"#{beats[0].get('seq', '?')}: a rank is blocked elsewhere (collectives issued "
+                "in a different order?) or the network between ranks failed"
+            ),
+            "culprits": [],
+        }
+    b = beats[behind[0]]
+    rest = [r for r in range(n) if r not in behind]
+    points = Counter(
+        (beats[r].get("step"), beats[r].get("phase"), beats[r].get("seq")) for r in rest
+    )
+    (step, phase, seq), count = points.most_common(1)[0]
+    others = "the others are" if count == len(rest) else f"{count} of the other {len(rest)} are"
+    named = ", ".join(describe(r) for r in behind[:8])
+    more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
+    verb = "is" if len(behind) == 1 else "are"
+    return {
+        "text": (
+            f"{named}{more} {verb} behind: {_where(b)}, collective #{b.get('seq', '?')} while "
+            f"{others} at #{seq} (step {step}, {phase})"
+        ),
+        "culprits": behind,
+    }

@@ -54,6 +54,7 @@ from scaleout.train import prefetch, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    HangInjection,
     NanInjection,
     RequeueDelay,
     StepFlags,
@@ -64,7 +65,7 @@ from scaleout.train.faults import (
 )
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
-from scaleout.train.liveness import Heartbeat, period_for
+from scaleout.train.liveness import Heartbeat, Progress, period_for
 from scaleout.train.observers import (
     ConsoleObserver,
     MetricsObserver,
@@ -159,6 +160,7 @@ class Trainer:
     observers: list[Observer]  # every reporting channel, called in order (scaleout/observe.py)
     gradient_hooks: list[GradientHook]  # empty unless a test injects faults
     before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
+    progress: Progress  # where this rank is, for the heartbeat (phase marks: progress.at)
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
     owns_preemption_handlers: bool  # train() installed them, so it removes them
     params: list[torch.nn.Parameter]  # those that require grad
@@ -187,6 +189,7 @@ class Trainer:
         config_file: str = "config.yaml",
         start: rerun.RunStart | None = None,
         preemption: preempt.Preemption | None = None,
+        progress: Progress | None = None,
     ):
         # configs
         self.cfg, self.world, self.config_file = cfg, world, config_file
@@ -214,6 +217,9 @@ class Trainer:
         nan = NanInjection.from_env(world.rank)
         self.gradient_hooks = [nan] if nan is not None else []
         self.before_requeue = RequeueDelay.from_env()
+        # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
+        self.progress = progress if progress is not None else Progress()
+        self.progress.fault = HangInjection.from_env(world.rank)
 
         # swappable components
         torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast
@@ -247,6 +253,7 @@ class Trainer:
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode
         # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
+        self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
             world.prioritize_communication(cfg.comm.comm_nice)
@@ -318,6 +325,7 @@ class Trainer:
         """Collective: every rank takes part (BN statistics, sharded pieces), then a barrier."""
         if self.checkpointer is None:
             return
+        self.progress.at(self.step, "checkpoint")
         # BN statistics equal on every rank, so a resume is exact everywhere
         self.task.sync_buffers()
         state = self.state_dict()
@@ -325,6 +333,7 @@ class Trainer:
         path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
         if path is not None:
             print0(f"checkpoint: step {self.step} -> {path}", rank=self.world.rank)
+        self.progress.collectives += 1  # a rank still writing is then behind the barrier's others
         self.world.barrier()
 
     def resume(self) -> int:
@@ -425,8 +434,9 @@ class Trainer:
 
         Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the
         device but the agreement's result (train/faults.py), which also carries the loss."""
-        timers, precision = self.timers, self.task.precision
+        timers, precision, progress = self.timers, self.task.precision, self.progress
         timers.begin()
+        progress.at(step, "data")
         with timers("data"):  # with a prefetcher: only the time spent *waiting* for it
             if self.prefetcher is not None:
                 micro_batches = self.prefetcher.get(step)
@@ -435,6 +445,7 @@ class Trainer:
                     step * self.cfg.train.global_batch, self.cfg.train.grad_accum
                 )
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
+            progress.at(step, "forward")
             with timers("graph"):
                 loss = self.graphs(micro_batches)
         else:
@@ -451,6 +462,8 @@ class Trainer:
         for hook in self.gradient_hooks:
             hook(step, self.params)
         preemption = self.preemption
+        progress.at(step, "agreement")
+        progress.collectives += 1
         flags = agree_on_step(
             self.world,
             nonfinite(self.params),
@@ -466,6 +479,7 @@ class Trainer:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
         precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         if not flags.skip:
+            progress.at(step, "optimizer")
             with timers("optimizer"):
                 self.optimizer.step()
             self.schedule.step()
@@ -475,12 +489,14 @@ class Trainer:
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Forward and backward of each micro-batch; all but the last accumulate without
         communicating. Returns the step's loss (a device tensor: nothing is read here)."""
-        timers, total = self.timers, None
+        timers, total, progress, step = self.timers, None, self.progress, self.step
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.sync.no_sync():
+                progress.at(step, "forward")
                 with timers("forward"), self.task.autocast():
                     loss = self.task.loss(self.model, mb) / len(micro_batches)
+                progress.at(step, "backward")
                 with timers("backward"):
                     self.task.precision.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -498,6 +514,7 @@ class Trainer:
         """One evaluation of the task's metric, between the observers' eval events. ``last``: no
         training follows (train.max_steps reached)."""
         target, epoch = self.cfg.train.target, self.task.epoch_of(self.samples)
+        self.progress.at(self.step, "eval")
         at = EvalStart(self.step, self.samples, epoch)
         for observer in self.observers:
             observer.on_eval_start(at)
@@ -555,6 +572,7 @@ class Trainer:
     def _finish(self, status: RunStatus, reason: str, clock: float) -> TrainResult:
         """MLPerf run_stop, the final checkpoint, the report, and the exit code of ``status``."""
         cfg, world = self.cfg, self.world
+        self.progress.at(self.step, "finish")
         if self.prefetcher is not None:
             self.prefetcher.close()
         # An agreed SIGTERM (the same on every rank): KillWait is short, leave out the optional
@@ -641,7 +659,10 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
             torch.set_num_threads(
                 max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
             )
-            return Trainer(cfg, world, config_file, start, preemption=preemption).train()
+            trainer = Trainer(
+                cfg, world, config_file, start, preemption=preemption, progress=heartbeat.progress
+            )
+            return trainer.train()
         except Exception as exc:
             if is_comm_failure(
                 exc
