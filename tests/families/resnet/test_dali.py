@@ -23,6 +23,7 @@ from scaleout.families.resnet.data import dali as dali_input
 from scaleout.families.resnet.task import ResNetTask
 
 W, H, N, S = 64, 48, 64, 16  # source images W x H, how many, output side
+EXTRA: list[str] = []
 
 
 def _tree(root: Path) -> Path:
@@ -78,13 +79,16 @@ def _world(rank: int, size: int) -> SimpleNamespace:
 
 
 @pytest.mark.unit
-def test_dali_batches_per_rank_shapes_labels_disjoint_and_crop_area(tree: Path, tmp_path) -> None:
+def test_dali_batches_per_rank_shapes_labels_disjoint_and_crop_area(
+    tree: Path, tmp_path, monkeypatch
+) -> None:
     """Two ranks, 8 steps = 2 epochs of 64 images (so a second pipeline is built at the epoch
     boundary): every step's images are uint8 NHWC [8, S, S, 3], the rows are exactly the
     sampler's samples of that rank and step (read back from the blue channel) with their labels,
     the two ranks' samples are disjoint and together cover each epoch once; every crop covers at
     least data.crop_min_area of the source (from the red/green gradients), some crop less than
     all of it, and some rows are flipped."""
+    monkeypatch.setattr(dali_input, "CHUNK_FILES", 8)  # a pipeline per epoch, as for ImageNet
     min_area = 0.5
     cfg = _cfg(tree, tmp_path, f"data.crop_min_area={min_area}")
     seen: dict[int, list[np.ndarray]] = {}
@@ -95,6 +99,7 @@ def test_dali_batches_per_rank_shapes_labels_disjoint_and_crop_area(tree: Path, 
         assert isinstance(pipe, dali_input.DaliInput)
         for step in range(8):
             x, y = pipe.batch(step)
+            assert pipe._end == (4 if step < 4 else 8)  # the epoch's pipeline
             assert x.shape == (8, S, S, 3) and x.dtype == torch.uint8 and y.dtype == torch.int64
             got = np.rint(x[:, :, :, 2].float().mean((1, 2)).numpy() / 4).astype(int)
             want = task.sampler.local_indices(step * 16)
@@ -152,6 +157,7 @@ def _train_dali(world: Any, root: str, out: str) -> dict[str, Any]:
         "checkpoint.dir=null",
         "checkpoint.every_steps=0",
         "data.num_workers=0",
+        *EXTRA,
     )
     trainer = Trainer(cfg, world)
     kind = type(trainer.prefetcher).__name__

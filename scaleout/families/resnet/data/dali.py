@@ -13,17 +13,19 @@ workers and the PIL decode for training batches. Per rank, one pipeline at a tim
 **Order, shards, epochs, resume.** The file list comes from the lazy ImageFolder index (built on
 the first access, which is :meth:`DaliInput.start`, after MLPerf ``run_start``) and the task's
 :class:`~scaleout.data.sampler.ShardedSampler`: a pipeline is built for a *chunk* of steps (from the
-current step to the end of its epoch of the global sample stream) with this rank's files of those
-steps concatenated (``sampler.local_indices``), read in that order (``random_shuffle=False``,
-one shard: the sharding is the sampler's, disjoint across ranks). So a rank trains on exactly the
-samples, steps and epochs of ``data.decode=cpu``, and a resume at step s builds its first chunk from
-step s: nothing consumed is re-read or skipped. What DALI draws itself are the crop windows and
-flips: its generator is seeded by (data.seed, rank, first step of the chunk), so a run resumed at
-an epoch boundary repeats the uninterrupted run's augmentation and one resumed mid-epoch draws
-fresh crops for the rest of that epoch (the samples are the same; only the crops differ).
+current step to the end of its epoch of the global sample stream, or longer while that is under
+CHUNK_FILES = 65,536 files of the rank) with this rank's files of those steps concatenated
+(``sampler.local_indices``), read in that order (``random_shuffle=False``, one DALI shard: the
+sharding is the sampler's, disjoint across ranks). So a rank trains on exactly the samples, steps
+and epochs of ``data.decode=cpu``, and a resume at step s builds its first chunk from step s:
+nothing consumed is re-read or skipped, nothing is skipped over. What DALI draws itself are the
+crop windows and flips: its generator is seeded by (data.seed, rank, first step of the chunk), so
+after a resume the crops and flips are fresh draws, not the uninterrupted run's (the samples, their
+order and the epochs are the same; only the augmentation differs).
 
-Cost: a new pipeline per epoch (its file list is b x steps-per-epoch paths: ~1 s per million
-files on one core, at the epoch boundary). Evaluation stays on the PIL path (ImageFolder.get).
+Cost: a new pipeline per chunk (its file list: ~1 s per million paths on one core, at the chunk
+boundary, where DALI's read-ahead also restarts). Evaluation stays on the PIL path
+(ImageFolder.get).
 
 Threads: ``data.num_workers`` DALI CPU threads per rank (0 = 1 thread, the synchronous-equivalent),
 ``data.prefetch`` batches in DALI's queue. Only the class-folder layout: tar shards (data.format
@@ -41,6 +43,9 @@ from scaleout.errors import ConfigError, UserError
 IMAGE_SOURCES = ("imagenet", "images")
 ASPECT = (3.0 / 4.0, 4.0 / 3.0)  # the MLPerf / torchvision random-resized-crop aspect range
 CROP_ATTEMPTS = 10  # torchvision's attempts before the center-crop fallback
+# A pipeline holds at least this many files of its rank (several epochs of a small set), so a
+# small set does not rebuild its pipeline every few steps.
+CHUNK_FILES = 1 << 16
 
 
 def require_dali():
@@ -77,11 +82,13 @@ def check_dali(device: torch.device, source: str, data_format: str) -> None:
     require_dali()
 
 
-def chunk_end(step: int, global_batch: int, rows: int, stop_step: int) -> int:
+def chunk_end(step: int, global_batch: int, rows: int, stop_step: int, local_batch: int) -> int:
     """The first step after ``step``'s chunk: the step at which the global stream reaches the end
-    of the epoch that step ``step`` is in (a step straddling it belongs to this chunk)."""
+    of the epoch that step ``step`` is in (a step straddling it belongs to this chunk), or later
+    while the chunk would hold fewer than CHUNK_FILES files of this rank; at most ``stop_step``."""
     epoch = step * global_batch // rows
     end = -(-((epoch + 1) * rows) // global_batch)  # ceil
+    end = max(end, step + -(-CHUNK_FILES // local_batch))
     return max(min(end, stop_step), step + 1)
 
 
@@ -131,7 +138,8 @@ class DaliInput:
     def _build(self, step: int) -> None:
         dali = self.dali
         fn, types = dali.fn, dali.types
-        end = chunk_end(step, self.global_batch, max(self.task.rows, 1), self.stop_step)
+        rows = max(self.task.rows, 1)
+        end = chunk_end(step, self.global_batch, rows, self.stop_step, self.local_batch)
         idx = self.chunk_indices(step, end)
         files = self.images.paths(idx)
         labels = [int(v) for v in self.images.labels[idx]]
