@@ -114,6 +114,11 @@ class DataConfig(_Section):
                 "data.decode=dali reads the class-folder layout, not data.format=shards; expected "
                 "data.format folder or auto (or data.decode=cpu or gpu for shards)"
             )
+        if self.cache_decoded:
+            raise ValueError(
+                "data.cache_decoded=true is a cache of the prefetch workers, which "
+                "data.decode=dali replaces; expected data.cache_decoded=false with dali"
+            )
         return self
 
 

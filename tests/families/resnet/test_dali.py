@@ -177,8 +177,9 @@ def test_trainer_with_data_decode_dali_trains(tree: Path, tmp_path) -> None:
 
 @pytest.mark.unit
 def test_dali_refusals_are_one_line(tree: Path, tmp_path, monkeypatch) -> None:
-    """Without nvidia-dali: one line naming the extra. A synthetic source and tar shards are
-    refused by the config; shards found by data.format=auto by the task."""
+    """Without nvidia-dali: one line naming the extra. A synthetic source, tar shards and the
+    workers' decoded cache are refused by the config; shards found by data.format=auto by the
+    task."""
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # what an install without it imports
     with pytest.raises(ConfigError, match=r"needs nvidia-dali \(pip install scaleout\[dali\]\)"):
         dali_input.require_dali()
@@ -187,6 +188,8 @@ def test_dali_refusals_are_one_line(tree: Path, tmp_path, monkeypatch) -> None:
         load_config(None, ["model.arch=resnet", "data.source=synthetic", "data.decode=dali"])
     with pytest.raises(Exception, match="not data.format=shards"):
         _cfg(tree, tmp_path, "data.format=shards")
+    with pytest.raises(Exception, match="data.cache_decoded=true is a cache of the prefetch"):
+        _cfg(tree, tmp_path, "data.cache_decoded=true")
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "train-000000.tar").write_bytes(b"")
     with pytest.raises(ConfigError, match="holds tar shards"):
