@@ -25,8 +25,8 @@ order and the epochs are the same; only the augmentation differs).
 
 Cost: a new pipeline per chunk, built on the training thread at the chunk boundary, where DALI's
 read-ahead also restarts: ~2.5 CPU-s per million files (0.5 s for the path list, 2 s for DALI's
-reader setup; measured here), so ~3 s per epoch for ImageNet on one GPU, ~0.4 s on 8. Evaluation stays on the PIL path
-(ImageFolder.get).
+reader setup; measured here), so ~3 s per epoch for ImageNet on one GPU, ~0.4 s on 8.
+Evaluation stays on the PIL path (ImageFolder.get).
 
 Threads: ``data.num_workers`` DALI CPU threads per rank (0 = 1 thread, the synchronous-equivalent),
 ``data.prefetch`` batches in DALI's queue. Only the class-folder layout: tar shards (data.format
