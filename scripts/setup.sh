@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what scaleout needs. Idempotent; fast when everything is already there.
 #   scripts/setup.sh          scaleout (editable) + the mpi, slurm, plot, data, tb extras
-#   scripts/setup.sh --test   also the test/bench/dev extras, the Open MPI wheel (mpi-local) and the system
+#   scripts/setup.sh --test   also the test/bench/dev/dali extras, the Open MPI wheel (mpi-local) and the system
 #                             packages the tests use (Slurm, munge, MariaDB for sacct, PMIx for
 #                             srun --mpi=pmix, iproute2 for netns)
 #   scripts/setup.sh --cpu    pin torch 2.13.0, the CPU build, even over another CPU torch (CI=true does too)
@@ -56,7 +56,9 @@ if [ $plan = install ]; then
 fi
 # mpi-local brings the Open MPI wheel (mpiexec in the venv); on a cluster use its MPI module and plain 'mpi'.
 extras="mpi,slurm,plot,data,tb"
-[ $want_test = 1 ] && extras="mpi-local,slurm,plot,data,tb,bench,dev,test"
+# dali: nvidia-dali-cuda120 (a 424 MB wheel, ~1 GB installed with its nvImageCodec/nvJPEG/nvCOMP wheels)
+# so that the data.decode=dali tests run on DALI's CPU back-end instead of skipping.
+[ $want_test = 1 ] && extras="mpi-local,slurm,plot,data,tb,bench,dev,dali,test"
 stamp=".setup-stamp-$extras"
 # Ask from outside the checkout (cd /): from inside it, the current directory is on sys.path and would hide a
 # missing or stale editable install (for example one that points at a deleted clone).

@@ -257,6 +257,14 @@ CASES: list[Case] = [
     # ResNet data and recipe (issue 27): config keys, then the data/config/mlperf commands
     Case(("config", "show", "resnet_cpu", "data.crop_min_area=0"), "data.crop_min_area=0"),
     Case(("config", "show", "resnet_cpu", "data.decode=tpu"), "data.decode='tpu'"),
+    Case(
+        ("config", "show", "resnet_cpu", "data.decode=dali", "data.source=synthetic"),
+        "data.source='synthetic'",
+    ),
+    Case(
+        ("config", "show", "resnet_cpu", "data.decode=dali", "data.format=shards"),
+        "data.format=shards",
+    ),
     Case(("config", "show", "resnet_cpu", "hpcai500.target=1.5"), "hpcai500.target=1.5"),
     Case(
         ("config", "resnet-rcp", "--global-batch", "1000", "--nodes", "2", "--gpus-per-node", "8"),

@@ -15,7 +15,17 @@ from packaging.utils import canonicalize_name
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parent.parent
-SETUP_TEST_EXTRAS = ("mpi-local", "slurm", "plot", "data", "tb", "bench", "dev", "test")  # setup.sh
+SETUP_TEST_EXTRAS = (  # setup.sh --test
+    "mpi-local",
+    "slurm",
+    "plot",
+    "data",
+    "tb",
+    "bench",
+    "dev",
+    "dali",
+    "test",
+)
 
 
 def _pins() -> dict[str, str]:

@@ -18,7 +18,7 @@ from scaleout.bench._harness import add_standard_arguments, emit
 NAME = "data"
 HELP = (
     "input pipeline samples/s per CPU core (packed BERT; JPEG decode paths: PIL float, PIL "
-    "reduced-scale uint8, GPU decode's host share), 0/1/2 workers; host cores per accelerator"
+    "reduced-scale uint8, GPU decode's host share, DALI), 0/1/2 workers; host cores per accelerator"
 )
 DESCRIPTION = """\
 Measures the trainer's own input pipeline (the task's micro_batches through
@@ -38,6 +38,10 @@ scaleout/train/prefetch.py, exactly what `scaleout train` runs) on this host, fo
   resnet-gpu  the same JPEGs, the host share of data.decode=gpu: read the file, parse the JPEG
            header, decide crop box + flip; decode/crop/resize happen on the GPU (not measured
            here: `scaleout bench gpucheck` has the device's rate)
+  resnet-dali  the same JPEGs, data.decode=dali on DALI's CPU back-end (device_id=None): read,
+           decode + random-resized crop, resize, flip in DALI's C++ threads, uint8 HWC out (needs
+           scaleout[dali]). "workers" = DALI threads (0 = one thread); on a GPU, decode runs
+           on nvJPEG ("mixed") and the host keeps the file reads
 
 Each runs synchronously (0 workers: the baseline) and with 1 and 2 worker processes at --prefetch
 depths. Two numbers per row: samples/s with a consumer that takes no time (the pipeline's rate), and
@@ -76,8 +80,8 @@ ACCELERATORS = {
     "A100 (BERT-large seq 128 AMP, NVIDIA DLE)": ("bert128", 694.0),
     "A100 (BERT-large seq 512 AMP, NVIDIA DLE)": ("bert512", 264.0),
 }
-PIPELINES = ("bert128", "bert512", "resnet-float", "resnet", "resnet-gpu")
-RESNET = ("resnet-float", "resnet", "resnet-gpu")
+PIPELINES = ("bert128", "bert512", "resnet-float", "resnet", "resnet-gpu", "resnet-dali")
+RESNET = ("resnet-float", "resnet", "resnet-gpu", "resnet-dali")
 SMOKE_ARGS = [
     "--pipelines",
     "bert512",
@@ -210,13 +214,14 @@ def _task(pipeline: str, args: argparse.Namespace, world, tmp: str):
             [
                 *common,
                 "model.arch=resnet",
-                "data.source=imagenet",
+                "data.source=images",  # imagenet would check for 1,000 classes
                 f"data.path={tmp}",
                 "model.resnet.depth=18",
                 "model.resnet.width=4",
                 "model.resnet.num_classes=4",
                 f"model.resnet.image_size={args.image_size}",
                 "data.eval_samples=2",
+                *(["data.decode=dali"] if pipeline == "resnet-dali" else []),
             ],
         )
     task = build_task(cfg, world)
@@ -292,11 +297,24 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
     warm forkserver costs little CPU, mostly wall; the forkserver's own one-time start-up is not
     counted)."""
 
+    from scaleout.families.resnet.data.dali import DaliInput  # deferred: torch
     from scaleout.train.prefetch import Prefetcher
 
     cpu0 = _cpu_s()
+    dali = task.cfg.data.decode == "dali"  # DALI's threads are this process's: RUSAGE_SELF
     pf = (
-        Prefetcher(
+        DaliInput(
+            task,
+            args.batch,
+            1,
+            start,
+            start + args.steps + 1,
+            threads=max(workers, 1),
+            prefetch=prefetch,
+            device="cpu",
+        )
+        if dali
+        else Prefetcher(
             task,
             args.batch,
             1,
@@ -320,7 +338,9 @@ def _measure(task, args, workers: int, prefetch: int, start: int, consumer_s: fl
             time.sleep(consumer_s)  # the accelerator's step: host idle, as while waiting on a GPU
     wall = time.perf_counter() - t0
     workers_cpu = 0.0
-    if pf:
+    if dali:
+        pf.close()
+    elif pf:
         workers_cpu = (
             pf.worker_cpu_s()
         )  # the workers are the forkserver's children: not in RUSAGE_CHILDREN

@@ -91,11 +91,35 @@ class DataConfig(_Section):
     # Images: random-resized-crop minimum area fraction (MLPerf reference 0.08; NVIDIA uses 0.05).
     crop_min_area: float = Field(0.08, gt=0.0, le=1.0)
     # Images: where JPEGs are decoded. cpu: PIL in the workers (reduced-scale decode, uint8 out);
-    # gpu: torchvision.io.decode_jpeg(device="cuda"), batched (families/resnet/data/gpu_decode.py).
-    decode: Literal["cpu", "gpu"] = "cpu"
+    # gpu: torchvision.io.decode_jpeg(device="cuda"), batched (families/resnet/data/gpu_decode.py);
+    # dali: an NVIDIA DALI pipeline replaces the workers for training batches (class folders;
+    # nvJPEG "mixed" decode on CUDA, CPU decode otherwise; optional extra scaleout[dali];
+    # families/resnet/data/dali.py).
+    decode: Literal["cpu", "gpu", "dali"] = "cpu"
     # Write a known data set to data.path on first use (rank 0 writes, the others wait):
     # fashion-mnist = scaleout data prepare-fashion-mnist --out <data.path>.
     prepare: Literal["none", "fashion-mnist"] = "none"
+
+    @model_validator(mode="after")
+    def _dali_reads_image_folders(self) -> DataConfig:
+        if self.decode != "dali":
+            return self
+        if self.source not in ("imagenet", "images"):
+            raise ValueError(
+                f"data.decode=dali decodes image files: data.source={self.source!r} has none; "
+                "expected data.source imagenet or images (or data.decode=cpu)"
+            )
+        if self.format == "shards":
+            raise ValueError(
+                "data.decode=dali reads the class-folder layout, not data.format=shards; expected "
+                "data.format folder or auto (or data.decode=cpu or gpu for shards)"
+            )
+        if self.cache_decoded:
+            raise ValueError(
+                "data.cache_decoded=true is a cache of the prefetch workers, which "
+                "data.decode=dali replaces; expected data.cache_decoded=false with dali"
+            )
+        return self
 
 
 class OptimConfig(_Section):

@@ -98,6 +98,12 @@ class Task:
         it overlaps the previous step's kernels; ``micro_batches`` and evaluation call it too."""
         return inputs
 
+    def input_pipeline(self, start_step: int, stop_step: int) -> Any | None:
+        """The task's own training input (the Prefetcher's interface: ``start``, ``get(step)``,
+        ``close``), used instead of the prefetch workers; None (default): the workers, or the
+        synchronous path. ResNet with ``data.decode=dali`` returns its DALI pipeline."""
+        return None
+
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError
 

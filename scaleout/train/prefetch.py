@@ -400,8 +400,13 @@ def _worker_init(_worker_id: int) -> None:
 
 def build_prefetcher(cfg: Config, task: Any, world: World, start_step: int) -> Prefetcher | None:
     """The trainer's prefetcher from ``data.num_workers / prefetch / pin_memory``; None =
-    synchronous."""
+    synchronous. A task with its own input pipeline (``Task.input_pipeline``: ResNet's
+    ``data.decode=dali``) gets that instead."""
     d = cfg.data
+    own = getattr(task, "input_pipeline", None)
+    pipeline = own(start_step, cfg.train.max_steps) if own is not None else None
+    if pipeline is not None:
+        return pipeline
     if d.num_workers == 0:
         return None
     return Prefetcher(

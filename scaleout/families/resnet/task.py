@@ -13,6 +13,7 @@ from scaleout.data.batches import MicroBatch, to_device
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageBatches, ImageFolder, SyntheticImages
+from scaleout.families.resnet.data.dali import DaliInput, check_dali
 from scaleout.families.resnet.data.fashion import ensure_prepared
 from scaleout.families.resnet.data.gpu_decode import (
     JpegBatch,
@@ -81,6 +82,25 @@ class ResNetTask(Task):
             self.model = self.model.to(memory_format=torch.channels_last)
         tune_convolutions(world.device)
 
+    def input_pipeline(self, start_step: int, stop_step: int) -> DaliInput | None:
+        """``data.decode=dali``: the DALI pipeline that replaces the prefetch workers for training
+        batches (families/resnet/data/dali.py); otherwise None (the workers or the synchronous
+        path). Reads nothing until its ``start()``, after run_start."""
+        d, train = self.cfg.data, self.cfg.train
+        if d.decode != "dali":
+            return None
+        return DaliInput(
+            self,
+            train.global_batch,
+            train.grad_accum,
+            start_step,
+            stop_step,
+            threads=d.num_workers,
+            prefetch=d.prefetch,
+            device=self.world.device,
+            rank=self.world.rank,
+        )
+
     def prepare_inputs(self, inputs: Any) -> torch.Tensor:
         """On the device: (GPU decode, then) uint8 NHWC pixels -> float NCHW normalised with the
         ImageNet mean/std, channels_last strides on CUDA (the permute of NHWC is channels_last
@@ -101,6 +121,11 @@ class ResNetTask(Task):
                 "train-000000.tar ... shards)"
             )
         shards = d.format == "shards" or (d.format == "auto" and has_shards(d.path))
+        if shards and d.decode == "dali":
+            raise ConfigError(
+                f"data.decode=dali reads the class-folder layout: data.path={d.path} holds tar "
+                f"shards (data.format={d.format}); use data.decode=cpu or gpu for shards"
+            )
         cls = ShardImages if shards else ImageFolder
         imagenet = d.source == "imagenet"
         workers = max(d.num_workers, 1)
@@ -238,6 +263,8 @@ def check_input_pipeline(cfg: Config, device: torch.device) -> None:
     d = cfg.data
     if d.decode == "gpu":
         check_gpu_decode(device, d.source)
+    elif d.decode == "dali":  # its own threads: data.num_workers=0 is one DALI thread
+        check_dali(device, d.source, d.format)
     elif (
         d.source in ("imagenet", "images")
         and d.num_workers == 0

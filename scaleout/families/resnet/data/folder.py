@@ -136,6 +136,7 @@ class ImageFolder:
             unpack_string(arrays["folders"], arrays["folder_offsets"], i)
             for i in range(len(arrays["folder_offsets"]) - 1)
         ]
+        self._dirs = folders  # this split's own folder names (path() reads them)
         n = len(arrays["folder"])
         where = f"data.path={self.root}: {self.split}/"
         if self.expect_classes is not None and len(folders) != self.expect_classes:
@@ -188,6 +189,17 @@ class ImageFolder:
         a = self._ensure()
         folder = unpack_string(a["folders"], a["folder_offsets"], int(a["folder"][i]))
         return str(self.base / folder / unpack_string(a["names"], a["offsets"], i))
+
+    def paths(self, indices: np.ndarray) -> list[str]:
+        """``path(i)`` of every i in ``indices`` (a DALI reader's file list: one string each,
+        without a Path object per file)."""
+        a = self._ensure()
+        blob, offsets, folder = a["names"].tobytes(), a["offsets"], a["folder"]
+        base, dirs = str(self.base), self._dirs
+        return [
+            f"{base}/{dirs[folder[i]]}/{blob[offsets[i] : offsets[i + 1]].decode()}"
+            for i in indices.tolist()
+        ]
 
     def _open(self, i: int):
         """What PIL opens for image i: a path (a tar shard reader returns the member's bytes)."""
