@@ -11,7 +11,7 @@ Every rank runs it (under ``scaleout launch``, ``srun``, the netns cluster, ...)
 2. **Pairwise bandwidth** between nodes: one rank per node (its first) streams a message over raw
    TCP to the node ``stride`` further on while receiving one from the node ``stride`` back, for
    strides 1, 2, 4, ... < nodes (every link busy in both directions, as in a ring all-reduce). The
-   message is sized from a first 1 MiB round to take ~``target_s`` on the slowest pair.
+   message is sized from a first 1 MiB round to take ~``TARGET_S`` on the slowest pair.
 3. **One all-reduce per group**: intra-node (each node alone) and inter-node (one rank per node).
 4. **Verdicts** (:func:`analyse`, pure: unit tests feed it synthetic figures): a node whose figure
    is below ``threshold`` x the median of the other nodes' is named, one line each.
@@ -27,6 +27,7 @@ credit nothing: the figures are then the measurements alone.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import platform
 import re
@@ -43,12 +44,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from scaleout import __version__
+from scaleout.nodelist import compress_hostlist
 from scaleout.units import parse_rate
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 VERSION_FIELDS = ("python", "torch", "scaleout", "cuda", "nccl")
 CHECKED_FIELDS = ("subnet",)  # compared across ranks like the versions
 SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B
+TARGET_S = 0.25  # one probe should take about this long on the slowest pair
+REPEATS = 2  # probes per stride and all-reduces per group; the best counts (intra: 2x + 1)
 STORE_SLOW_S = 0.25  # a store round trip slower than this and 10x the median is named
 
 
@@ -65,10 +73,6 @@ class Verdict:
 
 # -- what one rank records ----------------------------------------------------------------------
 def versions() -> dict[str, str | None]:
-    import torch  # deferred: keeps the pure analysis importable without torch
-
-    import scaleout
-
     nccl = None
     if torch.cuda.is_available():
         try:
@@ -79,7 +83,7 @@ def versions() -> dict[str, str | None]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "scaleout": scaleout.__version__,
+        "scaleout": __version__,
         "cuda": torch.version.cuda,
         "nccl": nccl,
     }
@@ -370,7 +374,7 @@ def _loo_median(values: Sequence[float | None], i: int) -> float | None:
 
 def _mbs(bps: float) -> str:
     mb = bps / 1e6
-    return f"{mb:.0f} MB/s" if mb >= 100 else f"{mb:.3g} MB/s"
+    return f"{mb:.0f} MB/s" if mb >= 100 else f"{mb:.1f} MB/s" if mb >= 1 else f"{mb:.3f} MB/s"
 
 
 def _bits(bps: float) -> str:
@@ -450,8 +454,11 @@ def analyse(
         + field_verdicts(records, names, VERSION_FIELDS + CHECKED_FIELDS)
         + store_verdicts(records, names)
         + bandwidth_verdicts(pairs, speeds, names, threshold)
-        + intra_verdicts(intra_bw, names, threshold)
     )
+    # Emulated nodes on one host share its cores, memory and devices: their intra-node figures
+    # differ by scheduling noise, not hardware, so they are shown but not judged there.
+    if len({str(r["host"]) for r in records}) == len(names):
+        verdicts += intra_verdicts(intra_bw, names, threshold)
     return names, sorted(verdicts, key=lambda v: v.node)
 
 
@@ -461,3 +468,196 @@ def verdict_hosts(verdicts: Sequence[Verdict]) -> list[str]:
 
 def env_netns(env: Mapping[str, str] = os.environ) -> str | None:
     return env.get("SCALEOUT_NETNS") or None
+
+
+# -- the whole check, in every rank ---------------------------------------------------------------
+@dataclass
+class Diagnosis:
+    verdicts: list[Verdict]
+    hosts: list[str]  # the nodes named, sorted
+    text: str  # the table and one line per verdict (rank 0; "" elsewhere)
+    summary: str
+
+
+def diagnose(
+    world: Any,
+    args: Any,
+    *,
+    if_problems: Sequence[str] = (),
+    init_s: float | None = None,
+    t_start: float | None = None,
+) -> Diagnosis:
+    """Run every check on an initialised World (all ranks call it); ``args`` carries the options
+    of ``scaleout doctor`` (threshold, probe_bytes, timeout)."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    route = route_to(world.master_addr or "127.0.0.1")
+    store = dist.distributed_c10d._get_default_store()
+    record = {
+        "rank": world.rank,
+        "node": world.node_of[world.rank],
+        "host": socket.gethostname(),
+        "netns": env_netns(),
+        **versions(),
+        "if_problems": list(if_problems),
+        **route,
+        "link_bps": link_speed_bps(route["iface"]),
+        "init_s": init_s,
+        **store_probe(store, world.master_addr, world.master_port, f"scaleout/doctor/{world.rank}"),
+    }
+    records: list = [None] * world.world_size
+    dist.all_gather_object(records, record)
+
+    k = world.num_nodes
+    leaders = [node[0] for node in world.ranks_per_node]
+    stride_list = strides(k)
+    pairs: list = []
+    nbytes = args.probe_bytes
+    if stride_list:
+        buf = bytearray(nbytes or 64 << 20)
+        if nbytes is None:
+            first = _probe_pairs(world, leaders, 1 << 20, [1], 1, args.timeout, buf)
+            slowest = min(r for _, _, r in first)
+            nbytes = int(min(max(slowest * TARGET_S, 1 << 20), 64 << 20))
+        pairs = _probe_pairs(world, leaders, nbytes, stride_list, REPEATS, args.timeout, buf)
+        del buf
+
+    intra_bw: list = [None] * k
+    inter = None
+    ar_bytes = int(min(max((nbytes or 1 << 20) // 2, 256 << 10), 16 << 20))
+    numel = ar_bytes // 4
+    if world.uniform and world.local_size > 1:
+        n = world.local_size
+        group = world.intra
+        # Emulated nodes on one host share its cores: their intra-node all-reduces would compete,
+        # so they run one node at a time there (real nodes run theirs together).
+        shared = len({r["host"] for r in records}) < k
+        t_intra = math.inf
+        for i in range(k) if shared else [None]:
+            if i is not None:
+                world.barrier()
+            if i is None or world.node_of[world.rank] == i:
+                t_intra = _timed_all_reduce(world, group, numel, 2 * REPEATS + 1)
+        mine = 2 * (n - 1) / n * numel * 4 / t_intra
+        gathered: list = [None] * world.world_size
+        dist.all_gather_object(gathered, mine)
+        for i, ranks in enumerate(world.ranks_per_node):  # the last to arrive saw the op alone
+            intra_bw[i] = max(gathered[r] for r in ranks)
+    if world.uniform and k > 1:
+        t_inter = _timed_all_reduce(world, world.inter, numel, REPEATS)
+        inter = 2 * (k - 1) / k * numel * 4 / t_inter
+
+    names, verdicts = analyse(records, pairs, intra_bw, args.threshold)
+    hosts = verdict_hosts(verdicts)
+    text = ""
+    if world.rank == 0:
+        text = _report(
+            args, world, records, names, pairs, intra_bw, inter, nbytes, ar_bytes, verdicts
+        )
+    summary = (
+        f"{len(verdicts)} verdict{'s' * (len(verdicts) != 1)} on {len(hosts)} "
+        f"node{'s' * (len(hosts) != 1)} ({compress_hostlist(hosts)})"
+        if verdicts
+        else "OK, no verdict"
+    )
+    elapsed = time.perf_counter() - t_start
+    summary = (
+        f"scaleout doctor: {summary}; {world.world_size} ranks on {k} nodes in {elapsed:.1f} s"
+    )
+    return Diagnosis(verdicts, hosts, text, summary)
+
+
+def _probe_pairs(world, leaders, nbytes, stride_list, repeats, timeout, buf):
+    """(src node, dst node, bytes/s) for each stride: the best of ``repeats`` rounds."""
+    k = len(leaders)
+    me = leaders.index(world.rank) if world.rank in leaders else None
+    server = None
+    if me is not None:
+        server = listen(route_to(world.master_addr or "127.0.0.1")["addr"])
+        server.settimeout(timeout)
+    addrs: list = [None] * world.world_size
+    dist.all_gather_object(addrs, server.getsockname() if server else None)
+    payload, sink = memoryview(buf)[:nbytes], memoryview(bytearray(1 << 20))
+    found = []
+    for s in stride_list:
+        out = inc = None
+        if me is not None:
+            out = socket.create_connection(addrs[leaders[(me + s) % k]], timeout=timeout)
+            out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            inc, _ = server.accept()
+            inc.settimeout(timeout)
+        best = 0.0
+        for _ in range(repeats):
+            world.barrier()
+            if me is not None:
+                best = max(best, exchange(out, inc, payload, sink))
+        if me is not None:
+            found.append(((me - s) % k, me, best))
+            out.close()
+            inc.close()
+    if server is not None:
+        server.close()
+    gathered: list = [None] * world.world_size
+    dist.all_gather_object(gathered, found)
+    return [p for part in gathered for p in part]
+
+
+def _timed_all_reduce(world, group, numel, repeats):
+    x = torch.ones(numel, device=world.device)
+    dist.all_reduce(x, group=group)  # warm-up: connections, buffers
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _report(args, world, records, names, pairs, intra_bw, inter, nbytes, ar_bytes, verdicts) -> str:
+    k = len(names)
+    speeds: list = [None] * k
+    for r in records:
+        speeds[r["node"]] = speeds[r["node"]] or r.get("link_bps")
+    best, credit = node_bandwidth(pairs, speeds)
+    rows = [("node", "host", "ranks", "store rtt", "iface", "link", "inter-node", "intra a-r")]
+    for i, name in enumerate(names):
+        mine = [r for r in records if r["node"] == i]
+        rtt = [r["store_rtt_s"] for r in mine if r.get("store_rtt_s") is not None]
+        rows.append(
+            (
+                str(i),
+                name,
+                _ranks([r["rank"] for r in mine]),
+                f"{max(rtt) * 1e3:.1f} ms" if rtt else "failed",
+                str(mine[0].get("iface")),
+                _bits(speeds[i]) if speeds[i] else "-",
+                _mbs(best[i]) if best[i] else "-",
+                _mbs(intra_bw[i]) if intra_bw[i] else "-",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    r0 = records[0]
+    lines = [
+        f"scaleout doctor: {world.world_size} ranks on {k} nodes, launcher {world.launcher}, "
+        f"backend {world.backend}; python {r0['python']}, torch {r0['torch']}, scaleout "
+        f"{r0['scaleout']}, cuda {r0['cuda']}, nccl {r0['nccl']}",
+    ]
+    lines += [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if pairs:
+        lines.append(
+            f"  pairs ({nbytes / 2**20:.2f} MiB each way, best of {REPEATS}): "
+            + ", ".join(f"{s}->{d} {_mbs(r)}" for s, d, r in sorted(pairs))
+        )
+    if inter:
+        lines.append(
+            f"  inter-node all-reduce {ar_bytes / 2**20:.2f} MiB: {_mbs(inter)} bus bandwidth"
+        )
+    lines += [f"verdict: {v.line()}" for v in verdicts]
+    return "\n".join(lines)
