@@ -61,7 +61,7 @@ class NetnsLauncher(LocalLauncher):
     ):
         super().__init__(extra_env=extra_env, **job_options)
         self.rate, self.cluster_name, self.master_port = rate, cluster_name, master_port
-        self.node_rates = parse_node_rates(node_rates)
+        self.node_rates, self._node_rate_spec = parse_node_rates(node_rates), node_rates
         if self.node_rates and cluster_name:
             raise UserError(
                 f"--node-rate with --cluster {cluster_name}: an existing cluster keeps the rates "
@@ -90,7 +90,7 @@ class NetnsLauncher(LocalLauncher):
         if self.cluster_name is None:  # a private cluster will be brought up: root, a valid rate
             require_root()
             parse_rate(self.rate)
-            parse_node_rates(self.node_rates, most)
+            parse_node_rates(self._node_rate_spec, most)
 
     def prepare(self, max_nnodes: int) -> None:
         if self.cluster is not None:

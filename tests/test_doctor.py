@@ -185,9 +185,7 @@ def _diagnose(world, argv):
 
 @pytest.mark.multi_process
 def test_doctor_on_a_local_2x2_gloo_world_passes_and_prints_its_table() -> None:
-    t = time.monotonic()
     results = run_dist(_diagnose, nnodes=2, nproc_per_node=2, args=(["--probe-bytes", "2MiB"],))
-    wall = time.monotonic() - t
     verdicts, text, summary = results[0]
     assert verdicts == [], text
     assert all(r[0] == [] and r[1] == "" for r in results[1:])  # one table, from rank 0
@@ -196,8 +194,8 @@ def test_doctor_on_a_local_2x2_gloo_world_passes_and_prints_its_table() -> None:
     assert [r[0] for r in rows[2:4]] == ["0", "1"] and [r[2] for r in rows[2:4]] == ["0-1", "2-3"]
     assert "pairs (2.00 MiB each way" in text and "0->1" in text and "1->0" in text
     assert "inter-node all-reduce" in text
-    assert re.match(r"scaleout doctor: OK, no verdict; 4 ranks on 2 nodes in \d+\.\d s", summary)
-    assert wall < 30, wall
+    m = re.match(r"scaleout doctor: OK, no verdict; 4 ranks on 2 nodes in (\d+\.\d) s", summary)
+    assert m and float(m.group(1)) < 20, summary  # the check itself, not the ranks' start-up
 
 
 @pytest.mark.netns
@@ -226,7 +224,9 @@ def test_netns_drill_doctor_names_the_node_with_a_tenth_of_the_link_rate(tmp_pat
         r"\d+ MB/s: slow link or NIC",
         verdicts[0],
     ), verdicts[0]
-    assert wall <= 30, wall
+    (summary,) = [line for line in out.splitlines() if "scaleout doctor: 1 verdict" in line]
+    took = float(re.search(r"in (\d+\.\d) s", summary).group(1))
+    assert took <= 30 and wall <= 90, (took, wall)  # the check; the launch with 4 torch imports
     assert (tmp_path / "exclude").read_text() == f"{name}-n1\n"
     assert list(json.loads((tmp_path / "q.json").read_text())["nodes"]) == [f"{name}-n1"]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -101,15 +101,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
     """Flags were checked by argparse; a quarantine file must be readable before any rank
     starts."""
-    from scaleout import quarantine
+    from scaleout import quarantine  # deferred: the parser is built without the command's modules
 
     if args.quarantine:
         quarantine.load(args.quarantine)
 
 
 def run(args: argparse.Namespace) -> int:
-    import scaleout
-    from scaleout import doctor, quarantine
+    import scaleout  # deferred: torch and the rank-side modules load when the command runs
+    from scaleout import doctor, quarantine  # deferred: as above
     from scaleout.nodelist import compress_hostlist
 
     t_start = time.perf_counter()
