@@ -108,13 +108,15 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    import scaleout  # deferred: torch and the rank-side modules load when the command runs
-    from scaleout import doctor, quarantine  # deferred: as above
-    from scaleout.nodelist import compress_hostlist
+    from scaleout import quarantine  # deferred: the parser is built without the command's modules
 
     t_start = time.perf_counter()
-    if args.quarantine:  # a corrupt quarantine file fails here, not after the probes
+    if args.quarantine:  # a corrupt quarantine file fails here, before torch loads and init
         quarantine.load(args.quarantine)
+    import scaleout  # deferred: torch and the rank-side modules load when the command runs
+    from scaleout import doctor  # deferred: as above
+    from scaleout.nodelist import compress_hostlist  # deferred: as above
+
     # Before init: a *_SOCKET_IFNAME naming a missing interface would fail init on this rank and
     # leave the others waiting; note it and drop it so that the check itself can go on.
     if_problems = doctor.check_ifname_vars(os.environ, doctor.interfaces())
