@@ -210,6 +210,7 @@ def listen(addr: str) -> socket.socket:
 def receive_rate(sock: socket.socket, nbytes: int, sink: memoryview) -> float:
     """Read nbytes; bytes/s from the first chunk's arrival to the last (not counting the first
     chunk, so neither start-up skew nor a token bucket's burst inflates it)."""
+    t0 = time.perf_counter()
     got = sock.recv_into(sink, min(nbytes, len(sink)))
     if got == 0:
         raise ConnectionError("peer closed the probe connection")
@@ -221,7 +222,9 @@ def receive_rate(sock: socket.socket, nbytes: int, sink: memoryview) -> float:
             raise ConnectionError("peer closed the probe connection")
         left -= n
     dt = time.perf_counter() - t
-    return after / dt if dt > 0 and after else float("inf")
+    if after and dt > 0:
+        return after / dt
+    return nbytes / max(time.perf_counter() - t0, 1e-9)  # one chunk held it all
 
 
 def exchange(
@@ -442,9 +445,11 @@ def analyse(
     pairs: Sequence[tuple[int, int, float]],
     intra_bw: Sequence[float | None],
     threshold: float,
+    failures: Sequence[tuple[int, int, str]] = (),
 ) -> tuple[list[str], list[Verdict]]:
-    """(node names, verdicts) from every rank's record, the pair rates and the per-node intra
-    all-reduce figures."""
+    """(node names, verdicts) from every rank's record, the pair rates, the per-node intra
+    all-reduce figures and the pairs that could not be measured (src, dst, error: named on the
+    receiving node, the one the stream could not reach)."""
     names = node_names(records)
     speeds: list[float | None] = [None] * len(names)
     for r in sorted(records, key=lambda r: r["rank"], reverse=True):
@@ -453,6 +458,16 @@ def analyse(
         interface_verdicts(records, names)
         + field_verdicts(records, names, VERSION_FIELDS + CHECKED_FIELDS)
         + store_verdicts(records, names)
+        + [
+            Verdict(
+                dst,
+                names[dst],
+                "link",
+                f"no stream from node {src} ({names[src]}) arrived: {error}: unreachable or "
+                "broken link",
+            )
+            for src, dst, error in failures
+        ]
         + bandwidth_verdicts(pairs, speeds, names, threshold)
     )
     # Emulated nodes on one host share its cores, memory and devices: their intra-node figures
@@ -511,14 +526,17 @@ def diagnose(
     leaders = [node[0] for node in world.ranks_per_node]
     stride_list = strides(k)
     pairs: list = []
+    failures: list = []
     nbytes = args.probe_bytes
     if stride_list:
         buf = bytearray(nbytes or 64 << 20)
         if nbytes is None:
-            first = _probe_pairs(world, leaders, 1 << 20, [1], 1, args.timeout, buf)
-            slowest = min(r for _, _, r in first)
+            first, _ = _probe_pairs(world, leaders, 1 << 20, [1], 1, args.timeout, buf)
+            slowest = min((r for _, _, r in first), default=1e6)
             nbytes = int(min(max(slowest * TARGET_S, 1 << 20), 64 << 20))
-        pairs = _probe_pairs(world, leaders, nbytes, stride_list, REPEATS, args.timeout, buf)
+        pairs, failures = _probe_pairs(
+            world, leaders, nbytes, stride_list, REPEATS, args.timeout, buf
+        )
         del buf
 
     intra_bw: list = [None] * k
@@ -546,7 +564,7 @@ def diagnose(
         t_inter = _timed_all_reduce(world, world.inter, numel, REPEATS)
         inter = 2 * (k - 1) / k * numel * 4 / t_inter
 
-    names, verdicts = analyse(records, pairs, intra_bw, args.threshold)
+    names, verdicts = analyse(records, pairs, intra_bw, args.threshold, failures)
     hosts = verdict_hosts(verdicts)
     text = ""
     if world.rank == 0:
@@ -567,38 +585,54 @@ def diagnose(
 
 
 def _probe_pairs(world, leaders, nbytes, stride_list, repeats, timeout, buf):
-    """(src node, dst node, bytes/s) for each stride: the best of ``repeats`` rounds."""
+    """([(src node, dst node, bytes/s)], [(src node, dst node, error)]) for each stride: the best
+    of ``repeats`` rounds, or why the pair could not be measured (connect refused, timed out)."""
     k = len(leaders)
     me = leaders.index(world.rank) if world.rank in leaders else None
-    server = None
+    server, mine = None, None
     if me is not None:
-        server = listen(route_to(world.master_addr or "127.0.0.1")["addr"])
+        addr = route_to(world.master_addr or "127.0.0.1")["addr"]
+        server = listen(addr or "")
         server.settimeout(timeout)
+        mine = (addr or socket.gethostname(), server.getsockname()[1])
     addrs: list = [None] * world.world_size
-    dist.all_gather_object(addrs, server.getsockname() if server else None)
-    payload, sink = memoryview(buf)[:nbytes], memoryview(bytearray(1 << 20))
-    found = []
+    dist.all_gather_object(addrs, mine)
+    payload, sink = memoryview(buf)[:nbytes], memoryview(bytearray(256 << 10))
+    found, failed = [], []
     for s in stride_list:
         out = inc = None
+        error = None
         if me is not None:
-            out = socket.create_connection(addrs[leaders[(me + s) % k]], timeout=timeout)
-            out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            inc, _ = server.accept()
-            inc.settimeout(timeout)
+            try:
+                out = socket.create_connection(addrs[leaders[(me + s) % k]], timeout=timeout)
+                out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                inc, _ = server.accept()
+                inc.settimeout(timeout)
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
         best = 0.0
         for _ in range(repeats):
             world.barrier()
-            if me is not None:
-                best = max(best, exchange(out, inc, payload, sink))
+            if me is not None and error is None:
+                try:
+                    best = max(best, exchange(out, inc, payload, sink))
+                except OSError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
         if me is not None:
-            found.append(((me - s) % k, me, best))
-            out.close()
-            inc.close()
+            if error is None:
+                found.append(((me - s) % k, me, best))
+            else:
+                failed.append(((me - s) % k, me, error))
+            for sock in (out, inc):
+                if sock is not None:
+                    sock.close()
     if server is not None:
         server.close()
     gathered: list = [None] * world.world_size
-    dist.all_gather_object(gathered, found)
-    return [p for part in gathered for p in part]
+    dist.all_gather_object(gathered, (found, failed))
+    return [p for part in gathered if part for p in part[0]], [
+        f for part in gathered if part for f in part[1]
+    ]
 
 
 def _timed_all_reduce(world, group, numel, repeats):

@@ -102,6 +102,12 @@ def test_versions_interfaces_store_and_intra_verdicts() -> None:
     assert any(x.startswith("node 3 (h3): rank 7 cannot reach the store") for x in lines)
     assert any(x.startswith("node 3 (h3): intra-node all-reduce 90.0 MB/s, 0.10x") for x in lines)
     assert not [v for v in verdicts if v.node == 0]
+    two = [records[0], records[2]]
+    _, (v,) = doctor.analyse(two, [], [None, None], 0.5, [(0, 1, "TimeoutError: timed out")])
+    assert v.line() == (
+        "node 1 (h1): no stream from node 0 (h0) arrived: TimeoutError: timed out: unreachable or "
+        "broken link"
+    )
     assert doctor.verdict_hosts(verdicts) == ["h1", "h2", "h3"]
 
 
