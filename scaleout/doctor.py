@@ -657,7 +657,8 @@ def _report(args, world, records, names, pairs, intra_bw, inter, nbytes, ar_byte
     for r in records:
         speeds[r["node"]] = speeds[r["node"]] or r.get("link_bps")
     best, credit = node_bandwidth(pairs, speeds)
-    rows = [("node", "host", "ranks", "store rtt", "iface", "link", "inter-node", "intra a-r")]
+    head = ("node", "host", "ranks", "store rtt", "iface", "link", "inter-node", "judged as")
+    rows = [(*head, "intra a-r")]
     for i, name in enumerate(names):
         mine = [r for r in records if r["node"] == i]
         rtt = [r["store_rtt_s"] for r in mine if r.get("store_rtt_s") is not None]
@@ -670,6 +671,7 @@ def _report(args, world, records, names, pairs, intra_bw, inter, nbytes, ar_byte
                 str(mine[0].get("iface")),
                 _bits(speeds[i]) if speeds[i] else "-",
                 _mbs(best[i]) if best[i] else "-",
+                _mbs(credit[i]) if credit[i] else "-",
                 _mbs(intra_bw[i]) if intra_bw[i] else "-",
             )
         )
@@ -688,6 +690,10 @@ def _report(args, world, records, names, pairs, intra_bw, inter, nbytes, ar_byte
         lines.append(
             f"  pairs ({nbytes / 2**20:.2f} MiB each way, best of {REPEATS}): "
             + ", ".join(f"{s}->{d} {_mbs(r)}" for s, d, r in sorted(pairs))
+        )
+        lines.append(
+            "  inter-node = the node's best pair; judged as = that, or, where the pair's other end "
+            "reports a slower link, the pair's rate x the speed ratio"
         )
     if inter:
         lines.append(
