@@ -14,6 +14,10 @@ Processes that use the cluster's addresses must run *inside* its namespaces
     with Cluster(nodes=2, rate="1gbit") as c:      # up; always torn down, also on error or SIGTERM
         subprocess.run(c.wrapper(0) + ["ip", "addr"])
 
+``node_rates`` gives single nodes another link rate (``Cluster(4, "1gbit", node_rates={1:
+"100mbit"})``, on the command line ``--node-rate 1=100mbit``): a slow NIC or link, which ``scaleout
+doctor`` should name.
+
 ``down()`` is idempotent and removes whatever a previous, crashed run left behind.
 
 What scaleout creates is recorded before it is created, one JSON file per cluster in ``state_dir()``
@@ -110,6 +114,43 @@ def down_all() -> tuple[list[str], list[str]]:
     return removed, skipped
 
 
+def parse_node_rates(spec: Any, nodes: int | None = None) -> dict[int, str]:
+    """``"1=100mbit,3=10mbit"`` (or a dict) -> {1: "100mbit", 3: "10mbit"}: per-node link rates
+    that override the cluster's ``--rate``. Each rate is checked (tc units or 'none'); with
+    ``nodes``, each node index must be one of the cluster's."""
+    if spec is None or spec == "" or spec == {}:
+        return {}
+    if isinstance(spec, dict):
+        items = [(str(k), str(v)) for k, v in spec.items()]
+    else:
+        items = []
+        for part in str(spec).split(","):
+            node, eq, rate = part.strip().partition("=")
+            if not eq or not node.strip() or not rate.strip():
+                raise UserError(
+                    f"--node-rate={spec!r}: expected NODE=RATE[,NODE=RATE...], e.g. 1=100mbit"
+                )
+            items.append((node.strip(), rate.strip()))
+    out: dict[int, str] = {}
+    for node, rate in items:
+        if not node.isdigit():
+            raise UserError(
+                f"--node-rate={spec!r}: node {node!r} is not a node index (expected an integer "
+                "from 0)"
+            )
+        i = int(node)
+        if nodes is not None and i >= nodes:
+            raise UserError(
+                f"--node-rate={spec!r}: node {i} does not exist (the cluster has nodes "
+                f"0-{nodes - 1})"
+            )
+        if i in out:
+            raise UserError(f"--node-rate={spec!r}: node {i} is given twice")
+        parse_rate(rate, f"--node-rate {i}")
+        out[i] = rate
+    return out
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
         raise UserError(
@@ -131,6 +172,7 @@ class Cluster:
     rate: str | None = "1gbit"
     name: str = "so"
     subnet: str = "10.77.0"
+    node_rates: dict[int, str] | None = None  # node index -> its own link rate (tc units)
     _owned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +186,11 @@ class Cluster:
         if not re.match(r"^\d{1,3}\.\d{1,3}\.\d{1,3}$", self.subnet):
             raise UserError(f"cluster subnet {self.subnet!r}: expected three octets like 10.77.0")
         self.rate_bps = parse_rate(self.rate)
+        self.node_rates = parse_node_rates(self.node_rates, self.nodes)
+
+    def rate_of(self, i: int) -> str | None:
+        """Node i's link rate: its ``node_rates`` entry, else the cluster's ``rate``."""
+        return (self.node_rates or {}).get(i, self.rate)
 
     # -- names ------------------------------------------------------------------------------------
     def ns(self, i: int) -> str:
@@ -168,8 +215,10 @@ class Cluster:
             "MASTER_ADDR": self.addr(0),
             "SCALEOUT_NETNS": self.name,
         }
-        if self.rate_bps:
-            env["SCALEOUT_LINK_RATE_BPS"] = str(int(self.rate_bps))
+        # The slowest link of the cluster: the floor a ring over every node runs at.
+        limited = [b for b in (parse_rate(self.rate_of(i)) for i in range(self.nodes)) if b]
+        if limited:
+            env["SCALEOUT_LINK_RATE_BPS"] = str(int(min(limited)))
         return env
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -192,6 +241,7 @@ class Cluster:
             "namespaces": [self.ns(i) for i in range(self.nodes)],
             "links": [self.bridge] + [f"{self.name}-v{i}" for i in range(self.nodes)],
             "etc_netns": [f"/etc/netns/{self.ns(i)}" for i in range(self.nodes)],
+            "rates": [self.rate_of(i) for i in range(self.nodes)],
             "owner_pid": os.getpid() if owned else None,
             "owner_start": start_time(os.getpid()) if owned else None,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -238,14 +288,13 @@ class Cluster:
                 _ip("-n", ns, "link", "set", "veth0", "up")
                 _ip("link", "set", peer, "master", self.bridge)
                 _ip("link", "set", peer, "up")
-                if (
-                    self.rate_bps
-                ):  # both ends: egress of the node (veth0) and ingress to it (peer's egress)
+                # both ends: egress of the node (veth0) and ingress to it (peer's egress)
+                if parse_rate(self.rate_of(i)):
                     tbf = [
                         "root",
                         "tbf",
                         "rate",
-                        str(self.rate),
+                        str(self.rate_of(i)),
                         "burst",
                         TBF_BURST,
                         "latency",

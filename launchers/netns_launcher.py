@@ -18,7 +18,13 @@ from scaleout.env.base import free_port
 from scaleout.errors import UserError
 from scaleout.launchers.base import LaunchOptions, register
 from scaleout.launchers.local import LocalJob, LocalLauncher
-from scaleout.launchers.netns import MAX_NODES, Cluster, parse_rate, require_root
+from scaleout.launchers.netns import (
+    MAX_NODES,
+    Cluster,
+    parse_node_rates,
+    parse_rate,
+    require_root,
+)
 
 
 def private_cluster_name(pid: int) -> str:
@@ -37,7 +43,8 @@ def private_cluster_name(pid: int) -> str:
 @register
 class NetnsLauncher(LocalLauncher):
     """``rate``: each node's link (tc units; 'none' = unlimited) of a private cluster;
-    ``cluster_name``: use that existing cluster instead (its own rate). ``master_port``: the
+    ``node_rates``: single nodes' own rates ({1: "100mbit"} or "1=100mbit"); ``cluster_name``:
+    use that existing cluster instead (its own rate). ``master_port``: the
     rendezvous port on node 0 (default: one free here, as good a guess as any for node 0's
     namespace, distinct per launch)."""
 
@@ -49,10 +56,17 @@ class NetnsLauncher(LocalLauncher):
         cluster_name: str | None = None,
         master_port: int | None = None,
         extra_env: Mapping[str, str] | None = None,
+        node_rates: Mapping[int, str] | str | None = None,
         **job_options: Any,
     ):
         super().__init__(extra_env=extra_env, **job_options)
         self.rate, self.cluster_name, self.master_port = rate, cluster_name, master_port
+        self.node_rates, self._node_rate_spec = parse_node_rates(node_rates), node_rates
+        if self.node_rates and cluster_name:
+            raise UserError(
+                f"--node-rate with --cluster {cluster_name}: an existing cluster keeps the rates "
+                "it was brought up with (scaleout cluster up --node-rate ...)"
+            )
         self.cluster: Cluster | None = None
         self._owned = False
         self.on_orphan: list[list[str]] = []
@@ -76,6 +90,7 @@ class NetnsLauncher(LocalLauncher):
         if self.cluster_name is None:  # a private cluster will be brought up: root, a valid rate
             require_root()
             parse_rate(self.rate)
+            parse_node_rates(self._node_rate_spec, most)
 
     def prepare(self, max_nnodes: int) -> None:
         if self.cluster is not None:
@@ -83,15 +98,24 @@ class NetnsLauncher(LocalLauncher):
         if self.cluster_name:
             cluster = Cluster(max_nnodes, None, name=self.cluster_name)
             cluster.check_ready(max_nnodes)
-            rate = cluster.status()["rates"].get(cluster.ns(0))
-            if rate and rate != "unlimited":
-                cluster = Cluster(max_nnodes, rate, name=self.cluster_name)
+            rates = cluster.status()["rates"]
+            rate = rates.get(cluster.ns(0))
+            rate = None if rate in (None, "unlimited") else rate
+            own = {
+                i: r if r != "unlimited" else "none"
+                for i in range(1, max_nnodes)
+                if (r := rates.get(cluster.ns(i))) is not None and r != (rate or "unlimited")
+            }
+            if rate or own:
+                cluster = Cluster(max_nnodes, rate, name=self.cluster_name, node_rates=own)
             self.cluster = cluster
             return
         # A private name per launcher, so concurrent launches and a persistent `cluster up` never
         # collide.
         name = private_cluster_name(os.getpid())
-        self.cluster = Cluster(max_nnodes, self.rate, name=name).__enter__()
+        self.cluster = Cluster(
+            max_nnodes, self.rate, name=name, node_rates=self.node_rates
+        ).__enter__()
         self._owned = True
         # If this process is SIGKILLed, the ranks' watchdog removes the private cluster after them.
         self.on_orphan = [[sys.executable, "-m", "scaleout", "cluster", "down", "--name", name]]

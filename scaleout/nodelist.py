@@ -10,6 +10,7 @@ hostnames`` prints.
 from __future__ import annotations
 
 import itertools
+import re
 
 from scaleout.errors import NodelistError
 
@@ -132,3 +133,35 @@ def parse_tasks_per_node(spec: str, nnodes: int | None = None) -> list[int]:
             f"SLURM_TASKS_PER_NODE={spec!r} describes {len(out)} nodes, expected {nnodes}"
         )
     return out
+
+
+def compress_hostlist(hosts: list[str]) -> str:
+    """The inverse of :func:`expand_nodelist` for a plain list: ``n1, n2, n3, n7, gpu`` ->
+    ``gpu,n[1-3,7]``, each name once. Names that end in digits are grouped by the text before them
+    and the digits' width (``n01`` and ``n1`` stay apart, so expanding gives the names back), runs
+    of consecutive numbers become ``LO-HI``; a group of one keeps its plain name."""
+    groups: dict[tuple[str, int], set[int]] = {}
+    plain: set[str] = set()
+    for host in hosts:
+        m = re.fullmatch(r"(.*?)(\d+)", host)
+        if m is None or "[" in host or "," in host:
+            plain.add(host)
+            continue
+        digits = m.group(2)
+        width = len(digits) if digits.startswith("0") else 0
+        groups.setdefault((m.group(1), width), set()).add(int(digits))
+    items: list[tuple[str, str]] = [(h, h) for h in plain]
+    for (prefix, width), numbers in groups.items():
+        nums = sorted(numbers)
+        if len(nums) == 1:
+            name = f"{prefix}{str(nums[0]).zfill(width)}"
+            items.append((name, name))
+            continue
+        runs, start = [], nums[0]
+        for a, b in itertools.pairwise([*nums, None]):
+            if b is None or b != a + 1:
+                lo, hi = str(start).zfill(width), str(a).zfill(width)
+                runs.append(lo if start == a else f"{lo}-{hi}")
+                start = b
+        items.append((prefix, f"{prefix}[{','.join(runs)}]"))
+    return ",".join(text for _, text in sorted(items))

@@ -149,6 +149,8 @@ CASES: list[Case] = [
     ),
     Case(("launch", "--netns", "--nnodes", "300", "--", "true"), "--nnodes=300"),
     Case(("launch", "--", "no-such-prog-xyz"), "no-such-prog-xyz"),
+    Case(("launch", "--node-rate", "1=10mbit", "--", "true"), "--node-rate='1=10mbit'"),
+    Case(("launch", "--netns", "--node-rate", "1=fast", "--", "true"), "--node-rate 1='fast'"),
     Case(("launch", "--nnodes", "3", "--", "scaleout", "train", "bert_tiny_cpu"), "world size 3"),
     Case(
         (
@@ -168,6 +170,14 @@ CASES: list[Case] = [
     Case(("cluster", "up", "--name", "x;rm"), "'x;rm'"),
     Case(("cluster", "up", "--rate", "fast"), "--rate='fast'"),
     Case(("cluster", "status", "--all"), "--all"),
+    # scaleout doctor
+    Case(("doctor", "--threshold", "2"), "'2'"),
+    Case(
+        ("doctor", "--quarantine", "q.json"),
+        "q.json",
+        files=(("q.json", "{not json"),),
+        given="q.json: `{not json`",
+    ),
     # scaleout pack
     Case(
         ("pack", "h.txt", "--out", ""),

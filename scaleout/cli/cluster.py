@@ -20,6 +20,7 @@ persistent ones from `cluster up` and the private clusters of `launch --netns` r
 
 examples:
   scaleout cluster up --nodes 4 --rate 1gbit
+  scaleout cluster up --nodes 4 --rate 1gbit --node-rate 1=100mbit
   scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes
   64MiB
   scaleout cluster status
@@ -35,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate",
         default="1gbit",
         help="per-node link rate, tc units (default 1gbit; 'none' = unlimited)",
+    )
+    p.add_argument(
+        "--node-rate",
+        default=None,
+        metavar="NODE=RATE[,...]",
+        help="single nodes' own link rates, e.g. 1=100mbit (overrides --rate for those nodes)",
     )
     p.add_argument(
         "--name", default="so", help="cluster name, prefix of namespaces and links (default so)"
@@ -63,13 +70,18 @@ def run(args: argparse.Namespace) -> int:
             + (f"; left running: {', '.join(skipped)}" if skipped else "")
         )
         return 0
-    cluster = Cluster(args.nodes, args.rate, name=args.name, subnet=args.subnet)
+    if args.node_rate is not None and args.action != "up":
+        raise UserError(f"--node-rate goes with `up`, not `{args.action}`")
+    cluster = Cluster(
+        args.nodes, args.rate, name=args.name, subnet=args.subnet, node_rates=args.node_rate
+    )
     if args.action == "up":
         cluster.up()
         print(
             f"scaleout cluster: {args.nodes} nodes up "
             f"({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), "
             f"rate {args.rate}"
+            + "".join(f", node {i} {r}" for i, r in sorted(cluster.node_rates.items()))
         )
     elif args.action == "down":
         require_root()

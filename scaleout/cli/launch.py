@@ -24,9 +24,11 @@ examples:
   scaleout launch --nproc-per-node 4 -- python my_script.py --lr 1e-3
   scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce
   --sizes 64MiB
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --node-rate 1=100mbit -- scaleout doctor
 
 --netns (root) runs every emulated node in its own network namespace with a rate-limited link
 (launchers/netns.py): a private cluster is brought up for this launch and always torn down after.
+--node-rate NODE=RATE gives single nodes another link rate (node 1 at 1/10: a slow NIC to find).
 --cluster NAME uses one brought up by `scaleout cluster up --name NAME` instead.
 """
 
@@ -82,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --netns: per-node link rate for tc (default 1gbit; 'none' = unlimited)",
     )
     p.add_argument(
+        "--node-rate",
+        default=None,
+        metavar="NODE=RATE[,...]",
+        help="with --netns: single nodes' own link rates, e.g. 1=100mbit (a slow NIC or link)",
+    )
+    p.add_argument(
         "--cluster",
         default=None,
         metavar="NAME",
@@ -133,6 +141,7 @@ def resolve_nproc(value: str | int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from scaleout.cli import resolve
+    from scaleout.errors import UserError
     from scaleout.launchers.local import LocalLauncher, check_launch_args
     from scaleout.launchers.netns_launcher import NetnsLauncher
 
@@ -143,9 +152,17 @@ def run(args: argparse.Namespace) -> int:
     # `smoke` -> `scaleout smoke`; the launcher runs the check before spawning
     cmd, check = resolve(cmd)
     options = dict(grace_s=args.grace, prefix_output=not args.no_prefix, preflight=check)
+    if args.node_rate is not None and not args.netns:
+        raise UserError(
+            f"--node-rate={args.node_rate!r} goes with --netns (a private emulated cluster)"
+        )
     if args.netns or args.cluster:
         launcher = NetnsLauncher(
-            args.rate, cluster_name=args.cluster, master_port=args.master_port, **options
+            args.rate,
+            cluster_name=args.cluster,
+            master_port=args.master_port,
+            node_rates=args.node_rate,
+            **options,
         )
     else:
         launcher = LocalLauncher(
