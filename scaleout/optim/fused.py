@@ -40,6 +40,10 @@ from scaleout.optim.chunks import pieces as chunk_pieces
 from scaleout.optim.lamb import LambCoeffs, direction, update_moments
 
 Tensors = list[torch.Tensor]
+Scalar = float | torch.Tensor  # a Python float, or a 0-d CPU tensor in the compiled kernels
+# devices besides CUDA whose kernels run compiled: {"cpu"} makes the CPU run the code the GPU runs
+# (scaleout bench optim --compiled); the CPU default is the cache-blocked foreach chain
+COMPILE_DEVICES: set[str] = set()
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,8 +67,8 @@ def _coeffs(beta1: float, beta2: float, m_weight: float, v_weight: float, eps: f
 
 # -- the plain arithmetic that torch.compile fuses (CUDA) ---------------------------------------
 def _lamb_moments_math(
-    p: Tensors, g: Tensors, m: Tensors, v: Tensors, b1: float, b2: float, mw: float, vw: float,
-    eps: float, wd: float,
+    p: Tensors, g: Tensors, m: Tensors, v: Tensors, b1: Scalar, b2: Scalar, mw: Scalar, vw: Scalar,
+    eps: Scalar, wd: Scalar,
 ) -> torch.Tensor:  # fmt: skip
     w2, u2 = [], []
     for pi, gi, mi, vi in zip(p, g, m, v, strict=True):
@@ -80,8 +84,8 @@ def _lamb_moments_math(
 
 
 def _lamb_apply_math(
-    p: Tensors, m: Tensors, v: Tensors, scale: torch.Tensor | None, uniform: float, eps: float,
-    wd: float,
+    p: Tensors, m: Tensors, v: Tensors, scale: torch.Tensor | None, uniform: Scalar, eps: Scalar,
+    wd: Scalar,
 ) -> None:  # fmt: skip
     for i, (pi, mi, vi) in enumerate(zip(p, m, v, strict=True)):
         pf = pi.to(mi.dtype)
@@ -90,8 +94,8 @@ def _lamb_apply_math(
 
 
 def _lars_apply_math(
-    p: Tensors, g: Tensors, b: Tensors, scale: torch.Tensor | None, uniform: float,
-    momentum: float, wd: float,
+    p: Tensors, g: Tensors, b: Tensors, scale: torch.Tensor | None, uniform: Scalar,
+    momentum: Scalar, wd: Scalar,
 ) -> None:  # fmt: skip
     for i, (pi, gi, bi) in enumerate(zip(p, g, b, strict=True)):
         pf = pi.to(bi.dtype)
@@ -102,6 +106,13 @@ def _lars_apply_math(
 
 
 _FAILED: set[str] = set()
+
+
+def _hp(*values: float) -> list[torch.Tensor]:
+    """Per-step scalars as 0-d CPU float64 tensors: torch.compile specialises on Python floats (a
+    recompile whenever the learning rate or a bias correction changes, i.e. every step), while a
+    0-d CPU tensor is a kernel argument read on the host (no device copy, no sync)."""
+    return [torch.tensor(v, dtype=torch.float64) for v in values]
 
 
 @functools.cache
@@ -135,6 +146,8 @@ def lamb_moments_(
     """m = b1 m + m_weight g, v = b2 v + v_weight g^2 (fp32), and the (2, n) fp32 squared norms
     [||w||^2; ||u||^2] with u = m / (sqrt(v) + eps) + wd w (lamb.py's folded direction), in chunks
     of ``chunk`` elements (0 = whole tensors)."""
+    if "cpu" in COMPILE_DEVICES:
+        return _lamb_moments_cuda(p, g, m, v, beta1, beta2, m_weight, v_weight, eps, wd, chunk)
     co = _coeffs(beta1, beta2, m_weight, v_weight, eps, wd)
     plan = plan_for(p, chunk)
     P, G, M, V = (chunk_pieces(t, plan) for t in (p, g, m, v))
@@ -155,7 +168,8 @@ def _lamb_moments_cuda(
     p: Tensors, g: Tensors, m: Tensors, v: Tensors, beta1: float, beta2: float,
     m_weight: float, v_weight: float, eps: float, wd: float, chunk: int,
 ) -> torch.Tensor:  # fmt: skip
-    return run_compiled(_lamb_moments_math, p, g, m, v, beta1, beta2, m_weight, v_weight, eps, wd)
+    hp = _hp(beta1, beta2, m_weight, v_weight, eps, wd)
+    return run_compiled(_lamb_moments_math, p, g, m, v, *hp)
 
 
 @lamb_moments_.register_fake
@@ -172,6 +186,8 @@ def lamb_apply_(
     """w += s_i u with u = m / (sqrt(v) + eps) + wd w recomputed (never stored), per tensor i, in
     chunks of ``chunk`` elements (0 = whole tensors); s = ``scale`` (one per tensor, on the
     device), or ``uniform`` for all when ``scale`` is None."""
+    if "cpu" in COMPILE_DEVICES:
+        return _lamb_apply_cuda(p, m, v, scale, uniform, eps, wd, chunk)
     co = _coeffs(0.0, 0.0, 0.0, 0.0, eps, wd)
     plan = plan_for(p, chunk)
     P, M, V = (chunk_pieces(t, plan) for t in (p, m, v))
@@ -199,7 +215,7 @@ def _lamb_apply_cuda(
     p: Tensors, m: Tensors, v: Tensors, scale: torch.Tensor | None, uniform: float, eps: float,
     wd: float, chunk: int,
 ) -> None:  # fmt: skip
-    run_compiled(_lamb_apply_math, p, m, v, scale, uniform, eps, wd)
+    run_compiled(_lamb_apply_math, p, m, v, scale, *_hp(uniform, eps, wd))
 
 
 @lamb_apply_.register_fake
@@ -216,6 +232,8 @@ def lars_apply_(
     """b = momentum b + s_i (g + wd w); w -= b, per tensor i (LARS with s = lr t), in chunks of
     ``chunk`` elements (0 = whole tensors); s = ``scale`` (one per tensor, on the device), or
     ``uniform`` for all when ``scale`` is None. The arithmetic is fp32 for bf16 tensors."""
+    if "cpu" in COMPILE_DEVICES:
+        return _lars_apply_cuda(p, g, b, scale, uniform, momentum, wd, chunk)
     plan = plan_for(p, chunk)
     P, G, B = (chunk_pieces(t, plan) for t in (p, g, b))
     if scale is None:
@@ -242,7 +260,7 @@ def _lars_apply_cuda(
     p: Tensors, g: Tensors, b: Tensors, scale: torch.Tensor | None, uniform: float,
     momentum: float, wd: float, chunk: int,
 ) -> None:  # fmt: skip
-    run_compiled(_lars_apply_math, p, g, b, scale, uniform, momentum, wd)
+    run_compiled(_lars_apply_math, p, g, b, scale, *_hp(uniform, momentum, wd))
 
 
 @lars_apply_.register_fake
