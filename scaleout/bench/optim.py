@@ -266,13 +266,13 @@ def _time_model(
     params, groups = _make(shapes)
     facts = _factories(params, groups, chunks, compiled)
     base = {k: facts[k]() for k in BASELINES}
-    nbytes = {k: step_bytes(fn, params)[0] for k, fn in base.items()}
     times: dict[str, list[float]] = {k: [] for k in facts}
     ratios: dict[str, dict[str, list[float]]] = {k: {b: [] for b in BASELINES} for k in facts}
     contenders = [k for k in facts if k not in BASELINES]
     with torch.no_grad():
         for fn in base.values():
             fn()  # warm-up: allocates state
+        nbytes = {k: step_bytes(fn, params)[0] for k, fn in base.items()}
         for i, name in enumerate(contenders):
             step = facts[name]()
             step()
