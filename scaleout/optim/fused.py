@@ -105,7 +105,8 @@ def _lars_apply_math(
         pi.copy_(pf - b2)
 
 
-_FAILED: set[str] = set()
+_FAILED: set[str] = set()  # functions whose compilation failed: run eagerly
+_RAN: set[str] = set()  # functions that have run compiled
 
 
 def _hp(*values: float) -> list[torch.Tensor]:
@@ -121,20 +122,26 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn`` through torch.compile; if compiling fails, a warning (once per function) and ``fn``
-    eagerly. (Mutated inputs are written only when the compiled code runs to completion.)"""
+    """``fn`` through torch.compile. If its first call fails (compiling happens there, before any
+    input is written), a warning and ``fn`` eagerly from then on; once it has run compiled, errors
+    propagate (a retry could apply a half-done update twice)."""
     name = fn.__name__
-    if name not in _FAILED:
-        try:
-            return _compiled(fn)(*args)
-        except Exception as e:  # noqa: BLE001 -- any compiler failure: run the same code eagerly
-            _FAILED.add(name)
-            warnings.warn(
-                f"scaleout.optim.fused: torch.compile of {name} failed ({type(e).__name__}: "
-                f"{e}); running it eagerly (correct, but it moves more bytes)",
-                stacklevel=2,
-            )
-    return fn(*args)
+    if name in _FAILED:
+        return fn(*args)
+    if name in _RAN:
+        return _compiled(fn)(*args)
+    try:
+        out = _compiled(fn)(*args)
+    except Exception as e:  # noqa: BLE001 -- any compiler failure: run the same code eagerly
+        _FAILED.add(name)
+        warnings.warn(
+            f"scaleout.optim.fused: torch.compile of {name} failed ({type(e).__name__}: {e}); "
+            "running it eagerly (correct, but it moves more bytes)",
+            stacklevel=2,
+        )
+        return fn(*args)
+    _RAN.add(name)
+    return out
 
 
 # -- scaleout::lamb_moments_ ---------------------------------------------------------------------
