@@ -153,9 +153,11 @@ def check_varlen(device: str = "cuda", cfg: dict[str, Any] | None = None) -> lis
 
 def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) -> list[Row]:
     """scaleout LAMB / LARS step vs torch's fused AdamW / SGD on BERT-large parameter shapes
-    (fp32)."""
+    (fp32): step time, and bytes moved per parameter (scaleout/optim/bytecount.py: every kernel's
+    operands; the one-pass LAMB 40 vs 28, LARS 28 vs 20)."""
     from scaleout.config.schema import OptimConfig
     from scaleout.optim import build_optimizer
+    from scaleout.optim.bytecount import step_bytes  # deferred: as above, off the SKIP path
 
     model = _bert(cfg or BERT_LARGE, device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -178,12 +180,16 @@ def check_optimizers(device: str = "cuda", cfg: dict[str, Any] | None = None) ->
             _timed(theirs.step, 20, device=device),
         )
         ratio = t_ours / t_theirs
+        params = list(model.parameters())
+        b_ours, b_theirs = step_bytes(ours.step, params)[0], step_bytes(theirs.step, params)[0]
+        bytes_ratio = b_ours / b_theirs
         rows.append(
             (
                 f"{name.upper()} step vs {label} (BERT-large shapes)",
-                "PASS" if ratio <= OPT_RATIO_MAX else "FAIL",
-                f"{t_ours * 1e3:.2f} ms vs {t_theirs * 1e3:.2f} ms = {ratio:.2f}x",
-                f"<= {OPT_RATIO_MAX}x",
+                "PASS" if max(ratio, bytes_ratio) <= OPT_RATIO_MAX else "FAIL",
+                f"{t_ours * 1e3:.2f} ms vs {t_theirs * 1e3:.2f} ms = {ratio:.2f}x; "
+                f"{b_ours:.1f} vs {b_theirs:.1f} B/param = {bytes_ratio:.2f}x",
+                f"<= {OPT_RATIO_MAX}x (time and bytes)",
             )
         )
     return rows

@@ -39,7 +39,8 @@ exit status 1. The dependencies row (the project's imports the GPU rows need) ru
      with dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
   3. CUDA-graph capture of the packed BERT training step, equal to the eager step
   4. varlen (flash) attention equal to the padded masked-attention path on packed bf16 BERT
-  5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes
+  5. scaleout LAMB / LARS step time and bytes moved per parameter vs torch's fused AdamW / SGD on
+     BERT-large parameter shapes (both within 1.5x)
   6. packed BERT-large (24 layers, seq 512) bf16 training step at the largest batch that fits:
      tokens/s and MFU against the device's bf16 peak
   7. ResNet-50 bf16 channels_last training step from uint8 batches already on the GPU (input

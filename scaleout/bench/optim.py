@@ -29,7 +29,13 @@ foreach=True) and torch-optimizer's Lamb on the parameter shapes of BERT-base (1
 parameters) and ResNet-50 (161 tensors, 25.6 M), with random gradients. The contenders share the
 parameters and run in turn with both baselines, round after round, so machine noise hits them alike;
 the table gives median times and the median of the per-round ratios against AdamW and SGD. At most
-three optimizers hold state at once (BERT-base: ~3.1 GB in all).
+three optimizers hold state at once (BERT-base: ~3.1 GB in all). Also timed: torch's fused AdamW and
+SGD, and the one-pass LAMB / LARS (scaleout/optim/fused.py: the GPU default, here its portable
+kernels) beside the CPU default; the B/param column is what each step moves by the byte counter
+(scaleout/optim/bytecount.py: every op's operands, i.e. what a GPU streams; on the CPU the
+cache-blocked chains touch DRAM less than they count). --compiled adds the one-pass ops through
+torch.compile on the CPU (the code a GPU runs; compiling takes minutes) after checking they agree
+with the eager kernels.
 
 Then (--sharded-ranks, default 4) real gloo processes compare, per rank and under the same load, the
 non-sharded LAMB step with the sharded LAMB's update (communication timed apart) and its state
@@ -42,6 +48,7 @@ examples:
   (~7 GB)
   scaleout bench optim --models bert --repeats 9 --sharded-ranks 0
   scaleout bench optim --chunks 65536,262144,1048576  # LAMB/LARS cache-block size sweep
+  scaleout bench optim --models resnet --sharded-ranks 0 --compiled  # + torch.compile'd one-pass
 """
 
 SHAPES = ("bert", "resnet")
@@ -99,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)"
     )
     p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time the one-pass LAMB/LARS compiled with torch.compile on the CPU (slow start)",
+    )
+    p.add_argument(
         "--sharded-ranks",
         type=int,
         default=4,
@@ -145,8 +157,22 @@ def _make(shapes: list[tuple[int, ...]], seed: int = 0) -> tuple[list[Any], list
 BASELINES = ("AdamW foreach", "SGD momentum foreach")
 
 
+def _compiled_step(opt: Any) -> Any:
+    """``opt.step`` with the one-pass ops compiled on the CPU (scaleout.optim.fused)."""
+    from scaleout.optim import fused
+
+    def step() -> None:
+        fused.COMPILE_DEVICES.add("cpu")
+        try:
+            opt.step()
+        finally:
+            fused.COMPILE_DEVICES.discard("cpu")
+
+    return step
+
+
 def _factories(
-    params: list[Any], groups: list[dict[str, Any]], chunks: list[int]
+    params: list[Any], groups: list[dict[str, Any]], chunks: list[int], compiled: bool = False
 ) -> dict[str, Any]:
     """name -> () -> step function. Built one at a time so that at most three optimizers' state
     is alive (BERT-base: 0.9 GB of parameters and gradients + at most 2.2 GB of state)."""
@@ -179,21 +205,66 @@ def _factories(
     out["scaleout LAMB"] = lambda: LAMB(g(0.01), lr=1e-3).step
     out["scaleout LAMB clip=1"] = lamb_clip
     out["scaleout LARS"] = lambda: LARS(g(5e-5), lr=0.1).step
+    out["AdamW fused"] = lambda: torch.optim.AdamW(g(0.01), lr=1e-3, fused=True).step
+    out["SGD momentum fused"] = lambda: (
+        torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True).step
+    )
+    out["scaleout LAMB onepass"] = lambda: LAMB(g(0.01), lr=1e-3, onepass=True).step
+    out["scaleout LARS onepass"] = lambda: LARS(g(5e-5), lr=0.1, onepass=True).step
+    if compiled:
+        out["scaleout LAMB onepass compiled"] = lambda: _compiled_step(
+            LAMB(g(0.01), lr=1e-3, onepass=True)
+        )
+        out["scaleout LARS onepass compiled"] = lambda: _compiled_step(
+            LARS(g(5e-5), lr=0.1, onepass=True)
+        )
     for c in chunks:
         out[f"scaleout LAMB chunk={c}"] = lambda c=c: LAMB(g(0.01), lr=1e-3, chunk=c).step
         out[f"scaleout LARS chunk={c}"] = lambda c=c: LARS(g(5e-5), lr=0.1, chunk=c).step
     return out
 
 
-def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, Any]]:
+def _check_compiled() -> float:
+    """Largest relative difference, over 3 steps on small shapes, between the one-pass LAMB/LARS
+    compiled on the CPU and their eager kernels (compiling happens here)."""
+    import torch
+
+    from scaleout.optim import LAMB, LARS
+
+    worst = 0.0
+    for make in (
+        lambda gs: LAMB(gs, lr=1e-3, weight_decay=0.01, onepass=True),
+        lambda gs: LARS(gs, lr=0.1, weight_decay=5e-5, onepass=True),
+    ):
+        finals = []
+        for compiled in (False, True):
+            params, groups = _make([(64, 48), (48,), (300, 7)], seed=1)
+            opt = make(groups)
+            step = _compiled_step(opt) if compiled else opt.step
+            gen = torch.Generator().manual_seed(2)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+                step()
+            finals.append([p.detach().clone() for p in params])
+        for a, b in zip(*finals, strict=True):
+            worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+    return worst
+
+
+def _time_model(
+    model: str, repeats: int, chunks: list[int], compiled: bool = False
+) -> list[dict[str, Any]]:
     """Each contender runs in rounds with both baselines (AdamW, SGD): per-round ratios are
     paired."""
 
     import torch
 
+    from scaleout.optim.bytecount import step_bytes
+
     shapes = bert_base_shapes() if model == "bert" else resnet50_shapes()
     params, groups = _make(shapes)
-    facts = _factories(params, groups, chunks)
+    facts = _factories(params, groups, chunks, compiled)
     base = {k: facts[k]() for k in BASELINES}
     times: dict[str, list[float]] = {k: [] for k in facts}
     ratios: dict[str, dict[str, list[float]]] = {k: {b: [] for b in BASELINES} for k in facts}
@@ -201,9 +272,11 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
     with torch.no_grad():
         for fn in base.values():
             fn()  # warm-up: allocates state
+        nbytes = {k: step_bytes(fn, params)[0] for k, fn in base.items()}
         for i, name in enumerate(contenders):
             step = facts[name]()
             step()
+            nbytes[name] = step_bytes(step, params)[0]
             samples = interleave(
                 {**base, name: step},
                 repeats,
@@ -228,6 +301,7 @@ def _time_model(model: str, repeats: int, chunks: list[int]) -> list[dict[str, A
             "tensors": len(shapes),
             "params": n,
             "median_ms": statistics.median(ts) * 1e3,
+            "bytes_per_param": nbytes[k],
             "vs_adamw": statistics.median(ratios[k]["AdamW foreach"]),
             "vs_sgd": statistics.median(ratios[k]["SGD momentum foreach"]),
             "times_ms": [t * 1e3 for t in ts],
@@ -353,15 +427,26 @@ def run(args: argparse.Namespace) -> int:
     check_counts(args, repeats=1, threads=0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [row for m in models for row in _time_model(m, args.repeats, chunks)]
-    payload: dict[str, Any] = {"rows": rows, "threads": torch.get_num_threads()}
+    payload: dict[str, Any] = {"threads": torch.get_num_threads()}
+    if args.compiled and models:
+        payload["compiled_max_rel_diff"] = diff = _check_compiled()
+        print(f"one-pass LAMB/LARS compiled vs eager on the CPU: max rel diff {diff:.2e}")
+    rows = [row for m in models for row in _time_model(m, args.repeats, chunks, args.compiled)]
+    payload["rows"] = rows
     if rows:
         emit(
             args,
             NAME,
-            ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach"],
+            ["model", "optimizer", "median ms", "x AdamW-foreach", "x SGD-foreach", "B/param"],
             [
-                [r["model"], r["optimizer"], r["median_ms"], r["vs_adamw"], r["vs_sgd"]]
+                [
+                    r["model"],
+                    r["optimizer"],
+                    r["median_ms"],
+                    r["vs_adamw"],
+                    r["vs_sgd"],
+                    r["bytes_per_param"],
+                ]
                 for r in rows
             ],
             payload,

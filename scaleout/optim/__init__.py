@@ -8,6 +8,7 @@
 See docs/optim.md for the update rules, the groups and the measured speed.
 """
 
+from scaleout.optim import fused  # noqa: F401 -- registers the one-pass ops LAMB/LARS call
 from scaleout.optim.base import state_bytes
 from scaleout.optim.factory import build_optimizer, build_schedule
 from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups

@@ -19,6 +19,11 @@ with lr = 1 and dampening = 1 - lr t, one pass over w, g and b per tensor: 7 arr
 against 8 for SGD-momentum-foreach. bf16/fp16 parameters and accelerators take the multi-tensor
 foreach path (cache-blocked chunks; per-tensor 0-d scalars, so the arithmetic stays fp32 for bf16
 parameters).
+
+Speed (GPU): that foreach chain moves ~52 bytes per fp32 parameter there (each op a kernel
+streaming from device memory; fused SGD: 20), so off the CPU the update runs as one one-pass op
+(scaleout/optim/fused.py: b and w in one pass, the per-tensor lr t a device vector, no host sync):
+norms 8 + update 20 = 28 bytes per parameter, counted by scaleout/optim/bytecount.py.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from typing import Any
 import torch
 
 from scaleout.optim.base import ChunkedOptimizer, check_hparams, fp32_state_like, sq_norms
-from scaleout.optim.chunks import pieces
+from scaleout.optim.chunks import default_chunk, pieces
+
+# (the one-pass op torch.ops.scaleout.lars_apply_ is registered by scaleout/optim/fused.py, which
+# scaleout/optim/__init__.py imports with this module.)
 
 LARS_ETA = 0.001  # trust coefficient of the MLPerf ResNet reference (and You et al. 2017)
 
@@ -80,7 +88,8 @@ class LARS(ChunkedOptimizer):
     weight_decay != 0). ``chunk``: elements per cache block of the foreach path on CPU ('auto'),
     None = whole tensors. ``fused``: use torch's fused SGD kernel (one pass per tensor); None = on
     CPU with fp32 parameters and gradients, False = the multi-tensor foreach path (bf16/fp16 and
-    accelerators always take it unless True is given).
+    accelerators always take it unless True is given). ``onepass``: the update as one pass
+    (scaleout/optim/fused.py); None = on every device but the CPU, unless ``fused`` is set.
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class LARS(ChunkedOptimizer):
         trust_ratio: bool | None = None,
         chunk: int | None | str = "auto",
         fused: bool | None = None,
+        onepass: bool | None = None,
     ):
         defaults = dict(
             lr=lr,
@@ -106,6 +116,7 @@ class LARS(ChunkedOptimizer):
             trust_ratio=trust_ratio,
         )
         self.fused = fused
+        self.onepass = onepass
         super().__init__(params, defaults, chunk)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -136,6 +147,9 @@ class LARS(ChunkedOptimizer):
             bufs = self._buffers(params)
             lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
             adapt = group["trust_ratio"] if group["trust_ratio"] is not None else wd != 0.0
+            if self._use_onepass(params):
+                self._step_onepass(params, grads, bufs, group, adapt)
+                continue
             if self._use_fused(params, grads):
                 self._fused_cpu(params, grads, bufs, group, adapt)
                 continue
@@ -176,6 +190,33 @@ class LARS(ChunkedOptimizer):
             return self.fused
         return params[0].device.type == "cpu" and all(
             t.dtype == torch.float32 for t in (*params, *grads)
+        )
+
+    def _use_onepass(self, params: list[torch.Tensor]) -> bool:
+        if self.onepass is not None:
+            return self.onepass
+        return self.fused is None and params[0].device.type != "cpu"
+
+    def _step_onepass(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bufs: list[torch.Tensor],
+        group: dict[str, Any],
+        adapt: bool,
+    ) -> None:
+        """Norms (two reads) then scaleout::lars_apply_ with s = lr t per tensor on the device."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if adapt:
+            scale = lars_scales(
+                sq_norms(params), sq_norms(grads), lr, group["eta"], wd, group["eps"],
+                group["trust_clamp"],
+            )  # fmt: skip
+        else:
+            scale = None  # every tensor: s = lr
+        chunk = default_chunk(params[0].device) if self.chunk == "auto" else self.chunk
+        torch.ops.scaleout.lars_apply_(
+            params, grads, bufs, scale, lr, group["momentum"], wd, chunk or 0
         )
 
     def _fused_cpu(
