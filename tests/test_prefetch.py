@@ -10,7 +10,13 @@ rank, and receive the task's data only (no process groups to pickle, the model l
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +252,36 @@ def test_trainer_with_workers_matches_synchronous_and_reports_data_wait(tmp_path
         assert report["breakdown_s"]["data"] > 0.0
     # the FLOPs counted where a batch is built come back from the workers (MFU was 0 with workers)
     assert reports["bg"]["flops_per_sample"] == reports["sync"]["flops_per_sample"] > 0
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multi_process
+def test_forkserver_and_workers_end_when_the_rank_is_killed() -> None:
+    """A rank killed by SIGKILL takes its input workers' forkserver and workers with it (they block
+    the preemption signals, so before PR_SET_PDEATHSIG both lived on, reparented to init: 54 of
+    them after a morning of Slurm drills)."""
+    script = Path(__file__).parent / "scripts" / "orphan_rank.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    rank = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    pids = [int(p) for p in rank.stdout.readline().split()]
+    try:
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "forkserver/worker outlived the rank"
+    finally:
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)

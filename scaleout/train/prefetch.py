@@ -102,6 +102,7 @@ the "data" phase of the step-time breakdown reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing
 import os
@@ -115,6 +116,7 @@ import torch
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch, to_device
 from scaleout.errors import UserError
+from scaleout.train.orphans import die_with_parent
 from scaleout.world import World
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -127,6 +129,7 @@ PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # only imports scaleout.cli (preloaded) and `python -m scaleout` is skipped, so that costs
 # milliseconds.
 _PRELOAD = [
+    "scaleout.train._orphan_guard",  # first: the server dies with the rank (its docstring)
     "__main__",
     "numpy",
     "torch",
@@ -233,7 +236,9 @@ class Prefetcher:
             kw = dict(
                 prefetch_factor=max(1, math.ceil(prefetch / num_workers)),
                 timeout=timeout_s,
-                worker_init_fn=_worker_init,
+                worker_init_fn=functools.partial(
+                    _worker_init, forkserver=start_method == "forkserver"
+                ),
                 multiprocessing_context=_context(start_method),
             )
         self.loader = torch.utils.data.DataLoader(
@@ -388,7 +393,9 @@ def _signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _worker_init(_worker_id: int) -> None:
+def _worker_init(_worker_id: int, forkserver: bool = False) -> None:
+    if forkserver:  # the parent is the (single-threaded) forkserver, which dies with the rank
+        die_with_parent()
     # One thread per worker: the workers' parallelism is the processes; torch/OpenMP threads on top
     # would oversubscribe the cores the training step itself uses.
     torch.set_num_threads(1)
