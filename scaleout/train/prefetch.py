@@ -12,88 +12,67 @@ Design, and why:
 
 - **Steps are the unit.** Item i of the underlying dataset is the whole micro-batch list of step
   ``start_step + i`` for this rank, built by the task's batch builder
-  (``task.batches.micro_batches``, the
-  same code ``task.micro_batches`` runs, minus the copy to the device).
-  Data order is already a pure function of the data position (``scaleout/families/task.py``), so the
-  background batches are *the same* batches as the synchronous path, in the same order, and resume
-  is
-  just "start at another step": nothing about the prefetcher goes in a checkpoint.
+  (``task.batches.micro_batches``, the same code ``task.micro_batches`` runs, minus the copy to the
+  device). Data order is already a pure function of the data position
+  (``scaleout/families/task.py``), so the background batches are *the same* batches as the
+  synchronous path, in the same order, and resume is just "start at another step": nothing about the
+  prefetcher goes in a checkpoint.
 - **Worker processes, via ``torch.utils.data.DataLoader``** (``num_workers`` processes,
   ``batch_size=None``): batch building is Python + numpy (BERT collation) or PIL (JPEG decode +
   augmentation), which holds the GIL, so threads would not add cores. DataLoader already gives
-  ordered
-  results from N workers, bounded prefetch per worker, worker death detection and a pin-memory
-  thread;
-  re-implementing that would be more code with the same behaviour.
-- **Workers are never forked from the rank** (``start_method="forkserver"``, ``data.worker_start``).
-  By the time the prefetcher starts, a rank is multi-threaded: gloo's IO and work threads, the
-  TCPStore
-  client, scaleout's CommThread, the OpenMP/MKL pools. ``fork()`` copies only the calling thread,
-  with
-  every lock other threads held at that instant still held and any half-updated allocator or runtime
-  state frozen mid-update; POSIX allows only async-signal-safe calls in such a child, while a worker
-  runs
-  numpy, PIL and ATen. That is a rare, load-dependent abort or hang in the worker (the intermittent
-  SIGABRT of tests/test_prefetch.py), and why Python 3.12 warns about fork in a threaded process and
-  3.14 made forkserver the default. Workers therefore fork from multiprocessing's *forkserver*, a
-  clean
-  single-threaded process the rank starts once (fork + exec), with torch, numpy and scaleout's batch
-  code preloaded, so a worker start is a fork of a warm process, not a fresh interpreter
-  (``spawn``).
-  The start method is explicit because the inherited default differs by launcher: ``fork`` in ranks
-  started by ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
+  ordered results from N workers, bounded prefetch per worker, worker death detection and a
+  pin-memory thread; re-implementing that would be more code with the same behaviour.
+- **Workers are never forked from the rank** (``start_method="forkserver"``,
+  ``data.worker_start``). By the time the prefetcher starts, a rank is multi-threaded: gloo's IO and
+  work threads, the TCPStore client, scaleout's CommThread, the OpenMP/MKL pools. ``fork()`` copies
+  only the calling thread, with every lock other threads held at that instant still held and any
+  half-updated allocator or runtime state frozen mid-update; POSIX allows only async-signal-safe
+  calls in such a child, while a worker runs numpy, PIL and ATen. That is a rare, load-dependent
+  abort or hang in the worker (the intermittent SIGABRT of tests/test_prefetch.py), and why Python
+  3.12 warns about fork in a threaded process and 3.14 made forkserver the default. Workers
+  therefore fork from multiprocessing's *forkserver*, a clean single-threaded process the rank
+  starts once (fork + exec), with torch, numpy and scaleout's batch code preloaded, so a worker
+  start is a fork of a warm process, not a fresh interpreter (``spawn``). The start method is
+  explicit because the inherited default differs by launcher: ``fork`` in ranks started by
+  ``scaleout launch``/srun/mpirun, ``spawn`` in ranks started by a spawn context (tests).
 - **Workers get data only.** The DataLoader pickles its dataset into each worker, so the dataset
-  holds
-  the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set), never
-  the task:
-  that would drag in the ``World`` (process groups do not pickle, so hierarchical/torus runs could
-  not
-  start workers) and the model, whose parameter storages torch's multiprocessing pickler moves into
-  shared memory under the live model. Cost: each worker unpickles the batch builder once at start-up
-  (``scaleout bench data`` includes it; ``docs/step-optimizations.md`` has the numbers).
-- **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per worker,
-  so
-  it gets ``ceil(prefetch / num_workers)``.
-- **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on a
-  side stream; the task's ``prepare_inputs`` (ResNet: uint8 NHWC -> normalised float NCHW) runs on
+  holds the task's batch builder (``task.batches``: sequences, packs, sampler; or the image set),
+  never the task: that would drag in the ``World`` (process groups do not pickle, so
+  hierarchical/torus runs could not start workers) and the model, whose parameter storages torch's
+  multiprocessing pickler moves into shared memory under the live model. Cost: each worker unpickles
+  the batch builder once at start-up (``scaleout bench data`` includes it;
+  ``docs/step-optimizations.md`` has the numbers).
+- **Queue depth** ``prefetch`` = micro-batch lists in flight in total; DataLoader counts per
+  worker, so it gets ``ceil(prefetch / num_workers)``.
+- **CUDA**: batches are pinned by DataLoader's pin thread and copied with ``non_blocking=True`` on
+  a side stream; the task's ``prepare_inputs`` (ResNet: uint8 NHWC -> normalised float NCHW) runs on
   that stream right after the copy; the compute stream waits on that stream only when it uses the
-  batch, so copy and preparation overlap the kernels of the previous step still queued on the
-  device (the host runs ahead of the GPU).
+  batch, so copy and preparation overlap the kernels of the previous step still queued on the device
+  (the host runs ahead of the GPU).
 - **Preemption signals do not reach the workers.** Slurm delivers ``--signal=USR2@T`` (without
-  ``B:``),
-  scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers, forkserver
-  and
-  multiprocessing's resource tracker included. At their default action (USR1/USR2: terminate;
-  SIGTERM:
-  torch's worker handler exits unless the parent sent it, and a forkserver worker's parent is the
-  forkserver) they would die, and a rank waiting for its next batch would crash instead of reaching
-  the
-  step at which every rank stops and checkpoints. So the workers are started with USR1/USR2/TERM
-  blocked:
-  a blocked mask survives fork and exec (the stdlib starts its resource tracker the same way for
-  SIGINT/SIGTERM), so the forkserver, the resource tracker and every worker forked from them never
-  act
-  on these signals; the worker init also sets them to SIG_IGN (a forkserver started earlier by
-  someone
-  else). The rank's own handlers (scaleout/preempt.py) are untouched: other threads of the rank
-  receive
-  the signals meanwhile. SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a
-  worker that outlives the DataLoader's shutdown.
+  ``B:``), scancel's and ``scontrol requeue``'s SIGTERM to *every* process of the step, workers,
+  forkserver and multiprocessing's resource tracker included. At their default action (USR1/USR2:
+  terminate; SIGTERM: torch's worker handler exits unless the parent sent it, and a forkserver
+  worker's parent is the forkserver) they would die, and a rank waiting for its next batch would
+  crash instead of reaching the step at which every rank stops and checkpoints. So the workers are
+  started with USR1/USR2/TERM blocked: a blocked mask survives fork and exec (the stdlib starts its
+  resource tracker the same way for SIGINT/SIGTERM), so the forkserver, the resource tracker and
+  every worker forked from them never act on these signals; the worker init also sets them to
+  SIG_IGN (a forkserver started earlier by someone else). The rank's own handlers
+  (scaleout/preempt.py) are untouched: other threads of the rank receive the signals meanwhile.
+  SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a worker that outlives
+  the DataLoader's shutdown. A rank that dies without closing (SIGKILL) takes them along: the
+  forkserver and the workers ask the kernel for SIGKILL when their parent dies
+  (``PR_SET_PDEATHSIG``, scaleout/train/orphans.py).
 - **No data before the clock** (MLPerf Training rules, "Run Results": the clock must start before
-  any
-  part of the system touches the dataset). Constructing a Prefetcher reads nothing: the workers
-  start,
-  and are handed their first steps, at :meth:`Prefetcher.start` (or the first
-  :meth:`~Prefetcher.get`),
-  which the trainer calls right after ``run_start``. What holds no data is started at construction,
-  off
-  the clock: the forkserver (a fresh interpreter importing torch, seconds) and the resource tracker,
-  so
-  starting the workers on the clock costs a fork and the unpickling of the data source
-  (milliseconds).
+  any part of the system touches the dataset). Constructing a Prefetcher reads nothing: the workers
+  start, and are handed their first steps, at :meth:`Prefetcher.start` (or the first
+  :meth:`~Prefetcher.get`), which the trainer calls right after ``run_start``. What holds no data is
+  started at construction, off the clock: the forkserver (a fresh interpreter importing torch,
+  seconds) and the resource tracker, so starting the workers on the clock costs a fork and the
+  unpickling of the data source (milliseconds).
 - ``num_workers=0`` is the synchronous path (no background work), the baseline the benchmarks
-  compare
-  against.
+  compare against.
 
 The time the trainer spends in :meth:`Prefetcher.get` is the time it *waited* for data: that is what
 the "data" phase of the step-time breakdown reports.
