@@ -1,11 +1,9 @@
 """Background input pipeline: build each step's micro-batches ahead of time in worker processes.
 
     pf = Prefetcher(task, global_batch=64, grad_accum=1, start_step=resume_step,
-    stop_step=max_steps,
-                    num_workers=2, prefetch=4, pin_memory=True, device=world.device,
-                    start_method="forkserver")
-    mbs = pf.get(step)      # the same MicroBatches task.micro_batches(step * global_batch, ...)
-    returns
+                    stop_step=max_steps, num_workers=2, prefetch=4, pin_memory=True,
+                    device=world.device, start_method="forkserver")
+    mbs = pf.get(step)  # the MicroBatches task.micro_batches(step * global_batch, ...) returns
     pf.close()
 
 Design, and why:
