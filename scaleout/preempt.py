@@ -20,17 +20,14 @@ The contract a training loop follows (docs/launchers.md, "Preemption"):
 
 Two kinds of signal, because schedulers send two kinds:
 - **notice** (SIGUSR2 by default, from ``#SBATCH --signal=USR2@<s>`` or submitit): the job will be
-  killed in
-  ``s`` seconds. Ranks receive it at slightly different moments, so :meth:`Preemption.should_stop`
-  all-reduces
-  the flag: every rank stops after the *same* step, rank 0 checkpoints and requeues. USR2, not USR1:
-  NCCL (and some MPI builds) install their own USR1 handler.
+  killed in ``s`` seconds. Ranks receive it at slightly different moments, so
+  :meth:`Preemption.should_stop` all-reduces the flag: every rank stops after the *same* step, rank
+  0 checkpoints and requeues. USR2, not USR1: NCCL (and some MPI builds) install their own USR1
+  handler.
 - **terminate** (SIGTERM: scancel, ``scontrol requeue``, the end of the time limit, node drain): the
-  job is
-  being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves the
-  weights of the
-  last completed step. A requeue by the scheduler brings the job back; the trainer resumes from the
-  checkpoint (``SLURM_RESTART_COUNT`` says how many times).
+  job is being killed now (SIGKILL follows after Slurm's KillWait, 30 s by default); rank 0 saves
+  the weights of the last completed step. A requeue by the scheduler brings the job back; the
+  trainer resumes from the checkpoint (``SLURM_RESTART_COUNT`` says how many times).
 
 A notice followed by the time limit's SIGTERM (the stop and checkpoint outlasted the notice window)
 still requeues: Slurm never requeues a job that ends by its time limit, and ``scontrol requeue`` of

@@ -3,8 +3,7 @@
 FLOP conventions (one multiply-add = 2 FLOPs; training = forward + backward = 3 x forward):
 
 * BERT: counted per step from what ran (real tokens, each sequence's own attention span, the MLM
-  head
-  where it ran) by :mod:`scaleout.families.bert.flops`, checked against ``FlopCounterMode``.
+  head where it ran) by :mod:`scaleout.families.bert.flops`, checked against ``FlopCounterMode``.
 * ResNet: forward multiply-adds from the config by :mod:`scaleout.families.resnet.flops` (4.09 G for
   ResNet-50 v1.5 at 224x224), checked against the real model's; training = 3 x 2 x forward.
 

@@ -10,8 +10,7 @@ One recipe rule, applied to both optimizers, is the LAMB paper's BERT rule (You 
 
 * learning rate x sqrt(factor) (square-root scaling);
 * linear-epoch warm-up (LEGW, You et al. 2019, arXiv 1901.08256): the warm-up *fraction* of the run
-  grows
-  with the batch while the epochs stay fixed, i.e. the same number of warm-up *steps* at every
+  grows with the batch while the epochs stay fixed, i.e. the same number of warm-up *steps* at every
   batch;
 * the same sample budget (base steps / factor at the large batch), linear decay to 0 at its end.
 

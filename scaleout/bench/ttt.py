@@ -6,24 +6,18 @@ target, trained to the target on the same cluster, in one invocation:
 
 * **baseline**: a plain torch script (``scaleout.bench._ttt_baseline``) as every rank under the same
   launcher: ``DistributedDataParallel`` (25 MB buckets, its own all-reduce), torch's fused AdamW,
-  padded
-  batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch sweep on
-  the first
-  seed (a candidate is cut once it is slower than the best so far: it cannot become the best), and
-  the
-  best one runs every seed;
+  padded batches, linear warm-up + linear decay. It gets a fair chance: a learning-rate x batch
+  sweep on the first seed (a candidate is cut once it is slower than the best so far: it cannot
+  become the best), and the best one runs every seed;
 * **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical
-  all-reduce
-  and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The batch is a
-  recipe
-  choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at 64-256
-  (docs/ttt.md);
+  all-reduce and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The
+  batch is a recipe choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at
+  64-256 (docs/ttt.md);
 * **ablation** (the waterfall from the baseline to scaleout, one ingredient switched on per step):
   scaleout's trainer with the baseline's recipe (framework), + packing, + the hierarchical
-  all-reduce with
-  overlap, + LAMB at scaleout's batch (= scaleout). Each factor is the median over seeds of
-  ttt(before) /
-  ttt(after); their product is checked against the measured ratio and the seeds' spread of it.
+  all-reduce with overlap, + LAMB at scaleout's batch (= scaleout). Each factor is the median over
+  seeds of ttt(before) / ttt(after); their product is checked against the measured ratio and the
+  seeds' spread of it.
 
 Every run has the same budget of training sequences (the schedules decay to 0 at its end) and
 evaluates every ~``--eval-seqs`` sequences (MLPerf BERT fixes evaluation in samples too).

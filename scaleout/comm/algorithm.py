@@ -6,8 +6,7 @@ holding a subclass of :class:`Algorithm` and one ``register(...)`` call:
 
 * ``name`` and ``help``;
 * ``Options``: its options (a pydantic model; ``from_config`` reads them from the run config's
-  ``comm``
-  section, ``config_keys`` says which ``comm.*`` keys it reads);
+  ``comm`` section, ``config_keys`` says which ``comm.*`` keys it reads);
 * ``check(opts, world_size, ranks_per_node)``: the checks that need the world (one-line error);
 * the runtime: ``all_reduce`` (a blocking in-place sum of a 1-D contiguous buffer), and optionally
   ``reduce_scatter`` / ``all_gather`` / ``shard_index`` for the sharded LAMB (the defaults are

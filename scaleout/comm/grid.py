@@ -11,14 +11,12 @@ bytes each way instead of the flat ring's 2(p-1)/p * n (k nodes, p ranks).
 Two phase compositions, chosen by backend (see docs/collectives.md for the measurements):
 
 * gloo (CPU): gloo's own reduce_scatter is an all-reduce plus a copy and its all_gather copies
-  through
-  staging buffers, both slow on CPU. So the row phases are written with point-to-point isend/irecv
-  (zero-copy in gloo: the tensor's memory is the send buffer), the column phase is gloo's ring
-  all_reduce on one shard, and the message is cut into chunks that are *pipelined*: while chunk c is
-  on
-  the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D all-gathered over loopback,
-  and
-  D column all-reduces are in flight at once so the link never idles between chunks.
+  through staging buffers, both slow on CPU. So the row phases are written with point-to-point
+  isend/irecv (zero-copy in gloo: the tensor's memory is the send buffer), the column phase is
+  gloo's ring all_reduce on one shard, and the message is cut into chunks that are *pipelined*:
+  while chunk c is on the inter-node link, chunk c+1 is being reduce-scattered and chunk c-D
+  all-gathered over loopback, and D column all-reduces are in flight at once so the link never idles
+  between chunks.
 * nccl (GPU): reduce-scatter / all_reduce / all-gather tensor collectives, which NCCL implements
   well, one chunk. They run in the caller's thread on the comm stream (scaleout.comm.handles: the
   stream/thread rule): every phase is ``async_op=True`` and its ``work.wait()`` makes the comm

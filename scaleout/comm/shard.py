@@ -7,14 +7,13 @@ slice of ``out``. Which slice a rank owns depends on the algorithm: :func:`shard
 
 * ``flat``: torch.distributed's own collective on the world group; rank r owns slice r.
 * ``hierarchical`` / ``torus2d``: the row x column grid of :mod:`scaleout.comm.grid` (rows = a
-  node's
-  ranks, or the X ranks of a torus row). Reduce-scatter along the row (every row member gets 1/g of
-  the buffer, summed over the row, over the fast intra-node links), then reduce-scatter of that part
-  along the column (the k same-local-rank peers on other nodes): each rank ends with n/(g k) = n/p
-  elements summed over every rank. A node's links carry (k-1)/k * n bytes outwards, the same as the
-  hierarchical all-reduce's reduce-scatter half and g times less than a reduce-scatter that crossed
-  nodes first. The owned slice is therefore ``row index * k + column index`` (not the global rank).
-  The all-gather runs the two phases in reverse (column, then row).
+  node's ranks, or the X ranks of a torus row). Reduce-scatter along the row (every row member gets
+  1/g of the buffer, summed over the row, over the fast intra-node links), then reduce-scatter of
+  that part along the column (the k same-local-rank peers on other nodes): each rank ends with n/(g
+  k) = n/p elements summed over every rank. A node's links carry (k-1)/k * n bytes outwards, the
+  same as the hierarchical all-reduce's reduce-scatter half and g times less than a reduce-scatter
+  that crossed nodes first. The owned slice is therefore ``row index * k + column index`` (not the
+  global rank). The all-gather runs the two phases in reverse (column, then row).
 
 Both phases use the tensor collectives (``reduce_scatter_single`` / ``all_gather_single``, the torch
 2.13 names of ``*_tensor``), which NCCL and, since torch 2.x, gloo implement. Averaging

@@ -11,9 +11,9 @@ parameter and LARS ~52, against 28 for torch's fused AdamW and 20 for its fused 
 - ``scaleout::lamb_apply_(p, m, v, scale, ...)``: recomputes u from m, v, w and applies
   ``w += scale_i u`` (the per-tensor trust ratio folded into ``scale``, a device vector: no host
   sync): reads p, m, v, writes p (16 B). LAMB in all: 40 B, 1.43x fused AdamW;
-- ``scaleout::lars_apply_(p, g, b, scale, ...)``: ``b = momentum b + scale_i (g + wd w); w -= b``
-  in one pass: reads p, g, b, writes p, b (20 B); with the two norm reads LARS moves 28 B, 1.4x
-  fused SGD.
+- ``scaleout::lars_apply_(p, g, b, scale, ...)``: ``b = momentum b + scale_i (g + wd w); w -= b`` in
+  one pass: reads p, g, b, writes p, b (20 B); with the two norm reads LARS moves 28 B, 1.4x fused
+  SGD.
 
 Implementations. On CUDA each op runs its plain per-tensor arithmetic through ``torch.compile``
 (inductor fuses each tensor's phase into one kernel: the moments, the direction and both squared

@@ -4,16 +4,13 @@ Both MLPerf references use this shape with the step count of completed optimizer
 step 0):
 
 * ResNet-50 (TF2 reference, ``PolynomialDecayWithWarmup``): lr = base * step / warmup during warmup,
-  then
-  (base - end) * (1 - (step - warmup) / (total - warmup))^power + end; the reference uses power 2.
-  This is ``decay_from="warmup"`` (the default).
+  then (base - end) * (1 - (step - warmup) / (total - warmup))^power + end; the reference uses power
+  2. This is ``decay_from="warmup"`` (the default).
 * BERT (TF reference ``optimization.py``): the same warmup, but the polynomial decay counts from
-  step 0 over
-  all ``total`` steps (so it resumes below base after warmup); power 1. This is
-  ``decay_from="start"``.
-  NVIDIA's PyTorch submissions do the same (``schedulers.py`` ``LinearWarmupPolyDecayScheduler``:
-  the decay
-  progress is ``(step - offset) / total_steps``, never shifted by the warm-up).
+  step 0 over all ``total`` steps (so it resumes below base after warmup); power 1. This is
+  ``decay_from="start"``. NVIDIA's PyTorch submissions do the same (``schedulers.py``
+  ``LinearWarmupPolyDecayScheduler``: the decay progress is ``(step - offset) / total_steps``, never
+  shifted by the warm-up).
 
 ``start_warmup_step`` (BERT, ``decay_from="start"`` only; <= 0): warm-up as if
 ``-start_warmup_step`` steps had already passed, as NVIDIA's MLPerf BERT configs

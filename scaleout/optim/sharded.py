@@ -10,26 +10,18 @@ re-pointed once, as in apex), so the all-gather writes the weights in place; thi
 Per step every rank issues the same collectives in the same order (c10d matches them by order):
 
 1. Gradients go into each bucket's fp32 buffer, which is reduce-scattered with the configured
-   algorithm of
-   ``scaleout.comm`` (flat, hierarchical, torus2d), in bucket order. ``overlap=True`` works as the
-   reducer:
-   a post-accumulate-grad hook marks a parameter ready and a complete bucket goes out at once
-   (strictly in
-   index order); at the end of backward (an autograd callback) every parameter it gave no gradient
-   is
-   marked ready with its ``.grad`` or zero, the rest is launched and all are waited for. So every
-   rank sends
-   every bucket once per synchronising backward whichever parameters it used, and nothing is in
-   flight
-   after backward (a skipped step is just ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
+   algorithm of ``scaleout.comm`` (flat, hierarchical, torus2d), in bucket order. ``overlap=True``
+   works as the reducer: a post-accumulate-grad hook marks a parameter ready and a complete bucket
+   goes out at once (strictly in index order); at the end of backward (an autograd callback) every
+   parameter it gave no gradient is marked ready with its ``.grad`` or zero, the rest is launched
+   and all are waited for. So every rank sends every bucket once per synchronising backward
+   whichever parameters it used, and nothing is in flight after backward (a skipped step is just
+   ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
 2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial
-   sums,
-   made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's usage
-   (which
-   parameters got a gradient on some rank), riding on a collective that runs anyway. A parameter no
-   rank
-   used is an error naming it unless ``allow_unused=True`` (then its gradient is zero, as in
-   DataParallel). Global clipping all-reduces one scalar first.
+   sums, made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's
+   usage (which parameters got a gradient on some rank), riding on a collective that runs anyway. A
+   parameter no rank used is an error naming it unless ``allow_unused=True`` (then its gradient is
+   zero, as in DataParallel). Global clipping all-reduces one scalar first.
 3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later
    updates).
 

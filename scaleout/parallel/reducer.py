@@ -4,21 +4,18 @@ complete.
 Per synchronising backward:
 
 1. A post-accumulate-grad hook fires once per parameter after its ``.grad`` is final for this
-   backward
-   (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). The gradient already lives in its
-   bucket (``.grad`` is a view, see :mod:`scaleout.parallel.buckets`); if the user replaced or
-   cleared
-   ``.grad`` (``zero_grad(set_to_none=True)``), the fresh tensor is copied in and ``.grad``
-   re-pointed.
+   backward (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). The gradient already
+   lives in its bucket (``.grad`` is a view, see :mod:`scaleout.parallel.buckets`); if the user
+   replaced or cleared ``.grad`` (``zero_grad(set_to_none=True)``), the fresh tensor is copied in
+   and ``.grad`` re-pointed.
 2. When the last parameter of bucket b is ready, buckets are launched strictly in index order:
-   bucket
-   b goes out only after every bucket < b, so all ranks issue the same collectives in the same order
-   even when their gradients become ready in different orders (c10d matches collectives by order).
+   bucket b goes out only after every bucket < b, so all ranks issue the same collectives in the
+   same order even when their gradients become ready in different orders (c10d matches collectives
+   by order).
 3. At the end of backward (an autograd-engine callback queued by the first hook, as DDP's reducer
    does) parameters that got no gradient in this backward are marked ready with what their slot
-   holds
-   (their accumulated gradient from ``no_sync`` micro-steps, or zeros), the remaining buckets are
-   launched, and the reducer waits for all of them, so ``loss.backward()`` returns with averaged
+   holds (their accumulated gradient from ``no_sync`` micro-steps, or zeros), the remaining buckets
+   are launched, and the reducer waits for all of them, so ``loss.backward()`` returns with averaged
    gradients. The wait is the *exposed* communication, reported in ``last_stats``.
 
 On a CUDA device each launch is issued from the thread running the hooks (the autograd thread) and

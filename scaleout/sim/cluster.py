@@ -22,28 +22,22 @@ the two kinds of link a data-parallel job sees, and one per-call overhead:
 
 Preset numbers and where they come from (every one is an assumption you can override on the CLI):
 - NVLink per-link *achievable* bandwidth is NCCL's own topology model (src/graph/topo.h):
-  SM80_NVLINK_BW
-  = 20 GB/s of the nominal 25 GB/s (80 %), SM90_NVLINK_BW = 20.6 GB/s. A100 has 12 NVLink3 links
-  (600 GB/s bidirectional = 300 GB/s each way), H100/H200 18 NVLink4 links (900 GB/s bidirectional).
+  SM80_NVLINK_BW = 20 GB/s of the nominal 25 GB/s (80 %), SM90_NVLINK_BW = 20.6 GB/s. A100 has 12
+  NVLink3 links (600 GB/s bidirectional = 300 GB/s each way), H100/H200 18 NVLink4 links (900 GB/s
+  bidirectional).
 - NIC achievable bandwidth: NCCL's NET_BW = 12 GB/s for a 100 Gbit/s NIC (12.5 GB/s nominal, 96 %).
   DGX A100: 8 x HDR 200 Gb/s ConnectX-6 for compute; DGX H100 / H200: 8 x NDR 400 Gb/s ConnectX-7.
 - Latencies: NCCL's tuning model (src/graph/tuning.cc) for the Simple protocol ring: baseLat 8.4 us
-  per
-  call, hwLat 3.4 us per NVLink step and 14 us per network step.
+  per call, hwLat 3.4 us per NVLink step and 14 us per network step.
 - SHARP (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol (SHArP)", COMHPC; NVIDIA
-  SHARP
-  docs: the switches reduce, so data is not sent several times between endpoints): NCCL's CollNet
-  algorithms. tuning.cc charges one network latency per call, hwLat[NET][CollNetDirect][Simple] = 31
-  us,
-  instead of 2 log2(k) tree or 2(k-1) ring steps, and scales CollNetDirect's bandwidth by 0.85 on
-  compute capability >= 9.0 (Hopper), which ``sharp_efficiency`` carries. Each node sends its data
-  once
-  and receives the result once, so a node's NICs carry ~1 x n each way instead of 2(k-1)/k x n
-  (ring)
-  or 2 x n (double binary tree). Off unless asked for (``--sharp``): it needs SHARP-capable
-  InfiniBand
-  switches, the NCCL SHARP plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with
-  ``SBATCH_NETWORK=sharp``).
+  SHARP docs: the switches reduce, so data is not sent several times between endpoints): NCCL's
+  CollNet algorithms. tuning.cc charges one network latency per call,
+  hwLat[NET][CollNetDirect][Simple] = 31 us, instead of 2 log2(k) tree or 2(k-1) ring steps, and
+  scales CollNetDirect's bandwidth by 0.85 on compute capability >= 9.0 (Hopper), which
+  ``sharp_efficiency`` carries. Each node sends its data once and receives the result once, so a
+  node's NICs carry ~1 x n each way instead of 2(k-1)/k x n (ring) or 2 x n (double binary tree).
+  Off unless asked for (``--sharp``): it needs SHARP-capable InfiniBand switches, the NCCL SHARP
+  plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with ``SBATCH_NETWORK=sharp``).
 """
 
 from __future__ import annotations

@@ -12,13 +12,10 @@ scaleout/comm/flat.py, the row/column grids through :func:`grid_plan`). Besides 
 with no runtime in scaleout, for comparisons (:data:`SIMULATOR_ONLY`):
 
 - ``tree``: NCCL's double binary tree between nodes (Sanders, Speck & Traeff 2009; NCCL 2.4): a
-  chain
-  inside the node, 2 ceil(log2 k) network steps of latency instead of 2(p-1); each node still sends
-  and
-  receives 2n bytes, pipelined, so the bandwidth term is ~2n / node bandwidth.
+  chain inside the node, 2 ceil(log2 k) network steps of latency instead of 2(p-1); each node still
+  sends and receives 2n bytes, pipelined, so the bandwidth term is ~2n / node bandwidth.
 - ``leader`` (the Horovod 2018 comparison): binomial reduce to a node leader, ring all-reduce of the
-  full
-  n among the k leaders (one process, one NIC), binomial broadcast (Horovod PR #329).
+  full n among the k leaders (one process, one NIC), binomial broadcast (Horovod PR #329).
 
 In-network reduction (``cluster.sharp``, SHARP through NCCL CollNet): the inter-node all-reduce of
 ``tree`` (NCCL's CollNet replaces the tree between nodes) and of the row/column grids (the column

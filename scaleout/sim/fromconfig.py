@@ -5,27 +5,20 @@ placement.
 describes:
 
 - model: parameters, parameter tensors and training FLOPs per sample from the family of
-  ``model.arch``
-  (scaleout/families/<arch>/: ``Family.params`` / ``flops_per_sample``, each family's flops.py). A
-  sample
-  is what ``train.global_batch`` counts: for BERT with ``data.packing`` a packed row taken as full
-  of
-  Wikipedia-512's mean sequence (2.0013 per row, the packing ceiling), otherwise one sequence padded
-  to
-  ``data.max_seq_len``. The bytes-per-parameter assumptions come from the family's preset
-  (``Family.sim_preset``: bert-large, resnet50);
+  ``model.arch`` (scaleout/families/<arch>/: ``Family.params`` / ``flops_per_sample``, each family's
+  flops.py). A sample is what ``train.global_batch`` counts: for BERT with ``data.packing`` a packed
+  row taken as full of Wikipedia-512's mean sequence (2.0013 per row, the packing ceiling),
+  otherwise one sequence padded to ``data.max_seq_len``. The bytes-per-parameter assumptions come
+  from the family's preset (``Family.sim_preset``: bert-large, resnet50);
 - optimizer placement: ``optim.sharded`` -> ``sharded`` (scaleout's ShardedLAMB, ZeRO-1 over the
-  world),
-  else ``replicated``; overlap from ``optim.overlap_comm`` (sharded) or ``comm.overlap``;
+  world), else ``replicated``; overlap from ``optim.overlap_comm`` (sharded) or ``comm.overlap``;
 - bytes on the wire: ShardedLAMB reduce-scatters its fp32 gradient buffer and all-gathers the
-  parameters
-  in their dtype (fp32: ``train.precision=bf16`` is autocast), so 4 B each whatever
-  ``comm.compression``
-  says; the replicated all-reduce sends 2 B with ``comm.compression`` bf16/fp16, else 4 B;
+  parameters in their dtype (fp32: ``train.precision=bf16`` is autocast), so 4 B each whatever
+  ``comm.compression`` says; the replicated all-reduce sends 2 B with ``comm.compression``
+  bf16/fp16, else 4 B;
 - ``comm.algorithm``, ``comm.bucket_mb``, ``comm.torus_x``;
 - per-GPU batch = train.global_batch / (grad_accum x launch.nnodes x launch.nproc_per_node), samples
-  to
-  converge = train.max_steps x global_batch, evaluation every ``train.eval_every`` steps on
+  to converge = train.max_steps x global_batch, evaluation every ``train.eval_every`` steps on
   ``data.eval_samples``.
 """
 

@@ -7,8 +7,7 @@ train_samples, eval_accuracy), the run's config_*.sh (BATCHSIZE, PACKING_FACTOR,
 EXTRA_PARAMS) and the system JSON (GPUs, NICs). What is compared:
 
 - ``steps`` = median over the successful runs of train_samples / global_batch_size (the step at
-  which
-  the run reached the target; not MAX_STEPS, which only sets the learning-rate schedule);
+  which the run reached the target; not MAX_STEPS, which only sets the learning-rate schedule);
 - ``per_step_ms`` = median over the runs of (run_stop - run_start) / steps: the scored time per
   training step, evaluations and the first steps' warm-up included;
 - ``ttt_min`` = the published score (mean of the runs without the fastest and the slowest).

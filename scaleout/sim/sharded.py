@@ -6,10 +6,9 @@
   apex FusedLAMB; scaleout's ``LAMB`` with ``optim.sharded=false``).
 - ``sharded``: ZeRO stage 1 over the whole world (Rajbhandari et al. 2020, arXiv 1910.02054;
   scaleout's ``ShardedLAMB``, ``optim.sharded=true``): reduce-scatter the gradients with the
-  configured
-  algorithm, LAMB on this rank's 1/p of the parameters, all-gather the updated parameters. A ring
-  reduce-scatter plus all-gather moves the same bytes as one all-reduce; the optimizer's HBM traffic
-  and state shrink p-fold.
+  configured algorithm, LAMB on this rank's 1/p of the parameters, all-gather the updated
+  parameters. A ring reduce-scatter plus all-gather moves the same bytes as one all-reduce; the
+  optimizer's HBM traffic and state shrink p-fold.
 - ``sharded-node``: apex ``DistributedFusedLAMB`` with its default group of one node
   (``dwu_group_size`` 0 = one node; NVIDIA's MLPerf BERT runs): reduce-scatter inside the node,
   all-reduce of that 1/g shard among the ranks with the same local index (one rail per GPU, so SHARP

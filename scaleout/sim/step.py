@@ -10,8 +10,7 @@ Assumptions, each one a choice a user can change:
 - backward costs twice the forward (the standard 1:2 FLOP split, Kaplan et al. 2020 "6N" rule);
 - gradients become ready at a uniform rate during backward (parameters spread evenly over layers),
   are packed into buckets of ``bucket_mb`` (25 MB is the PyTorch DDP default, Li et al. VLDB 2020)
-  and
-  all-reduced one after another on a single communication stream, each as soon as it is ready;
+  and all-reduced one after another on a single communication stream, each as soon as it is ready;
 - the optimizer step runs after the last bucket and streams its state through HBM at 80 % of peak
   bandwidth (a memory-bound elementwise kernel; STREAM-like efficiency);
 - a sharded optimizer (``TrainSpec.optimizer``, scaleout.sim.sharded) reduce-scatters instead, runs

@@ -6,10 +6,9 @@ after three good points have spent their minutes.
 
 - Weak scaling keeps the per-rank batch fixed: global batch = per-rank batch x N.
 - Strong scaling keeps the global batch fixed: every N must divide it (x train.grad_accum).
-- Node shape: ``nodes`` (one count per point) or ``ranks_per_node`` (the same for every point;
-  N <= ranks_per_node runs on one partly filled node, as one GPU of an 8-GPU node would; larger N
-  must
-  be a multiple of it).
+- Node shape: ``nodes`` (one count per point) or ``ranks_per_node`` (the same for every point; N <=
+  ranks_per_node runs on one partly filled node, as one GPU of an 8-GPU node would; larger N must be
+  a multiple of it).
 """
 
 from __future__ import annotations

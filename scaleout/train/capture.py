@@ -4,19 +4,14 @@
 :class:`scaleout.parallel.DataParallel` wraps it, rather than ``torch.compile(DataParallel(...))``:
 
 - DataParallel's reducer lives in post-accumulate-grad hooks on the parameters and an
-  autograd-engine
-  callback. Parameters are leaves *outside* the compiled graphs (AOTAutograd lifts them to inputs),
-  so
-  their ``AccumulateGrad`` nodes, and the hooks on them, still run in the eager autograd engine: the
-  overlapped bucketed all-reduce keeps working unchanged, with no compiled autograd needed. What
-  changes is granularity: each compiled graph's backward is one autograd node, so all gradients of
-  one
-  graph become ready together (buckets launch per graph, not per layer).
+  autograd-engine callback. Parameters are leaves *outside* the compiled graphs (AOTAutograd lifts
+  them to inputs), so their ``AccumulateGrad`` nodes, and the hooks on them, still run in the eager
+  autograd engine: the overlapped bucketed all-reduce keeps working unchanged, with no compiled
+  autograd needed. What changes is granularity: each compiled graph's backward is one autograd node,
+  so all gradients of one graph become ready together (buckets launch per graph, not per layer).
 - Compiling the wrapper instead would make dynamo trace the reducer's Python (``_BackwardStart``
-  carries
-  the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would hide
-  behind
-  ``OptimizedModule``; in place, ``state_dict`` keys and checkpoints are unchanged.
+  carries the reducer object), which graph-breaks at best, and ``no_sync()``/``last_stats`` would
+  hide behind ``OptimizedModule``; in place, ``state_dict`` keys and checkpoints are unchanged.
 - The default BERT forward graph-breaks on CPU (the ``int(pos.max())`` range check and the boolean
   selections of masked positions and NSP rows, whose sizes depend on the data); each piece is still
   fused (FC + bias + GELU, LayerNorm + residual, softmax) by Inductor.
@@ -45,18 +40,15 @@ needs.
 
 What is not captured, and why:
 
-- The reducer's *overlapped* path (Python hooks, futures, a host read of the parameter usage)
-  cannot be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each
-  bucket buffer with the run's algorithm (flat / hierarchical / torus2d), compression and
-  pre-divide,
+- The reducer's *overlapped* path (Python hooks, futures, a host read of the parameter usage) cannot
+  be captured; the captured step runs backward under ``no_sync()`` and then all-reduces each bucket
+  buffer with the run's algorithm (flat / hierarchical / torus2d), compression and pre-divide,
   issued synchronously from the capturing thread (``Reducer.reduce_now``; NCCL collectives are
   capturable since NCCL 2.9.6). Launch overhead, which graphs remove, is what dominates at the small
   per-GPU batches of max-scale runs.
 - Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in
-  captured
-  regions), and the fp16 loss scale is a device tensor the graph reads, so it can change between
-  replays;
-  unscaling and the finiteness agreement run eagerly after the replay.
+  captured regions), and the fp16 loss scale is a device tensor the graph reads, so it can change
+  between replays; unscaling and the finiteness agreement run eagerly after the replay.
 - scaleout's LAMB/LARS compute per-step scalars (learning rate, bias correction, global clip factor)
   on the host; a graph would freeze them at their capture-time values. The optimizer is therefore in
   the graph only when every param group says ``capturable=True`` (``torch.optim`` optimizers with a
@@ -64,15 +56,12 @@ What is not captured, and why:
   NaN-skip agreement between gradients and update.
 - Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
   data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and
-  one
-  warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects its
-  capture-safe forward (``model.bert.static_shapes``, unset = follow ``model.cuda_graphs``): fixed
-  MLM
-  and NSP slots gathered with index tensors, the loss weighted by validity, no range check, no
-  varlen
-  attention, so every shape is a function of the batch *shape* and one graph per packed shape holds.
-  Setting ``model.bert.static_shapes=false`` explicitly with graphs on earns a warning
-  (:func:`host_sync_reason`), and the capture then fails over to eager as above.
+  one warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects
+  its capture-safe forward (``model.bert.static_shapes``, unset = follow ``model.cuda_graphs``):
+  fixed MLM and NSP slots gathered with index tensors, the loss weighted by validity, no range
+  check, no varlen attention, so every shape is a function of the batch *shape* and one graph per
+  packed shape holds. Setting ``model.bert.static_shapes=false`` explicitly with graphs on earns a
+  warning (:func:`host_sync_reason`), and the capture then fails over to eager as above.
 """
 
 from __future__ import annotations

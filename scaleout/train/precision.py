@@ -2,19 +2,16 @@
 
 - ``fp32``: nothing changes.
 - ``bf16`` / ``fp16``: the forward and the loss run under ``torch.autocast(device, dtype)``: matmuls
-  and
-  convolutions (and attention) in the low precision, softmax / LayerNorm / losses in fp32
-  (autocast's op
-  lists). Parameters, gradients and optimizer state stay fp32: the optimizer updates fp32 *master*
-  weights and autocast casts them per op (cached within one forward), so no separate master copy is
-  kept. Evaluation runs under the same autocast.
+  and convolutions (and attention) in the low precision, softmax / LayerNorm / losses in fp32
+  (autocast's op lists). Parameters, gradients and optimizer state stay fp32: the optimizer updates
+  fp32 *master* weights and autocast casts them per op (cached within one forward), so no separate
+  master copy is kept. Evaluation runs under the same autocast.
 - ``fp16`` adds dynamic loss scaling: fp16 stops at 65504 and flushes gradients below ~6e-8 to zero
   (Micikevicius et al. 2018, "Mixed Precision Training", arXiv 1710.03740; NVIDIA's MLPerf BERT ran
-  fp16
-  this way). The loss is multiplied by S before backward and the (reduced) gradients by 1/S before
-  the
-  update. S follows ``torch.amp.GradScaler``'s rule and defaults: start at 2**16, halve after a step
-  whose gradients are not finite (that step is skipped), double after 2000 finite steps in a row.
+  fp16 this way). The loss is multiplied by S before backward and the (reduced) gradients by 1/S
+  before the update. S follows ``torch.amp.GradScaler``'s rule and defaults: start at 2**16, halve
+  after a step whose gradients are not finite (that step is skipped), double after 2000 finite steps
+  in a row.
 
 Unlike ``GradScaler``, which decides per process from its local gradients, the skip decision here is
 the trainer's per-step agreement (:func:`scaleout.train.faults.agree_on_step`): every rank gets the

@@ -35,13 +35,10 @@ names. Its checkpoints (``convert_tf_checkpoint.py``, ``run_pretraining.py``) di
 accepted here:
 
 - wrapped: ``{"model": state_dict, ...}`` (``torch.load(init_checkpoint)["model"]``); a ``module.``
-  prefix
-  (DDP) is stripped;
+  prefix (DDP) is stripped;
 - the vocabulary padded to a multiple of 8 (30522 -> 30528 rows in the word embeddings, decoder and
-  MLM
-  bias): with ``model.bert.vocab_size`` 30522 the padding rows are dropped (the TF phase-1 weights
-  are
-  zero there), with 30528 they are kept;
+  MLM bias): with ``model.bert.vocab_size`` 30522 the padding rows are dropped (the TF phase-1
+  weights are zero there), with 30528 they are kept;
 - fused multi-head attention names (``remap_attn_parameters``): ``attention.multi_head_attention.
   {q,k,v}_{weight,bias}``, ``out_proj_{weight,bias}`` and ``attention.layer_norm``; fused bias-GELU
   ``dense_act`` for ``dense``; TF-style LayerNorm ``gamma``/``beta``.

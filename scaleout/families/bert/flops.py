@@ -8,10 +8,8 @@ backward of every matmul computes the input and the weight gradient). Per forwar
 * attention, per sequence of s real tokens and layer: 4 d s^2 for QK^T and AV. With packing the
   attention is block-diagonal, so each sequence counts its own s^2, not the row's length;
 * MLM head (transform d x d + decoder d x V) at every row position it ran on: the masked positions
-  when
-  ``unpad_mlm_head``, every position of every row otherwise; the capture-safe forward
-  (``static_shapes``)
-  runs it on every fixed slot;
+  when ``unpad_mlm_head``, every position of every row otherwise; the capture-safe forward
+  (``static_shapes``) runs it on every fixed slot;
 * pooler (d x d) + NSP classifier (d x 2) at each sequence's first token (every slot when static).
 
 Padding tokens and masked-out attention blocks are not counted (they are not model work), so MFU

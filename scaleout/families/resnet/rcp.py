@@ -12,9 +12,8 @@ workers, eval every 4 epochs) and sets:
 
 * steps per epoch = ceil(1,281,167 / batch) (NVIDIA's ``get_epoch_size``);
 * optim.warmup_steps = warm-up epochs x steps per epoch;
-* optim.total_steps = warm-up + decay steps - 1, so the log's
-  ``lars_opt_learning_rate_decay_steps`` (train - warm-up + 1, the reference's definition) is the
-  table's number;
+* optim.total_steps = warm-up + decay steps - 1, so the log's ``lars_opt_learning_rate_decay_steps``
+  (train - warm-up + 1, the reference's definition) is the table's number;
 * model.resnet.bn_group: the group (a valid one for the node shape) whose span (per-GPU batch x
   group) is closest to the table's ``model_bn_span``.
 

@@ -9,8 +9,7 @@ packedBERT):
 - position ids restart at 0 for each sequence, token-type ids are each sequence's own;
 - ``seq_ids`` = 1..k per sequence (0 = padding) restricts attention to the sequence;
 - MLM positions are offset by the sequence's start in the row; NSP positions point at each
-  sequence's
-  first token, where the pooler reads it.
+  sequence's first token, where the pooler reads it.
 
 Padded mode is the same with one sequence per row. ``packs`` is a list of rows, each a list of
 indices into ``sequences`` (e.g. ``PackedSequences.packs()`` from

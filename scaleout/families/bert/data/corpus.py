@@ -6,13 +6,10 @@ the same Python version runs:
 * ``pydoc_data.topics.topics``: the language reference / library topics behind ``help()``
   (79 documents, ~0.46 MB of text on 3.11), one document per topic, sorted by name.
 * Docstrings of the standard library (~1.7 MB on 3.11): every ``*.py`` file under the stdlib
-  directory
-  (sorted walk, skipping ``site-packages``, test suites and demos) is *parsed* with :mod:`ast`,
-  never
-  imported -- importing arbitrary stdlib modules has side effects (``antigravity`` opens a browser,
-  ``this`` prints, GUI modules need a display). One document per file: its module, class and
-  function
-  docstrings in source order.
+  directory (sorted walk, skipping ``site-packages``, test suites and demos) is *parsed* with
+  :mod:`ast`, never imported -- importing arbitrary stdlib modules has side effects (``antigravity``
+  opens a browser, ``this`` prints, GUI modules need a display). One document per file: its module,
+  class and function docstrings in source order.
 
 Documents are split into sentences (paragraphs on blank lines; sentence ends at ``.!?`` followed by
 a capitalised word); doctest lines (``>>>``, ``...``) are dropped. Eval documents are chosen by a

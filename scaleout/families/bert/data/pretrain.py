@@ -4,16 +4,13 @@ Sample creation follows Google's BERT ``create_pretraining_data.py`` (Devlin et 
 and appendix A.1), which MLPerf's BERT data is made with:
 
 * per document, sentences are accumulated into a chunk up to a target length (``max_seq_len - 3``;
-  with
-  probability ``short_seq_prob`` = 0.1 a shorter random target, so the model also sees short
-  inputs);
-  the chunk is split at a random sentence boundary into A and B;
+  with probability ``short_seq_prob`` = 0.1 a shorter random target, so the model also sees short
+  inputs); the chunk is split at a random sentence boundary into A and B;
 * with probability 0.5 B is replaced by text from a random other document (NSP label 1 = "random
   next"; 0 = B really follows A) and the unused sentences go back to the pool;
 * ``[CLS] A [SEP] B [SEP]``, the longer of A/B trimmed from a random end until it fits;
 * 15 % of the non-special tokens (``round(0.15 * len)``, at least 1, at most ``max_predictions``
-  mask
-  slots) are chosen; of those 80 % become ``[MASK]``, 10 % a random token, 10 % stay unchanged.
+  mask slots) are chosen; of those 80 % become ``[MASK]``, 10 % a random token, 10 % stay unchanged.
 
 Each sample is a :class:`BertSample` of *unpadded* numpy arrays, i.e. its real length; the collator
 (``scaleout.families.bert.data.bert_batch``) pads or packs them. :func:`to_padded` gives the

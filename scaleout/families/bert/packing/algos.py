@@ -4,28 +4,22 @@ All take a histogram ``h`` (``h[l]`` = sequences of length ``l``, see :mod:`pack
 ``max_len`` and ``max_per_pack`` and return a :class:`Strategy` that reproduces ``h`` exactly.
 
 - ``spfhp``: shortest-pack-first: lengths longest first; each goes into the open pack with the
-  *most*
-  room left (worst fit), whole groups of identical packs at a time.
+  *most* room left (worst fit), whole groups of identical packs at a time.
 - ``lpfhp``: longest-pack-first: best fit (the open pack with the *least* room that still fits), and
   several copies of a short length into one pack at once ("distribute").
 - ``nnlshp``: the paper's procedure (graphcore/examples
-  ``tutorials/blogs_code/packedBERT/nnlshp.py``):
-  non-negative least squares over *every* way of writing max_len as a sum of <= 3 lengths (lengths
-  the
-  histogram does not contain included: those slots are padding), residual of lengths 1..8 weighted
-  0.09, rounded to the nearest integer; each length still under-covered gets packs
-  ``(l, max_len - l)``. 0.99746 on Wikipedia-512 at depth 3 (the paper: 0.9975).
+  ``tutorials/blogs_code/packedBERT/nnlshp.py``): non-negative least squares over *every* way of
+  writing max_len as a sum of <= 3 lengths (lengths the histogram does not contain included: those
+  slots are padding), residual of lengths 1..8 weighted 0.09, rounded to the nearest integer; each
+  length still under-covered gets packs ``(l, max_len - l)``. 0.99746 on Wikipedia-512 at depth 3
+  (the paper: 0.9975).
 - ``lphp`` (ours): the same exact-fill packs, but the *linear program* "fewest packs that cover the
   histogram" (HiGHS) instead of least squares -- the quantity we care about is the pack count, which
   NNLS does not minimise. The LP vertex has at most max_len non-zero patterns, so rounding down
-  loses
-  at most a few thousand sequences; they are best-fitted (lpfhp engine) into the room left in LP
-  packs,
-  then into new packs, and a ``refill`` pass moves the sequences of the emptiest packs into the room
-  of
-  the others. On Wikipedia-512: 0.99883 at <= 3 per pack (NNLSHP 0.9975 in ~24 s) and 0.99979 at <=
-  12
-  (LPFHP 0.9981), in ~0.3 s CPU (see docs/packing.md for the exact runs).
+  loses at most a few thousand sequences; they are best-fitted (lpfhp engine) into the room left in
+  LP packs, then into new packs, and a ``refill`` pass moves the sequences of the emptiest packs
+  into the room of the others. On Wikipedia-512: 0.99883 at <= 3 per pack (NNLSHP 0.9975 in ~24 s)
+  and 0.99979 at <= 12 (LPFHP 0.9981), in ~0.3 s CPU (see docs/packing.md for the exact runs).
 - ``auto``: runs the candidates and keeps the most efficient (:mod:`packing_auto`).
 """
 
