@@ -162,6 +162,9 @@ class Trainer:
     gradient_hooks: list[GradientHook]  # empty unless a test injects faults
     delay: DelayInjection | None  # a test's straggler (SCALEOUT_TEST_DELAY), else None
     skew: SkewTracker  # stragglers and per-phase spread over the ranks (train/skew.py)
+    # False: the step's agreement carries its flags only, no phase times nor fingerprint
+    # (`scaleout bench agreement` measures what they cost); the same on every rank
+    attribution: bool
     before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
     owns_preemption_handlers: bool  # train() installed them, so it removes them
@@ -220,6 +223,7 @@ class Trainer:
         self.before_requeue = RequeueDelay.from_env()
         self.delay = DelayInjection.from_env(world.rank)
         self.skew = SkewTracker(world.node_of, cfg.train.straggler_threshold)
+        self.attribution = True
         self._optimizer_s = 0.0  # the last optimizer step's seconds (the next agreement sends it)
 
         # swappable components
@@ -492,7 +496,7 @@ class Trainer:
             notice=preemption.noticed,
             terminate=preemption.terminating,
             flops=sum(mb.flops for mb in micro_batches),
-            phases=phases,
+            phases=phases if self.attribution else None,
             fingerprint=fingerprint,
             step=step,
             describe=collectives,
