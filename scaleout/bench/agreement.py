@@ -38,12 +38,16 @@ examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout bench agreement model.bert.layers=2
 """
 
-SMOKE_ARGS = ["--repeats", "2", "--warmup", "1", "--emulate-ranks", "64"]
+SMOKE_ARGS = [
+    *("--repeats", "1", "--warmup", "0", "--emulate-ranks", "8"),
+    *("data.max_seq_len=32", "data.max_predictions=5", "model.bert.vocab_size=64"),
+    *("model.bert.hidden=16", "model.bert.layers=1", "model.bert.heads=2"),
+    *("model.bert.intermediate=32", "model.bert.max_position=32"),
+]
 DEFAULTS = [  # a tiny model: the agreement's share of the step is as large as it gets
     "data.source=synthetic",
     "data.eval_samples=8",
     "train.global_batch=8",
-    "train.max_steps=100000",
     "train.target=null",
     "train.progress=false",
     "train.metrics=[]",
@@ -104,11 +108,14 @@ def _body(args: argparse.Namespace) -> int:
     from scaleout.train.trainer import Trainer  # deferred: a fast `scaleout --help`
 
     world = init_ranks(1, NAME)
-    say = say0(world)
+    say, rounds = say0(world), args.repeats + args.warmup
     try:
         with tempfile.TemporaryDirectory() as out:
             cfg = bench_config(
-                args, [*DEFAULTS, f"train.output_dir={out}"], bench_keys=("train.output_dir",)
+                args,
+                # the steps the rounds take, and the synthetic data they need, no more
+                [*DEFAULTS, f"train.output_dir={out}", f"train.max_steps={2 * rounds}"],
+                bench_keys=("train.output_dir",),
             )
             trainer = Trainer(cfg, world)
             trainer.preemption = _NoPreemption()
@@ -137,7 +144,7 @@ def _body(args: argparse.Namespace) -> int:
                     "extended": _agreement(world, True, world.world_size),
                     f"extended, block of {n} ranks": _agreement(world, True, n),
                 },
-                max(args.repeats, 20),
+                10 * args.repeats,
                 args.warmup,
                 world=world,
             )
