@@ -9,12 +9,11 @@ from typing import Any
 
 from scaleout.bench._harness import (
     add_config_arguments,
-    add_rank_arguments,
+    add_standard_arguments,
     bench_config,
     check_counts,
     compare,
     emit,
-    in_ranks,
     init_ranks,
     interleave,
     say0,
@@ -33,9 +32,11 @@ step timed as the slowest rank's, and prints the median step times and the ratio
 (1.00 = no cost). It also times the agreement alone, and an agreement whose block is sized for
 --emulate-ranks ranks (the bytes of that world on these ranks; not its latency).
 
+Runs in the ranks of any launcher (alone: one rank, no all-reduce).
+
 examples:
-  scaleout bench agreement --nnodes 2 --nproc-per-node 2 --repeats 40
-  scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout bench agreement model.bert.layers=2
+  scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout bench agreement --repeats 40
+  srun -N 4 --ntasks-per-node 8 scaleout bench agreement model.bert.layers=2
 """
 
 SMOKE_ARGS = [
@@ -64,12 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="also time an agreement whose block is sized for this many ranks (default 2048)",
     )
-    add_rank_arguments(p, NAME, repeats=30, warmup=5)
+    add_standard_arguments(p, NAME, repeats=30, warmup=5)
 
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args, repeats=1, warmup=0, emulate_ranks=1)
-    return in_ranks(args, _body)
+    return _body(args)
 
 
 def _agreement(world: Any, extended: bool, ranks: int) -> Any:
