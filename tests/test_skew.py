@@ -21,7 +21,7 @@ from tests.test_prefetch import SMALL_BERT
 
 RUN = [
     *SMALL_BERT,
-    "train.max_steps=8",
+    "train.max_steps=6",
     "train.grad_accum=1",
     "train.eval_every=100",
     "train.target=null",
@@ -30,7 +30,7 @@ RUN = [
     "checkpoint.every_steps=0",
     "comm.algorithm=flat",
     "optim.warmup_steps=1",
-    "optim.total_steps=8",
+    "optim.total_steps=6",
 ]
 
 
@@ -87,7 +87,7 @@ def _straggler_run(world, out: str) -> dict:
 
     os.environ[DelayInjection.VARIABLE] = "2:data:60"  # rank 2 waits 60 ms for every batch
     try:
-        cfg = load_config(None, [*RUN, f"train.output_dir={out}", "train.log_every=4"])
+        cfg = load_config(None, [*RUN, f"train.output_dir={out}", "train.log_every=3"])
         result = Trainer(cfg, world).train()
     finally:
         del os.environ[DelayInjection.VARIABLE]
@@ -105,7 +105,7 @@ def test_a_slow_rank_is_named_with_its_node_and_phase(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     data = [s for s in report["stragglers"] if s["phase"] == "data"]
     assert [(s["rank"], s["node"]) for s in data] == [(2, 1)], report["stragglers"]
-    assert data[0]["steps"] >= 6 and data[0]["excess_s"] > 0.04, data
+    assert data[0]["steps"] >= 4 and data[0]["excess_s"] > 0.04, data
     assert data[0]["slowdown"] > 1.3
     spread = report["spread"]["phases"]
     assert set(spread) == set(PHASES) and spread["data"]["worst_rank"] == 2, spread
