@@ -12,7 +12,8 @@ Records (one JSON object per line, ``"type"`` says which):
 - ``run``:   at every start or resume (world size, nodes, ranks per node, launcher, config, start
   step)
 - ``train``: step, samples (cumulative), loss, lr, samples_per_s, tokens_per_s, step_s, breakdown_s,
-  skipped
+  skipped; in a training run also ``stragglers`` and ``spread`` over the record's steps (every
+  rank's phase times from the step's agreement: scaleout/train/skew.py)
 - ``eval``:  step, samples, metric (its name), value, target
 - ``end``:   status and the run's time-to-train
 
@@ -26,6 +27,7 @@ import csv
 import importlib.util
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +136,12 @@ class Metrics:
         if self.enabled:
             self._write({"type": "run", "time": time.time(), **info}, flush=True)
 
-    def step(self, record: StepRecord) -> None:
+    def step(self, record: StepRecord, extra: Callable[[], dict[str, Any]] | None = None) -> bool:
         """Account one finished step; writes every ``log_every`` steps, and when ``record.flush``
-        (an eval step, the last step, a stop) so that nothing accumulated is lost."""
+        (an eval step, the last step, a stop) so that nothing accumulated is lost. ``extra``:
+        more fields of the record, asked only when one is written. Returns whether it was."""
         if not self.enabled:
-            return
+            return False
         a, step, samples, lr = self._acc, record.step, record.samples, record.lr
         a["n"] += 1
         a["loss"] += record.loss if record.loss is not None else float("nan")
@@ -151,7 +154,7 @@ class Metrics:
             for k, v in record.breakdown_s.items():
                 a["breakdown"][k] = a["breakdown"].get(k, 0.0) + v
         if step % self.log_every and not record.flush:
-            return
+            return False
         k, secs = a["n"], max(a["seconds"], 1e-12)
         rec = {
             "type": "train",
@@ -167,6 +170,7 @@ class Metrics:
             },  # {}: none sampled
             "skipped": a["skipped"],
             "time": time.time(),
+            **(extra() if extra is not None else {}),
         }
         self._acc = self._empty()
         self._write(rec)
@@ -193,6 +197,7 @@ class Metrics:
             **{f"time/{p}_s": v for p, v in rec["breakdown_s"].items()},
         }
         self._scalars(scalars, step)
+        return True
 
     def eval(self, record: EvalRecord) -> None:
         if not self.enabled:

@@ -18,7 +18,10 @@ Torch-free on purpose: the records are plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from scaleout.train.skew import StepSkew
 
 # How a run ended. "success": the target was reached; "max_steps": train.max_steps were taken;
 # "preempted": every rank agreed to stop on a signal (checkpointed); "aborted": diverged
@@ -76,6 +79,7 @@ class StepRecord:
     stop: bool = False  # every rank agreed to stop (preemption): the run checkpoints and ends
     terminate: bool = False  # the stop comes from a SIGTERM (not only a notice)
     flush: bool = False  # the last step, an evaluation step or a stop: write what accumulated
+    skew: StepSkew | None = None  # phase times over the ranks (scaleout/train/skew.py)
 
     @property
     def samples_per_s(self) -> float:

@@ -46,7 +46,7 @@ from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign, fingerprint, layout_hash
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -305,6 +305,28 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     def check_unused(self) -> list[str]:
         return []
+
+    def collectives(self) -> tuple[int, str]:
+        if not self._built:
+            return fingerprint(0, 0, 0), "not built"
+        cached = getattr(self, "_fp_layout", (None, 0))
+        if cached[0] is not self.buckets:  # hashed once per build
+            cached = self._fp_layout = (
+                self.buckets,
+                layout_hash(
+                    [
+                        f"{b.flat_grad.dtype}x{b.flat_grad.numel()}",
+                        *(self.keys[k] for k in b.members),
+                    ]
+                    for b in self.buckets
+                ),
+            )
+        layout = cached[1]
+        nbytes = self.flat_grad.numel() * self.flat_grad.element_size()
+        count = len(self.buckets)
+        return fingerprint(count, nbytes, layout), (
+            f"{count} bucket reduce-scatters, {nbytes} bytes, layout 0x{layout:08x}"
+        )
 
     def optimizer_state(self, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Piece]]:
         return self.sharded_state()

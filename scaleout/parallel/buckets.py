@@ -15,12 +15,16 @@ autograd accumulates straight into the buffer that is all-reduced: no copy in, n
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from scaleout.errors import UserError
 
+FINGERPRINT_BITS = 24  # an exact float32 integer: it rides in the step's float32 agreement
 MiB = 1 << 20
 DEFAULT_BUCKET_MB = (
     25.0  # DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7)
@@ -194,3 +198,28 @@ def build_buckets(
         buckets.append(Bucket(b, buf, bucket_slots, extra))
         slots.extend(bucket_slots)
     return buckets, slots
+
+
+# -- the fingerprint of a step's gradient collectives (scaleout/train/skew.py)
+def fingerprint(count: int, nbytes: int, layout: int) -> int:
+    """The step's collectives as a 24-bit value: bucket collectives, their bytes, the layout
+    hash (deterministic across processes: crc32, not Python's salted ``hash``)."""
+    return zlib.crc32(f"{count}:{nbytes}:{layout}".encode()) & ((1 << FINGERPRINT_BITS) - 1)
+
+
+def layout_hash(buckets: Iterable[Iterable[Any]]) -> int:
+    """crc32 of a bucket layout given as one iterable of items per bucket (parameter names,
+    shapes, dtype), in launch order: equal models wrapped equally give equal hashes."""
+    h = 0
+    for b, items in enumerate(buckets):
+        h = zlib.crc32(f"{b}:{'|'.join(map(str, items))};".encode(), h)
+    return h
+
+
+def bucket_layout(buckets: list[Bucket]) -> list[list[str]]:
+    """Each bucket's dtype, length and (name, shape) of its parameters, for :func:`layout_hash`."""
+    return [
+        [f"{b.buffer.dtype}x{b.buffer.numel()}"]
+        + [f"{s.name}{tuple(s.param.shape)}" for s in b.slots]
+        for b in buckets
+    ]

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from scaleout.comm import all_reduce, config_options, get_algorithm
 from scaleout.errors import UserError
+from scaleout.parallel.buckets import bucket_layout, fingerprint, layout_hash
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
 
@@ -145,6 +146,7 @@ class DataParallel(torch.nn.Module):
             rebuild_buckets=rebuild_buckets,
         )
         self.reducer.defer_unused = defer_unused
+        self._fp_layout: tuple[Any, int] = (None, 0)  # (the buckets hashed, their layout hash)
 
     @classmethod
     def from_config(
@@ -221,6 +223,16 @@ class DataParallel(torch.nn.Module):
 
     def check_unused(self) -> list[str]:
         return self.reducer.check_unused()
+
+    def collectives(self) -> tuple[int, str]:
+        r = self.reducer
+        if self._fp_layout[0] is not r.buckets:  # built, or rebuilt after the first step
+            self._fp_layout = (r.buckets, layout_hash(bucket_layout(r.buckets)))
+        count, nbytes = r.last_stats.get("buckets", 0), r.last_stats.get("bytes", 0)
+        layout = self._fp_layout[1]
+        return fingerprint(count, nbytes, layout), (
+            f"{count} bucket all-reduces, {nbytes} bytes, layout 0x{layout:08x}"
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], None]:
         return optimizer.state_dict(), None  # replicated: the same on every rank

@@ -400,6 +400,7 @@ class Reducer:
             "buckets": len(self.buckets),
             "launch_order": list(self.launch_order),
             "launch_s": [(t - start_us) / 1e6 for t in self._launch_us],
+            "first_launch_at": first / 1e6,  # time.time() of the first launch (straggler skew)
             "done_s": [(t - start_us) / 1e6 for t in self._done_us],
             "unused": unused,
         }

@@ -41,6 +41,12 @@ class GradientSync(Protocol):
         configured."""
         ...
 
+    def collectives(self) -> tuple[int, str]:
+        """The fingerprint of the last synchronisation's gradient collectives (count, bytes,
+        bucket layout: scaleout.train.skew.fingerprint) and the same in words, for the step's
+        agreement: ranks whose fingerprints differ are named before a collective hangs."""
+        ...
+
     def optimizer_state(
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -14,6 +14,12 @@ the mean loss over ranks.
 
 Its result must be read on the host (the decision is Python control flow): that read is the step's
 one device -> host synchronisation. The finiteness check stays on the device until then.
+
+The same all-reduce also carries, when the trainer passes them, this rank's phase times and the
+fingerprint of its gradient collectives, in a world-sized block of its own column: every rank then
+learns the slowest and fastest rank of each phase, and a rank whose collectives differ is named at
+the step boundary instead of hanging a later collective (scaleout/train/skew.py: design and cost,
+49 KB per step at 2,048 ranks).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import torch.distributed as dist
 from scaleout.comm.handles import CommFailed
 from scaleout.errors import UserError
 from scaleout.preempt import Preemption
-from scaleout.train.liveness import PHASES, describe_rank, unresponsive_verdict
+from scaleout.train.liveness import PHASES as PROGRESS_PHASES
+from scaleout.train.liveness import describe_rank, unresponsive_verdict
+from scaleout.train.skew import PHASES, ROWS, CollectiveDesync, StepSkew, desync_message
 from scaleout.verdict import verdict_line
 from scaleout.world import World
 
@@ -50,6 +58,7 @@ class StepFlags:
     flops: float = (
         0.0  # training FLOPs of the step summed over ranks (each counts its micro-batches)
     )
+    skew: StepSkew | None = None  # phase times over the ranks, when the trainer sent its own
 
 
 def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
@@ -85,11 +94,21 @@ def agree_on_step(
     notice: bool = False,
     terminate: bool = False,
     flops: float = 0.0,
+    phases: list[float] | None = None,
+    fingerprint: int = 0,
+    step: int | None = None,
+    describe: str = "",
 ) -> StepFlags:
     """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
     parameters that got no gradient (GradientSync.unused_flag), read with the others; ``flops``:
-    this rank's training FLOPs of the step (summed, they give the global batch's)."""
+    this rank's training FLOPs of the step (summed, they give the global batch's). ``phases``:
+    this rank's seconds per :data:`scaleout.train.skew.PHASES` with ``fingerprint`` its
+    collectives' (every rank passes them or none: they size the all-reduce); then the result's
+    ``skew`` holds them over the ranks, and a fingerprint that differs between ranks raises
+    :class:`~scaleout.train.skew.CollectiveDesync` on every rank, naming the odd ones (``step``
+    and ``describe``, this rank's collectives in words, go into its message)."""
     dev = torch.device(world.device)
+    p = world.world_size
     parts = [
         nonfinite_grads,
         stop_requested,
@@ -99,26 +118,63 @@ def agree_on_step(
         0.0 if unused_params is None else unused_params,
         flops,
     ]
+    head = len(parts)
+    size = head + (ROWS * p if phases is not None else 0)
     # The Python values go up in one copy from a preallocated (on CUDA pinned) host buffer, an
     # asynchronous DMA; the device values join with device -> device copies.
-    host = _staging(dev, len(parts))
-    host.copy_(torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in parts]))
-    flags = torch.empty(len(parts), dtype=torch.float32, device=dev)
+    host = _staging(dev, size)
+    host[:head].copy_(
+        torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in parts])
+    )
+    if phases is not None:  # this rank's column of the ROWS x world block, zeros elsewhere
+        block = host[head:].view(ROWS, p)
+        block.zero_()
+        block[:, world.rank].copy_(torch.tensor([*phases, float(fingerprint)]))
+    flags = torch.empty(size, dtype=torch.float32, device=dev)
     flags.copy_(host, non_blocking=True)
     for i, x in enumerate(parts):
         if isinstance(x, torch.Tensor):
             flags[i : i + 1].copy_(x.detach().reshape(1))
-    if world.world_size > 1:
+    if p > 1:
         dist.all_reduce(flags)
-    skip, stop, notice_, term, total, unused, flops_ = flags.tolist()  # the step's one host read
+    read = flags[:head]
+    if phases is not None:  # reduced on the device: the host read stays O(1) in the world size
+        block = flags[head:].view(ROWS, p)
+        times, fps = block[: len(PHASES)], block[len(PHASES)]
+        mx, amx = times.max(dim=1)
+        mn, amn = times.min(dim=1)
+        med = times.median(dim=1).values
+        read = torch.cat(
+            [
+                read,
+                mx,
+                amx.float(),
+                mn,
+                amn.float(),
+                med,
+                fps.min().reshape(1),
+                fps.max().reshape(1),
+            ]
+        )
+    values = read.tolist()  # the step's one host read
+    skip, stop, notice_, term, total, unused, flops_ = values[:head]
+    skew = None
+    if phases is not None:
+        fp_min, fp_max = values[-2:]
+        if fp_min != fp_max:  # the error path: read every rank's fingerprint to name the odd ones
+            odd = [int(f) for f in block[len(PHASES)].tolist()]
+            mine = f"this rank ({world.rank}): {describe or f'0x{fingerprint:06x}'}"
+            raise CollectiveDesync(desync_message(step, odd, mine))
+        skew = StepSkew.from_values(values[head:-2], int(fp_min))
     return StepFlags(
         skip=skip > 0,
         stop=stop > 0,
-        loss=total / world.world_size if loss is not None else None,
+        loss=total / p if loss is not None else None,
         unused_params=unused > 0,
         notice=notice_ > 0,
         terminate=term > 0,
         flops=flops_,
+        skew=skew,
     )
 
 
@@ -170,14 +226,14 @@ class HangInjection:
         for item in filter(None, spec.split(",")):
             step, at, phase, *how = item.split(":") + ([] if item.count(":") >= 2 else ["", ""])
             if (
-                phase not in PHASES
+                phase not in PROGRESS_PHASES
                 or not step.isdigit()
                 or not at.isdigit()
                 or how not in ([], ["stop"])
             ):
                 raise UserError(
                     f"{cls.VARIABLE}={spec!r}: expected STEP:RANK:PHASE or STEP:RANK:PHASE:stop "
-                    f"with PHASE one of {', '.join(PHASES)}"
+                    f"with PHASE one of {', '.join(PROGRESS_PHASES)}"
                 )
             if int(at) == rank:
                 points[(int(step), phase)] = how == ["stop"]
@@ -192,6 +248,38 @@ class HangInjection:
             os.kill(os.getpid(), signal.SIGSTOP)
         while True:  # until the launcher's SIGKILL
             time.sleep(3600)
+
+
+class DelayInjection:
+    """``SCALEOUT_TEST_DELAY="RANK:PHASE:MS[,...]"``: this rank sleeps MS milliseconds in every
+    step's PHASE (``data``: while waiting for its batches; ``compute``: before its forward), a
+    straggler for tests/test_skew.py and `scaleout bench agreement`. Test-only: a real run leaves
+    the variable unset and installs nothing."""
+
+    VARIABLE = "SCALEOUT_TEST_DELAY"
+    PHASES = ("data", "compute")
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> DelayInjection | None:
+        spec = (os.environ if env is None else env).get(cls.VARIABLE, "")
+        seconds: dict[str, float] = {}
+        for item in filter(None, spec.split(",")):
+            at, phase, ms = (item.split(":") + ["", ""])[:3]
+            if phase not in cls.PHASES or not at.isdigit():
+                raise UserError(
+                    f"{cls.VARIABLE}={spec!r}: expected RANK:PHASE:MS items with PHASE one of "
+                    f"{', '.join(cls.PHASES)}, got {item!r}"
+                )
+            if int(at) == rank:
+                seconds[phase] = seconds.get(phase, 0.0) + float(ms) / 1e3
+        return cls(seconds) if seconds else None
+
+    def __call__(self, phase: str) -> None:
+        if phase in self.seconds:
+            time.sleep(self.seconds[phase])
 
 
 class RequeueDelay:

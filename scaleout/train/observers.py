@@ -36,6 +36,7 @@ from scaleout.profiler import StepProfiler, build_profiler
 from scaleout.report import RunReport
 from scaleout.timers import Timers
 from scaleout.train.progress import Progress
+from scaleout.train.skew import SkewTracker
 from scaleout.world import World
 
 
@@ -150,6 +151,8 @@ class MetricsObserver(Observer):
             enabled=world.rank == 0,
             config=cfg.model_dump(mode="json"),
         )
+        # the stragglers and spread of the steps since the last record written
+        self.window = SkewTracker(world.node_of, cfg.train.straggler_threshold)
 
     def on_run_start(self, start: RunStart) -> None:
         w = self.world
@@ -165,7 +168,9 @@ class MetricsObserver(Observer):
         )
 
     def on_step(self, record: StepRecord) -> None:
-        self.metrics.step(record)
+        self.window.add(record.skew, record.seconds)
+        if self.metrics.step(record, self.window.report if record.skew is not None else None):
+            self.window.reset()
 
     def on_eval(self, record: EvalRecord) -> None:
         self.metrics.eval(record)
@@ -280,9 +285,11 @@ class ReportWriter(Observer):
         timers: Timers,
         quality_exponent: float | None,
         task_info: Any,
+        skew: SkewTracker | None = None,
     ):
         self.cfg, self.world, self.out, self.timers = cfg, world, out, timers
         self.quality_exponent, self.task_info = quality_exponent, task_info
+        self.skew = skew  # the trainer's: stragglers and the per-phase spread over the ranks
         self.report: RunReport | None = None
 
     def on_run_end(self, end: RunEnd) -> None:
@@ -328,6 +335,14 @@ class ReportWriter(Observer):
             f"{timers.mean_step() * 1e3:.2f} ms each",
             flush=True,
         )
+        skew = self.skew.report() if self.skew is not None else {}
+        for s in skew.get("stragglers", [])[:5]:
+            print(
+                f"straggler: rank {s['rank']} (node {s['node']}) {s['phase']}: "
+                f"{s['slowdown']:.2f}x the median (+{s['excess_s'] * 1e3:.1f} ms) "
+                f"on {s['steps']} steps",
+                flush=True,
+            )
         if end.weights_consistent is False:
             print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
         payload = {
@@ -356,5 +371,6 @@ class ReportWriter(Observer):
                 "samples_per_s": timed.samples / max(timed.seconds, 1e-12),
                 "step_s": timed.seconds / max(timed.steps, 1),
             },
+            **skew,  # "stragglers" and "spread" (scaleout/train/skew.py)
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())

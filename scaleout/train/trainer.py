@@ -54,6 +54,7 @@ from scaleout.train import prefetch, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    DelayInjection,
     HangInjection,
     NanInjection,
     RequeueDelay,
@@ -76,6 +77,7 @@ from scaleout.train.observers import (
 )
 from scaleout.train.rerun import check_data_position
 from scaleout.train.rng import seed_step
+from scaleout.train.skew import SkewTracker
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
@@ -159,6 +161,11 @@ class Trainer:
     report_writer: ReportWriter  # also an observer; holds the RunReport train() returns
     observers: list[Observer]  # every reporting channel, called in order (scaleout/observe.py)
     gradient_hooks: list[GradientHook]  # empty unless a test injects faults
+    delay: DelayInjection | None  # a test's straggler (SCALEOUT_TEST_DELAY), else None
+    skew: SkewTracker  # stragglers and per-phase spread over the ranks (train/skew.py)
+    # False: the step's agreement carries its flags only, no phase times nor fingerprint
+    # (`scaleout bench agreement` measures what they cost); the same on every rank
+    attribution: bool
     before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
     progress: Progress  # where this rank is, for the heartbeat (phase marks: progress.at)
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
@@ -220,6 +227,10 @@ class Trainer:
         # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
         self.progress = progress if progress is not None else Progress()
         self.progress.fault = HangInjection.from_env(world.rank)
+        self.delay = DelayInjection.from_env(world.rank)
+        self.skew = SkewTracker(world.node_of, cfg.train.straggler_threshold)
+        self.attribution = True
+        self._optimizer_s = 0.0  # the last optimizer step's seconds (the next agreement sends it)
 
         # swappable components
         torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast
@@ -273,7 +284,13 @@ class Trainer:
 
         # observers, in the order they are called
         self.report_writer = ReportWriter(
-            cfg, world, self.out, self.timers, self.task.family.quality_exponent, self.task.info
+            cfg,
+            world,
+            self.out,
+            self.timers,
+            self.task.family.quality_exponent,
+            self.task.info,
+            skew=self.skew,
         )
         self.observers = [
             mlperf_observer,
@@ -387,6 +404,7 @@ class Trainer:
             self.step, self.samples = step + 1, self.samples + step_samples
             self.skipped += int(flags.skip)
             self.losses.append(flags.loss)
+            self.skew.add(flags.skew, seconds)
             self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
             if step >= self.start_step + warmup:
                 self.timed = self.timed.plus(step_samples, step_tokens, seconds)
@@ -405,6 +423,7 @@ class Trainer:
                 stop=flags.stop,
                 terminate=flags.terminate,
                 flush=flags.stop or done or self.step % cfg.train.eval_every == 0,
+                skew=flags.skew,
             )
             for observer in self.observers:
                 observer.on_step(record)
@@ -435,29 +454,47 @@ class Trainer:
         Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the
         device but the agreement's result (train/faults.py), which also carries the loss."""
         timers, precision, progress = self.timers, self.task.precision, self.progress
+        delay = self.delay
+        start, start_wall = time.perf_counter(), time.time()  # phase times for the agreement
         timers.begin()
         progress.at(step, "data")
         with timers("data"):  # with a prefetcher: only the time spent *waiting* for it
+            if delay is not None:
+                delay("data")
             if self.prefetcher is not None:
                 micro_batches = self.prefetcher.get(step)
             else:
                 micro_batches = self.task.micro_batches(
                     step * self.cfg.train.global_batch, self.cfg.train.grad_accum
                 )
+        data_done = time.perf_counter()
+        if delay is not None:
+            delay("compute")
+        stats: dict[str, Any] = {}
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
             progress.at(step, "forward")
             with timers("graph"):
                 loss = self.graphs(micro_batches)
         else:
             loss = self.forward_backward(micro_batches)
-            exposed = self.sync.last_stats.get(
-                "exposed_s"
-            )  # backward's wait for what overlap did not hide
+            stats = self.sync.last_stats
+            exposed = stats.get("exposed_s")  # backward's wait for what overlap did not hide
             if (
                 exposed is not None
             ):  # the non-overlapped sharded LAMB communicates in step() instead
                 timers.add("exposed_comm", float(exposed))
                 timers.add("backward", -float(exposed))
+        computed = time.perf_counter()
+        wait = float(stats.get("exposed_s") or 0.0)
+        launched = stats.get("first_launch_at")  # DataParallel: this rank's first bucket out
+        phases = [  # scaleout.train.skew.PHASES
+            data_done - start,
+            computed - data_done - wait,
+            launched - start_wall if launched is not None else computed - start - wait,
+            wait,
+            self._optimizer_s,
+        ]
+        fingerprint, collectives = self.sync.collectives()
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
         for hook in self.gradient_hooks:
             hook(step, self.params)
@@ -473,16 +510,22 @@ class Trainer:
             notice=preemption.noticed,
             terminate=preemption.terminating,
             flops=sum(mb.flops for mb in micro_batches),
+            phases=phases if self.attribution else None,
+            fingerprint=fingerprint,
+            step=step,
+            describe=collectives,
         )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
         precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
+        t0 = time.perf_counter()
         if not flags.skip:
             progress.at(step, "optimizer")
             with timers("optimizer"):
                 self.optimizer.step()
             self.schedule.step()
+        self._optimizer_s = time.perf_counter() - t0
         self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
 

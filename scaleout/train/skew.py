@@ -1,0 +1,217 @@
+"""Straggler and desync attribution, carried by the step's one agreement all-reduce.
+
+Every rank measures its own phase times of the step (:data:`PHASES`) and a fingerprint of the
+step's gradient collectives (count, bytes, bucket layout: ``GradientSync.collectives``,
+scaleout/parallel/buckets.py ``fingerprint``); :func:`scaleout.train.faults.agree_on_step`
+puts them into the *same* SUM all-reduce that already carries the step's flags and loss, so every
+rank learns, per phase, the slowest and the fastest rank and the median, and whether every rank ran
+the same collectives, without a collective of its own.
+
+Encoding. The agreement's head (flags, loss, FLOPs) is summed as before, bit for bit. After it comes
+a block of ``ROWS x world`` float32, one column per rank: rank r writes its values into column r and
+zeros elsewhere, so the SUM is an exact gather (x + 0 = x; a 24-bit fingerprint is an exact
+float32). Max, argmax, min, argmin and median per row are then taken on the device and join the
+step's one host read (34 floats whatever the world size); a fingerprint mismatch (min != max) costs
+a second read of one row, on the error path only.
+
+Why a world-sized block and not O(1) per rank. A MAX all-reduce of ``(quantised time << 11 | rank)``
+returns the slowest rank in 8 bytes, but the agreement must also *sum* (the loss mean, the FLOPs),
+and no single reduction does both: a MAX cannot count, a SUM cannot take a maximum. Moving the
+agreement to MAX would need the losses per rank (O(world) again) or a second collective. The block
+is the one exact design in one all-reduce.
+
+Cost at 2,048 ranks: (7 + 6 x 2,048) x 4 B = 49 KB per step (today's agreement: 28 B). That
+all-reduce is still latency-bound: its bandwidth term is about 2 x 49 KB / 25 GB/s = 4 us against
+a latency of tens to hundreds of microseconds at that scale (ring 2(p-1)a, tree 2 log2(p) a), and
+against a gradient all-reduce of hundreds of MB the added bytes are < 0.05 %. The device work is
+one max, one min and one median over a 6 x world matrix. ``scaleout bench agreement`` measures the
+step-time ratio, old agreement vs this one, interleaved.
+
+Phase times are host wall-clock intervals of this rank's step (``time.perf_counter``):
+
+* ``data``: waiting for the step's batches;
+* ``compute``: forward + backward, less the gradient sync's exposed wait;
+* ``arrival``: step start -> this rank launched its first gradient bucket (DataParallel), else the
+  end of backward; a late rank here holds every peer in that bucket's all-reduce;
+* ``sync_wait``: backward's wait for the gradient collectives after its last gradient (the
+  *victims* of a straggler wait here; the straggler itself waits least);
+* ``optimizer``: the optimizer step, of the *previous* step (it runs after the agreement).
+
+On a GPU the host times are launch times unless the host blocks, so they attribute host-side
+slowness (input, Python, launch); a slow device shows in ``sync_wait`` of its peers.
+
+A step names at most one straggler per phase: the slowest rank, when its time is at least
+``train.straggler_threshold`` x the median over ranks *and* its excess over the median is at least
+:data:`MIN_SHARE` of the step time (a 20 us data wait against a 10 us median is not a straggler).
+``sync_wait`` only feeds the spread (a long wait is the effect, not the cause).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaleout.errors import UserError
+
+PHASES = ("data", "compute", "arrival", "sync_wait", "optimizer")
+CAUSES = ("data", "compute", "arrival", "optimizer")  # the phases that can name a straggler
+ROWS = len(PHASES) + 1  # the phases, then the collective fingerprint
+MIN_SHARE = 0.05  # a straggler's excess over the median must be >= this share of the step time
+
+
+class CollectiveDesync(UserError):
+    """Ranks ran different gradient collectives in one step (a different bucket layout, count or
+    size): raised on every rank at the step boundary, before a collective could hang."""
+
+
+@dataclass(frozen=True)
+class PhaseSkew:
+    """One phase of one step over the ranks (seconds)."""
+
+    max_s: float
+    max_rank: int
+    min_s: float
+    min_rank: int
+    median_s: float
+
+    @property
+    def slowdown(self) -> float:
+        """The slowest rank's time / the median (1.0 when both are ~0)."""
+        return (
+            self.max_s / self.median_s
+            if self.median_s > 1e-9
+            else (1.0 if self.max_s <= 1e-9 else math.inf)
+        )
+
+
+@dataclass(frozen=True)
+class StepSkew:
+    """Every phase of one step over the ranks, and this rank's collective fingerprint (the
+    same on every rank: a mismatch raises :class:`CollectiveDesync` instead)."""
+
+    phases: dict[str, PhaseSkew]
+    fingerprint: int = 0
+
+    @classmethod
+    def from_values(cls, values: list[float], fp: int) -> StepSkew:
+        """From the agreement's summary: per phase (max, argmax, min, argmin, median), in that
+        order of blocks of ``len(PHASES)`` (see :func:`scaleout.train.faults.agree_on_step`)."""
+        n = len(PHASES)
+        mx, amx, mn, amn, med = (values[i * n : (i + 1) * n] for i in range(5))
+        return cls(
+            {
+                p: PhaseSkew(mx[i], int(amx[i]), mn[i], int(amn[i]), med[i])
+                for i, p in enumerate(PHASES)
+            },
+            fp,
+        )
+
+
+def desync_message(step: int | None, fps: list[int], mine: str) -> str:
+    """One line naming the ranks whose fingerprint differs from the majority's."""
+    counts: dict[int, list[int]] = {}
+    for r, f in enumerate(fps):
+        counts.setdefault(f, []).append(r)
+    major = max(counts, key=lambda f: (len(counts[f]), -counts[f][0]))
+    odd = sorted(r for f, rs in counts.items() if f != major for r in rs)
+    parts = ", ".join(f"rank {r} 0x{fps[r]:06x}" for r in odd[:8])
+    more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+    at = f"step {step}: " if step is not None else ""
+    return (
+        f"{at}gradient collectives differ between ranks (desync): {parts}{more} against "
+        f"0x{major:06x} on the other {len(counts[major])} ranks; {mine}; a rank built its model "
+        "or buckets differently: stopping before a collective hangs"
+    )
+
+
+@dataclass
+class _Straggler:
+    steps: int = 0
+    slowdown_sum: float = 0.0
+    slowdown_max: float = 0.0
+    excess_sum: float = 0.0
+
+
+@dataclass
+class _Spread:
+    steps: int = 0
+    max_sum: float = 0.0
+    min_sum: float = 0.0
+    median_sum: float = 0.0
+    max_max: float = 0.0
+    max_rank: int = 0  # the rank of max_max
+
+
+@dataclass
+class SkewTracker:
+    """Accumulates the agreed :class:`StepSkew` of every step into the report's ``stragglers``
+    and ``spread`` (the same on every rank: its input is agreed)."""
+
+    node_of: tuple[int, ...] | list[int]
+    threshold: float = 1.3
+    stragglers: dict[tuple[int, str], _Straggler] = field(default_factory=dict)
+    spread: dict[str, _Spread] = field(default_factory=dict)
+
+    def add(self, skew: StepSkew | None, step_s: float) -> None:
+        if skew is None:
+            return
+        for phase, s in skew.phases.items():
+            sp = self.spread.setdefault(phase, _Spread())
+            sp.steps += 1
+            sp.max_sum, sp.min_sum, sp.median_sum = (
+                sp.max_sum + s.max_s,
+                sp.min_sum + s.min_s,
+                sp.median_sum + s.median_s,
+            )
+            if s.max_s > sp.max_max:
+                sp.max_max, sp.max_rank = s.max_s, s.max_rank
+            excess = s.max_s - s.median_s
+            if phase not in CAUSES or excess < MIN_SHARE * step_s:
+                continue
+            slow = s.slowdown
+            if slow < self.threshold:
+                continue
+            st = self.stragglers.setdefault((s.max_rank, phase), _Straggler())
+            st.steps += 1
+            st.slowdown_sum += min(slow, 1e6)
+            st.slowdown_max = max(st.slowdown_max, min(slow, 1e6))
+            st.excess_sum += excess
+
+    def report(self) -> dict[str, Any]:
+        """``{"stragglers": [...], "spread": {...}}`` for report.json and metrics.jsonl."""
+        out = []
+        for (rank, phase), st in self.stragglers.items():
+            node = self.node_of[rank] if rank < len(self.node_of) else None
+            out.append(
+                {
+                    "rank": rank,
+                    "node": node,
+                    "phase": phase,
+                    "slowdown": st.slowdown_sum / st.steps,  # rank's time / median, mean
+                    "slowdown_max": st.slowdown_max,
+                    "excess_s": st.excess_sum / st.steps,  # rank's time - median, mean
+                    "steps": st.steps,
+                }
+            )
+        out.sort(key=lambda d: (-d["steps"], -d["excess_s"]))
+        spread = {
+            p: {
+                "steps": s.steps,
+                "max_s": s.max_sum / s.steps,
+                "min_s": s.min_sum / s.steps,
+                "median_s": s.median_sum / s.steps,
+                "worst_s": s.max_max,
+                "worst_rank": s.max_rank,
+            }
+            for p, s in self.spread.items()
+            if s.steps
+        }
+        return {
+            "stragglers": out,
+            "spread": {"threshold": self.threshold, "min_share": MIN_SHARE, "phases": spread},
+        }
+
+    def reset(self) -> None:
+        self.stragglers.clear()
+        self.spread.clear()
