@@ -18,6 +18,7 @@ one device -> host synchronisation. The finiteness check stays on the device unt
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from scaleout.comm.handles import CommFailed
 from scaleout.preempt import Preemption
-from scaleout.train.liveness import describe_rank, unresponsive_verdict
+from scaleout.train.liveness import describe_rank, unresponsive
 from scaleout.world import World
 
 
@@ -203,13 +204,62 @@ def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> Non
         file=sys.stderr,
         flush=True,
     )
-    verdict = (
-        unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
+    verdict, stale = (
+        unresponsive(world, world.timeout_s) if world.world_size > 1 else ("single rank", [])
     )
     print(f"scaleout: {describe_rank(world, world.rank)}: {verdict}", file=sys.stderr, flush=True)
+    write_verdict(world, verdict, stale)
     logging.shutdown()  # flush the MLPerf log and other file handlers
     sys.stdout.flush()
     os._exit(code)
+
+
+VERDICT_DIR = "SCALEOUT_VERDICT_DIR"
+
+
+def write_verdict(
+    world: World, text: str, stale: list[int], env: Mapping[str, str] | None = None
+) -> None:
+    """When ``$SCALEOUT_VERDICT_DIR`` is set (by ``scaleout slurm run``, one folder per attempt),
+    leave the hang verdict there as ``rank<r>.json``: {"rank", "stale_ranks", "stale_nodes" (node
+    indices = SLURM_NODEID), "text"}. The supervisor maps the node indices to hosts and
+    quarantines them; parsing the printed sentence instead would break with its wording."""
+    folder = (os.environ if env is None else env).get(VERDICT_DIR)
+    if not folder:
+        return
+    nodes = sorted({world.node_of[r] for r in stale if r < len(world.node_of)})
+    record = {"rank": world.rank, "stale_ranks": stale, "stale_nodes": nodes, "text": text}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".rank{world.rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(folder, f"rank{world.rank}.json"))
+    except OSError as exc:  # a diagnosis must never be what fails: say so and go on exiting
+        print(f"scaleout: cannot write the verdict to {folder}: {exc}", file=sys.stderr)
+
+
+class CrashInjection:
+    """``SCALEOUT_INJECT_CRASH="STEP:RANK[,STEP:RANK...]"``: this rank raises at those steps
+    (0-based), every attempt again: the deterministic crash the crash-loop guard of ``scaleout
+    slurm run`` must stop (tests/test_spares_slurm.py). A gradient hook, as NanInjection."""
+
+    VARIABLE = "SCALEOUT_INJECT_CRASH"
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> CrashInjection | None:
+        nan = NanInjection.from_env(
+            rank,
+            {NanInjection.VARIABLE: (os.environ if env is None else env).get(cls.VARIABLE, "")},
+        )
+        return cls(nan.steps) if nan is not None else None
+
+    def __call__(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        if step in self.steps:
+            raise RuntimeError(f"injected crash at step {step} ({self.VARIABLE})")
 
 
 # Exit code of a run stopped because it diverged (train.max_consecutive_skips): a plain failure.

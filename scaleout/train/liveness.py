@@ -106,7 +106,13 @@ def _beats(store: Any, keys: list[str]) -> list[str | None]:
 
 def unresponsive_verdict(world: World, timeout_s: float) -> str:
     """One sentence naming the ranks whose heartbeat stopped (call on every rank whose collective
-    failed).
+    failed); :func:`unresponsive` also returns those ranks."""
+    return unresponsive(world, timeout_s)[0]
+
+
+def unresponsive(world: World, timeout_s: float) -> tuple[str, list[int]]:
+    """(verdict sentence, the ranks whose heartbeat stopped: [0] when the store on rank 0 did not
+    answer, [] when every heartbeat is alive or the scan failed otherwise).
 
     Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead)
     host can block past its own timeout (the kernel still accepts the connection), and a diagnosis
@@ -128,16 +134,16 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
     t.start()
     t.join(limit)
     if "verdict" in box:
-        return box["verdict"]
+        return box["verdict"]["text"], list(box["verdict"].get("ranks", []))
     why = box.get("error", f"no answer within {limit:.0f} s")
     return (
         f"the rendezvous store on {describe_rank(world, 0)} did not answer ({why}): rank 0 is "
         "stopped, "
         "hung or dead, or its host is unreachable"
-    )
+    ), [0]
 
 
-def _verdict(world: World, window: float, limit: float) -> str:
+def _verdict(world: World, window: float, limit: float) -> dict[str, Any]:
     store = _client(world, limit)
     if (
         store.add(f"{_PREFIX}/claim", 1) == 1
@@ -154,7 +160,7 @@ def _verdict(world: World, window: float, limit: float) -> str:
         while readers < world.world_size - verdict["stale"] and time.monotonic() < deadline:
             time.sleep(0.2)
             readers = store.add(f"{_PREFIX}/read", 0)
-    return verdict["text"]
+    return verdict
 
 
 def _scan(world: World, store: Any, window: float) -> dict[str, Any]:
@@ -172,4 +178,4 @@ def _scan(world: World, store: Any, window: float) -> dict[str, Any]:
         named = ", ".join(describe_rank(world, r) for r in stale[:8])
         more = f" and {len(stale) - 8} more" if len(stale) > 8 else ""
         text = f"no heartbeat for {window:.0f} s from {named}{more}: stopped, hung or dead"
-    return {"text": text, "stale": len(stale)}
+    return {"text": text, "stale": len(stale), "ranks": stale}

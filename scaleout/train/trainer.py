@@ -54,6 +54,7 @@ from scaleout.train import prefetch, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    CrashInjection,
     NanInjection,
     RequeueDelay,
     StepFlags,
@@ -211,8 +212,8 @@ class Trainer:
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
-        nan = NanInjection.from_env(world.rank)
-        self.gradient_hooks = [nan] if nan is not None else []
+        faults = (NanInjection.from_env(world.rank), CrashInjection.from_env(world.rank))
+        self.gradient_hooks = [f for f in faults if f is not None]
         self.before_requeue = RequeueDelay.from_env()
 
         # swappable components

@@ -1,0 +1,137 @@
+"""Issue 28 items 4-5 without a scheduler: the quarantine file, how `scaleout slurm run` names the
+bad node of a failed step, the crash-loop guard, the verdict the ranks leave for it, run.json's
+attempt history, and one-line errors. The drills on the real local Slurm:
+tests/test_spares_slurm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scaleout import quarantine
+from scaleout.cli import main
+from scaleout.config import load_config
+from scaleout.env.base import WorldSpec
+from scaleout.errors import UserError
+from scaleout.launchers.slurm_supervisor import (
+    Allocation,
+    bad_nodes,
+    choose_nodes,
+    crash_loop,
+)
+from scaleout.train import rerun
+from scaleout.train.faults import CrashInjection, write_verdict
+from scaleout.world import World
+
+
+@pytest.mark.unit
+def test_quarantine_accumulates_merges_and_lists_exclusions(tmp_path):
+    path = quarantine.path_for(tmp_path / "runs" / "r")
+    assert quarantine.load(path) == {} and quarantine.exclude_list(path) == []
+    quarantine.add(path, ["n2"], "no heartbeat from ranks [2, 3]", "heartbeat", when=2.0)
+    quarantine.add(path, ["n2"], "no heartbeat from ranks [2, 3]", "heartbeat", when=2.0)  # dup
+    quarantine.add(path, ["n4", "n2"], "link at 1/10 of the median", "doctor", when=1.0)
+    nodes = quarantine.load(path)
+    assert [e["source"] for e in nodes["n2"]] == ["doctor", "heartbeat"]  # time order, no dup
+    assert json.loads(path.read_text()) == {"nodes": nodes}
+    other = {"n1": [{"reason": "slow compute", "source": "straggler", "time": 3.0}]}
+    assert quarantine.exclude_list(quarantine.merge(nodes, other)) == ["n1", "n2", "n4"]
+    path.write_text('{"nodes": ["n2"]}')
+    with pytest.raises(UserError, match="quarantine.json: expected"):
+        quarantine.load(path)
+
+
+@pytest.mark.unit
+def test_the_bad_node_is_the_heartbeat_verdicts_else_srun_first_signal_death():
+    step = ["n1", "n3"]
+    verdicts = [{"rank": 0, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "..."}]
+    assert list(bad_nodes(verdicts, step, [])) == ["n3"]
+    assert bad_nodes(verdicts, step, [])["n3"][1] == "heartbeat"
+    killed = [
+        "srun: error: n3: task 2: Killed",
+        "srun: Force Terminated StepId=7.0",
+        "srun: error: n1: tasks 0-1: Killed",  # srun's own doing (--kill-on-bad-exit)
+    ]
+    assert bad_nodes([], step, killed) == {"n3": ("task 2: Killed", "srun")}
+    # A rank that exited with an error (a Python exception) names no node; nor does a verdict
+    # in which every heartbeat is alive.
+    crashed = ["srun: error: n1: task 1: Exited with exit code 1", *killed[1:]]
+    assert bad_nodes([{"stale_ranks": [], "stale_nodes": []}], step, crashed) == {}
+
+
+@pytest.mark.unit
+def test_crash_loop_guard_needs_k_deaths_without_progress():
+    def died(progress: int, at: int) -> dict:
+        return {"outcome": "died", "progress": progress, "died_at_step": at}
+
+    assert crash_loop([died(40, 41), died(40, 41)], 3) is None
+    assert crash_loop([died(20, 25), died(40, 41), died(40, 41)], 3) is None  # progress made
+    assert crash_loop([died(40, 41), {"outcome": "stopped"}, died(40, 41)], 2) is None
+    line = crash_loop([died(20, 25), died(40, 41), died(40, 43), died(40, 40)], 3)
+    assert line == (
+        "3 attempts died at step 43 (none got past the checkpoint at step 40): stopping, "
+        "not requeueing"
+    )
+
+
+@pytest.mark.unit
+def test_spares_and_quarantine_choose_the_step_nodes():
+    alloc = Allocation.from_env(
+        {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x3)"}
+    )
+    assert (alloc.nodes, alloc.tasks_per_node) == (["n1", "n2", "n3"], 2)
+    assert choose_nodes(alloc.nodes, set(), 2) == ["n1", "n2"]
+    assert choose_nodes(alloc.nodes, {"n2", "n9"}, 2) == ["n1", "n3"]
+    assert choose_nodes(alloc.nodes, {"n2", "n3"}, 2) is None  # -> requeue excluding them
+
+
+@pytest.mark.unit
+def test_a_failing_rank_leaves_the_stale_nodes_for_the_supervisor(tmp_path):
+    spec = WorldSpec(1, 1, 0, 2, 2, 4, "127.0.0.1", 1, "slurm", tasks_per_node=(2, 2))
+    world = World(spec, torch.device("cpu"), "gloo", node_of=(0, 0, 1, 1))
+    write_verdict(world, "no heartbeat", [2, 3], env={"SCALEOUT_VERDICT_DIR": str(tmp_path)})
+    got = json.loads((tmp_path / "rank1.json").read_text())
+    assert got == {"rank": 1, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "no heartbeat"}
+    write_verdict(world, "x", [0], env={})  # no folder asked for: nothing written, no error
+    assert [p.name for p in tmp_path.iterdir()] == ["rank1.json"]
+
+
+@pytest.mark.unit
+def test_crash_injection_raises_on_its_rank_at_its_step():
+    env = {"SCALEOUT_INJECT_CRASH": "3:1"}
+    assert CrashInjection.from_env(0, env) is None
+    hook = CrashInjection.from_env(1, env)
+    hook(2, [])
+    with pytest.raises(RuntimeError, match="injected crash at step 3"):
+        hook(3, [])
+
+
+@pytest.mark.unit
+def test_a_new_start_keeps_the_attempt_history(tmp_path):
+    """A restart before the first checkpoint is a "new" start: it must not erase the attempts
+    the crash-loop guard counts (old code: record_start began from {})."""
+    cfg = load_config("bert_tiny_cpu", [f"checkpoint.dir={tmp_path}"])
+    attempts = [{"attempt": "5.0.1", "outcome": "died", "progress": 0}]
+    rerun.write_record(tmp_path, {"status": "running", "attempts": attempts})
+    start = rerun.decide_start(cfg)
+    assert start.kind == "new"
+    rerun.record_start(cfg, start, 4)
+    assert rerun.read_record(tmp_path)["attempts"] == attempts
+
+
+@pytest.mark.unit
+def test_slurm_run_refuses_more_nodes_than_the_allocation(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    argv = ["slurm", "run", "--", "scaleout", "train", "bert_tiny_cpu", "launch.nnodes=3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "scaleout slurm: error: launch.nnodes=3 but the allocation has 2 nodes (n1,n2): "
+        "expected launch.nnodes <= the sbatch -N (the rest are spares)"
+    ]
+    assert main(["slurm", "run", "--crash-loop", "0", "--", "scaleout", "train", "x"]) == 2
+    assert "crash-loop K=0: expected a whole number >= 1" in capsys.readouterr().err
