@@ -52,7 +52,10 @@ DEFAULT_CRASH_LOOP = 3
 # srun's report of a task that ended badly: "srun: error: n2: task 3: Killed",
 # "srun: error: n1: tasks 0-1: Exited with exit code 1".
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
-_SRUN_TERMINATING = re.compile(r"^srun: (Force )?Terminat", re.IGNORECASE)
+# srun ending the step itself: "srun: launch/slurm: _step_signal: Terminating StepId=224.0",
+# "srun: Force Terminated StepId=224.0", "srun: Job step aborted: ...".
+_SRUN_TERMINATING = re.compile(r"Terminat(ing|ed) StepId|Job step aborted", re.IGNORECASE)
+EXIT_BAD_INPUT = 2  # a UserError in the ranks (scaleout.cli.main): retrying cannot help
 
 
 def log(msg: str) -> None:
@@ -139,12 +142,23 @@ def bad_nodes(
     if found:
         return found
     for line in srun_lines:
-        if _SRUN_TERMINATING.match(line):
+        if _SRUN_TERMINATING.search(line):
             break  # what srun kills after this is its own doing (--kill-on-bad-exit)
         m = _SRUN_TASK.match(line.strip())
         if m and not m.group(3).startswith("Exited with exit code"):
             return {m.group(1): (f"task {m.group(2)}: {m.group(3)}", "srun")}
     return {}
+
+
+def bad_input(srun_lines: Sequence[str]) -> bool:
+    """A rank exited with scaleout's bad-input code before srun ended the step."""
+    for line in srun_lines:
+        if _SRUN_TERMINATING.search(line):
+            return False
+        m = _SRUN_TASK.match(line.strip())
+        if m and m.group(3) == f"Exited with exit code {EXIT_BAD_INPUT}":
+            return True
+    return False
 
 
 def crash_loop(attempts: Sequence[Mapping[str, Any]], k: int) -> str | None:
@@ -329,6 +343,14 @@ class Supervisor:
                 attempt["outcome"] = "completed" if rc == 0 else "stopped"
                 self._finish(attempt)
                 return rc
+            if bad_input(srun_lines):
+                attempt["outcome"] = "bad_input"
+                self.record_attempt(attempt)
+                log(
+                    f"attempt {tag}: a rank exited {EXIT_BAD_INPUT} (bad input, see above): "
+                    "not retrying"
+                )
+                return EXIT_BAD_INPUT
             verdicts = read_verdicts(verdict_dir)
             named = bad_nodes(verdicts, nodes, srun_lines)
             for host, (reason, source) in named.items():

@@ -17,6 +17,7 @@ from scaleout.env.base import WorldSpec
 from scaleout.errors import UserError
 from scaleout.launchers.slurm_supervisor import (
     Allocation,
+    bad_input,
     bad_nodes,
     choose_nodes,
     crash_loop,
@@ -59,6 +60,13 @@ def test_the_bad_node_is_the_heartbeat_verdicts_else_srun_first_signal_death():
     # in which every heartbeat is alive.
     crashed = ["srun: error: n1: task 1: Exited with exit code 1", *killed[1:]]
     assert bad_nodes([{"stale_ranks": [], "stale_nodes": []}], step, crashed) == {}
+    # srun 22.05's own words when it ends the step (seen on the local cluster)
+    real = [
+        "srun: error: n1: task 0: Exited with exit code 2",
+        "srun: launch/slurm: _step_signal: Terminating StepId=224.0",
+        "srun: error: n2: task 3: Terminated",
+    ]
+    assert bad_nodes([], step, real) == {} and bad_input(real) and not bad_input(crashed)
 
 
 @pytest.mark.unit

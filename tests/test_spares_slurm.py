@@ -94,6 +94,7 @@ def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm
         "launch.nnodes=2",
         f"train.max_steps={steps}",
         f"optim.total_steps={steps}",
+        "optim.warmup_steps=2",
         "train.eval_every=1000",
         "train.target=null",
         "checkpoint.every_steps=3",
