@@ -129,18 +129,30 @@ def read_verdicts(folder: Path) -> list[dict[str, Any]]:
 def bad_nodes(
     verdicts: Sequence[Mapping[str, Any]], step_nodes: Sequence[str], srun_lines: Sequence[str]
 ) -> dict[str, tuple[str, str]]:
-    """host -> (reason, source) of the nodes this failed step names (see the module docstring)."""
+    """host -> (reason, source) of the nodes this failed step names (see the module docstring).
+
+    A node that a verdict's writer runs on is alive whatever the heartbeats say (a starved
+    heartbeat thread on an overloaded host): it is never named from a verdict. When the verdicts
+    name no other node, the step's nodes from which no rank reported are: a live rank whose
+    collective failed always writes one (the verdict is shared through the store, and rank 0
+    waits for the readers before it exits and srun ends the step)."""
     found: dict[str, tuple[str, str]] = {}
+    alive = {v.get("node") for v in verdicts}
     for v in verdicts:
         for i in v.get("stale_nodes", []):
-            if isinstance(i, int) and 0 <= i < len(step_nodes):
-                ranks = [r for r in v.get("stale_ranks", [])]
+            if isinstance(i, int) and 0 <= i < len(step_nodes) and i not in alive:
+                ranks = list(v.get("stale_ranks", []))
                 found.setdefault(
                     step_nodes[i],
                     (f"no heartbeat from ranks {ranks} (stopped, hung or dead)", "heartbeat"),
                 )
     if found:
         return found
+    silent = [h for i, h in enumerate(step_nodes) if i not in alive]
+    if verdicts and None not in alive and 0 < len(silent) < len(step_nodes):
+        return {
+            h: ("no rank reported when the step's collectives failed", "heartbeat") for h in silent
+        }
     for line in srun_lines:
         if _SRUN_TERMINATING.search(line):
             break  # what srun kills after this is its own doing (--kill-on-bad-exit)

@@ -47,9 +47,15 @@ def test_quarantine_accumulates_merges_and_lists_exclusions(tmp_path):
 @pytest.mark.unit
 def test_the_bad_node_is_the_heartbeat_verdicts_else_srun_first_signal_death():
     step = ["n1", "n3"]
-    verdicts = [{"rank": 0, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "..."}]
+    verdicts = [{"rank": 0, "node": 0, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "."}]
     assert list(bad_nodes(verdicts, step, [])) == ["n3"]
     assert bad_nodes(verdicts, step, [])["n3"][1] == "heartbeat"
+    # An overloaded host starved every heartbeat (seen: all 4 ranks named): the writers' own node
+    # is alive, so the node no rank reported from is the one.
+    starved = [
+        {"rank": r, "node": 0, "stale_ranks": [0, 1, 2, 3], "stale_nodes": [0, 1]} for r in (0, 1)
+    ]
+    assert list(bad_nodes(starved, step, [])) == ["n3"]
     killed = [
         "srun: error: n3: task 2: Killed",
         "srun: Force Terminated StepId=7.0",
@@ -59,7 +65,8 @@ def test_the_bad_node_is_the_heartbeat_verdicts_else_srun_first_signal_death():
     # A rank that exited with an error (a Python exception) names no node; nor does a verdict
     # in which every heartbeat is alive.
     crashed = ["srun: error: n1: task 1: Exited with exit code 1", *killed[1:]]
-    assert bad_nodes([{"stale_ranks": [], "stale_nodes": []}], step, crashed) == {}
+    everyone = [{"node": 0, "stale_ranks": [], "stale_nodes": []}, {"node": 1, "stale_nodes": []}]
+    assert bad_nodes(everyone, step, crashed) == {}
     # srun 22.05's own words when it ends the step (seen on the local cluster)
     real = [
         "srun: error: n1: task 0: Exited with exit code 2",
@@ -101,7 +108,8 @@ def test_a_failing_rank_leaves_the_stale_nodes_for_the_supervisor(tmp_path):
     world = World(spec, torch.device("cpu"), "gloo", node_of=(0, 0, 1, 1))
     write_verdict(world, "no heartbeat", [2, 3], env={"SCALEOUT_VERDICT_DIR": str(tmp_path)})
     got = json.loads((tmp_path / "rank1.json").read_text())
-    assert got == {"rank": 1, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "no heartbeat"}
+    want = {"rank": 1, "node": 0, "stale_ranks": [2, 3], "stale_nodes": [1], "text": "no heartbeat"}
+    assert got == want
     write_verdict(world, "x", [0], env={})  # no folder asked for: nothing written, no error
     assert [p.name for p in tmp_path.iterdir()] == ["rank1.json"]
 

@@ -221,14 +221,21 @@ def write_verdict(
     world: World, text: str, stale: list[int], env: Mapping[str, str] | None = None
 ) -> None:
     """When ``$SCALEOUT_VERDICT_DIR`` is set (by ``scaleout slurm run``, one folder per attempt),
-    leave the hang verdict there as ``rank<r>.json``: {"rank", "stale_ranks", "stale_nodes" (node
-    indices = SLURM_NODEID), "text"}. The supervisor maps the node indices to hosts and
-    quarantines them; parsing the printed sentence instead would break with its wording."""
+    leave the hang verdict there as ``rank<r>.json``: {"rank", "node" (this rank's), "stale_ranks",
+    "stale_nodes" (node indices = SLURM_NODEID), "text"}. The supervisor maps the node indices to
+    hosts and quarantines them; parsing the printed sentence would break with its wording."""
     folder = (os.environ if env is None else env).get(VERDICT_DIR)
     if not folder:
         return
     nodes = sorted({world.node_of[r] for r in stale if r < len(world.node_of)})
-    record = {"rank": world.rank, "stale_ranks": stale, "stale_nodes": nodes, "text": text}
+    node = world.node_of[world.rank] if world.rank < len(world.node_of) else None
+    record = {
+        "rank": world.rank,
+        "node": node,
+        "stale_ranks": stale,
+        "stale_nodes": nodes,
+        "text": text,
+    }
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".rank{world.rank}.json.tmp")

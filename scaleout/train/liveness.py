@@ -79,9 +79,15 @@ class Heartbeat:
         self._thread.start()
 
     def _loop(self) -> None:
-        beats = 0
-        while not self._stop.wait(self.period()):
-            beats += 1
+        # Wake at least every second and re-read the period: the first wait would otherwise last
+        # the init timeout's period (30 s at train.init_timeout_s=600) after set_timeout() has
+        # shortened it, and a rank stopped then would be judged against a 2-period window in
+        # which no live rank beats either (every rank named: seen with train.step_timeout_s=6).
+        beats, last = 0, time.monotonic()
+        while not self._stop.wait(min(1.0, self.period())):
+            if time.monotonic() - last < self.period():
+                continue
+            beats, last = beats + 1, time.monotonic()
             try:
                 self._store.set(f"{_PREFIX}/{self.world.rank}", str(beats))
             except Exception:  # noqa: BLE001 -- a slow or stopped store host: keep trying, never raise
