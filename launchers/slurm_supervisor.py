@@ -116,13 +116,18 @@ def choose_nodes(alloc: list[str], excluded: set[str], nnodes: int) -> list[str]
     return healthy[:nnodes] if len(healthy) >= nnodes else None
 
 
-def read_verdicts(folder: Path) -> list[dict[str, Any]]:
+def read_verdicts(folder: Path, before: float | None = None) -> list[dict[str, Any]]:
+    """The verdicts the ranks left, those written before ``before`` only: once srun ends the step
+    it sends SIGCONT + SIGTERM to every task, a stopped rank wakes up to a broken collective and
+    reports too -- blaming the ranks that already exited."""
     out = []
     for f in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
         try:
-            out.append(json.loads(f.read_text()))
+            v = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
+        if before is None or float(v.get("time", 0.0)) <= before:
+            out.append(v)
     return out
 
 
@@ -230,6 +235,7 @@ class Supervisor:
     crash_loop_k: int = DEFAULT_CRASH_LOOP
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     terminating: bool = False
+    first_exit: float | None = None
     _proc: subprocess.Popen | None = None
 
     # -- state on disk --------------------------------------------------------------------------
@@ -279,7 +285,9 @@ class Supervisor:
         return EXIT_PREEMPTED
 
     def srun(self, nodes: list[str], verdict_dir: Path) -> tuple[int, list[str]]:
-        """Run the step on ``nodes``; srun's stderr passes through, its error lines are kept."""
+        """Run the step on ``nodes``; srun's stderr passes through, its error lines are kept.
+        ``self.first_exit``: when srun first reported a task that ended badly (None: none)."""
+        self.first_exit = None
         argv = [
             "srun",
             "--kill-on-bad-exit=1",
@@ -299,6 +307,10 @@ class Supervisor:
             text = raw.decode(errors="replace").rstrip()
             if text.startswith("srun: "):
                 lines.append(text)
+                if self.first_exit is None and (
+                    _SRUN_TASK.match(text) or _SRUN_TERMINATING.search(text)
+                ):
+                    self.first_exit = time.time()
         return self._proc.wait(), lines
 
     # -- the loop -------------------------------------------------------------------------------
@@ -363,7 +375,7 @@ class Supervisor:
                     "not retrying"
                 )
                 return EXIT_BAD_INPUT
-            verdicts = read_verdicts(verdict_dir)
+            verdicts = read_verdicts(verdict_dir, before=self.first_exit)
             named = bad_nodes(verdicts, nodes, srun_lines)
             for host, (reason, source) in named.items():
                 quarantine.add(self.qfile, [host], reason, source, when=ended)

@@ -222,8 +222,9 @@ def write_verdict(
 ) -> None:
     """When ``$SCALEOUT_VERDICT_DIR`` is set (by ``scaleout slurm run``, one folder per attempt),
     leave the hang verdict there as ``rank<r>.json``: {"rank", "node" (this rank's), "stale_ranks",
-    "stale_nodes" (node indices = SLURM_NODEID), "text"}. The supervisor maps the node indices to
-    hosts and quarantines them; parsing the printed sentence would break with its wording."""
+    "stale_nodes" (node indices = SLURM_NODEID), "text", "time"}. The supervisor maps the node
+    indices to hosts and quarantines them; parsing the printed sentence would break with its
+    wording."""
     folder = (os.environ if env is None else env).get(VERDICT_DIR)
     if not folder:
         return
@@ -235,6 +236,7 @@ def write_verdict(
         "stale_ranks": stale,
         "stale_nodes": nodes,
         "text": text,
+        "time": time.time(),
     }
     try:
         os.makedirs(folder, exist_ok=True)
