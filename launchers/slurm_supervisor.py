@@ -34,6 +34,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
 # srun ending the step itself: "srun: launch/slurm: _step_signal: Terminating StepId=224.0",
 # "srun: Force Terminated StepId=224.0", "srun: Job step aborted: ...".
 _SRUN_TERMINATING = re.compile(r"Terminat(ing|ed) StepId|Job step aborted", re.IGNORECASE)
+_STEP_ID = re.compile(r"StepId=(\d+\.\d+)")
+KILL_AFTER_S = 3.0  # after srun starts ending a failed step, what is left of it is killed
 EXIT_BAD_INPUT = 2  # a UserError in the ranks (scaleout.cli.main): retrying cannot help
 
 
@@ -299,6 +302,7 @@ class Supervisor:
         ]
         env = {**self.env, VERDICT_DIR: str(verdict_dir)}
         lines: list[str] = []
+        killer: threading.Timer | None = None
         self._proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
         assert self._proc.stderr is not None
         for raw in self._proc.stderr:
@@ -311,7 +315,25 @@ class Supervisor:
                     _SRUN_TASK.match(text) or _SRUN_TERMINATING.search(text)
                 ):
                     self.first_exit = time.time()
-        return self._proc.wait(), lines
+                step = _STEP_ID.search(text)
+                if step and killer is None and _SRUN_TERMINATING.search(text):
+                    killer = threading.Timer(KILL_AFTER_S, self._kill_step, (step.group(1),))
+                    killer.daemon = True
+                    killer.start()
+        rc = self._proc.wait()
+        if killer is not None:
+            killer.cancel()
+        return rc, lines
+
+    def _kill_step(self, step: str) -> None:
+        """SIGKILL what is left of a step srun is ending: Slurm's SIGCONT + SIGTERM wakes a stopped
+        rank into a broken collective and a dead store, which it may take the store timeout to
+        give up on (seen: 18 s), and srun waits up to KillWait for it: the new step would wait
+        too. The ranks that diagnosed the failure have written their verdicts by then."""
+        if self._proc is not None and self._proc.poll() is None:
+            subprocess.run(
+                ["scancel", "--signal=KILL", step], env=self.env, capture_output=True, timeout=60
+            )
 
     # -- the loop -------------------------------------------------------------------------------
     def _on_term(self, signum: int, _frame: Any) -> None:
