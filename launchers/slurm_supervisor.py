@@ -20,7 +20,8 @@ healthy nodes of the allocation; the allocation's other nodes are spares. When t
    ExcNodeList``, ``scontrol release``: Slurm refuses ExcNodeList on a running job).
 4. **Crash-loop guard.** Every attempt is recorded in run.json's ``attempts`` (job, nodes, exit,
    the checkpoint step it resumed from and reached, bad nodes). When the last K attempts all died
-   without a checkpoint past the same step, the job stops with one line and is not requeued.
+   without a checkpoint past the same step (K = ``launch.crash_loop``), the job stops with one
+   line and is not requeued.
 
 A SIGTERM to the job (scancel, requeue, time limit) or a preemption exit (75: rank 0 already
 requeued) ends the supervisor after its step, without a new one.
@@ -44,6 +45,7 @@ from typing import Any
 from scaleout import quarantine
 from scaleout.checkpoint import Checkpointer
 from scaleout.errors import UserError
+from scaleout.launchers.slurm import job_info
 from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 from scaleout.preempt import EXIT_PREEMPTED
 from scaleout.train.faults import VERDICT_DIR
@@ -92,7 +94,8 @@ class TrainCommand:
     argv: list[str]
     nnodes: int
     ckpt_dir: str | None
-    output_dir: str
+    output_dir: str  # the run directory: quarantine.json, attempts/
+    crash_loop: int = DEFAULT_CRASH_LOOP
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> TrainCommand:
@@ -101,6 +104,11 @@ class TrainCommand:
         argv = list(argv)
         if argv[:1] == ["--"]:
             argv = argv[1:]
+        if argv[:1] and argv[0].startswith("-"):
+            raise UserError(
+                f"run: unexpected option {argv[0]!r}: expected '-- scaleout train CONFIG "
+                "[overrides]' (settings are config keys: launch.nnodes, launch.crash_loop)"
+            )
         try:
             at = argv.index("train")
             config, overrides = argv[at + 1], argv[at + 2 :]
@@ -110,7 +118,9 @@ class TrainCommand:
                 f"{' '.join(argv) or 'nothing'!r}"
             ) from None
         cfg = load_config(config, overrides)
-        return cls(argv, cfg.launch.nnodes, cfg.checkpoint.dir, cfg.train.output_dir)
+        return cls(
+            argv, cfg.launch.nnodes, cfg.checkpoint.dir, cfg.train.output_dir, cfg.launch.crash_loop
+        )
 
 
 def choose_nodes(alloc: list[str], excluded: set[str], nnodes: int) -> list[str] | None:
@@ -144,6 +154,8 @@ def bad_nodes(
     name no other node, the step's nodes from which no rank reported are: a live rank whose
     collective failed always writes one (the verdict is shared through the store, and rank 0
     waits for the readers before it exits and srun ends the step)."""
+    if any("crashed" in v for v in verdicts):
+        return {}  # a rank died of its own exception: a software error names no node
     found: dict[str, tuple[str, str]] = {}
     alive = {v.get("node") for v in verdicts}
     for v in verdicts:
@@ -274,18 +286,27 @@ class Supervisor:
         if p.returncode != 0:
             log(f"scontrol requeuehold {job} failed: {(p.stderr or p.stdout).strip()}")
             return 1
-        excl = ",".join(exclude)
-        deadline = time.monotonic() + 20
-        while True:  # the job becomes pending a moment after requeuehold
-            p = self._scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
-            if p.returncode == 0 or time.monotonic() > deadline:
-                break
+        excl, updated, why = ",".join(exclude), False, ""
+        # The job becomes PENDING (held) a moment after requeuehold; the update and the release
+        # take only then (a release sent earlier is lost: seen on Slurm 22.05). Slurm kills this
+        # batch script KillWait (30 s) after the requeue: the SIGTERM before is caught.
+        deadline = time.monotonic() + 25
+        while time.monotonic() < deadline:
+            info = job_info(job, self.env)
+            if info.get("JobState") == "PENDING":
+                if not updated:
+                    p = self._scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
+                    updated, why = p.returncode == 0, (p.stderr or p.stdout).strip()
+                if updated and info.get("Priority") != "0":
+                    log(f"requeued Slurm job {job} excluding {excl}")
+                    return EXIT_PREEMPTED
+                self._scontrol("release", job)
             time.sleep(0.3)
-        if p.returncode != 0:
-            log(f"scontrol update ExcNodeList={excl} failed: {(p.stderr or p.stdout).strip()}")
-        self._scontrol("release", job)
-        log(f"requeued Slurm job {job} excluding {excl}")
-        return EXIT_PREEMPTED
+        log(
+            f"requeue of Slurm job {job} excluding {excl} incomplete (ExcNodeList "
+            f"{'set' if updated else 'not set: ' + why}; release it: scontrol release {job})"
+        )
+        return 1
 
     def srun(self, nodes: list[str], verdict_dir: Path) -> tuple[int, list[str]]:
         """Run the step on ``nodes``; srun's stderr passes through, its error lines are kept.
@@ -402,11 +423,10 @@ class Supervisor:
             for host, (reason, source) in named.items():
                 quarantine.add(self.qfile, [host], reason, source, when=ended)
                 log(f"node {host} quarantined ({source}: {reason}) -> {self.qfile}")
+            crashed = [f"rank {v['rank']}: {v['crashed']}" for v in verdicts if "crashed" in v]
             if not named:
-                log(
-                    f"attempt {tag}: step exited {rc}; no node named (a software error?): "
-                    "retrying on the same nodes"
-                )
+                why = f"{crashed[0]}" if crashed else "no node named"
+                log(f"attempt {tag}: step exited {rc} ({why}): a software error, same nodes again")
             attempt.update(outcome="died", bad_nodes={h: r for h, (r, _) in named.items()})
             attempts = self.record_attempt(attempt)
             why = crash_loop(attempts, self.crash_loop_k)

@@ -35,7 +35,7 @@ source slurm/env.sh
 # nodes; the allocation's other nodes are spares (sbatch -N launch.nnodes+k). When the step dies, the node
 # whose ranks stopped, hung or were killed is quarantined ($RUN_DIR/quarantine.json) and a new step starts
 # on healthy nodes at once, resuming from the latest checkpoint; with too few left the job is requeued
-# excluding the quarantined nodes (so is a resubmission). $SCALEOUT_CRASH_LOOP (default 3) attempts dying
-# at the same step stop the job with one line. Attempt history: $RUN_DIR/ckpt/run.json.
-exec scaleout slurm run --run-dir "$RUN_DIR" -- scaleout train configs/resnet50_128x8.yaml \
+# excluding the quarantined nodes (so is a resubmission). launch.crash_loop (default 3) attempts dying at
+# the same step stop the job with one line. Attempt history: $RUN_DIR/ckpt/run.json.
+exec scaleout slurm run -- scaleout train configs/resnet50_128x8.yaml \
   train.output_dir="$RUN_DIR" checkpoint.dir="$RUN_DIR/ckpt" "$@"

@@ -25,7 +25,7 @@ from scaleout.launchers.slurm_supervisor import (
     read_verdicts,
 )
 from scaleout.train import rerun
-from scaleout.train.faults import CrashInjection, write_verdict
+from scaleout.train.faults import CrashInjection, write_crash, write_verdict
 from scaleout.world import World
 
 
@@ -69,6 +69,14 @@ def test_the_bad_node_is_the_heartbeat_verdicts_else_srun_first_signal_death():
     crashed = ["srun: error: n1: task 1: Exited with exit code 1", *killed[1:]]
     everyone = [{"node": 0, "stale_ranks": [], "stale_nodes": []}, {"node": 1, "stale_nodes": []}]
     assert bad_nodes(everyone, step, crashed) == {}
+    # A rank that raised (seen: rank 1 of n1) ends its heartbeat as it unwinds, and a peer's
+    # verdict then names it: its own crash record says the step died of a software error.
+    blamed = [
+        {"rank": 2, "node": 1, "stale_ranks": [1], "stale_nodes": [0]},
+        {"rank": 1, "node": 0, "crashed": "RuntimeError: injected crash at step 3"},
+    ]
+    assert bad_nodes(blamed, step, crashed) == {}
+    assert list(bad_nodes(blamed[:1], step, crashed)) == ["n1"]
     # srun 22.05's own words when it ends the step (seen on the local cluster)
     real = [
         "srun: error: n1: task 0: Exited with exit code 2",
@@ -124,6 +132,9 @@ def test_a_failing_rank_leaves_the_stale_nodes_for_the_supervisor(tmp_path):
     assert time.time() - got.pop("time") < 60 and got == want
     write_verdict(world, "x", [0], env={})  # no folder asked for: nothing written, no error
     assert [p.name for p in tmp_path.iterdir()] == ["rank1.json"]
+    write_crash(world, RuntimeError("boom\nmore"), env={"SCALEOUT_VERDICT_DIR": str(tmp_path)})
+    got = json.loads((tmp_path / "rank1.json").read_text())
+    assert (got["node"], got["crashed"]) == (0, "RuntimeError: boom")
 
 
 @pytest.mark.unit
@@ -161,5 +172,6 @@ def test_slurm_run_refuses_more_nodes_than_the_allocation(monkeypatch, capsys):
         "scaleout slurm: error: launch.nnodes=3 but the allocation has 2 nodes (n1,n2): "
         "expected launch.nnodes <= the sbatch -N (the rest are spares)"
     ]
-    assert main(["slurm", "run", "--crash-loop", "0", "--", "scaleout", "train", "x"]) == 2
-    assert "crash-loop K=0: expected a whole number >= 1" in capsys.readouterr().err
+    argv = ["slurm", "run", "--", "scaleout", "train", "bert_tiny_cpu", "launch.crash_loop=0"]
+    assert main(argv) == 2
+    assert "launch.crash_loop" in capsys.readouterr().err

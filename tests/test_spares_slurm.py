@@ -156,8 +156,9 @@ def test_a_rank_crashing_at_the_same_step_stops_the_job_after_k_attempts(slurm_c
         "train.target=null",
         "checkpoint.every_steps=2",
         "train.global_batch=16",
+        "launch.crash_loop=2",
     ]
-    env = {"SCALEOUT_INJECT_CRASH": "3:1", "SCALEOUT_CRASH_LOOP": "2"}
+    env = {"SCALEOUT_INJECT_CRASH": "3:1"}
     job = _submit(slurm_cluster, tmp_path, name, 2, overrides, env=env)
     log, run_dir = tmp_path / f"{name}.out", tmp_path / name
     try:

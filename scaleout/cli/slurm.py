@@ -24,13 +24,13 @@ folder another user created is refused); `down` signals only PIDs that are that 
 `--wipe` deletes only in a folder that carries scaleout's marker, and the n1..n4 line `up` adds to
 /etc/hosts is marked and removed by `down`.
 
-`scaleout slurm run [--run-dir D] [--crash-loop K] -- scaleout train CONFIG ...` (inside an
-sbatch script; slurm/bert_256node.sh uses it): runs the step with srun on launch.nnodes healthy
-nodes of the allocation, the others are spares. When the step dies, the node whose ranks stopped,
-hung or were killed is named and written to D/quarantine.json, and a new step starts on healthy
-nodes at once, resuming from the latest checkpoint; with too few healthy nodes the job is
-requeued excluding the quarantined ones. K attempts (default 3, or $SCALEOUT_CRASH_LOOP) that die
-without a checkpoint past the same step stop the job with one line. Attempts: run.json.
+`scaleout slurm run -- scaleout train CONFIG [overrides]` (inside an sbatch script;
+slurm/bert_256node.sh uses it): runs the step with srun on launch.nnodes healthy nodes of the
+allocation, the others are spares. When the step dies, the node whose ranks stopped, hung or were
+killed is named and written to <train.output_dir>/quarantine.json, and a new step starts on
+healthy nodes at once, resuming from the latest checkpoint; with too few healthy nodes the job is
+requeued excluding the quarantined ones. launch.crash_loop (default 3) attempts that die without a
+checkpoint past the same step stop the job with one line. Attempts: run.json.
 
 examples:
   scaleout slurm up                 # ~3 s (11 s the first time: database init)
@@ -47,19 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "action",
         choices=["up", "down", "status", "run"],
         help="up: start (idempotent); down: stop by PID; run: supervise a training step (sbatch)",
-    )
-    p.add_argument(
-        "--run-dir",
-        default=None,
-        help="run: the run directory holding quarantine.json (default $RUN_DIR, else "
-        "train.output_dir)",
-    )
-    p.add_argument(
-        "--crash-loop",
-        type=int,
-        default=None,
-        metavar="K",
-        help="run: stop after K attempts die at the same step (default $SCALEOUT_CRASH_LOOP or 3)",
     )
     p.add_argument(
         "step_command",
@@ -85,31 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _supervise(args: argparse.Namespace) -> int:
     from scaleout.launchers import slurm_supervisor as sup
 
-    rest = list(args.step_command)
-    cut = rest.index("--") if "--" in rest else 0
-    opts = argparse.ArgumentParser(prog="scaleout slurm run", add_help=False)
-    opts.add_argument("--run-dir", default=args.run_dir)
-    opts.add_argument("--crash-loop", type=int, default=args.crash_loop)
-    try:
-        known, extra = opts.parse_known_args(rest[:cut])
-    except SystemExit:  # a value argparse refused (it printed why)
-        extra = ["?"]
-    if extra:
-        raise UserError(
-            f"run: options {' '.join(rest[:cut])!r}: expected --run-dir D, --crash-loop K"
-        )
-    args.run_dir, args.crash_loop, args.step_command = known.run_dir, known.crash_loop, rest[cut:]
-    raw = args.crash_loop if args.crash_loop is not None else os.environ.get("SCALEOUT_CRASH_LOOP")
-    try:
-        k = int(raw) if raw is not None else sup.DEFAULT_CRASH_LOOP
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise UserError(f"crash-loop K={raw!r}: expected a whole number >= 1")
     cmd = sup.TrainCommand.parse(args.step_command)
     alloc = sup.Allocation.from_env(os.environ)
-    run_dir = Path(args.run_dir or os.environ.get("RUN_DIR") or cmd.output_dir)
-    return sup.Supervisor(alloc, cmd, run_dir, crash_loop_k=k).run()
+    return sup.Supervisor(alloc, cmd, Path(cmd.output_dir), crash_loop_k=cmd.crash_loop).run()
 
 
 def run(args: argparse.Namespace) -> int:

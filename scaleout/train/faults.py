@@ -225,19 +225,25 @@ def write_verdict(
     "stale_nodes" (node indices = SLURM_NODEID), "text", "time"}. The supervisor maps the node
     indices to hosts and quarantines them; parsing the printed sentence would break with its
     wording."""
+    nodes = sorted({world.node_of[r] for r in stale if r < len(world.node_of)})
+    _leave(world, {"stale_ranks": stale, "stale_nodes": nodes, "text": text}, env)
+
+
+def write_crash(world: World, exc: BaseException, env: Mapping[str, str] | None = None) -> None:
+    """The same folder, from a rank about to die of an exception of its own (not a failed
+    collective): {"rank", "node", "crashed": the error's first line, "time"}. Written before
+    anything else, it tells the supervisor the step died of a software error -- the peers'
+    verdicts that follow name this rank's node only because its heartbeat ended with it."""
+    first = next((x.strip() for x in str(exc).splitlines() if x.strip()), "")
+    _leave(world, {"crashed": f"{type(exc).__name__}: {first}"[:300]}, env)
+
+
+def _leave(world: World, fields: dict, env: Mapping[str, str] | None) -> None:
     folder = (os.environ if env is None else env).get(VERDICT_DIR)
     if not folder:
         return
-    nodes = sorted({world.node_of[r] for r in stale if r < len(world.node_of)})
     node = world.node_of[world.rank] if world.rank < len(world.node_of) else None
-    record = {
-        "rank": world.rank,
-        "node": node,
-        "stale_ranks": stale,
-        "stale_nodes": nodes,
-        "text": text,
-        "time": time.time(),
-    }
+    record = {"rank": world.rank, "node": node, **fields, "time": time.time()}
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".rank{world.rank}.json.tmp")

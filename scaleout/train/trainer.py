@@ -62,6 +62,7 @@ from scaleout.train.faults import (
     exit_on_comm_failure,
     is_comm_failure,
     nonfinite,
+    write_crash,
 )
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
@@ -648,6 +649,7 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
                 exc
             ):  # a hung or dead peer: one line naming it, then end this process
                 exit_on_comm_failure(world, exc)
+            write_crash(world, exc)  # for `scaleout slurm run`: a software error, not a node
             raise
         finally:
             heartbeat.close()
