@@ -9,6 +9,8 @@
 - crash loop: a rank that raises at the same step on every attempt (SCALEOUT_INJECT_CRASH): after
   K=2 attempts the job stops with one line, is not requeued, and no node is quarantined (a
   software error names no node).
+- no spares: the same SIGSTOP with -N 2 requeues the job with the node in its ExcNodeList
+  (requeuehold, update, release); the requeued job resumes on two other nodes.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _steps(overrides: list[str], **kw: object) -> list[str]:
 @pytest.mark.timeout(900)
 def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm_cluster, tmp_path):
     name = f"spare-{uuid.uuid4().hex[:6]}"
-    steps = 10
+    steps = 30
     overrides = [
         *_tiny(),
         "launch.nnodes=2",
@@ -156,6 +158,7 @@ def test_a_rank_crashing_at_the_same_step_stops_the_job_after_k_attempts(slurm_c
         "train.target=null",
         "checkpoint.every_steps=2",
         "train.global_batch=16",
+        "train.step_timeout_s=8",  # the crashed rank's peers notice at the step timeout
         "launch.crash_loop=2",
     ]
     env = {"SCALEOUT_INJECT_CRASH": "3:1"}
@@ -177,3 +180,42 @@ def test_a_rank_crashing_at_the_same_step_stops_the_job_after_k_attempts(slurm_c
     record = json.loads((run_dir / "ckpt" / "run.json").read_text())
     assert [a["outcome"] for a in record["attempts"]] == ["died", "died"]
     assert record["status"] == "crash_loop"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_without_spares_a_hung_node_requeues_the_job_excluding_it(slurm_cluster, tmp_path):
+    """-N 2 with launch.nnodes=2: no spare, so the SIGSTOPped node's quarantine requeues the job
+    with ExcNodeList=n2; the requeued job runs on two other nodes and resumes."""
+    name = f"noreq-{uuid.uuid4().hex[:6]}"
+    steps = 30
+    overrides = [
+        *_tiny(),
+        "launch.nnodes=2",
+        f"train.max_steps={steps}",
+        f"optim.total_steps={steps}",
+        "optim.warmup_steps=2",
+        "train.eval_every=1000",
+        "train.target=null",
+        "checkpoint.every_steps=3",
+        "train.global_batch=16",
+        "train.step_timeout_s=8",
+    ]
+    job = _submit(slurm_cluster, tmp_path, name, 2, overrides)
+    log, run_dir = tmp_path / f"{name}.out", tmp_path / name
+    try:
+        wait_for_text(log, r"checkpoint: step 3 ->", timeout_s=400)
+        for pid in _node_processes(job, "n2"):
+            os.kill(pid, signal.SIGSTOP)
+        wait_for_text(log, r"requeued Slurm job \d+ excluding n2", timeout_s=300)
+        slurm_cluster.release_requeued(job, restart=1, timeout_s=180)
+        state = slurm_cluster.wait(job, timeout_s=600)
+    finally:
+        slurm_cluster.run(["scancel", str(job)], check=False)
+    text = log.read_text()
+    info = slurm_cluster.info(job)
+    assert state == "COMPLETED" and info.get("ExcNodeList") == "n2", (info, text[-5000:])
+    assert "n2" not in info.get("NodeList", ""), info
+    assert re.search(r"restart 1: 2 nodes", text), text[-5000:]
+    assert re.search(r"resumed from .* at step [1-9]", text), text[-5000:]
+    assert list(json.loads((run_dir / "quarantine.json").read_text())["nodes"]) == ["n2"]
