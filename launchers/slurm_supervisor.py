@@ -295,6 +295,10 @@ class Supervisor:
             info = job_info(job, self.env)
             if info.get("JobState") == "PENDING":
                 if not updated:
+                    # keep what the job already excluded (sbatch --exclude)
+                    have = info.get("ExcNodeList", "(null)")
+                    if have not in ("", "(null)"):
+                        excl = ",".join(sorted({*exclude, *expand_nodelist(have)}))
                     p = self._scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
                     updated, why = p.returncode == 0, (p.stderr or p.stdout).strip()
                 if updated and info.get("Priority") != "0":
