@@ -200,11 +200,13 @@ def crash_loop(attempts: Sequence[Mapping[str, Any]], k: int) -> str | None:
         return None
     if len({a.get("progress") for a in tail}) != 1:
         return None
-    died = max(int(a.get("died_at_step") or 0) for a in tail)
-    return (
-        f"{k} attempts died at step {died} (none got past the checkpoint at step "
-        f"{tail[-1].get('progress')}): stopping, not requeueing"
+    died, ckpt = max(int(a.get("died_at_step") or 0) for a in tail), tail[-1].get("progress")
+    where = (
+        f"at step {died} (none got past the checkpoint at step {ckpt})"
+        if died != ckpt
+        else f"after step {ckpt} (its checkpoint) before the next checkpoint"
     )
+    return f"{k} attempts died {where}: stopping, not requeueing"
 
 
 def last_logged_step(output_dir: str, since: float) -> int | None:

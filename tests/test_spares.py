@@ -109,6 +109,10 @@ def test_crash_loop_guard_needs_k_deaths_without_progress():
         "3 attempts died at step 43 (none got past the checkpoint at step 40): stopping, "
         "not requeueing"
     )
+    assert crash_loop([died(6, 6), died(6, 6)], 2) == (
+        "2 attempts died after step 6 (its checkpoint) before the next checkpoint: stopping, "
+        "not requeueing"
+    )
 
 
 @pytest.mark.unit
