@@ -6,7 +6,11 @@ tests/test_spares_slurm.py."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +29,11 @@ from scaleout.launchers.slurm_supervisor import (
     read_verdicts,
 )
 from scaleout.train import rerun
-from scaleout.train.faults import CrashInjection, write_crash, write_verdict
+from scaleout.train.faults import (
+    CrashInjection,
+    write_crash,
+    write_verdict,
+)
 from scaleout.world import World
 
 
@@ -179,3 +187,35 @@ def test_slurm_run_refuses_more_nodes_than_the_allocation(monkeypatch, capsys):
     argv = ["slurm", "run", "--", "scaleout", "train", "bert_tiny_cpu", "launch.crash_loop=0"]
     assert main(argv) == 2
     assert "launch.crash_loop" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_kill_descendants_ends_children_and_grandchildren():
+    """What a rank does before os._exit on a failed collective: its helpers (here a shell and
+    its sleeping child, both ignoring SIGTERM as the data workers do) must not outlive it. Run in
+    a child interpreter: in the test process it would kill pytest's own helpers too."""
+    code = (
+        "import subprocess, sys\n"
+        "from scaleout.train.faults import kill_descendants\n"
+        "p = subprocess.Popen(['bash', '-c', \"trap '' TERM; sleep 60 & echo $!; wait\"],"
+        " stdout=subprocess.PIPE, text=True)\n"
+        "grandchild = int(p.stdout.readline())\n"
+        "n = kill_descendants()\n"
+        "print(n, p.wait(timeout=10), grandchild)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    n, rc, grandchild = map(int, out)
+    assert n >= 2 and rc == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break  # gone
+        if state == "Z":
+            break  # killed, not yet reaped by init
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"pid {grandchild} (the grandchild) still running")
