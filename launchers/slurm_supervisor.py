@@ -369,6 +369,10 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):  # a preemption notice is the ranks' business
+            signal.signal(
+                sig, lambda *_: None
+            )  # (a handler, not SIG_IGN: srun must not inherit it)
         alloc, nnodes = self.alloc, self.cmd.nnodes
         if nnodes > len(alloc.nodes):
             raise UserError(
