@@ -289,24 +289,24 @@ class Supervisor:
             log(f"scontrol requeuehold {job} failed: {(p.stderr or p.stdout).strip()}")
             return 1
         excl, updated, why = ",".join(exclude), False, ""
-        # The job becomes PENDING (held) a moment after requeuehold; the update and the release
-        # take only then (a release sent earlier is lost: seen on Slurm 22.05). Slurm kills this
-        # batch script KillWait (30 s) after the requeue: the SIGTERM before is caught.
+        have = job_info(job, self.env).get("ExcNodeList", "(null)")
+        if have not in ("", "(null)"):  # keep what the job already excluded (sbatch --exclude)
+            excl = ",".join(sorted({*exclude, *expand_nodelist(have)}))
+        # ExcNodeList is refused while the job runs and accepted once requeuehold has taken; a
+        # release sent too early is lost (seen on Slurm 22.05): repeat both until the job is
+        # pending and not held. Slurm kills this batch script KillWait (30 s) after the requeue;
+        # its SIGTERM is caught.
         deadline = time.monotonic() + 25
         while time.monotonic() < deadline:
-            info = job_info(job, self.env)
-            if info.get("JobState") == "PENDING":
-                if not updated:
-                    # keep what the job already excluded (sbatch --exclude)
-                    have = info.get("ExcNodeList", "(null)")
-                    if have not in ("", "(null)"):
-                        excl = ",".join(sorted({*exclude, *expand_nodelist(have)}))
-                    p = self._scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
-                    updated, why = p.returncode == 0, (p.stderr or p.stdout).strip()
-                if updated and info.get("Priority") != "0":
+            if not updated:
+                p = self._scontrol("update", f"JobId={job}", f"ExcNodeList={excl}")
+                updated, why = p.returncode == 0, (p.stderr or p.stdout).strip()
+            if updated:
+                self._scontrol("release", job)
+                info = job_info(job, self.env)
+                if info.get("Priority", "0") != "0" and "held" not in info.get("Reason", ""):
                     log(f"requeued Slurm job {job} excluding {excl}")
                     return EXIT_PREEMPTED
-                self._scontrol("release", job)
             time.sleep(0.3)
         log(
             f"requeue of Slurm job {job} excluding {excl} incomplete (ExcNodeList "
