@@ -219,3 +219,28 @@ def test_kill_descendants_ends_children_and_grandchildren():
         time.sleep(0.05)
     else:
         pytest.fail(f"pid {grandchild} (the grandchild) still running")
+
+
+@pytest.mark.unit
+def test_heartbeat_follows_a_shortened_timeout_at_once():
+    """After set_timeout() shortens the collective timeout (600 s -> 4 s: period 30 s -> 1 s), the
+    next beat comes within a period or two, not after the 30 s wait begun under the init timeout
+    (old code): a rank stopped right after the first step was otherwise judged with every other
+    rank "stale" (seen in the spares drill: all 4 ranks named)."""
+    import torch.distributed as dist  # deferred: only this test talks to a store
+
+    from scaleout.train.liveness import Heartbeat, period_for
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = WorldSpec(0, 0, 0, 1, 2, 2, "127.0.0.1", store.port, "local", tasks_per_node=(2,))
+    world = World(spec, torch.device("cpu"), "gloo", node_of=(0, 0), timeout_s=600.0)
+    beat = Heartbeat(world, lambda: period_for(world.timeout_s))
+    try:
+        time.sleep(0.3)
+        world.timeout_s = 4.0
+        deadline = time.monotonic() + 4.0
+        while store.get("scaleout/heartbeat/0") == b"0" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.get("scaleout/heartbeat/0") != b"0"
+    finally:
+        beat.close()
