@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from scaleout import quarantine
 from scaleout.cli import main
@@ -34,6 +35,7 @@ from scaleout.train.faults import (
     write_crash,
     write_verdict,
 )
+from scaleout.train.liveness import Heartbeat, period_for
 from scaleout.world import World
 
 
@@ -227,10 +229,6 @@ def test_heartbeat_follows_a_shortened_timeout_at_once():
     next beat comes within a period or two, not after the 30 s wait begun under the init timeout
     (old code): a rank stopped right after the first step was otherwise judged with every other
     rank "stale" (seen in the spares drill: all 4 ranks named)."""
-    import torch.distributed as dist  # deferred: only this test talks to a store
-
-    from scaleout.train.liveness import Heartbeat, period_for
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = WorldSpec(0, 0, 0, 1, 2, 2, "127.0.0.1", store.port, "local", tasks_per_node=(2,))
     world = World(spec, torch.device("cpu"), "gloo", node_of=(0, 0), timeout_s=600.0)
