@@ -35,7 +35,7 @@ checkpoint past the same step stop the job with one line. Attempts: run.json.
 examples:
   scaleout slurm up                 # ~3 s (11 s the first time: database init)
   export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf
-  sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh model.bert.layers=2
+  sbatch -N 3 --ntasks-per-node 2 slurm/bert_256node.sh launch.nnodes=2 model.bert.layers=2
   srun -N 2 --ntasks-per-node 2 scaleout smoke
   scaleout slurm status
   scaleout slurm down [--wipe]
