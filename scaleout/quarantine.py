@@ -11,7 +11,9 @@ A node's entries are appended, never replaced, so a file is the history of verdi
 :func:`add` / :func:`merge` are pure, :func:`save` writes atomically (temporary file + rename), and
 :func:`record` does load + add + save under an exclusive lock so that concurrent writers (the ranks
 of two jobs, doctor and a trainer) never lose each other's entries. :func:`hosts` lists the nodes a
-file quarantines, for ``sbatch --exclude`` (:func:`scaleout.nodelist.compress_hostlist`).
+file quarantines, for ``sbatch --exclude`` (:func:`scaleout.nodelist.compress_hostlist`);
+:func:`exclude_list` the same from a file. A node leaves quarantine when its entries are deleted
+from the file (or the file is removed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from typing import Any
 from scaleout.errors import UserError
 
 FIELDS = ("reason", "source", "time")
+FILE = "quarantine.json"  # a run's: runs/<name>/quarantine.json (the Slurm supervisor's)
+
+
+def path_for(run_dir: str | os.PathLike[str]) -> Path:
+    """A run's quarantine file."""
+    return Path(run_dir) / FILE
 
 
 def empty() -> dict[str, Any]:
@@ -101,6 +109,12 @@ def merge(*datas: Mapping[str, Any]) -> dict[str, Any]:
 def hosts(data: Mapping[str, Any]) -> list[str]:
     """The quarantined nodes, sorted."""
     return sorted(validate(data)["nodes"])
+
+
+def exclude_list(data: Mapping[str, Any] | str | os.PathLike[str]) -> list[str]:
+    """The quarantined nodes of a quarantine or of a file, sorted (``srun --exclude``,
+    ``ExcNodeList``: joined by ',')."""
+    return hosts(data if isinstance(data, Mapping) else load(data))
 
 
 def save(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:

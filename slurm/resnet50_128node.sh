@@ -2,8 +2,9 @@
 # ResNet-50 v1.5 on ImageNet to the MLPerf target (top-1 75.90 %) on 128 nodes x 8 GPUs = 1024 ranks.
 #
 #   sbatch slurm/resnet50_128node.sh [key=value config overrides]           # from the scaleout checkout
-#   sbatch -N 2 --ntasks-per-node 2 slurm/resnet50_128node.sh <overrides>   # the same file, shrunk (command-line
-#                                                                          # options override #SBATCH lines)
+#   sbatch -N 2 --ntasks-per-node 2 slurm/resnet50_128node.sh launch.nnodes=2 <overrides>  # the same file, shrunk
+#                                       (command-line options override #SBATCH lines)
+#   sbatch -N 3 --ntasks-per-node 2 slurm/resnet50_128node.sh launch.nnodes=2 ...      # + 1 spare node
 #   sbatch -J resnet-try2 slurm/resnet50_128node.sh                         # a new run = a new name
 #
 # One task per GPU; every task sees all 8 GPUs of its node (--gpus-per-node, not --gpus-per-task: per-task
@@ -29,6 +30,12 @@ set -euo pipefail
 [ -f slurm/env.sh ] || { echo "slurm/env.sh not found in $PWD: submit from the scaleout checkout (or sbatch --chdir)" >&2; exit 2; }
 source slurm/env.sh
 
-# --kill-on-bad-exit: one dead rank ends the step instead of leaving 1023 ranks hanging in a collective.
-srun --kill-on-bad-exit=1 scaleout train configs/resnet50_128x8.yaml \
+# The training step runs under `scaleout slurm run` (scaleout/cli/slurm.py): srun --kill-on-bad-exit=1 (one
+# dead rank ends the step instead of leaving 1023 ranks hanging in a collective) on launch.nnodes healthy
+# nodes; the allocation's other nodes are spares (sbatch -N launch.nnodes+k). When the step dies, the node
+# whose ranks stopped, hung or were killed is quarantined ($RUN_DIR/quarantine.json) and a new step starts
+# on healthy nodes at once, resuming from the latest checkpoint; with too few left the job is requeued
+# excluding the quarantined nodes (so is a resubmission). launch.crash_loop (default 3) attempts dying at
+# the same step stop the job with one line. Attempt history: $RUN_DIR/ckpt/run.json.
+exec scaleout slurm run -- scaleout train configs/resnet50_128x8.yaml \
   train.output_dir="$RUN_DIR" checkpoint.dir="$RUN_DIR/ckpt" "$@"

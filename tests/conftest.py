@@ -25,6 +25,7 @@ SERIAL_FILES = {
     "test_sim_calibrate.py",
     "test_slurm.py",
     "test_preempt_slurm.py",
+    "test_spares_slurm.py",
     "test_sweep.py",
     "test_submit_options.py",
     "test_slurm_local_safety.py",

@@ -319,6 +319,9 @@ class LaunchConfig(_Section):
     nproc_per_node: int = Field(1, ge=1, le=1024)
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=1, le=65535)
+    # `scaleout slurm run` (the sbatch scripts): this many attempts in a row dying without a
+    # checkpoint past the same step stop the job instead of restarting or requeueing it.
+    crash_loop: int = Field(3, ge=1, le=1000)
 
     @field_validator("env")
     @classmethod

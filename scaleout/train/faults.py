@@ -24,6 +24,7 @@ the step boundary instead of hanging a later collective (scaleout/train/skew.py:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ from scaleout.comm.handles import CommFailed
 from scaleout.errors import UserError
 from scaleout.preempt import Preemption
 from scaleout.train.liveness import PHASES as PROGRESS_PHASES
-from scaleout.train.liveness import describe_rank, unresponsive_verdict
+from scaleout.train.liveness import describe_rank, unresponsive
 from scaleout.train.skew import PHASES, ROWS, CollectiveDesync, StepSkew, desync_message
 from scaleout.verdict import verdict_line
 from scaleout.world import World
@@ -339,14 +340,113 @@ def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> Non
         file=sys.stderr,
         flush=True,
     )
-    verdict = (
-        unresponsive_verdict(world, world.timeout_s) if world.world_size > 1 else "single rank"
+    verdict, stale = (
+        unresponsive(world, world.timeout_s) if world.world_size > 1 else ("single rank", [])
     )
     # the launcher reads this line back (scaleout/verdict.py) to name the root cause last
     print(verdict_line(describe_rank(world, world.rank), verdict), file=sys.stderr, flush=True)
+    write_verdict(world, verdict, stale)
     logging.shutdown()  # flush the MLPerf log and other file handlers
     sys.stdout.flush()
+    kill_descendants()
     os._exit(code)
+
+
+def kill_descendants() -> int:
+    """SIGKILL every descendant of this process (the data workers' forkserver and its workers,
+    multiprocessing's resource tracker) before an ``os._exit``: they block SIGTERM
+    (scaleout/train/prefetch.py), and orphaned they hold the step's stdout/stderr open, so srun
+    waits for them (Slurm 22.05 on the local cluster: "Abandoning IO 60 secs after job shutdown"
+    on every node) and a step tracked by proctrack/linuxproc never reaps them. Returns how many
+    were signalled (Linux /proc; 0 elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for d in entries:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    todo, found = [os.getpid()], []
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+    return len(found)
+
+
+VERDICT_DIR = "SCALEOUT_VERDICT_DIR"
+
+
+def write_verdict(
+    world: World, text: str, stale: list[int], env: Mapping[str, str] | None = None
+) -> None:
+    """When ``$SCALEOUT_VERDICT_DIR`` is set (by ``scaleout slurm run``, one folder per attempt),
+    leave the hang verdict there as ``rank<r>.json``: {"rank", "node" (this rank's), "stale_ranks",
+    "stale_nodes" (node indices = SLURM_NODEID), "text", "time"}. The supervisor maps the node
+    indices to hosts and quarantines them; parsing the printed sentence would break with its
+    wording."""
+    nodes = sorted({world.node_of[r] for r in stale if r < len(world.node_of)})
+    _leave(world, {"stale_ranks": stale, "stale_nodes": nodes, "text": text}, env)
+
+
+def write_crash(world: World, exc: BaseException, env: Mapping[str, str] | None = None) -> None:
+    """The same folder, from a rank about to die of an exception of its own (not a failed
+    collective): {"rank", "node", "crashed": the error's first line, "time"}. Written before
+    anything else, it tells the supervisor the step died of a software error -- the peers'
+    verdicts that follow name this rank's node only because its heartbeat ended with it."""
+    first = next((x.strip() for x in str(exc).splitlines() if x.strip()), "")
+    _leave(world, {"crashed": f"{type(exc).__name__}: {first}"[:300]}, env)
+
+
+def _leave(world: World, fields: dict, env: Mapping[str, str] | None) -> None:
+    folder = (os.environ if env is None else env).get(VERDICT_DIR)
+    if not folder:
+        return
+    node = world.node_of[world.rank] if world.rank < len(world.node_of) else None
+    record = {"rank": world.rank, "node": node, **fields, "time": time.time()}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".rank{world.rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(folder, f"rank{world.rank}.json"))
+    except OSError as exc:  # a diagnosis must never be what fails: say so and go on exiting
+        print(f"scaleout: cannot write the verdict to {folder}: {exc}", file=sys.stderr)
+
+
+class CrashInjection:
+    """``SCALEOUT_INJECT_CRASH="STEP:RANK[,STEP:RANK...]"``: this rank raises at those steps
+    (0-based), every attempt again: the deterministic crash the crash-loop guard of ``scaleout
+    slurm run`` must stop (tests/test_spares_slurm.py). A gradient hook, as NanInjection."""
+
+    VARIABLE = "SCALEOUT_INJECT_CRASH"
+
+    def __init__(self, steps: set[int]):
+        self.steps = steps
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> CrashInjection | None:
+        nan = NanInjection.from_env(
+            rank,
+            {NanInjection.VARIABLE: (os.environ if env is None else env).get(cls.VARIABLE, "")},
+        )
+        return cls(nan.steps) if nan is not None else None
+
+    def __call__(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        if step in self.steps:
+            raise RuntimeError(f"injected crash at step {step} ({self.VARIABLE})")
 
 
 # Exit code of a run stopped because it diverged (train.max_consecutive_skips): a plain failure.

@@ -198,8 +198,15 @@ def _parse(raw: str | None) -> dict[str, Any] | None:
 
 
 def unresponsive_verdict(world: World, timeout_s: float) -> str:
-    """One sentence naming the root cause of a failed collective: the ranks whose heartbeat
-    stopped, else the rank that is behind (call on every rank whose collective failed).
+    """One sentence naming the root cause of a failed collective (:func:`unresponsive`)."""
+    return unresponsive(world, timeout_s)[0]
+
+
+def unresponsive(world: World, timeout_s: float) -> tuple[str, list[int]]:
+    """(one sentence naming the root cause of a failed collective: the ranks whose heartbeat
+    stopped, else the rank that is behind; the ranks whose heartbeat stopped: [0] when the store
+    on rank 0 did not answer, [] when every heartbeat is alive). Call on every rank whose
+    collective failed; the Slurm supervisor quarantines the nodes of the stopped ranks.
 
     Runs in a daemon thread with a hard deadline: a TCPStore client talking to a stopped (not dead)
     host can block past its own timeout (the kernel still accepts the connection), and a diagnosis
@@ -221,15 +228,15 @@ def unresponsive_verdict(world: World, timeout_s: float) -> str:
     t.start()
     t.join(limit)
     if "verdict" in box:
-        return box["verdict"]
+        return box["verdict"]["text"], list(box["verdict"].get("stale", []))
     why = box.get("error", f"no answer within {limit:.0f} s")
     return (
         f"{describe_rank(world, 0)}, which hosts the rendezvous store, did not answer ({why}): "
         "stopped, hung or dead, or its host is unreachable"
-    )
+    ), [0]
 
 
-def _verdict(world: World, window: float, limit: float) -> str:
+def _verdict(world: World, window: float, limit: float) -> dict[str, Any]:
     store = _client(world, limit)
     if (
         store.add(f"{_PREFIX}/claim", 1) == 1
@@ -247,7 +254,7 @@ def _verdict(world: World, window: float, limit: float) -> str:
         while readers < expected and time.monotonic() < deadline:
             time.sleep(0.2)
             readers = store.add(f"{_PREFIX}/read", 0)
-    return verdict["text"]
+    return verdict
 
 
 def _scan(world: World, store: Any, window: float) -> dict[str, Any]:
@@ -283,7 +290,8 @@ def judge(
     Ranks whose beat did not move are stopped, hung or dead: they are the culprits. With every
     heartbeat alive, the culprits are the ranks that are behind (lowest step, then fewest
     collectives issued, then the earliest phase: :data:`PHASES`), described against where most of
-    the others are. Returns ``{"text": one sentence, "culprits": [ranks]}``."""
+    the others are. Returns ``{"text": one sentence, "culprits": [ranks], "stale": [ranks whose
+    heartbeat stopped]}`` ("stale" only when some did)."""
     n = len(second)
     stale = [
         r
@@ -305,6 +313,7 @@ def judge(
         return {
             "text": f"{named}{more} sent no heartbeat for {window:.0f} s: stopped, hung or dead",
             "culprits": stale,
+            "stale": stale,
         }
     beats = [b for b in second if b is not None]
     keys = [_key(b) for b in beats]

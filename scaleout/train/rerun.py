@@ -153,6 +153,12 @@ def decide_start(cfg: Config) -> RunStart:
 def record_start(cfg: Config, start: RunStart, world_size: int) -> dict[str, Any]:
     """Record (rank 0) that this run or segment started; returns the record (with the run id)."""
     record = dict(start.record) if start.kind == "resume" else {}
+    if start.kind == "new" and cfg.checkpoint.dir:
+        # `scaleout slurm run`'s attempt history outlives a restart that had no checkpoint yet:
+        # the crash-loop guard counts the attempts that died before the first one too.
+        attempts = read_record(cfg.checkpoint.dir).get("attempts")
+        if attempts:
+            record["attempts"] = attempts
     record.setdefault("run_id", uuid.uuid4().hex[:12])
     record.update(
         global_batch=cfg.train.global_batch,

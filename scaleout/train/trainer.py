@@ -54,6 +54,7 @@ from scaleout.train import prefetch, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    CrashInjection,
     DelayInjection,
     HangInjection,
     NanInjection,
@@ -63,6 +64,7 @@ from scaleout.train.faults import (
     exit_on_comm_failure,
     is_comm_failure,
     nonfinite,
+    write_crash,
 )
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
@@ -221,8 +223,8 @@ class Trainer:
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
-        nan = NanInjection.from_env(world.rank)
-        self.gradient_hooks = [nan] if nan is not None else []
+        faults = (NanInjection.from_env(world.rank), CrashInjection.from_env(world.rank))
+        self.gradient_hooks = [f for f in faults if f is not None]
         self.before_requeue = RequeueDelay.from_env()
         # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
         self.progress = progress if progress is not None else Progress()
@@ -711,6 +713,7 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
                 exc
             ):  # a hung or dead peer: one line naming it, then end this process
                 exit_on_comm_failure(world, exc)
+            write_crash(world, exc)  # for `scaleout slurm run`: a software error, not a node
             raise
         finally:
             heartbeat.close()
