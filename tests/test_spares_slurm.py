@@ -147,6 +147,7 @@ def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm
 
 
 @pytest.mark.slurm
+@pytest.mark.drill  # minutes: `python3 -m pytest -m drill` (README, Tests)
 @pytest.mark.timeout(900)
 def test_a_rank_crashing_at_the_same_step_stops_the_job_after_k_attempts(slurm_cluster, tmp_path):
     name = f"loop-{uuid.uuid4().hex[:6]}"
@@ -185,6 +186,7 @@ def test_a_rank_crashing_at_the_same_step_stops_the_job_after_k_attempts(slurm_c
 
 
 @pytest.mark.slurm
+@pytest.mark.drill  # minutes: `python3 -m pytest -m drill` (README, Tests)
 @pytest.mark.timeout(900)
 def test_without_spares_a_hung_node_requeues_the_job_excluding_it(slurm_cluster, tmp_path):
     """-N 2 with launch.nnodes=2: no spare, so the SIGSTOPped node's quarantine requeues the job
