@@ -246,3 +246,40 @@ def test_young_daly_interval_and_goodput_model() -> None:
     assert g["wall_s"] == 120.0 and g["goodput"] == pytest.approx(80 / 120)
     assert g["lost"]["other_s"] == pytest.approx(10.0)
     assert g["useful_step_s"] + sum(g["lost"].values()) == pytest.approx(g["wall_s"])
+
+
+@pytest.mark.unit
+def test_auto_interval_follows_the_measured_stall() -> None:
+    """checkpoint.every_steps=auto: the first save after one step, then Young/Daly's interval in
+    steps: a 0.5 s stall, 4 nodes of 100 h MTBF (job MTBF 25 h = 90,000 s) -> sqrt(2 x 0.5 x
+    90,000) = 300 s = 1,000 steps of 0.3 s, counted from the latest save; a node count from the
+    world. And `simulate scale`'s row: the same model at 512 nodes."""
+    from types import SimpleNamespace
+
+    from scaleout.config import load_config
+    from scaleout.sim.goodput import predict
+    from scaleout.train.trainer import Trainer
+
+    cfg = load_config(None, ["checkpoint.dir=x", "checkpoint.every_steps=auto"])
+    cfg.checkpoint.mtbf_h = 100.0
+    t = SimpleNamespace(
+        cfg=cfg,
+        world=SimpleNamespace(world_size=8, local_size=2, rank=1),
+        checkpointer=SimpleNamespace(asynchronous=True),
+        lost={"save_stall_s": 0.0},
+        save_every=1,
+        saved_step=None,
+        start_step=10,
+        step=11,
+    )
+    assert Trainer._save_due(t)
+    Trainer._saved(t, 0.5, 0.3)
+    assert t.save_every == 1000 and t.lost["save_stall_s"] == 0.5
+    t.saved_step, t.step = 11, 1010
+    assert not Trainer._save_due(t)
+    t.step = 1011
+    assert Trainer._save_due(t)
+    good = predict(512, 5000.0, 1.0, 300.0)
+    assert good.job_mtbf_s == pytest.approx(5000 * 3600 / 512)
+    assert good.interval_s == pytest.approx(young_daly_interval_s(1.0, good.job_mtbf_s))
+    assert good.goodput == pytest.approx(expected_goodput(good.interval_s, 1.0, 300.0, 35156.25))
