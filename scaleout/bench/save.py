@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _trainer(run: Any, world: Any, directory: str, asynchronous: bool) -> Any:
-    from scaleout import preempt
-    from scaleout.train.trainer import Trainer
+    from scaleout import preempt  # deferred: torch, only when the benchmark runs
+    from scaleout.train.trainer import Trainer  # deferred: as above
 
     cfg = run.model_copy(deep=True)
     cfg.checkpoint.dir = f"{directory}/ckpt"
@@ -91,8 +91,8 @@ def _step(trainer: Any) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import scaleout
-    import scaleout.checkpoint as ckpt
+    import scaleout  # deferred: torch, only when the benchmark runs
+    import scaleout.checkpoint as ckpt  # deferred: as above
 
     check_counts(args, repeats=1, steps=1)
     if args.write_s < 0:
