@@ -283,3 +283,45 @@ def test_auto_interval_follows_the_measured_stall() -> None:
     assert good.job_mtbf_s == pytest.approx(5000 * 3600 / 512)
     assert good.interval_s == pytest.approx(young_daly_interval_s(1.0, good.job_mtbf_s))
     assert good.goodput == pytest.approx(expected_goodput(good.interval_s, 1.0, 300.0, 35156.25))
+
+
+def _peak_extra(fn) -> int:
+    """Bytes the process's resident set (every thread's) grew to above where it stood while
+    ``fn()`` ran (Linux: VmHWM reset through /proc/self/clear_refs)."""
+    import gc
+    import re
+
+    def status(key: str) -> int:
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+    gc.collect()
+    base = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fn()
+    return status("VmHWM") - base
+
+
+@pytest.mark.unit
+def test_an_async_save_holds_one_snapshot_and_the_write_buffers(tmp_path) -> None:
+    """A 64 MiB state: the first asynchronous save (snapshot + background write, waited for)
+    peaks at <= 1.5x the state above it (the snapshot, 1x, and the streaming write's buffers);
+    the next one reuses the snapshot's buffers, so it adds <= 0.5x: one snapshot is ever held."""
+    size = 64 << 20
+    state = {"model": {f"w{i}": torch.randn(2 << 20) for i in range(8)}}
+    ck = Checkpointer(tmp_path, keep=1, asynchronous=True)
+    ck.save(1, {"w": torch.ones(1000)})  # code paths warm (imports, the zip writer, the thread)
+    assert ck.wait() is None
+    ck._buffers = []
+
+    def save(step: int) -> None:
+        ck.save(step, state)
+        assert ck.wait() is None
+
+    first = _peak_extra(lambda: save(2))
+    second = _peak_extra(lambda: save(3))
+    ck.close()
+    got, _ = ck.load_latest()
+    assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
+    assert first <= 1.5 * size, f"first save: {first / 2**20:.0f} MiB extra for 64 MiB"
+    assert second <= 0.5 * size, f"second save: {second / 2**20:.0f} MiB extra for 64 MiB"
