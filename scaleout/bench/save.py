@@ -70,15 +70,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "bert_tiny_cpu", "the model and data")
 
 
-def _trainer(run: Any, world: Any, directory: str, asynchronous: bool) -> Any:
+def _trainer(run: Any, world: Any, directory: str, steps: int) -> Any:
     from scaleout import preempt  # deferred: torch, only when the benchmark runs
     from scaleout.train.trainer import Trainer  # deferred: as above
 
     cfg = run.model_copy(deep=True)
     cfg.checkpoint.dir = f"{directory}/ckpt"
-    cfg.checkpoint.async_ = asynchronous
+    cfg.checkpoint.async_ = True
     cfg.train.output_dir = f"{directory}/out"
-    cfg.train.max_steps = 10**6
+    # the loop here drives the steps (past max_steps too: the data wraps around by epochs);
+    # max_steps sizes data.source=synthetic's sample set
+    cfg.train.max_steps = steps
     cfg.optim.total_steps = 10**6
     return Trainer(cfg, world, preemption=preempt.install())
 
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             world = scaleout.init()
-            trainer = _trainer(run_cfg, world, tmp, asynchronous=True)
+            trainer = _trainer(run_cfg, world, tmp, 2 + 2 * args.repeats * args.steps)
             for _ in range(2):  # warm-up: allocator, first-step work
                 _step(trainer)
             for r in range(args.repeats):
@@ -126,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            trainer.checkpointer.close()
-            trainer.preemption.uninstall()
-            sync = _trainer(run_cfg, world, tmp + "/sync", asynchronous=False)
-            sync.step = trainer.step
+            error = trainer.checkpointer.close()
+            if error is not None:
+                raise error
+            trainer.checkpointer.asynchronous = False  # the synchronous path, same state
             t0 = time.perf_counter()
-            sync.save_checkpoint()
+            trainer.save_checkpoint()
             sync_stall = time.perf_counter() - t0
-            sync.preemption.uninstall()
+            trainer.preemption.uninstall()
     finally:
         del os.environ[ckpt.SLOW_SAVE_VARIABLE]
     if not saving:
