@@ -29,6 +29,20 @@ shard file's size), broadcasts its choice and the replicated state (tensors by `
 and every rank reads its own shard of the optimizer state. A rank that cannot read what rank 0 chose
 stops the run with a one-line error naming it, on every rank, rather than fall back on its own.
 
+Asynchronous saves (``checkpoint.async``, the default): at the step boundary the trainer's thread
+copies the replicated state into host memory (pinned when the state is on a GPU; the buffers of the
+previous save are reused) and returns; a background thread then writes, fsyncs, hashes, commits
+(rename) and prunes, as above. No collective spans that write, so a save slower than
+``train.step_timeout_s`` no longer times out the peers waiting at the next collective. The sharded
+state goes through ``torch.distributed.checkpoint.async_save`` (DCP stages a copy, its thread writes
+and coordinates on a gloo group of its own, never the training's); rank 0's background thread waits
+for it, gathers every rank's file digests on that group and only then commits the replicated file.
+At most one save is in flight: the next save, the end of the run and a preemption first wait for
+the previous one (:meth:`Checkpointer.wait`), and a write that failed is raised there. Memory: the
+live state, one snapshot of it (1x) and the streaming write's buffers (<= 0.5x, measured), so at
+most 2.5x the replicated state on rank 0 during a save, 1x of it between saves (the snapshot
+buffers are kept for reuse).
+
 Object collectives (the chosen name, the state's structure, DCP's plans and the shard digests) run
 on :attr:`World.cpu_group`, a gloo group when the default group is NCCL: never a pickled object
 through the GPU, never a ncclSend/ncclRecv pair per rank to rank 0.
@@ -44,8 +58,10 @@ import os
 import re
 import secrets
 import struct
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -184,9 +200,66 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     _fsync_dir(path.parent)
 
 
+class CheckpointWriteFailed(UserError):
+    """A background checkpoint write that failed (raised at the next step boundary that waits)."""
+
+
+# A test-only slow writer: ``SCALEOUT_TEST_SLOW_SAVE_S=N`` makes every write of a replicated
+# checkpoint file take N more seconds (tests/test_async_save.py, ``scaleout bench save``).
+SLOW_SAVE_VARIABLE = "SCALEOUT_TEST_SLOW_SAVE_S"
+
+
+def _slow_writer_delay() -> float:
+    raw = os.environ.get(SLOW_SAVE_VARIABLE, "")
+    return float(raw) if raw else 0.0
+
+
+def snapshot(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """A copy of ``state`` (nested dicts/lists/tuples of tensors and plain values) in host memory
+    that the trainer may change its own state under: every tensor copied into a contiguous host
+    tensor (pinned when it lives on a GPU, the copy then asynchronous on the current stream: see
+    :func:`_ready`), tensors that share memory (tied weights) copied once. ``reuse``: the previous
+    snapshot's buffers, used again where shape and dtype match. Returns (copy, its buffers)."""
+    buffers: list[torch.Tensor] = []
+    old: Iterator[torch.Tensor] = iter(reuse or [])
+    seen: dict[tuple, torch.Tensor] = {}
+
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+            if t.numel() and key in seen:
+                return seen[key]
+            buf = next(old, None)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            buf.copy_(t, non_blocking=t.is_cuda)
+            buffers.append(buf)
+            seen[key] = buf
+            return buf
+        if isinstance(obj, dict):
+            return type(obj)((k, copy(v)) for k, v in obj.items())
+        if isinstance(obj, list | tuple):
+            return type(obj)(copy(v) for v in obj)
+        return obj
+
+    return copy(state), buffers
+
+
+def _ready(buffers: list[torch.Tensor]) -> Any:
+    """An event the background writer waits on before it reads a snapshot of device tensors
+    (pinned buffers, copies enqueued on the current stream); None when all came from the host."""
+    if any(b.is_pinned() for b in buffers):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
+
+
 class Checkpointer:
     """Save/load ``ckpt-<step>.pt`` files (and their shard directories) in ``directory``, keeping
-    the newest ``keep``.
+    the newest ``keep``; ``asynchronous``: a save snapshots and returns, a background thread
+    writes (module docstring).
 
     ``state`` is whatever the trainer collects, by convention::
 
@@ -195,12 +268,26 @@ class Checkpointer:
          "schedule": sched.state_dict(), "data_position": int}
     """
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 2, rank: int = 0):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep: int = 2,
+        rank: int = 0,
+        asynchronous: bool = False,
+    ):
         if keep < 1:
             raise UserError(f"checkpoint.keep={keep} must be at least 1")
         self.dir = Path(directory)
         self.keep = keep
         self.rank = rank
+        self.asynchronous = asynchronous
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._pending_step: int | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._group: Any = None  # the async sharded saves' own gloo group (multi-rank)
+        self._lock = threading.Lock()
+        self.write_s: list[float] = []  # seconds each background write took (this rank)
 
     def path(self, step: int) -> Path:
         return self.dir / f"ckpt-{step:08d}.pt"
@@ -221,7 +308,10 @@ class Checkpointer:
     ) -> Path | None:
         """Rank 0 writes the replicated ``state`` (DP weights are identical); with ``shards`` (a
         collective) every rank first writes its pieces of the sharded optimizer state. Prunes
-        beyond ``keep``. Returns the path on rank 0."""
+        beyond ``keep``. Returns the path on rank 0 (asynchronous: the path the background write
+        will commit; :meth:`wait` for it)."""
+        if self.asynchronous:
+            return self._save_async(step, state, world, shards)
         record = None
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
@@ -230,10 +320,21 @@ class Checkpointer:
             )  # every rank's files are written when it returns
         if self.rank != 0:
             return None
+        return self._commit(step, state, record)
+
+    def _commit(self, step: int, state: dict[str, Any], record: dict[str, Any] | None) -> Path:
+        """Rank 0: write the replicated file (the commit) and prune."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
         full = {**state, "step": step, **({"shards": record} if record else {})}
-        atomic_write(path, lambda f: write_payload(f, full))  # the commit, streamed to the file
+        delay = _slow_writer_delay()
+
+        def write(f: BinaryIO) -> None:
+            if delay:
+                time.sleep(delay)
+            write_payload(f, full)
+
+        atomic_write(path, write)  # the commit, streamed to the file
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 _shards().remove_tree(old)
@@ -243,6 +344,76 @@ class Checkpointer:
         for old in older[: max(len(older) - (self.keep - 1), 0)]:
             self._drop(old)
         return path
+
+    def _save_async(
+        self,
+        step: int,
+        state: dict[str, Any],
+        world: World | None,
+        shards: dict[str, Any] | None,
+    ) -> Path | None:
+        error = self.wait()  # at most one save in flight
+        if error is not None:
+            raise error
+        pieces = None
+        if shards is not None:
+            name = f"{self.path(step).stem}.shards-{_token(world)}"
+            if self._group is None and world is not None and world.world_size > 1:
+                self._group = dist.new_group(backend="gloo")  # collective: every rank, here
+            pieces = _shards().async_save_pieces(shards, self.dir / name, world, self._group)
+        if self.rank != 0 and pieces is None:
+            return None
+        snap = None
+        if self.rank == 0:
+            snap, self._buffers = snapshot(state, self._buffers)
+        ready = _ready(self._buffers) if snap is not None else None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="scaleout-ckpt")
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            record = pieces.result() if pieces is not None else None  # every rank's shard files
+            if self.rank == 0:
+                if ready is not None:
+                    ready.synchronize()
+                self._commit(step, snap, record)
+            self.write_s.append(time.perf_counter() - t0)
+
+        with self._lock:
+            self._pending, self._pending_step = self._executor.submit(job), step
+        return self.path(step) if self.rank == 0 else None
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save not finished yet."""
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def wait(self) -> CheckpointWriteFailed | None:
+        """Wait for the save in flight (if any); the error a failed one raised, as one line (the
+        caller raises it: at a step boundary every rank agrees first), else None."""
+        with self._lock:
+            pending, step = self._pending, self._pending_step
+            self._pending = self._pending_step = None
+        if pending is None:
+            return None
+        error = pending.exception()
+        if error is None:
+            return None
+        what = f"{type(error).__name__}: {error}".replace("\n", " ")
+        return CheckpointWriteFailed(
+            f"rank {self.rank}: the background write of checkpoint step {step} in {self.dir} "
+            f"failed: {what}"
+        )
+
+    def close(self) -> CheckpointWriteFailed | None:
+        """Wait for the save in flight and stop the background thread; its error, if any."""
+        error = self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._buffers = []
+        return error
 
     def _drop(self, path: Path) -> None:
         path.unlink(missing_ok=True)

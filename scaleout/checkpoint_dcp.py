@@ -98,7 +98,8 @@ class _SavePlanner(dcp.DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.pieces[write_item.index.fqn].tensor.detach()
+        # the state dict DCP planned with: the pieces themselves, or async_save's staged copy
+        return self.state_dict[write_item.index.fqn].detach()
 
 
 class _LoadPlanner(dcp.DefaultLoadPlanner):
@@ -190,6 +191,12 @@ def save_pieces(
         )
     except dcp.CheckpointException as e:
         raise _one_line(e, directory, "write the sharded checkpoint") from None
+    return _record(directory, world, group)
+
+
+def _record(directory: Path, world: World | None, group: Any) -> dict[str, Any] | None:
+    """This rank's files' sizes and digests, gathered to rank 0 (on ``group``): the record rank 0
+    keeps in the replicated file; None elsewhere."""
     rank = world.rank if world is not None else 0
     mine = {
         f.name: (f.stat().st_size, sha256_file(f))
@@ -207,6 +214,45 @@ def save_pieces(
         "metadata_sha256": sha256_file(directory / METADATA),
         "files": merged,
     }
+
+
+class PendingShards:
+    """A sharded save under way (:func:`async_save_pieces`): :meth:`result` waits for this rank's
+    files (DCP's thread), then gathers the digests to rank 0 (on the save's own group) and returns
+    the record as :func:`save_pieces` does. Called from the checkpointer's background thread."""
+
+    def __init__(self, upload: Any, directory: Path, world: World | None, group: Any):
+        self.upload, self.directory, self.world, self.group = upload, directory, world, group
+
+    def result(self) -> dict[str, Any] | None:
+        try:
+            self.upload.result()
+        except dcp.CheckpointException as e:
+            raise _one_line(e, self.directory, "write the sharded checkpoint") from None
+        return _record(self.directory, self.world, self.group)
+
+
+def async_save_pieces(
+    pieces: dict[str, PieceLike], directory: Path, world: World | None, group: Any = None
+) -> PendingShards:
+    """:func:`save_pieces` through ``dcp.async_save``: DCP copies the pieces to host memory here
+    (the stall) and writes them in its own thread, coordinating on ``group`` (a gloo group used by
+    nothing else: those collectives run while the training's own run). Collective (the staging
+    and the plan exchange start here on every rank)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = dcp.FileSystemWriter(
+        directory, single_file_per_rank=True, sync_files=True, thread_count=1
+    )
+    try:
+        upload = dcp.async_save(
+            {k: p.tensor for k, p in pieces.items()},
+            storage_writer=writer,
+            planner=_SavePlanner(pieces),
+            process_group=group,
+        )
+    except dcp.CheckpointException as e:
+        raise _one_line(e, directory, "write the sharded checkpoint") from None
+    return PendingShards(upload, directory, world, group)
 
 
 def check_shards(root: Path, record: dict[str, Any]) -> None:

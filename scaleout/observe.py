@@ -149,6 +149,7 @@ class RunEnd:
     run_id: str | None
     weights_consistent: bool | None  # None: not checked (a peer may be gone)
     terminating: bool  # this rank got SIGTERM: leave out optional collectives
+    goodput: dict[str, Any] | None = None  # report.json's goodput (scaleout.report.goodput_section)
 
 
 class Observer:

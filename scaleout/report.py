@@ -25,6 +25,7 @@ to change it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -176,3 +177,64 @@ class RunReport:
             ]
             out += "\n\n" + format_table(["phase", "ms/step", "share"], brows)
         return out
+
+
+# -- goodput
+# -----------------------------------------------------------------------------------------
+def young_daly_interval_s(save_stall_s: float, mtbf_s: float) -> float:
+    """Young's (1974) first-order optimum checkpoint interval sqrt(2 C M), in seconds of training
+    between saves: C the time a save stalls training, M the job's mean time between failures
+    (a node's MTBF / nodes). Daly (2006) adds higher-order terms that matter only when C is a
+    sizeable fraction of M."""
+    if save_stall_s < 0 or mtbf_s <= 0:
+        raise UserError(
+            f"young_daly_interval_s needs a save stall >= 0 and an MTBF > 0, got "
+            f"{save_stall_s} s and {mtbf_s} s"
+        )
+    return math.sqrt(2.0 * save_stall_s * mtbf_s)
+
+
+def expected_goodput(
+    interval_s: float, save_stall_s: float, restart_s: float, mtbf_s: float
+) -> float:
+    """The fraction of wall time spent on steps that count, to first order: each save stalls
+    ``save_stall_s`` per ``interval_s`` of training, and each failure (one per ``mtbf_s`` of wall
+    time, Poisson) costs ``restart_s`` plus, on average, half an interval of lost work."""
+    if interval_s <= 0 or mtbf_s <= 0 or save_stall_s < 0 or restart_s < 0:
+        raise UserError(
+            f"expected_goodput needs interval > 0, MTBF > 0, stall and restart >= 0, got "
+            f"{interval_s}, {mtbf_s}, {save_stall_s}, {restart_s}"
+        )
+    period = interval_s + save_stall_s
+    saving = interval_s / period
+    failing = 1.0 - (restart_s + period / 2.0) / mtbf_s
+    return max(0.0, saving * failing)
+
+
+def goodput_section(
+    *,
+    useful_step_s: float,
+    wall_s: float,
+    startup_s: float = 0.0,
+    save_stall_s: float = 0.0,
+    evaluation_s: float = 0.0,
+    restart_s: float = 0.0,
+) -> dict[str, Any]:
+    """report.json's ``goodput``: useful step time / wall time, and where the rest went.
+    ``wall_s`` is this segment's (process start to the end of the run); ``restart_s`` (time lost
+    to the failure or preemption before it: downtime and work redone) is added to it. ``other``
+    is the remainder (logging, barriers, the final report), so the parts sum to ``wall_s``."""
+    wall = max(wall_s, 0.0) + max(restart_s, 0.0)
+    lost = {
+        "restart_s": max(restart_s, 0.0),
+        "startup_s": max(startup_s, 0.0),
+        "save_stall_s": max(save_stall_s, 0.0),
+        "evaluation_s": max(evaluation_s, 0.0),
+    }
+    lost["other_s"] = max(wall - useful_step_s - sum(lost.values()), 0.0)
+    return {
+        "goodput": useful_step_s / wall if wall > 0 else None,
+        "wall_s": wall,
+        "useful_step_s": useful_step_s,
+        "lost": lost,
+    }

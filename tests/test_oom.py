@@ -31,6 +31,7 @@ def test_step_out_of_memory_is_one_line_naming_rank_step_batch(monkeypatch) -> N
         optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}]),
         _start_clock=lambda: 0.0,
         mlperf_log=SimpleNamespace(close=lambda: None),
+        checkpointer=None,  # train() also waits for a background checkpoint write
     )
     fake._train = lambda: trainer_mod.Trainer._train(fake)  # train() = _train() + closing the log
 

@@ -175,6 +175,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--host-ms", type=float, default=None, help="per-step host time in ms (overrides)"
     )
     sc.add_argument(
+        "--mtbf-h",
+        type=float,
+        default=5000.0,
+        help="one node's mean time between failures, hours (goodput row; default 5000, as "
+        "checkpoint.mtbf_h)",
+    )
+    sc.add_argument(
+        "--save-stall-s",
+        type=float,
+        default=1.0,
+        help="seconds a checkpoint stalls training (goodput row; default 1: an asynchronous "
+        "save's host copy)",
+    )
+    sc.add_argument(
+        "--restart-s",
+        type=float,
+        default=300.0,
+        help="seconds from a failure to training again: requeue, start-up, resume (default 300)",
+    )
+    sc.add_argument(
+        "--interval-s",
+        type=float,
+        default=None,
+        help="training seconds between checkpoints (goodput row; default: Young/Daly's)",
+    )
+    sc.add_argument(
         "--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)"
     )
     sc.add_argument(
@@ -496,10 +522,21 @@ def run_scale(args: argparse.Namespace) -> int:
     )
     if any(r["extrapolated"] for r in rows):
         print("* above the largest batch of the curve: its last segment extrapolated")
+    from scaleout.sim.goodput import predict  # deferred: as step above
+
+    top = max(gpus) // cluster.gpus_per_node
+    good = predict(top, args.mtbf_h, args.save_stall_s, args.restart_s, args.interval_s)
+    print(
+        f"goodput at {max(gpus)} GPUs ({top} nodes): {good.goodput:.1%} (job MTBF "
+        f"{good.job_mtbf_s / 3600:.2f} h from {args.mtbf_h:g} h per node, a save every "
+        f"{good.interval_s:.0f} s{'' if args.interval_s else ' (Young/Daly)'} stalling "
+        f"{args.save_stall_s:g} s, {args.restart_s:g} s per restart)"
+    )
     _write(
         args.out,
         {
             "action": "scale",
+            "goodput": good.to_dict(),
             "cluster": cluster.summary(),
             "model": asdict(model),
             "train": asdict(train),

@@ -7,9 +7,9 @@ in the CLI before anything is spawned and again in every rank.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, create_model, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from scaleout.comm import ALGORITHMS
@@ -276,10 +276,25 @@ class TrainConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """``every_steps``: a save every N steps (0 = only on preemption and at the end), or ``auto``:
+    the first after one step, then every Young/Daly interval sqrt(2 x save stall x job MTBF)
+    (scaleout.report.young_daly_interval_s) in steps of the measured step time, re-estimated at
+    each save; the job MTBF is ``mtbf_h`` (one node's mean time between failures, hours) / nodes.
+    ``async`` (default true): a save copies the state to host memory at the step boundary and a
+    background thread writes and commits it (the sharded state through DCP's async_save), so a
+    save slower than train.step_timeout_s does not time out the peers; false: rank 0 writes
+    while every rank waits (the synchronous path)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
     dir: str | None = None
-    every_steps: int = Field(0, ge=0)  # 0 = only on preemption and at the end
+    every_steps: Annotated[int, Field(ge=0)] | Literal["auto"] = 0
     keep: int = Field(2, ge=1)
     resume: bool = True
+    async_: bool = Field(True, alias="async")
+    # a node's MTBF, hours: Llama 3 405B had 419 unexpected interruptions in 54 days on 2,048
+    # nodes (~6,300 node-hours each); 5000 is a round, slightly pessimistic figure
+    mtbf_h: float = Field(5000.0, gt=0.0)
 
 
 class MLPerfConfig(_Section):

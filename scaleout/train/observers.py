@@ -361,6 +361,7 @@ class ReportWriter(Observer):
                 "step_s": timers.mean_step(),
             },
             "status": end.status,
+            "goodput": end.goodput,
             "task": self.task_info,
             "timed": {
                 "steps": timed.steps,

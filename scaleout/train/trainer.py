@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout import preempt
-from scaleout.checkpoint import Checkpointer
+from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
 from scaleout.errors import UserError
@@ -48,7 +48,7 @@ from scaleout.optim import build_optimizer, build_schedule
 from scaleout.parallel import DataParallel
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
-from scaleout.report import RunReport
+from scaleout.report import RunReport, goodput_section, young_daly_interval_s
 from scaleout.timers import Timers
 from scaleout.train import prefetch, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
@@ -199,7 +199,10 @@ class Trainer:
         start: rerun.RunStart | None = None,
         preemption: preempt.Preemption | None = None,
         progress: Progress | None = None,
+        started: float | None = None,
     ):
+        # the wall clock of goodput starts here: the process's start (run_training), else now
+        self.started_unix = started if started is not None else time.time()
         # configs
         self.cfg, self.world, self.config_file = cfg, world, config_file
         self.start_info = start if start is not None else rerun.decide_start(cfg)
@@ -216,10 +219,21 @@ class Trainer:
         )
         mlperf_observer = MLPerfObserver(self.mlperf_log, cfg, world)
         self.checkpointer = (
-            Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, world.rank)
+            Checkpointer(
+                cfg.checkpoint.dir,
+                cfg.checkpoint.keep,
+                world.rank,
+                asynchronous=cfg.checkpoint.async_,
+            )
             if cfg.checkpoint.dir
             else None
         )
+        # every_steps=auto: the first save after one step measures the stall (save_checkpoint)
+        every = cfg.checkpoint.every_steps
+        self.save_every = 1 if every == "auto" else every
+        self.saved_step: int | None = None  # the step of this run's latest save
+        self.resumed_path: Path | None = None
+        self.lost = {"save_stall_s": 0.0, "evaluation_s": 0.0, "startup_s": 0.0}
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
@@ -341,19 +355,115 @@ class Trainer:
         self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
 
     def save_checkpoint(self) -> None:
-        """Collective: every rank takes part (BN statistics, sharded pieces), then a barrier."""
+        """Collective: every rank takes part (BN statistics, sharded pieces). Synchronous
+        (checkpoint.async=false): rank 0 writes, then a barrier. Asynchronous: the previous save
+        is waited for, the state is copied to host memory and a background thread writes it;
+        one small all-reduce agrees on failures (and, for every_steps=auto, on the costs)."""
         if self.checkpointer is None:
             return
         self.progress.at(self.step, "checkpoint")
-        # BN statistics equal on every rank, so a resume is exact everywhere
-        self.task.sync_buffers()
-        state = self.state_dict()
-        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank writes its own
-        path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
-        if path is not None:
-            print0(f"checkpoint: step {self.step} -> {path}", rank=self.world.rank)
-        self.progress.collectives += 1  # a rank still writing is then behind the barrier's others
-        self.world.barrier()
+        t0, self.saved_step = time.perf_counter(), self.step
+        if not self.checkpointer.asynchronous:
+            # BN statistics equal on every rank, so a resume is exact everywhere
+            self.task.sync_buffers()
+            state = self.state_dict()
+            _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank its own
+            path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
+            if path is not None:
+                print0(f"checkpoint: step {self.step} -> {path}", rank=self.world.rank)
+            self.progress.collectives += 1  # a rank still writing is then behind the others
+            self.world.barrier()
+            self._saved(time.perf_counter() - t0, self._mean_step_s())
+            return
+
+        def launch() -> None:
+            self.task.sync_buffers()
+            state = self.state_dict()
+            _, shards = self.sync.optimizer_state(self.optimizer)
+            path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
+            if path is not None:
+                print0(
+                    f"checkpoint: step {self.step} -> {path} (written in the background)",
+                    rank=self.world.rank,
+                )
+
+        stall, step_s = self._settle_saves(then=launch, t0=t0)
+        self._saved(stall, step_s)
+
+    def _save_due(self) -> bool:
+        """every_steps=N: at multiples of N (as before a resume); auto: save_every steps after
+        this run's previous save (or its start)."""
+        every = self.save_every
+        if not every:
+            return False
+        if self.cfg.checkpoint.every_steps != "auto":
+            return self.step % every == 0
+        return self.step - (self.saved_step or self.start_step) >= every
+
+    def _mean_step_s(self) -> float:
+        return self.this_run.seconds / max(self.this_run.steps, 1)
+
+    def _saved(self, stall: float, step_s: float) -> None:
+        """Account a save's stall; every_steps=auto: the next interval (Young/Daly) from the
+        stall and step time, both agreed (MAX over ranks), so every rank picks the same step."""
+        self.lost["save_stall_s"] += stall
+        if self.cfg.checkpoint.every_steps != "auto":
+            return
+        world = self.world
+        if not self.checkpointer.asynchronous and world.world_size > 1:  # agreed nothing yet
+            box = torch.tensor([stall, step_s], dtype=torch.float64, device=world.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            stall, step_s = box.tolist()
+        nodes = max(1, self.world.world_size // max(self.world.local_size, 1))
+        mtbf_s = self.cfg.checkpoint.mtbf_h * 3600.0 / nodes
+        tau = young_daly_interval_s(stall, mtbf_s)
+        self.save_every = max(1, round(tau / max(step_s, 1e-9)))
+        print0(
+            f"checkpoint.every_steps=auto: save stall {stall:.3f} s, job MTBF "
+            f"{mtbf_s / 3600:.1f} h, step {step_s * 1e3:.1f} ms -> every {self.save_every} steps "
+            f"(Young/Daly {tau:.0f} s)",
+            rank=self.world.rank,
+        )
+
+    def _settle_saves(
+        self, then: Callable[[], None] | None = None, agree: bool = True, t0: float | None = None
+    ) -> tuple[float, float]:
+        """Wait for the background save in flight (the next save, the end of the run or a
+        preemption must not outrun it), run ``then`` (the next save's snapshot), and agree with
+        one all-reduce whether any rank's write failed: then every rank raises (the failed rank
+        its error, the others one naming it). The wait can outlast train.step_timeout_s, so every
+        rank runs this under the longer of the two timeouts (set locally, no barrier). Returns
+        the agreed (stall, mean step time): this rank's when ``agree`` is false (a peer may be
+        gone: no collective)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        ck, world = self.checkpointer, self.world
+        if ck is None or not ck.asynchronous:
+            return 0.0, self._mean_step_s()
+        multi = agree and world.world_size > 1 and dist.is_initialized()
+        before = world.timeout_s
+        if multi:
+            world.set_timeout(max(before, self.cfg.train.init_timeout_s), sync=False)
+        try:
+            error = ck.wait()
+            if then is not None:
+                then()
+            stall = time.perf_counter() - t0
+            agreed = [float(error is not None), stall, self._mean_step_s()]
+            if multi:
+                box = torch.tensor(agreed, dtype=torch.float64, device=world.device)
+                dist.all_reduce(box, op=dist.ReduceOp.MAX)
+                agreed = box.tolist()  # a host read at a save boundary, once per save
+        finally:
+            if multi:
+                world.set_timeout(before, sync=False)
+        if error is not None:
+            raise error
+        if agreed[0]:
+            raise CheckpointWriteFailed(
+                f"rank {world.rank}: a peer's background checkpoint write failed (its own error "
+                "names it); stopping"
+            )
+        return agreed[1], agreed[2]
 
     def resume(self) -> int:
         """Load the latest checkpoint (rank 0 chooses; every rank follows); its step (0: none)."""
@@ -366,6 +476,7 @@ class Trainer:
         if found is None:
             return 0
         state, path = found
+        self.resumed_path = path
         check_data_position(state, self.cfg.train.global_batch, path)  # a changed batch is refused
         self.load_state_dict(state)
         print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
@@ -379,6 +490,10 @@ class Trainer:
             return self._train()
         finally:  # also when a step raises: the log file is closed, its lines are on disk
             self.mlperf_log.close()
+            if self.checkpointer is not None:  # a write in flight finishes (the run's end
+                error = self.checkpointer.close()  # waited for it unless a step raised)
+                if error is not None:
+                    log.error("%s", error)
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
@@ -442,11 +557,13 @@ class Trainer:
                 status = "aborted"
                 break
             if eval_now:
+                t_eval = time.perf_counter()
                 self.metric = self.evaluate(last=done)
+                self.lost["evaluation_s"] += time.perf_counter() - t_eval
                 if self.stops_at_target and self.metric >= cfg.train.target:
                     status = "success"
                     break
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+            if self._save_due():
                 self.save_checkpoint()
         return self._finish(status, reason, clock)
 
@@ -607,6 +724,7 @@ class Trainer:
             observer.on_init_end(init_end)
         world.barrier()
         clock = time.perf_counter()
+        self.lost["startup_s"] = time.time() - self.started_unix
         start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
         for observer in self.observers:
             observer.on_run_start(start)
@@ -629,14 +747,23 @@ class Trainer:
         stop = RunStop(status, time_to_train, self.samples, self.task.eval_size, reason)
         for observer in self.observers:
             observer.on_run_stop(stop)
-        every = cfg.checkpoint.every_steps
-        saved_in_loop = status == "max_steps" and every and self.step % every == 0
+        saved_in_loop = self.saved_step == self.step
         took_steps = self.this_run.steps > 0
         if status in ("success", "max_steps") and not saved_in_loop and took_steps:
             self.save_checkpoint()
+        # the last save is committed before the run's end is recorded (and before a requeue)
+        settle = time.perf_counter()
+        self._settle_saves(agree=not peers_may_be_gone)
+        self.lost["save_stall_s"] += time.perf_counter() - settle
         if world.rank == 0:
             rerun.record_end(cfg, self.run_record, status, self.step)
         consistent = None if peers_may_be_gone else weights_consistent(self.task.model, world)
+        goodput = goodput_section(
+            useful_step_s=self.this_run.seconds,
+            wall_s=time.time() - self.started_unix,
+            restart_s=restart_loss_s(self.start_info, self.resumed_path, self.started_unix),
+            **self.lost,
+        )
         assert self.preemption is not None  # installed by _start_clock
         end = RunEnd(
             status=status,
@@ -649,6 +776,7 @@ class Trainer:
             run_id=self.run_record.get("run_id"),
             weights_consistent=consistent,
             terminating=self.preemption.terminating,
+            goodput=goodput,
         )
         for observer in self.observers:
             observer.on_run_end(end)
@@ -669,6 +797,27 @@ class Trainer:
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
 
 
+def restart_loss_s(start: rerun.RunStart, resumed: Path | None, started_unix: float) -> float:
+    """Seconds lost to the failure or preemption before this segment (goodput's ``restart``):
+    after a preempted segment (run.json recorded its end), the time from that end to this
+    process's start (requeue and queue wait; its last checkpoint was taken at the stop, so no
+    work is redone); after one that died without recording an end, the time from the checkpoint
+    resumed from to this start (the work done after it, lost and redone, plus the downtime). A
+    new run, or the continuation of a run that finished (max_steps raised), lost nothing."""
+    record = start.record or {}
+    if start.kind != "resume" or resumed is None:
+        return 0.0
+    status, ended = record.get("status"), record.get("ended_unix")
+    if status == "preempted" and ended is not None:
+        return max(started_unix - float(ended), 0.0)
+    if status == "running":  # the segment before never recorded its end: it crashed
+        try:
+            return max(started_unix - resumed.stat().st_mtime, 0.0)
+        except OSError:
+            return 0.0
+    return 0.0
+
+
 def out_of_memory(exc: BaseException, cfg: Config, world: World, step: int) -> UserError:
     """A device out-of-memory in a training step as one line: rank, step, the per-rank batch
     and what to change (instead of the allocator's multi-line report under a traceback)."""
@@ -683,8 +832,23 @@ def out_of_memory(exc: BaseException, cfg: Config, world: World, step: int) -> U
     )
 
 
+def process_start_unix() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
+    started = process_start_unix()  # goodput's wall clock: imports and rendezvous count
     check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
@@ -705,7 +869,13 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
                 max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
             )
             trainer = Trainer(
-                cfg, world, config_file, start, preemption=preemption, progress=heartbeat.progress
+                cfg,
+                world,
+                config_file,
+                start,
+                preemption=preemption,
+                progress=heartbeat.progress,
+                started=started,
             )
             return trainer.train()
         except Exception as exc:
