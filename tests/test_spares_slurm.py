@@ -87,6 +87,7 @@ def _steps(overrides: list[str], **kw: object) -> list[str]:
 
 
 @pytest.mark.slurm
+@pytest.mark.drill  # minutes: `python3 -m pytest -m drill` (README, Tests)
 @pytest.mark.timeout(900)
 def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm_cluster, tmp_path):
     name = f"spare-{uuid.uuid4().hex[:6]}"

@@ -48,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["up", "down", "status", "run"],
         help="up: start (idempotent); down: stop by PID; run: supervise a training step (sbatch)",
     )
-    p.add_argument(
+    p.add_argument(  # "*", not REMAINDER: that would swallow `up --no-install` as well
         "step_command",
-        nargs=argparse.REMAINDER,
-        help="run: -- scaleout train CONFIG [overrides] (the step's command)",
+        nargs="*",
+        help="run: -- scaleout train CONFIG [overrides] (the step's command, after --)",
     )
     p.add_argument(
         "--no-dbd",
