@@ -43,6 +43,7 @@ slowness (input, Python, launch); a slow device shows in ``sync_wait`` of its pe
 A step names at most one straggler per phase: the slowest rank, when its time is at least
 ``train.straggler_threshold`` x the median over ranks *and* its excess over the median is at least
 :data:`MIN_SHARE` of the step time (a 20 us data wait against a 10 us median is not a straggler).
+A rank is reported when it was a phase's straggler on :data:`MIN_PERSIST` of the steps (and 2).
 ``sync_wait`` only feeds the spread (a long wait is the effect, not the cause).
 """
 
@@ -58,6 +59,9 @@ PHASES = ("data", "compute", "arrival", "sync_wait", "optimizer")
 CAUSES = ("data", "compute", "arrival", "optimizer")  # the phases that can name a straggler
 ROWS = len(PHASES) + 1  # the phases, then the collective fingerprint
 MIN_SHARE = 0.05  # a straggler's excess over the median must be >= this share of the step time
+# A rank is reported when it was the straggler of a phase on at least this share of the steps
+# observed (and on 2 of them): one step's hiccup on a shared machine is noise, not a slow node.
+MIN_PERSIST = 0.1
 
 
 class CollectiveDesync(UserError):
@@ -182,6 +186,9 @@ class SkewTracker:
         """``{"stragglers": [...], "spread": {...}}`` for report.json and metrics.jsonl."""
         out = []
         for (rank, phase), st in self.stragglers.items():
+            seen = self.spread[phase].steps if phase in self.spread else st.steps
+            if st.steps < max(2, MIN_PERSIST * seen):
+                continue
             node = self.node_of[rank] if rank < len(self.node_of) else None
             out.append(
                 {
@@ -209,7 +216,12 @@ class SkewTracker:
         }
         return {
             "stragglers": out,
-            "spread": {"threshold": self.threshold, "min_share": MIN_SHARE, "phases": spread},
+            "spread": {
+                "threshold": self.threshold,
+                "min_share": MIN_SHARE,
+                "min_persist": MIN_PERSIST,
+                "phases": spread,
+            },
         }
 
     def reset(self) -> None:
