@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,38 +209,35 @@ def crash_loop(attempts: Sequence[Mapping[str, Any]], k: int) -> str | None:
     return f"{k} attempts died {where}: stopping, not requeueing"
 
 
-def last_logged_step(output_dir: str, since: float) -> int | None:
-    """The last training step rank 0 logged to metrics.jsonl after ``since`` (best effort: the
-    file is flushed every few seconds, a killed rank loses the rest)."""
-    step = None
+def _train_records(output_dir: str, since: float) -> Iterator[dict]:
+    """Rank 0's training records in metrics.jsonl logged at or after ``since`` (best effort: the
+    file is flushed every few seconds, a killed rank loses the rest; unreadable: none)."""
     try:
         with open(Path(output_dir) / "metrics.jsonl") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("type") == "train" and float(rec.get("time", 0)) >= since:
-                    step = int(rec["step"])
+            lines = f.readlines()
     except OSError:
-        return None
+        return
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("type") == "train" and float(rec.get("time", 0)) >= since:
+            yield rec
+
+
+def last_logged_step(output_dir: str, since: float) -> int | None:
+    """The last training step rank 0 logged to metrics.jsonl after ``since``."""
+    step = None
+    for rec in _train_records(output_dir, since):
+        step = int(rec["step"])
     return step
 
 
 def first_step_after(output_dir: str, since: float) -> float | None:
     """Wall time of the first training step logged after ``since`` (the recovery's end)."""
-    try:
-        with open(Path(output_dir) / "metrics.jsonl") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                t = float(rec.get("time", 0)) if rec.get("type") == "train" else 0.0
-                if t >= since:
-                    return t
-    except OSError:
-        return None
+    for rec in _train_records(output_dir, since):
+        return float(rec["time"])
     return None
 
 

@@ -86,13 +86,9 @@ def _steps(overrides: list[str], **kw: object) -> list[str]:
     return [*overrides, *(f"{k.replace('__', '.')}={v}" for k, v in kw.items())]
 
 
-@pytest.mark.slurm
-@pytest.mark.drill  # minutes: `python3 -m pytest -m drill` (README, Tests)
-@pytest.mark.timeout(900)
-def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm_cluster, tmp_path):
-    name = f"spare-{uuid.uuid4().hex[:6]}"
-    steps = 30
-    overrides = [
+def _hung_node_overrides(steps: int) -> list[str]:
+    """A 2-node tiny run that checkpoints every 3 steps and times a silent peer out in 8 s."""
+    return [
         *_tiny(),
         "launch.nnodes=2",
         f"train.max_steps={steps}",
@@ -104,6 +100,15 @@ def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm
         "train.global_batch=16",
         "train.step_timeout_s=8",
     ]
+
+
+@pytest.mark.slurm
+@pytest.mark.drill  # minutes: `python3 -m pytest -m drill` (README, Tests)
+@pytest.mark.timeout(900)
+def test_sigstopped_node_is_quarantined_and_the_job_continues_on_the_spare(slurm_cluster, tmp_path):
+    name = f"spare-{uuid.uuid4().hex[:6]}"
+    steps = 30
+    overrides = _hung_node_overrides(steps)
     job = _submit(slurm_cluster, tmp_path, name, 3, overrides)
     log, run_dir = tmp_path / f"{name}.out", tmp_path / name
     try:
@@ -194,18 +199,7 @@ def test_without_spares_a_hung_node_requeues_the_job_excluding_it(slurm_cluster,
     with ExcNodeList=n2; the requeued job runs on two other nodes and resumes."""
     name = f"noreq-{uuid.uuid4().hex[:6]}"
     steps = 30
-    overrides = [
-        *_tiny(),
-        "launch.nnodes=2",
-        f"train.max_steps={steps}",
-        f"optim.total_steps={steps}",
-        "optim.warmup_steps=2",
-        "train.eval_every=1000",
-        "train.target=null",
-        "checkpoint.every_steps=3",
-        "train.global_batch=16",
-        "train.step_timeout_s=8",
-    ]
+    overrides = _hung_node_overrides(steps)
     job = _submit(slurm_cluster, tmp_path, name, 2, overrides)
     log, run_dir = tmp_path / f"{name}.out", tmp_path / name
     try:
