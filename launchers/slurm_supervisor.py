@@ -13,7 +13,10 @@ healthy nodes of the allocation; the allocation's other nodes are spares. When t
    that *exited* with a code (a Python error) names no node: a software crash is retried on the
    same nodes, and the crash-loop guard stops it.
 2. **Quarantine.** Named nodes go to ``runs/<name>/quarantine.json`` (scaleout.quarantine), which
-   every later start of the run reads: quarantined nodes of an allocation are never used.
+   every later start of the run reads: quarantined nodes of an allocation are never used. So do
+   the nodes a replica vote named after any step, a finished one too (rank 0's
+   ``rank0-replicas.json``: ranks whose weights differed from the majority's, source
+   ``replica-vote``; scaleout.train.replicas).
 3. **Continue.** With ``launch.nnodes`` healthy nodes left, a new step starts at once on them and
    the run resumes from its latest checkpoint (the trainer's own resume). Without, the job is
    requeued with the quarantined nodes excluded (``scontrol requeuehold``, ``scontrol update
@@ -180,6 +183,19 @@ def bad_nodes(
         if m and not m.group(3).startswith("Exited with exit code"):
             return {m.group(1): (f"task {m.group(2)}: {m.group(3)}", "srun")}
     return {}
+
+
+def replica_nodes(
+    verdicts: Sequence[Mapping[str, Any]], step_nodes: Sequence[str]
+) -> dict[str, str]:
+    """host -> reason for the nodes a replica vote named (scaleout.train.replicas: their ranks'
+    weights differed from the majority's), whatever the step's exit."""
+    found: dict[str, str] = {}
+    for v in verdicts:
+        for i in v.get("odd_nodes", []):
+            if isinstance(i, int) and 0 <= i < len(step_nodes):
+                found.setdefault(step_nodes[i], str(v.get("text", "replicas differ")))
+    return found
 
 
 def bad_input(srun_lines: Sequence[str]) -> bool:
@@ -413,6 +429,9 @@ class Supervisor:
                 "progress": progress,
                 "died_at_step": max(progress, logged or 0),
             }
+            for host, reason in replica_nodes(read_verdicts(verdict_dir), nodes).items():
+                quarantine.record(self.qfile, [(host, reason)], "replica-vote")
+                log(f"node {host} quarantined (replica-vote: {reason}) -> {self.qfile}")
             if rc == 0 or rc == EXIT_PREEMPTED or self.terminating:
                 attempt["outcome"] = "completed" if rc == 0 else "stopped"
                 self._finish(attempt)

@@ -150,6 +150,8 @@ class RunEnd:
     weights_consistent: bool | None  # None: not checked (a peer may be gone)
     terminating: bool  # this rank got SIGTERM: leave out optional collectives
     goodput: dict[str, Any] | None = None  # report.json's goodput (scaleout.report.goodput_section)
+    # the ranks the replica vote found odd (scaleout.train.replicas); empty: none named
+    odd_ranks: list[int] = field(default_factory=list)
 
 
 class Observer:

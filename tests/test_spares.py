@@ -28,11 +28,14 @@ from scaleout.launchers.slurm_supervisor import (
     choose_nodes,
     crash_loop,
     read_verdicts,
+    replica_nodes,
 )
-from scaleout.train import rerun
+from scaleout.train import replicas, rerun
 from scaleout.train.faults import (
+    CorruptInjection,
     CrashInjection,
     write_crash,
+    write_replica_vote,
     write_verdict,
 )
 from scaleout.train.liveness import Heartbeat, period_for
@@ -148,6 +151,34 @@ def test_a_failing_rank_leaves_the_stale_nodes_for_the_supervisor(tmp_path):
     write_crash(world, RuntimeError("boom\nmore"), env={"SCALEOUT_VERDICT_DIR": str(tmp_path)})
     got = json.loads((tmp_path / "rank1.json").read_text())
     assert (got["node"], got["crashed"]) == (0, "RuntimeError: boom")
+
+
+@pytest.mark.unit
+def test_the_replica_vote_names_the_minority_and_the_supervisor_its_node(tmp_path):
+    assert replicas.odd_ones_out([1.5, 1.5, 1.5]) is None
+    assert replicas.odd_ones_out([1.5, 1.5, 2.0, 1.5]) == [2]
+    assert replicas.odd_ones_out([1.0, 1.0, 2.0, 2.0]) == []  # a tie names nobody
+    assert replicas.odd_ones_out([1.0, 2.0, 3.0]) == []
+    vote = replicas.Vote(False, [2], [1])
+    assert vote.sentence(4).startswith("replica vote: ranks [2] (node 1) hold weights that differ")
+    spec = WorldSpec(0, 0, 0, 2, 2, 4, "127.0.0.1", 1, "slurm", tasks_per_node=(2, 2))
+    world = World(spec, torch.device("cpu"), "gloo", node_of=(0, 0, 1, 1))
+    env = {"SCALEOUT_VERDICT_DIR": str(tmp_path)}
+    write_verdict(world, "no heartbeat", [3], env=env)  # rank 0's hang verdict is kept
+    write_replica_vote(world, vote.sentence(4), [2], env=env)
+    verdicts = read_verdicts(tmp_path)
+    assert sorted(str(v.get("odd_nodes", "hang")) for v in verdicts) == ["[1]", "hang"]
+    assert replica_nodes(verdicts, ["n3", "n5"]) == {"n5": vote.sentence(4)}
+    assert replica_nodes([{"odd_nodes": [7]}], ["n3", "n5"]) == {}  # not a node of this step
+    # the injection that makes such a replica: a finite change to the reduced gradient
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.zeros(3)
+    hook = CorruptInjection.from_env(3, {"SCALEOUT_INJECT_CORRUPT": "2:3"})
+    assert CorruptInjection.from_env(1, {"SCALEOUT_INJECT_CORRUPT": "2:3"}) is None
+    hook(1, [p])
+    assert p.grad.abs().sum() == 0
+    hook(2, [p])
+    assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
 @pytest.mark.unit

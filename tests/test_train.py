@@ -139,18 +139,30 @@ def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
     )
 
 
-def test_nan_on_one_rank_makes_every_rank_skip(tmp_path: Path) -> None:
+def test_nan_on_one_rank_makes_every_rank_skip_and_the_replica_vote_names_a_corrupted_rank(
+    tmp_path: Path,
+) -> None:
+    """2 x 2: rank 1's NaN gradient at step 1 is skipped by every rank (so its replica stays
+    equal); rank 3's finite silent corruption at step 2 (SCALEOUT_INJECT_CORRUPT) is what the
+    end-of-run replica vote names, with its node, in report.json and in the verdict it leaves for
+    ``scaleout slurm run`` (which quarantines that node)."""
+    verdicts = tmp_path / "verdicts"
     r = _run(
-        _cmd(tmp_path, 1, 2, "train.max_steps=4", "train.eval_every=4"),
-        env={"SCALEOUT_INJECT_NAN": "1:1"},
+        _cmd(tmp_path, 2, 2, "train.max_steps=4", "train.eval_every=4"),
+        env={
+            "SCALEOUT_INJECT_NAN": "1:1",
+            "SCALEOUT_INJECT_CORRUPT": "2:3",
+            "SCALEOUT_VERDICT_DIR": str(verdicts),
+        },
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "step 2: non-finite gradients on some rank; every rank skips this step" in r.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["skipped_steps"] == 1
-    assert (
-        report["weights_consistent"] is True
-    )  # had only rank 1 skipped, the replicas would differ
+    assert report["weights_consistent"] is False and report["odd_ranks"] == [3], report
+    assert "replica vote: ranks [3] (node 1) hold weights that differ from the other 3" in r.stdout
+    left = json.loads((verdicts / "rank0-replicas.json").read_text())
+    assert (left["odd_ranks"], left["odd_nodes"]) == ([3], [1])
 
 
 def test_kill_9_one_rank_then_rerun_resumes(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -181,19 +182,18 @@ def agree_on_step(
 
 # -- fault injection for tests: installed at the start of a run only when its variable is set
 # -----------
-class NanInjection:
-    """``SCALEOUT_INJECT_NAN="STEP:RANK[,STEP:RANK...]"``: poison this rank's gradients after the
-    reduction at those steps (0-based), a corrupted rank as tests/test_train.py and
-    test_faults.py need. A gradient hook of the trainer (``Trainer.gradient_hooks``), called
-    between unscaling and the step's agreement."""
+class StepInjection:
+    """A test-only fault a rank injects at given steps: ``$VARIABLE="STEP:RANK[,STEP:RANK...]"``
+    (steps 0-based). A gradient hook of the trainer (``Trainer.gradient_hooks``), called between
+    unscaling and the step's agreement; subclasses say what the fault is."""
 
-    VARIABLE = "SCALEOUT_INJECT_NAN"
+    VARIABLE = ""
 
     def __init__(self, steps: set[int]):
         self.steps = steps
 
     @classmethod
-    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> NanInjection | None:
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> Self | None:
         spec = (os.environ if env is None else env).get(cls.VARIABLE, "")
         steps = set()
         for item in filter(None, spec.split(",")):
@@ -204,7 +204,31 @@ class NanInjection:
 
     def __call__(self, step: int, params: list[torch.nn.Parameter]) -> None:
         if step in self.steps:
-            params[0].grad.view(-1)[0] = float("nan")
+            self.inject(step, params)
+
+    def inject(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        raise NotImplementedError
+
+
+class NanInjection(StepInjection):
+    """``SCALEOUT_INJECT_NAN``: poison this rank's gradients after the reduction, a corrupted rank
+    as tests/test_train.py and test_faults.py need (the agreement skips the step everywhere)."""
+
+    VARIABLE = "SCALEOUT_INJECT_NAN"
+
+    def inject(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        params[0].grad.view(-1)[0] = float("nan")
+
+
+class CorruptInjection(StepInjection):
+    """``SCALEOUT_INJECT_CORRUPT``: add 1e-3 to one element of this rank's reduced gradient, a
+    finite silent corruption (a bad GPU's) that no agreement sees: this replica drifts from the
+    others and the end-of-run replica vote (scaleout.train.replicas) names it."""
+
+    VARIABLE = "SCALEOUT_INJECT_CORRUPT"
+
+    def inject(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        params[0].grad.view(-1)[0] += 1e-3
 
 
 class HangInjection:
@@ -410,43 +434,43 @@ def write_crash(world: World, exc: BaseException, env: Mapping[str, str] | None 
     _leave(world, {"crashed": f"{type(exc).__name__}: {first}"[:300]}, env)
 
 
-def _leave(world: World, fields: dict, env: Mapping[str, str] | None) -> None:
+def write_replica_vote(
+    world: World, text: str, odd_ranks: list[int], env: Mapping[str, str] | None = None
+) -> None:
+    """The same folder, from rank 0 after a replica vote named ranks whose weights differ from
+    the majority's (:mod:`scaleout.train.replicas`): {"odd_ranks", "odd_nodes" (node indices),
+    "text"}, as ``rank0-replicas.json`` (a hang verdict of the same rank is kept)."""
+    nodes = sorted({world.node_of[r] for r in odd_ranks if r < len(world.node_of)})
+    fields = {"odd_ranks": odd_ranks, "odd_nodes": nodes, "text": text}
+    _leave(world, fields, env, suffix="-replicas")
+
+
+def _leave(world: World, fields: dict, env: Mapping[str, str] | None, suffix: str = "") -> None:
     folder = (os.environ if env is None else env).get(VERDICT_DIR)
     if not folder:
         return
     node = world.node_of[world.rank] if world.rank < len(world.node_of) else None
     record = {"rank": world.rank, "node": node, **fields, "time": time.time()}
+    name = f"rank{world.rank}{suffix}.json"
     try:
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".rank{world.rank}.json.tmp")
+        tmp = os.path.join(folder, f".{name}.tmp")
         with open(tmp, "w") as f:
             json.dump(record, f)
-        os.replace(tmp, os.path.join(folder, f"rank{world.rank}.json"))
+        os.replace(tmp, os.path.join(folder, name))
     except OSError as exc:  # a diagnosis must never be what fails: say so and go on exiting
         print(f"scaleout: cannot write the verdict to {folder}: {exc}", file=sys.stderr)
 
 
-class CrashInjection:
-    """``SCALEOUT_INJECT_CRASH="STEP:RANK[,STEP:RANK...]"``: this rank raises at those steps
-    (0-based), every attempt again: the deterministic crash the crash-loop guard of ``scaleout
-    slurm run`` must stop (tests/test_spares_slurm.py). A gradient hook, as NanInjection."""
+class CrashInjection(StepInjection):
+    """``SCALEOUT_INJECT_CRASH``: this rank raises at those steps, every attempt again: the
+    deterministic crash the crash-loop guard of ``scaleout slurm run`` must stop
+    (tests/test_spares_slurm.py)."""
 
     VARIABLE = "SCALEOUT_INJECT_CRASH"
 
-    def __init__(self, steps: set[int]):
-        self.steps = steps
-
-    @classmethod
-    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> CrashInjection | None:
-        nan = NanInjection.from_env(
-            rank,
-            {NanInjection.VARIABLE: (os.environ if env is None else env).get(cls.VARIABLE, "")},
-        )
-        return cls(nan.steps) if nan is not None else None
-
-    def __call__(self, step: int, params: list[torch.nn.Parameter]) -> None:
-        if step in self.steps:
-            raise RuntimeError(f"injected crash at step {step} ({self.VARIABLE})")
+    def inject(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        raise RuntimeError(f"injected crash at step {step} ({self.VARIABLE})")
 
 
 # Exit code of a run stopped because it diverged (train.max_consecutive_skips): a plain failure.

@@ -343,12 +343,11 @@ class ReportWriter(Observer):
                 f"on {s['steps']} steps",
                 flush=True,
             )
-        if end.weights_consistent is False:
-            print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
         payload = {
             **report.to_dict(),
             "skipped_steps": end.skipped,
             "weights_consistent": end.weights_consistent,
+            "odd_ranks": end.odd_ranks,
             "resumed_from_step": end.resumed_from,
             "run_id": end.run_id,
             "data_wait_fraction": data_wait,

@@ -50,10 +50,11 @@ from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.report import RunReport, goodput_section, young_daly_interval_s
 from scaleout.timers import Timers
-from scaleout.train import prefetch, rerun
+from scaleout.train import prefetch, replicas, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    CorruptInjection,
     CrashInjection,
     DelayInjection,
     HangInjection,
@@ -65,6 +66,7 @@ from scaleout.train.faults import (
     is_comm_failure,
     nonfinite,
     write_crash,
+    write_replica_vote,
 )
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
@@ -111,27 +113,6 @@ class TrainResult:
     steps: int  # steps done in total (the last step's index + 1)
     metric: float | None  # the last evaluation's value
     report: RunReport | None = None
-
-
-def weights_consistent(model: torch.nn.Module, world: World) -> bool:
-    """Data parallelism keeps every replica identical; check it (one all-gather of a float64
-    digest)."""
-    with torch.no_grad():
-        digest = (
-            torch.stack(
-                [
-                    p.detach().double().sum() + (p.detach().double() ** 2).sum()
-                    for p in model.parameters()
-                ]
-            )
-            .sum()
-            .reshape(1)
-        )
-    if world.world_size == 1:
-        return True
-    everyone = [torch.zeros_like(digest) for _ in range(world.world_size)]
-    dist.all_gather(everyone, digest)
-    return all(bool(torch.equal(d, everyone[0])) for d in everyone)
 
 
 class Trainer:
@@ -237,7 +218,11 @@ class Trainer:
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
-        faults = (NanInjection.from_env(world.rank), CrashInjection.from_env(world.rank))
+        faults = (
+            NanInjection.from_env(world.rank),
+            CrashInjection.from_env(world.rank),
+            CorruptInjection.from_env(world.rank),
+        )
         self.gradient_hooks = [f for f in faults if f is not None]
         self.before_requeue = RequeueDelay.from_env()
         # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
@@ -424,6 +409,16 @@ class Trainer:
             f"(Young/Daly {tau:.0f} s)",
             rank=self.world.rank,
         )
+
+    def _report_replica_vote(self, vote: replicas.Vote) -> None:
+        """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
+        for the supervisor, which quarantines the odd ranks' nodes."""
+        if self.world.rank != 0:
+            return
+        text = vote.sentence(self.world.world_size)
+        print(f"WARNING: {text}", flush=True)
+        if vote.odd_ranks:
+            write_replica_vote(self.world, text, vote.odd_ranks)
 
     def _settle_saves(
         self, then: Callable[[], None] | None = None, agree: bool = True, t0: float | None = None
@@ -757,7 +752,9 @@ class Trainer:
         self.lost["save_stall_s"] += time.perf_counter() - settle
         if world.rank == 0:
             rerun.record_end(cfg, self.run_record, status, self.step)
-        consistent = None if peers_may_be_gone else weights_consistent(self.task.model, world)
+        replica_vote = None if peers_may_be_gone else replicas.vote(self.task.model, world)
+        if replica_vote is not None and not replica_vote.consistent:
+            self._report_replica_vote(replica_vote)
         goodput = goodput_section(
             useful_step_s=self.this_run.seconds,
             wall_s=time.time() - self.started_unix,
@@ -774,7 +771,8 @@ class Trainer:
             skipped=self.skipped,
             resumed_from=self.resumed_from,
             run_id=self.run_record.get("run_id"),
-            weights_consistent=consistent,
+            weights_consistent=None if replica_vote is None else replica_vote.consistent,
+            odd_ranks=[] if replica_vote is None else replica_vote.odd_ranks,
             terminating=self.preemption.terminating,
             goodput=goodput,
         )
