@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,9 +72,20 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
     checker."""
     from scaleout.mlperf import check_compliance
 
-    r = _run(_cmd(tmp_path, 2, 2, "train.max_steps=4", "train.eval_every=2"))
+    auto = ["checkpoint.every_steps=auto", "checkpoint.mtbf_h=0.0002"]
+    r = _run(_cmd(tmp_path, 2, 2, "train.max_steps=4", "train.eval_every=2", *auto))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "time to train (run_start -> run_stop)" in r.stdout
+    # every_steps=auto: the first save (after step 1) measures the stall, Young/Daly picks the
+    # interval from it and the agreed step time, and the saves follow that interval
+    every = [int(n) for n in re.findall(r"every_steps=auto: .* -> every (\d+) steps", r.stdout)]
+    saved = [int(n) for n in re.findall(r"checkpoint: step (\d+) ->", r.stdout)]
+    assert every and saved[0] == 1, r.stdout[-3000:]
+    want = [1]
+    for n in every:
+        if want[-1] + n <= 4:
+            want.append(want[-1] + n)
+    assert saved[: len(want)] == want and set(saved) <= {*want, 4}, (every, saved)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert (
         report["weights_consistent"] is True
