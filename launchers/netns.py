@@ -347,7 +347,19 @@ class Cluster:
             ).stdout
             m = re.search(r"rate (\S+)", q)
             rates[ns] = m.group(1) if m else "unlimited"
-        return {"name": self.name, "namespaces": present, "rates": rates}
+        subnet = self.live_subnet() if present else None
+        return {"name": self.name, "namespaces": present, "rates": rates, "subnet": subnet}
+
+    def live_subnet(self) -> str | None:
+        """The subnet the existing cluster was brought up with (node 0's veth0 address), or None
+        when its namespace or address is missing."""
+        out = subprocess.run(
+            ["ip", "-n", self.ns(0), "-4", "-o", "addr", "show", "dev", "veth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        m = re.search(r"inet (\d{1,3}\.\d{1,3}\.\d{1,3})\.\d{1,3}/", out)
+        return m.group(1) if m else None
 
     def check_ready(self, nodes: int) -> None:
         present = set(self.existing())

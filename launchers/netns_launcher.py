@@ -98,7 +98,9 @@ class NetnsLauncher(LocalLauncher):
         if self.cluster_name:
             cluster = Cluster(max_nnodes, None, name=self.cluster_name)
             cluster.check_ready(max_nnodes)
-            rates = cluster.status()["rates"]
+            status = cluster.status()
+            rates, subnet = status["rates"], status["subnet"] or cluster.subnet
+            cluster = Cluster(max_nnodes, None, name=self.cluster_name, subnet=subnet)
             rate = rates.get(cluster.ns(0))
             rate = None if rate in (None, "unlimited") else rate
             own = {
@@ -107,7 +109,9 @@ class NetnsLauncher(LocalLauncher):
                 if (r := rates.get(cluster.ns(i))) is not None and r != (rate or "unlimited")
             }
             if rate or own:
-                cluster = Cluster(max_nnodes, rate, name=self.cluster_name, node_rates=own)
+                cluster = Cluster(
+                    max_nnodes, rate, name=self.cluster_name, subnet=subnet, node_rates=own
+                )
             self.cluster = cluster
             return
         # A private name per launcher, so concurrent launches and a persistent `cluster up` never

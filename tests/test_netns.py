@@ -389,3 +389,18 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
             live.__exit__(None, None, None)
         subprocess.run(["ip", "netns", "del", foreign], check=False)
     assert not {live.ns(0), foreign} & _netns()
+
+
+def test_launch_in_a_named_cluster_uses_its_own_subnet(tmp_path) -> None:
+    """`scaleout launch --cluster NAME` rendezvous at the address the cluster was brought up with
+    (`cluster up --subnet`), not at the default subnet's (it used to assume 10.77.0)."""
+    with Cluster(2, None, name=f"{NAME}s", subnet="10.79.0") as c:
+        assert c.status()["subnet"] == "10.79.0"
+        show = "import os; print('ADDR', os.environ['MASTER_ADDR'], flush=True)"
+        r = _scaleout(
+            "launch", "--cluster", c.name, "--nnodes", "2", "--nproc-per-node", "1",
+            "--", sys.executable, "-c", show,
+            timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("ADDR 10.79.0.1") == 2, r.stdout[-2000:]
