@@ -27,3 +27,9 @@ class ResNetConfig(Section):
     # Trade-off: no sync before eval, but the result depends on the eval batch size and content
     # (64 images per forward here), and a checkpoint's running buffers are not what was evaluated.
     eval_bn: Literal["running", "batch"] = "running"
+    # Memory format of the model's weights and activations. "auto": channels_last on CUDA (cuDNN's
+    # NHWC kernels, as every MLPerf ResNet); on a CPU a probe before run_start times a forward and
+    # backward of this model on a synthetic local batch in each format (oneDNN's NHWC path was 1.2-
+    # 1.35x faster for the CPU config's ResNet-18 on AMD EPYC) and every rank takes the one the
+    # slowest rank found faster. "channels_last" / "contiguous" force one.
+    memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"

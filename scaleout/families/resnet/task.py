@@ -26,6 +26,7 @@ from scaleout.families.resnet.data.shards import NodeShardSampler, ShardImages, 
 from scaleout.families.resnet.data.transforms import MEAN, STD
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
+from scaleout.families.resnet.layout import use_channels_last
 from scaleout.families.resnet.model import build_resnet
 from scaleout.families.task import Counts, Task
 
@@ -78,7 +79,9 @@ class ResNetTask(Task):
         # forward 2 FLOPs per multiply-add, backward 2x forward; any bn_group (flops.py)
         self.batches.flops_per_image = training_flops_per_image(r)
         self.model = self.model.to(world.device)
-        if world.device.type == "cuda":
+        local = cfg.train.global_batch // max(world.world_size * cfg.train.grad_accum, 1)
+        self.channels_last = use_channels_last(r, world, local)
+        if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         tune_convolutions(world.device)
 
@@ -103,11 +106,11 @@ class ResNetTask(Task):
 
     def prepare_inputs(self, inputs: Any) -> torch.Tensor:
         """On the device: (GPU decode, then) uint8 NHWC pixels -> float NCHW normalised with the
-        ImageNet mean/std, channels_last strides on CUDA (the permute of NHWC is channels_last
-        for free), contiguous on CPU (the CPU model's format)."""
+        ImageNet mean/std, in the model's memory format (channels_last: the permute of NHWC is
+        channels_last for free)."""
         if isinstance(inputs, JpegBatch):
             inputs = decode_on_device(inputs, self.world.device)
-        return normalise_images(inputs, self._norm)
+        return normalise_images(inputs, self._norm, channels_last=self.channels_last)
 
     def _open_images(self, cfg: Config, world: World) -> None:
         """A real labelled set at data.path, as class folders or tar shards (data.format), opened
@@ -235,12 +238,15 @@ def tune_convolutions(device: torch.device) -> None:
 
 
 def normalise_images(
-    x: torch.Tensor, cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None
+    x: torch.Tensor,
+    cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    channels_last: bool | None = None,
 ) -> torch.Tensor:
     """uint8 NHWC pixels on any device -> float32 NCHW ``(x / 255 - MEAN) / STD``: the same
     float32 operations the host used to run (transforms.normalise_reference), so equal to it.
-    ``cache`` keeps the per-device mean/std tensors (made once per device). A float tensor is
-    taken as already prepared."""
+    ``cache`` keeps the per-device mean/std tensors (made once per device). ``channels_last``:
+    the result's strides (None: channels_last on CUDA only). A float tensor is taken as already
+    prepared."""
     if x.dtype != torch.uint8:
         return x
     dev = x.device
@@ -253,7 +259,7 @@ def normalise_images(
             cache[dev] = consts
     mean, std = consts
     y = x.permute(0, 3, 1, 2).float().div_(255.0).sub_(mean).div_(std)
-    if dev.type == "cuda":
+    if dev.type == "cuda" if channels_last is None else channels_last:
         return y.contiguous(memory_format=torch.channels_last)  # a no-op for a permuted NHWC
     return y.contiguous()
 
