@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from scaleout import preempt
 from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
+from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
+from scaleout.doctor import link_record, node_names
 from scaleout.errors import UserError
 from scaleout.log import print0
 from scaleout.mlperf import MLPerfLogger
@@ -79,7 +81,7 @@ from scaleout.train.observers import (
 )
 from scaleout.train.rerun import check_data_position
 from scaleout.train.rng import seed_step
-from scaleout.train.skew import SkewTracker
+from scaleout.train.skew import SkewTracker, link_credit
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
@@ -168,6 +170,9 @@ class Trainer:
     # False: the step's agreement carries its flags only, no phase times nor fingerprint
     # (`scaleout bench agreement` measures what they cost); the same on every rank
     attribution: bool
+    # inter_allreduce x each rank's link credit names a slow link (train/skew.py), None: equal or
+    # unknown link rates (a world-sized tensor on the device)
+    link_credit: torch.Tensor | None
     before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
     progress: Progress  # where this rank is, for the heartbeat (phase marks: progress.at)
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
@@ -280,6 +285,7 @@ class Trainer:
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode
         # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
+        self.link_credit = self._exchange_links()
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
@@ -316,6 +322,21 @@ class Trainer:
             MetricsObserver(cfg, world, self.out, config_file),
             ProfilerObserver(cfg, self.out, world.rank),
         ]
+
+    def _exchange_links(self) -> torch.Tensor | None:
+        """Every rank's node name and link rate, gathered once (an object collective on the CPU
+        group): node names for the stragglers' quarantine verdicts, and the link credit that
+        attributes a slow link (scaleout/train/skew.py ``link_credit``); None on one node."""
+        world = self.world
+        if world.world_size == 1 or world.num_nodes == 1:
+            return None
+        records: list[Any] = [None] * world.world_size
+        dist.all_gather_object(records, link_record(world), group=world.cpu_group)
+        self.skew.node_names = node_names(records)
+        credit = link_credit([r["link_bps"] for r in records])
+        if credit is None:
+            return None
+        return torch.tensor(credit, dtype=torch.float32).to(world.device)
 
     def _prepare_output_dir(self) -> None:
         """Rank 0 makes the output directory and sets aside what an earlier run left there."""
@@ -486,9 +507,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
+        CLOCK.reset()  # row / column phase times for the agreement (scaleout/comm/phasetime.py)
+        CLOCK.enabled = self.world.world_size > 1
         try:
             return self._train()
         finally:  # also when a step raises: the log file is closed, its lines are on disk
+            CLOCK.enabled = False
             self.mlperf_log.close()
             if self.checkpointer is not None:  # a write in flight finishes (the run's end
                 error = self.checkpointer.close()  # waited for it unless a step raised)
@@ -612,6 +636,7 @@ class Trainer:
             launched - start_wall if launched is not None else computed - start - wait,
             wait,
             self._optimizer_s,
+            *CLOCK.take(),  # intra, inter_allreduce (on CUDA: the step before's)
         ]
         fingerprint, collectives = self.sync.collectives()
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
@@ -633,6 +658,7 @@ class Trainer:
             fingerprint=fingerprint,
             step=step,
             describe=collectives,
+            credit=self.link_credit,
         )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
