@@ -13,6 +13,7 @@ reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrie
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -324,16 +325,31 @@ class Trainer:
         ]
 
     def _exchange_links(self) -> torch.Tensor | None:
-        """Every rank's node name and link rate, gathered once (an object collective on the CPU
-        group): node names for the stragglers' quarantine verdicts, and the link credit that
-        attributes a slow link (scaleout/train/skew.py ``link_credit``); None on one node."""
+        """Every rank's link rate, summed once into a world-sized vector on the device (each rank
+        its own slot: one small all-reduce at start-up), for the link credit that attributes a
+        slow link (scaleout/train/skew.py ``link_credit``); and each node's name as doctor names
+        it (``scaleout.doctor.node_names``), left in the store by the node's first rank and read
+        by rank 0 for the stragglers' quarantine verdicts. None on one node."""
         world = self.world
         if world.world_size == 1 or world.num_nodes == 1:
             return None
-        records: list[Any] = [None] * world.world_size
-        dist.all_gather_object(records, link_record(world), group=world.cpu_group)
-        self.skew.node_names = node_names(records)
-        credit = link_credit([r["link_bps"] for r in records])
+        me = link_record(world)
+        store = dist.distributed_c10d._get_default_store()
+        if world.local_rank == 0:
+            store.set(f"scaleout/node_name/{me['node']}", json.dumps([me["host"], me["netns"]]))
+        rates = torch.zeros(world.world_size)
+        rates[world.rank] = me["link_bps"] or 0.0
+        rates = rates.to(world.device)
+        dist.all_reduce(rates, group=world.group)
+        if world.rank == 0:
+            names = [
+                json.loads(store.get(f"scaleout/node_name/{i}").decode())
+                for i in range(world.num_nodes)
+            ]
+            self.skew.node_names = node_names(
+                [{"node": i, "host": h, "netns": n} for i, (h, n) in enumerate(names)]
+            )
+        credit = link_credit([r or None for r in rates.tolist()])
         if credit is None:
             return None
         return torch.tensor(credit, dtype=torch.float32).to(world.device)
