@@ -329,4 +329,6 @@ def test_netns_drill_slow_link_named_by_doctor_and_stragglers(tmp_path: Path) ->
     inter = [s for s in report["stragglers"] if s["phase"] == "inter_allreduce"]
     assert [s["node"] for s in inter] in ([1], [1, 1]), report["stragglers"]
     assert inter[0]["slowdown"] > 3 and inter[0]["steps"] >= 4, inter
+    q = json.loads((out / "quarantine.json").read_text())["nodes"]  # as doctor names it
+    assert [h[-3:] for h in q] == ["-n1"] and q[next(iter(q))][0]["source"] == "straggler", q
     print(f"doctor: {verdicts[0].strip()} ({took} s); stragglers: {inter}")
