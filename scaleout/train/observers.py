@@ -345,7 +345,7 @@ class ReportWriter(Observer):
                 f"on {s['steps']} steps",
                 flush=True,
             )
-        self._quarantine(skew.get("stragglers", []))
+        self._quarantine(skew)
         if end.weights_consistent is False:
             print("WARNING: model replicas differ between ranks at the end of the run", flush=True)
         payload = {
@@ -379,12 +379,13 @@ class ReportWriter(Observer):
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
 
-    def _quarantine(self, stragglers: list[dict[str, Any]]) -> None:
-        """Rank 0: the reported stragglers' nodes go to ``<train.output_dir>/quarantine.json`` as
-        verdicts of source ``straggler`` (scaleout/quarantine.py; the Slurm supervisor reads the
-        file before its next start). A file that cannot be written is a warning, not a failure."""
+    def _quarantine(self, skew: dict[str, Any]) -> None:
+        """Rank 0: the nodes of persistent stragglers (scaleout/train/skew.py
+        ``quarantine_verdicts``) go to ``<train.output_dir>/quarantine.json`` as verdicts of
+        source ``straggler`` (scaleout/quarantine.py; the Slurm supervisor reads the file before its
+        next start). A file that cannot be written is a warning, not a failure."""
         names = self.skew.node_names if self.skew is not None else []
-        verdicts = quarantine_verdicts(stragglers, names)
+        verdicts = quarantine_verdicts(skew, names)
         if not verdicts:
             return
         path = quarantine.path_for(self.out)

@@ -72,9 +72,12 @@ slow, never the peers that waited for it, and the straggler is reported with pha
 formed (a degraded link at its nominal rate is then doctor's to find, by its pairwise probes). The
 row is computed on the device from the gathered block, so it costs no byte on the wire.
 
-Over-threshold stragglers are also quarantine verdicts (source ``straggler``,
-:func:`quarantine_verdicts`): rank 0 appends them to ``<train.output_dir>/quarantine.json`` at the
-end of the run, which the Slurm supervisor reads before the next start.
+A node whose ranks were a phase's straggler on at least half the steps (:data:`QUARANTINE_PERSIST`)
+at 2x the median or more (:data:`QUARANTINE_SLOWDOWN`) is also a quarantine verdict (source
+``straggler``, :func:`quarantine_verdicts`): rank 0 appends it to
+``<train.output_dir>/quarantine.json`` at the end of the run, which the Slurm supervisor reads
+before the next start. The bar is above being reported: a quarantined node leaves the next
+allocation, and a few noisy steps on a shared machine must not put it there.
 """
 
 from __future__ import annotations
@@ -105,6 +108,10 @@ MIN_SHARE = 0.05  # a straggler's excess over the median must be >= this share o
 # A rank is reported when it was the straggler of a phase on at least this share of the steps
 # observed (and on 2 of them): one step's hiccup on a shared machine is noise, not a slow node.
 MIN_PERSIST = 0.1
+# A node is quarantined (source "straggler") when its ranks were a phase's straggler on at least
+# this share of the steps, at this slowdown or more on average: it then leaves the next allocation.
+QUARANTINE_PERSIST = 0.5
+QUARANTINE_SLOWDOWN = 2.0
 
 
 def link_credit(speeds: Sequence[float | None]) -> list[float] | None:
@@ -118,21 +125,32 @@ def link_credit(speeds: Sequence[float | None]) -> list[float] | None:
     return [low / s if s and s > 0 else 1.0 for s in speeds]
 
 
-def quarantine_verdicts(
-    stragglers: Sequence[dict[str, Any]], node_names: Sequence[str]
-) -> list[tuple[str, str]]:
-    """(host, reason) per reported straggler whose node has a name, for
-    :func:`scaleout.quarantine.record` with source ``straggler``."""
-    out = []
-    for s in stragglers:
+def quarantine_verdicts(report: dict[str, Any], node_names: Sequence[str]) -> list[tuple[str, str]]:
+    """(host, reason) per node that is a straggler over the quarantine bar, for
+    :func:`scaleout.quarantine.record` with source ``straggler``: from :meth:`SkewTracker.report`,
+    a node's ranks together were a phase's straggler on at least :data:`QUARANTINE_PERSIST` of
+    the steps, at :data:`QUARANTINE_SLOWDOWN` x the median or more on average. Stricter than
+    being reported: a node leaves the next allocation, so a few noisy steps must not put it
+    there."""
+    seen = {p: s["steps"] for p, s in report.get("spread", {}).get("phases", {}).items()}
+    by_node: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for s in report.get("stragglers", []):
         node = s.get("node")
-        if node is None or not 0 <= node < len(node_names):
+        if node is not None and 0 <= node < len(node_names):
+            by_node.setdefault((node, s["phase"]), []).append(s)
+    out = []
+    for (node, phase), entries in sorted(by_node.items()):
+        steps = sum(s["steps"] for s in entries)
+        slowdown = sum(s["slowdown"] * s["steps"] for s in entries) / steps
+        if steps < QUARANTINE_PERSIST * seen.get(phase, steps) or slowdown < QUARANTINE_SLOWDOWN:
             continue
+        ranks = ", ".join(str(s["rank"]) for s in sorted(entries, key=lambda s: s["rank"]))
+        excess = sum(s["excess_s"] * s["steps"] for s in entries) / steps
         out.append(
             (
                 node_names[node],
-                f"rank {s['rank']} straggler in {s['phase']}: {s['slowdown']:.1f}x the median "
-                f"on {s['steps']} steps (+{s['excess_s'] * 1e3:.0f} ms a step)",
+                f"straggler in {phase} (ranks {ranks}): {slowdown:.1f}x the median on {steps} of "
+                f"{seen.get(phase, steps)} steps (+{excess * 1e3:.0f} ms a step)",
             )
         )
     return out
