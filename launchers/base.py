@@ -48,14 +48,17 @@ class RankExit:
         return cls(rank, node, local, returncode)
 
     def describe(self) -> str:
-        where = f"rank {self.rank} (node {self.node}, local rank {self.local_rank})"
+        return f"rank {self.rank} (node {self.node}, local rank {self.local_rank}) {self.how()}"
+
+    def how(self) -> str:
+        """How it ended: "exited with code N" or "was killed by SIGNAL"."""
         if self.returncode < 0:
             try:
                 name = signal.Signals(-self.returncode).name
             except ValueError:
                 name = f"signal {-self.returncode}"
-            return f"{where} was killed by {name}"
-        return f"{where} exited with code {self.returncode}"
+            return f"was killed by {name}"
+        return f"exited with code {self.returncode}"
 
 
 @dataclass(frozen=True)

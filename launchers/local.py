@@ -55,7 +55,7 @@ from scaleout.launchers.base import (
     register,
 )
 from scaleout.launchers.watchdog import start_time
-from scaleout.verdict import read_verdict
+from scaleout.verdict import read_verdict, with_exits
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
 DEFAULT_GRACE_S = 30.0
@@ -489,12 +489,18 @@ class LocalJob:
                     break
             if failed is not None:
                 running = sum(c is None for c in codes)
+                # the ranks that ended on their own: a verdict naming them as silent is completed
+                exits = {
+                    r: RankExit.of(r, self.nproc, c).how()
+                    for r, c in enumerate(codes)
+                    if c not in (None, 0)
+                }
                 self.stop()
                 msg = failed.describe() + (
                     f"; stopped the other {running} running ranks" if running else ""
                 )
                 code = failed.returncode if failed.returncode > 0 else 1
-                return self._finish(code, failed, msg, "failed")
+                return self._finish(code, failed, msg, "failed", exits)
             if all(c == 0 for c in codes):
                 return self._finish(0, None, f"all {self.world_size} ranks exited 0", "succeeded")
             if deadline is not None and time.monotonic() > deadline:
@@ -508,7 +514,12 @@ class LocalJob:
             time.sleep(0.05)
 
     def _finish(
-        self, code: int, failed: RankExit | None, msg: str, state: LaunchState
+        self,
+        code: int,
+        failed: RankExit | None,
+        msg: str,
+        state: LaunchState,
+        exits: dict[int, str] | None = None,
     ) -> LaunchResult:
         for p in (
             self.procs
@@ -520,6 +531,8 @@ class LocalJob:
         for line in self.output.folder.summary():
             self.sink.write(f"scaleout launch: {line}\n")
         verdict = self.output.verdict
+        if verdict is not None and exits:  # a silent rank that exited crashed, it did not hang
+            verdict = with_exits(verdict, exits)
         if failed is not None and verdict is not None:  # the root cause first, then who exited
             msg = f"{verdict}; then {msg}"
         self._close_log()

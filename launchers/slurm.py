@@ -25,7 +25,7 @@ from typing import Any
 from scaleout.errors import UserError
 from scaleout.launchers.base import EXIT_TIMED_OUT, Launcher, LaunchOptions, LaunchResult, register
 from scaleout.resources import package_path
-from scaleout.verdict import first_verdict
+from scaleout.verdict import first_verdict, srun_exits, with_exits
 
 HERE = package_path(
     __package__, "slurm_local"
@@ -291,9 +291,13 @@ class SlurmJob:
             return None
         try:
             with open(self.log, errors="replace") as f:
-                return first_verdict(line.rstrip("\n") for line in f)
+                lines = [line.rstrip("\n") for line in f]
         except OSError:  # no output file
             return None
+        verdict = first_verdict(lines)
+        if verdict is None:
+            return None
+        return with_exits(verdict, srun_exits(lines))  # a silent rank srun saw end: crashed
 
     def stop(self) -> None:
         subprocess.run(

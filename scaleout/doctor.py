@@ -485,6 +485,23 @@ def env_netns(env: Mapping[str, str] = os.environ) -> str | None:
     return env.get("SCALEOUT_NETNS") or None
 
 
+def link_record(world: Any) -> dict[str, Any]:
+    """This rank's node, host and inter-node link rate, as doctor records them: what the trainer
+    exchanges once at start-up to credit a slow link (scaleout/train/skew.py) and to name nodes
+    in its quarantine verdicts the way doctor does (:func:`node_names`). Under Slurm the host is
+    Slurm's node name (``SLURMD_NODENAME``: what ``--exclude`` takes, also where several slurmd
+    share one machine)."""
+    iface = route_to(world.master_addr or "127.0.0.1")["iface"]
+    return {
+        "rank": world.rank,
+        "node": world.node_of[world.rank],
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "netns": env_netns(),
+        # loopback (ranks emulating nodes on one host) has no rate: skip asking tc
+        "link_bps": link_speed_bps(iface) if iface and iface != "lo" else None,
+    }
+
+
 # -- the whole check, in every rank ---------------------------------------------------------------
 @dataclass
 class Diagnosis:

@@ -22,7 +22,7 @@ from scaleout.launchers.local import TracebackFolder
 from scaleout.launchers.slurm import SlurmJob
 from scaleout.train.faults import HangInjection
 from scaleout.train.liveness import Heartbeat, Progress, judge
-from scaleout.verdict import read_verdict, verdict_line
+from scaleout.verdict import read_verdict, srun_exits, verdict_line, with_exits
 
 
 def _describe(r: int) -> str:
@@ -134,6 +134,46 @@ def test_verdict_line_round_trips_and_slurm_reads_it_from_the_job_output(tmp_pat
     log.write_text(f"step 1 ...\n{line}\n{verdict_line('rank 0 (node 0, local rank 0)', 'x')}\n")
     assert SlurmJob(1, {}, 60.0, log=log)._verdict() == text
     assert SlurmJob(1, {}, 60.0, log=tmp_path / "missing")._verdict() is None
+
+
+@pytest.mark.unit
+def test_a_silent_rank_the_launcher_saw_exit_is_said_to_have_crashed(tmp_path: Path) -> None:
+    """The peers' verdict can only say a rank "sent no heartbeat: stopped, hung or dead"; when
+    the launcher knows that rank ended (its exit code, or srun's line in a Slurm job's output)
+    the sentence says it crashed and how. Other verdicts and other ranks' exits leave it as is."""
+    first = [_beat(3, 7, "grad-sync", 30)] * 2 + [_beat(3, 7, "forward", 29)] * 2
+    second = [_beat(4, 7, "grad-sync", 30)] * 2 + [_beat(3, 7, "forward", 29)] * 2
+    text = judge(first, second, 4.0, _describe)["text"]
+    where = "(last seen at step 7 in forward, collective #29)"
+    assert with_exits(text, {3: "was killed by SIGKILL", 2: "exited with code 1"}) == (
+        f"rank 2 (node 1, local rank 0) {where}, rank 3 (node 1, local rank 1) {where} crashed "
+        "(rank 2 exited with code 1, rank 3 was killed by SIGKILL): its heartbeat ended with it"
+    )
+    part = with_exits(text, {3: "was killed by SIGKILL"})
+    assert part.endswith(
+        "sent no heartbeat for 4 s: rank 3 was killed by SIGKILL (crashed), the others stopped, "
+        "hung or dead"
+    )
+    assert with_exits(text, {0: "exited with code 1"}) == text
+    behind = "rank 3 (node 1, local rank 1) is behind: step 2 in forward, collective #4 while ..."
+    assert with_exits(behind, {3: "exited with code 1"}) == behind
+    log = tmp_path / "slurm.out"
+    lines = [
+        verdict_line("rank 0 (node 0, local rank 0)", text),
+        "srun: error: n2: tasks 2-3: Killed",
+        "srun: launch/slurm: _step_signal: Terminating StepId=224.0",
+        "srun: error: n1: task 0: Exited with exit code 1",
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    assert srun_exits(lines) == {2: "ended on n2: Killed", 3: "ended on n2: Killed"}
+    assert (
+        SlurmJob(1, {}, 60.0, log=log)
+        ._verdict()
+        .endswith(
+            "crashed (rank 2 ended on n2: Killed, rank 3 ended on n2: Killed): its heartbeat ended "
+            "with it"
+        )
+    )
 
 
 @pytest.mark.unit

@@ -106,6 +106,7 @@ def _agreement(world: Any, extended: bool, ranks: int) -> Any:
 
 
 def _body(args: argparse.Namespace) -> int:
+    from scaleout.comm.phasetime import CLOCK  # deferred: torch, and a fast `scaleout --help`
     from scaleout.train.trainer import Trainer  # deferred: a fast `scaleout --help`
 
     world = init_ranks(1, NAME)
@@ -125,6 +126,7 @@ def _body(args: argparse.Namespace) -> int:
             def train_step(attribution: bool) -> Any:
                 def fn() -> Any:
                     trainer.attribution = attribution
+                    CLOCK.enabled = attribution  # the row / column phase times (train() sets it)
                     flags = trainer.train_step(step[0])
                     step[0] += 1
                     return flags.loss

@@ -27,12 +27,14 @@ Two phase compositions, chosen by backend (see docs/collectives.md for the measu
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaleout.comm.phasetime import CLOCK, COL, ROW
 from scaleout.comm.rowcol import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
 
 # How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
@@ -179,17 +181,28 @@ class _GlooSchedule:
 
     # -- the pipeline -----------------------------------------------------------------------------
     def run(self) -> None:
+        """The chunk pipeline. While the phase clock is on (scaleout/comm/phasetime.py), the
+        waits for column all-reduces count as the column phase and the rest of the schedule as
+        the row phases."""
         C = self.n_chunks
         rs: dict[int, Any] = {}
         ar: dict[int, Any] = {}
         ag: list[Any] = []
         row = self.g > 1
+        clock = CLOCK if CLOCK.enabled else None
+        start, col_s = time.perf_counter(), 0.0
 
         def drain_one() -> None:
+            nonlocal col_s
             c = min(ar)
             w = ar.pop(c)
             if w is not None:
-                w.wait()
+                if clock is None:
+                    w.wait()
+                else:
+                    t = time.perf_counter()
+                    w.wait()
+                    col_s += time.perf_counter() - t
             if row:
                 ag.extend(self.post_ag(c))
 
@@ -207,16 +220,23 @@ class _GlooSchedule:
             drain_one()
         for w in ag:
             w.wait()
+        if clock is not None:
+            clock.add(COL, col_s)
+            clock.add(ROW, time.perf_counter() - start - col_s)
 
 
 def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
     """RS -> AR -> AG with NCCL's native collectives (padding to a multiple of the row size).
 
     Runs on the comm stream (scaleout.comm.handles.on_comm_stream): each phase is async and its
-    ``wait()`` orders the current (comm) stream after it, never the host or the compute stream."""
+    ``wait()`` orders the current (comm) stream after it, never the host or the compute stream.
+    While the phase clock is on, timing events between the phases (read a step later:
+    scaleout/comm/phasetime.py) time each on the comm stream."""
+    clock = CLOCK if CLOCK.enabled else None
     g = len(grid.row_ranks)
     n = buf.numel()
     padded = math.ceil(n / g) * g
+    marks = [clock.mark(buf.device)] if clock is not None else []
     x = buf
     if padded != n:
         x = torch.zeros(padded, dtype=buf.dtype, device=buf.device)
@@ -226,9 +246,17 @@ def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
         out = torch.empty_like(shard)
         reduce_scatter_tensor(out, x, group=grid.row, async_op=True).wait()
         shard.copy_(out)
+    if clock is not None:
+        marks.append(clock.mark(buf.device))
     if grid.col_size > 1:
         dist.all_reduce(shard, group=grid.col, async_op=True).wait()
+    if clock is not None:
+        marks.append(clock.mark(buf.device))
     if g > 1:
         all_gather_tensor(x, shard.clone(), group=grid.row, async_op=True).wait()
     if x is not buf:
         buf.copy_(x[:n])
+    if clock is not None:
+        marks.append(clock.mark(buf.device))
+        for kind, a, b in zip((ROW, COL, ROW), marks, marks[1:], strict=False):
+            clock.span(kind, a, b)

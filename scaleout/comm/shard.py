@@ -30,6 +30,7 @@ import torch.distributed as dist
 from scaleout.comm.algorithm import get_algorithm
 from scaleout.comm.api import dispatch, op_name
 from scaleout.comm.grid import Grid, all_gather_tensor, reduce_scatter_tensor
+from scaleout.comm.phasetime import CLOCK, COL, ROW
 from scaleout.errors import UserError
 from scaleout.profiler import traced
 
@@ -105,19 +106,40 @@ def _check(out: torch.Tensor, inp: torch.Tensor, world: World, what: str, big: s
 def _phases(out: torch.Tensor, inp: torch.Tensor, grid: Grid, op: Any, row_first: bool) -> None:
     """``op`` along the row and the column group (reduce-scatter: row first; all-gather: column
     first), through one buffer of n/g elements; size-1 groups are skipped. Each phase is async and
-    waited for: on NCCL (on the comm stream) that is a stream wait, on gloo a host wait."""
+    waited for: on NCCL (on the comm stream) that is a stream wait, on gloo a host wait. While
+    the phase clock is on, each phase's time counts as row or column (scaleout/comm/phasetime.py).
+    """
     g, k = len(grid.row_ranks), grid.col_size
-    groups = [grp for size, grp in ((g, grid.row), (k, grid.col)) if size > 1]
+    groups = [
+        (kind, grp) for kind, size, grp in ((ROW, g, grid.row), (COL, k, grid.col)) if size > 1
+    ]
     if not row_first:
         groups.reverse()
     if not groups:
         out.copy_(inp)
-    elif len(groups) == 1:
-        op(out, inp, group=groups[0], async_op=True).wait()
+        return
+    mid = (
+        torch.empty(max(out.numel(), inp.numel()) // g, dtype=inp.dtype, device=inp.device)
+        if len(groups) == 2
+        else out
+    )
+    for (kind, group), (dst, src) in zip(groups, ((mid, inp), (out, mid)), strict=False):
+        _timed_phase(kind, op, dst, src, group)
+
+
+def _timed_phase(kind: int, op: Any, dst: torch.Tensor, src: torch.Tensor, group: Any) -> None:
+    """One phase, ``op(dst, src)`` on ``group`` waited for, timed as ``kind`` while the phase
+    clock is on: host time on gloo, timing events on the comm stream on CUDA (read a step
+    later)."""
+    if not CLOCK.enabled:
+        op(dst, src, group=group, async_op=True).wait()
+    elif dst.is_cuda:
+        start = CLOCK.mark(dst.device)
+        op(dst, src, group=group, async_op=True).wait()
+        CLOCK.span(kind, start, CLOCK.mark(dst.device))
     else:
-        mid = torch.empty(max(out.numel(), inp.numel()) // g, dtype=inp.dtype, device=inp.device)
-        op(mid, inp, group=groups[0], async_op=True).wait()
-        op(out, mid, group=groups[1], async_op=True).wait()
+        with CLOCK.timed(kind):
+            op(dst, src, group=group, async_op=True).wait()
 
 
 def _run(

@@ -254,9 +254,10 @@ class TrainConfig(_Section):
     # the allocation. 0 = never.
     max_consecutive_skips: int = Field(10, ge=0)
     # A rank is a straggler in a phase of a step (data, compute, arrival at the first bucket,
-    # optimizer) when it is the slowest there, at least this many times the median over ranks, and
-    # its excess is >= 5 % of the step: report.json and metrics.jsonl name it (rank, node, phase,
-    # slowdown). Measured in the step's agreement all-reduce (scaleout/train/skew.py).
+    # optimizer, inter_allreduce through its link rate) when it is the slowest there, at least this
+    # many times the median over ranks, and its excess is >= 5 % of the step: report.json and
+    # metrics.jsonl name it (rank, node, phase, slowdown) and its node is quarantined. Measured in
+    # the step's agreement all-reduce (scaleout/train/skew.py).
     straggler_threshold: float = Field(1.3, gt=1.0, allow_inf_nan=False)
     # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
     # (scaleout/devices.py). Set it for a GPU that is not in the table.

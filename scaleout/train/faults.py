@@ -19,7 +19,7 @@ The same all-reduce also carries, when the trainer passes them, this rank's phas
 fingerprint of its gradient collectives, in a world-sized block of its own column: every rank then
 learns the slowest and fastest rank of each phase, and a rank whose collectives differ is named at
 the step boundary instead of hanging a later collective (scaleout/train/skew.py: design and cost,
-49 KB per step at 2,048 ranks).
+66 KB per step at 2,048 ranks).
 """
 
 from __future__ import annotations
@@ -42,7 +42,15 @@ from scaleout.errors import UserError
 from scaleout.preempt import Preemption
 from scaleout.train.liveness import PHASES as PROGRESS_PHASES
 from scaleout.train.liveness import describe_rank, unresponsive
-from scaleout.train.skew import PHASES, ROWS, CollectiveDesync, StepSkew, desync_message
+from scaleout.train.skew import (
+    INTER,
+    LINK,
+    PHASES,
+    ROWS,
+    CollectiveDesync,
+    StepSkew,
+    desync_message,
+)
 from scaleout.verdict import verdict_line
 from scaleout.world import World
 
@@ -87,6 +95,23 @@ def _staging(dev: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def skew_summary(
+    times: torch.Tensor, credit: torch.Tensor | None = None
+) -> tuple[tuple[str, ...], torch.Tensor]:
+    """(row names, per row: max, argmax, min, argmin, median over ranks, in blocks of one value
+    per row) of the gathered phase times (``len(PHASES) x world``, on the device, nothing read).
+    With ``credit`` (skew.py ``link_credit``) a :data:`~scaleout.train.skew.LINK` row,
+    ``inter_allreduce`` x credit, is added last: the rule that names a slow link's node."""
+    names: tuple[str, ...] = PHASES
+    if credit is not None:  # no byte on the wire: formed from the gathered block
+        times = torch.cat([times, (times[INTER] * credit).unsqueeze(0)])
+        names = (*PHASES, LINK)
+    mx, amx = times.max(dim=1)
+    mn, amn = times.min(dim=1)
+    med = times.median(dim=1).values
+    return names, torch.cat([mx, amx.float(), mn, amn.float(), med])
+
+
 def agree_on_step(
     world: World,
     nonfinite_grads: bool | torch.Tensor,
@@ -100,6 +125,7 @@ def agree_on_step(
     fingerprint: int = 0,
     step: int | None = None,
     describe: str = "",
+    credit: torch.Tensor | None = None,
 ) -> StepFlags:
     """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
     parameters that got no gradient (GradientSync.unused_flag), read with the others; ``flops``:
@@ -108,7 +134,10 @@ def agree_on_step(
     collectives' (every rank passes them or none: they size the all-reduce); then the result's
     ``skew`` holds them over the ranks, and a fingerprint that differs between ranks raises
     :class:`~scaleout.train.skew.CollectiveDesync` on every rank, naming the odd ones (``step``
-    and ``describe``, this rank's collectives in words, go into its message)."""
+    and ``describe``, this rank's collectives in words, go into its message). ``credit``: the
+    link credit of every rank (a world-sized float32 tensor on the device,
+    :func:`scaleout.train.skew.link_credit`): the skew then also holds
+    :data:`~scaleout.train.skew.LINK`, ``inter_allreduce`` x credit, formed on the device."""
     dev = torch.device(world.device)
     p = world.world_size
     parts = [
@@ -143,21 +172,8 @@ def agree_on_step(
     if phases is not None:  # reduced on the device: the host read stays O(1) in the world size
         block = flags[head:].view(ROWS, p)
         times, fps = block[: len(PHASES)], block[len(PHASES)]
-        mx, amx = times.max(dim=1)
-        mn, amn = times.min(dim=1)
-        med = times.median(dim=1).values
-        read = torch.cat(
-            [
-                read,
-                mx,
-                amx.float(),
-                mn,
-                amn.float(),
-                med,
-                fps.min().reshape(1),
-                fps.max().reshape(1),
-            ]
-        )
+        names, summary = skew_summary(times, credit)
+        read = torch.cat([read, summary, fps.min().reshape(1), fps.max().reshape(1)])
     values = read.tolist()  # the step's one host read
     skip, stop, notice_, term, total, unused, flops_ = values[:head]
     skew = None
@@ -167,7 +183,7 @@ def agree_on_step(
             odd = [int(f) for f in block[len(PHASES)].tolist()]
             mine = f"this rank ({world.rank}): {describe or f'0x{fingerprint:06x}'}"
             raise CollectiveDesync(desync_message(step, odd, mine))
-        skew = StepSkew.from_values(values[head:-2], int(fp_min))
+        skew = StepSkew.from_values(values[head:-2], int(fp_min), names)
     return StepFlags(
         skip=skip > 0,
         stop=stop > 0,

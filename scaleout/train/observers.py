@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaleout import quarantine
 from scaleout.checkpoint import atomic_write
 from scaleout.config.schema import Config
 from scaleout.devices import device_peak
+from scaleout.errors import UserError
 from scaleout.families import FAMILIES
 from scaleout.log import print0
 from scaleout.metrics import Metrics
@@ -36,7 +38,7 @@ from scaleout.profiler import StepProfiler, build_profiler
 from scaleout.report import RunReport
 from scaleout.timers import Timers
 from scaleout.train.progress import Progress
-from scaleout.train.skew import SkewTracker
+from scaleout.train.skew import SkewTracker, quarantine_verdicts
 from scaleout.world import World
 
 
@@ -343,6 +345,7 @@ class ReportWriter(Observer):
                 f"on {s['steps']} steps",
                 flush=True,
             )
+        self._quarantine(skew)
         payload = {
             **report.to_dict(),
             "skipped_steps": end.skipped,
@@ -374,3 +377,21 @@ class ReportWriter(Observer):
             **skew,  # "stragglers" and "spread" (scaleout/train/skew.py)
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
+
+    def _quarantine(self, skew: dict[str, Any]) -> None:
+        """Rank 0: the nodes of persistent stragglers (scaleout/train/skew.py
+        ``quarantine_verdicts``) go to ``<train.output_dir>/quarantine.json`` as verdicts of
+        source ``straggler`` (scaleout/quarantine.py; the Slurm supervisor reads the file before its
+        next start). A file that cannot be written is a warning, not a failure."""
+        names = self.skew.node_names if self.skew is not None else []
+        verdicts = quarantine_verdicts(skew, names)
+        if not verdicts:
+            return
+        path = quarantine.path_for(self.out)
+        try:
+            quarantine.record(path, verdicts, "straggler")
+        except (OSError, UserError) as exc:
+            print(f"WARNING: straggler verdicts not quarantined: {exc}", flush=True)
+            return
+        for host, reason in verdicts:
+            print(f"quarantine: {host}: {reason} (in {path})", flush=True)

@@ -13,6 +13,7 @@ reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrie
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -26,8 +27,10 @@ import torch.distributed as dist
 
 from scaleout import preempt
 from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
+from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
+from scaleout.doctor import link_record, node_names
 from scaleout.errors import UserError
 from scaleout.log import print0
 from scaleout.mlperf import MLPerfLogger
@@ -81,7 +84,7 @@ from scaleout.train.observers import (
 )
 from scaleout.train.rerun import check_data_position
 from scaleout.train.rng import seed_step
-from scaleout.train.skew import SkewTracker
+from scaleout.train.skew import SkewTracker, link_credit
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
@@ -149,6 +152,9 @@ class Trainer:
     # False: the step's agreement carries its flags only, no phase times nor fingerprint
     # (`scaleout bench agreement` measures what they cost); the same on every rank
     attribution: bool
+    # inter_allreduce x each rank's link credit names a slow link (train/skew.py), None: equal or
+    # unknown link rates (a world-sized tensor on the device)
+    link_credit: torch.Tensor | None
     before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
     progress: Progress  # where this rank is, for the heartbeat (phase marks: progress.at)
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
@@ -265,6 +271,7 @@ class Trainer:
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode
         # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
+        self.link_credit = self._exchange_links()
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
@@ -301,6 +308,36 @@ class Trainer:
             MetricsObserver(cfg, world, self.out, config_file),
             ProfilerObserver(cfg, self.out, world.rank),
         ]
+
+    def _exchange_links(self) -> torch.Tensor | None:
+        """Every rank's link rate, summed once into a world-sized vector on the device (each rank
+        its own slot: one small all-reduce at start-up), for the link credit that attributes a
+        slow link (scaleout/train/skew.py ``link_credit``); and each node's name as doctor names
+        it (``scaleout.doctor.node_names``), left in the store by the node's first rank and read
+        by rank 0 for the stragglers' quarantine verdicts. None on one node."""
+        world = self.world
+        if world.world_size == 1 or world.num_nodes == 1:
+            return None
+        me = link_record(world)
+        store = dist.distributed_c10d._get_default_store()
+        if world.local_rank == 0:
+            store.set(f"scaleout/node_name/{me['node']}", json.dumps([me["host"], me["netns"]]))
+        rates = torch.zeros(world.world_size)
+        rates[world.rank] = me["link_bps"] or 0.0
+        rates = rates.to(world.device)
+        dist.all_reduce(rates, group=world.group)
+        if world.rank == 0:
+            names = [
+                json.loads(store.get(f"scaleout/node_name/{i}").decode())
+                for i in range(world.num_nodes)
+            ]
+            self.skew.node_names = node_names(
+                [{"node": i, "host": h, "netns": n} for i, (h, n) in enumerate(names)]
+            )
+        credit = link_credit([r or None for r in rates.tolist()])
+        if credit is None:
+            return None
+        return torch.tensor(credit, dtype=torch.float32).to(world.device)
 
     def _prepare_output_dir(self) -> None:
         """Rank 0 makes the output directory and sets aside what an earlier run left there."""
@@ -481,9 +518,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
+        CLOCK.reset()  # row / column phase times for the agreement (scaleout/comm/phasetime.py)
+        CLOCK.enabled = self.world.world_size > 1
         try:
             return self._train()
         finally:  # also when a step raises: the log file is closed, its lines are on disk
+            CLOCK.enabled = False
             self.mlperf_log.close()
             if self.checkpointer is not None:  # a write in flight finishes (the run's end
                 error = self.checkpointer.close()  # waited for it unless a step raised)
@@ -607,6 +647,7 @@ class Trainer:
             launched - start_wall if launched is not None else computed - start - wait,
             wait,
             self._optimizer_s,
+            *CLOCK.take(),  # intra, inter_allreduce (on CUDA: the step before's)
         ]
         fingerprint, collectives = self.sync.collectives()
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
@@ -628,6 +669,7 @@ class Trainer:
             fingerprint=fingerprint,
             step=step,
             describe=collectives,
+            credit=self.link_credit,
         )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
