@@ -150,6 +150,7 @@ class RunEnd:
     weights_consistent: bool | None  # None: not checked (a peer may be gone)
     terminating: bool  # this rank got SIGTERM: leave out optional collectives
     goodput: dict[str, Any] | None = None  # report.json's goodput (scaleout.report.goodput_section)
+    comm_auto: dict[str, Any] | None = None  # comm.algorithm=auto's decision (parallel/autotune.py)
 
 
 class Observer:
