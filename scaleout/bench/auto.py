@@ -110,22 +110,16 @@ def body(args: argparse.Namespace, world: World) -> dict[str, Any]:
 
     from scaleout.argtypes import parse_csv
     from scaleout.config.schema import CommConfig
-    from scaleout.parallel.autotune import AutoComm, CommPlan, Space, probe_algorithms
+    from scaleout.parallel.autotune import AutoComm, Space, probe_algorithms
 
     buckets = parse_csv(args.buckets, "--buckets", float, at_least=1e-6)
     firsts = [f or None for f in parse_csv(args.first, "--first", float, at_least=0)]
     comm = CommConfig(algorithm="auto", compression="none")  # the grid's wire: fp32
     algorithms = probe_algorithms(world, comm)
-    grid = [
-        CommPlan(a, mb, f)
-        for a in algorithms
-        for mb in buckets
-        for f in dict.fromkeys(firsts)
-        if f is None or f < mb
-    ]
     space = Space(
         tuple(algorithms), tuple(buckets), tuple(dict.fromkeys(firsts)), (None,), ("none",)
     )
+    grid = space.plans()  # the exhaustive grid, the very candidates auto chooses from
     torch.manual_seed(0)
     dp = scaleout.DataParallel(copy.deepcopy(bert_like(args.layers)), world, "flat", 25.0)
     x = torch.randn(args.batch, args.seq, 768, generator=torch.Generator().manual_seed(world.rank))

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm import ALGORITHMS, all_reduce
+from scaleout.comm import ALGORITHMS, Algorithm, all_reduce
 from scaleout.comm.rowcol import GridAlgorithm
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import MiB, assign
@@ -150,10 +150,12 @@ class Space:
 
 def probe_algorithms(world: World, comm: CommConfig) -> list[str]:
     """The registered algorithms that can run on ``world`` (their ``check`` passes; row x
-    column ones need a uniform world), one per row x column schedule."""
+    column ones need a uniform world) and have a cost model, one per row x column schedule."""
     names, rows = [], set()
     per_node = world.local_size if world.uniform else None
     for name, alg in ALGORITHMS.items():
+        if type(alg).cost is Algorithm.cost:  # the simulator cannot price it
+            continue
         opts = comm.options(name)
         try:
             alg.check(opts, world.world_size, per_node)
@@ -504,9 +506,12 @@ class AutoComm:
     comm: CommConfig
     world: World
     space: Space | None = None
-    profile_step: int = PROFILE_STEP
-    ab_steps: int = AB_STEPS
-    budget_s: float = PROBE_BUDGET_S
+    # defaults read when built (a test sets the module's constants first)
+    profile_step: int = field(default_factory=lambda: PROFILE_STEP)
+    ab_steps: int = field(default_factory=lambda: AB_STEPS)
+    budget_s: float = field(default_factory=lambda: PROBE_BUDGET_S)
+    sizes: tuple[int, ...] = field(default_factory=lambda: PROBE_BYTES)
+    repeats: int = field(default_factory=lambda: PROBE_REPEATS)
     skew: Skew | None = None
     probe_result: Probe | None = None
     model: CostModel | None = None
@@ -542,6 +547,8 @@ class AutoComm:
             self.comm,
             self.space.algorithms,
             wires,
+            sizes=self.sizes,
+            repeats=self.repeats,
             budget_s=self.budget_s,
             skew=self.skew,
         )
