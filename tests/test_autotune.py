@@ -6,8 +6,10 @@ records the decision in report.json and the MLPerf log; `scaleout bench auto` ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,19 @@ FAST = {
 }
 
 
-def _fast() -> None:
+@contextlib.contextmanager
+def _fast() -> Iterator[None]:
+    """FAST in this rank process while inside (the pools outlive the test)."""
     import scaleout.parallel.autotune as autotune
 
+    saved = {k: getattr(autotune, k) for k in FAST}
     for k, v in FAST.items():
         setattr(autotune, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(autotune, k, v)
 
 
 class Net(torch.nn.Module):
@@ -125,18 +135,18 @@ def _skewed_choice(world) -> dict:
     from scaleout.config.schema import CommConfig
     from scaleout.parallel.autotune import AutoComm, Probe, Space, cost_model, rank_plans
 
-    _fast()
     torch.manual_seed(0)
     dp = scaleout.DataParallel(Net(), world, "flat", 25.0)
     slow = {0: "flat", 1: "hierarchical"}.get(world.rank)
     comm = CommConfig(algorithm="auto", compression="none")
-    tuner = AutoComm(
-        dp,
-        comm,
-        world,
-        space=Space(("flat", "hierarchical"), (0.001, 1.0), (None,), (None,), ("none",)),
-        skew=lambda alg, nbytes, wire: 100.0 if alg == slow else 1.0,
-    )
+    with _fast():  # the constants are read when AutoComm is built
+        tuner = AutoComm(
+            dp,
+            comm,
+            world,
+            space=Space(("flat", "hierarchical"), (0.001, 1.0), (None,), (None,), ("none",)),
+            skew=lambda alg, nbytes, wire: 100.0 if alg == slow else 1.0,
+        )
     probe = tuner.start()
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(world.rank))
     while not tuner.done:
@@ -246,10 +256,10 @@ SMALL_BERT = [
 def _train_losses(world, out: str, overrides: list[str]) -> list[float | None]:
     from scaleout.train.trainer import Trainer
 
-    _fast()
     cfg = load_config(None, [*SMALL_BERT, f"train.output_dir={out}", *overrides])
-    trainer = Trainer(cfg, world)
-    trainer.train()
+    with _fast():
+        trainer = Trainer(cfg, world)
+        trainer.train()
     return trainer.losses
 
 
