@@ -310,6 +310,10 @@ class CostModel:
     corrections: dict[str, tuple[tuple[float, float], ...]]
     bf16_ratio: dict[str, float]  # bf16 all-reduce time / fp32 time of as many elements
     cast_s_per_byte: float
+    # (algorithm, bytes, chunk) -> seconds: the candidates share their buckets' sizes
+    cache: dict[tuple[str, int, float | None], float] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def fitted_s(self, algorithm: str, nbytes: float, chunk_mb: float | None = None) -> float:
         chunk = max(1, int(chunk_mb * MiB)) if chunk_mb else None
@@ -332,7 +336,12 @@ class CostModel:
 
     def all_reduce_s(self, algorithm: str, nbytes: float, chunk_mb: float | None = None) -> float:
         """One fp32 all-reduce of ``nbytes`` per rank."""
-        return self.fitted_s(algorithm, nbytes, chunk_mb) * self.correction(algorithm, nbytes)
+        key = (algorithm, int(nbytes), chunk_mb)
+        t = self.cache.get(key)
+        if t is None:
+            t = self.fitted_s(algorithm, nbytes, chunk_mb) * self.correction(algorithm, nbytes)
+            self.cache[key] = t
+        return t
 
     def bucket_s(self, plan: CommPlan, nbytes: float) -> float:
         """One bucket of ``nbytes`` (fp32 gradients) as ``plan`` sends it."""
