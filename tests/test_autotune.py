@@ -304,7 +304,8 @@ def test_trainer_records_the_auto_plan_and_trains_as_that_plan(tmp_path: Path) -
     if chosen["chunk_mb"] is not None:
         fixed.append(f"comm.chunk_mb={chosen['chunk_mb']}")
     plain = run_dist(_train_losses, 1, 2, args=(str(tmp_path / "fixed"), fixed), timeout=120)
-    rtol = 2e-2 if chosen["compression"] != "none" else 1e-4
+    lossy = any(a["plan"]["compression"] != "none" for a in report["ab"])  # a bf16 step ran
+    rtol = 2e-2 if lossy else 1e-4
     for a, b in zip(auto[0], plain[0], strict=True):
         assert math.isclose(a, b, rel_tol=rtol), (auto[0], plain[0], chosen)
 
