@@ -18,9 +18,11 @@ and wire dtype chosen on this world for this model (each unless the config sets 
    b's all-reduce starts when its last gradient is ready and bucket b-1's is done, and takes the
    fitted time; predicted exposed communication = pipeline end - end of backward (ties: the
    least communication). Candidates that give the same buckets are priced once.
-4. **A/B**: the best, and the best of another algorithm (else the runner-up), run alternately for
-   ``AB_STEPS`` real training steps each; the slowest rank's step times (all-reduced MAX) decide
-   by their medians; the winner stays for the rest of the run.
+4. **A/B**: the best (A), and the best of another algorithm (else the runner-up; B), run for
+   ``AB_STEPS`` real training steps each in A B B A A B order (drift hits both alike); the
+   slowest rank's step times (all-reduced MAX) decide: B replaces A only when its fastest step
+   (on a shared machine the least disturbed) beats A's by more than ``AB_MARGIN`` (2 %): within
+   noise the model decides. The winner stays for the rest of the run.
 
 Every decision is a function of all-reduced numbers only, so every rank reaches the same plan; a
 crc of the plan is then checked with one all-reduce (a divergent plan would deadlock the next
@@ -61,7 +63,10 @@ PROBE_REPEATS = 3  # timed calls per (algorithm, size), after one untimed
 PROBE_BUDGET_S = 6.0  # the next size is skipped when it would end the probe past this
 GROWTH = 4.0  # the next probe size's time / this one's (bandwidth-bound: its bytes ratio)
 PROFILE_STEP = 2  # step 1 warms up (allocator, the reducer's re-bucketing by ready order)
-AB_STEPS = 3  # training steps per plan of the A/B
+AB_STEPS = 3  # training steps per plan of the A/B, in A B B A A B order (drift hits both alike)
+# B replaces the predicted best A only when its fastest step beats A's by more than this: on a
+# shared machine the fastest step is the least disturbed one, and within noise the model decides
+AB_MARGIN = 0.02
 BUCKET_MB = (1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0)
 FIRST_BUCKET_MB = (None, 1.0)  # None: as bucket_mb; 1 MiB: torch DDP's first bucket
 CHUNK_MB = (None, 1.0, 16.0)  # row x column algorithms' gloo pipeline chunk (None: 4 MiB)
@@ -585,7 +590,7 @@ class AutoComm:
             self.pair = pick_pair(self.ranked)
             if len(self.pair) < 2 or self.ab_steps < 1:
                 return self._decide(0)
-            self.schedule = [i % 2 for i in range(2 * self.ab_steps)]
+            self.schedule = [(0, 1, 1, 0)[i % 4] for i in range(2 * self.ab_steps)]
             self.pair[0].plan.apply(self.dp, self.comm)
             return None
         if self.steps > self.profile_step:
@@ -593,10 +598,11 @@ class AutoComm:
             measured = _reduce_max(self.world, [step_s])[0]
             self.measured.setdefault(self.schedule[k], []).append(measured)
             if k + 1 < len(self.schedule):
-                self.pair[self.schedule[k + 1]].plan.apply(self.dp, self.comm)
+                if self.schedule[k + 1] != self.schedule[k]:
+                    self.pair[self.schedule[k + 1]].plan.apply(self.dp, self.comm)
                 return None
-            medians = [statistics.median(self.measured.get(i, [math.inf])) for i in (0, 1)]
-            return self._decide(0 if medians[0] <= medians[1] else 1)
+            fastest = [min(self.measured.get(i, [math.inf])) for i in (0, 1)]
+            return self._decide(1 if fastest[1] < fastest[0] * (1 - AB_MARGIN) else 0)
         return None
 
     def _decide(self, index: int) -> CommPlan:
@@ -639,6 +645,7 @@ class AutoComm:
                     "measured_median_s": statistics.median(self.measured[i])
                     if self.measured.get(i)
                     else None,
+                    "measured_fastest_s": min(self.measured[i]) if self.measured.get(i) else None,
                 }
                 for i, s in enumerate(self.pair)
             ]
