@@ -173,6 +173,10 @@ def body(args: argparse.Namespace, world: World) -> dict[str, Any]:
         "tuning_steps": tuner.steps,
         "predicted_step_s": summary.get("predicted_step_s"),
         "rank_of_chosen": sorted(med, key=lambda k: med[k]).index(auto_key) + 1,
+        # the least-disturbed step of each (a shared machine): auto's fastest over the fastest grid
+        # point's; and the chosen plan's own grid row (measured twice: the spread is the noise)
+        "ratio_min": min(times[auto_key]) / min(min(v) for k, v in times.items() if k != auto_key),
+        "ratio_grid_row": med[chosen.label()] / med[best] if chosen.label() in med else None,
     }
     _report(args, world, times, med, auto_key, result, summary)
     return result
@@ -196,7 +200,13 @@ def _report(
     notes = [
         f"auto chose {result['chosen']}: {result['auto_step_s'] * 1e3:.1f} ms vs the best grid "
         f"point {result['best']}: {best * 1e3:.1f} ms -> ratio {result['ratio']:.3f} "
-        f"(bar <= {BAR_RATIO}); rank {result['rank_of_chosen']} of {len(med)}",
+        f"(bar <= {BAR_RATIO}); rank {result['rank_of_chosen']} of {len(med)}; "
+        f"fastest steps: ratio {result['ratio_min']:.3f}"
+        + (
+            f"; the same plan's grid row: {result['ratio_grid_row']:.3f}"
+            if result["ratio_grid_row"]
+            else ""
+        ),
         f"probe {result['probe_s']:.2f} s (bar <= {BAR_PROBE_S:g} s); tuning in all "
         f"{result['tuning_s']:.1f} s over {result['tuning_steps']} training steps"
         + (f"; predicted step {pred * 1e3:.1f} ms" if pred else ""),
