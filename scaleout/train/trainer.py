@@ -275,8 +275,7 @@ class Trainer:
             )
         self.autocomm = None
         if cfg.comm.auto and world.world_size > 1:  # one rank: nothing to all-reduce, flat stays
-            # deferred: the simulator and scipy's fit load only when comm.algorithm=auto
-            from scaleout.parallel.autotune import AutoComm
+            from scaleout.parallel.autotune import AutoComm  # deferred: sim + scipy only for auto
 
             self.autocomm = AutoComm(self.model, cfg.comm, world)
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)
