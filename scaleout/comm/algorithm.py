@@ -159,4 +159,6 @@ def config_options(comm: CommConfig) -> dict[str, Any]:
     (the one mapping from config keys to algorithm options; DataParallel and the sharded LAMB use
     it). ``comm.algorithm=auto``: flat's (the plan the run starts from; scaleout/parallel/
     autotune.py)."""
-    return comm.options().model_dump(exclude_none=True)
+    name = "flat" if comm.algorithm == "auto" else comm.algorithm
+    opts = get_algorithm(name).Options.from_config(comm)
+    return opts.model_dump(exclude_none=True)
