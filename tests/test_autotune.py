@@ -187,14 +187,14 @@ def _switch_matches(world) -> dict:
     def train(dp: scaleout.DataParallel, switch_after: int | None) -> list[float]:
         opt = torch.optim.SGD(dp.parameters(), lr=0.1)
         losses = []
-        for step in range(5):
+        for step in range(4):
             loss = dp(x).pow(2).mean()
             loss.backward()
             opt.step()
             dp.zero_grad()
             losses.append(float(loss))
             if step + 1 == switch_after:
-                dp.set_plan("hierarchical", 0.004, 0.002, chunk_bytes=1024)
+                dp.set_plan("hierarchical", 0.004, 0.002, chunk_bytes=2048)
         return losses
 
     torch.manual_seed(0)
@@ -205,7 +205,7 @@ def _switch_matches(world) -> dict:
     b = train(fixed, switch_after=None)
     torch.manual_seed(0)
     planned = scaleout.DataParallel(
-        Net(), world, "hierarchical", 0.004, first_bucket_mb=0.002, chunk_bytes=1024
+        Net(), world, "hierarchical", 0.004, first_bucket_mb=0.002, chunk_bytes=2048
     )
     c = train(planned, switch_after=None)
     return {
