@@ -152,6 +152,7 @@ class RunEnd:
     goodput: dict[str, Any] | None = None  # report.json's goodput (scaleout.report.goodput_section)
     # the ranks the replica vote found odd (scaleout.train.replicas); empty: none named
     odd_ranks: list[int] = field(default_factory=list)
+    comm_auto: dict[str, Any] | None = None  # comm.algorithm=auto's decision (parallel/autotune.py)
 
 
 class Observer:

@@ -301,6 +301,9 @@ CASES: list[Case] = [
         given="data: a folder with data but no scaleout marker",
         root=True,
     ),
+    # comm.algorithm=auto (issue 29): a misspelt name lists auto; auto with what it cannot re-plan
+    Case((*CFG, "comm.algorithm=autotune"), "comm.algorithm='autotune'"),
+    Case((*CFG, "comm.algorithm=auto", "optim.sharded=true"), "optim.sharded=true"),
 ]
 
 

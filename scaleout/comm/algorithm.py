@@ -157,6 +157,8 @@ def get_algorithm(name: str) -> Algorithm:
 def config_options(comm: CommConfig) -> dict[str, Any]:
     """The keyword options of ``comm.algorithm`` as the run config's ``comm`` section sets them
     (the one mapping from config keys to algorithm options; DataParallel and the sharded LAMB use
-    it)."""
-    opts = get_algorithm(comm.algorithm).Options.from_config(comm)
+    it). ``comm.algorithm=auto``: flat's (the plan the run starts from; scaleout/parallel/
+    autotune.py)."""
+    name = "flat" if comm.algorithm == "auto" else comm.algorithm
+    opts = get_algorithm(name).Options.from_config(comm)
     return opts.model_dump(exclude_none=True)

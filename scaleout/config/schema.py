@@ -156,11 +156,18 @@ class OptimConfig(_Section):
         return self
 
 
+AUTO = "auto"  # comm.algorithm: chosen on the world by scaleout/parallel/autotune.py
+
+
 class CommConfig(_Section):
     # A name in scaleout.comm.ALGORITHMS, checked against the registry when validated (so that an
-    # algorithm registered after this module was imported is accepted too).
+    # algorithm registered after this module was imported is accepted too), or "auto": probed and
+    # chosen at start (scaleout/parallel/autotune.py; with it bucket_mb, first_bucket_mb, chunk_mb
+    # and compression are chosen too unless the config sets them).
     algorithm: str = "flat"
     bucket_mb: float = Field(25.0, gt=0.0)  # 25 MB: the DDP paper's default bucket
+    # A separate cap of the first bucket (torch DDP: 1 MiB); None = bucket_mb.
+    first_bucket_mb: float | None = Field(None, gt=0.0)
     compression: Literal["none", "bf16", "fp16"] = "none"
     torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
     torus_y: int | None = Field(None, ge=1)
@@ -179,14 +186,16 @@ class CommConfig(_Section):
     @field_validator("algorithm")
     @classmethod
     def _registered(cls, name: str) -> str:
-        if name not in ALGORITHMS:
+        if name != AUTO and name not in ALGORITHMS:
             raise ValueError(
-                f"comm.algorithm={name!r}: expected one of {', '.join(ALGORITHMS.names())}"
+                f"comm.algorithm={name!r}: expected one of {', '.join([*ALGORITHMS.names(), AUTO])}"
             )
         return name
 
     @model_validator(mode="after")
     def _options_of_the_algorithm(self) -> CommConfig:
+        if self.algorithm == AUTO:  # each key goes to the algorithms that read it
+            return self
         reads = ALGORITHMS.get(self.algorithm).Options.config_keys
         for key in self.ALGORITHM_KEYS:
             value = getattr(self, key)
@@ -198,9 +207,15 @@ class CommConfig(_Section):
                 )
         return self
 
-    def options(self) -> Any:
-        """The algorithm's ``Options`` as this section sets them."""
-        return ALGORITHMS.get(self.algorithm).Options.from_config(self)
+    def options(self, algorithm: str | None = None) -> Any:
+        """The ``Options`` of ``algorithm`` (default: ``comm.algorithm``; ``auto``: flat, the
+        plan it starts from) as this section sets them."""
+        name = algorithm or self.algorithm
+        return ALGORITHMS.get("flat" if name == AUTO else name).Options.from_config(self)
+
+    @property
+    def auto(self) -> bool:
+        return self.algorithm == AUTO
 
 
 class ProfileConfig(_Section):
@@ -373,6 +388,26 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _auto_comm_needs_a_plain_step(self) -> Config:
+        """comm.algorithm=auto switches DataParallel's plan after the first steps, from timings:
+        not for the sharded optimizer (its own collectives), CUDA graphs (captured once) or
+        deterministic runs (a plan chosen from timings is not reproducible)."""
+        if self.comm.algorithm != AUTO:
+            return self
+        for key, value in (
+            ("optim.sharded", self.optim.sharded),
+            ("model.cuda_graphs", self.model.cuda_graphs),
+            ("train.deterministic", self.train.deterministic),
+        ):
+            if value:
+                raise ValueError(
+                    f"comm.algorithm=auto with {key}=true: auto re-plans the replicated "
+                    f"all-reduce from timings; set {key}=false or name an algorithm "
+                    f"({', '.join(ALGORITHMS.names())})"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _source_is_the_family_s(self) -> Config:
         fam = FAMILIES.get(self.model.arch)
         if self.data.source not in fam.data_sources:
@@ -400,7 +435,8 @@ class Config(_Section):
                 f"train.grad_accum={t.grad_accum} = {per_step}"
             )
         c = self.comm
-        ALGORITHMS.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
+        if not c.auto:  # auto: the tuner probes only the algorithms whose check passes
+            ALGORITHMS.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
         FAMILIES.get(self.model.arch).check(self, world_size)
 
 

@@ -156,10 +156,12 @@ class DataParallel(torch.nn.Module):
         compression, overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other
         arguments."""
         options = config_options(comm)
+        kwargs.setdefault("first_bucket_mb", comm.first_bucket_mb)
         return cls(
             module,
             world,
-            algorithm=comm.algorithm,
+            # auto: flat until scaleout/parallel/autotune.py switches the plan (set_plan)
+            algorithm="flat" if comm.auto else comm.algorithm,
             bucket_mb=comm.bucket_mb,
             compression=None if comm.compression == "none" else comm.compression,
             timeline=comm.timeline,
@@ -167,6 +169,22 @@ class DataParallel(torch.nn.Module):
             **kwargs,
             **options,
         )
+
+    def set_plan(
+        self,
+        algorithm: str,
+        bucket_mb: float,
+        first_bucket_mb: float | None = None,
+        compression: str | None = None,
+        **algorithm_options: Any,
+    ) -> None:
+        """Between steps, on every rank alike: all-reduce with ``algorithm`` (its options),
+        re-bucket to ``bucket_mb`` / ``first_bucket_mb`` in the current filling order, send in
+        ``compression``'s dtype (comm.algorithm=auto: scaleout/parallel/autotune.py)."""
+        compression = None if compression == "none" else compression
+        reduce = _resolve(algorithm, self.world, algorithm_options)
+        self.reducer.relayout(reduce, bucket_mb, first_bucket_mb, compression)
+        self.algorithm, self.bucket_mb, self.compression = algorithm, bucket_mb, compression
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

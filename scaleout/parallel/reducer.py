@@ -121,6 +121,10 @@ class Reducer:
         # and whether backward is blocked waiting for them. Plain writes, nothing else.
         self.issued = 0
         self.waiting = False
+        # True: the next synchronising backward records when each gradient became ready
+        # (last_stats["ready_s"]), the gradient-ready profile of comm.algorithm=auto
+        # (scaleout/parallel/autotune.py)
+        self.record_ready = False
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._hook_for(k))
             for k, s in enumerate(self.slots)
@@ -146,6 +150,7 @@ class Reducer:
         self._bwd_start_us = 0.0
         self._prof_backward: Any = None
         self._unreached: set[int] | None = None  # slots no forward since the last backward reached
+        self._ready_at = [0.0] * len(self.slots)  # now_us() of each slot's hook (record_ready)
 
     def expect_unused(self, outputs: list[torch.Tensor]) -> None:
         """Find the parameters the autograd graph of ``outputs`` cannot reach, so that backward
@@ -206,6 +211,8 @@ class Reducer:
                 )
             if self._rebuild_pending:
                 self._ready_order.append(k)
+            if self.record_ready:
+                self._ready_at[k] = now_us()
             self._mark_ready(slot, k)
 
         return hook
@@ -404,6 +411,8 @@ class Reducer:
             "done_s": [(t - start_us) / 1e6 for t in self._done_us],
             "unused": unused,
         }
+        if self.record_ready:  # by slot (parameter index order); not reached: end of backward
+            self.last_stats["ready_s"] = [((t or end_us) - start_us) / 1e6 for t in self._ready_at]
         if self.timeline is not None:
             step = f"step {self.steps}"
             self._span(f"backward {step}", "backward", start_us, end_us)
@@ -447,6 +456,33 @@ class Reducer:
             new.view.copy_(old.view)  # keep this step's averaged gradients for the optimizer
             new.param.grad = new.view
         self.buckets, self.slots = buckets, slots
+        self._reset_step()
+
+    def relayout(
+        self,
+        all_reduce: Callable[..., Any],
+        bucket_mb: float,
+        first_bucket_mb: float | None = None,
+        compression: Any = None,
+    ) -> None:
+        """Between steps: new buckets of ``bucket_mb`` (first ``first_bucket_mb``) filled in the
+        current buckets' order, a new all-reduce and wire dtype (comm.algorithm=auto's switch,
+        scaleout/parallel/autotune.py). The current buckets' order is already the same on every
+        rank (the rebuild broadcasts rank 0's), so every rank builds the same buckets. Gradients
+        held now are kept."""
+        named_params, _, n_grad, _ = self._layout
+        order = [s.index for b in self.buckets for s in b.slots]
+        buckets, slots = build_buckets(
+            named_params, bucket_mb, n_grad, first_bucket_mb, order=order
+        )
+        slots.sort(key=lambda s: s.index)
+        for old, new in zip(self.slots, slots, strict=True):
+            new.view.copy_(old.view)
+            new.param.grad = new.view
+        self._layout = (named_params, bucket_mb, n_grad, first_bucket_mb)
+        self.buckets, self.slots = buckets, slots
+        self._all_reduce = all_reduce
+        self.comm_dtype = compression_dtype(compression)
         self._reset_step()
 
     def _span(self, name: str, track: str, start_us: float, end_us: float, **args: Any) -> None:

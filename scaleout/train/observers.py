@@ -375,6 +375,7 @@ class ReportWriter(Observer):
                 "step_s": timed.seconds / max(timed.steps, 1),
             },
             **skew,  # "stragglers" and "spread" (scaleout/train/skew.py)
+            **({"comm_auto": end.comm_auto} if end.comm_auto is not None else {}),
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
 

@@ -160,6 +160,7 @@ class Trainer:
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
     owns_preemption_handlers: bool  # train() installed them, so it removes them
     params: list[torch.nn.Parameter]  # those that require grad
+    autocomm: Any  # comm.algorithm=auto's tuner (scaleout/parallel/autotune.py AutoComm), else None
 
     # -- training state (checkpointed: state_dict)
     # ------------------------------------------------------
@@ -263,6 +264,11 @@ class Trainer:
                 rebuild_buckets=not cfg.train.deterministic,
                 defer_unused=True,  # unused parameters are read with the step's agreement
             )
+        self.autocomm = None
+        if cfg.comm.auto and world.world_size > 1:  # one rank: nothing to all-reduce, flat stays
+            from scaleout.parallel.autotune import AutoComm  # deferred: sim + scipy only for auto
+
+            self.autocomm = AutoComm(self.model, cfg.comm, world)
         self.graphs = build_step_graphs(cfg, world, self.model, self.task)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
@@ -579,6 +585,8 @@ class Trainer:
             )
             for observer in self.observers:
                 observer.on_step(record)
+            if self.autocomm is not None and not self.autocomm.done:
+                self._tune_comm(seconds)
             if flags.stop:
                 self.save_checkpoint()
                 status = "preempted"
@@ -685,6 +693,34 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
 
+    def _tune_comm(self, seconds: float) -> None:
+        """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
+        rank alike: it all-reduces what it decides from). The decision goes to the MLPerf log."""
+        chosen = self.autocomm.after_step(seconds)
+        if chosen is None:
+            return
+        s = self.autocomm.summary()
+        self.mlperf_log.event(
+            "scaleout_comm_plan",
+            chosen.label(),
+            metadata={
+                "step": self.step,
+                "predicted_step_s": s.get("predicted_step_s"),
+                "measured_step_s": s.get("measured_step_s"),
+                "candidates": s.get("candidates"),
+                "diverged": s.get("diverged"),
+            },
+        )
+        ab = ", ".join(
+            f"{a['label']}: predicted {a['predicted_step_s'] * 1e3:.1f} ms, measured "
+            f"{(a['measured_median_s'] or 0) * 1e3:.1f} ms"
+            for a in s.get("ab", [])
+        )
+        print0(
+            f"comm.algorithm=auto: {chosen.label()} after step {self.step} ({ab})",
+            rank=self.world.rank,
+        )
+
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Forward and backward of each micro-batch; all but the last accumulate without
         communicating. Returns the step's loss (a device tensor: nothing is read here)."""
@@ -757,6 +793,18 @@ class Trainer:
             steps_per_epoch=steps_per_epoch,
             train_set_size=self.task.rows,
         )
+        if self.autocomm is not None:  # before run_start: synthetic tensors, no data touched
+            probe = self.autocomm.start()
+            self.mlperf_log.event(
+                "scaleout_comm_probe",
+                round(probe.seconds, 3),
+                metadata={"algorithms": list(self.autocomm.space.algorithms)},
+            )
+            print0(
+                f"comm.algorithm=auto: probed {', '.join(self.autocomm.space.algorithms)} in "
+                f"{probe.seconds:.2f} s",
+                rank=world.rank,
+            )
         for observer in self.observers:
             observer.on_init_end(init_end)
         world.barrier()
@@ -817,6 +865,7 @@ class Trainer:
             odd_ranks=[] if replica_vote is None else replica_vote.odd_ranks,
             terminating=self.preemption.terminating,
             goodput=goodput,
+            comm_auto=self.autocomm.summary() if self.autocomm is not None else None,
         )
         for observer in self.observers:
             observer.on_run_end(end)
