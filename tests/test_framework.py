@@ -74,6 +74,7 @@ def test_adamw_step_is_torchs_fused_kernel_on_cpu() -> None:
     opt = build_optimizer(model, OptimConfig(name="adamw", lr=1e-3))
     assert opt.defaults.get("fused") is True
     model(torch.randn(2, 256)).sum().backward()
+    opt.step()  # the first step creates the state
     with _Ops() as ops:
         opt.step()
     fused = [n for n in ops.names if "fused_adam" in n]

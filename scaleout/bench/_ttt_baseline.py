@@ -228,15 +228,13 @@ def ddp_step(run: SimpleNamespace, batch: Any) -> Any:
 
 
 def bucket_sizes(ddp: Any) -> list[int] | None:
-    """DDP's gradient buckets in bytes as it runs them (after its rebuild at the first step),
-    from its logging data; None where this torch does not say."""
+    """DDP's gradient buckets in bytes as it runs them (after its rebuild at the second step:
+    its logging data keeps the initial ones), launch order; None where this torch does not say."""
     try:
-        raw = ddp._get_ddp_logging_data().get("bucket_sizes")
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
     except (AttributeError, RuntimeError):
         return None
-    if isinstance(raw, str):
-        return [int(x) for x in raw.replace(" ", "").split(",") if x]
-    return list(raw) if raw is not None else None
+    return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
 
 
 def _loop(

@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from scaleout.bench._harness import (
     add_config_arguments,
-    add_rank_arguments,
+    add_standard_arguments,
     bench_config,
     check_counts,
     compare,
     emit,
-    in_ranks,
     init_ranks,
     interleave,
     say0,
@@ -39,13 +39,13 @@ before it, the slowest rank's time):
 
 Both start from the same weights (train.seed) and read the same batches, so their losses agree
 to float rounding: the table's last column checks that the two run the same recipe. ratio = ddp
-ms / scaleout ms (>= 1.00: scaleout as fast or faster). Runs in ranks (--nnodes/--nproc-per-node
-[--netns] start them from here).
+ms / scaleout ms (>= 1.00: scaleout as fast or faster). Runs in the ranks of any launcher
+(alone: one rank, no communication: the host-side costs only).
 
 examples:
-  scaleout bench framework --nnodes 1 --nproc-per-node 2
-  flock /work/wt/netns.lock scaleout bench framework --nnodes 2 --nproc-per-node 2 --netns
-  scaleout bench framework --nnodes 2 --nproc-per-node 2 optim.lr=1e-3 train.global_batch=64
+  scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout bench framework
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns -- scaleout bench framework --repeats 30
+  scaleout launch --nnodes 1 --nproc-per-node 2 -- scaleout bench framework train.global_batch=64
 """
 
 SMOKE_ARGS = [
@@ -90,13 +90,13 @@ BENCH_KEYS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "bert_tiny_cpu", "the model and data of both sides")
     p.add_argument("--steps", type=int, default=5, help="training steps per timed call (default 5)")
-    add_rank_arguments(p, NAME, repeats=20, warmup=2)
+    add_standard_arguments(p, NAME, repeats=20, warmup=2)
 
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args, repeats=1, warmup=0, steps=1)
     bench_config(args, DEFAULTS, BENCH_KEYS)  # a bad override: one line, before any launch
-    return in_ranks(args, _body)
+    return _body(args)
 
 
 def _baseline_args(cfg: Any, total: int) -> SimpleNamespace:
@@ -112,6 +112,17 @@ def _baseline_args(cfg: Any, total: int) -> SimpleNamespace:
         max_steps=total,
         bucket_mb=None if default else c.bucket_mb,
     )
+
+
+def reduce_sum(world: Any, values: list[float]) -> list[float]:
+    """Every rank's ``values`` summed (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if world.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
 
 
 def _body(args: argparse.Namespace) -> int:
@@ -156,15 +167,21 @@ def _body(args: argparse.Namespace) -> int:
                     except StopIteration:
                         state["it"] = None
 
+            cpu: dict[str, list[float]] = {"ddp": [], "scaleout": []}  # every thread's
+
             def ddp() -> None:
+                c = time.process_time()
                 for _ in range(args.steps):
                     ddp_losses.append(ddp_step(base, next_batch()))
+                cpu["ddp"].append(time.process_time() - c)
 
             def scaleout() -> None:
+                c = time.process_time()
                 for _ in range(args.steps):
                     if trainer.run_step(trainer.step) is not None:
                         raise RuntimeError(f"the run ended at step {trainer.step}")
                     exposed.append(float(trainer.sync.last_stats.get("exposed_s") or 0.0))
+                cpu["scaleout"].append(time.process_time() - c)
 
             say(
                 f"{world.world_size} ranks: {args.repeats} interleaved rounds of {args.steps} "
@@ -173,6 +190,8 @@ def _body(args: argparse.Namespace) -> int:
             samples = interleave(
                 {"ddp": ddp, "scaleout": scaleout}, args.repeats, args.warmup, world=world, say=say
             )
+            # the process CPU per step (all threads: gloo's, autograd's), summed over the ranks
+            proc = reduce_sum(world, [statistics.median(cpu[k][args.warmup :]) for k in cpu])
             mine = torch.stack(ddp_losses)
             if world.world_size > 1:
                 dist.all_reduce(mine)
@@ -192,12 +211,14 @@ def _body(args: argparse.Namespace) -> int:
     by = {r.name: r for r in rows}
     ratio = by["scaleout"].paired_speedup  # median over rounds of ddp / scaleout
     diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
+    proc_ms = dict(zip(("ddp", "scaleout"), (x / k * 1e3 for x in proc), strict=True))
     table = [
         [
             r.name,
             r.median_s / k * 1e3,
             r.min_s / k * 1e3,
             r.paired_speedup,
+            proc_ms[r.name],
             ", ".join(f"{n / 2**20:.2f}" for n in layouts[r.name] or []) or "?",
         ]
         for r in rows
@@ -206,7 +227,14 @@ def _body(args: argparse.Namespace) -> int:
     emit(
         args,
         NAME,
-        ["side", "median ms/step", "min ms/step", "ddp / this (paired)", "buckets (MiB)"],
+        [
+            "side",
+            "median ms/step",
+            "min ms/step",
+            "ddp / this (paired)",
+            "CPU ms/step (all ranks)",
+            "buckets (MiB)",
+        ],
         table,
         {
             "ranks": world.world_size,
@@ -217,6 +245,7 @@ def _body(args: argparse.Namespace) -> int:
             "losses": {"scaleout": ours, "ddp": theirs},
             "max_rel_loss_diff": diff,
             "scaleout_exposed_ms": exp,
+            "process_cpu_ms_per_step": proc_ms,
         },
         notes=[
             f"ratio ddp / scaleout: {ratio:.3f} (median of per-round ratios; >= 1.00: scaleout "
