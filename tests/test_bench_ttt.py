@@ -114,6 +114,16 @@ def test_scaleout_recipe_is_the_config_and_command_writes_it_back() -> None:
         "scaleout",
     ]
     assert rec["chain"][2].bucket_mb == 4.0 and rec["scaleout-sharded"].sharded
+    # the framework step reads the baseline's DistributedSampler batches; packed rows, scaleout's
+    fw, packed = rec["chain"][0], rec["chain"][1]
+    assert (fw.order, packed.order, rec["scaleout"].order) == ("torch", "scaleout", "scaleout")
+    out = __import__("pathlib").Path("o")
+    assert "data.order=torch" in command(_plan(), fw, 1, out)
+    # DDP keeps its own default buckets (a 1 MiB first one); another size is passed
+    base = Recipe("baseline", "torch", "adamw", 64, 2e-3, 0.1)
+    assert "--bucket-mb" not in command(_plan(), base, 1, out)
+    four = command(_plan(), Recipe("b", "torch", "adamw", 64, 2e-3, 0.1, bucket_mb=4.0), 1, out)
+    assert four[four.index("--bucket-mb") + 1] == "4.0"
 
 
 @pytest.mark.unit

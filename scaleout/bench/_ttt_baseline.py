@@ -74,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (BERT: 0.01)"
     )
     p.add_argument(
-        "--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (torch's default 25)"
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="DDP bucket_cap_mb (default: torch's, 25 MiB with a 1 MiB first bucket; a number "
+        "makes every bucket that size, the first one too)",
     )
     p.add_argument(
         "--time-budget",
@@ -166,7 +170,10 @@ def _build(a: argparse.Namespace, cfg: Any, rank: int, world: int) -> SimpleName
     d, o = cfg.data, cfg.optim
     torch.manual_seed(a.seed)
     model = BertForPreTraining(cfg.model.bert)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)  # broadcasts rank 0's weights
+    # broadcasts rank 0's weights. bucket_cap_mb=None is torch's default: 25 MiB buckets after a
+    # 1 MiB first one (_DEFAULT_FIRST_BUCKET_BYTES), as DistributedDataParallel(model) has them;
+    # an explicit 25 makes the first bucket 25 MiB too (torch 2.13): one bucket for a 4 MB model.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
     opt = adamw(model, a.lr, a.weight_decay, tuple(o.betas), o.eps)
     sampler = DistributedSampler(
         range(len(train)), num_replicas=world, rank=rank, shuffle=True, seed=d.seed, drop_last=True
@@ -209,6 +216,27 @@ def _evaluate(
     return metric
 
 
+def ddp_step(run: SimpleNamespace, batch: Any) -> Any:
+    """One step of the plain loop (``scaleout bench framework`` times this very function);
+    returns this rank's loss (a tensor: nothing is read here)."""
+    loss = run.ddp(batch).loss
+    loss.backward()
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def bucket_sizes(ddp: Any) -> list[int] | None:
+    """DDP's gradient buckets in bytes as it runs them (after its rebuild at the second step:
+    its logging data keeps the initial ones), launch order; None where this torch does not say."""
+    try:
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    except (AttributeError, RuntimeError):
+        return None
+    return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
+
+
 def _loop(
     a: argparse.Namespace, run: SimpleNamespace, mlperf_log: MLPerfLogger, t0: float
 ) -> tuple[str, int, int, float | None]:
@@ -219,10 +247,7 @@ def _loop(
     while status == "max_steps" and step < a.max_steps:
         run.sampler.set_epoch(epoch)
         for batch in run.loader:
-            run.ddp(batch).loss.backward()
-            run.opt.step()
-            run.sched.step()
-            run.opt.zero_grad(set_to_none=True)
+            ddp_step(run, batch)
             step, samples = step + 1, samples + a.global_batch
             if step % a.eval_every == 0 or step == a.max_steps:
                 metric = _evaluate(a, run, mlperf_log, samples)
@@ -292,7 +317,8 @@ def timed_main(
             "target": a.target,
             "time_to_train_s": ttt,
             **describe(run),
-            "ddp_bucket_mb": a.bucket_mb,
+            "ddp_bucket_mb": a.bucket_mb,  # None: torch's default
+            "ddp_bucket_sizes": bucket_sizes(run.ddp),
             "global_batch": a.global_batch,
             "lr": a.lr,
             "world_size": world,

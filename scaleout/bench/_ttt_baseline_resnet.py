@@ -58,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--weight-decay", type=float, default=5e-4, help="SGD weight decay (not BN/bias)"
     )
     p.add_argument("--pad", type=int, default=0, help="random-crop zero padding in pixels (0)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="DDP bucket_cap_mb (default: torch's, 25 MiB with a 1 MiB first bucket)",
+    )
     p.add_argument(
         "--time-budget",
         type=float,

@@ -25,6 +25,9 @@ from typing import Any, Literal
 
 from scaleout.launchers import Launcher, LaunchOptions, make_launcher
 
+# torch DDP's bucket_cap_mb default: the baseline then leaves it unset, so DDP also makes its
+# 1 MiB first bucket (an explicit 25 makes the first bucket 25 MiB too)
+DDP_DEFAULT_BUCKET_MB = 25.0
 BASELINE_MODULE = {
     "bert": "scaleout.bench._ttt_baseline",
     "resnet": "scaleout.bench._ttt_baseline_resnet",
@@ -78,7 +81,7 @@ class Recipe:
     packing: bool = False
     comm: Literal["ddp", "flat", "hierarchical"] = "ddp"  # ddp: torch's own
     overlap: bool = True
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # torch: 25 = DDP's default (bucket_cap_mb unset: a 1 MiB first bucket)
     sharded: bool = False
     precision: str = (
         "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
@@ -87,6 +90,9 @@ class Recipe:
     bn_group: int = 1  # --task resnet: model.resnet.bn_group (group BN over this many ranks)
     # --task resnet: model.resnet.label_smoothing (None: the config's)
     label_smoothing: float | None = None
+    # scaleout's data.order: torch = the DistributedSampler batches of the plain loop (the
+    # ablation's framework step, so its factor is the framework's cost, not another order)
+    order: str = "scaleout"
     label: str = ""  # what this row switches on, for the tables
 
     @classmethod
@@ -167,11 +173,11 @@ def command(
             repr(plan.target),
             "--seed",
             str(seed),
-            "--bucket-mb",
-            repr(r.bucket_mb),
             "--out",
             str(out),
         ]
+        if r.bucket_mb != DDP_DEFAULT_BUCKET_MB:  # else DDP's default, its 1 MiB first bucket too
+            cmd += ["--bucket-mb", repr(r.bucket_mb)]
         if time_budget is not None:
             cmd += ["--time-budget", f"{time_budget:.1f}"]
         return [*cmd, *plan.overrides]
@@ -186,6 +192,7 @@ def command(
         "optim.sharded": r.sharded,
         "optim.overlap_comm": r.sharded and r.overlap,
         "data.packing": plan.packing if r.packing else "none",
+        "data.order": r.order,
         "train.global_batch": r.batch,
         "train.max_steps": steps,
         "train.eval_every": every,

@@ -349,9 +349,13 @@ def recipes(
         best.warmup,
         comm="flat",
         bucket_mb=25.0,
+        order="torch",  # the baseline's DistributedSampler batches: the factor is the framework's
         label="scaleout's trainer, the baseline's recipe",
     )
-    packing = replace(framework, name="abl-packing", packing=True, batch=rows, label="packing")
+    # packed rows are other units than the baseline's sequences: scaleout's own order from here
+    packing = replace(
+        framework, name="abl-packing", packing=True, batch=rows, order="scaleout", label="packing"
+    )
     comm = replace(
         packing,
         name="abl-comm",

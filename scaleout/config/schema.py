@@ -71,6 +71,10 @@ class DataConfig(_Section):
     cache_decoded: bool = False
     max_seq_len: int = Field(512, ge=8, le=1 << 17)
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
+    # The training order: scaleout (every sample once per epoch, seeded (data.seed, epoch); a batch
+    # may straddle epochs) or torch (DistributedSampler(seed=data.seed, drop_last=True) with
+    # set_epoch + a DataLoader dropping the last partial batch: the plain DDP loop's batches).
+    order: Literal["scaleout", "torch"] = "scaleout"
     max_per_pack: int = Field(3, ge=1)
     mask_prob: float = Field(0.15, gt=0.0, lt=1.0)
     # Mask slots per sequence (20 at 128 tokens as in Google's BERT; MLPerf uses 76 at 512).
@@ -166,8 +170,11 @@ class CommConfig(_Section):
     # and compression are chosen too unless the config sets them).
     algorithm: str = "flat"
     bucket_mb: float = Field(25.0, gt=0.0)  # 25 MB: the DDP paper's default bucket
-    # A separate cap of the first bucket (torch DDP: 1 MiB); None = bucket_mb.
-    first_bucket_mb: float | None = Field(None, gt=0.0)
+    # The first bucket (the last layers' gradients, ready first) closes at this many MiB, so its
+    # all-reduce starts while the rest of backward runs: torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
+    # (1 MiB, what DistributedDataParallel(model) gets). null, or not below bucket_mb: the first
+    # bucket is a bucket_mb one too.
+    first_bucket_mb: float | None = Field(1.0, gt=0.0)
     compression: Literal["none", "bf16", "fp16"] = "none"
     torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
     torus_y: int | None = Field(None, ge=1)

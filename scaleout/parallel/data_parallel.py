@@ -153,10 +153,14 @@ class DataParallel(torch.nn.Module):
         cls, module: torch.nn.Module, world: World, comm: CommConfig, **kwargs: Any
     ) -> DataParallel:
         """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size,
-        compression, overlap, timeline, torus grid, pipeline chunk); ``kwargs``: the other
-        arguments."""
+        compression, overlap, timeline, torus grid, pipeline chunk, first bucket); ``kwargs``: the
+        other arguments."""
         options = config_options(comm)
-        kwargs.setdefault("first_bucket_mb", comm.first_bucket_mb)
+        # torch DDP: a separate first cap only when it is the smaller one
+        first = comm.first_bucket_mb
+        kwargs.setdefault(
+            "first_bucket_mb", first if first is not None and first < comm.bucket_mb else None
+        )
         return cls(
             module,
             world,

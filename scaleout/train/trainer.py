@@ -175,6 +175,7 @@ class Trainer:
     losses: list[float | None]  # mean loss over ranks of every step this run took
     metric: float | None  # the last evaluation's value
     flags: StepFlags  # the last step's agreed flags: the end of the run follows them
+    consecutive_skips: int  # steps skipped in a row (train.max_consecutive_skips)
     this_run: Throughput  # every step of this run
     timed: Throughput  # the steps after train.timing_skip_steps (used by `scaleout sweep`)
     run_record: dict[str, Any]  # run.json's record (rank 0; {} elsewhere)
@@ -291,6 +292,7 @@ class Trainer:
         # this run
         self.losses, self.metric = [], None
         self.flags = StepFlags(skip=False, stop=False)
+        self.consecutive_skips = 0
         self.this_run, self.timed = Throughput(), Throughput()
         self.run_record = {}
         # None when data.num_workers=0; reads no data until start(), after run_start (MLPerf rules)
@@ -537,78 +539,87 @@ class Trainer:
                     log.error("%s", error)
 
     def _train(self) -> TrainResult:
-        cfg = self.cfg
         if self.start_info.kind == "finished":
             print0(f"scaleout train: {self.start_info.message}", rank=self.world.rank)
             return TrainResult("finished", 0, self.start_info.latest_step, None)
         clock = self._start_clock()
         status: RunStatus = "max_steps"
-        reason, consecutive_skips = "", 0
-        limit, warmup = cfg.train.max_consecutive_skips, cfg.train.timing_skip_steps
-        for step in range(self.start_step, cfg.train.max_steps):
-            if warmup and step == self.start_step + warmup:
-                self.timers.reset()  # breakdown_s then covers the timed steps only
-            step_samples, step_tokens = self.task.samples_per_step(step * cfg.train.global_batch)
-            lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
-            t0 = time.perf_counter()
-            seed_step(cfg.train.seed, step, self.world.rank)  # a resume needs no RNG state
-            try:
-                flags = self.train_step(step)
-            except torch.OutOfMemoryError as exc:
-                raise out_of_memory(exc, cfg, self.world, step) from None
-            seconds = time.perf_counter() - t0
-            if step == self.start_step:  # from now on a hung peer is a failure, not slowness
-                self.world.set_timeout(cfg.train.step_timeout_s)
-            self.step, self.samples = step + 1, self.samples + step_samples
-            self.skipped += int(flags.skip)
-            self.losses.append(flags.loss)
-            self.skew.add(flags.skew, seconds)
-            self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
-            if step >= self.start_step + warmup:
-                self.timed = self.timed.plus(step_samples, step_tokens, seconds)
-            done = self.step == cfg.train.max_steps
-            eval_now = eval_due(self.step, cfg.train.eval_every, cfg.train.eval_start_step) or done
-            record = StepRecord(
-                step=self.step,
-                samples=self.samples,
-                loss=flags.loss,
-                lr=lr,
-                seconds=seconds,
-                step_samples=step_samples,
-                step_tokens=step_tokens,
-                breakdown_s=self.timers.step(seconds),
-                skipped=flags.skip,
-                stop=flags.stop,
-                terminate=flags.terminate,
-                flush=flags.stop or done or self.step % cfg.train.eval_every == 0,
-                skew=flags.skew,
-            )
-            for observer in self.observers:
-                observer.on_step(record)
-            if self.autocomm is not None and not self.autocomm.done:
-                self._tune_comm(seconds)
-            if flags.stop:
-                self.save_checkpoint()
-                status = "preempted"
+        reason = ""
+        for step in range(self.start_step, self.cfg.train.max_steps):
+            end = self.run_step(step)
+            if end is not None:
+                status, reason = end
                 break
-            consecutive_skips = consecutive_skips + 1 if flags.skip else 0  # the same everywhere
-            if limit and consecutive_skips >= limit:
-                reason = (
-                    f"step {self.step}: {consecutive_skips} consecutive steps with non-finite "
-                    f"gradients (train.max_consecutive_skips={limit}): the run diverged; stopping"
-                )
-                status = "aborted"
-                break
-            if eval_now:
-                t_eval = time.perf_counter()
-                self.metric = self.evaluate(last=done)
-                self.lost["evaluation_s"] += time.perf_counter() - t_eval
-                if self.stops_at_target and self.metric >= cfg.train.target:
-                    status = "success"
-                    break
-            if self._save_due():
-                self.save_checkpoint()
         return self._finish(status, reason, clock)
+
+    def run_step(self, step: int) -> tuple[RunStatus, str] | None:
+        """Step ``step`` of the loop (after ``_start_clock``): the training step, its record to
+        the observers, the evaluation and save when due. Returns (status, reason) when the run
+        ends here, else None. ``scaleout bench framework`` times exactly this against a plain
+        DDP loop's step."""
+        cfg = self.cfg
+        warmup = cfg.train.timing_skip_steps
+        if warmup and step == self.start_step + warmup:
+            self.timers.reset()  # breakdown_s then covers the timed steps only
+        step_samples, step_tokens = self.task.samples_per_step(step * cfg.train.global_batch)
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (train_step moves it)
+        t0 = time.perf_counter()
+        seed_step(cfg.train.seed, step, self.world.rank)  # a resume needs no RNG state
+        try:
+            flags = self.train_step(step)
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory(exc, cfg, self.world, step) from None
+        seconds = time.perf_counter() - t0
+        if step == self.start_step:  # from now on a hung peer is a failure, not slowness
+            self.world.set_timeout(cfg.train.step_timeout_s)
+        self.step, self.samples = step + 1, self.samples + step_samples
+        self.skipped += int(flags.skip)
+        self.losses.append(flags.loss)
+        self.skew.add(flags.skew, seconds)
+        self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
+        if step >= self.start_step + warmup:
+            self.timed = self.timed.plus(step_samples, step_tokens, seconds)
+        done = self.step == cfg.train.max_steps
+        eval_now = eval_due(self.step, cfg.train.eval_every, cfg.train.eval_start_step) or done
+        record = StepRecord(
+            step=self.step,
+            samples=self.samples,
+            loss=flags.loss,
+            lr=lr,
+            seconds=seconds,
+            step_samples=step_samples,
+            step_tokens=step_tokens,
+            breakdown_s=self.timers.step(seconds),
+            skipped=flags.skip,
+            stop=flags.stop,
+            terminate=flags.terminate,
+            flush=flags.stop or done or self.step % cfg.train.eval_every == 0,
+            skew=flags.skew,
+        )
+        for observer in self.observers:
+            observer.on_step(record)
+        if self.autocomm is not None and not self.autocomm.done:
+            self._tune_comm(seconds)
+        if flags.stop:
+            self.save_checkpoint()
+            return "preempted", ""
+        # the same everywhere (agreed flags)
+        self.consecutive_skips = self.consecutive_skips + 1 if flags.skip else 0
+        limit = cfg.train.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            return "aborted", (
+                f"step {self.step}: {self.consecutive_skips} consecutive steps with non-finite "
+                f"gradients (train.max_consecutive_skips={limit}): the run diverged; stopping"
+            )
+        if eval_now:
+            t_eval = time.perf_counter()
+            self.metric = self.evaluate(last=done)
+            self.lost["evaluation_s"] += time.perf_counter() - t_eval
+            if self.stops_at_target and self.metric >= cfg.train.target:
+                return "success", ""
+        if self._save_due():
+            self.save_checkpoint()
+        return None
 
     def train_step(self, step: int) -> StepFlags:
         """One optimizer step (grad_accum micro-batches); returns every rank's agreed outcome.

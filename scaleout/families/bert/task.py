@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
-from scaleout.data.sampler import ShardedSampler
+from scaleout.data.sampler import make_sampler
 from scaleout.errors import ConfigError
 from scaleout.families.bert.convert import load_init_checkpoint
 from scaleout.families.bert.data.batches import BertBatches, SequenceTable, ShardBertBatches
@@ -65,6 +65,11 @@ class BertTask(Task):
     def _open_shards(self, cfg: Config, world: World) -> None:
         """Training stream and eval share from the shard index: nothing per sequence is loaded up
         front."""
+        if cfg.data.order != "scaleout":
+            raise ConfigError(
+                f"data.order={cfg.data.order}: the MLPerf shards are read in scaleout's order only "
+                "(data.order=scaleout)"
+            )
         data = open_shards(
             cfg, world.rank, world.world_size, world.barrier, TorchCollectives(world)
         )
@@ -116,8 +121,8 @@ class BertTask(Task):
             [int(self.lengths[p].sum()) for p in self.packs], dtype=np.int64
         )
         self.pack_sizes = np.array([len(p) for p in self.packs], dtype=np.int64)
-        self.sampler = ShardedSampler(
-            self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+        self.sampler = make_sampler(
+            d.order, self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
         )
         self.max_pred = d.max_predictions * self.depth
         self.batches = BertBatches(

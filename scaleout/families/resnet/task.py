@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from scaleout.data.batches import MicroBatch, to_device
-from scaleout.data.sampler import ShardedSampler
+from scaleout.data.sampler import make_sampler
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageBatches, ImageFolder, SyntheticImages
 from scaleout.families.resnet.data.dali import DaliInput, check_dali
@@ -66,8 +66,13 @@ class ResNetTask(Task):
             )  # held out: never in the training range
             self.train_set.length = n
             self.rows = len(self.train_set)
-            self.sampler = ShardedSampler(
-                self.rows, cfg.train.global_batch, world.rank, world.world_size, seed=d.seed
+            self.sampler = make_sampler(
+                d.order,
+                self.rows,
+                cfg.train.global_batch,
+                world.rank,
+                world.world_size,
+                seed=d.seed,
             )
         else:
             raise ConfigError(
@@ -162,6 +167,11 @@ class ResNetTask(Task):
         self._eval_idx = None
         g = cfg.train.global_batch
         if shards:
+            if d.order != "scaleout":
+                raise ConfigError(
+                    f"data.order={d.order}: image shards are read in scaleout's node-local order "
+                    "only (data.order=scaleout)"
+                )
             nodes = world.ranks_per_node
             node = next(n for n, ranks in enumerate(nodes) if world.rank in ranks)
             self.sampler = NodeShardSampler(
@@ -177,7 +187,7 @@ class ResNetTask(Task):
                 seed=d.seed,
             )
         else:
-            self.sampler = ShardedSampler(self.rows, g, world.rank, world.world_size, seed=d.seed)
+            self.sampler = make_sampler(d.order, self.rows, g, world.rank, world.world_size, d.seed)
 
     @property
     def eval_idx(self) -> np.ndarray:
