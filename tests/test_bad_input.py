@@ -301,6 +301,21 @@ CASES: list[Case] = [
         given="data: a folder with data but no scaleout marker",
         root=True,
     ),
+    # scaleout plan: cluster, calibration, grid, convergence fit
+    Case(("plan", "c.yaml", "--cluster", "dgx-z9"), "dgx-z9"),
+    Case(
+        ("plan", "c.yaml", "--cluster", "cal.json"),
+        "cal.json",
+        files=(("cal.json", "{not json"),),
+        given="cal.json: `{not json`",
+    ),
+    Case(("plan", "c.yaml", "--per-gpu-batch", "8,x"), "'8,x'"),
+    Case(
+        ("plan", "c.yaml", "--fit", "lb.json"),
+        "lb.json",
+        files=(("c.yaml", "{}\n"),),
+        given="c.yaml: `{}` (the defaults)",
+    ),
 ]
 
 

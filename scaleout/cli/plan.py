@@ -14,7 +14,8 @@ NAME = "plan"
 ORDER = 71
 HELP = "choose the scale: Pareto front of predicted time-to-train vs GPU-hours, knee, sbatch line"
 DESCRIPTION = """\
-Prices every point of a grid with the simulator (docs/plan.md):
+The Pareto front of predicted time-to-train against GPU-hours: every point of a grid priced by the
+simulator (docs/plan.md):
 
   nodes x GPUs per node x per-GPU batch x all-reduce algorithm (scaleout.comm's)
         x optimizer placement (replicated | sharded over the world | sharded-node: within a node)
@@ -50,7 +51,6 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("config", help="training config (YAML, as for `scaleout train`)")
     p.add_argument(
         "overrides", nargs="*", help="section.key=value overrides of the config (model, data)"
