@@ -15,7 +15,7 @@ import pytest
 
 from scaleout.cli import build_parser
 from scaleout.config.load import load_config
-from scaleout.errors import ConfigError
+from scaleout.errors import ConfigError, UserError
 from scaleout.families import FAMILIES, Family, register, unregister
 from scaleout.sim import plan as P
 from scaleout.sim.cluster import PARAMS
@@ -202,3 +202,16 @@ def test_cli_help_explains_and_the_command_runs(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["chosen"]["sbatch"].startswith(("sbatch -N", "NCCL_COLLNET_ENABLE=1 sbatch -N"))
     assert len(data["points"]) == 2 * 3 * 2 and "chosen (knee)" in printed.getvalue()
+
+
+def test_bench_plan_smoke_args_parse_and_bad_batches_fail_first() -> None:
+    """`scaleout bench plan` end to end needs root, the netns cluster and minutes of CPU (run by
+    hand with --quick); here its command line, and bad input refused before any run."""
+    from scaleout.bench import plan
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "plan", *plan.SMOKE_ARGS])
+    assert args.quick and args.per_rank_batch == [4, 8]
+    args = parser.parse_args(["bench", "plan", "--per-rank-batch", "8"])
+    with pytest.raises(UserError, match=r"--per-rank-batch \[8\]: expected two"):
+        args._run(args)
