@@ -30,11 +30,11 @@ convergence points of the config's MLPerf benchmark (mlperf-logging's RCP tables
 follow the config (every train.eval_every x train.global_batch samples, data.eval_samples each).
 
 The front keeps the points no other point beats on both axes; its knee (marked K) is the point
-farthest below the chord of the front's ends, each axis scaled to [0, 1]: past it a minute saved
-costs more GPU-hours than before. For the chosen point (--pick, default the knee) the plan prints
-the config overrides (checked by the config loader), the `sbatch -N ...` line of the family's
-Slurm script and the `scaleout launch` line. sharded-node has no config key yet: priced, never
-chosen.
+farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving the
+time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
+knee) the plan prints the config overrides (checked by the config loader), the `sbatch -N ...` line
+of the family's Slurm script and the `scaleout launch` line. sharded-node has no config key yet:
+priced, never chosen.
 
 --cluster is a preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the JSON of
 `scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A cluster without

@@ -14,8 +14,9 @@ Evaluations follow the config: every ``train.eval_every x train.global_batch`` t
 ``data.eval_samples`` each (forward only, one third of a training step's FLOPs per sample).
 
 The front keeps every point no other point beats on both axes. Its **knee** is the point farthest
-below the chord between the front's two ends after each axis is scaled to [0, 1], i.e. the smallest
-(time + GPU-hours) in those units: beyond it, time saved costs more GPU-hours than it did before.
+below the chord between the front's two ends with each axis on a log scale scaled to [0, 1], i.e.
+the smallest (log time + log GPU-hours) in those units: beyond it, halving the time costs a larger
+factor of GPU-hours than it did before.
 
 For the chosen point the plan writes the ``key=value`` overrides of the config (validated by the
 config loader) and the ``sbatch`` line of the family's Slurm script; a point without a config key
@@ -430,18 +431,19 @@ def front_of(points: list[Point]) -> list[Point]:
 
 
 def knee_of(front: list[Point]) -> Point:
-    """The front's point farthest below the chord of its ends with both axes scaled to [0, 1]
-    (with ends (0, 1) and (1, 0) that is the smallest scaled time + scaled GPU-hours); ties go to
-    the faster point."""
+    """The front's point farthest below the chord of its ends, each axis on a log scale (a front
+    spans orders of magnitude) and scaled to [0, 1]; with the ends at (0, 1) and (1, 0) that is
+    the smallest scaled log time + scaled log GPU-hours. Ties go to the faster point."""
     if not front:
         raise ConfigError("no point to plan: the grid is empty")
-    t = [p.ttt_s for p in front]
-    h = [p.gpu_hours for p in front]
+    t = [math.log(p.ttt_s) for p in front]
+    h = [math.log(p.gpu_hours) for p in front]
     span_t, span_h = (max(t) - min(t)) or 1.0, (max(h) - min(h)) or 1.0
-    return min(
-        front,
-        key=lambda p: ((p.ttt_s - min(t)) / span_t + (p.gpu_hours - min(h)) / span_h, p.ttt_s),
-    )
+    scores = [
+        ((ti - min(t)) / span_t + (hi - min(h)) / span_h, p.ttt_s)
+        for ti, hi, p in zip(t, h, front, strict=True)
+    ]
+    return front[min(range(len(front)), key=lambda i: scores[i])]
 
 
 def choose(points: list[Point], pick: str) -> Point:
