@@ -12,7 +12,9 @@ time-to-train within 25 % of measured"):
 2. **fit samples to converge** against the global batch: ``scaleout bench largebatch`` (LAMB only)
    at the smallest and the largest global batch of the check -> ``largebatch.json``;
 3. **measure the compute rate** of one rank at each per-rank batch: a short single-process
-   ``scaleout train`` (no evaluation), samples/s from its report.json;
+   ``scaleout train`` on one thread (no evaluation), samples/s from its report.json; the measured
+   runs use one thread per rank too (OMP_NUM_THREADS=1 unless set), so the ranks share the cores
+   as the plan's ``--cores`` models;
 4. **predict** with ``scaleout plan`` (scaleout.sim.plan) on the calibration, restricted to nodes
    1, 2 x 2 ranks x the two per-rank batches (the config's algorithm, replicated LAMB), the ranks
    sharing this machine's cores;
@@ -257,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"  {plan_cmd}\n  {curve.describe()}", flush=True)
     print("[5/5] measured runs on netns", flush=True)
+    # One thread per rank, as the rate was measured: the ranks share the cores as the plan models
+    # (min(1, cores / ranks) of one rank's rate), instead of each rank taking every core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     for p in res.points:
         c = p.candidate
