@@ -12,7 +12,8 @@ time-to-train within 25 % of measured"):
 2. **fit samples to converge** against the global batch: ``scaleout bench largebatch`` (LAMB only)
    at the smallest and the largest global batch of the check -> ``largebatch.json``;
 3. **measure the compute rate** of one rank at each per-rank batch: a short single-process
-   ``scaleout train`` on one thread (no evaluation), samples/s from its report.json; the measured
+   ``scaleout train`` on one thread (no evaluation): the batch (packed rows) over the median step
+   time after two warm-up steps (metrics.jsonl); the measured
    runs use one thread per rank too (OMP_NUM_THREADS=1 unless set), so the ranks share the cores
    as the plan's ``--cores`` models;
 4. **predict** with ``scaleout plan`` (scaleout.sim.plan) on the calibration, restricted to nodes
@@ -180,9 +181,22 @@ def compute_rates(args: argparse.Namespace, work: Path) -> dict[int, float]:
             env={"OMP_NUM_THREADS": "1"},
             log=work / f"rate-b{b}.log",
         )  # fmt: skip
-        rates[b] = float(json.loads((out / "report.json").read_text())["samples_per_s"])
+        rates[b] = b / step_time(out / "metrics.jsonl")
         print(f"  rate: batch {b}/rank: {rates[b]:.1f} samples/s", flush=True)
     return rates
+
+
+def step_time(metrics: Path, skip: int = 2) -> float:
+    """Median step time after the first ``skip`` steps (warm-up) of a run's metrics.jsonl: the
+    rate in packed rows per second is batch / this (report.json's samples/s counts sequences)."""
+    steps = []
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "train" and rec.get("step", 0) > skip and rec.get("step_s"):
+            steps.append(float(rec["step_s"]))
+    if not steps:
+        raise SystemExit(f"{metrics}: no step times after step {skip}")
+    return statistics.median(steps)
 
 
 def measure(
