@@ -86,7 +86,9 @@ def test_gpu_hours_and_time_to_train_arithmetic(a100_plan: P.Plan) -> None:
     for p in a100_plan.points[:12]:
         c = p.candidate
         assert p.gpu_hours == pytest.approx(p.ttt_s * c.gpus / 3600)
-        assert p.steps == math.ceil(p.samples / c.global_batch - 1e-9)
+        every = max(1, round(62 * 4096 / c.global_batch))  # config eval_every x global_batch
+        assert p.steps % every == 0 and p.evals == p.steps // every
+        assert p.steps - every < math.ceil(p.samples / c.global_batch - 1e-9) <= p.steps
         assert p.ttt_s == pytest.approx(p.steps * p.step_s + p.eval_s)
         assert p.throughput == pytest.approx(c.global_batch / p.step_s)
     assert P.gpu_hours(3600.0, 8) == 8.0

@@ -7,7 +7,9 @@ placements; scaleout.sim.collectives with SHARP) and the samples to converge at 
 come from a convergence curve (scaleout.sim.convergence: MLCommons' RCPs of the config's MLPerf
 benchmark, or a fit to ``scaleout bench largebatch`` runs):
 
-    time to train = ceil(samples(B) / B) x step time + evaluations x their cost
+    time to train = steps x step time + evaluations x their cost
+    steps         = ceil(samples(B) / B), rounded up to a multiple of the evaluation interval (a
+                    run stops at the first evaluation that reaches the target)
     GPU-hours     = time to train x GPUs / 3600
 
 Evaluations follow the config: every ``train.eval_every x train.global_batch`` training samples,
@@ -55,7 +57,7 @@ from scaleout.sim.convergence import (
 )
 from scaleout.sim.fromconfig import from_config
 from scaleout.sim.sharded import OPTIMIZERS
-from scaleout.sim.step import ModelSpec, TrainSpec, time_to_train
+from scaleout.sim.step import ModelSpec, TrainSpec, compute_time, eval_interval, time_to_train
 
 # Config keys of each optimizer placement (None: no config key in this scaleout: priced only).
 PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
@@ -387,15 +389,27 @@ def predict(
     )
     model = work.models[cand.optimizer]
     ttt = time_to_train(model, train, c, cand.nodes, convergence=curve)
+    steps, evals, eval_s = ttt.steps, ttt.evals, ttt.eval_time
+    every = eval_interval(model, cand.global_batch)
+    if every and model.eval_samples:
+        # A run stops at the first evaluation that reaches the target: steps rounded up to the
+        # evaluation interval, one evaluation per interval.
+        e = max(1, round(every / cand.global_batch))
+        steps = math.ceil(steps / e) * e
+        evals = steps // e
+        share = max(model.eval_samples / cand.gpus, 1e-9)
+        per_eval = compute_time(model, replace(train, local_batch=share), c) / 3 + train.host_s
+        eval_s = evals * per_eval
+    total = steps * ttt.step + eval_s + train.fixed_overhead_s
     return Point(
         cand,
         ttt.step,
         cand.global_batch / ttt.step,
         ttt.samples,
-        ttt.steps,
-        ttt.evals,
-        ttt.eval_time,
-        ttt.total,
+        steps,
+        evals,
+        eval_s,
+        total,
         curve.extrapolated(cand.global_batch),
         overrides_for(work, cand),
     )
