@@ -27,7 +27,8 @@ time-to-train within 25 % of measured"):
    and the median |error| against 25 %.
 
 Needs root (netns). About 20-30 min with the defaults on a 2-core machine; ``--quick`` is a
-smoke run of every step (a lower target, fewer sizes and repeats), a few minutes. Run it alone
+smoke run of every step (a lower target, fewer sizes and repeats), ~15 min here (the largebatch
+fit is half of it). Run it alone
 (`flock /work/wt/netns.lock` on a shared box): other jobs change the timings.
 """
 
@@ -56,7 +57,7 @@ DESCRIPTION = (
     + """
 examples:
   flock /work/wt/netns.lock scaleout bench plan                  # the bar's check (~20-30 min)
-  flock /work/wt/netns.lock scaleout bench plan --quick          # every step, a few minutes
+  flock /work/wt/netns.lock scaleout bench plan --quick          # every step, ~15 min
   scaleout bench plan --per-rank-batch 4,16 --rate 100mbit train.target=0.14
 """
 )
