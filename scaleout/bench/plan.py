@@ -26,9 +26,9 @@ time-to-train within 25 % of measured"):
 6. print predicted against measured, whether the plan's pick (its fastest point) measured fastest,
    and the median |error| against 25 %.
 
-Needs root (netns). About 20-30 min with the defaults on a 2-core machine; ``--quick`` is a
-smoke run of every step (a lower target, fewer sizes and repeats), ~15 min here (the largebatch
-fit is half of it). Run it alone
+Needs root (netns). With the defaults (the config's target, 0.15 for the tiny BERT) an estimated
+25-40 min on a 2-core machine (not yet run in full); ``--quick`` is a smoke run of every step
+(target 0.125, fewer sizes and repeats), 14 min here, half of it the largebatch fit. Run it alone
 (`flock /work/wt/netns.lock` on a shared box): other jobs change the timings.
 """
 
@@ -56,7 +56,7 @@ DESCRIPTION = (
     __doc__
     + """
 examples:
-  flock /work/wt/netns.lock scaleout bench plan                  # the bar's check (~20-30 min)
+  flock /work/wt/netns.lock scaleout bench plan                  # the bar's check (est. 25-40 min)
   flock /work/wt/netns.lock scaleout bench plan --quick          # every step, ~15 min
   scaleout bench plan --per-rank-batch 4,16 --rate 100mbit train.target=0.14
 """
