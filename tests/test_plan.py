@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from scaleout.bench import plan as bench_plan
 from scaleout.cli import build_parser
 from scaleout.config.load import load_config
 from scaleout.errors import ConfigError, UserError
@@ -209,11 +210,24 @@ def test_cli_help_explains_and_the_command_runs(tmp_path: Path) -> None:
 def test_bench_plan_smoke_args_parse_and_bad_batches_fail_first() -> None:
     """`scaleout bench plan` end to end needs root, the netns cluster and minutes of CPU (run by
     hand with --quick); here its command line, and bad input refused before any run."""
-    from scaleout.bench import plan
-
     parser = build_parser()
-    args = parser.parse_args(["bench", "plan", *plan.SMOKE_ARGS])
+    args = parser.parse_args(["bench", "plan", *bench_plan.SMOKE_ARGS])
     assert args.quick and args.per_rank_batch == [4, 8]
     args = parser.parse_args(["bench", "plan", "--per-rank-batch", "8"])
     with pytest.raises(UserError, match=r"--per-rank-batch \[8\]: expected two"):
         args._run(args)
+
+
+def test_sbatch_note_names_the_scripts_config_when_another_is_planned() -> None:
+    assert P.sbatch_note("bert", LARGE) is None
+    assert "configs/bert_large_256x8.yaml" in P.sbatch_note("bert", TINY)
+
+
+def test_bench_plan_rate_is_rows_over_the_median_step_after_warm_up(tmp_path: Path) -> None:
+    m = tmp_path / "metrics.jsonl"
+    recs = [{"type": "run"}] + [
+        {"type": "train", "step": i, "step_s": s}
+        for i, s in enumerate([9.0, 5.0, 0.2, 0.1, 0.3], 1)
+    ]
+    m.write_text("\n".join(json.dumps(r) for r in recs))
+    assert bench_plan.step_time(m) == 0.2  # steps 1-2 (warm-up) left out

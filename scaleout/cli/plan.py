@@ -233,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print("  overrides: " + " ".join(chosen.overrides))
     print("  " + P.sbatch_line(work.arch, chosen.candidate, overrides))
+    note = P.sbatch_note(work.arch, args.config)
+    if note:
+        print("  " + note)
     print("  " + P.launch_line(args.config, chosen.candidate, overrides, netns))
     payload = {
         "action": "plan",

@@ -65,8 +65,9 @@ PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
     "sharded": ["optim.sharded=true", "optim.overlap_comm=true"],
     "sharded-node": None,
 }
-# The family's Slurm script (slurm/<script>.sh): its config is fixed in the script.
+# The family's Slurm script (slurm/<script>.sh) and the config it trains (fixed in the script).
 SLURM_SCRIPTS = {"bert": "bert_256node.sh", "resnet": "resnet50_128node.sh"}
+SLURM_CONFIGS = {"bert": "configs/bert_large_256x8.yaml", "resnet": "configs/resnet50_128x8.yaml"}
 PICKS = ("knee", "fastest", "cheapest")
 
 
@@ -523,6 +524,15 @@ def sbatch_line(arch: str, cand: Candidate, overrides: list[str]) -> str:
         f"{env}sbatch -N {cand.nodes} --ntasks-per-node {g} --gpus-per-node {g}{net} "
         f"slurm/{script} {' '.join(shlex.quote(o) for o in overrides)}"
     )
+
+
+def sbatch_note(arch: str, config: str) -> str | None:
+    """A line when the family's script trains another config than the one planned."""
+    trains = SLURM_CONFIGS.get(arch)
+    if trains and Path(config).resolve() == Path(trains).resolve():
+        return None
+    what = f"trains {trains}" if trains else "does not exist for this family"
+    return f"(slurm/{SLURM_SCRIPTS.get(arch, '<script>.sh')} {what}: point it at {config})"
 
 
 def launch_line(config: str, cand: Candidate, overrides: list[str], netns: bool) -> str:
