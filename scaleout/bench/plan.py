@@ -12,7 +12,7 @@ time-to-train within 25 % of measured"):
 2. **fit samples to converge** against the global batch: ``scaleout bench largebatch`` (LAMB only)
    at the smallest and the largest global batch of the check -> ``largebatch.json``;
 3. **measure the compute rate** of one rank at each per-rank batch: a short single-process
-   ``scaleout train`` on one thread (no evaluation): the batch (packed rows) over the median step
+   ``scaleout train`` on one thread (no evaluation): the batch (packed rows) over the mean step
    time after two warm-up steps (metrics.jsonl); the measured
    runs use one thread per rank too (OMP_NUM_THREADS=1 unless set), so the ranks share the cores
    as the plan's ``--cores`` models;
@@ -188,8 +188,9 @@ def compute_rates(args: argparse.Namespace, work: Path) -> dict[int, float]:
 
 
 def step_time(metrics: Path, skip: int = 2) -> float:
-    """Median step time after the first ``skip`` steps (warm-up) of a run's metrics.jsonl: the
-    rate in packed rows per second is batch / this (report.json's samples/s counts sequences)."""
+    """Mean step time after the first ``skip`` steps (warm-up) of a run's metrics.jsonl: the rate
+    in packed rows per second is batch / this (report.json's samples/s counts sequences). The mean,
+    not the median: time to train pays for the slow steps too."""
     steps = []
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
@@ -197,7 +198,7 @@ def step_time(metrics: Path, skip: int = 2) -> float:
             steps.append(float(rec["step_s"]))
     if not steps:
         raise SystemExit(f"{metrics}: no step times after step {skip}")
-    return statistics.median(steps)
+    return statistics.fmean(steps)
 
 
 def measure(
