@@ -304,6 +304,21 @@ CASES: list[Case] = [
     # comm.algorithm=auto (issue 29): a misspelt name lists auto; auto with what it cannot re-plan
     Case((*CFG, "comm.algorithm=autotune"), "comm.algorithm='autotune'"),
     Case((*CFG, "comm.algorithm=auto", "optim.sharded=true"), "optim.sharded=true"),
+    # scaleout plan: cluster, calibration, grid, convergence fit
+    Case(("plan", "c.yaml", "--cluster", "dgx-z9"), "dgx-z9"),
+    Case(
+        ("plan", "c.yaml", "--cluster", "cal.json"),
+        "cal.json",
+        files=(("cal.json", "{not json"),),
+        given="cal.json: `{not json`",
+    ),
+    Case(("plan", "c.yaml", "--per-gpu-batch", "8,x"), "'8,x'"),
+    Case(
+        ("plan", "c.yaml", "--fit", "lb.json"),
+        "lb.json",
+        files=(("c.yaml", "{}\n"),),
+        given="c.yaml: `{}` (the defaults)",
+    ),
 ]
 
 
