@@ -185,7 +185,6 @@ def _all(world) -> dict:
 @pytest.mark.multi_process
 def test_node_and_world_sharding_wire_dtype_deferred_gathers_and_checkpoints() -> None:
     by_rank = run_dist(_all, 2, 2, timeout=300)
-    print(by_rank[0]["t"])
     for r, res in enumerate(by_rank):
         for (shard, comp), c in ((k, v) for k, v in res.items() if k not in ("ckpt", "t")):
             what = f"rank {r} shard={shard} compression={comp}"

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from scaleout.comm import all_gather, reduce_scatter, shard_index
-from scaleout.comm.api import dispatch
+from scaleout.comm.api import WorkHandle, dispatch
 from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
@@ -506,15 +506,15 @@ class ShardedLAMB(torch.optim.Optimizer):
     def _all_gather(self, bk: ShardBucket) -> Any:
         """Start bucket ``bk``'s parameter all-gather (in the parameters' dtype): world: the
         configured algorithm; node: over the node's ranks (the peers on other nodes hold the
-        same slice)."""
+        same slice), one native async collective issued from this thread (the reduce-scatters
+        were all waited for, so nothing queued earlier on the comm thread can be overtaken, and a
+        collective the caller issues later cannot overtake it either)."""
         if self.shard == "world":
             return all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
-
-        def job() -> None:
-            if self.local > 1:
-                all_gather_tensor(bk.flat_param, bk.p_shard, group=self.intra, async_op=True).wait()
-
-        return dispatch(self.world, bk.flat_param, job, None, lambda: None, True)
+        if self.local == 1:
+            return None
+        work = all_gather_tensor(bk.flat_param, bk.p_shard, group=self.intra, async_op=True)
+        return WorkHandle(work, lambda: None, bk.flat_param)
 
     def wait_params(self, buckets: Any = None) -> None:
         """Wait for the parameter all-gathers of the last step (``buckets``: those only) before
