@@ -68,6 +68,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _written(pieces: dict[str, PieceLike]) -> dict[str, PieceLike]:
+    """The pieces this rank writes: not those marked ``replica`` (copies another rank writes:
+    ShardedLAMB with optim.shard=node), so that every element is stored once (DCP refuses
+    overlapping chunks); a load still reads into every piece."""
+    return {k: p for k, p in pieces.items() if not getattr(p, "replica", False)}
+
+
 def _chunk(p: PieceLike) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(
         offsets=torch.Size([p.offset]), sizes=torch.Size([p.tensor.numel()])
@@ -178,6 +185,7 @@ def save_pieces(
     record to keep in the replicated file: {"dir", "metadata_sha256", "files": {name: (bytes,
     sha256)}}; None elsewhere. ``group``: where DCP's plans and the digests travel (a CPU group:
     DCP gathers every rank's plan to rank 0 and scatters them back)."""
+    pieces = _written(pieces)
     directory.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(
         directory, single_file_per_rank=True, sync_files=True, thread_count=1
@@ -239,6 +247,7 @@ def async_save_pieces(
     (the stall) and writes them in its own thread, coordinating on ``group`` (a gloo group used by
     nothing else: those collectives run while the training's own run). Collective (the staging
     and the plan exchange start here on every rank)."""
+    pieces = _written(pieces)
     directory.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(
         directory, single_file_per_rank=True, sync_files=True, thread_count=1

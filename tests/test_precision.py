@@ -310,7 +310,7 @@ def test_mlperf_log_says_what_ran() -> None:
 
     cfg = load_config(
         "bert_large_256x8", ["optim.sharded=true"]
-    )  # sharded: fp32 reduce-scatter, whatever compression
+    )  # comm.compression=none: the sharded reduce-scatter is fp32 (bf16: test_optim_sharded_node)
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"
 
 

@@ -34,8 +34,14 @@ times a full step (forward + backward + optimizer step with its communication; t
   sharded overlap    ShardedLAMB(overlap=True): per-bucket reduce-scatter during backward,
   per-bucket
                      all-gather as soon as the bucket's shard is updated (apex DistributedFusedLAMB)
+  gather in forward  the same, step() does not wait for the all-gathers: the next forward's
+                     pre-hooks wait bucket by bucket (the trainer's way: module=model)
+  node               the same sharded within the node (optim.shard=node): reduce-scatter in the
+                     node, all-reduce of the slice across nodes, all-gather in the node
+  node bf16          node with comm.compression=bf16: the gradients' wire dtype, fp32 sums
 
-Both use --algorithm's reduce-scatter / all-gather (scaleout.comm: flat, hierarchical, torus2d).
+The first three use --algorithm's reduce-scatter / all-gather (scaleout.comm: flat, hierarchical,
+torus2d).
 
 examples:
   scaleout bench sharded-overlap --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit     # one-shot
@@ -43,7 +49,8 @@ examples:
   sharded-overlap
 """
 
-VARIANTS = ("compute only", "sharded", "sharded overlap")
+VARIANTS = ("compute only", "sharded", "sharded overlap", "gather in forward", "node", "node bf16")
+DEFERRED = VARIANTS[3:]  # ShardedLAMB(module=...): the next forward waits for the all-gathers
 BASELINE = "sharded"
 
 
@@ -94,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
     return h.in_ranks(args, _in_rank)
 
 
-def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[], Any]], int, int]:
-    """(variant -> one full step, parameters, buckets of the overlapped optimizer)."""
+def _steps(
+    args: argparse.Namespace, world: World
+) -> tuple[dict[str, Callable[[], Any]], int, int, list[Callable[[], None]]]:
+    """(variant -> one full step, parameters, buckets of the overlapped optimizer, the waits for
+    the deferred variants' last all-gathers)."""
 
     import torch
 
@@ -112,12 +122,15 @@ def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[
             models[v].parameters(),
             world,
             lr=1e-4,
-            overlap=v == "sharded overlap",
+            overlap=v != "sharded",
             bucket_mb=args.bucket_mb,
             algorithm=args.algorithm,
             param_order=models[v].parameters(),
+            shard="node" if v.startswith("node") else "world",
+            compression="bf16" if v == "node bf16" else None,
+            module=models[v] if v in DEFERRED else None,
         )
-        for v in ("sharded", "sharded overlap")
+        for v in VARIANTS[1:]
     }
 
     def step(v: str) -> Callable[[], Any]:
@@ -138,6 +151,7 @@ def _steps(args: argparse.Namespace, world: World) -> tuple[dict[str, Callable[[
         {v: step(v) for v in VARIANTS},
         sum(q.numel() for q in base.parameters()),
         len(opts["sharded overlap"].buckets),
+        [opts[v].wait_params for v in DEFERRED],
     )
 
 
@@ -150,7 +164,7 @@ def _in_rank(args: argparse.Namespace) -> int:
         raise UserError(f"--bucket-mb={args.bucket_mb}: expected a positive number of MiB")
     get_algorithm(args.algorithm)
     world = h.init_ranks(2, NAME)
-    steps, n_params, nb = _steps(args, world)
+    steps, n_params, nb, finish = _steps(args, world)
     h.say0(world)(
         f"sharded-overlap bench: {world.world_size} ranks = {world.num_nodes} nodes x "
         f"{world.local_size}, "
@@ -161,6 +175,8 @@ def _in_rank(args: argparse.Namespace) -> int:
         f"median of {args.repeats}"
     )
     samples = h.interleave(steps, args.repeats, args.warmup, world=world, say=h.say0(world))
+    for wait in finish:  # the last step's all-gathers of the deferred variants
+        wait()
     rows = h.compare(samples, baseline=BASELINE)
     floor = next(r.median_s for r in rows if r.name == "compute only")
     by = {r.name: r for r in rows}

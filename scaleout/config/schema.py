@@ -151,6 +151,9 @@ class OptimConfig(_Section):
     # sharded LAMB only: reduce-scatter during backward, all-gather per bucket (apex
     # DistributedFusedLAMB)
     overlap_comm: bool = False
+    # sharded LAMB only: over which ranks the state is sharded: world (1/W each) or node (1/ranks
+    # per node each, replicated across nodes: NVIDIA's DistributedFusedLAMB)
+    shard: Literal["world", "node"] = "world"
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimConfig:

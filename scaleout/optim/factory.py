@@ -36,7 +36,8 @@ def build_optimizer(
     ratio, and neither do normalisation layers (scaleout/optim/groups.py). ``optim.sharded`` selects
     :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for
     its reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb``
-    reduce-scattered during backward, otherwise one bucket sent in ``step()``.
+    reduce-scattered during backward, otherwise one bucket sent in ``step()``; ``optim.shard``
+    (world / node) and ``comm.compression`` (the gradients' wire dtype) as ShardedLAMB says.
     """
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
@@ -45,6 +46,8 @@ def build_optimizer(
             "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's "
             "collectives)"
         )
+    if cfg.shard != "world" and not cfg.sharded:
+        raise ConfigError(f"optim.shard={cfg.shard!r} needs optim.sharded=true")
     if cfg.sharded and cfg.name != "lamb":
         raise ConfigError(
             f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}"
@@ -72,6 +75,9 @@ def build_optimizer(
                 bucket_mb=comm.bucket_mb,
                 algorithm=comm.algorithm,
                 param_order=model.parameters(),
+                shard=cfg.shard,
+                compression=comm.compression,
+                module=model,  # the next forward waits for the all-gathers, bucket by bucket
                 **config_options(comm),
                 **kw,
             )

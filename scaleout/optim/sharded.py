@@ -23,7 +23,24 @@ Per step every rank issues the same collectives in the same order (c10d matches 
    parameter no rank used is an error naming it unless ``allow_unused=True`` (then its gradient is
    zero, as in DataParallel). Global clipping all-reduces one scalar first.
 3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later
-   updates).
+   updates). Built with ``module`` (the factory passes the model), step() returns without waiting
+   for them: a forward pre-hook on every module holding parameters waits for that module's
+   buckets only (``Handle.wait()``: a stream wait on CUDA, no host sync), so the gathers overlap
+   the next forward; :meth:`wait_params` waits for all (state_dict, sharded_state, the next step,
+   and the trainer before a checkpoint or an evaluation). Without ``module`` step() waits.
+
+Shard modes (``optim.shard``): ``world`` (above: each rank keeps 1/W of the state) and ``node``
+(NVIDIA's DistributedFusedLAMB): each rank keeps 1/g of the state, g = ranks per node; the
+gradients are reduce-scattered within the node, the slice all-reduced over the same-local-rank
+peers of the other nodes (which hold the same slice and make the same update), the parameters
+all-gathered within the node. The norm all-reduce stays one world collective: only node 0's ranks
+contribute the partial sums.
+
+Wire dtype (``compression`` = ``comm.compression``): none = fp32 reduce-scatter (sum, then / W).
+bf16/fp16: each rank's bucket is divided by W in fp32 and rounded once to the wire dtype, moved
+by all-to-all (the bytes of a reduce-scatter, half of fp32's) and every received slice summed in
+fp32 (:meth:`_compressed` gives the exact arithmetic). The parameters are all-gathered in their
+own dtype. With ``shard=world`` compression needs ``algorithm='flat'``.
 
 Equal to LAMB on the rank-averaged gradient (sums in another order). Accumulation: :meth:`no_sync`.
 """
@@ -42,16 +59,22 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from scaleout.comm import all_gather, reduce_scatter, shard_index
+from scaleout.comm.api import WorkHandle, dispatch
+from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
 from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign, fingerprint, layout_hash
+from scaleout.parallel.reducer import compression_dtype
 
 if TYPE_CHECKING:
     from scaleout.world import World
 
+# sharded_state()'s format: per-parameter pieces, the same for optim.shard=world and node (so a
+# checkpoint of either layout loads into the other); state_dict()'s layout names the shard mode.
 FORMAT = "scaleout.ShardedLAMB/2"
+SHARDS = ("world", "node")
 
 
 class Piece(NamedTuple):
@@ -60,6 +83,9 @@ class Piece(NamedTuple):
     tensor: torch.Tensor  # a view of the moment shard (loading writes into it)
     offset: int  # first element of the flattened parameter it holds
     numel: int  # the parameter's element count (the global size)
+    # optim.shard=node: a copy of what the same local rank of node 0 holds; loaded, never written
+    # (a sharded checkpoint stores every element once)
+    replica: bool = False
 
 
 @dataclass
@@ -119,6 +145,9 @@ class ShardedLAMB(torch.optim.Optimizer):
         allow_unused: bool = False,
         param_order: Any = None,
         profile: bool = False,
+        shard: str = "world",
+        compression: Any = None,
+        module: torch.nn.Module | None = None,
         **algorithm_options: Any,
     ):
         check_hparams("ShardedLAMB", clip_grad_norm=clip_grad_norm)
@@ -130,11 +159,31 @@ class ShardedLAMB(torch.optim.Optimizer):
             raise ConfigError(
                 f"ShardedLAMB bucket_mb={bucket_mb!r} must be a positive number of MiB"
             )
-        self.world, self.size = world, world.world_size
+        if shard not in SHARDS:
+            raise ConfigError(f"ShardedLAMB shard={shard!r}: expected one of {', '.join(SHARDS)}")
+        self.wire = compression_dtype(compression) if compression not in (None, "none") else None
+        self.world, self.size, self.shard = world, world.world_size, shard
         self.comm = dict(algorithm=algorithm, **algorithm_options)
-        self.slot = shard_index(
-            world, algorithm, **algorithm_options
-        )  # the slice of every bucket owned here
+        if shard == "node":  # NVIDIA DistributedFusedLAMB: shard over the node, replicate across
+            self.intra, self.inter = world.intra, world.inter
+            self.local = len(world.intra_ranks)  # slices per bucket
+            self.slot = world.intra_ranks.index(world.rank)
+            self.node_index = world.inter_ranks.index(world.rank)
+        else:
+            if self.wire is not None and algorithm != "flat" and self.size > 1:
+                raise ConfigError(
+                    f"ShardedLAMB compression={compression!r} with comm.algorithm={algorithm!r}: "
+                    "the compressed reduce-scatter is one all-to-all over the world, expected "
+                    "comm.algorithm=flat or optim.shard=node"
+                )
+            self.local, self.node_index = self.size, 0
+            self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice owned here
+        # (the averaging of the gradients: after the sum in fp32, or before the wire cast)
+        self._post_divide = self.wire is None
+        # the all-gathers of the last step() not waited for yet (module: waited per bucket by the
+        # next forward's pre-hooks; without one, step() waits for them itself)
+        self._gathers: list[Any] = []
+        self._defer = module is not None
         self.overlap, self.bucket_mb, self.allow_unused = overlap, float(bucket_mb), allow_unused
         self.clip_grad_norm, self.profile = clip_grad_norm, profile
         self.timings: dict[str, float] = {}
@@ -155,6 +204,8 @@ class ShardedLAMB(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._build(chunk, None if param_order is None else list(param_order))
+        if module is not None:
+            self._attach(module)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._built:
@@ -202,11 +253,16 @@ class ShardedLAMB(torch.optim.Optimizer):
         ]
         cap = max(1, int(self.bucket_mb * MiB)) if self.overlap else max(1, sum(sizes))
         members = [[order[m] for m in ms] for ms in assign(sizes, [0] * len(order), cap)]
-        W = self.size
-        slices = [max(1, math.ceil(sum(self.params[k].numel() for k in ms) / W)) for ms in members]
+        # a bucket is W * c elements (padded), cut into `local` slices of s = c * W / local: world:
+        # W slices of c; node: g slices of c * nodes (the inter-node phase splits a slice again)
+        W, L = self.size, self.local
+        slices = [
+            max(1, math.ceil(sum(self.params[k].numel() for k in ms) / W)) * (W // L)
+            for ms in members
+        ]
         self.numel = sum(p.numel() for p in self.params)
         self.shard_numel = sum(slices)
-        self.flat_param = torch.zeros(sum(s * W for s in slices), dtype=dtype, device=device)
+        self.flat_param = torch.zeros(sum(s * L for s in slices), dtype=dtype, device=device)
         self.flat_grad = torch.zeros_like(self.flat_param, dtype=gdtype)
         self.g_shard = torch.zeros(self.shard_numel, dtype=gdtype, device=device)
         self.exp_avg = torch.zeros_like(self.g_shard)
@@ -219,7 +275,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         a0 = shard_off = 0
         for b, (ms, s) in enumerate(zip(members, slices, strict=True)):
             self.buckets.append(self._bucket(b, ms, a0, s, shard_off))
-            a0, shard_off = a0 + s * W, shard_off + s
+            a0, shard_off = a0 + s * L, shard_off + s
         self._hooks = (
             [
                 p.register_post_accumulate_grad_hook(self._hook_for(k))
@@ -250,7 +306,7 @@ class ShardedLAMB(torch.optim.Optimizer):
                 at = shard_off + x - lo
                 for name, state in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                     self._pieces[f"{name}/{self.keys[k]}"] = Piece(
-                        state[at : at + y - x], x - off, n
+                        state[at : at + y - x], x - off, n, self.node_index > 0
                     )
             off += n
         sl = slice(shard_off, shard_off + s)
@@ -271,7 +327,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             work.append(
                 _Work(gi, cut(P), cut(G), cut(M), cut(V), [seg_owner[o] for o in plan.owner])
             )
-        a1 = a0 + s * self.size
+        a1 = a0 + s * self.local
         return ShardBucket(b, ms, self.flat_param[a0:a1], self.flat_grad[a0:a1], P, G, work)
 
     def state_bytes(self) -> int:
@@ -377,10 +433,131 @@ class ShardedLAMB(torch.optim.Optimizer):
         ):  # strictly in index order
             bk = self.buckets[self._next]
             self.issued += 1
-            self._handles[self._next] = reduce_scatter(
-                bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm
-            )
+            self._handles[self._next] = self._reduce_scatter(bk)
             self._next += 1
+
+    # -- the collectives --------------------------------------------------------------------------
+    def _reduce_scatter(self, bk: ShardBucket) -> Any:
+        """Start bucket ``bk``'s gradient reduction into ``bk.g_shard`` (a handle).
+
+        * world, no compression: ``scaleout.comm.reduce_scatter`` with the configured algorithm,
+          fp32 sum (divided by W in :meth:`_wait_all`).
+        * node, no compression: reduce-scatter over the node's ranks (fp32 sum), then all-reduce of
+          the slice over the same-local-rank peers of the other nodes (fp32 sum), then / W.
+        * compression (bf16/fp16): :meth:`_compressed` (pre-divided by W, wire dtype on the wire,
+          every sum in fp32).
+        """
+        if self.wire is None and self.shard == "world":
+            return reduce_scatter(bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm)
+        job = self._compressed if self.wire is not None else self._node_fp32
+        return dispatch(self.world, bk.g_shard, lambda: job(bk), None, lambda: None, True)
+
+    def _node_fp32(self, bk: ShardBucket) -> None:
+        if self.local > 1:
+            reduce_scatter_tensor(bk.g_shard, bk.flat_grad, group=self.intra, async_op=True).wait()
+        else:
+            bk.g_shard.copy_(bk.flat_grad)
+        if self.size > self.local:
+            dist.all_reduce(bk.g_shard, group=self.inter, async_op=True).wait()
+
+    def _a2a_sum(self, out: torch.Tensor, inp: torch.Tensor, group: Any, n: int) -> None:
+        """Reduce-scatter of ``inp`` (fp32, n equal slices) over ``group`` with the wire dtype on
+        the wire and an fp32 sum: inp is rounded once to the wire dtype, one all-to-all hands
+        member j the j-th slice of every member (moved as uint8 bytes: every backend has them),
+        and ``out`` (fp32) = torch.sum over the n received slices with dtype=float32."""
+        wire = inp.to(self.wire)
+        recv = torch.empty_like(wire)
+        if n > 1:
+            dist.all_to_all_single(
+                recv.view(torch.uint8), wire.view(torch.uint8), group=group, async_op=True
+            ).wait()
+        else:
+            recv = wire
+        torch.sum(recv.view(n, -1), dim=0, dtype=torch.float32, out=out)
+
+    def _compressed(self, bk: ShardBucket) -> None:
+        """The reduce-scatter with ``comm.compression``: g_r = rank r's bucket / W (fp32); world:
+        g_shard = sum_fp32 over ranks of wire(g_r)[slice] (one all-to-all over the world). node:
+        h = sum_fp32 over the node's ranks of wire(g_r)[slice] (all-to-all over the node), then
+        the same again over the nodes on h's sub-slices (all-to-all over the same-local-rank
+        peers), and an all-gather among those peers of wire(that fp32 sum): every peer ends with
+        the same g_shard, rounded to the wire dtype once more."""
+        bk.flat_grad.div_(self.size)
+        if self.shard == "world":
+            self._a2a_sum(bk.g_shard, bk.flat_grad, self.world.group, self.size)
+            return
+        nodes = self.size // self.local
+        if nodes == 1:
+            self._a2a_sum(bk.g_shard, bk.flat_grad, self.intra, self.local)
+            return
+        h = torch.empty_like(bk.g_shard)
+        self._a2a_sum(h, bk.flat_grad, self.intra, self.local)
+        part = torch.empty(h.numel() // nodes, dtype=h.dtype, device=h.device)
+        self._a2a_sum(part, h, self.inter, nodes)
+        gathered = torch.empty(h.numel(), dtype=self.wire, device=h.device)
+        all_gather_tensor(
+            gathered.view(torch.uint8),
+            part.to(self.wire).view(torch.uint8),
+            group=self.inter,
+            async_op=True,
+        ).wait()
+        bk.g_shard.copy_(gathered)
+
+    def _all_gather(self, bk: ShardBucket) -> Any:
+        """Start bucket ``bk``'s parameter all-gather (in the parameters' dtype): world: the
+        configured algorithm; node: over the node's ranks (the peers on other nodes hold the
+        same slice), one native async collective issued from this thread (the reduce-scatters
+        were all waited for, so nothing queued earlier on the comm thread can be overtaken, and a
+        collective the caller issues later cannot overtake it either)."""
+        if self.shard == "world":
+            return all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
+        if self.local == 1:
+            return None
+        work = all_gather_tensor(bk.flat_param, bk.p_shard, group=self.intra, async_op=True)
+        return WorkHandle(work, lambda: None, bk.flat_param)
+
+    def wait_params(self, buckets: Any = None) -> None:
+        """Wait for the parameter all-gathers of the last step (``buckets``: those only) before
+        the parameters are read: the next forward's pre-hooks, a checkpoint, an evaluation, a
+        state_dict. ``Handle.wait()``: on CUDA a stream wait (no host sync), on gloo a host
+        wait."""
+        gathers = self._gathers
+        if not gathers:
+            return
+        for b in range(len(gathers)) if buckets is None else buckets:
+            h = gathers[b]
+            if h is not None:
+                gathers[b] = None
+                h.wait()
+        if buckets is None:
+            self._gathers = []
+
+    def pending_gathers(self) -> int:
+        """All-gathers started by step() and not waited for yet."""
+        return sum(h is not None for h in self._gathers)
+
+    def _attach(self, module: torch.nn.Module) -> None:
+        """A forward pre-hook on every module that holds parameters of this optimizer directly: it
+        waits for those parameters' buckets only, so the all-gathers of later buckets overlap
+        the forward of earlier layers. (A parameter read outside its module's forward, or its
+        parent's, needs :meth:`wait_params` first.)"""
+        index = {id(p): k for k, p in enumerate(self.params)}
+        self._module_hooks = []
+        for m in module.modules():
+            bs = sorted(
+                {
+                    self._bucket_of[index[id(p)]]
+                    for p in m.parameters(recurse=False)
+                    if id(p) in index
+                }
+            )
+            if bs:
+
+                def pre(_m: Any, _args: Any, bs: list[int] = bs) -> None:
+                    if self._gathers:
+                        self.wait_params(bs)
+
+                self._module_hooks.append(m.register_forward_pre_hook(pre))
 
     def _send_all(self) -> None:
         for k, ready in enumerate(self._ready):
@@ -393,7 +570,8 @@ class ShardedLAMB(torch.optim.Optimizer):
             for h in self._handles:
                 h.wait()
             self.waiting = False
-            self.g_shard.div_(self.size)  # sum -> average (ReduceOp.AVG is NCCL-only)
+            if self._post_divide:  # sum -> average (ReduceOp.AVG is NCCL-only)
+                self.g_shard.div_(self.size)
             self._handles = [None] * len(self.buckets)
 
     def _end_backward(self) -> None:
@@ -435,8 +613,13 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.timings[name] = self.timings.get(name, 0.0) + t - t0 - minus
         return t
 
-    def _all_reduce(self, x: torch.Tensor) -> float:
+    def _all_reduce(self, x: torch.Tensor, partial: torch.Tensor | None = None) -> float:
+        """Sum ``x`` over the world. ``partial`` (a view of x): sums of this rank's slices, which
+        optim.shard=node's other nodes hold again: only node 0's ranks contribute them (one
+        collective for both kinds, and the same sum of ``local`` partials as within a node)."""
         t0 = time.perf_counter()
+        if partial is not None and self.node_index > 0:
+            partial.zero_()
         if self.size > 1:
             self.issued += 1
             dist.all_reduce(x, group=self.world.group)
@@ -449,6 +632,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.timings = {}
+        self.wait_params()  # a step without a forward since the last one: its gathers first
         t = time.perf_counter()
         # overlap=False, or gradients set without backward: everything goes out here
         self._send_all()
@@ -460,7 +644,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         clip = 1.0
         if self.clip_grad_norm is not None:
             gsq = sq_norms([self.g_shard])
-            self._all_reduce(gsq)
+            self._all_reduce(gsq, gsq)
             self.last_grad_norm = norm = float(gsq.sum().sqrt())
             clip = clip_factor(norm, self.clip_grad_norm)
         for g in self.param_groups:
@@ -468,7 +652,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         co = [LambCoeffs.of(g, g["step"], clip) for g in self.param_groups]
         t = self._tick("norm_allreduce", t)
         sq, base = self._phase1(co)
-        comm = self._all_reduce(sq)
+        comm = self._all_reduce(sq, sq[:2])
         t = self._tick("update", t, minus=comm)
         self.timings["norm_allreduce"] += comm
         self._check_unused(sq[2])
@@ -477,11 +661,11 @@ class ShardedLAMB(torch.optim.Optimizer):
             * (-c.lr * c.k)
             for b, g, c in zip(base, self.param_groups, co, strict=True)
         ]
-        gathers = self._phase2(co, scale)
+        self._gathers = self._phase2(co, scale)
         t = self._tick("update", t)
-        for h in gathers:
-            h.wait()
-        self._tick("all_gather", t)
+        if not self._defer:  # no module's forward would wait for them
+            self.wait_params()
+        self._tick("all_gather", t)  # deferred: only the launches
         self._reset_step()
         self._used = [False] * len(self.params)
         return loss
@@ -533,17 +717,16 @@ class ShardedLAMB(torch.optim.Optimizer):
                     else:
                         torch._foreach_add_(w.P[k], u, alpha=-c.lr * c.k)
             self.issued += 1
-            gathers.append(
-                all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
-            )
+            gathers.append(self._all_gather(bk))
         return gathers
 
     # -- checkpoint -------------------------------------------------------------------------------
     def sharded_state(self) -> tuple[dict[str, Any], dict[str, Piece]]:
         """(replicated part: groups and step counters, the same on every rank; this rank's pieces
         of each parameter's exp_avg / exp_avg_sq, keyed ``exp_avg/<parameter name>``, in
-        per-parameter coordinates, so that a checkpoint loads into any world size or bucket
-        layout)."""
+        per-parameter coordinates, so that a checkpoint loads into any world size, bucket layout
+        or shard mode; optim.shard=node: the pieces of nodes > 0 are marked ``replica``)."""
+        self.wait_params()
         rep = {
             "format": FORMAT,
             "param_groups": [
@@ -575,7 +758,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         """This rank's state, to load on the same rank of the same layout (checkpoints:
         :meth:`sharded_state`)."""
         rep, pieces = self.sharded_state()
-        layout = (self.slot, self.size, self.shard_numel, len(self.buckets))
+        layout = (self.shard, self.slot, self.size, self.shard_numel, len(self.buckets))
         return {
             **rep,
             "layout": layout,
@@ -589,8 +772,8 @@ class ShardedLAMB(torch.optim.Optimizer):
             or state_dict["state"].keys() != self._pieces.keys()
         ):
             raise ConfigError(
-                f"ShardedLAMB state_dict layout {state_dict.get('layout')} (slot, world, shard, "
-                "buckets) "
+                f"ShardedLAMB state_dict layout {state_dict.get('layout')} (shard mode, slot, "
+                "world, shard, buckets) "
                 f"does not match this rank's {mine['layout']}: use sharded_state() and "
                 "scaleout.checkpoint"
             )

@@ -262,6 +262,9 @@ class DataParallel(torch.nn.Module):
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
+    def wait_params(self) -> None:
+        """Nothing to wait for: the optimizer updates replicated parameters in place."""
+
     @property
     def last_stats(self) -> dict[str, Any]:
         """Of the last synchronising backward: ``backward_s``, ``exposed_s`` (time blocked on

@@ -57,3 +57,9 @@ class GradientSync(Protocol):
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load the replicated part (shards are read in place by scaleout.checkpoint)."""
         ...
+
+    def wait_params(self) -> None:
+        """Wait for whatever still writes the parameters after ``optimizer.step()`` (the sharded
+        LAMB's all-gathers, otherwise waited for by the next forward), before they are read
+        outside a forward: a checkpoint, an evaluation, the end of training."""
+        ...

@@ -44,14 +44,14 @@ class ConfigRun:
 
 
 def optimizer_of(cfg: Any) -> str:
-    return "sharded" if cfg.optim.sharded else "replicated"
+    if not cfg.optim.sharded:
+        return "replicated"
+    return "sharded-node" if cfg.optim.shard == "node" else "sharded"
 
 
 def wire_bytes(cfg: Any) -> tuple[int, int]:
     """(gradient, parameter) bytes per element on the wire for this config's optimizer."""
-    if cfg.optim.sharded:
-        return 4, 4
-    return (4 if cfg.comm.compression == "none" else 2), 4
+    return (4 if cfg.comm.compression == "none" else 2), 4  # sharded too: fp32 parameters
 
 
 def model_of(cfg: Any) -> tuple[ModelSpec, float]:

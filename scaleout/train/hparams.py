@@ -34,11 +34,12 @@ def hyperparameters(
     NVIDIA's packed submissions log it (``global_batch_size = rows x average_packing_rate``, an
     integer rate: run_pretraining.py ``global_batch_size(args)``, training_results_v2.0+).
     """
-    t, o = cfg.train, cfg.optim
+    t = cfg.train
     rate = max(1, round(sequences_per_row)) if sequences_per_row else 1
     micro = t.global_batch // (world_size * t.grad_accum) * rate
-    # the sharded optimizer reduce-scatters gradients in their own dtype (fp32 master gradients)
-    compression = "none" if o.sharded else cfg.comm.compression
+    # the gradients' wire dtype: comm.compression for DataParallel's all-reduce and the sharded
+    # LAMB's reduce-scatter alike (both honour it; the sharded all-gather moves fp32 parameters)
+    compression = cfg.comm.compression
     common: dict[str, Any] = {
         "seed": t.seed,
         "global_batch_size": t.global_batch * rate,

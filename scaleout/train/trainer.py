@@ -363,6 +363,7 @@ class Trainer:
         """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
         optimizer's pieces are written apart. No RNG state: a step's random streams follow from
         (train.seed, step, rank) (train/rng.py)."""
+        self.sync.wait_params()  # the sharded LAMB's last all-gathers, before the weights are read
         opt_state, _ = self.sync.optimizer_state(self.optimizer)
         return {
             "model": self.task.model.state_dict(),
@@ -529,7 +530,9 @@ class Trainer:
         CLOCK.reset()  # row / column phase times for the agreement (scaleout/comm/phasetime.py)
         CLOCK.enabled = self.world.world_size > 1
         try:
-            return self._train()
+            result = self._train()
+            self.sync.wait_params()  # the weights a caller reads after train() are complete
+            return result
         finally:  # also when a step raises: the log file is closed, its lines are on disk
             CLOCK.enabled = False
             self.mlperf_log.close()
@@ -761,6 +764,7 @@ class Trainer:
         training follows (train.max_steps reached)."""
         target, epoch = self.cfg.train.target, self.task.epoch_of(self.samples)
         self.progress.at(self.step, "eval")
+        self.sync.wait_params()  # an evaluation may read the weights outside the model's forward
         at = EvalStart(self.step, self.samples, epoch)
         for observer in self.observers:
             observer.on_eval_start(at)
