@@ -376,8 +376,14 @@ def recipes(
         chain[-1] = replace(full, label=lamb.label)
     return {
         "scaleout": full,
+        # fp32 on the wire: the sharded LAMB's bf16 reduce-scatter is an all-to-all that needs
+        # comm.algorithm=flat (or optim.shard=node), and this row keeps scaleout's all-reduce
         "scaleout-sharded": replace(
-            full, name="scaleout-sharded", sharded=True, label=f"sharded {full.optimizer.upper()}"
+            full,
+            name="scaleout-sharded",
+            sharded=True,
+            compression="none" if full.comm != "flat" else full.compression,
+            label=f"sharded {full.optimizer.upper()}",
         ),
         "chain": chain,
     }
