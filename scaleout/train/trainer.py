@@ -574,6 +574,10 @@ class Trainer:
             raise out_of_memory(exc, cfg, self.world, step) from None
         seconds = time.perf_counter() - t0
         if step == self.start_step:  # from now on a hung peer is a failure, not slowness
+            # no main-thread collective while the sharded LAMB's all-gathers are in flight on
+            # the comm thread: on one node its row group is the world group, and two threads'
+            # collectives on one gloo group can be matched in different orders across ranks
+            self.sync.wait_params()
             self.world.set_timeout(cfg.train.step_timeout_s)
         self.step, self.samples = step + 1, self.samples + step_samples
         self.skipped += int(flags.skip)
@@ -676,6 +680,7 @@ class Trainer:
         for hook in self.gradient_hooks:
             hook(step, self.params)
         preemption = self.preemption
+        self.sync.wait_params()  # gathers of modules this forward did not run (see run_step)
         progress.at(step, "agreement")
         progress.collectives += 1
         flags = agree_on_step(
@@ -841,6 +846,7 @@ class Trainer:
         # An agreed SIGTERM (the same on every rank): KillWait is short, leave out the optional
         # collectives. A rank's own late SIGTERM changes nothing here.
         peers_may_be_gone = status == "preempted" and self.flags.terminate
+        self.sync.wait_params()  # before any main-thread collective (see run_step)
         if not peers_may_be_gone:
             world.barrier()
         time_to_train = time.perf_counter() - clock
