@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -132,8 +131,8 @@ def test_a_slow_rank_is_named_with_its_node_and_phase(tmp_path: Path) -> None:
     test-only SCALEOUT_TEST_DELAY hook). report.json, written by rank 0, names rank 2, node 1,
     phase data, on most steps, and no other rank in that phase; the metrics records carry it too;
     train.straggler_threshold reaches the tracker; the intra- and inter-node phases of the
-    hierarchical all-reduce are timed on every rank; node 1 is quarantined (source straggler) in
-    <train.output_dir>/quarantine.json."""
+    hierarchical all-reduce are timed on every rank;
+    <train.output_dir>/quarantine.json stays empty (a data straggler is not a node's fault)."""
     out = tmp_path / "run"
     res = run_dist(_straggler_run, 2, 2, args=(str(out),), timeout=240)
     assert [r["status"] for r in res] == ["max_steps"] * 4, res
@@ -146,10 +145,9 @@ def test_a_slow_rank_is_named_with_its_node_and_phase(tmp_path: Path) -> None:
     assert set(spread) == set(PHASES) and spread["data"]["worst_rank"] == 2, spread
     assert report["spread"]["threshold"] == 1.5, report["spread"]
     assert spread["intra"]["max_s"] > 0 and spread["inter_allreduce"]["max_s"] > 0, spread
-    q = json.loads((out / "quarantine.json").read_text())["nodes"]
-    node1 = q.get(f"{socket.gethostname()}-node1", [])  # named as doctor names emulated nodes
-    assert any("straggler in data (ranks 2)" in e["reason"] for e in node1), q
-    assert all(e["source"] == "straggler" for entries in q.values() for e in entries), q
+    # a data straggler (and its late arrival) is reported but never quarantined: another node
+    # does not fix a starved input pipeline (scaleout/train/skew.py NOT_QUARANTINED)
+    assert not (out / "quarantine.json").exists(), (out / "quarantine.json").read_text()
     assert spread["data"]["min_s"] < 0.03 < spread["data"]["max_s"], spread["data"]
     train = [
         json.loads(line)
@@ -254,6 +252,14 @@ def test_slow_link_rule_names_the_node_with_the_slow_link_not_its_waiting_peers(
     noisy = _track(victims[:2] + [_phase_matrix([0.01] * 4)] * 8, None)  # 2 of 10 steps
     assert [s["rank"] for s in noisy["stragglers"]] == [0]  # reported, but not quarantined
     assert quarantine_verdicts(noisy, ["h-n0", "h-n1"]) == []
+    starved = []  # rank 1 waits for its data on every step: reported, never quarantined
+    for _ in range(5):
+        m = _phase_matrix([0.01] * 4)
+        m[PHASES.index("data")] = torch.tensor([0.01, 0.3, 0.01, 0.01])
+        starved.append(m)
+    report = _track(starved, None)
+    assert [(s["rank"], s["phase"]) for s in report["stragglers"]] == [(1, "data")]
+    assert quarantine_verdicts(report, ["h-n0", "h-n1"]) == []
 
 
 class _Event:

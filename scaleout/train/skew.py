@@ -112,6 +112,12 @@ MIN_PERSIST = 0.1
 # this share of the steps, at this slowdown or more on average: it then leaves the next allocation.
 QUARANTINE_PERSIST = 0.5
 QUARANTINE_SLOWDOWN = 2.0
+# Phases whose stragglers are never quarantined: a rank waiting for its data is starved by its
+# input pipeline (workers still starting, a shared file system), which another node does not fix
+# (a short run's first steps made a healthy node a 21x data straggler and cost it the requeue),
+# and its late arrival at the first bucket follows from that wait or from a slow compute (which
+# "compute" names on its own).
+NOT_QUARANTINED = ("data", "arrival")
 
 
 def link_credit(speeds: Sequence[float | None]) -> list[float] | None:
@@ -143,6 +149,8 @@ def quarantine_verdicts(report: dict[str, Any], node_names: Sequence[str]) -> li
         steps = sum(s["steps"] for s in entries)
         slowdown = sum(s["slowdown"] * s["steps"] for s in entries) / steps
         if steps < QUARANTINE_PERSIST * seen.get(phase, steps) or slowdown < QUARANTINE_SLOWDOWN:
+            continue
+        if phase in NOT_QUARANTINED:
             continue
         ranks = ", ".join(str(s["rank"]) for s in sorted(entries, key=lambda s: s["rank"]))
         excess = sum(s["excess_s"] * s["steps"] for s in entries) / steps
