@@ -210,7 +210,7 @@ def test_preempt_signals_and_requeue_outside_slurm():
 def _train_job(cluster, tmp: Path, name: str, steps: int) -> int:
     cmd = (
         f"srun python3 {TRAIN} --ckpt {tmp}/{name}-ckpt --out {tmp}/{name}.pt --steps {steps} "
-        "--step-sleep 0.15"
+        "--step-sleep 0.4"
     )
     return cluster.sbatch(
         [
