@@ -11,6 +11,7 @@ would be. A global batch may straddle an epoch boundary; nothing is dropped or r
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -98,16 +99,9 @@ class DistributedSamplerOrder(ShardedSampler):
     the torch loop, so a comparison with it (``scaleout bench ttt``'s ablation, ``scaleout bench
     framework``) measures the framework, not a luckier order."""
 
-    def __init__(
-        self,
-        num_samples: int,
-        global_batch: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-    ):
-        super().__init__(num_samples, global_batch, rank, world_size, seed, shuffle)
+    def __init__(self, *args: Any, **kwargs: Any):  # ShardedSampler's arguments
+        super().__init__(*args, **kwargs)
+        num_samples, global_batch, world_size = self.num_samples, self.global_batch, self.world_size
         self.steps_per_epoch = (num_samples // world_size) // self.local_batch
         if self.steps_per_epoch < 1:
             raise ConfigError(
