@@ -20,6 +20,11 @@ fingerprint of its gradient collectives, in a world-sized block of its own colum
 learns the slowest and fastest rank of each phase, and a rank whose collectives differ is named at
 the step boundary instead of hanging a later collective (scaleout/train/skew.py: design and cost,
 66 KB per step at 2,048 ranks).
+
+On the replicated path the trainer does not send it as a collective of its own after the step's
+gradients: :func:`start_agreement` writes it ``into`` the last gradient bucket's rider (summed with
+the gradients; uncompressed wire) or launches it right behind that bucket, and non-finite gradients
+are read from the reduced gradients, alike on every rank (docs/faults.md, "Stragglers and desync").
 """
 
 from __future__ import annotations
