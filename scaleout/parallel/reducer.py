@@ -129,10 +129,6 @@ class Reducer:
         # (last_stats["ready_s"]), the gradient-ready profile of comm.algorithm=auto
         # (scaleout/parallel/autotune.py)
         self.record_ready = False
-        # Called once per synchronising backward, on the thread that launched the last bucket,
-        # right after it: a caller's own small collective then queues behind the gradients and
-        # completes with them, no round trip of its own (the trainer's step agreement).
-        self.after_last_launch: Callable[[], None] | None = None
         # The rider: ``rider`` elements at the end of the last bucket that carry a caller's own
         # values, summed over the ranks with the gradients (no collective of their own). Once per
         # synchronising backward, when the last bucket is about to go out on the wire in its own
@@ -253,13 +249,9 @@ class Reducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        n, launched = len(self.buckets), False
-        while self._next < n and self._pending[self._next] == 0:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self.buckets[self._next])
             self._next += 1
-            launched = True
-        if launched and self._next == n and self.after_last_launch is not None:
-            self.after_last_launch()
 
     def _launch(self, bucket: Bucket) -> None:
         b = bucket.index
@@ -388,6 +380,13 @@ class Reducer:
                 "zero)"
             )
         return self.last_stats
+
+    @property
+    def rides(self) -> bool:
+        """Whether a rider goes on the wire with the last bucket (there is one, and the bucket is
+        sent in its own dtype)."""
+        dtype = self.buckets[-1].buffer.dtype
+        return self.rider > 0 and (self.comm_dtype is None or self.comm_dtype == dtype)
 
     @staticmethod
     def _usage_view(bucket: Bucket) -> torch.Tensor:

@@ -23,7 +23,7 @@ the step boundary instead of hanging a later collective (scaleout/train/skew.py:
 
 On the replicated path the trainer does not send it as a collective of its own after the step's
 gradients: :func:`start_agreement` writes it ``into`` the last gradient bucket's rider (summed with
-the gradients; uncompressed wire) or launches it right behind that bucket, and non-finite gradients
+the gradients; uncompressed wire) or launches it before the backward, and non-finite gradients
 are read from the reduced gradients, alike on every rank (docs/faults.md, "Stragglers and desync").
 """
 
@@ -179,13 +179,13 @@ def start_agreement(
     into: torch.Tensor | None = None,
 ) -> PendingAgreement:
     """:func:`agree_on_step`'s all-reduce, launched asynchronously: its
-    :meth:`PendingAgreement.result` waits and reads. The trainer launches it right behind the
-    step's last gradient bucket (``Trainer._launch_agreement``), so it needs no round trip of its
-    own. ``with_skew=False``: the block goes on the wire (it carries the fingerprint) but the phase
-    times are not summarised (the first step of the launch-with-the-buckets path, whose block
-    holds no earlier step's times). ``into``: write the values there instead (a float32 view of
-    :func:`agreement_size` elements that another all-reduce sums: the last gradient bucket's
-    rider) and issue nothing; :meth:`PendingAgreement.result` then takes the summed view."""
+    :meth:`PendingAgreement.result` waits and reads. The trainer launches it before the step's
+    backward (``Trainer._arm_agreement``), so it needs no round trip of its own after it.
+    ``with_skew=False``: the block goes on the wire (it carries the fingerprint) but the phase
+    times are not summarised (the first step, whose block holds no earlier step's times).
+    ``into``: write the values there instead (a float32 view of :func:`agreement_size` elements
+    that another all-reduce sums: the last gradient bucket's rider) and issue nothing;
+    :meth:`PendingAgreement.result` then takes the summed view."""
     dev = torch.device(world.device)
     p = world.world_size
     parts = [

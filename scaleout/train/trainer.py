@@ -289,15 +289,14 @@ class Trainer:
         self.sync = self.optimizer if cfg.optim.sharded else self.model
         self.link_credit = self._exchange_links()
         # The step's agreement rides in the last gradient bucket (the reducer's rider, when the
-        # wire is uncompressed), else goes out right behind it from the thread that launched it
-        # (reducer ``after_last_launch``), and completes with the gradients: no round trip of its
-        # own after backward (on a busy host each hop of a small ring all-reduce waits for a
-        # peer's thread to be scheduled: `scaleout bench framework` measured it at ~6 % of a
-        # step on 2 x 2 ranks sharing 2 cores). That needs every rank to hold the same reduced
-        # gradients, so each decides "non-finite" alone and alike: the replicated path (not the
-        # sharded LAMB, whose ranks hold their own shards) and hooks in backward (not a CUDA
-        # graph). A rank whose reduced gradients alone are non-finite skips alone: the steps
-        # skipped so far ride in the fingerprint, so the next agreement names it.
+        # wire is uncompressed), else goes out as its own small all-reduce before backward, which
+        # hides it: no round trip of its own after the gradients (on a busy host each hop of a
+        # small ring waits for a peer's thread to be scheduled: `scaleout bench framework`
+        # measured it at ~6 % of a step on 2 x 2 ranks sharing 2 cores). That needs every rank to
+        # hold the same reduced gradients, so each decides "non-finite" alone and alike: the
+        # replicated path (not the sharded LAMB, whose ranks hold their own shards) and hooks in
+        # backward (not a CUDA graph). A rank whose reduced gradients alone are non-finite skips
+        # alone: the steps skipped so far ride in the fingerprint, so the next agreement names it.
         self.early_agreement = isinstance(self.sync, DataParallel) and self.graphs is None
         self._agreement: PendingAgreement | None = None
         # the last step's phase times and seconds: they ride in the next step's agreement (this
@@ -799,12 +798,14 @@ class Trainer:
         return total
 
     def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
-        """The step's agreement, launched by the reducer right behind the last gradient bucket
-        (``self.early_agreement``): the host flags as they are then, this rank's loss and FLOPs,
-        and the block of the *last* step's phase times (this step's are complete only once its
-        gradients arrived) with *this* step's collectives' fingerprint, which also folds in the
-        steps skipped so far: a rank that skipped alone (its reduced gradients non-finite where
-        the others' were not: a silent corruption) is named like a desynchronised one."""
+        """The step's agreement (``self.early_agreement``), before the last backward: written by
+        the reducer into the last gradient bucket's rider as it goes out (uncompressed wire), else
+        launched now, so that it completes during backward. It carries the host flags as they are
+        then, this rank's loss and FLOPs, and the block of the *last* step's phase times (this
+        step's are complete only once its gradients arrived) with *this* step's collectives'
+        fingerprint, which also folds in the steps skipped so far: a rank that skipped alone (its
+        reduced gradients non-finite where the others' were not: a silent corruption) is named
+        like a desynchronised one."""
         reducer = self.model.reducer
         step = self.step
         self._agreement = None
@@ -812,11 +813,6 @@ class Trainer:
         def fill(view: torch.Tensor) -> None:  # in the last bucket, after its pre-divide
             reducer.rider_fill = None
             self._agreement = agreement(view)
-
-        def launch() -> None:  # right behind it
-            reducer.after_last_launch = reducer.rider_fill = None
-            if self._agreement is None:  # it did not ride (a compressed wire)
-                self._agreement = agreement(None)
 
         def agreement(into: torch.Tensor | None) -> PendingAgreement:
             fingerprint, collectives = self.sync.collectives()
@@ -847,8 +843,11 @@ class Trainer:
                 into=into,
             )
 
-        reducer.rider_fill = fill if reducer.rider else None
-        reducer.after_last_launch = launch
+        if reducer.rides:
+            reducer.rider_fill = fill
+        else:
+            reducer.rider_fill = None
+            self._agreement = agreement(None)
 
     @property
     def stops_at_target(self) -> bool:
