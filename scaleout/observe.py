@@ -80,6 +80,9 @@ class StepRecord:
     terminate: bool = False  # the stop comes from a SIGTERM (not only a notice)
     flush: bool = False  # the last step, an evaluation step or a stop: write what accumulated
     skew: StepSkew | None = None  # phase times over the ranks (scaleout/train/skew.py)
+    # wall time of the step ``skew`` describes: the step before, when the agreement went out
+    # with this step's last gradient bucket (its phase times were not all known yet); None: this
+    skew_seconds: float | None = None
 
     @property
     def samples_per_s(self) -> float:

@@ -326,6 +326,26 @@ def test_abort_after_k_consecutive_nonfinite_steps(tmp_path: Path) -> None:
     assert len(stop) == 1 and '"status": "aborted"' in stop[0]
 
 
+@pytest.mark.full_system
+def test_a_rank_that_skips_alone_is_named_at_the_next_step(tmp_path: Path) -> None:
+    """The step's agreement rides in the last gradient bucket, so "non-finite" is decided by each
+    rank from its own reduced gradients (the same on every rank). A NaN that appears in rank 1's
+    copy only, after the reduction (SCALEOUT_INJECT_NAN_REDUCED: a corrupted copy), makes rank 1
+    alone skip step 1; the steps skipped so far ride in the next agreement's fingerprint, so
+    step 2 names rank 1 on every rank (one line) instead of letting its replica drift."""
+    r = _run(
+        _train_cmd(
+            tmp_path, "comm.algorithm=flat", "train.max_steps=6", "train.eval_every=6", nnodes=1
+        ),
+        env={"SCALEOUT_INJECT_NAN_REDUCED": "1:1"},
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    line = next((x for x in out.splitlines() if "[rank 0]" in x and "(desync)" in x), "")
+    assert "step 2: " in line and "rank 1 0x" in line and "rank 0 0x" not in line, out[-3000:]
+    assert "1 steps skipped" in out and "skipped a step the others took" in line, line
+
+
 # -- user scripts exit cleanly without close()
 # -------------------------------------------------------
 SCRIPT = ROOT / "tests" / "scripts" / "exit_without_close.py"

@@ -109,3 +109,71 @@ def test_torch_order_reads_the_distributed_samplers_batches() -> None:
         make_sampler("torch", 5, 8, 0, 2)
     with pytest.raises(ConfigError, match="data.order='x'"):
         make_sampler("x", 53, 8)
+
+
+def _collectives_per_step(world, out: str) -> dict:
+    """The trainer's steps on the replicated path, counting torch.distributed.all_reduce calls:
+    the step's agreement rides in the last gradient bucket on an fp32 wire (no collective of its
+    own), and goes out as one more all-reduce before the backward on a bf16 one (first, so it
+    completes while backward computes)."""
+    import torch.distributed as dist
+
+    from scaleout.config import load_config
+    from scaleout.train.faults import agreement_size
+    from scaleout.train.trainer import Trainer
+    from tests.test_skew import RUN
+
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*a, **k):
+        calls.append(a[0].numel())
+        return real(*a, **k)
+
+    res = {}
+    for wire in ("none", "bf16"):
+        cfg = load_config(
+            None, [*RUN, f"train.output_dir={out}/{wire}", f"comm.compression={wire}"]
+        )
+        trainer = Trainer(cfg, world)
+        trainer.preemption = type(
+            "P", (), {"requested": False, "noticed": False, "terminating": False}
+        )()
+        trainer._start_clock()
+        per_step, skews, first = [], [], []
+        dist.all_reduce = counting
+        try:
+            for step in range(4):
+                calls.clear()
+                assert trainer.run_step(step) is None
+                per_step.append(len(calls))
+                first.append(calls[0] == agreement_size(world.world_size, True))
+                skews.append(trainer.flags.skew is not None)
+        finally:
+            dist.all_reduce = real
+        res[wire] = {
+            "per_step": per_step,
+            "buckets": len(trainer.model.reducer.buckets),
+            "losses": [float(x) for x in trainer.losses],
+            "skews": skews,
+            "rode": trainer.model.reducer.rider_result is not None,
+            "first": first,
+        }
+        trainer.mlperf_log.close()
+    return res
+
+
+@pytest.mark.multi_process
+def test_the_step_agreement_rides_in_the_last_bucket(tmp_path) -> None:
+    from tests.distutil import run_dist
+
+    results = run_dist(_collectives_per_step, 1, 2, args=(str(tmp_path),), timeout=180)
+    for res in results:
+        fp32, bf16 = res["none"], res["bf16"]
+        # step 0 also rebuilds the buckets (a broadcast, no all-reduce)
+        assert fp32["rode"] and fp32["per_step"][1:] == [fp32["buckets"]] * 3, fp32
+        assert not bf16["rode"] and bf16["per_step"][1:] == [bf16["buckets"] + 1] * 3, bf16
+        assert bf16["first"][1:] == [True] * 3, bf16  # the agreement (not a bucket) went first
+        # the skew of a step rides in the next step's agreement: none at the first step
+        assert fp32["skews"] == [False, True, True, True] == bf16["skews"], (fp32, bf16)
+    assert results[0]["none"]["losses"] == results[1]["none"]["losses"]  # agreed on every rank

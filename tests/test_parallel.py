@@ -599,3 +599,53 @@ def test_prioritize_communication_renices_only_the_compute_thread():
         assert after == min(19, before + 5)  # the calling thread is nicer now ...
         assert comm == before  # ... the comm thread (created first) kept its priority
         assert total == 1 + 2 + 3 + 4
+
+
+def _rider(world):
+    """A rider of 3 values on the last bucket: written after the pre-divide, summed exactly with
+    the gradients in the same collectives (the count of issued all-reduces does not change); on a
+    bf16 wire it does not ride (a rounded, pre-divided sum would be wrong) and says so."""
+    import scaleout
+
+    out = {}
+    for compression in (None, "bf16"):
+        model = make()
+        kw = {"bucket_mb": 1e-4, "compression": compression, "allow_unused": True}
+        dp = scaleout.DataParallel(model, world, rider=3, **kw)
+        plain = scaleout.DataParallel(make(), world, **kw)
+        calls = []
+
+        def fill(view, calls=calls):
+            calls.append(view.numel())
+            view.copy_(torch.tensor([1.0, float(world.rank), 0.1 * (world.rank + 1)]))
+
+        x, y = global_batch(0, world.world_size)
+        b = x.shape[0] // world.world_size
+        mine = slice(world.rank * b, (world.rank + 1) * b)
+        for net in (dp, plain):
+            if net is dp:
+                dp.reducer.rider_fill = fill
+            loss_fn(net(x[mine]), y[mine]).backward()
+        result = dp.reducer.rider_result
+        out[str(compression)] = {
+            "calls": calls,
+            "result": None if result is None else result.tolist(),
+            "issued": (dp.reducer.issued, plain.reducer.issued),
+            "same_grads": max_rel(grads(model), grads(plain.module)),
+        }
+    return out
+
+
+@pytest.mark.multi_process
+def test_rider_values_are_summed_with_the_last_bucket_and_leave_gradients_alone():
+    results = run_dist(_rider, P_NODES, P_LOCAL, timeout=120)
+    p = len(results)
+    for res in results:
+        fp32, bf16 = res["None"], res["bf16"]
+        assert fp32["calls"] == [3] and fp32["issued"][0] == fp32["issued"][1] > 1, fp32
+        one, ranks, tenths = fp32["result"]
+        assert one == p and ranks == sum(range(p)), fp32  # exact sums, not averages
+        assert abs(tenths - 0.1 * p * (p + 1) / 2) < 1e-6, fp32
+        assert fp32["same_grads"] < 1e-6, fp32
+        assert bf16["calls"] == [] and bf16["result"] is None, bf16
+        assert bf16["same_grads"] < 1e-6, bf16  # the same recipe with and without the rider

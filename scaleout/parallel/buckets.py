@@ -50,6 +50,7 @@ class Bucket:
     buffer: torch.Tensor  # 1-D, contiguous, the parameters' dtype
     slots: list[Slot]
     extra: int = 0  # trailing elements after the gradients (the parameter usage, last bucket)
+    rider: int = 0  # of which the last ``rider`` carry a caller's values (Reducer rider_fill)
 
     @property
     def nbytes(self) -> int:
@@ -137,13 +138,15 @@ def build_buckets(
     usage: int = 0,
     first_bucket_mb: float | None = None,
     order: list[int] | None = None,
+    rider: int = 0,
 ) -> tuple[list[Bucket], list[Slot]]:
     """Buckets over the parameters that require grad, in reverse order; ``usage`` extra elements
     are appended to the last bucket (see :mod:`scaleout.parallel.reducer`). ``first_bucket_mb``
     caps the first bucket separately (torch DDP uses 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``,
     so that the first all-reduce starts after the last layer's gradients instead of after 25 MiB
     of them). ``order``: parameter indices in bucket-filling order (default: reverse registration
-    order)."""
+    order). ``rider``: further elements after the usage, for a caller's own values
+    (:attr:`scaleout.parallel.reducer.Reducer.rider_fill`)."""
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise UserError(
             f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP "
@@ -184,7 +187,8 @@ def build_buckets(
     slots: list[Slot] = []
     for b, members in enumerate(groups):
         first = order[members[0]][2]
-        extra = usage if b == len(groups) - 1 else 0
+        last = b == len(groups) - 1
+        extra = usage + rider if last else 0
         total = sum(order[m][2].numel() for m in members)
         buf = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
         bucket_slots = []
@@ -195,7 +199,7 @@ def build_buckets(
             s.view = grad_view(buf, off, p)
             off += p.numel()
             bucket_slots.append(s)
-        buckets.append(Bucket(b, buf, bucket_slots, extra))
+        buckets.append(Bucket(b, buf, bucket_slots, extra, rider if last else 0))
         slots.extend(bucket_slots)
     return buckets, slots
 

@@ -99,6 +99,9 @@ class DataParallel(torch.nn.Module):
         rebuild_buckets: after the first step, rebuild the buckets once in the order gradients
         became
             ready (rank 0's order; as torch DDP does).
+        rider: elements at the end of the last bucket for the caller's own values, summed with
+            the gradients when they go on the wire uncompressed (``reducer.rider_fill`` /
+            ``reducer.rider_result``: the trainer's step agreement rides there).
         defer_unused: do not read the parameter usage after backward (a host read); the
         caller
             folds :meth:`unused_flag` into its own read, then calls :meth:`check_unused`.
@@ -119,6 +122,7 @@ class DataParallel(torch.nn.Module):
         first_bucket_mb: float | None = None,
         rebuild_buckets: bool = True,
         defer_unused: bool = False,
+        rider: int = 0,
         **algorithm_options: Any,
     ):
         super().__init__()
@@ -144,6 +148,7 @@ class DataParallel(torch.nn.Module):
             timeline=self.timeline,
             first_bucket_mb=first_bucket_mb,
             rebuild_buckets=rebuild_buckets,
+            rider=rider,
         )
         self.reducer.defer_unused = defer_unused
         self._fp_layout: tuple[Any, int] = (None, 0)  # (the buckets hashed, their layout hash)
@@ -250,7 +255,10 @@ class DataParallel(torch.nn.Module):
         r = self.reducer
         if self._fp_layout[0] is not r.buckets:  # built, or rebuilt after the first step
             self._fp_layout = (r.buckets, layout_hash(bucket_layout(r.buckets)))
-        count, nbytes = r.last_stats.get("buckets", 0), r.last_stats.get("bytes", 0)
+        # from the buckets as they are (known once the last one is launched, before any wait)
+        wire = r.comm_dtype.itemsize if r.comm_dtype is not None else None
+        count = len(r.buckets)
+        nbytes = sum(b.buffer.numel() * (wire or b.buffer.element_size()) for b in r.buckets)
         layout = self._fp_layout[1]
         return fingerprint(count, nbytes, layout), (
             f"{count} bucket all-reduces, {nbytes} bytes, layout 0x{layout:08x}"

@@ -87,8 +87,10 @@ class Reducer:
         timeline: Timeline | None = None,
         first_bucket_mb: float | None = None,
         rebuild_buckets: bool = True,
+        rider: int = 0,
     ):
         self.world = world
+        self.rider = rider
         # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in
         # place
         self._all_reduce = all_reduce
@@ -98,7 +100,9 @@ class Reducer:
         self.timeline = timeline
         n_grad = sum(1 for _, p in named_params if p.requires_grad)
         self._layout = (named_params, bucket_mb, n_grad, first_bucket_mb)
-        self.buckets, self.slots = build_buckets(named_params, bucket_mb, n_grad, first_bucket_mb)
+        self.buckets, self.slots = build_buckets(
+            named_params, bucket_mb, n_grad, first_bucket_mb, rider=rider
+        )
         self.slots.sort(key=lambda s: s.index)
         self._rebuild_pending = rebuild_buckets
         self._ready_order: list[
@@ -125,6 +129,15 @@ class Reducer:
         # (last_stats["ready_s"]), the gradient-ready profile of comm.algorithm=auto
         # (scaleout/parallel/autotune.py)
         self.record_ready = False
+        # The rider: ``rider`` elements at the end of the last bucket that carry a caller's own
+        # values, summed over the ranks with the gradients (no collective of their own). Once per
+        # synchronising backward, when the last bucket is about to go out on the wire in its own
+        # dtype (no compression: the values are summed exactly as written, never pre-divided or
+        # rounded), ``rider_fill(view)`` writes them into the wire buffer; after the wait,
+        # ``rider_result`` holds their sums (a copy: a bucket rebuild may follow), else None.
+        self.rider_fill: Callable[[torch.Tensor], None] | None = None
+        self.rider_result: torch.Tensor | None = None
+        self._rode = False
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._hook_for(k))
             for k, s in enumerate(self.slots)
@@ -221,7 +234,7 @@ class Reducer:
     def _adopt(slot: Slot) -> None:
         """Make ``param.grad`` the bucket view again if the user cleared or replaced it."""
         g = slot.param.grad
-        if _same_storage(g, slot.view):
+        if g is slot.view or _same_storage(g, slot.view):  # the first test: the common case
             return
         if g is None:
             slot.view.zero_()
@@ -243,13 +256,15 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         b = bucket.index
         if bucket.extra:  # the usage of parameters that got a gradient (see module docstring)
-            usage = bucket.buffer.narrow(0, bucket.buffer.numel() - bucket.extra, bucket.extra)
-            self._copy_usage(usage)
+            self._copy_usage(self._usage_view(bucket))
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
         buf = self._wire(bucket)
         if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
+        elif bucket.rider and self.rider_fill is not None:  # after the pre-divide: sums as written
+            self.rider_fill(buf.narrow(0, buf.numel() - bucket.rider, bucket.rider))
+            self._rode = True
         self.issued += 1
         handle = self._all_reduce(buf)
         self._handles[b] = handle
@@ -338,7 +353,11 @@ class Reducer:
         self.waiting = False
         done_us = now_us()
         last = self.buckets[-1]
-        usage = last.buffer.narrow(0, last.buffer.numel() - last.extra, last.extra)
+        usage = self._usage_view(last)
+        rode, self._rode = self._rode, False
+        n = last.buffer.numel()
+        rider = last.buffer.narrow(0, n - last.rider, last.rider)
+        self.rider_result = rider.clone() if rode else None
         if (
             self.defer_unused
         ):  # the caller folds unused_flag() into its own host read, then check_unused()
@@ -361,6 +380,18 @@ class Reducer:
                 "zero)"
             )
         return self.last_stats
+
+    @property
+    def rides(self) -> bool:
+        """Whether a rider goes on the wire with the last bucket (there is one, and the bucket is
+        sent in its own dtype)."""
+        dtype = self.buckets[-1].buffer.dtype
+        return self.rider > 0 and (self.comm_dtype is None or self.comm_dtype == dtype)
+
+    @staticmethod
+    def _usage_view(bucket: Bucket) -> torch.Tensor:
+        n, usage = bucket.buffer.numel(), bucket.extra - bucket.rider
+        return bucket.buffer.narrow(0, n - bucket.extra, usage)
 
     def _unused(self, got: list[float]) -> list[str]:
         unused = [s.name for k, s in enumerate(self.slots) if got[k] == 0]
@@ -449,7 +480,7 @@ class Reducer:
             return
         named_params, bucket_mb, n_grad, first_bucket_mb = self._layout
         buckets, slots = build_buckets(
-            named_params, bucket_mb, n_grad, first_bucket_mb, order=order
+            named_params, bucket_mb, n_grad, first_bucket_mb, order=order, rider=self.rider
         )
         slots.sort(key=lambda s: s.index)
         for old, new in zip(self.slots, slots, strict=True):
@@ -473,7 +504,7 @@ class Reducer:
         named_params, _, n_grad, _ = self._layout
         order = [s.index for b in self.buckets for s in b.slots]
         buckets, slots = build_buckets(
-            named_params, bucket_mb, n_grad, first_bucket_mb, order=order
+            named_params, bucket_mb, n_grad, first_bucket_mb, order=order, rider=self.rider
         )
         slots.sort(key=lambda s: s.index)
         for old, new in zip(self.slots, slots, strict=True):

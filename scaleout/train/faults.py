@@ -20,6 +20,11 @@ fingerprint of its gradient collectives, in a world-sized block of its own colum
 learns the slowest and fastest rank of each phase, and a rank whose collectives differ is named at
 the step boundary instead of hanging a later collective (scaleout/train/skew.py: design and cost,
 66 KB per step at 2,048 ranks).
+
+On the replicated path the trainer does not send it as a collective of its own after the step's
+gradients: :func:`start_agreement` writes it ``into`` the last gradient bucket's rider (summed with
+the gradients; uncompressed wire) or launches it before the backward, and non-finite gradients
+are read from the reduced gradients, alike on every rank (docs/faults.md, "Stragglers and desync").
 """
 
 from __future__ import annotations
@@ -138,6 +143,49 @@ def agree_on_step(
     link credit of every rank (a world-sized float32 tensor on the device,
     :func:`scaleout.train.skew.link_credit`): the skew then also holds
     :data:`~scaleout.train.skew.LINK`, ``inter_allreduce`` x credit, formed on the device."""
+    return start_agreement(
+        world,
+        nonfinite_grads,
+        stop_requested,
+        loss,
+        unused_params,
+        notice=notice,
+        terminate=terminate,
+        flops=flops,
+        phases=phases,
+        fingerprint=fingerprint,
+        step=step,
+        describe=describe,
+        credit=credit,
+    ).result()
+
+
+def start_agreement(
+    world: World,
+    nonfinite_grads: bool | torch.Tensor,
+    stop_requested: bool,
+    loss: torch.Tensor | None = None,
+    unused_params: torch.Tensor | None = None,
+    *,
+    notice: bool = False,
+    terminate: bool = False,
+    flops: float = 0.0,
+    phases: list[float] | None = None,
+    fingerprint: int = 0,
+    step: int | None = None,
+    describe: str = "",
+    credit: torch.Tensor | None = None,
+    with_skew: bool = True,
+    into: torch.Tensor | None = None,
+) -> PendingAgreement:
+    """:func:`agree_on_step`'s all-reduce, launched asynchronously: its
+    :meth:`PendingAgreement.result` waits and reads. The trainer launches it before the step's
+    backward (``Trainer._arm_agreement``), so it needs no round trip of its own after it.
+    ``with_skew=False``: the block goes on the wire (it carries the fingerprint) but the phase
+    times are not summarised (the first step, whose block holds no earlier step's times).
+    ``into``: write the values there instead (a float32 view of :func:`agreement_size` elements
+    that another all-reduce sums: the last gradient bucket's rider) and issue nothing;
+    :meth:`PendingAgreement.result` then takes the summed view."""
     dev = torch.device(world.device)
     p = world.world_size
     parts = [
@@ -150,7 +198,10 @@ def agree_on_step(
         flops,
     ]
     head = len(parts)
-    size = head + (ROWS * p if phases is not None else 0)
+    assert head == HEAD, parts
+    size = agreement_size(p, phases is not None)
+    if into is not None and (into.numel() != size or into.dtype != torch.float32):
+        raise ValueError(f"agreement into {into.dtype} x {into.numel()}: expected float32 x {size}")
     # The Python values go up in one copy from a preallocated (on CUDA pinned) host buffer, an
     # asynchronous DMA; the device values join with device -> device copies.
     host = _staging(dev, size)
@@ -161,39 +212,105 @@ def agree_on_step(
         block = host[head:].view(ROWS, p)
         block.zero_()
         block[:, world.rank].copy_(torch.tensor([*phases, float(fingerprint)]))
-    flags = torch.empty(size, dtype=torch.float32, device=dev)
+    flags = torch.empty(size, dtype=torch.float32, device=dev) if into is None else into
     flags.copy_(host, non_blocking=True)
     for i, x in enumerate(parts):
         if isinstance(x, torch.Tensor):
             flags[i : i + 1].copy_(x.detach().reshape(1))
-    if p > 1:
-        dist.all_reduce(flags)
-    read = flags[:head]
-    if phases is not None:  # reduced on the device: the host read stays O(1) in the world size
-        block = flags[head:].view(ROWS, p)
-        times, fps = block[: len(PHASES)], block[len(PHASES)]
-        names, summary = skew_summary(times, credit)
-        read = torch.cat([read, summary, fps.min().reshape(1), fps.max().reshape(1)])
-    values = read.tolist()  # the step's one host read
-    skip, stop, notice_, term, total, unused, flops_ = values[:head]
-    skew = None
-    if phases is not None:
-        fp_min, fp_max = values[-2:]
-        if fp_min != fp_max:  # the error path: read every rank's fingerprint to name the odd ones
-            odd = [int(f) for f in block[len(PHASES)].tolist()]
-            mine = f"this rank ({world.rank}): {describe or f'0x{fingerprint:06x}'}"
-            raise CollectiveDesync(desync_message(step, odd, mine))
-        skew = StepSkew.from_values(values[head:-2], int(fp_min), names)
-    return StepFlags(
-        skip=skip > 0,
-        stop=stop > 0,
-        loss=total / p if loss is not None else None,
-        unused_params=unused > 0,
-        notice=notice_ > 0,
-        terminate=term > 0,
-        flops=flops_,
-        skew=skew,
+    work = dist.all_reduce(flags, async_op=True) if p > 1 and into is None else None
+    return PendingAgreement(
+        rode=into is not None,
+        world=world,
+        flags=flags,
+        work=work,
+        head=head,
+        phases=phases is not None,
+        with_skew=with_skew,
+        has_loss=loss is not None,
+        fingerprint=fingerprint,
+        step=step,
+        describe=describe,
+        credit=credit,
     )
+
+
+HEAD = 7  # the agreement's values before the phase block (start_agreement's ``parts``)
+
+
+def agreement_size(world_size: int, phases: bool) -> int:
+    """float32 values of one agreement: the head, and the phase block when ``phases``."""
+    return HEAD + (ROWS * world_size if phases else 0)
+
+
+@dataclass
+class PendingAgreement:
+    """An agreement on the wire (:func:`start_agreement`)."""
+
+    rode: bool  # written ``into`` another all-reduce's buffer: result() takes its sums
+    world: World
+    flags: torch.Tensor
+    work: dist.Work | None
+    head: int
+    phases: bool
+    with_skew: bool
+    has_loss: bool
+    fingerprint: int
+    step: int | None
+    describe: str
+    credit: torch.Tensor | None
+
+    def result(
+        self,
+        local: tuple[torch.Tensor | bool | None, ...] = (),
+        summed: torch.Tensor | None = None,
+    ) -> StepFlags:
+        """Wait for the all-reduce and read it (the step's one host read). ``local``: device
+        flags every rank computed alike from the *reduced* gradients, folded into that read
+        without a collective of their own: (non-finite gradients, unused parameters), OR-ed into
+        the agreed ones. ``summed``: the values as another all-reduce summed them (``into``)."""
+        if self.work is not None:
+            self.work.wait()
+        if self.rode and summed is None:
+            raise RuntimeError("an agreement that rode in another all-reduce needs its sums")
+        flags, head, p = self.flags if summed is None else summed, self.head, self.world.world_size
+        read = flags[:head]
+        block = flags[head:].view(ROWS, p) if self.phases else None
+        if block is not None:  # reduced on the device: the host read stays O(1) in world size
+            times, fps = block[: len(PHASES)], block[len(PHASES)]
+            tail = [fps.min().reshape(1), fps.max().reshape(1)]
+            if self.with_skew:
+                names, summary = skew_summary(times, self.credit)
+                tail.insert(0, summary)
+            read = torch.cat([read, *tail])
+        extra = [x.detach().reshape(1).to(read) for x in local if isinstance(x, torch.Tensor)]
+        values = torch.cat([read, *extra]).tolist() if extra else read.tolist()
+        got = iter(values[len(values) - len(extra) :])
+        values = values[: len(values) - len(extra)]
+        skip, stop, notice_, term, total, unused, flops_ = values[:head]
+        mine = [next(got) if isinstance(x, torch.Tensor) else float(bool(x)) for x in local]
+        mine += [0.0] * (2 - len(mine))
+        skip, unused = max(skip, mine[0]), max(unused, mine[1])
+        skew = None
+        if block is not None:
+            fp_min, fp_max = values[-2:]
+            if fp_min != fp_max:  # the error path: read every rank's fingerprint to name the odd
+                odd = [int(f) for f in block[len(PHASES)].tolist()]
+                me = self.describe or f"0x{self.fingerprint:06x}"
+                raise CollectiveDesync(
+                    desync_message(self.step, odd, f"this rank ({self.world.rank}): {me}")
+                )
+            if self.with_skew:
+                skew = StepSkew.from_values(values[head:-2], int(fp_min), names)
+        return StepFlags(
+            skip=skip > 0,
+            stop=stop > 0,
+            loss=total / p if self.has_loss else None,
+            unused_params=unused > 0,
+            notice=notice_ > 0,
+            terminate=term > 0,
+            flops=flops_,
+            skew=skew,
+        )
 
 
 # -- fault injection for tests: installed at the start of a run only when its variable is set
@@ -227,10 +344,26 @@ class StepInjection:
 
 
 class NanInjection(StepInjection):
-    """``SCALEOUT_INJECT_NAN``: poison this rank's gradients after the reduction, a corrupted rank
-    as tests/test_train.py and test_faults.py need (the agreement skips the step everywhere)."""
+    """``SCALEOUT_INJECT_NAN``: this rank's loss is NaN at the step, so are its gradients before
+    the reduction (a bad batch, an overflow): the all-reduce carries the NaN to every rank and
+    every rank skips the step (tests/test_train.py, test_faults.py, test_precision.py). Not a
+    gradient hook: the trainer multiplies the step's loss (:meth:`poison`)."""
 
     VARIABLE = "SCALEOUT_INJECT_NAN"
+
+    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if step in self.steps else loss
+
+
+class ReducedNanInjection(StepInjection):
+    """``SCALEOUT_INJECT_NAN_REDUCED``: one NaN in this rank's gradients *after* the reduction,
+    where the others' are finite (a corrupted copy). With the replicated optimizer each rank
+    decides "non-finite" from its own reduced gradients, so this rank alone skips; the steps
+    skipped so far go into the next agreement's fingerprint, which names it
+    (:class:`~scaleout.train.skew.CollectiveDesync`, tests/test_faults.py). With the sharded
+    LAMB the agreement's flag makes every rank skip."""
+
+    VARIABLE = "SCALEOUT_INJECT_NAN_REDUCED"
 
     def inject(self, step: int, params: list[torch.nn.Parameter]) -> None:
         params[0].grad.view(-1)[0] = float("nan")

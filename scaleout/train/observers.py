@@ -170,7 +170,9 @@ class MetricsObserver(Observer):
         )
 
     def on_step(self, record: StepRecord) -> None:
-        self.window.add(record.skew, record.seconds)
+        self.window.add(
+            record.skew, record.seconds if record.skew_seconds is None else record.skew_seconds
+        )
         if self.metrics.step(record, self.window.report if record.skew is not None else None):
             self.window.reset()
 

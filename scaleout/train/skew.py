@@ -226,7 +226,8 @@ def desync_message(step: int | None, fps: list[int], mine: str) -> str:
     return (
         f"{at}gradient collectives differ between ranks (desync): {parts}{more} against "
         f"0x{major:06x} on the other {len(counts[major])} ranks; {mine}; a rank built its model "
-        "or buckets differently: stopping before a collective hangs"
+        "or buckets differently, or skipped a step the others took (its reduced gradients "
+        "non-finite, theirs not): stopping before a collective hangs or replicas drift"
     )
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,17 +58,22 @@ from scaleout.train import prefetch, replicas, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
     EXIT_ABORTED,
+    HEAD,
     CorruptInjection,
     CrashInjection,
     DelayInjection,
     HangInjection,
     NanInjection,
+    PendingAgreement,
+    ReducedNanInjection,
     RequeueDelay,
     StepFlags,
     agree_on_step,
+    agreement_size,
     exit_on_comm_failure,
     is_comm_failure,
     nonfinite,
+    start_agreement,
     write_crash,
     write_replica_vote,
 )
@@ -84,15 +90,15 @@ from scaleout.train.observers import (
 )
 from scaleout.train.rerun import check_data_position
 from scaleout.train.rng import seed_step
-from scaleout.train.skew import SkewTracker, link_credit
+from scaleout.train.skew import PHASES, SkewTracker, link_credit
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
 
 log = logging.getLogger("scaleout.train")
 
 # Called on this rank's gradients between unscaling and the step's agreement, with (step,
-# parameters). Empty in a real run; tests install scaleout.train.faults.NanInjection through its
-# variable.
+# parameters). Empty in a real run; tests install scaleout.train.faults.ReducedNanInjection (and
+# the corrupt / crash injections) through their variables.
 GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
 
 
@@ -226,8 +232,9 @@ class Trainer:
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
+        self.nan_fault = NanInjection.from_env(world.rank)  # poisons the loss (test-only)
         faults = (
-            NanInjection.from_env(world.rank),
+            ReducedNanInjection.from_env(world.rank),
             CrashInjection.from_env(world.rank),
             CorruptInjection.from_env(world.rank),
         )
@@ -264,6 +271,8 @@ class Trainer:
                 # resume)
                 rebuild_buckets=not cfg.train.deterministic,
                 defer_unused=True,  # unused parameters are read with the step's agreement
+                # the step's agreement rides in the last bucket (uncompressed wire; see below)
+                rider=agreement_size(world.world_size, self.attribution),
             )
         self.autocomm = None
         if cfg.comm.auto and world.world_size > 1:  # one rank: nothing to all-reduce, flat stays
@@ -279,6 +288,21 @@ class Trainer:
         # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
         self.link_credit = self._exchange_links()
+        # The step's agreement rides in the last gradient bucket (the reducer's rider, when the
+        # wire is uncompressed), else goes out as its own small all-reduce before backward, which
+        # hides it: no round trip of its own after the gradients (on a busy host each hop of a
+        # small ring waits for a peer's thread to be scheduled: `scaleout bench framework`
+        # measured it at ~6 % of a step on 2 x 2 ranks sharing 2 cores). That needs every rank to
+        # hold the same reduced gradients, so each decides "non-finite" alone and alike: the
+        # replicated path (not the sharded LAMB, whose ranks hold their own shards) and hooks in
+        # backward (not a CUDA graph). A rank whose reduced gradients alone are non-finite skips
+        # alone: the steps skipped so far ride in the fingerprint, so the next agreement names it.
+        self.early_agreement = isinstance(self.sync, DataParallel) and self.graphs is None
+        self._agreement: PendingAgreement | None = None
+        # the last step's phase times and seconds: they ride in the next step's agreement (this
+        # step's are complete only after its gradients arrived)
+        self._lagged: tuple[list[float], float] | None = None
+        self._skew_seconds: float | None = None
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
@@ -582,7 +606,8 @@ class Trainer:
         self.step, self.samples = step + 1, self.samples + step_samples
         self.skipped += int(flags.skip)
         self.losses.append(flags.loss)
-        self.skew.add(flags.skew, seconds)
+        skew_s, self._skew_seconds = self._skew_seconds, None  # the lagged skew's own step
+        self.skew.add(flags.skew, seconds if skew_s is None else skew_s)
         self.this_run = self.this_run.plus(step_samples, step_tokens, seconds, flags.flops)
         if step >= self.start_step + warmup:
             self.timed = self.timed.plus(step_samples, step_tokens, seconds)
@@ -602,7 +627,10 @@ class Trainer:
             terminate=flags.terminate,
             flush=flags.stop or done or self.step % cfg.train.eval_every == 0,
             skew=flags.skew,
+            skew_seconds=skew_s,
         )
+        if self.early_agreement and self.attribution:
+            self._lagged = (self._lagged[0], seconds) if self._lagged else None
         for observer in self.observers:
             observer.on_step(record)
         if self.autocomm is not None and not self.autocomm.done:
@@ -675,29 +703,37 @@ class Trainer:
             self._optimizer_s,
             *CLOCK.take(),  # intra, inter_allreduce (on CUDA: the step before's)
         ]
-        fingerprint, collectives = self.sync.collectives()
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
         for hook in self.gradient_hooks:
             hook(step, self.params)
         preemption = self.preemption
         self.sync.wait_params()  # gathers of modules this forward did not run (see run_step)
         progress.at(step, "agreement")
-        progress.collectives += 1
-        flags = agree_on_step(
-            self.world,
-            nonfinite(self.params),
-            preemption.requested,
-            loss,
-            self.sync.unused_flag(),
-            notice=preemption.noticed,
-            terminate=preemption.terminating,
-            flops=sum(mb.flops for mb in micro_batches),
-            phases=phases if self.attribution else None,
-            fingerprint=fingerprint,
-            step=step,
-            describe=collectives,
-            credit=self.link_credit,
-        )
+        pending, self._agreement = self._agreement, None
+        if pending is not None:  # out with the last bucket: the reduced gradients, read alike
+            summed = self.model.reducer.rider_result if pending.rode else None
+            flags = pending.result((nonfinite(self.params), self.sync.unused_flag()), summed)
+            if pending.with_skew:
+                self._skew_seconds = self._lagged[1] if self._lagged else None
+            self._lagged = (phases, 0.0)  # its seconds: run_step's, once measured
+        else:
+            fingerprint, collectives = self.sync.collectives()
+            progress.collectives += 1
+            flags = agree_on_step(
+                self.world,
+                nonfinite(self.params),
+                preemption.requested,
+                loss,
+                self.sync.unused_flag(),
+                notice=preemption.noticed,
+                terminate=preemption.terminating,
+                flops=sum(mb.flops for mb in micro_batches),
+                phases=phases if self.attribution else None,
+                fingerprint=fingerprint,
+                step=step,
+                describe=collectives,
+                credit=self.link_credit,
+            )
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
@@ -750,11 +786,68 @@ class Trainer:
                 progress.at(step, "forward")
                 with timers("forward"), self.task.autocast():
                     loss = self.task.loss(self.model, mb) / len(micro_batches)
+                if self.nan_fault is not None:
+                    loss = self.nan_fault.poison(step, loss)
+                if last and self.early_agreement:
+                    mean = loss.detach() if total is None else total + loss.detach()
+                    self._arm_agreement(mean, sum(m.flops for m in micro_batches))
                 progress.at(step, "backward")
                 with timers("backward"):
                     self.task.precision.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
+
+    def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
+        """The step's agreement (``self.early_agreement``), before the last backward: written by
+        the reducer into the last gradient bucket's rider as it goes out (uncompressed wire), else
+        launched now, so that it completes during backward. It carries the host flags as they are
+        then, this rank's loss and FLOPs, and the block of the *last* step's phase times (this
+        step's are complete only once its gradients arrived) with *this* step's collectives'
+        fingerprint, which also folds in the steps skipped so far: a rank that skipped alone (its
+        reduced gradients non-finite where the others' were not: a silent corruption) is named
+        like a desynchronised one."""
+        reducer = self.model.reducer
+        step = self.step
+        self._agreement = None
+
+        def fill(view: torch.Tensor) -> None:  # in the last bucket, after its pre-divide
+            reducer.rider_fill = None
+            self._agreement = agreement(view)
+
+        def agreement(into: torch.Tensor | None) -> PendingAgreement:
+            fingerprint, collectives = self.sync.collectives()
+            lagged = self._lagged
+            if self.skipped:
+                fingerprint = zlib.crc32(f"{fingerprint}:{self.skipped}".encode()) & 0xFFFFFF
+                collectives += f", {self.skipped} steps skipped"
+            if into is None:
+                self.progress.collectives += 1
+            p = self.preemption
+            return start_agreement(
+                self.world,
+                False,  # non-finite: read from the reduced gradients, alike on every rank
+                p.requested,
+                loss,
+                notice=p.noticed,
+                terminate=p.terminating,
+                flops=flops,
+                # riding, the block is there as the rider was sized (attribution at start-up)
+                phases=(lagged[0] if lagged and self.attribution else [0.0] * len(PHASES))
+                if (self.attribution if into is None else into.numel() > HEAD)
+                else None,
+                fingerprint=fingerprint,
+                step=step,
+                describe=collectives,
+                credit=self.link_credit,
+                with_skew=lagged is not None and self.attribution,
+                into=into,
+            )
+
+        if reducer.rides:
+            reducer.rider_fill = fill
+        else:
+            reducer.rider_fill = None
+            self._agreement = agreement(None)
 
     @property
     def stops_at_target(self) -> bool:
