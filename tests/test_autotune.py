@@ -69,10 +69,33 @@ def test_config_accepts_auto_and_rejects_bad_values_in_one_line() -> None:
         with pytest.raises(ConfigError, match=f"comm.algorithm=auto with {key}=true") as e:
             load_config(overrides=["comm.algorithm=auto", f"{key}=true"])
         assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="auto is chosen at run time"):  # the simulator's input
-        from scaleout.sim.fromconfig import from_config
 
-        from_config(cfg)
+
+@pytest.mark.unit
+def test_the_simulator_prices_auto_as_the_fastest_named_algorithm() -> None:
+    """comm.algorithm=auto in a config given to the simulator (simulate, sweep, plan): each
+    named algorithm is priced at the config's bucket size and auto is the fastest one, named in
+    ``chosen``; on a slow inter-node link that is not flat (one ring over every rank)."""
+    from dataclasses import replace
+
+    from scaleout.sim.cluster import custom_cluster, get_cluster
+    from scaleout.sim.fromconfig import from_config
+    from scaleout.sim.step import step_time
+
+    cfg = load_config("bert_tiny_cpu", ["comm.algorithm=auto"])
+    run = from_config(cfg)
+    assert run.train.algorithm == "auto"
+    cluster = get_cluster("dgx-a100")
+    for nodes in (2, 16):
+        auto = step_time(run.model, run.train, cluster, nodes)
+        named = {
+            a: step_time(run.model, replace(run.train, algorithm=a), cluster, nodes).step
+            for a in ("flat", "hierarchical", "torus2d")
+        }
+        assert auto.algorithm == "auto" and auto.chosen == min(named, key=named.get), named
+        assert auto.step == min(named.values()), (auto, named)
+    slow = custom_cluster(cluster, inter_gbit=1.0)
+    assert step_time(run.model, run.train, slow, 16).chosen != "flat"
 
 
 # -- the model's ranking (no ranks) ---------------------------------------------------------------

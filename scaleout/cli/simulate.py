@@ -465,7 +465,7 @@ def run_scale(args: argparse.Namespace) -> int:
                 [
                     n,
                     nodes,
-                    alg,
+                    alg if r.chosen is None else f"{alg}: {r.chosen}",
                     r.step * 1e3,
                     r.compute * 1e3,
                     r.optimizer * 1e3,

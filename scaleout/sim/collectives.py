@@ -165,7 +165,10 @@ def torus_x_option(cluster: Cluster, nodes: int, torus_x: int | str | None) -> i
 
 def config_row_length(comm: CommConfig, nodes: int, ranks_per_node: int) -> int | None:
     """The row length of the run config's row/column grid (the algorithm's own rule: for the torus
-    ``comm.torus_x`` and ``comm.torus_y`` through ``resolve_grid``); None for other algorithms."""
+    ``comm.torus_x`` and ``comm.torus_y`` through ``resolve_grid``); None for other algorithms
+    (and for ``auto``: the simulator picks the grid's square default when it prices the torus)."""
+    if comm.auto:
+        return None
     alg = ALGORITHMS.get(comm.algorithm)
     if not isinstance(alg, GridAlgorithm):
         return None

@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Literal
 
+from scaleout.comm.algorithm import ALGORITHMS
+from scaleout.config.schema import AUTO
 from scaleout.errors import ConfigError
 from scaleout.families.bert.config import BertConfig
 from scaleout.families.bert.flops import sequence_training_flops
@@ -105,6 +107,7 @@ class StepResult:
     shard: int = 1  # ranks sharing one copy of the optimizer state
     state_bytes: float = 0.0  # optimizer state per rank
     host: float = 0.0  # fixed per-step cost: host work, and eager launch time not hidden
+    chosen: str | None = None  # algorithm "auto": the named algorithm it prices (the fastest)
 
     @property
     def efficiency(self) -> float:
@@ -295,7 +298,21 @@ def _pipeline(start: float, ready: list[float], costs: list[float]) -> float:
 
 
 def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) -> StepResult:
-    """Predicted step time of one data-parallel step on ``nodes`` nodes."""
+    """Predicted step time of one data-parallel step on ``nodes`` nodes. ``train.algorithm``
+    "auto" (comm.algorithm=auto): the fastest of the named algorithms at ``train``'s bucket size
+    (``chosen``); the run's autotuner (scaleout/parallel/autotune.py) also tunes the buckets, the
+    chunk and the wire dtype, so it can only do as well or better."""
+    if train.algorithm == AUTO:
+        priced, errors = [], []
+        for name in ALGORITHMS.names():
+            try:
+                priced.append(step_time(model, replace(train, algorithm=name), cluster, nodes))
+            except ConfigError as exc:  # e.g. a torus grid this GPU count cannot have
+                errors.append(exc)
+        if not priced:  # what stops every algorithm (the first one's words)
+            raise errors[0]
+        best = min(priced, key=lambda r: r.step)
+        return replace(best, algorithm=AUTO, chosen=best.algorithm)
     alg = canonical(train.algorithm)
     opt = check_optimizer(train.optimizer)
     gpus = cluster.gpus_per_node * nodes

@@ -21,7 +21,7 @@ from scaleout.config.schema import Config
 from scaleout.families import FAMILIES
 from scaleout.sim import ModelSpec, TrainSpec, get_cluster, step_time
 from scaleout.sim.cluster import custom_cluster
-from scaleout.sim.fromconfig import named_algorithm, optimizer_of, wire_bytes
+from scaleout.sim.fromconfig import optimizer_of, wire_bytes
 from scaleout.sweep.results import PointResult
 
 
@@ -49,7 +49,7 @@ class Simulator:
         sharded = self.cfg.optim.sharded
         train = TrainSpec(
             local_batch=float(p.per_rank_batch),
-            algorithm=named_algorithm(self.cfg.comm),
+            algorithm=self.cfg.comm.algorithm,  # auto: the fastest named one (sim.step)
             bucket_mb=self.cfg.comm.bucket_mb,
             samples_per_s=per_rank_speed,
             overlap=self.cfg.optim.overlap_comm if sharded else self.cfg.comm.overlap,
