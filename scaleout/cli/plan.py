@@ -33,8 +33,8 @@ The front keeps the points no other point beats on both axes; its knee (marked K
 farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving the
 time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
 knee) the plan prints the config overrides (checked by the config loader), the `sbatch -N ...` line
-of the family's Slurm script and the `scaleout launch` line. sharded-node has no config key yet:
-priced, never chosen.
+of the family's Slurm script and the `scaleout launch` line (sharded-node: optim.sharded=true
+optim.shard=node).
 
 --cluster is a preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the JSON of
 `scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A cluster without

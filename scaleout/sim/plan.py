@@ -21,8 +21,8 @@ the smallest (log time + log GPU-hours) in those units: beyond it, halving the t
 factor of GPU-hours than it did before.
 
 For the chosen point the plan writes the ``key=value`` overrides of the config (validated by the
-config loader) and the ``sbatch`` line of the family's Slurm script; a point without a config key
-(``sharded-node``: scaleout's sharded LAMB shards over the world only) is priced but not chosen.
+config loader) and the ``sbatch`` line of the family's Slurm script (every placement has its keys:
+``sharded-node`` is ``optim.shard=node``; a placement without keys would be priced, never chosen).
 
 Pure Python; no torch.
 """
@@ -62,8 +62,9 @@ from scaleout.sim.step import ModelSpec, TrainSpec, compute_time, eval_interval,
 # Config keys of each optimizer placement (None: no config key in this scaleout: priced only).
 PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
     "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
-    "sharded": ["optim.sharded=true", "optim.overlap_comm=true"],
-    "sharded-node": None,
+    "sharded": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=world"],
+    # the sharded LAMB with its state sharded over the node's ranks (apex DistributedFusedLAMB)
+    "sharded-node": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=node"],
 }
 # The family's Slurm script (slurm/<script>.sh) and the config it trains (fixed in the script).
 SLURM_SCRIPTS = {"bert": "bert_256node.sh", "resnet": "resnet50_128node.sh"}
@@ -343,7 +344,7 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
     models: dict[str, ModelSpec] = {}
     run = None
     for placement, extra in PLACEMENT_OVERRIDES.items():
-        if extra is None:  # sharded-node: the sharded wire bytes (fp32 reduce-scatter/gather)
+        if extra is None:  # a placement without keys: priced with the sharded wire bytes
             extra = PLACEMENT_OVERRIDES["sharded"]
         cfg = load_config(config, [*overrides, *extra])
         r = from_config(cfg, config)
@@ -468,7 +469,7 @@ def choose(points: list[Point], pick: str) -> Point:
         raise ConfigError(f"--pick {pick!r}: expected one of {', '.join(PICKS)}")
     usable = [p for p in points if p.overrides is not None]
     if not usable:
-        raise ConfigError("no point of the grid has config keys (every one is sharded-node)")
+        raise ConfigError("no point of the grid has config keys (its placements are priced only)")
     if pick == "fastest":
         return min(usable, key=lambda p: (p.ttt_s, p.gpu_hours))
     if pick == "cheapest":
