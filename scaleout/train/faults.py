@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -117,47 +117,10 @@ def skew_summary(
     return names, torch.cat([mx, amx.float(), mn, amn.float(), med])
 
 
-def agree_on_step(
-    world: World,
-    nonfinite_grads: bool | torch.Tensor,
-    stop_requested: bool,
-    loss: torch.Tensor | None = None,
-    unused_params: torch.Tensor | None = None,
-    notice: bool = False,
-    terminate: bool = False,
-    flops: float = 0.0,
-    phases: list[float] | None = None,
-    fingerprint: int = 0,
-    step: int | None = None,
-    describe: str = "",
-    credit: torch.Tensor | None = None,
-) -> StepFlags:
-    """The step's agreement (module docstring). ``unused_params``: the gradient sync's flag of
-    parameters that got no gradient (GradientSync.unused_flag), read with the others; ``flops``:
-    this rank's training FLOPs of the step (summed, they give the global batch's). ``phases``:
-    this rank's seconds per :data:`scaleout.train.skew.PHASES` with ``fingerprint`` its
-    collectives' (every rank passes them or none: they size the all-reduce); then the result's
-    ``skew`` holds them over the ranks, and a fingerprint that differs between ranks raises
-    :class:`~scaleout.train.skew.CollectiveDesync` on every rank, naming the odd ones (``step``
-    and ``describe``, this rank's collectives in words, go into its message). ``credit``: the
-    link credit of every rank (a world-sized float32 tensor on the device,
-    :func:`scaleout.train.skew.link_credit`): the skew then also holds
-    :data:`~scaleout.train.skew.LINK`, ``inter_allreduce`` x credit, formed on the device."""
-    return start_agreement(
-        world,
-        nonfinite_grads,
-        stop_requested,
-        loss,
-        unused_params,
-        notice=notice,
-        terminate=terminate,
-        flops=flops,
-        phases=phases,
-        fingerprint=fingerprint,
-        step=step,
-        describe=describe,
-        credit=credit,
-    ).result()
+def agree_on_step(world: World, *args: Any, **kwargs: Any) -> StepFlags:
+    """The step's agreement (module docstring), synchronously: :func:`start_agreement` (its
+    arguments) and its result."""
+    return start_agreement(world, *args, **kwargs).result()
 
 
 def start_agreement(
@@ -178,9 +141,21 @@ def start_agreement(
     with_skew: bool = True,
     into: torch.Tensor | None = None,
 ) -> PendingAgreement:
-    """:func:`agree_on_step`'s all-reduce, launched asynchronously: its
+    """The step's agreement (module docstring), launched asynchronously: its
     :meth:`PendingAgreement.result` waits and reads. The trainer launches it before the step's
     backward (``Trainer._arm_agreement``), so it needs no round trip of its own after it.
+
+    ``unused_params``: the gradient sync's flag of parameters that got no gradient
+    (GradientSync.unused_flag), read with the others; ``flops``: this rank's training FLOPs of
+    the step (summed, they give the global batch's). ``phases``: this rank's seconds per
+    :data:`scaleout.train.skew.PHASES` with ``fingerprint`` its collectives' (every rank passes
+    them or none: they size the all-reduce); then the result's ``skew`` holds them over the
+    ranks, and a fingerprint that differs between ranks raises
+    :class:`~scaleout.train.skew.CollectiveDesync` on every rank, naming the odd ones (``step``
+    and ``describe``, this rank's collectives in words, go into its message). ``credit``: the
+    link credit of every rank (a world-sized float32 tensor on the device,
+    :func:`scaleout.train.skew.link_credit`): the skew then also holds
+    :data:`~scaleout.train.skew.LINK`, ``inter_allreduce`` x credit, formed on the device.
     ``with_skew=False``: the block goes on the wire (it carries the fingerprint) but the phase
     times are not summarised (the first step, whose block holds no earlier step's times).
     ``into``: write the values there instead (a float32 view of :func:`agreement_size` elements
