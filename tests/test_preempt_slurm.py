@@ -225,7 +225,10 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
     assert "exited unexpectedly" not in text and "Traceback" not in text.split("restart 1")[0], (
         text[-3000:]
     )
-    assert slurm_cluster.info(job).get("Restarts") == "1"
+    info = slurm_cluster.info(job)
+    # a second restart: say what the job printed after the first (CI saw "2" once under load)
+    after = log.read_text(errors="replace").split("restart 1")[-1][-4000:] if log.exists() else ""
+    assert info.get("Restarts") == "1", f"{info}\n{after}"
 
 
 @pytest.mark.slurm
