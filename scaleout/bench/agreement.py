@@ -78,7 +78,7 @@ def _agreement(world: Any, extended: bool, ranks: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from scaleout.train.faults import agree_on_step
+    from scaleout.train.faults import HEAD, agree_on_step, agreement_size
     from scaleout.train.skew import PHASES, ROWS
 
     if not extended or ranks == world.world_size:
@@ -90,17 +90,17 @@ def _agreement(world: Any, extended: bool, ranks: int) -> Any:
             phases=[0.001 * (world.rank + 1)] * len(PHASES) if extended else None,
             fingerprint=7,
         )
-    buf = torch.zeros(7 + ROWS * ranks, device=world.device)
+    buf = torch.zeros(agreement_size(ranks, True), device=world.device)
 
     def emulated() -> Any:  # the same bytes and device work, this world's latency
-        buf[7 + world.rank] = 1.0
+        buf[HEAD + world.rank] = 1.0
         if world.world_size > 1:
             dist.all_reduce(buf)
-        block = buf[7:].view(ROWS, ranks)
+        block = buf[HEAD:].view(ROWS, ranks)
         mx, amx = block[: len(PHASES)].max(dim=1)
         mn, amn = block[: len(PHASES)].min(dim=1)
         med = block[: len(PHASES)].median(dim=1).values
-        return torch.cat([buf[:7], mx, amx.float(), mn, amn.float(), med]).tolist()
+        return torch.cat([buf[:HEAD], mx, amx.float(), mn, amn.float(), med]).tolist()
 
     return emulated
 

@@ -211,6 +211,12 @@ def fingerprint(count: int, nbytes: int, layout: int) -> int:
     return zlib.crc32(f"{count}:{nbytes}:{layout}".encode()) & ((1 << FINGERPRINT_BITS) - 1)
 
 
+def fold(fp: int, value: int) -> int:
+    """``fp`` with ``value`` folded in, still a 24-bit fingerprint (the trainer folds in the steps
+    skipped so far: a rank that skipped alone then differs from its peers)."""
+    return zlib.crc32(f"{fp}:{value}".encode()) & ((1 << FINGERPRINT_BITS) - 1)
+
+
 def layout_hash(buckets: Iterable[Iterable[Any]]) -> int:
     """crc32 of a bucket layout given as one iterable of items per bucket (parameter names,
     shapes, dtype), in launch order: equal models wrapped equally give equal hashes."""

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from scaleout.observe import (
 )
 from scaleout.optim import build_optimizer, build_schedule
 from scaleout.parallel import DataParallel
+from scaleout.parallel.buckets import fold
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.report import RunReport, goodput_section, young_daly_interval_s
@@ -818,7 +818,7 @@ class Trainer:
             fingerprint, collectives = self.sync.collectives()
             lagged = self._lagged
             if self.skipped:
-                fingerprint = zlib.crc32(f"{fingerprint}:{self.skipped}".encode()) & 0xFFFFFF
+                fingerprint = fold(fingerprint, self.skipped)
                 collectives += f", {self.skipped} steps skipped"
             if into is None:
                 self.progress.collectives += 1
