@@ -113,7 +113,9 @@ def test_scaleout_recipe_is_the_config_and_command_writes_it_back() -> None:
         "abl-comm",
         "scaleout",
     ]
-    assert rec["chain"][2].bucket_mb == 4.0 and rec["scaleout-sharded"].sharded
+    sharded = rec["scaleout-sharded"]
+    assert rec["chain"][2].bucket_mb == 4.0 and sharded.sharded and sharded.shard == "node"
+    assert sharded.compression == rec["scaleout"].compression  # the same wire dtype
     # the framework step reads the baseline's DistributedSampler batches; packed rows, scaleout's
     fw, packed = rec["chain"][0], rec["chain"][1]
     assert (fw.order, packed.order, rec["scaleout"].order) == ("torch", "scaleout", "scaleout")
@@ -360,7 +362,7 @@ def test_quick_bench_end_to_end(tmp_path) -> None:
     }  # what the trainer says it ran, not the recipe
     assert ran["scaleout"] == {"linear": "bfloat16", "attn": "bfloat16", "comm": "bfloat16"}
     assert ran["abl-lamb"] == {"linear": "fp32", "attn": "fp32", "comm": "fp32"}
-    assert ran["scaleout-sharded"]["linear"] == "bfloat16"
+    assert ran["scaleout-sharded"] == ran["scaleout"]  # within the node: bf16 on the wire too
     table = stdout[stdout.index("time-to-train to masked-LM accuracy 0.01") :]
     assert (
         "> budget (" in table.splitlines()[3] and "ablation on local" in stdout

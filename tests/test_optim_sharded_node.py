@@ -237,3 +237,114 @@ def test_shard_and_compression_are_checked_and_logged() -> None:
             assert wire_bytes(cfg)[0] == (4 if compression == "none" else 2)
     cfg = load_config("bert_large_256x8", ["optim.sharded=true", "optim.shard=node"])
     assert optimizer_of(cfg) == "sharded-node"
+
+
+def _snapshot(net: Net, opt: ShardedLAMB) -> list[torch.Tensor]:
+    opt.wait_params()
+    state = [opt.exp_avg, opt.exp_avg_sq, torch.tensor([g["step"] for g in opt.param_groups])]
+    return [t.detach().clone() for t in [*net.parameters(), *state]]
+
+
+def _run(world, shard: str, comp, steps: list[int], nan_at: int | None) -> dict:
+    """``steps`` of data; at ``nan_at`` rank 3 alone has non-finite gradients (its loss is NaN):
+    every rank's step() must find it in the reduced gradients and change nothing."""
+    net = Net()
+    opt = _opt(net, world, shard, comp)
+    skipped, unchanged, calls = [], None, []
+    saved = dist.all_reduce
+
+    def recording(x, *args, group=None, **kw):  # the step's all-reduces: (ranks, elements)
+        calls.append((dist.get_world_size(group), x.numel()))
+        return saved(x, *args, group=group, **kw)
+
+    for s in steps:
+        loss = loss_of(net, s, world.rank)
+        if s == nan_at and world.rank == 3:
+            loss = loss * float("nan")
+        loss.backward()
+        before = _snapshot(net, opt) if s == nan_at else None
+        dist.all_reduce = recording
+        try:
+            opt.step()
+        finally:
+            dist.all_reduce = saved
+        skipped.append(opt.skipped)
+        opt.zero_grad()
+        if before is not None:
+            after = _snapshot(net, opt)
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    opt.wait_params()
+    return {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "calls": calls,
+        "n": len(opt.params),
+    }
+
+
+class _RankThree(Net):
+    """Net plus a layer only rank 3 (node 1) uses: a parameter used on another node only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        y = super().forward(x, step, rank)
+        return self.extra(y) if rank == 3 else y
+
+
+def _unused_message(world, shard: str) -> str:
+    from scaleout.errors import UserError
+
+    net = _RankThree()
+    opt = ShardedLAMB(groups(net), world, overlap=True, bucket_mb=BUCKET_MB, shard=shard, **HP)
+    loss_of(net, 0, world.rank).backward()
+    try:
+        opt.step()
+    except UserError as e:
+        return str(e)
+    return ""
+
+
+def _skips_and_norms(world) -> dict:
+    out = {}
+    for shard in ("world", "node"):
+        for comp in (None, "bf16"):
+            a = _run(world, shard, comp, [0, 1, 2, 3], nan_at=1)
+            b = _run(world, shard, comp, [0, 2, 3], nan_at=None)
+            out[(shard, comp)] = {
+                "skipped": a["skipped"],
+                "unchanged": a["unchanged"],
+                "same_as_never_taken": all(
+                    torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True)
+                ),
+                "calls": b["calls"][: len(b["calls"]) // 3],  # one step's
+                "n": a["n"],
+            }
+        out[("unused", shard)] = _unused_message(world, shard)
+    return out
+
+
+@pytest.mark.multi_process
+def test_a_nonfinite_gradient_skips_everywhere_and_the_norms_stay_in_the_node() -> None:
+    """The sharded LAMB finds a non-finite reduced gradient in its norm all-reduce (so the trainer
+    needs no agreement after the gradients): every rank skips, its moments, weights and step
+    count untouched, and the run then equals one that never took that step. With
+    optim.shard=node the norms are summed within the node (the other nodes hold the same slices)
+    and only the parameter usage crosses the nodes (on its own, while the reduce-scatters are
+    waited for): a parameter one rank of another node used is not unused."""
+    by_rank = run_dist(_skips_and_norms, 2, 2, timeout=300)
+    for r, res in enumerate(by_rank):
+        for shard in ("world", "node"):
+            for comp in (None, "bf16"):
+                c, what = res[(shard, comp)], f"rank {r} shard={shard} compression={comp}"
+                assert c["skipped"] == [False, True, False, False], what
+                assert c["unchanged"] is True, f"{what}: the skipped step wrote something"
+                assert c["same_as_never_taken"], f"{what}: differs from the run without the step"
+                # allow_unused=True: the usage is not needed, nothing else crosses the nodes
+                norms = [(ranks, n) for ranks, n in c["calls"] if n in (c["n"], 4 * c["n"])]
+                assert norms == [(4 if shard == "world" else 2, 4 * c["n"])], (what, c["calls"])
+            msg = res[("unused", shard)]
+            assert "received no gradient on any rank: ['unused.weight', 'unused.bias']" in msg, msg

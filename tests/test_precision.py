@@ -113,8 +113,8 @@ def test_loss_scale_follows_grad_scaler() -> None:
     )  # no scaling outside fp16
 
 
-def _scaler_run(world: Any, out: str) -> dict:
-    """fp16 trainer, 4 steps; rank 1's gradients are poisoned at step 1 (after the reduction)."""
+def _scaler_run(world: Any, out: str, extra: tuple[str, ...] = ()) -> dict:
+    """fp16 trainer, 4 steps; rank 1's loss is poisoned at step 1 (so are its gradients)."""
     os.environ["SCALEOUT_INJECT_NAN"] = "1:1"
     try:
         trainer = _trainer(
@@ -124,6 +124,7 @@ def _scaler_run(world: Any, out: str) -> dict:
             f"checkpoint.dir={out}/ckpt",
             "train.max_steps=4",
             "train.eval_every=4",
+            *extra,
         )
         result = trainer.train()
     finally:
@@ -134,6 +135,7 @@ def _scaler_run(world: Any, out: str) -> dict:
         "train.precision=fp16",
         f"checkpoint.dir={out}/ckpt",
         "train.max_steps=4",
+        *extra,
     )
     digest = (
         torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
@@ -151,11 +153,19 @@ def _scaler_run(world: Any, out: str) -> dict:
 
 
 @pytest.mark.full_system
-def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("optim.sharded=true", "optim.overlap_comm=true")],
+    ids=["replicated", "sharded-lamb"],
+)
+def test_fp16_skip_and_backoff_are_agreed_and_checkpointed(
+    tmp_path: Path, extra: tuple[str, ...]
+) -> None:
     """One rank sees inf: every rank skips that step and halves the scale (65536 -> 32768), the
     replicas stay identical, and the scale is in the checkpoint (a resumed run continues with
-    32768)."""
-    r = run_dist(_scaler_run, nnodes=1, nproc_per_node=2, args=(str(tmp_path),), timeout=300)
+    32768). The sharded LAMB finds the non-finite gradient in its own step (its norm
+    all-reduce), the replicated path in the step's agreement: the same outcome."""
+    r = run_dist(_scaler_run, nnodes=1, nproc_per_node=2, args=(str(tmp_path), extra), timeout=300)
     for rank in r:
         assert rank["status"] == "max_steps" and rank["skipped"] == 1, rank
         assert rank["scale"] == rank["resumed_scale"] == 32768.0, rank

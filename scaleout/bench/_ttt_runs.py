@@ -83,6 +83,7 @@ class Recipe:
     overlap: bool = True
     bucket_mb: float = 25.0  # torch: 25 = DDP's default (bucket_cap_mb unset: a 1 MiB first bucket)
     sharded: bool = False
+    shard: str = "world"  # optim.shard of a sharded row: world or node
     precision: str = (
         "fp32"  # scaleout's train.precision (the torch baseline is the plain fp32 script)
     )
@@ -210,6 +211,8 @@ def command(
         "comm.bucket_mb": repr(r.bucket_mb),
         "comm.compression": r.compression,
     }
+    if r.sharded:
+        sets["optim.shard"] = r.shard
     if plan.task == "resnet":
         del sets["data.packing"]
         sets["model.resnet.bn_group"] = r.bn_group

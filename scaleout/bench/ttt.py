@@ -10,7 +10,8 @@ target, trained to the target on the same cluster, in one invocation:
   sweep on the first seed (a candidate is cut once it is slower than the best so far: it cannot
   become the best), and the best one runs every seed;
 * **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical
-  all-reduce and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB. The
+  all-reduce and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB
+  (sharded within the node, optim.shard=node: the gradients keep the wire dtype). The
   batch is a recipe choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at
   64-256 (docs/ttt.md);
 * **ablation** (the waterfall from the baseline to scaleout, one ingredient switched on per step):
@@ -127,6 +128,7 @@ BENCH_KEYS = (
     "optim.power",
     "optim.end_lr",
     "optim.sharded",
+    "optim.shard",
     "optim.overlap_comm",
     "train.max_steps",
     "train.eval_every",
@@ -376,14 +378,15 @@ def recipes(
         chain[-1] = replace(full, label=lamb.label)
     return {
         "scaleout": full,
-        # fp32 on the wire: the sharded LAMB's bf16 reduce-scatter is an all-to-all that needs
-        # comm.algorithm=flat (or optim.shard=node), and this row keeps scaleout's all-reduce
+        # sharded within the node (NVIDIA's DistributedFusedLAMB: reduce-scatter in the node,
+        # the slice all-reduced across the nodes, norms summed in the node), so the gradients keep
+        # scaleout's wire dtype (a world shard's compressed reduce-scatter needs comm=flat)
         "scaleout-sharded": replace(
             full,
             name="scaleout-sharded",
             sharded=True,
-            compression="none" if full.comm != "flat" else full.compression,
-            label=f"sharded {full.optimizer.upper()}",
+            shard="node",
+            label=f"sharded {full.optimizer.upper()} (within the node)",
         ),
         "chain": chain,
     }

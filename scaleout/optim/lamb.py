@@ -104,6 +104,23 @@ def update_moments(
     torch._foreach_addcmul_(v, g, g, value=co.v_weight)
 
 
+def new_moments(
+    g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`update_moments` out of place (fresh tensors, the same operations, so the same
+    values): the moments a step would write, read before it is decided (the sharded LAMB learns
+    of a non-finite gradient in its norm all-reduce, after the norms, and must then leave its
+    state untouched)."""
+    if co.m_weight == 1.0 - co.beta1 and g[0].dtype == m[0].dtype:
+        m2 = torch._foreach_lerp(m, g, co.m_weight)
+    else:
+        m2 = torch._foreach_mul(m, co.beta1)
+        torch._foreach_add_(m2, g, alpha=co.m_weight)
+    v2 = torch._foreach_mul(v, co.beta2)
+    torch._foreach_addcmul_(v2, g, g, value=co.v_weight)
+    return m2, v2
+
+
 def direction(
     p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs
 ) -> list[torch.Tensor]:

@@ -18,10 +18,14 @@ Per step every rank issues the same collectives in the same order (c10d matches 
    whichever parameters it used, and nothing is in flight after backward (a skipped step is just
    ``zero_grad()``). ``overlap=False``: sent in :meth:`step`.
 2. LAMB on this rank's slices, in cache-sized chunks; the per-tensor ||w||^2 and ||u||^2 are partial
-   sums, made whole by one all-reduce of a [3, tensors] vector whose third row is the reducer's
-   usage (which parameters got a gradient on some rank), riding on a collective that runs anyway. A
-   parameter no rank used is an error naming it unless ``allow_unused=True`` (then its gradient is
-   zero, as in DataParallel). Global clipping all-reduces one scalar first.
+   sums, made whole by one all-reduce of a [4, tensors] vector whose third row is the reducer's
+   usage (which parameters got a gradient on some rank) and whose [3, 0] counts the non-finite
+   elements of the reduced gradient shards, riding on a collective that runs anyway. The norms
+   are computed from the moments the step *would* write (out of place, chunk by chunk), so a
+   non-finite count skips the step on every rank with nothing written (:attr:`skipped`; the
+   trainer then needs no agreement of its own after the gradients). A parameter no rank used is
+   an error naming it unless ``allow_unused=True`` (then its gradient is zero, as in
+   DataParallel). Global clipping all-reduces one scalar first.
 3. Each bucket's update is applied and its all-gather starts at once (gathers overlap later
    updates). Built with ``module`` (the factory passes the model), step() returns without waiting
    for them: a forward pre-hook on every module holding parameters waits for that module's
@@ -33,8 +37,10 @@ Shard modes (``optim.shard``): ``world`` (above: each rank keeps 1/W of the stat
 (NVIDIA's DistributedFusedLAMB): each rank keeps 1/g of the state, g = ranks per node; the
 gradients are reduce-scattered within the node, the slice all-reduced over the same-local-rank
 peers of the other nodes (which hold the same slice and make the same update), the parameters
-all-gathered within the node. The norm all-reduce stays one world collective: only node 0's ranks
-contribute the partial sums.
+all-gathered within the node. The norm all-reduce stays within the node too (the other nodes hold
+the same slices and sum the same values); only the usage crosses the nodes, as its own world
+all-reduce issued with the last bucket (done by the time the reduce-scatters are), and not at all
+with ``allow_unused=True``.
 
 Wire dtype (``compression`` = ``comm.compression``): none = fp32 reduce-scatter (sum, then / W).
 bf16/fp16: each rank's bucket is divided by W in fp32 and rounded once to the wire dtype, moved
@@ -64,7 +70,7 @@ from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
-from scaleout.optim.lamb import LambCoeffs, direction, trust_ratios, update_moments
+from scaleout.optim.lamb import LambCoeffs, direction, new_moments, trust_ratios, update_moments
 from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign, fingerprint, layout_hash
 from scaleout.parallel.reducer import compression_dtype
 
@@ -193,6 +199,12 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.issued, self.waiting = 0, False
         self._built, self._sync, self._in_backward = False, True, False
         self._unscale = 1.0  # fp16: 1/S for the reduced gradients of the next step (unscale_)
+        # the last step() found a non-finite reduced gradient and left everything as it was
+        self.skipped = False
+        # optim.shard=node over several nodes: the norm all-reduce stays within the node, so the
+        # usage goes over the world on its own (_launch_usage)
+        self._world_usage = shard == "node" and self.size > self.local and not allow_unused
+        self._usage_work: Any = None
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -336,6 +348,10 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     # -- gradients in (hooks, end of backward, or step) --------------------------------------------
     def _reset_step(self) -> None:
+        work = getattr(self, "_usage_work", None)
+        if work is not None:  # a collective on the wire is finished, never abandoned
+            work.wait()
+        self._usage_work = None
         self._unscale = 1.0
         self._ready = [False] * len(self.params)
         self._pending = [len(b.members) for b in self.buckets]
@@ -358,6 +374,16 @@ class ShardedLAMB(torch.optim.Optimizer):
 
     def unused_flag(self) -> None:
         return None  # the usage rides on step()'s norm all-reduce (_check_unused)
+
+    def _launch_usage(self) -> None:
+        """optim.shard=node over several nodes: which parameters got a gradient on some rank, summed
+        over the world on its own (the norm all-reduce stays within the node), issued as soon as the
+        last bucket is out, so it completes while the reduce-scatters are waited for."""
+        if not self._world_usage or self._usage_work is not None:
+            return
+        self._usage = torch.tensor(self._used, dtype=torch.float32).to(self.flat_param.device)
+        self.issued += 1
+        self._usage_work = dist.all_reduce(self._usage, group=self.world.group, async_op=True)
 
     def check_unused(self) -> list[str]:
         return []
@@ -583,6 +609,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             self._next,
         )  # buckets the hooks launched while backward ran
         self._send_all()
+        self._launch_usage()
         self._wait_all()
         self.last_stats = {
             "exposed_s": time.perf_counter() - t0,
@@ -613,16 +640,16 @@ class ShardedLAMB(torch.optim.Optimizer):
         self.timings[name] = self.timings.get(name, 0.0) + t - t0 - minus
         return t
 
-    def _all_reduce(self, x: torch.Tensor, partial: torch.Tensor | None = None) -> float:
-        """Sum ``x`` over the world. ``partial`` (a view of x): sums of this rank's slices, which
-        optim.shard=node's other nodes hold again: only node 0's ranks contribute them (one
-        collective for both kinds, and the same sum of ``local`` partials as within a node)."""
+    def _norm_all_reduce(self, x: torch.Tensor) -> float:
+        """Sum ``x``, this rank's partial sums over its slices, over the ranks holding the other
+        slices: the world (optim.shard=world), or only the node (optim.shard=node: the other nodes
+        hold the same slices and sum the same values; at thousands of ranks a collective within
+        the node instead of a world one on the step's critical path). Its seconds."""
         t0 = time.perf_counter()
-        if partial is not None and self.node_index > 0:
-            partial.zero_()
-        if self.size > 1:
+        group = self.intra if self.shard == "node" else self.world.group
+        if self.local > 1:
             self.issued += 1
-            dist.all_reduce(x, group=self.world.group)
+            dist.all_reduce(x, group=group)
         return time.perf_counter() - t0
 
     @torch.no_grad()
@@ -636,6 +663,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         t = time.perf_counter()
         # overlap=False, or gradients set without backward: everything goes out here
         self._send_all()
+        self._launch_usage()
         t = self._tick("pack", t)
         self._wait_all()
         if self._unscale != 1.0:
@@ -644,18 +672,32 @@ class ShardedLAMB(torch.optim.Optimizer):
         clip = 1.0
         if self.clip_grad_norm is not None:
             gsq = sq_norms([self.g_shard])
-            self._all_reduce(gsq, gsq)
+            self._norm_all_reduce(gsq)
             self.last_grad_norm = norm = float(gsq.sum().sqrt())
             clip = clip_factor(norm, self.clip_grad_norm)
-        for g in self.param_groups:
-            g["step"] += 1
-        co = [LambCoeffs.of(g, g["step"], clip) for g in self.param_groups]
+        co = [LambCoeffs.of(g, g["step"] + 1, clip) for g in self.param_groups]
         t = self._tick("norm_allreduce", t)
         sq, base = self._phase1(co)
-        comm = self._all_reduce(sq, sq[:2])
+        comm = self._norm_all_reduce(sq)
         t = self._tick("update", t, minus=comm)
+        if self._usage_work is not None:
+            self._usage_work.wait()
+            self._usage_work = None
+            sq[2] = self._usage
         self.timings["norm_allreduce"] += comm
-        self._check_unused(sq[2])
+        # the step's one host read: non-finite elements in the reduced gradient (all shards), and
+        # the usage when unused parameters are an error
+        read = sq[3, :1] if self.allow_unused else torch.cat([sq[3, :1], sq[2]])
+        values = read.tolist()
+        self._check_unused(values[1:])
+        self.skipped = values[0] > 0
+        if self.skipped:  # every rank read the same sums: every rank skips, nothing was written
+            self._gathers = []
+            self._reset_step()
+            self._used = [False] * len(self.params)
+            return loss
+        for g in self.param_groups:
+            g["step"] += 1
         scale = [
             trust_ratios(sq[0, b : b + len(g["params"])], sq[1, b : b + len(g["params"])], c)
             * (-c.lr * c.k)
@@ -671,29 +713,32 @@ class ShardedLAMB(torch.optim.Optimizer):
         return loss
 
     def _phase1(self, co: list[LambCoeffs]) -> tuple[torch.Tensor, list[int]]:
-        """Moments and partial squared norms of the adapted groups; row 2: this rank's
-        parameter usage."""
+        """Partial squared norms of the adapted groups (rows 0 and 1: ||w||^2 and ||u/k||^2) from
+        the moments the step would write, computed chunk by chunk out of place: nothing is written
+        before the sums say the step happens. Row 2: this rank's parameter usage; [3, 0]: the
+        non-finite elements of this rank's reduced gradient shard."""
         ntens = [len(g["params"]) for g in self.param_groups]
         base = [sum(ntens[:gi]) for gi in range(len(ntens))]
-        sq = torch.zeros(3, len(self.params), dtype=torch.float32, device=self.flat_param.device)
+        sq = torch.zeros(4, len(self.params), dtype=torch.float32, device=self.flat_param.device)
         sq[2] = torch.tensor(self._used, dtype=torch.float32)
+        sq[3, 0] = torch.isfinite(self.g_shard).logical_not_().sum()
         for bk in self.buckets:
             for w in bk.work:
                 c = co[w.group]
                 if not c.adapt:
                     continue
                 for k in range(len(w.P)):
-                    update_moments(w.G[k], w.M[k], w.V[k], c)
+                    m, v = new_moments(w.G[k], w.M[k], w.V[k], c)
                     sq[0, base[w.group] :].index_add_(0, w.owner[k], sq_norms(w.P[k]))
                     sq[1, base[w.group] :].index_add_(
-                        0, w.owner[k], sq_norms(direction(w.P[k], w.M[k], w.V[k], c))
+                        0, w.owner[k], sq_norms(direction(w.P[k], m, v, c))
                     )
         return sq, base
 
-    def _check_unused(self, usage: torch.Tensor) -> None:
+    def _check_unused(self, usage: list[float]) -> None:
         if self.allow_unused:
             return
-        unused = [self.keys[k] for k, n in enumerate(usage.tolist()) if n == 0]
+        unused = [self.keys[k] for k, n in enumerate(usage) if n == 0]
         if unused:
             self._reset_step()
             raise UserError(
@@ -708,8 +753,7 @@ class ShardedLAMB(torch.optim.Optimizer):
             for w in bk.work:
                 c = co[w.group]
                 for k in range(len(w.P)):
-                    if not c.adapt:
-                        update_moments(w.G[k], w.M[k], w.V[k], c)
+                    update_moments(w.G[k], w.M[k], w.V[k], c)  # the values _phase1 read
                     u = direction(w.P[k], w.M[k], w.V[k], c)
                     if c.adapt:
                         torch._foreach_mul_(u, scalars(scale[w.group][w.owner[k]]))

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,12 +292,14 @@ class Trainer:
         # wire is uncompressed), else goes out as its own small all-reduce before backward, which
         # hides it: no round trip of its own after the gradients (on a busy host each hop of a
         # small ring waits for a peer's thread to be scheduled: `scaleout bench framework`
-        # measured it at ~6 % of a step on 2 x 2 ranks sharing 2 cores). That needs every rank to
-        # hold the same reduced gradients, so each decides "non-finite" alone and alike: the
-        # replicated path (not the sharded LAMB, whose ranks hold their own shards) and hooks in
-        # backward (not a CUDA graph). A rank whose reduced gradients alone are non-finite skips
+        # measured it at ~6 % of a step on 2 x 2 ranks sharing 2 cores). "Non-finite" is then
+        # decided from the reduced gradients without a collective of its own: the replicated
+        # path's ranks hold the same ones and each reads them alike; the sharded LAMB's ranks hold
+        # their own shards, and it sums their non-finite counts in the norm all-reduce its step
+        # makes anyway, skipping on every rank alike (ShardedLAMB.skipped). Not with a CUDA graph
+        # (no hooks in its backward). A rank whose reduced gradients alone are non-finite skips
         # alone: the steps skipped so far ride in the fingerprint, so the next agreement names it.
-        self.early_agreement = isinstance(self.sync, DataParallel) and self.graphs is None
+        self.early_agreement = self.graphs is None
         self._agreement: PendingAgreement | None = None
         # the last step's phase times and seconds: they ride in the next step's agreement (this
         # step's are complete only after its gradients arrived)
@@ -712,7 +714,9 @@ class Trainer:
         pending, self._agreement = self._agreement, None
         if pending is not None:  # out with the last bucket: the reduced gradients, read alike
             summed = self.model.reducer.rider_result if pending.rode else None
-            flags = pending.result((nonfinite(self.params), self.sync.unused_flag()), summed)
+            # sharded: the optimizer reads its shards' non-finite count in its step
+            local = () if self.sync is self.optimizer else (nonfinite(self.params),)
+            flags = pending.result((*local, self.sync.unused_flag()), summed)
             if pending.with_skew:
                 self._skew_seconds = self._lagged[1] if self._lagged else None
             self._lagged = (phases, 0.0)  # its seconds: run_step's, once measured
@@ -737,13 +741,16 @@ class Trainer:
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
-        precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         t0 = time.perf_counter()
         if not flags.skip:
             progress.at(step, "optimizer")
             with timers("optimizer"):
                 self.optimizer.step()
-            self.schedule.step()
+            if getattr(self.optimizer, "skipped", False):  # sharded: non-finite, found alike
+                flags = self.flags = replace(flags, skip=True)
+            else:
+                self.schedule.step()
+        precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         self._optimizer_s = time.perf_counter() - t0
         self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
@@ -806,7 +813,7 @@ class Trainer:
         fingerprint, which also folds in the steps skipped so far: a rank that skipped alone (its
         reduced gradients non-finite where the others' were not: a silent corruption) is named
         like a desynchronised one."""
-        reducer = self.model.reducer
+        reducer = self.model.reducer if self.sync is self.model else None
         step = self.step
         self._agreement = None
 
@@ -843,11 +850,14 @@ class Trainer:
                 into=into,
             )
 
-        if reducer.rides:
+        if reducer is not None and reducer.rides:
             reducer.rider_fill = fill
-        else:
+            return
+        if reducer is not None:
             reducer.rider_fill = None
-            self._agreement = agreement(None)
+        else:  # sharded: no world collective from here while its all-gathers may be in flight
+            self.sync.wait_params()
+        self._agreement = agreement(None)
 
     @property
     def stops_at_target(self) -> bool:
