@@ -233,3 +233,12 @@ def test_bench_plan_rate_is_rows_over_the_mean_step_after_warm_up(tmp_path: Path
     ]
     m.write_text("\n".join(json.dumps(r) for r in recs))
     assert bench_plan.step_time(m) == pytest.approx(0.2)  # steps 1-2 (warm-up) left out
+
+
+def test_bench_plan_rate_copies_run_together_and_a_failure_names_its_log(tmp_path: Path) -> None:
+    """The rate is measured with one single-process run per core at once (their contention is
+    the checked shapes'): every copy runs, and one that fails stops the bench naming its log."""
+    logs = [tmp_path / "ok.log", tmp_path / "bad.log"]
+    with pytest.raises(SystemExit, match="bad.log"):
+        bench_plan._scaleout_together([["--help"], ["train", "no-such-config"]], {}, logs)
+    assert "usage" in logs[0].read_text() and "no-such-config" in logs[1].read_text()

@@ -11,9 +11,11 @@ time-to-train within 25 % of measured"):
    ``calibration.json``;
 2. **fit samples to converge** against the global batch: ``scaleout bench largebatch`` (LAMB only)
    at the smallest and the largest global batch of the check -> ``largebatch.json``;
-3. **measure the compute rate** of one rank at each per-rank batch: a short single-process
-   ``scaleout train`` on one thread (no evaluation): the batch (packed rows) over the mean step
-   time after two warm-up steps (metrics.jsonl); the measured
+3. **measure the compute rate** of one rank at each per-rank batch: short single-process
+   ``scaleout train`` runs on one thread (no evaluation), one per core at once (the checked shapes
+   keep every core busy: the rate is one rank's with the memory bandwidth and caches shared as
+   there): the batch (packed rows) over the mean step time after two warm-up steps
+   (metrics.jsonl), averaged over the copies; the measured
    runs use one thread per rank too (OMP_NUM_THREADS=1 unless set), so the ranks share the cores
    as the plan's ``--cores`` models;
 4. **predict** with ``scaleout plan`` (scaleout.sim.plan) on the calibration, restricted to nodes
@@ -167,24 +169,55 @@ def largebatch(args: argparse.Namespace, rule: dict[str, Any], work: Path) -> Pa
     return out
 
 
-def compute_rates(args: argparse.Namespace, work: Path) -> dict[int, float]:
-    """Samples/s of one rank alone, per per-rank batch (a short run without evaluation)."""
+def compute_rates(args: argparse.Namespace, work: Path, copies: int = 1) -> dict[int, float]:
+    """Samples/s of one rank per per-rank batch (short runs without evaluation), measured with
+    ``copies`` single-process runs at once, one thread each: ``copies`` = this machine's cores
+    (at most the largest shape's ranks), so the rate is one rank's while every core runs one, as
+    in the checked shapes (memory bandwidth and caches shared as there); ranks beyond the cores
+    are the plan's ``--cores`` factor."""
     rates = {}
     steps = 10 if args.quick else 30
     for b in args.per_rank_batch:
-        out = work / f"rate-b{b}"
-        _scaleout(
+        outs = [work / f"rate-b{b}-{i}" for i in range(copies)]
+        argv = [
             ["train", args.config, *args.overrides, "launch.env=single",
              f"train.global_batch={b}", f"train.max_steps={steps}", f"optim.total_steps={steps}",
              "optim.warmup_steps=1", "train.target=null", f"train.eval_every={steps * 10}",
              f"train.output_dir={out}", "checkpoint.dir=null", "checkpoint.every_steps=0",
-             "train.progress=false"],
-            env={"OMP_NUM_THREADS": "1"},
-            log=work / f"rate-b{b}.log",
-        )  # fmt: skip
-        rates[b] = b / step_time(out / "metrics.jsonl")
-        print(f"  rate: batch {b}/rank: {rates[b]:.1f} samples/s", flush=True)
+             "train.progress=false"]
+            for out in outs
+        ]  # fmt: skip
+        _scaleout_together(argv, {"OMP_NUM_THREADS": "1"}, [o.with_suffix(".log") for o in outs])
+        times = [step_time(o / "metrics.jsonl") for o in outs]
+        rates[b] = b / statistics.fmean(times)
+        print(
+            f"  rate: batch {b}/rank: {rates[b]:.1f} samples/s ({copies} at once: step "
+            + ", ".join(f"{t * 1e3:.0f}" for t in times)
+            + " ms)",
+            flush=True,
+        )
     return rates
+
+
+def _scaleout_together(argvs: list[list[str]], env: dict[str, str], logs: list[Path]) -> None:
+    """Several ``scaleout`` commands at once (each to its log); an error names the first that
+    failed."""
+    print(f"  $ {len(argvs)} x scaleout " + " ".join(argvs[0]), flush=True)
+    procs = []
+    for argv, log in zip(argvs, logs, strict=True):
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "scaleout", *argv],
+                    env={**os.environ, **env},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    codes = [p.wait() for p in procs]
+    for argv, log, rc in zip(argvs, logs, codes, strict=True):
+        if rc != 0:
+            raise SystemExit(f"scaleout {' '.join(argv[:2])} exited {rc}; see {log}")
 
 
 def step_time(metrics: Path, skip: int = 2) -> float:
@@ -256,15 +289,16 @@ def run(args: argparse.Namespace) -> int:
     calib = calibrate(args, cfg, work)
     print(f"[2/5] samples to {rule['target']} vs batch (bench largebatch)", flush=True)
     lb = largebatch(args, rule, work)
-    print("[3/5] compute rate of one rank", flush=True)
-    rates = compute_rates(args, work)
+    cores = os.cpu_count() or 1
+    copies = min(cores, 4)  # the largest shape checked: 2 x 2 ranks
+    print(f"[3/5] compute rate of one rank ({copies} at once, one per core)", flush=True)
+    rates = compute_rates(args, work, copies)
     print("[4/5] predictions (scaleout plan)", flush=True)
     cluster = P.load_cluster(str(calib))
     pw = P.workload(args.config, list(args.overrides))
     curve = P.curve_of_family(pw.arch, str(lb))
     grid = P.Grid([1, 2], [2], sorted(args.per_rank_batch), [cfg.comm.algorithm],
                   ["replicated"], [False])  # fmt: skip
-    cores = os.cpu_count() or 1
     res = P.plan(pw, cluster, curve, grid, "fastest", rates, cores)
     plan_cmd = (
         f"scaleout plan {args.config} --cluster {calib} --fit {lb} --nodes 1,2 --gpus-per-node 2 "
