@@ -131,6 +131,24 @@ def test_a_config_benchmark_repeats_no_config_key() -> None:
     assert not clashes, f"flags that repeat a config key (use key=value overrides): {clashes}"
 
 
+def test_every_benchmark_default_config_loads_outside_the_checkout(tmp_path, monkeypatch) -> None:
+    """A benchmark's default --config is a shipped config's name, found from any directory
+    (`scaleout bench plan` run from /tmp once stopped at 'configs/bert_tiny_cpu.yaml not found')."""
+    from scaleout.cli.bench import benches
+    from scaleout.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    checked = []
+    for mod in benches():
+        p = argparse.ArgumentParser()
+        mod.add_arguments(p)
+        default = next((a.default for a in p._actions if a.dest == "config"), None)
+        if default is not None:
+            load_config(default)  # raises UserError naming the path when it is not found
+            checked.append(mod.NAME)
+    assert "plan" in checked and len(checked) >= 5, checked
+
+
 def write() -> None:
     commands = surface()
     SNAPSHOT.write_text(

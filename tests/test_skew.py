@@ -24,6 +24,7 @@ from scaleout.train.faults import DelayInjection, skew_summary
 from scaleout.train.skew import (
     INTER,
     PHASES,
+    QUARANTINE_MIN_STEPS,
     PhaseSkew,
     SkewTracker,
     StepSkew,
@@ -227,7 +228,8 @@ def test_slow_link_rule_names_the_node_with_the_slow_link_not_its_waiting_peers(
     nobody. With node 1's link at 1/10 of node 0's (the rates exchanged at start-up) the credit
     names a rank of node 1 in inter_allreduce at ~10x; the derived row stays out of the spread.
     A compute straggler's peers wait in inter_allreduce: with equal links only the straggler is
-    named, in compute. The verdict for the quarantine file names node 1's host."""
+    named, in compute. The verdict for the quarantine file names node 1's host,
+    but not from an attempt that observed fewer than QUARANTINE_MIN_STEPS steps."""
     credit = link_credit([1e9, 1e9, 1e8, 1e8])
     assert credit == pytest.approx([0.1, 0.1, 1.0, 1.0])
     assert link_credit([1e9] * 4) is None and link_credit([None, None, None, 1e8]) is None
@@ -249,6 +251,9 @@ def test_slow_link_rule_names_the_node_with_the_slow_link_not_its_waiting_peers(
         f"straggler in inter_allreduce (ranks {s['rank']}): "
     )
     assert " on 5 of 5 steps " in reason, reason
+    short = _track(slow_link[: QUARANTINE_MIN_STEPS - 1], credit)  # an attempt stopped early
+    assert [x["node"] for x in short["stragglers"]] == [1]  # reported, but not quarantined
+    assert quarantine_verdicts(short, ["h-n0", "h-n1"]) == []
     noisy = _track(victims[:2] + [_phase_matrix([0.01] * 4)] * 8, None)  # 2 of 10 steps
     assert [s["rank"] for s in noisy["stragglers"]] == [0]  # reported, but not quarantined
     assert quarantine_verdicts(noisy, ["h-n0", "h-n1"]) == []

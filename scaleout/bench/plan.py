@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workdir", default="bench-results/plan", help="runs and intermediate JSON go here"
     )
     add_standard_arguments(p, NAME, png=True)
-    add_config_arguments(p, "configs/bert_tiny_cpu.yaml", "config every run trains")
+    add_config_arguments(p, "bert_tiny_cpu", "config every run trains")
 
 
 def _scaleout(argv: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> None:

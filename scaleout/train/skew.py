@@ -112,6 +112,10 @@ MIN_PERSIST = 0.1
 # this share of the steps, at this slowdown or more on average: it then leaves the next allocation.
 QUARANTINE_PERSIST = 0.5
 QUARANTINE_SLOWDOWN = 2.0
+# ... and only when the phase was observed on at least this many steps: an attempt stopped after
+# 3 steps (a notice right after the first checkpoint) on a loaded host made a node a 2x compute
+# straggler on 2 of 3 steps and cost it the requeue, as if it were broken.
+QUARANTINE_MIN_STEPS = 5
 # Phases whose stragglers are never quarantined: a rank waiting for its data is starved by its
 # input pipeline (workers still starting, a shared file system), which another node does not fix
 # (a short run's first steps made a healthy node a 21x data straggler and cost it the requeue),
@@ -135,9 +139,9 @@ def quarantine_verdicts(report: dict[str, Any], node_names: Sequence[str]) -> li
     """(host, reason) per node that is a straggler over the quarantine bar, for
     :func:`scaleout.quarantine.record` with source ``straggler``: from :meth:`SkewTracker.report`,
     a node's ranks together were a phase's straggler on at least :data:`QUARANTINE_PERSIST` of
-    the steps, at :data:`QUARANTINE_SLOWDOWN` x the median or more on average. Stricter than
-    being reported: a node leaves the next allocation, so a few noisy steps must not put it
-    there."""
+    the steps, at :data:`QUARANTINE_SLOWDOWN` x the median or more on average, in a phase observed
+    on at least :data:`QUARANTINE_MIN_STEPS` steps. Stricter than being reported: a node leaves
+    the next allocation, so a few noisy steps must not put it there."""
     seen = {p: s["steps"] for p, s in report.get("spread", {}).get("phases", {}).items()}
     by_node: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for s in report.get("stragglers", []):
@@ -148,7 +152,10 @@ def quarantine_verdicts(report: dict[str, Any], node_names: Sequence[str]) -> li
     for (node, phase), entries in sorted(by_node.items()):
         steps = sum(s["steps"] for s in entries)
         slowdown = sum(s["slowdown"] * s["steps"] for s in entries) / steps
-        if steps < QUARANTINE_PERSIST * seen.get(phase, steps) or slowdown < QUARANTINE_SLOWDOWN:
+        observed = seen.get(phase, steps)
+        if observed < QUARANTINE_MIN_STEPS or steps < QUARANTINE_PERSIST * observed:
+            continue
+        if slowdown < QUARANTINE_SLOWDOWN:
             continue
         if phase in NOT_QUARANTINED:
             continue
