@@ -220,6 +220,23 @@ def test_bench_plan_smoke_args_parse_and_bad_batches_fail_first() -> None:
         args._run(args)
 
 
+def test_bench_plan_target_is_off_the_plateau_and_the_users_wins() -> None:
+    """The tiny BERT's check targets 0.13 (its config's 0.15 sits on a plateau: the crossing step is
+    noise), --quick its own, another config its own; a train.target override wins."""
+    from scaleout.config import load_config
+
+    parser = build_parser()
+
+    def target(*argv: str) -> float | None:
+        args = parser.parse_args(["bench", "plan", *argv])
+        overrides = bench_plan.with_target(args)
+        return load_config(args.config, overrides).train.target
+
+    assert target() == 0.13 and target("--quick") == bench_plan.QUICK_TARGET
+    assert target("train.target=0.14") == 0.14 and target("--quick", "train.target=0.1") == 0.1
+    assert target("--config", "resnet_cpu") == load_config("resnet_cpu").train.target
+
+
 def test_sbatch_note_names_the_scripts_config_when_another_is_planned() -> None:
     assert P.sbatch_note("bert", LARGE) is None
     assert "configs/bert_large_256x8.yaml" in P.sbatch_note("bert", TINY)

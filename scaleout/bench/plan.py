@@ -28,10 +28,13 @@ time-to-train within 25 % of measured"):
 6. print predicted against measured, whether the plan's pick (its fastest point) measured fastest,
    and the median |error| against 25 %.
 
-Needs root (netns). With the defaults (the config's target, 0.15 for the tiny BERT) an estimated
-25-40 min on a 2-core machine (not yet run in full); ``--quick`` is a smoke run of every step
-(target 0.125, fewer sizes and repeats), 14 min here, half of it the largebatch fit. Run it alone
-(`flock /work/wt/netns.lock` on a shared box): other jobs change the timings.
+The target: the config's, except for the tiny BERT (``bert_tiny_cpu``), whose check uses 0.13 as
+``bench ttt`` does: its own 0.15 sits on a plateau (LAMB at 16 rows: 0.148, 0.145, 0.147, 0.149,
+0.144 at steps 600-1400, then 0.158 at 1600), where the step that crosses it is noise rather than
+a function of the batch, and a fit of samples(B) to it predicts nothing. ``train.target=...``
+overrides it. Needs root (netns). With the defaults ~15 min on a quiet 2-core machine;
+``--quick`` is a smoke run of every step (target 0.125, fewer sizes and repeats), 5-6 min. Run
+it alone on the machine (nothing else busy on its cores): other jobs change the timings.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ DESCRIPTION = (
     __doc__
     + """
 examples:
-  flock /work/wt/netns.lock scaleout bench plan                  # the bar's check (est. 25-40 min)
-  flock /work/wt/netns.lock scaleout bench plan --quick          # every step, ~15 min
+  scaleout bench plan                  # the bar's check (est. 25-40 min)
+  scaleout bench plan --quick          # every step, ~6 min
   scaleout bench plan --per-rank-batch 4,16 --rate 100mbit train.target=0.14
 """
 )
@@ -77,6 +80,8 @@ BENCH_KEYS = (
     "optim.warmup_steps",
 )
 QUICK_TARGET = 0.125
+# the check's target for a shipped config whose own target is not on the steep part of its curve
+CHECK_TARGETS = {"bert_tiny_cpu": 0.13}
 # tests/test_bench.py's tiny settings. End to end the check needs root, the netns cluster and
 # minutes of CPU (calibration, a largebatch fit, 4 trainings): run by hand (`--quick`); the suite
 # checks the command line and the input checks that come before any run.
@@ -259,11 +264,18 @@ def measure(
     return execute(plan, shape, r, rule["seed"], work / "runs")
 
 
+def with_target(args: argparse.Namespace) -> list[str]:
+    """The overrides with the check's target first (the user's train.target, later, wins):
+    --quick's, else :data:`CHECK_TARGETS` for a shipped config listed there, else none (the
+    config's own)."""
+    target = QUICK_TARGET if args.quick else CHECK_TARGETS.get(args.config)
+    return list(args.overrides) if target is None else [f"train.target={target}", *args.overrides]
+
+
 def run(args: argparse.Namespace) -> int:
     from scaleout.sim import plan as P
 
-    if args.quick:
-        args.overrides = [f"train.target={QUICK_TARGET}", *args.overrides]
+    args.overrides = with_target(args)
     if len(args.per_rank_batch) != 2 or min(args.per_rank_batch) < 1:
         raise UserError(f"--per-rank-batch {args.per_rank_batch}: expected two positive integers")
     if os.geteuid() != 0:
