@@ -135,6 +135,29 @@ def test_fit_recovers_the_critical_batch_and_reads_bench_largebatch(tmp_path, ca
     )
 
 
+def test_a_target_on_a_plateau_is_named_in_the_fit_notes(tmp_path):
+    """The curves of `scaleout bench plan`'s check at the tiny BERT's 0.15 (2026-12-05): LAMB at
+    16 rows reached 0.148 at step 600 and crossed 0.15 at 1,600; at 64 rows it rose steadily. The
+    fit then said samples fall with the batch; the note names the plateau run, not the other."""
+    flat = [[200, 0, 0.0969], [400, 0, 0.1345], [600, 0, 0.1481], [800, 0, 0.1446],
+            [1000, 0, 0.1474], [1200, 0, 0.1488], [1400, 0, 0.1436], [1600, 0, 0.1575]]  # fmt: skip
+    steep = [[50, 0, 0.054], [150, 0, 0.112], [250, 0, 0.1446], [300, 0, 0.1537]]
+    runs = [
+        {"optimizer": "lamb", "batch": 16, "steps": 1600, "seed": 1, "curve": flat},
+        {"optimizer": "lamb", "batch": 64, "steps": 300, "seed": 1, "curve": steep},
+    ]
+    path = tmp_path / "largebatch.json"
+    path.write_text(json.dumps({"bench": "largebatch", "target": 0.15, "runs": runs}))
+    points, notes = largebatch_points(path)
+    assert points == [(16.0, 25600.0), (64.0, 19200.0)]
+    (note,) = notes
+    assert "batch 16 seed 1" in note and "at step 600, crossed at step 1600" in note, note
+    runs[0]["curve"] = flat[:2] + [[600, 0, 0.1575]]  # crossed when it got near: no note
+    runs[0]["steps"] = 600
+    path.write_text(json.dumps({"bench": "largebatch", "target": 0.15, "runs": runs}))
+    assert largebatch_points(path)[1] == []
+
+
 def test_fixed_per_step_cost_with_and_without_cuda_graphs():
     """scaleout-h200: the graphed rows are a line in the batch whose intercept is the host cost;
     eager, the step cannot be shorter than the measured launch-bound step."""

@@ -32,8 +32,8 @@ The target: the config's, except for the tiny BERT (``bert_tiny_cpu``), whose ch
 ``bench ttt`` does: its own 0.15 sits on a plateau (LAMB at 16 rows: 0.148, 0.145, 0.147, 0.149,
 0.144 at steps 600-1400, then 0.158 at 1600), where the step that crosses it is noise rather than
 a function of the batch, and a fit of samples(B) to it predicts nothing. ``train.target=...``
-overrides it. Needs root (netns). With the defaults ~15 min on a quiet 2-core machine;
-``--quick`` is a smoke run of every step (target 0.125, fewer sizes and repeats), 5-6 min. Run
+overrides it. Needs root (netns). With the defaults ~6 min on a quiet 2-core machine;
+``--quick`` is a smoke run of every step (target 0.125, fewer sizes and repeats), 5 min. Run
 it alone on the machine (nothing else busy on its cores): other jobs change the timings.
 """
 
@@ -61,8 +61,8 @@ DESCRIPTION = (
     __doc__
     + """
 examples:
-  scaleout bench plan                  # the bar's check (est. 25-40 min)
-  scaleout bench plan --quick          # every step, ~6 min
+  scaleout bench plan                  # the bar's check (~6 min on a quiet box)
+  scaleout bench plan --quick          # every step, smaller (~5 min)
   scaleout bench plan --per-rank-batch 4,16 --rate 100mbit train.target=0.14
 """
 )
@@ -320,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
         + f" --cores {cores} --pick fastest"
     )
     print(f"  {plan_cmd}\n  {curve.describe()}", flush=True)
+    for note in curve.notes:  # e.g. a target on a plateau (scaleout.sim.convergence.plateau)
+        print(f"  note: {note}", flush=True)
     print("[5/5] measured runs on netns", flush=True)
     # One thread per rank, as the rate was measured: the ranks share the cores as the plan models
     # (min(1, cores / ranks) of one rank's rate), instead of each rank taking every core.
@@ -394,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
             "calibration": str(calib),
             "largebatch": str(lb),
             "convergence": curve.describe(),
+            "convergence_notes": list(curve.notes),
             "samples_per_s": rates,
             "cores": cores,
             "plan_command": plan_cmd,

@@ -209,8 +209,34 @@ def largebatch_points(
             )
             continue
         by_batch.setdefault(float(r["batch"]), []).append(float(r["steps"]) * float(r["batch"]))
+        near = plateau(r.get("curve") or [], data.get("target"), r["steps"])
+        if near is not None:
+            notes.append(
+                f"{optimizer} batch {r['batch']} seed {r.get('seed')}: the target "
+                f"{data['target']} sits on a plateau (within {PLATEAU_MARGIN:.0%} of it at step "
+                f"{near}, crossed at step {r['steps']}): the step that crosses it is noise, not "
+                "a function of the batch; fit to a target on the steep part of the curve"
+            )
     points = [(b, statistics.median(s)) for b, s in sorted(by_batch.items())]
     return points, notes
+
+
+# A run that came within this share of its target and then needed this factor more steps to
+# cross it was on a plateau (the tiny BERT at 0.15: 0.148 at step 600, crossed at 1,600).
+PLATEAU_MARGIN = 0.02
+PLATEAU_FACTOR = 1.5
+
+
+def plateau(curve: list[Any], target: Any, steps: Any) -> int | None:
+    """The first evaluated step at which a run (``curve``: [step, samples, metric], a metric that
+    rises to ``target``) came within :data:`PLATEAU_MARGIN` of the target, when it then took
+    :data:`PLATEAU_FACTOR` x as many steps to cross it; else None."""
+    if not isinstance(target, (int, float)) or not steps or target <= 0:
+        return None
+    for step, _, metric in curve:
+        if metric is not None and metric >= target * (1 - PLATEAU_MARGIN):
+            return int(step) if steps >= PLATEAU_FACTOR * step else None
+    return None
 
 
 def curve_for(
