@@ -112,9 +112,9 @@ MIN_PERSIST = 0.1
 # this share of the steps, at this slowdown or more on average: it then leaves the next allocation.
 QUARANTINE_PERSIST = 0.5
 QUARANTINE_SLOWDOWN = 2.0
-# ... and only when the phase was observed on at least this many steps: an attempt stopped after
-# 3 steps (a notice right after the first checkpoint) on a loaded host made a node a 2x compute
-# straggler on 2 of 3 steps and cost it the requeue, as if it were broken.
+# ... and only when the phase was observed on at least this many steps: an attempt preempted after
+# 3 steps (a notice right after the first checkpoint) on a loaded CI host quarantined a healthy
+# node and cost the job a second requeue, as if the node were broken.
 QUARANTINE_MIN_STEPS = 5
 # Phases whose stragglers are never quarantined: a rank waiting for its data is starved by its
 # input pipeline (workers still starting, a shared file system), which another node does not fix
