@@ -92,6 +92,37 @@ def test_prepare_cli_writes_and_reports(tmp_path, capsys) -> None:
 
 
 @pytest.mark.unit
+def test_eval_bn_batch_evaluates_class_mixed_batches(tmp_path) -> None:
+    """model.resnet.eval_bn=batch normalises each eval batch by its own statistics, so a batch must
+    be a sample of the val set: cut from the class-sorted folder list it held two classes (Fashion-
+    MNIST top-1 0.27 where the running statistics gave 0.82). The eval order is a fixed shuffle
+    then, the set evaluated the same, and running statistics keep the sorted order."""
+    from types import SimpleNamespace
+
+    from scaleout.config import load_config
+    from scaleout.families.resnet.task import ResNetTask
+
+    src, _ = _idx_dir(tmp_path, 64, 320)
+    fashion.prepare(tmp_path / "fm", src)
+    world = SimpleNamespace(rank=0, world_size=1, num_nodes=1, device=torch.device("cpu"))
+    orders = {}
+    for mode in ("running", "batch"):
+        over = [f"data.path={tmp_path / 'fm'}", "data.prepare=none", "data.eval_samples=320"]
+        over += [f"model.resnet.eval_bn={mode}", "model.resnet.memory_format=contiguous"]
+        over += [f"train.output_dir={tmp_path / mode}", "train.global_batch=64"]
+        task = ResNetTask(load_config("resnet_cpu", over), world)
+        labels = task.eval_set.labels[task.eval_idx]
+        orders[mode] = task.eval_idx
+        # the batches evaluate() forms on this rank: 64 consecutive of its share
+        classes = [len(set(labels[i : i + 64].tolist())) for i in range(0, len(labels), 64)]
+        if mode == "batch":
+            assert min(classes) >= 8, classes
+        else:
+            assert max(classes) <= 3, classes  # class-sorted: what batch statistics cannot use
+    assert sorted(orders["batch"].tolist()) == orders["running"].tolist()
+
+
+@pytest.mark.unit
 def test_resnet_cpu_config_is_fashion_mnist_and_fits_its_world() -> None:
     from scaleout.config import load_config
 
@@ -122,13 +153,16 @@ def test_bench_ttt_resnet_plumbing() -> None:
 
     args = build_parser().parse_args(["bench", "ttt", "--task", "resnet", "--seeds", "1"])
     cfg = ttt.scaleout_config(args)
-    assert (args.config, args.budget, args.baseline_lrs) == ("resnet_cpu", 180000, [0.05, 0.1, 0.2])
+    assert (args.config, args.budget, args.baseline_lrs) == ("resnet_cpu", 120000, [0.05, 0.1, 0.2])
+    assert args.eval_seqs == 15000
     assert (cfg.optim.name, cfg.model.resnet.bn_group, cfg.train.precision) == ("lars", 1, "fp32")
     # scaleout's warm-up share is its config's (40 of 705 steps), not BERT's 0.1
     assert args.warmup == cfg.optim.warmup_steps / cfg.optim.total_steps == 40 / 705
     best = Recipe("baseline", "torch", "sgd", 128, 0.1, 0.1)
     rec = ttt.recipes(args, cfg, 4, 1.0, best)
     assert [c.name for c in rec["chain"]] == ["abl-framework", "abl-lars", "scaleout"]
+    # the report labels each step by the row that ran it: scaleout's own row is the comm step
+    assert rec["scaleout"].label == rec["chain"][-1].label == "hierarchical all-reduce + overlap"
     args = build_parser().parse_args(
         ["bench", "ttt", "--task", "resnet", "model.resnet.bn_group=2", "train.precision=bf16"]
     )
@@ -149,6 +183,9 @@ def test_bench_ttt_resnet_plumbing() -> None:
         0.0,
         1,
     )
+    assert ran.model.resnet.eval_bn == "running"  # the baseline's eval: running statistics
+    lars = command(plan, rec["chain"][1], 2, Path("o"))
+    assert load_config(lars[2], lars[3:]).model.resnet.eval_bn == "batch"  # scaleout's recipe
     full = load_config(*(lambda c: (c[2], c[3:]))(command(plan, rec["scaleout"], 2, Path("o"))))
     assert (full.model.resnet.bn_group, full.optim.power, full.comm.algorithm) == (
         2,

@@ -165,7 +165,13 @@ def ablation_table(ab: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return headers, table
 
 
-def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str) -> Path | None:
+def plot(
+    rows: list[dict[str, Any]],
+    target: float,
+    path: str | Path,
+    title: str,
+    metric: str = "eval masked-LM accuracy",
+) -> Path | None:
     """Accuracy against wall time since run_start, every run; one panel per cluster."""
     from scaleout.output import pyplot, save_figure
 
@@ -198,7 +204,7 @@ def plot(rows: list[dict[str, Any]], target: float, path: str | Path, title: str
         ax.set_title(c)
         ax.set_xlabel("wall time since run_start (s)")
         ax.legend(fontsize=6, loc="lower right")
-    axes[0][0].set_ylabel("eval masked-LM accuracy")
+    axes[0][0].set_ylabel(metric)
     fig.suptitle(title)
     fig.tight_layout()
     path = save_figure(fig, path, dpi=110)
@@ -314,7 +320,11 @@ def finish(
         print(f"wrote {path}")
     if args.png:
         plot(
-            rows, plan.target, args.png, f"{plan.config}: time-to-train to {plan.target}, every run"
+            rows,
+            plan.target,
+            args.png,
+            f"{plan.config}: time-to-train to {plan.target}, every run",
+            "eval top-1" if plan.task == "resnet" else "eval masked-LM accuracy",
         )  # says where
     return 0
 

@@ -91,6 +91,9 @@ class Recipe:
     bn_group: int = 1  # --task resnet: model.resnet.bn_group (group BN over this many ranks)
     # --task resnet: model.resnet.label_smoothing (None: the config's)
     label_smoothing: float | None = None
+    # --task resnet: model.resnet.eval_bn, the BN statistics evaluation uses (running: the pooled
+    # moving averages, as the baseline's eval; batch: each eval batch's own, HPC-AI500's variant)
+    eval_bn: str = "running"
     # scaleout's data.order: torch = the DistributedSampler batches of the plain loop (the
     # ablation's framework step, so its factor is the framework's cost, not another order)
     order: str = "scaleout"
@@ -101,7 +104,7 @@ class Recipe:
         """``scaleout train``'s recipe as a resolved config states it (the keys :func:`command`
         writes back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets,
         precision, wire dtype."""
-        low = cfg.train.precision != "fp32"
+        low, resnet = cfg.train.precision != "fp32", cfg.model.arch == "resnet"
         return cls(
             name,
             "scaleout",
@@ -115,7 +118,8 @@ class Recipe:
             bucket_mb=cfg.comm.bucket_mb,
             precision=cfg.train.precision,
             compression=cfg.comm.compression if low else "none",
-            bn_group=cfg.model.resnet.bn_group if cfg.model.arch == "resnet" else 1,
+            bn_group=cfg.model.resnet.bn_group if resnet else 1,
+            eval_bn=cfg.model.resnet.eval_bn if resnet else "running",
             **kw,
         )
 
@@ -216,6 +220,7 @@ def command(
     if plan.task == "resnet":
         del sets["data.packing"]
         sets["model.resnet.bn_group"] = r.bn_group
+        sets["model.resnet.eval_bn"] = r.eval_bn
         if r.label_smoothing is not None:
             sets["model.resnet.label_smoothing"] = repr(r.label_smoothing)
     return [

@@ -69,6 +69,11 @@ class DataConfig(_Section):
     # Keep decoded uint8 images in memory (per process, up to 12 GiB per rank split over its
     # workers, as NVIDIA's DALI_CACHE_SIZE): with shards, each node's share of the set.
     cache_decoded: bool = False
+    # Keep this rank's evaluation images on the device after the first evaluation (uint8, after
+    # the deterministic resize + centre crop), as NVIDIA's MLPerf ResNet keeps its eval set: later
+    # evaluations read and decode nothing. Only while the share fits 1/20 of the device's memory
+    # (the host's, split over its local ranks, on CPU); larger shares are read every time.
+    cache_eval: bool = True
     max_seq_len: int = Field(512, ge=8, le=1 << 17)
     packing: Literal["none", "spfhp", "lpfhp", "nnlshp", "lphp", "auto"] = "none"
     # The training order: scaleout (every sample once per epoch, seeded (data.seed, epoch); a batch

@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+import scaleout.families.resnet.task as task_module
 from scaleout.config import load_config
 from scaleout.errors import ConfigError
 from scaleout.families.resnet.data import ImageFolder, SyntheticImages
@@ -282,3 +283,34 @@ def test_input_settings_refused_where_they_cannot_feed_the_device() -> None:
         assert "\n" not in str(e.value) and torch.__version__ in str(e.value)
         with pytest.raises(ConfigError, match="needs torchvision"):  # num_workers=0 is allowed
             check_input_pipeline(gpu, torch.device("cuda", 0))
+
+
+@pytest.mark.unit
+def test_eval_images_are_read_once_and_kept_while_they_fit(monkeypatch) -> None:
+    """data.cache_eval: the first evaluation reads and decodes this rank's share, later ones read
+    nothing and score the same; with the cache off, or a share over the budget, every evaluation
+    reads again."""
+
+    def reads_per_eval(over: list[str]) -> tuple[ResNetTask, list[int], list[float]]:
+        task = ResNetTask(load_config(None, [*SMALL, *over]), _world())
+        real, calls = task.eval_set.get, []
+        monkeypatch.setattr(
+            task.eval_set, "get", lambda idx, *a, **k: calls.append(1) or real(idx, *a, **k)
+        )
+        per_eval, accs = [], []
+        for _ in range(3):
+            n = len(calls)
+            accs.append(task.evaluate(task.model))
+            per_eval.append(len(calls) - n)
+        return task, per_eval, accs
+
+    task, per_eval, accs = reads_per_eval([])
+    assert per_eval[0] >= 1 and per_eval[1:] == [0, 0], per_eval
+    assert accs[0] == accs[1] == accs[2]
+    assert task._eval_cache and all(x.dtype == torch.uint8 for x, _ in task._eval_cache)
+
+    _, per_eval, accs = reads_per_eval(["data.cache_eval=false"])
+    assert per_eval[0] >= 1 and per_eval == [per_eval[0]] * 3 and len(set(accs)) == 1
+    monkeypatch.setattr(task_module, "EVAL_CACHE_SHARE", 1e-15)  # no share fits
+    _, per_eval, _ = reads_per_eval([])
+    assert per_eval[0] >= 1 and per_eval == [per_eval[0]] * 3
