@@ -121,9 +121,13 @@ class ResNetTask(Task):
         """On the device: (GPU decode, then) uint8 NHWC pixels -> float NCHW normalised with the
         ImageNet mean/std, in the model's memory format (channels_last: the permute of NHWC is
         channels_last for free)."""
+        return normalise_images(self._pixels(inputs), self._norm, channels_last=self.channels_last)
+
+    def _pixels(self, inputs: Any) -> torch.Tensor:
+        """uint8 NHWC pixels on the device: a GPU-decode batch decoded, anything else as it is."""
         if isinstance(inputs, JpegBatch):
-            inputs = decode_on_device(inputs, self.world.device)
-        return normalise_images(inputs, self._norm, channels_last=self.channels_last)
+            return decode_on_device(inputs, self.world.device)
+        return inputs
 
     def _open_images(self, cfg: Config, world: World) -> None:
         """A real labelled set at data.path, as class folders or tar shards (data.format), opened
@@ -227,7 +231,7 @@ class ResNetTask(Task):
         was_training = model.training
         model.eval()
         for pixels, y in self._eval_pixels():
-            x = normalise_images(pixels, self._norm, channels_last=self.channels_last)
+            x = self.prepare_inputs(pixels)
             with self.autocast():
                 pred = model(x).argmax(1)
             counts.add((pred == y).sum(), len(y))
@@ -250,10 +254,7 @@ class ResNetTask(Task):
         )
         for i in range(0, len(mine), EVAL_BATCH):
             x, y = self.eval_set.get(mine[i : i + EVAL_BATCH])
-            x = to_device(x, w.device)
-            if isinstance(x, JpegBatch):
-                x = decode_on_device(x, w.device)
-            pair = (x, to_device(y, w.device))
+            pair = (self._pixels(to_device(x, w.device)), to_device(y, w.device))
             if keep is not None:
                 keep.append(pair)
             yield pair
