@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -363,6 +364,16 @@ def test_quick_bench_end_to_end(tmp_path) -> None:
     assert ran["scaleout"] == {"linear": "bfloat16", "attn": "bfloat16", "comm": "bfloat16"}
     assert ran["abl-lamb"] == {"linear": "fp32", "attn": "fp32", "comm": "fp32"}
     assert ran["scaleout-sharded"] == ran["scaleout"]  # within the node: bf16 on the wire too
+    # model.bert.attention=auto: bf16 on the CPU measures both kernels and runs the faster one,
+    # fp32 keeps SDPA without a measurement (report.json, task.attention)
+    attention = {
+        r["recipe"]: json.loads((Path(r["dir"]) / "report.json").read_text())["task"]["attention"]
+        for r in res["runs"]
+        if r["recipe"] in ("scaleout", "abl-lamb")
+    }
+    times = attention["scaleout"]["probe_ms"]
+    assert attention["scaleout"]["kernel"] == min(times, key=times.get)
+    assert attention["abl-lamb"]["kernel"] == "sdpa" and attention["abl-lamb"]["probe_ms"] is None
     table = stdout[stdout.index("time-to-train to masked-LM accuracy 0.01") :]
     assert (
         "> budget (" in table.splitlines()[3] and "ablation on local" in stdout

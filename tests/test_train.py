@@ -93,6 +93,11 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
         and report["skipped_steps"] == 0
     )
     assert report["task"]["packing"]["efficiency"] > 0.9
+    assert report["task"]["attention"] == {  # fp32: SDPA, nothing measured
+        "kernel": "sdpa",
+        "reason": "auto on cpu in fp32: the two kernels are within noise",
+        "probe_ms": None,
+    }
     # MFU against the peak measured on this CPU: a real fraction, not the nominal-peak number it
     # used to be
     assert "measured" in report["peak_source"] and 0 < report["mfu"] <= 1

@@ -104,6 +104,11 @@ class Task:
         synchronous path. ResNet with ``data.decode=dali`` returns its DALI pipeline."""
         return None
 
+    def choose_kernels(self) -> None:
+        """Once the run's precision is known, before the trainer wraps the model: pick the
+        model's kernels where the config leaves it to a measurement (default: nothing to pick).
+        BERT probes its attention kernel here (scaleout/families/bert/kernels.py)."""
+
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         raise NotImplementedError
 

@@ -23,4 +23,5 @@ def build_task(cfg: Config, world: World) -> Task:
         )
     task = family.build_task(cfg, world)
     task.precision = Precision(cfg.train.precision, world.device)
+    task.choose_kernels()
     return task

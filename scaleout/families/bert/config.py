@@ -29,6 +29,11 @@ class BertConfig(Section):
     # (max_predictions per sequence, as NVIDIA's masked_lm_positions + weights) and weight the loss.
     # None = on exactly when model.cuda_graphs=true.
     static_shapes: bool | None = None
+    # Attention kernel: sdpa = torch's fused kernels (varlen flash attention for packed bf16/fp16
+    # rows on CUDA, else scaled_dot_product_attention); explicit = two matmuls + an fp32 softmax;
+    # auto = measured at start-up where they differ (CPU with bf16/fp16), else sdpa
+    # (scaleout/families/bert/kernels.py).
+    attention: Literal["auto", "sdpa", "explicit"] = "auto"
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> BertConfig:

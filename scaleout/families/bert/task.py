@@ -20,11 +20,13 @@ from scaleout.families.bert.data.bert_batch import build_batch
 from scaleout.families.bert.data.bert_sources import load_bert_data, to_bert_sequences
 from scaleout.families.bert.data.shard_source import open_shards
 from scaleout.families.bert.flops import batch_flops
+from scaleout.families.bert.kernels import choose_attention
 from scaleout.families.bert.model import BertForPreTraining
 from scaleout.families.bert.packing.assign import assign_sequences
 from scaleout.families.bert.packing.hist import histogram_from_lengths
 from scaleout.families.bert.packing.pack import pack_histogram
 from scaleout.families.task import Counts, Task
+from scaleout.log import print0
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -134,6 +136,15 @@ class BertTask(Task):
             self.max_pred,
             self.depth,
         )
+
+    def choose_kernels(self) -> None:
+        """model.bert.attention=auto: the faster attention kernel for this run's device, dtype
+        and shape (a probe on synthetic tensors before run_start, the same choice on every
+        rank)."""
+        precision = self.precision.dtype if self.precision is not None else None
+        chosen = choose_attention(self.model, self.cfg, self.world, precision)
+        self.info["attention"] = chosen
+        print0(f"attention: {chosen['kernel']} ({chosen['reason']})", rank=self.world.rank)
 
     def loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return model(mb.inputs).loss
