@@ -117,6 +117,8 @@ def test_scaleout_recipe_is_the_config_and_command_writes_it_back() -> None:
     sharded = rec["scaleout-sharded"]
     assert rec["chain"][2].bucket_mb == 4.0 and sharded.sharded and sharded.shard == "node"
     assert sharded.compression == rec["scaleout"].compression  # the same wire dtype
+    # four collectives a bucket where the replicated path makes one: 4x larger buckets
+    assert sharded.bucket_mb == 4 * rec["scaleout"].bucket_mb
     # the framework step reads the baseline's DistributedSampler batches; packed rows, scaleout's
     fw, packed = rec["chain"][0], rec["chain"][1]
     assert (fw.order, packed.order, rec["scaleout"].order) == ("torch", "scaleout", "scaleout")

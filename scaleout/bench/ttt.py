@@ -11,7 +11,8 @@ target, trained to the target on the same cluster, in one invocation:
   become the best), and the best one runs every seed;
 * **scaleout**: ``scaleout train`` with packing, LAMB and ``DataParallel`` with the hierarchical
   all-reduce and overlap (1 MB buckets); **scaleout-sharded**: the same with the sharded LAMB
-  (sharded within the node, optim.shard=node: the gradients keep the wire dtype). The
+  (sharded within the node, optim.shard=node: the gradients keep the wire dtype; 4x larger
+  buckets, as each costs it four collectives where the replicated path makes one). The
   batch is a recipe choice: on this tiny model LAMB needs fewer sequences at 32 packed rows than at
   64-256 (docs/ttt.md);
 * **ablation** (the waterfall from the baseline to scaleout, one ingredient switched on per step):
@@ -72,6 +73,7 @@ SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
 # The tiny BERT's masked-LM target: 2.4x the most-frequent-token 0.054, above copy-the-input 0.117,
 # on the steep part of the curve (its config's 0.15 sits on a plateau); `bench plan` checks at it
 BERT_TARGET = 0.13
+SHARDED_BUCKETS = 4  # the sharded row's buckets, in scaleout's (see recipes())
 SCALEOUT_RECIPE = [
     f"train.target={BERT_TARGET}",
     # packed rows, ~36 sequences: larger needs more sequences on this model
@@ -384,12 +386,17 @@ def recipes(
         "scaleout": full,
         # sharded within the node (NVIDIA's DistributedFusedLAMB: reduce-scatter in the node,
         # the slice all-reduced across the nodes, norms summed in the node), so the gradients keep
-        # scaleout's wire dtype (a world shard's compressed reduce-scatter needs comm=flat)
+        # scaleout's wire dtype (a world shard's compressed reduce-scatter needs comm=flat).
+        # Buckets SHARDED_BUCKETS x larger: each costs the sharded path four collectives (all-to-all
+        # in the node, all-to-all + all-gather across, the parameters' all-gather) where the
+        # replicated path makes one all-reduce, so the same collectives per MB (docs/ttt.md:
+        # 1 vs 4 MB on netns 2x2, 128.7 / 134.0 against 114.0 / 120.0 ms a step)
         "scaleout-sharded": replace(
             full,
             name="scaleout-sharded",
             sharded=True,
             shard="node",
+            bucket_mb=full.bucket_mb * SHARDED_BUCKETS,
             label=f"sharded {full.optimizer.upper()} (within the node)",
         ),
         "chain": chain,
