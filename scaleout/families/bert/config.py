@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from scaleout.section import Section
 
+ATTENTION_KERNELS = ("sdpa", "explicit")  # model.bert.attention's kernels (auto picks one)
+
 
 class BertConfig(Section):
     vocab_size: int = Field(30522, ge=8, le=1 << 20)

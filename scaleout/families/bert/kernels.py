@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.families.bert.model import BertForPreTraining, _sdpa, explicit_attention
+from scaleout.families.bert.config import ATTENTION_KERNELS
+from scaleout.families.bert.model import BertForPreTraining, attention_fn
 
 if TYPE_CHECKING:
     from scaleout.world import World
 
-KERNELS = {"sdpa": _sdpa, "explicit": explicit_attention}
+KERNELS = {k: attention_fn(k) for k in ATTENTION_KERNELS}
 ROUNDS = 3  # timed rounds of each kernel after one untimed warm-up round
 BUDGET_S = 2.0  # stop adding rounds once the probe has taken this long (large shapes)
 

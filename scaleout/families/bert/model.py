@@ -65,12 +65,13 @@ real; ``mlm_logits[mlm_valid]`` equals the default output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.config import ATTENTION_KERNELS, BertConfig
 
 PAD_ID = 0
 IGNORE_INDEX = -100
@@ -145,9 +146,6 @@ def _top1(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-ATTENTION_KERNELS = ("sdpa", "explicit")
-
-
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float
 ) -> torch.Tensor:
@@ -170,6 +168,11 @@ def explicit_attention(
     if p > 0:
         a = F.dropout(a, p)
     return torch.matmul(a.to(v.dtype), v)
+
+
+def attention_fn(kernel: str) -> Any:
+    """The function of an attention kernel name (looked up at call time)."""
+    return explicit_attention if kernel == "explicit" else _sdpa
 
 
 class SelfAttention(nn.Module):
@@ -201,8 +204,9 @@ class SelfAttention(nn.Module):
             )
         else:
             p = self.dropout if self.training else 0.0
-            attend = explicit_attention if self.kernel == "explicit" else _sdpa
-            ctx = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p)
+            ctx = attention_fn(self.kernel)(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, p
+            )
             ctx = ctx.transpose(1, 2).reshape(b, n, h)
         return self.out(ctx)
 
