@@ -177,3 +177,101 @@ def test_the_step_agreement_rides_in_the_last_bucket(tmp_path) -> None:
         # the skew of a step rides in the next step's agreement: none at the first step
         assert fp32["skews"] == [False, True, True, True] == bf16["skews"], (fp32, bf16)
     assert results[0]["none"]["losses"] == results[1]["none"]["losses"]  # agreed on every rank
+
+
+def _built_ahead(world, out: str) -> dict:
+    """Four steps of the trainer twice from the same start: as it runs (each next step's batch
+    built in the wire wait of the last gradient bucket) and with the build ahead switched off
+    (every batch built at its own step's start). Records each call of the task's batch builder:
+    its data position and whether every bucket was on the wire then."""
+    from scaleout.config import load_config
+    from scaleout.train.trainer import Trainer
+    from tests.test_skew import RUN
+
+    res = {}
+    for mode in ("ahead", "inline"):
+        cfg = load_config(None, [*RUN, f"train.output_dir={out}/{mode}"])
+        trainer = Trainer(cfg, world)
+        trainer.preemption = type(
+            "P", (), {"requested": False, "noticed": False, "terminating": False}
+        )()
+        if mode == "inline":
+            trainer._build_ahead = lambda step: None
+        reducer, build = trainer.model.reducer, trainer.task.micro_batches
+        calls = []
+
+        def counting(position, accum, build=build, reducer=reducer, calls=calls):
+            out_on_wire = len(reducer.launch_order) == len(reducer.buckets) and not reducer.waiting
+            calls.append((position, out_on_wire and reducer._in_backward is False))
+            return build(position, accum)
+
+        trainer.task.micro_batches = counting
+        trainer._start_clock()
+        idle = []
+        for step in range(4):
+            assert trainer.run_step(step) is None
+            idle.append(trainer.sync.last_stats["idle_s"])
+        res[mode] = {
+            "calls": calls,
+            "losses": [float(x) for x in trainer.losses],
+            "idle": idle,
+            "batch": cfg.train.global_batch,
+        }
+        trainer.mlperf_log.close()
+    return res
+
+
+@pytest.mark.multi_process
+def test_the_next_batch_is_built_while_the_last_bucket_is_on_the_wire(tmp_path) -> None:
+    """On a host wait (gloo, flat: nothing in flight needs this process's GIL) the trainer builds
+    step s+1's batch after step s's last gradient bucket went out and before it blocks on the
+    wire: each step's batch is built exactly once, the next step uses it, and the run is the run
+    of the synchronous path bit for bit (2 real gloo ranks)."""
+    from tests.distutil import run_dist
+
+    results = run_dist(_built_ahead, 1, 2, args=(str(tmp_path),), timeout=180)
+    for res in results:
+        ahead, inline = res["ahead"], res["inline"]
+        gb = ahead["batch"]
+        # step 0 at its start, steps 1-4 in the wait of steps 0-3 (4 < train.max_steps)
+        assert [p for p, _ in ahead["calls"]] == [s * gb for s in range(5)], ahead
+        assert [w for _, w in ahead["calls"]] == [False, True, True, True, True], ahead
+        assert all(t > 0 for t in ahead["idle"]), ahead
+        assert [p for p, _ in inline["calls"]] == [s * gb for s in range(4)], inline
+        assert inline["idle"] == [0.0] * 4, inline
+        assert ahead["losses"] == inline["losses"], res
+
+
+@pytest.mark.unit
+def test_no_host_work_in_the_wait_while_a_comm_thread_schedule_runs() -> None:
+    """A hierarchical or torus schedule runs as Python on the World's comm thread: work holding
+    the GIL in the main thread would delay its phases, so the reducer runs its while_waiting
+    only when that thread is idle (or absent) and the buckets are on the host."""
+    import threading
+
+    from scaleout.comm import handles
+
+    world = init(environment="single")
+    try:
+        dp = DataParallel.from_config(_chain(), world, CommConfig(bucket_mb=25.0))
+        assert dp.reducer._host_waits()
+        release = threading.Event()
+        handle = handles.comm_thread(world).submit(release.wait, torch.zeros(1))
+        try:
+            assert not dp.reducer._host_waits()
+            ran = []
+            dp.reducer.while_waiting = lambda: ran.append(1)
+            # the bucket queues behind the busy thread: released once backward is waiting on it
+            threading.Timer(0.5, release.set).start()
+            dp(torch.randn(3, 256)).sum().backward()
+            assert ran == [] and dp.last_stats["idle_s"] == 0.0
+            assert dp.reducer.while_waiting is None  # taken, not left for a later backward
+        finally:
+            release.set()
+            handle.wait()
+        ran = []
+        dp.reducer.while_waiting = lambda: ran.append(1)
+        dp(torch.randn(3, 256)).sum().backward()
+        assert ran == [1]
+    finally:
+        world.close()

@@ -649,3 +649,76 @@ def test_rider_values_are_summed_with_the_last_bucket_and_leave_gradients_alone(
         assert fp32["same_grads"] < 1e-6, fp32
         assert bf16["calls"] == [] and bf16["result"] is None, bf16
         assert bf16["same_grads"] < 1e-6, bf16  # the same recipe with and without the rider
+
+
+def _averaged_after_the_sum(world):
+    """fp32 buckets on an fp32 wire go out undivided and are averaged after their wait, in the
+    pass that flags non-finite values; the reducer starts each flat bucket's work itself (no
+    layer of scaleout.comm, no Python callback per bucket)."""
+    import torch.distributed as dist
+
+    import scaleout
+
+    p = world.world_size
+    x, y = global_batch(0, p)
+    b = x.shape[0] // p
+    mine = slice(world.rank * b, (world.rank + 1) * b)
+    post = scaleout.DataParallel(make(), world, bucket_mb=1e-4, allow_unused=True)
+    pre = scaleout.DataParallel(make(), world, bucket_mb=1e-4, allow_unused=True)
+    pre.reducer._divides_after = lambda buf: False  # the same buckets, divided before the sum
+    works: list = []
+    start = post.reducer._start
+
+    def recording(buf, start=start):
+        work = start(buf)
+        works.append(type(work).__name__ if isinstance(work, dist.Work) else repr(work))
+        return work
+
+    def refused(buf, async_op=True):
+        raise AssertionError("scaleout.comm.all_reduce called for a flat bucket")
+
+    post.reducer._start = recording
+    post.reducer._all_reduce = refused
+    out = {}
+    for step in range(2):  # the second after the bucket rebuild
+        for net in (post, pre):
+            loss = loss_fn(net(x[mine]), y[mine])
+            if step == 1 and world.rank == 1 and net is post:
+                loss = loss * float("nan")  # one rank's gradients NaN: the sums are NaN everywhere
+            loss.backward()
+        st = post.last_stats
+        out[step] = {
+            "nonfinite": None if post.reducer.nonfinite is None else post.reducer.nonfinite.item(),
+            "pre_flag": pre.reducer.nonfinite,
+            "bitwise": all(
+                torch.equal(a.grad, b.grad)
+                for a, b in zip(post.module.parameters(), pre.module.parameters(), strict=True)
+            ),
+            "done_after_launch": all(
+                d > 0 and d >= s for d, s in zip(st["done_s"], st["launch_s"], strict=True)
+            ),
+            "buckets": st["buckets"],
+        }
+        for net in (post, pre):
+            net.zero_grad()
+    out["works"] = works
+    return out
+
+
+@pytest.mark.multi_process
+def test_fp32_buckets_are_averaged_after_the_sum_with_the_nonfinite_flag():
+    """4 real gloo ranks, many small buckets: dividing after the sum gives the gradients of
+    dividing before it bit for bit (p = 4, a power of two), the reducer's non-finite flag is 0
+    for finite gradients and 1 on every rank when one rank's gradients are NaN, every bucket's
+    completion is stamped after its launch, and every bucket went out as a native gloo work
+    started by the reducer itself."""
+    results = run_dist(_averaged_after_the_sum, P_NODES, P_LOCAL, timeout=120)
+    for res in results:
+        first, nan = res[0], res[1]
+        assert first["buckets"] > 2, first
+        assert first["nonfinite"] == 0.0 and first["bitwise"], first
+        assert first["pre_flag"] is None, first  # a pre-divided backward has no flag
+        assert nan["nonfinite"] == 1.0, nan
+        assert first["done_after_launch"] and nan["done_after_launch"], res
+        assert len(res["works"]) == first["buckets"] + nan["buckets"], res
+        assert all(w != "None" and "Work" in w for w in res["works"]), res["works"]

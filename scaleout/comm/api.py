@@ -74,7 +74,9 @@ def all_reduce(
         finish()
 
     native = (lambda: alg.start(buf, world, opts)) if alg.single_collective else None
-    return dispatch(world, tensor, job, native, finish, async_op)
+    # a sum in place needs no finishing: a native work is then waited for as it is
+    done = None if opname != "avg" and contiguous else finish
+    return dispatch(world, tensor, job, native, done, async_op)
 
 
 def dispatch(
@@ -82,13 +84,15 @@ def dispatch(
     result: torch.Tensor,
     job: Callable[[], None],
     native: Callable[[], Any] | None,
-    finish: Callable[[], None],
+    finish: Callable[[], None] | None,
     async_op: bool,
 ) -> Any:
     """Run one collective schedule in call order: ``job`` does everything (all phases, then
     ``finish``); ``native`` (single-collective algorithms) starts one torch.distributed async work
     instead, or returns None when there is nothing to send. Returns ``result`` (sync) or a Handle
-    completing with it.
+    completing with it. ``finish`` None: the native work's result needs nothing done on the host
+    (a sum in place), so its handle waits for the work itself: no Python callback runs on the
+    backend's completion thread (one per bucket would take the GIL from the training thread).
 
     On a CUDA device: always in this thread (see :mod:`scaleout.comm.handles`, the stream/thread
     rule), a multi-phase ``job`` on the comm stream (async phases chained by stream waits), a
@@ -114,14 +118,41 @@ def dispatch(
     if native is not None and idle:
         work = native()  # one native async collective: no thread needed
         if work is None:
-            finish()
+            if finish is not None:
+                finish()
             return handles.completed(result)
+        if finish is None:
+            return NativeHandle(work, result)
         try:
             future = work.get_future()
         except RuntimeError:  # gloo's reduce_scatter / all_gather works have no future (torch 2.13)
             return WorkHandle(work, finish, result)
         return handles.Handle(future.then(lambda _f: (finish(), result)[1]), result)
     return handles.comm_thread(world).submit(job, result)
+
+
+class NativeHandle(handles.Handle):
+    """A native async work with nothing left to do on the host: ``wait()`` waits for the work (on
+    CUDA: the caller's stream waits for it), ``is_completed()`` asks it. ``future`` (a DDP
+    communication hook's result: completes with the tensor) is made on first use only."""
+
+    def __init__(self, work: Any, result: torch.Tensor):
+        self.work, self.tensor = work, result
+        self._future: torch.futures.Future | None = None
+
+    @property  # type: ignore[override]
+    def future(self) -> torch.futures.Future:
+        if self._future is None:
+            tensor = self.tensor
+            self._future = self.work.get_future().then(lambda _f: tensor)
+        return self._future
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 class WorkHandle(handles.Handle):

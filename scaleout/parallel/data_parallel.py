@@ -67,13 +67,16 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
 
 
 def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
-    get_algorithm(
+    alg = get_algorithm(
         algorithm
     )  # one-line UserError for an unknown name, now rather than inside backward
 
     def reduce(buf: torch.Tensor, async_op: bool = True) -> Any:
         return all_reduce(buf, world, algorithm, op="sum", async_op=async_op, **options)
 
+    if alg.single_collective:  # one native collective: the reducer may start it itself
+        opts = alg.options(**options)
+        reduce.start = lambda buf: alg.start(buf, world, opts)  # type: ignore[attr-defined]
     return reduce
 
 

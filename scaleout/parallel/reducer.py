@@ -22,14 +22,24 @@ On a CUDA device each launch is issued from the thread running the hooks (the au
 enqueued on the comm stream; ``wait`` makes the waiting stream wait for it (no host block):
 scaleout.comm.handles, the stream/thread rule.
 
-Averaging pre-divides by the world size before the sum (DDP's default hook does the same). With
-compression the pre-divided bucket is cast to bf16/fp16 for the wire and the result is cast back
-into the parameters' dtype: dividing *before* the cast is what keeps an fp16 sum of p gradients from
-overflowing (Horovod issue #326, PyTorch issue #57410: fp16 all-reduce of un-divided gradients hits
-inf at 65504).
+Averaging. An fp32 bucket on an fp32 wire is summed as it is and divided by the world size after
+its wait, in one fused pass that also flags non-finite values (``_amp_foreach_non_finite_check_
+and_unscale_``, the loss scaler's kernel): the pass the trainer's non-finite check makes anyway, so
+averaging costs no pass of its own (torch DDP folds its division into the copy into the bucket
+instead). Buckets that finish early are divided while the last one is still on the wire. For a
+power-of-two world size the result is bit-identical to dividing first. Any other bucket is
+pre-divided before the sum (DDP's default hook does the same). With compression the pre-divided
+bucket is cast to bf16/fp16 for the wire and the result is cast back into the parameters' dtype:
+dividing *before* the cast is what keeps an fp16 sum of p gradients from overflowing (Horovod issue
+#326, PyTorch issue #57410: fp16 all-reduce of un-divided gradients hits inf at 65504).
 
-Unused parameters: the last bucket carries one extra element per parameter, 1/p if this rank gave
-the parameter a gradient since the last synchronisation, 0 otherwise. It is summed with the
+Completion times are read by polling the in-flight buckets' handles (from the hooks, and before
+the wait), not from callbacks: a Python callback per bucket would run on the backend's completion
+thread and take the GIL from the training thread mid-backward.
+
+Unused parameters: the last bucket carries one extra element per parameter, 1 (1/p in a
+pre-divided bucket) if this rank gave the parameter a gradient since the last synchronisation, 0
+otherwise. It is summed with the
 gradients (no extra collective), so every rank learns the same set of parameters that got no
 gradient on *any* rank, and every rank raises the same error naming them (unless ``allow_unused``):
 no rank is left waiting in a collective the others abandoned.
@@ -45,6 +55,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from scaleout import profiler
+from scaleout.comm import handles
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
@@ -92,8 +103,11 @@ class Reducer:
         self.world = world
         self.rider = rider
         # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in
-        # place
+        # place. Its ``start`` attribute, if any (a single native collective: flat): (buffer) ->
+        # the async work or None (nothing to send), what the reducer starts itself when nothing is
+        # queued on the World's comm thread (no hand-off, no Python layer per bucket)
         self._all_reduce = all_reduce
+        self._start: Callable[[torch.Tensor], Any] | None = getattr(all_reduce, "start", None)
         self.comm_dtype = compression_dtype(compression)
         self.overlap = overlap
         self.allow_unused = allow_unused
@@ -138,6 +152,19 @@ class Reducer:
         self.rider_fill: Callable[[torch.Tensor], None] | None = None
         self.rider_result: torch.Tensor | None = None
         self._rode = False
+        # Host work for the wait: once per synchronising backward, after the last bucket went out
+        # and before the host blocks on the wire, ``while_waiting()`` runs in this thread (the
+        # trainer builds the next step's batch there), when the host really waits (no CUDA
+        # stream) and no collective in flight needs this process's GIL (no comm-thread
+        # schedule). Its seconds are last_stats["idle_s"], not counted as exposed communication.
+        self.while_waiting: Callable[[], None] | None = None
+        self._idle_s = 0.0
+        # After a synchronising backward whose buckets were all divided after their sums: 1.0 on
+        # the device if any averaged gradient is NaN/Inf, else 0.0 (read nothing: the trainer
+        # folds it into its step's one host read). None otherwise. Valid until the next one.
+        self.nonfinite: torch.Tensor | None = None
+        self._found: torch.Tensor | None = None
+        self._inv: torch.Tensor | None = None
         self._hooks = [
             s.param.register_post_accumulate_grad_hook(self._hook_for(k))
             for k, s in enumerate(self.slots)
@@ -158,6 +185,8 @@ class Reducer:
         self._comm_bufs: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._launch_us = [0.0] * len(self.buckets)
         self._done_us = [0.0] * len(self.buckets)
+        self._open = 0  # buckets below this one were seen complete (or were waited for)
+        self._post = [False] * len(self.buckets)  # summed undivided: divide after the wait
         self.launch_order: list[int] = []
         self._in_backward = False
         self._bwd_start_us = 0.0
@@ -245,8 +274,17 @@ class Reducer:
     def _mark_ready(self, slot: Slot, k: int) -> None:
         self._ready[k] = True
         self._pending[slot.bucket] -= 1
+        if self._open < self._next:
+            self._poll()
         if self.overlap and self._pending[slot.bucket] == 0:
             self._launch_ready()
+
+    def _poll(self) -> None:
+        """Stamp the completion of launched buckets that have finished (in launch order)."""
+        while self._open < self._next and self._handles[self._open].is_completed():
+            if not self._done_us[self._open]:
+                self._done_us[self._open] = now_us()
+            self._open += 1
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -259,24 +297,24 @@ class Reducer:
             self._copy_usage(self._usage_view(bucket))
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
-        buf = self._wire(bucket)
+        buf = self._wire(bucket, post=True)
+        self._post[b] = buf is bucket.buffer and self._divides_after(buf)
         if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
         elif bucket.rider and self.rider_fill is not None:  # after the pre-divide: sums as written
             self.rider_fill(buf.narrow(0, buf.numel() - bucket.rider, bucket.rider))
             self._rode = True
         self.issued += 1
-        handle = self._all_reduce(buf)
+        handle = None
+        if self._start is not None and self._thread_idle():
+            handle = self._start(buf)  # a work, waited for as it is
+            if handle is None:  # nothing to send (one rank)
+                handle = handles.completed(buf)
+        if handle is None:
+            handle = self._all_reduce(buf)
         self._handles[b] = handle
-        fut = getattr(handle, "future", None)
-        profiler.until_done(f"bucket {b}", fut)
-        if fut is not None:
-            # bind this step's list: the callback may run after wait() returned and the step was
-            # reset
-            done = self._done_us
-            fut.add_done_callback(
-                lambda _f, b=b, done=done: done.__setitem__(b, done[b] or now_us())
-            )
+        if profiler.recording():
+            profiler.until_done(f"bucket {b}", getattr(handle, "future", None))
 
     def _copy_usage(self, usage: torch.Tensor) -> None:
         """This step's used flags into ``usage`` through a preallocated host buffer, pinned for a
@@ -297,21 +335,40 @@ class Reducer:
             self._usage_copied = torch.cuda.Event()
             self._usage_copied.record()
 
-    def _wire(self, bucket: Bucket) -> torch.Tensor:
+    def _wire(self, bucket: Bucket, post: bool = False) -> torch.Tensor:
         """The bucket as sent: pre-divided by the world size, then cast to the wire dtype
-        (Horovod #326, PyTorch #57410: divide before the cast)."""
+        (Horovod #326, PyTorch #57410: divide before the cast); with ``post``, an fp32 bucket on
+        its own wire as it is (divided after the sum, see :meth:`_divides_after`)."""
         buf, p = bucket.buffer, self.world.world_size
         if self.comm_dtype is not None and self.comm_dtype != buf.dtype:
             return buf.div(p).to(self.comm_dtype)
-        if p > 1:
+        if p > 1 and not (post and self._divides_after(buf)):
             buf.div_(p)
         return buf
+
+    def _divides_after(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` (sent as it is) is summed undivided and divided after its wait: fp32
+        (no overflow to fear from a sum of p gradients), more than one rank."""
+        return self.world.world_size > 1 and buf.dtype == torch.float32
+
+    def _divide(self, bucket: Bucket) -> None:
+        """Average a summed bucket's gradients and flag non-finite ones, in one pass (the loss
+        scaler's fused kernel: grads *= 1/p, found = 1 if any is NaN/Inf). The usage and rider
+        elements after the gradients stay sums."""
+        buf = bucket.buffer
+        if self._found is None or self._found.device != buf.device:
+            self._found = torch.zeros(1, dtype=torch.float32, device=buf.device)
+            self._inv = torch.full(
+                (1,), 1.0 / self.world.world_size, dtype=torch.float32, device=buf.device
+            )
+        torch._amp_foreach_non_finite_check_and_unscale_([bucket.grads], self._found, self._inv)
 
     def reduce_now(self) -> None:
         """Average every bucket now, synchronously, from the calling thread and stream: the same
         algorithm, compression and pre-divide as the overlapped path, without hooks, usage or
         comm thread. It is what a captured CUDA-graph step runs after its backward under
         ``no_sync()`` (scaleout/train/capture.py)."""
+        self.nonfinite = None
         for bucket in self.buckets:
             buf = self._wire(bucket)
             self.issued += 1
@@ -337,20 +394,46 @@ class Reducer:
                 self._ready[k] = True
                 self._pending[s.bucket] -= 1
         self._launch_ready()
+        self._poll()
+        self._idle_s = 0.0
+        work, self.while_waiting = self.while_waiting, None
+        if work is not None and self._host_waits():
+            t0 = now_us()
+            work()
+            self._idle_s = (now_us() - t0) / 1e6
         with profiler.prange("wait"):
             self.wait(start_us, end_us)
+
+    def _thread_idle(self) -> bool:
+        """Nothing queued on the World's comm thread (a collective started here now cannot
+        overtake an earlier one: c10d matches collectives by order)."""
+        thread = handles.existing_thread(self.world)
+        return thread is None or thread.idle
+
+    def _host_waits(self) -> bool:
+        """Whether wait() blocks this thread on the wire with nothing else needing it: a host
+        (gloo) bucket and no comm-thread schedule in flight (a hierarchical or torus schedule is
+        Python on the comm thread: work holding the GIL here would delay its phases)."""
+        if self.buckets[-1].buffer.device.type != "cpu":
+            return False
+        return self._thread_idle()
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
         """Wait for every bucket, write results back, check the usage, record stats and the
         timeline."""
         self.waiting = True
+        if any(self._post) and self._found is not None:
+            self._found.zero_()
         for b, bucket in enumerate(self.buckets):
             self._handles[b].wait()
             if not self._done_us[b]:
                 self._done_us[b] = now_us()
             if self._comm_bufs[b] is not None:
                 bucket.buffer.copy_(self._comm_bufs[b])  # back into the parameters' dtype
+            elif self._post[b]:  # the earlier buckets: while the last one is on the wire
+                self._divide(bucket)
         self.waiting = False
+        self.nonfinite = self._found if all(self._post) else None
         done_us = now_us()
         last = self.buckets[-1]
         usage = self._usage_view(last)
@@ -432,7 +515,9 @@ class Reducer:
             "step": self.steps,
             "backward_s": (end_us - start_us)
             / 1e6,  # first gradient-producing op to end of backward
-            "exposed_s": (done_us - end_us) / 1e6,  # blocked on communication after backward
+            # blocked on communication after backward (less the host work done meanwhile)
+            "exposed_s": max(0.0, (done_us - end_us) / 1e6 - self._idle_s),
+            "idle_s": self._idle_s,  # while_waiting's seconds
             "comm_s": (max(self._done_us) - first) / 1e6,  # first launch to last completion
             "bytes": comm_bytes,
             "buckets": len(self.buckets),
@@ -513,6 +598,7 @@ class Reducer:
         self._layout = (named_params, bucket_mb, n_grad, first_bucket_mb)
         self.buckets, self.slots = buckets, slots
         self._all_reduce = all_reduce
+        self._start = getattr(all_reduce, "start", None)
         self.comm_dtype = compression_dtype(compression)
         self._reset_step()
 

@@ -76,12 +76,14 @@ class StepFlags:
     skew: StepSkew | None = None  # phase times over the ranks, when the trainer sent its own
 
 
-def nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor | bool:
-    """1.0 on the device if any gradient holds NaN/Inf, else 0.0: one fused pass, no host read."""
-    grads = [p.grad for p in params if p.grad is not None]
+def nonfinite(grads: list[torch.Tensor]) -> torch.Tensor | bool:
+    """1.0 on the device if any of ``grads`` holds NaN/Inf, else 0.0: one fused pass, no host
+    read."""
     if not grads:
         return False
-    norms = torch._foreach_norm(grads)  # NaN/Inf anywhere makes its tensor's norm non-finite
+    # NaN/Inf anywhere makes its tensor's norm non-finite; accumulated in fp32, so that a long
+    # fp16/bf16 tensor of finite values cannot overflow into a false alarm
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
     return (~torch.isfinite(torch.stack(norms)).all()).float()
 
 

@@ -247,6 +247,8 @@ class Trainer:
         self.skew = SkewTracker(world.node_of, cfg.train.straggler_threshold)
         self.attribution = True
         self._optimizer_s = 0.0  # the last optimizer step's seconds (the next agreement sends it)
+        # (step, its micro-batches) built in the last backward's wire wait (_build_ahead)
+        self._next_batches: tuple[int, list[MicroBatch]] | None = None
 
         # swappable components
         torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast
@@ -671,8 +673,11 @@ class Trainer:
         with timers("data"):  # with a prefetcher: only the time spent *waiting* for it
             if delay is not None:
                 delay("data")
+            ready, self._next_batches = self._next_batches, None
             if self.prefetcher is not None:
                 micro_batches = self.prefetcher.get(step)
+            elif ready is not None and ready[0] == step:  # built in the last step's wire wait
+                micro_batches = ready[1]
             else:
                 micro_batches = self.task.micro_batches(
                     step * self.cfg.train.global_batch, self.cfg.train.grad_accum
@@ -694,12 +699,17 @@ class Trainer:
             ):  # the non-overlapped sharded LAMB communicates in step() instead
                 timers.add("exposed_comm", float(exposed))
                 timers.add("backward", -float(exposed))
+            idle = float(stats.get("idle_s") or 0.0)  # the next step's batch, built in the wait
+            if idle:
+                timers.add("data", idle)
+                timers.add("backward", -idle)
         computed = time.perf_counter()
         wait = float(stats.get("exposed_s") or 0.0)
+        idle = float(stats.get("idle_s") or 0.0) if self.graphs is None else 0.0
         launched = stats.get("first_launch_at")  # DataParallel: this rank's first bucket out
         phases = [  # scaleout.train.skew.PHASES
-            data_done - start,
-            computed - data_done - wait,
+            data_done - start + idle,
+            computed - data_done - wait - idle,
             launched - start_wall if launched is not None else computed - start - wait,
             wait,
             self._optimizer_s,
@@ -715,7 +725,7 @@ class Trainer:
         if pending is not None:  # out with the last bucket: the reduced gradients, read alike
             summed = self.model.reducer.rider_result if pending.rode else None
             # sharded: the optimizer reads its shards' non-finite count in its step
-            local = () if self.sync is self.optimizer else (nonfinite(self.params),)
+            local = () if self.sync is self.optimizer else (self._nonfinite(),)
             flags = pending.result((*local, self.sync.unused_flag()), summed)
             if pending.with_skew:
                 self._skew_seconds = self._lagged[1] if self._lagged else None
@@ -725,7 +735,7 @@ class Trainer:
             progress.collectives += 1
             flags = agree_on_step(
                 self.world,
-                nonfinite(self.params),
+                self._nonfinite(),
                 preemption.requested,
                 loss,
                 self.sync.unused_flag(),
@@ -752,8 +762,29 @@ class Trainer:
                 self.schedule.step()
         precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         self._optimizer_s = time.perf_counter() - t0
-        self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
+        if self.sync is self.model:  # DataParallel: its bucket buffers, a few fills
+            self.model.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
+
+    def _nonfinite(self) -> torch.Tensor | bool:
+        """1.0 on the device if a reduced gradient is NaN/Inf: DataParallel's flag from its
+        averaging pass (fp32 buckets divided after the sum, :mod:`scaleout.parallel.reducer`) when
+        nothing touched the gradients since (no gradient hooks), else one pass of its own."""
+        if self.sync is self.model and not self.gradient_hooks:
+            found = self.model.reducer.nonfinite
+            if found is not None:
+                return found
+        return nonfinite(self._grads())
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The reduced gradients, for the non-finite check: DataParallel's bucket buffers (their
+        gradient parts; ``.grad`` are views into them) -- a few flat tensors instead of one per
+        parameter --, else every ``.grad``."""
+        if self.sync is self.model:
+            return [b.grads for b in self.model.reducer.buckets]
+        return [p.grad for p in self.params if p.grad is not None]
 
     def _tune_comm(self, seconds: float) -> None:
         """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
@@ -798,11 +829,36 @@ class Trainer:
                 if last and self.early_agreement:
                     mean = loss.detach() if total is None else total + loss.detach()
                     self._arm_agreement(mean, sum(m.flops for m in micro_batches))
+                if last:
+                    self._build_ahead(step + 1)
                 progress.at(step, "backward")
                 with timers("backward"):
                     self.task.precision.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
+
+    def _build_ahead(self, step: int) -> None:
+        """Build step ``step``'s micro-batches while this backward's last gradient bucket is on
+        the wire (the reducer's ``while_waiting``), where the host would otherwise sit idle; the
+        next train_step then starts computing at once. The same batches, in the same order, as
+        the synchronous path (a pure function of the data position); a failure is left for that
+        path to raise in its own step. Only for the in-process data path on a host wait (no
+        prefetch workers: they build ahead already)."""
+        reducer = self.model.reducer if self.sync is self.model else None
+        if reducer is None or self.prefetcher is not None or step >= self.cfg.train.max_steps:
+            return
+        cfg = self.cfg.train
+
+        def build() -> None:
+            try:
+                self._next_batches = (
+                    step,
+                    self.task.micro_batches(step * cfg.global_batch, cfg.grad_accum),
+                )
+            except Exception:  # noqa: BLE001 -- raised again, in its own step, by the normal path
+                self._next_batches = None
+
+        reducer.while_waiting = build
 
     def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
         """The step's agreement (``self.early_agreement``), before the last backward: written by
