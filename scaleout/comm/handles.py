@@ -212,6 +212,13 @@ def existing_thread(world: World) -> CommThread | None:
         return _THREADS.get(world)
 
 
+def thread_idle(world: World) -> bool:
+    """Nothing queued on ``world``'s comm thread (or it has none): a collective started now in the
+    caller's thread cannot overtake an earlier one (c10d matches collectives by order)."""
+    thread = existing_thread(world)
+    return thread is None or thread.idle
+
+
 def comm_thread(world: World) -> CommThread:
     with _THREADS_LOCK:
         t = _THREADS.get(world)

@@ -298,7 +298,7 @@ class Reducer:
         self._launch_us[b] = now_us()
         self.launch_order.append(b)
         buf = self._wire(bucket, post=True)
-        self._post[b] = buf is bucket.buffer and self._divides_after(buf)
+        self._post[b] = buf is bucket.buffer and self._divides_after(buf)  # sent undivided
         if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
         elif bucket.rider and self.rider_fill is not None:  # after the pre-divide: sums as written
@@ -306,7 +306,7 @@ class Reducer:
             self._rode = True
         self.issued += 1
         handle = None
-        if self._start is not None and self._thread_idle():
+        if self._start is not None and handles.thread_idle(self.world):
             handle = self._start(buf)  # a work, waited for as it is
             if handle is None:  # nothing to send (one rank)
                 handle = handles.completed(buf)
@@ -404,19 +404,13 @@ class Reducer:
         with profiler.prange("wait"):
             self.wait(start_us, end_us)
 
-    def _thread_idle(self) -> bool:
-        """Nothing queued on the World's comm thread (a collective started here now cannot
-        overtake an earlier one: c10d matches collectives by order)."""
-        thread = handles.existing_thread(self.world)
-        return thread is None or thread.idle
-
     def _host_waits(self) -> bool:
         """Whether wait() blocks this thread on the wire with nothing else needing it: a host
         (gloo) bucket and no comm-thread schedule in flight (a hierarchical or torus schedule is
         Python on the comm thread: work holding the GIL here would delay its phases)."""
         if self.buckets[-1].buffer.device.type != "cpu":
             return False
-        return self._thread_idle()
+        return handles.thread_idle(self.world)
 
     def wait(self, start_us: float, end_us: float) -> dict[str, Any]:
         """Wait for every bucket, write results back, check the usage, record stats and the
