@@ -70,7 +70,8 @@ class LaunchResult:
     failed: RankExit | None
     message: str
     state: LaunchState = "succeeded"
-    # the failing ranks' hang verdict (scaleout/verdict.py) when they printed one: the root cause,
+    # the failing ranks' hang verdict (scaleout/goodput/verdict.py) when they printed one: the root
+    # cause,
     # which ``message`` names first (``failed`` is only the first rank to exit)
     verdict: str | None = None
 

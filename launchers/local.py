@@ -11,7 +11,8 @@ them.
 When ranks fail, the launcher's last line names the root cause rather than the first rank to exit
 (usually one that merely timed out waiting for the culprit): a rank whose collective failed prints
 the hang verdict (scaleout/train/liveness.py: a stopped heartbeat, or the rank that is behind) as a
-``verdict:`` line (scaleout/verdict.py), and the launcher puts the first one it read in front of
+``verdict:`` line (scaleout/goodput/verdict.py), and the launcher puts the first one it read in
+front of
 "rank 1 ... exited with code 1". Error blocks that several ranks print alike (a Python traceback, a
 C++ stack from c10) are printed once: each later copy becomes one line pointing to the first, and a
 closing line says which ranks printed it (:class:`TracebackFolder`).
@@ -45,6 +46,7 @@ from typing import Any
 from scaleout.env.addr import is_loopback, loopback_interface
 from scaleout.env.base import free_port, local_rank_env
 from scaleout.errors import UserError
+from scaleout.goodput.verdict import read_verdict, with_exits
 from scaleout.launchers.base import (
     EXIT_TIMED_OUT,
     Launcher,
@@ -55,7 +57,6 @@ from scaleout.launchers.base import (
     register,
 )
 from scaleout.launchers.watchdog import start_time
-from scaleout.verdict import read_verdict, with_exits
 
 # Slurm's KillWait default and torchrun's stop timeout (see the module docstring).
 DEFAULT_GRACE_S = 30.0

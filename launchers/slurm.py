@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.goodput.verdict import first_verdict, srun_exits, with_exits
 from scaleout.launchers.base import EXIT_TIMED_OUT, Launcher, LaunchOptions, LaunchResult, register
 from scaleout.resources import package_path
-from scaleout.verdict import first_verdict, srun_exits, with_exits
 
 HERE = package_path(
     __package__, "slurm_local"
@@ -274,7 +274,7 @@ def scaleout_command() -> list[str]:
 class SlurmJob:
     """A submitted sbatch job. ``wait`` polls scontrol; Slurm does not say which rank failed, but
     the ranks' hang verdict in the job's output file (``log``), when there is one, names the root
-    cause (scaleout/verdict.py)."""
+    cause (scaleout/goodput/verdict.py)."""
 
     def __init__(
         self,

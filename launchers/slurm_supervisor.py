@@ -12,7 +12,8 @@ healthy nodes of the allocation; the allocation's other nodes are spares. When t
    the step: a rank killed by a signal (OOM killer, SIGKILL, SIGBUS, a node going away). A rank
    that *exited* with a code (a Python error) names no node: a software crash is retried on the
    same nodes, and the crash-loop guard stops it.
-2. **Quarantine.** Named nodes go to ``runs/<name>/quarantine.json`` (scaleout.quarantine), which
+2. **Quarantine.** Named nodes go to ``runs/<name>/quarantine.json`` (scaleout.goodput.quarantine),
+which
    every later start of the run reads: quarantined nodes of an allocation are never used. So do
    the nodes a replica vote named after any step, a finished one too (rank 0's
    ``rank0-replicas.json``: ranks whose weights differed from the majority's, source
@@ -45,12 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaleout import quarantine
 from scaleout.checkpoint import Checkpointer
+from scaleout.env.nodelist import expand_nodelist, parse_tasks_per_node
 from scaleout.errors import UserError
+from scaleout.goodput import quarantine
+from scaleout.goodput.preempt import EXIT_PREEMPTED
 from scaleout.launchers.slurm import job_info
-from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
-from scaleout.preempt import EXIT_PREEMPTED
 from scaleout.train.faults import VERDICT_DIR
 from scaleout.train.rerun import read_record, write_record
 

@@ -2,7 +2,8 @@
 otherwise.
 
 Every task (one per GPU) runs ``scaleout <subcommand> ...`` in-process through :class:`RankMain`, so
-the scheduler's signals reach the training loop directly: scaleout.preempt's handlers replace
+the scheduler's signals reach the training loop directly: scaleout.goodput.preempt's handlers
+replace
 submitit's while training runs, rank 0 checkpoints and calls ``scontrol requeue``, and the requeued
 job (the same pickled RankMain) resumes from the checkpoint. Under the local executor, the submitit
 variables (SUBMITIT_LOCAL_*) are translated into the ones scaleout's ``local`` environment reads,
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from scaleout import preempt
 from scaleout.env.base import free_ports, local_rank_env
 from scaleout.errors import UserError
+from scaleout.goodput import preempt
 from scaleout.launchers.base import (
     EXIT_TIMED_OUT,
     Launcher,

@@ -205,7 +205,7 @@ class CheckpointWriteFailed(UserError):
 
 
 # A test-only slow writer: ``SCALEOUT_TEST_SLOW_SAVE_S=N`` makes every write of a replicated
-# checkpoint file take N more seconds (tests/test_async_save.py, ``scaleout bench save``).
+# checkpoint file take N more seconds (tests/train/test_async_save.py, ``scaleout bench save``).
 SLOW_SAVE_VARIABLE = "SCALEOUT_TEST_SLOW_SAVE_S"
 
 

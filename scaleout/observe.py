@@ -152,7 +152,9 @@ class RunEnd:
     run_id: str | None
     weights_consistent: bool | None  # None: not checked (a peer may be gone)
     terminating: bool  # this rank got SIGTERM: leave out optional collectives
-    goodput: dict[str, Any] | None = None  # report.json's goodput (scaleout.report.goodput_section)
+    goodput: dict[str, Any] | None = (
+        None  # report.json's goodput (scaleout.telemetry.report.goodput_section)
+    )
     # the ranks the replica vote found odd (scaleout.train.replicas); empty: none named
     odd_ranks: list[int] = field(default_factory=list)
     comm_auto: dict[str, Any] | None = None  # comm.algorithm=auto's decision (parallel/autotune.py)

@@ -202,7 +202,7 @@ def test_save_and_load_hold_at_most_half_the_state_besides_it(tmp_path):
 # -------------
 def _sharded_setup(world, algorithm: str, overlap: bool, width: int = 0):
     from scaleout.optim import ShardedLAMB
-    from tests.test_optim_sharded import BUCKET_MB, HP, Net, groups
+    from tests.optim.test_optim_sharded import BUCKET_MB, HP, Net, groups
 
     net = Net()
     if width:  # a bigger layer, so the optimizer state dwarfs everything else that travels
@@ -222,7 +222,7 @@ def _sharded_setup(world, algorithm: str, overlap: bool, width: int = 0):
 
 
 def _train_steps(world, net, opt, steps: range) -> None:
-    from tests.test_optim_sharded import loss_of
+    from tests.optim.test_optim_sharded import loss_of
 
     for s in steps:
         loss = loss_of(net, s, world.rank) + (
@@ -301,7 +301,7 @@ def _unsharded_state(W: int, steps: int) -> dict[str, torch.Tensor]:
     """LAMB on the global batch (the same arithmetic order as the sharded path), keyed like the
     pieces."""
     from scaleout.optim import LAMB
-    from tests.test_optim_sharded import HP, Net, _global_batch_grads, groups
+    from tests.optim.test_optim_sharded import HP, Net, _global_batch_grads, groups
 
     net = Net()
     gs = groups(net)

@@ -226,8 +226,8 @@ def check_bert_large(
     """Packed BERT-large (24 layers, seq 512) at the largest batch that fits (doubling from
     ``rows`` until out of memory): tokens/s and MFU."""
     from scaleout.config.schema import OptimConfig
-    from scaleout.devices import device_peak
     from scaleout.optim import build_optimizer
+    from scaleout.telemetry.devices import device_peak
 
     cfg = cfg or BERT_LARGE
     model = _bert(cfg, device)
@@ -358,9 +358,9 @@ def check_resnet50(
     per-GPU batch, eager and as a CUDA graph (scaleout's capture path: StepGraphs over
     data_parallel_step; CUDA and a world only)."""
     from scaleout.config.schema import OptimConfig
-    from scaleout.devices import device_peak
     from scaleout.families.resnet.config import ResNetConfig
     from scaleout.optim import build_optimizer
+    from scaleout.telemetry.devices import device_peak
 
     cfg = cfg or ResNetConfig(depth=50)
     cuda = torch.device(device).type == "cuda"

@@ -211,7 +211,7 @@ def add_standard_arguments(
 def add_config_arguments(p: argparse.ArgumentParser, default: str, what: str) -> None:
     """``--config`` and the positional ``key=value`` overrides of a benchmark that trains or
     builds from a config: the config's keys are set there, never as flags of their own
-    (tests/test_cli_surface.py)."""
+    (tests/cli/test_cli_surface.py)."""
     p.add_argument("--config", default=default, help=f"{what} (default {default})")
     p.add_argument(
         "overrides",

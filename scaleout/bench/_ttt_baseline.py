@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from scaleout.mlperf import MLPerfLogger
+    from scaleout.telemetry.mlperf import MLPerfLogger
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -281,7 +281,7 @@ def timed_main(
     import torch.distributed as dist
 
     from scaleout.config import load_config
-    from scaleout.mlperf import MLPerfLogger
+    from scaleout.telemetry.mlperf import MLPerfLogger
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     dist.init_process_group("gloo")

@@ -67,7 +67,7 @@ SMOKE_ARGS = [
     "--budget",
     "0.5",
 ]
-SMOKE_TEST = "tests/test_autotune.py::test_bench_auto_smoke_in_ranks"
+SMOKE_TEST = "tests/parallel/test_autotune.py::test_bench_auto_smoke_in_ranks"
 BAR_RATIO = 1.05
 BAR_PROBE_S = 10.0
 

@@ -83,11 +83,11 @@ BENCH_KEYS = (
 QUICK_TARGET = 0.125
 # the check's target for a shipped config whose own target is not on the steep part of its curve
 CHECK_TARGETS = {"bert_tiny_cpu": BERT_TARGET}
-# tests/test_bench.py's tiny settings. End to end the check needs root, the netns cluster and
+# tests/bench/test_bench.py's tiny settings. End to end the check needs root, the netns cluster and
 # minutes of CPU (calibration, a largebatch fit, 4 trainings): run by hand (`--quick`); the suite
 # checks the command line and the input checks that come before any run.
 SMOKE_ARGS = ["--quick", "--per-rank-batch", "4,8"]
-SMOKE_TEST = "tests/test_plan.py::test_bench_plan_smoke_args_parse_and_bad_batches_fail_first"
+SMOKE_TEST = "tests/sim/test_plan.py::test_bench_plan_smoke_args_parse_and_bad_batches_fail_first"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _trainer(run: Any, world: Any, directory: str, steps: int) -> Any:
-    from scaleout import preempt  # deferred: torch, only when the benchmark runs
+    from scaleout.goodput import preempt  # deferred: torch, only when the benchmark runs
     from scaleout.train.trainer import Trainer  # deferred: as above
 
     cfg = run.model_copy(deep=True)

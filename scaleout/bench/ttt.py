@@ -68,7 +68,7 @@ examples:
 )
 
 SMOKE_ARGS = ["--quick", "train.target=0.01"]  # every code path, ~1-2 min; its own end-to-end test:
-SMOKE_TEST = "tests/test_bench_ttt.py::test_quick_bench_end_to_end"
+SMOKE_TEST = "tests/bench/test_bench_ttt.py::test_quick_bench_end_to_end"
 # scaleout's recipe on top of --config (docs/ttt.md: why 32 packed rows at lr 2e-2); overrides win.
 # The tiny BERT's masked-LM target: 2.4x the most-frequent-token 0.054, above copy-the-input 0.117,
 # on the steep part of the curve (its config's 0.15 sits on a plateau); `bench plan` checks at it

@@ -1,4 +1,5 @@
-"""scaleout doctor: a preflight that names the bad node, NIC or link (scaleout/doctor.py)."""
+"""scaleout doctor: a preflight that names the bad node, NIC or link
+(scaleout/goodput/doctor.py)."""
 
 from __future__ import annotations
 
@@ -101,21 +102,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
     """Flags were checked by argparse; a quarantine file must be readable before any rank
     starts."""
-    from scaleout import quarantine  # deferred: the parser is built without the command's modules
+    from scaleout.goodput import (
+        quarantine,  # deferred: the parser is built without the command's modules
+    )
 
     if args.quarantine:
         quarantine.load(args.quarantine)
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleout import quarantine  # deferred: the parser is built without the command's modules
+    from scaleout.goodput import (
+        quarantine,  # deferred: the parser is built without the command's modules
+    )
 
     t_start = time.perf_counter()
     if args.quarantine:  # a corrupt quarantine file fails here, before torch loads and init
         quarantine.load(args.quarantine)
     import scaleout  # deferred: torch and the rank-side modules load when the command runs
-    from scaleout import doctor  # deferred: as above
-    from scaleout.nodelist import compress_hostlist  # deferred: as above
+    from scaleout.env.nodelist import compress_hostlist  # deferred: as above
+    from scaleout.goodput import doctor  # deferred: as above
 
     # Before init: a *_SOCKET_IFNAME naming a missing interface would fail init on this rank and
     # leave the others waiting; note it and drop it so that the check itself can go on.

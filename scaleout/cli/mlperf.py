@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action != "rcp":
         args._mlperf_parser.print_help()
         return 2
-    from scaleout.mlperf import check_rcp
+    from scaleout.telemetry.mlperf import check_rcp
 
     result = check_rcp(args.logs, args.benchmark, args.ruleset, args.rcp_file)
     print(result.render())

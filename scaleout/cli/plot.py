@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleout.metrics import plot_run, read_metrics
+    from scaleout.telemetry.metrics import plot_run, read_metrics
 
     data = read_metrics(args.run_dir)  # one-line error when there is no metrics file
     train, evals = data["train"], data["eval"]

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) -> None:
     """Validate the config for this world before any rank starts (called by launchers)."""
     from scaleout.config import load_config
-    from scaleout.metrics import check_sinks
+    from scaleout.telemetry.metrics import check_sinks
     from scaleout.train.inputs import check_input_files
     from scaleout.train.rerun import decide_start
 

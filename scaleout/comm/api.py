@@ -13,7 +13,7 @@ import torch.distributed as dist
 from scaleout.comm import handles
 from scaleout.comm.algorithm import get_algorithm
 from scaleout.errors import UserError
-from scaleout.profiler import traced
+from scaleout.telemetry.profiler import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World

@@ -32,7 +32,7 @@ from scaleout.comm.api import dispatch, op_name
 from scaleout.comm.grid import Grid, all_gather_tensor, reduce_scatter_tensor
 from scaleout.comm.phasetime import CLOCK, COL, ROW
 from scaleout.errors import UserError
-from scaleout.profiler import traced
+from scaleout.telemetry.profiler import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -170,7 +170,9 @@ def _run(
     return dispatch(world, out, run, native if alg.single_collective else None, finish, async_op)
 
 
-@traced("reduce_scatter")  # a profiler range scaleout.reduce_scatter (scaleout/profiler.py)
+@traced(
+    "reduce_scatter"
+)  # a profiler range scaleout.reduce_scatter (scaleout/telemetry/profiler.py)
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,

@@ -277,7 +277,8 @@ class TrainConfig(_Section):
     # first collectives, lazy init). 0 = time every step. `scaleout sweep` sets it (--warmup).
     timing_skip_steps: int = Field(0, ge=0)
     # The step-time breakdown synchronises the device around each phase: only every timing_every-th
-    # timed step is sampled so the others keep the host running ahead (scaleout/timers.py).
+    # timed step is sampled so the others keep the host running ahead
+    # (scaleout/telemetry/timers.py).
     timing_every: int = Field(50, ge=1)
     # Stop (status aborted, exit 1) after this many consecutive steps skipped for non-finite
     # gradients: a run that keeps producing NaN/Inf has diverged, and skipping forever only burns
@@ -290,14 +291,15 @@ class TrainConfig(_Section):
     # the step's agreement all-reduce (scaleout/train/skew.py).
     straggler_threshold: float = Field(1.3, gt=1.0, allow_inf_nan=False)
     # Peak FLOP/s per device for the report's MFU; None = identify the GPU part or measure the CPU
-    # (scaleout/devices.py). Set it for a GPU that is not in the table.
+    # (scaleout/telemetry/devices.py). Set it for a GPU that is not in the table.
     peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/metrics.py), one record per
+    # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/telemetry/metrics.py), one record
+    # per
     # log_every steps; csv / tensorboard / wandb are added when listed here.
     log_every: int = Field(1, ge=1)
     metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
     profile: ProfileConfig | None = (
-        None  # torch.profiler trace (scaleout/profiler.py); true = defaults
+        None  # torch.profiler trace (scaleout/telemetry/profiler.py); true = defaults
     )
 
     @field_validator("profile", mode="before")
@@ -309,7 +311,8 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     """``every_steps``: a save every N steps (0 = only on preemption and at the end), or ``auto``:
     the first after one step, then every Young/Daly interval sqrt(2 x save stall x job MTBF)
-    (scaleout.report.young_daly_interval_s) in steps of the measured step time, re-estimated at
+    (scaleout.telemetry.report.young_daly_interval_s) in steps of the measured step time,
+    re-estimated at
     each save; the job MTBF is ``mtbf_h`` (one node's mean time between failures, hours) / nodes.
     ``async`` (default true): a save copies the state to host memory at the step boundary and a
     background thread writes and commits it (the sharded state through DCP's async_save), so a

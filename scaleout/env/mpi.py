@@ -39,7 +39,8 @@ FLAVOURS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 # The variables of FLAVOURS that srun's own PMI plugins also set, and the Slurm value each one
-# equals there (seen on the local Slurm 22.05 with Debian's libpmix 4.2, tests/test_slurm_pmi.py):
+# equals there (seen on the local Slurm 22.05 with Debian's libpmix 4.2,
+# tests/launchers/test_slurm_pmi.py):
 # --mpi=pmix sets PMIX_RANK = SLURM_PROCID, PMIX_NAMESPACE, PMIX_SERVER_URI* and no size (PMIx
 # publishes it as a key, not a variable); --mpi=pmi2 sets PMI_RANK = SLURM_PROCID, PMI_SIZE = the
 # step's task count, PMI_FD, PMI_JOBID. Every other variable of FLAVOURS is set by an mpirun/mpiexec

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 from scaleout.env.base import Environment, WorldSpec, master, need_int, opt_int
 from scaleout.env.detect import register
+from scaleout.env.nodelist import expand_nodelist, parse_tasks_per_node
 from scaleout.errors import LaunchEnvError
-from scaleout.nodelist import expand_nodelist, parse_tasks_per_node
 
 # Linux's default net.ipv4.ip_local_port_range is 32768-60999
 # (Documentation/networking/ip-sysctl.rst); used when /proc does not say.
@@ -35,12 +35,13 @@ class SlurmEnv(Environment):
 
     The step's variables (SLURM_STEP_*) are preferred over the job's: a step may use fewer nodes.
     MASTER_ADDR = first host of the nodelist, MASTER_PORT = derived from the job id, unless set.
-    Checked under real srun (Slurm 22.05, tests/test_slurm.py): the batch script itself has
+    Checked under real srun (Slurm 22.05, tests/launchers/test_slurm.py): the batch script itself
+    has
     SLURM_PROCID=0 but no SLURM_STEP_ID, so only srun tasks are detected; srun tasks get
     SLURM_STEP_ID/STEPID, SLURM_STEP_NODELIST, SLURM_STEP_NUM_NODES/NUM_TASKS and
     SLURM_STEP_TASKS_PER_NODE (``2(x2)``, ``2,1``). Tasks of ``srun --mpi=pmix`` / ``--mpi=pmi2``
     (or ``MpiDefault``) are read here too: the MPI environment, tried first, leaves them alone
-    (:func:`scaleout.env.mpi.srun_pmi_task`; tests/test_slurm_pmi.py).
+    (:func:`scaleout.env.mpi.srun_pmi_task`; tests/launchers/test_slurm_pmi.py).
     """
 
     name = "slurm"

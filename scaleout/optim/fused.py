@@ -24,7 +24,7 @@ lars.py in cache-sized chunks (chunks.py), so there too each array leaves DRAM a
 phase; the results are bit-identical to LAMB's and LARS's multi-tensor foreach paths. Who uses
 them: LAMB and LARS with ``onepass=None`` on any non-CPU device (``onepass=True`` forces them).
 The CUDA kernels round differently from the eager chain (fused multiply-adds, another summation
-order): the gpu test in tests/test_optim_bytes.py bounds the difference.
+order): the gpu test in tests/optim/test_optim_bytes.py bounds the difference.
 """
 
 import functools

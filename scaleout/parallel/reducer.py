@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from scaleout import profiler
 from scaleout.comm import handles
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
+from scaleout.telemetry import profiler
 
 if TYPE_CHECKING:
     from scaleout.world import World

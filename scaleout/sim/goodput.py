@@ -1,6 +1,7 @@
 """Expected goodput at a scale: node failures (Poisson, one per node MTBF / nodes), the save stall
 per checkpoint, the restart cost and the checkpoint interval (Young/Daly's unless given), to first
-order (scaleout.report.expected_goodput). ``scaleout simulate scale`` prints it for the largest GPU
+order (scaleout.telemetry.report.expected_goodput). ``scaleout simulate scale`` prints it for the
+largest GPU
 count it sweeps."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaleout.errors import UserError
-from scaleout.report import expected_goodput, young_daly_interval_s
+from scaleout.telemetry.report import expected_goodput, young_daly_interval_s
 
 
 @dataclass(frozen=True)

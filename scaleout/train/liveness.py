@@ -18,7 +18,8 @@ with ``progress.at(step, phase)``, a plain attribute write) and how many collect
 verdict names the rank that is *behind* -- lowest step, then fewest collectives issued, then the
 earliest phase -- against where the others are: "rank 3 (node 1, local rank 1) is behind: step 12
 in forward, collective #40 while the others are at #41 (step 12, grad-sync)". The failing ranks
-print it as a ``verdict:`` line (scaleout/verdict.py) that the launcher reads back for its own last
+print it as a ``verdict:`` line (scaleout/goodput/verdict.py) that the launcher reads back for its
+own last
 line. Nothing of this touches the step: the beat thread reads the attributes, the step never
 calls the store.
 

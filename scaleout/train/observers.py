@@ -13,15 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaleout import quarantine
 from scaleout.checkpoint import atomic_write
 from scaleout.config.schema import Config
-from scaleout.devices import device_peak
 from scaleout.errors import UserError
 from scaleout.families import FAMILIES
+from scaleout.goodput import quarantine
 from scaleout.log import print0
-from scaleout.metrics import Metrics
-from scaleout.mlperf import MLPerfLogger, default_platform
 from scaleout.observe import (
     EvalRecord,
     EvalStart,
@@ -34,9 +31,12 @@ from scaleout.observe import (
     eval_due,
     next_eval,
 )
-from scaleout.profiler import StepProfiler, build_profiler
-from scaleout.report import RunReport
-from scaleout.timers import Timers
+from scaleout.telemetry.devices import device_peak
+from scaleout.telemetry.metrics import Metrics
+from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
+from scaleout.telemetry.profiler import StepProfiler, build_profiler
+from scaleout.telemetry.report import RunReport
+from scaleout.telemetry.timers import Timers
 from scaleout.train.progress import Progress
 from scaleout.train.skew import SkewTracker, quarantine_verdicts
 from scaleout.world import World
@@ -142,7 +142,7 @@ class MLPerfObserver(Observer):
 
 
 class MetricsObserver(Observer):
-    """Rank 0's metrics file and sinks (scaleout/metrics.py)."""
+    """Rank 0's metrics file and sinks (scaleout/telemetry/metrics.py)."""
 
     def __init__(self, cfg: Config, world: World, out: Path, config_file: str):
         self.cfg, self.world, self.out, self.config_file = cfg, world, out, config_file
@@ -240,7 +240,8 @@ class ConsoleObserver(Observer):
 
 
 class ProfilerObserver(Observer):
-    """``train.profile``: torch.profiler over a schedule of steps (scaleout/profiler.py)."""
+    """``train.profile``: torch.profiler over a schedule of steps
+    (scaleout/telemetry/profiler.py)."""
 
     def __init__(self, cfg: Config, out: Path, rank: int):
         self.cfg, self.out, self.rank = cfg, out, rank
@@ -384,7 +385,8 @@ class ReportWriter(Observer):
     def _quarantine(self, skew: dict[str, Any]) -> None:
         """Rank 0: the nodes of persistent stragglers (scaleout/train/skew.py
         ``quarantine_verdicts``) go to ``<train.output_dir>/quarantine.json`` as verdicts of
-        source ``straggler`` (scaleout/quarantine.py; the Slurm supervisor reads the file before its
+        source ``straggler`` (scaleout/goodput/quarantine.py; the Slurm supervisor reads the file
+        before its
         next start). A file that cannot be written is a warning, not a failure."""
         names = self.skew.node_names if self.skew is not None else []
         verdicts = quarantine_verdicts(skew, names)

@@ -26,7 +26,8 @@ Design, and why:
   only the calling thread, with every lock other threads held at that instant still held and any
   half-updated allocator or runtime state frozen mid-update; POSIX allows only async-signal-safe
   calls in such a child, while a worker runs numpy, PIL and ATen. That is a rare, load-dependent
-  abort or hang in the worker (the intermittent SIGABRT of tests/test_prefetch.py), and why Python
+  abort or hang in the worker (the intermittent SIGABRT of tests/train/test_prefetch.py), and why
+  Python
   3.12 warns about fork in a threaded process and 3.14 made forkserver the default. Workers
   therefore fork from multiprocessing's *forkserver*, a clean single-threaded process the rank
   starts once (fork + exec), with torch, numpy and scaleout's batch code preloaded, so a worker
@@ -57,7 +58,8 @@ Design, and why:
   resource tracker the same way for SIGINT/SIGTERM), so the forkserver, the resource tracker and
   every worker forked from them never act on these signals; the worker init also sets them to
   SIG_IGN (a forkserver started earlier by someone else). The rank's own handlers
-  (scaleout/preempt.py) are untouched: other threads of the rank receive the signals meanwhile.
+  (scaleout/goodput/preempt.py) are untouched: other threads of the rank receive the signals
+  meanwhile.
   SIGKILL still ends the helpers, and :meth:`Prefetcher.close` uses it for a worker that outlives
   the DataLoader's shutdown. A rank that dies without closing (SIGKILL) takes them along: the
   forkserver and the workers ask the kernel for SIGKILL when their parent dies

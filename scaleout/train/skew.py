@@ -61,7 +61,8 @@ wait there is the effect, and a rank's peers wait in the same phase as the rank 
 so the inter-node phase takes the same time on both ends of a slow link, and on every rank of a
 ring or of a column that crosses it: the times alone cannot tell the slow end from its peers (with
 two nodes, no measurement of that one link can). The rule is ``scaleout doctor``'s
-(scaleout/doctor.py ``node_bandwidth``): each rank's link rate (the tc rate on its interface, as on
+(scaleout/goodput/doctor.py ``node_bandwidth``): each rank's link rate (the tc rate on its
+interface, as on
 the emulated cluster, else ``/sys/class/net/<if>/speed``) is exchanged once at start-up; a rank
 whose link is faster than the slowest link in the run was held back by that link, so its
 ``inter_allreduce`` time is credited to its own link only in the ratio of the speeds: ``inter_link
@@ -137,7 +138,8 @@ def link_credit(speeds: Sequence[float | None]) -> list[float] | None:
 
 def quarantine_verdicts(report: dict[str, Any], node_names: Sequence[str]) -> list[tuple[str, str]]:
     """(host, reason) per node that is a straggler over the quarantine bar, for
-    :func:`scaleout.quarantine.record` with source ``straggler``: from :meth:`SkewTracker.report`,
+    :func:`scaleout.goodput.quarantine.record` with source ``straggler``: from
+    :meth:`SkewTracker.report`,
     a node's ranks together were a phase's straggler on at least :data:`QUARANTINE_PERSIST` of
     the steps, at :data:`QUARANTINE_SLOWDOWN` x the median or more on average, in a phase observed
     on at least :data:`QUARANTINE_MIN_STEPS` steps. Stricter than being reported: a node leaves
@@ -263,7 +265,8 @@ class SkewTracker:
 
     node_of: tuple[int, ...] | list[int]
     threshold: float = 1.3
-    # a name per node (scaleout.doctor.node_names: the host, or the emulated node's namespace),
+    # a name per node (scaleout.goodput.doctor.node_names: the host, or the emulated node's
+    # namespace),
     # for the quarantine file; set by the trainer when it exchanged them at start-up
     node_names: list[str] = field(default_factory=list)
     stragglers: dict[tuple[int, str], _Straggler] = field(default_factory=dict)

@@ -25,15 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaleout import preempt
 from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
 from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
-from scaleout.doctor import link_record, node_names
 from scaleout.errors import UserError
+from scaleout.goodput import preempt
+from scaleout.goodput.doctor import link_record, node_names
 from scaleout.log import print0
-from scaleout.mlperf import MLPerfLogger
 from scaleout.observe import (
     EvalRecord,
     EvalStart,
@@ -52,8 +51,9 @@ from scaleout.parallel import DataParallel
 from scaleout.parallel.buckets import fold
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
-from scaleout.report import RunReport, goodput_section, young_daly_interval_s
-from scaleout.timers import Timers
+from scaleout.telemetry.mlperf import MLPerfLogger
+from scaleout.telemetry.report import RunReport, goodput_section, young_daly_interval_s
+from scaleout.telemetry.timers import Timers
 from scaleout.train import prefetch, replicas, rerun
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
 from scaleout.train.faults import (
@@ -208,7 +208,8 @@ class Trainer:
         kind = self.start_info.kind
         writes = world.rank == 0 and kind != "finished"  # a finished run's log stays as it is
         # A resumed run appends: every attempt of a requeued or resubmitted run adds its own
-        # init_start..run_stop segment (scaleout.mlperf.split_attempts); none erases an earlier one.
+        # init_start..run_stop segment (scaleout.telemetry.mlperf.split_attempts); none erases an
+        # earlier one.
         self.mlperf_log = MLPerfLogger(
             self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout
         )
@@ -349,7 +350,8 @@ class Trainer:
         """Every rank's link rate, summed once into a world-sized vector on the device (each rank
         its own slot: one small all-reduce at start-up), for the link credit that attributes a
         slow link (scaleout/train/skew.py ``link_credit``); and each node's name as doctor names
-        it (``scaleout.doctor.node_names``), left in the store by the node's first rank and read
+        it (``scaleout.goodput.doctor.node_names``), left in the store by the node's first rank and
+        read
         by rank 0 for the stragglers' quarantine verdicts. None on one node."""
         world = self.world
         if world.world_size == 1 or world.num_nodes == 1:
@@ -663,7 +665,8 @@ class Trainer:
     def train_step(self, step: int) -> StepFlags:
         """One optimizer step (grad_accum micro-batches); returns every rank's agreed outcome.
 
-        Outside the steps the timers sample (scaleout/timers.py), the step reads nothing from the
+        Outside the steps the timers sample (scaleout/telemetry/timers.py), the step reads nothing
+        from the
         device but the agreement's result (train/faults.py), which also carries the loss."""
         timers, precision, progress = self.timers, self.task.precision, self.progress
         delay = self.delay

@@ -144,7 +144,7 @@ def test_family_no_decay_keeps_the_optimizer_chosen_groups() -> None:
 
 
 def test_mlperf_facts_come_from_the_family() -> None:
-    from scaleout.report import RunReport
+    from scaleout.telemetry.report import RunReport
     from scaleout.train.hparams import hyperparameters
 
     for name, fam in FAMILIES.items():

@@ -1,5 +1,5 @@
 """A rank that starts the prefetcher's forkserver and one worker the way Prefetcher does, prints
-their PIDs and sleeps (tests/test_prefetch.py kills it with SIGKILL)."""
+their PIDs and sleeps (tests/train/test_prefetch.py kills it with SIGKILL)."""
 
 import time
 from multiprocessing import forkserver

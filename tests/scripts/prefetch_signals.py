@@ -4,7 +4,7 @@ whole group (as Slurm does every process of a step), then keep reading batches.
 python tests/scripts/prefetch_signals.py [forkserver|spawn|fork]
 
 Prints one JSON line: which helper processes are still alive, what the rank's guard saw, how many
-batches it read after the signals. Used by tests/test_preempt_slurm.py.
+batches it read after the signals. Used by tests/goodput/test_preempt_slurm.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from scaleout import preempt
 from scaleout.data.batches import MicroBatch
+from scaleout.goodput import preempt
 from scaleout.train.prefetch import Prefetcher
 
 

@@ -1,7 +1,8 @@
-"""A real, tiny data-parallel training run that follows the scaleout.preempt contract
+"""A real, tiny data-parallel training run that follows the scaleout.goodput.preempt contract
 (docs/launchers.md).
 
-Used by tests/test_slurm.py to prove preemption end to end on the real local Slurm: signal mid-run
+Used by tests/launchers/test_slurm.py to prove preemption end to end on the real local Slurm:
+signal mid-run
 -> agreed stop -> checkpoint -> requeue -> the requeued job resumes -> final weights equal those of
 an uninterrupted run. Works under any launcher scaleout.init() knows (srun, scaleout launch,
 mpiexec, none).
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import scaleout
-from scaleout import preempt
+from scaleout.goodput import preempt
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

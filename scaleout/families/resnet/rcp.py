@@ -31,7 +31,7 @@ from typing import Any
 from scaleout.errors import UserError
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
-RCP_RULESET = "4.0.0"  # the newest ruleset with ResNet RCPs (scaleout.mlperf.RULESET)
+RCP_RULESET = "4.0.0"  # the newest ruleset with ResNet RCPs (scaleout.telemetry.mlperf.RULESET)
 EVAL_PERIOD_EPOCHS = 4  # the reference and NVIDIA: evaluate every 4 epochs
 
 

@@ -356,7 +356,7 @@ def test_train_on_make_shards_output_end_to_end(built, tmp_path):
     MLPerf log passes the real checker, global_batch_size counts sequences (rows x integer
     packing rate), evaluation starts at train.eval_start_step then every train.eval_every,
     report.json has the peak RSS per rank."""
-    from scaleout.mlperf import check_compliance
+    from scaleout.telemetry.mlperf import check_compliance
 
     root, _ = built
     out = tmp_path / "out"
