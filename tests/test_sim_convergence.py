@@ -21,12 +21,12 @@ from scaleout.sim.convergence import (
     rcp_curve,
 )
 from scaleout.sim.mlperf import get_run, speedup
+from scaleout.sim.overhead import get_overhead
 from scaleout.sim.step import (
     H200_RESNET50_ROWS,
     TrainSpec,
     eval_interval,
     get_model,
-    get_overhead,
     step_time,
     with_overhead,
 )

@@ -299,18 +299,10 @@ def scaleout_config(args: argparse.Namespace) -> Any:
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
     """Sequences per packed row of the corpus at the config's settings (the packed recipes'
-    algorithm)."""
-    from scaleout.families.bert.data.bert_sources import load_bert_data
-    from scaleout.families.bert.packing.hist import histogram_from_lengths
-    from scaleout.families.bert.packing.pack import pack_histogram
+    algorithm): the family's own measurement (``Family.packing_speedup``)."""
+    from scaleout.families import FAMILIES
 
-    d = cfg.data
-    algo = d.packing if d.packing != "none" else "lpfhp"
-    lengths = [len(s) for s in load_bert_data(cfg).train]
-    s = pack_histogram(
-        histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, algo
-    )
-    return float(s.speedup), algo
+    return FAMILIES.get(cfg.model.arch).packing_speedup(cfg)
 
 
 def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:

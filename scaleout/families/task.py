@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
-from scaleout.families import FAMILIES, Family
+from scaleout.families.base import FAMILIES, Family
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config

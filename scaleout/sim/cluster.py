@@ -46,8 +46,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from scaleout.comm.cost import PARAMS  # the constants vector's order (the cost algebra's)
 from scaleout.errors import ConfigError
+from scaleout.sim.cost import PARAMS  # the constants vector's order (the cost algebra's)
 
 GB = 1e9
 

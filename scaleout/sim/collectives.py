@@ -1,8 +1,8 @@
 """Alpha-beta-gamma cost of all-reduce algorithms on a cluster: the dispatch to each algorithm's
 cost.
 
-Every algorithm is written as a :class:`~scaleout.comm.cost.Plan` (the algebra and its building
-blocks: :mod:`scaleout.comm.cost`, re-exported here): a sum of terms ``mult * max(option . theta)``
+Every algorithm is written as a :class:`~scaleout.sim.cost.Plan` (the algebra and its building
+blocks: :mod:`scaleout.sim.cost`, re-exported here): a sum of terms ``mult * max(option . theta)``
 where theta is the constants vector and each option is a coefficient vector; the max is a lock-step
 phase.
 
@@ -41,7 +41,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scaleout.comm import ALGORITHMS, Options
-from scaleout.comm.cost import (  # noqa: F401  (the building blocks, re-exported for the simulator)
+from scaleout.comm.rowcol import GridAlgorithm
+from scaleout.comm.torus2d import square_x
+from scaleout.errors import ConfigError, TopologyError
+from scaleout.sim.cluster import Cluster
+from scaleout.sim.cost import (  # noqa: F401  (the building blocks, re-exported for the simulator)
     PARAMS,
     Plan,
     ceil_log2,
@@ -52,10 +56,6 @@ from scaleout.comm.cost import (  # noqa: F401  (the building blocks, re-exporte
     sharp_phase,
     vec,
 )
-from scaleout.comm.rowcol import GridAlgorithm
-from scaleout.comm.torus2d import square_x
-from scaleout.errors import ConfigError, TopologyError
-from scaleout.sim.cluster import Cluster
 
 if TYPE_CHECKING:
     from scaleout.config.schema import CommConfig

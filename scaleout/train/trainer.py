@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from scaleout import preempt
 from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
+from scaleout.comm.handles import prioritize_communication
 from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
@@ -310,7 +311,7 @@ class Trainer:
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
-            world.prioritize_communication(cfg.comm.comm_nice)
+            prioritize_communication(world, cfg.comm.comm_nice)
 
         # training state, then the checkpoint's over it
         self.step, self.samples, self.skipped = 0, 0, 0

@@ -1,5 +1,6 @@
-"""The alpha-beta-gamma algebra the all-reduce algorithms price themselves with
-(``Algorithm.cost``), and the simulator (:mod:`scaleout.sim`) builds on.
+"""The simulator's alpha-beta-gamma algebra: what :mod:`scaleout.sim` builds on and what each
+all-reduce algorithm writes its cost model in (``Algorithm.cost``, importing this module only when
+it is priced: the simulator owns pricing, the algorithm only says its shape).
 
 A cost is a :class:`Plan`: a sum of terms ``mult * max(option . theta)`` where theta is the
 constants vector (:data:`PARAMS`) and each option is a coefficient vector. The max expresses
