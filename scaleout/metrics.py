@@ -29,10 +29,12 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import ConfigError
-from scaleout.observe import EvalRecord, StepRecord
+
+if TYPE_CHECKING:
+    from scaleout.train.observe import EvalRecord, StepRecord
 
 JSONL = "metrics.jsonl"
 CSV = "metrics.csv"

@@ -15,7 +15,7 @@ import pytest
 
 from scaleout.errors import ConfigError
 from scaleout.metrics import Metrics, plot_run, read_metrics
-from scaleout.observe import EvalRecord, StepRecord
+from scaleout.train.observe import EvalRecord, StepRecord
 
 SHORT = [
     "train.global_batch=16",

@@ -27,6 +27,7 @@ from scaleout.bench._harness import (
     reduce_max,
     say0,
 )
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -106,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bucket-mb",
         type=float,
-        default=25.0,
-        help="bucket size in MiB for all variants (default 25)",
+        default=DEFAULT_BUCKET_MB,
+        help=f"bucket size in MiB for all variants (default {DEFAULT_BUCKET_MB:g})",
     )
     p.add_argument(
         "--first-bucket-mb",

@@ -42,6 +42,7 @@ from typing import Any
 
 from scaleout.argtypes import csv_of
 from scaleout.bench._harness import bench_config
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 
 NAME = "ttt"
 HELP = (
@@ -348,7 +349,7 @@ def recipes(
         best.lr,
         best.warmup,
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         order="torch",  # the baseline's DistributedSampler batches: the factor is the framework's
         label="scaleout's trainer, the baseline's recipe",
     )
@@ -413,7 +414,7 @@ def resnet_recipes(args: argparse.Namespace, cfg: Any, best: Any) -> dict[str, A
         best.lr,
         best.warmup,
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         label_smoothing=0.0,
         label="scaleout's trainer, the baseline's recipe",
     )
@@ -421,7 +422,7 @@ def resnet_recipes(args: argparse.Namespace, cfg: Any, best: Any) -> dict[str, A
         full,
         name="abl-lars",
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         bn_group=1,
         precision="fp32",
         compression="none",

@@ -36,6 +36,7 @@ from scaleout.comm.algorithm import ALGORITHMS
 from scaleout.config.schema import AUTO
 from scaleout.errors import ConfigError
 from scaleout.families import FAMILIES
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import canonical
 from scaleout.sim.convergence import ConvergenceCurve
@@ -77,7 +78,7 @@ class ModelSpec:
 class TrainSpec:
     local_batch: float
     algorithm: str = "flat"
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)
     overlap: bool = True

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from scaleout.comm.handles import CommFailed
 from scaleout.errors import UserError
+from scaleout.fsutil import atomic_write
 from scaleout.preempt import Preemption
 from scaleout.train.liveness import PHASES as PROGRESS_PHASES
 from scaleout.train.liveness import describe_rank, unresponsive
@@ -579,11 +580,7 @@ def _leave(world: World, fields: dict, env: Mapping[str, str] | None, suffix: st
     record = {"rank": world.rank, "node": node, **fields, "time": time.time()}
     name = f"rank{world.rank}{suffix}.json"
     try:
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(folder, name))
+        atomic_write(os.path.join(folder, name), json.dumps(record))
     except OSError as exc:  # a diagnosis must never be what fails: say so and go on exiting
         print(f"scaleout: cannot write the verdict to {folder}: {exc}", file=sys.stderr)
 

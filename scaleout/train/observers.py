@@ -1,4 +1,4 @@
-"""The trainer's reporting channels, each an :class:`scaleout.observe.Observer`: the MLPerf log,
+"""The trainer's reporting channels, each an :class:`~scaleout.train.observe.Observer`: MLPerf log,
 the metrics file, the progress line, the console messages, the profiler and the end-of-run
 report. The trainer builds them in ``__init__`` (:func:`default_observers`) and calls their hooks
 in list order."""
@@ -14,15 +14,18 @@ import torch
 import torch.distributed as dist
 
 from scaleout import quarantine
-from scaleout.checkpoint import atomic_write
 from scaleout.config.schema import Config
 from scaleout.devices import device_peak
 from scaleout.errors import UserError
 from scaleout.families import FAMILIES
+from scaleout.fsutil import atomic_write
 from scaleout.log import print0
 from scaleout.metrics import Metrics
 from scaleout.mlperf import MLPerfLogger, default_platform
-from scaleout.observe import (
+from scaleout.profiler import StepProfiler, build_profiler
+from scaleout.report import RunReport
+from scaleout.timers import Timers
+from scaleout.train.observe import (
     EvalRecord,
     EvalStart,
     InitEnd,
@@ -34,9 +37,6 @@ from scaleout.observe import (
     eval_due,
     next_eval,
 )
-from scaleout.profiler import StepProfiler, build_profiler
-from scaleout.report import RunReport
-from scaleout.timers import Timers
 from scaleout.train.progress import Progress
 from scaleout.train.skew import SkewTracker, quarantine_verdicts
 from scaleout.world import World

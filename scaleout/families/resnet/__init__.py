@@ -19,13 +19,11 @@ from scaleout.families.resnet.flops import (
     resnet_params,
     training_flops_per_image,
 )
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 
 if TYPE_CHECKING:
     from scaleout.families.task import Task
     from scaleout.world import World
-
-# ImageNet-1k training set size: turns LARS step counts into the epochs the LARS rules ask for.
-IMAGENET_TRAIN_IMAGES = 1_281_167
 
 # The MLPerf ResNet LARS reference skips weight decay and trust-ratio adaptation for batch-norm and
 # bias variables (batch-norm parameters are also excluded by module type: torch names them

@@ -37,6 +37,7 @@ import numpy as np
 
 from scaleout.errors import UserError
 from scaleout.families.bert.data.pretrain import to_padded
+from scaleout.fsutil import atomic_write_path
 
 KEYS = (
     "input_ids",
@@ -238,14 +239,15 @@ def write_shard(
     if layout not in LAYOUTS:
         raise UserError(f"shard layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     h5py = h5py_module()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        if layout == "fixed":
-            _write_fixed(f, rows, max_seq_len, max_pred)
-        else:
-            _write_vlen(f, h5py, rows, layout)
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w") as f:
+            if layout == "fixed":
+                _write_fixed(f, rows, max_seq_len, max_pred)
+            else:
+                _write_vlen(f, h5py, rows, layout)
+
+    atomic_write_path(path, write)
 
 
 def _write_fixed(f: Any, rows: list[list[Any]], max_seq_len: int, max_pred: int) -> None:

@@ -44,6 +44,7 @@ from scaleout.families.bert.data.shard_format import ShardReader
 from scaleout.families.bert.packing.assign import assign_sequences
 from scaleout.families.bert.packing.hist import histogram_from_lengths
 from scaleout.families.bert.packing.pack import pack_histogram
+from scaleout.fsutil import atomic_write_path
 
 INDEX_VERSION = 1
 
@@ -97,10 +98,7 @@ def shard_key(path: Path) -> str:
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
-    write(tmp)
-    os.replace(tmp, path)
+    atomic_write_path(path, write, keep_suffix=True)  # numpy's writers append a missing suffix
 
 
 class ShardIndex:
