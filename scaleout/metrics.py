@@ -126,9 +126,8 @@ class Metrics:
     def _write(self, record: dict[str, Any], flush: bool = False) -> None:
         self._jsonl.write(json.dumps(record, default=float) + "\n")
         now = time.monotonic()
-        if (
-            flush or now - self._last_flush > 5.0
-        ):  # tail -f works; a shared file system is not hit per step
+        # tail -f works; a shared file system is not hit per step
+        if flush or now - self._last_flush > 5.0:
             self._jsonl.flush()
             if self._csv is not None:
                 self._csv_file.flush()

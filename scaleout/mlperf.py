@@ -79,9 +79,8 @@ class MLPerfLogger:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handlers.append(logging.FileHandler(self.path, mode="a"))
-        if (
-            stdout
-        ):  # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
+        # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
+        if stdout:
             self._handlers.append(logging.StreamHandler(sys.stdout))
         for h in self._handlers:
             logger.addHandler(h)

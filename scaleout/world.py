@@ -305,9 +305,8 @@ def _release_captured_groups(groups: list[Any]) -> None:
         if module is None or not name.startswith("torch.distributed"):
             continue
         for fn in list(vars(module).values()):
-            if (
-                type(fn) is not types.FunctionType
-            ):  # not isinstance: deprecated torch names warn on that
+            # not isinstance: deprecated torch names warn on that
+            if type(fn) is not types.FunctionType:
                 continue
             defaults = fn.__defaults__
             if defaults and any(id(d) in ids for d in defaults):
@@ -412,9 +411,8 @@ def init(
         timeout_s = config.train.init_timeout_s if config is not None else 600.0
     reader = detect_environment(env, environment)
     spec = reader.read(env)
-    if (
-        launch is not None
-    ):  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+    # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+    if launch is not None:
         given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
         spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
     cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
@@ -444,9 +442,8 @@ def init(
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)
-    atexit.register(
-        world._close_at_exit
-    )  # an orderly shutdown even if the script never calls close()
+    # an orderly shutdown even if the script never calls close()
+    atexit.register(world._close_at_exit)
     return world
 
 

@@ -46,9 +46,8 @@ class Family:
     name: ClassVar[str]  # the model.arch value; also the key of its config section, model.<name>
     config: ClassVar[type[BaseModel] | None] = None  # the pydantic section model.<name> (or none)
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic",)  # the data.source values it reads
-    benchmark: ClassVar[str | None] = (
-        None  # MLPerf benchmark name (mlperf_logging's); None: not one
-    )
+    # MLPerf benchmark name (mlperf_logging's); None: not one
+    benchmark: ClassVar[str | None] = None
     metric: ClassVar[str] = "accuracy"  # the evaluation's quality metric (train.target is in it)
     # HPC-AI500 quality exponent n of Valid FLOPS = FLOPS x (achieved / target)^n (arXiv 2007.00279)
     quality_exponent: ClassVar[float] = 5.0

@@ -109,9 +109,8 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     if nodes == 1:  # NCCL runs rings inside a node; the tree only matters between nodes
         return ALGORITHMS.get("flat").cost(Options(), cluster, nodes, nbytes)
     plan = Plan().add(1, vec(base=1))
-    if (
-        cluster.sharp
-    ):  # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+    # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+    if cluster.sharp:
         plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_sharp=1, gamma=nbytes))
         inter = vec(beta_inter=nbytes / (cluster.inter_streams(1) * cluster.sharp_efficiency))
         return plan.add(1, inter, vec(beta_intra=2 * nbytes) if g > 1 else inter)

@@ -52,9 +52,8 @@ class ModelSpec:
     flops_per_sample: float  # training FLOPs (forward + backward) per sample
     grad_bytes: int = 2  # bytes per gradient element on the wire (fp16/bf16 = 2, fp32 = 4)
     opt_bytes_per_param: float = 32.0  # optimizer HBM traffic per parameter per step
-    param_bytes: int = (
-        2  # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
-    )
+    # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
+    param_bytes: int = 2
     # Optimizer state per parameter: fp32 master weights + two fp32 moments (ZeRO's K = 12 for
     # mixed-precision Adam, Rajbhandari et al. 2020; LAMB keeps the same state).
     state_bytes_per_param: float = 12.0
@@ -82,9 +81,8 @@ class TrainSpec:
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)
     overlap: bool = True
-    chunks: int | None = (
-        None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
-    )
+    # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
+    chunks: int | None = None
     torus_x: int | Literal["node", "square"] | None = None  # node: GPUs per node; square: ~sqrt(p)
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
     optimizer: Literal["replicated", "sharded", "sharded-node"] = "replicated"  # sim/sharded.py

@@ -72,9 +72,8 @@ class MLPerfObserver(Observer):
             platform=m.platform or default_platform(self.world),
         )
         self.log.hyperparameters(init.hyperparameters)
-        if (
-            init.resumed_from
-        ):  # MLPerf's key for "started from a checkpoint at step N" (GPT-3 rules)
+        # MLPerf's key for "started from a checkpoint at step N" (GPT-3 rules)
+        if init.resumed_from:
             self.log.event("init_checkpoint_step", init.resumed_from)
         self.log.init_stop()
 

@@ -70,9 +70,8 @@ class ResNetTask(Task):
                 r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed, uint8=True
             )
             self.eval_set = self.train_set
-            self._eval_idx = np.arange(
-                n, n + d.eval_samples
-            )  # held out: never in the training range
+            # held out: never in the training range
+            self._eval_idx = np.arange(n, n + d.eval_samples)
             self.train_set.length = n
             self.rows = len(self.train_set)
             self.sampler = make_sampler(

@@ -301,9 +301,8 @@ def _write_vlen(f: Any, h5py: Any, rows: list[list[Any]], layout: str) -> None:
         if layout == "varlength" and k == "next_sentence_labels":
             f.create_dataset(k, data=np.array([c[0] for c in cols[k]], np.int8), dtype="i1")
             continue
-        data = np.empty(
-            n, dtype=object
-        )  # an object array of 1-D arrays: one write, any row lengths
+        # an object array of 1-D arrays: one write, any row lengths
+        data = np.empty(n, dtype=object)
         for i, v in enumerate(cols[k]):
             data[i] = v
         f.create_dataset(k, data=data, dtype=vlen[k])

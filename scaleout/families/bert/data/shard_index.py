@@ -52,9 +52,8 @@ INDEX_VERSION = 1
 @dataclass(frozen=True)
 class PackSettings:
     max_len: int
-    algorithm: (
-        str  # "none" (one sequence per row) or a scaleout.families.bert.packing algorithm / "auto"
-    )
+    # "none" (one sequence per row) or a scaleout.families.bert.packing algorithm / "auto"
+    algorithm: str
     max_per_pack: int
     seed: int = 0
 
@@ -262,9 +261,8 @@ def ensure_index(
         if rank == 0 and not summary_path.is_file():
             _write_summary(summary_path, shards)
         barrier()
-    if (
-        not summary_path.is_file()
-    ):  # rank 0 wrote it where this rank cannot see it (node-local data)
+    # rank 0 wrote it where this rank cannot see it (node-local data)
+    if not summary_path.is_file():
         _write_summary(summary_path, shards)
     with np.load(summary_path) as z:
         return Summary(z["packs"], z["sequences"], z["tokens"], z["depth"]), idx
