@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.fsutil import atomic_write
 from scaleout.launchers.watchdog import start_time
 from scaleout.units import parse_rate
 
@@ -248,9 +249,7 @@ class Cluster:
         }
         path = self.record_path()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec, indent=1))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(rec, indent=1))
 
     def up(self, owned: bool = False) -> Cluster:
         """Create the cluster. ``owned``: it belongs to this process (a launch's private

@@ -56,11 +56,10 @@ import logging
 import math
 import os
 import re
-import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -70,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.errors import ConfigError, UserError
+from scaleout.fsutil import atomic_write
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -163,41 +163,6 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
             raise CorruptCheckpoint(f"{path}: sha256 checksum mismatch (file corrupted)")
         f.seek(_HEADER)  # torch's reader takes the file's position as the archive's start
         return torch.load(f, map_location=map_location, weights_only=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` via a temporary file and a rename: ``data``, or what ``data(f)`` writes into
-    the open file. The temporary name is unique per writer (pid and a random part): two runs
-    writing the same name never write into one file."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(
-            missing_ok=True
-        )  # a failed write (disk full, quota) leaves the old file and no debris
-        raise
-    _fsync_dir(path.parent)
 
 
 class CheckpointWriteFailed(UserError):

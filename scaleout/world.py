@@ -11,7 +11,6 @@ import atexit
 import os
 import socket
 import sys
-import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,11 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from scaleout.comm.handles import comm_thread
-from scaleout.comm.torus2d import resolve_grid
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.env.base import DEVICE_VAR
 from scaleout.errors import TopologyError
+from scaleout.topology import resolve_grid
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -168,7 +166,7 @@ class World:
         return [node[idx] for node in self.ranks_per_node]
 
     def torus_shape(self, x: int | None = None, y: int | None = None) -> tuple[int, int]:
-        """Resolve the X x Y grid (:func:`scaleout.comm.torus2d.resolve_grid`); default X = ranks
+        """Resolve the X x Y grid (:func:`scaleout.topology.resolve_grid`); default X = ranks
         per node."""
         if x is None and y is None:
             self.require_uniform("the default torus grid (x = ranks per node)")
@@ -241,38 +239,6 @@ class World:
         for group in {id(g): g for g in (dist.group.WORLD, *self._groups.values())}.values():
             c10d._set_pg_timeout(td, None if group is dist.group.WORLD else group)
 
-    def prioritize_communication(self, nice: int = 10) -> bool:
-        """Lower the calling (compute) thread's CPU priority below the communication threads
-        (CPU/gloo).
-
-        GPUs give collectives their own engines and high-priority streams; on CPU, gloo's IO
-        threads, the scaleout comm thread and the kernel's network work share cores with the
-        forward/backward thread. When those cores are oversubscribed (several ranks per core, as on
-        the emulated cluster) a bucket's all-reduce waits for a time slice behind compute and the
-        overlap is lost. This creates the groups and the comm thread first (so they keep the normal
-        priority), then raises the calling thread's nice value (per-thread on Linux; needs no
-        privilege). Threads and processes started later by the calling thread inherit it. No-op on
-        CUDA (NCCL has its own streams) and where unsupported; returns whether it applied. Every
-        rank must call it (it may create process groups).
-        """
-
-        if self.device.type == "cuda" or self.world_size < 2 or not hasattr(os, "setpriority"):
-            return False
-
-        if self.uniform and self.num_nodes > 1 and self.local_size > 1:
-            _ = (
-                self.intra,
-                self.inter,
-            )  # gloo groups (and their worker threads) exist before the renice
-        comm_thread(self)
-        tid = threading.get_native_id()
-        try:
-            cur = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, cur + max(0, int(nice))))
-        except OSError:
-            return False
-        return True
-
     def add_close_hook(self, fn: Any) -> None:
         """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a
         comm thread: destroying gloo groups while the thread that issued their ops is alive
@@ -339,9 +305,8 @@ def _release_captured_groups(groups: list[Any]) -> None:
         if module is None or not name.startswith("torch.distributed"):
             continue
         for fn in list(vars(module).values()):
-            if (
-                type(fn) is not types.FunctionType
-            ):  # not isinstance: deprecated torch names warn on that
+            # not isinstance: deprecated torch names warn on that
+            if type(fn) is not types.FunctionType:
                 continue
             defaults = fn.__defaults__
             if defaults and any(id(d) in ids for d in defaults):
@@ -446,9 +411,8 @@ def init(
         timeout_s = config.train.init_timeout_s if config is not None else 600.0
     reader = detect_environment(env, environment)
     spec = reader.read(env)
-    if (
-        launch is not None
-    ):  # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+    # launch.master_addr / master_port, when set, win over the launcher's rendezvous
+    if launch is not None:
         given = {"master_addr": launch.master_addr, "master_port": launch.master_port}
         spec = WorldSpec(**{**spec.__dict__, **{k: v for k, v in given.items() if v}})
     cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
@@ -478,9 +442,8 @@ def init(
         )
     node_of = _observe_topology(spec)
     world = World(spec, device, backend, node_of, timeout_s)
-    atexit.register(
-        world._close_at_exit
-    )  # an orderly shutdown even if the script never calls close()
+    # an orderly shutdown even if the script never calls close()
+    atexit.register(world._close_at_exit)
     return world
 
 

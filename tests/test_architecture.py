@@ -14,6 +14,7 @@ import functools
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,11 @@ DRIVER = {"cli", "bench", "sweep", "sim"}
 # The one rank-side use of the driver side: comm.algorithm=auto (scaleout/parallel/autotune.py) fits
 # and prices its candidates with the simulator's model in every rank (sim.calibrate, sim.cluster,
 # sim.step: numpy and scipy, no torch, nothing of cli, bench or sweep), deferred until auto is on.
-ALLOWED = {("parallel", "sim")}
+# The other: an algorithm's cost model (comm's Algorithm.cost / half_cost) is written in the
+# simulator's algebra (scaleout.sim.cost: numpy, no torch), imported only when something prices it,
+# as a new algorithm's does (tests/test_extend_comm.py). Module by module neither closes a circle
+# (test_no_import_cycle_between_modules); unit by unit they are the one pair left out.
+ALLOWED = {("parallel", "sim"), ("comm", "sim")}
 
 
 def _units() -> dict[str, list[Path]]:
@@ -113,7 +118,7 @@ def test_launchers_never_import_the_cli() -> None:
 
 
 def test_no_import_cycle_between_units() -> None:
-    graph = {u: set(edges) for u, edges in _graph().items()}
+    graph = {u: set(edges) - {t for f, t in ALLOWED if f == u} for u, edges in _graph().items()}
     cycles = []
 
     def visit(u: str, path: list[str]) -> None:
@@ -306,3 +311,202 @@ def test_cli_parser_is_torch_free() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+# Module granularity: the same scan, one node per file (a package's __init__ is the package).
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(ROOT / "launchers"):
+        parts = ["scaleout", "launchers", *path.relative_to(ROOT / "launchers").parts]
+    else:
+        parts = ["scaleout", *path.relative_to(ROOT / "scaleout").parts]
+    parts[-1] = parts[-1].removesuffix(".py")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _module_imports(path: Path, me: str, modules: set[str]) -> dict[str, int]:
+    """Modules of ours that importing ``path`` executes -> first line: ``from a.b import c``
+    runs ``a.b`` (and ``a.b.c`` when that is a module), and every package above them, except the
+    packages that hold ``me`` (Python ran those before it). Relative imports resolved; deferred
+    ones count; ``if TYPE_CHECKING:`` ones do not."""
+    tree = ast.parse(path.read_text())
+    type_only = {
+        id(n)
+        for top in ast.walk(tree)
+        if isinstance(top, ast.If)
+        and ast.unparse(top.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(top)
+    }
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    mine = {".".join(me.split(".")[:i]) for i in range(1, me.count(".") + 1)}
+
+    def norm(mod: str) -> str:
+        # the launchers/ folder is importable both as launchers and as scaleout.launchers
+        return "scaleout." + mod if mod.split(".")[0] == "launchers" else mod
+
+    out: dict[str, int] = {}
+
+    def add(mod: str, line: int, explicit: bool) -> None:
+        mod = norm(mod)
+        parts = mod.split(".")
+        for i in range(1, len(parts) + 1):
+            m = ".".join(parts[:i])
+            if m in modules and m != me and (m not in mine or (explicit and i == len(parts))):
+                out.setdefault(m, line)
+
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name, node.lineno, True)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from <my own package> import <submodule>` needs nothing of the package's __init__
+            # (Python is running it already): an edge to the submodule only
+            subs = {a.name for a in node.names if norm(f"{mod}.{a.name}") in modules}
+            if norm(mod) not in mine or len(subs) < len(node.names):
+                add(mod, node.lineno, True)
+            for a in node.names:
+                if norm(f"{mod}.{a.name}") in modules:
+                    add(f"{mod}.{a.name}", node.lineno, True)
+    return out
+
+
+@functools.cache
+def _module_graph() -> dict[str, dict[str, str]]:
+    """module -> {imported module: "file:line"}."""
+    files = {_module_name(f): f for f in _library_and_launcher_files()}
+    graph = {}
+    for name, f in files.items():
+        graph[name] = {
+            t: f"{f.relative_to(ROOT)}:{line}"
+            for t, line in _module_imports(f, name, set(files)).items()
+        }
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """No two modules of scaleout/ and launchers/ import each other, directly or round a circle,
+    counting imports inside functions (``if TYPE_CHECKING:`` ones excepted: they never run). A
+    package's ``__init__`` is a module; importing ``a.b.c`` also runs ``a`` and ``a.b``. A
+    package's own submodules do not depend on its ``__init__`` merely by being inside it (Python
+    runs it first anyway), only by importing a name it defines: so an ``__init__`` may import its
+    implementations to register them, or re-export, as long as they take what they need from a
+    sibling (``families/base.py``, ``comm/algorithm.py``), not from the ``__init__``."""
+    graph = _module_graph()
+    bad = []
+    for comp in _cycles(graph):
+        edges = [f"{a} -> {b} ({graph[a][b]})" for a in comp for b in graph[a] if b in comp]
+        bad.append("cycle: " + ", ".join(comp) + "\n    " + "\n    ".join(edges))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_module_scan_sees_a_deferred_cycle(tmp_path: Path) -> None:
+    """The scan is not vacuous: a deferred import and a name taken from the own package's
+    ``__init__`` are edges, a submodule of the own package and a type-only import are not."""
+    f = tmp_path / "x.py"
+    f.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from scaleout.pkg import helper, sub\n"
+        "if TYPE_CHECKING:\n    from scaleout.other import T\n"
+        "def f():\n    from .sub import g\n"
+    )
+    modules = {"scaleout", "scaleout.pkg", "scaleout.pkg.sub", "scaleout.pkg.x", "scaleout.other"}
+    found = _module_imports(f, "scaleout.pkg.x", modules)
+    assert set(found) == {"scaleout.pkg", "scaleout.pkg.sub"}
+    f.write_text("from scaleout.pkg import sub\n")  # only a sibling: no edge to the __init__
+    assert set(_module_imports(f, "scaleout.pkg.x", modules)) == {"scaleout.pkg.sub"}
+    assert _cycles({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}) == [
+        ["a", "b", "c"]
+    ]
+
+
+# Who may import a family's own modules (scaleout.families.<name>...) from outside its folder, and
+# why: the registry that loads the built-ins, and commands and benchmarks that are that family's
+# own (they act on its data formats or measure its kernels: there is nothing generic to ask).
+FAMILY_ENTRIES = {
+    "scaleout/families/__init__.py": "registers the built-in families (torch-free declarations)",
+    # the family's own commands: each acts on that family's data format or checkpoint format
+    "scaleout/cli/data.py": "`scaleout data`: ImageNet / Fashion-MNIST preparation, BERT shards",
+    "scaleout/cli/pack.py": "`scaleout pack`: BERT's sequence packing of a length histogram",
+    "scaleout/cli/config.py": "`scaleout config rcp`: ResNet's MLPerf reference-point configs",
+    "scaleout/cli/ckpt.py": "`scaleout ckpt --format hf`: BERT's Hugging Face converter",
+    # benchmarks of one family's own kernels and input paths (bench/ is the lab, review sec. 5.9)
+    "scaleout/bench/_gpuchecks.py": "BERT / ResNet kernels and GPU decode against references",
+    "scaleout/bench/compile.py": "torch.compile of the BERT model on packed batches",
+    "scaleout/bench/data.py": "ResNet's JPEG decode and DALI input paths",
+    "scaleout/bench/mlmhead.py": "BERT's unpadded MLM head",
+    "scaleout/bench/packing.py": "BERT's packing algorithms and packed batches",
+    "scaleout/bench/shards.py": "BERT's shard format and its reader",
+    # the plain-PyTorch DDP baselines the ttt benchmark races: same model and data, no scaleout
+    "scaleout/bench/_ttt_baseline.py": "the DDP baseline trains the same BERT on the same data",
+    "scaleout/bench/_ttt_baseline_resnet.py": "the DDP baseline trains the same ResNet",
+}
+
+
+def _family_reaches(entries: Iterable[str] = FAMILY_ENTRIES) -> dict[str, list[str]]:
+    families = [
+        p.name for p in (ROOT / "scaleout" / "families").iterdir() if (p / "__init__.py").is_file()
+    ]
+    out: dict[str, list[str]] = {}
+    for f in _library_and_launcher_files():
+        rel = str(f.relative_to(ROOT))
+        if rel in entries:
+            continue
+        for line, mod in _imports(f):
+            parts = mod.split(".")
+            if parts[:2] == ["scaleout", "families"] and len(parts) > 2 and parts[2] in families:
+                if not rel.startswith(f"scaleout/families/{parts[2]}/"):
+                    out.setdefault(rel, []).append(f"{line}: {mod}")
+    return out
+
+
+def test_no_reach_into_a_family_from_outside() -> None:
+    """The rest of scaleout talks to a model family through its ``Family`` object
+    (scaleout/families/base.py), never to the modules inside scaleout/families/<name>/."""
+    reaches = _family_reaches()
+    assert not reaches, "\n".join(f"{k}: {v}" for k, v in sorted(reaches.items()))
+    # not vacuous, and no stale entry: every allowed file does reach into its family
+    assert sorted(_family_reaches(())) == sorted(FAMILY_ENTRIES)

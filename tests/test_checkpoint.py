@@ -587,7 +587,7 @@ def test_atomic_write_that_fails_keeps_the_old_file_and_no_debris(tmp_path):
         "import resource, signal, sys; from pathlib import Path; signal.signal(signal.SIGXFSZ, "
         "signal.SIG_IGN);"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096));"
-        "from scaleout.checkpoint import atomic_write;"
+        "from scaleout.fsutil import atomic_write;"
         "atomic_write(Path(sys.argv[1]), b'x' * 100000)"
     )
     r = subprocess.run(

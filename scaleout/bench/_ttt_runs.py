@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scaleout.launchers import Launcher, LaunchOptions, make_launcher
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 
 # torch DDP's bucket_cap_mb default: the baseline then leaves it unset, so DDP also makes its
 # 1 MiB first bucket (an explicit 25 makes the first bucket 25 MiB too)
-DDP_DEFAULT_BUCKET_MB = 25.0
+DDP_DEFAULT_BUCKET_MB = DEFAULT_BUCKET_MB
 BASELINE_MODULE = {
     "bert": "scaleout.bench._ttt_baseline",
     "resnet": "scaleout.bench._ttt_baseline_resnet",
@@ -81,7 +82,8 @@ class Recipe:
     packing: bool = False
     comm: Literal["ddp", "flat", "hierarchical"] = "ddp"  # ddp: torch's own
     overlap: bool = True
-    bucket_mb: float = 25.0  # torch: 25 = DDP's default (bucket_cap_mb unset: a 1 MiB first bucket)
+    # torch: DDP's default (bucket_cap_mb unset: a 1 MiB first bucket)
+    bucket_mb: float = DEFAULT_BUCKET_MB
     sharded: bool = False
     shard: str = "world"  # optim.shard of a sharded row: world or node
     precision: str = (

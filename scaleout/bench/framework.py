@@ -20,6 +20,7 @@ from scaleout.bench._harness import (
     interleave,
     say0,
 )
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 
 NAME = "framework"
 HELP = "scaleout's trainer vs a plain torch DDP loop on the same recipe: ms/step and their ratio"
@@ -70,8 +71,8 @@ DEFAULTS = [
     "comm.compression=none",
     "comm.algorithm=flat",
     "comm.overlap=true",
-    "comm.bucket_mb=25.0",
-    "comm.first_bucket_mb=1.0",
+    f"comm.bucket_mb={DEFAULT_BUCKET_MB}",
+    f"comm.first_bucket_mb={DEFAULT_FIRST_BUCKET_MB}",
     "train.target=null",
     "train.progress=false",
     "checkpoint.dir=null",
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
 def _baseline_args(cfg: Any, total: int) -> SimpleNamespace:
     """The plain loop's flags for ``cfg``'s recipe (scaleout/bench/_ttt_baseline.py)."""
     o, c = cfg.optim, cfg.comm
-    default = c.bucket_mb == 25.0 and c.first_bucket_mb == 1.0  # torch's own: leave it unset
+    # torch's own buckets: leave them unset
+    default = c.bucket_mb == DEFAULT_BUCKET_MB and c.first_bucket_mb == DEFAULT_FIRST_BUCKET_MB
     return SimpleNamespace(
         seed=cfg.train.seed,
         lr=o.lr,

@@ -27,6 +27,7 @@ from scaleout.bench._harness import (
     reduce_max,
     say0,
 )
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -106,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bucket-mb",
         type=float,
-        default=25.0,
-        help="bucket size in MiB for all variants (default 25)",
+        default=DEFAULT_BUCKET_MB,
+        help=f"bucket size in MiB for all variants (default {DEFAULT_BUCKET_MB:g})",
     )
     p.add_argument(
         "--first-bucket-mb",
@@ -122,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="lower the compute thread's priority by this nice value below the communication "
         "threads "
-        "(World.prioritize_communication; applies to every variant alike, DDP included; default 0)",
+        "(comm.handles.prioritize_communication; applies to every variant alike, DDP included; "
+        "default 0)",
     )
     p.add_argument(
         "--timeline", default=None, help="also write a Chrome trace of the overlap-hier steps here"
@@ -280,7 +282,9 @@ def _in_rank(args: argparse.Namespace) -> int:
     world = init_ranks(2, NAME)
     models = _models(args, world)
     if args.comm_nice:
-        world.prioritize_communication(args.comm_nice)
+        from scaleout.comm.handles import prioritize_communication
+
+        prioritize_communication(world, args.comm_nice)
     n_params = sum(q.numel() for q in models["compute only"].parameters())
     n_buckets = len(models["overlap flat"].buckets)
     say0(world)(

@@ -42,6 +42,7 @@ from typing import Any
 
 from scaleout.argtypes import csv_of
 from scaleout.bench._harness import bench_config
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 
 NAME = "ttt"
 HELP = (
@@ -299,18 +300,10 @@ def scaleout_config(args: argparse.Namespace) -> Any:
 
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
     """Sequences per packed row of the corpus at the config's settings (the packed recipes'
-    algorithm)."""
-    from scaleout.families.bert.data.bert_sources import load_bert_data
-    from scaleout.families.bert.packing.hist import histogram_from_lengths
-    from scaleout.families.bert.packing.pack import pack_histogram
+    algorithm): the family's own measurement (``Family.packing_speedup``)."""
+    from scaleout.families import FAMILIES
 
-    d = cfg.data
-    algo = d.packing if d.packing != "none" else "lpfhp"
-    lengths = [len(s) for s in load_bert_data(cfg).train]
-    s = pack_histogram(
-        histogram_from_lengths(lengths, d.max_seq_len), d.max_seq_len, d.max_per_pack, algo
-    )
-    return float(s.speedup), algo
+    return FAMILIES.get(cfg.model.arch).packing_speedup(cfg)
 
 
 def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:
@@ -356,7 +349,7 @@ def recipes(
         best.lr,
         best.warmup,
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         order="torch",  # the baseline's DistributedSampler batches: the factor is the framework's
         label="scaleout's trainer, the baseline's recipe",
     )
@@ -421,7 +414,7 @@ def resnet_recipes(args: argparse.Namespace, cfg: Any, best: Any) -> dict[str, A
         best.lr,
         best.warmup,
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         label_smoothing=0.0,
         label="scaleout's trainer, the baseline's recipe",
     )
@@ -429,7 +422,7 @@ def resnet_recipes(args: argparse.Namespace, cfg: Any, best: Any) -> dict[str, A
         full,
         name="abl-lars",
         comm="flat",
-        bucket_mb=25.0,
+        bucket_mb=DEFAULT_BUCKET_MB,
         bn_group=1,
         precision="fp32",
         compression="none",

@@ -116,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     pi.add_argument("--meta", help="the devkit's meta.mat (ILSVRC2012 ID -> wnid)")
     pi.add_argument("--expect-classes", type=int, default=1000, help="default 1000")
-    pi.add_argument("--expect-train", type=int, default=1_281_167, help="default 1281167")
+    pi.add_argument(
+        "--expect-train", type=int, default=None, help="default: ImageNet-1k's training images"
+    )
     pi.add_argument("--expect-val", type=int, default=50_000, help="default 50000")
     ms = sub.add_parser(
         "make-image-shards",
@@ -142,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "prepare-fashion-mnist":
         return _prepare_fashion_mnist(args)
     if args.action == "prepare-imagenet":
+        from scaleout.families.resnet import IMAGENET_TRAIN_IMAGES
         from scaleout.families.resnet.data.prepare import (  # deferred: PIL/torch for this action
             prepare_imagenet,
         )
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             args.labels,
             args.meta,
             args.expect_classes,
-            args.expect_train,
+            IMAGENET_TRAIN_IMAGES if args.expect_train is None else args.expect_train,
             args.expect_val,
             progress=lambda line: print(line, flush=True),
         )

@@ -419,7 +419,8 @@ def _curve(args: argparse.Namespace, model_name: str, default: str | None) -> An
 
 def _overhead(args: argparse.Namespace, train: Any) -> Any:
     from scaleout.errors import ConfigError
-    from scaleout.sim.step import get_overhead, with_overhead
+    from scaleout.sim.overhead import get_overhead
+    from scaleout.sim.step import with_overhead
 
     train = with_overhead(replace(train, cuda_graphs=args.cuda_graphs), get_overhead(args.overhead))
     if args.host_ms is not None:

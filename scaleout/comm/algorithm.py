@@ -30,9 +30,9 @@ from scaleout.registry import Registry
 if TYPE_CHECKING:
     import torch
 
-    from scaleout.comm.cost import Plan
     from scaleout.config.schema import CommConfig
     from scaleout.sim.cluster import Cluster
+    from scaleout.sim.cost import Plan
     from scaleout.world import World
 
 
@@ -104,7 +104,7 @@ class Algorithm:
         self, out: torch.Tensor, inp: torch.Tensor, world: World, opts: Options, prepared: Any
     ) -> None:
         """``out`` = the sum over every rank of slice ``shard_index`` of ``inp`` (blocking)."""
-        from scaleout.comm.shard import world_reduce_scatter  # deferred: torch runtime
+        from scaleout.comm.scatter import world_reduce_scatter  # deferred: torch runtime
 
         world_reduce_scatter(out, inp, world)
 
@@ -112,7 +112,7 @@ class Algorithm:
         self, out: torch.Tensor, inp: torch.Tensor, world: World, opts: Options, prepared: Any
     ) -> None:
         """Slice ``shard_index`` of ``out`` on every rank = that rank's ``inp`` (blocking)."""
-        from scaleout.comm.shard import world_all_gather  # deferred: torch runtime
+        from scaleout.comm.scatter import world_all_gather  # deferred: torch runtime
 
         world_all_gather(out, inp, world)
 
@@ -133,7 +133,7 @@ class Algorithm:
     ) -> Plan:
         """Reduce-scatter (``kind="rs"``) or all-gather (``"ag"``) of ``nbytes`` per rank, as
         ``reduce_scatter`` / ``all_gather`` run it (default: one ring over the world)."""
-        from scaleout.comm.cost import row_col_half_plan  # deferred: numpy cost model
+        from scaleout.sim.cost import row_col_half_plan  # deferred: numpy cost model
 
         return row_col_half_plan(kind, None, cluster, nodes, nbytes)
 

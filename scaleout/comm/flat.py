@@ -16,8 +16,8 @@ from scaleout.comm.algorithm import Algorithm, Options, register
 if TYPE_CHECKING:
     import torch
 
-    from scaleout.comm.cost import Plan
     from scaleout.sim.cluster import Cluster
+    from scaleout.sim.cost import Plan
     from scaleout.world import World
 
 
@@ -46,7 +46,7 @@ class Flat(Algorithm):
         nbytes: float,
         chunks: int | None = None,
     ) -> Plan:
-        from scaleout.comm.cost import Plan, ring_phase, vec  # deferred: numpy cost model
+        from scaleout.sim.cost import Plan, ring_phase, vec  # deferred: numpy cost model
 
         g = cluster.gpus_per_node
         plan = Plan().add(1, vec(base=1))

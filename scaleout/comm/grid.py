@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaleout.comm.chunking import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
 from scaleout.comm.phasetime import CLOCK, COL, ROW
-from scaleout.comm.rowcol import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
 
 # How many reduce-scatters run ahead of the column phase, and how many column all-reduces are in
 # flight at once (gloo runs 2 collectives of one group concurrently: ProcessGroupGloo's 2 worker

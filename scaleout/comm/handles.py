@@ -30,6 +30,7 @@ A :class:`Handle` wraps a ``torch.futures.Future`` that completes with the reduc
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -228,3 +229,32 @@ def comm_thread(world: World) -> CommThread:
             if hasattr(world, "add_close_hook"):
                 world.add_close_hook(t.shutdown)
         return t
+
+
+def prioritize_communication(world: World, nice: int = 10) -> bool:
+    """Lower the calling (compute) thread's CPU priority below the communication threads
+    (CPU/gloo).
+
+    GPUs give collectives their own engines and high-priority streams; on CPU, gloo's IO threads,
+    the scaleout comm thread and the kernel's network work share cores with the forward/backward
+    thread. When those cores are oversubscribed (several ranks per core, as on the emulated
+    cluster) a bucket's all-reduce waits for a time slice behind compute and the overlap is lost.
+    This creates the groups and the comm thread first (so they keep the normal priority), then
+    raises the calling thread's nice value (per-thread on Linux; needs no privilege). Threads and
+    processes started later by the calling thread inherit it. No-op on CUDA (NCCL has its own
+    streams) and where unsupported; returns whether it applied. Every rank must call it (it may
+    create process groups).
+    """
+    if world.device.type == "cuda" or world.world_size < 2 or not hasattr(os, "setpriority"):
+        return False
+    if world.uniform and world.num_nodes > 1 and world.local_size > 1:
+        # gloo groups (and their worker threads) exist before the renice
+        _ = (world.intra, world.inter)
+    comm_thread(world)
+    tid = threading.get_native_id()
+    try:
+        cur = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, cur + max(0, int(nice))))
+    except OSError:
+        return False
+    return True

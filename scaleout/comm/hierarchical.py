@@ -3,7 +3,7 @@ same-local-rank peers -> intra-node all-gather (Horovod's HOROVOD_HIERARCHICAL_A
 DistributedFusedLAMB). The phases and their chunk pipeline are in :mod:`scaleout.comm.grid`.
 
 Cost: 2(g-1) + 2(k-1) latency steps, 2(k-1)/k * n bytes through each node's NICs (g column rings at
-once, sharing them); the row/column plan is :func:`scaleout.comm.cost.grid_plan` with X = g.
+once, sharing them); the row/column plan is :func:`scaleout.sim.cost.grid_plan` with X = g.
 """
 
 from __future__ import annotations

@@ -14,26 +14,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from scaleout.comm.algorithm import Algorithm, Options
+from scaleout.comm.chunking import gloo_chunks
 
 if TYPE_CHECKING:
     import torch
 
-    from scaleout.comm.cost import Plan
     from scaleout.comm.grid import Grid
     from scaleout.config.schema import CommConfig
     from scaleout.sim.cluster import Cluster
+    from scaleout.sim.cost import Plan
     from scaleout.world import World
 
-# Chunk size of the gloo pipeline. 4 MiB: big enough that per-chunk synchronisation (~2-3 ms on a
-# busy 2-core box, hidden behind the in-flight column all-reduces) stays small next to a chunk's ~35
-# ms on a 1 Gbit link, small enough that pipeline fill + drain (one chunk's reduce-scatter and
-# all-gather over loopback) stays a few % of a 64 MiB all-reduce. 2, 4 and 8 MiB measured within
-# noise of each other (docs/collectives.md, `scaleout bench allreduce --chunk-bytes
-# 2MiB,4MiB,8MiB`).
-DEFAULT_CHUNK_BYTES = 4 << 20
-# At most this many chunks per call: each chunk costs ~2-3 ms of synchronisation on a 2-core box
-# (measured: 1M fp32 in 16 KiB chunks = 245 chunks took 0.57 s vs 0.04 s in 1 MiB chunks).
-MAX_CHUNKS = 64
 COMPOSITIONS = ("sharded", "leader")
 
 
@@ -52,11 +43,6 @@ class GridOptions(Options):
     @classmethod
     def from_config(cls, comm: CommConfig) -> GridOptions:
         return cls(**cls.chunk_from_config(comm))
-
-
-def gloo_chunks(nbytes: float, chunk_bytes: int | None = None) -> int:
-    """How many chunks scaleout.comm.grid's gloo pipeline cuts ``nbytes`` into."""
-    return int(min(MAX_CHUNKS, max(1, -(-nbytes // (chunk_bytes or DEFAULT_CHUNK_BYTES)))))
 
 
 class GridAlgorithm(Algorithm):
@@ -78,21 +64,21 @@ class GridAlgorithm(Algorithm):
         reduce_grid(buf, prepared, opts.chunk_bytes, opts.composition)
 
     def shard_index(self, world: World, opts: Any, prepared: Grid) -> int:
-        from scaleout.comm.shard import grid_shard_index  # deferred: torch runtime
+        from scaleout.comm.scatter import grid_shard_index  # deferred: torch runtime
 
         return grid_shard_index(prepared)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, world: World, opts: Any, prepared: Grid
     ) -> None:
-        from scaleout.comm.shard import grid_reduce_scatter  # deferred: torch runtime
+        from scaleout.comm.scatter import grid_reduce_scatter  # deferred: torch runtime
 
         grid_reduce_scatter(out, inp, prepared)
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, world: World, opts: Any, prepared: Grid
     ) -> None:
-        from scaleout.comm.shard import grid_all_gather  # deferred: torch runtime
+        from scaleout.comm.scatter import grid_all_gather  # deferred: torch runtime
 
         grid_all_gather(out, inp, prepared)
 
@@ -100,7 +86,7 @@ class GridAlgorithm(Algorithm):
     def cost(
         self, opts: Any, cluster: Cluster, nodes: int, nbytes: float, chunks: int | None = None
     ) -> Plan:
-        from scaleout.comm.cost import grid_plan  # deferred: numpy cost model
+        from scaleout.sim.cost import grid_plan  # deferred: numpy cost model
 
         g = cluster.gpus_per_node
         if chunks is None:
@@ -108,7 +94,7 @@ class GridAlgorithm(Algorithm):
         return grid_plan(cluster, nodes, nbytes, self.row_length(opts, g * nodes, g), chunks)
 
     def half_cost(self, kind: str, opts: Any, cluster: Cluster, nodes: int, nbytes: float) -> Plan:
-        from scaleout.comm.cost import row_col_half_plan  # deferred: numpy cost model
+        from scaleout.sim.cost import row_col_half_plan  # deferred: numpy cost model
 
         g = cluster.gpus_per_node
         return row_col_half_plan(kind, self.row_length(opts, g * nodes, g), cluster, nodes, nbytes)

@@ -4,8 +4,8 @@ the X ranks of a row, all-reduce along the Y ranks of a column, all-gather along
 thousands of ranks. Default X = ranks per node, so rows stay on a node's fast fabric; X = ranks per
 node is exactly ``hierarchical``, X ~ sqrt(p) (:func:`square_x`) has the fewest latency steps.
 
-:func:`resolve_grid` is the one X x Y rule: the runtime (``World.torus_shape``), the config check
-(``comm.torus_x`` / ``comm.torus_y``) and the simulator all call it.
+:func:`scaleout.topology.resolve_grid` is the one X x Y rule: the runtime (``World.torus_shape``),
+the config check (``comm.torus_x`` / ``comm.torus_y``) and the simulator all call it.
 """
 
 from __future__ import annotations
@@ -16,53 +16,13 @@ from pydantic import Field
 
 from scaleout.comm.algorithm import register
 from scaleout.comm.rowcol import GridAlgorithm, GridOptions
-from scaleout.errors import ConfigError, TopologyError, UserError
+from scaleout.errors import ConfigError
+from scaleout.topology import resolve_grid
 
 if TYPE_CHECKING:
     from scaleout.comm.grid import Grid
     from scaleout.config.schema import CommConfig
     from scaleout.world import World
-
-
-def resolve_grid(
-    world_size: int,
-    ranks_per_node: int | None,
-    x: int | None = None,
-    y: int | None = None,
-    names: tuple[str, str] = ("x", "y"),
-    error: type[UserError] = TopologyError,
-) -> tuple[int, int]:
-    """The X x Y grid of ``world_size`` ranks: X given, Y given, both, or neither (X = ranks per
-    node, or the world when that is unknown). A value that does not fit raises ``error`` naming
-    its key."""
-    p = world_size
-    for name, v in zip(names, (x, y), strict=True):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise error(
-                f"torus grid {name}={v!r}: expected a positive integer with x*y = world size {p}"
-            )
-    if x is not None and y is not None:
-        if x * y != p:
-            raise error(
-                f"torus grid {names[0]}={x} by {names[1]}={y} does not match the world size {p} "
-                f"(expected x*y = {p})"
-            )
-        return x, y
-    if x is None and y is None:
-        x = ranks_per_node or p
-        if p % x:
-            raise error(
-                f"torus grid x = {x} ranks per node (the default) does not divide the world size "
-                f"{p}"
-            )
-        return x, p // x
-    name, given = (names[0], x) if x is not None else (names[1], y)
-    if p % given:
-        raise error(
-            f"torus grid {name}={given} does not divide the world size {p} (expected x*y = {p})"
-        )
-    x, y = (given, p // given) if x is not None else (p // given, given)
-    return x, y
 
 
 def square_x(ranks_per_node: int, nodes: int) -> int:

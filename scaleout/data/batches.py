@@ -21,9 +21,8 @@ class MicroBatch:
     target: Any  # labels (None when the model computes its own loss)
     samples: int  # sequences / images in it (BERT: sequences, not packed rows)
     tokens: int  # real (non-pad) tokens; images count 0
-    flops: float = (
-        0.0  # training FLOPs of this micro-batch (counted where it is built: never a device read)
-    )
+    # training FLOPs of this micro-batch (counted where it is built: never a device read)
+    flops: float = 0.0
 
 
 def no_flops(_batch: Any) -> float:

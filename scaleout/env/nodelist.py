@@ -5,14 +5,22 @@ sequence of literal text and bracket groups; a bracket group is a comma list of 
 whose zero padding is the width of ``LO`` (as Slurm does). Several bracket groups in one item expand
 as a cartesian product with the leftmost group varying slowest, which is what ``scontrol show
 hostnames`` prints.
+
+Also how a run names its nodes (:func:`node_names`, from each rank's :func:`link_record`): doctor's
+verdicts and the trainer's quarantine verdicts use the same names.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from scaleout.errors import NodelistError
+from scaleout.netinfo import env_netns, link_speed_bps, route_to
 
 _MAX_HOSTS = 1_000_000
 
@@ -165,3 +173,34 @@ def compress_hostlist(hosts: list[str]) -> str:
                 start = b
         items.append((prefix, f"{prefix}[{','.join(runs)}]"))
     return ",".join(text for _, text in sorted(items))
+
+
+def node_names(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One name per node: its host name when every node has its own, else (several emulated nodes
+    on one host) the netns namespace (``<cluster>-n<i>``) or ``<host>-node<i>``."""
+    by_node: dict[int, str] = {}
+    for r in records:
+        by_node.setdefault(int(r["node"]), str(r["host"]))
+    k = max(by_node) + 1 if by_node else 0
+    hosts = [by_node.get(i, "?") for i in range(k)]
+    if len(set(hosts)) == k:
+        return hosts
+    netns = {int(r["node"]): r.get("netns") for r in records}
+    return [f"{netns[i]}-n{i}" if netns.get(i) else f"{hosts[i]}-node{i}" for i in range(k)]
+
+
+def link_record(world: Any) -> dict[str, Any]:
+    """This rank's node, host and inter-node link rate, as doctor records them: what the trainer
+    exchanges once at start-up to credit a slow link (scaleout/train/skew.py) and to name nodes
+    in its quarantine verdicts the way doctor does (:func:`node_names`). Under Slurm the host is
+    Slurm's node name (``SLURMD_NODENAME``: what ``--exclude`` takes, also where several slurmd
+    share one machine)."""
+    iface = route_to(world.master_addr or "127.0.0.1")["iface"]
+    return {
+        "rank": world.rank,
+        "node": world.node_of[world.rank],
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "netns": env_netns(),
+        # loopback (ranks emulating nodes on one host) has no rate: skip asking tc
+        "link_bps": link_speed_bps(iface) if iface and iface != "lo" else None,
+    }

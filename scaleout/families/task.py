@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
-from scaleout.families import FAMILIES, Family
+from scaleout.families.base import FAMILIES, Family
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -57,9 +57,8 @@ class Task:
     # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
     batches: Any
     precision: Precision | None = None  # of the run (build_task sets it)
-    sequences_per_row: float | None = (
-        None  # samples per row where a row packs several (BERT packing)
-    )
+    # samples per row where a row packs several (BERT packing)
+    sequences_per_row: float | None = None
 
     def __init__(self, cfg: Config, world: World):
         self.cfg, self.world = cfg, world

@@ -26,35 +26,36 @@ credit nothing: the figures are then the measurements alone.
 
 from __future__ import annotations
 
-import fcntl
 import math
-import os
 import platform
-import re
-import shutil
 import socket
 import statistics
-import struct
-import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout import __version__
-from scaleout.env.nodelist import compress_hostlist
-from scaleout.units import parse_rate
+from scaleout.env.nodelist import (  # noqa: F401  (doctor's own API)
+    compress_hostlist,
+    link_record,
+    node_names,
+)
+from scaleout.netinfo import (  # noqa: F401  (doctor's own API)
+    env_netns,
+    interfaces,
+    link_speed_bps,
+    route_to,
+)
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 VERSION_FIELDS = ("python", "torch", "scaleout", "cuda", "nccl")
 CHECKED_FIELDS = ("subnet",)  # compared across ranks like the versions
-SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B
 TARGET_S = 0.25  # one probe should take about this long on the slowest pair
 REPEATS = 2  # probes per stride and all-reduces per group; the best counts (intra: 2x + 1)
 STORE_SLOW_S = 0.25  # a store round trip slower than this and 10x the median is named
@@ -89,10 +90,6 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def interfaces() -> list[str]:
-    return sorted(name for _, name in socket.if_nameindex())
-
-
 def check_ifname_vars(env: Mapping[str, str], present: Sequence[str]) -> list[str]:
     """Problems with the ``*_SOCKET_IFNAME`` variables: a named interface that does not exist here.
     NCCL's syntax is understood: ``^`` excludes (not checked), ``=`` means an exact name, else a
@@ -115,64 +112,6 @@ def check_ifname_vars(env: Mapping[str, str], present: Sequence[str]) -> list[st
                 )
                 break
     return problems
-
-
-def _ioctl_addr(name: str, request: int) -> str | None:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        res = fcntl.ioctl(s.fileno(), request, struct.pack("256s", name[:15].encode()))
-        return socket.inet_ntoa(res[20:24])
-    except OSError:
-        return None
-    finally:
-        s.close()
-
-
-def route_to(host: str) -> dict[str, Any]:
-    """The address, interface and subnet this process reaches ``host`` from (no packet sent)."""
-    out: dict[str, Any] = {"addr": None, "iface": None, "subnet": None}
-    try:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect((host, 9))
-            out["addr"] = probe.getsockname()[0]
-        finally:
-            probe.close()
-    except OSError:
-        return out
-    for name in interfaces():
-        if _ioctl_addr(name, SIOCGIFADDR) == out["addr"]:
-            out["iface"] = name
-            mask = _ioctl_addr(name, SIOCGIFNETMASK)
-            if mask:
-                bits = bin(struct.unpack("!I", socket.inet_aton(mask))[0]).count("1")
-                net = struct.unpack("!I", socket.inet_aton(out["addr"]))[0]
-                net &= struct.unpack("!I", socket.inet_aton(mask))[0]
-                out["subnet"] = f"{socket.inet_ntoa(struct.pack('!I', net))}/{bits}"
-            break
-    return out
-
-
-def link_speed_bps(iface: str | None) -> float | None:
-    """The link's rate in bit/s: a tc rate limit on it (the emulated cluster's NIC), else the
-    negotiated speed in /sys/class/net/<if>/speed; None when neither is known (loopback)."""
-    if not iface:
-        return None
-    if shutil.which("tc"):
-        try:
-            q = subprocess.run(
-                ["tc", "qdisc", "show", "dev", iface], capture_output=True, text=True, timeout=5
-            ).stdout
-            m = re.search(r"\brate (\S+)", q)
-            if m:
-                return parse_rate(m.group(1), "tc rate")
-        except (OSError, subprocess.SubprocessError, ValueError):
-            pass
-    try:
-        mbit = int(Path(f"/sys/class/net/{iface}/speed").read_text().strip())
-        return mbit * 1e6 if mbit > 0 else None
-    except (OSError, ValueError):
-        return None
 
 
 def store_probe(store: Any, addr: str | None, port: int | None, key: str) -> dict[str, Any]:
@@ -249,20 +188,6 @@ def exchange(
 
 
 # -- the verdicts (pure) ------------------------------------------------------------------------
-def node_names(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One name per node: its host name when every node has its own, else (several emulated nodes
-    on one host) the netns namespace (``<cluster>-n<i>``) or ``<host>-node<i>``."""
-    by_node: dict[int, str] = {}
-    for r in records:
-        by_node.setdefault(int(r["node"]), str(r["host"]))
-    k = max(by_node) + 1 if by_node else 0
-    hosts = [by_node.get(i, "?") for i in range(k)]
-    if len(set(hosts)) == k:
-        return hosts
-    netns = {int(r["node"]): r.get("netns") for r in records}
-    return [f"{netns[i]}-n{i}" if netns.get(i) else f"{hosts[i]}-node{i}" for i in range(k)]
-
-
 def _ranks(ranks: Sequence[int]) -> str:
     ranks = sorted(ranks)
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -479,27 +404,6 @@ def analyse(
 
 def verdict_hosts(verdicts: Sequence[Verdict]) -> list[str]:
     return sorted({v.host for v in verdicts})
-
-
-def env_netns(env: Mapping[str, str] = os.environ) -> str | None:
-    return env.get("SCALEOUT_NETNS") or None
-
-
-def link_record(world: Any) -> dict[str, Any]:
-    """This rank's node, host and inter-node link rate, as doctor records them: what the trainer
-    exchanges once at start-up to credit a slow link (scaleout/train/skew.py) and to name nodes
-    in its quarantine verdicts the way doctor does (:func:`node_names`). Under Slurm the host is
-    Slurm's node name (``SLURMD_NODENAME``: what ``--exclude`` takes, also where several slurmd
-    share one machine)."""
-    iface = route_to(world.master_addr or "127.0.0.1")["iface"]
-    return {
-        "rank": world.rank,
-        "node": world.node_of[world.rank],
-        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        "netns": env_netns(),
-        # loopback (ranks emulating nodes on one host) has no rate: skip asking tc
-        "link_bps": link_speed_bps(iface) if iface and iface != "lo" else None,
-    }
 
 
 # -- the whole check, in every rank ---------------------------------------------------------------

@@ -19,7 +19,6 @@ from the file (or the file is removed).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.fsutil import atomic_write, file_lock
 
 FIELDS = ("reason", "source", "time")
 FILE = "quarantine.json"  # a run's: runs/<name>/quarantine.json (the Slurm supervisor's)
@@ -122,27 +122,14 @@ def save(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
     p = Path(path)
     validate(data, f"quarantine for {str(p)!r}")
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(p, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with file_lock(path.with_name(f".{path.name}.lock")):
+        yield
 
 
 def record(

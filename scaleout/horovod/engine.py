@@ -63,12 +63,10 @@ class Handle:
         self._left = n
         self._error: BaseException | None = None
         self._finish = finish
-        self.extra: dict[
-            str, Any
-        ] = {}  # e.g. per-rank first dimensions of an allgather (for autograd)
-        self._waker: Callable[[], None] | None = (
-            None  # tells the engine that someone is blocked on us
-        )
+        # e.g. per-rank first dimensions of an allgather (for autograd)
+        self.extra: dict[str, Any] = {}
+        # tells the engine that someone is blocked on us
+        self._waker: Callable[[], None] | None = None
         if n == 0:
             self._event.set()
 
@@ -279,9 +277,8 @@ class Engine:
             self._die(HorovodInternalError("scaleout.horovod has been shut down"), stopping=True)
             return False
         done = {id(r) for *_, r in out.resolved if r is not None}
-        with (
-            self._cv
-        ):  # before the results are delivered: a waiter may queue the same name again at once
+        # before the results are delivered: a waiter may queue the same name again at once
+        with self._cv:
             self._pending = [r for r in self._pending if id(r) not in done]
             self._in_flight.difference_update(
                 (r.kind, r.name) for *_, r in out.resolved if r is not None and r.name is not None

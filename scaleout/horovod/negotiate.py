@@ -184,9 +184,8 @@ class Negotiator:
         self.group, self.size, self.rank = group, size, rank
         self.cache = ResponseCache(cache_capacity)
         self.uncached_rounds = 0  # rounds that needed more than the cache (observability, tests)
-        self.stall_check_s = (
-            0.0  # warn while blocked this long waiting for the other ranks (0: never)
-        )
+        # warn while blocked this long waiting for the other ranks (0: never)
+        self.stall_check_s = 0.0
 
     def _wait(self, work: Any, pending: list[Any]) -> None:
         """Wait for the round's all-reduce; while the other ranks do not come (they have not queued

@@ -11,7 +11,7 @@ See docs/optim.md for the update rules, the groups and the measured speed.
 from scaleout.optim import fused  # noqa: F401 -- registers the one-pass ops LAMB/LARS call
 from scaleout.optim.base import state_bytes
 from scaleout.optim.factory import build_optimizer, build_schedule
-from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
+from scaleout.optim.groups import param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS, LARS_ETA
 from scaleout.optim.schedule import WarmupPoly, warmup_poly
@@ -23,8 +23,6 @@ __all__ = [
     "LARS_ETA",
     "ShardedLAMB",
     "param_groups",
-    "NVIDIA_BERT_NO_DECAY",
-    "LARS_EXCLUDE",
     "build_optimizer",
     "build_schedule",
     "WarmupPoly",

@@ -11,7 +11,7 @@ import torch
 from scaleout.comm import config_options
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
-from scaleout.optim.groups import NVIDIA_BERT_NO_DECAY, param_groups
+from scaleout.optim.groups import GENERIC_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
 from scaleout.optim.schedule import warmup_poly
@@ -26,7 +26,7 @@ def build_optimizer(
     cfg: OptimConfig,
     world: World | None = None,
     comm: CommConfig | None = None,
-    no_decay: Sequence[str] = NVIDIA_BERT_NO_DECAY,
+    no_decay: Sequence[str] = GENERIC_NO_DECAY,
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``optim.name`` over the model's parameters, with the reference's
     groups.

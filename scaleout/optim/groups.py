@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from scaleout.errors import ConfigError
-from scaleout.families.bert import NVIDIA_BERT_NO_DECAY
-from scaleout.families.resnet import LARS_EXCLUDE
+from scaleout.families.base import Family
 
-__all__ = ["LARS_EXCLUDE", "NVIDIA_BERT_NO_DECAY", "param_groups"]
+__all__ = ["GENERIC_NO_DECAY", "param_groups"]
+
+# Without a family's patterns (Family.no_decay): biases only, besides normalisation layers by type.
+GENERIC_NO_DECAY: tuple[str, ...] = Family.no_decay
 _NORM_TYPES = (
     torch.nn.modules.batchnorm._NormBase,
     torch.nn.LayerNorm,
@@ -33,7 +35,7 @@ _NORM_TYPES = (
 def param_groups(
     model: torch.nn.Module,
     weight_decay: float,
-    no_decay: Sequence[str] = NVIDIA_BERT_NO_DECAY,
+    no_decay: Sequence[str] = GENERIC_NO_DECAY,
     norm_layers: bool = True,
     **group_opts: Any,
 ) -> list[dict[str, Any]]:

@@ -176,9 +176,8 @@ def lamb_chunks(
             u = direction(P[c], M[c], V[c], co)
             torch._foreach_add_(P[c], u, alpha=step_scale)
         return
-    keep = (
-        nchunks == 1 and reduce_norms is None and U is None
-    )  # one chunk (accelerator layout): keep u as is
+    # one chunk (accelerator layout): keep u as is
+    keep = nchunks == 1 and reduce_norms is None and U is None
     wnorms: list[torch.Tensor] = []
     unorms: list[torch.Tensor] = []
     u = None
@@ -190,9 +189,8 @@ def lamb_chunks(
         if U is not None:
             torch._foreach_copy_(U[c], u)  # still in cache: cheaper than recomputing it in phase 2
     sq = torch.zeros(2, ntensors, dtype=torch.float32, device=device or owner[0].device)
-    own = (
-        (owner[0] if nchunks == 1 else torch.cat(list(owner))) if nchunks else None
-    )  # tensor of every piece
+    # tensor of every piece
+    own = (owner[0] if nchunks == 1 else torch.cat(list(owner))) if nchunks else None
     if own is not None:
         sq.index_add_(1, own, torch.stack([torch.stack(wnorms), torch.stack(unorms)]).square_())
     if reduce_norms is not None:

@@ -6,8 +6,24 @@ DistributedDataParallel), ``Timeline`` (Chrome trace of backward and communicati
 docs/overlap.md.
 """
 
-from scaleout.parallel.data_parallel import DataParallel
-from scaleout.parallel.ddp_hook import ddp_comm_hook
-from scaleout.parallel.timeline import Timeline, load_trace
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Lazy, so that a torch-free submodule (buckets: the bucket defaults) is importable without torch.
+_LAZY = {
+    "DataParallel": "scaleout.parallel.data_parallel",
+    "ddp_comm_hook": "scaleout.parallel.ddp_hook",
+    "Timeline": "scaleout.parallel.timeline",
+    "load_trace": "scaleout.parallel.timeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'scaleout.parallel' has no attribute {name!r}")
+
 
 __all__ = ["DataParallel", "Timeline", "ddp_comm_hook", "load_trace"]

@@ -14,7 +14,7 @@ and wire dtype chosen on this world for this model (each unless the config sets 
 2. **Profile** (training step ``PROFILE_STEP``): the reducer records when each gradient became
    ready (its post-accumulate-grad hook, ``Reducer.record_ready``); all-reduced (MAX) too.
 3. **Score**: every candidate (``Space``: algorithm x bucket_mb x first bucket x chunk x wire) is
-   priced by the simulator's one-stream pipeline (:func:`scaleout.sim.step._pipeline`): bucket
+   priced by the simulator's one-stream pipeline (:func:`scaleout.sim.step.stream_pipeline`): bucket
    b's all-reduce starts when its last gradient is ready and bucket b-1's is done, and takes the
    fitted time; predicted exposed communication = pipeline end - end of backward (ties: the
    least communication). Candidates that give the same buckets are priced once.
@@ -51,7 +51,7 @@ from scaleout.errors import UserError
 from scaleout.parallel.buckets import MiB, assign
 from scaleout.sim.calibrate import Fit, Sample, fit
 from scaleout.sim.cluster import get_cluster
-from scaleout.sim.step import _pipeline
+from scaleout.sim.step import stream_pipeline
 
 if TYPE_CHECKING:
     from scaleout.config.schema import CommConfig
@@ -467,7 +467,7 @@ def predict(plan: CommPlan, profile: Profile, model: CostModel) -> Scored:
         ready.append(at)
         cost.append(model.bucket_s(plan, nbytes))
     ready = list(accumulate(ready, max))  # launched strictly in bucket order
-    end = _pipeline(0.0, ready, cost)
+    end = stream_pipeline(0.0, ready, cost)
     return Scored(plan, max(0.0, end - profile.backward_s), sum(cost), len(groups))
 
 

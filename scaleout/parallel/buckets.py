@@ -18,17 +18,21 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+
 FINGERPRINT_BITS = 24  # an exact float32 integer: it rides in the step's float32 agreement
 MiB = 1 << 20
-DEFAULT_BUCKET_MB = (
-    25.0  # DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7)
-)
+# The one definition of the bucket defaults (config, reducer, simulator and benchmarks read them):
+# DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7), and its
+# smaller first bucket (torch's dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so that the first
+# all-reduce starts early in backward. Torch-free at import: the simulator and the schema read them.
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass
@@ -147,6 +151,8 @@ def build_buckets(
     of them). ``order``: parameter indices in bucket-filling order (default: reverse registration
     order). ``rider``: further elements after the usage, for a caller's own values
     (:attr:`scaleout.parallel.reducer.Reducer.rider_fill`)."""
+    import torch  # a torch-free module at import: the simulator and the schema read it
+
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise UserError(
             f"bucket_mb={bucket_mb!r}: expected a positive number of MiB (default 25, the DDP "

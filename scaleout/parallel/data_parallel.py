@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from scaleout.comm import all_reduce, config_options, get_algorithm
 from scaleout.errors import UserError
-from scaleout.parallel.buckets import bucket_layout, fingerprint, layout_hash
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, bucket_layout, fingerprint, layout_hash
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
 
@@ -116,7 +116,7 @@ class DataParallel(torch.nn.Module):
         module: torch.nn.Module,
         world: World,
         algorithm: str = "flat",
-        bucket_mb: float = 25.0,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         compression: str | None = None,
         *,
         overlap: bool = True,

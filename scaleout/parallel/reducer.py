@@ -56,7 +56,7 @@ from torch.autograd import Variable
 
 from scaleout.comm import handles
 from scaleout.errors import UserError
-from scaleout.parallel.buckets import Bucket, Slot, build_buckets
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
 from scaleout.telemetry import profiler
 
@@ -91,7 +91,7 @@ class Reducer:
         named_params: list[tuple[str, torch.nn.Parameter]],
         world: World,
         all_reduce: Callable[..., Any],
-        bucket_mb: float = 25.0,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         compression: Any = None,
         overlap: bool = True,
         allow_unused: bool = False,

@@ -160,9 +160,8 @@ def _row(s: Sample, prior: Cluster, theta: np.ndarray, ref_rate: float | None) -
         chunk_bytes=s.chunk_bytes,
     ).linearize(theta)
     if ref_rate and s.link_rate_bps:
-        coeffs[_BETA_INTER] *= (
-            ref_rate / s.link_rate_bps
-        )  # beta_inter is fitted at the reference rate
+        # beta_inter is fitted at the reference rate
+        coeffs[_BETA_INTER] *= ref_rate / s.link_rate_bps
     return coeffs
 
 
@@ -198,9 +197,8 @@ def fit(samples: list[Sample], prior: Cluster | None = None, max_iter: int = 20)
         used = np.abs(a).sum(axis=0) > 0
         fixed = np.where(used, 0.0, theta)  # unexercised constants keep the prior
         b = 1.0 - a @ fixed
-        scale = np.where(
-            used, np.abs(a).max(axis=0), 1.0
-        )  # column scaling: s/B and s differ by 1e9
+        # column scaling: s/B and s differ by 1e9
+        scale = np.where(used, np.abs(a).max(axis=0), 1.0)
         sol, _ = nnls(a[:, used] / scale[used], b)
         new = fixed.copy()
         new[used] = sol / scale[used]

@@ -46,8 +46,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from scaleout.comm.cost import PARAMS  # the constants vector's order (the cost algebra's)
 from scaleout.errors import ConfigError
+from scaleout.sim.cost import PARAMS  # the constants vector's order (the cost algebra's)
 
 GB = 1e9
 
@@ -148,16 +148,14 @@ def _nic(gbits: float, efficiency: float = 0.96) -> float:
     return 1.0 / (gbits / 8 * efficiency * GB)
 
 
-_NCCL_LAT = dict(
-    base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6
-)  # tuning.cc, ring / Simple protocol
+# tuning.cc, ring / Simple protocol
+_NCCL_LAT = dict(base=8.4e-6, alpha_intra=3.4e-6, alpha_inter=14e-6)
 # tuning.cc hwLat[NET][CollNetDirect][Simple]: one network latency per in-network reduction
 _SHARP_LAT = 31e-6
 _SHARP_HOPPER = 0.85  # tuning.cc: CollNetDirect busBw *= .85 when minCompCap >= 90
 
-A100 = Device(
-    "A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12
-)  # A100 datasheet: fp16/bf16 dense
+# A100 datasheet: fp16/bf16 dense
+A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12)
 H100 = Device("H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12)  # H100 datasheet: bf16 dense
 H200 = Device("H200-SXM-141GB", peak_flops=989e12, mem_bw=4.8e12)  # same GH100 die, faster HBM3e
 V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12)

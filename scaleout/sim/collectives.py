@@ -1,8 +1,8 @@
 """Alpha-beta-gamma cost of all-reduce algorithms on a cluster: the dispatch to each algorithm's
 cost.
 
-Every algorithm is written as a :class:`~scaleout.comm.cost.Plan` (the algebra and its building
-blocks: :mod:`scaleout.comm.cost`, re-exported here): a sum of terms ``mult * max(option . theta)``
+Every algorithm is written as a :class:`~scaleout.sim.cost.Plan` (the algebra and its building
+blocks: :mod:`scaleout.sim.cost`, re-exported here): a sum of terms ``mult * max(option . theta)``
 where theta is the constants vector and each option is a coefficient vector; the max is a lock-step
 phase.
 
@@ -41,7 +41,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scaleout.comm import ALGORITHMS, Options
-from scaleout.comm.cost import (  # noqa: F401  (the building blocks, re-exported for the simulator)
+from scaleout.comm.rowcol import GridAlgorithm
+from scaleout.comm.torus2d import square_x
+from scaleout.errors import ConfigError, TopologyError
+from scaleout.sim.cluster import Cluster
+from scaleout.sim.cost import (  # noqa: F401  (the building blocks, re-exported for the simulator)
     PARAMS,
     Plan,
     ceil_log2,
@@ -52,10 +56,6 @@ from scaleout.comm.cost import (  # noqa: F401  (the building blocks, re-exporte
     sharp_phase,
     vec,
 )
-from scaleout.comm.rowcol import GridAlgorithm
-from scaleout.comm.torus2d import square_x
-from scaleout.errors import ConfigError, TopologyError
-from scaleout.sim.cluster import Cluster
 
 if TYPE_CHECKING:
     from scaleout.config.schema import CommConfig
@@ -109,9 +109,8 @@ def tree_plan(cluster: Cluster, nodes: int, nbytes: float) -> Plan:
     if nodes == 1:  # NCCL runs rings inside a node; the tree only matters between nodes
         return ALGORITHMS.get("flat").cost(Options(), cluster, nodes, nbytes)
     plan = Plan().add(1, vec(base=1))
-    if (
-        cluster.sharp
-    ):  # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+    # CollNet: a chain in the node, the switches reduce between nodes (n each way)
+    if cluster.sharp:
         plan.add(1, vec(alpha_intra=2 * (g - 1), alpha_sharp=1, gamma=nbytes))
         inter = vec(beta_inter=nbytes / (cluster.inter_streams(1) * cluster.sharp_efficiency))
         return plan.add(1, inter, vec(beta_intra=2 * nbytes) if g > 1 else inter)

@@ -34,11 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import ConfigError
+from scaleout.families import FAMILIES
 
-IMAGENET_TRAIN = 1281167  # ImageNet-1k training images: one ResNet epoch (MLPerf)
 DEFAULT_RULESET = "2.0.0"  # the MLPerf Training round of the v2.0 A100 runs in scaleout.sim.mlperf
 # Unit of "Epochs to converge" in each RCP table, in samples.
-RCP_UNITS = {"bert": 1.0, "resnet": float(IMAGENET_TRAIN)}
+# An epoch is the family's training set (Family.train_samples: ImageNet-1k for ResNet); BERT's RCPs
+# count samples.
+RCP_UNITS = {
+    fam.benchmark: float(fam.train_samples or 1) for _, fam in FAMILIES.items() if fam.benchmark
+}
 MODEL_BENCHMARK = {"bert-large": "bert", "resnet50": "resnet"}
 
 

@@ -28,17 +28,15 @@ Assumptions, each one a choice a user can change:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from itertools import accumulate
 from typing import Literal
 
 from scaleout.comm.algorithm import ALGORITHMS
 from scaleout.config.schema import AUTO
 from scaleout.errors import ConfigError
-from scaleout.families.bert.config import BertConfig
-from scaleout.families.bert.flops import sequence_training_flops
-from scaleout.families.resnet.config import ResNetConfig
-from scaleout.families.resnet.flops import training_flops_per_image
+from scaleout.families import FAMILIES
+from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import canonical
 from scaleout.sim.convergence import ConvergenceCurve
@@ -54,9 +52,8 @@ class ModelSpec:
     flops_per_sample: float  # training FLOPs (forward + backward) per sample
     grad_bytes: int = 2  # bytes per gradient element on the wire (fp16/bf16 = 2, fp32 = 4)
     opt_bytes_per_param: float = 32.0  # optimizer HBM traffic per parameter per step
-    param_bytes: int = (
-        2  # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
-    )
+    # bytes per parameter element a sharded optimizer all-gathers (fp16 model weights)
+    param_bytes: int = 2
     # Optimizer state per parameter: fp32 master weights + two fp32 moments (ZeRO's K = 12 for
     # mixed-precision Adam, Rajbhandari et al. 2020; LAMB keeps the same state).
     state_bytes_per_param: float = 12.0
@@ -68,19 +65,24 @@ class ModelSpec:
     # eval_every_samples when set: "mlperf-bert" or "mlperf-resnet"
     eval_rule: str | None = None
     notes: str = ""
+    # training FLOPs of one sample at full length, every output computed (Reference's); None: as
+    # flops_per_sample
+    dense_flops_per_sample: float | None = None
+    # samples of one epoch of the training set (Family.train_samples): "mlperf-resnet" evaluates
+    # every 4
+    epoch_samples: float | None = None
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     local_batch: float
     algorithm: str = "flat"
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     mfu: float = 0.4  # achieved fraction of the device's peak FLOP/s
     samples_per_s: float | None = None  # per device; overrides mfu when given (e.g. CPU clusters)
     overlap: bool = True
-    chunks: int | None = (
-        None  # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
-    )
+    # grid pipeline chunks; None: 1 on NCCL, scaleout.comm.grid's rule on gloo
+    chunks: int | None = None
     torus_x: int | Literal["node", "square"] | None = None  # node: GPUs per node; square: ~sqrt(p)
     fixed_overhead_s: float = 0.0  # added once to time-to-train (e.g. untimed-but-counted setup)
     optimizer: Literal["replicated", "sharded", "sharded-node"] = "replicated"  # sim/sharded.py
@@ -118,42 +120,18 @@ class StepResult:
         return self.gpus * local_batch / self.step
 
 
-MODELS: dict[str, ModelSpec] = {
-    # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed
-    # data).
-    "bert-large": ModelSpec(
-        "bert-large",
-        params=335e6,
-        # a Wikipedia-512 sequence of mean length (scaleout/families/bert/flops.py)
-        flops_per_sample=sequence_training_flops(BertConfig()),
-        grad_bytes=2,
-        # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
-        opt_bytes_per_param=32.0,
-        # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of
-        # 16384; MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's
-        # reference (c).
-        samples_to_converge=5533303,
-        eval_samples=10000,  # MLPerf BERT eval set
-        eval_rule="mlperf-bert",  # EVAL_ITER_SAMPLES, a function of the batch: eval_interval
-        notes=(
-            "BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh"
-        ),
-    ),
-    # ResNet-50 v1.5: 25.6M params, 4.09 G multiply-adds forward per 224x224 image (x2 FLOPs, x3 for
-    # training; scaleout/families/resnet/flops.py).
-    "resnet50": ModelSpec(
-        "resnet50",
-        params=25.6e6,
-        flops_per_sample=training_flops_per_image(ResNetConfig()),
-        grad_bytes=4,
-        opt_bytes_per_param=16.0,
-        samples_to_converge=37
-        * 1281167,  # MLPerf LARS runs converge in ~35-40 epochs of ImageNet-1k
-        eval_samples=50000,  # ImageNet validation set
-        eval_rule="mlperf-resnet",
-        notes="ResNet-50 v1.5, fp32 gradients (Horovod-era default)",
-    ),
-}
+def _presets() -> dict[str, ModelSpec]:
+    """The model presets: each registered family's reference model (``Family.reference``: its
+    formulas and MLPerf facts), keyed by its name, in registration order."""
+    out: dict[str, ModelSpec] = {}
+    for _, fam in FAMILIES.items():
+        ref = fam.reference
+        if ref is not None and ref.name not in out:
+            out[ref.name] = ModelSpec(**asdict(ref), epoch_samples=fam.train_samples)
+    return out
+
+
+MODELS: dict[str, ModelSpec] = _presets()
 
 
 @dataclass(frozen=True)
@@ -205,32 +183,6 @@ def with_overhead(train: TrainSpec, overhead: StepOverhead) -> TrainSpec:
     return replace(train, host_s=0.0, launch_s=overhead.eager_launch_s)
 
 
-def get_overhead(name: str) -> StepOverhead:
-    """A calibration of ``STEP_OVERHEADS``, or ``nvidia-bert``: NVIDIA's MLPerf BERT stack, host
-    time calibrated on a published run (scaleout.sim.mlperf.nvidia_host_s; graphed only)."""
-    if name == "nvidia-bert":
-        from scaleout.sim.mlperf import (
-            CALIBRATION_RUN,
-            nvidia_host_s,
-        )  # deferred: mlperf imports us
-
-        host = nvidia_host_s()
-        return StepOverhead(
-            name,
-            host,
-            host,
-            f"NVIDIA MLPerf BERT (--use_cuda_graph full_iteration), calibrated on run "
-            f"({CALIBRATION_RUN}); eager: not measured, the graphed host time as a floor",
-        )
-    try:
-        return STEP_OVERHEADS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown step-overhead calibration {name!r}; "
-            f"expected one of {', '.join([*STEP_OVERHEADS, 'nvidia-bert'])}"
-        ) from None
-
-
 def eval_interval(model: ModelSpec, global_batch: float) -> float | None:
     """Training samples between evaluations.
 
@@ -241,7 +193,12 @@ def eval_interval(model: ModelSpec, global_batch: float) -> float | None:
     if model.eval_rule == "mlperf-bert":
         return 25000.0 * math.floor(0.05 * (230.23 * global_batch + 3_000_000) / 25000)
     if model.eval_rule == "mlperf-resnet":
-        return 4.0 * 1281167
+        if model.epoch_samples is None:
+            raise ConfigError(
+                f"model {model.name}: eval_rule mlperf-resnet needs epoch_samples (the training "
+                "set's size)"
+            )
+        return 4.0 * model.epoch_samples
     if model.eval_rule is not None:
         raise ConfigError(
             f"unknown eval_rule {model.eval_rule!r}; expected mlperf-bert or mlperf-resnet"
@@ -289,7 +246,7 @@ def bucket_sizes(total_bytes: float, bucket_mb: float) -> list[float]:
     return [cap] * (n - 1) + [total_bytes - cap * (n - 1)]
 
 
-def _pipeline(start: float, ready: list[float], costs: list[float]) -> float:
+def stream_pipeline(start: float, ready: list[float], costs: list[float]) -> float:
     """One stream: job i starts when ready (``start`` + ready[i]) and the previous job is done."""
     done = start
     for r, c in zip(ready, costs, strict=True):
@@ -331,7 +288,7 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
             c / grads for c in accumulate(sizes)
         ]  # share of the gradients ready with bucket i
         ready = [t_bwd * f if train.overlap else t_bwd for f in done_frac]
-        end = max(t_comp, _pipeline(t_fwd, ready, cost))
+        end = max(t_comp, stream_pipeline(t_fwd, ready, cost))
         comm_total = sum(cost)
         if opt == "replicated":
             step = end + t_opt
@@ -349,7 +306,7 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
                 for b in sizes
             ]
             updated = [t_opt * f for f in done_frac]
-            step = max(end + t_norm + t_opt, _pipeline(end + t_norm, updated, gather))
+            step = max(end + t_norm + t_opt, stream_pipeline(end + t_norm, updated, gather))
             comm_total += t_norm + sum(gather)
     exposed = step - t_comp - t_opt
     # Fixed per-step costs: eager, the device waits for the host's launches (exposed launch time);

@@ -45,9 +45,8 @@ class PointResult:
     simulated_efficiency: float | None = None
     report: str | None = None
     runs: int = 1  # successful repeats this point's numbers were chosen from (the median step time)
-    step_s_range: tuple[float, float] | None = (
-        None  # (fastest, slowest) step time over those repeats
-    )
+    # (fastest, slowest) step time over those repeats
+    step_s_range: tuple[float, float] | None = None
 
     @property
     def ok(self) -> bool:

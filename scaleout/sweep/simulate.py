@@ -56,9 +56,8 @@ class Simulator:
             optimizer=optimizer_of(self.cfg),
         )
         cluster = custom_cluster(self.cluster, gpus_per_node=p.ranks_per_node)
-        cluster = replace(
-            cluster, device=None
-        )  # optimizer time is inside the measured per-rank speed
+        # optimizer time is inside the measured per-rank speed
+        cluster = replace(cluster, device=None)
         return step_time(model, train, cluster, p.nodes).step
 
     def fill(self, results: list[PointResult], base: PointResult, mode: str) -> None:
@@ -67,9 +66,8 @@ class Simulator:
         busy = base.step_s - base.breakdown_s.get("exposed_comm", 0.0)
         if busy <= 0:
             return
-        speed = (
-            base.point.per_rank_batch / busy
-        )  # samples/s of one rank that does not wait on the network
+        # samples/s of one rank that does not wait on the network
+        speed = base.point.per_rank_batch / busy
         b = base.point.world
         t_base = self._step(base, speed)
         for r in results:

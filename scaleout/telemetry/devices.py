@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scaleout.fsutil import atomic_write
+
 
 @dataclass(frozen=True)
 class Part:
@@ -315,10 +317,7 @@ def cpu_peak(precision: str, threads: int, ranks_on_host: int = 1, cache: bool =
         if cache:
             table[key] = per_thread
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(table, indent=1))
-                os.replace(tmp, path)
+                atomic_write(path, json.dumps(table, indent=1))
             except OSError:
                 pass  # a read-only home only costs a re-measurement next time
     cores = os.cpu_count() or 1

@@ -29,10 +29,12 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import ConfigError
-from scaleout.observe import EvalRecord, StepRecord
+
+if TYPE_CHECKING:
+    from scaleout.train.observe import EvalRecord, StepRecord
 
 JSONL = "metrics.jsonl"
 CSV = "metrics.csv"
@@ -124,9 +126,8 @@ class Metrics:
     def _write(self, record: dict[str, Any], flush: bool = False) -> None:
         self._jsonl.write(json.dumps(record, default=float) + "\n")
         now = time.monotonic()
-        if (
-            flush or now - self._last_flush > 5.0
-        ):  # tail -f works; a shared file system is not hit per step
+        # tail -f works; a shared file system is not hit per step
+        if flush or now - self._last_flush > 5.0:
             self._jsonl.flush()
             if self._csv is not None:
                 self._csv_file.flush()

@@ -81,9 +81,8 @@ class MLPerfLogger:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._handlers.append(logging.FileHandler(self.path, mode="a"))
-        if (
-            stdout
-        ):  # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
+        # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
+        if stdout:
             self._handlers.append(logging.StreamHandler(sys.stdout))
         for h in self._handlers:
             logger.addHandler(h)
@@ -430,3 +429,34 @@ def check_rcp(
 def _logged_benchmark(path: Path) -> str | None:
     m = re.search(r'"key":\s*"submission_benchmark",\s*"value":\s*"([^"]+)"', path.read_text())
     return m.group(1) if m else None
+
+
+def mlperf_numerics(
+    precision: str, device: Any, compression: str, convolutions: bool
+) -> dict[str, str]:
+    """MLPerf's lowest_numerical_precision_in_{linear,attn,comm} for what runs (mlperf_logging
+    names).
+
+    fp32 on CUDA is TF32 where torch lets the matmul/convolution use it (``allow_tf32`` flags and
+    ``torch.get_float32_matmul_precision()``); gradients are fp32 (master weights) unless the
+    reducer compresses them on the wire. ``convolutions``: the model's matmuls include
+    convolutions (``Family.convolutions``: cuDNN's TF32 flag applies)."""
+    import torch
+
+    dev = torch.device(device)
+    names = {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}
+    linear = attn = names[precision]
+    if precision == "fp32" and dev.type == "cuda":
+        tf32_matmul = (
+            torch.backends.cuda.matmul.allow_tf32
+            or torch.get_float32_matmul_precision() != "highest"
+        )
+        tf32_conv = torch.backends.cudnn.allow_tf32 and convolutions
+        linear = "tf32" if tf32_matmul or tf32_conv else "fp32"
+        attn = "tf32" if tf32_matmul else "fp32"
+    comm = {"none": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[compression]
+    return {
+        "lowest_numerical_precision_in_linear": linear,
+        "lowest_numerical_precision_in_attn": attn,
+        "lowest_numerical_precision_in_comm": comm,
+    }

@@ -73,9 +73,8 @@ def until_done(name: str, future: Any) -> None:
         return
     rf = torch.autograd.profiler.record_function(PREFIX + name)
     rf.__enter__()
-    rf._call_end_callbacks_on_future(
-        future
-    )  # closes the range from the future's completion callback
+    # closes the range from the future's completion callback
+    rf._call_end_callbacks_on_future(future)
 
 
 def traced(name: str, fn: Callable[..., Any] | None = None) -> Any:
@@ -101,10 +100,8 @@ def traced(name: str, fn: Callable[..., Any] | None = None) -> Any:
             raise
         try:
             fut = getattr(work, "future", None) or work.get_future()
-        except (
-            AttributeError,
-            RuntimeError,
-        ):  # gloo's reduce_scatter Work has no future: end at wait()
+        # gloo's reduce_scatter Work has no future: end at wait()
+        except (AttributeError, RuntimeError):
             return _WaitCloses(work, handle)
         fut.add_done_callback(lambda _f: leave(handle))
         return work

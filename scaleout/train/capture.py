@@ -135,9 +135,8 @@ def _clone(x: Any) -> Any:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     static_in: Any  # the buffers the graph reads
-    static_out: (
-        torch.Tensor
-    )  # what the step function returned during capture (overwritten per replay)
+    # what the step function returned during capture (overwritten per replay)
+    static_out: torch.Tensor
     replays: int = 0
 
 

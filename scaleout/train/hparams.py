@@ -11,7 +11,7 @@ import torch
 
 from scaleout.config.schema import Config
 from scaleout.families import FAMILIES
-from scaleout.train.precision import mlperf_numerics
+from scaleout.telemetry.mlperf import mlperf_numerics
 
 
 def hyperparameters(
@@ -26,7 +26,7 @@ def hyperparameters(
     ``model.arch``).
 
     ``steps_per_epoch`` (ResNet) turns step counts into the epochs the LARS keys use. The precision
-    keys say what runs on ``device`` (scaleout.train.precision.mlperf_numerics).
+    keys say what runs on ``device`` (scaleout.telemetry.mlperf.mlperf_numerics).
 
     Batch sizes are in *samples*, never packed rows: with BERT packing, ``train.global_batch``
     counts rows of up to ``data.max_per_pack`` sequences, and ``sequences_per_row`` (the packing's
@@ -40,12 +40,13 @@ def hyperparameters(
     # the gradients' wire dtype: comm.compression for DataParallel's all-reduce and the sharded
     # LAMB's reduce-scatter alike (both honour it; the sharded all-gather moves fp32 parameters)
     compression = cfg.comm.compression
+    family = FAMILIES.get(cfg.model.arch)
     common: dict[str, Any] = {
         "seed": t.seed,
         "global_batch_size": t.global_batch * rate,
         "gradient_accumulation_steps": t.grad_accum,
         "micro_batch_size": max(micro, 1),
-        **mlperf_numerics(t.precision, device, compression, cfg.model.arch),
+        **mlperf_numerics(t.precision, device, compression, family.convolutions),
         # pure data parallelism: every other degree is 1
         "tensor_parallelism": 1,
         "pipeline_parallelism": 1,
@@ -53,5 +54,4 @@ def hyperparameters(
         "expert_parallelism": 1,
         "config_filename": os.path.basename(config_file),
     }
-    family = FAMILIES.get(cfg.model.arch)
     return {**common, **family.mlperf_hparams(cfg, steps_per_epoch, world_size)}

@@ -239,17 +239,15 @@ def unresponsive(world: World, timeout_s: float) -> tuple[str, list[int]]:
 
 def _verdict(world: World, window: float, limit: float) -> dict[str, Any]:
     store = _client(world, limit)
-    if (
-        store.add(f"{_PREFIX}/claim", 1) == 1
-    ):  # the first to look scans; the others read its verdict
+    # the first to look scans; the others read its verdict
+    if store.add(f"{_PREFIX}/claim", 1) == 1:
         verdict = _scan(world, store, window)
         store.set(f"{_PREFIX}/verdict", json.dumps(verdict))
     else:
         verdict = json.loads(store.get(f"{_PREFIX}/verdict").decode())
     readers = store.add(f"{_PREFIX}/read", 1)
-    if (
-        world.rank == 0
-    ):  # hosts the store: stay until every other failing rank has read the verdict (bounded)
+    # hosts the store: stay until every other failing rank has read the verdict (bounded)
+    if world.rank == 0:
         deadline = time.monotonic() + window
         expected = world.world_size - len(verdict["culprits"])  # a culprit never comes to read
         while readers < expected and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The trainer's reporting channels, each an :class:`scaleout.observe.Observer`: the MLPerf log,
+"""The trainer's reporting channels, each an :class:`~scaleout.train.observe.Observer`: MLPerf log,
 the metrics file, the progress line, the console messages, the profiler and the end-of-run
 report. The trainer builds them in ``__init__`` (:func:`default_observers`) and calls their hooks
 in list order."""
@@ -13,13 +13,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaleout.checkpoint import atomic_write
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
 from scaleout.families import FAMILIES
+from scaleout.fsutil import atomic_write
 from scaleout.goodput import quarantine
 from scaleout.log import print0
-from scaleout.observe import (
+from scaleout.telemetry.devices import device_peak
+from scaleout.telemetry.metrics import Metrics
+from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
+from scaleout.telemetry.profiler import StepProfiler, build_profiler
+from scaleout.telemetry.report import RunReport
+from scaleout.telemetry.timers import Timers
+from scaleout.train.observe import (
     EvalRecord,
     EvalStart,
     InitEnd,
@@ -31,12 +37,6 @@ from scaleout.observe import (
     eval_due,
     next_eval,
 )
-from scaleout.telemetry.devices import device_peak
-from scaleout.telemetry.metrics import Metrics
-from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
-from scaleout.telemetry.profiler import StepProfiler, build_profiler
-from scaleout.telemetry.report import RunReport
-from scaleout.telemetry.timers import Timers
 from scaleout.train.progress import Progress
 from scaleout.train.skew import SkewTracker, quarantine_verdicts
 from scaleout.world import World
@@ -72,9 +72,8 @@ class MLPerfObserver(Observer):
             platform=m.platform or default_platform(self.world),
         )
         self.log.hyperparameters(init.hyperparameters)
-        if (
-            init.resumed_from
-        ):  # MLPerf's key for "started from a checkpoint at step N" (GPT-3 rules)
+        # MLPerf's key for "started from a checkpoint at step N" (GPT-3 rules)
+        if init.resumed_from:
             self.log.event("init_checkpoint_step", init.resumed_from)
         self.log.init_stop()
 
@@ -240,8 +239,7 @@ class ConsoleObserver(Observer):
 
 
 class ProfilerObserver(Observer):
-    """``train.profile``: torch.profiler over a schedule of steps
-    (scaleout/telemetry/profiler.py)."""
+    """``train.profile``: torch.profiler over a schedule of steps (telemetry/profiler.py)."""
 
     def __init__(self, cfg: Config, out: Path, rank: int):
         self.cfg, self.out, self.rank = cfg, out, rank

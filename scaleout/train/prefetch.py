@@ -236,9 +236,8 @@ class Prefetcher:
         self._it: Iterator[Any] | None = None  # start(): the workers and their first steps
         self._closed = False
         if num_workers > 0 and start_method == "forkserver":
-            with _signals_blocked(
-                PREEMPTION_SIGNALS
-            ):  # the server and the tracker inherit the mask
+            # the server and the tracker inherit the mask
+            with _signals_blocked(PREEMPTION_SIGNALS):
                 _warm_forkserver(kw["multiprocessing_context"])
         self.next_step = start_step
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None

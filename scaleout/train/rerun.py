@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
-from scaleout.checkpoint import Checkpointer, atomic_write
+from scaleout.checkpoint import Checkpointer
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
-from scaleout.observe import RunStatus
+from scaleout.fsutil import atomic_write
+from scaleout.train.observe import RunStatus
 
 if TYPE_CHECKING:
     from scaleout.world import World

@@ -6,7 +6,7 @@ Everything a trainer holds is declared on the class below, in four groups, and b
 ``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces
 instead of modes: the task (scaleout/families/task.py) for everything about the model family, the
 gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything
-about communication and optimizer state, and its observers (scaleout/observe.py) for everything it
+about communication and optimizer state, and its observers (train/observe.py) for everything it
 reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
 """
 
@@ -26,26 +26,14 @@ import torch
 import torch.distributed as dist
 
 from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
+from scaleout.comm.handles import prioritize_communication
 from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
 from scaleout.data.batches import MicroBatch
+from scaleout.env.nodelist import link_record, node_names
 from scaleout.errors import UserError
 from scaleout.goodput import preempt
-from scaleout.goodput.doctor import link_record, node_names
 from scaleout.log import print0
-from scaleout.observe import (
-    EvalRecord,
-    EvalStart,
-    InitEnd,
-    Observer,
-    RunEnd,
-    RunStart,
-    RunStatus,
-    RunStop,
-    StepRecord,
-    Throughput,
-    eval_due,
-)
 from scaleout.optim import build_optimizer, build_schedule
 from scaleout.parallel import DataParallel
 from scaleout.parallel.buckets import fold
@@ -80,6 +68,19 @@ from scaleout.train.faults import (
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
 from scaleout.train.liveness import Heartbeat, Progress, period_for
+from scaleout.train.observe import (
+    EvalRecord,
+    EvalStart,
+    InitEnd,
+    Observer,
+    RunEnd,
+    RunStart,
+    RunStatus,
+    RunStop,
+    StepRecord,
+    Throughput,
+    eval_due,
+)
 from scaleout.train.observers import (
     ConsoleObserver,
     MetricsObserver,
@@ -151,7 +152,7 @@ class Trainer:
     timers: Timers  # the sampled step-time breakdown (train.timing_every)
     mlperf_log: MLPerfLogger
     report_writer: ReportWriter  # also an observer; holds the RunReport train() returns
-    observers: list[Observer]  # every reporting channel, called in order (scaleout/observe.py)
+    observers: list[Observer]  # every reporting channel, called in order (train/observe.py)
     gradient_hooks: list[GradientHook]  # empty unless a test injects faults
     delay: DelayInjection | None  # a test's straggler (SCALEOUT_TEST_DELAY), else None
     skew: SkewTracker  # stragglers and per-phase spread over the ranks (train/skew.py)
@@ -311,7 +312,7 @@ class Trainer:
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
-            world.prioritize_communication(cfg.comm.comm_nice)
+            prioritize_communication(world, cfg.comm.comm_nice)
 
         # training state, then the checkpoint's over it
         self.step, self.samples, self.skipped = 0, 0, 0
@@ -350,7 +351,7 @@ class Trainer:
         """Every rank's link rate, summed once into a world-sized vector on the device (each rank
         its own slot: one small all-reduce at start-up), for the link credit that attributes a
         slow link (scaleout/train/skew.py ``link_credit``); and each node's name as doctor names
-        it (``scaleout.goodput.doctor.node_names``), left in the store by the node's first rank and
+        it (``scaleout.env.nodelist.node_names``), left in the store by the node's first rank and
         read
         by rank 0 for the stragglers' quarantine verdicts. None on one node."""
         world = self.world

@@ -16,14 +16,16 @@ from scaleout.config import load_config
 from scaleout.config.schema import Config, DataConfig, ModelConfig
 from scaleout.errors import ConfigError
 from scaleout.families import FAMILIES, data_sources
+from scaleout.families.bert import NVIDIA_BERT_NO_DECAY
 from scaleout.families.bert.config import BertConfig
 from scaleout.families.bert.data.bert_batch import BertSequence, build_batch
 from scaleout.families.bert.flops import batch_flops, bert_params
 from scaleout.families.bert.model import BertForPreTraining
+from scaleout.families.resnet import LARS_EXCLUDE
 from scaleout.families.resnet.config import ResNetConfig
 from scaleout.families.resnet.flops import forward_macs, resnet_params, training_flops_per_image
 from scaleout.families.resnet.model import ResNet, count_macs
-from scaleout.optim.groups import LARS_EXCLUDE, NVIDIA_BERT_NO_DECAY, param_groups
+from scaleout.optim.groups import param_groups
 from scaleout.sim.fromconfig import from_config
 from scaleout.sim.step import get_model
 

@@ -16,11 +16,11 @@ import torch
 
 from scaleout.config.schema import OptimConfig
 from scaleout.errors import ConfigError
+from scaleout.families.bert import NVIDIA_BERT_NO_DECAY
+from scaleout.families.resnet import LARS_EXCLUDE
 from scaleout.optim import (
     LAMB,
     LARS,
-    LARS_EXCLUDE,
-    NVIDIA_BERT_NO_DECAY,
     WarmupPoly,
     build_optimizer,
     build_schedule,

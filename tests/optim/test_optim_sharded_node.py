@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import scaleout.comm.scatter as comm_scatter
 import scaleout.comm.shard as comm_shard
 import scaleout.optim.sharded as sharded
 from scaleout.checkpoint_dcp import load_pieces, save_pieces
@@ -64,6 +65,7 @@ class _Bytes:
         (sharded, "all_gather_tensor", lambda n: n - 1),
         (dist, "all_to_all_single", lambda n: (n - 1) / n),
         (dist, "all_reduce", lambda n: 2 * (n - 1) / n),
+        (comm_scatter, "_reduce_scatter", lambda n: (n - 1) / n),  # the algorithms' runtime
     )
 
     def __init__(self, opt: ShardedLAMB) -> None:

@@ -570,11 +570,11 @@ def _prioritized(world):
     import threading
 
     from scaleout.comm import all_reduce
-    from scaleout.comm.handles import comm_thread
+    from scaleout.comm.handles import comm_thread, prioritize_communication
 
     me = threading.get_native_id()
     before = os.getpriority(os.PRIO_PROCESS, me)
-    applied = world.prioritize_communication(5)
+    applied = prioritize_communication(world, 5)
     comm_tid = comm_thread(world)._thread.native_id
     t = torch.full((1000,), float(world.rank + 1))
     all_reduce(

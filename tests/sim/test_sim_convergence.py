@@ -12,21 +12,21 @@ import pytest
 
 from scaleout.cli import main
 from scaleout.errors import ConfigError
+from scaleout.families.resnet import IMAGENET_TRAIN_IMAGES
 from scaleout.sim.cluster import get_cluster
 from scaleout.sim.convergence import (
-    IMAGENET_TRAIN,
     fit_curve,
     largebatch_points,
     load_rcps,
     rcp_curve,
 )
 from scaleout.sim.mlperf import get_run, speedup
+from scaleout.sim.overhead import get_overhead
 from scaleout.sim.step import (
     H200_RESNET50_ROWS,
     TrainSpec,
     eval_interval,
     get_model,
-    get_overhead,
     step_time,
     with_overhead,
 )
@@ -67,7 +67,9 @@ def test_rcp_curve_is_read_from_the_installed_package_and_rises_with_batch():
     assert not curve.extrapolated(16384) and curve.extrapolated(32768)
     # ResNet's table counts epochs of ImageNet-1k
     res = package_table("resnet")
-    assert rcp_curve("resnet").samples(1632) == pytest.approx(olympic(res[1632]) * IMAGENET_TRAIN)
+    assert rcp_curve("resnet").samples(1632) == pytest.approx(
+        olympic(res[1632]) * IMAGENET_TRAIN_IMAGES
+    )
 
 
 def test_speedup_1024_to_4096_a100_within_15_percent_of_published():
@@ -102,7 +104,7 @@ def test_mlperf_eval_interval_matches_nvidia_configs():
     bert = get_model("bert-large")
     got = {b: eval_interval(bert, b) for b in (16384, 4096, 3072, 13888)}
     assert got == {16384: 325000, 4096: 175000, 3072: 175000, 13888: 300000}
-    assert eval_interval(get_model("resnet50"), 4096) == 4 * IMAGENET_TRAIN
+    assert eval_interval(get_model("resnet50"), 4096) == 4 * IMAGENET_TRAIN_IMAGES
 
 
 def test_fit_recovers_the_critical_batch_and_reads_bench_largebatch(tmp_path, capsys):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from scaleout.errors import ConfigError
-from scaleout.observe import EvalRecord, StepRecord
 from scaleout.telemetry.metrics import Metrics, plot_run, read_metrics
+from scaleout.train.observe import EvalRecord, StepRecord
 
 SHORT = [
     "train.global_batch=16",

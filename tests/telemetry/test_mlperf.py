@@ -375,7 +375,7 @@ def _observe_resnet(path, cfg: Config, accuracies: dict[int, float]) -> list[tup
     epoch, NVIDIA's ceil), evaluations at the steps in ``accuracies``; returns (key, metadata)."""
     from types import SimpleNamespace
 
-    from scaleout.observe import EvalRecord, EvalStart, InitEnd, RunStart, RunStop, StepRecord
+    from scaleout.train.observe import EvalRecord, EvalStart, InitEnd, RunStart, RunStop, StepRecord
     from scaleout.train.observers import MLPerfObserver
 
     world = SimpleNamespace(num_nodes=1, local_size=2, device="cpu")

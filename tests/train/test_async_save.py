@@ -61,7 +61,7 @@ def _drill(world, out: str, slow_s: float) -> dict:
     ``slow_s`` more seconds. Then the same run resumed from the step-4 checkpoint, whose own final
     write fails."""
     from scaleout.config import load_config
-    from scaleout.observe import Observer
+    from scaleout.train.observe import Observer
     from scaleout.train.trainer import Trainer
 
     class Clock(Observer):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from scaleout.observe import (
+from scaleout.train.observe import (
     EvalRecord,
     EvalStart,
     InitEnd,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scaleout.families import Family, register
+from scaleout.families.base import Family, Reference, register
 from scaleout.families.bert.config import BertConfig
 from scaleout.families.bert.flops import WIKI_512_MEAN_TOKENS, bert_params, sequence_training_flops
 
@@ -35,6 +35,33 @@ class BertFamily(Family):
     no_decay = NVIDIA_BERT_NO_DECAY
     hf_checkpoints = True
     sim_preset = "bert-large"
+    # MLPerf Training BERT-large phase 2 (NVIDIA v2.0 submission: LAMB, fp16 gradients, packed
+    # data).
+    reference = Reference(
+        "bert-large",
+        # the published size: the simulator's MLPerf calibration (scaleout.sim.mlperf) was fitted
+        # with it (bert_params(BertConfig()) counts 336.2M with the pre-training heads)
+        params=335e6,
+        # a Wikipedia-512 sequence of mean length (flops.py)
+        flops_per_sample=sequence_training_flops(BertConfig()),
+        grad_bytes=2,
+        # LAMB with fp32 master weights: read p, m, v, g + write p, m, v, fp16 copy ~ 32 B/param.
+        opt_bytes_per_param=32.0,
+        # NVIDIA v2.0, 512 nodes: median train_samples of the 10 runs at the target (337.7 steps of
+        # 16384; MAX_STEPS=470 only sets the LR schedule), result_*.txt of scaleout.sim.mlperf's
+        # reference (c).
+        samples_to_converge=5533303,
+        eval_samples=10000,  # MLPerf BERT eval set
+        eval_rule="mlperf-bert",  # EVAL_ITER_SAMPLES, a function of the batch: eval_interval
+        notes=(
+            "BERT-large 24x1024, 335M params; MLPerf v2.0 NVIDIA config_DGXA100_512x8x2x1_pack.sh"
+        ),
+        # a packed row of 512 token slots, every slot and the MLM head computed (NVIDIA's
+        # PACKING_FACTOR=2 + --pad_fmha, no --dense_seq_output)
+        dense_flops_per_sample=sequence_training_flops(
+            BertConfig(), tokens=512, masked_fraction=1.0
+        ),
+    )
 
     def params(self, cfg: Any) -> int:
         return bert_params(cfg.model.bert)
@@ -66,6 +93,18 @@ class BertFamily(Family):
     def epoch_of(self, samples: int, rows: int) -> int:
         # MLPerf BERT counts "epochs" in samples (the reference logs samples as epoch_num)
         return samples
+
+    def check_input_files(self, cfg: Any) -> None:
+        from scaleout.families.bert.inputs import check_input_files  # deferred: torch, numpy
+
+        check_input_files(cfg)
+
+    def packing_speedup(self, cfg: Any) -> tuple[float, str]:
+        """Sequences per packed row of the training corpus at the config's settings (the packed
+        recipes' algorithm; lpfhp when ``data.packing`` is none)."""
+        from scaleout.families.bert.packing.speedup import corpus_speedup  # deferred: reads data
+
+        return corpus_speedup(cfg)
 
     def mlperf_hparams(
         self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1

@@ -270,9 +270,8 @@ class BertForPreTraining(nn.Module):
         ids, seq = batch["input_ids"], batch["seq_ids"]
         pos = batch["position_ids"]
         static = self.cfg.static_shapes
-        if (
-            not static and int(pos.max()) >= self.cfg.max_position
-        ):  # a host sync: not in the static forward
+        # a host sync: not in the static forward
+        if not static and int(pos.max()) >= self.cfg.max_position:
             raise ValueError(
                 f"position id {int(pos.max())} >= model.bert.max_position={self.cfg.max_position}"
             )
@@ -361,9 +360,8 @@ class BertForPreTraining(nn.Module):
         flat = hidden.reshape(b * n, h)
         labels = batch["mlm_labels"].reshape(-1)  # [B*P]
         mlm_valid = labels != IGNORE_INDEX
-        slots = (rows + batch["mlm_positions"]).reshape(
-            -1
-        )  # unused slots point at each row's token 0
+        # unused slots point at each row's token 0
+        slots = (rows + batch["mlm_positions"]).reshape(-1)
         if self.cfg.unpad_mlm_head:
             logits = self.mlm_logits(flat.index_select(0, slots))
         else:

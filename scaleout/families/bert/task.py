@@ -43,9 +43,8 @@ class BertTask(Task):
             )
         self.stream: Any = None
         self.step_counts: np.ndarray | None = None
-        if (
-            d.source == "wikipedia"
-        ):  # MLPerf shards, read lazily (scaleout/families/bert/data/shard_source.py)
+        # MLPerf shards, read lazily (scaleout/families/bert/data/shard_source.py)
+        if d.source == "wikipedia":
             self._open_shards(cfg, world)
         else:
             self._load_in_memory(cfg, world)
@@ -56,9 +55,8 @@ class BertTask(Task):
         model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
         # micro-batches count their FLOPs with the heads this model runs
         self.batches.flops = functools.partial(batch_flops, model.cfg)
-        if (
-            cfg.model.init_checkpoint
-        ):  # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+        # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+        if cfg.model.init_checkpoint:
             self.info["init_checkpoint"] = load_init_checkpoint(
                 model, cfg.model.init_checkpoint, world.rank == 0
             )

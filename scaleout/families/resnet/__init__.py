@@ -12,20 +12,18 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from scaleout.errors import ConfigError
-from scaleout.families import Family, register
+from scaleout.families.base import Family, Reference, register
 from scaleout.families.resnet.config import ResNetConfig
 from scaleout.families.resnet.flops import (
     resnet_param_tensors,
     resnet_params,
     training_flops_per_image,
 )
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 
 if TYPE_CHECKING:
     from scaleout.families.task import Task
     from scaleout.world import World
-
-# ImageNet-1k training set size: turns LARS step counts into the epochs the LARS rules ask for.
-IMAGENET_TRAIN_IMAGES = 1_281_167
 
 # The MLPerf ResNet LARS reference skips weight decay and trust-ratio adaptation for batch-norm and
 # bias variables (batch-norm parameters are also excluded by module type: torch names them
@@ -46,6 +44,20 @@ class ResNetFamily(Family):
     no_decay = LARS_EXCLUDE
     convolutions = True
     sim_preset = "resnet50"
+    # ResNet-50 v1.5: 25.6M params, 4.09 G multiply-adds forward per 224x224 image (x2 FLOPs, x3 for
+    # training; flops.py).
+    reference = Reference(
+        "resnet50",
+        params=25.6e6,  # the published size (resnet_params(ResNetConfig()) = 25,557,032)
+        flops_per_sample=training_flops_per_image(ResNetConfig()),
+        grad_bytes=4,
+        opt_bytes_per_param=16.0,
+        # MLPerf LARS runs converge in ~35-40 epochs of ImageNet-1k
+        samples_to_converge=37 * IMAGENET_TRAIN_IMAGES,
+        eval_samples=50000,  # ImageNet validation set
+        eval_rule="mlperf-resnet",  # every 4 epochs (scaleout.sim.step.eval_interval)
+        notes="ResNet-50 v1.5, fp32 gradients (Horovod-era default)",
+    )
 
     def params(self, cfg: Any) -> int:
         return resnet_params(cfg.model.resnet)

@@ -64,10 +64,8 @@ class Bottleneck(nn.Module):
         super().__init__()
         cout = width * self.expansion
         self.conv1, self.bn1 = _conv(cin, width, 1), norm(width)
-        self.conv2, self.bn2 = (
-            _conv(width, width, 3, stride),
-            norm(width),
-        )  # v1.5: stride on the 3x3
+        # v1.5: stride on the 3x3
+        self.conv2, self.bn2 = _conv(width, width, 3, stride), norm(width)
         self.conv3, self.bn3 = _conv(width, cout, 1), norm(cout)
         self.relu = nn.ReLU(inplace=True)
         self.down = None

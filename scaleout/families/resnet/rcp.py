@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.errors import UserError
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 
-IMAGENET_TRAIN_IMAGES = 1_281_167
 RCP_RULESET = "4.0.0"  # the newest ruleset with ResNet RCPs (scaleout.telemetry.mlperf.RULESET)
 EVAL_PERIOD_EPOCHS = 4  # the reference and NVIDIA: evaluate every 4 epochs
 

@@ -23,11 +23,12 @@ from scaleout.families.resnet.data.gpu_decode import (
     check_gpu_decode,
     decode_on_device,
 )
-from scaleout.families.resnet.data.prepare import IMAGENET_CLASSES, IMAGENET_TRAIN, IMAGENET_VAL
+from scaleout.families.resnet.data.prepare import IMAGENET_CLASSES, IMAGENET_VAL
 from scaleout.families.resnet.data.shards import NodeShardSampler, ShardImages, has_shards
 from scaleout.families.resnet.data.transforms import MEAN, STD
 from scaleout.families.resnet.flops import training_flops_per_image
 from scaleout.families.resnet.group_bn import sync_batchnorm_stats
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 from scaleout.families.resnet.layout import use_channels_last
 from scaleout.families.resnet.model import build_resnet
 from scaleout.families.task import Counts, Task
@@ -69,9 +70,8 @@ class ResNetTask(Task):
                 r.num_classes, r.image_size, n + d.eval_samples, seed=d.seed, uint8=True
             )
             self.eval_set = self.train_set
-            self._eval_idx = np.arange(
-                n, n + d.eval_samples
-            )  # held out: never in the training range
+            # held out: never in the training range
+            self._eval_idx = np.arange(n, n + d.eval_samples)
             self.train_set.length = n
             self.rows = len(self.train_set)
             self.sampler = make_sampler(
@@ -161,7 +161,7 @@ class ResNetTask(Task):
             "train",
             r.image_size,
             seed=d.seed,
-            expect_images=IMAGENET_TRAIN if imagenet else None,
+            expect_images=IMAGENET_TRAIN_IMAGES if imagenet else None,
             **common,
         )
         self.eval_set = cls(
@@ -175,7 +175,7 @@ class ResNetTask(Task):
         self.info["data_layout"] = "shards" if shards else "folder"
         # ImageNet's size is known; any other set's is read from its index (metadata, which
         # MLPerf allows before the clock: one file read per rank, rank 0 builds it if missing)
-        self.rows = IMAGENET_TRAIN if imagenet else len(self.train_set)
+        self.rows = IMAGENET_TRAIN_IMAGES if imagenet else len(self.train_set)
         self._eval_idx = None
         g = cfg.train.global_batch
         if shards:

@@ -73,9 +73,8 @@ class BertBatches:
     ):
         self.seqs, self.packs, self.pack_tokens, self.sampler = seqs, packs, pack_tokens, sampler
         self.max_len, self.max_pred, self.depth = max_len, max_pred, depth
-        self.flops: Callable[[dict[str, torch.Tensor]], float] = (
-            no_flops  # set by the task once the model exists
-        )
+        # set by the task once the model exists
+        self.flops: Callable[[dict[str, torch.Tensor]], float] = no_flops
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         rows = self.sampler.local_indices(position)
@@ -99,9 +98,8 @@ class ShardBertBatches:
 
     def __init__(self, stream: Any):
         self.stream = stream
-        self.flops: Callable[[dict[str, torch.Tensor]], float] = (
-            no_flops  # set by the task once the model exists
-        )
+        # set by the task once the model exists
+        self.flops: Callable[[dict[str, torch.Tensor]], float] = no_flops
 
     def micro_batches(self, position: int, grad_accum: int) -> list[MicroBatch]:
         return [

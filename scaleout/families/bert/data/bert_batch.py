@@ -28,9 +28,8 @@ from scaleout.errors import UserError
 
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3  # the synthetic vocabulary's special tokens
 FIRST_WORD_ID = 4
-IGNORE_INDEX = (
-    -100
-)  # same as scaleout.families.bert.model.IGNORE_INDEX and torch's cross_entropy default
+# same as scaleout.families.bert.model.IGNORE_INDEX and torch's cross_entropy default
+IGNORE_INDEX = -100
 
 
 @dataclass

@@ -23,8 +23,6 @@ different masks (Google uses 10). Everything is a function of ``seed``; results 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -47,6 +45,7 @@ from scaleout.families.bert.data.corpus import (
     load_corpus,
 )
 from scaleout.families.bert.data.tokenizer import WordPiece, train_or_load
+from scaleout.fsutil import atomic_write, atomic_write_path, file_lock
 from scaleout.output import format_table
 
 FORMAT_VERSION = 1
@@ -276,7 +275,7 @@ def build_pretraining_data(
     cache = cache or cache_dir()
     # One builder at a time: ranks starting together on a cold cache wait for the first one and then
     # read its files instead of all spending the same ~25 s (2-core machine) building them.
-    with _file_lock(os.path.join(cache, "build.lock")):
+    with file_lock(os.path.join(cache, "build.lock")):
         return _build(
             vocab_size,
             max_seq_len,
@@ -289,19 +288,6 @@ def build_pretraining_data(
             cache,
             docs,
         )
-
-
-def _file_lock(path: str):
-    @contextlib.contextmanager
-    def lock():
-        with open(path, "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    return lock()
 
 
 def _build(
@@ -387,10 +373,7 @@ def _cached_corpus(sources: tuple[str, ...], cache: str) -> list[Document]:
         except (OSError, ValueError):
             pass
     docs = load_corpus(sources)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump([[d.name, list(d.sentences)] for d in docs], fh)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps([[d.name, list(d.sentences)] for d in docs]))
     return docs
 
 
@@ -406,9 +389,7 @@ def save_samples(path: str, train: list[BertSample], ev: list[BertSample]) -> No
         arrays[f"{split}_mlab"] = np.concatenate([s.masked_labels for s in samples])
         arrays[f"{split}_mlen"] = np.array([len(s.masked_positions) for s in samples], np.int32)
         arrays[f"{split}_nsp"] = np.array([s.nsp_label for s in samples], np.int8)
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    atomic_write_path(path, lambda tmp: np.savez(tmp, **arrays), keep_suffix=True)
 
 
 def load_samples(path: str) -> tuple[list[BertSample], list[BertSample]]:

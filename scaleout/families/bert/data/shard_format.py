@@ -37,6 +37,7 @@ import numpy as np
 
 from scaleout.errors import UserError
 from scaleout.families.bert.data.pretrain import to_padded
+from scaleout.fsutil import atomic_write_path
 
 KEYS = (
     "input_ids",
@@ -238,14 +239,15 @@ def write_shard(
     if layout not in LAYOUTS:
         raise UserError(f"shard layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     h5py = h5py_module()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        if layout == "fixed":
-            _write_fixed(f, rows, max_seq_len, max_pred)
-        else:
-            _write_vlen(f, h5py, rows, layout)
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w") as f:
+            if layout == "fixed":
+                _write_fixed(f, rows, max_seq_len, max_pred)
+            else:
+                _write_vlen(f, h5py, rows, layout)
+
+    atomic_write_path(path, write)
 
 
 def _write_fixed(f: Any, rows: list[list[Any]], max_seq_len: int, max_pred: int) -> None:
@@ -299,9 +301,8 @@ def _write_vlen(f: Any, h5py: Any, rows: list[list[Any]], layout: str) -> None:
         if layout == "varlength" and k == "next_sentence_labels":
             f.create_dataset(k, data=np.array([c[0] for c in cols[k]], np.int8), dtype="i1")
             continue
-        data = np.empty(
-            n, dtype=object
-        )  # an object array of 1-D arrays: one write, any row lengths
+        # an object array of 1-D arrays: one write, any row lengths
+        data = np.empty(n, dtype=object)
         for i, v in enumerate(cols[k]):
             data[i] = v
         f.create_dataset(k, data=data, dtype=vlen[k])

@@ -44,6 +44,7 @@ from scaleout.families.bert.data.shard_format import ShardReader
 from scaleout.families.bert.packing.assign import assign_sequences
 from scaleout.families.bert.packing.hist import histogram_from_lengths
 from scaleout.families.bert.packing.pack import pack_histogram
+from scaleout.fsutil import atomic_write_path
 
 INDEX_VERSION = 1
 
@@ -51,9 +52,8 @@ INDEX_VERSION = 1
 @dataclass(frozen=True)
 class PackSettings:
     max_len: int
-    algorithm: (
-        str  # "none" (one sequence per row) or a scaleout.families.bert.packing algorithm / "auto"
-    )
+    # "none" (one sequence per row) or a scaleout.families.bert.packing algorithm / "auto"
+    algorithm: str
     max_per_pack: int
     seed: int = 0
 
@@ -97,10 +97,7 @@ def shard_key(path: Path) -> str:
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
-    write(tmp)
-    os.replace(tmp, path)
+    atomic_write_path(path, write, keep_suffix=True)  # numpy's writers append a missing suffix
 
 
 class ShardIndex:
@@ -264,9 +261,8 @@ def ensure_index(
         if rank == 0 and not summary_path.is_file():
             _write_summary(summary_path, shards)
         barrier()
-    if (
-        not summary_path.is_file()
-    ):  # rank 0 wrote it where this rank cannot see it (node-local data)
+    # rank 0 wrote it where this rank cannot see it (node-local data)
+    if not summary_path.is_file():
         _write_summary(summary_path, shards)
     with np.load(summary_path) as z:
         return Summary(z["packs"], z["sequences"], z["tokens"], z["depth"]), idx

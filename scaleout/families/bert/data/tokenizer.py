@@ -23,6 +23,7 @@ from itertools import pairwise
 
 from scaleout.errors import UserError
 from scaleout.families.bert.data.corpus import cache_dir
+from scaleout.fsutil import atomic_write
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
@@ -179,8 +180,5 @@ def train_or_load(
         except (ValueError, KeyError, UserError):
             pass  # a damaged cache file is rebuilt below
     tok = train_wordpiece(texts, vocab_size)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(tok.to_json())
-    os.replace(tmp, path)  # atomic: concurrent ranks may race to write the same file
+    atomic_write(path, tok.to_json())  # concurrent ranks may race to write the same file
     return tok

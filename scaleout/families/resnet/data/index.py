@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from scaleout.errors import UserError
+from scaleout.fsutil import atomic_write_path
 
 INDEX_VERSION = 1
 WAIT_TIMEOUT_S = 3600.0  # rank 0 lists 1.28 M files in minutes even on a slow shared file system
@@ -119,7 +120,4 @@ def _wait(path: Path, error: Path, rank: int, timeout_s: float) -> None:
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp{path.suffix}")
-    write(tmp)
-    os.replace(tmp, path)
+    atomic_write_path(path, write, keep_suffix=True)  # numpy's writers append a missing suffix

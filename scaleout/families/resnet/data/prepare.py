@@ -28,8 +28,9 @@ from pathlib import Path
 
 from scaleout.errors import UserError
 from scaleout.families.resnet.data.folder import EXTENSIONS, ImageFolder
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 
-IMAGENET_CLASSES, IMAGENET_TRAIN, IMAGENET_VAL = 1000, 1_281_167, 50_000
+IMAGENET_CLASSES, IMAGENET_VAL = 1000, 50_000
 
 
 def prepare_imagenet(
@@ -39,7 +40,7 @@ def prepare_imagenet(
     labels: str | os.PathLike[str] | None = None,
     meta: str | os.PathLike[str] | None = None,
     expect_classes: int = IMAGENET_CLASSES,
-    expect_train: int = IMAGENET_TRAIN,
+    expect_train: int = IMAGENET_TRAIN_IMAGES,
     expect_val: int = IMAGENET_VAL,
     progress: Callable[[str], None] = print,
 ) -> dict[str, int]:

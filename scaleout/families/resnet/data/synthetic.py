@@ -14,6 +14,7 @@ import torch
 
 from scaleout.errors import UserError
 from scaleout.families.resnet.data.transforms import MEAN, STD
+from scaleout.families.resnet.imagenet import IMAGENET_TRAIN_IMAGES
 
 
 class SyntheticImages:
@@ -21,7 +22,7 @@ class SyntheticImages:
         self,
         num_classes: int = 1000,
         image_size: int = 224,
-        length: int = 1_281_167,
+        length: int = IMAGENET_TRAIN_IMAGES,
         seed: int = 0,
         noise: float = 1.0,
         uint8: bool = False,

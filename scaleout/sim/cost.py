@@ -1,5 +1,6 @@
-"""The alpha-beta-gamma algebra the all-reduce algorithms price themselves with
-(``Algorithm.cost``), and the simulator (:mod:`scaleout.sim`) builds on.
+"""The simulator's alpha-beta-gamma algebra: what :mod:`scaleout.sim` builds on and what each
+all-reduce algorithm writes its cost model in (``Algorithm.cost``, importing this module only when
+it is priced: the simulator owns pricing, the algorithm only says its shape).
 
 A cost is a :class:`Plan`: a sum of terms ``mult * max(option . theta)`` where theta is the
 constants vector (:data:`PARAMS`) and each option is a coefficient vector. The max expresses
@@ -238,9 +239,8 @@ def row_col_half_plan(
     g = cluster.gpus_per_node
     p = g * nodes
     gloo = cluster.backend == "gloo"
-    phase = (
-        "ar" if kind == "rs" and gloo else kind
-    )  # gloo: each reduce-scatter is an all-reduce, sliced
+    # gloo: each reduce-scatter is an all-reduce, sliced
+    phase = "ar" if kind == "rs" and gloo else kind
     plan = Plan().add(1, vec(base=1))
     if x is None or x >= p:
         ring_phase(plan, cluster, p, nbytes, phase, crosses_nodes=nodes > 1, intra_hop=g > 1)
@@ -255,7 +255,6 @@ def row_col_half_plan(
         for members, size, kw in (row, col) if kind == "rs" else (col, row):
             ring_phase(plan.add(1, vec(base=1)), cluster, members, size, phase, **kw)
     if kind == "ag" and gloo:
-        plan.add(
-            1, vec(gamma=nbytes)
-        )  # all_gather into a list, then one more copy into the flat output
+        # all_gather into a list, then one more copy into the flat output
+        plan.add(1, vec(gamma=nbytes))
     return plan

@@ -1,0 +1,51 @@
+"""The files a BERT run reads, sniffed before anything is written or spawned
+(``Family.check_input_files``, called by scaleout/train/inputs.py):
+
+* ``model.init_checkpoint``: read as the BERT loader reads it (memory-mapped: names and shapes, no
+  tensor data), so a non-torch file or a torch-saved non-state-dict is refused here.
+* ``data.path`` (``data.source: wikipedia``): the first shard of each folder must carry its
+  format's signature (HDF5, or zip for .npz). One file per folder, not every shard: a start stays
+  O(1) file-system calls per rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from scaleout.errors import UserError
+
+NPZ_SIGNATURE = b"PK\x03\x04"  # .npz is a zip archive
+
+
+def check_input_files(cfg: Any) -> None:
+    if cfg.model.init_checkpoint:
+        from scaleout.families.bert.convert import read_state_dict  # deferred: torch
+
+        read_state_dict(cfg.model.init_checkpoint)
+    if cfg.data.source == "wikipedia" and cfg.data.path:
+        check_shard_path(cfg.data.path)
+
+
+def check_shard_path(path: str) -> None:
+    """The first shard of ``path`` (or of its train/ and eval/ folders) is a readable shard
+    file."""
+    from scaleout.families.bert.data.shard_format import (  # deferred: numpy
+        h5py_module,
+        shard_files,
+    )
+
+    root = Path(path)
+    split = (root / "train").is_dir() and (root / "eval").is_dir()
+    for folder in (root / "train", root / "eval") if split else (root,):
+        first = shard_files(folder)[0]
+        if first.suffix == ".npz":
+            with open(first, "rb") as f:
+                ok, kind = f.read(len(NPZ_SIGNATURE)) == NPZ_SIGNATURE, "a .npz (zip)"
+        else:
+            ok, kind = h5py_module().is_hdf5(str(first)), "an HDF5"
+        if not ok:
+            raise UserError(
+                f"data.path={path}: {first} is not {kind} file; expected MLPerf BERT shards "
+                "(.hdf5/.h5/.hdf, or .npz; docs/training-blocks.md)"
+            )
