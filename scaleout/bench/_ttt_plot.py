@@ -40,11 +40,12 @@ def _where(cluster: str, info: dict[str, Any] | None) -> str:
     """The cluster in words (the panels' title), not the bench's short name."""
     if not info:
         return cluster
-    shape = f"{info['nnodes']} nodes x {info['nproc_per_node']} ranks"
+    n, g = info["nnodes"], info["nproc_per_node"]
+    shape = f"{n} node{'s' if n != 1 else ''} x {g} rank{'s' if g != 1 else ''}"
     if cluster == "netns":
         rate = f", {info['rate']} links" if info.get("rate") else ""
         return f"emulated cluster (network namespaces): {shape}{rate}"
-    return f"one machine: {shape} (no network)"
+    return f"one machine: {shape} (loopback, no rate limit)"
 
 
 def _draw(
