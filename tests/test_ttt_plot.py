@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import matplotlib  # noqa: F401  (the test extra installs it: a missing one is a failure)
 import pytest
 
 import scaleout.output
 from scaleout.bench import _ttt_plot
 
-pytest.importorskip("matplotlib")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
