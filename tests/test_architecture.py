@@ -28,7 +28,8 @@ DRIVER = {"cli", "bench", "sweep", "sim"}
 # sim.step: numpy and scipy, no torch, nothing of cli, bench or sweep), deferred until auto is on.
 # The other: an algorithm's cost model (comm's Algorithm.cost / half_cost) is written in the
 # simulator's algebra (scaleout.sim.cost: numpy, no torch), imported only when something prices it,
-# as a new algorithm's does (tests/test_extend_comm.py). Module by module neither closes a circle
+# as a new algorithm's does (tests/comm/test_extend_comm.py). Module by module neither closes a
+# circle
 # (test_no_import_cycle_between_modules); unit by unit they are the one pair left out.
 ALLOWED = {("parallel", "sim"), ("comm", "sim")}
 

@@ -1,5 +1,5 @@
-"""Tables, the ablation and the PNG of ``scaleout bench ttt`` (the runs themselves:
-``_ttt_runs.py``).
+"""Tables and the ablation of ``scaleout bench ttt`` (the runs themselves: ``_ttt_runs.py``; the
+PNG: ``_ttt_plot.py``).
 
 A run that never reached the target has no time-to-train: it shows as "> budget" and counts as +inf
 in a median, so a median over seeds is a number only when more than half of them reached the target.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 INF = math.inf
@@ -165,53 +164,6 @@ def ablation_table(ab: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return headers, table
 
 
-def plot(
-    rows: list[dict[str, Any]],
-    target: float,
-    path: str | Path,
-    title: str,
-    metric: str = "eval masked-LM accuracy",
-) -> Path | None:
-    """Accuracy against wall time since run_start, every run; one panel per cluster."""
-    from scaleout.output import pyplot, save_figure
-
-    plt = pyplot()
-    if plt is None:
-        return None
-    clusters = sorted({r["cluster"] for r in rows}, key=lambda c: c != "netns")
-    fig, axes = plt.subplots(
-        1, len(clusters), figsize=(7.5 * len(clusters), 5), squeeze=False, sharey=True
-    )
-    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
-    colors = plt.get_cmap("tab10")
-    styles = ["-", "--", ":", "-."]
-    seeds = sorted({r["seed"] for r in rows})
-    for ax, c in zip(axes[0], clusters, strict=True):
-        for r in (r for r in rows if r["cluster"] == c):
-            k = recipes.index(r["recipe"])
-            ls = styles[seeds.index(r["seed"]) % len(styles)]
-            xs, ys = [p[0] for p in r["curve"]], [p[2] for p in r["curve"]]
-            ax.plot(
-                xs,
-                ys,
-                ls=ls,
-                color=colors(k % 10),
-                lw=1.1,
-                label=f"{r['recipe']} s{r['seed']}: {cell(r)}"
-                + (" s" if r["ttt_s"] is not None else ""),
-            )
-        ax.axhline(target, color="k", lw=0.8, ls="--", label=f"target {target}")
-        ax.set_title(c)
-        ax.set_xlabel("wall time since run_start (s)")
-        ax.legend(fontsize=6, loc="lower right")
-    axes[0][0].set_ylabel(metric)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = save_figure(fig, path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 HEAD = ("baseline", "scaleout", "scaleout-sharded")
 HEAD_RESNET = ("baseline", "scaleout")  # no sharded LARS
 
@@ -319,12 +271,16 @@ def finish(
     if path:
         print(f"wrote {path}")
     if args.png:
+        from scaleout.bench._ttt_plot import plot  # deferred: matplotlib only when drawing
+
         plot(
             rows,
             plan.target,
             args.png,
-            f"{plan.config}: time-to-train to {plan.target}, every run",
-            "eval top-1" if plan.task == "resnet" else "eval masked-LM accuracy",
+            f"{plan.config}: time to train to {plan.target:g}",
+            "eval top-1" if resnet else "eval masked-LM accuracy",
+            clusters={k: v["cluster"] for k, v in results.items()},
+            task="resnet" if resnet else "bert",
         )  # says where
     return 0
 

@@ -324,7 +324,7 @@ class StepInjection:
 class NanInjection(StepInjection):
     """``SCALEOUT_INJECT_NAN``: this rank's loss is NaN at the step, so are its gradients before
     the reduction (a bad batch, an overflow): the all-reduce carries the NaN to every rank and
-    every rank skips the step (tests/test_train.py, test_faults.py, test_precision.py). Not a
+    every rank skips the step (tests/train/test_train.py, test_faults.py, test_precision.py). Not a
     gradient hook: the trainer multiplies the step's loss (:meth:`poison`)."""
 
     VARIABLE = "SCALEOUT_INJECT_NAN"
@@ -338,7 +338,7 @@ class ReducedNanInjection(StepInjection):
     where the others' are finite (a corrupted copy). With the replicated optimizer each rank
     decides "non-finite" from its own reduced gradients, so this rank alone skips; the steps
     skipped so far go into the next agreement's fingerprint, which names it
-    (:class:`~scaleout.train.skew.CollectiveDesync`, tests/test_faults.py). With the sharded
+    (:class:`~scaleout.train.skew.CollectiveDesync`, tests/train/test_faults.py). With the sharded
     LAMB the agreement's flag makes every rank skip."""
 
     VARIABLE = "SCALEOUT_INJECT_NAN_REDUCED"
@@ -364,7 +364,7 @@ class HangInjection:
     it sleeps forever, its heartbeat thread still beating (an alive rank stuck in its data loader
     or in a forward that never ends: the case a stopped heartbeat cannot name), or with ``:stop``
     it SIGSTOPs itself (a frozen process or node: no heartbeat either). Installed as the trainer's
-    ``progress.fault``; tests/test_faults.py drives both."""
+    ``progress.fault``; tests/train/test_faults.py drives both."""
 
     VARIABLE = "SCALEOUT_TEST_HANG"
 
@@ -405,7 +405,8 @@ class HangInjection:
 class DelayInjection:
     """``SCALEOUT_TEST_DELAY="RANK:PHASE:MS[,...]"``: this rank sleeps MS milliseconds in every
     step's PHASE (``data``: while waiting for its batches; ``compute``: before its forward), a
-    straggler for tests/test_skew.py and `scaleout bench agreement`. Test-only: a real run leaves
+    straggler for tests/train/test_skew.py and `scaleout bench agreement`. Test-only: a real run
+    leaves
     the variable unset and installs nothing."""
 
     VARIABLE = "SCALEOUT_TEST_DELAY"
@@ -437,7 +438,8 @@ class DelayInjection:
 class RequeueDelay:
     """``SCALEOUT_TEST_REQUEUE_DELAY_S=N``: rank 0 waits up to N s before ``scontrol requeue``,
     less if its SIGTERM comes first (a stop that outlasted the notice window and met the time
-    limit). tests/test_preempt_slurm.py uses it to show that the other ranks wait for the requeue
+    limit). tests/goodput/test_preempt_slurm.py uses it to show that the other ranks wait for the
+    requeue
     under ``srun --kill-on-bad-exit=1``, and that the time limit's SIGTERM after a notice still
     requeues. Passed as ``before_requeue`` to
     :func:`scaleout.goodput.preempt.release_after_stop`."""
@@ -589,7 +591,7 @@ def _leave(world: World, fields: dict, env: Mapping[str, str] | None, suffix: st
 class CrashInjection(StepInjection):
     """``SCALEOUT_INJECT_CRASH``: this rank raises at those steps, every attempt again: the
     deterministic crash the crash-loop guard of ``scaleout slurm run`` must stop
-    (tests/test_spares_slurm.py)."""
+    (tests/goodput/test_spares_slurm.py)."""
 
     VARIABLE = "SCALEOUT_INJECT_CRASH"
 
