@@ -305,16 +305,16 @@ def test_fp16_with_loss_scaling_trains_to_a_shortened_target(tmp_path: Path) -> 
 
 @pytest.mark.unit
 def test_mlperf_log_says_what_ran() -> None:
-    assert mlperf_numerics("bf16", "cpu", "none", "bert") == {
+    assert mlperf_numerics("bf16", "cpu", "none", False) == {
         "lowest_numerical_precision_in_linear": "bfloat16",
         "lowest_numerical_precision_in_attn": "bfloat16",
         "lowest_numerical_precision_in_comm": "fp32",
     }
     assert (
-        mlperf_numerics("fp16", "cpu", "fp16", "bert")["lowest_numerical_precision_in_comm"]
+        mlperf_numerics("fp16", "cpu", "fp16", False)["lowest_numerical_precision_in_comm"]
         == "fp16"
     )
-    assert set(mlperf_numerics("fp32", "cpu", "bf16", "resnet").values()) == {"fp32", "bfloat16"}
+    assert set(mlperf_numerics("fp32", "cpu", "bf16", True).values()) == {"fp32", "bfloat16"}
     from scaleout.config import load_config
     from scaleout.train.hparams import hyperparameters
 

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm import ALGORITHMS, Algorithm, all_reduce
+from scaleout.comm import ALGORITHMS, Algorithm
+from scaleout.comm.collective import Collective
 from scaleout.comm.rowcol import GridAlgorithm
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import MiB, assign
@@ -213,10 +214,11 @@ def _time_all_reduce(
     world: World, buf: torch.Tensor, algorithm: str, options: dict[str, Any], repeats: int
 ) -> list[float]:
     out = []
-    for i in range(repeats + 1):  # the first call untimed: groups, buffers, warm-up
+    collective = Collective.resolve(world, algorithm, **options)  # as the reducer calls it
+    for i in range(repeats + 1):  # the first call untimed: buffers, warm-up
         world.barrier()
         t = time.perf_counter()
-        all_reduce(buf, world, algorithm, op="sum", **options)
+        collective.all_reduce(buf, op="sum")
         _sync(world)
         if i:
             out.append(time.perf_counter() - t)

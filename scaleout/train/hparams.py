@@ -35,6 +35,7 @@ def hyperparameters(
     integer rate: run_pretraining.py ``global_batch_size(args)``, training_results_v2.0+).
     """
     t = cfg.train
+    family = FAMILIES.get(cfg.model.arch)
     rate = max(1, round(sequences_per_row)) if sequences_per_row else 1
     micro = t.global_batch // (world_size * t.grad_accum) * rate
     # the gradients' wire dtype: comm.compression for DataParallel's all-reduce and the sharded
@@ -45,7 +46,7 @@ def hyperparameters(
         "global_batch_size": t.global_batch * rate,
         "gradient_accumulation_steps": t.grad_accum,
         "micro_batch_size": max(micro, 1),
-        **mlperf_numerics(t.precision, device, compression, cfg.model.arch),
+        **mlperf_numerics(t.precision, device, compression, family.convolutions),
         # pure data parallelism: every other degree is 1
         "tensor_parallelism": 1,
         "pipeline_parallelism": 1,
@@ -53,5 +54,4 @@ def hyperparameters(
         "expert_parallelism": 1,
         "config_filename": os.path.basename(config_file),
     }
-    family = FAMILIES.get(cfg.model.arch)
     return {**common, **family.mlperf_hparams(cfg, steps_per_epoch, world_size)}

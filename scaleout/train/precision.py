@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from scaleout.errors import ConfigError
-from scaleout.families import FAMILIES
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch.amp.GradScaler's defaults (torch/amp/grad_scaler.py).
@@ -117,14 +116,15 @@ class Precision:
 
 
 def mlperf_numerics(
-    precision: str, device: torch.device | str, compression: str, arch: str
+    precision: str, device: torch.device | str, compression: str, convolutions: bool
 ) -> dict[str, str]:
     """MLPerf's lowest_numerical_precision_in_{linear,attn,comm} for what runs (mlperf_logging
     names).
 
     fp32 on CUDA is TF32 where torch lets the matmul/convolution use it (``allow_tf32`` flags and
     ``torch.get_float32_matmul_precision()``); gradients are fp32 (master weights) unless the
-    reducer compresses them on the wire."""
+    reducer compresses them on the wire. ``convolutions``: the model has any (the family's
+    ``Family.convolutions``: cuDNN's TF32 flag then counts)."""
     dev = torch.device(device)
     names = {"fp32": "fp32", "bf16": "bfloat16", "fp16": "fp16"}
     linear = attn = names[precision]
@@ -133,7 +133,7 @@ def mlperf_numerics(
             torch.backends.cuda.matmul.allow_tf32
             or torch.get_float32_matmul_precision() != "highest"
         )
-        tf32_conv = torch.backends.cudnn.allow_tf32 and FAMILIES.get(arch).convolutions
+        tf32_conv = torch.backends.cudnn.allow_tf32 and convolutions
         linear = "tf32" if tf32_matmul or tf32_conv else "fp32"
         attn = "tf32" if tf32_matmul else "fp32"
     comm = {"none": "fp32", "bf16": "bfloat16", "fp16": "fp16"}[compression]
