@@ -6,7 +6,9 @@ Algorithms live in one registry (:data:`ALGORITHMS`, :mod:`scaleout.comm.algorit
 docs/extending.md.
 
 Importing this package registers the algorithms without importing torch (the config schema reads the
-registry); the collectives themselves load on first use.
+registry); the collectives themselves load on first use. A caller that holds the run's algorithm
+resolves it once into a :class:`~scaleout.comm.collective.Collective` (algorithm, options, prepared
+groups) and calls that.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ from scaleout.comm.algorithm import (
     ALGORITHMS,
     Algorithm,
     Options,
-    config_options,
     get_algorithm,
     register,
 )
 
 _LAZY = {
-    "all_reduce": "scaleout.comm.api",
-    "reduce_scatter": "scaleout.comm.shard",
-    "all_gather": "scaleout.comm.shard",
-    "shard_index": "scaleout.comm.shard",
+    "Collective": "scaleout.comm.collective",
+    "all_reduce": "scaleout.comm.collective",
+    "reduce_scatter": "scaleout.comm.collective",
+    "all_gather": "scaleout.comm.collective",
+    "shard_index": "scaleout.comm.collective",
     "Handle": "scaleout.comm.handles",
 }
 
@@ -42,11 +44,11 @@ def __getattr__(name: str) -> Any:  # lazy so that the registry can be read with
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
+    "Collective",
     "Handle",
     "Options",
     "all_gather",
     "all_reduce",
-    "config_options",
     "get_algorithm",
     "reduce_scatter",
     "register",

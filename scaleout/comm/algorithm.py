@@ -152,13 +152,3 @@ def register(algorithm: Algorithm) -> Algorithm:
 def get_algorithm(name: str) -> Algorithm:
     """The registered algorithm ``name`` (one-line error listing the choices)."""
     return ALGORITHMS.get(name)
-
-
-def config_options(comm: CommConfig) -> dict[str, Any]:
-    """The keyword options of ``comm.algorithm`` as the run config's ``comm`` section sets them
-    (the one mapping from config keys to algorithm options; DataParallel and the sharded LAMB use
-    it). ``comm.algorithm=auto``: flat's (the plan the run starts from; scaleout/parallel/
-    autotune.py)."""
-    name = "flat" if comm.algorithm == "auto" else comm.algorithm
-    opts = get_algorithm(name).Options.from_config(comm)
-    return opts.model_dump(exclude_none=True)

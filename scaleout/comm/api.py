@@ -1,6 +1,6 @@
-"""``all_reduce(tensor, world, algorithm=..., op=..., async_op=...)`` over the algorithm registry
-(:mod:`scaleout.comm.algorithm`; ``reduce_scatter`` / ``all_gather``:
-:mod:`scaleout.comm.shard`)."""
+"""How a collective goes out: :func:`dispatch` (this thread, the comm thread or one native work, in
+call order) and the handles of native works. The collectives themselves:
+:mod:`scaleout.comm.collective`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.comm import handles
-from scaleout.comm.algorithm import get_algorithm
 from scaleout.errors import UserError
-from scaleout.telemetry.profiler import traced
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -25,58 +23,6 @@ def op_name(op: Any, what: str = "all_reduce") -> str:
     if op in ("avg", "mean", getattr(dist.ReduceOp, "AVG", None)):
         return "avg"
     raise UserError(f"{what} op={op!r}: expected 'sum' or 'avg'")
-
-
-@traced("all_reduce")
-def all_reduce(
-    tensor: torch.Tensor,
-    world: World,
-    algorithm: str = "flat",
-    op: Any = "sum",
-    async_op: bool = False,
-    **options: Any,
-) -> Any:
-    """Reduce ``tensor`` over every rank of ``world``, in place.
-
-    Returns ``tensor`` (``async_op=False``) or a :class:`~scaleout.comm.handles.Handle` whose
-    ``wait()`` returns it once every phase has completed. Any shape, element count and strides; any
-    dtype gloo/NCCL can add (fp32, bf16, fp16, integers; ``avg`` needs floating point). ``avg`` is
-    the sum divided by the world size, exactly as for ``flat``, so results match bit for bit on
-    integer-valued data. All ranks must issue their all-reduces in the same order (as for
-    torch.distributed); several may be in flight.
-
-    ``options``: the algorithm's ``Options`` (e.g. ``chunk_bytes`` and ``composition`` of the
-    row/column algorithms, ``x``/``y`` of the torus grid); an option it does not have is a one-line
-    UserError.
-    """
-    alg = get_algorithm(algorithm)
-    opname = op_name(op)
-    opts = alg.options(**options)
-    if opname == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise UserError(f"all_reduce op='avg' needs a floating-point tensor, got {tensor.dtype}")
-
-    # Groups are resolved here, in the caller's thread, so that a bad grid fails at the call
-    # (one-line TopologyError) and group creation happens in call order on every rank.
-    prepared = alg.prepare(world, opts)
-
-    contiguous = tensor.is_contiguous()
-    buf = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
-    p = world.world_size
-
-    def finish() -> None:
-        if opname == "avg":
-            buf.div_(p)
-        if not contiguous:
-            tensor.copy_(buf.view(tensor.shape))
-
-    def job() -> None:
-        alg.all_reduce(buf, world, opts, prepared)
-        finish()
-
-    native = (lambda: alg.start(buf, world, opts)) if alg.single_collective else None
-    # a sum in place needs no finishing: a native work is then waited for as it is
-    done = None if opname != "avg" and contiguous else finish
-    return dispatch(world, tensor, job, native, done, async_op)
 
 
 def dispatch(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm import get_algorithm
+from scaleout.comm import Algorithm, get_algorithm
 from scaleout.horovod.engine import Engine
 from scaleout.horovod.errors import HorovodNotSupportedError, HorovodValueError
 from scaleout.horovod.settings import Settings, settings_from_env
@@ -153,12 +153,11 @@ def _default_algorithm() -> str:
     )
 
 
-def _prepare_groups(world: World, algorithm: str) -> None:
+def _prepare_groups(world: World, alg: Algorithm) -> None:
     """Create the algorithm's process groups now, in the caller's thread, in the same order on every
     rank."""
     if world.world_size < 2:
         return
-    alg = get_algorithm(algorithm)
     alg.prepare(world, alg.options())
 
 
@@ -181,16 +180,16 @@ def init(
             "hvd.init(process_sets=...): process sets are not supported by scaleout.horovod"
         )
     algorithm = algorithm or _default_algorithm()
-    get_algorithm(algorithm)  # one-line UserError naming the choices
+    alg = get_algorithm(algorithm)  # one-line UserError naming the choices
     if _state is not None:
-        _prepare_groups(_state.world, algorithm)
+        _prepare_groups(_state.world, alg)
         _state.algorithm = algorithm
         return
     settings = settings_from_env()
     owns = world is None
     if world is None:
         world = init_world()
-    _prepare_groups(world, algorithm)
+    _prepare_groups(world, alg)
 
     _state = _State(world, algorithm, owns, Engine(world, settings), settings)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scaleout.comm import config_options
+from scaleout.comm.collective import Collective
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
 from scaleout.optim.groups import GENERIC_NO_DECAY, param_groups
@@ -68,17 +68,18 @@ def build_optimizer(
                     "world=world))"
                 )
             comm = comm or CommConfig()
+            # resolved once here (shard=node reduces over the node's own groups instead)
+            collective = Collective.from_config(comm, world) if cfg.shard == "world" else None
             return ShardedLAMB(
                 groups,
                 world,
                 overlap=cfg.overlap_comm,
                 bucket_mb=comm.bucket_mb,
-                algorithm=comm.algorithm,
+                algorithm=collective or comm.algorithm,
                 param_order=model.parameters(),
                 shard=cfg.shard,
                 compression=comm.compression,
                 module=model,  # the next forward waits for the all-gathers, bucket by bucket
-                **config_options(comm),
                 **kw,
             )
         return LAMB(groups, **kw)

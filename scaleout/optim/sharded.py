@@ -64,8 +64,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from scaleout.comm import all_gather, reduce_scatter, shard_index
 from scaleout.comm.api import WorkHandle, dispatch
+from scaleout.comm.collective import Collective
 from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
@@ -147,7 +147,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         *,
         overlap: bool = False,
         bucket_mb: float = DEFAULT_BUCKET_MB,
-        algorithm: str = "flat",
+        algorithm: str | Collective = "flat",
         allow_unused: bool = False,
         param_order: Any = None,
         profile: bool = False,
@@ -169,21 +169,24 @@ class ShardedLAMB(torch.optim.Optimizer):
             raise ConfigError(f"ShardedLAMB shard={shard!r}: expected one of {', '.join(SHARDS)}")
         self.wire = compression_dtype(compression) if compression not in (None, "none") else None
         self.world, self.size, self.shard = world, world.world_size, shard
-        self.comm = dict(algorithm=algorithm, **algorithm_options)
+        name = algorithm if isinstance(algorithm, str) else algorithm.name
+        # the world reduce-scatter / all-gather, resolved once (node: the node's own groups)
+        self.comm: Collective | None = None
         if shard == "node":  # NVIDIA DistributedFusedLAMB: shard over the node, replicate across
             self.intra, self.inter = world.intra, world.inter
             self.local = len(world.intra_ranks)  # slices per bucket
             self.slot = world.intra_ranks.index(world.rank)
             self.node_index = world.inter_ranks.index(world.rank)
         else:
-            if self.wire is not None and algorithm != "flat" and self.size > 1:
+            if self.wire is not None and name != "flat" and self.size > 1:
                 raise ConfigError(
-                    f"ShardedLAMB compression={compression!r} with comm.algorithm={algorithm!r}: "
+                    f"ShardedLAMB compression={compression!r} with comm.algorithm={name!r}: "
                     "the compressed reduce-scatter is one all-to-all over the world, expected "
                     "comm.algorithm=flat or optim.shard=node"
                 )
             self.local, self.node_index = self.size, 0
-            self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice owned here
+            self.comm = Collective.resolve(world, algorithm, "shard_index", **algorithm_options)
+            self.slot = self.comm.shard_index()  # the slice owned here
         # (the averaging of the gradients: after the sum in fp32, or before the wire cast)
         self._post_divide = self.wire is None
         # the all-gathers of the last step() not waited for yet (module: waited per bucket by the
@@ -474,7 +477,7 @@ class ShardedLAMB(torch.optim.Optimizer):
           every sum in fp32).
         """
         if self.wire is None and self.shard == "world":
-            return reduce_scatter(bk.g_shard, bk.flat_grad, self.world, async_op=True, **self.comm)
+            return self.comm.reduce_scatter(bk.g_shard, bk.flat_grad, async_op=True)
         job = self._compressed if self.wire is not None else self._node_fp32
         return dispatch(self.world, bk.g_shard, lambda: job(bk), None, lambda: None, True)
 
@@ -536,7 +539,7 @@ class ShardedLAMB(torch.optim.Optimizer):
         were all waited for, so nothing queued earlier on the comm thread can be overtaken, and a
         collective the caller issues later cannot overtake it either)."""
         if self.shard == "world":
-            return all_gather(bk.flat_param, bk.p_shard, self.world, async_op=True, **self.comm)
+            return self.comm.all_gather(bk.flat_param, bk.p_shard, async_op=True)
         if self.local == 1:
             return None
         work = all_gather_tensor(bk.flat_param, bk.p_shard, group=self.intra, async_op=True)

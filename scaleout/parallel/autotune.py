@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm import ALGORITHMS, Algorithm, all_reduce
+from scaleout.comm import ALGORITHMS, Algorithm
+from scaleout.comm.collective import Collective
 from scaleout.comm.rowcol import GridAlgorithm
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import MiB, assign
@@ -96,13 +97,14 @@ class CommPlan:
             parts.append(f"wire {self.compression}")
         return ", ".join(parts)
 
-    def options(self, comm: CommConfig) -> dict[str, Any]:
-        """The algorithm's keyword options: the config's (e.g. ``comm.torus_x``), the chunk
-        this plan sets."""
-        opts = comm.options(self.algorithm).model_dump(exclude_none=True)
-        if self.chunk_mb is not None and "chunk_bytes" in _fields(self.algorithm):
-            opts["chunk_bytes"] = max(1, int(self.chunk_mb * MiB))
-        return opts
+    def collective(self, comm: CommConfig, world: World) -> Collective:
+        """The algorithm resolved for ``world`` (groups prepared) with the config's options (e.g.
+        ``comm.torus_x``) and the chunk this plan sets."""
+        alg = ALGORITHMS.get(self.algorithm)
+        opts = comm.options(self.algorithm)
+        if self.chunk_mb is not None and "chunk_bytes" in alg.Options.model_fields:
+            opts = opts.model_copy(update={"chunk_bytes": max(1, int(self.chunk_mb * MiB))})
+        return Collective(alg, world, opts)
 
     def crc(self) -> int:
         """24 bits: exact in the float all-reduce that checks every rank holds the same plan."""
@@ -110,11 +112,7 @@ class CommPlan:
 
     def apply(self, dp: DataParallel, comm: CommConfig) -> None:
         dp.set_plan(
-            self.algorithm,
-            self.bucket_mb,
-            self.first_bucket_mb,
-            self.compression,
-            **self.options(comm),
+            self.collective(comm, dp.world), self.bucket_mb, self.first_bucket_mb, self.compression
         )
 
 
@@ -210,13 +208,13 @@ class Probe:
 
 
 def _time_all_reduce(
-    world: World, buf: torch.Tensor, algorithm: str, options: dict[str, Any], repeats: int
+    world: World, buf: torch.Tensor, collective: Collective, repeats: int
 ) -> list[float]:
     out = []
-    for i in range(repeats + 1):  # the first call untimed: groups, buffers, warm-up
+    for i in range(repeats + 1):  # the first call untimed: buffers, warm-up
         world.barrier()
         t = time.perf_counter()
-        all_reduce(buf, world, algorithm, op="sum", **options)
+        collective.all_reduce(buf, op="sum")
         _sync(world)
         if i:
             out.append(time.perf_counter() - t)
@@ -255,10 +253,8 @@ def probe(
     for i, nbytes in enumerate(sizes):
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=world.device)
         for alg in algorithms:
-            opts = CommPlan(alg, 1.0).options(comm)
-            local.append(
-                _row(alg, nbytes, "none", _time_all_reduce(world, buf, alg, opts, repeats))
-            )
+            coll = CommPlan(alg, 1.0).collective(comm, world)  # as the reducer calls it
+            local.append(_row(alg, nbytes, "none", _time_all_reduce(world, buf, coll, repeats)))
         done.append(nbytes)
         before, spent = spent, _reduce_max(world, [time.perf_counter() - start])[0]
         if i >= 1 and spent + GROWTH * (spent - before) > budget_s:
@@ -268,8 +264,8 @@ def probe(
         n = done[-1] // 4
         buf = torch.zeros(n, dtype=torch.bfloat16, device=world.device)
         for alg in algorithms:
-            opts = CommPlan(alg, 1.0).options(comm)
-            local.append(_row(alg, 2 * n, "bf16", _time_all_reduce(world, buf, alg, opts, repeats)))
+            coll = CommPlan(alg, 1.0).collective(comm, world)
+            local.append(_row(alg, 2 * n, "bf16", _time_all_reduce(world, buf, coll, repeats)))
         cast = _time_cast(world, torch.zeros(n, device=world.device), repeats) / (4 * n)
     for row in local:
         factor = skew(row["algorithm"], row["nbytes"], row["wire"]) if skew else 1.0

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from scaleout.comm import all_reduce, config_options, get_algorithm
+from scaleout.comm.collective import Collective
 from scaleout.errors import UserError
 from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, bucket_layout, fingerprint, layout_hash
 from scaleout.parallel.reducer import Reducer, compression_dtype
@@ -66,20 +66,6 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], world: World) -> None:
                 off += t.numel()
 
 
-def _resolve(algorithm: str, world: World, options: dict[str, Any]) -> Any:
-    alg = get_algorithm(
-        algorithm
-    )  # one-line UserError for an unknown name, now rather than inside backward
-
-    def reduce(buf: torch.Tensor, async_op: bool = True) -> Any:
-        return all_reduce(buf, world, algorithm, op="sum", async_op=async_op, **options)
-
-    if alg.single_collective:  # one native collective: the reducer may start it itself
-        opts = alg.options(**options)
-        reduce.start = lambda buf: alg.start(buf, world, opts)  # type: ignore[attr-defined]
-    return reduce
-
-
 class DataParallel(torch.nn.Module):
     """Data-parallel wrapper with overlapped bucketed gradient all-reduce.
 
@@ -87,7 +73,8 @@ class DataParallel(torch.nn.Module):
         module: the model (already on ``world.device``).
         world: the :class:`scaleout.World`.
         algorithm: all-reduce algorithm name from ``scaleout.comm.ALGORITHMS``
-            (``flat``, ``hierarchical``, ``torus2d``).
+            (``flat``, ``hierarchical``, ``torus2d``), or a :class:`~scaleout.comm.Collective`
+            already resolved for ``world`` (``from_config`` builds one).
         bucket_mb: bucket size in MiB (25: the DDP paper's default).
         compression: ``None``/``'none'``, ``'bf16'`` or ``'fp16'``: the wire dtype of the buckets.
         overlap: launch buckets during backward (True) or only after it (False: the no-overlap
@@ -108,14 +95,15 @@ class DataParallel(torch.nn.Module):
         defer_unused: do not read the parameter usage after backward (a host read); the
         caller
             folds :meth:`unused_flag` into its own read, then calls :meth:`check_unused`.
-        **algorithm_options: passed to ``scaleout.comm.all_reduce`` (``chunk_bytes``, ``x``, ``y``).
+        **algorithm_options: the algorithm's options (``chunk_bytes``, ``x``, ``y``), when
+            ``algorithm`` is a name.
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
         world: World,
-        algorithm: str = "flat",
+        algorithm: str | Collective = "flat",
         bucket_mb: float = DEFAULT_BUCKET_MB,
         compression: str | None = None,
         *,
@@ -134,16 +122,16 @@ class DataParallel(torch.nn.Module):
         compression_dtype(compression)
         self.module = module
         self.world = world
-        self.algorithm = algorithm
+        self.collective = Collective.resolve(world, algorithm, **algorithm_options)
+        self.algorithm = self.collective.name
         self.bucket_mb = bucket_mb
         self.compression = compression
-        reduce = _resolve(algorithm, world, algorithm_options)
         broadcast_from_rank0([*module.parameters(), *module.buffers()], world)
         self.timeline = Timeline(timeline, world.rank) if timeline else None
         self.reducer = Reducer(
             list(module.named_parameters()),
             world,
-            reduce,
+            self.collective,
             bucket_mb=bucket_mb,
             compression=compression,
             overlap=overlap,
@@ -163,7 +151,6 @@ class DataParallel(torch.nn.Module):
         """DataParallel as the ``comm`` section of a run config says (algorithm, bucket size,
         compression, overlap, timeline, torus grid, pipeline chunk, first bucket); ``kwargs``: the
         other arguments."""
-        options = config_options(comm)
         # torch DDP: a separate first cap only when it is the smaller one
         first = comm.first_bucket_mb
         kwargs.setdefault(
@@ -173,18 +160,17 @@ class DataParallel(torch.nn.Module):
             module,
             world,
             # auto: flat until scaleout/parallel/autotune.py switches the plan (set_plan)
-            algorithm="flat" if comm.auto else comm.algorithm,
+            algorithm=Collective.from_config(comm, world),
             bucket_mb=comm.bucket_mb,
             compression=None if comm.compression == "none" else comm.compression,
             timeline=comm.timeline,
             overlap=comm.overlap,
             **kwargs,
-            **options,
         )
 
     def set_plan(
         self,
-        algorithm: str,
+        algorithm: str | Collective,
         bucket_mb: float,
         first_bucket_mb: float | None = None,
         compression: str | None = None,
@@ -194,9 +180,10 @@ class DataParallel(torch.nn.Module):
         re-bucket to ``bucket_mb`` / ``first_bucket_mb`` in the current filling order, send in
         ``compression``'s dtype (comm.algorithm=auto: scaleout/parallel/autotune.py)."""
         compression = None if compression == "none" else compression
-        reduce = _resolve(algorithm, self.world, algorithm_options)
-        self.reducer.relayout(reduce, bucket_mb, first_bucket_mb, compression)
-        self.algorithm, self.bucket_mb, self.compression = algorithm, bucket_mb, compression
+        collective = Collective.resolve(self.world, algorithm, **algorithm_options)
+        self.reducer.relayout(collective, bucket_mb, first_bucket_mb, compression)
+        self.collective, self.algorithm = collective, collective.name
+        self.bucket_mb, self.compression = bucket_mb, compression
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scaleout.comm import all_reduce, get_algorithm
+from scaleout.comm.collective import Collective
 from scaleout.parallel.reducer import compression_dtype
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ def ddp_comm_hook(
 ) -> Callable[[Any, Any], torch.futures.Future]:
     """A ``register_comm_hook`` hook averaging each DDP bucket with ``algorithm`` (and
     compression)."""
-    get_algorithm(algorithm)  # fail now (one line), not inside backward
+    # resolved now (a one-line error here, not inside backward), not per bucket
+    collective = Collective.resolve(world, algorithm, **options)
     dtype = compression_dtype(compression)
     p = world.world_size
 
@@ -39,9 +40,9 @@ def ddp_comm_hook(
         buf = bucket.buffer()
         if dtype is None:  # pre-divide like DDP's default hook; the sum is then the average
             wire = buf.div_(p)
-            return all_reduce(wire, world, algorithm, op="sum", async_op=True, **options).future
+            return collective.all_reduce(wire, async_op=True).future
         wire = buf.div(p).to(dtype)
-        handle = all_reduce(wire, world, algorithm, op="sum", async_op=True, **options)
+        handle = collective.all_reduce(wire, async_op=True)
 
         def back(_fut: torch.futures.Future) -> torch.Tensor:
             buf.copy_(wire)

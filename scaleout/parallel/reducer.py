@@ -61,6 +61,7 @@ from scaleout.parallel.timeline import Timeline, now_us
 from scaleout.telemetry import profiler
 
 if TYPE_CHECKING:
+    from scaleout.comm.collective import Collective
     from scaleout.world import World
 
 COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,7 +91,7 @@ class Reducer:
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
         world: World,
-        all_reduce: Callable[..., Any],
+        collective: Collective,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         compression: Any = None,
         overlap: bool = True,
@@ -102,12 +103,14 @@ class Reducer:
     ):
         self.world = world
         self.rider = rider
-        # (buffer, async_op=True) -> handle with .future (async) or the buffer; sum over ranks, in
-        # place. Its ``start`` attribute, if any (a single native collective: flat): (buffer) ->
-        # the async work or None (nothing to send), what the reducer starts itself when nothing is
-        # queued on the World's comm thread (no hand-off, no Python layer per bucket)
-        self._all_reduce = all_reduce
-        self._start: Callable[[torch.Tensor], Any] | None = getattr(all_reduce, "start", None)
+        # The all-reduce, resolved once (algorithm, options, groups): a sum over ranks in place.
+        # A single native collective (flat) the reducer starts itself (``_start``: the async work
+        # or None, nothing to send) when nothing is queued on the World's comm thread (no
+        # hand-off, no Python layer per bucket)
+        self.collective = collective
+        self._start: Callable[[torch.Tensor], Any] | None = (
+            collective.start if collective.single_collective else None
+        )
         self.comm_dtype = compression_dtype(compression)
         self.overlap = overlap
         self.allow_unused = allow_unused
@@ -311,7 +314,7 @@ class Reducer:
             if handle is None:  # nothing to send (one rank)
                 handle = handles.completed(buf)
         if handle is None:
-            handle = self._all_reduce(buf)
+            handle = self.collective.all_reduce(buf, async_op=True)
         self._handles[b] = handle
         if profiler.recording():
             profiler.until_done(f"bucket {b}", getattr(handle, "future", None))
@@ -372,7 +375,7 @@ class Reducer:
         for bucket in self.buckets:
             buf = self._wire(bucket)
             self.issued += 1
-            self._all_reduce(buf, async_op=False)
+            self.collective.all_reduce(buf, async_op=False)
             if buf is not bucket.buffer:
                 bucket.buffer.copy_(buf)
 
@@ -570,7 +573,7 @@ class Reducer:
 
     def relayout(
         self,
-        all_reduce: Callable[..., Any],
+        collective: Collective,
         bucket_mb: float,
         first_bucket_mb: float | None = None,
         compression: Any = None,
@@ -591,8 +594,8 @@ class Reducer:
             new.param.grad = new.view
         self._layout = (named_params, bucket_mb, n_grad, first_bucket_mb)
         self.buckets, self.slots = buckets, slots
-        self._all_reduce = all_reduce
-        self._start = getattr(all_reduce, "start", None)
+        self.collective = collective
+        self._start = collective.start if collective.single_collective else None
         self.comm_dtype = compression_dtype(compression)
         self._reset_step()
 

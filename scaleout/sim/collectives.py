@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scaleout.comm import ALGORITHMS, Options
+from scaleout.comm import ALGORITHMS, Algorithm, Options
 from scaleout.comm.rowcol import GridAlgorithm
 from scaleout.comm.torus2d import square_x
 from scaleout.errors import ConfigError, TopologyError
@@ -175,7 +175,7 @@ def config_row_length(comm: CommConfig, nodes: int, ranks_per_node: int) -> int 
 
 
 def sim_options(
-    algorithm: str,
+    alg: Algorithm,
     cluster: Cluster,
     nodes: int,
     torus_x: int | str | None = None,
@@ -183,7 +183,6 @@ def sim_options(
 ) -> Options:
     """A registered algorithm's ``Options`` from the simulator's knobs (those it has: ``x``,
     ``chunk_bytes``)."""
-    alg = ALGORITHMS.get(algorithm)
     knobs = {"x": torus_x_option(cluster, nodes, torus_x), "chunk_bytes": chunk_bytes}
     fields = alg.Options.model_fields
     return alg.options("simulator", **{k: v for k, v in knobs.items() if k in fields})
@@ -209,8 +208,10 @@ def plan_for(
     alg = canonical(algorithm)
     if alg in SIMULATOR_ONLY:
         return SIMULATOR_ONLY[alg](cluster, nodes, nbytes)
-    opts = sim_options(alg, cluster, nodes, torus_x, chunk_bytes)
-    return ALGORITHMS.get(alg).cost(opts, cluster, nodes, nbytes, chunks)
+    algo = ALGORITHMS.get(alg)
+    return algo.cost(
+        sim_options(algo, cluster, nodes, torus_x, chunk_bytes), cluster, nodes, nbytes, chunks
+    )
 
 
 def allreduce_cost(

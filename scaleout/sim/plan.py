@@ -247,8 +247,9 @@ def curve_of_family(arch: str, fit: str | None, ruleset: str = DEFAULT_RULESET) 
                 f"--fit {fit}: no such file; expected `scaleout bench largebatch` JSON"
             )
         return curve_for("", fit, ruleset)
-    preset = FAMILIES.get(arch).sim_preset
-    if MODEL_BENCHMARK.get(preset) is None or FAMILIES.get(arch).benchmark is None:
+    family = FAMILIES.get(arch)
+    preset = family.sim_preset
+    if MODEL_BENCHMARK.get(preset) is None or family.benchmark is None:
         raise ConfigError(
             f"model.arch={arch}: no convergence curve (no MLPerf RCPs for it); expected --fit "
             "with a `scaleout bench largebatch --out` JSON"

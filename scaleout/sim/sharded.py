@@ -73,8 +73,8 @@ def half_plan(
     alg = canonical(algorithm)
     if alg in SIMULATOR_ONLY:
         return row_col_half_plan(kind, None, cluster, nodes, nbytes)
-    opts = sim_options(alg, cluster, nodes, torus_x)
-    return ALGORITHMS.get(alg).half_cost(kind, opts, cluster, nodes, nbytes)
+    algo = ALGORITHMS.get(alg)
+    return algo.half_cost(kind, sim_options(algo, cluster, nodes, torus_x), cluster, nodes, nbytes)
 
 
 def rail_cluster(cluster: Cluster) -> Cluster:

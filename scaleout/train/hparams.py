@@ -35,6 +35,7 @@ def hyperparameters(
     integer rate: run_pretraining.py ``global_batch_size(args)``, training_results_v2.0+).
     """
     t = cfg.train
+    family = FAMILIES.get(cfg.model.arch)
     rate = max(1, round(sequences_per_row)) if sequences_per_row else 1
     micro = t.global_batch // (world_size * t.grad_accum) * rate
     # the gradients' wire dtype: comm.compression for DataParallel's all-reduce and the sharded

@@ -283,7 +283,7 @@ def _factory(world) -> tuple:
         type(opt).__name__,
         opt.overlap,
         len(opt.buckets),
-        opt.comm["algorithm"],
+        opt.comm.name,
         one.overlap,
         len(one.buckets),
     )
