@@ -67,6 +67,7 @@ from torch.autograd import Variable
 from scaleout.comm import all_gather, reduce_scatter, shard_index
 from scaleout.comm.api import WorkHandle, dispatch
 from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
+from scaleout.config.schema import check_sharded_wire
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
@@ -175,13 +176,9 @@ class ShardedLAMB(torch.optim.Optimizer):
             self.local = len(world.intra_ranks)  # slices per bucket
             self.slot = world.intra_ranks.index(world.rank)
             self.node_index = world.inter_ranks.index(world.rank)
-        else:
-            if self.wire is not None and algorithm != "flat" and self.size > 1:
-                raise ConfigError(
-                    f"ShardedLAMB compression={compression!r} with comm.algorithm={algorithm!r}: "
-                    "the compressed reduce-scatter is one all-to-all over the world, expected "
-                    "comm.algorithm=flat or optim.shard=node"
-                )
+        else:  # the schema's rule (Config.check_world), for callers that bypass the config
+            wire = None if self.wire is None else compression
+            check_sharded_wire(algorithm, wire, shard, self.size)
             self.local, self.node_index = self.size, 0
             self.slot = shard_index(world, algorithm, **algorithm_options)  # the slice owned here
         # (the averaging of the gradients: after the sum in fp32, or before the wire cast)

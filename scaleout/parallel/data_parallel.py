@@ -175,7 +175,7 @@ class DataParallel(torch.nn.Module):
             # auto: flat until scaleout/parallel/autotune.py switches the plan (set_plan)
             algorithm="flat" if comm.auto else comm.algorithm,
             bucket_mb=comm.bucket_mb,
-            compression=None if comm.compression == "none" else comm.compression,
+            compression=comm.wire_compression,
             timeline=comm.timeline,
             overlap=comm.overlap,
             **kwargs,
