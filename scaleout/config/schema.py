@@ -12,7 +12,7 @@ from the tables of scaleout/section.py (the leaf below this module and the exten
 
 The built-in families and algorithms fill those tables when ``scaleout.families`` and
 ``scaleout.comm`` are imported (torch-free declarations that never import this module): the first
-validation imports them (:func:`_declared`), importing this module does not.
+validation imports them (:func:`scaleout.config.compose.declared`), importing this module does not.
 
 Every rule between keys lives here: the section validators, ``Config``'s, and ``Config.check_world``
 for those that need the world size. They run in ``scaleout config show`` and in the CLI's preflight
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from scaleout.config.oneline import describe
+from scaleout.config.compose import ModelConfig, declared, one_of
 from scaleout.env import detection_order
 from scaleout.errors import ConfigError
-from scaleout.registry import Registry
-from scaleout.section import ALGORITHMS, FAMILIES, MAX_WORLD
+from scaleout.section import MAX_WORLD
 from scaleout.section import Section as _Section
 from scaleout.units import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 
@@ -40,83 +39,6 @@ from scaleout.units import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
 MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
-
-
-def _declared() -> tuple[Registry[Any], Registry[Any]]:
-    """The tables of families and algorithms, with the built-in ones declared (imported once, at
-    the first validation: importing this module imports neither package)."""
-    import scaleout.comm  # noqa: F401  # deferred: the built-in algorithms' declarations
-    import scaleout.families  # noqa: F401  # deferred: the built-in families' declarations
-
-    return FAMILIES, ALGORITHMS
-
-
-def _one_of(names: tuple[str, ...] | list[str]) -> str:
-    quoted = [repr(n) for n in names]
-    return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
-
-
-def _section(cls: type[_Section], value: Any, key: str) -> _Section:
-    """``value`` validated as the section ``cls`` at ``key``: one line naming the key if not."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls.model_validate(value)
-    except ValidationError as exc:
-        raise ValueError(describe(exc, cls, f"{key}.")) from None
-
-
-class ModelConfig(_Section):
-    """``model``: ``arch`` (a registered family's name, scaleout/families/), one section per family
-    that declares one (``model.bert``, ``model.resnet``: each family's config.py; composed when
-    validated, see the module docstring), then the common keys."""
-
-    # the family sections are the only extra keys: _family_sections rejects any other one
-    model_config = ConfigDict(extra="allow")
-
-    arch: str = "bert"
-    # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging
-    # Face BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see
-    # scaleout/families/bert/convert.py
-    init_checkpoint: str | None = None
-    compile: bool = False  # torch.compile the model
-    cuda_graphs: bool = False  # capture the step in a CUDA graph (GPU only; ignored on CPU)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _family_sections(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data  # not a mapping: pydantic's own one-line error
-        families, _ = _declared()
-        sections = {name: fam.config for name, fam in families.items() if fam.config is not None}
-        for key in data:
-            if key not in cls.model_fields and key not in sections:
-                known = ", ".join([*cls.model_fields, *sections])
-                raise ValueError(f"unknown key model.{key} (expected one of: {known})")
-        out = dict(data)
-        for name, section in sections.items():
-            out[name] = _section(section, data.get(name, {}), f"model.{name}")
-        return out
-
-    @field_validator("arch")
-    @classmethod
-    def _registered_arch(cls, name: str) -> str:
-        families, _ = _declared()
-        if name not in families:
-            raise ValueError(f"model.arch={name!r}: expected {_one_of(families.names())}")
-        return name
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # cfg.model.<family> = ... is validated as that family's section, like any other key
-        if name in self.__pydantic_extra__:
-            section = type(self.__pydantic_extra__[name])
-            try:
-                value = _section(section, value, f"model.{name}")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        elif name not in type(self).model_fields and not name.startswith("_"):
-            raise ConfigError(f"unknown key model.{name}")
-        super().__setattr__(name, value)
 
 
 class DataConfig(_Section):
@@ -174,13 +96,22 @@ class DataConfig(_Section):
     @field_validator("source")
     @classmethod
     def _read_by_a_family(cls, source: str) -> str:
-        families, _ = _declared()
+        families, _ = declared()
         known: list[str] = []
         for _, fam in families.items():
             known += [s for s in fam.data_sources if s not in known]
         if source not in known:
-            raise ValueError(f"data.source={source!r}: expected {_one_of(known)}")
+            raise ValueError(f"data.source={source!r}: expected {one_of(known)}")
         return source
+
+    @model_validator(mode="after")
+    def _gpu_decode_reads_image_files(self) -> DataConfig:
+        if self.decode == "gpu" and self.source not in ("imagenet", "images"):
+            raise ValueError(
+                f"data.decode=gpu decodes image files: data.source={self.source!r} has none; "
+                "expected data.source imagenet or images (or data.decode=cpu)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dali_reads_image_folders(self) -> DataConfig:
@@ -291,7 +222,7 @@ class CommConfig(_Section):
     @field_validator("algorithm")
     @classmethod
     def _registered(cls, name: str) -> str:
-        _, algorithms = _declared()
+        _, algorithms = declared()
         if name != AUTO and name not in algorithms:
             raise ValueError(
                 f"comm.algorithm={name!r}: expected one of {', '.join([*algorithms.names(), AUTO])}"
@@ -302,7 +233,7 @@ class CommConfig(_Section):
     def _options_of_the_algorithm(self) -> CommConfig:
         if self.algorithm == AUTO:  # each key goes to the algorithms that read it
             return self
-        _, algorithms = _declared()
+        _, algorithms = declared()
         reads = algorithms.get(self.algorithm).Options.config_keys
         for key in self.ALGORITHM_KEYS:
             value = getattr(self, key)
@@ -318,7 +249,7 @@ class CommConfig(_Section):
         """The ``Options`` of ``algorithm`` (default: ``comm.algorithm``; ``auto``: flat, the
         plan it starts from) as this section sets them."""
         name = algorithm or self.algorithm
-        return _declared()[1].get("flat" if name == AUTO else name).Options.from_config(self)
+        return declared()[1].get("flat" if name == AUTO else name).Options.from_config(self)
 
     @property
     def auto(self) -> bool:
@@ -517,13 +448,13 @@ class Config(_Section):
                 raise ValueError(
                     f"comm.algorithm=auto with {key}=true: auto re-plans the replicated "
                     f"all-reduce from timings; set {key}=false or name an algorithm "
-                    f"({', '.join(_declared()[1].names())})"
+                    f"({', '.join(declared()[1].names())})"
                 )
         return self
 
     @model_validator(mode="after")
     def _source_is_the_family_s(self) -> Config:
-        fam = _declared()[0].get(self.model.arch)
+        fam = declared()[0].get(self.model.arch)
         if self.data.source not in fam.data_sources:
             raise ValueError(
                 f"data.source={self.data.source!r}: model.arch={fam.name} reads "
@@ -533,7 +464,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _init_checkpoint_is_read_by_the_family(self) -> Config:
-        families, _ = _declared()
+        families, _ = declared()
         if self.model.init_checkpoint and not families.get(self.model.arch).hf_checkpoints:
             readers = [n for n, f in families.items() if f.hf_checkpoints]
             raise ValueError(
@@ -560,7 +491,7 @@ class Config(_Section):
                 f"train.grad_accum={t.grad_accum} = {per_step}"
             )
         c = self.comm
-        families, algorithms = _declared()
+        families, algorithms = declared()
         if not c.auto:  # auto: the tuner probes only the algorithms whose check passes
             algorithms.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
         if self.optim.sharded:
