@@ -1,4 +1,4 @@
-"""Units shared by the launchers and the simulator (torch-free).
+"""Units shared by the launchers, the simulator and the config schema (torch-free).
 
 Link rates follow tc(8)'s units, as the emulated cluster (``tc ... tbf rate``) reads them: a bare
 number and ``bit`` are bits per second, ``bps`` is *bytes* per second; SI prefixes k/m/g/t are
@@ -17,6 +17,13 @@ _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _PREFIX.update({"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40})
 _RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ki|mi|gi|ti|k|m|g|t)?(bit|bps)?")
 UNLIMITED = ("", "none", "0", "unlimited")
+
+# Gradient buckets, MiB. 25: the DDP paper's default bucket (Li et al., VLDB 2020; torch DDP's
+# bucket_cap_mb); 1: the first bucket (the last layers' gradients, ready first), torch DDP's
+# _DEFAULT_FIRST_BUCKET_BYTES, so its all-reduce starts while the rest of backward runs. The
+# schema's comm.bucket_mb / comm.first_bucket_mb defaults and every other default read these.
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 def parse_rate(value: Any, what: str = "--rate") -> float | None:

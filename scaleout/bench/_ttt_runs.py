@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scaleout.launchers import Launcher, LaunchOptions, make_launcher
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
+from scaleout.units import DEFAULT_BUCKET_MB
 
 # torch DDP's bucket_cap_mb default: the baseline then leaves it unset, so DDP also makes its
 # 1 MiB first bucket (an explicit 25 makes the first bucket 25 MiB too)

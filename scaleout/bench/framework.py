@@ -20,7 +20,7 @@ from scaleout.bench._harness import (
     interleave,
     say0,
 )
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+from scaleout.units import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 
 NAME = "framework"
 HELP = "scaleout's trainer vs a plain torch DDP loop on the same recipe: ms/step and their ratio"

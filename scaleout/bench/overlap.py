@@ -27,7 +27,7 @@ from scaleout.bench._harness import (
     reduce_max,
     say0,
 )
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
+from scaleout.units import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.world import World

@@ -42,7 +42,7 @@ from typing import Any
 
 from scaleout.argtypes import csv_of
 from scaleout.bench._harness import bench_config
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
+from scaleout.units import DEFAULT_BUCKET_MB
 
 NAME = "ttt"
 HELP = (

@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from scaleout.config.schema import CheckpointConfig
 from scaleout.output import format_table, pyplot, write_json
 
 NAME = "simulate"
@@ -177,9 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sc.add_argument(
         "--mtbf-h",
         type=float,
-        default=5000.0,
-        help="one node's mean time between failures, hours (goodput row; default 5000, as "
-        "checkpoint.mtbf_h)",
+        default=CheckpointConfig.model_fields["mtbf_h"].default,
+        help="one node's mean time between failures, hours (goodput row; default "
+        "checkpoint.mtbf_h's, %(default)g)",
     )
     sc.add_argument(
         "--save-stall-s",

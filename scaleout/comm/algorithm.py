@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from scaleout.errors import UserError
-from scaleout.registry import Registry
+from scaleout.section import ALGORITHMS
 
 if TYPE_CHECKING:
     import torch
@@ -139,9 +139,6 @@ class Algorithm:
 
     def __repr__(self) -> str:
         return f"<all-reduce algorithm {self.name}>"
-
-
-ALGORITHMS: Registry[Algorithm] = Registry("all-reduce algorithm")
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from scaleout.config.oneline import describe
 from scaleout.config.schema import Config
 from scaleout.errors import ConfigError
 from scaleout.resources import package_path
@@ -81,36 +82,8 @@ def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
-
-
 def _one_line(exc: ValidationError, source: str) -> str:
-    err = exc.errors()[0]
-    loc = tuple(err.get("loc", ()))
-    key = ".".join(str(p) for p in loc) or "<root>"
-    if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc)
-        hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
-        msg = f"unknown key {key}{hint}"
-    else:
-        value = err.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "a mapping"
-        text = err["msg"]
-        if text.startswith("Value error, "):
-            msg = text[len("Value error, ") :]  # our validators already name the key
-        else:
-            text = text.removeprefix("Input should be ").removeprefix("input should be ")
-            msg = f"{key}={shown}: expected {text[0].lower() + text[1:]}"
-    more = len(exc.errors()) - 1
-    return f"{source}: {msg}" + (f" (+{more} more)" if more > 0 else "")
+    return f"{source}: {describe(exc, Config)}"
 
 
 def load_config(

@@ -1,66 +1,50 @@
 """The one typed config tree: model, data, optim, comm, train, checkpoint, launch.
 
-pydantic models with ``extra="forbid"`` so an unknown key is an error that names it. Cross-field
-checks that need the world size (grid, batch divisibility) live in ``Config.check_world``; they run
-in the CLI before anything is spawned and again in every rank.
+pydantic models with ``extra="forbid"`` so an unknown key is an error that names it. The classes are
+built once, here, and never change. What the extensions add is composed when a config is validated,
+from the tables of scaleout/section.py (the leaf below this module and the extensions):
+
+* ``model.arch`` is a string checked against :data:`scaleout.section.FAMILIES`; each family with a
+  section (``Family.config``, declared in its own folder: scaleout/families/bert/config.py) gets
+  its typed ``model.<name>`` (``cfg.model.bert.hidden``); ``data.source`` is one the families read;
+* ``comm.algorithm`` is a string checked against :data:`scaleout.section.ALGORITHMS`; the
+  ``comm.*`` option keys are each algorithm's ``Options.config_keys`` (scaleout/comm/<name>.py).
+
+The built-in families and algorithms fill those tables when ``scaleout.families`` and
+``scaleout.comm`` are imported (torch-free declarations that never import this module): the first
+validation imports them (:func:`scaleout.config.compose.declared`), importing this module does not.
+
+Every rule between keys lives here: the section validators, ``Config``'s, and ``Config.check_world``
+for those that need the world size. They run in ``scaleout config show`` and in the CLI's preflight
+before anything is spawned, and again in every rank.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from scaleout.comm import ALGORITHMS
+from scaleout.config.compose import ModelConfig, declared, one_of
 from scaleout.env import detection_order
 from scaleout.errors import ConfigError
-from scaleout.families import FAMILIES, data_sources
 from scaleout.section import MAX_WORLD
 from scaleout.section import Section as _Section
+from scaleout.units import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 
 # Upper bounds reject typos (hidden=1e9, num_workers=100000) with one line before anything is
 # spawned, instead of an OOM or a fork storm in every rank later. Each is far above anything real:
 # the largest published dense models have hidden 18432 (PaLM), 118 layers, vocabularies up to 256k;
 # the largest machines ~10^5 accelerators; MLPerf's largest global batches are ~10^4-10^5 samples.
-MAX_SEED = (
-    2**32 - 1
-)  # numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
+# numpy's legacy seeding and torch's generators both take it; seeds are offset by indices
+MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer than any job's time limit
 
 
-def _model_config() -> type[_Section]:
-    """``model``: ``arch`` (one of the registered families, scaleout/families/) and one section
-    per family that declares one (``model.bert``, ``model.resnet``: each family's config.py),
-    then the common keys."""
-    sections: dict[str, Any] = {
-        name: (fam.config, fam.config()) for name, fam in FAMILIES.items() if fam.config is not None
-    }
-    return create_model(
-        "ModelConfig",
-        __base__=_Section,
-        __module__=__name__,
-        arch=(FAMILIES.literal(), "bert"),
-        **sections,
-        # BERT weights to start from (MLPerf phase 2 starts from the phase-1 checkpoint): a Hugging
-        # Face BertForPreTraining state dict or NVIDIA's MLPerf checkpoint ({"model": ...}); see
-        # scaleout/families/bert/convert.py
-        init_checkpoint=(str | None, None),
-        compile=(bool, False),  # torch.compile the model
-        cuda_graphs=(bool, False),  # capture the step in a CUDA graph (GPU only; ignored on CPU)
-    )
-
-
-ModelConfig = _model_config()
-
-
-def _data_source() -> Any:
-    """``data.source``: what some registered family reads (each family's ``data_sources``)."""
-    return Literal[data_sources()]  # type: ignore[valid-type]
-
-
 class DataConfig(_Section):
-    source: _data_source() = "synthetic"  # type: ignore[valid-type]
+    # what some registered family reads (each Family's data_sources; Config checks it is the
+    # model.arch family's)
+    source: str = "synthetic"
     path: str | None = None
     # Image sets (data.source imagenet/images): folder = <path>/{train,val}/<class>/<image>,
     # shards = <path>/{train,val}-NNNNNN.tar (webdataset layout); auto = shards when
@@ -108,6 +92,26 @@ class DataConfig(_Section):
     # Write a known data set to data.path on first use (rank 0 writes, the others wait):
     # fashion-mnist = scaleout data prepare-fashion-mnist --out <data.path>.
     prepare: Literal["none", "fashion-mnist"] = "none"
+
+    @field_validator("source")
+    @classmethod
+    def _read_by_a_family(cls, source: str) -> str:
+        families, _ = declared()
+        known: list[str] = []
+        for _, fam in families.items():
+            known += [s for s in fam.data_sources if s not in known]
+        if source not in known:
+            raise ValueError(f"data.source={source!r}: expected {one_of(known)}")
+        return source
+
+    @model_validator(mode="after")
+    def _gpu_decode_reads_image_files(self) -> DataConfig:
+        if self.decode == "gpu" and self.source not in ("imagenet", "images"):
+            raise ValueError(
+                f"data.decode=gpu decodes image files: data.source={self.source!r} has none; "
+                "expected data.source imagenet or images (or data.decode=cpu)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dali_reads_image_folders(self) -> DataConfig:
@@ -167,6 +171,22 @@ class OptimConfig(_Section):
                 raise ValueError(f"optim.betas[{i}]={b} must be in [0, 1)")
         return self
 
+    @model_validator(mode="after")
+    def _sharded_keys_need_the_sharded_lamb(self) -> OptimConfig:
+        if self.overlap_comm and not self.sharded:
+            raise ValueError(
+                "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's "
+                "collectives)"
+            )
+        if self.shard != "world" and not self.sharded:
+            raise ValueError(f"optim.shard={self.shard!r} needs optim.sharded=true")
+        if self.sharded and self.name != "lamb":
+            raise ValueError(
+                f"optim.sharded=true is implemented for optim.name='lamb', got "
+                f"optim.name={self.name!r}"
+            )
+        return self
+
 
 AUTO = "auto"  # comm.algorithm: chosen on the world by scaleout/parallel/autotune.py
 
@@ -177,12 +197,13 @@ class CommConfig(_Section):
     # chosen at start (scaleout/parallel/autotune.py; with it bucket_mb, first_bucket_mb, chunk_mb
     # and compression are chosen too unless the config sets them).
     algorithm: str = "flat"
-    bucket_mb: float = Field(25.0, gt=0.0)  # 25 MB: the DDP paper's default bucket
+    bucket_mb: float = Field(DEFAULT_BUCKET_MB, gt=0.0)
     # The first bucket (the last layers' gradients, ready first) closes at this many MiB, so its
     # all-reduce starts while the rest of backward runs: torch DDP's _DEFAULT_FIRST_BUCKET_BYTES
     # (1 MiB, what DistributedDataParallel(model) gets). null, or not below bucket_mb: the first
     # bucket is a bucket_mb one too.
-    first_bucket_mb: float | None = Field(1.0, gt=0.0)
+    first_bucket_mb: float | None = Field(DEFAULT_FIRST_BUCKET_MB, gt=0.0)
+    # the gradients' wire dtype (none: as they are); code reads it as ``wire_compression``
     compression: Literal["none", "bf16", "fp16"] = "none"
     torus_x: int | None = Field(None, ge=1)  # ranks per torus row; default = ranks per node
     torus_y: int | None = Field(None, ge=1)
@@ -201,9 +222,10 @@ class CommConfig(_Section):
     @field_validator("algorithm")
     @classmethod
     def _registered(cls, name: str) -> str:
-        if name != AUTO and name not in ALGORITHMS:
+        _, algorithms = declared()
+        if name != AUTO and name not in algorithms:
             raise ValueError(
-                f"comm.algorithm={name!r}: expected one of {', '.join([*ALGORITHMS.names(), AUTO])}"
+                f"comm.algorithm={name!r}: expected one of {', '.join([*algorithms.names(), AUTO])}"
             )
         return name
 
@@ -211,11 +233,12 @@ class CommConfig(_Section):
     def _options_of_the_algorithm(self) -> CommConfig:
         if self.algorithm == AUTO:  # each key goes to the algorithms that read it
             return self
-        reads = ALGORITHMS.get(self.algorithm).Options.config_keys
+        _, algorithms = declared()
+        reads = algorithms.get(self.algorithm).Options.config_keys
         for key in self.ALGORITHM_KEYS:
             value = getattr(self, key)
             if value is not None and key not in reads:
-                users = [n for n, a in ALGORITHMS.items() if key in a.Options.config_keys]
+                users = [n for n, a in algorithms.items() if key in a.Options.config_keys]
                 raise ValueError(
                     f"comm.{key}={value} is an option of {', '.join(users)}; "
                     f"comm.algorithm={self.algorithm} does not read it"
@@ -226,11 +249,17 @@ class CommConfig(_Section):
         """The ``Options`` of ``algorithm`` (default: ``comm.algorithm``; ``auto``: flat, the
         plan it starts from) as this section sets them."""
         name = algorithm or self.algorithm
-        return ALGORITHMS.get("flat" if name == AUTO else name).Options.from_config(self)
+        return declared()[1].get("flat" if name == AUTO else name).Options.from_config(self)
 
     @property
     def auto(self) -> bool:
         return self.algorithm == AUTO
+
+    @property
+    def wire_compression(self) -> str | None:
+        """``comm.compression`` as the collectives take it: the wire dtype's name, None for
+        ``none`` (the one place that maps it)."""
+        return None if self.compression == "none" else self.compression
 
 
 class ProfileConfig(_Section):
@@ -385,10 +414,11 @@ class LaunchConfig(_Section):
 
 
 class Config(_Section):
-    model: ModelConfig = ModelConfig()
+    # built when a config is (their validators read the families' and algorithms' tables)
+    model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
-    comm: CommConfig = CommConfig()
+    comm: CommConfig = Field(default_factory=CommConfig)
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mlperf: MLPerfConfig = MLPerfConfig()
@@ -421,17 +451,28 @@ class Config(_Section):
                 raise ValueError(
                     f"comm.algorithm=auto with {key}=true: auto re-plans the replicated "
                     f"all-reduce from timings; set {key}=false or name an algorithm "
-                    f"({', '.join(ALGORITHMS.names())})"
+                    f"({', '.join(declared()[1].names())})"
                 )
         return self
 
     @model_validator(mode="after")
     def _source_is_the_family_s(self) -> Config:
-        fam = FAMILIES.get(self.model.arch)
+        fam = declared()[0].get(self.model.arch)
         if self.data.source not in fam.data_sources:
             raise ValueError(
                 f"data.source={self.data.source!r}: model.arch={fam.name} reads "
                 f"{' or '.join(fam.data_sources)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _init_checkpoint_is_read_by_the_family(self) -> Config:
+        families, _ = declared()
+        if self.model.init_checkpoint and not families.get(self.model.arch).hf_checkpoints:
+            readers = [n for n, f in families.items() if f.hf_checkpoints]
+            raise ValueError(
+                f"model.init_checkpoint: model.arch={self.model.arch!r} starts from no checkpoint "
+                f"(model.arch={' or '.join(readers)} reads one)"
             )
         return self
 
@@ -453,19 +494,22 @@ class Config(_Section):
                 f"train.grad_accum={t.grad_accum} = {per_step}"
             )
         c = self.comm
+        families, algorithms = declared()
         if not c.auto:  # auto: the tuner probes only the algorithms whose check passes
-            ALGORITHMS.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
-        FAMILIES.get(self.model.arch).check(self, world_size)
+            algorithms.get(c.algorithm).check(c.options(), world_size, ranks_per_node)
+        if self.optim.sharded:
+            check_sharded_wire(c.algorithm, c.wire_compression, self.optim.shard, world_size)
+        families.get(self.model.arch).check(self, world_size)
 
 
-def refresh_families() -> None:
-    """Rebuild ``model`` (arch, the family sections) and ``data.source`` from the families'
-    registry: a family registered after this module was imported (scaleout.families.register) is
-    then accepted."""
-    global ModelConfig
-    ModelConfig = _model_config()
-    Config.model_fields["model"] = FieldInfo(annotation=ModelConfig, default=ModelConfig())
-    DataConfig.model_fields["source"] = FieldInfo(annotation=_data_source(), default="synthetic")
-    DataConfig.model_rebuild(force=True)
-    Config.model_fields["data"] = FieldInfo(annotation=DataConfig, default=DataConfig())
-    Config.model_rebuild(force=True)
+def check_sharded_wire(
+    algorithm: str, compression: str | None, shard: str, world_size: int
+) -> None:
+    """The sharded LAMB's compressed reduce-scatter over the world is one all-to-all: only
+    comm.algorithm=flat sends it (optim.shard=node shards within nodes instead). ConfigError."""
+    if compression is not None and shard == "world" and algorithm != "flat" and world_size > 1:
+        raise ConfigError(
+            f"optim.sharded=true with comm.compression={compression} and "
+            f"comm.algorithm={algorithm}: the compressed reduce-scatter is one all-to-all over "
+            "the world; expected comm.algorithm=flat or optim.shard=node"
+        )

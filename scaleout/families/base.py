@@ -6,13 +6,12 @@ register) so that a family imports what it implements from here, and nothing imp
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from scaleout.registry import Registry
+from scaleout.section import FAMILIES
 
 if TYPE_CHECKING:
     from scaleout.families.task import Task
@@ -129,28 +128,14 @@ class Family:
         return f"<family {self.name}>"
 
 
-FAMILIES: Registry[Family] = Registry("model family")
-
-
 def register(family: Family) -> Family:
-    """Register ``family`` under its name; a config schema already built learns it (model.arch, its
-    section, its data sources)."""
-    FAMILIES.register(family.name, family)
-    _schema_changed()
-    return family
+    """Register ``family`` under its name in :data:`FAMILIES` (the table in scaleout/section.py the
+    config schema reads when it validates: model.arch, the section model.<name>, data.source)."""
+    return FAMILIES.register(family.name, family)
 
 
 def unregister(name: str) -> None:
     FAMILIES.unregister(name)
-    _schema_changed()
-
-
-def _schema_changed() -> None:
-    # Not imported, or being imported (it reads the registry when it builds its classes): nothing to
-    # do.
-    refresh = getattr(sys.modules.get("scaleout.config.schema"), "refresh_families", None)
-    if refresh is not None:
-        refresh()
 
 
 def data_sources() -> tuple[str, ...]:

@@ -41,17 +41,8 @@ def build_optimizer(
     """
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    if cfg.overlap_comm and not cfg.sharded:
-        raise ConfigError(
-            "optim.overlap_comm=true needs optim.sharded=true (it overlaps the sharded LAMB's "
-            "collectives)"
-        )
-    if cfg.shard != "world" and not cfg.sharded:
-        raise ConfigError(f"optim.shard={cfg.shard!r} needs optim.sharded=true")
-    if cfg.sharded and cfg.name != "lamb":
-        raise ConfigError(
-            f"optim.sharded=true is implemented for optim.name='lamb', got optim.name={cfg.name!r}"
-        )
+    # the rules between optim.* keys (overlap_comm / shard need sharded, sharded needs lamb) are
+    # the schema's (OptimConfig): ``cfg`` is a validated section
     if cfg.name == "lamb":
         kw = dict(
             lr=cfg.lr,
@@ -78,7 +69,7 @@ def build_optimizer(
                 algorithm=collective or comm.algorithm,
                 param_order=model.parameters(),
                 shard=cfg.shard,
-                compression=comm.compression,
+                compression=comm.wire_compression,
                 module=model,  # the next forward waits for the all-gathers, bucket by bucket
                 **kw,
             )

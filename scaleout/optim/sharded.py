@@ -67,12 +67,14 @@ from torch.autograd import Variable
 from scaleout.comm.api import WorkHandle, dispatch
 from scaleout.comm.collective import Collective
 from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
+from scaleout.config.schema import check_sharded_wire
 from scaleout.errors import ConfigError, UserError
 from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, new_moments, trust_ratios, update_moments
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, MiB, assign, fingerprint, layout_hash
+from scaleout.parallel.buckets import MiB, assign, fingerprint, layout_hash
 from scaleout.parallel.reducer import compression_dtype
+from scaleout.units import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -177,13 +179,9 @@ class ShardedLAMB(torch.optim.Optimizer):
             self.local = len(world.intra_ranks)  # slices per bucket
             self.slot = world.intra_ranks.index(world.rank)
             self.node_index = world.inter_ranks.index(world.rank)
-        else:
-            if self.wire is not None and name != "flat" and self.size > 1:
-                raise ConfigError(
-                    f"ShardedLAMB compression={compression!r} with comm.algorithm={name!r}: "
-                    "the compressed reduce-scatter is one all-to-all over the world, expected "
-                    "comm.algorithm=flat or optim.shard=node"
-                )
+        else:  # the schema's rule (Config.check_world), for callers that bypass the config
+            wire = None if self.wire is None else compression
+            check_sharded_wire(name, wire, shard, self.size)
             self.local, self.node_index = self.size, 0
             self.comm = Collective.resolve(world, algorithm, "shard_index", **algorithm_options)
             self.slot = self.comm.shard_index()  # the slice owned here

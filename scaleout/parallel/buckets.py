@@ -27,12 +27,6 @@ if TYPE_CHECKING:
 
 FINGERPRINT_BITS = 24  # an exact float32 integer: it rides in the step's float32 agreement
 MiB = 1 << 20
-# The one definition of the bucket defaults (config, reducer, simulator and benchmarks read them):
-# DDP's default bucket_cap_mb (Li et al., "PyTorch Distributed", VLDB 2020, fig. 7), and its
-# smaller first bucket (torch's dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so that the first
-# all-reduce starts early in backward. Torch-free at import: the simulator and the schema read them.
-DEFAULT_BUCKET_MB = 25.0
-DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass

@@ -24,9 +24,10 @@ from torch.utils._pytree import tree_map
 
 from scaleout.comm.collective import Collective
 from scaleout.errors import UserError
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, bucket_layout, fingerprint, layout_hash
+from scaleout.parallel.buckets import bucket_layout, fingerprint, layout_hash
 from scaleout.parallel.reducer import Reducer, compression_dtype
 from scaleout.parallel.timeline import Timeline
+from scaleout.units import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.config.schema import CommConfig
@@ -162,7 +163,7 @@ class DataParallel(torch.nn.Module):
             # auto: flat until scaleout/parallel/autotune.py switches the plan (set_plan)
             algorithm=Collective.from_config(comm, world),
             bucket_mb=comm.bucket_mb,
-            compression=None if comm.compression == "none" else comm.compression,
+            compression=comm.wire_compression,
             timeline=comm.timeline,
             overlap=comm.overlap,
             **kwargs,

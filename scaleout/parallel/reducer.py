@@ -56,9 +56,10 @@ from torch.autograd import Variable
 
 from scaleout.comm import handles
 from scaleout.errors import UserError
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB, Bucket, Slot, build_buckets
+from scaleout.parallel.buckets import Bucket, Slot, build_buckets
 from scaleout.parallel.timeline import Timeline, now_us
 from scaleout.telemetry import profiler
+from scaleout.units import DEFAULT_BUCKET_MB
 
 if TYPE_CHECKING:
     from scaleout.comm.collective import Collective

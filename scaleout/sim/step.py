@@ -36,11 +36,11 @@ from scaleout.comm.algorithm import ALGORITHMS
 from scaleout.config.schema import AUTO
 from scaleout.errors import ConfigError
 from scaleout.families import FAMILIES
-from scaleout.parallel.buckets import DEFAULT_BUCKET_MB
 from scaleout.sim.cluster import Cluster
 from scaleout.sim.collectives import canonical
 from scaleout.sim.convergence import ConvergenceCurve
 from scaleout.sim.sharded import check_optimizer, gather_time, norm_time, reduce_time, shard_ranks
+from scaleout.units import DEFAULT_BUCKET_MB
 
 MEM_EFFICIENCY = 0.8
 

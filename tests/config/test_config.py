@@ -180,16 +180,29 @@ def test_rank_code_never_imports_launchers() -> None:
 
 
 def _schema_keys(model: type, section: str = "", prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, its section's field name, field name) of every field of the config tree."""
+    """(dotted key, its section's field name, field name) of every field of the config tree, the
+    family sections (model.<arch>, composed when a config is validated) included."""
     from pydantic import BaseModel
 
+    from scaleout.config.schema import ModelConfig
+    from scaleout.section import FAMILIES
+
+    fields = {name: field.annotation for name, field in model.model_fields.items()}
+    if model is ModelConfig:
+        fields |= {name: fam.config for name, fam in FAMILIES.items() if fam.config is not None}
     out = []
-    for name, field in model.model_fields.items():
+    for name, ann in fields.items():
         out.append((f"{prefix}{name}", section, name))
-        ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out += _schema_keys(ann, name, f"{prefix}{name}.")
     return out
+
+
+def _each(sec: str | frozenset[str] | None) -> frozenset[str]:
+    """A section binding as a set: one name, several (a parameter several call sites fill), none."""
+    if not sec:
+        return frozenset()
+    return frozenset([sec]) if isinstance(sec, str) else sec
 
 
 class _ConfigReads:
@@ -204,9 +217,9 @@ class _ConfigReads:
         import ast
 
         self.ast, self.sections = ast, sections
-        self.params: dict[
-            tuple[str, int | str], str
-        ] = {}  # (callee name, arg position / keyword) -> section
+        # (callee name, arg position / keyword) -> the sections call sites pass there (several
+        # callees share a name, e.g. from_config: a parameter may stand for more than one section)
+        self.params: dict[tuple[str, int | str], frozenset[str]] = {}
         self.reads: set[tuple[str, str]] = set()
         self.members: dict[str, str] = {}  # "Class.attr" -> section, from ``self.attr = <section>``
         for _ in range(4):  # sections flow through calls into parameters: iterate to a fixed point
@@ -244,7 +257,9 @@ class _ConfigReads:
             args = scope.args.args
             offset = 1 if args and args[0].arg in ("self", "cls") else 0
             for j, a in enumerate(args):
-                sec = self.params.get((name, j - offset)) or self.params.get((name, a.arg))
+                sec = self.params.get((name, j - offset), frozenset()) | self.params.get(
+                    (name, a.arg), frozenset()
+                )
                 if sec:
                     aliases[a.arg] = sec
         own = list(self._own_nodes(scope))
@@ -265,8 +280,7 @@ class _ConfigReads:
                         self.members[f"{aliases.get('.class')}.{target.attr}"] = sec
         for node in own:
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                sec = self._section(node.value, aliases)
-                if sec:
+                for sec in _each(self._section(node.value, aliases)):
                     self.reads.add((sec, node.attr))
             elif isinstance(node, ast.Call):
                 self._call(node, aliases)
@@ -287,16 +301,15 @@ class _ConfigReads:
         if not name:
             return
         for i, arg in enumerate(node.args):
-            sec = self._section(arg, aliases)
-            if sec:
-                self.params[(name, i)] = sec
+            secs = _each(self._section(arg, aliases))
+            if secs:
+                self.params[(name, i)] = self.params.get((name, i), frozenset()) | secs
         for kw in node.keywords:
-            sec = self._section(kw.value, aliases)
-            if sec and kw.arg:
-                self.params[(name, kw.arg)] = sec
+            secs = _each(self._section(kw.value, aliases))
+            if secs and kw.arg:
+                self.params[(name, kw.arg)] = self.params.get((name, kw.arg), frozenset()) | secs
         if name == "getattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-            sec = self._section(node.args[0], aliases)
-            if sec:
+            for sec in _each(self._section(node.args[0], aliases)):
                 self.reads.add((sec, node.args[1].value))
 
     def _own_nodes(self, scope):
@@ -368,3 +381,179 @@ def test_flagship_runs_take_no_synchronous_save_inside_the_timed_region(name: st
     text = (Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml").read_text()
     block = text[text.index("\ncheckpoint:") : text.index("  every_steps:")]
     assert "time-to-train" in block and "goodput" in block, block
+
+
+@pytest.mark.unit
+def test_importing_the_config_imports_no_registry_runtime() -> None:
+    """The schema is a leaf: importing scaleout.config (its schema and loader too) imports no
+    module of scaleout.comm, scaleout.families or scaleout.world; the declarations come in when a
+    config is first validated."""
+    code = (
+        "import sys, scaleout.config, scaleout.config.schema, scaleout.config.load\n"
+        "above = ('scaleout.comm', 'scaleout.families', 'scaleout.world')\n"
+        "print([m for m in sys.modules if m.startswith(above)])\n"
+        "scaleout.config.load_config('bert_tiny_cpu')\n"
+        "print('scaleout.families.bert' in sys.modules, 'scaleout.comm.torus2d' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert out == ["[]", "True True"], out
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Modules ``path`` imports when it runs, in functions too (not under TYPE_CHECKING)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    type_only = {
+        id(n)
+        for top in tree.body
+        if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
+        for n in ast.walk(top)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+@pytest.mark.unit
+def test_no_import_cycle_between_the_config_and_the_registries() -> None:
+    """scaleout.config may import the built-in declarations when it validates (one deferred
+    import); then nothing in scaleout.comm, scaleout.families or the section table may import
+    scaleout.config back, not even inside a function, and the schema imports neither at its top."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "scaleout"
+    below = [root / "section.py", root / "registry.py", *(root / "comm").rglob("*.py")]
+    below += (root / "families").rglob("*.py")
+    back = {
+        str(f.relative_to(root)): m
+        for f in below
+        for m in _runtime_imports(f)
+        if m == "scaleout.config" or m.startswith("scaleout.config.")
+    }
+    assert not back, back
+    above = ("scaleout.comm", "scaleout.families", "scaleout.world")
+    for f in (root / "config").glob("*.py"):
+        top = [  # the module-level imports (a deferred one runs only when a config is validated)
+            node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            for node in ast.parse(f.read_text()).body
+            if isinstance(node, ast.Import | ast.ImportFrom)
+        ]
+        assert not [m for m in top if m and m.startswith(above)], (f.name, top)
+    deferred = [  # the one place the built-in declarations are imported (when validating)
+        f.name
+        for f in (root / "config").glob("*.py")
+        for m in _runtime_imports(f)
+        if m == "scaleout.families"
+    ]
+    assert deferred == ["compose.py"], deferred
+
+
+@pytest.mark.unit
+def test_the_schema_is_fixed_after_import() -> None:
+    """Registering a family or an algorithm changes no schema class: they are read from the
+    section table when a config is validated (no refresh, no rebuild)."""
+    from pydantic import Field
+
+    from scaleout.comm import ALGORITHMS, Algorithm
+    from scaleout.config import schema
+    from scaleout.errors import ConfigError
+    from scaleout.families import FAMILIES, Family, register, unregister
+    from scaleout.section import Section
+
+    class ProbeConfig(Section):
+        width: int = Field(3, ge=1)
+
+    class Probe(Family):
+        name = "probe_fixed"
+        config = ProbeConfig
+        data_sources = ("probe_points",)
+
+    class Echo(Algorithm):
+        name = "probe_echo"
+
+    classes = [schema.Config, schema.ModelConfig, schema.DataConfig, schema.CommConfig]
+    fields = {cls: dict(cls.model_fields) for cls in classes}
+    assert not hasattr(schema, "refresh_families")
+    register(Probe())
+    ALGORITHMS.register("probe_echo", Echo())
+    try:
+        cfg = load_config(
+            None,
+            [
+                "model.arch=probe_fixed",
+                "model.probe_fixed.width=5",
+                "data.source=probe_points",
+                "comm.algorithm=probe_echo",
+            ],
+        )
+        assert cfg.model.probe_fixed.width == 5 and cfg.comm.algorithm == "probe_echo"
+        assert isinstance(cfg.model.bert, FAMILIES.get("bert").config)  # every family's section
+        with pytest.raises(ConfigError, match="model.probe_fixed.width=0: expected greater"):
+            load_config(None, ["model.probe_fixed.width=0"])
+        with pytest.raises(ConfigError, match="model.bert.hidden='x'"):
+            cfg.model.bert = {"hidden": "x"}  # assignment is validated as the family's section
+        with pytest.raises(ValueError, match="hidden"):
+            cfg.model.bert.hidden = "x"
+    finally:
+        unregister("probe_fixed")
+        ALGORITHMS.unregister("probe_echo")
+    assert schema.ModelConfig is classes[1] and schema.Config is classes[0]
+    assert {cls: dict(cls.model_fields) for cls in classes} == fields
+    with pytest.raises(ConfigError, match="model.arch='probe_fixed': expected 'bert' or 'resnet'"):
+        load_config(None, ["model.arch=probe_fixed"])
+    with pytest.raises(ConfigError, match="unknown key model.probe_fixed .expected one of: arch"):
+        load_config(None, ["model.probe_fixed.width=5"])
+
+
+# One case per rule between keys that lived only in the builders (inside every rank) before it
+# moved into the schema: each now fails `scaleout config show` (and the train preflight), one line.
+MOVED_RULES = [
+    (["optim.overlap_comm=true"], "optim.overlap_comm=true needs optim.sharded=true"),
+    (["optim.shard=node"], "optim.shard='node' needs optim.sharded=true"),
+    (
+        ["optim.sharded=true", "optim.name=adamw"],
+        "optim.sharded=true is implemented for optim.name='lamb', got optim.name='adamw'",
+    ),
+    (
+        ["model.arch=resnet", "data.source=synthetic", "model.init_checkpoint=/x.pt"],
+        "model.init_checkpoint: model.arch='resnet' starts from no checkpoint",
+    ),
+    (["data.decode=gpu"], "data.decode=gpu decodes image files: data.source='pydoc' has none"),
+    (
+        [
+            "optim.sharded=true",
+            "comm.compression=bf16",
+            "comm.algorithm=hierarchical",
+            "--world",
+            "4",
+            "--nproc-per-node",
+            "2",
+        ],
+        "comm.compression=bf16 and comm.algorithm=hierarchical: the compressed reduce-scatter",
+    ),
+]
+
+
+@pytest.mark.multi_process  # one `python -m scaleout` process per case
+@pytest.mark.parametrize(("overrides", "needle"), MOVED_RULES, ids=lambda v: str(v)[:40])
+def test_rules_between_keys_fail_in_config_show(overrides: list[str], needle: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "scaleout", "config", "show", "configs/bert_tiny_cpu.yaml"]
+        + overrides,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1, (run.returncode, run.stderr)
+    assert needle in lines[0], lines[0]

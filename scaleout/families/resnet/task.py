@@ -317,9 +317,9 @@ def check_input_pipeline(cfg: Config, device: torch.device) -> None:
     """Input settings that cannot feed this device, refused in one line before anything runs."""
     d = cfg.data
     if d.decode == "gpu":
-        check_gpu_decode(device, d.source)
+        check_gpu_decode(device)
     elif d.decode == "dali":  # its own threads: data.num_workers=0 is one DALI thread
-        check_dali(device, d.source, d.format)
+        check_dali(device)
     elif (
         d.source in ("imagenet", "images")
         and d.num_workers == 0

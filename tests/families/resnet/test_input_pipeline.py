@@ -24,7 +24,6 @@ from scaleout.families.resnet.data import transforms as T
 from scaleout.families.resnet.data.gpu_decode import (
     JpegBatch,
     JpegImages,
-    check_gpu_decode,
     crop_resize_flip,
     read_jpeg,
     require_torchvision,
@@ -273,8 +272,8 @@ def test_input_settings_refused_where_they_cannot_feed_the_device() -> None:
     gpu = cfg.model_copy(update={"data": cfg.data.model_copy(update={"decode": "gpu"})})
     with pytest.raises(ConfigError, match="data.decode=gpu needs a CUDA device"):
         check_input_pipeline(gpu, torch.device("cpu"))
-    with pytest.raises(ConfigError, match="data.source='synthetic' has none"):
-        check_gpu_decode(torch.device("cuda", 0), "synthetic")
+    with pytest.raises(ConfigError, match="data.source='synthetic' has none"):  # the schema's
+        load_config(None, [*SMALL, "data.source=synthetic", "data.decode=gpu"])
     try:
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 -- this machine: torchvision cannot be imported

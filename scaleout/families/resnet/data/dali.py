@@ -41,7 +41,6 @@ import torch
 from scaleout.data.batches import MicroBatch
 from scaleout.errors import ConfigError, UserError
 
-IMAGE_SOURCES = ("imagenet", "images")
 ASPECT = (3.0 / 4.0, 4.0 / 3.0)  # the MLPerf / torchvision random-resized-crop aspect range
 CROP_ATTEMPTS = 10  # torchvision's attempts before the center-crop fallback
 # A pipeline holds at least this many files of its rank (several epochs of a small set), so a
@@ -64,18 +63,9 @@ def require_dali():
     return dali
 
 
-def check_dali(device: torch.device, source: str, data_format: str) -> None:
-    """Refuse ``data.decode=dali`` where it cannot run, in one line."""
-    if source not in IMAGE_SOURCES:
-        raise ConfigError(
-            f"data.decode=dali decodes image files: data.source={source!r} has none (use "
-            "data.decode=cpu, or data.source=imagenet or images)"
-        )
-    if data_format == "shards":
-        raise ConfigError(
-            "data.decode=dali reads the class-folder layout: data.format=shards is read by "
-            "data.decode=cpu or gpu (docs/data-layouts.md)"
-        )
+def check_dali(device: torch.device) -> None:
+    """Refuse ``data.decode=dali`` where it cannot run, in one line (its rules between data.* keys,
+    image sources and the folder layout, are the schema's: DataConfig)."""
     if torch.device(device).type not in ("cpu", "cuda"):
         raise ConfigError(
             f"data.decode=dali runs on CPU or CUDA ranks; this rank runs on {torch.device(device)}"

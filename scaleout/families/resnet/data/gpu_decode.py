@@ -85,14 +85,9 @@ def require_torchvision() -> Any:
     return torchvision
 
 
-def check_gpu_decode(device: torch.device, source: str) -> None:
-    """Refuse ``data.decode=gpu`` where it cannot run: not a CUDA rank, no JPEG source, or no
-    torchvision."""
-    if source not in ("imagenet", "images"):  # files on disk (others are re-encoded as JPEG)
-        raise ConfigError(
-            f"data.decode=gpu decodes image files: data.source={source!r} has none (use "
-            "data.decode=cpu, or data.source=imagenet or images)"
-        )
+def check_gpu_decode(device: torch.device) -> None:
+    """Refuse ``data.decode=gpu`` where it cannot run: not a CUDA rank, or no torchvision (a source
+    without image files is the schema's rule, DataConfig)."""
     if torch.device(device).type != "cuda":
         raise ConfigError(
             f"data.decode=gpu needs a CUDA device (nvJPEG via torchvision); this rank runs on "
