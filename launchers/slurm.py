@@ -142,31 +142,22 @@ class LocalSlurm:
         """Start the cluster unless it is up. Returns True if this call started it."""
         if self.is_running():
             return False
-        args = [str(HERE / "start.sh")]
-        if not accounting:
-            args.append("--no-dbd")
+        args = [] if accounting else ["--no-dbd"]
         if not install:
             args.append("--no-install")
-        p = subprocess.run(
-            args,
-            env=self._script_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-        if p.returncode != 0:
-            raise UserError(
-                f"local Slurm did not start (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
-            )
+        out = self._script("start.sh", args, timeout_s, "did not start")
         # Another session may have started it while we waited for start.sh's lock: then it is theirs
         # to stop.
-        return "already running" not in p.stdout
+        return "already running" not in out
 
     def stop(self, wipe: bool = False, timeout_s: float = 120.0) -> None:
-        args = [str(HERE / "stop.sh")] + (["--wipe"] if wipe else [])
+        self._script("stop.sh", ["--wipe"] if wipe else [], timeout_s, "not stopped")
+
+    def _script(self, name: str, args: list[str], timeout_s: float, failed: str) -> str:
+        """Run one of the cluster's scripts (start.sh / stop.sh); its stdout, or UserError naming
+        what failed."""
         p = subprocess.run(
-            args,
+            [str(HERE / name), *args],
             env=self._script_env(),
             capture_output=True,
             text=True,
@@ -175,8 +166,9 @@ class LocalSlurm:
         )
         if p.returncode != 0:
             raise UserError(
-                f"local Slurm not stopped (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
+                f"local Slurm {failed} (exit {p.returncode}): {(p.stderr or p.stdout).strip()}"
             )
+        return p.stdout
 
 
 def can_run_local_slurm() -> str | None:

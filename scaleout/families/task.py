@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,17 @@ from scaleout.families.base import FAMILIES, Family
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
-    from scaleout.train.precision import Precision
     from scaleout.world import World
+
+
+class Numerics(Protocol):
+    """What a task reads of the run's precision (the trainer's scaleout.train.precision.Precision
+    answers it): the low-precision dtype (None: fp32) and the forward passes' autocast context.
+    Declared here so that the task, below the trainer, names no trainer type."""
+
+    dtype: torch.dtype | None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class Counts:
@@ -56,7 +65,7 @@ class Task:
     rows: int  # global number of rows (packs / images) in the training set
     # picklable builder of this rank's CPU micro-batches: .micro_batches(position, grad_accum)
     batches: Any
-    precision: Precision | None = None  # of the run (build_task sets it)
+    precision: Numerics | None = None  # of the run (build_task sets it)
     # samples per row where a row packs several (BERT packing)
     sequences_per_row: float | None = None
 

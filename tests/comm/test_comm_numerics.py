@@ -8,9 +8,9 @@ import pytest
 import torch
 from ringnumerics import averaged_gradient_error
 
-from scaleout.comm.torus2d import resolve_grid
 from scaleout.config import load_config
 from scaleout.parallel.reducer import compression_dtype
+from scaleout.topology import resolve_grid
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from scaleout.comm import ALGORITHMS, Algorithm
-from scaleout.comm.torus2d import resolve_grid
 from scaleout.config import load_config
 from scaleout.env import WorldSpec
 from scaleout.errors import ConfigError, TopologyError
@@ -22,6 +21,7 @@ from scaleout.registry import RegistryError
 from scaleout.sim import calibrate
 from scaleout.sim.cluster import get_cluster
 from scaleout.sim.collectives import config_row_length, plan_for
+from scaleout.topology import resolve_grid
 from scaleout.units import parse_rate
 from scaleout.world import World
 

@@ -276,71 +276,45 @@ def build_pretraining_data(
     # One builder at a time: ranks starting together on a cold cache wait for the first one and then
     # read its files instead of all spending the same ~25 s (2-core machine) building them.
     with file_lock(os.path.join(cache, "build.lock")):
-        return _build(
-            vocab_size,
+        docs = docs if docs is not None else _cached_corpus(sources, cache)
+        key_src = (
+            f"{corpus_hash(docs)}:{vocab_size}:{max_seq_len}:{max_predictions}:{mask_prob}:{dupe_factor}:"
+            f"{eval_fraction}:{seed}:{FORMAT_VERSION}"
+        )
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+        train_docs = [d for d in docs if not is_eval(d, eval_fraction)]
+        eval_docs = [d for d in docs if is_eval(d, eval_fraction)]
+        tok = train_or_load(
+            [s for d in train_docs for s in d.sentences], vocab_size, corpus_hash(train_docs), cache
+        )
+        path = os.path.join(cache, f"pretrain-{key}.npz")
+        if os.path.exists(path):
+            try:
+                train, ev = load_samples(path)
+                return PretrainData(tok, train, ev, _info(train, ev, max_seq_len, path))
+            except (OSError, ValueError, KeyError):
+                pass
+        enc = lambda ds: [[tok.encode(s) for s in d.sentences] for d in ds]  # noqa: E731
+        train = create_samples(
+            enc(train_docs),
+            tok,
             max_seq_len,
             max_predictions,
             mask_prob,
-            dupe_factor,
-            eval_fraction,
-            seed,
-            sources,
-            cache,
-            docs,
+            dupe_factor=dupe_factor,
+            seed=seed,
         )
-
-
-def _build(
-    vocab_size,
-    max_seq_len,
-    max_predictions,
-    mask_prob,
-    dupe_factor,
-    eval_fraction,
-    seed,
-    sources,
-    cache,
-    docs,
-) -> PretrainData:
-    docs = docs if docs is not None else _cached_corpus(sources, cache)
-    key_src = (
-        f"{corpus_hash(docs)}:{vocab_size}:{max_seq_len}:{max_predictions}:{mask_prob}:{dupe_factor}:"
-        f"{eval_fraction}:{seed}:{FORMAT_VERSION}"
-    )
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    train_docs = [d for d in docs if not is_eval(d, eval_fraction)]
-    eval_docs = [d for d in docs if is_eval(d, eval_fraction)]
-    tok = train_or_load(
-        [s for d in train_docs for s in d.sentences], vocab_size, corpus_hash(train_docs), cache
-    )
-    path = os.path.join(cache, f"pretrain-{key}.npz")
-    if os.path.exists(path):
-        try:
-            train, ev = load_samples(path)
-            return PretrainData(tok, train, ev, _info(train, ev, max_seq_len, path))
-        except (OSError, ValueError, KeyError):
-            pass
-    enc = lambda ds: [[tok.encode(s) for s in d.sentences] for d in ds]  # noqa: E731
-    train = create_samples(
-        enc(train_docs),
-        tok,
-        max_seq_len,
-        max_predictions,
-        mask_prob,
-        dupe_factor=dupe_factor,
-        seed=seed,
-    )
-    ev = create_samples(
-        enc(eval_docs),
-        tok,
-        max_seq_len,
-        max_predictions,
-        mask_prob,
-        dupe_factor=1,
-        seed=seed + 1_000_003,
-    )
-    save_samples(path, train, ev)
-    return PretrainData(tok, train, ev, _info(train, ev, max_seq_len, path))
+        ev = create_samples(
+            enc(eval_docs),
+            tok,
+            max_seq_len,
+            max_predictions,
+            mask_prob,
+            dupe_factor=1,
+            seed=seed + 1_000_003,
+        )
+        save_samples(path, train, ev)
+        return PretrainData(tok, train, ev, _info(train, ev, max_seq_len, path))
 
 
 def _info(train, ev, max_seq_len, path) -> dict[str, Any]:
