@@ -213,7 +213,7 @@ class CommConfig(_Section):
     overlap: bool = True
     timeline: str | None = None  # write a Chrome trace of backward/communication here
     # CPU/gloo only: run the compute thread this much nicer than the communication threads
-    # (World.prioritize_communication); 0 = off. Ignored on CUDA.
+    # (comm.handles.prioritize_communication); 0 = off. Ignored on CUDA.
     comm_nice: int = Field(0, ge=0, le=19)
 
     # The keys above that are options of some algorithms (each algorithm's Options.config_keys).
