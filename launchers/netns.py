@@ -24,7 +24,8 @@ What scaleout creates is recorded before it is created, one JSON file per cluste
 (``/run/scaleout/netns``; $SCALEOUT_NETNS_STATE overrides): namespaces, links, /etc/netns folders
 and, for a launch's private cluster, the launcher's pid. ``down()`` removes only what a record
 lists, so it never touches a namespace or link that something else created under a similar name, and
-``down_all()`` (``scaleout cluster down --all``) cleans every cluster whose owner is gone, e.g.
+``down_all()`` (``scaleout bench cluster down --all``) cleans every cluster whose owner is gone,
+e.g.
 after a SIGKILLed ``launch --netns``. /run is a tmpfs: records vanish at reboot together with the
 namespaces they describe.
 """
@@ -178,7 +179,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
-            raise UserError(f"--nodes={self.nodes!r}: expected an integer from 1 to {MAX_NODES}")
+            raise UserError(f"--nnodes={self.nodes!r}: expected an integer from 1 to {MAX_NODES}")
         if not _NAME.match(self.name):
             raise UserError(
                 f"cluster name {self.name!r}: expected 1-8 lowercase letters/digits starting with "
@@ -365,8 +366,8 @@ class Cluster:
         missing = [self.ns(i) for i in range(nodes) if self.ns(i) not in present]
         if missing:
             raise UserError(
-                f"emulated cluster {self.name!r} lacks namespaces {missing}: run `scaleout cluster "
-                f"up --nodes {nodes} --name {self.name}`"
+                f"emulated cluster {self.name!r} lacks namespaces {missing}: run `scaleout bench "
+                f"cluster up --nnodes {nodes} --name {self.name}`"
             )
 
     # -- context manager: teardown always runs (exception, SIGTERM, interpreter exit)

@@ -3,7 +3,7 @@
 Node i's ranks run via ``ip netns exec <ns_i>`` (launchers/netns.py's :class:`Cluster`) and meet at
 node 0's cluster address. Either a private cluster, brought up for the largest launch
 (:meth:`prepare`) and always torn down after (by the watchdog too, if this process is SIGKILLed), or
-an existing one (``scaleout cluster up --name NAME``).
+an existing one (``scaleout bench cluster up --name NAME``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class NetnsLauncher(LocalLauncher):
         self.node_rates, self._node_rate_spec = parse_node_rates(node_rates), node_rates
         if self.node_rates and cluster_name:
             raise UserError(
-                f"--node-rate with --cluster {cluster_name}: an existing cluster keeps the rates "
-                "it was brought up with (scaleout cluster up --node-rate ...)"
+                f"--node-rate with --netns-cluster {cluster_name}: an existing cluster keeps the "
+                "rates it was brought up with (scaleout bench cluster up --node-rate ...)"
             )
         self.cluster: Cluster | None = None
         self._owned = False
@@ -85,7 +85,7 @@ class NetnsLauncher(LocalLauncher):
         if most > MAX_NODES:
             raise UserError(
                 f"--nnodes={most}: expected at most {MAX_NODES} emulated nodes with "
-                "--netns/--cluster"
+                "--netns/--netns-cluster"
             )
         if self.cluster_name is None:  # a private cluster will be brought up: root, a valid rate
             require_root()
@@ -122,7 +122,9 @@ class NetnsLauncher(LocalLauncher):
         ).__enter__()
         self._owned = True
         # If this process is SIGKILLed, the ranks' watchdog removes the private cluster after them.
-        self.on_orphan = [[sys.executable, "-m", "scaleout", "cluster", "down", "--name", name]]
+        self.on_orphan = [
+            [sys.executable, "-m", "scaleout", "bench", "cluster", "down", "--name", name]
+        ]
 
     def close(self) -> None:
         if self.cluster is not None and self._owned:

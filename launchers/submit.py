@@ -58,10 +58,11 @@ class SubmitSpec:
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
-            raise UserError(f"--nodes={self.nodes}: expected an integer >= 1")
+            raise UserError(f"--nnodes={self.nodes}: expected an integer >= 1")
         if self.gpus_per_node < 1:
             raise UserError(
-                f"--gpus-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per GPU)"
+                f"--nproc-per-node={self.gpus_per_node}: expected an integer >= 1 (one rank per "
+                "GPU)"
             )
         if self.time_min < 1:
             raise UserError(f"--time={self.time_min}: expected minutes >= 1")
@@ -75,7 +76,7 @@ class SubmitSpec:
                 f"--signal={self.signal!r}: expected USR2 (default), USR1, TERM, INT or HUP"
             )
         if self.cluster not in ("auto", "slurm", "local", "debug"):
-            raise UserError(f"--cluster={self.cluster!r}: expected auto, slurm, local or debug")
+            raise UserError(f"--executor={self.cluster!r}: expected auto, slurm, local or debug")
         if len(self.array) > 1:
             raise UserError(
                 f"--array given for {sorted(self.array)}: expected one key (one job per value)"
@@ -117,7 +118,7 @@ def parse_slurm_options(items: Sequence[str] | None) -> dict[str, Any]:
 def resolve_cluster(cluster: str) -> str:
     if cluster != "auto":
         if cluster == "slurm" and shutil.which("sbatch") is None:
-            raise UserError("--cluster=slurm but sbatch is not on PATH")
+            raise UserError("--executor=slurm but sbatch is not on PATH")
         return cluster
     return "slurm" if shutil.which("sbatch") is not None else "local"
 
@@ -214,7 +215,7 @@ def make_executor(spec: SubmitSpec) -> Any:
         return ex
     if spec.nodes > 1:
         raise UserError(
-            f"--nodes={spec.nodes} without Slurm: submitit's local executor runs one node"
+            f"--nnodes={spec.nodes} without Slurm: submitit's local executor runs one node"
         )
     if spec.extra_slurm:
         raise UserError(
@@ -408,7 +409,7 @@ class SubmitLauncher(Launcher):
                 raise UserError(
                     f"--launcher submit without Slurm runs one node, but world sizes {big} need "
                     "more "
-                    f"than one: use --nodes 1,... or --launcher local"
+                    f"than one: use --nnodes 1,... or --launcher local"
                 )
 
     def submit(self, spec: SubmitSpec) -> list[SubmitJob]:

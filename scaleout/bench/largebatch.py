@@ -21,7 +21,7 @@ of the base steps; the bar for LAMB is <= 1/5, and AdamW at the same batch shoul
 
 The ``--out`` JSON is a samples-to-converge curve for the simulator: ``scaleout simulate
 convergence FILE`` fits samples(B) = E_min (1 + B / B_crit) to its LAMB runs and shows the fit, and
-``scaleout simulate scale --convergence FILE`` predicts time to train with it.
+``scaleout simulate scale sim.convergence=FILE`` predicts time to train with it.
 """
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                   ["replicated"], [False])  # fmt: skip
     res = P.plan(pw, cluster, curve, grid, "fastest", rates, cores)
     plan_cmd = (
-        f"scaleout plan {args.config} --cluster {calib} --fit {lb} --nodes 1,2 --gpus-per-node 2 "
+        f"scaleout plan {args.config} --preset {calib} --fit {lb} --nnodes 1,2 --nproc-per-node 2 "
         f"--per-gpu-batch {','.join(map(str, sorted(args.per_rank_batch)))} --algorithms "
         f"{cfg.comm.algorithm} --optimizers replicated --samples-per-s "
         + ",".join(f"{b}:{r:.4g}" for b, r in rates.items())

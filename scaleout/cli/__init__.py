@@ -8,8 +8,16 @@ Every subcommand is a module in this package (``scaleout/cli/<name>.py``) that d
     def run(args) -> int           # exit code
 
 and optionally ``ORDER: int`` (its place in ``scaleout --help``; default 50), ``DESCRIPTION: str``
-(the long ``--help`` text; default HELP) and ``preflight(args, world_size, ranks_per_node)`` (checks
-a command line for a world before a launcher spawns any rank; raises UserError).
+(the long ``--help`` text; default HELP), ``preflight(args, world_size, ranks_per_node)`` (checks
+a command line for a world before a launcher spawns any rank; raises UserError) and ``GROUP: str``:
+the command it sits under instead of the top level (``"bench"``: the lab group, ``scaleout bench
+cluster``; ``"data"``: ``scaleout data pack``).
+
+The product and the lab are two surfaces: the top level holds the verbs a user runs; benchmarks and
+lab tools (the emulated netns cluster) sit under ``scaleout bench``, listed apart in ``scaleout
+--help`` so they do not crowd it (tests/cli/test_cli_surface.py keeps the user CLI's flag count and
+one
+meaning per flag name).
 
 Modules are discovered, so adding a subcommand touches no shared file. Command modules import heavy
 libraries (torch, launchers) inside ``run`` so that ``scaleout --help`` stays fast.
@@ -26,6 +34,7 @@ import functools
 import importlib
 import pkgutil
 import sys
+import textwrap
 from collections.abc import Callable
 from types import ModuleType
 
@@ -47,8 +56,18 @@ def discover(package: ModuleType) -> list[ModuleType]:
 
 
 def subcommands() -> list[ModuleType]:
-    """Every ``scaleout`` subcommand module (see the module docstring for what each defines)."""
-    return discover(sys.modules[__name__])
+    """Every top-level ``scaleout`` subcommand module (see the module docstring for what each
+    defines); the lab group ``bench`` is one of them."""
+    return [m for m in discover(sys.modules[__name__]) if not hasattr(m, "GROUP")]
+
+
+def grouped(parent: str) -> list[ModuleType]:
+    """The command modules that sit under ``parent`` (their ``GROUP``), e.g. ``bench cluster``."""
+    return [m for m in discover(sys.modules[__name__]) if getattr(m, "GROUP", None) == parent]
+
+
+#: The command that holds the benchmarks and lab tools, listed apart from the user's verbs.
+LAB = "bench"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,23 +80,33 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="scaleout",
-        description="Max-scale data-parallel training: launch ranks, train to target, benchmark, "
-        "simulate.",
-        epilog="Run 'scaleout <command> --help' for a command's options.",
+        description="Max-scale data-parallel training: launch ranks, train to target, plan and "
+        "simulate the scale.",
+        epilog="lab (benchmarks and test tools, apart from the commands above):\n"
+        + textwrap.fill(_lab_help(), 80, initial_indent=f"  {LAB:<10}", subsequent_indent=" " * 12)
+        + "\n\nRun 'scaleout <command> --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
     parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     for mod in subcommands():
+        # The lab group gets no help= here: argparse then leaves it out of the command list, and
+        # the epilog names it in its own section.
+        shown = {} if mod.NAME == LAB else {"help": mod.HELP}
         p = sub.add_parser(
             mod.NAME,
-            help=mod.HELP,
+            **shown,
             description=getattr(mod, "DESCRIPTION", mod.HELP),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _name=mod.NAME)
     return parser
+
+
+def _lab_help() -> str:
+    return next(m.HELP for m in subcommands() if m.NAME == LAB)
 
 
 def resolve(cmd: list[str]) -> tuple[list[str], Callable[[int, int], None] | None]:

@@ -1,4 +1,5 @@
-"""scaleout bench <name>: the benchmarks, discovered from scaleout/bench/*.py."""
+"""scaleout bench <name>: the lab group -- the benchmarks, discovered from scaleout/bench/*.py, and
+the lab tools among the CLI's modules (``GROUP = "bench"``: the emulated netns cluster)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from types import ModuleType
 
 NAME = "bench"
 ORDER = 60
-HELP = "benchmarks (allreduce, overlap, optim, packing, data, ...): side-by-side tables, JSON, PNG"
+HELP = (
+    "benchmarks (allreduce, overlap, optim, packing, ttt, ...) and lab tools (cluster: the "
+    "emulated netns cluster)"
+)
 
 
 def benches() -> list[ModuleType]:
@@ -19,8 +23,10 @@ def benches() -> list[ModuleType]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.cli import grouped
+
     sub = p.add_subparsers(dest="bench", metavar="<benchmark>", parser_class=type(p))
-    for mod in benches():
+    for mod in sorted([*benches(), *grouped(NAME)], key=lambda m: m.NAME):
         bp = sub.add_parser(
             mod.NAME,
             help=mod.HELP,
@@ -28,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(bp)
-        bp.set_defaults(_bench_run=mod.run)
+        bp.set_defaults(_bench_run=mod.run, _name=f"{NAME} {mod.NAME}")  # errors name it
     p.set_defaults(_bench_parser=p)
 
 

@@ -1,4 +1,5 @@
-"""scaleout cluster up|down|status: the emulated multi-node cluster (network namespaces + tc)."""
+"""scaleout bench cluster up|down|status: the emulated multi-node cluster (network namespaces +
+tc)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 
 NAME = "cluster"
+# A lab tool: the emulated cluster the benchmarks and netns tests run on (scaleout bench cluster).
+GROUP = "bench"
 ORDER = 15
 HELP = "bring an emulated multi-node cluster (netns + bridge + tc rate limit) up or down (root)"
 DESCRIPTION = """\
@@ -15,23 +18,23 @@ node talk over loopback; only cross-node traffic is limited. Needs root. `down` 
 
 Everything scaleout creates is recorded first (/run/scaleout/netns/<name>.json), and `down` removes
 only what a record lists. `down --all` removes every recorded cluster whose owner is gone:
-persistent ones from `cluster up` and the private clusters of `launch --netns` runs that were killed
-(a running launch's cluster is left alone).
+persistent ones from `bench cluster up` and the private clusters of `launch --netns` runs that were
+killed (a running launch's cluster is left alone).
 
 examples:
-  scaleout cluster up --nodes 4 --rate 1gbit
-  scaleout cluster up --nodes 4 --rate 1gbit --node-rate 1=100mbit
-  scaleout launch --cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce --sizes
-  64MiB
-  scaleout cluster status
-  scaleout cluster down
-  scaleout cluster down --all
+  scaleout bench cluster up --nnodes 4 --rate 1gbit
+  scaleout bench cluster up --nnodes 4 --rate 1gbit --node-rate 1=100mbit
+  scaleout launch --netns-cluster so --nnodes 4 --nproc-per-node 2 -- scaleout bench allreduce \
+      --sizes 64MiB
+  scaleout bench cluster status
+  scaleout bench cluster down
+  scaleout bench cluster down --all
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--nodes", type=int, default=2, help="namespaces to create (default 2)")
+    p.add_argument("--nnodes", type=int, default=2, help="nodes (namespaces) to create (default 2)")
     p.add_argument(
         "--rate",
         default="1gbit",
@@ -66,20 +69,20 @@ def run(args: argparse.Namespace) -> int:
         require_root()
         removed, skipped = down_all()
         print(
-            f"scaleout cluster: removed {len(removed)} ({', '.join(removed) or 'none'})"
+            f"scaleout bench cluster: removed {len(removed)} ({', '.join(removed) or 'none'})"
             + (f"; left running: {', '.join(skipped)}" if skipped else "")
         )
         return 0
     if args.node_rate is not None and args.action != "up":
         raise UserError(f"--node-rate goes with `up`, not `{args.action}`")
     cluster = Cluster(
-        args.nodes, args.rate, name=args.name, subnet=args.subnet, node_rates=args.node_rate
+        args.nnodes, args.rate, name=args.name, subnet=args.subnet, node_rates=args.node_rate
     )
     if args.action == "up":
         cluster.up()
         print(
-            f"scaleout cluster: {args.nodes} nodes up "
-            f"({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nodes))}), "
+            f"scaleout bench cluster: {args.nnodes} nodes up "
+            f"({', '.join(cluster.ns(i) + '=' + cluster.addr(i) for i in range(args.nnodes))}), "
             f"rate {args.rate}"
             + "".join(f", node {i} {r}" for i, r in sorted(cluster.node_rates.items()))
         )
@@ -93,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
             )
         cluster.down()
         if rec is not None:
-            print(f"scaleout cluster: {args.name!r} is down")
+            print(f"scaleout bench cluster: {args.name!r} is down")
         else:
             unknown = cluster.existing()
             print(
-                f"scaleout cluster: no cluster {args.name!r} recorded; nothing removed"
+                f"scaleout bench cluster: no cluster {args.name!r} recorded; nothing removed"
                 + (
                     f" (not created by scaleout, left alone: {', '.join(unknown)})"
                     if unknown

@@ -11,7 +11,7 @@ ORDER = 20
 HELP = "show a config (YAML + a.b=c overrides) after validation; write RCP-backed ResNet configs"
 DESCRIPTION = """\
 scaleout config show CONFIG [key=value ...] [--world N --nproc-per-node G]
-scaleout config resnet-rcp --global-batch N --nodes N --gpus-per-node G [--out FILE]
+scaleout config resnet-rcp --global-batch N --nnodes N --nproc-per-node G [--out FILE]
 
 show: loads CONFIG (a path, or a name in configs/), applies overrides such as optim.lr=2e-3 or
 comm.algorithm=torus2d, validates every key and prints the resolved tree. With --world it also runs
@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "resnet-rcp", help="write a ResNet-50 config from MLPerf's RCP table for a global batch"
     )
     rcp.add_argument("--global-batch", type=int, required=True, help="an RCP batch, e.g. 32768")
-    rcp.add_argument("--nodes", type=int, required=True, help="nodes")
-    rcp.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (ranks) per node")
+    rcp.add_argument("--nnodes", type=int, required=True, help="nodes")
+    rcp.add_argument(
+        "--nproc-per-node", type=int, required=True, help="ranks per node, one GPU each"
+    )
     rcp.add_argument("--out", default=None, help="write the YAML here (default: stdout)")
     p.set_defaults(_config_parser=p)
 
@@ -75,10 +77,10 @@ def _resnet_rcp(args: argparse.Namespace) -> int:
     from scaleout.families.resnet.rcp import rcp_config, rcp_header
 
     base = _read_yaml(resolve_config_path("resnet50_128x8"))
-    tree = rcp_config(args.global_batch, args.nodes, args.gpus_per_node, base)
+    tree = rcp_config(args.global_batch, args.nnodes, args.nproc_per_node, base)
     cfg = Config.model_validate(tree)  # the generated tree is a valid config
-    cfg.check_world(args.nodes * args.gpus_per_node, args.gpus_per_node)
-    text = rcp_header(args.global_batch, args.nodes, args.gpus_per_node, tree)
+    cfg.check_world(args.nnodes * args.nproc_per_node, args.nproc_per_node)
+    text = rcp_header(args.global_batch, args.nnodes, args.nproc_per_node, tree)
     text += yaml.safe_dump(tree, sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)

@@ -12,7 +12,8 @@ from pathlib import Path
 NAME = "data"
 ORDER = 42
 HELP = (
-    "MLPerf BERT shards: 'make-shards', 'index'; images: 'prepare-imagenet' (ILSVRC2012 -> "
+    "MLPerf BERT shards: 'make-shards', 'index', 'pack' (packing strategies); images: "
+    "'prepare-imagenet' (ILSVRC2012 -> "
     "checked ImageFolder), 'make-image-shards' (ImageFolder -> tar shards), "
     "'prepare-fashion-mnist' (PNG class folders for ResNet)"
 )
@@ -22,6 +23,7 @@ scaleout data index DIR [--max-seq-len 512] [--packing lphp] [--max-per-pack 3] 
 scaleout data prepare-imagenet OUT --train DIR --val DIR [--labels FILE [--meta meta.mat]]
 scaleout data make-image-shards IMAGEFOLDER OUT [--shard-mb 256]
 scaleout data prepare-fashion-mnist [--out runs/data/fashion-mnist] [--source DIR]
+scaleout data pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--packing a,b]
 
 make-shards: N training shards (DIR/train/part_0000i_of_0000N.hdf5) and an eval file (DIR/eval/) in
 the MLPerf BERT HDF5 format -- input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -67,7 +69,18 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.cli import grouped
+
     sub = p.add_subparsers(dest="action", metavar="<action>", required=True)
+    for mod in grouped(NAME):  # data tools kept in their own module: pack
+        sp = sub.add_parser(
+            mod.NAME,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(sp)
+        sp.set_defaults(_data_run=mod.run, _name=f"{NAME} {mod.NAME}")  # errors name it
     m = sub.add_parser("make-shards", help="offline corpus -> MLPerf BERT HDF5 shards")
     m.add_argument("dir", help="output directory (train/ and eval/ are created in it)")
     m.add_argument("--shards", type=int, required=True, help="number of training shards")
@@ -93,13 +106,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--max-per-pack", type=int, default=3, help="--layout packed: sequences per row (default 3)"
     )
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the masking and pairing (0)")
     i = sub.add_parser("index", help="build the lazy-training index of a shard directory")
     i.add_argument("dir", help="shard directory (with train/ and eval/, or the shards themselves)")
-    i.add_argument("--max-seq-len", type=int, default=512)
-    i.add_argument("--packing", default="lphp", help="none, spfhp, lpfhp, nnlshp, lphp or auto")
-    i.add_argument("--max-per-pack", type=int, default=3)
-    i.add_argument("--seed", type=int, default=0, help="data.seed of the runs that will read it")
+    i.add_argument(
+        "--max-seq-len", type=int, default=512, help="tokens per sequence, data.max_seq_len (512)"
+    )
+    i.add_argument(
+        "--packing",
+        default="lphp",
+        help="packing algorithm: none, spfhp, lpfhp, nnlshp, lphp or auto",
+    )
+    i.add_argument("--max-per-pack", type=int, default=3, help="sequences per packed row (3)")
+    i.add_argument(
+        "--seed", type=int, default=0, help="seed: data.seed of the runs that will read it"
+    )
     pi = sub.add_parser(
         "prepare-imagenet",
         help="ILSVRC2012 train/val -> a checked ImageFolder (val filed by its labels)",
@@ -141,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "_data_run", None):
+        return int(args._data_run(args) or 0)
     if args.action == "prepare-fashion-mnist":
         return _prepare_fashion_mnist(args)
     if args.action == "prepare-imagenet":

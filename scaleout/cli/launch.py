@@ -22,14 +22,14 @@ examples:
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout smoke
   scaleout launch --nnodes 2 --nproc-per-node 2 -- scaleout train configs/bert_tiny_cpu.yaml
   scaleout launch --nproc-per-node 4 -- python my_script.py --lr 1e-3
-  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce
-  --sizes 64MiB
+  scaleout launch --nnodes 2 --nproc-per-node 2 --netns --rate 1gbit -- scaleout bench allreduce \
+      --sizes 64MiB
   scaleout launch --nnodes 2 --nproc-per-node 2 --netns --node-rate 1=100mbit -- scaleout doctor
 
 --netns (root) runs every emulated node in its own network namespace with a rate-limited link
 (launchers/netns.py): a private cluster is brought up for this launch and always torn down after.
 --node-rate NODE=RATE gives single nodes another link rate (node 1 at 1/10: a slow NIC to find).
---cluster NAME uses one brought up by `scaleout cluster up --name NAME` instead.
+--netns-cluster NAME uses one brought up by `scaleout bench cluster up --name NAME` instead.
 """
 
 
@@ -90,10 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --netns: single nodes' own link rates, e.g. 1=100mbit (a slow NIC or link)",
     )
     p.add_argument(
-        "--cluster",
+        "--netns-cluster",
         default=None,
         metavar="NAME",
-        help="run in the existing emulated cluster NAME (scaleout cluster up)",
+        help="run in the existing emulated netns cluster NAME (scaleout bench cluster up)",
     )
     p.add_argument(
         "cmd",
@@ -156,10 +156,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--node-rate={args.node_rate!r} goes with --netns (a private emulated cluster)"
         )
-    if args.netns or args.cluster:
+    if args.netns or args.netns_cluster:
         launcher = NetnsLauncher(
             args.rate,
-            cluster_name=args.cluster,
+            cluster_name=args.netns_cluster,
             master_port=args.master_port,
             node_rates=args.node_rate,
             **options,

@@ -1,4 +1,5 @@
-"""scaleout pack: packing strategies for a sequence-length histogram or a dataset, side by side."""
+"""scaleout data pack: packing strategies for a sequence-length histogram or a dataset, side by
+side."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import json
 from pathlib import Path
 
 NAME = "pack"
-ORDER = 40
+# A data tool, beside make-shards and index: `scaleout data pack`.
+GROUP = "data"
 HELP = (
     "sequence packing: compare SPFHP/LPFHP/NNLSHP/LPHP on a histogram, write the strategy (and "
     "packs)"
 )
 DESCRIPTION = """\
-scaleout pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--algorithms a,b] [--out
-S.json]
+scaleout data pack [HISTOGRAM | --lengths FILE] --max-len 512 --max-per-pack 3 [--packing a,b]
+    [--out S.json]
 
 Runs every algorithm on a sequence-length histogram (Graphcore's format: 'length count' lines, '#'
 comments) or on a dataset given as its sequence lengths (--lengths: one integer per line, or a .npy
@@ -27,10 +29,10 @@ Algorithms: spfhp, lpfhp, nnlshp (Graphcore, arXiv 2107.02027) and lphp (ours: L
 packs, rounded; see docs/packing.md). nnlshp takes ~20-40 s on Wikipedia-512.
 
 examples:
-  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 3
-  scaleout pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 12 --algorithms
-  spfhp,lpfhp,lphp
-  scaleout pack --lengths lengths.txt --max-len 128 --out strategy.json --packed-out packed.npz
+  scaleout data pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 3
+  scaleout data pack ../shared/data/wikipedia_seqlen_hist_512.txt --max-per-pack 12 \\
+      --packing spfhp,lpfhp,lphp
+  scaleout data pack --lengths lengths.txt --max-len 128 --out strategy.json --packed-out packed.npz
 """
 
 
@@ -45,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sequences per pack (default 3, NVIDIA MLPerf BERT)",
     )
     p.add_argument(
-        "--algorithms", default="spfhp,lpfhp,nnlshp,lphp", help="comma list (default: all)"
+        "--packing",
+        default="spfhp,lpfhp,nnlshp,lphp",
+        help="packing algorithms to compare, comma list (default: all)",
     )
     p.add_argument(
         "--out", default="bench-results/packing-strategy.json", help="strategy JSON ('' = none)"
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give exactly one of HISTOGRAM or --lengths FILE")
     if args.packed_out and not args.lengths:
         raise UserError("--packed-out needs a dataset (--lengths FILE), not only a histogram")
-    names = parse_csv(args.algorithms, "--algorithms", choices=ALGORITHMS, allow_empty=True)
+    names = parse_csv(args.packing, "--packing", choices=ALGORITHMS, allow_empty=True)
     if args.lengths:
         lengths = _read_lengths(args.lengths)
         h = histogram_from_lengths(lengths, args.max_len)

@@ -36,17 +36,17 @@ knee) the plan prints the config overrides (checked by the config loader), the `
 of the family's Slurm script and the `scaleout launch` line (sharded-node: optim.sharded=true
 optim.shard=node).
 
---cluster is a preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the JSON of
-`scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A cluster without
-device FLOP/s (netns: CPU ranks) needs --samples-per-s, the measured samples/s of one rank; with
---cores the ranks of an emulated cluster share that many cores.
+--preset is a cluster preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the
+JSON of `scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A
+cluster without device FLOP/s (netns: CPU ranks) needs --samples-per-s, the measured samples/s of
+one rank; with --cores the ranks of an emulated cluster share that many cores.
 
 examples:
-  scaleout plan configs/bert_large_256x8.yaml --cluster dgx-a100 --png bench-results/plan.png
-  scaleout plan configs/bert_large_256x8.yaml --cluster h200-superpod --max-nodes 1024 \\
+  scaleout plan configs/bert_large_256x8.yaml --preset dgx-a100 --png bench-results/plan.png
+  scaleout plan configs/bert_large_256x8.yaml --preset h200-superpod --max-nodes 1024 \\
       --per-gpu-batch 4,8,16 --algorithms flat,hierarchical --pick fastest --out plan.json
-  scaleout plan configs/bert_tiny_cpu.yaml --cluster calib.json --fit largebatch.json \\
-      --nodes 1,2 --gpus-per-node 2 --per-gpu-batch 8,16 --samples-per-s 8:60,16:80 --cores 2
+  scaleout plan configs/bert_tiny_cpu.yaml --preset calib.json --fit largebatch.json \\
+      --nnodes 1,2 --nproc-per-node 2 --per-gpu-batch 8,16 --samples-per-s 8:60,16:80 --cores 2
 """
 
 
@@ -56,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "overrides", nargs="*", help="section.key=value overrides of the config (model, data)"
     )
     p.add_argument(
-        "--cluster",
+        "--preset",
         default="dgx-a100",
-        help="cluster preset or a `scaleout simulate calibrate --out` JSON (default dgx-a100)",
+        help="cluster preset (see `scaleout simulate presets`) or a `scaleout simulate calibrate "
+        "--out` JSON (default dgx-a100)",
     )
     p.add_argument(
         "--fit",
@@ -66,19 +67,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="`scaleout bench largebatch --out` JSON: samples to converge fitted to its LAMB runs "
         "(default: the MLPerf RCPs of the config's family)",
     )
-    p.add_argument("--nodes", default=None, help="node counts, e.g. 1,2 (default 1, 2, 4 ...)")
+    p.add_argument("--nnodes", default=None, help="node counts, e.g. 1,2 (default 1, 2, 4 ...)")
     p.add_argument(
         "--max-nodes", type=int, default=512, help="largest node count of the default (512)"
     )
     p.add_argument(
-        "--gpus-per-node", default=None, help="GPUs (ranks) per node, e.g. 2 (default the preset's)"
+        "--nproc-per-node",
+        default=None,
+        help="ranks per node, one GPU each, e.g. 2 (default the preset's GPUs per node)",
     )
     p.add_argument(
         "--per-gpu-batch",
         default=None,
         help="per-GPU batches, e.g. 8,16 (default the config's / 4 ... x 4)",
     )
-    p.add_argument("--algorithms", default=None, help="comma list (default every registered one)")
+    p.add_argument(
+        "--algorithms", default=None, help="all-reduce algorithms, comma list (default every one)"
+    )
     p.add_argument(
         "--optimizers",
         default=None,
@@ -126,8 +131,8 @@ def inputs(args: argparse.Namespace) -> dict[str, Any]:
     from scaleout.errors import ConfigError
     from scaleout.sim import plan as P
 
-    gpn = P.positive_ints(args.gpus_per_node, "--gpus-per-node")
-    nodes = P.positive_ints(args.nodes, "--nodes")
+    gpn = P.positive_ints(args.nproc_per_node, "--nproc-per-node")
+    nodes = P.positive_ints(args.nnodes, "--nnodes")
     batches = P.positive_ints(args.per_gpu_batch, "--per-gpu-batch")
     if args.max_nodes < 1:
         raise ConfigError(f"--max-nodes {args.max_nodes}: expected a positive integer")
@@ -136,7 +141,7 @@ def inputs(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.host_ms >= 0):
         raise ConfigError(f"--host-ms {args.host_ms}: expected a number of ms >= 0")
     rates = P.compute_rates(args.samples_per_s)
-    cluster = P.load_cluster(args.cluster)
+    cluster = P.load_cluster(args.preset)
     if not Path(args.config).is_file():
         raise ConfigError(f"config {args.config}: no such file; expected a training YAML")
     work = P.workload(args.config, list(args.overrides))

@@ -7,7 +7,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from scaleout.config.schema import CheckpointConfig
 from scaleout.output import format_table, pyplot, write_json
 
 NAME = "simulate"
@@ -25,8 +24,8 @@ bucketed overlap (docs/simulate.md). Instant; no GPU needed.
 actions:
   scale      step time, exposed communication, scaling efficiency and time to train per algorithm
              (samples to converge from MLCommons' RCPs at each global batch, or a fit to your
-             `scaleout bench largebatch` runs: --convergence; a fixed per-step host cost:
-             --overhead, --cuda-graphs)
+             `scaleout bench largebatch` runs: sim.convergence; a fixed per-step host cost:
+             sim.overhead, sim.cuda_graphs)
   convergence  samples to converge vs global batch: the RCP table (or the fit to a bench
              largebatch JSON) and the curve at chosen batches
   allreduce  predicted time / busbw of one all-reduce per algorithm and message size
@@ -35,172 +34,92 @@ actions:
              1024 -> 4096 A100 speed-up, Horovod #542)
   presets    list the cluster and model presets
   mlperf-log steps, time per step and score of MLPerf result_*.txt files (how validate's numbers
-  were read)
+             were read)
 
-Optimizer placement (--optimizer): replicated (all-reduce, LAMB on every parameter), sharded (ZeRO-1
-over all ranks: reduce-scatter, LAMB on 1/p, all-gather; optim.sharded=true), sharded-node (apex
-DistributedFusedLAMB: sharded within each node). --sharp: in-network reduction between nodes (SHARP
-via NCCL CollNet) for tree/hierarchical/torus2d, on InfiniBand presets.
+The cluster is a preset (--preset) whose parameters cluster.<key>=value replace (cluster.nics=1,
+cluster.inter_gbit=100, cluster.sharp=true); the model and step are a preset (--model) or a training
+config (--config) whose numbers sim.<key>=value replace (sim.local_batch=4, sim.bucket_mb=4); any
+other section.key=value overrides the config as in `scaleout train`. `scaleout simulate scale
+--help` lists every key. Optimizer placement (sim.optimizer): replicated (all-reduce, LAMB on every
+parameter), sharded (ZeRO-1 over all ranks: reduce-scatter, LAMB on 1/p, all-gather;
+optim.sharded=true), sharded-node (apex DistributedFusedLAMB: sharded within each node).
+cluster.sharp=true: in-network reduction between nodes (SHARP via NCCL CollNet) for
+tree/hierarchical/torus2d, on InfiniBand presets.
 
 examples:
-  scaleout simulate scale --config configs/bert_large_256x8.yaml --sharp
+  scaleout simulate scale --config configs/bert_large_256x8.yaml cluster.sharp=true
   scaleout simulate scale --config configs/bert_large_256x8.yaml --min-gpus 2048 optim.sharded=true
-  scaleout simulate scale --cluster dgx-a100 --model bert-large --local-batch 4 --png
-  bench-results/sim.png
-  scaleout simulate scale --cluster dgx-h100 --model resnet50 --local-batch 256 --max-gpus 8192
-  scaleout simulate scale --cluster dgx-a100 --inter-gbit 100 --nics 1 --algorithms
-  flat,hierarchical
-  scaleout simulate allreduce --cluster dgx-a100 --nodes 1 --sizes-mb 1,64,1024
+  scaleout simulate scale --preset dgx-a100 --model bert-large sim.local_batch=4 --png sim.png
+  scaleout simulate scale --preset dgx-h100 --model resnet50 sim.local_batch=256 --max-gpus 8192
+  scaleout simulate scale --preset dgx-a100 cluster.inter_gbit=100 cluster.nics=1 \\
+      --algorithms flat,hierarchical
+  scaleout simulate allreduce --preset dgx-a100 --nnodes 1 --sizes-mb 1,64,1024
   scaleout simulate calibrate bench-results/allreduce.json --holdout torus2d --min-bytes 1MiB
-  scaleout simulate scale --model bert-large --convergence bench-results/largebatch.json
+  scaleout simulate scale --model bert-large sim.convergence=bench-results/largebatch.json
   scaleout simulate convergence rcp --model resnet50 --batches 1024,4096,32768
   scaleout simulate validate --out bench-results/sim-validate.json
-  scaleout simulate mlperf-log
-  training_results_v2.0/NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert
+  scaleout simulate mlperf-log \\
+      training_results_v2.0/NVIDIA/results/dgxa100_n512_ngc22.04_pytorch/bert
 """
 
 
-def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cluster", default="dgx-a100", help="cluster preset (default dgx-a100; see 'presets')"
+def _keys_help(sections: dict[str, dict[str, Any]]) -> str:
+    from scaleout.cli._keys import describe
+
+    return "settings, as key=value after the action (parsed as `scaleout train`'s overrides):\n" + (
+        describe(sections)
     )
-    p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
-    p.add_argument("--nics", type=int, default=None, help="override NICs per node")
+
+
+def _preset_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--intra-gbs",
-        type=float,
-        default=None,
-        help="achievable intra-node GB/s per GPU per direction",
+        "--preset",
+        default="dgx-a100",
+        help="cluster preset (see `scaleout simulate presets`) or a `scaleout simulate calibrate "
+        "--out` JSON (default dgx-a100); cluster.<key>=value replaces one of its parameters",
     )
-    p.add_argument(
-        "--inter-gbit", type=float, default=None, help="achievable Gbit/s per NIC per direction"
-    )
-    p.add_argument(
-        "--intra-lat-us", type=float, default=None, help="latency of one intra-node step (us)"
-    )
-    p.add_argument(
-        "--inter-lat-us", type=float, default=None, help="latency of one network step (us)"
-    )
-    p.add_argument(
-        "--sharp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="in-network reduction between nodes (SHARP / NCCL CollNet; default off)",
-    )
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.cli._keys import ALLREDUCE_KEYS, CLUSTER_KEYS, SCALE_KEYS, overrides_anywhere
+
     sub = p.add_subparsers(dest="action", metavar="<action>")
     sc = sub.add_parser(
         "scale",
         help="training-step scaling sweep and time to train",
-        description="Step time, exposed communication, efficiency and time to train per GPU count "
-        "and algorithm. Values come from the flags, else from --config, else the defaults.",
+        formatter_class=_formatter,
+        description="Step time, exposed communication, efficiency and time to train per GPU count\n"
+        "and algorithm. Values come from the key=value settings, else from --config, else the\n"
+        "presets' and the defaults.\n\n" + _keys_help({"cluster": CLUSTER_KEYS, "sim": SCALE_KEYS}),
     )
-    _cluster_args(sc)
+    overrides_anywhere(sc)
+    _preset_arg(sc)
     sc.add_argument(
         "--config",
         default=None,
-        help="training config (YAML as for `scaleout train`): model size, per-GPU batch, "
-        "optim.sharded, "
-        "comm.*, samples and the config's node count (added to the sweep)",
+        help="training config (YAML or name, as for `scaleout train`): model size, per-GPU batch, "
+        "optim.sharded, comm.*, samples and the config's node count (added to the sweep)",
     )
     sc.add_argument(
         "overrides",
         nargs="*",
-        help="section.key=value overrides of --config, e.g. optim.sharded=true",
+        help="cluster.<key>=value and sim.<key>=value settings (listed above); any other "
+        "section.key=value overrides --config, e.g. optim.sharded=true",
     )
     sc.add_argument(
         "--model", default=None, help="model preset (default bert-large, or the config's model)"
     )
     sc.add_argument(
-        "--optimizer",
+        "--algorithms",
         default=None,
-        help="replicated | sharded | sharded-node (default replicated, or the config's "
-        "optim.sharded)",
-    )
-    sc.add_argument(
-        "--param-bytes",
-        type=int,
-        default=None,
-        help="bytes per parameter a sharded optimizer all-gathers",
-    )
-    sc.add_argument("--params", type=float, default=None, help="override parameter count")
-    sc.add_argument(
-        "--flops-per-sample", type=float, default=None, help="override training FLOPs per sample"
-    )
-    sc.add_argument(
-        "--grad-bytes", type=int, default=None, help="bytes per gradient element on the wire"
-    )
-    sc.add_argument(
-        "--local-batch", type=float, default=None, help="samples per GPU per step (default 4)"
-    )
-    sc.add_argument(
-        "--mfu", type=float, default=0.4, help="achieved fraction of peak FLOP/s (default 0.4)"
-    )
-    sc.add_argument(
-        "--samples-per-s", type=float, default=None, help="per-device throughput (overrides --mfu)"
-    )
-    sc.add_argument(
-        "--bucket-mb", type=float, default=None, help="gradient bucket size in MB (default 25, DDP)"
-    )
-    sc.add_argument("--no-overlap", action="store_true", help="all-reduce only after backward")
-    sc.add_argument("--algorithms", default=None, help=f"comma list (default: {ALL_ALGORITHMS})")
-    sc.add_argument(
-        "--torus-x", default=None, help="torus row length: an integer, 'node' or 'square' (default)"
+        help=f"all-reduce algorithms, comma list (default: {ALL_ALGORITHMS})",
     )
     sc.add_argument("--min-gpus", type=int, default=None, help="first GPU count (default one node)")
     sc.add_argument("--max-gpus", type=int, default=4096, help="last GPU count (default 4096)")
-    sc.add_argument(
-        "--samples",
-        type=float,
-        default=None,
-        help="samples to converge at every batch (default: --convergence)",
-    )
-    _convergence_args(sc)
-    sc.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the step is one CUDA graph (default): the per-step host cost only; "
-        "--no-cuda-graphs: eager, the step takes at least the host's launch time",
-    )
-    sc.add_argument(
-        "--overhead",
-        default="scaleout-h200",
-        help="calibration of the fixed per-step cost: scaleout-h200 (default; scaleout's "
-        "measured H200 rows), nvidia-bert (NVIDIA's MLPerf BERT, calibrated on a published run) "
-        "or none",
-    )
-    sc.add_argument(
-        "--host-ms", type=float, default=None, help="per-step host time in ms (overrides)"
-    )
-    sc.add_argument(
-        "--mtbf-h",
-        type=float,
-        default=CheckpointConfig.model_fields["mtbf_h"].default,
-        help="one node's mean time between failures, hours (goodput row; default "
-        "checkpoint.mtbf_h's, %(default)g)",
-    )
-    sc.add_argument(
-        "--save-stall-s",
-        type=float,
-        default=1.0,
-        help="seconds a checkpoint stalls training (goodput row; default 1: an asynchronous "
-        "save's host copy)",
-    )
-    sc.add_argument(
-        "--restart-s",
-        type=float,
-        default=300.0,
-        help="seconds from a failure to training again: requeue, start-up, resume (default 300)",
-    )
-    sc.add_argument(
-        "--interval-s",
-        type=float,
-        default=None,
-        help="training seconds between checkpoints (goodput row; default: Young/Daly's)",
-    )
     sc.add_argument(
         "--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)"
     )
@@ -208,15 +127,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--png", default=None, help="PNG of efficiency and exposed communication vs GPUs"
     )
 
-    ar = sub.add_parser("allreduce", help="one all-reduce: time and busbw per algorithm and size")
-    _cluster_args(ar)
-    ar.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ar = sub.add_parser(
+        "allreduce",
+        help="one all-reduce: time and busbw per algorithm and size",
+        formatter_class=_formatter,
+        description="Predicted time and busbw of one all-reduce per algorithm and message size.\n\n"
+        + _keys_help({"cluster": CLUSTER_KEYS, "sim": ALLREDUCE_KEYS}),
+    )
+    overrides_anywhere(ar)
+    _preset_arg(ar)
+    ar.add_argument(
+        "overrides", nargs="*", help="cluster.<key>=value and sim.torus_x=value settings"
+    )
+    ar.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     ar.add_argument(
         "--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)"
     )
-    ar.add_argument("--algorithms", default=None, help=f"comma list (default: {ALL_ALGORITHMS})")
     ar.add_argument(
-        "--torus-x", default="square", help="torus row length: integer, 'node' or 'square'"
+        "--algorithms",
+        default=None,
+        help=f"all-reduce algorithms, comma list (default: {ALL_ALGORITHMS})",
     )
 
     ca = sub.add_parser("calibrate", help="fit constants to bench JSON; held-out error")
@@ -296,35 +226,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(_sim_parser=p)
 
 
-def _convergence_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--convergence",
-        default=None,
-        help="samples to converge as a function of the global batch: rcp (MLCommons' reference "
-        "convergence points for the model's MLPerf benchmark, from the installed mlperf-logging), "
-        "a `scaleout bench largebatch --out` JSON (fitted), or fixed (the preset's samples at "
-        "every batch). Default: rcp for the bert-large/resnet50 presets, fixed with --config",
-    )
-    p.add_argument(
-        "--rcp-ruleset",
-        default=None,
-        help="MLPerf Training ruleset whose RCPs to read (default 2.0.0)",
-    )
+def _settings(args: argparse.Namespace, sim: dict[str, Any]) -> tuple[dict, dict, list[str]]:
+    """(cluster.* settings, sim.* settings, the training config's overrides) of the command line."""
+    from scaleout.cli._keys import CLUSTER_KEYS, settings
+
+    got, rest = settings(list(args.overrides), {"cluster": CLUSTER_KEYS, "sim": sim})
+    return got["cluster"], got["sim"], rest
 
 
-def _cluster(args: argparse.Namespace, gpus_per_node: int | None = None) -> Any:
-    from scaleout.sim.cluster import custom_cluster, get_cluster, with_sharp
+def _cluster(preset: str, keys: dict[str, Any], gpus_per_node: int | None = None) -> Any:
+    from scaleout.sim.cluster import custom_cluster, with_sharp
+    from scaleout.sim.plan import load_cluster
 
     c = custom_cluster(
-        get_cluster(args.cluster),
-        args.gpus_per_node or gpus_per_node,
-        args.nics,
-        args.intra_gbs,
-        args.inter_gbit,
-        args.intra_lat_us,
-        args.inter_lat_us,
+        load_cluster(preset),
+        keys["gpus_per_node"] or gpus_per_node,
+        keys["nics"],
+        keys["intra_gbs"],
+        keys["inter_gbit"],
+        keys["intra_lat_us"],
+        keys["inter_lat_us"],
     )
-    return with_sharp(c, args.sharp)
+    return with_sharp(c, keys["sharp"])
 
 
 def _algorithms(text: str | None, flag: str = "--algorithms") -> list[str]:
@@ -347,59 +270,54 @@ def _write(path: str | None, payload: dict[str, Any]) -> None:
         print(f"wrote {out}")
 
 
-def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], list[str]]:
-    """(cluster, model, train, GPU counts, algorithms): flags over --config over the defaults."""
+def _scale_specs(
+    args: argparse.Namespace,
+) -> tuple[Any, Any, Any, list[int], list[str], dict[str, Any]]:
+    """(cluster, model, train, GPU counts, algorithms, the sim.* settings): the key=value settings
+    over --config over the presets and defaults."""
 
+    from scaleout.cli._keys import SCALE_KEYS
     from scaleout.errors import ConfigError
     from scaleout.sim.step import TrainSpec, get_model, gpu_counts
 
+    ckeys, k, overrides = _settings(args, SCALE_KEYS)
     run = None
-    if args.overrides and not args.config:
+    if overrides and not args.config:
         raise ConfigError(
-            f"overrides {' '.join(args.overrides)!r} need --config (they change a training config)"
+            f"overrides {' '.join(overrides)!r} need --config (they change a training config; "
+            "the simulator's own settings are cluster.* and sim.*)"
         )
     if args.config:
         from scaleout.config.load import load_config
         from scaleout.sim.fromconfig import from_config
 
-        # --optimizer sharded/replicated on a config means the product's optimizer, with its wire
-        # bytes
+        # sim.optimizer=sharded/replicated on a config means the product's optimizer, with its
+        # wire bytes
         placement = {
             "sharded": ["optim.sharded=true"],
             "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
         }
-        overrides = list(args.overrides) + placement.get(args.optimizer or "", [])
+        overrides += placement.get(k["optimizer"] or "", [])
         run = from_config(load_config(args.config, overrides), args.config)
-    cluster = _cluster(args, run.gpus_per_node if run else None)
+    cluster = _cluster(args.preset, ckeys, run.gpus_per_node if run else None)
     model = get_model(args.model or "bert-large") if args.model or not run else run.model
-    changes = {
-        k: v
-        for k, v in (
-            ("params", args.params),
-            ("flops_per_sample", args.flops_per_sample),
-            ("grad_bytes", args.grad_bytes),
-            ("param_bytes", args.param_bytes),
-        )
-        if v is not None
-    }
-    for k, v in changes.items():
-        if v <= 0:
-            raise ConfigError(f"--{k.replace('_', '-')} must be > 0, got {v}")
-    model = replace(model, **changes)
+    model = replace(
+        model,
+        **{
+            n: k[n]
+            for n in ("params", "flops_per_sample", "grad_bytes", "param_bytes")
+            if k[n] is not None
+        },
+    )
     train = run.train if run else TrainSpec(local_batch=4, torus_x="square")
     given = {
-        k: v
-        for k, v in (
-            ("local_batch", args.local_batch),
-            ("mfu", args.mfu),
-            ("bucket_mb", args.bucket_mb),
-            ("samples_per_s", args.samples_per_s),
-            ("optimizer", args.optimizer),
-            ("torus_x", _torus_x(args.torus_x) if args.torus_x else None),
-        )
-        if v is not None
+        n: k[n]
+        for n in ("local_batch", "mfu", "bucket_mb", "samples_per_s", "optimizer", "overlap")
+        if k[n] is not None
     }
-    train = replace(train, **given, **({"overlap": False} if args.no_overlap else {}))
+    if k["torus_x"] is not None:
+        given["torus_x"] = _torus_x(k["torus_x"])
+    train = replace(train, **given)
     algs = (
         _algorithms(args.algorithms)
         if args.algorithms
@@ -408,37 +326,34 @@ def _scale_specs(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int], li
     gpus = gpu_counts(cluster, args.max_gpus, args.min_gpus)
     if run and run.nodes * cluster.gpus_per_node not in gpus:
         gpus = sorted(gpus + [run.nodes * cluster.gpus_per_node])
-    return cluster, model, train, gpus, algs
+    return cluster, model, train, gpus, algs, k
 
 
-def _curve(args: argparse.Namespace, model_name: str, default: str | None) -> Any:
+def _curve(k: dict[str, Any], model_name: str, default: str | None) -> Any:
     from scaleout.sim.convergence import DEFAULT_RULESET, curve_for
 
-    source = args.convergence if args.convergence is not None else default
-    return curve_for(model_name, source, args.rcp_ruleset or DEFAULT_RULESET)
+    source = k["convergence"] if k["convergence"] is not None else default
+    return curve_for(model_name, source, k["rcp_ruleset"] or DEFAULT_RULESET)
 
 
-def _overhead(args: argparse.Namespace, train: Any) -> Any:
-    from scaleout.errors import ConfigError
-    from scaleout.sim.overhead import get_overhead
+def _overhead(k: dict[str, Any], train: Any) -> Any:
+    from scaleout.sim.overhead import get_overhead  # deferred: as step above
     from scaleout.sim.step import with_overhead
 
-    train = with_overhead(replace(train, cuda_graphs=args.cuda_graphs), get_overhead(args.overhead))
-    if args.host_ms is not None:
-        if args.host_ms < 0:
-            raise ConfigError(f"--host-ms must be >= 0, got {args.host_ms}")
-        train = replace(train, host_s=args.host_ms / 1e3)
+    train = with_overhead(replace(train, cuda_graphs=k["cuda_graphs"]), get_overhead(k["overhead"]))
+    if k["host_ms"] is not None:
+        train = replace(train, host_s=k["host_ms"] / 1e3)
     return train
 
 
 def run_scale(args: argparse.Namespace) -> int:
     from scaleout.sim.step import step_time, time_to_train
 
-    cluster, model, train, gpus, algs = _scale_specs(args)
-    train = _overhead(args, train)
-    fixed = args.samples or args.config
-    curve = None if args.samples else _curve(args, model.name, "fixed" if fixed else "rcp")
-    samples = args.samples or (None if curve else model.samples_to_converge)
+    cluster, model, train, gpus, algs, k = _scale_specs(args)
+    train = _overhead(k, train)
+    fixed = k["samples"] or args.config
+    curve = None if k["samples"] else _curve(k, model.name, "fixed" if fixed else "rcp")
+    samples = k["samples"] or (None if curve else model.samples_to_converge)
     rows, table = [], []
     for n in gpus:
         nodes = n // cluster.gpus_per_node
@@ -499,7 +414,7 @@ def run_scale(args: argparse.Namespace) -> int:
             f"; per step: {'CUDA graph' if train.cuda_graphs else 'eager'}, host "
             f"{train.host_s * 1e3:.2f} ms"
             + ("" if train.cuda_graphs else f", launch {train.launch_s * 1e3:.1f} ms")
-            + f" ({args.overhead})"
+            + f" ({k['overhead']})"
         )
     )
     print(
@@ -527,12 +442,16 @@ def run_scale(args: argparse.Namespace) -> int:
     from scaleout.sim.goodput import predict  # deferred: as step above
 
     top = max(gpus) // cluster.gpus_per_node
-    good = predict(top, args.mtbf_h, args.save_stall_s, args.restart_s, args.interval_s)
+    if k["mtbf_h"] is None:  # one default: the schema's
+        from scaleout.config.schema import CheckpointConfig
+
+        k["mtbf_h"] = CheckpointConfig.model_fields["mtbf_h"].default
+    good = predict(top, k["mtbf_h"], k["save_stall_s"], k["restart_s"], k["interval_s"])
     print(
         f"goodput at {max(gpus)} GPUs ({top} nodes): {good.goodput:.1%} (job MTBF "
-        f"{good.job_mtbf_s / 3600:.2f} h from {args.mtbf_h:g} h per node, a save every "
-        f"{good.interval_s:.0f} s{'' if args.interval_s else ' (Young/Daly)'} stalling "
-        f"{args.save_stall_s:g} s, {args.restart_s:g} s per restart)"
+        f"{good.job_mtbf_s / 3600:.2f} h from {k['mtbf_h']:g} h per node, a save every "
+        f"{good.interval_s:.0f} s{'' if k['interval_s'] else ' (Young/Daly)'} stalling "
+        f"{k['save_stall_s']:g} s, {k['restart_s']:g} s per restart)"
     )
     _write(
         args.out,
@@ -587,15 +506,22 @@ def _plot_scale(rows: list[dict[str, Any]], algs: list[str], path: str, title: s
 
 def run_allreduce(args: argparse.Namespace) -> int:
     from scaleout.argtypes import parse_csv
+    from scaleout.cli._keys import ALLREDUCE_KEYS
+    from scaleout.errors import ConfigError
     from scaleout.sim.collectives import allreduce_cost
 
-    cluster = _cluster(args)
+    ckeys, k, rest = _settings(args, ALLREDUCE_KEYS)
+    if rest:
+        raise ConfigError(
+            f"{' '.join(rest)!r}: expected cluster.<key>=value or sim.torus_x=value settings"
+        )
+    cluster = _cluster(args.preset, ckeys)
     sizes = [mb * 2**20 for mb in parse_csv(args.sizes_mb, "--sizes-mb", float, at_least=0)]
     table = []
     for n in sizes:
         base = None
         for alg in _algorithms(args.algorithms):
-            c = allreduce_cost(alg, cluster, args.nodes, n, torus_x=_torus_x(args.torus_x))
+            c = allreduce_cost(alg, cluster, args.nnodes, n, torus_x=_torus_x(k["torus_x"]))
             base = base or c.time
             table.append(
                 [
@@ -608,7 +534,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
                     f"{base / c.time:.2f}x",
                 ]
             )
-    print(f"{cluster.name}: {args.nodes} nodes x {cluster.gpus_per_node} ranks")
+    print(f"{cluster.name}: {args.nnodes} nodes x {cluster.gpus_per_node} ranks")
     print(
         format_table(
             [
@@ -844,7 +770,7 @@ def run_presets(args: argparse.Namespace) -> int:
                 "inter",
                 "intra step",
                 "net step",
-                "SHARP (--sharp)",
+                "SHARP (cluster.sharp)",
                 "backend",
                 "description",
             ],

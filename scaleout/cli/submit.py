@@ -13,20 +13,18 @@ HELP = (
     "rank 0's log"
 )
 DESCRIPTION = """\
-One task per GPU (--gpus-per-node tasks on each of --nodes nodes); every task runs `scaleout train
+One task per GPU (--nproc-per-node tasks on each of --nnodes nodes); every task runs `scaleout train
 CONFIG [overrides]` (or --command) in-process, so the training loop receives the preemption signal
 itself: rank 0 checkpoints and requeues, and the requeued job resumes from checkpoint.dir. Without
 Slurm (no sbatch on PATH) submitit's local executor runs the tasks on this machine (one node).
 
 examples:
-  scaleout submit configs/bert_large_256x8.yaml --nodes 256 --gpus-per-node 8 --partition gpu --time
-  120 \
-      --slurm account=myproj --slurm qos=high --slurm constraint=a100
-  scaleout submit configs/bert_tiny_cpu.yaml --nodes 2 --gpus-per-node 2 --no-gpu-request
-  scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nodes 1
-  --gpus-per-node 2
-  scaleout submit --command "smoke --numel 1000" --nodes 2 --gpus-per-node 2
-  scaleout submit configs/bert_tiny_cpu.yaml --cluster local --gpus-per-node 2 --no-follow
+  scaleout submit configs/bert_large_256x8.yaml --nnodes 256 --nproc-per-node 8 --partition gpu \
+      --time 120 --slurm account=myproj --slurm qos=high --slurm constraint=a100
+  scaleout submit configs/bert_tiny_cpu.yaml --nnodes 2 --nproc-per-node 2 --no-gpu-request
+  scaleout submit configs/bert_tiny_cpu.yaml --array optim.lr=1e-3,2e-3,4e-3 --nproc-per-node 2
+  scaleout submit --command "smoke --numel 1000" --nnodes 2 --nproc-per-node 2
+  scaleout submit configs/bert_tiny_cpu.yaml --executor local --nproc-per-node 2 --no-follow
 """
 
 
@@ -35,9 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "config", nargs="?", help="run config (YAML); required unless --command is given"
     )
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument(
-        "--gpus-per-node", type=int, default=1, help="GPUs per node = ranks per node (default 1)"
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks per node, one GPU each: the GPUs asked for per node (default 1)",
     )
     p.add_argument(
         "--no-gpu-request",
@@ -70,10 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds of notice before the time limit (120)",
     )
     p.add_argument(
-        "--cluster",
+        "--executor",
         default="auto",
         choices=["auto", "slurm", "local", "debug"],
-        help="auto: Slurm if sbatch is on PATH, else submitit's local executor",
+        help="submitit executor; auto: Slurm if sbatch is on PATH, else submitit's local one",
     )
     p.add_argument(
         "--folder", default="submitit/%j", help="submitit log folder (default submitit/%%j)"
@@ -118,14 +119,14 @@ def run(args: argparse.Namespace) -> int:
         )
     spec = SubmitSpec(
         argv=argv,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
+        nodes=args.nnodes,
+        gpus_per_node=args.nproc_per_node,
         request_gpus=not args.no_gpu_request,
         partition=args.partition,
         time_min=args.time,
         signal=args.signal,
         signal_delay_s=args.signal_delay,
-        cluster=args.cluster,
+        cluster=args.executor,
         folder=args.folder,
         name=args.name,
         array=parse_array(args.array),

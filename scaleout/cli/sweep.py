@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 from scaleout.launchers import LAUNCHERS, LaunchOptions, make_launcher
 
@@ -31,7 +30,7 @@ Node shape of each point (one of):
   --nproc-per-node G   G ranks per node (default: the config's launch.nproc_per_node). N <= G runs
   on one
                        node with N ranks; larger N must be a multiple of G and runs on N / G nodes.
-  --nodes 1,1,2,4      node count per world size (same length as --world); N / nodes ranks per node.
+  --nnodes 1,1,2,4     node count per world size (same length as --world); N / nodes ranks per node.
 
 Launchers: local (launchers/local.py on this machine, each node's ranks as an emulated node; --netns
 puts every node in its own network namespace with a --rate link), slurm (one sbatch
@@ -45,7 +44,7 @@ examples:
   scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 --simulate
   netns-1g
   scaleout sweep bert_tiny_cpu --world 1,2,4 --mode strong --global-batch 32
-  scaleout sweep resnet_cpu --world 2,4 --nodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
+  scaleout sweep resnet_cpu --world 2,4 --nnodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --no-gpu-request
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --slurm
   account=proj --resume
@@ -55,28 +54,10 @@ examples:
 """
 
 
-# section.key=value: an override wherever it stands on the command line.
-_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)+=")
-
-
-def _overrides_anywhere(parser: argparse.ArgumentParser) -> None:
-    """Let overrides follow options (`sweep CFG --world 1,2 optim.lr=1e-3`): argparse alone
-    cannot place a positional list after options, so override-shaped tokens are taken out before
-    parsing and put back."""
-    parse = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):  # type: ignore[no-untyped-def]
-        args = list(args or [])
-        found = [a for a in args if _OVERRIDE.match(a)]
-        ns, extra = parse([a for a in args if not _OVERRIDE.match(a)], namespace)
-        ns.overrides = list(getattr(ns, "overrides", None) or []) + found
-        return ns, extra
-
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    _overrides_anywhere(p)
+    from scaleout.cli._keys import overrides_anywhere
+
+    overrides_anywhere(p)
     p.add_argument("config", help="config file, or a name in configs/ (e.g. bert_tiny_cpu)")
     p.add_argument(
         "overrides", nargs="*", help="section.key=value overrides applied at every point"
@@ -96,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks per node for every point (default: the config's launch.nproc_per_node)",
     )
     shape.add_argument(
-        "--nodes", default=None, metavar="M1,M2,...", help="node count per world size"
+        "--nnodes", default=None, metavar="M1,M2,...", help="node count per world size"
     )
     p.add_argument(
         "--mode", default="weak", help="weak (per-rank batch fixed) or strong (global batch fixed)"
@@ -142,7 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-gpu-request", action="store_true", help="slurm/submit: do not ask for a GPU per task"
     )
     p.add_argument(
-        "--cluster", default="auto", help="submit: auto, slurm, local or debug (as scaleout submit)"
+        "--executor",
+        default="auto",
+        help="submit: submitit executor, auto, slurm, local or debug (as scaleout submit)",
     )
     p.add_argument(
         "--slurm",
@@ -231,7 +214,7 @@ def _on_this_host(args: argparse.Namespace) -> bool:
     if args.launcher == "submit":
         from scaleout.launchers.submit import resolve_cluster
 
-        return resolve_cluster(args.cluster) in ("local", "debug")
+        return resolve_cluster(args.executor) in ("local", "debug")
     from scaleout.launchers.slurm import LocalSlurm
 
     return os.environ.get("SLURM_CONF") == LocalSlurm().slurm_conf
@@ -288,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode not in MODES:
         raise UserError(f"--mode={args.mode!r}: expected weak or strong")
     worlds = parse_csv(args.world, "--world", int, at_least=1)
-    nodes = parse_csv(args.nodes, "--nodes", int, at_least=1) if args.nodes else None
+    nodes = parse_csv(args.nnodes, "--nnodes", int, at_least=1) if args.nnodes else None
     config = str(resolve_config_path(args.config).resolve())
     cfg = load_config(config, args.overrides)
     gpn = args.nproc_per_node if nodes is None else None
@@ -312,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             time_min=args.time,
             gpus=not args.no_gpu_request,
             slurm=parse_slurm_options(args.slurm),
-            cluster=args.cluster,
+            cluster=args.executor,
             entry=main,
         ),
     )

@@ -48,24 +48,33 @@ class _Spec:
 
 
 def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state of every trainable parameter that has none yet, as Horovod does: torch
-    optimizers create a parameter's state lazily, at its first step with a gradient, so before the
-    first step (or for a parameter that has had no gradient so far) the ranks' state keys differ
-    from the root's. Horovod runs one step with zero gradients to create it; so does this, on the
-    parameters without state only (the others get no gradient for that step, which torch optimizers
-    skip), and then puts back the parameters' values and gradients: Horovod's zero-gradient step
-    moves weights under weight decay and leaves zero gradients behind. A DistributedOptimizer steps
-    the wrapped class directly (its own step would all-reduce, and only this rank runs this). L-BFGS
-    (a closure-driven step) and optimizers without per-parameter state are left as they are."""
+    """Create the state of every trainable parameter that has none yet: torch optimizers create a
+    parameter's state lazily, at its first step with a gradient, so before the first step (or for a
+    parameter that has had no gradient so far) the ranks' state keys differ from the root's.
+
+    A fresh optimizer (no state at all) is initialised exactly as Horovod does it
+    (horovod/torch/functions.py, broadcast_optimizer_state): every trainable parameter gets a zero
+    gradient, replacing any it had, and the optimizer steps once. What that step leaves stays:
+    parameters moved where the update is not zero at a zero gradient (weight decay, AdamW's
+    decoupled decay) and zero gradients, so a Horovod script behaves here as under Horovod.
+
+    An optimizer that has state for some parameters only is where this goes beyond Horovod (which
+    then creates nothing and broadcasts by position, mismatching keys): the zero-gradient step runs
+    on the parameters without state only (the others get no gradient for it, which torch optimizers
+    skip), and their values and every gradient are put back, so parameters and gradients end as
+    Horovod leaves them there: untouched. A DistributedOptimizer steps the wrapped class directly
+    (its own step would all-reduce, and only this rank runs this). L-BFGS (a closure-driven step)
+    and optimizers without per-parameter state are left as they are."""
     if isinstance(optimizer, torch.optim.LBFGS):
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     missing = [p for p in params if not optimizer.state.get(p)]
     if not missing:
         return
+    fresh = len(missing) == len(params)
     need = {id(p) for p in missing}
     grads = [p.grad for p in params]
-    values = [p.detach().clone() for p in missing]
+    values = [] if fresh else [p.detach().clone() for p in missing]
     for p in params:
         p.grad = torch.zeros_like(p) if id(p) in need else None
     try:
@@ -74,11 +83,12 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
         else:
             optimizer.step()
     finally:
-        with torch.no_grad():
-            for p, v in zip(missing, values, strict=True):
-                p.copy_(v)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
+        if not fresh:
+            with torch.no_grad():
+                for p, v in zip(missing, values, strict=True):
+                    p.copy_(v)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
 
 
 def broadcast_optimizer_state(
@@ -87,9 +97,10 @@ def broadcast_optimizer_state(
     """Every rank loads root's optimizer state (state tensors and every param-group option, types
     kept).
 
-    First every rank creates the state its trainable parameters lack (:func:`_initialise_state`,
-    Horovod's zero-gradient step, without moving the parameters), so a fresh optimizer or a
-    parameter that has had no gradient yet gets state on every rank, the root included. Then root's
+    First every rank creates the state its trainable parameters lack (:func:`_initialise_state`:
+    Horovod's zero-gradient step, which on a fresh optimizer leaves zero gradients and the step's
+    weight decay as Horovod does), so a fresh optimizer or a parameter that has had no gradient yet
+    gets state on every rank, the root included. Then root's
     ``state_dict()`` structure is broadcast as an object (tensors replaced by shape/dtype), its
     tensors as in-place broadcasts, and the other ranks ``load_state_dict`` it: every rank ends with
     root's state, the same keys and values, even where the ranks' keys differed before (Horovod

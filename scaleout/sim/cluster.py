@@ -36,8 +36,9 @@ Preset numbers and where they come from (every one is an assumption you can over
   scales CollNetDirect's bandwidth by 0.85 on compute capability >= 9.0 (Hopper), which
   ``sharp_efficiency`` carries. Each node sends its data once and receives the result once, so a
   node's NICs carry ~1 x n each way instead of 2(k-1)/k x n (ring) or 2 x n (double binary tree).
-  Off unless asked for (``--sharp``): it needs SHARP-capable InfiniBand switches, the NCCL SHARP
-  plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with ``SBATCH_NETWORK=sharp``).
+  Off unless asked for (``cluster.sharp=true``): it needs SHARP-capable InfiniBand switches, the
+  NCCL SHARP plugin and ``NCCL_COLLNET_ENABLE=1`` (MLPerf BERT jobs ran with
+  ``SBATCH_NETWORK=sharp``).
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def plateau(curve: list[Any], target: Any, steps: Any) -> int | None:
 def curve_for(
     model_name: str, source: str | None, ruleset: str = DEFAULT_RULESET
 ) -> ConvergenceCurve | None:
-    """The curve ``--convergence`` names: ``rcp`` (the model's MLPerf benchmark), a bench
+    """The curve ``sim.convergence`` names: ``rcp`` (the model's MLPerf benchmark), a bench
     largebatch JSON file, or ``fixed``/None (no curve: the preset's samples at every batch)."""
     if source in (None, "", "fixed"):
         return None
@@ -254,7 +254,7 @@ def curve_for(
         bench = MODEL_BENCHMARK.get(model_name)
         if bench is None:
             raise ConfigError(
-                f"--convergence rcp: no MLPerf RCPs for model {model_name!r}; expected one of "
+                f"sim.convergence=rcp: no MLPerf RCPs for model {model_name!r}; expected one of "
                 f"{', '.join(MODEL_BENCHMARK)} (or give a bench largebatch JSON)"
             )
         return rcp_curve(bench, ruleset)

@@ -151,11 +151,11 @@ def load_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
             data = json.loads(p.read_text())
         except OSError as e:
             raise ConfigError(
-                f"--cluster {spec}: cannot read the calibration JSON ({e.strerror})"
+                f"--preset {spec}: cannot read the calibration JSON ({e.strerror})"
             ) from None
         except json.JSONDecodeError as e:
             raise ConfigError(
-                f"--cluster {spec}: not JSON ({e.msg} at line {e.lineno}); expected "
+                f"--preset {spec}: not JSON ({e.msg} at line {e.lineno}); expected "
                 "`scaleout simulate calibrate --out` JSON"
             ) from None
         vec = data.get("constants") if isinstance(data, dict) else None
@@ -166,7 +166,7 @@ def load_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
         )
         if not ok:
             raise ConfigError(
-                f"--cluster {spec}: 'constants' is {vec!r}; expected a list of {len(PARAMS)} "
+                f"--preset {spec}: 'constants' is {vec!r}; expected a list of {len(PARAMS)} "
                 f"numbers >= 0 ({', '.join(PARAMS)}: `scaleout simulate calibrate --out` JSON)"
             )
         prior = get_cluster(str(data.get("prior") or "netns-1g"))
@@ -180,7 +180,7 @@ def load_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
             base = get_cluster(spec)
         except ConfigError:
             raise ConfigError(
-                f"--cluster {spec!r}: unknown cluster preset; expected one of "
+                f"--preset {spec!r}: unknown cluster preset; expected one of "
                 f"{', '.join(PRESETS)} or a calibration .json"
             ) from None
     return custom_cluster(base, gpus_per_node)

@@ -51,13 +51,13 @@ def node_shapes(
         raise UserError(f"--world={','.join(map(str, worlds))}: expected each world size once")
     if nodes is not None and ranks_per_node is not None:
         raise UserError(
-            "--nodes and --nproc-per-node both given: expected one (nodes per point, or ranks per "
+            "--nnodes and --nproc-per-node both given: expected one (nodes per point, or ranks per "
             "node)"
         )
     if nodes is not None:
         if len(nodes) != len(worlds):
             raise UserError(
-                f"--nodes has {len(nodes)} entries but --world has {len(worlds)}: expected one "
+                f"--nnodes has {len(nodes)} entries but --world has {len(worlds)}: expected one "
                 "node "
                 f"count per world size"
             )
@@ -65,7 +65,7 @@ def node_shapes(
         for w, n in zip(worlds, nodes, strict=True):
             if w % n:
                 raise UserError(
-                    f"--world {w} on --nodes {n}: world size must be a multiple of the node count"
+                    f"--world {w} on --nnodes {n}: world size must be a multiple of the node count"
                 )
             shapes.append((n, w // n))
         return shapes

@@ -166,11 +166,11 @@ CASES: list[Case] = [
         ),
         "train.seed=-1",
     ),
-    # scaleout cluster
-    Case(("cluster", "up", "--nodes", "251"), "--nodes=251"),
-    Case(("cluster", "up", "--name", "x;rm"), "'x;rm'"),
-    Case(("cluster", "up", "--rate", "fast"), "--rate='fast'"),
-    Case(("cluster", "status", "--all"), "--all"),
+    # scaleout bench cluster
+    Case(("bench", "cluster", "up", "--nnodes", "251"), "--nnodes=251"),
+    Case(("bench", "cluster", "up", "--name", "x;rm"), "'x;rm'"),
+    Case(("bench", "cluster", "up", "--rate", "fast"), "--rate='fast'"),
+    Case(("bench", "cluster", "status", "--all"), "--all"),
     # scaleout doctor
     Case(("doctor", "--threshold", "2"), "'2'"),
     Case(
@@ -179,57 +179,62 @@ CASES: list[Case] = [
         files=(("q.json", "{not json"),),
         given="q.json: `{not json`",
     ),
-    # scaleout pack
+    # scaleout data pack
     Case(
-        ("pack", "h.txt", "--out", ""),
+        ("data", "pack", "h.txt", "--out", ""),
         "99999999999999999999999",
         files=(("h.txt", BIG_HIST),),
         given=f"h.txt: `{BIG_HIST.strip()}`",
     ),
     Case(
-        ("pack", "h.txt", "--out", ""),
+        ("data", "pack", "h.txt", "--out", ""),
         "9223372036854775807",
         files=(("h.txt", WRAP_HIST),),
         given="h.txt: two counts of 2^63-1 (int64 used to wrap to -2 sequences)",
     ),
     Case(
-        ("pack", "h.txt", "--out", ""), "-3", files=(("h.txt", "10 -3\n"),), given="h.txt: `10 -3`"
+        ("data", "pack", "h.txt", "--out", ""),
+        "-3",
+        files=(("h.txt", "10 -3\n"),),
+        given="h.txt: `10 -3`",
     ),
     Case(
-        ("pack", "--lengths", "f.npy", "--out", ""),
+        ("data", "pack", "--lengths", "f.npy", "--out", ""),
         "float64",
         files=(("f.npy", _npy([1.7, 2.2, 300.9])),),
         given="f.npy: float array [1.7, 2.2, 300.9] (used to be truncated silently)",
     ),
     Case(
-        ("pack", "--lengths", "o.npy", "--out", ""),
+        ("data", "pack", "--lengths", "o.npy", "--out", ""),
         "o.npy",
         files=(("o.npy", _npy([None, 1], object)),),
         given="o.npy: object array (pickle; refused, never loaded)",
     ),
     Case(
-        ("pack", "--lengths", "l.txt", "--out", ""),
+        ("data", "pack", "--lengths", "l.txt", "--out", ""),
         "99999999999999999999",
         files=(("l.txt", "12\n99999999999999999999\n"),),
         given="l.txt: a 20-digit length",
     ),
     Case(
-        ("pack", "--lengths", "l.txt", "--out", ""),
+        ("data", "pack", "--lengths", "l.txt", "--out", ""),
         "'1.5'",
         files=(("l.txt", "12\n1.5\n"),),
         given="l.txt: `1.5`",
     ),
     Case(
-        ("pack", "h.txt", "--max-len", "1000000000000", "--out", ""),
+        ("data", "pack", "h.txt", "--max-len", "1000000000000", "--out", ""),
         "max_len=1000000000000",
         files=(("h.txt", "10 3\n"),),
         given="h.txt: `10 3`",
     ),
     # scaleout submit: the launch preflight runs before anything is queued
-    Case(("submit", "bert_tiny_cpu", "optim.lr=-1", "--cluster", "local"), "optim.lr=-1"),
-    Case(("submit", "bert_tiny_cpu", "--cluster", "local", "--gpus-per-node", "3"), "world size 3"),
+    Case(("submit", "bert_tiny_cpu", "optim.lr=-1", "--executor", "local"), "optim.lr=-1"),
     Case(
-        ("submit", "bert_tiny_cpu", "--cluster", "local", "--array", "train.seed=1,-2"),
+        ("submit", "bert_tiny_cpu", "--executor", "local", "--nproc-per-node", "3"), "world size 3"
+    ),
+    Case(
+        ("submit", "bert_tiny_cpu", "--executor", "local", "--array", "train.seed=1,-2"),
         "train.seed=-2",
     ),
     Case(
@@ -278,7 +283,16 @@ CASES: list[Case] = [
     ),
     Case(("config", "show", "resnet_cpu", "hpcai500.target=1.5"), "hpcai500.target=1.5"),
     Case(
-        ("config", "resnet-rcp", "--global-batch", "1000", "--nodes", "2", "--gpus-per-node", "8"),
+        (
+            "config",
+            "resnet-rcp",
+            "--global-batch",
+            "1000",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "8",
+        ),
         "--global-batch 1000",
     ),
     Case(("mlperf", "rcp", "nowhere"), "nowhere"),
@@ -306,9 +320,9 @@ CASES: list[Case] = [
     Case((*CFG, "comm.algorithm=autotune"), "comm.algorithm='autotune'"),
     Case((*CFG, "comm.algorithm=auto", "optim.sharded=true"), "optim.sharded=true"),
     # scaleout plan: cluster, calibration, grid, convergence fit
-    Case(("plan", "c.yaml", "--cluster", "dgx-z9"), "dgx-z9"),
+    Case(("plan", "c.yaml", "--preset", "dgx-z9"), "dgx-z9"),
     Case(
-        ("plan", "c.yaml", "--cluster", "cal.json"),
+        ("plan", "c.yaml", "--preset", "cal.json"),
         "cal.json",
         files=(("cal.json", "{not json"),),
         given="cal.json: `{not json`",

@@ -92,7 +92,7 @@ def test_simulator_lists_and_prices_it(capsys) -> None:
     step = step_time(get_model("bert-large"), TrainSpec(local_batch=4, algorithm=NAME), c, 2)
     assert step.step > 0
     assert reduce_time("sharded", NAME, c, 2, 1e6) > 0  # the default reduce-scatter: a world ring
-    assert main(["simulate", "allreduce", "--nodes", "2", "--sizes-mb", "1"]) == 0
+    assert main(["simulate", "allreduce", "--nnodes", "2", "--sizes-mb", "1"]) == 0
     assert f"| {NAME}" in capsys.readouterr().out
 
 

@@ -193,12 +193,16 @@ def r_broadcast_state_lazy(hvd):
             opt.step()
         values = [p.detach().clone() for p in model.parameters()]
         grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        fresh = not opt.state_dict()["state"]  # Horovod's test for its initialising step
         hvd.broadcast_optimizer_state(opt, root_rank=0)
-        assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
-        assert all(
-            (g is None and p.grad is None) or torch.equal(p.grad, g)
-            for p, g in zip(model.parameters(), grads, strict=True)
-        ), name
+        if not fresh:  # state for some parameters: theirs created, parameters and gradients kept
+            assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
+            assert all(
+                (g is None and p.grad is None) or torch.equal(p.grad, g)
+                for p, g in zip(model.parameters(), grads, strict=True)
+            ), name
+        else:  # a fresh optimizer: Horovod's zero-gradient step leaves zero gradients
+            assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters()), name
         state = _state_of(opt)
         assert all(_same_state(state, other) for other in hvd.allgather_object(state)), name
         if state:  # every trainable parameter has state, the one root never had a gradient for too
@@ -227,12 +231,64 @@ def r_broadcast_state_lazy(hvd):
 def test_broadcast_state_lazy():
     """Horovod's lazy-state rule: parameters without state (no gradient yet on some ranks, or before
     the first step) get it on every rank before the broadcast, so every rank ends with root's state,
-    with the same keys, for every optimizer; the parameters and their gradients are left as they
-    were."""
+    with the same keys, for every optimizer; where the optimizer had state for some parameters,
+    the parameters and their gradients are left as they were (a fresh one:
+    test_broadcast_state_fresh)."""
     out = on_ranks(r_broadcast_state_lazy, timeout=600)
     stateful, same = zip(*out, strict=True)
     assert all(same) and len(set(map(tuple, stateful))) == 1
     assert {"Adam", "RMSprop", "SGD"} <= set(stateful[0])
+
+
+def r_broadcast_state_fresh(hvd):
+    """A fresh optimizer with weight decay, after a backward pass: what broadcast_optimizer_state
+    leaves in the parameters and their gradients, per optimizer."""
+    torch.manual_seed(0)
+    out = {}
+    for cls, kw in (
+        (torch.optim.SGD, dict(lr=0.1, weight_decay=0.5)),
+        (torch.optim.AdamW, dict(lr=0.1, weight_decay=0.5)),
+        (torch.optim.Adam, dict(lr=0.1)),
+    ):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        model[1].bias.requires_grad_(False)  # a frozen parameter: Horovod gives it no gradient
+        model(torch.randn(5, 4)).sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = cls(model.parameters(), **kw)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        params = list(model.parameters())
+        out[cls.__name__] = {
+            "moved": [not torch.equal(p, b) for p, b in zip(params, before, strict=True)],
+            # decoupled or L2 decay at a zero gradient: p (1 - lr wd); Adam without decay: 0
+            "decayed": all(
+                torch.allclose(p, b * (1 - kw["lr"] * kw.get("weight_decay", 0.0)))
+                for p, b in zip(params, before, strict=True)
+                if p.requires_grad
+            ),
+            "grads": [
+                None if p.grad is None else bool(torch.equal(p.grad, torch.zeros_like(p)))
+                for p in params
+            ],
+            "state": sorted(_state_of(opt)),
+        }
+    return out
+
+
+@pytest.mark.multi_process
+def test_broadcast_state_fresh():
+    """On a fresh optimizer the state is created as Horovod creates it
+    (horovod/torch/functions.py): every trainable parameter's gradient is replaced by zeros and the
+    optimizer steps once, and what that step did stays -- zero gradients, parameters moved by the
+    weight decay (SGD, AdamW), untouched where the update is zero (Adam). The frozen parameter keeps
+    no gradient. (scaleout.horovod used to put the old gradients and values back.)"""
+    for out in on_ranks(r_broadcast_state_fresh):
+        trainable = [True, True, True, False]
+        assert out["SGD"]["moved"] == trainable and out["SGD"]["decayed"]
+        assert out["AdamW"]["moved"] == trainable and out["AdamW"]["decayed"]
+        assert out["Adam"]["moved"] == [False] * 4 and out["Adam"]["decayed"]
+        for name in ("SGD", "AdamW", "Adam"):
+            assert out[name]["grads"] == [True, True, True, None], name
+            assert out[name]["state"] == ([] if name == "SGD" else [0, 1, 2]), name
 
 
 class _ModelNoGrad(nn.Module):
@@ -255,6 +311,9 @@ def r_broadcast_state_no_grad(hvd):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.param_groups[0]["params"][0].grad is None  # the integer, frozen parameter
+    # Horovod's own check: the initialising step's zero gradient, equal on all ranks
+    assert torch.equal(model.b.grad, torch.zeros(4))
+    assert all(torch.equal(g, model.b.grad) for g in hvd.allgather_object(model.b.grad))
     model(torch.ones(2)).sum().backward()
     opt.step()
     return _same_on_all_ranks(hvd, model)
@@ -262,10 +321,9 @@ def r_broadcast_state_no_grad(hvd):
 
 @pytest.mark.multi_process
 def test_broadcast_state_no_grad():
-    """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; training then
-    works. (Horovod also asserts that the trainable parameter's zero gradient, left by its
-    initialising step, is equal on all ranks; scaleout.horovod puts the gradients back, see
-    broadcast_optimizer_state.)"""
+    """A frozen integer parameter neither breaks the broadcasts nor gets a gradient; the trainable
+    parameter's zero gradient, left by the initialising step, is equal on all ranks (as Horovod's
+    test asserts); training then works."""
     assert on_ranks(r_broadcast_state_no_grad) == [True] * 4
 
 

@@ -4,6 +4,8 @@ bucket rule."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -106,3 +108,27 @@ def test_horovod_variables_select_a_registered_algorithm(monkeypatch, env, want)
 
 def test_every_request_kind_says_what_ranks_agree_on() -> None:
     assert sorted(FIELDS) == sorted(get_args(Kind))
+
+
+# -- an optional part ------------------------------------------------------------------------------
+def test_nothing_outside_the_shim_imports_it() -> None:
+    """scaleout.horovod is optional (scaleout/horovod/README.md): no module of scaleout/ or
+    launchers/ outside scaleout/horovod/ imports it, at the top or inside a function, so removing
+    the folder leaves the framework whole."""
+    root = Path(__file__).resolve().parents[2]
+    shim = root / "scaleout" / "horovod"
+    users = []
+    for path in [*(root / "scaleout").rglob("*.py"), *(root / "launchers").rglob("*.py")]:
+        if shim in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [f"{node.module}.{a.name}" for a in node.names]
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                else []
+            )
+            if any(n == "scaleout.horovod" or n.startswith("scaleout.horovod.") for n in names):
+                users.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not users, f"modules that import the optional Horovod shim: {users}"

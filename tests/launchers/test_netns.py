@@ -342,7 +342,7 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
 
     def down(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "scaleout", "cluster", "down", *args],
+            [sys.executable, "-m", "scaleout", "bench", "cluster", "down", *args],
             capture_output=True,
             text=True,
             timeout=120,
@@ -392,13 +392,13 @@ def test_cluster_down_all_removes_only_recorded_orphans(tmp_path, monkeypatch) -
 
 
 def test_launch_in_a_named_cluster_uses_its_own_subnet(tmp_path) -> None:
-    """`scaleout launch --cluster NAME` rendezvous at the address the cluster was brought up with
-    (`cluster up --subnet`), not at the default subnet's (it used to assume 10.77.0)."""
+    """`scaleout launch --netns-cluster NAME` rendezvous at the address the cluster was brought up
+    with (`bench cluster up --subnet`), not at the default subnet's (it used to assume 10.77.0)."""
     with Cluster(2, None, name=f"{NAME}s", subnet="10.79.0") as c:
         assert c.status()["subnet"] == "10.79.0"
         show = "import os; print('ADDR', os.environ['MASTER_ADDR'], flush=True)"
         r = _scaleout(
-            "launch", "--cluster", c.name, "--nnodes", "2", "--nproc-per-node", "1",
+            "launch", "--netns-cluster", c.name, "--nnodes", "2", "--nproc-per-node", "1",
             "--", sys.executable, "-c", show,
             timeout=120,
         )  # fmt: skip

@@ -337,9 +337,9 @@ def test_submitit_job_on_two_nodes(slurm_cluster, tmp_path):
             "submit",
             "--command",
             "smoke --numel 1000",
-            "--nodes",
+            "--nnodes",
             "2",
-            "--gpus-per-node",
+            "--nproc-per-node",
             "2",
             "--time",
             "5",
@@ -360,9 +360,9 @@ def test_submitit_job_on_two_nodes(slurm_cluster, tmp_path):
 
 def test_submit_rejects_bad_input(slurm_cluster):
     p = slurm_cluster.run(
-        [sys.executable, "-m", "scaleout", "submit", "configs/x.yaml", "--nodes", "0"], check=False
+        [sys.executable, "-m", "scaleout", "submit", "configs/x.yaml", "--nnodes", "0"], check=False
     )
-    assert p.returncode == 2 and "--nodes=0: expected an integer >= 1" in p.stderr
+    assert p.returncode == 2 and "--nnodes=0: expected an integer >= 1" in p.stderr
     p = slurm_cluster.run(
         [sys.executable, "-m", "scaleout", "submit", "c.yaml", "--array", "optim.lr"], check=False
     )
@@ -379,7 +379,7 @@ def _flatten(prefix: str, obj) -> list[str]:
 
 
 def test_submitit_local_executor_without_slurm(tmp_path):
-    """--cluster local: submitit's local executor, its SUBMITIT_LOCAL_* variables mapped to
+    """--executor local: submitit's local executor, its SUBMITIT_LOCAL_* variables mapped to
     scaleout's."""
     env = {
         k: v
@@ -393,11 +393,11 @@ def test_submitit_local_executor_without_slurm(tmp_path):
             "-m",
             "scaleout",
             "submit",
-            "--cluster",
+            "--executor",
             "local",
             "--command",
             "smoke --numel 1000",
-            "--gpus-per-node",
+            "--nproc-per-node",
             "2",
             "--folder",
             f"{tmp_path}/%j",

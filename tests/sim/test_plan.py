@@ -199,7 +199,7 @@ def test_cli_help_explains_and_the_command_runs(tmp_path: Path) -> None:
     for word in ("Pareto", "knee", "GPU-hours", "--fit", "--per-gpu-batch", "sbatch", "SHARP"):
         assert word in text, word
     args = parser.parse_args(
-        ["plan", LARGE, "--cluster", "dgx-a100", "--nodes", "1,8", "--per-gpu-batch", "8"]
+        ["plan", LARGE, "--preset", "dgx-a100", "--nnodes", "1,8", "--per-gpu-batch", "8"]
         + ["--algorithms", "flat", "--out", str(tmp_path / "p.json")]
     )
     with contextlib.redirect_stdout(io.StringIO()) as printed:

@@ -287,12 +287,11 @@ def test_cli_validate_scale_calibrate(tmp_path, capsys):
             [
                 "simulate",
                 "scale",
-                "--cluster",
+                "--preset",
                 "dgx-h100",
                 "--model",
                 "resnet50",
-                "--local-batch",
-                "256",
+                "sim.local_batch=256",
                 "--max-gpus",
                 "64",
                 "--out",
@@ -329,5 +328,5 @@ def test_cli_validate_scale_calibrate(tmp_path, capsys):
     assert main(["simulate", "calibrate", str(src), "--holdout", "torus2d", "--out", ""]) == 0
     assert "held-out rows: 8" in capsys.readouterr().out
 
-    assert main(["simulate", "scale", "--cluster", "nope", "--out", ""]) == 2
+    assert main(["simulate", "scale", "--preset", "nope", "--out", ""]) == 2
     assert "nope" in capsys.readouterr().err

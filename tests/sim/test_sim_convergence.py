@@ -130,7 +130,7 @@ def test_fit_recovers_the_critical_batch_and_reads_bench_largebatch(tmp_path, ca
     assert main(["simulate", "convergence", str(path), "--batches", "2,16"]) == 0
     out = capsys.readouterr().out
     assert "B / " in out and "3000" in out and "4000" in out
-    args = ["simulate", "scale", "--convergence", str(path), "--local-batch", "2", "--out", ""]
+    args = ["simulate", "scale", f"sim.convergence={path}", "sim.local_batch=2", "--out", ""]
     assert main([*args, "--max-gpus", "8", "--algorithms", "tree"]) == 0
     assert f"samples to converge: {fit_curve(points, f'fit to {path}').describe()}" in (
         capsys.readouterr().out

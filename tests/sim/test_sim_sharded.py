@@ -256,13 +256,13 @@ def test_cli_scale_from_config_with_sharp(capsys):
         "--out",
         "",
     ]
-    assert main(args + ["--optimizer", "sharded-node", "--sharp"]) == 0
+    assert main(args + ["sim.optimizer=sharded-node", "cluster.sharp=true"]) == 0
     out = capsys.readouterr().out
     assert "+ SHARP" in out and "optimizer sharded-node" in out and "| 2048 | 256 " in out
     with pytest.raises(SystemExit):
         main(["simulate", "scale", "--help"])
     helptext = capsys.readouterr().out
-    assert "--sharp" in helptext and "--optimizer" in helptext and "--config" in helptext
+    assert "cluster.sharp" in helptext and "sim.optimizer" in helptext and "--config" in helptext
 
 
 @pytest.mark.parametrize(
@@ -282,8 +282,10 @@ def test_bad_input_is_one_line(call, needle):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--optimizer", "zero3"], "zero3"),
-        (["--cluster", "netns-1g", "--sharp"], "netns-1g"),
+        (["sim.optimizer=zero3"], "zero3"),
+        (["--preset", "netns-1g", "cluster.sharp=true"], "netns-1g"),
+        (["sim.nope=1"], "sim.nope: unknown key"),
+        (["cluster.nics=two"], "cluster.nics='two': expected an integer"),
         (["optim.sharded=true"], "need --config"),
     ],
 )

@@ -165,9 +165,9 @@ def test_node_shapes_from_nproc_per_node_or_nodes():
     ]
     with pytest.raises(UserError, match="--world 6 is not divisible by --nproc-per-node 4"):
         node_shapes([1, 6], None, 4)
-    with pytest.raises(UserError, match="--nodes has 2 entries but --world has 3"):
+    with pytest.raises(UserError, match="--nnodes has 2 entries but --world has 3"):
         node_shapes([1, 2, 4], [1, 2], None)
-    with pytest.raises(UserError, match="--world 3 on --nodes 2"):
+    with pytest.raises(UserError, match="--world 3 on --nnodes 2"):
         node_shapes([3], [2], None)
     with pytest.raises(UserError, match="each world size once"):
         node_shapes([2, 2], None, 1)
@@ -266,7 +266,7 @@ BAD = [
     ),
     (["--world", "1,2", "--steps", "2", "--warmup", "2"], "at least one timed step"),
     (["--world", "1,2", "--repeats", "0"], "--repeats=0: expected an integer >= 1"),
-    (["--world", "1,2", "--nodes", "1"], "--nodes has 1 entries but --world has 2"),
+    (["--world", "1,2", "--nnodes", "1"], "--nnodes has 1 entries but --world has 2"),
     (
         ["--world", "1,4", "--nproc-per-node", "1", "model.resnet.bn_group=2"],
         "sweep point world 1 (1 nodes x 1): model.resnet.bn_group=2 must divide the world size 1",
@@ -346,7 +346,7 @@ def test_sweep_on_the_local_slurm_cluster(slurm_cluster, tmp_path):
             "resnet_cpu",
             "--world",
             "1,2",
-            "--nodes",
+            "--nnodes",
             "1,2",
             "--steps",
             "3",

@@ -92,9 +92,9 @@ def test_resnet_rcp_config_logs_the_table_s_hyperparameters(tmp_path, batch):
                 "resnet-rcp",
                 "--global-batch",
                 str(batch),
-                "--nodes",
+                "--nnodes",
                 str(nodes),
-                "--gpus-per-node",
+                "--nproc-per-node",
                 "8",
                 "--out",
                 str(out),
@@ -126,9 +126,9 @@ def test_resnet_rcp_refuses_a_batch_without_an_rcp(capsys):
             "resnet-rcp",
             "--global-batch",
             "35840",
-            "--nodes",
+            "--nnodes",
             "128",
-            "--gpus-per-node",
+            "--nproc-per-node",
             "8",
         ]
     )
@@ -136,7 +136,7 @@ def test_resnet_rcp_refuses_a_batch_without_an_rcp(capsys):
     assert rc == 2 and "--global-batch 35840: no MLPerf ResNet RCP" in err
     assert "3,264" in err and "65,536" in err
     rc = main(
-        ["config", "resnet-rcp", "--global-batch", "3264", "--nodes", "5", "--gpus-per-node", "8"]
+        ["config", "resnet-rcp", "--global-batch", "3264", "--nnodes", "5", "--nproc-per-node", "8"]
     )
     assert rc == 2 and "not divisible by 40 GPUs" in capsys.readouterr().err
 

@@ -1,5 +1,5 @@
 """Sequence packing: algorithms, exact histograms, sequence assignment, histogram files,
-``scaleout pack``."""
+``scaleout data pack``."""
 
 from __future__ import annotations
 
