@@ -1,13 +1,16 @@
 """The trainer: World -> task (model + data) -> gradient sync -> optimizer + schedule -> steps with
 evaluation to the target -> MLPerf log, checkpoints, report.
 
-Everything a trainer holds is declared on the class below, in four groups, and built in
-``__init__``; ``train()`` runs the steps (``train_step()`` -> ``forward_backward()``);
-``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces
-instead of modes: the task (scaleout/families/task.py) for everything about the model family, the
-gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything
-about communication and optimizer state, and its observers (scaleout/observe.py) for everything it
-reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
+Everything a trainer holds is declared on the class below, in five groups, and built in
+``__init__``. The methods read in the order they run: ``train()`` -> ``run_step()`` ->
+``train_step()`` -> ``forward_backward()``, then evaluation, checkpoints (``state_dict()`` /
+``load_state_dict()`` are what a checkpoint holds) and the end of the run. The trainer asks
+interfaces instead of modes: the task (scaleout/families/task.py) for everything about the model
+family, the gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for
+everything about communication and optimizer state, its save schedule
+(scaleout/checkpoint_schedule.py) when to save, and its observers (scaleout/observe.py) for
+everything it reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier)
+-> run_stop.
 """
 
 from __future__ import annotations
@@ -344,6 +347,16 @@ class Trainer:
             ProfilerObserver(cfg, self.out, world.rank),
         ]
 
+    def _prepare_output_dir(self) -> None:
+        """Rank 0 makes the output directory and sets aside what an earlier run left there."""
+        kind = self.start_info.kind
+        if self.world.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
+                rerun.set_aside_earlier(self.out / "mlperf.log")
+            if kind != "finished":  # an earlier run's or segment's report is kept
+                rerun.set_aside_earlier(self.out / "report.json")
+
     def _exchange_links(self) -> torch.Tensor | None:
         """Every rank's link rate, summed once into a world-sized vector on the device (each rank
         its own slot: one small all-reduce at start-up), for the link credit that attributes a
@@ -374,81 +387,6 @@ class Trainer:
             return None
         return torch.tensor(credit, dtype=torch.float32).to(world.device)
 
-    def _prepare_output_dir(self) -> None:
-        """Rank 0 makes the output directory and sets aside what an earlier run left there."""
-        kind = self.start_info.kind
-        if self.world.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
-                rerun.set_aside_earlier(self.out / "mlperf.log")
-            if kind != "finished":  # an earlier run's or segment's report is kept
-                rerun.set_aside_earlier(self.out / "report.json")
-
-    # -- checkpoints
-    # ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
-        optimizer's pieces are written apart. No RNG state: a step's random streams follow from
-        (train.seed, step, rank) (train/rng.py)."""
-        self.sync.wait_params()  # the sharded LAMB's last all-gathers, before the weights are read
-        opt_state, _ = self.sync.optimizer_state(self.optimizer)
-        return {
-            "model": self.task.model.state_dict(),
-            "optimizer": opt_state,
-            "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
-            "schedule": self.schedule.state_dict(),
-            "data_position": self.step * self.cfg.train.global_batch,
-            "samples": self.samples,
-            "skipped": self.skipped,
-            "precision": self.task.precision.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inverse of :meth:`state_dict` (an older checkpoint's ``rng`` entry is ignored)."""
-        self.task.model.load_state_dict(state["model"])
-        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.step = int(state["step"])
-        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
-        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
-
-    def save_checkpoint(self) -> None:
-        """Collective: every rank takes part (BN statistics, sharded pieces). Synchronous
-        (checkpoint.async=false): rank 0 writes, then a barrier. Asynchronous: the previous save
-        is waited for, the state is copied to host memory and a background thread writes it;
-        one small all-reduce agrees on failures (and, for every_steps=auto, on the costs)."""
-        if self.saves is None:
-            return
-        self._at(self.step, "checkpoint")
-        stall = self.saves.save(
-            self.step, self._write_checkpoint, self._mean_step_s(), self.progress
-        )
-        self.lost["save_stall_s"] += stall
-
-    def _write_checkpoint(self) -> None:
-        """This rank's part of a save at ``self.step`` (a snapshot when asynchronous)."""
-        assert self.checkpointer is not None  # saves exist only with a checkpointer
-        self.task.sync_buffers()  # BN statistics equal on every rank, so a resume is exact
-        state = self.state_dict()
-        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank its own
-        path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
-        if path is not None:
-            how = " (written in the background)" if self.checkpointer.asynchronous else ""
-            print0(f"checkpoint: step {self.step} -> {path}{how}", rank=self.world.rank)
-
-    def _mean_step_s(self) -> float:
-        return self.this_run.seconds / max(self.this_run.steps, 1)
-
-    def _report_replica_vote(self, vote: replicas.Vote) -> None:
-        """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
-        for the supervisor, which quarantines the odd ranks' nodes."""
-        if self.world.rank != 0:
-            return
-        text = vote.sentence(self.world.world_size)
-        print(f"WARNING: {text}", flush=True)
-        if vote.odd_ranks:
-            write_replica_vote(self.world, text, vote.odd_ranks)
-
     def resume(self) -> int:
         """Load the latest checkpoint (rank 0 chooses; every rank follows); its step (0: none)."""
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
@@ -466,8 +404,8 @@ class Trainer:
         print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
         return self.step
 
-    # -- the run
-    # ----------------------------------------------------------------------------------------
+    # -- the run: train() -> each step (run_step -> train_step -> forward_backward) -> end
+    # ------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
         CLOCK.reset()  # row / column phase times for the agreement (scaleout/comm/phasetime.py)
@@ -497,6 +435,55 @@ class Trainer:
                 status, reason = end
                 break
         return self._finish(status, reason, clock)
+
+    def _start_clock(self) -> float:
+        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier,
+        run_start, the first touch of the training data. Returns the clock's start
+        (time.perf_counter)."""
+        cfg, world = self.cfg, self.world
+        if world.rank == 0:
+            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
+        if self.preemption is None:
+            self.preemption = preempt.install()
+        steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
+        check_fixed_epochs(cfg, steps_per_epoch)
+        init_end = InitEnd(
+            benchmark=self.task.benchmark,
+            hyperparameters=hyperparameters(
+                cfg,
+                world.world_size,
+                self.config_file,
+                steps_per_epoch,
+                self.task.sequences_per_row,
+                world.device,
+            ),
+            resumed_from=self.resumed_from,
+            steps_per_epoch=steps_per_epoch,
+            train_set_size=self.task.rows,
+        )
+        if self.autocomm is not None:  # before run_start: synthetic tensors, no data touched
+            probe = self.autocomm.start()
+            self.mlperf_log.event(
+                "scaleout_comm_probe",
+                round(probe.seconds, 3),
+                metadata={"algorithms": list(self.autocomm.space.algorithms)},
+            )
+            print0(
+                f"comm.algorithm=auto: probed {', '.join(self.autocomm.space.algorithms)} in "
+                f"{probe.seconds:.2f} s",
+                rank=world.rank,
+            )
+        for observer in self.observers:
+            observer.on_init_end(init_end)
+        world.barrier()
+        clock = time.perf_counter()
+        self.lost["startup_s"] = time.time() - self.started_unix
+        start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
+        for observer in self.observers:
+            observer.on_run_start(start)
+        if self.prefetcher is not None:
+            self.prefetcher.start()  # the first touch of the training data
+        return clock
 
     def run_step(self, step: int) -> tuple[RunStatus, str] | None:
         """Step ``step`` of the loop (after ``_start_clock``): the training step, its record to
@@ -574,13 +561,6 @@ class Trainer:
         if self.saves is not None and self.saves.due(self.step):
             self.save_checkpoint()
         return None
-
-    def _at(self, step: int, phase: str) -> None:
-        """This rank enters ``phase`` of step ``step``: the heartbeat's mark (a step index;
-        eval/checkpoint/finish: the steps done), and a test's hang there (SCALEOUT_TEST_HANG)."""
-        self.progress.at(step, phase)
-        if self.injections.hang is not None:
-            self.injections.hang(step, phase)
 
     def train_step(self, step: int) -> StepFlags:
         """One optimizer step (grad_accum micro-batches); returns every rank's agreed outcome.
@@ -688,48 +668,6 @@ class Trainer:
         self.sync.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
 
-    def _nonfinite(self) -> torch.Tensor | bool:
-        """1.0 on the device if a reduced gradient is NaN/Inf: the sync's flag from its averaging
-        pass (DataParallel's fp32 buckets divided after the sum) when nothing touched the
-        gradients since (no injected gradient fault), else one pass of its own over the reduced
-        gradients: the sync's buffers (a few flat tensors), else every ``.grad``."""
-        if not self.injections.gradient_faults:
-            found = self.sync.nonfinite_flag()
-            if found is not None:
-                return found
-        grads = self.sync.reduced_grads()
-        if grads is None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-        return nonfinite(grads)
-
-    def _tune_comm(self, seconds: float) -> None:
-        """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
-        rank alike: it all-reduces what it decides from). The decision goes to the MLPerf log."""
-        chosen = self.autocomm.after_step(seconds)
-        if chosen is None:
-            return
-        s = self.autocomm.summary()
-        self.mlperf_log.event(
-            "scaleout_comm_plan",
-            chosen.label(),
-            metadata={
-                "step": self.step,
-                "predicted_step_s": s.get("predicted_step_s"),
-                "measured_step_s": s.get("measured_step_s"),
-                "candidates": s.get("candidates"),
-                "diverged": s.get("diverged"),
-            },
-        )
-        ab = ", ".join(
-            f"{a['label']}: predicted {a['predicted_step_s'] * 1e3:.1f} ms, measured "
-            f"{(a['measured_median_s'] or 0) * 1e3:.1f} ms"
-            for a in s.get("ab", [])
-        )
-        print0(
-            f"comm.algorithm=auto: {chosen.label()} after step {self.step} ({ab})",
-            rank=self.world.rank,
-        )
-
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Forward and backward of each micro-batch; all but the last accumulate without
         communicating. Returns the step's loss (a device tensor: nothing is read here)."""
@@ -752,28 +690,6 @@ class Trainer:
                     self.task.precision.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
-
-    def _build_ahead(self, step: int) -> None:
-        """Build step ``step``'s micro-batches while this backward's last gradient bucket is on
-        the wire (the sync's ``while_waiting``), where the host would otherwise sit idle; the
-        next train_step then starts computing at once. The same batches, in the same order, as
-        the synchronous path (a pure function of the data position); a failure is left for that
-        path to raise in its own step. Only for the in-process data path on a host wait (no
-        prefetch workers: they build ahead already)."""
-        if self.prefetcher is not None or step >= self.cfg.train.max_steps:
-            return
-        cfg = self.cfg.train
-
-        def build() -> None:
-            try:
-                self._next_batches = (
-                    step,
-                    self.task.micro_batches(step * cfg.global_batch, cfg.grad_accum),
-                )
-            except Exception:  # noqa: BLE001 -- raised again, in its own step, by the normal path
-                self._next_batches = None
-
-        self.sync.while_waiting(build)  # the sharded LAMB has no such wait: dropped
 
     def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
         """The step's agreement (``self.early_agreement``), before the last backward: written by
@@ -825,6 +741,79 @@ class Trainer:
         self.sync.wait_params()
         self._agreement = agreement(None)
 
+    def _build_ahead(self, step: int) -> None:
+        """Build step ``step``'s micro-batches while this backward's last gradient bucket is on
+        the wire (the sync's ``while_waiting``), where the host would otherwise sit idle; the
+        next train_step then starts computing at once. The same batches, in the same order, as
+        the synchronous path (a pure function of the data position); a failure is left for that
+        path to raise in its own step. Only for the in-process data path on a host wait (no
+        prefetch workers: they build ahead already)."""
+        if self.prefetcher is not None or step >= self.cfg.train.max_steps:
+            return
+        cfg = self.cfg.train
+
+        def build() -> None:
+            try:
+                self._next_batches = (
+                    step,
+                    self.task.micro_batches(step * cfg.global_batch, cfg.grad_accum),
+                )
+            except Exception:  # noqa: BLE001 -- raised again, in its own step, by the normal path
+                self._next_batches = None
+
+        self.sync.while_waiting(build)  # the sharded LAMB has no such wait: dropped
+
+    def _nonfinite(self) -> torch.Tensor | bool:
+        """1.0 on the device if a reduced gradient is NaN/Inf: the sync's flag from its averaging
+        pass (DataParallel's fp32 buckets divided after the sum) when nothing touched the
+        gradients since (no injected gradient fault), else one pass of its own over the reduced
+        gradients: the sync's buffers (a few flat tensors), else every ``.grad``."""
+        if not self.injections.gradient_faults:
+            found = self.sync.nonfinite_flag()
+            if found is not None:
+                return found
+        grads = self.sync.reduced_grads()
+        if grads is None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        return nonfinite(grads)
+
+    def _at(self, step: int, phase: str) -> None:
+        """This rank enters ``phase`` of step ``step``: the heartbeat's mark (a step index;
+        eval/checkpoint/finish: the steps done), and a test's hang there (SCALEOUT_TEST_HANG)."""
+        self.progress.at(step, phase)
+        if self.injections.hang is not None:
+            self.injections.hang(step, phase)
+
+    def _tune_comm(self, seconds: float) -> None:
+        """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
+        rank alike: it all-reduces what it decides from). The decision goes to the MLPerf log."""
+        chosen = self.autocomm.after_step(seconds)
+        if chosen is None:
+            return
+        s = self.autocomm.summary()
+        self.mlperf_log.event(
+            "scaleout_comm_plan",
+            chosen.label(),
+            metadata={
+                "step": self.step,
+                "predicted_step_s": s.get("predicted_step_s"),
+                "measured_step_s": s.get("measured_step_s"),
+                "candidates": s.get("candidates"),
+                "diverged": s.get("diverged"),
+            },
+        )
+        ab = ", ".join(
+            f"{a['label']}: predicted {a['predicted_step_s'] * 1e3:.1f} ms, measured "
+            f"{(a['measured_median_s'] or 0) * 1e3:.1f} ms"
+            for a in s.get("ab", [])
+        )
+        print0(
+            f"comm.algorithm=auto: {chosen.label()} after step {self.step} ({ab})",
+            rank=self.world.rank,
+        )
+
+    # -- evaluation
+    # ------------------------------------------------------------------------------------------
     @property
     def stops_at_target(self) -> bool:
         """Stop when an evaluation reaches train.target: unless there is none, or HPC-AI500's
@@ -857,55 +846,63 @@ class Trainer:
             observer.on_eval(record)
         return value
 
-    def _start_clock(self) -> float:
-        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier,
-        run_start, the first touch of the training data. Returns the clock's start
-        (time.perf_counter)."""
-        cfg, world = self.cfg, self.world
-        if world.rank == 0:
-            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
-        if self.preemption is None:
-            self.preemption = preempt.install()
-        steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
-        check_fixed_epochs(cfg, steps_per_epoch)
-        init_end = InitEnd(
-            benchmark=self.task.benchmark,
-            hyperparameters=hyperparameters(
-                cfg,
-                world.world_size,
-                self.config_file,
-                steps_per_epoch,
-                self.task.sequences_per_row,
-                world.device,
-            ),
-            resumed_from=self.resumed_from,
-            steps_per_epoch=steps_per_epoch,
-            train_set_size=self.task.rows,
+    # -- checkpoints
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Collective: every rank takes part (BN statistics, sharded pieces). Synchronous
+        (checkpoint.async=false): rank 0 writes, then a barrier. Asynchronous: the previous save
+        is waited for, the state is copied to host memory and a background thread writes it;
+        one small all-reduce agrees on failures (and, for every_steps=auto, on the costs)."""
+        if self.saves is None:
+            return
+        self._at(self.step, "checkpoint")
+        stall = self.saves.save(
+            self.step, self._write_checkpoint, self._mean_step_s(), self.progress
         )
-        if self.autocomm is not None:  # before run_start: synthetic tensors, no data touched
-            probe = self.autocomm.start()
-            self.mlperf_log.event(
-                "scaleout_comm_probe",
-                round(probe.seconds, 3),
-                metadata={"algorithms": list(self.autocomm.space.algorithms)},
-            )
-            print0(
-                f"comm.algorithm=auto: probed {', '.join(self.autocomm.space.algorithms)} in "
-                f"{probe.seconds:.2f} s",
-                rank=world.rank,
-            )
-        for observer in self.observers:
-            observer.on_init_end(init_end)
-        world.barrier()
-        clock = time.perf_counter()
-        self.lost["startup_s"] = time.time() - self.started_unix
-        start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
-        for observer in self.observers:
-            observer.on_run_start(start)
-        if self.prefetcher is not None:
-            self.prefetcher.start()  # the first touch of the training data
-        return clock
+        self.lost["save_stall_s"] += stall
 
+    def _write_checkpoint(self) -> None:
+        """This rank's part of a save at ``self.step`` (a snapshot when asynchronous)."""
+        assert self.checkpointer is not None  # saves exist only with a checkpointer
+        self.task.sync_buffers()  # BN statistics equal on every rank, so a resume is exact
+        state = self.state_dict()
+        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank its own
+        path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
+        if path is not None:
+            how = " (written in the background)" if self.checkpointer.asynchronous else ""
+            print0(f"checkpoint: step {self.step} -> {path}{how}", rank=self.world.rank)
+
+    def _mean_step_s(self) -> float:
+        return self.this_run.seconds / max(self.this_run.steps, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
+        optimizer's pieces are written apart. No RNG state: a step's random streams follow from
+        (train.seed, step, rank) (train/rng.py)."""
+        self.sync.wait_params()  # the sharded LAMB's last all-gathers, before the weights are read
+        opt_state, _ = self.sync.optimizer_state(self.optimizer)
+        return {
+            "model": self.task.model.state_dict(),
+            "optimizer": opt_state,
+            "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
+            "schedule": self.schedule.state_dict(),
+            "data_position": self.step * self.cfg.train.global_batch,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "precision": self.task.precision.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict` (an older checkpoint's ``rng`` entry is ignored)."""
+        self.task.model.load_state_dict(state["model"])
+        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.step = int(state["step"])
+        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
+        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
+
+    # -- the end of the run
+    # ------------------------------------------------------------------------------------------
     def _finish(self, status: RunStatus, reason: str, clock: float) -> TrainResult:
         """MLPerf run_stop, the final checkpoint, the report, and the exit code of ``status``."""
         cfg, world = self.cfg, self.world
@@ -975,6 +972,16 @@ class Trainer:
             self.preemption.uninstall()
             self.preemption = None
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
+
+    def _report_replica_vote(self, vote: replicas.Vote) -> None:
+        """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
+        for the supervisor, which quarantines the odd ranks' nodes."""
+        if self.world.rank != 0:
+            return
+        text = vote.sentence(self.world.world_size)
+        print(f"WARNING: {text}", flush=True)
+        if vote.odd_ranks:
+            write_replica_vote(self.world, text, vote.odd_ranks)
 
 
 def restart_loss_s(start: rerun.RunStart, resumed: Path | None, started_unix: float) -> float:
