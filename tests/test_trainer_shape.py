@@ -137,3 +137,40 @@ def test_save_schedule_due(tmp_path: Path) -> None:
     assert not auto.due(7) and auto.due(8)
     auto.saved_step, auto.every = 8, 4
     assert [s for s in range(9, 17) if auto.due(s)] == [12, 13, 14, 15, 16]
+
+
+def test_data_parallel_answers_through_methods_once_per_synchronisation() -> None:
+    """One rank, real buckets: an offered rider is written once and read back summed; work given
+    to while_waiting runs in that backward's wait only; zero_grad keeps .grad views into the
+    buffers that reduced_grads returns."""
+    import torch
+
+    from scaleout.config.schema import CommConfig
+    from scaleout.world import init
+
+    world = init(environment="single")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        dp = DataParallel.from_config(model, world, CommConfig(bucket_mb=25.0), rider=3)
+        written, ran = [], []
+
+        def fill(view: torch.Tensor) -> None:
+            written.append(view.numel())
+            view.copy_(torch.tensor([1.0, 2.0, 3.0]))
+
+        assert dp.ride(fill) is True
+        dp.while_waiting(lambda: ran.append(1))
+        dp(torch.randn(4, 8)).sum().backward()
+        assert written == [3] and ran == [1]
+        assert dp.ride_result().tolist() == [1.0, 2.0, 3.0]  # one rank: the sums are the values
+        grads = dp.reduced_grads()
+        assert sum(g.numel() for g in grads) == sum(p.numel() for p in model.parameters())
+        assert all(g.abs().sum() > 0 for g in grads)
+        dp.zero_grad()
+        assert all(g.abs().sum() == 0 for g in grads)
+        assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in model.parameters())
+        dp(torch.randn(4, 8)).sum().backward()  # nothing offered: nothing rides, nothing runs
+        assert written == [3] and ran == [1] and dp.ride_result() is None
+        assert dp.ride(None) is False
+    finally:
+        world.close()
