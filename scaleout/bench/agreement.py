@@ -24,7 +24,7 @@ HELP = (
     "the step's agreement all-reduce with and without the straggler/desync block: step-time ratio"
 )
 DESCRIPTION = """\
-The trainer's step ends with one small SUM all-reduce (scaleout/train/faults.py agree_on_step).
+The trainer's step ends with one small SUM all-reduce (scaleout/train/agreement.py agree_on_step).
 With attribution on (the default) it also carries every rank's phase times and collective
 fingerprint in a world-sized block (scaleout/train/skew.py). This benchmark runs real training
 steps of --config with the block off ("old") and on ("extended"), interleaved round by round, each
@@ -78,7 +78,7 @@ def _agreement(world: Any, extended: bool, ranks: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from scaleout.train.faults import HEAD, agree_on_step, agreement_size
+    from scaleout.train.agreement import HEAD, agree_on_step, agreement_size
     from scaleout.train.skew import PHASES, ROWS
 
     if not extended or ranks == world.world_size:

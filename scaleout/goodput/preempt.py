@@ -306,8 +306,8 @@ def release_after_stop(
 ) -> int:
     """After a preemption stop (checkpoint written): rank 0 requeues the Slurm job if some rank got
     a notice, then every rank passes one barrier; returns the exit code (75, or 1 if the requeue
-    failed). ``notice``/``terminate``: the step's agreed flags (scaleout/train/faults.py), never a
-    rank's own.
+    failed). ``notice``/``terminate``: the step's agreed flags (scaleout/train/agreement.py), never
+    a rank's own.
 
     The barrier comes after the requeue because under ``srun --kill-on-bad-exit=1`` the first
     rank to exit 75 makes Slurm kill the others: a rank 0 still on its way to ``scontrol

@@ -372,6 +372,22 @@ class ShardedLAMB(torch.optim.Optimizer):
     # -- scaleout.parallel.sync.GradientSync: the trainer asks this optimizer what it asks
     # DataParallel ----
     grads_are_views = False  # .grad are autograd's own tensors, copied into the buckets
+    finds_nonfinite = True  # its shards' non-finite counts ride on step()'s norm all-reduce
+
+    def reduced_grads(self) -> None:
+        return None  # each rank holds its own shard's only: the check is step()'s (skipped)
+
+    def nonfinite_flag(self) -> None:
+        return None
+
+    def ride(self, fill: Callable[[torch.Tensor], None] | None) -> bool:
+        return False  # no replicated buffer whose sums every rank reads alike
+
+    def ride_result(self) -> None:
+        return None
+
+    def while_waiting(self, work: Callable[[], None]) -> None:
+        """Dropped: no host wait here to fill (the next step's batch is built in its own step)."""
 
     def unused_flag(self) -> None:
         return None  # the usage rides on step()'s norm all-reduce (_check_unused)

@@ -48,7 +48,7 @@ class Bucket:
     buffer: torch.Tensor  # 1-D, contiguous, the parameters' dtype
     slots: list[Slot]
     extra: int = 0  # trailing elements after the gradients (the parameter usage, last bucket)
-    rider: int = 0  # of which the last ``rider`` carry a caller's values (Reducer rider_fill)
+    rider: int = 0  # of which the last ``rider`` carry a caller's values (Reducer.ride)
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +144,7 @@ def build_buckets(
     so that the first all-reduce starts after the last layer's gradients instead of after 25 MiB
     of them). ``order``: parameter indices in bucket-filling order (default: reverse registration
     order). ``rider``: further elements after the usage, for a caller's own values
-    (:attr:`scaleout.parallel.reducer.Reducer.rider_fill`)."""
+    (:meth:`scaleout.parallel.reducer.Reducer.ride`)."""
     import torch  # a torch-free module at import: the simulator and the schema read it
 
     if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:

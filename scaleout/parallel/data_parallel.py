@@ -14,7 +14,7 @@ Gradient accumulation: run all micro-steps but the last under ``with dp.no_sync(
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,8 +91,8 @@ class DataParallel(torch.nn.Module):
         became
             ready (rank 0's order; as torch DDP does).
         rider: elements at the end of the last bucket for the caller's own values, summed with
-            the gradients when they go on the wire uncompressed (``reducer.rider_fill`` /
-            ``reducer.rider_result``: the trainer's step agreement rides there).
+            the gradients when they go on the wire uncompressed (:meth:`ride` /
+            :meth:`ride_result`: the trainer's step agreement rides there).
         defer_unused: do not read the parameter usage after backward (a host read); the
         caller
             folds :meth:`unused_flag` into its own read, then calls :meth:`check_unused`.
@@ -225,6 +225,25 @@ class DataParallel(torch.nn.Module):
     # -- scaleout.parallel.sync.GradientSync
     # ------------------------------------------------------------
     grads_are_views = True  # .grad are views into the bucket buffers (zero_grad keeps them)
+    finds_nonfinite = False  # the trainer's agreement carries the non-finite flag
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The bucket buffers' gradient parts (``.grad`` are views into them): a few flat tensors
+        instead of one per parameter."""
+        return [b.grads for b in self.reducer.buckets]
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        """The averaging pass's flag (fp32 buckets divided after the sum, see the reducer)."""
+        return self.reducer.nonfinite
+
+    def ride(self, fill: Callable[[torch.Tensor], None] | None) -> bool:
+        return self.reducer.ride(fill)
+
+    def ride_result(self) -> torch.Tensor | None:
+        return self.reducer.rider_result
+
+    def while_waiting(self, work: Callable[[], None]) -> None:
+        self.reducer.while_waiting(work)
 
     @property
     def issued(self) -> int:

@@ -151,17 +151,19 @@ class Reducer:
         # values, summed over the ranks with the gradients (no collective of their own). Once per
         # synchronising backward, when the last bucket is about to go out on the wire in its own
         # dtype (no compression: the values are summed exactly as written, never pre-divided or
-        # rounded), ``rider_fill(view)`` writes them into the wire buffer; after the wait,
-        # ``rider_result`` holds their sums (a copy: a bucket rebuild may follow), else None.
-        self.rider_fill: Callable[[torch.Tensor], None] | None = None
+        # rounded), the ``fill(view)`` offered by :meth:`ride` writes them into the wire buffer;
+        # after the wait, ``rider_result`` holds their sums (a copy: a bucket rebuild may follow),
+        # else None.
+        self._rider_fill: Callable[[torch.Tensor], None] | None = None
         self.rider_result: torch.Tensor | None = None
         self._rode = False
         # Host work for the wait: once per synchronising backward, after the last bucket went out
-        # and before the host blocks on the wire, ``while_waiting()`` runs in this thread (the
-        # trainer builds the next step's batch there), when the host really waits (no CUDA
-        # stream) and no collective in flight needs this process's GIL (no comm-thread
-        # schedule). Its seconds are last_stats["idle_s"], not counted as exposed communication.
-        self.while_waiting: Callable[[], None] | None = None
+        # and before the host blocks on the wire, the work given to :meth:`while_waiting` runs in
+        # this thread (the trainer builds the next step's batch there), when the host really
+        # waits (no CUDA stream) and no collective in flight needs this process's GIL (no
+        # comm-thread schedule). Its seconds are last_stats["idle_s"], not counted as exposed
+        # communication.
+        self._wait_work: Callable[[], None] | None = None
         self._idle_s = 0.0
         # After a synchronising backward whose buckets were all divided after their sums: 1.0 on
         # the device if any averaged gradient is NaN/Inf, else 0.0 (read nothing: the trainer
@@ -305,8 +307,9 @@ class Reducer:
         self._post[b] = buf is bucket.buffer and self._divides_after(buf)  # sent undivided
         if buf is not bucket.buffer:
             self._comm_bufs[b] = buf
-        elif bucket.rider and self.rider_fill is not None:  # after the pre-divide: sums as written
-            self.rider_fill(buf.narrow(0, buf.numel() - bucket.rider, bucket.rider))
+        elif bucket.rider and self._rider_fill is not None:  # after the pre-divide: sums as written
+            fill, self._rider_fill = self._rider_fill, None  # once: offered per synchronisation
+            fill(buf.narrow(0, buf.numel() - bucket.rider, bucket.rider))
             self._rode = True
         self.issued += 1
         handle = None
@@ -400,7 +403,7 @@ class Reducer:
         self._launch_ready()
         self._poll()
         self._idle_s = 0.0
-        work, self.while_waiting = self.while_waiting, None
+        work, self._wait_work = self._wait_work, None
         if work is not None and self._host_waits():
             t0 = now_us()
             work()
@@ -461,6 +464,16 @@ class Reducer:
                 "zero)"
             )
         return self.last_stats
+
+    def ride(self, fill: Callable[[torch.Tensor], None] | None) -> bool:
+        """Offer ``fill`` for the rider of the next synchronising backward (see ``__init__``);
+        False, keeping nothing, when no rider goes on the wire (:attr:`rides`)."""
+        self._rider_fill = fill if self.rides else None
+        return self._rider_fill is not None
+
+    def while_waiting(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once in the next synchronising backward's wire wait (see ``__init__``)."""
+        self._wait_work = work
 
     @property
     def rides(self) -> bool:

@@ -97,20 +97,17 @@ class Progress:
     attribute writes, no lock, no call into the store: the heartbeat thread reads them (a tuple
     store is atomic under the GIL, so step and phase never tear)."""
 
-    __slots__ = ("point", "collectives", "fault", "_sources")
+    __slots__ = ("point", "collectives", "_sources")
 
     def __init__(self) -> None:
         self.point: tuple[int, str] = (0, "init")
         self.collectives = 0
-        self.fault: Callable[[int, str], None] | None = None  # a test's HangInjection, else None
         self._sources: list[Any] = []
 
     def at(self, step: int, phase: str) -> None:
         """This rank enters ``phase`` of step ``step`` (a step index; eval/checkpoint: the steps
         done)."""
         self.point = (step, phase)
-        if self.fault is not None:
-            self.fault(step, phase)
 
     def watch(self, source: Any) -> None:
         """Also count ``source.issued`` (collectives) and read ``source.waiting`` (grad-sync)."""

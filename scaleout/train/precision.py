@@ -14,10 +14,10 @@
   in a row.
 
 Unlike ``GradScaler``, which decides per process from its local gradients, the skip decision here is
-the trainer's per-step agreement (:func:`scaleout.train.faults.agree_on_step`): every rank gets the
-same flag, so every rank skips the same step and moves S the same way (with a sharded optimizer no
-rank sees all gradients, so a local decision would split the ranks). S lives on the host as a Python
-float, so scaling and unscaling launch kernels but never wait for the device.
+the trainer's per-step agreement (:func:`scaleout.train.agreement.agree_on_step`): every rank gets
+the same flag, so every rank skips the same step and moves S the same way (with a sharded optimizer
+no rank sees all gradients, so a local decision would split the ranks). S lives on the host as a
+Python float, so scaling and unscaling launch kernels but never wait for the device.
 """
 
 from __future__ import annotations

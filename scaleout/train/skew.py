@@ -2,7 +2,7 @@
 
 Every rank measures its own phase times of the step (:data:`PHASES`) and a fingerprint of the
 step's gradient collectives (count, bytes, bucket layout: ``GradientSync.collectives``,
-scaleout/parallel/buckets.py ``fingerprint``); :func:`scaleout.train.faults.agree_on_step`
+scaleout/parallel/buckets.py ``fingerprint``); :func:`scaleout.train.agreement.agree_on_step`
 puts them into the *same* SUM all-reduce that already carries the step's flags and loss, so every
 rank learns, per phase, the slowest and the fastest rank and the median, and whether every rank ran
 the same collectives, without a collective of its own.
@@ -209,7 +209,7 @@ class StepSkew:
     @classmethod
     def from_values(cls, values: list[float], fp: int, names: Sequence[str] = PHASES) -> StepSkew:
         """From the agreement's summary: per phase (max, argmax, min, argmin, median), in that
-        order of blocks of ``len(names)`` (see :func:`scaleout.train.faults.agree_on_step`;
+        order of blocks of ``len(names)`` (see :func:`scaleout.train.agreement.agree_on_step`;
         ``names``: :data:`PHASES`, then :data:`LINK` when links are credited)."""
         n = len(names)
         mx, amx, mn, amn, med = (values[i * n : (i + 1) * n] for i in range(5))

@@ -1,13 +1,16 @@
 """The trainer: World -> task (model + data) -> gradient sync -> optimizer + schedule -> steps with
 evaluation to the target -> MLPerf log, checkpoints, report.
 
-Everything a trainer holds is declared on the class below, in four groups, and built in
-``__init__``; ``train()`` runs the steps (``train_step()`` -> ``forward_backward()``);
-``state_dict()`` / ``load_state_dict()`` are what a checkpoint holds. The trainer asks interfaces
-instead of modes: the task (scaleout/families/task.py) for everything about the model family, the
-gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for everything
-about communication and optimizer state, and its observers (train/observe.py) for everything it
-reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier) -> run_stop.
+Everything a trainer holds is declared on the class below, in five groups, and built in
+``__init__``. The methods read in the order they run: ``train()`` -> ``run_step()`` ->
+``train_step()`` -> ``forward_backward()``, then evaluation, checkpoints (``state_dict()`` /
+``load_state_dict()`` are what a checkpoint holds) and the end of the run. The trainer asks
+interfaces instead of modes: the task (scaleout/families/task.py) for everything about the model
+family, the gradient sync (scaleout/parallel/sync.py: DataParallel or the sharded optimizer) for
+everything about communication and optimizer state, its save schedule
+(scaleout/checkpoint_schedule.py) when to save, and its observers (scaleout/train/observe.py) for
+everything it reports. Time-to-train is MLPerf's: run_start (after init, all ranks at a barrier)
+-> run_stop.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaleout.checkpoint import Checkpointer, CheckpointWriteFailed
+from scaleout.checkpoint import Checkpointer
+from scaleout.checkpoint_schedule import SaveSchedule
 from scaleout.comm.handles import prioritize_communication
 from scaleout.comm.phasetime import CLOCK
 from scaleout.config.schema import Config
@@ -40,28 +43,24 @@ from scaleout.parallel.buckets import fold
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.telemetry.mlperf import MLPerfLogger
-from scaleout.telemetry.report import RunReport, goodput_section, young_daly_interval_s
+from scaleout.telemetry.report import RunReport, goodput_section
 from scaleout.telemetry.timers import Timers
 from scaleout.train import prefetch, replicas, rerun
-from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
-from scaleout.train.faults import (
-    EXIT_ABORTED,
+from scaleout.train.agreement import (
     HEAD,
-    CorruptInjection,
-    CrashInjection,
-    DelayInjection,
-    HangInjection,
-    NanInjection,
     PendingAgreement,
-    ReducedNanInjection,
-    RequeueDelay,
     StepFlags,
     agree_on_step,
     agreement_size,
-    exit_on_comm_failure,
-    is_comm_failure,
     nonfinite,
     start_agreement,
+)
+from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
+from scaleout.train.faults import (
+    EXIT_ABORTED,
+    Injections,
+    exit_on_comm_failure,
+    is_comm_failure,
     write_crash,
     write_replica_vote,
 )
@@ -97,11 +96,6 @@ from scaleout.world import World, init
 
 log = logging.getLogger("scaleout.train")
 
-# Called on this rank's gradients between unscaling and the step's agreement, with (step,
-# parameters). Empty in a real run; tests install scaleout.train.faults.ReducedNanInjection (and
-# the corrupt / crash injections) through their variables.
-GradientHook = Callable[[int, list[torch.nn.Parameter]], None]
-
 
 def check_fixed_epochs(cfg: Config, steps_per_epoch: int) -> None:
     """hpcai500.epochs (HPC-AI500's fixed-epoch protocol): train.max_steps must be exactly that
@@ -135,6 +129,7 @@ class Trainer:
     config_file: str  # the config's name, for the MLPerf log and the metrics header
     start_info: rerun.RunStart  # new, resume or finished (the rerun policy, train/rerun.py)
     out: Path  # train.output_dir
+    started_unix: float  # goodput's wall clock starts here: the process's start, else __init__'s
 
     # -- swappable components (built from the config)
     # -----------------------------------------------
@@ -149,12 +144,12 @@ class Trainer:
     # -- runtime utilities
     # --------------------------------------------------------------------------
     checkpointer: Checkpointer | None  # None without checkpoint.dir
+    saves: SaveSchedule | None  # when to save (checkpoint.every_steps); None without checkpoint.dir
     timers: Timers  # the sampled step-time breakdown (train.timing_every)
     mlperf_log: MLPerfLogger
     report_writer: ReportWriter  # also an observer; holds the RunReport train() returns
     observers: list[Observer]  # every reporting channel, called in order (train/observe.py)
-    gradient_hooks: list[GradientHook]  # empty unless a test injects faults
-    delay: DelayInjection | None  # a test's straggler (SCALEOUT_TEST_DELAY), else None
+    injections: Injections  # test-only faults from their variables; none in a real run
     skew: SkewTracker  # stragglers and per-phase spread over the ranks (train/skew.py)
     # False: the step's agreement carries its flags only, no phase times nor fingerprint
     # (`scaleout bench agreement` measures what they cost); the same on every rank
@@ -162,12 +157,14 @@ class Trainer:
     # inter_allreduce x each rank's link credit names a slow link (train/skew.py), None: equal or
     # unknown link rates (a world-sized tensor on the device)
     link_credit: torch.Tensor | None
-    before_requeue: Callable[[preempt.Preemption], None] | None  # a test hook, else None
-    progress: Progress  # where this rank is, for the heartbeat (phase marks: progress.at)
+    progress: Progress  # where this rank is, for the heartbeat (phase marks: _at)
     preemption: preempt.Preemption | None  # signal handlers; train() installs them if None
     owns_preemption_handlers: bool  # train() installed them, so it removes them
     params: list[torch.nn.Parameter]  # those that require grad
     autocomm: Any  # comm.algorithm=auto's tuner (scaleout/parallel/autotune.py AutoComm), else None
+    # True: the step's agreement is armed before the last backward (riding in the last bucket, or
+    # its own all-reduce hidden by backward); False (a CUDA-graph step): agreed after it
+    early_agreement: bool
 
     # -- training state (checkpointed: state_dict)
     # ------------------------------------------------------
@@ -179,6 +176,8 @@ class Trainer:
     # ----------------------------------------------------------------
     start_step: int  # the step this run started from (a resumed run: its checkpoint's)
     resumed_from: int | None
+    resumed_path: Path | None  # the checkpoint this run resumed from
+    lost: dict[str, float]  # goodput's lost seconds: save_stall_s, evaluation_s, startup_s
     losses: list[float | None]  # mean loss over ranks of every step this run took
     metric: float | None  # the last evaluation's value
     flags: StepFlags  # the last step's agreed flags: the end of the run follows them
@@ -186,6 +185,14 @@ class Trainer:
     this_run: Throughput  # every step of this run
     timed: Throughput  # the steps after train.timing_skip_steps (used by `scaleout sweep`)
     run_record: dict[str, Any]  # run.json's record (rank 0; {} elsewhere)
+    _optimizer_s: float  # the last optimizer step's seconds (the next agreement sends them)
+    # (step, its micro-batches) built in the last backward's wire wait (_build_ahead)
+    _next_batches: tuple[int, list[MicroBatch]] | None
+    _agreement: PendingAgreement | None  # armed for this step (early_agreement)
+    # the last step's phase times and seconds: they ride in the next step's agreement (this step's
+    # are complete only after its gradients arrived)
+    _lagged: tuple[list[float], float] | None
+    _skew_seconds: float | None  # the seconds of the step whose skew the last agreement carried
 
     def __init__(
         self,
@@ -225,32 +232,18 @@ class Trainer:
             if cfg.checkpoint.dir
             else None
         )
-        # every_steps=auto: the first save after one step measures the stall (save_checkpoint)
-        every = cfg.checkpoint.every_steps
-        self.save_every = 1 if every == "auto" else every
-        self.saved_step: int | None = None  # the step of this run's latest save
-        self.resumed_path: Path | None = None
+        self.resumed_path = None
         self.lost = {"save_stall_s": 0.0, "evaluation_s": 0.0, "startup_s": 0.0}
         self.timers = Timers(world.device, every=cfg.train.timing_every)
         self.preemption = preemption
         self.owns_preemption_handlers = preemption is None
-        self.nan_fault = NanInjection.from_env(world.rank)  # poisons the loss (test-only)
-        faults = (
-            ReducedNanInjection.from_env(world.rank),
-            CrashInjection.from_env(world.rank),
-            CorruptInjection.from_env(world.rank),
-        )
-        self.gradient_hooks = [f for f in faults if f is not None]
-        self.before_requeue = RequeueDelay.from_env()
+        self.injections = Injections.from_env(world.rank)
         # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
         self.progress = progress if progress is not None else Progress()
-        self.progress.fault = HangInjection.from_env(world.rank)
-        self.delay = DelayInjection.from_env(world.rank)
         self.skew = SkewTracker(world.node_of, cfg.train.straggler_threshold)
         self.attribution = True
-        self._optimizer_s = 0.0  # the last optimizer step's seconds (the next agreement sends it)
-        # (step, its micro-batches) built in the last backward's wire wait (_build_ahead)
-        self._next_batches: tuple[int, list[MicroBatch]] | None = None
+        self._optimizer_s = 0.0
+        self._next_batches = None
 
         # swappable components
         torch.manual_seed(cfg.train.seed)  # same init everywhere; rank 0's weights are broadcast
@@ -304,11 +297,8 @@ class Trainer:
         # (no hooks in its backward). A rank whose reduced gradients alone are non-finite skips
         # alone: the steps skipped so far ride in the fingerprint, so the next agreement names it.
         self.early_agreement = self.graphs is None
-        self._agreement: PendingAgreement | None = None
-        # the last step's phase times and seconds: they ride in the next step's agreement (this
-        # step's are complete only after its gradients arrived)
-        self._lagged: tuple[list[float], float] | None = None
-        self._skew_seconds: float | None = None
+        self._agreement = None
+        self._lagged, self._skew_seconds = None, None
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
         if cfg.comm.comm_nice:  # CPU/gloo: communication threads ahead of compute (after groups)
@@ -318,6 +308,18 @@ class Trainer:
         self.step, self.samples, self.skipped = 0, 0, 0
         self.start_step = self.resume()
         self.resumed_from = self.start_step or None
+        self.saves = (
+            SaveSchedule(
+                self.checkpointer,
+                world,
+                cfg.checkpoint.every_steps,
+                cfg.checkpoint.mtbf_h,
+                settle_timeout_s=cfg.train.init_timeout_s,
+                start_step=self.start_step,
+            )
+            if self.checkpointer is not None
+            else None
+        )
 
         # this run
         self.losses, self.metric = [], None
@@ -346,6 +348,16 @@ class Trainer:
             MetricsObserver(cfg, world, self.out, config_file),
             ProfilerObserver(cfg, self.out, world.rank),
         ]
+
+    def _prepare_output_dir(self) -> None:
+        """Rank 0 makes the output directory and sets aside what an earlier run left there."""
+        kind = self.start_info.kind
+        if self.world.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
+                rerun.set_aside_earlier(self.out / "mlperf.log")
+            if kind != "finished":  # an earlier run's or segment's report is kept
+                rerun.set_aside_earlier(self.out / "report.json")
 
     def _exchange_links(self) -> torch.Tensor | None:
         """Every rank's link rate, summed once into a world-sized vector on the device (each rank
@@ -378,165 +390,6 @@ class Trainer:
             return None
         return torch.tensor(credit, dtype=torch.float32).to(world.device)
 
-    def _prepare_output_dir(self) -> None:
-        """Rank 0 makes the output directory and sets aside what an earlier run left there."""
-        kind = self.start_info.kind
-        if self.world.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            if kind == "new":  # an earlier run's log in this directory is kept, not appended to
-                rerun.set_aside_earlier(self.out / "mlperf.log")
-            if kind != "finished":  # an earlier run's or segment's report is kept
-                rerun.set_aside_earlier(self.out / "report.json")
-
-    # -- checkpoints
-    # ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
-        optimizer's pieces are written apart. No RNG state: a step's random streams follow from
-        (train.seed, step, rank) (train/rng.py)."""
-        self.sync.wait_params()  # the sharded LAMB's last all-gathers, before the weights are read
-        opt_state, _ = self.sync.optimizer_state(self.optimizer)
-        return {
-            "model": self.task.model.state_dict(),
-            "optimizer": opt_state,
-            "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
-            "schedule": self.schedule.state_dict(),
-            "data_position": self.step * self.cfg.train.global_batch,
-            "samples": self.samples,
-            "skipped": self.skipped,
-            "precision": self.task.precision.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inverse of :meth:`state_dict` (an older checkpoint's ``rng`` entry is ignored)."""
-        self.task.model.load_state_dict(state["model"])
-        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.step = int(state["step"])
-        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
-        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
-
-    def save_checkpoint(self) -> None:
-        """Collective: every rank takes part (BN statistics, sharded pieces). Synchronous
-        (checkpoint.async=false): rank 0 writes, then a barrier. Asynchronous: the previous save
-        is waited for, the state is copied to host memory and a background thread writes it;
-        one small all-reduce agrees on failures (and, for every_steps=auto, on the costs)."""
-        if self.checkpointer is None:
-            return
-        self.progress.at(self.step, "checkpoint")
-        t0, self.saved_step = time.perf_counter(), self.step
-        if not self.checkpointer.asynchronous:
-            # BN statistics equal on every rank, so a resume is exact everywhere
-            self.task.sync_buffers()
-            state = self.state_dict()
-            _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank its own
-            path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
-            if path is not None:
-                print0(f"checkpoint: step {self.step} -> {path}", rank=self.world.rank)
-            self.progress.collectives += 1  # a rank still writing is then behind the others
-            self.world.barrier()
-            self._saved(time.perf_counter() - t0, self._mean_step_s())
-            return
-
-        def launch() -> None:
-            self.task.sync_buffers()
-            state = self.state_dict()
-            _, shards = self.sync.optimizer_state(self.optimizer)
-            path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
-            if path is not None:
-                print0(
-                    f"checkpoint: step {self.step} -> {path} (written in the background)",
-                    rank=self.world.rank,
-                )
-
-        stall, step_s = self._settle_saves(then=launch, t0=t0)
-        self._saved(stall, step_s)
-
-    def _save_due(self) -> bool:
-        """every_steps=N: at multiples of N (as before a resume); auto: save_every steps after
-        this run's previous save (or its start)."""
-        every = self.save_every
-        if not every:
-            return False
-        if self.cfg.checkpoint.every_steps != "auto":
-            return self.step % every == 0
-        return self.step - (self.saved_step or self.start_step) >= every
-
-    def _mean_step_s(self) -> float:
-        return self.this_run.seconds / max(self.this_run.steps, 1)
-
-    def _saved(self, stall: float, step_s: float) -> None:
-        """Account a save's stall; every_steps=auto: the next interval (Young/Daly) from the
-        stall and step time, both agreed (MAX over ranks), so every rank picks the same step."""
-        self.lost["save_stall_s"] += stall
-        if self.cfg.checkpoint.every_steps != "auto":
-            return
-        world = self.world
-        if not self.checkpointer.asynchronous and world.world_size > 1:  # agreed nothing yet
-            box = torch.tensor([stall, step_s], dtype=torch.float64, device=world.device)
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
-            stall, step_s = box.tolist()
-        nodes = max(1, self.world.world_size // max(self.world.local_size, 1))
-        mtbf_s = self.cfg.checkpoint.mtbf_h * 3600.0 / nodes
-        tau = young_daly_interval_s(stall, mtbf_s)
-        self.save_every = max(1, round(tau / max(step_s, 1e-9)))
-        print0(
-            f"checkpoint.every_steps=auto: save stall {stall:.3f} s, job MTBF "
-            f"{mtbf_s / 3600:.1f} h, step {step_s * 1e3:.1f} ms -> every {self.save_every} steps "
-            f"(Young/Daly {tau:.0f} s)",
-            rank=self.world.rank,
-        )
-
-    def _report_replica_vote(self, vote: replicas.Vote) -> None:
-        """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
-        for the supervisor, which quarantines the odd ranks' nodes."""
-        if self.world.rank != 0:
-            return
-        text = vote.sentence(self.world.world_size)
-        print(f"WARNING: {text}", flush=True)
-        if vote.odd_ranks:
-            write_replica_vote(self.world, text, vote.odd_ranks)
-
-    def _settle_saves(
-        self, then: Callable[[], None] | None = None, agree: bool = True, t0: float | None = None
-    ) -> tuple[float, float]:
-        """Wait for the background save in flight (the next save, the end of the run or a
-        preemption must not outrun it), run ``then`` (the next save's snapshot), and agree with
-        one all-reduce whether any rank's write failed: then every rank raises (the failed rank
-        its error, the others one naming it). The wait can outlast train.step_timeout_s, so every
-        rank runs this under the longer of the two timeouts (set locally, no barrier). Returns
-        the agreed (stall, mean step time): this rank's when ``agree`` is false (a peer may be
-        gone: no collective)."""
-        t0 = time.perf_counter() if t0 is None else t0
-        ck, world = self.checkpointer, self.world
-        if ck is None or not ck.asynchronous:
-            return 0.0, self._mean_step_s()
-        multi = agree and world.world_size > 1 and dist.is_initialized()
-        before = world.timeout_s
-        if multi:
-            world.set_timeout(max(before, self.cfg.train.init_timeout_s), sync=False)
-        try:
-            error = ck.wait()
-            if then is not None:
-                then()
-            stall = time.perf_counter() - t0
-            agreed = [float(error is not None), stall, self._mean_step_s()]
-            if multi:
-                box = torch.tensor(agreed, dtype=torch.float64, device=world.device)
-                dist.all_reduce(box, op=dist.ReduceOp.MAX)
-                agreed = box.tolist()  # a host read at a save boundary, once per save
-        finally:
-            if multi:
-                world.set_timeout(before, sync=False)
-        if error is not None:
-            raise error
-        if agreed[0]:
-            raise CheckpointWriteFailed(
-                f"rank {world.rank}: a peer's background checkpoint write failed (its own error "
-                "names it); stopping"
-            )
-        return agreed[1], agreed[2]
-
     def resume(self) -> int:
         """Load the latest checkpoint (rank 0 chooses; every rank follows); its step (0: none)."""
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
@@ -554,8 +407,8 @@ class Trainer:
         print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
         return self.step
 
-    # -- the run
-    # ----------------------------------------------------------------------------------------
+    # -- the run: train() -> each step (run_step -> train_step -> forward_backward) -> end
+    # ------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Steps until the target, train.max_steps, an agreed preemption or divergence."""
         CLOCK.reset()  # row / column phase times for the agreement (scaleout/comm/phasetime.py)
@@ -585,6 +438,55 @@ class Trainer:
                 status, reason = end
                 break
         return self._finish(status, reason, clock)
+
+    def _start_clock(self) -> float:
+        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier,
+        run_start, the first touch of the training data. Returns the clock's start
+        (time.perf_counter)."""
+        cfg, world = self.cfg, self.world
+        if world.rank == 0:
+            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
+        if self.preemption is None:
+            self.preemption = preempt.install()
+        steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
+        check_fixed_epochs(cfg, steps_per_epoch)
+        init_end = InitEnd(
+            benchmark=self.task.benchmark,
+            hyperparameters=hyperparameters(
+                cfg,
+                world.world_size,
+                self.config_file,
+                steps_per_epoch,
+                self.task.sequences_per_row,
+                world.device,
+            ),
+            resumed_from=self.resumed_from,
+            steps_per_epoch=steps_per_epoch,
+            train_set_size=self.task.rows,
+        )
+        if self.autocomm is not None:  # before run_start: synthetic tensors, no data touched
+            probe = self.autocomm.start()
+            self.mlperf_log.event(
+                "scaleout_comm_probe",
+                round(probe.seconds, 3),
+                metadata={"algorithms": list(self.autocomm.space.algorithms)},
+            )
+            print0(
+                f"comm.algorithm=auto: probed {', '.join(self.autocomm.space.algorithms)} in "
+                f"{probe.seconds:.2f} s",
+                rank=world.rank,
+            )
+        for observer in self.observers:
+            observer.on_init_end(init_end)
+        world.barrier()
+        clock = time.perf_counter()
+        self.lost["startup_s"] = time.time() - self.started_unix
+        start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
+        for observer in self.observers:
+            observer.on_run_start(start)
+        if self.prefetcher is not None:
+            self.prefetcher.start()  # the first touch of the training data
+        return clock
 
     def run_step(self, step: int) -> tuple[RunStatus, str] | None:
         """Step ``step`` of the loop (after ``_start_clock``): the training step, its record to
@@ -659,7 +561,7 @@ class Trainer:
             self.lost["evaluation_s"] += time.perf_counter() - t_eval
             if self.stops_at_target and self.metric >= cfg.train.target:
                 return "success", ""
-        if self._save_due():
+        if self.saves is not None and self.saves.due(self.step):
             self.save_checkpoint()
         return None
 
@@ -670,10 +572,10 @@ class Trainer:
         from the
         device but the agreement's result (train/faults.py), which also carries the loss."""
         timers, precision, progress = self.timers, self.task.precision, self.progress
-        delay = self.delay
+        delay = self.injections.delay
         start, start_wall = time.perf_counter(), time.time()  # phase times for the agreement
         timers.begin()
-        progress.at(step, "data")
+        self._at(step, "data")
         with timers("data"):  # with a prefetcher: only the time spent *waiting* for it
             if delay is not None:
                 delay("data")
@@ -691,7 +593,7 @@ class Trainer:
             delay("compute")
         stats: dict[str, Any] = {}
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
-            progress.at(step, "forward")
+            self._at(step, "forward")
             with timers("graph"):
                 loss = self.graphs(micro_batches)
         else:
@@ -720,16 +622,16 @@ class Trainer:
             *CLOCK.take(),  # intra, inter_allreduce (on CUDA: the step before's)
         ]
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
-        for hook in self.gradient_hooks:
-            hook(step, self.params)
+        if self.injections.gradient_faults:
+            self.injections.damage_gradients(step, self.params)
         preemption = self.preemption
         self.sync.wait_params()  # gathers of modules this forward did not run (see run_step)
-        progress.at(step, "agreement")
+        self._at(step, "agreement")
         pending, self._agreement = self._agreement, None
         if pending is not None:  # out with the last bucket: the reduced gradients, read alike
-            summed = self.model.reducer.rider_result if pending.rode else None
+            summed = self.sync.ride_result() if pending.rode else None
             # sharded: the optimizer reads its shards' non-finite count in its step
-            local = () if self.sync is self.optimizer else (self._nonfinite(),)
+            local = () if self.sync.finds_nonfinite else (self._nonfinite(),)
             flags = pending.result((*local, self.sync.unused_flag()), summed)
             if pending.with_skew:
                 self._skew_seconds = self._lagged[1] if self._lagged else None
@@ -757,7 +659,7 @@ class Trainer:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
         t0 = time.perf_counter()
         if not flags.skip:
-            progress.at(step, "optimizer")
+            self._at(step, "optimizer")
             with timers("optimizer"):
                 self.optimizer.step()
             if getattr(self.optimizer, "skipped", False):  # sharded: non-finite, found alike
@@ -766,103 +668,32 @@ class Trainer:
                 self.schedule.step()
         precision.update(flags.skip)  # the same flag on every rank: the loss scale stays equal
         self._optimizer_s = time.perf_counter() - t0
-        if self.sync is self.model:  # DataParallel: its bucket buffers, a few fills
-            self.model.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=not self.sync.grads_are_views)
+        # DataParallel: its bucket buffers, a few fills; the sharded LAMB: .grad set to None
+        self.sync.zero_grad(set_to_none=not self.sync.grads_are_views)
         return flags
-
-    def _nonfinite(self) -> torch.Tensor | bool:
-        """1.0 on the device if a reduced gradient is NaN/Inf: DataParallel's flag from its
-        averaging pass (fp32 buckets divided after the sum, :mod:`scaleout.parallel.reducer`) when
-        nothing touched the gradients since (no gradient hooks), else one pass of its own."""
-        if self.sync is self.model and not self.gradient_hooks:
-            found = self.model.reducer.nonfinite
-            if found is not None:
-                return found
-        return nonfinite(self._grads())
-
-    def _grads(self) -> list[torch.Tensor]:
-        """The reduced gradients, for the non-finite check: DataParallel's bucket buffers (their
-        gradient parts; ``.grad`` are views into them) -- a few flat tensors instead of one per
-        parameter --, else every ``.grad``."""
-        if self.sync is self.model:
-            return [b.grads for b in self.model.reducer.buckets]
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def _tune_comm(self, seconds: float) -> None:
-        """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
-        rank alike: it all-reduces what it decides from). The decision goes to the MLPerf log."""
-        chosen = self.autocomm.after_step(seconds)
-        if chosen is None:
-            return
-        s = self.autocomm.summary()
-        self.mlperf_log.event(
-            "scaleout_comm_plan",
-            chosen.label(),
-            metadata={
-                "step": self.step,
-                "predicted_step_s": s.get("predicted_step_s"),
-                "measured_step_s": s.get("measured_step_s"),
-                "candidates": s.get("candidates"),
-                "diverged": s.get("diverged"),
-            },
-        )
-        ab = ", ".join(
-            f"{a['label']}: predicted {a['predicted_step_s'] * 1e3:.1f} ms, measured "
-            f"{(a['measured_median_s'] or 0) * 1e3:.1f} ms"
-            for a in s.get("ab", [])
-        )
-        print0(
-            f"comm.algorithm=auto: {chosen.label()} after step {self.step} ({ab})",
-            rank=self.world.rank,
-        )
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Forward and backward of each micro-batch; all but the last accumulate without
         communicating. Returns the step's loss (a device tensor: nothing is read here)."""
-        timers, total, progress, step = self.timers, None, self.progress, self.step
+        timers, total, step, nan = self.timers, None, self.step, self.injections.nan
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.sync.no_sync():
-                progress.at(step, "forward")
+                self._at(step, "forward")
                 with timers("forward"), self.task.autocast():
                     loss = self.task.loss(self.model, mb) / len(micro_batches)
-                if self.nan_fault is not None:
-                    loss = self.nan_fault.poison(step, loss)
+                if nan is not None:
+                    loss = nan.poison(step, loss)
                 if last and self.early_agreement:
                     mean = loss.detach() if total is None else total + loss.detach()
                     self._arm_agreement(mean, sum(m.flops for m in micro_batches))
                 if last:
                     self._build_ahead(step + 1)
-                progress.at(step, "backward")
+                self._at(step, "backward")
                 with timers("backward"):
                     self.task.precision.scale_loss(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
-
-    def _build_ahead(self, step: int) -> None:
-        """Build step ``step``'s micro-batches while this backward's last gradient bucket is on
-        the wire (the reducer's ``while_waiting``), where the host would otherwise sit idle; the
-        next train_step then starts computing at once. The same batches, in the same order, as
-        the synchronous path (a pure function of the data position); a failure is left for that
-        path to raise in its own step. Only for the in-process data path on a host wait (no
-        prefetch workers: they build ahead already)."""
-        reducer = self.model.reducer if self.sync is self.model else None
-        if reducer is None or self.prefetcher is not None or step >= self.cfg.train.max_steps:
-            return
-        cfg = self.cfg.train
-
-        def build() -> None:
-            try:
-                self._next_batches = (
-                    step,
-                    self.task.micro_batches(step * cfg.global_batch, cfg.grad_accum),
-                )
-            except Exception:  # noqa: BLE001 -- raised again, in its own step, by the normal path
-                self._next_batches = None
-
-        reducer.while_waiting = build
 
     def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
         """The step's agreement (``self.early_agreement``), before the last backward: written by
@@ -873,12 +704,10 @@ class Trainer:
         fingerprint, which also folds in the steps skipped so far: a rank that skipped alone (its
         reduced gradients non-finite where the others' were not: a silent corruption) is named
         like a desynchronised one."""
-        reducer = self.model.reducer if self.sync is self.model else None
         step = self.step
         self._agreement = None
 
         def fill(view: torch.Tensor) -> None:  # in the last bucket, after its pre-divide
-            reducer.rider_fill = None
             self._agreement = agreement(view)
 
         def agreement(into: torch.Tensor | None) -> PendingAgreement:
@@ -910,15 +739,85 @@ class Trainer:
                 into=into,
             )
 
-        if reducer is not None and reducer.rides:
-            reducer.rider_fill = fill
+        if self.sync.ride(fill):
             return
-        if reducer is not None:
-            reducer.rider_fill = None
-        else:  # sharded: no world collective from here while its all-gathers may be in flight
-            self.sync.wait_params()
+        # the sharded LAMB: no world collective from here while its all-gathers may be in flight
+        self.sync.wait_params()
         self._agreement = agreement(None)
 
+    def _build_ahead(self, step: int) -> None:
+        """Build step ``step``'s micro-batches while this backward's last gradient bucket is on
+        the wire (the sync's ``while_waiting``), where the host would otherwise sit idle; the
+        next train_step then starts computing at once. The same batches, in the same order, as
+        the synchronous path (a pure function of the data position); a failure is left for that
+        path to raise in its own step. Only for the in-process data path on a host wait (no
+        prefetch workers: they build ahead already)."""
+        if self.prefetcher is not None or step >= self.cfg.train.max_steps:
+            return
+        cfg = self.cfg.train
+
+        def build() -> None:
+            try:
+                self._next_batches = (
+                    step,
+                    self.task.micro_batches(step * cfg.global_batch, cfg.grad_accum),
+                )
+            except Exception:  # noqa: BLE001 -- raised again, in its own step, by the normal path
+                self._next_batches = None
+
+        self.sync.while_waiting(build)  # the sharded LAMB has no such wait: dropped
+
+    def _nonfinite(self) -> torch.Tensor | bool:
+        """1.0 on the device if a reduced gradient is NaN/Inf: the sync's flag from its averaging
+        pass (DataParallel's fp32 buckets divided after the sum) when nothing touched the
+        gradients since (no injected gradient fault), else one pass of its own over the reduced
+        gradients: the sync's buffers (a few flat tensors), else every ``.grad``."""
+        if not self.injections.gradient_faults:
+            found = self.sync.nonfinite_flag()
+            if found is not None:
+                return found
+        grads = self.sync.reduced_grads()
+        if grads is None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        return nonfinite(grads)
+
+    def _at(self, step: int, phase: str) -> None:
+        """This rank enters ``phase`` of step ``step``: the heartbeat's mark (a step index;
+        eval/checkpoint/finish: the steps done), and a test's hang there (SCALEOUT_TEST_HANG)."""
+        self.progress.at(step, phase)
+        if self.injections.hang is not None:
+            self.injections.hang(step, phase)
+
+    def _tune_comm(self, seconds: float) -> None:
+        """comm.algorithm=auto after a step: the profile, an A/B step, or the decision (every
+        rank alike: it all-reduces what it decides from). The decision goes to the MLPerf log."""
+        chosen = self.autocomm.after_step(seconds)
+        if chosen is None:
+            return
+        s = self.autocomm.summary()
+        self.mlperf_log.event(
+            "scaleout_comm_plan",
+            chosen.label(),
+            metadata={
+                "step": self.step,
+                "predicted_step_s": s.get("predicted_step_s"),
+                "measured_step_s": s.get("measured_step_s"),
+                "candidates": s.get("candidates"),
+                "diverged": s.get("diverged"),
+            },
+        )
+        ab = ", ".join(
+            f"{a['label']}: predicted {a['predicted_step_s'] * 1e3:.1f} ms, measured "
+            f"{(a['measured_median_s'] or 0) * 1e3:.1f} ms"
+            for a in s.get("ab", [])
+        )
+        print0(
+            f"comm.algorithm=auto: {chosen.label()} after step {self.step} ({ab})",
+            rank=self.world.rank,
+        )
+
+    # -- evaluation
+    # ------------------------------------------------------------------------------------------
     @property
     def stops_at_target(self) -> bool:
         """Stop when an evaluation reaches train.target: unless there is none, or HPC-AI500's
@@ -931,7 +830,7 @@ class Trainer:
         """One evaluation of the task's metric, between the observers' eval events. ``last``: no
         training follows (train.max_steps reached)."""
         target, epoch = self.cfg.train.target, self.task.epoch_of(self.samples)
-        self.progress.at(self.step, "eval")
+        self._at(self.step, "eval")
         self.sync.wait_params()  # an evaluation may read the weights outside the model's forward
         at = EvalStart(self.step, self.samples, epoch)
         for observer in self.observers:
@@ -951,59 +850,67 @@ class Trainer:
             observer.on_eval(record)
         return value
 
-    def _start_clock(self) -> float:
-        """The end of initialization: preemption handlers, MLPerf init_stop, a barrier,
-        run_start, the first touch of the training data. Returns the clock's start
-        (time.perf_counter)."""
-        cfg, world = self.cfg, self.world
-        if world.rank == 0:
-            self.run_record = rerun.record_start(cfg, self.start_info, world.world_size)
-        if self.preemption is None:
-            self.preemption = preempt.install()
-        steps_per_epoch = self.task.steps_per_epoch(cfg.train.global_batch)
-        check_fixed_epochs(cfg, steps_per_epoch)
-        init_end = InitEnd(
-            benchmark=self.task.benchmark,
-            hyperparameters=hyperparameters(
-                cfg,
-                world.world_size,
-                self.config_file,
-                steps_per_epoch,
-                self.task.sequences_per_row,
-                world.device,
-            ),
-            resumed_from=self.resumed_from,
-            steps_per_epoch=steps_per_epoch,
-            train_set_size=self.task.rows,
+    # -- checkpoints
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Collective: every rank takes part (BN statistics, sharded pieces). Synchronous
+        (checkpoint.async=false): rank 0 writes, then a barrier. Asynchronous: the previous save
+        is waited for, the state is copied to host memory and a background thread writes it;
+        one small all-reduce agrees on failures (and, for every_steps=auto, on the costs)."""
+        if self.saves is None:
+            return
+        self._at(self.step, "checkpoint")
+        stall = self.saves.save(
+            self.step, self._write_checkpoint, self._mean_step_s(), self.progress
         )
-        if self.autocomm is not None:  # before run_start: synthetic tensors, no data touched
-            probe = self.autocomm.start()
-            self.mlperf_log.event(
-                "scaleout_comm_probe",
-                round(probe.seconds, 3),
-                metadata={"algorithms": list(self.autocomm.space.algorithms)},
-            )
-            print0(
-                f"comm.algorithm=auto: probed {', '.join(self.autocomm.space.algorithms)} in "
-                f"{probe.seconds:.2f} s",
-                rank=world.rank,
-            )
-        for observer in self.observers:
-            observer.on_init_end(init_end)
-        world.barrier()
-        clock = time.perf_counter()
-        self.lost["startup_s"] = time.time() - self.started_unix
-        start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
-        for observer in self.observers:
-            observer.on_run_start(start)
-        if self.prefetcher is not None:
-            self.prefetcher.start()  # the first touch of the training data
-        return clock
+        self.lost["save_stall_s"] += stall
 
+    def _write_checkpoint(self) -> None:
+        """This rank's part of a save at ``self.step`` (a snapshot when asynchronous)."""
+        assert self.checkpointer is not None  # saves exist only with a checkpointer
+        self.task.sync_buffers()  # BN statistics equal on every rank, so a resume is exact
+        state = self.state_dict()
+        _, shards = self.sync.optimizer_state(self.optimizer)  # sharded: each rank its own
+        path = self.checkpointer.save(self.step, state, world=self.world, shards=shards)
+        if path is not None:
+            how = " (written in the background)" if self.checkpointer.asynchronous else ""
+            print0(f"checkpoint: step {self.step} -> {path}{how}", rank=self.world.rank)
+
+    def _mean_step_s(self) -> float:
+        return self.this_run.seconds / max(self.this_run.steps, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated part of a checkpoint at ``self.step`` (rank 0 writes it); the sharded
+        optimizer's pieces are written apart. No RNG state: a step's random streams follow from
+        (train.seed, step, rank) (train/rng.py)."""
+        self.sync.wait_params()  # the sharded LAMB's last all-gathers, before the weights are read
+        opt_state, _ = self.sync.optimizer_state(self.optimizer)
+        return {
+            "model": self.task.model.state_dict(),
+            "optimizer": opt_state,
+            "config": self.cfg.model_dump(mode="json"),  # self-describing: `scaleout ckpt show`
+            "schedule": self.schedule.state_dict(),
+            "data_position": self.step * self.cfg.train.global_batch,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "precision": self.task.precision.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict` (an older checkpoint's ``rng`` entry is ignored)."""
+        self.task.model.load_state_dict(state["model"])
+        self.sync.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.step = int(state["step"])
+        self.samples, self.skipped = int(state.get("samples", 0)), int(state.get("skipped", 0))
+        self.task.precision.load_state_dict(state.get("precision", {}))  # the fp16 loss scale
+
+    # -- the end of the run
+    # ------------------------------------------------------------------------------------------
     def _finish(self, status: RunStatus, reason: str, clock: float) -> TrainResult:
         """MLPerf run_stop, the final checkpoint, the report, and the exit code of ``status``."""
         cfg, world = self.cfg, self.world
-        self.progress.at(self.step, "finish")
+        self._at(self.step, "finish")
         if self.prefetcher is not None:
             self.prefetcher.close()
         # An agreed SIGTERM (the same on every rank): KillWait is short, leave out the optional
@@ -1016,13 +923,14 @@ class Trainer:
         stop = RunStop(status, time_to_train, self.samples, self.task.eval_size, reason)
         for observer in self.observers:
             observer.on_run_stop(stop)
-        saved_in_loop = self.saved_step == self.step
+        saved_in_loop = self.saves is not None and self.saves.saved_step == self.step
         took_steps = self.this_run.steps > 0
         if status in ("success", "max_steps") and not saved_in_loop and took_steps:
             self.save_checkpoint()
         # the last save is committed before the run's end is recorded (and before a requeue)
         settle = time.perf_counter()
-        self._settle_saves(agree=not peers_may_be_gone)
+        if self.saves is not None:
+            self.saves.settle(self._mean_step_s(), agree=not peers_may_be_gone)
         self.lost["save_stall_s"] += time.perf_counter() - settle
         if world.rank == 0:
             rerun.record_end(cfg, self.run_record, status, self.step)
@@ -1060,7 +968,7 @@ class Trainer:
                 notice=self.flags.notice,
                 terminate=self.flags.terminate,
                 checkpointing=self.checkpointer is not None,
-                before_requeue=self.before_requeue,
+                before_requeue=self.injections.requeue_delay,
             )
         else:
             code = EXIT_ABORTED if status == "aborted" else 0
@@ -1068,6 +976,16 @@ class Trainer:
             self.preemption.uninstall()
             self.preemption = None
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
+
+    def _report_replica_vote(self, vote: replicas.Vote) -> None:
+        """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
+        for the supervisor, which quarantines the odd ranks' nodes."""
+        if self.world.rank != 0:
+            return
+        text = vote.sentence(self.world.world_size)
+        print(f"WARNING: {text}", flush=True)
+        if vote.odd_ranks:
+            write_replica_vote(self.world, text, vote.odd_ranks)
 
 
 def restart_loss_s(start: rerun.RunStart, resumed: Path | None, started_unix: float) -> float:

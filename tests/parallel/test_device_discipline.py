@@ -220,7 +220,7 @@ def test_unsampled_steps_read_the_device_once(
             timers = [s for s in syncs if s[0] == "synchronize"]
             reads = [s for s in syncs if s[0] != "synchronize"]
             assert bool(timers) == (step % every == 0), f"rank {rank} step {step}: {syncs}"
-            assert len(reads) == 1 and "faults.py" in reads[0][1], (
+            assert len(reads) == 1 and "agreement.py" in reads[0][1], (
                 f"rank {rank} step {step}: {syncs}"
             )
 
@@ -297,7 +297,7 @@ def test_flagship_step_reads_the_device_once_and_copies_nothing_pageable(tmp_pat
         assert len(reads) == steps
         for step in range(1, steps):  # step 0 rebuilds the buckets (an object broadcast)
             assert len(reads[step]) <= 1, f"rank {rank} step {step}: {reads[step]}"
-            assert all("faults.py" in site for _, site in reads[step]), reads[step]
+            assert all("agreement.py" in site for _, site in reads[step]), reads[step]
             assert copies[step] == [], f"rank {rank} step {step}: {copies[step]}"
 
 

@@ -119,7 +119,7 @@ def _collectives_per_step(world, out: str) -> dict:
     import torch.distributed as dist
 
     from scaleout.config import load_config
-    from scaleout.train.faults import agreement_size
+    from scaleout.train.agreement import agreement_size
     from scaleout.train.trainer import Trainer
     from tests.train.test_skew import RUN
 
@@ -156,7 +156,7 @@ def _collectives_per_step(world, out: str) -> dict:
             "buckets": len(trainer.model.reducer.buckets),
             "losses": [float(x) for x in trainer.losses],
             "skews": skews,
-            "rode": trainer.model.reducer.rider_result is not None,
+            "rode": trainer.sync.ride_result() is not None,
             "first": first,
         }
         trainer.mlperf_log.close()
@@ -260,17 +260,17 @@ def test_no_host_work_in_the_wait_while_a_comm_thread_schedule_runs() -> None:
         try:
             assert not dp.reducer._host_waits()
             ran = []
-            dp.reducer.while_waiting = lambda: ran.append(1)
+            dp.while_waiting(lambda: ran.append(1))
             # the bucket queues behind the busy thread: released once backward is waiting on it
             threading.Timer(0.5, release.set).start()
             dp(torch.randn(3, 256)).sum().backward()
             assert ran == [] and dp.last_stats["idle_s"] == 0.0
-            assert dp.reducer.while_waiting is None  # taken, not left for a later backward
+            assert dp.reducer._wait_work is None  # taken, not left for a later backward
         finally:
             release.set()
             handle.wait()
         ran = []
-        dp.reducer.while_waiting = lambda: ran.append(1)
+        dp.while_waiting(lambda: ran.append(1))
         dp(torch.randn(3, 256)).sum().backward()
         assert ran == [1]
     finally:

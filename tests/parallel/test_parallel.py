@@ -624,9 +624,10 @@ def _rider(world):
         mine = slice(world.rank * b, (world.rank + 1) * b)
         for net in (dp, plain):
             if net is dp:
-                dp.reducer.rider_fill = fill
+                offered = dp.ride(fill)
             loss_fn(net(x[mine]), y[mine]).backward()
-        result = dp.reducer.rider_result
+        result = dp.ride_result()
+        assert offered == bool(calls), (offered, calls)  # offered: it rode; else not kept
         out[str(compression)] = {
             "calls": calls,
             "result": None if result is None else result.tolist(),

@@ -256,29 +256,26 @@ def test_auto_interval_follows_the_measured_stall() -> None:
     world. And `simulate scale`'s row: the same model at 512 nodes."""
     from types import SimpleNamespace
 
+    from scaleout.checkpoint_schedule import SaveSchedule
     from scaleout.config import load_config
     from scaleout.sim.goodput import predict
-    from scaleout.train.trainer import Trainer
 
     cfg = load_config(None, ["checkpoint.dir=x", "checkpoint.every_steps=auto"])
     cfg.checkpoint.mtbf_h = 100.0
-    t = SimpleNamespace(
-        cfg=cfg,
-        world=SimpleNamespace(world_size=8, local_size=2, rank=1),
-        checkpointer=SimpleNamespace(asynchronous=True),
-        lost={"save_stall_s": 0.0},
-        save_every=1,
-        saved_step=None,
+    saves = SaveSchedule(
+        SimpleNamespace(asynchronous=True),  # agreed by its settle: no all-reduce of its own
+        SimpleNamespace(world_size=8, local_size=2, rank=1),
+        cfg.checkpoint.every_steps,
+        cfg.checkpoint.mtbf_h,
+        settle_timeout_s=cfg.train.init_timeout_s,
         start_step=10,
-        step=11,
     )
-    assert Trainer._save_due(t)
-    Trainer._saved(t, 0.5, 0.3)
-    assert t.save_every == 1000 and t.lost["save_stall_s"] == 0.5
-    t.saved_step, t.step = 11, 1010
-    assert not Trainer._save_due(t)
-    t.step = 1011
-    assert Trainer._save_due(t)
+    assert saves.due(11)
+    saves._next_interval(0.5, 0.3)
+    assert saves.every == 1000
+    saves.saved_step = 11
+    assert not saves.due(1010)
+    assert saves.due(1011)
     good = predict(512, 5000.0, 1.0, 300.0)
     assert good.job_mtbf_s == pytest.approx(5000 * 3600 / 512)
     assert good.interval_s == pytest.approx(young_daly_interval_s(1.0, good.job_mtbf_s))

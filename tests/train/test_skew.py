@@ -20,7 +20,8 @@ import torch
 
 from scaleout.comm.phasetime import COL, ROW, PhaseClock
 from scaleout.errors import UserError
-from scaleout.train.faults import DelayInjection, skew_summary
+from scaleout.train.agreement import skew_summary
+from scaleout.train.faults import DelayInjection
 from scaleout.train.skew import (
     INTER,
     PHASES,
