@@ -85,7 +85,7 @@ def test_bad_input_and_non_root(monkeypatch) -> None:
         parse_rate("fast")
     with pytest.raises(UserError, match="cluster name 'Bad_Name'"):
         Cluster(2, name="Bad_Name")
-    with pytest.raises(UserError, match="--nodes=0"):
+    with pytest.raises(UserError, match="--nnodes=0"):
         Cluster(0)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the one thing this root machine cannot be
     with pytest.raises(UserError, match="needs root"):

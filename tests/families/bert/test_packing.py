@@ -177,6 +177,7 @@ def test_cli_pack(tmp_path, capsys):
     assert (
         cli_main(
             [
+                "data",
                 "pack",
                 str(hist),
                 "--max-len",
@@ -185,7 +186,7 @@ def test_cli_pack(tmp_path, capsys):
                 "3",
                 "--out",
                 str(out),
-                "--algorithms",
+                "--packing",
                 "spfhp,lpfhp,lphp",
             ]
         )
@@ -208,12 +209,13 @@ def test_cli_pack(tmp_path, capsys):
     assert (
         cli_main(
             [
+                "data",
                 "pack",
                 "--lengths",
                 str(lens),
                 "--max-len",
                 "128",
-                "--algorithms",
+                "--packing",
                 "lpfhp",
                 "--out",
                 str(out),
@@ -228,10 +230,10 @@ def test_cli_pack(tmp_path, capsys):
     assert len(z["offsets"]) - 1 == Strategy.from_json(json.loads(out.read_text())).num_packs
     bad = tmp_path / "bad.txt"
     bad.write_text("5 10\n7 -1\n")
-    assert cli_main(["pack", str(bad), "--max-len", "128"]) == 2
+    assert cli_main(["data", "pack", str(bad), "--max-len", "128"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "count -1 for length 7" in err
-    assert cli_main(["pack", str(hist), "--max-len", "0"]) == 2
+    assert cli_main(["data", "pack", str(hist), "--max-len", "0"]) == 2
     assert "max_len=0" in capsys.readouterr().err
 
 
