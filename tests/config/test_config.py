@@ -401,28 +401,6 @@ def test_importing_the_config_imports_no_registry_runtime() -> None:
     assert out == ["[]", "True True"], out
 
 
-def _runtime_imports(path: Path) -> list[str]:
-    """Modules ``path`` imports when it runs, in functions too (not under TYPE_CHECKING)."""
-    import ast
-
-    tree = ast.parse(path.read_text())
-    type_only = {
-        id(n)
-        for top in tree.body
-        if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
-        for n in ast.walk(top)
-    }
-    out = []
-    for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-        elif isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-    return out
-
-
 @pytest.mark.unit
 def test_no_import_cycle_between_the_config_and_the_registries() -> None:
     """scaleout.config may import the built-in declarations when it validates (one deferred
@@ -430,13 +408,15 @@ def test_no_import_cycle_between_the_config_and_the_registries() -> None:
     scaleout.config back, not even inside a function, and the schema imports neither at its top."""
     import ast
 
+    from tests.test_architecture import _imports
+
     root = Path(__file__).resolve().parents[2] / "scaleout"
     below = [root / "section.py", root / "registry.py", *(root / "comm").rglob("*.py")]
     below += (root / "families").rglob("*.py")
     back = {
         str(f.relative_to(root)): m
         for f in below
-        for m in _runtime_imports(f)
+        for _, m in _imports(f)  # the layering test's scan: runtime imports, functions too
         if m == "scaleout.config" or m.startswith("scaleout.config.")
     }
     assert not back, back
@@ -451,7 +431,7 @@ def test_no_import_cycle_between_the_config_and_the_registries() -> None:
     deferred = [  # the one place the built-in declarations are imported (when validating)
         f.name
         for f in (root / "config").glob("*.py")
-        for m in _runtime_imports(f)
+        for _, m in _imports(f)  # the layering test's scan: runtime imports, functions too
         if m == "scaleout.families"
     ]
     assert deferred == ["compose.py"], deferred
