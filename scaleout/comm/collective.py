@@ -132,9 +132,8 @@ class Collective:
             self._shard = self.algorithm.shard_index(self.world, self.opts, self.prepared)
         return self._shard
 
-    @traced(
-        "reduce_scatter"
-    )  # a profiler range scaleout.reduce_scatter (scaleout/telemetry/profiler.py)
+    # a profiler range scaleout.reduce_scatter (scaleout/telemetry/profiler.py)
+    @traced("reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: Any = "sum", async_op: bool = False
     ) -> Any:
@@ -188,7 +187,7 @@ def all_reduce(
     and ``composition`` of the row/column algorithms, ``x``/``y`` of the torus grid; an option it
     does not have is a one-line UserError). Holding the run's algorithm, build the Collective once
     instead (:meth:`Collective.resolve`)."""
-    op_name(op)
+    op_name(op)  # checked before the Collective is built, so a bad op creates no process group
     coll = Collective.resolve(world, algorithm, **options)
     return coll.all_reduce(tensor, op=op, async_op=async_op)
 
@@ -203,6 +202,7 @@ def reduce_scatter(
     **options: Any,
 ) -> Any:
     """:meth:`Collective.reduce_scatter` with ``algorithm`` and its ``options``."""
+    # checked before the Collective is built, so a bad call creates no process group
     op_name(op, "reduce_scatter")
     shard.check(output, input, world, "reduce_scatter", "input")
     coll = Collective.resolve(world, algorithm, "reduce_scatter", **options)
@@ -218,6 +218,7 @@ def all_gather(
     **options: Any,
 ) -> Any:
     """:meth:`Collective.all_gather` with ``algorithm`` and its ``options``."""
+    # checked before the Collective is built, so a bad call creates no process group
     shard.check(output, input, world, "all_gather", "output")
     coll = Collective.resolve(world, algorithm, "all_gather", **options)
     return coll.all_gather(output, input, async_op=async_op)
