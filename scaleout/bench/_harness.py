@@ -208,6 +208,27 @@ def add_standard_arguments(
         )
 
 
+# The BERT-layer benchmarks' (overlap, sharded-overlap) tiny settings for tests/bench/test_bench.py.
+BERT_LAYER_SMOKE_ARGS = [
+    *("--nnodes", "1", "--nproc-per-node", "2", "--layers", "1", "--seq", "8"),
+    *("--batch", "1", "--repeats", "1", "--warmup", "0"),
+]
+
+
+def add_bert_layer_arguments(p: argparse.ArgumentParser) -> None:
+    """``--layers`` and ``--seq`` of the benchmarks that time BERT-base-shaped encoder layers
+    (``bench.overlap.bert_like``); each adds its own ``--batch`` and ``--bucket-mb``."""
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)",
+    )
+    p.add_argument(
+        "--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)"
+    )
+
+
 def add_config_arguments(p: argparse.ArgumentParser, default: str, what: str) -> None:
     """``--config`` and the positional ``key=value`` overrides of a benchmark that trains or
     builds from a config: the config's keys are set there, never as flags of their own

@@ -35,18 +35,15 @@ if TYPE_CHECKING:
     from scaleout.telemetry.mlperf import MLPerfLogger
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m scaleout.bench._ttt_baseline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--config", default="bert_tiny_cpu", help="config for the model and data settings"
-    )
+def add_run_arguments(
+    p: argparse.ArgumentParser, *, config: str, unit: str, target: str, seed_help: str
+) -> None:
+    """The run's flags both baseline scripts take (the BERT one and the ResNet one): config,
+    learning rate, batch, step budget, warm-up, evaluation cadence, target and seed."""
+    p.add_argument("--config", default=config, help="config for the model and data settings")
     p.add_argument("--lr", type=float, required=True, help="peak learning rate")
     p.add_argument(
-        "--global-batch", type=int, required=True, help="sequences per step, all ranks together"
+        "--global-batch", type=int, required=True, help=f"{unit} per step, all ranks together"
     )
     p.add_argument(
         "--max-steps",
@@ -61,18 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         required=True,
         help="evaluate every this many steps (and at the end)",
     )
-    p.add_argument(
-        "--target", type=float, required=True, help="masked-LM accuracy that ends the run"
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=1234,
-        help="model initialisation; the data order follows data.seed, as in scaleout train",
-    )
-    p.add_argument(
-        "--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (BERT: 0.01)"
-    )
+    p.add_argument("--target", type=float, required=True, help=f"{target} that ends the run")
+    p.add_argument("--seed", type=int, default=1234, help=seed_help)
+
+
+def add_ddp_arguments(p: argparse.ArgumentParser) -> None:
+    """DDP's bucket size, the sweep's time budget, the output directory and the config
+    overrides: the last flags of both baseline scripts."""
     p.add_argument(
         "--bucket-mb",
         type=float,
@@ -91,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "overrides", nargs="*", help="config overrides for model/data, e.g. model.bert.layers=1"
     )
+
+
+def checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parsed, with the run's numbers positive and the warm-up inside the budget (argparse's
+    one-line error otherwise)."""
     a = p.parse_args(argv)
     for k in ("lr", "global_batch", "max_steps", "warmup_steps", "eval_every"):
         if getattr(a, k) <= 0:
@@ -98,6 +95,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.warmup_steps >= a.max_steps:
         p.error(f"--warmup-steps {a.warmup_steps} must be below --max-steps {a.max_steps}")
     return a
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scaleout.bench._ttt_baseline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_arguments(
+        p,
+        config="bert_tiny_cpu",
+        unit="sequences",
+        target="masked-LM accuracy",
+        seed_help="model initialisation; the data order follows data.seed, as in scaleout train",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay (BERT: 0.01)"
+    )
+    add_ddp_arguments(p)
+    return checked(p, argv)
 
 
 def adamw(

@@ -30,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from scaleout.bench._ttt_baseline import _past, timed_main
+from scaleout.bench._ttt_baseline import (
+    _past,
+    add_ddp_arguments,
+    add_run_arguments,
+    checked,
+    timed_main,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,46 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default="resnet_cpu", help="config for the model and data")
-    p.add_argument("--lr", type=float, required=True, help="peak learning rate")
-    p.add_argument(
-        "--global-batch", type=int, required=True, help="images per step, all ranks together"
+    add_run_arguments(
+        p, config="resnet_cpu", unit="images", target="top-1", seed_help="model initialisation"
     )
-    p.add_argument(
-        "--max-steps", type=int, required=True, help="step budget; the schedule ends at 0 there"
-    )
-    p.add_argument("--warmup-steps", type=int, required=True, help="linear warm-up steps")
-    p.add_argument(
-        "--eval-every", type=int, required=True, help="evaluate every this many steps (and last)"
-    )
-    p.add_argument("--target", type=float, required=True, help="top-1 that ends the run")
-    p.add_argument("--seed", type=int, default=1234, help="model initialisation")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument(
         "--weight-decay", type=float, default=5e-4, help="SGD weight decay (not BN/bias)"
     )
     p.add_argument("--pad", type=int, default=0, help="random-crop zero padding in pixels (0)")
-    p.add_argument(
-        "--bucket-mb",
-        type=float,
-        default=None,
-        help="DDP bucket_cap_mb (default: torch's, 25 MiB with a 1 MiB first bucket)",
-    )
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="stop (target not reached) once run_start is this many seconds ago (the sweep's cut)",
-    )
-    p.add_argument("--out", required=True, help="output directory (mlperf.log, report.json)")
-    p.add_argument("overrides", nargs="*", help="config overrides for model/data")
-    a = p.parse_args(argv)
-    for k in ("lr", "global_batch", "max_steps", "warmup_steps", "eval_every"):
-        if getattr(a, k) <= 0:
-            p.error(f"--{k.replace('_', '-')}={getattr(a, k)}: expected a positive number")
-    if a.warmup_steps >= a.max_steps:
-        p.error(f"--warmup-steps {a.warmup_steps} must be below --max-steps {a.max_steps}")
-    return a
+    add_ddp_arguments(p)
+    return checked(p, argv)
 
 
 class PaddedCropFlip:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import scaleout
 from scaleout.bench._harness import (
+    BERT_LAYER_SMOKE_ARGS,
+    add_bert_layer_arguments,
     add_rank_arguments,
     check_counts,
     compare,
@@ -71,34 +73,11 @@ VARIANTS = (
 BASELINE = "torch DDP"
 
 
-SMOKE_ARGS = [
-    "--nnodes",
-    "1",
-    "--nproc-per-node",
-    "2",
-    "--layers",
-    "1",
-    "--seq",
-    "8",
-    "--batch",
-    "1",
-    "--repeats",
-    "1",
-    "--warmup",
-    "0",
-]
+SMOKE_ARGS = BERT_LAYER_SMOKE_ARGS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=2,
-        help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)",
-    )
-    p.add_argument(
-        "--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)"
-    )
+    add_bert_layer_arguments(p)
     p.add_argument(
         "--batch",
         default="1,6",

@@ -54,34 +54,11 @@ DEFERRED = VARIANTS[3:]  # ShardedLAMB(module=...): the next forward waits for t
 BASELINE = "sharded"
 
 
-SMOKE_ARGS = [
-    "--nnodes",
-    "1",
-    "--nproc-per-node",
-    "2",
-    "--layers",
-    "1",
-    "--seq",
-    "8",
-    "--batch",
-    "1",
-    "--repeats",
-    "1",
-    "--warmup",
-    "0",
-]
+SMOKE_ARGS = h.BERT_LAYER_SMOKE_ARGS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=2,
-        help="BERT-base-shaped encoder layers (default 2: 14.2M params, 57 MB)",
-    )
-    p.add_argument(
-        "--seq", type=int, default=128, help="sequence length (default 128, BERT phase 1)"
-    )
+    h.add_bert_layer_arguments(p)
     p.add_argument("--batch", type=int, default=2, help="per-rank batch size (default 2)")
     p.add_argument(
         "--bucket-mb",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -63,6 +63,21 @@ def scalars(values: torch.Tensor) -> list[Any]:
     """Per-tensor scalars for a foreach op: Python floats on CPU (no sync to pay), 0-d tensors
     elsewhere (no host sync; the foreach op then takes its per-tensor path)."""
     return values.tolist() if values.device.type == "cpu" else list(values.unbind())
+
+
+class CheckedGroups:
+    """Mixin for a ``torch.optim.Optimizer``: every parameter group's hyper-parameters named in
+    ``HPARAMS`` are checked as it is added (a one-line ConfigError naming the optimizer, the key and
+    the expected range) and its step count starts at 0."""
+
+    HPARAMS: ClassVar[tuple[str, ...]] = ()
+    param_groups: list[dict[str, Any]]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        g = self.param_groups[-1]
+        check_hparams(type(self).__name__, **{k: g[k] for k in self.HPARAMS})
+        g.setdefault("step", 0)
 
 
 class ChunkedOptimizer(torch.optim.Optimizer):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from scaleout.optim.base import (
+    CheckedGroups,
     ChunkedOptimizer,
     check_hparams,
     clip_factor,
@@ -218,7 +219,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return sq_norms(grads).sum().sqrt() if grads else torch.zeros(())
 
 
-class LAMB(ChunkedOptimizer):
+class LAMB(CheckedGroups, ChunkedOptimizer):
     """LAMB with NVIDIA's MLPerf-BERT rules; see the module docstring for the exact update.
 
     Group keys: lr, betas, eps, weight_decay, bias_correction, trust_clamp, trust_ratio (None =
@@ -227,6 +228,8 @@ class LAMB(ChunkedOptimizer):
     (what CUDA uses). ``onepass``: run each phase as one pass (scaleout/optim/fused.py); None = on
     every device but the CPU (whose cache-blocked chain is as fast, and bit-identical to before).
     """
+
+    HPARAMS = ("lr", "betas", "eps", "weight_decay", "trust_clamp")
 
     def __init__(
         self,
@@ -255,19 +258,6 @@ class LAMB(ChunkedOptimizer):
             trust_ratio=trust_ratio,
         )
         super().__init__(params, defaults, chunk)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        check_hparams(
-            "LAMB",
-            lr=g["lr"],
-            betas=g["betas"],
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            trust_clamp=g["trust_clamp"],
-        )
-        g.setdefault("step", 0)
 
     def clip_factor(self, grads: Sequence[torch.Tensor]) -> float:
         """apex FusedLAMB: divide every gradient by ||g|| / max_norm when the global norm exceeds

@@ -33,7 +33,12 @@ from typing import Any
 
 import torch
 
-from scaleout.optim.base import ChunkedOptimizer, check_hparams, fp32_state_like, sq_norms
+from scaleout.optim.base import (
+    CheckedGroups,
+    ChunkedOptimizer,
+    fp32_state_like,
+    sq_norms,
+)
 from scaleout.optim.chunks import default_chunk, pieces
 
 # (the one-pass op torch.ops.scaleout.lars_apply_ is registered by scaleout/optim/fused.py, which
@@ -81,7 +86,7 @@ def lars_scales(
     return t * lr
 
 
-class LARS(ChunkedOptimizer):
+class LARS(CheckedGroups, ChunkedOptimizer):
     """LARS with momentum, MLPerf form (see the module docstring).
 
     Group keys: lr, momentum, weight_decay, eta, eps, trust_clamp, trust_ratio (None = adapt iff
@@ -91,6 +96,8 @@ class LARS(ChunkedOptimizer):
     accelerators always take it unless True is given). ``onepass``: the update as one pass
     (scaleout/optim/fused.py); None = on every device but the CPU, unless ``fused`` is set.
     """
+
+    HPARAMS = ("lr", "momentum", "weight_decay", "eta", "eps", "trust_clamp")
 
     def __init__(
         self,
@@ -118,20 +125,6 @@ class LARS(ChunkedOptimizer):
         self.fused = fused
         self.onepass = onepass
         super().__init__(params, defaults, chunk)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        check_hparams(
-            "LARS",
-            lr=g["lr"],
-            momentum=g["momentum"],
-            weight_decay=g["weight_decay"],
-            eta=g["eta"],
-            eps=g["eps"],
-            trust_clamp=g["trust_clamp"],
-        )
-        g.setdefault("step", 0)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

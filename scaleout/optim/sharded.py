@@ -69,7 +69,7 @@ from scaleout.comm.collective import Collective
 from scaleout.comm.grid import all_gather_tensor, reduce_scatter_tensor
 from scaleout.config.schema import check_sharded_wire
 from scaleout.errors import ConfigError, UserError
-from scaleout.optim.base import check_hparams, clip_factor, scalars, sq_norms
+from scaleout.optim.base import CheckedGroups, check_hparams, clip_factor, scalars, sq_norms
 from scaleout.optim.chunks import default_chunk, pieces, plan_chunks
 from scaleout.optim.lamb import LambCoeffs, direction, new_moments, trust_ratios, update_moments
 from scaleout.parallel.buckets import MiB, assign, fingerprint, layout_hash
@@ -119,7 +119,7 @@ class ShardBucket:
     work: list[_Work]
 
 
-class ShardedLAMB(torch.optim.Optimizer):
+class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
     """LAMB whose moments are sharded over ``world`` (same hyper-parameters and rules as
     :class:`LAMB`).
 
@@ -132,6 +132,8 @@ class ShardedLAMB(torch.optim.Optimizer):
     (any world size, via ``torch.distributed.checkpoint``); ``state_dict`` is this rank's shard for
     the same layout only.
     """
+
+    HPARAMS = ("lr", "betas", "eps", "weight_decay", "trust_clamp")
 
     def __init__(
         self,
@@ -226,16 +228,6 @@ class ShardedLAMB(torch.optim.Optimizer):
                 "ShardedLAMB: pass every parameter group at construction (the flat layout is fixed)"
             )
         super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        check_hparams(
-            "ShardedLAMB",
-            lr=g["lr"],
-            betas=g["betas"],
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            trust_clamp=g["trust_clamp"],
-        )
-        g.setdefault("step", 0)
 
     # -- layout -----------------------------------------------------------------------------------
     def _build(self, chunk: int | None | str, param_order: list[torch.Tensor] | None) -> None:
