@@ -301,9 +301,8 @@ def scaleout_config(args: argparse.Namespace) -> Any:
 def seqs_per_row(cfg: Any) -> tuple[float, str]:
     """Sequences per packed row of the corpus at the config's settings (the packed recipes'
     algorithm): the family's own measurement (``Family.packing_speedup``)."""
-    from scaleout.families import FAMILIES
 
-    return FAMILIES.get(cfg.model.arch).packing_speedup(cfg)
+    return cfg.model.family.packing_speedup(cfg)
 
 
 def _clusters(args: argparse.Namespace, cfg: Any) -> list[Any]:

@@ -160,12 +160,11 @@ def export(
     import torch
 
     from scaleout.errors import UserError
-    from scaleout.families import FAMILIES
     from scaleout.families.bert.convert import to_hf
 
     model = state["model"]
     cfg = _config(state, override) if "hf" in formats else None
-    if cfg is not None and not FAMILIES.get(cfg.model.arch).hf_checkpoints:
+    if cfg is not None and not cfg.model.family.hf_checkpoints:
         raise UserError(
             f"--format hf: model.arch={cfg.model.arch!r}; only BERT has a Hugging Face layout"
         )

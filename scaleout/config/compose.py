@@ -9,7 +9,7 @@ module does not, and nothing there imports ``scaleout.config`` back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ConfigDict, ValidationError, field_validator, model_validator
 
@@ -17,6 +17,9 @@ from scaleout.config.oneline import describe
 from scaleout.errors import ConfigError
 from scaleout.registry import Registry
 from scaleout.section import ALGORITHMS, FAMILIES, Section
+
+if TYPE_CHECKING:
+    from scaleout.families import Family
 
 
 def declared() -> tuple[Registry[Any], Registry[Any]]:
@@ -83,6 +86,12 @@ class ModelConfig(Section):
         if name not in families:
             raise ValueError(f"model.arch={name!r}: expected {one_of(families.names())}")
         return name
+
+    @property
+    def family(self) -> Family:
+        """The family of ``arch`` (validated above): the object every consumer of a config calls,
+        so the name is looked up here and nowhere else."""
+        return declared()[0].get(self.arch)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # cfg.model.<family> = ... is validated as that family's section, like any other key

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.data.batches import MicroBatch, to_device
-from scaleout.families.base import FAMILIES, Family
+from scaleout.families.base import Family
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -71,7 +71,7 @@ class Task:
 
     def __init__(self, cfg: Config, world: World):
         self.cfg, self.world = cfg, world
-        self.family: Family = FAMILIES.get(cfg.model.arch)
+        self.family: Family = cfg.model.family
         self.info: dict[str, Any] = {}  # what report.json records about the data and the model
 
     @property

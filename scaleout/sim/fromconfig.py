@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scaleout.families import FAMILIES
 from scaleout.sim.collectives import config_row_length
 from scaleout.sim.step import ModelSpec, TrainSpec, get_model
 
@@ -54,7 +53,7 @@ def wire_bytes(cfg: Any) -> tuple[int, int]:
 
 def model_of(cfg: Any) -> tuple[ModelSpec, float]:
     """The model of ``cfg`` (its family's formulas), and evaluation samples per training sample."""
-    fam = FAMILIES.get(cfg.model.arch)
+    fam = cfg.model.family
     model = replace(
         get_model(fam.sim_preset),
         name=fam.describe(cfg),

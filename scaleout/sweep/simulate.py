@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scaleout.config.schema import Config
-from scaleout.families import FAMILIES
 from scaleout.sim import ModelSpec, TrainSpec, get_cluster, step_time
 from scaleout.sim.cluster import custom_cluster
 from scaleout.sim.fromconfig import optimizer_of, wire_bytes
@@ -30,7 +29,7 @@ class Simulator:
         self.cluster = get_cluster(preset)  # ConfigError names the preset before anything runs
         self.preset = preset
         self.cfg = cfg
-        self.params = FAMILIES.get(cfg.model.arch).params(cfg)
+        self.params = cfg.model.family.params(cfg)
 
         # Bytes per element on the wire: comm.compression for the all-reduce; ShardedLAMB sends
         # fp32.

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from scaleout.config.schema import Config
-from scaleout.families import FAMILIES
 from scaleout.telemetry.mlperf import mlperf_numerics
 
 
@@ -35,13 +34,12 @@ def hyperparameters(
     integer rate: run_pretraining.py ``global_batch_size(args)``, training_results_v2.0+).
     """
     t = cfg.train
-    family = FAMILIES.get(cfg.model.arch)
+    family = cfg.model.family
     rate = max(1, round(sequences_per_row)) if sequences_per_row else 1
     micro = t.global_batch // (world_size * t.grad_accum) * rate
     # the gradients' wire dtype: comm.compression for DataParallel's all-reduce and the sharded
     # LAMB's reduce-scatter alike (both honour it; the sharded all-gather moves fp32 parameters)
     compression = cfg.comm.compression
-    family = FAMILIES.get(cfg.model.arch)
     common: dict[str, Any] = {
         "seed": t.seed,
         "global_batch_size": t.global_batch * rate,

@@ -14,9 +14,8 @@ must not stop a requeue).
 from __future__ import annotations
 
 from scaleout.config.schema import Config
-from scaleout.families import FAMILIES
 
 
 def check_input_files(cfg: Config) -> None:
     """Sniff the files ``cfg``'s family reads (one line naming the key on a bad one)."""
-    FAMILIES.get(cfg.model.arch).check_input_files(cfg)
+    cfg.model.family.check_input_files(cfg)

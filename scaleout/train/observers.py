@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from scaleout.config.schema import Config
 from scaleout.errors import UserError
-from scaleout.families import FAMILIES
 from scaleout.fsutil import atomic_write
 from scaleout.goodput import quarantine
 from scaleout.log import print0
@@ -56,7 +55,7 @@ class MLPerfObserver(Observer):
 
     def __init__(self, log: MLPerfLogger, cfg: Config, world: World):
         self.log, self.cfg, self.world = log, cfg, world
-        self.epochs = FAMILIES.get(cfg.model.arch).mlperf_epochs
+        self.epochs = cfg.model.family.mlperf_epochs
         self.spe, self.train_set_size, self.block_first = 1, None, 1
         log.cache_clear()  # MLPerf requires the cache_clear event first (caches are cold at init)
         log.init_start()

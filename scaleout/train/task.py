@@ -4,7 +4,6 @@ precision."""
 from __future__ import annotations
 
 from scaleout.config.schema import Config
-from scaleout.families import FAMILIES
 from scaleout.families.task import Task
 from scaleout.train.precision import Precision
 from scaleout.world import World
@@ -14,7 +13,7 @@ __all__ = ["Task", "build_task"]
 
 def build_task(cfg: Config, world: World) -> Task:
     # model.init_checkpoint with a family that reads none is refused by the schema (Config)
-    family = FAMILIES.get(cfg.model.arch)
+    family = cfg.model.family
     task = family.build_task(cfg, world)
     task.precision = Precision(cfg.train.precision, world.device)
     task.choose_kernels()

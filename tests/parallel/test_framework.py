@@ -4,6 +4,8 @@ has that loop's first bucket, its optimizer kernel and, as an option, its data o
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -256,13 +258,22 @@ def test_no_host_work_in_the_wait_while_a_comm_thread_schedule_runs() -> None:
         dp = DataParallel.from_config(_chain(), world, CommConfig(bucket_mb=25.0))
         assert dp.reducer._host_waits()
         release = threading.Event()
-        handle = handles.comm_thread(world).submit(release.wait, torch.zeros(1))
+        thread = handles.comm_thread(world)
+        handle = thread.submit(release.wait, torch.zeros(1))
         try:
             assert not dp.reducer._host_waits()
             ran = []
             dp.while_waiting(lambda: ran.append(1))
-            # the bucket queues behind the busy thread: released once backward is waiting on it
-            threading.Timer(0.5, release.set).start()
+
+            def release_once_the_bucket_queued() -> None:
+                # the bucket queues behind the busy thread: released once backward waits on it
+                # (a fixed timer can fire before backward gets there on a loaded machine)
+                deadline = time.monotonic() + 120
+                while not dp.reducer.waiting and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                release.set()
+
+            threading.Thread(target=release_once_the_bucket_queued, daemon=True).start()
             dp(torch.randn(3, 256)).sum().backward()
             assert ran == [] and dp.last_stats["idle_s"] == 0.0
             assert dp.reducer._wait_work is None  # taken, not left for a later backward
