@@ -138,6 +138,8 @@ _VALUE_SHAPED = {
     "argwhere",
     "nonzero_static",
 }
+# Factories that only take a block from the allocator (no kernel: nothing enqueued or written).
+_ALLOCATE_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 # Ops where host and device tensors may meet without an error on CUDA.
 _MIX_OK = {
     "copy_",
@@ -513,6 +515,8 @@ class _Mode(TorchFunctionMode):
             out = func(*(_physical(a) for a in args), **kwargs)
         here = HOST if on_host(src) else DEVICE
         if target is None or target == here:
+            if out is not src and here == DEVICE:  # a conversion on the device: a kernel
+                self.owner._enqueue(name, [src], out, False)
             return out if out is src else _mark(out, here == HOST)
         if target == HOST:
             self.owner.syncs.append(("to host", call_site()))
@@ -520,6 +524,8 @@ class _Mode(TorchFunctionMode):
             self.owner.h2d.append((name, call_site()))
         if out is src:
             out = src.clone()
+        if target == DEVICE:  # the copy is written on the current stream
+            self.owner._enqueue(name, [src], out, False)
         return _mark(out, target == HOST)
 
 
@@ -664,6 +670,11 @@ class FakeCuda:
         if not inplace and outs and all(id(_storage(t)) in keys for t in outs):
             return  # a view
         stream = self.current_stream()
+        if name in _ALLOCATE_ONLY and not inplace:  # a block handed out, no device work queued
+            for t in outs:
+                if not on_host(t):
+                    self._allocated(t, stream, stream.pos)
+            return
         for t in inputs:
             w = None if on_host(t) else self._writer(_storage(t))
             if w is not None and not self._visible(stream, w):
