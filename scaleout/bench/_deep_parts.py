@@ -246,13 +246,18 @@ def part_jpeg(workdir: Path) -> Result:
     def rounds(decode: Any) -> tuple[int, bool]:
         corrupt, equal = 0, True
         for _ in range(30):
-            victims = [torch.full((1 << 20,), float(i + 1), device=dev) for i in range(8)]
+            # blocks of a decoded image's size (3 x 256 x 256 bytes): the allocator hands exactly
+            # these to the decoder's outputs once they are freed
+            victims = [
+                torch.full((3 * 256 * 256 // 4,), float(i + 1), device=dev)
+                for i in range(len(files))
+            ]
             torch.cuda._sleep(int(2e7))
             sums = [v.sum() for v in victims]  # queued behind the sleep, reading the victims
             del victims  # their blocks go back to this stream's pool while the sums are queued
             out = decode()
             torch.cuda.synchronize()
-            corrupt += any(float(s) != (i + 1) * (1 << 20) for i, s in enumerate(sums))
+            corrupt += any(float(s) != (i + 1) * 3 * 256 * 256 // 4 for i, s in enumerate(sums))
             if out is not None:
                 equal = equal and bool(torch.equal(out, reference))
         return corrupt, equal
@@ -279,15 +284,18 @@ def part_group_bn(workdir: Path) -> Result:
     gy = torch.randn_like(x0)
     x = x0.to(torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
     w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
-    y = _GroupBNFunction.apply(x, w, b, dist.group.WORLD, 1e-5)
+    y, mean, var, _ = _GroupBNFunction.apply(x, w, b, dist.group.WORLD, 1e-5)
     y.backward(gy.to(y.dtype).contiguous(memory_format=torch.channels_last))
     xr = x.detach().float().requires_grad_()
     wr, br = w0.clone().requires_grad_(), b0.clone().requires_grad_()
     yr = F.batch_norm(xr, None, None, wr, br, training=True, eps=1e-5)
     yr.backward(gy.to(torch.bfloat16).float())
+    xs = xr.detach()
+    stats = (("mean", mean, xs.mean((0, 2, 3))), ("var", var, xs.var((0, 2, 3), unbiased=False)))
     diffs = {
         name: float((a.float() - r).abs().max() / r.abs().max())
         for name, a, r in (
+            *stats,
             ("y", y, yr),
             ("dx", x.grad, xr.grad),
             ("dw", w.grad, wr.grad),

@@ -35,7 +35,7 @@ status is 0, unless nvidia-smi lists a GPU torch cannot see (exit 1).
                    hierarchical all-reduce, flat and the node-sharded LAMB (weights agree), a
                    comm-stream delay (results unchanged), the autograd hook thread, and a
                    non-contiguous hierarchical all-reduce with the caller allocating meanwhile
-  capture    (40)  a CUDA graph of a real NCCL all-reduce issued on the comm stream, phase clock on,
+  capture    (40)  a CUDA graph of a real NCCL all-reduce issued through scaleout's comm stream,
                    a pin-memory DataLoader thread alive throughout: 50 replays sum right
   watchdog   (40)  a 1-rank NCCL all-reduce queued behind a 30 s kernel with a 5 s timeout: the
                    rank must end with scaleout's verdict (a line naming it, or a verdict file),

@@ -16,6 +16,7 @@ from fakecuda import FakeGraphs
 from scaleout.bench import _gpuchecks as g
 from scaleout.bench import _gpuflagship as fl
 from scaleout.bench.gpucheck import listed_gpus
+from tests.bench.test_gpucheck import fake_nvidia_smi
 
 TINY = dict(vocab_size=512, hidden=32, layers=2, heads=2, intermediate=64, max_position=64)
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,11 +28,9 @@ def test_environment_fails_when_torch_sees_fewer_gpus_than_nvidia_smi_lists(
 ) -> None:
     """A fake nvidia-smi lists 8 GPUs, torch is made to see 1 (CUDA_VISIBLE_DEVICES=0 left set on
     an 8-GPU box): the environment row FAILs and says so; with all 8 visible it passes."""
-    smi = tmp_path / "nvidia-smi"
-    lines = "\n".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(8))
-    smi.write_text(f'#!/bin/sh\n[ "$1" = -L ] && printf "{lines}\\n"\n')
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(8)]
+    fake = fake_nvidia_smi(tmp_path, lines)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     listed = listed_gpus()
     assert len(listed) == 8

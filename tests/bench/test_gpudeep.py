@@ -7,7 +7,6 @@ make real ones)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,26 +15,14 @@ import pytest
 import torch
 
 from scaleout.bench import _deep_emu, gpudeep
+from tests.bench.test_gpucheck import _gpu_check, _path_without_nvidia_smi, fake_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _path_without_nvidia_smi(extra: Path | None = None) -> str:
-    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    dirs = [d for d in dirs if not (Path(d) / "nvidia-smi").exists()]
-    return os.pathsep.join(([str(extra)] if extra else []) + dirs)
-
-
 def _deep_check(tmp: Path, path: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": path, "PYTHON": sys.executable}
-    out = tmp / "gpudeep.json"
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-deep-check.sh"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    out = str(tmp / "gpudeep.json")
+    return _gpu_check("--out", out, path=path, python=sys.executable, script="gpu-deep-check.sh")
 
 
 @pytest.mark.full_system
@@ -54,11 +41,7 @@ def test_deep_check_reports_no_gpu_cleanly_on_cpu(tmp_path: Path) -> None:
 @pytest.mark.full_system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a GPU that torch cannot see")
 def test_deep_check_fails_when_nvidia_smi_lists_a_gpu_torch_cannot_see(tmp_path: Path) -> None:
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    smi = fake / "nvidia-smi"
-    smi.write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 (UUID: GPU-0)"\n')
-    smi.chmod(0o755)
+    fake = fake_nvidia_smi(tmp_path / "bin", ["GPU 0: NVIDIA H100 (UUID: GPU-0)"])
     r = _deep_check(tmp_path, _path_without_nvidia_smi(fake))
     assert r.returncode == 1, r.stdout + r.stderr
     rows = json.loads((tmp_path / "gpudeep.json").read_text())["rows"]
