@@ -22,7 +22,7 @@ TINY = dict(vocab_size=512, hidden=32, layers=2, heads=2, intermediate=64, max_p
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.unit
+@pytest.mark.multi_process  # runs the fake nvidia-smi
 def test_environment_fails_when_torch_sees_fewer_gpus_than_nvidia_smi_lists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -56,7 +56,7 @@ def _zeroing_step(dp: Any, loss_fn: Any, optimizer: Any = None, precision: Any =
     return data_parallel_step(dp, loss_fn, optimizer, precision)
 
 
-@pytest.mark.unit
+@pytest.mark.multi_process  # a World of one in this process
 def test_capture_row_compares_gradients_and_the_optimizer_step() -> None:
     """torch.cuda's graph API is mocked (FakeGraphs: the capture's body runs on CPU, a replay does
     nothing). The row passes for the real step and FAILs for a step whose reducer zeroes the

@@ -58,7 +58,7 @@ def test_parts_fit_eight_minutes_in_priority_order() -> None:
     assert set(PARTS) == set(caps)  # every listed part exists, and nothing else
 
 
-@pytest.mark.unit
+@pytest.mark.full_system  # the parts run as subprocesses
 def test_a_crashing_or_hanging_part_is_a_fail_row(tmp_path: Path) -> None:
     """Run for real here, where there is no GPU: the facts part raises (no CUDA device) -> FAIL
     with the error; the multi-rank part given a cap it cannot meet -> FAIL naming the cap."""
