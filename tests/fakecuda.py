@@ -33,7 +33,8 @@ and a ``TorchFunctionMode`` keeps the *emulated* placement:
   and torch's object collectives use the device as they do under NCCL; a group created with
   ``new_group(backend="gloo")`` under FakeCuda is a CPU group, as on a NCCL world (host tensors
   and host object collectives allowed): ``cpu_groups`` holds their names;
-- ``tensor.record_stream(s)`` is recorded in ``recorded`` (shape, dtype, stream name);
+- ``tensor.record_stream(s)`` is recorded in ``recorded`` (shape, dtype, stream name), and tells
+  the allocator model (below) that ``s`` uses the tensor's block;
 - reads of device values on the host (``item``, ``tolist``, ``bool``/``float``/``int``, ``.cpu()``,
   boolean
   masks, ``nonzero``, ``torch.cuda.synchronize``) are recorded with their call site;
@@ -62,6 +63,23 @@ Streams (the rules a GPU run lives by, which gloo on CPU does not have):
   for it, and device collectives issued from more than one thread (NCCL matches a communicator's
   collectives by issue order; several threads enqueueing onto the device in a rank-dependent order
   can deadlock across communicators).
+
+The caching allocator (its stream rule, which a CPU allocator does not have): a block belongs to the
+stream that was current when it was allocated, and when its tensor dies the block is handed to that
+stream's next allocation at once, whatever is still queued on other streams. So ``hazards`` also
+records:
+
+- a *cross-stream free*: a tensor that another stream used (an op or a collective on it) dies
+  while its allocating stream has not waited for that use and no ``record_stream`` of the user
+  stream was made (the next allocation on the allocating stream may overwrite what the other
+  stream still reads or writes). Only tensors the mode saw allocated are tracked, and only frees
+  while the context is open;
+- an *engine write* (:meth:`FakeCuda.engine_write`: a writer that does not honour the stream it is
+  given, as nvJPEG's hardware decoder, pytorch/vision#9606, meta-pytorch/torchcodec#1634) into a
+  block handed out on a stream with work the host has not seen finish (the block may be one that
+  queued kernels still read). A host synchronisation (``stream.synchronize()``,
+  ``event.synchronize()``, ``torch.cuda.synchronize()``) marks what it waited for as finished;
+  :meth:`FakeCuda.finished` answers whether a tensor's last write is.
 
 The mode is process-wide: threads started while the context is open (the comm thread among them)
 run under it too, and the comm-thread and comm-stream registries of scaleout.comm.handles start
@@ -120,6 +138,8 @@ _VALUE_SHAPED = {
     "argwhere",
     "nonzero_static",
 }
+# Factories that only take a block from the allocator (no kernel: nothing enqueued or written).
+_ALLOCATE_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 # Ops where host and device tensors may meet without an error on CUDA.
 _MIX_OK = {
     "copy_",
@@ -197,6 +217,7 @@ class FakeStream:
 
     def synchronize(self) -> None:
         _ACTIVE[0].syncs.append(("stream synchronize", call_site()))
+        _ACTIVE[0]._publish(self, self.pos)  # the host waited: all of it has run
 
     def __repr__(self) -> str:
         return f"<fake stream {self.name}>"
@@ -222,6 +243,8 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         _ACTIVE[0].syncs.append(("event synchronize", call_site()))
+        if self.stream is not None:
+            _ACTIVE[0]._publish(self.stream, self.pos)
 
     def elapsed_time(self, other: FakeEvent) -> float:
         return 0.0
@@ -262,6 +285,20 @@ class FakeWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+class _Block:
+    """A block of the caching allocator model: the stream it was allocated on and how many ops that
+    stream held then (``pos``), the last use of it by every other stream, the streams
+    ``record_stream`` named, what it was made as (for the message)."""
+
+    __slots__ = ("stream", "pos", "ref", "uses", "recorded", "watched", "what")
+
+    def __init__(self, storage: Any, stream: FakeStream, pos: int, what: str):
+        self.stream, self.pos, self.ref, self.what = stream, pos, weakref.ref(storage), what
+        self.uses: dict[FakeStream, tuple[int, str]] = {}
+        self.recorded: set[FakeStream] = set()
+        self.watched = False
 
 
 # The FakeCuda context that is open (process-wide), if any.
@@ -478,6 +515,8 @@ class _Mode(TorchFunctionMode):
             out = func(*(_physical(a) for a in args), **kwargs)
         here = HOST if on_host(src) else DEVICE
         if target is None or target == here:
+            if out is not src and here == DEVICE:  # a conversion on the device: a kernel
+                self.owner._enqueue(name, [src], out, False)
             return out if out is src else _mark(out, here == HOST)
         if target == HOST:
             self.owner.syncs.append(("to host", call_site()))
@@ -485,6 +524,8 @@ class _Mode(TorchFunctionMode):
             self.owner.h2d.append((name, call_site()))
         if out is src:
             out = src.clone()
+        if target == DEVICE:  # the copy is written on the current stream
+            self.owner._enqueue(name, [src], out, False)
         return _mark(out, target == HOST)
 
 
@@ -516,6 +557,9 @@ class FakeCuda:
         self.recorded: list[tuple[tuple[int, ...], torch.dtype, str]] = []
         self.cpu_groups = _CPU_GROUPS  # names of the gloo groups made under FakeCuda
         self._undo: list[tuple[Any, str, Any]] = []
+        # the caching allocator model (module docstring): storage address -> its live block
+        self._blocks: dict[int, _Block] = {}
+        self._all_streams: list[FakeStream] = [self.default]
 
     # -- streams ----------------------------------------------------------------------------------
     def current_stream(self, device: Any = None) -> FakeStream:
@@ -523,7 +567,76 @@ class FakeCuda:
 
     def new_stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:
         self._streams += 1
-        return FakeStream(f"side{self._streams}")
+        stream = FakeStream(f"side{self._streams}")
+        self._all_streams.append(stream)
+        return stream
+
+    # -- the caching allocator model --------------------------------------------------------------
+    def _ordered(self, stream: FakeStream, other: FakeStream, pos: int) -> bool:
+        """Op ``pos`` of ``other`` is done before what ``stream`` runs from now (a stream wait or a
+        host synchronisation)."""
+        return stream.covers(other, pos) or self._published.get(other, 0) >= pos
+
+    def _block(self, storage: Any) -> _Block | None:
+        block = None if storage is None else self._blocks.get(storage.data_ptr())
+        return block if block is not None and block.ref() is storage else None
+
+    def _allocated(self, t: torch.Tensor, stream: FakeStream, pos: int) -> None:
+        storage = _storage(t)
+        if storage is not None and storage.nbytes():  # (empty storages share address 0)
+            what = f"{tuple(t.shape)} {t.dtype}"
+            self._blocks[storage.data_ptr()] = _Block(storage, stream, pos, what)
+
+    def _used(self, storage: Any, stream: FakeStream, site: str | None = None) -> None:
+        block = self._block(storage)
+        if block is None or stream is block.stream:
+            return
+        block.uses[stream] = (stream.pos, site or call_site())
+        if not block.watched:  # the free is checked only for blocks another stream used
+            block.watched = True
+            weakref.finalize(storage, self._freed, block)
+
+    def _freed(self, block: _Block) -> None:
+        if not self.active:
+            return
+        for user, (pos, site) in block.uses.items():
+            safe = self._ordered(block.stream, user, pos) or any(
+                r is user or self._ordered(r, user, pos) for r in block.recorded
+            )
+            if not safe:
+                self._hazard(
+                    f"cross-stream free: a {block.what} tensor allocated on stream "
+                    f"{block.stream.name} died while stream {user.name} may still use it (last "
+                    f"use at {site}; no wait for it, no record_stream({user.name})): the allocator "
+                    f"hands its block to the next allocation on {block.stream.name}, at "
+                    f"{call_site()}"
+                )
+
+    def _record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        self.recorded.append((tuple(t.shape), t.dtype, stream.name))
+        block = self._block(_storage(t))
+        if block is not None:
+            block.recorded.add(stream)
+
+    def engine_write(self, t: torch.Tensor, what: str = "an engine") -> None:
+        """``t`` (allocated under the mode) is written by a writer that ignores stream order (module
+        docstring): a hazard unless the host saw its allocating stream's earlier work finish. The
+        write then counts as done on the current stream (the engine's caller synchronises it)."""
+        block = self._block(_storage(t))
+        if block is not None and self._published.get(block.stream, 0) < block.pos:
+            self._hazard(
+                f"{what} writes a {block.what} block handed out on stream {block.stream.name} "
+                f"while {block.pos - self._published.get(block.stream, 0)} op(s) queued there "
+                f"before it were not seen finished (queued kernels may still read that memory), "
+                f"at {call_site()}"
+            )
+        self._wrote(_storage(t), self.current_stream())
+
+    def finished(self, t: torch.Tensor) -> bool:
+        """Whether the host has seen the last write of ``t`` finish (a synchronisation after it):
+        only then is it safe to keep for readers on any stream, at any later time."""
+        w = self._writer(_storage(t))
+        return w is None or self._published.get(w[0], 0) >= w[1]
 
     def _hazard(self, msg: str) -> None:
         if msg not in self.hazards:
@@ -557,6 +670,11 @@ class FakeCuda:
         if not inplace and outs and all(id(_storage(t)) in keys for t in outs):
             return  # a view
         stream = self.current_stream()
+        if name in _ALLOCATE_ONLY and not inplace:  # a block handed out, no device work queued
+            for t in outs:
+                if not on_host(t):
+                    self._allocated(t, stream, stream.pos)
+            return
         for t in inputs:
             w = None if on_host(t) else self._writer(_storage(t))
             if w is not None and not self._visible(stream, w):
@@ -564,9 +682,17 @@ class FakeCuda:
                     f"{name} on stream {stream.name} reads a tensor written on stream "
                     f"{w[0].name} without waiting for it, at {call_site()}"
                 )
+        before = stream.pos
         stream.pos += 1
+        for t in inputs:
+            if not on_host(t):
+                self._used(_storage(t), stream)
         for t in outs:
             if not on_host(t):
+                if not inplace and id(_storage(t)) not in keys:
+                    self._allocated(t, stream, before)  # a new tensor: its block is this stream's
+                else:
+                    self._used(_storage(t), stream)
                 self._wrote(_storage(t), stream)
 
     def _launch(self, pg: Any, op: str, args: tuple, kwargs: dict) -> tuple[FakeStream, int]:
@@ -581,7 +707,10 @@ class FakeCuda:
             group = hex(id(pg))
         issuer = self.current_stream()
         if is_async:
-            stream = self._internal.setdefault(group, FakeStream(f"nccl:{group}"))
+            stream = self._internal.get(group)
+            if stream is None:
+                stream = self._internal[group] = FakeStream(f"nccl:{group}")
+                self._all_streams.append(stream)
             stream.wait_stream(issuer)
         else:
             stream = issuer
@@ -599,6 +728,7 @@ class FakeCuda:
         stream.pos += 1
         for storage in storages:  # in-place collectives: every tensor argument may be written
             self._wrote(storage, stream)
+            self._used(storage, stream, site)
         thread = threading.current_thread().name
         if thread not in self._threads:
             self._threads.append(thread)
@@ -666,11 +796,13 @@ class FakeCuda:
             "_get_object_coll_device",
             lambda group=None: "cpu" if self.is_cpu_group(group) else "cuda",
         )
-        self._patch(
-            torch.cuda,
-            "synchronize",
-            lambda device=None: self.syncs.append(("synchronize", call_site())),
-        )
+
+        def synchronize(device: Any = None) -> None:
+            self.syncs.append(("synchronize", call_site()))
+            for stream in self._all_streams:  # the host waited for every stream
+                self._publish(stream, stream.pos)
+
+        self._patch(torch.cuda, "synchronize", synchronize)
         # torch.from_numpy bypasses torch-function modes: mark its tensors as host tensors here
         from_numpy = torch.from_numpy
         self._patch(torch, "from_numpy", lambda a: _mark(from_numpy(a), True))
@@ -691,11 +823,7 @@ class FakeCuda:
         self._patch(torch.cuda, "stream", lambda stream: _StreamContext(self, stream))
         # the caching allocator's note that a stream uses a tensor (torch's argument parser rejects
         # a fake stream before any torch-function mode sees the call): recorded
-        self._patch(
-            torch.Tensor,
-            "record_stream",
-            lambda t, stream: self.recorded.append((tuple(t.shape), t.dtype, stream.name)),
-        )
+        self._patch(torch.Tensor, "record_stream", lambda t, s: self._record_stream(t, s))
         # process-wide: threads started from now on run under the mode too; the comm thread and
         # the comm streams of this context are its own
         boot = threading.Thread._bootstrap_inner

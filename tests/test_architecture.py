@@ -476,6 +476,7 @@ FAMILY_ENTRIES = {
     "scaleout/cli/ckpt.py": "`scaleout ckpt --format hf`: BERT's Hugging Face converter",
     # benchmarks of one family's own kernels and input paths (bench/ is the lab, review sec. 5.9)
     "scaleout/bench/_gpuchecks.py": "BERT / ResNet kernels and GPU decode against references",
+    "scaleout/bench/_deep_parts.py": "the one-GPU deep check: JPEG race, group BN, BERT-large step",
     "scaleout/bench/compile.py": "torch.compile of the BERT model on packed batches",
     "scaleout/bench/data.py": "ResNet's JPEG decode and DALI input paths",
     "scaleout/bench/mlmhead.py": "BERT's unpadded MLM head",

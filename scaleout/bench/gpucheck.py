@@ -32,24 +32,30 @@ H100/H200): a table of check | result | number | expected, JSON with the same ro
 1 if any check FAILs. Without CUDA every GPU row is SKIP with the reason and the exit status is 0 --
 unless `nvidia-smi -L` lists a GPU: then torch cannot see a GPU this machine has (a CPU build, a
 CUDA build newer than the driver, CUDA_VISIBLE_DEVICES="") and the check FAILs with that reason,
-exit status 1. The dependencies row (the project's imports the GPU rows need) runs everywhere.
+exit status 1; so does a torch that sees fewer GPUs than nvidia-smi lists (CUDA_VISIBLE_DEVICES
+left set). The dependencies row (the project's imports the GPU rows need) runs everywhere. The rows
+measure what the shipped flagships run (scaleout/bench/_gpuflagship.py reads their configs).
 
   1. NCCL world of every GPU (scaleout launch --nproc-per-node <GPUs>: one process per GPU)
-  2. tiny BERT (configs/bert_tiny_cpu.yaml) trained to its first evaluation in bf16, and in fp16
-     with dynamic loss scaling, on every GPU; the MLPerf log must name the precision that ran
-  3. CUDA-graph capture of the packed BERT training step, equal to the eager step
+  2. tiny BERT (configs/bert_tiny_cpu.yaml) with the BERT flagship's comm settings (2 emulated
+     nodes when the GPUs split evenly) and checkpoints, trained to its first evaluation in bf16 and
+     in fp16 with dynamic loss scaling; the MLPerf log must name the precision that ran; bf16 then
+     resumes from its checkpoint
+  3. CUDA-graph capture of the packed BERT training step: loss, every gradient and the weights
+     after one LAMB step equal to plain autograd's
   4. varlen (flash) attention equal to the padded masked-attention path on packed bf16 BERT
-  5. scaleout LAMB / LARS step time and bytes moved per parameter vs torch's fused AdamW / SGD on
-     BERT-large parameter shapes (both within 1.5x)
-  6. packed BERT-large (24 layers, seq 512) bf16 training step at the largest batch that fits:
-     tokens/s and MFU against the device's bf16 peak
+  5. scaleout LAMB / LARS step time vs torch's fused AdamW / SGD on BERT-large parameter shapes,
+     and their DRAM bytes per parameter measured by Nsight Compute (ncu; SKIP without it), both
+     within 1.5x
+  6. packed BERT-large (24 layers, seq 512) bf16 training step: MFU at the flagship's per-GPU rows
+     against the device's bf16 peak, the largest batch that fits beside it
   7. ResNet-50 bf16 channels_last training step from uint8 batches already on the GPU (input
      pipeline out, device normalisation in) at 35 / 64 / 128 images per GPU, eager and as a CUDA
-     graph: images/s, >= 2,500 at the best batch on an A100-class part; plus, when torchvision
-     imports, the batched nvJPEG decode rate of data.decode=gpu (SKIP otherwise)
+     graph: images/s, >= 2,500 at the best batch on an A100-class part; plus the batched nvJPEG
+     decode rate of data.decode=gpu (FAIL without torchvision when the ResNet flagship decodes on
+     the GPU, as it does)
   8. with 2+ GPUs (as 2 emulated nodes): hierarchical and torus2d all-reduce bit-equal to NCCL's
-     own,
-     and their bus bandwidth next to NCCL's
+     own, and their bus bandwidth next to NCCL's
 
 examples:
   bash scripts/gpu-check.sh
@@ -149,32 +155,28 @@ def check_nccl(gpus: int, args: argparse.Namespace) -> list[Row]:
     ]
 
 
+def _topology(gpus: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) the launched rows emulate: 2 nodes when the GPUs split evenly, so a
+    hierarchical or torus all-reduce runs both its intra- and its inter-node phase."""
+    return (2, gpus // 2) if gpus >= 2 and gpus % 2 == 0 else (1, gpus)
+
+
 def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
+    """Tiny BERT in bf16 and fp16 to its first evaluation with the BERT flagship's communication
+    settings (``_gpuflagship.train_overrides``) and checkpoints; bf16 then resumes from its last
+    checkpoint for two more steps."""
+    from scaleout.bench import _gpuflagship as fl
+
     rows: list[Row] = []
     names = {"bf16": "bfloat16", "fp16": "fp16"}
+    nodes, per_node = _topology(gpus)
+    flagship = " ".join(fl.train_overrides())
     for prec in ("bf16", "fp16"):
-        with tempfile.TemporaryDirectory() as tmp:
+        with fl.run_tmp() as tmp:
             t0 = time.perf_counter()
             steps = args.train_steps
-            proc = _launch(
-                1,
-                gpus,
-                [
-                    "scaleout",
-                    "train",
-                    "bert_tiny_cpu",
-                    f"train.precision={prec}",
-                    f"train.max_steps={steps}",
-                    f"train.eval_every={steps}",
-                    "train.target=null",
-                    f"train.output_dir={tmp}/out",
-                    "checkpoint.dir=null",
-                    "checkpoint.every_steps=0",
-                    "train.progress=false",
-                    "comm.algorithm=flat",
-                ],
-                args.timeout,
-            )
+            cmd = ["scaleout", "train", *fl.train_row_args(tmp, prec, steps)]
+            proc = _launch(nodes, per_node, cmd, args.timeout)
             seconds = time.perf_counter() - t0
             log = Path(tmp, "out", "mlperf.log")
             report = Path(tmp, "out", "report.json")
@@ -184,20 +186,33 @@ def check_train(gpus: int, args: argparse.Namespace) -> list[Row]:
                 in log.read_text()
             )
             data = json.loads(report.read_text()) if report.exists() else {}
+            saved = fl.checkpoints_in(Path(tmp, "ckpt"))
             ok = proc.returncode == 0 and logged and data.get("achieved") is not None
+            resumed = "-"
+            if ok and prec == "bf16":
+                more = [
+                    a if not a.startswith("train.max_steps=") else f"train.max_steps={steps + 2}"
+                    for a in cmd
+                ]
+                again = _launch(nodes, per_node, more, args.timeout)
+                after = json.loads(report.read_text()) if report.exists() else {}
+                resumed = str(after.get("resumed_from_step"))
+                ok = again.returncode == 0 and resumed == str(steps)
+            ok = ok and len(saved) >= 1
             number = (
                 f"mlm acc {data['achieved']:.4f} after {steps} steps, "
-                f"{data.get('skipped_steps', 0)} skipped, "
-                f"{seconds:.0f} s"
-                if ok
+                f"{data.get('skipped_steps', 0)} skipped, {len(saved)} checkpoint(s), resumed "
+                f"from {resumed}, {seconds:.0f} s"
+                if data.get("achieved") is not None
                 else (_tail(proc) if proc.returncode else "log/report missing the precision")
             )
             rows.append(
                 (
-                    f"tiny BERT {prec} train -> first eval ({gpus} GPU)",
+                    f"tiny BERT {prec} train -> first eval ({nodes} x {per_node} GPU; {flagship})",
                     "PASS" if ok else "FAIL",
                     number,
-                    f"exit 0, eval logged, MLPerf log says {names[prec]}",
+                    f"exit 0, eval logged, MLPerf log says {names[prec]}, checkpoints"
+                    + (f", resumes at step {steps}" if prec == "bf16" else ""),
                 )
             )
     return rows
@@ -327,17 +342,11 @@ def run(args: argparse.Namespace) -> int:
         if gpus
         else f"torch {torch.__version__}, no CUDA device"
     )
-    listed = [] if gpus else listed_gpus()
-    invisible = invisible_gpus_reason(listed) if listed else ""
-    rows: list[Row] = [
-        (
-            "environment",
-            "PASS" if gpus else "FAIL" if invisible else "SKIP",
-            invisible or env,
-            "1+ CUDA GPUs (every GPU nvidia-smi lists)",
-        ),
-        check_dependencies(),
-    ]
+    from scaleout.bench._gpuflagship import environment_row
+
+    listed = listed_gpus()  # the machine's GPUs: torch must see every one (review §7)
+    invisible = invisible_gpus_reason(listed) if listed and not gpus else ""
+    rows: list[Row] = [environment_row(gpus, listed, env, invisible), check_dependencies()]
     rows += (
         _run_checks(only, gpus, args)
         if gpus
@@ -370,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Row]:
     from scaleout.bench import _gpuchecks as g
+    from scaleout.bench import _gpuflagship as fl
 
     rows: list[Row] = []
     if "nccl" in only:
@@ -382,11 +392,13 @@ def _run_checks(only: list[str], gpus: int, args: argparse.Namespace) -> list[Ro
         try:
             for c in local:
                 fn = {
-                    "capture": lambda: g.check_capture(world),
+                    "capture": lambda: fl.check_capture(world),
                     "varlen": g.check_varlen,
-                    "optimizers": g.check_optimizers,
-                    "bert_large": g.check_bert_large,
-                    "resnet50": lambda: g.check_resnet50(world) + g.check_gpu_decode(),
+                    "optimizers": lambda: g.check_optimizers() + fl.bytes_rows(g.OPT_RATIO_MAX),
+                    "bert_large": lambda: g.check_bert_large(rows=fl.per_gpu_rows()),
+                    "resnet50": lambda: (
+                        g.check_resnet50(world) + g.check_gpu_decode(required=fl.needs_gpu_decode())
+                    ),
                 }[c]
                 rows += _in_process(fn, c)
         finally:

@@ -116,6 +116,12 @@ class Collective:
                 tensor.copy_(buf.view(tensor.shape))
 
         def job() -> None:
+            if not contiguous and buf.is_cuda:
+                # the staging copy was allocated on the caller's stream and dies when this call
+                # returns, while the phases queued here (the comm stream, which waits for every
+                # NCCL work) still use it: without this the caching allocator hands its block to
+                # the caller's next allocation mid-reduction (review gpu-day-two finding 6)
+                buf.record_stream(torch.cuda.current_stream(buf.device))
             alg.all_reduce(buf, world, opts, prepared)
             finish()
 

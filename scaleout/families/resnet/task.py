@@ -3,6 +3,7 @@ shards), metric = top-1."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ class ResNetTask(Task):
         check_input_pipeline(cfg, world.device)
         self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._eval_stream: Any = None  # evaluation's decode stream (CUDA), made on first use
         if d.source in ("imagenet", "images"):
             if d.path and d.prepare == "fashion-mnist":
                 ensure_prepared(d.path, world)  # first use: rank 0 writes it, the others wait
@@ -252,14 +254,33 @@ class ResNetTask(Task):
         keep: list[tuple[torch.Tensor, torch.Tensor]] | None = (
             [] if self.cfg.data.cache_eval and fits else None
         )
+        cuda = torch.device(w.device).type == "cuda"
+        decode = self._decode_stream() if cuda else None
         for i in range(0, len(mine), EVAL_BATCH):
             x, y = self.eval_set.get(mine[i : i + EVAL_BATCH])
-            pair = (self._pixels(to_device(x, w.device)), to_device(y, w.device))
+            with torch.cuda.stream(decode) if cuda else contextlib.nullcontext():
+                pair = (self._pixels(to_device(x, w.device)), to_device(y, w.device))
+            if cuda:  # the compute stream reads them after the decode stream made them, and
+                # their blocks are not handed back to the decode stream while it may still read
+                compute = torch.cuda.current_stream(w.device)
+                compute.wait_stream(decode)
+                for t in pair:
+                    t.record_stream(compute)
             if keep is not None:
                 keep.append(pair)
             yield pair
         if keep is not None:
+            if decode is not None:  # only finished pixels are kept for every later evaluation
+                decode.synchronize()
             self._eval_cache = keep
+
+    def _decode_stream(self) -> Any:
+        """The stream evaluation batches are decoded on (on CUDA): GPU JPEG decode drains the
+        stream it runs on first (gpu_decode.decode_on_device), which must not be the compute
+        stream with the model's kernels queued on it."""
+        if self._eval_stream is None:
+            self._eval_stream = torch.cuda.Stream(self.world.device)
+        return self._eval_stream
 
     def sync_buffers(self) -> None:
         sync_batchnorm_stats(self.model, self.world)

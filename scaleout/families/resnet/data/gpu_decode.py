@@ -163,7 +163,16 @@ def crop_resize_flip(images: list[torch.Tensor], batch: JpegBatch) -> torch.Tens
 
 
 def decode_on_device(batch: JpegBatch, device: torch.device) -> torch.Tensor:
-    """One batched nvJPEG decode of ``batch`` on ``device``, then :func:`crop_resize_flip`."""
+    """One batched nvJPEG decode of ``batch`` on ``device``, then :func:`crop_resize_flip`.
+
+    On CUDA the current stream is drained first: torchvision's decoder (nvJPEG's hardware engine)
+    writes its outputs without waiting for the stream it is given (pytorch/vision#9606,
+    meta-pytorch/torchcodec#1634), into blocks the caching allocator hands out on that stream --
+    blocks that kernels still queued there may be reading. Call it on a stream that carries decode
+    work only (the prefetcher's copy stream, the evaluation's decode stream), so the wait is
+    short and the compute stream keeps running."""
     tv = require_torchvision()
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     images = tv.io.decode_jpeg(batch.jpegs, mode=tv.io.ImageReadMode.RGB, device=device)
     return crop_resize_flip(list(images), batch)
