@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,8 @@ class TrainCommand:
     ckpt_dir: str | None
     output_dir: str  # the run directory: quarantine.json, attempts/
     crash_loop: int = DEFAULT_CRASH_LOOP
+    srun_args: list[str] = field(default_factory=list)  # launch.container: before the command
+    fit: Any = None  # (allocation nodes, tasks per node) -> slurm_fit.Shape
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> TrainCommand:
@@ -122,9 +124,27 @@ class TrainCommand:
                 f"{' '.join(argv) or 'nothing'!r}"
             ) from None
         cfg = load_config(config, overrides)
+        from scaleout.launchers.slurm_fit import fit
+
+        def fit_to(nodes: int, tasks_per_node: int) -> Any:
+            return fit(config, overrides, cfg, load_config(config, []), nodes, tasks_per_node)
+
         return cls(
-            argv, cfg.launch.nnodes, cfg.checkpoint.dir, cfg.train.output_dir, cfg.launch.crash_loop
+            argv,
+            cfg.launch.nnodes,
+            cfg.checkpoint.dir,
+            cfg.train.output_dir,
+            cfg.launch.crash_loop,
+            cfg.launch.container.srun_args(),
+            fit_to,
         )
+
+    def fitted(self, alloc: Allocation) -> TrainCommand:
+        """This command on ``alloc``'s shape (launchers/slurm_fit.py); UserError if it cannot."""
+        if self.fit is None:
+            return self
+        shape = self.fit(len(alloc.nodes), alloc.tasks_per_node)
+        return replace(self, argv=[*self.argv, *shape.overrides], nnodes=shape.nnodes)
 
 
 def choose_nodes(alloc: list[str], excluded: set[str], nnodes: int) -> list[str] | None:
@@ -339,6 +359,7 @@ class Supervisor:
             f"--ntasks={len(nodes) * self.alloc.tasks_per_node}",
             f"--ntasks-per-node={self.alloc.tasks_per_node}",
             f"--nodelist={','.join(nodes)}",
+            *self.cmd.srun_args,
             *self.cmd.argv,
         ]
         env = {**self.env, VERDICT_DIR: str(verdict_dir)}

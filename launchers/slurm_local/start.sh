@@ -105,6 +105,9 @@ render() {
 render "$HERE/slurm.conf.in" "$S/etc/slurm.conf"
 render "$HERE/slurmdbd.conf.in" "$S/etc/slurmdbd.conf"
 render "$HERE/gres.conf.in" "$S/etc/gres.conf"
+PY=$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)  # slurmstepd's PATH has no pyenv shims
+sed -e "s|@PYTHON@|$PY|g" -e "s|@HERE@|$HERE|g" "$HERE/oci.conf.in" | render /dev/stdin "$S/etc/oci.conf"  # srun --container (runc)
+mkdir -p "$S/run/oci"
 mkdir -p "$S/dev"
 for i in 0 1 2 3 4 5 6 7; do
   [ -c "$S/dev/gpu$i" ] || mknod "$S/dev/gpu$i" c 1 3 || { echo "start.sh: mknod $S/dev/gpu$i failed (emulated GPUs need it)" >&2; exit 1; }

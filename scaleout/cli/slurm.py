@@ -74,6 +74,7 @@ def _supervise(args: argparse.Namespace) -> int:
 
     cmd = sup.TrainCommand.parse(args.step_command)
     alloc = sup.Allocation.from_env(os.environ)
+    cmd = cmd.fitted(alloc)  # the node count from the allocation; refuses before any srun
     return sup.Supervisor(alloc, cmd, Path(cmd.output_dir), crash_loop_k=cmd.crash_loop).run()
 
 
