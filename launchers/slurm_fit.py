@@ -53,21 +53,21 @@ def fit(
     overrides: Sequence[str],
     cfg: Config,
     recipe: Config,
-    alloc_nodes: int,
+    alloc: Sequence[str],
     tasks_per_node: int,
 ) -> Shape:
-    """The step's shape on an allocation of ``alloc_nodes`` x ``tasks_per_node``. ``cfg``: the
+    """The step's shape on the nodes ``alloc`` x ``tasks_per_node``. ``cfg``: the
     config with the command line's overrides, ``recipe``: the file alone. UserError (one line)
     when the allocation cannot run it."""
     given = given_keys(overrides)
-    launch = cfg.launch
+    launch, alloc_nodes = cfg.launch, len(alloc)
     if "launch.nnodes" in given:
         nnodes = launch.nnodes
         if nnodes > alloc_nodes:
             raise UserError(
-                f"launch.nnodes={nnodes} but the allocation has {alloc_nodes} nodes: expected "
-                "launch.nnodes <= the sbatch -N (the rest are spares), or no launch.nnodes (the "
-                "node count then comes from the allocation)"
+                f"launch.nnodes={nnodes} but the allocation has {alloc_nodes} nodes "
+                f"({','.join(alloc)}): expected launch.nnodes <= the sbatch -N (the rest are "
+                "spares)"
             )
         if "launch.spares" in given and nnodes + launch.spares != alloc_nodes:
             raise UserError(

@@ -101,7 +101,7 @@ class TrainCommand:
     output_dir: str  # the run directory: quarantine.json, attempts/
     crash_loop: int = DEFAULT_CRASH_LOOP
     srun_args: list[str] = field(default_factory=list)  # launch.container: before the command
-    fit: Any = None  # (allocation nodes, tasks per node) -> slurm_fit.Shape
+    fit: Any = None  # (the allocation's nodes, tasks per node) -> slurm_fit.Shape
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> TrainCommand:
@@ -126,7 +126,7 @@ class TrainCommand:
         cfg = load_config(config, overrides)
         from scaleout.launchers.slurm_fit import fit
 
-        def fit_to(nodes: int, tasks_per_node: int) -> Any:
+        def fit_to(nodes: list[str], tasks_per_node: int) -> Any:
             return fit(config, overrides, cfg, load_config(config, []), nodes, tasks_per_node)
 
         return cls(
@@ -143,7 +143,7 @@ class TrainCommand:
         """This command on ``alloc``'s shape (launchers/slurm_fit.py); UserError if it cannot."""
         if self.fit is None:
             return self
-        shape = self.fit(len(alloc.nodes), alloc.tasks_per_node)
+        shape = self.fit(alloc.nodes, alloc.tasks_per_node)
         return replace(self, argv=[*self.argv, *shape.overrides], nnodes=shape.nnodes)
 
 
