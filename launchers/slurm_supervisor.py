@@ -51,7 +51,9 @@ from scaleout.env.nodelist import expand_nodelist, parse_tasks_per_node
 from scaleout.errors import UserError
 from scaleout.goodput import quarantine
 from scaleout.goodput.preempt import EXIT_PREEMPTED
+from scaleout.launchers.container import srun_args as container_srun
 from scaleout.launchers.slurm import job_info
+from scaleout.launchers.slurm_fit import fit
 from scaleout.train.faults import VERDICT_DIR
 from scaleout.train.rerun import read_record, write_record
 
@@ -124,7 +126,6 @@ class TrainCommand:
                 f"{' '.join(argv) or 'nothing'!r}"
             ) from None
         cfg = load_config(config, overrides)
-        from scaleout.launchers.slurm_fit import fit
 
         def fit_to(nodes: list[str], tasks_per_node: int) -> Any:
             return fit(config, overrides, cfg, load_config(config, []), nodes, tasks_per_node)
@@ -135,7 +136,7 @@ class TrainCommand:
             cfg.checkpoint.dir,
             cfg.train.output_dir,
             cfg.launch.crash_loop,
-            cfg.launch.container.srun_args(),
+            container_srun(cfg.launch.container),
             fit_to,
         )
 

@@ -467,6 +467,7 @@ def container_srun_args(argv: Sequence[str]) -> list[str]:
     """launch.container's srun options for a ``train CONFIG [overrides]`` job (else none)."""
     if len(argv) < 2 or argv[0] != "train":
         return []
-    from scaleout.config import load_config
+    from scaleout.config import load_config  # deferred: pydantic + the schema, only for train jobs
+    from scaleout.launchers.container import srun_args  # deferred: imports the schema too
 
-    return load_config(argv[1], list(argv[2:])).launch.container.srun_args()
+    return srun_args(load_config(argv[1], list(argv[2:])).launch.container)

@@ -53,6 +53,8 @@ if [ $DBD = 1 ]; then
   command -v slurmdbd >/dev/null || missing="$missing slurmdbd"
   command -v mariadbd >/dev/null || missing="$missing mariadb-server"
 fi
+# runc: srun --container=<bundle> (oci.conf below); optional, so only installed when installing anyway
+if [ $INSTALL = 1 ] && ! command -v runc >/dev/null; then missing="$missing runc"; fi
 if [ -n "$missing" ]; then
   [ $INSTALL = 1 ] || { echo "start.sh: missing packages:$missing (run without --no-install or scripts/setup.sh --test)" >&2; exit 3; }
   echo "start.sh: apt-get install$missing"

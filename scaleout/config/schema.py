@@ -420,19 +420,6 @@ class ContainerConfig(_Section):
             )
         return self
 
-    def srun_args(self) -> list[str]:
-        """The srun options that put a step's tasks in the container, in a fixed order."""
-        if self.bundle:
-            return [f"--container={self.bundle}"]
-        if not self.image:
-            return []
-        args = [f"--container-image={self.image}"]
-        for key in ("mounts", "workdir", "env"):
-            value = getattr(self, key)
-            if value:
-                args.append(f"--container-{key}={value}")
-        return args
-
 
 class LaunchConfig(_Section):
     # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS):

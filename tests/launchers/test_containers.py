@@ -19,6 +19,7 @@ import pytest
 
 from scaleout.config import load_config
 from scaleout.errors import ConfigError, UserError
+from scaleout.launchers.container import srun_args as container_srun
 from scaleout.launchers.slurm_supervisor import Allocation, TrainCommand
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +50,10 @@ def _cmd(*overrides: str, config: str = "configs/bert_large_256x8.yaml") -> Trai
 
 @pytest.mark.unit
 def test_container_keys_become_srun_options_as_given() -> None:
-    assert load_config("bert_tiny_cpu", PYXIS).launch.container.srun_args() == PYXIS_ARGS
+    assert container_srun(load_config("bert_tiny_cpu", PYXIS).launch.container) == PYXIS_ARGS
     oci = load_config("bert_tiny_cpu", ["launch.container.bundle=/opt/bundles/scaleout"])
-    assert oci.launch.container.srun_args() == ["--container=/opt/bundles/scaleout"]
-    assert load_config("bert_tiny_cpu", []).launch.container.srun_args() == []
+    assert container_srun(oci.launch.container) == ["--container=/opt/bundles/scaleout"]
+    assert container_srun(load_config("bert_tiny_cpu", []).launch.container) == []
 
 
 @pytest.mark.unit
