@@ -55,23 +55,9 @@ def _submit(cluster, tmp: Path, nodes: int, tpn: int, overrides: list[str]) -> t
     name = f"i42-{uuid.uuid4().hex[:6]}"
     out = tmp / f"{name}.out"
     env = {**cluster.env, "RUN_ROOT": str(tmp), "PYTHONPATH": str(REPO)}
-    job = sbatch(
-        [
-            "--chdir",
-            str(REPO),
-            "-J",
-            name,
-            "-N",
-            str(nodes),
-            "--ntasks-per-node",
-            str(tpn),
-            "-o",
-            str(out),
-            SCRIPT,
-            *overrides,
-        ],
-        env=env,
-    )
+    opts = [f"--chdir={REPO}", f"--job-name={name}", f"--nodes={nodes}"]
+    opts += [f"--ntasks-per-node={tpn}", f"--output={out}"]
+    job = sbatch([*opts, SCRIPT, *overrides], env=env)
     return job, out
 
 
@@ -98,6 +84,18 @@ def test_bert_256node_takes_its_node_count_from_sbatch(slurm_cluster, tmp_path):
     lines = [ln for ln in said.splitlines() if "its schedule is for 256x8 GPUs" in ln]
     assert len(lines) == 1 and "expected train.global_batch=8" in lines[0], said
     assert "attempt" not in said, said  # no step was started
+
+
+def test_h100_scripts_shrink_on_the_command_line(slurm_cluster):
+    """The DGX H100 scripts' headers (up to 434 nodes) are accepted on the 4-node cluster once
+    -N/--ntasks-per-node override them."""
+    scripts = sorted(REPO.glob("slurm/bert_h100_*node.sh"))
+    assert len(scripts) == 4, scripts
+    for script in scripts:
+        p = slurm_cluster.run(
+            ["sbatch", "--test-only", "-N", "2", "--ntasks-per-node", "2", str(script)], check=False
+        )
+        assert p.returncode == 0 and "to start at" in p.stderr, (script, p.stderr)
 
 
 def _bundle(root: Path) -> Path:
