@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,9 @@ from scaleout.env.nodelist import expand_nodelist, parse_tasks_per_node
 from scaleout.errors import UserError
 from scaleout.goodput import quarantine
 from scaleout.goodput.preempt import EXIT_PREEMPTED
+from scaleout.launchers.container import srun_args as container_srun
 from scaleout.launchers.slurm import job_info
+from scaleout.launchers.slurm_fit import fit
 from scaleout.train.faults import VERDICT_DIR
 from scaleout.train.rerun import read_record, write_record
 
@@ -100,6 +102,8 @@ class TrainCommand:
     ckpt_dir: str | None
     output_dir: str  # the run directory: quarantine.json, attempts/
     crash_loop: int = DEFAULT_CRASH_LOOP
+    srun_args: list[str] = field(default_factory=list)  # launch.container: before the command
+    fit: Any = None  # (the allocation's nodes, tasks per node) -> slurm_fit.Shape
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> TrainCommand:
@@ -122,9 +126,26 @@ class TrainCommand:
                 f"{' '.join(argv) or 'nothing'!r}"
             ) from None
         cfg = load_config(config, overrides)
+
+        def fit_to(nodes: list[str], tasks_per_node: int) -> Any:
+            return fit(config, overrides, cfg, load_config(config, []), nodes, tasks_per_node)
+
         return cls(
-            argv, cfg.launch.nnodes, cfg.checkpoint.dir, cfg.train.output_dir, cfg.launch.crash_loop
+            argv,
+            cfg.launch.nnodes,
+            cfg.checkpoint.dir,
+            cfg.train.output_dir,
+            cfg.launch.crash_loop,
+            container_srun(cfg.launch.container),
+            fit_to,
         )
+
+    def fitted(self, alloc: Allocation) -> TrainCommand:
+        """This command on ``alloc``'s shape (launchers/slurm_fit.py); UserError if it cannot."""
+        if self.fit is None:
+            return self
+        shape = self.fit(alloc.nodes, alloc.tasks_per_node)
+        return replace(self, argv=[*self.argv, *shape.overrides], nnodes=shape.nnodes)
 
 
 def choose_nodes(alloc: list[str], excluded: set[str], nnodes: int) -> list[str] | None:
@@ -339,6 +360,7 @@ class Supervisor:
             f"--ntasks={len(nodes) * self.alloc.tasks_per_node}",
             f"--ntasks-per-node={self.alloc.tasks_per_node}",
             f"--nodelist={','.join(nodes)}",
+            *self.cmd.srun_args,
             *self.cmd.argv,
         ]
         env = {**self.env, VERDICT_DIR: str(verdict_dir)}

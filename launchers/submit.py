@@ -55,6 +55,8 @@ class SubmitSpec:
         default_factory=dict
     )  # override key -> values: one job per value
     extra_slurm: dict[str, Any] = field(default_factory=dict)
+    # launch.container's srun options (pyxis --container-*, OCI --container): every task's srun
+    srun_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -209,6 +211,8 @@ def make_executor(spec: SubmitSpec) -> Any:
             params["gpus_per_node"] = spec.gpus_per_node
         if spec.partition:
             params["partition"] = spec.partition
+        if spec.srun_args:
+            params["srun_args"] = list(spec.srun_args)
         ex.update_parameters(**params)
         # submitit's own handler uses USR2 as well; keep the two consistent
         submitit.slurm.slurm.SlurmJobEnvironment.USR_SIG = spec.signal
@@ -216,6 +220,11 @@ def make_executor(spec: SubmitSpec) -> Any:
     if spec.nodes > 1:
         raise UserError(
             f"--nnodes={spec.nodes} without Slurm: submitit's local executor runs one node"
+        )
+    if spec.srun_args:
+        raise UserError(
+            f"launch.container ({' '.join(spec.srun_args)}): srun options, but this job runs on "
+            f"submitit's {cluster} executor (no Slurm)"
         )
     if spec.extra_slurm:
         raise UserError(
@@ -452,3 +461,13 @@ class SubmitLauncher(Launcher):
         if log is not None:
             job.log_hint = f"logs {log.parent}/submitit"
         return job
+
+
+def container_srun_args(argv: Sequence[str]) -> list[str]:
+    """launch.container's srun options for a ``train CONFIG [overrides]`` job (else none)."""
+    if len(argv) < 2 or argv[0] != "train":
+        return []
+    from scaleout.config import load_config  # deferred: pydantic + the schema, only for train jobs
+    from scaleout.launchers.container import srun_args  # deferred: imports the schema too
+
+    return srun_args(load_config(argv[1], list(argv[2:])).launch.container)

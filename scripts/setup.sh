@@ -92,6 +92,9 @@ if [ $want_test = 1 ]; then
   command -v slurmdbd >/dev/null || pkgs="$pkgs slurmdbd"
   command -v mariadbd >/dev/null || pkgs="$pkgs mariadb-server"
   command -v ip >/dev/null || pkgs="$pkgs iproute2"
+  # srun --container=<bundle> (Slurm's OCI containers): the local cluster's oci.conf runs runc, Debian's
+  # package as Slurm's (crun 1.8 refuses a hybrid cgroup v1/v2 host).
+  command -v runc >/dev/null || pkgs="$pkgs runc"
   # srun --mpi=pmix: Slurm's PMIx plugin loads libpmix.so, the link libpmix-dev adds to libpmix2 (without it
   # `srun --mpi=list` still lists pmix, but every step fails: "can not load PMIx library"). No slurmd
   # restart: each step's slurmstepd loads it.

@@ -2,9 +2,11 @@
 # BERT-Large pretraining to the MLPerf target (masked-LM accuracy 0.720) on 256 nodes x 8 GPUs = 2048 ranks.
 #
 #   sbatch slurm/bert_256node.sh [key=value config overrides]             # from the scaleout checkout
-#   sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh launch.nnodes=2 <overrides>  # the same file, shrunk
-#                                       (command-line options override #SBATCH lines)
-#   sbatch -N 3 --ntasks-per-node 2 slurm/bert_256node.sh launch.nnodes=2 ...      # + 1 spare node
+#   sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <overrides>     # the same file, shrunk: runs on
+#                                       the allocation's nodes (command-line options override #SBATCH lines);
+#                                       another GPU count needs train.global_batch + its schedule (docs/recipes.md)
+#   sbatch -N 3 --ntasks-per-node 2 slurm/bert_256node.sh launch.spares=1 ...      # + 1 spare node
+#   sbatch slurm/bert_256node.sh launch.container.image=<image> ...      # ranks in a container (docs/launchers.md)
 #   sbatch -J bert-try2 slurm/bert_256node.sh                             # a new run = a new name
 #
 # One task per GPU; every task sees all 8 GPUs of its node (--gpus-per-node, not --gpus-per-task: per-task
@@ -31,8 +33,8 @@ set -euo pipefail
 source slurm/env.sh
 
 # The training step runs under `scaleout slurm run` (scaleout/cli/slurm.py): srun --kill-on-bad-exit=1 (one
-# dead rank ends the step instead of leaving 2047 ranks hanging in a collective) on launch.nnodes healthy
-# nodes; the allocation's other nodes are spares (sbatch -N launch.nnodes+k). When the step dies, the node
+# dead rank ends the step instead of leaving 2047 ranks hanging in a collective) on the allocation's nodes
+# but launch.spares (default 0) healthy ones; those are the spares. When the step dies, the node
 # whose ranks stopped, hung or were killed is quarantined ($RUN_DIR/quarantine.json) and a new step starts
 # on healthy nodes at once, resuming from the latest checkpoint; with too few left the job is requeued
 # excluding the quarantined nodes (so is a resubmission). launch.crash_loop (default 3) attempts dying at

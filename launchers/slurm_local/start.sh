@@ -53,6 +53,8 @@ if [ $DBD = 1 ]; then
   command -v slurmdbd >/dev/null || missing="$missing slurmdbd"
   command -v mariadbd >/dev/null || missing="$missing mariadb-server"
 fi
+# runc: srun --container=<bundle> (oci.conf below); optional, so only installed when installing anyway
+if [ $INSTALL = 1 ] && ! command -v runc >/dev/null; then missing="$missing runc"; fi
 if [ -n "$missing" ]; then
   [ $INSTALL = 1 ] || { echo "start.sh: missing packages:$missing (run without --no-install or scripts/setup.sh --test)" >&2; exit 3; }
   echo "start.sh: apt-get install$missing"
@@ -105,6 +107,9 @@ render() {
 render "$HERE/slurm.conf.in" "$S/etc/slurm.conf"
 render "$HERE/slurmdbd.conf.in" "$S/etc/slurmdbd.conf"
 render "$HERE/gres.conf.in" "$S/etc/gres.conf"
+PY=$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null || echo python3)  # slurmstepd's PATH has no pyenv shims
+sed -e "s|@PYTHON@|$PY|g" -e "s|@HERE@|$HERE|g" "$HERE/oci.conf.in" | render /dev/stdin "$S/etc/oci.conf"  # srun --container (runc)
+mkdir -p "$S/run/oci"
 mkdir -p "$S/dev"
 for i in 0 1 2 3 4 5 6 7; do
   [ -c "$S/dev/gpu$i" ] || mknod "$S/dev/gpu$i" c 1 3 || { echo "start.sh: mknod $S/dev/gpu$i failed (emulated GPUs need it)" >&2; exit 1; }

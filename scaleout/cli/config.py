@@ -10,8 +10,12 @@ NAME = "config"
 ORDER = 20
 HELP = "show a config (YAML + a.b=c overrides) after validation; write RCP-backed ResNet configs"
 DESCRIPTION = """\
+scaleout config list
 scaleout config show CONFIG [key=value ...] [--world N --nproc-per-node G]
 scaleout config resnet-rcp --global-batch N --nnodes N --nproc-per-node G [--out FILE]
+
+list: the shipped configs (name, family, nodes x GPUs per node, global batch, what it is); any of
+them is a CONFIG for show, train, launch and the slurm/ scripts. Recipes: docs/recipes.md.
 
 show: loads CONFIG (a path, or a name in configs/), applies overrides such as optim.lr=2e-3 or
 comm.algorithm=torus2d, validates every key and prints the resolved tree. With --world it also runs
@@ -26,6 +30,7 @@ the list of those that have one. See scaleout/families/resnet/rcp.py.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="<action>", parser_class=type(p))
+    sub.add_parser("list", help="the shipped configs: family, nodes x GPUs, batch, description")
     show = sub.add_parser("show", help="print a config after overrides and validation")
     show.add_argument(
         "config",
@@ -53,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.action == "resnet-rcp":
         return _resnet_rcp(args)
+    if args.action == "list":
+        from scaleout.config.catalog import shipped, table_rows
+        from scaleout.output import format_table
+
+        headers = ["config", "family", "nodes x GPUs", "global batch", "description"]
+        print(format_table(headers, table_rows(shipped())))
+        return 0
     if args.action != "show":
         args._config_parser.print_help()
         return 2

@@ -25,17 +25,20 @@ folder another user created is refused); `down` signals only PIDs that are that 
 /etc/hosts is marked and removed by `down`.
 
 `scaleout slurm run -- scaleout train CONFIG [overrides]` (inside an sbatch script;
-slurm/bert_256node.sh uses it): runs the step with srun on launch.nnodes healthy nodes of the
-allocation, the others are spares. When the step dies, the node whose ranks stopped, hung or were
-killed is named and written to <train.output_dir>/quarantine.json, and a new step starts on
-healthy nodes at once, resuming from the latest checkpoint; with too few healthy nodes the job is
-requeued excluding the quarantined ones. launch.crash_loop (default 3) attempts that die without a
-checkpoint past the same step stop the job with one line. Attempts: run.json.
+slurm/bert_256node.sh uses it): runs the step with srun on the allocation's healthy nodes but
+launch.spares (or launch.nnodes of them), the others are spares; launch.container.* puts the ranks
+in a container (pyxis --container-image/-mounts/-workdir/-env, or an OCI --container=<bundle>).
+When the step dies, the node whose ranks stopped, hung or were killed is named and written to
+<train.output_dir>/quarantine.json, and a new step starts on healthy nodes at once, resuming from
+the latest checkpoint; with too few healthy nodes the job is requeued excluding the quarantined
+ones. launch.crash_loop (default 3) attempts that die without a checkpoint past the same step stop
+the job with one line. Attempts: run.json.
 
 examples:
   scaleout slurm up                 # ~3 s (11 s the first time: database init)
   export SLURM_CONF=/tmp/scaleout-slurm/etc/slurm.conf
-  sbatch -N 3 --ntasks-per-node 2 slurm/bert_256node.sh launch.nnodes=2 model.bert.layers=2
+  sbatch -N 3 --ntasks-per-node 2 slurm/bert_256node.sh launch.spares=1 model.bert.layers=2 \
+    train.global_batch=8 optim.lr=1e-3 optim.warmup_steps=2 optim.total_steps=20 train.max_steps=20
   srun -N 2 --ntasks-per-node 2 scaleout smoke
   scaleout slurm status
   scaleout slurm down [--wipe]
@@ -74,6 +77,7 @@ def _supervise(args: argparse.Namespace) -> int:
 
     cmd = sup.TrainCommand.parse(args.step_command)
     alloc = sup.Allocation.from_env(os.environ)
+    cmd = cmd.fitted(alloc)  # the node count from the allocation; refuses before any srun
     return sup.Supervisor(alloc, cmd, Path(cmd.output_dir), crash_loop_k=cmd.crash_loop).run()
 
 

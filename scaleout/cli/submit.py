@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.launchers.submit import (
         SubmitLauncher,
         SubmitSpec,
+        container_srun_args,
         follow,
         job_argvs,
         parse_array,
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name,
         array=parse_array(args.array),
         extra_slurm=parse_slurm_options(args.slurm),
+        srun_args=container_srun_args(argv),
     )
     # The same checks `scaleout launch` runs, for every job's command and this world, before
     # anything is queued: a bad config is one line here, not a 256-node job whose every rank fails.

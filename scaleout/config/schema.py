@@ -387,6 +387,40 @@ class HPCAI500Config(_Section):
     epochs: int | None = Field(None, ge=1)
 
 
+class ContainerConfig(_Section):
+    """``launch.container``: the image every rank runs in, under ``scaleout slurm run`` and
+    submitit (docs/launchers.md, "Containers"). The supervisor itself runs outside the image, on
+    the batch host: ``srun`` is not inside a pyxis container (NVIDIA/pyxis#31)."""
+
+    # pyxis/enroot (SuperPODs), passed to every srun exactly as given: --container-image (an
+    # enroot URI such as nvcr.io#nvidia/pytorch:24.01-py3, or a .sqsh file), --container-mounts
+    # (SRC:DST[:FLAGS],...), --container-workdir, --container-env (NAME,...: pyxis keeps the
+    # image's own value of a variable unless named here, NVIDIA/pyxis#124).
+    image: str | None = None
+    mounts: str | None = None
+    workdir: str | None = None
+    env: str | None = None
+    # Slurm's own OCI containers (Slurm >= 22.05 with runc or crun, the site's oci.conf):
+    # srun --container=<bundle> (a folder with config.json and its rootfs).
+    bundle: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ContainerConfig:
+        if self.bundle and self.image:
+            raise ValueError(
+                f"launch.container.bundle={self.bundle!r} and launch.container.image="
+                f"{self.image!r}: expected one (an OCI bundle or a pyxis image)"
+            )
+        pyxis_only = [k for k in ("mounts", "workdir", "env") if getattr(self, k)]
+        if pyxis_only and not self.image:
+            raise ValueError(
+                f"launch.container.{pyxis_only[0]}={getattr(self, pyxis_only[0])!r} needs "
+                "launch.container.image (pyxis options); an OCI bundle sets mounts and workdir "
+                "in its config.json"
+            )
+        return self
+
+
 class LaunchConfig(_Section):
     # auto (detect by priority) or a registered environment's name (scaleout.env.ENVIRONMENTS):
     # checked against the registry when validated, so an environment registered later is accepted
@@ -400,6 +434,10 @@ class LaunchConfig(_Section):
     # `scaleout slurm run` (the sbatch scripts): this many attempts in a row dying without a
     # checkpoint past the same step stop the job instead of restarting or requeueing it.
     crash_loop: int = Field(3, ge=1, le=1000)
+    # `scaleout slurm run`: nodes of the allocation kept as spares. The step runs on the others
+    # (sbatch -N k: k - spares nodes), unless launch.nnodes is given on the command line.
+    spares: int = Field(0, ge=0, le=MAX_WORLD)
+    container: ContainerConfig = ContainerConfig()
 
     @field_validator("env")
     @classmethod

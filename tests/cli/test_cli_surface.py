@@ -88,6 +88,7 @@ def test_snapshot_is_exact() -> None:
 
 # A flag named like a config key that means something else, with why.
 SAME_NAME_OTHER_MEANING = {
+    ("plan", "--workdir"): "the benchmark's scratch folder, not launch.container.workdir (pyxis)",
     (
         "compile",
         "--backend",
