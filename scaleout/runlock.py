@@ -50,6 +50,10 @@ class RunDirBusy(UserError):
     """A run directory that another live job holds."""
 
 
+class LeaseUnwritable(UserError):
+    """A run directory where the lease cannot be written (not a directory, read-only, full)."""
+
+
 @dataclass(frozen=True)
 class Owner:
     """Who holds a lease: ``job`` decides a takeover (the same Slurm job: a requeue or a spare)."""
@@ -245,7 +249,13 @@ class RunLock:
         done: list[Path] = []
         try:
             for d in self.dirs:
-                acquire_one(d, self.me)
+                try:
+                    acquire_one(d, self.me)
+                except OSError as exc:
+                    raise LeaseUnwritable(
+                        f"{d}: cannot write the run's lease {LOCK_NAME} there "
+                        f"({exc.strerror or exc}); expected a writable directory"
+                    ) from None
                 done.append(d)
         except BaseException:
             self._release(done)
@@ -323,10 +333,10 @@ def agree_owner(cfg: Any, world: Any) -> RunLock | None:
         try:
             if not held_by_us(cfg):
                 lock = RunLock(run_dirs(cfg)).acquire()
-        except RunDirBusy as exc:
+        except UserError as exc:  # busy or unwritable: the peers must not wait on rank 0
             error = str(exc)
-        except OSError as exc:  # unwritable: the peers must not wait on rank 0 for it
-            error = f"cannot take the run directories' lease ({LOCK_NAME}): {exc}"
+        except OSError as exc:
+            error = f"cannot read the run directories' lease ({LOCK_NAME}): {exc}"
     if world.world_size > 1:
         import torch.distributed as dist
 
@@ -336,3 +346,12 @@ def agree_owner(cfg: Any, world: Any) -> RunLock | None:
     if error:
         raise RunDirBusy(error)
     return lock
+
+
+def release_held() -> None:
+    """Give back what :func:`hold_for_process` took: for a preflight whose ranks are not this
+    process's children (``scaleout submit``: the queued job's rank 0 takes the lease itself, under
+    its own Slurm job id, when it starts)."""
+    for lock in _held.values():
+        lock.release()
+    _held.clear()

@@ -123,7 +123,8 @@ def test_an_empty_output_dir_is_refused_before_spawning(tmp_path):
 
     for empty in ("", "  "):
         with pytest.raises(UserError, match="train.output_dir="):
-            preflight(["train", TINY, f"train.output_dir={empty}"], 1, 1)
+            argv = ["train", TINY, f"train.output_dir={empty}", f"checkpoint.dir={tmp_path}"]
+            preflight(argv, 1, 1)
 
 
 @pytest.mark.unit
@@ -180,3 +181,13 @@ def test_a_second_launch_on_a_held_run_directory_stops_before_writing(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report and not list(out.glob("report.json.*"))  # one report, none set aside
     assert not (out / LOCK_NAME).exists() and not (ck / LOCK_NAME).exists()  # released
+
+
+@pytest.mark.unit
+def test_a_directory_where_no_lease_can_be_written_is_one_line(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    with pytest.raises(runlock.LeaseUnwritable) as err:
+        RunLock([tmp_path / "ok", plain / "out"]).acquire()
+    assert str(plain / "out") in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "ok" / LOCK_NAME).exists()  # the first one given back

@@ -83,7 +83,11 @@ def prepare_run_dirs(cfg: Config) -> None:
     """The launcher's preflight: take the run's leases for this process (held until it exits;
     another job's lease: one line naming it), then remove debris and check the room to resume."""
     check_output_dir(cfg)
-    runlock.hold_for_process(cfg)
+    try:
+        runlock.hold_for_process(cfg)
+    except runlock.LeaseUnwritable:
+        check_room_to_resume(cfg)  # a disk too full for the lease: say so in a resume's terms
+        raise
     remove_debris(cfg)
     check_room_to_resume(cfg)
 

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_scaleout_train_writes_the_comm_timeline(tmp_path):
     trace, out = tmp_path / "trace.json", tmp_path / "out"
     cmd = [sys.executable, "-m", "scaleout", "train", "bert_tiny_cpu", *SMALL, "train.max_steps=2"]
-    cmd += ["train.target=null", f"train.output_dir={out}", f"comm.timeline={trace}"]
+    cmd += ["train.target=null", f"train.output_dir={out}", f"checkpoint.dir={tmp_path}/ck"]
+    cmd += [f"comm.timeline={trace}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "SLURM_PROCID"):
         env.pop(var, None)
@@ -32,3 +33,4 @@ def test_scaleout_train_writes_the_comm_timeline(tmp_path):
     assert any(e.get("ph") == "X" for e in events), events[:5]
     assert f"timeline: {trace}" in done.stdout
     assert not (out / LOCK_NAME).exists()  # the lease rank 0 took is released
+    assert not (tmp_path / "ck" / LOCK_NAME).exists()
