@@ -244,11 +244,15 @@ class RunLock:
         self.dirs, self.me = dirs, me or Owner.here()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # folders the lease created (leaf first): removed again at release if nothing else came
+        # in (a launch refused after its lease was taken leaves no empty run directory behind)
+        self._made: list[Path] = []
 
     def acquire(self) -> RunLock:
         done: list[Path] = []
         try:
             for d in self.dirs:
+                missing = [p for p in (d, *d.parents) if not p.exists()]
                 try:
                     acquire_one(d, self.me)
                 except OSError as exc:
@@ -257,6 +261,7 @@ class RunLock:
                         f"({exc.strerror or exc}); expected a writable directory"
                     ) from None
                 done.append(d)
+                self._made += missing
         except BaseException:
             self._release(done)
             raise
@@ -286,6 +291,11 @@ class RunLock:
             found = read_holder(lock)
             if found is not None and found[0].get("token") == self.me.token:
                 lock.unlink(missing_ok=True)
+        for p in self._made:
+            try:
+                p.rmdir()  # only when empty
+            except OSError:
+                pass
 
     def release(self) -> None:
         self._stop.set()
