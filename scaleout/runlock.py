@@ -32,6 +32,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,21 +333,26 @@ def held_by_us(cfg: Any, me: Owner | None = None) -> bool:
     return True
 
 
-def agree_owner(cfg: Any, world: Any) -> RunLock | None:
+def agree_owner(cfg: Any, world: Any, then: Callable[[], None] | None = None) -> RunLock | None:
     """Inside the ranks, before anything is written: rank 0 checks the run directories' leases.
     Held by our launcher or our job: nothing to do (None). Free or stale: rank 0 takes them for
     this process (no launcher took them: srun, torchrun) and returns the lock to release at the
-    end. Held by another job: every rank raises the same one-line :class:`RunDirBusy`."""
+    end. Then rank 0 runs ``then`` (what needs the lease: removing debris, checking room). Held by
+    another job, or a :class:`UserError` of ``then``: every rank raises the same one line."""
     lock: RunLock | None = None
     error = ""
     if world.rank == 0:
         try:
             if not held_by_us(cfg):
                 lock = RunLock(run_dirs(cfg)).acquire()
-        except UserError as exc:  # busy or unwritable: the peers must not wait on rank 0
+            if then is not None:
+                then()
+        except UserError as exc:  # busy, unwritable, no room: the peers must not wait on rank 0
             error = str(exc)
         except OSError as exc:
             error = f"cannot read the run directories' lease ({LOCK_NAME}): {exc}"
+        if error and lock is not None:
+            lock.release()
     if world.world_size > 1:
         import torch.distributed as dist
 
@@ -354,7 +360,7 @@ def agree_owner(cfg: Any, world: Any) -> RunLock | None:
         dist.broadcast_object_list(box, src=0, group=getattr(world, "cpu_group", None))
         error = box[0]
     if error:
-        raise RunDirBusy(error)
+        raise UserError(error)
     return lock
 
 

@@ -21,6 +21,7 @@ from scaleout.diskfull import DiskFull, check_room, disk_full, is_disk_full
 from scaleout.errors import UserError
 from scaleout.goodput.verdict import verdict_line
 from scaleout.train.liveness import describe_rank
+from scaleout.train.rerun import decide_start
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -68,6 +69,8 @@ def check_room_to_resume(cfg: Config) -> None:
     ck = cfg.checkpoint
     if not ck.dir or not Path(ck.dir).is_dir():
         return
+    if decide_start(cfg).kind != "resume":  # a finished run writes nothing: it needs no room
+        return
     found = Checkpointer(ck.dir, ck.keep).list()
     if not found:
         return
@@ -94,12 +97,15 @@ def prepare_run_dirs(cfg: Config) -> None:
 
 def agree_owner(cfg: Config, world: World) -> runlock.RunLock | None:
     """Inside the ranks, before anything is written: the lease (see :func:`runlock.agree_owner`),
-    then rank 0 removes debris. The lock to release at the end when rank 0 took it itself."""
+    then rank 0 removes debris and checks the room to resume (one line on every rank). The lock to
+    release at the end when rank 0 took it itself."""
     check_output_dir(cfg)
-    lock = runlock.agree_owner(cfg, world)
-    if world.rank == 0:
+
+    def then() -> None:  # rank 0, holding the lease (srun: no launcher preflight ran)
         remove_debris(cfg)
-    return lock
+        check_room_to_resume(cfg)
+
+    return runlock.agree_owner(cfg, world, then)
 
 
 def say_disk_full(world: World, exc: BaseException, where: str) -> DiskFull | None:
