@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import torch
 import torch.distributed as dist
 
+from scaleout.diskfull import DiskFull, disk_full, is_disk_full
 from scaleout.errors import ConfigError, UserError
 from scaleout.fsutil import atomic_write
 
@@ -167,6 +168,10 @@ def read_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
 
 class CheckpointWriteFailed(UserError):
     """A background checkpoint write that failed (raised at the next step boundary that waits)."""
+
+
+class CheckpointDiskFull(CheckpointWriteFailed, DiskFull):
+    """A background checkpoint write that found the disk full."""
 
 
 # A test-only slow writer: ``SCALEOUT_TEST_SLOW_SAVE_S=N`` makes every write of a replicated
@@ -299,7 +304,12 @@ class Checkpointer:
                 time.sleep(delay)
             write_payload(f, full)
 
-        atomic_write(path, write)  # the commit, streamed to the file
+        try:
+            atomic_write(path, write)  # the commit, streamed to the file
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise self._full(step, path, _HEADER + state_bytes(full)) from None
         for old in self.dir.glob(f"{path.stem}.shards-*"):  # an earlier attempt at this step
             if record is None or old.name != record["dir"]:
                 _shards().remove_tree(old)
@@ -365,6 +375,8 @@ class Checkpointer:
         error = pending.exception()
         if error is None:
             return None
+        if isinstance(error, DiskFull):  # already one line naming the rank, path and bytes
+            return CheckpointDiskFull(str(error))
         what = f"{type(error).__name__}: {error}".replace("\n", " ")
         return CheckpointWriteFailed(
             f"rank {self.rank}: the background write of checkpoint step {step} in {self.dir} "
@@ -379,6 +391,13 @@ class Checkpointer:
             self._executor = None
         self._buffers = []
         return error
+
+    def _full(self, step: int, path: Path, needed: int) -> DiskFull:
+        """The one line for a save that found no room (atomic_write removed its temp file)."""
+        kept = [s for s, _ in self.list() if s < step]
+        after = f"; checkpoint step {kept[-1]} is kept for resume" if kept else ""
+        what = f"checkpoint step {step} to"
+        return DiskFull(f"rank {self.rank}: {disk_full(path, needed, what)}{after}")
 
     def _drop(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -438,6 +457,30 @@ class Checkpointer:
         if shards is not None:
             _shards().load_pieces(shards, self.dir, state["shards"], _group(world))
         return state, path
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` (each storage once): what its file needs, less
+    torch.save's small per-record overhead."""
+    seen: set[int] = set()
+    total = 0
+
+    def walk(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen or not storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return total
 
 
 def _shards() -> ModuleType:

@@ -76,9 +76,17 @@ class SaveSchedule:
         if self.checkpointer.asynchronous:
             stall, step_s = self.settle(step_s, then=write, t0=t0)  # agreed by the settle
         else:
-            write()
+            error: Exception | None = None
+            try:
+                write()
+            except Exception as exc:  # noqa: BLE001 -- agreed below, then raised
+                error = exc
             progress.collectives += 1  # a rank still writing is then behind the others
-            self.world.barrier()
+            # the agreement is the barrier: a failed write stops every rank now, not at a timeout
+            failed = self._failed_rank(error, agree=True)
+            if error is not None:
+                raise error
+            self._raise_peer_failure(failed)
             stall = time.perf_counter() - t0
         self._next_interval(stall, step_s)
         return stall
@@ -128,10 +136,13 @@ class SaveSchedule:
             world.set_timeout(max(before, self.settle_timeout_s), sync=False)
         try:
             error = ck.wait()
-            if then is not None:
-                then()
+            failed = float(world.rank + 1) if error is not None else 0.0
+            if then is not None:  # no save starts after one that failed, on any rank
+                failed = float(self._failed_rank(error, agree=multi) + 1)
+                if not failed:
+                    then()
             stall = time.perf_counter() - t0
-            agreed = [float(error is not None), stall, step_s]
+            agreed = [failed, stall, step_s]
             if multi:
                 box = torch.tensor(agreed, dtype=torch.float64, device=world.device)
                 dist.all_reduce(box, op=dist.ReduceOp.MAX)
@@ -141,9 +152,23 @@ class SaveSchedule:
                 world.set_timeout(before, sync=False)
         if error is not None:
             raise error
-        if agreed[0]:
-            raise CheckpointWriteFailed(
-                f"rank {world.rank}: a peer's background checkpoint write failed (its own error "
-                "names it); stopping"
-            )
+        self._raise_peer_failure(int(agreed[0]) - 1)
         return agreed[1], agreed[2]
+
+    def _failed_rank(self, error: BaseException | None, agree: bool) -> int:
+        """The highest rank whose write failed (-1: none), agreed by one small all-reduce."""
+        mine = float(self.world.rank + 1) if error is not None else 0.0
+        if agree and self.world.world_size > 1 and dist.is_initialized():
+            box = torch.tensor([mine], dtype=torch.float64, device=self.world.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            mine = box.item()
+        return int(mine) - 1
+
+    def _raise_peer_failure(self, failed: int) -> None:
+        """A bystander's line: it names the rank whose write failed (that rank's own line, and
+        the launcher's last, say why)."""
+        if failed >= 0:
+            raise CheckpointWriteFailed(
+                f"rank {self.world.rank}: stopping because rank {failed}'s checkpoint write "
+                "failed (its own line names the cause)"
+            )

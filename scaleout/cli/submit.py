@@ -137,9 +137,11 @@ def run(args: argparse.Namespace) -> int:
     # The same checks `scaleout launch` runs, for every job's command and this world, before
     # anything is queued: a bad config is one line here, not a 256-node job whose every rank fails.
     from scaleout.cli import main, preflight
+    from scaleout.runlock import release_held
 
     for job_argv in job_argvs(spec):
         preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
+    release_held()  # checked free above; the queued job's rank 0 takes its run directories itself
     jobs = SubmitLauncher(entry=main).submit(spec)
     where = resolve_cluster(spec.cluster)
     for j in jobs:

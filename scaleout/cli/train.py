@@ -40,6 +40,7 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
     from scaleout.telemetry.metrics import check_sinks
     from scaleout.train.inputs import check_input_files
     from scaleout.train.rerun import decide_start
+    from scaleout.train.rundirs import prepare_run_dirs
 
     cfg = load_config(args.config, args.overrides)
     cfg.check_world(world_size, ranks_per_node)
@@ -48,6 +49,7 @@ def preflight(args: argparse.Namespace, world_size: int, ranks_per_node: int) ->
         cfg
     )  # the rerun policy: a start that would overwrite another run fails here, before any spawn
     check_input_files(cfg)  # a corrupt or foreign file under a path-valued key: one line
+    prepare_run_dirs(cfg)  # one owner per run directory (held until exit), then its debris
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from scaleout.diskfull import StrictFileHandler
 from scaleout.errors import UserError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class MLPerfLogger:
         logger.setLevel(logging.INFO)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handlers.append(logging.FileHandler(self.path, mode="a"))
+            self._handlers.append(StrictFileHandler(self.path, mode="a"))  # a full disk raises
         # `:::MLLOG {...}` on rank 0's stdout too, as NVIDIA's run_and_time.sh prints them
         if stdout:
             self._handlers.append(logging.StreamHandler(sys.stdout))

@@ -274,6 +274,30 @@ def _key(beat: Mapping[str, Any]) -> tuple[int, int, int]:
     )
 
 
+def _waiting_in(live: list[dict[str, Any] | None]) -> tuple[Any, Any, int] | None:
+    """(step, phase, collective #) where most live ranks are: the collective they wait in."""
+    points = Counter(
+        (b.get("step"), b.get("phase"), b.get("seq"))
+        for b in live
+        if b is not None and isinstance(b.get("seq"), int)
+    )
+    return points.most_common(1)[0][0] if points else None
+
+
+def _since(beat: Mapping[str, Any], waiting: tuple[Any, Any, int] | None) -> str:
+    """A stopped rank's last beat can be a period old (one beat per period keeps the store's
+    load flat at 2,048 ranks): where the live ranks wait says how far it really got, at no cost.
+    It joined every collective they completed, so it stopped before the one they wait in."""
+    seq = beat.get("seq")
+    if waiting is None or not isinstance(seq, int) or seq >= waiting[2] - 1:
+        return ""
+    step, phase, at = waiting
+    return (
+        f"; it then took part in every collective up to #{at - 1}: the others wait for it in "
+        f"#{at} at step {step}, {phase}"
+    )
+
+
 def judge(
     first: list[dict[str, Any] | None],
     second: list[dict[str, Any] | None],
@@ -296,10 +320,12 @@ def judge(
         or (first[r] is not None and second[r].get("beat") == first[r].get("beat"))
     ]
     if stale:
+        waiting = _waiting_in([second[r] for r in range(n) if r not in stale])
         named = ", ".join(
             describe(r)
             + (
-                f" (last seen at {_where(second[r])}, collective #{second[r].get('seq', '?')})"
+                f" (last seen at {_where(second[r])}, collective #{second[r].get('seq', '?')}"
+                f"{_since(second[r], waiting)})"
                 if second[r] is not None and "step" in second[r]
                 else ""
             )

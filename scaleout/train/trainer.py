@@ -90,6 +90,7 @@ from scaleout.train.observers import (
 )
 from scaleout.train.rerun import check_data_position
 from scaleout.train.rng import seed_step
+from scaleout.train.rundirs import agree_owner, say_disk_full
 from scaleout.train.skew import PHASES, SkewTracker, link_credit
 from scaleout.train.task import Task, build_task
 from scaleout.world import World, init
@@ -935,6 +936,10 @@ class Trainer:
         if world.rank == 0:
             rerun.record_end(cfg, self.run_record, status, self.step)
         replica_vote = None if peers_may_be_gone else replicas.vote(self.task.model, world)
+        if cfg.comm.timeline and not peers_may_be_gone and isinstance(self.model, DataParallel):
+            trace = self.model.write_timeline()  # collective: rank 0 merges every rank's spans
+            if trace is not None:
+                print0(f"timeline: {trace} (chrome://tracing, ui.perfetto.dev)", rank=world.rank)
         if replica_vote is not None and not replica_vote.consistent:
             self._report_replica_vote(replica_vote)
         goodput = goodput_section(
@@ -1047,10 +1052,12 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     try:
         world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
+        owner = None
         try:
             # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
             # launcher's preflight already refused what it could before spawning): a refused start
             # writes nothing
+            owner = agree_owner(cfg, world)  # one job per run directory, before any write
             start = rerun.agree_start(cfg, world)
             if start.kind == "finished":
                 print0(f"scaleout train: {start.message}")
@@ -1075,8 +1082,13 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
             ):  # a hung or dead peer: one line naming it, then end this process
                 exit_on_comm_failure(world, exc)
             write_crash(world, exc)  # for `scaleout slurm run`: a software error, not a node
+            full = say_disk_full(world, exc, cfg.train.output_dir)  # this rank, not a bystander
+            if full is not None and full is not exc:
+                raise full from None  # one line (path, bytes free), not a writer's traceback
             raise
         finally:
+            if owner is not None:
+                owner.release()
             heartbeat.close()
             world.close()
     finally:

@@ -246,3 +246,18 @@ def test_a_block_cut_off_by_the_end_of_output_is_still_printed() -> None:
         (1, "frame #0: f + 0x1 (0x2 in z.so)"),
     ]
     assert folder.close(1) == [] and folder.summary() == []
+
+
+@pytest.mark.unit
+def test_a_stopped_ranks_position_is_current_though_its_last_beat_is_a_period_old() -> None:
+    """Stopped at step 16, its last beat (one per period) said step 2: the collective the live
+    ranks wait in says how far it really got (the review's "last seen at step 2")."""
+    first = [_beat(8, 16, "grad-sync", 61), _beat(8, 16, "grad-sync", 61), _beat(1, 2, "data", 5)]
+    moved = [_beat(9, 16, "grad-sync", 61), _beat(9, 16, "grad-sync", 61), _beat(1, 2, "data", 5)]
+    v = judge(first, moved, 4.0, _describe)
+    assert v["culprits"] == [2]
+    assert (
+        "rank 2 (node 1, local rank 0) (last seen at step 2 in data, collective #5; it then took "
+        "part in every collective up to #60: the others wait for it in #61 at step 16, grad-sync) "
+        "sent no heartbeat for 4 s" in v["text"]
+    )
