@@ -40,18 +40,21 @@ PHASES = (
 )
 # Where the allocation's or the launch's start comes from, in order (unix seconds).
 LAUNCH_VARS = ("SLURM_JOB_START_TIME", "SCALEOUT_LAUNCH_UNIX")
+# A process's start read from /proc is up to 1 s early (the boot time there is whole seconds), so a
+# launch up to this much after it is the same moment, not a clock skewed between hosts.
+SLACK_S = 2.0
 
 
 def launch_unix(env: dict[str, str] | None = None, before: float | None = None) -> float | None:
     """The allocation's (or the launcher's) start, if a launcher says it and it is not after
-    ``before`` (a clock skewed between hosts would make the launch phase negative)."""
+    ``before`` (+ :data:`SLACK_S`; a clock skewed between hosts would make the launch negative)."""
     env = os.environ if env is None else env
     for name in LAUNCH_VARS:
         try:
             t = float(env.get(name, ""))
         except ValueError:
             continue
-        if t > 0 and (before is None or t <= before):
+        if t > 0 and (before is None or t <= before + SLACK_S):
             return t
     return None
 
@@ -77,10 +80,12 @@ class StartClock:
         """The split up to ``run_start`` (unix): phases in order, their total, and the part
         before MLPerf's ``init_start``."""
         self.mark("compile_and_capture", run_start)
-        phases = {p: 0.0 for p in PHASES}
-        phases["launch"] = self.process_start - self.launched if self.launched else None
+        phases: dict[str, float | None] = {p: 0.0 for p in PHASES}
+        phases["launch"] = None
+        if self.launched:
+            phases["launch"] = max(self.process_start - self.launched, 0.0)
         phases.update((k, round(v, 4)) for k, v in self.marks.items())
-        start = self.launched or self.process_start
+        start = min(self.launched or self.process_start, self.process_start)
         return {
             "phases_s": phases,
             "total_s": run_start - start,
