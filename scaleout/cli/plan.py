@@ -26,14 +26,19 @@ simulator (docs/plan.md):
 samples(B), the samples to reach the config's target at global batch B: MLCommons' reference
 convergence points of the config's MLPerf benchmark (mlperf-logging's RCP tables), or --fit, a
 `scaleout bench largebatch --out` JSON (samples(B) = E_min (1 + B / B_crit), fitted). Evaluations
-follow the config (every train.eval_every x train.global_batch samples, data.eval_samples each).
+come every MLPerf interval at the batch (BERT's rule), else every train.eval_every x
+train.global_batch samples of the config, data.eval_samples each.
 
-The front keeps the points no other point beats on both axes; its knee (marked K) is the point
-farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving the
-time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
-knee) the plan prints the config overrides (checked by the config loader), the `sbatch -N ...` line
-of the family's Slurm script and the `scaleout launch` line (sharded-node: optim.sharded=true
-optim.shard=node).
+The front keeps the points no other point beats on both axes (time from the launch to the target,
+the untimed start before MLPerf's run_start included, and GPU-hours); its knee (marked K) is the
+point farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving
+the time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
+knee) the plan prints the schedule at its batch (learning rate, warm-up, decay horizon = max_steps,
+evaluation cadence: the RCP record nearest the batch, scaled by its rules), the config overrides
+(checked by the config loader) and the command that runs it: `sbatch -J ... -N ...` of the family's
+Slurm script on a cluster, `scaleout launch` for one node or the netns emulation. Batches above the
+largest RCP are priced but never picked (MLPerf refuses them); a run converging faster than the RCP
+mean earns nothing (MLPerf normalises to it), so the RCP mean is what the plan counts.
 
 --preset is a cluster preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the
 JSON of `scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A
@@ -41,8 +46,9 @@ cluster without device FLOP/s (netns: CPU ranks) needs --samples-per-s, the meas
 one rank; with --cores the ranks of an emulated cluster share that many cores.
 
 examples:
+  scaleout plan bert_large_256x8 --preset dgx-h100 --max-nodes 64 --pick cheapest
   scaleout plan configs/bert_large_256x8.yaml --preset dgx-a100 --png bench-results/plan.png
-  scaleout plan configs/bert_large_256x8.yaml --preset h200-superpod --max-nodes 1024 \\
+  scaleout plan bert_large_256x8 --preset h200-superpod --max-nodes 1024 \\
       --per-gpu-batch 4,8,16 --algorithms flat,hierarchical --pick fastest --out plan.json
   scaleout plan configs/bert_tiny_cpu.yaml --preset calib.json --fit largebatch.json \\
       --nnodes 1,2 --nproc-per-node 2 --per-gpu-batch 8,16 --samples-per-s 8:60,16:80 --cores 2
@@ -50,7 +56,9 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="training config (YAML, as for `scaleout train`)")
+    p.add_argument(
+        "config", help="training config: a path or a packaged name, as for `scaleout train`"
+    )
     p.add_argument(
         "overrides", nargs="*", help="section.key=value overrides of the config (model, data)"
     )

@@ -12,8 +12,11 @@ benchmark, or a fit to ``scaleout bench largebatch`` runs):
                     run stops at the first evaluation that reaches the target)
     GPU-hours     = time to train x GPUs / 3600
 
-Evaluations follow the config: every ``train.eval_every x train.global_batch`` training samples,
+Evaluations come at the schedule's interval (scaleout.sim.schedule: MLPerf's rule for the
+family's benchmark, else the config's ``train.eval_every x train.global_batch`` samples),
 ``data.eval_samples`` each (forward only, one third of a training step's FLOPs per sample).
+Each point also carries the untimed start before ``run_start`` (scaleout.sim.startup): the
+front and the picks rank by the time from the launch to the target, and GPU-hours include it.
 
 The front keeps every point no other point beats on both axes. Its **knee** is the point farthest
 below the chord between the front's two ends with each axis on a log scale scaled to [0, 1], i.e.
@@ -21,8 +24,9 @@ the smallest (log time + log GPU-hours) in those units: beyond it, halving the t
 factor of GPU-hours than it did before.
 
 For the chosen point the plan writes the ``key=value`` overrides of the config (validated by the
-config loader) and the ``sbatch`` line of the family's Slurm script (every placement has its keys:
-``sharded-node`` is ``optim.shard=node``; a placement without keys would be priced, never chosen).
+config loader; the schedule's among them) and the ``sbatch`` line of the family's Slurm script
+(every placement has its keys: ``sharded-node`` is ``optim.shard=node``; a placement without
+keys would be priced, never chosen).
 
 Pure Python; no torch.
 """
