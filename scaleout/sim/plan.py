@@ -417,7 +417,12 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
     for placement, extra in PLACEMENT_OVERRIDES.items():
         if extra is None:  # a placement without keys: priced with the sharded wire bytes
             extra = PLACEMENT_OVERRIDES["sharded"]
-        cfg = load_config(config, [*overrides, *extra])
+        try:
+            cfg = load_config(config, [*overrides, *extra])
+        except ConfigError:
+            if placement == "replicated":
+                raise
+            continue  # the config's optimizer has no sharded form (LARS): replicated only
         r = from_config(cfg, config)
         # the config's evaluation schedule (train.eval_every x global batch), not MLPerf's rule
         models[placement] = replace(r.model, eval_rule=None)
@@ -606,7 +611,11 @@ def plan(
         )
     if not work.references:
         work = for_curve(work, curve)
-    points = [predict(work, cluster, curve, c, rates, cores, host_s) for c in grid.candidates()]
+    points = [
+        predict(work, cluster, curve, c, rates, cores, host_s)
+        for c in grid.candidates()
+        if c.optimizer in work.models  # a placement the config's optimizer has
+    ]
     if not points:
         raise ConfigError("no point to plan: the grid is empty")
     front = front_of(points)

@@ -153,3 +153,18 @@ def test_untimed_start_is_counted_and_dominates_at_record_scale() -> None:
     assert record.start_s == pytest.approx(94.0, rel=0.01)
     assert one.start_s < record.start_s and one.start_s / one.ttt_s < 0.1
     assert record.gpu_hours == pytest.approx(record.wall_s * 3472 / 3600)
+
+
+def test_a_lars_config_is_planned_replicated_with_a_linearly_scaled_lr(tmp_path: Path) -> None:
+    """ResNet-50 (LARS has no sharded form): `plan` refused it outright before."""
+    data, _ = _plan(
+        ["resnet50_128x8", "--preset", "dgx-a100", "--nnodes", "4,16"]
+        + ["--algorithms", "hierarchical"],
+        tmp_path,
+    )
+    assert {p["optimizer"] for p in data["points"]} == {"replicated"}
+    ch = data["chosen"]
+    cfg = load_config("resnet50_128x8", ch["overrides"])
+    assert cfg.optim.lr == pytest.approx(21.9 * ch["global_batch"] / 35840, rel=1e-4)
+    assert cfg.train.max_steps >= ch["steps"] and ch["steps"] % cfg.train.eval_every == 0
+    assert ch["global_batch"] <= 67840  # rcps_resnet's largest batch
