@@ -23,7 +23,7 @@ from scaleout.telemetry.devices import device_peak
 from scaleout.telemetry.metrics import Metrics
 from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
 from scaleout.telemetry.profiler import StepProfiler, build_profiler
-from scaleout.telemetry.report import RunReport
+from scaleout.telemetry.report import RunReport, verdict
 from scaleout.telemetry.startup import describe as describe_start
 from scaleout.telemetry.timers import Timers
 from scaleout.train.observe import (
@@ -383,6 +383,13 @@ class ReportWriter(Observer):
             **end.sections,
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
+        print(
+            verdict(
+                end.status, end.metric, cfg.train.target, report.steps, end.time_to_train_s,
+                str(self.out),
+            ),
+            flush=True,
+        )  # fmt: skip
 
     def _quarantine(self, skew: dict[str, Any]) -> None:
         """Rank 0: the nodes of persistent stragglers (scaleout/train/skew.py

@@ -330,3 +330,17 @@ def test_resnet_flops_do_not_depend_on_bn_group():
         == fam.flops_per_sample(one)
         == pytest.approx(3 * 2 * 4.089e9, rel=1e-3)
     )
+
+
+def test_the_run_ends_with_one_verdict_line_naming_its_files() -> None:
+    """Usability review §5: one line says whether the target was reached, and where the report
+    and the MLPerf log are."""
+    from scaleout.telemetry.report import verdict
+
+    ok = verdict("success", 0.1509, 0.15, 350, 26.1, "runs/x")
+    assert ok.startswith("TARGET REACHED: 0.1509 >= 0.15 after 350 steps, time to train 26.10 s")
+    assert "runs/x/report.json" in ok and "runs/x/mlperf.log" in ok
+    miss = verdict("max_steps", 0.12, 0.15, 1500, 99.0, "runs/x")
+    assert miss.startswith("TARGET NOT REACHED (max_steps): 0.1200 < 0.15 after 1500 steps")
+    assert "no target" in verdict("max_steps", None, None, 12, 1.0, "o")
+    assert "\n" not in ok + miss

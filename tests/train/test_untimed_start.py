@@ -91,7 +91,7 @@ def test_start_clock_phases_add_up_to_the_start() -> None:
 
 @pytest.mark.full_system
 def test_report_splits_the_untimed_start_and_gc_stays_out_of_the_steps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One real rank (tiny BERT, synthetic data, ~15 s): report.json has the untimed start's
     phases, summing to its total, and no collection ran inside a step."""
@@ -111,6 +111,8 @@ def test_report_splits_the_untimed_start_and_gc_stays_out_of_the_steps(
     result = run_training(cfg)
     assert result.status == "max_steps"
     assert gc.isenabled() == was and gc.get_freeze_count() == 0  # restored after the run
+    printed = capsys.readouterr().out
+    assert "untimed start: " in printed and f"report {out}/report.json" in printed
     report = json.loads((out / "report.json").read_text())
     start = report["untimed_start"]
     ph = start["phases_s"]
