@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import shlex
 
@@ -57,9 +58,15 @@ def argv_of(line: str) -> list[str] | None:
     return words[words.index("scaleout") + 1 :]
 
 
+@functools.cache
+def parser() -> argparse.ArgumentParser:
+    """One parser for every case: parse_args keeps no state between calls."""
+    return build_parser()
+
+
 def all_examples() -> list[tuple[str, str]]:
     out = []
-    for command, p in parsers(build_parser()):
+    for command, p in parsers(parser()):
         for ex in examples((p.description or "") + "\n" + (p.epilog or "")):
             out.append((command or "scaleout", ex))
     return out
@@ -75,11 +82,10 @@ def test_each_help_example_parses(command: str, line: str) -> None:
     argv = argv_of(line)
     if argv is None:
         return  # a shell line around the commands (e.g. `sbatch slurm/x.sh`)
-    parser = build_parser()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            parser.parse_args(argv)
+            parser().parse_args(argv)
         except SystemExit as e:
             pytest.fail(
                 f"`scaleout {command} --help` example does not parse: {line!r}: "
