@@ -116,6 +116,8 @@ def test_progress_line_prints_every_k_steps_off_a_terminal(
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines] == ["4/10", "8/10", "10/10"], lines
     assert "loss 6.6000" in lines[-1] and "mlm_accuracy 0.2500" in lines[-1], lines
+    # the time left is to max_steps, an upper bound: a run stops at its target (review §5)
+    assert all(line.endswith("s to max_steps") and " <= " in line for line in lines), lines
     Progress(10, enabled=False).update(9, 1.0, 1.0)
     assert capsys.readouterr().out == ""
 
