@@ -133,7 +133,7 @@ class Point:
     knee: bool = False
     schedule: Schedule | None = None
     # the untimed start (allocation to run_start: launch, rendezvous, communicators, data and
-    # checkpoint load, compile and capture; scaleout.sim.startup), paid before MLPerf's clock
+    # checkpoint load; scaleout.sim.startup), paid before MLPerf's clock
     start_s: float = 0.0
     # why MLPerf would not accept this point's batch (beyond the largest RCP), else None
     refused: str | None = None

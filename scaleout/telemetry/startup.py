@@ -16,8 +16,12 @@ Phases, each the wall time from the previous mark (unix clock, this rank):
 - ``communicators``: the gradient reducer or sharded optimizer, their first collectives (the
   weights' broadcast, link exchange);
 - ``checkpoint``: the resume load (0 for a new run);
-- ``compile_and_capture``: torch.compile and CUDA-graph capture where on, the all-reduce probe,
-  the MLPerf ``init_stop`` and the barrier before ``run_start``.
+- ``to_run_start``: the all-reduce probe (``comm.algorithm=auto``), MLPerf's ``init_stop``, the
+  garbage collector's freeze and the barrier before ``run_start``.
+
+torch.compile and CUDA-graph capture are lazy here (scaleout/train/capture.py: the first steps of
+each shape warm up and capture): they run after ``run_start``, inside MLPerf's clock, so they are
+in ``time_to_train_s`` and not in this split.
 
 ``init_start`` (MLPerf's) falls after ``rendezvous``: ``to_init_start_s`` is the part of the start
 that no MLPerf log shows.
@@ -36,7 +40,7 @@ PHASES = (
     "model_and_data",
     "communicators",
     "checkpoint",
-    "compile_and_capture",
+    "to_run_start",
 )
 # Where the allocation's or the launch's start comes from, in order (unix seconds).
 LAUNCH_VARS = ("SLURM_JOB_START_TIME", "SCALEOUT_LAUNCH_UNIX")
@@ -79,7 +83,7 @@ class StartClock:
     def section(self, run_start: float, init_start: float | None = None) -> dict[str, Any]:
         """The split up to ``run_start`` (unix): phases in order, their total, and the part
         before MLPerf's ``init_start``."""
-        self.mark("compile_and_capture", run_start)
+        self.mark("to_run_start", run_start)
         phases: dict[str, float | None] = {p: 0.0 for p in PHASES}
         phases["launch"] = None
         if self.launched:
