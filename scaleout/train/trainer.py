@@ -195,6 +195,11 @@ class Trainer:
     # are complete only after its gradients arrived)
     _lagged: tuple[list[float], float] | None
     _skew_seconds: float | None  # the seconds of the step whose skew the last agreement carried
+    # the untimed start (report.json untimed_start): its phase marks, MLPerf's init_start, the split
+    start_clock: StartClock
+    init_start_unix: float
+    untimed_start: dict[str, Any] | None
+    gc: GcPolicy  # Python's collector: frozen after set-up, collected only at boundaries
 
     def __init__(
         self,
@@ -211,6 +216,7 @@ class Trainer:
         self.started_unix = started if started is not None else time.time()
         # the untimed start's phases (report.json untimed_start); marks are wall-clock reads
         self.start_clock = start_clock or StartClock(self.started_unix)
+        self.untimed_start = None  # set at run_start
         self.gc = GcPolicy()  # collections only at evaluation/checkpoint boundaries
         # configs
         self.cfg, self.world, self.config_file = cfg, world, config_file
@@ -975,7 +981,7 @@ class Trainer:
             goodput=goodput,
             comm_auto=self.autocomm.summary() if self.autocomm is not None else None,
             sections={
-                "untimed_start": getattr(self, "untimed_start", None),
+                "untimed_start": self.untimed_start,
                 "gc": self.gc.summary(),
             },
         )
