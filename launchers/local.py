@@ -332,6 +332,8 @@ class LocalJob:
             master_addr if master_addr.startswith("127.") else "0.0.0.0"
         )
         self.base_env = dict(os.environ if env is None else env)
+        # the launch's moment, for report.json's untimed start (scaleout.telemetry.startup)
+        self.base_env["SCALEOUT_LAUNCH_UNIX"] = f"{time.time():.3f}"
         if (
             node_wrapper is None
             and is_loopback(self.addr)

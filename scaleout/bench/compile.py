@@ -38,8 +38,8 @@ math) as a correctness check.
 
 examples:
   scaleout bench compile
-  scaleout bench compile --batch 32 --repeats 10 --backend inductor --mode
-  max-autotune-no-cudagraphs
+  scaleout bench compile --batch 32 --repeats 10 --backend inductor \\
+      --mode max-autotune-no-cudagraphs
   scaleout bench compile model.bert.hidden=256 model.bert.layers=4 data.max_seq_len=64
 """
 

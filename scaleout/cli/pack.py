@@ -51,9 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="spfhp,lpfhp,nnlshp,lphp",
         help="packing algorithms to compare, comma list (default: all)",
     )
-    p.add_argument(
-        "--out", default="bench-results/packing-strategy.json", help="strategy JSON ('' = none)"
-    )
+    p.add_argument("--out", default=None, help="write the strategy as JSON here (default: none)")
     p.add_argument(
         "--packed-out", default=None, help="with --lengths: write packed ids/offsets (.npz)"
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from scaleout.output import format_table, pyplot, save_figure, write_json
@@ -27,14 +26,19 @@ simulator (docs/plan.md):
 samples(B), the samples to reach the config's target at global batch B: MLCommons' reference
 convergence points of the config's MLPerf benchmark (mlperf-logging's RCP tables), or --fit, a
 `scaleout bench largebatch --out` JSON (samples(B) = E_min (1 + B / B_crit), fitted). Evaluations
-follow the config (every train.eval_every x train.global_batch samples, data.eval_samples each).
+come every MLPerf interval at the batch (BERT's rule), else every train.eval_every x
+train.global_batch samples of the config, data.eval_samples each.
 
-The front keeps the points no other point beats on both axes; its knee (marked K) is the point
-farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving the
-time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
-knee) the plan prints the config overrides (checked by the config loader), the `sbatch -N ...` line
-of the family's Slurm script and the `scaleout launch` line (sharded-node: optim.sharded=true
-optim.shard=node).
+The front keeps the points no other point beats on both axes (time from the launch to the target,
+the untimed start before MLPerf's run_start included, and GPU-hours); its knee (marked K) is the
+point farthest below the chord of the front's ends, each axis log-scaled to [0, 1]: past it, halving
+the time costs a larger factor of GPU-hours than before. For the chosen point (--pick, default the
+knee) the plan prints the schedule at its batch (learning rate, warm-up, decay horizon = max_steps,
+evaluation cadence: the RCP record nearest the batch, scaled by its rules), the config overrides
+(checked by the config loader) and the command that runs it: `sbatch -J ... -N ...` of the family's
+Slurm script on a cluster, `scaleout launch` for one node or the netns emulation. Batches above the
+largest RCP are priced but never picked (MLPerf refuses them); a run converging faster than the RCP
+mean earns nothing (MLPerf normalises to it), so the RCP mean is what the plan counts.
 
 --preset is a cluster preset (dgx-a100, dgx-h100, h200-superpod, netns-1g, horovod-2018) or the
 JSON of `scaleout simulate calibrate --out` (its fitted constants on the netns-1g preset). A
@@ -42,8 +46,9 @@ cluster without device FLOP/s (netns: CPU ranks) needs --samples-per-s, the meas
 one rank; with --cores the ranks of an emulated cluster share that many cores.
 
 examples:
+  scaleout plan bert_large_256x8 --preset dgx-h100 --max-nodes 64 --pick cheapest
   scaleout plan configs/bert_large_256x8.yaml --preset dgx-a100 --png bench-results/plan.png
-  scaleout plan configs/bert_large_256x8.yaml --preset h200-superpod --max-nodes 1024 \\
+  scaleout plan bert_large_256x8 --preset h200-superpod --max-nodes 1024 \\
       --per-gpu-batch 4,8,16 --algorithms flat,hierarchical --pick fastest --out plan.json
   scaleout plan configs/bert_tiny_cpu.yaml --preset calib.json --fit largebatch.json \\
       --nnodes 1,2 --nproc-per-node 2 --per-gpu-batch 8,16 --samples-per-s 8:60,16:80 --cores 2
@@ -51,7 +56,9 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="training config (YAML, as for `scaleout train`)")
+    p.add_argument(
+        "config", help="training config: a path or a packaged name, as for `scaleout train`"
+    )
     p.add_argument(
         "overrides", nargs="*", help="section.key=value overrides of the config (model, data)"
     )
@@ -142,10 +149,12 @@ def inputs(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--host-ms {args.host_ms}: expected a number of ms >= 0")
     rates = P.compute_rates(args.samples_per_s)
     cluster = P.load_cluster(args.preset)
-    if not Path(args.config).is_file():
-        raise ConfigError(f"config {args.config}: no such file; expected a training YAML")
-    work = P.workload(args.config, list(args.overrides))
+    from scaleout.config.load import resolve_config_path
+
+    path = str(resolve_config_path(args.config))  # a path or a packaged name, as train takes
+    work = P.workload(path, list(args.overrides))
     curve = P.curve_of_family(work.arch, args.fit)
+    work = P.for_curve(work, curve)
     optimizers = _algorithms(args.optimizers)
     sharp = {"both": None, "on": [True], "off": [False]}[args.sharp]
     if sharp == [True]:
@@ -167,7 +176,9 @@ def inputs(args: argparse.Namespace) -> dict[str, Any]:
 def _row(p: Any) -> list[Any]:
     c = p.candidate
     return [
-        ("K" if p.knee else "*" if p.front else "") + ("!" if p.overrides is None else ""),
+        ("K" if p.knee else "*" if p.front else "")
+        + ("!" if p.overrides is None else "")
+        + ("x" if p.refused else ""),
         c.nodes,
         c.gpus_per_node,
         c.per_gpu_batch,
@@ -179,6 +190,8 @@ def _row(p: Any) -> list[Any]:
         f"{p.samples:.4g}" + ("^" if p.extrapolated else ""),
         p.steps,
         f"{p.ttt_s / 60:.4g}",
+        f"{p.start_s / 60:.3g}",
+        f"{p.wall_s / 60:.4g}",
         f"{p.gpu_hours:.4g}",
     ]
 
@@ -196,6 +209,8 @@ HEADERS = [
     "samples",
     "steps",
     "TTT min",
+    "start min",
+    "launch->target min",
     "GPU-h",
 ]
 
@@ -221,27 +236,31 @@ def run(args: argparse.Namespace) -> int:
         f"{args.config} on {cluster.name}: {len(res.points)} points, {len(res.front)} on the "
         f"front; samples to converge: {curve.describe()}"
     )
-    for note in curve.notes:
+    for note in [*curve.notes, *assumptions(work, cluster, args.fit)]:
         print(f"  note: {note}")
-    rest = sorted((p for p in res.points if not p.front), key=lambda p: p.ttt_s)[: max(0, args.top)]
+    rest = sorted((p for p in res.points if not p.front), key=lambda p: p.wall_s)
+    rest = rest[: max(0, args.top)]
     print(format_table(HEADERS, [_row(p) for p in res.front] + [_row(p) for p in rest]))
     print(
-        "K knee, * on the front, ! no config key (priced only), ^ batch beyond the convergence "
-        f"curve's data; {len(res.points) - len(res.front) - len(rest)} more points in --out"
+        "K knee, * on the front, ! no config key (priced only), x batch MLPerf refuses (above the "
+        "largest RCP), ^ batch beyond the convergence curve's data; TTT = MLPerf's clock "
+        "(run_start -> run_stop), start = the untimed start before it; "
+        f"{len(res.points) - len(res.front) - len(rest)} more points in --out"
     )
     overrides = [*args.overrides, *chosen.overrides]
     netns = cluster.backend == "gloo"
     print(
         f"\nchosen ({args.pick}): {chosen.candidate.label()}: time to train "
-        f"{chosen.ttt_s / 60:.4g} min, {chosen.gpu_hours:.4g} GPU-hours, "
+        f"{chosen.ttt_s / 60:.4g} min after an untimed start of {chosen.start_s / 60:.3g} min "
+        f"(launch to target {chosen.wall_s / 60:.4g} min), {chosen.gpu_hours:.4g} GPU-hours, "
         f"{chosen.throughput:.4g} samples/s"
     )
+    if chosen.schedule is not None:
+        print("  schedule: " + chosen.schedule.describe())
     print("  overrides: " + " ".join(chosen.overrides))
-    print("  " + P.sbatch_line(work.arch, chosen.candidate, overrides))
-    note = P.sbatch_note(work.arch, args.config)
-    if note:
-        print("  " + note)
-    print("  " + P.launch_line(args.config, chosen.candidate, overrides, netns))
+    commands = P.commands(work.arch, args.config, chosen.candidate, overrides, netns)
+    for line in commands.values():
+        print("  " + line)
     payload = {
         "action": "plan",
         "config": args.config,
@@ -253,11 +272,7 @@ def run(args: argparse.Namespace) -> int:
         "samples_per_s": got["rates"],
         "cores": got["cores"],
         "knee": res.knee.to_dict(),
-        "chosen": {
-            **chosen.to_dict(),
-            "sbatch": P.sbatch_line(work.arch, chosen.candidate, overrides),
-            "launch": P.launch_line(args.config, chosen.candidate, overrides, netns),
-        },
+        "chosen": {**chosen.to_dict(), **commands},
         "front": [p.to_dict() for p in res.front],
         "points": [p.to_dict() for p in res.points],
     }
@@ -267,6 +282,33 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         _plot(res, args.png, f"{os.path.basename(args.config)} on {cluster.name}")
     return 0
+
+
+def assumptions(work: Any, cluster: Any, fit: str | None) -> list[str]:
+    """What the plan assumes where `scaleout simulate scale` (its defaults) assumes otherwise."""
+    from scaleout.sim.startup import start_model
+
+    out = []
+    if not fit:
+        out.append(
+            "samples at each batch are the RCP mean: MLPerf scores a run that converges in fewer "
+            "samples as if it took the RCP mean (rcp_checker's normalisation), so converging "
+            "faster earns no credit; `simulate scale` assumes train.max_steps x "
+            "train.global_batch samples at every batch unless sim.convergence=rcp"
+        )
+    if work.rate != 1:
+        out.append(
+            f"a config sample (packed row) counts {work.rate} of MLPerf's samples "
+            "(global_batch_size = rows x the packing's integer rate)"
+        )
+    if work.ceiling is not None:
+        out.append(f"batch ceiling {work.ceiling:g} (the largest RCP batch MLPerf accepts)")
+    out.append(
+        "every optimizer placement, algorithm and (InfiniBand) SHARP setting is priced; "
+        "`simulate scale` prices the config's own"
+    )
+    out.append(f"untimed start: {start_model(cluster).source}")
+    return out
 
 
 def _plot(res: Any, path: str, title: str) -> None:

@@ -120,9 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     sc.add_argument("--min-gpus", type=int, default=None, help="first GPU count (default one node)")
     sc.add_argument("--max-gpus", type=int, default=4096, help="last GPU count (default 4096)")
-    sc.add_argument(
-        "--out", default="bench-results/simulate-scale.json", help="JSON output ('' to skip)"
-    )
+    sc.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
     sc.add_argument(
         "--png", default=None, help="PNG of efficiency and exposed communication vs GPUs"
     )
@@ -177,9 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.20,
         help="exit 1 if a held-out error exceeds this (default 0.20)",
     )
-    ca.add_argument(
-        "--out", default="bench-results/simulate-calibrate.json", help="JSON output ('' to skip)"
-    )
+    ca.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
 
     va = sub.add_parser(
         "validate",
@@ -190,9 +186,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "converge from MLCommons' RCPs) and Horovod #542. Exit 1 if a row is outside its "
         "tolerance.",
     )
-    va.add_argument(
-        "--out", default="bench-results/simulate-validate.json", help="JSON output ('' to skip)"
-    )
+    va.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
     cv = sub.add_parser(
         "convergence",
         help="samples to converge vs global batch (RCPs or a fit to bench largebatch)",
@@ -346,6 +340,15 @@ def _overhead(k: dict[str, Any], train: Any) -> Any:
     return train
 
 
+# Where `scaleout plan` on the same config assumes otherwise (docs/plan.md).
+PLAN_DIFFERS = (
+    "`scaleout plan` differs: samples at each batch from the MLPerf RCPs (here, with --config: "
+    "train.max_steps x train.global_batch at every batch unless sim.convergence=rcp), the "
+    "schedule rescaled to each batch, every optimizer placement and SHARP priced (here the "
+    "config's), and the untimed start before run_start counted"
+)
+
+
 def run_scale(args: argparse.Namespace) -> int:
     from scaleout.sim.step import step_time, time_to_train
 
@@ -417,6 +420,8 @@ def run_scale(args: argparse.Namespace) -> int:
             + f" ({k['overhead']})"
         )
     )
+    if args.config:
+        print("  note: " + PLAN_DIFFERS)
     print(
         format_table(
             [

@@ -41,16 +41,15 @@ On a machine with fewer cores than ranks the numbers measure CPU oversubscriptio
 framework; the output says so.
 
 examples:
-  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 --simulate
-  netns-1g
+  scaleout sweep bert_tiny_cpu --world 1,2,4 --nproc-per-node 2 --steps 5 --repeats 3 \\
+      --simulate netns-1g
   scaleout sweep bert_tiny_cpu --world 1,2,4 --mode strong --global-batch 32
   scaleout sweep resnet_cpu --world 2,4 --nnodes 1,2 model.resnet.bn_group=2 --netns --rate 1gbit
   scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --no-gpu-request
-  scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm --slurm
-  account=proj --resume
-  scaleout sweep configs/bert_large_256x8.yaml --world 8,64,512,2048 --nproc-per-node 8 --launcher
-  slurm \\
-      --partition gpu --time 20 --simulate dgx-a100
+  scaleout sweep bert_tiny_cpu --world 1,2,4,8 --nproc-per-node 2 --launcher slurm \\
+      --slurm account=proj --resume
+  scaleout sweep configs/bert_large_256x8.yaml --world 8,64,512,2048 --nproc-per-node 8 \\
+      --launcher slurm --partition gpu --time 20 --simulate dgx-a100
 """
 
 

@@ -13,6 +13,7 @@ from scaleout.config.oneline import describe
 from scaleout.config.schema import Config
 from scaleout.errors import ConfigError
 from scaleout.resources import package_path
+from scaleout.section import FAMILIES
 
 CONFIG_DIR = package_path(
     "scaleout", "configs"
@@ -105,4 +106,12 @@ def load_config(
 
 
 def format_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved tree as YAML, as a user writes it: keys by their config names
+    (``checkpoint.async``, not the Python field ``async_``) and only the model section of the
+    family in use (``model.<arch>``; other families' sections are not read by this run)."""
+    tree = cfg.model_dump(mode="json", by_alias=True)
+    model = tree.get("model", {})
+    for name, _ in FAMILIES.items():
+        if name != cfg.model.arch:
+            model.pop(name, None)
+    return yaml.safe_dump(tree, sort_keys=False)

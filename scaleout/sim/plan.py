@@ -12,8 +12,11 @@ benchmark, or a fit to ``scaleout bench largebatch`` runs):
                     run stops at the first evaluation that reaches the target)
     GPU-hours     = time to train x GPUs / 3600
 
-Evaluations follow the config: every ``train.eval_every x train.global_batch`` training samples,
+Evaluations come at the schedule's interval (scaleout.sim.schedule: MLPerf's rule for the
+family's benchmark, else the config's ``train.eval_every x train.global_batch`` samples),
 ``data.eval_samples`` each (forward only, one third of a training step's FLOPs per sample).
+Each point also carries the untimed start before ``run_start`` (scaleout.sim.startup): the
+front and the picks rank by the time from the launch to the target, and GPU-hours include it.
 
 The front keeps every point no other point beats on both axes. Its **knee** is the point farthest
 below the chord between the front's two ends with each axis on a log scale scaled to [0, 1], i.e.
@@ -21,8 +24,9 @@ the smallest (log time + log GPU-hours) in those units: beyond it, halving the t
 factor of GPU-hours than it did before.
 
 For the chosen point the plan writes the ``key=value`` overrides of the config (validated by the
-config loader) and the ``sbatch`` line of the family's Slurm script (every placement has its keys:
-``sharded-node`` is ``optim.shard=node``; a placement without keys would be priced, never chosen).
+config loader; the schedule's among them) and the ``sbatch`` line of the family's Slurm script
+(every placement has its keys: ``sharded-node`` is ``optim.shard=node``; a placement without
+keys would be priced, never chosen).
 
 Pure Python; no torch.
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.comm import ALGORITHMS
-from scaleout.config.load import load_config
+from scaleout.config.load import load_config, resolve_config_path
 from scaleout.errors import ConfigError
 from scaleout.families import FAMILIES
 from scaleout.sim.cluster import (
@@ -54,10 +58,27 @@ from scaleout.sim.convergence import (
     MODEL_BENCHMARK,
     ConvergenceCurve,
     curve_for,
+    load_rcps,
 )
 from scaleout.sim.fromconfig import from_config
+from scaleout.sim.schedule import (
+    Reference,
+    Schedule,
+    config_reference,
+    nearest,
+    rcp_references,
+    schedule_for,
+)
 from scaleout.sim.sharded import OPTIMIZERS
-from scaleout.sim.step import ModelSpec, TrainSpec, compute_time, eval_interval, time_to_train
+from scaleout.sim.startup import untimed_start_s
+from scaleout.sim.step import (
+    ModelSpec,
+    TrainSpec,
+    compute_time,
+    eval_interval,
+    get_model,
+    time_to_train,
+)
 
 # Config keys of each optimizer placement (None: no config key in this scaleout: priced only).
 PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
@@ -110,10 +131,22 @@ class Point:
     overrides: list[str] | None  # None: no config key for this point (priced only)
     front: bool = False
     knee: bool = False
+    schedule: Schedule | None = None
+    # the untimed start (allocation to run_start: launch, rendezvous, communicators, data and
+    # checkpoint load; scaleout.sim.startup), paid before MLPerf's clock
+    start_s: float = 0.0
+    # why MLPerf would not accept this point's batch (beyond the largest RCP), else None
+    refused: str | None = None
+
+    @property
+    def wall_s(self) -> float:
+        """Launch to target: the untimed start plus MLPerf's time to train."""
+        return self.start_s + self.ttt_s
 
     @property
     def gpu_hours(self) -> float:
-        return gpu_hours(self.ttt_s, self.candidate.gpus)
+        """GPU-hours of the allocation: the untimed start is paid for too."""
+        return gpu_hours(self.wall_s, self.candidate.gpus)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +165,10 @@ class Point:
             "overrides": self.overrides,
             "front": self.front,
             "knee": self.knee,
+            "start_s": self.start_s,
+            "wall_s": self.wall_s,
+            "refused": self.refused,
+            "schedule": asdict(self.schedule) if self.schedule else None,
         }
 
 
@@ -337,6 +374,39 @@ class Workload:
     config_gpus_per_node: int
     grad_accum: int = 1
     notes: list[str] = field(default_factory=list)
+    # one config sample is this many of the curve's (MLPerf's global_batch_size: a packed BERT row
+    # counts the packing's integer rate of sequences, scaleout.train.hparams); 1 for a --fit
+    rate: int = 1
+    optimizer_name: str = "lamb"
+    eval_model: ModelSpec | None = None  # the family's MLPerf evaluation rule, when it has one
+    references: list[Reference] = field(default_factory=list)  # the schedule's, nearest is used
+    ceiling: float | None = None  # MLPerf's largest accepted batch (curve units), None: none
+    config: str = ""  # the config file and overrides it was read from
+    overrides: list[str] = field(default_factory=list)
+
+
+def for_curve(work: Workload, curve: ConvergenceCurve) -> Workload:
+    """The workload with the units, references and batch ceiling of its convergence curve: the
+    family's RCPs (MLPerf batches, the RCP records' hyper-parameters, the largest RCP batch as the
+    ceiling: rcp_checker refuses a batch above it, 'Missing RCP') or a --fit (config units, the
+    config's own hyper-parameters, no ceiling)."""
+    cfg = load_config(work.config, work.overrides)
+    family = FAMILIES.get(cfg.model.arch)
+    opt = cfg.optim.name
+    if curve.e_min is not None:  # a fit: in the config's units
+        return replace(work, rate=1, optimizer_name=opt, references=[config_reference(cfg, 1)])
+    rate = max(1, round(family.sequences_per_sample(cfg)))
+    refs = rcp_references(family.benchmark, DEFAULT_RULESET) if family.benchmark else []
+    ceiling = max(r.batch for r in load_rcps(family.benchmark)) if family.benchmark else None
+    rule = get_model(family.sim_preset)
+    return replace(
+        work,
+        rate=rate,
+        optimizer_name=opt,
+        eval_model=rule if rule.eval_rule else None,
+        references=refs or [config_reference(cfg, rate)],
+        ceiling=ceiling,
+    )
 
 
 def workload(config: str, overrides: list[str] | None = None) -> Workload:
@@ -347,7 +417,12 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
     for placement, extra in PLACEMENT_OVERRIDES.items():
         if extra is None:  # a placement without keys: priced with the sharded wire bytes
             extra = PLACEMENT_OVERRIDES["sharded"]
-        cfg = load_config(config, [*overrides, *extra])
+        try:
+            cfg = load_config(config, [*overrides, *extra])
+        except ConfigError:
+            if placement == "replicated":
+                raise
+            continue  # the config's optimizer has no sharded form (LARS): replicated only
         r = from_config(cfg, config)
         # the config's evaluation schedule (train.eval_every x global batch), not MLPerf's rule
         models[placement] = replace(r.model, eval_rule=None)
@@ -363,6 +438,8 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
         run.nodes,
         run.gpus_per_node,
         accum,
+        config=config,
+        overrides=overrides,
     )
 
 
@@ -391,34 +468,59 @@ def predict(
         host_s=host_s or work.train.host_s,
     )
     model = work.models[cand.optimizer]
-    ttt = time_to_train(model, train, c, cand.nodes, convergence=curve)
-    steps, evals, eval_s = ttt.steps, ttt.evals, ttt.eval_time
-    every = eval_interval(model, cand.global_batch)
-    if every and model.eval_samples:
-        # A run stops at the first evaluation that reaches the target: steps rounded up to the
-        # evaluation interval, one evaluation per interval.
-        e = max(1, round(every / cand.global_batch))
-        steps = math.ceil(steps / e) * e
-        evals = steps // e
-        share = max(model.eval_samples / cand.gpus, 1e-9)
-        per_eval = compute_time(model, replace(train, local_batch=share), c) / 3 + train.host_s
-        eval_s = evals * per_eval
+    sched = schedule_of(work, curve, cand)
+    b = cand.global_batch * work.rate  # in the curve's units
+    samples = curve.samples(b) / work.rate  # in the config's (packed rows for packed BERT)
+    ttt = time_to_train(model, train, c, cand.nodes, samples=samples)
+    # A run stops at the first evaluation that reaches the target: the schedule's predicted
+    # steps (rounded up to its evaluation interval), one evaluation per interval.
+    steps = sched.predicted_steps
+    evals = steps // sched.eval_every
+    share = max(model.eval_samples / cand.gpus, 1e-9)
+    per_eval = compute_time(model, replace(train, local_batch=share), c) / 3 + train.host_s
+    eval_s = evals * per_eval if model.eval_samples else 0.0
     total = steps * ttt.step + eval_s + train.fixed_overhead_s
+    refused = None
+    if work.ceiling is not None and b > work.ceiling * (1 + 1e-9):
+        refused = (
+            f"batch {b:g} is above the largest RCP batch {work.ceiling:g}: MLPerf's RCP checker "
+            "refuses it ('Missing RCP')"
+        )
     return Point(
         cand,
         ttt.step,
         cand.global_batch / ttt.step,
-        ttt.samples,
+        samples,
         steps,
         evals,
         eval_s,
         total,
-        curve.extrapolated(cand.global_batch),
-        overrides_for(work, cand),
+        curve.extrapolated(b),
+        overrides_for(work, cand, sched),
+        schedule=sched,
+        start_s=untimed_start_s(cluster, cand.nodes, cand.gpus),
+        refused=refused,
     )
 
 
-def overrides_for(work: Workload, cand: Candidate) -> list[str] | None:
+def schedule_of(work: Workload, curve: ConvergenceCurve, cand: Candidate) -> Schedule:
+    """The learning rate, warm-up, horizon and evaluation cadence at the candidate's batch
+    (scaleout.sim.schedule), from the reference nearest its batch."""
+    b = cand.global_batch * work.rate
+    model = work.models[cand.optimizer]
+    if work.eval_model is not None:
+        every = eval_interval(work.eval_model, b)
+    else:
+        every = (model.eval_every_samples or 0.0) * work.rate or None
+    ref = nearest(work.references, b) if work.references else None
+    if ref is None:
+        raise ConfigError("no reference hyper-parameters to scale the schedule from")
+    return schedule_for(ref, curve, cand.global_batch, work.rate, work.optimizer_name, every)
+
+
+def overrides_for(
+    work: Workload, cand: Candidate, sched: Schedule | None = None
+) -> list[str] | None:
     placement = PLACEMENT_OVERRIDES[cand.optimizer]
     if placement is None:
         return None
@@ -428,6 +530,7 @@ def overrides_for(work: Workload, cand: Candidate) -> list[str] | None:
         f"train.global_batch={cand.global_batch * work.grad_accum}",
         f"comm.algorithm={cand.algorithm}",
         *placement,
+        *(sched.overrides() if sched is not None else []),
     ]
 
 
@@ -435,9 +538,9 @@ def overrides_for(work: Workload, cand: Candidate) -> list[str] | None:
 
 
 def front_of(points: list[Point]) -> list[Point]:
-    """The non-dominated points (lower time to train and lower GPU-hours are better), fastest
-    first; among points equal on both axes the first is kept."""
-    order = sorted(points, key=lambda p: (p.ttt_s, p.gpu_hours))
+    """The non-dominated points (lower time from launch to target and lower GPU-hours are
+    better), fastest first; among points equal on both axes the first is kept."""
+    order = sorted(points, key=lambda p: (p.wall_s, p.gpu_hours))
     front: list[Point] = []
     best = math.inf
     for p in order:
@@ -453,11 +556,11 @@ def knee_of(front: list[Point]) -> Point:
     the smallest scaled log time + scaled log GPU-hours. Ties go to the faster point."""
     if not front:
         raise ConfigError("no point to plan: the grid is empty")
-    t = [math.log(p.ttt_s) for p in front]
+    t = [math.log(p.wall_s) for p in front]
     h = [math.log(p.gpu_hours) for p in front]
     span_t, span_h = (max(t) - min(t)) or 1.0, (max(h) - min(h)) or 1.0
     scores = [
-        ((ti - min(t)) / span_t + (hi - min(h)) / span_h, p.ttt_s)
+        ((ti - min(t)) / span_t + (hi - min(h)) / span_h, p.wall_s)
         for ti, hi, p in zip(t, h, front, strict=True)
     ]
     return front[min(range(len(front)), key=lambda i: scores[i])]
@@ -468,13 +571,18 @@ def choose(points: list[Point], pick: str) -> Point:
     fastest or the cheapest."""
     if pick not in PICKS:
         raise ConfigError(f"--pick {pick!r}: expected one of {', '.join(PICKS)}")
-    usable = [p for p in points if p.overrides is not None]
+    usable = [p for p in points if p.overrides is not None and p.refused is None]
     if not usable:
-        raise ConfigError("no point of the grid has config keys (its placements are priced only)")
+        why = next((p.refused for p in points if p.refused), None)
+        raise ConfigError(
+            "no point of the grid can run: "
+            + (why or "no placement has config keys (priced only)")
+            + "; expected a smaller --nnodes or --per-gpu-batch"
+        )
     if pick == "fastest":
-        return min(usable, key=lambda p: (p.ttt_s, p.gpu_hours))
+        return min(usable, key=lambda p: (p.wall_s, p.gpu_hours))
     if pick == "cheapest":
-        return min(usable, key=lambda p: (p.gpu_hours, p.ttt_s))
+        return min(usable, key=lambda p: (p.gpu_hours, p.wall_s))
     return knee_of(front_of(usable))
 
 
@@ -501,7 +609,13 @@ def plan(
             f"cluster {cluster.name!r} has no device FLOP/s; expected --samples-per-s "
             "(samples/s per GPU, measured)"
         )
-    points = [predict(work, cluster, curve, c, rates, cores, host_s) for c in grid.candidates()]
+    if not work.references:
+        work = for_curve(work, curve)
+    points = [
+        predict(work, cluster, curve, c, rates, cores, host_s)
+        for c in grid.candidates()
+        if c.optimizer in work.models  # a placement the config's optimizer has
+    ]
     if not points:
         raise ConfigError("no point to plan: the grid is empty")
     front = front_of(points)
@@ -522,8 +636,10 @@ def sbatch_line(arch: str, cand: Candidate, overrides: list[str]) -> str:
     env = "NCCL_COLLNET_ENABLE=1 " if cand.sharp else ""
     net = " --network=sharp" if cand.sharp else ""
     g = cand.gpus_per_node
+    # a new run needs a new name (the run directory and resume key are the job's name)
+    name = f"plan-{cand.nodes}x{g}-b{cand.per_gpu_batch}"
     return (
-        f"{env}sbatch -N {cand.nodes} --ntasks-per-node {g} --gpus-per-node {g}{net} "
+        f"{env}sbatch -J {name} -N {cand.nodes} --ntasks-per-node {g} --gpus-per-node {g}{net} "
         f"slurm/{script} {' '.join(shlex.quote(o) for o in overrides)}"
     )
 
@@ -531,19 +647,49 @@ def sbatch_line(arch: str, cand: Candidate, overrides: list[str]) -> str:
 def sbatch_note(arch: str, config: str) -> str | None:
     """A line when the family's script trains another config than the one planned."""
     trains = SLURM_CONFIGS.get(arch)
-    if trains and Path(config).resolve() == Path(trains).resolve():
+    if trains and same_config(config, Path(trains).name):
         return None
     what = f"trains {trains}" if trains else "does not exist for this family"
     return f"(slurm/{SLURM_SCRIPTS.get(arch, '<script>.sh')} {what}: point it at {config})"
 
 
-def launch_line(config: str, cand: Candidate, overrides: list[str], netns: bool) -> str:
-    """The same run on this machine's launchers (``scaleout launch [--netns]``)."""
+def same_config(a: str, b: str) -> bool:
+    """Do two config names (paths or packaged names, as ``scaleout train`` takes) name one file?"""
+    try:
+        return resolve_config_path(a).resolve() == resolve_config_path(b).resolve()
+    except ConfigError:
+        return False
+
+
+def launch_line(config: str, cand: Candidate, overrides: list[str], netns: bool) -> str | None:
+    """The same run on this machine's launchers (``scaleout launch [--netns]``): one node of a
+    real cluster, or any shape of the netns emulation; None for more than one real node (the
+    local launcher would start every rank on this host: the sbatch line is the command)."""
+    if cand.nodes > 1 and not netns:
+        return None
     return (
         f"scaleout launch --nnodes {cand.nodes} --nproc-per-node {cand.gpus_per_node}"
         f"{' --netns' if netns else ''} -- scaleout train {shlex.quote(config)} "
         + " ".join(shlex.quote(o) for o in overrides)
     )
+
+
+def commands(
+    arch: str, config: str, cand: Candidate, overrides: list[str], netns: bool
+) -> dict[str, str]:
+    """The commands that run a point as planned: ``sbatch`` (a real cluster; with a note when
+    the family's script trains another config) and ``launch`` (one real node, or the netns
+    emulation)."""
+    out = {}
+    if not netns:
+        out["sbatch"] = sbatch_line(arch, cand, overrides)
+        note = sbatch_note(arch, config)
+        if note:
+            out["note"] = note
+    launch = launch_line(config, cand, overrides, netns)
+    if launch:
+        out["launch"] = launch
+    return out
 
 
 def validate_overrides(config: str, overrides: list[str]) -> None:

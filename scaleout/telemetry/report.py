@@ -239,3 +239,23 @@ def goodput_section(
         "useful_step_s": useful_step_s,
         "lost": lost,
     }
+
+
+def verdict(
+    status: str,
+    achieved: float | None,
+    target: float | None,
+    steps: int,
+    time_to_train_s: float,
+    out: str,
+) -> str:
+    """The run's last line: did it reach the target, where, how fast, and where its files are."""
+    files = f"report {out}/report.json, MLPerf log {out}/mlperf.log"
+    if status == "success" and achieved is not None and target is not None:
+        head = f"TARGET REACHED: {achieved:.4f} >= {target:g} after {steps} steps"
+    elif target is None:
+        head = f"{status.upper()}: {steps} steps, no target (train.target=null)"
+    else:
+        got = "no evaluation" if achieved is None else f"{achieved:.4f}"
+        head = f"TARGET NOT REACHED ({status}): {got} < {target:g} after {steps} steps"
+    return f"{head}, time to train {time_to_train_s:.2f} s; {files}"

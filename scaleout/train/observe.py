@@ -158,6 +158,8 @@ class RunEnd:
     # the ranks the replica vote found odd (scaleout.train.replicas); empty: none named
     odd_ranks: list[int] = field(default_factory=list)
     comm_auto: dict[str, Any] | None = None  # comm.algorithm=auto's decision (parallel/autotune.py)
+    # more top-level sections of report.json: untimed_start (scaleout.telemetry.startup), gc
+    sections: dict[str, Any] = field(default_factory=dict)
 
 
 class Observer:

@@ -22,7 +22,8 @@ from scaleout.telemetry.devices import device_peak
 from scaleout.telemetry.metrics import Metrics
 from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
 from scaleout.telemetry.profiler import StepProfiler, build_profiler
-from scaleout.telemetry.report import RunReport
+from scaleout.telemetry.report import RunReport, verdict
+from scaleout.telemetry.startup import describe as describe_start
 from scaleout.telemetry.timers import Timers
 from scaleout.train.observe import (
     EvalRecord,
@@ -324,6 +325,8 @@ class ReportWriter(Observer):
             return
         timed = end.timed
         print(report.render(), flush=True)
+        if end.sections.get("untimed_start"):
+            print(describe_start(end.sections["untimed_start"], end.time_to_train_s), flush=True)
         print(
             f"data wait: {timers.mean().get('data', 0.0) * 1e3:.2f} ms per step = {data_wait:.1%} "
             "of "
@@ -376,8 +379,16 @@ class ReportWriter(Observer):
             },
             **skew,  # "stragglers" and "spread" (scaleout/train/skew.py)
             **({"comm_auto": end.comm_auto} if end.comm_auto is not None else {}),
+            **end.sections,
         }
         atomic_write(self.out / "report.json", json.dumps(payload, indent=2, default=str).encode())
+        print(
+            verdict(
+                end.status, end.metric, cfg.train.target, report.steps, end.time_to_train_s,
+                str(self.out),
+            ),
+            flush=True,
+        )  # fmt: skip
 
     def _quarantine(self, skew: dict[str, Any]) -> None:
         """Rank 0: the nodes of persistent stragglers (scaleout/train/skew.py

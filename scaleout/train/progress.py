@@ -24,7 +24,8 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         line = (
             f"[{bar}] step {step + 1}/{self.total} loss {loss:.4f} {samples_per_s:,.0f} samples/s"
-            f"{' ' + metric if metric else ''} eta {eta:,.0f}s"
+            # a run stops at the target, usually well before max_steps: an upper bound
+            f"{' ' + metric if metric else ''} <= {eta:,.0f}s to max_steps"
         )
         if self.tty:
             sys.stdout.write("\r" + line[:160].ljust(100))

@@ -44,6 +44,7 @@ from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
 from scaleout.telemetry.mlperf import MLPerfLogger
 from scaleout.telemetry.report import RunReport, goodput_section
+from scaleout.telemetry.startup import StartClock
 from scaleout.telemetry.timers import Timers
 from scaleout.train import prefetch, replicas, rerun
 from scaleout.train.agreement import (
@@ -64,6 +65,7 @@ from scaleout.train.faults import (
     write_crash,
     write_replica_vote,
 )
+from scaleout.train.gcpolicy import GcPolicy
 from scaleout.train.hparams import hyperparameters
 from scaleout.train.inputs import check_input_files
 from scaleout.train.liveness import Heartbeat, Progress, period_for
@@ -194,6 +196,11 @@ class Trainer:
     # are complete only after its gradients arrived)
     _lagged: tuple[list[float], float] | None
     _skew_seconds: float | None  # the seconds of the step whose skew the last agreement carried
+    # the untimed start (report.json untimed_start): its phase marks, MLPerf's init_start, the split
+    start_clock: StartClock
+    init_start_unix: float
+    untimed_start: dict[str, Any] | None
+    gc: GcPolicy  # Python's collector: frozen after set-up, collected only at boundaries
 
     def __init__(
         self,
@@ -204,9 +211,14 @@ class Trainer:
         preemption: preempt.Preemption | None = None,
         progress: Progress | None = None,
         started: float | None = None,
+        start_clock: StartClock | None = None,
     ):
         # the wall clock of goodput starts here: the process's start (run_training), else now
         self.started_unix = started if started is not None else time.time()
+        # the untimed start's phases (report.json untimed_start); marks are wall-clock reads
+        self.start_clock = start_clock or StartClock(self.started_unix)
+        self.untimed_start = None  # set at run_start
+        self.gc = GcPolicy()  # collections only at evaluation/checkpoint boundaries
         # configs
         self.cfg, self.world, self.config_file = cfg, world, config_file
         self.start_info = start if start is not None else rerun.decide_start(cfg)
@@ -223,6 +235,7 @@ class Trainer:
             self.out / "mlperf.log" if writes else None, rank=world.rank, stdout=cfg.mlperf.stdout
         )
         mlperf_observer = MLPerfObserver(self.mlperf_log, cfg, world)
+        self.init_start_unix = time.time()
         self.checkpointer = (
             Checkpointer(
                 cfg.checkpoint.dir,
@@ -256,6 +269,7 @@ class Trainer:
             cfg.model.compile
         ):  # in place, before wrapping: the reducer's hooks stay on the parameters
             compile_model(model)
+        self.start_clock.mark("model_and_data")
         if cfg.optim.sharded:  # the sharded optimizer owns its reduce-scatter / all-gather
             broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), world)
             self.model = model
@@ -306,8 +320,10 @@ class Trainer:
             prioritize_communication(world, cfg.comm.comm_nice)
 
         # training state, then the checkpoint's over it
+        self.start_clock.mark("communicators")
         self.step, self.samples, self.skipped = 0, 0, 0
         self.start_step = self.resume()
+        self.start_clock.mark("checkpoint")
         self.resumed_from = self.start_step or None
         self.saves = (
             SaveSchedule(
@@ -420,6 +436,7 @@ class Trainer:
             return result
         finally:  # also when a step raises: the log file is closed, its lines are on disk
             CLOCK.enabled = False
+            self.gc.stop()
             self.mlperf_log.close()
             if self.checkpointer is not None:  # a write in flight finishes (the run's end
                 error = self.checkpointer.close()  # waited for it unless a step raised)
@@ -479,9 +496,11 @@ class Trainer:
             )
         for observer in self.observers:
             observer.on_init_end(init_end)
+        self.gc.start()  # set-up's objects frozen; no automatic collection inside a step
         world.barrier()
         clock = time.perf_counter()
         self.lost["startup_s"] = time.time() - self.started_unix
+        self.untimed_start = self.start_clock.section(time.time(), self.init_start_unix)
         start = RunStart(self.start_step, self.samples, self.task.epoch_of(self.samples))
         for observer in self.observers:
             observer.on_run_start(start)
@@ -559,11 +578,13 @@ class Trainer:
         if eval_now:
             t_eval = time.perf_counter()
             self.metric = self.evaluate(last=done)
+            self.gc.collect()  # a boundary every rank reaches at this step
             self.lost["evaluation_s"] += time.perf_counter() - t_eval
             if self.stops_at_target and self.metric >= cfg.train.target:
                 return "success", ""
         if self.saves is not None and self.saves.due(self.step):
             self.save_checkpoint()
+            self.gc.collect()
         return None
 
     def train_step(self, step: int) -> StepFlags:
@@ -942,6 +963,7 @@ class Trainer:
                 print0(f"timeline: {trace} (chrome://tracing, ui.perfetto.dev)", rank=world.rank)
         if replica_vote is not None and not replica_vote.consistent:
             self._report_replica_vote(replica_vote)
+        self.gc.stop()
         goodput = goodput_section(
             useful_step_s=self.this_run.seconds,
             wall_s=time.time() - self.started_unix,
@@ -963,6 +985,10 @@ class Trainer:
             terminating=self.preemption.terminating,
             goodput=goodput,
             comm_auto=self.autocomm.summary() if self.autocomm is not None else None,
+            sections={
+                "untimed_start": self.untimed_start,
+                "gc": self.gc.summary(),
+            },
         )
         for observer in self.observers:
             observer.on_run_end(end)
@@ -1045,12 +1071,14 @@ def process_start_unix() -> float:
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     started = process_start_unix()  # goodput's wall clock: imports and rendezvous count
+    start_clock = StartClock(started)
     check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
     try:
         world = init(cfg)
+        start_clock.mark("rendezvous")
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
         owner = None
         try:
@@ -1074,6 +1102,7 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
                 preemption=preemption,
                 progress=heartbeat.progress,
                 started=started,
+                start_clock=start_clock,
             )
             return trainer.train()
         except Exception as exc:

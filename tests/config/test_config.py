@@ -537,3 +537,19 @@ def test_rules_between_keys_fail_in_config_show(overrides: list[str], needle: st
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(lines) == 1, (run.returncode, run.stderr)
     assert needle in lines[0], lines[0]
+
+
+@pytest.mark.unit
+def test_config_show_prints_the_family_in_use_and_the_keys_as_written() -> None:
+    """`config show` (usability review §3): only model.<arch> of the family in use, and
+    checkpoint.async as a user writes it (not the Python field async_)."""
+    import yaml
+
+    from scaleout.config import format_config
+
+    bert = yaml.safe_load(format_config(load_config("bert_large_256x8")))
+    assert "bert" in bert["model"] and "resnet" not in bert["model"]
+    assert bert["checkpoint"]["async"] is True and "async_" not in bert["checkpoint"]
+    resnet = yaml.safe_load(format_config(load_config("resnet_cpu", ["checkpoint.async=false"])))
+    assert "resnet" in resnet["model"] and "bert" not in resnet["model"]
+    assert resnet["checkpoint"]["async"] is False

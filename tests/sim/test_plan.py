@@ -86,8 +86,10 @@ def test_knee_of_a_known_front() -> None:
 def test_gpu_hours_and_time_to_train_arithmetic(a100_plan: P.Plan) -> None:
     for p in a100_plan.points[:12]:
         c = p.candidate
-        assert p.gpu_hours == pytest.approx(p.ttt_s * c.gpus / 3600)
-        every = max(1, round(62 * 4096 / c.global_batch))  # config eval_every x global_batch
+        # the allocation pays for the untimed start too
+        assert p.gpu_hours == pytest.approx((p.start_s + p.ttt_s) * c.gpus / 3600)
+        assert p.start_s > 0 and p.wall_s == pytest.approx(p.start_s + p.ttt_s)
+        every = p.schedule.eval_every  # MLPerf's BERT rule at this batch, in steps
         assert p.steps % every == 0 and p.evals == p.steps // every
         assert p.steps - every < math.ceil(p.samples / c.global_batch - 1e-9) <= p.steps
         assert p.ttt_s == pytest.approx(p.steps * p.step_s + p.eval_s)
@@ -109,7 +111,7 @@ def test_overrides_and_sbatch_line_are_valid_config_overrides(a100_plan: P.Plan)
             assert cfg.optim.shard == ("node" if c.optimizer == "sharded-node" else "world")
         line = shlex.split(P.sbatch_line("bert", c, chosen.overrides))
         i = line.index("sbatch")
-        assert line[i + 1 : i + 3] == ["-N", str(c.nodes)]
+        assert line[i + 1] == "-J" and line[i + 3 : i + 5] == ["-N", str(c.nodes)]
         script = next(a for a in line if a.startswith("slurm/"))
         assert (ROOT / script).is_file()
         back = line[line.index(script) + 1 :]
@@ -205,7 +207,7 @@ def test_cli_help_explains_and_the_command_runs(tmp_path: Path) -> None:
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         assert args._run(args) == 0
     data = json.loads((tmp_path / "p.json").read_text())
-    assert data["chosen"]["sbatch"].startswith(("sbatch -N", "NCCL_COLLNET_ENABLE=1 sbatch -N"))
+    assert data["chosen"]["sbatch"].startswith(("sbatch -J", "NCCL_COLLNET_ENABLE=1 sbatch -J"))
     assert len(data["points"]) == 2 * 3 * 2 and "chosen (knee)" in printed.getvalue()
 
 

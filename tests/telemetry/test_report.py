@@ -116,6 +116,8 @@ def test_progress_line_prints_every_k_steps_off_a_terminal(
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines] == ["4/10", "8/10", "10/10"], lines
     assert "loss 6.6000" in lines[-1] and "mlm_accuracy 0.2500" in lines[-1], lines
+    # the time left is to max_steps, an upper bound: a run stops at its target (review §5)
+    assert all(line.endswith("s to max_steps") and " <= " in line for line in lines), lines
     Progress(10, enabled=False).update(9, 1.0, 1.0)
     assert capsys.readouterr().out == ""
 
@@ -330,3 +332,17 @@ def test_resnet_flops_do_not_depend_on_bn_group():
         == fam.flops_per_sample(one)
         == pytest.approx(3 * 2 * 4.089e9, rel=1e-3)
     )
+
+
+def test_the_run_ends_with_one_verdict_line_naming_its_files() -> None:
+    """Usability review §5: one line says whether the target was reached, and where the report
+    and the MLPerf log are."""
+    from scaleout.telemetry.report import verdict
+
+    ok = verdict("success", 0.1509, 0.15, 350, 26.1, "runs/x")
+    assert ok.startswith("TARGET REACHED: 0.1509 >= 0.15 after 350 steps, time to train 26.10 s")
+    assert "runs/x/report.json" in ok and "runs/x/mlperf.log" in ok
+    miss = verdict("max_steps", 0.12, 0.15, 1500, 99.0, "runs/x")
+    assert miss.startswith("TARGET NOT REACHED (max_steps): 0.1200 < 0.15 after 1500 steps")
+    assert "no target" in verdict("max_steps", None, None, 12, 1.0, "o")
+    assert "\n" not in ok + miss

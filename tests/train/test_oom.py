@@ -32,6 +32,7 @@ def test_step_out_of_memory_is_one_line_naming_rank_step_batch(monkeypatch) -> N
         _start_clock=lambda: 0.0,
         mlperf_log=SimpleNamespace(close=lambda: None),
         checkpointer=None,  # train() also waits for a background checkpoint write
+        gc=SimpleNamespace(stop=lambda: None),  # train() restores the garbage collector
     )
     fake._train = lambda: trainer_mod.Trainer._train(fake)  # train() = _train() + closing the log
     fake.run_step = lambda step: trainer_mod.Trainer.run_step(fake, step)  # the loop's body
