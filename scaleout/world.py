@@ -420,6 +420,8 @@ def init(
     device, backend = pick_device(index, backend)
     if backend == "nccl":
         nccl_error_handling(os.environ)
+        if config is not None and config.comm.sharp:  # before the first communicator
+            os.environ.setdefault("NCCL_COLLNET_ENABLE", "1")
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})

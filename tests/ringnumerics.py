@@ -62,3 +62,21 @@ def averaged_gradient_error(
     got = grid_sum(sent, row, dt).to(dt).double()
     exact = g.double().mean(0)
     return ((got - exact).norm() / exact.norm()).item()
+
+
+def sharded_node_error(
+    ranks: int, row: int, wire: torch.dtype, signal: float, n: int = 8192, seed: int = 0
+) -> float:
+    """The same relative error for the node-sharded LAMB's compressed reduce-scatter
+    (scaleout.optim.sharded ``_compressed``): each rank's gradient / p rounded once to ``wire``,
+    summed in fp32 over its node (all-to-all), that node sum rounded to ``wire`` and summed in fp32
+    over the nodes (all-to-all), the result rounded to ``wire`` once more (the all-gather among the
+    nodes' peers): three roundings whatever the node count, never a rounding per hop."""
+    gen = torch.Generator().manual_seed(seed)
+    g = signal * torch.randn(n, generator=gen) + torch.randn(ranks, n, generator=gen)
+    sent = (g / ranks).to(wire).float()
+    node = sent.reshape(ranks // row, row, n).sum(1, dtype=torch.float32)
+    total = node.to(wire).float().sum(0, dtype=torch.float32)
+    got = total.to(wire).double()
+    exact = g.double().mean(0)
+    return ((got - exact).norm() / exact.norm()).item()

@@ -78,7 +78,10 @@ SCALE_KEYS: dict[str, Key] = {
     ),
     "rcp_ruleset": Key(str, None, "MLPerf Training ruleset whose RCPs to read (default 2.0.0)"),
     "cuda_graphs": Key(
-        bool, True, "the step is one CUDA graph: host cost only (false: eager, launch-bound)"
+        bool,
+        None,
+        "the step is one CUDA graph: host cost only (false: eager, launch-bound) (default true, "
+        "or what the config's step is: model.cuda_graphs where the trainer can capture it)",
     ),
     "overhead": Key(
         str,

@@ -289,10 +289,12 @@ def _scale_specs(
         # wire bytes
         placement = {
             "sharded": ["optim.sharded=true"],
-            "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
+            "replicated": ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"],
         }
         overrides += placement.get(k["optimizer"] or "", [])
         run = from_config(load_config(args.config, overrides), args.config)
+    if run and ckeys["sharp"] is None and run.sharp:  # the config's comm.sharp, unless set here
+        ckeys = {**ckeys, "sharp": True}
     cluster = _cluster(args.preset, ckeys, run.gpus_per_node if run else None)
     model = get_model(args.model or "bert-large") if args.model or not run else run.model
     model = replace(
@@ -334,7 +336,8 @@ def _overhead(k: dict[str, Any], train: Any) -> Any:
     from scaleout.sim.overhead import get_overhead  # deferred: as step above
     from scaleout.sim.step import with_overhead
 
-    train = with_overhead(replace(train, cuda_graphs=k["cuda_graphs"]), get_overhead(k["overhead"]))
+    graphs = train.cuda_graphs if k["cuda_graphs"] is None else k["cuda_graphs"]
+    train = with_overhead(replace(train, cuda_graphs=graphs), get_overhead(k["overhead"]))
     if k["host_ms"] is not None:
         train = replace(train, host_s=k["host_ms"] / 1e3)
     return train

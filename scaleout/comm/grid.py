@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaleout.comm import handles
 from scaleout.comm.chunking import DEFAULT_CHUNK_BYTES, MAX_CHUNKS
 from scaleout.comm.phasetime import CLOCK, COL, ROW
 
@@ -65,6 +67,9 @@ class Grid:
     row: Any  # process group of row_ranks
     col: Any  # process group of this rank's column
     col_size: int
+    # NCCL: a second communicator over row_ranks for the all-gather (made on first use), so that
+    # bucket b+1's reduce-scatter is not queued behind bucket b's all-gather (_reduce_nccl)
+    row_gather: Callable[[], Any] | None = None
 
     @property
     def index(self) -> int:
@@ -229,9 +234,16 @@ def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
     """RS -> AR -> AG with NCCL's native collectives (padding to a multiple of the row size).
 
     Runs on the comm stream (scaleout.comm.handles.on_comm_stream): each phase is async and its
-    ``wait()`` orders the current (comm) stream after it, never the host or the compute stream.
-    While the phase clock is on, timing events between the phases (read a step later:
-    scaleout/comm/phasetime.py) time each on the comm stream."""
+    ``wait()`` orders the current stream after it, never the host or the compute stream. The
+    phases are pipelined across buckets: the reduce-scatter runs on the comm stream, the column
+    all-reduce and the all-gather on the device's column stream (``handles.comm_stream(dev,
+    "col")``), which waits for the reduce-scatter and is where the bucket ends
+    (``handles.finish_on``). The comm stream never waits for the column stream, and the
+    all-gather goes through its own communicator (``grid.row_gather``): NCCL runs a
+    communicator's operations in issue order, so sharing the row's would queue bucket b+1's
+    reduce-scatter behind bucket b's all-gather, and so behind its all-reduce. So bucket b+1's
+    NVLink phase overlaps bucket b's network phase. While the phase clock is on, timing events
+    between the phases (read a step later: scaleout/comm/phasetime.py) time each."""
     clock = CLOCK if CLOCK.enabled else None
     g = len(grid.row_ranks)
     n = buf.numel()
@@ -246,17 +258,24 @@ def _reduce_nccl(buf: torch.Tensor, grid: Grid) -> None:
         out = torch.empty_like(shard)
         reduce_scatter_tensor(out, x, group=grid.row, async_op=True).wait()
         shard.copy_(out)
-    if clock is not None:
-        marks.append(clock.mark(buf.device))
-    if grid.col_size > 1:
-        dist.all_reduce(shard, group=grid.col, async_op=True).wait()
-    if clock is not None:
-        marks.append(clock.mark(buf.device))
-    if g > 1:
-        all_gather_tensor(x, shard.clone(), group=grid.row, async_op=True).wait()
-    if x is not buf:
-        buf.copy_(x[:n])
-    if clock is not None:
-        marks.append(clock.mark(buf.device))
-        for kind, a, b in zip((ROW, COL, ROW), marks, marks[1:], strict=False):
-            clock.span(kind, a, b)
+    col = handles.comm_stream(buf.device, "col")
+    col.wait_stream(torch.cuda.current_stream(buf.device))
+    if x is not buf:  # made on the comm stream, used on the column stream after this returns
+        x.record_stream(col)
+    handles.finish_on(col)
+    with torch.cuda.stream(col):
+        if clock is not None:
+            marks.append(clock.mark(buf.device))
+        if grid.col_size > 1:
+            dist.all_reduce(shard, group=grid.col, async_op=True).wait()
+        if clock is not None:
+            marks.append(clock.mark(buf.device))
+        if g > 1:
+            row = grid.row_gather() if grid.row_gather is not None else grid.row
+            all_gather_tensor(x, shard.clone(), group=row, async_op=True).wait()
+        if x is not buf:
+            buf.copy_(x[:n])
+        if clock is not None:
+            marks.append(clock.mark(buf.device))
+            for kind, a, b in zip((ROW, COL, ROW), marks, marks[1:], strict=False):
+                clock.span(kind, a, b)

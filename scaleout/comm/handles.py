@@ -80,12 +80,23 @@ class StreamHandle(Handle):
 _COMM_STREAMS: dict[Any, Any] = {}
 
 
-def comm_stream(device: torch.device) -> Any:
-    """The device's comm stream (created on first use)."""
-    stream = _COMM_STREAMS.get(device.index)
+def comm_stream(device: torch.device, lane: str | None = None) -> Any:
+    """The device's comm stream (created on first use); ``lane``: another stream of the device for
+    a phase that must not hold the comm stream up (the grid's column phase: "col")."""
+    key = device.index if lane is None else (device.index, lane)
+    stream = _COMM_STREAMS.get(key)
     if stream is None:
-        stream = _COMM_STREAMS[device.index] = torch.cuda.Stream(device)
+        stream = _COMM_STREAMS[key] = torch.cuda.Stream(device)
     return stream
+
+
+_ENDS = threading.local()  # the stream a running on_comm_stream job ends on (finish_on)
+
+
+def finish_on(stream: Any) -> None:
+    """Called from an :func:`on_comm_stream` job: the job's last work is on ``stream``, so its
+    handle's event and future mark that stream's point, not the comm stream's."""
+    _ENDS.stream = stream
 
 
 def on_comm_stream(
@@ -98,10 +109,14 @@ def on_comm_stream(
     device = tensor.device
     comm = comm_stream(device)
     comm.wait_stream(torch.cuda.current_stream(device))
+    _ENDS.stream = None
     with torch.cuda.stream(comm):
         job()
+    end = _ENDS.stream or comm
+    _ENDS.stream = None
+    with torch.cuda.stream(end):
         event = torch.cuda.Event()
-        event.record(comm)
+        event.record(end)
         if cuda_future and torch.cuda.is_available():  # its waiter's stream waits for this point
             future = torch.futures.Future(devices=[device])
         else:  # tests/fakecuda.py: no CUDA runtime behind the emulated device

@@ -31,7 +31,14 @@ class Hierarchical(GridAlgorithm):
         from scaleout.comm.grid import Grid  # deferred: torch runtime
 
         world.require_uniform("the hierarchical all-reduce")
-        return Grid(world.rank, tuple(world.intra_ranks), world.intra, world.inter, world.num_nodes)
+        return Grid(
+            world.rank,
+            tuple(world.intra_ranks),
+            world.intra,
+            world.inter,
+            world.num_nodes,
+            lambda: world.partition("intra_gather", world.ranks_per_node, shared=False),
+        )
 
     def row_length(self, opts: Any, world_size: int, ranks_per_node: int) -> int:
         return ranks_per_node

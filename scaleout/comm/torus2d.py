@@ -60,7 +60,15 @@ class Torus2d(GridAlgorithm):
         from scaleout.comm.grid import Grid  # deferred: torch runtime
 
         tg = world.torus(opts.x, opts.y)
-        return Grid(world.rank, tuple(tg.row_ranks), tg.row, tg.col, tg.y)
+        gather = f"torus{tg.x}x{tg.y}row_gather"
+        return Grid(
+            world.rank,
+            tuple(tg.row_ranks),
+            tg.row,
+            tg.col,
+            tg.y,
+            lambda: world.partition(gather, world.torus_rows(tg.x), shared=False),
+        )
 
     def row_length(self, opts: Any, world_size: int, ranks_per_node: int) -> int:
         return resolve_grid(world_size, ranks_per_node, opts.x, opts.y)[0]

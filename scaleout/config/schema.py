@@ -215,6 +215,12 @@ class CommConfig(_Section):
     # CPU/gloo only: run the compute thread this much nicer than the communication threads
     # (comm.handles.prioritize_communication); 0 = off. Ignored on CUDA.
     comm_nice: int = Field(0, ge=0, le=19)
+    # In-network reduction between nodes (SHARP through NCCL CollNet): on NCCL, scaleout.init()
+    # sets NCCL_COLLNET_ENABLE=1 (unless the environment sets it) before the first communicator,
+    # and `scaleout simulate scale --config` prices the run with it. Needs SHARP-capable
+    # InfiniBand switches and the nccl-rdma-sharp plugin; NCCL falls back to its own algorithms
+    # where CollNet cannot apply.
+    sharp: bool = False
 
     # The keys above that are options of some algorithms (each algorithm's Options.config_keys).
     ALGORITHM_KEYS: ClassVar[tuple[str, ...]] = ("torus_x", "torus_y", "chunk_mb")

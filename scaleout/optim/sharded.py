@@ -390,12 +390,27 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         last bucket is out, so it completes while the reduce-scatters are waited for."""
         if not self._world_usage or self._usage_work is not None:
             return
-        self._usage = torch.tensor(self._used, dtype=torch.float32).to(self.flat_param.device)
+        self._usage = self._usage_on_device(0)
         self.issued += 1
         self._usage_work = dist.all_reduce(self._usage, group=self.world.group, async_op=True)
 
     def check_unused(self) -> list[str]:
         return []
+
+    def _usage_on_device(self, slot: int) -> torch.Tensor:
+        """This rank's usage (1.0 per parameter that got a gradient) on the parameters' device,
+        copied from pinned memory on CUDA (a pageable copy is a synchronous staging copy there).
+        One buffer per ``slot`` (the usage all-reduce, the norm rows): each is refilled only in
+        the next step, after this step's host read (step()) waited for its copy."""
+        dev = self.flat_param.device
+        bufs = self.__dict__.setdefault("_usage_host", {})
+        host = bufs.get(slot)
+        if host is None or host.numel() != len(self._used):
+            host = bufs[slot] = torch.empty(
+                len(self._used), dtype=torch.float32, pin_memory=dev.type == "cuda"
+            )
+        host.copy_(torch.tensor(self._used, dtype=torch.float32))
+        return host.to(dev, non_blocking=True)
 
     def collectives(self) -> tuple[int, str]:
         if not self._built:
@@ -516,7 +531,10 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         h = sum_fp32 over the node's ranks of wire(g_r)[slice] (all-to-all over the node), then
         the same again over the nodes on h's sub-slices (all-to-all over the same-local-rank
         peers), and an all-gather among those peers of wire(that fp32 sum): every peer ends with
-        the same g_shard, rounded to the wire dtype once more."""
+        the same g_shard, rounded to the wire dtype once more. That all-gather is an all-to-all
+        of the part repeated once per peer: the same bytes as a ring all-gather, but one exchange
+        with every peer at once instead of k - 1 dependent ring steps, which at 256 nodes and a
+        few KiB per part are pure latency (k - 1 network latencies per bucket)."""
         bk.flat_grad.div_(self.size)
         if self.shard == "world":
             self._a2a_sum(bk.g_shard, bk.flat_grad, self.world.group, self.size)
@@ -530,9 +548,9 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         part = torch.empty(h.numel() // nodes, dtype=h.dtype, device=h.device)
         self._a2a_sum(part, h, self.inter, nodes)
         gathered = torch.empty(h.numel(), dtype=self.wire, device=h.device)
-        all_gather_tensor(
+        dist.all_to_all_single(
             gathered.view(torch.uint8),
-            part.to(self.wire).view(torch.uint8),
+            part.to(self.wire).repeat(nodes).view(torch.uint8),
             group=self.inter,
             async_op=True,
         ).wait()
@@ -729,7 +747,7 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         ntens = [len(g["params"]) for g in self.param_groups]
         base = [sum(ntens[:gi]) for gi in range(len(ntens))]
         sq = torch.zeros(4, len(self.params), dtype=torch.float32, device=self.flat_param.device)
-        sq[2] = torch.tensor(self._used, dtype=torch.float32)
+        sq[2] = self._usage_on_device(1)
         sq[3, 0] = torch.isfinite(self.g_shard).logical_not_().sum()
         for bk in self.buckets:
             for w in bk.work:

@@ -12,11 +12,15 @@ describes:
   from the family's preset (``Family.sim_preset``: bert-large, resnet50);
 - optimizer placement: ``optim.sharded`` -> ``sharded`` (scaleout's ShardedLAMB, ZeRO-1 over the
   world), else ``replicated``; overlap from ``optim.overlap_comm`` (sharded) or ``comm.overlap``;
-- bytes on the wire: ShardedLAMB reduce-scatters its fp32 gradient buffer and all-gathers the
-  parameters in their dtype (fp32: ``train.precision=bf16`` is autocast), so 4 B each whatever
-  ``comm.compression`` says; the replicated all-reduce sends 2 B with ``comm.compression``
-  bf16/fp16, else 4 B;
-- ``comm.algorithm``, ``comm.bucket_mb``, ``comm.torus_x``;
+- bytes on the wire: 2 B per gradient element with ``comm.compression`` bf16/fp16, else 4 B; the
+  replicated all-reduce sums them on the wire, ShardedLAMB moves them by all-to-all and sums in
+  fp32 (``TrainSpec.wire_a2a``: scaleout.sim.sharded). ShardedLAMB all-gathers the parameters in
+  their dtype (fp32: ``train.precision=bf16`` is autocast), 4 B;
+- ``comm.algorithm``, ``comm.bucket_mb``, ``comm.torus_x``; ``comm.sharp`` (in-network reduction
+  between nodes: ``ConfigRun.sharp``, applied to the cluster by ``scaleout simulate scale``);
+- the step as the trainer runs it on CUDA (scaleout.train.capture ``graphed_step``): one CUDA graph
+  when ``model.cuda_graphs`` is set and the optimizer can be captured with it (else eager,
+  launch-bound), overlapped with backward only where the step's collectives run during it;
 - per-GPU batch = train.global_batch / (grad_accum x launch.nnodes x launch.nproc_per_node), samples
   to converge = train.max_steps x global_batch, evaluation every ``train.eval_every`` steps on
   ``data.eval_samples``.
@@ -29,6 +33,7 @@ from typing import Any
 
 from scaleout.sim.collectives import config_row_length
 from scaleout.sim.step import ModelSpec, TrainSpec, get_model
+from scaleout.train.capture import graphed_step
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class ConfigRun:
     nodes: int
     gpus_per_node: int
     source: str
+    sharp: bool = False  # comm.sharp: in-network reduction between nodes
 
 
 def optimizer_of(cfg: Any) -> str:
@@ -80,13 +86,15 @@ def from_config(cfg: Any, source: str = "") -> ConfigRun:
         eval_samples=cfg.data.eval_samples / per_sample,  # evaluation counts sequences
         eval_every_samples=float(t.eval_every * t.global_batch),
     )
-    sharded = cfg.optim.sharded
+    captured, overlap = graphed_step(cfg)
     train = TrainSpec(
         local_batch=t.global_batch / (t.grad_accum * gpus),
         algorithm=cfg.comm.algorithm,
         bucket_mb=cfg.comm.bucket_mb,
-        overlap=cfg.optim.overlap_comm if sharded else cfg.comm.overlap,
+        overlap=overlap,
         torus_x=config_row_length(cfg.comm, launch.nnodes, launch.nproc_per_node),
         optimizer=optimizer_of(cfg),
+        cuda_graphs=captured,
+        wire_a2a=cfg.comm.compression != "none",
     )
-    return ConfigRun(model, train, launch.nnodes, launch.nproc_per_node, source)
+    return ConfigRun(model, train, launch.nnodes, launch.nproc_per_node, source, cfg.comm.sharp)

@@ -82,7 +82,7 @@ from scaleout.sim.step import (
 
 # Config keys of each optimizer placement (None: no config key in this scaleout: priced only).
 PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
-    "replicated": ["optim.sharded=false", "optim.overlap_comm=false"],
+    "replicated": ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"],
     "sharded": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=world"],
     # the sharded LAMB with its state sharded over the node's ranks (apex DistributedFusedLAMB)
     "sharded-node": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=node"],

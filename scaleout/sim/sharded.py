@@ -14,6 +14,13 @@
   all-reduce of that 1/g shard among the ranks with the same local index (one rail per GPU, so SHARP
   applies), LAMB on 1/g of the parameters, all-gather inside the node.
 
+With a compressed wire (``comm.compression`` bf16/fp16, ``TrainSpec.wire_a2a``) scaleout's
+ShardedLAMB never sums in the wire dtype: each reduce-scatter is an all-to-all of wire-dtype slices
+summed locally in fp32, and ``sharded-node``'s exchange between nodes is such an all-to-all over the
+same-local-rank peers followed by an all-gather done as one all-to-all (scaleout.optim.sharded
+``_compressed``). Each all-to-all is one direct exchange with every peer (one latency, (m-1)/m of
+the bytes each way: :func:`~scaleout.sim.cost.direct_phase`); in-network reduction does not apply.
+
 Reduce-scatter and all-gather have no tree variant in NCCL (they run as rings); ``hierarchical`` and
 ``torus2d`` do them in two phases, row then column (scaleout.comm.shard: a node's links carry
 (k-1)/k of the bytes). In-network reduction does not apply to them. On gloo, torch's reduce_scatter
@@ -35,6 +42,7 @@ from scaleout.sim.collectives import (
     Plan,
     allreduce_cost,
     canonical,
+    direct_phase,
     row_col_half_plan,
     sim_options,
 )
@@ -100,10 +108,14 @@ def reduce_time(
     nbytes: float,
     chunks: int | None = None,
     torus_x: int | str | None = None,
+    wire_a2a: bool = False,
 ) -> float:
-    """Seconds to reduce one bucket of ``nbytes`` gradient bytes per rank before the update."""
+    """Seconds to reduce one bucket of ``nbytes`` gradient bytes per rank before the update
+    (``wire_a2a``: the sharded LAMB's compressed wire, all-to-alls with fp32 sums)."""
     if optimizer == "replicated":
         return allreduce_cost(algorithm, cluster, nodes, nbytes, chunks, torus_x).time
+    if wire_a2a:
+        return a2a_reduce_time(optimizer, cluster, nodes, nbytes)
     if optimizer == "sharded":
         return _time(half_plan("rs", algorithm, cluster, nodes, nbytes, torus_x), cluster)
     intra = _time(half_plan("rs", "flat", cluster, 1, nbytes), cluster)
@@ -115,6 +127,24 @@ def reduce_time(
             algorithm, rail_cluster(cluster), nodes, nbytes / cluster.gpus_per_node
         ).time
     )
+
+
+def a2a_reduce_time(optimizer: str, cluster: Cluster, nodes: int, nbytes: float) -> float:
+    """The compressed reduce-scatter of scaleout's ShardedLAMB (module doc): ``sharded``, one
+    all-to-all over the world; ``sharded-node``, one within the node, then an all-to-all and an
+    all-to-all all-gather of the node's 1/g over the same-local-rank peers (one rail each)."""
+    if optimizer == "sharded":
+        return _time(
+            direct_phase(Plan(), cluster, cluster.gpus_per_node * nodes, nbytes, True, nodes > 1),
+            cluster,
+        )
+    g = cluster.gpus_per_node
+    t = _time(direct_phase(Plan(), cluster, g, nbytes, True, False), cluster)
+    if nodes > 1:
+        rail = rail_cluster(cluster)
+        t += _time(direct_phase(Plan(), rail, nodes, nbytes / g, True, True), rail)
+        t += _time(direct_phase(Plan(), rail, nodes, nbytes / g, False, True), rail)
+    return t
 
 
 def gather_time(

@@ -92,6 +92,9 @@ class TrainSpec:
     cuda_graphs: bool = True
     host_s: float = 0.0
     launch_s: float = 0.0
+    # A compressed gradient wire (comm.compression bf16/fp16): a sharded optimizer moves it by
+    # all-to-all with fp32 sums (scaleout.sim.sharded.a2a_reduce_time), never a wire-dtype ring.
+    wire_a2a: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,8 @@ def step_time(model: ModelSpec, train: TrainSpec, cluster: Cluster, nodes: int) 
         grads = model.params * model.grad_bytes
         sizes = bucket_sizes(grads, train.bucket_mb)
         cost = [
-            reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x) for b in sizes
+            reduce_time(opt, alg, cluster, nodes, b, train.chunks, train.torus_x, train.wire_a2a)
+            for b in sizes
         ]
         done_frac = [
             c / grads for c in accumulate(sizes)

@@ -292,6 +292,17 @@ def host_sync_reason(model: Any) -> str | None:
     return None
 
 
+def graphed_step(cfg: Config) -> tuple[bool, bool]:
+    """What ``cfg``'s step is on CUDA, for whoever prices it (``scaleout simulate``): (captured:
+    the step runs as CUDA graphs, overlapped: its gradient collectives run during backward).
+    Captured when ``model.cuda_graphs`` is set and the optimizer is DataParallel's
+    (:func:`build_step_graphs` runs the sharded LAMB's step eagerly); the captured step reduces
+    after backward (:func:`data_parallel_step`), so it never overlaps."""
+    captured = bool(cfg.model.cuda_graphs) and not cfg.optim.sharded
+    overlap = cfg.optim.overlap_comm if cfg.optim.sharded else cfg.comm.overlap
+    return captured, bool(overlap) and not captured
+
+
 def build_step_graphs(
     cfg: Config, world: World, model: torch.nn.Module, task: Any
 ) -> StepGraphs | None:

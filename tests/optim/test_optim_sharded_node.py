@@ -243,7 +243,8 @@ def test_shard_and_compression_are_checked_and_logged() -> None:
         for compression, logged in (("bf16", "bfloat16"), ("fp16", "fp16"), ("none", "fp32")):
             cfg = load_config(
                 "bert_large_256x8",
-                [f"optim.sharded={on}", f"comm.compression={compression}"],
+                [f"optim.sharded={on}", f"comm.compression={compression}"]
+                + ([] if on == "true" else ["optim.shard=world", "optim.overlap_comm=false"]),
             )
             assert hyperparameters(cfg, 2048)[comm] == logged, (on, compression)
             assert wire_bytes(cfg)[0] == (4 if compression == "none" else 2)

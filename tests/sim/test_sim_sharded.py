@@ -215,7 +215,8 @@ def test_mlperf_log_summary(tmp_path):
 
 
 def test_config_chooses_the_optimizer_and_its_wire_bytes():
-    cfg = load_config("bert_large_256x8")
+    replicated = ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"]
+    cfg = load_config("bert_large_256x8", replicated)
     run = from_config(cfg)
     assert run.train.optimizer == "replicated" and run.nodes == 256
     assert run.train.local_batch == cfg.train.global_batch / 2048
@@ -224,7 +225,11 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     )  # scaleout.families.bert.model counts the same
     assert run.model.grad_bytes == (4 if cfg.comm.compression == "none" else 2)
     sharded = from_config(
-        load_config("bert_large_256x8", ["optim.sharded=true", "optim.overlap_comm=true"])
+        load_config(
+            "bert_large_256x8",
+            ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=world"]
+            + ["comm.compression=none"],
+        )
     )
     assert sharded.train.optimizer == "sharded" and sharded.train.overlap
     assert (sharded.model.grad_bytes, sharded.model.param_bytes) == (
@@ -237,7 +242,9 @@ def test_config_chooses_the_optimizer_and_its_wire_bytes():
     # packed: global_batch counts rows of ~2.0013 Wikipedia sequences, so 2 rows per GPU = 4
     # sequences
     rows = from_config(
-        load_config("bert_large_256x8", ["train.global_batch=4096", "data.packing=lphp"])
+        load_config(
+            "bert_large_256x8", [*replicated, "train.global_batch=4096", "data.packing=lphp"]
+        )
     )
     assert rows.train.local_batch == 2
     assert 2 * rows.model.flops_per_sample == pytest.approx(4 * BERT.flops_per_sample, rel=1e-3)

@@ -320,8 +320,8 @@ def test_mlperf_log_says_what_ran() -> None:
     from scaleout.train.hparams import hyperparameters
 
     cfg = load_config(
-        "bert_large_256x8", ["optim.sharded=true"]
-    )  # comm.compression=none: the sharded reduce-scatter is fp32 (bf16: test_optim_sharded_node)
+        "bert_large_256x8", ["optim.sharded=true", "comm.compression=none"]
+    )  # compression none: the sharded reduce-scatter is fp32 (bf16: test_optim_sharded_node)
     assert hyperparameters(cfg, 2048)["lowest_numerical_precision_in_comm"] == "fp32"
 
 

@@ -384,7 +384,9 @@ def test_flagship_config_is_the_reference_recipe():
     )
     assert cfg.train.max_steps == REF["MAX_STEPS"] and cfg.train.grad_accum == REF["GRADIENT_STEPS"]
     # schedule: every step's rate, read from a real optimizer driven by the configured scheduler
-    opt = build_optimizer(torch.nn.Linear(2, 2), cfg.optim)
+    # (the same for every placement; the flagship's ShardedLAMB needs a World: a replicated one)
+    replicated = ["optim.sharded=false", "optim.shard=world", "optim.overlap_comm=false"]
+    opt = build_optimizer(torch.nn.Linear(2, 2), load_config("bert_large_256x8", replicated).optim)
     sched = build_schedule(opt, cfg.optim)
     for k in range(1, REF["MAX_STEPS"] + 1):
         want = nvidia_lr(
@@ -443,10 +445,12 @@ def load_histogram_or_skip():
 def test_flagship_config_captures_its_step_in_cuda_graphs():
     """configs/bert_large_256x8.yaml runs 2 packed rows per GPU, where the eager BERT-large step is
     host-launch-bound (~2.5k launches for ~5 ms of GPU work, and the dynamic forward's host
-    syncs): it captures the step in CUDA graphs (model.cuda_graphs; the config's comment says why
-    not torch.compile), which selects the capture-safe forward with no host syncs, and keeps what
-    the capture needs (DataParallel's reducer, not the sharded optimizer). Before: eager."""
+    syncs): it sets CUDA graphs (model.cuda_graphs; the config's comment says why not
+    torch.compile), which selects the capture-safe forward with no host syncs. With the sharded
+    LAMB the trainer runs the step eagerly (build_step_graphs), and the simulator prices what runs
+    (scaleout.train.capture.graphed_step; tests/sim/test_sim_flagship.py)."""
     from scaleout.config.load import load_config
+    from scaleout.train.capture import graphed_step
 
     cfg = load_config("bert_large_256x8", [])
     gpus = cfg.launch.nnodes * cfg.launch.nproc_per_node
@@ -455,4 +459,4 @@ def test_flagship_config_captures_its_step_in_cuda_graphs():
     assert cfg.model.cuda_graphs and not cfg.model.compile
     static = cfg.model.bert.static_shapes
     assert (static if static is not None else cfg.model.cuda_graphs) is True
-    assert not cfg.optim.sharded  # build_step_graphs runs the step eagerly with it
+    assert graphed_step(cfg)[0] is (not cfg.optim.sharded)  # eager with the sharded LAMB
