@@ -45,7 +45,7 @@ from scaleout.parallel.sync import GradientSync
 from scaleout.telemetry.mlperf import MLPerfLogger
 from scaleout.telemetry.report import RunReport, goodput_section
 from scaleout.telemetry.timers import Timers
-from scaleout.train import prefetch, replicas, rerun
+from scaleout.train import hangwatch, prefetch, replicas, rerun
 from scaleout.train.agreement import (
     HEAD,
     PendingAgreement,
@@ -1047,6 +1047,8 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     try:
         world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
+        # NCCL: scaleout's hang budget runs out before the watchdog's abort (train/hangwatch.py)
+        watches = hangwatch.start(world, heartbeat.progress, cfg.train.output_dir)
         try:
             # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
             # launcher's preflight already refused what it could before spawning): a refused start
@@ -1077,6 +1079,8 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
             write_crash(world, exc)  # for `scaleout slurm run`: a software error, not a node
             raise
         finally:
+            for watch in watches:
+                watch.close()
             heartbeat.close()
             world.close()
     finally:
