@@ -146,10 +146,10 @@ class HangInjection:
 
 class DelayInjection:
     """``SCALEOUT_TEST_DELAY="RANK:PHASE:MS[,...]"``: this rank sleeps MS milliseconds in every
-    step's PHASE (``data``: while waiting for its batches; ``compute``: before its forward), a
-    straggler for tests/train/test_skew.py and `scaleout bench agreement`. Test-only: a real run
-    leaves
-    the variable unset and installs nothing."""
+    step's PHASE (``data``: while waiting for its batches; ``compute``: in its forward, a slow
+    device as scaleout.train.devicetime times it), a straggler for tests/train/test_skew.py and
+    `scaleout bench agreement`. Test-only: a real run leaves the variable unset and installs
+    nothing."""
 
     VARIABLE = "SCALEOUT_TEST_DELAY"
     PHASES = ("data", "compute")

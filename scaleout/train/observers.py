@@ -346,6 +346,12 @@ class ReportWriter(Observer):
                 f"on {s['steps']} steps",
                 flush=True,
             )
+        for s in skew.get("slow_devices", [])[:5]:
+            print(
+                f"slow device: rank {s['rank']} (node {s['node']}): its own forward + backward "
+                f"({s['timing']}-timed) {s['slowdown']:.2f}x the median on {s['steps']} steps",
+                flush=True,
+            )
         self._quarantine(skew)
         payload = {
             **report.to_dict(),
