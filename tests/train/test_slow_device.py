@@ -90,16 +90,18 @@ def test_on_a_gpu_compute_is_device_time_read_one_step_late_without_a_sync(monke
     _TimedEvent.made.clear()
 
 
-def _slow_device_run(world, out: str) -> dict:
+def _train_with(world, out: str, env: dict[str, str], overrides: list[str]) -> dict:
+    """RUN for 8 steps with the test-only faults of ``env`` (read once, when the Trainer starts)."""
     from scaleout.config import load_config
     from scaleout.train.trainer import Trainer
 
-    os.environ[DelayInjection.VARIABLE] = "2:compute:500"  # rank 2's forward is 0.5 s slower
+    os.environ.update(env)
     try:
-        cfg = load_config(None, [*RUN, f"train.output_dir={out}", "train.max_steps=8"])
+        cfg = load_config(None, [*RUN, f"train.output_dir={out}", "train.max_steps=8", *overrides])
         result = Trainer(cfg, world).train()
     finally:
-        del os.environ[DelayInjection.VARIABLE]
+        for name in env:
+            del os.environ[name]
     return {"status": result.status, "steps": result.steps}
 
 
@@ -111,7 +113,8 @@ def test_a_slow_device_is_named_not_its_peers(tmp_path: Path) -> None:
     sync's wait), and no other rank; its peers wait in sync_wait. Before: no slow device was named
     anywhere."""
     out = tmp_path / "run"
-    res = run_dist(_slow_device_run, 2, 2, args=(str(out),), timeout=240)
+    delay = {DelayInjection.VARIABLE: "2:compute:500"}  # rank 2's forward: 0.5 s slower
+    res = run_dist(_train_with, 2, 2, args=(str(out), delay, []), timeout=240)
     assert [r["status"] for r in res] == ["max_steps"] * 4, res
     report = json.loads((out / "report.json").read_text())
     slow = report["slow_devices"]
@@ -121,22 +124,6 @@ def test_a_slow_device_is_named_not_its_peers(tmp_path: Path) -> None:
     assert compute["worst_rank"] == 2 and compute["median_s"] < compute["max_s"] - 0.3, compute
 
 
-def _corrupt_run(world, out: str) -> dict:
-    from scaleout.config import load_config
-    from scaleout.train.trainer import Trainer
-
-    os.environ["SCALEOUT_INJECT_CORRUPT"] = "2:1"  # rank 1's update drifts at step 2 (0-based)
-    try:
-        cfg = load_config(
-            None,
-            [*RUN, f"train.output_dir={out}", "train.max_steps=8", "train.replica_vote_every=2"],
-        )
-        result = Trainer(cfg, world).train()
-    finally:
-        del os.environ["SCALEOUT_INJECT_CORRUPT"]
-    return {"status": result.status, "steps": result.steps}
-
-
 @pytest.mark.multi_process
 def test_a_replica_that_drifts_mid_run_is_caught_at_the_next_vote(tmp_path: Path) -> None:
     """2 x 2, train.replica_vote_every=2: rank 1's weights drift at its third step (a finite
@@ -144,7 +131,9 @@ def test_a_replica_that_drifts_mid_run_is_caught_at_the_next_vote(tmp_path: Path
     (aborted) instead of training on to step 8 with a corrupted replica. Before: the vote ran at
     the end of the run only."""
     out = tmp_path / "run"
-    res = run_dist(_corrupt_run, 2, 2, args=(str(out),), timeout=240)
+    drift = {"SCALEOUT_INJECT_CORRUPT": "2:1"}  # rank 1's update drifts at step 2 (0-based)
+    args = (str(out), drift, ["train.replica_vote_every=2"])
+    res = run_dist(_train_with, 2, 2, args=args, timeout=240)
     assert res == [{"status": "aborted", "steps": 4}] * 4, res
     report = json.loads((out / "report.json").read_text())
     assert report["weights_consistent"] is False and report["odd_ranks"] == [1], report
