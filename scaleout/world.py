@@ -484,14 +484,14 @@ def nccl_flight_recorder(env: Any, output_dir: str | None) -> None:
     """Turn ProcessGroupNCCL's flight recorder on (before the first NCCL group exists): a ring
     buffer of the last collectives of every communicator (torch's default is 0: off), dumped by
     NCCL's watchdog on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT) into ``<output_dir>/
-    nccl-flight-recorder/rank_<r>`` (the prefix torch appends the rank to; older torch reads the
+    flight-recorder/rank_<r>`` (the prefix torch appends the rank to; older torch reads the
     TORCH_NCCL_* names). scaleout's hang watch dumps the same buffer there itself before its
     verdict (scaleout/train/hangwatch.py). An explicit value of any of them is respected."""
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         env.setdefault(name, "2000")  # entries; a few hundred bytes each
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if output_dir:
-        folder = os.path.join(os.path.abspath(output_dir), "nccl-flight-recorder")
+        folder = os.path.join(os.path.abspath(output_dir), "flight-recorder")
         os.makedirs(folder, exist_ok=True)
         for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
             env.setdefault(name, os.path.join(folder, "rank_"))

@@ -14,7 +14,7 @@ So scaleout keeps the budget itself. :class:`HangWatch` is a daemon thread that 
 marks, never the device) once a second. When the rank has stood at the same point of a *waiting*
 phase (:data:`WAITING`: the gradient sync's wait, the step agreement) for the collective timeout
 ``world.timeout_s`` (``train.step_timeout_s`` after the first step), it does what a gloo timeout
-does: one line naming this rank and where it waited, the NCCL flight recorder's dump into the run
+does: one line naming this rank and where it waited, the flight recorder's dump into the run
 directory, the heartbeat verdict (every rank that waits reaches it at about the same time; the
 first scans, the others read its answer), the verdict file, exit code 1. The process groups' own
 timeout is longer by :func:`verdict_allowance_s` (``World.backend_slack``): the scan takes two
@@ -119,24 +119,30 @@ class HangWatch:
         self._thread = None
 
 
-FLIGHT_DIR = "nccl-flight-recorder"  # under train.output_dir
+FLIGHT_DIR = "flight-recorder"  # under train.output_dir (scaleout.world.nccl_flight_recorder)
 
 
 def dump_flight_recorder(output_dir: str, rank: int) -> str | None:
-    """Write ProcessGroupNCCL's flight recorder (the last collectives of every communicator of
-    this rank: sequence numbers, op, sizes, state, timings) to
-    ``<output_dir>/nccl-flight-recorder/rank<r>.pkl``, in the format of NCCL's own dump on a
-    timeout (torch's ``fr_trace`` tool reads both). The path, or None when this torch has no
-    NCCL (a CPU build) or the dump failed: evidence is best effort, never the next failure."""
-    try:
-        from torch._C._distributed_c10d import _dump_nccl_trace  # CUDA builds only
-    except ImportError:
+    """Write torch's flight recorder (the last collectives of every process group of this rank:
+    sequence numbers, op, sizes, state, timings; on by default on NCCL, on gloo when
+    ``TORCH_FR_BUFFER_SIZE`` is set) to ``<output_dir>/flight-recorder/rank_<r>``: the file and
+    format of NCCL's own dump on a timeout (``TORCH_FR_DUMP_TEMP_FILE``), which torch's
+    ``fr_trace`` reads (``<prefix>_<rank>``). The path, or None when the recorder is off or the
+    dump failed: evidence is best effort, never the next failure."""
+    if int(os.environ.get("TORCH_FR_BUFFER_SIZE") or 0) <= 0:
         return None
     try:
-        data = _dump_nccl_trace()
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:  # older torch: the NCCL-only name
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace as _dump_fr_trace
+        except ImportError:
+            return None
+    try:
+        data = _dump_fr_trace()
         folder = os.path.join(output_dir, FLIGHT_DIR)
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"rank{rank}.pkl")
+        path = os.path.join(folder, f"rank_{rank}")
         with open(path, "wb") as f:
             f.write(data)
         return path
@@ -147,9 +153,9 @@ def dump_flight_recorder(output_dir: str, rank: int) -> str | None:
 def exit_on_hang(world: World, description: str, output_dir: str) -> None:
     """What the watch does on NCCL when the budget ran out: the flight recorder's dump, then
     the verdict and its file and exit code 1 (faults.verdict_and_exit, as for a gloo timeout)."""
-    path = dump_flight_recorder(output_dir, world.rank) if world.backend == "nccl" else None
+    path = dump_flight_recorder(output_dir, world.rank)
     if path is not None:
-        description += f"; NCCL flight recorder: {path}"
+        description += f"; flight recorder: {path}"
     verdict_and_exit(world, description)
 
 

@@ -8,6 +8,7 @@ tests/goodput/test_spares.py ``test_an_nccl_watchdog_abort_without_a_verdict_nam
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from scaleout.launchers.slurm_supervisor import bad_nodes, read_verdicts
 from scaleout.train.faults import VERDICT_DIR
-from scaleout.train.hangwatch import HangWatch, verdict_allowance_s
+from scaleout.train.hangwatch import FLIGHT_DIR, HangWatch, verdict_allowance_s
 from scaleout.train.liveness import Progress, period_for
 from scaleout.world import World, nccl_flight_recorder
 
@@ -59,7 +60,7 @@ def test_the_backend_timeout_leaves_the_verdict_its_time_and_the_recorder_dumps_
     assert world.backend_timeout().total_seconds() == 300.0 + verdict_allowance_s(300.0)
     env = {"TORCH_FR_BUFFER_SIZE": "100"}
     nccl_flight_recorder(env, str(tmp_path / "run"))
-    folder = tmp_path / "run" / "nccl-flight-recorder"
+    folder = tmp_path / "run" / "flight-recorder"
     assert folder.is_dir() and env["TORCH_FR_DUMP_TEMP_FILE"] == str(folder / "rank_")
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(folder / "rank_")
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "100"
@@ -73,7 +74,8 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
     """2 nodes x 1 tiny BERT, train.step_timeout_s=2, NCCL's semantics mocked on gloo (module
     docstring): rank 1 stops at step 1's forward (SIGSTOP: no heartbeat) or sleeps there (its
     heartbeat alive). The waiting rank's hang watch runs out at the budget, names rank 1 and
-    exits 1 before the mocked watchdog's abort (budget + verdict allowance); no rank aborts. With
+    exits 1 before the mocked watchdog's abort (budget + verdict allowance), leaving the flight
+    recorder's dump in the run directory; no rank aborts. With
     SIGSTOP the verdict file names node 1 and the supervisor picks its host. Before: nothing ran
     before the watchdog, every rank died of SIGABRT, no verdict was written, and srun's first
     "Aborted" line named a healthy node."""
@@ -96,6 +98,7 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
         "SCALEOUT_TEST_NCCL_WATCHDOG": "1",
         "SCALEOUT_TEST_HANG": "1:1:forward" + (":stop" if fault == "stop" else ""),
         VERDICT_DIR: str(verdicts),
+        "TORCH_FR_BUFFER_SIZE": "200",  # the flight recorder, on by default on NCCL only
     }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     text = proc.stdout + proc.stderr
@@ -106,6 +109,11 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
     assert watched == ["0"], text[-3000:]
     lines = [x for x in text.splitlines() if ": verdict: " in x]
     assert lines and all("rank 1 (node 1, local rank 0)" in x for x in lines), text[-3000:]
+    # the flight recorder's dump, in NCCL's format, where fr_trace finds it: the waiting rank's
+    # collectives, the one it waits in not retired
+    dump = pickle.loads((tmp_path / "out" / FLIGHT_DIR / "rank_0").read_bytes())
+    hung = [e["profiling_name"] for e in dump["entries"] if not e["retired"]]
+    assert hung and all("gloo:" in name for name in hung), dump["entries"][-3:]
     found = read_verdicts(verdicts)
     assert found and all(v["rank"] == 0 for v in found), found
     named = bad_nodes(found, ["host-a", "host-b"], [])
