@@ -165,13 +165,16 @@ class NcclWatchdogEmulation:
     groups' timeout gets the slack NCCL's gets (a hung collective does not raise in Python before
     the hang watch's budget, as on NCCL), and when a rank stood in a waiting phase for that whole
     backend timeout, it prints ProcessGroupNCCL's watchdog lines and aborts (SIGABRT), as
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` does. tests/train/test_hang_watch.py drives it."""
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` does. ``=abort-only``: no hang watch either, what NCCL
+    ranks did before it (the evidence missing). tests/train/test_hang_watch.py drives both."""
 
     VARIABLE = "SCALEOUT_TEST_NCCL_WATCHDOG"
 
     @classmethod
-    def wanted(cls, env: Mapping[str, str] | None = None) -> bool:
-        return (os.environ if env is None else env).get(cls.VARIABLE, "") == "1"
+    def mode(cls, env: Mapping[str, str] | None = None) -> str:
+        """ "" (off), "1" or "abort-only"."""
+        value = (os.environ if env is None else env).get(cls.VARIABLE, "")
+        return value if value in ("1", "abort-only") else ""
 
     @staticmethod
     def abort(world: World, description: str) -> None:
@@ -193,18 +196,20 @@ def start(world: World, progress: Progress, output_dir: str) -> list[HangWatch]:
     watch, with the process groups' timeout lengthened by :func:`verdict_allowance_s`; with
     :class:`NcclWatchdogEmulation` also its abort. On gloo none: a hung collective raises there
     at the collective timeout, and the trainer names the culprit from that exception."""
-    emulate = NcclWatchdogEmulation.wanted()
+    emulate = NcclWatchdogEmulation.mode()
     if world.world_size < 2 or (world.backend != "nccl" and not emulate):
         return []
     world.backend_slack = verdict_allowance_s
     world.set_timeout(world.timeout_s, sync=False)  # the groups built so far get the slack too
-    watches = [
-        HangWatch(
-            progress,
-            lambda: world.timeout_s,
-            lambda what: exit_on_hang(world, what, output_dir),
-        ).start()
-    ]
+    watches = []
+    if emulate != "abort-only":
+        watches.append(
+            HangWatch(
+                progress,
+                lambda: world.timeout_s,
+                lambda what: exit_on_hang(world, what, output_dir),
+            ).start()
+        )
     if emulate:
         watches.append(
             HangWatch(

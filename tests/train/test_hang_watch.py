@@ -123,3 +123,43 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
     else:  # alive and behind: named in the verdict, no node's fault by the heartbeat
         assert all(v["stale_nodes"] == [] for v in found), found
         assert "behind" in lines[0], lines[0]
+
+
+@pytest.mark.full_system
+def test_without_the_watch_every_waiting_rank_aborts_and_the_supervisor_names_nobody(
+    tmp_path: Path,
+) -> None:
+    """What NCCL ranks did before the hang watch (``SCALEOUT_TEST_NCCL_WATCHDOG=abort-only``: the
+    mocked watchdog alone): rank 1 stops at step 1's forward, rank 0 waits and, at the backend's
+    timeout, prints the watchdog's lines and dies of SIGABRT, leaving no verdict. srun reports
+    that exit as "task 0: Aborted": the supervisor used to quarantine its host (healthy: rank 0
+    only waited); with no verdict it now names nobody."""
+    from test_faults import _train_cmd
+
+    verdicts = tmp_path / "verdicts"
+    verdicts.mkdir()
+    cmd = _train_cmd(
+        tmp_path,
+        "data.source=synthetic",
+        "train.step_timeout_s=2",
+        "train.max_steps=4",
+        "train.eval_every=100000",
+        nnodes=2,
+        nproc=1,
+        grace=1,
+    )
+    env = {
+        **os.environ,
+        "SCALEOUT_TEST_NCCL_WATCHDOG": "abort-only",
+        "SCALEOUT_TEST_HANG": "1:1:forward:stop",
+        VERDICT_DIR: str(verdicts),
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert "Watchdog caught collective operation timeout" in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert re.search(r"rank 0 \(node 0, local rank 0\) was killed by SIGABRT", last), last
+    assert read_verdicts(verdicts) == [] and ": verdict: " not in text, text[-3000:]
+    # srun's words for that exit, as the supervisor reads them from the job's output
+    srun = ["srun: error: host-a: task 0: Aborted (core dumped)"]
+    assert bad_nodes(read_verdicts(verdicts), ["host-a", "host-b"], srun) == {}
