@@ -88,3 +88,9 @@ class ComputeClock:
         if not late or not all(end.query() for _, end in late):
             return None
         return sum(start.elapsed_time(end) for start, end in late) / 1e3
+
+
+def compute_timing(device: torch.device | str, graphed: bool) -> str:
+    """How the ``compute`` row is timed on ``device``: "device" (this clock's events), or "host"
+    (on CPU; and the graphed step, one replay timed on the host)."""
+    return "device" if torch.device(device).type == "cuda" and not graphed else "host"

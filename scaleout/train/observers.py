@@ -25,6 +25,7 @@ from scaleout.telemetry.mlperf import MLPerfLogger, default_platform
 from scaleout.telemetry.profiler import StepProfiler, build_profiler
 from scaleout.telemetry.report import RunReport
 from scaleout.telemetry.timers import Timers
+from scaleout.train.devicetime import compute_timing
 from scaleout.train.observe import (
     EvalRecord,
     EvalStart,
@@ -153,7 +154,11 @@ class MetricsObserver(Observer):
             config=cfg.model_dump(mode="json"),
         )
         # the stragglers and spread of the steps since the last record written
-        self.window = SkewTracker(world.node_of, cfg.train.straggler_threshold)
+        self.window = SkewTracker(
+            world.node_of,
+            cfg.train.straggler_threshold,
+            compute_timing=compute_timing(world.device, cfg.model.cuda_graphs),
+        )
 
     def on_run_start(self, start: RunStart) -> None:
         w = self.world

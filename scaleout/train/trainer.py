@@ -56,7 +56,7 @@ from scaleout.train.agreement import (
     start_agreement,
 )
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
-from scaleout.train.devicetime import ComputeClock
+from scaleout.train.devicetime import ComputeClock, compute_timing
 from scaleout.train.faults import (
     EXIT_ABORTED,
     Injections,
@@ -246,7 +246,7 @@ class Trainer:
         self.skew = SkewTracker(
             world.node_of,
             cfg.train.straggler_threshold,
-            compute_timing="device" if self.compute_clock.on_device else "host",
+            compute_timing=compute_timing(world.device, cfg.model.cuda_graphs),
         )
         self.attribution = True
         self._optimizer_s = 0.0
