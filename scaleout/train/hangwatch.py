@@ -11,7 +11,9 @@ rank whose collective started *earliest*: a rank that waited, not the culprit.
 
 So scaleout keeps the budget itself. :class:`HangWatch` is a daemon thread that reads this rank's
 :class:`~scaleout.train.liveness.Progress` (plain attributes the trainer writes at its phase
-marks, never the device) once a second. When the rank has stood at the same point of a *waiting*
+marks, never the device) once a second; it runs while the main thread is blocked in that host
+read, which torch makes with the GIL released (``Tensor.tolist``'s device copy; not yet checked on
+a GPU here: no device was lent). When the rank has stood at the same point of a *waiting*
 phase (:data:`WAITING`: the gradient sync's wait, the step agreement) for the collective timeout
 ``world.timeout_s`` (``train.step_timeout_s`` after the first step), it does what a gloo timeout
 does: one line naming this rank and where it waited, the flight recorder's dump into the run
