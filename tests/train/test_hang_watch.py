@@ -66,19 +66,10 @@ def test_the_backend_timeout_leaves_the_verdict_its_time_and_the_recorder_dumps_
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "100"
 
 
-@pytest.mark.full_system
-@pytest.mark.parametrize("fault", ["stop", "hang"])
-def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abort(
-    tmp_path: Path, fault: str
-) -> None:
-    """2 nodes x 1 tiny BERT, train.step_timeout_s=2, NCCL's semantics mocked on gloo (module
-    docstring): rank 1 stops at step 1's forward (SIGSTOP: no heartbeat) or sleeps there (its
-    heartbeat alive). The waiting rank's hang watch runs out at the budget, names rank 1 and
-    exits 1 before the mocked watchdog's abort (budget + verdict allowance), leaving the flight
-    recorder's dump in the run directory; no rank aborts. With
-    SIGSTOP the verdict file names node 1 and the supervisor picks its host. Before: nothing ran
-    before the watchdog, every rank died of SIGABRT, no verdict was written, and srun's first
-    "Aborted" line named a healthy node."""
+def _mocked_nccl_run(tmp_path: Path, mode: str, hang: str) -> tuple[str, Path]:
+    """2 nodes x 1 tiny BERT, train.step_timeout_s=2, ``SCALEOUT_TEST_NCCL_WATCHDOG=mode``, rank
+    1 stuck at step 1's forward (``hang``: SCALEOUT_TEST_HANG's suffix): (its output, the verdict
+    folder)."""
     from test_faults import _train_cmd  # the same tiny run as the gloo drills
 
     verdicts = tmp_path / "verdicts"
@@ -95,14 +86,29 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
     )
     env = {
         **os.environ,
-        "SCALEOUT_TEST_NCCL_WATCHDOG": "1",
-        "SCALEOUT_TEST_HANG": "1:1:forward" + (":stop" if fault == "stop" else ""),
+        "SCALEOUT_TEST_NCCL_WATCHDOG": mode,
+        "SCALEOUT_TEST_HANG": "1:1:forward" + hang,
         VERDICT_DIR: str(verdicts),
         "TORCH_FR_BUFFER_SIZE": "200",  # the flight recorder, on by default on NCCL only
     }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0, text[-3000:]
+    return proc.stdout + proc.stderr, verdicts
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize("fault", ["stop", "hang"])
+def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abort(
+    tmp_path: Path, fault: str
+) -> None:
+    """2 nodes x 1 tiny BERT, train.step_timeout_s=2, NCCL's semantics mocked on gloo (module
+    docstring): rank 1 stops at step 1's forward (SIGSTOP: no heartbeat) or sleeps there (its
+    heartbeat alive). The waiting rank's hang watch runs out at the budget, names rank 1 and
+    exits 1 before the mocked watchdog's abort (budget + verdict allowance), leaving the flight
+    recorder's dump in the run directory; no rank aborts. With SIGSTOP
+    the verdict file names node 1 and the supervisor picks its host. Before: nothing ran
+    before the watchdog, every rank died of SIGABRT, no verdict was written, and srun's first
+    "Aborted" line named a healthy node."""
+    text, verdicts = _mocked_nccl_run(tmp_path, "1", ":stop" if fault == "stop" else "")
     assert "Watchdog caught collective operation timeout" not in text, text[-3000:]
     assert "SIGABRT" not in text and "Aborted" not in text, text[-3000:]
     watched = re.findall(r"rank (\d) \([^)]*\): no progress for \d+ s at step 1 in ", text)
@@ -134,28 +140,7 @@ def test_without_the_watch_every_waiting_rank_aborts_and_the_supervisor_names_no
     timeout, prints the watchdog's lines and dies of SIGABRT, leaving no verdict. srun reports
     that exit as "task 0: Aborted": the supervisor used to quarantine its host (healthy: rank 0
     only waited); with no verdict it now names nobody."""
-    from test_faults import _train_cmd
-
-    verdicts = tmp_path / "verdicts"
-    verdicts.mkdir()
-    cmd = _train_cmd(
-        tmp_path,
-        "data.source=synthetic",
-        "train.step_timeout_s=2",
-        "train.max_steps=4",
-        "train.eval_every=100000",
-        nnodes=2,
-        nproc=1,
-        grace=1,
-    )
-    env = {
-        **os.environ,
-        "SCALEOUT_TEST_NCCL_WATCHDOG": "abort-only",
-        "SCALEOUT_TEST_HANG": "1:1:forward:stop",
-        VERDICT_DIR: str(verdicts),
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    text = proc.stdout + proc.stderr
+    text, verdicts = _mocked_nccl_run(tmp_path, "abort-only", ":stop")
     assert "Watchdog caught collective operation timeout" in text, text[-3000:]
     last = text.strip().splitlines()[-1]
     assert re.search(r"rank 0 \(node 0, local rank 0\) was killed by SIGABRT", last), last
