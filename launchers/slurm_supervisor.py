@@ -11,7 +11,9 @@ healthy nodes of the allocation; the allocation's other nodes are spares. When t
    (b) else srun's first ``srun: error: <host>: task(s) N: <signal>`` line, before it terminates
    the step: a rank killed by a signal (OOM killer, SIGKILL, SIGBUS, a node going away). A rank
    that *exited* with a code (a Python error) names no node: a software crash is retried on the
-   same nodes, and the crash-loop guard stops it.
+   same nodes, and the crash-loop guard stops it. Nor does one that *aborted* (SIGABRT: NCCL's
+   watchdog on a timeout, which fires first on a rank that waited, not on the culprit): without a
+   verdict the step names nobody rather than a healthy node.
 2. **Quarantine.** Named nodes go to ``runs/<name>/quarantine.json`` (scaleout.goodput.quarantine),
 which
    every later start of the run reads: quarantined nodes of an allocation are never used. So do
@@ -65,6 +67,11 @@ _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
 # "srun: Force Terminated StepId=224.0", "srun: Job step aborted: ...".
 _SRUN_TERMINATING = re.compile(r"Terminat(ing|ed) StepId|Job step aborted", re.IGNORECASE)
 _STEP_ID = re.compile(r"StepId=(\d+\.\d+)")
+# A task that died of SIGABRT aborted itself: ProcessGroupNCCL's watchdog on a collective timeout
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=3 ends in std::terminate), a C++ assert. The first such line is
+# the rank whose collective started earliest, a rank that was *waiting* for the culprit: it names no
+# node (the verdict, written before NCCL's timeout by scaleout's hang watch, is the evidence).
+_SELF_ABORT = "Aborted"
 KILL_AFTER_S = 3.0  # after srun starts ending a failed step, what is left of it is killed
 EXIT_BAD_INPUT = 2  # a UserError in the ranks (scaleout.cli.main): retrying cannot help
 
@@ -202,7 +209,7 @@ def bad_nodes(
         if _SRUN_TERMINATING.search(line):
             break  # what srun kills after this is its own doing (--kill-on-bad-exit)
         m = _SRUN_TASK.match(line.strip())
-        if m and not m.group(3).startswith("Exited with exit code"):
+        if m and not m.group(3).startswith(("Exited with exit code", _SELF_ABORT)):
             return {m.group(1): (f"task {m.group(2)}: {m.group(3)}", "srun")}
     return {}
 

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -63,6 +63,10 @@ class World:
         # Collective timeout of every group (the default group's and each subgroup's):
         # init_timeout_s until set_timeout() shortens it after the first step.
         self.timeout_s = float(timeout_s)
+        # Seconds the process groups' own timeout adds to timeout_s (given timeout_s): set by the
+        # hang watch on NCCL, whose verdict must run before the watchdog's abort
+        # (scaleout/train/hangwatch.py); None: the groups time out at timeout_s.
+        self.backend_slack: Callable[[float], float] | None = None
 
     # -- identity ---------------------------------------------------------------------------------
     rank = property(lambda self: self.spec.rank)
@@ -136,7 +140,7 @@ class World:
                 else:
                     self._groups[key] = dist.new_group(
                         list(ranks),
-                        timeout=timedelta(seconds=self.timeout_s),
+                        timeout=self.backend_timeout(),
                         use_local_synchronization=True,
                     )
             self._by_kind[kind] = self._groups[key]
@@ -235,9 +239,14 @@ class World:
         self.timeout_s = float(seconds)
         if not dist.is_initialized():
             return
-        td = timedelta(seconds=seconds)
+        td = self.backend_timeout()
         for group in {id(g): g for g in (dist.group.WORLD, *self._groups.values())}.values():
             c10d._set_pg_timeout(td, None if group is dist.group.WORLD else group)
+
+    def backend_timeout(self) -> timedelta:
+        """The process groups' own timeout: ``timeout_s`` plus ``backend_slack``'s."""
+        slack = self.backend_slack(self.timeout_s) if self.backend_slack is not None else 0.0
+        return timedelta(seconds=self.timeout_s + slack)
 
     def add_close_hook(self, fn: Any) -> None:
         """Run ``fn()`` in :meth:`close` before the process groups are destroyed (e.g. stop a
@@ -422,6 +431,7 @@ def init(
         nccl_error_handling(os.environ)
         if config is not None and config.comm.sharp:  # before the first communicator
             os.environ.setdefault("NCCL_COLLNET_ENABLE", "1")
+        nccl_flight_recorder(os.environ, config.train.output_dir if config is not None else None)
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
@@ -470,6 +480,23 @@ def nccl_error_handling(env: Any) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def nccl_flight_recorder(env: Any, output_dir: str | None) -> None:
+    """Turn ProcessGroupNCCL's flight recorder on (before the first NCCL group exists): a ring
+    buffer of the last collectives of every communicator (torch's default is 0: off), dumped by
+    NCCL's watchdog on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT) into ``<output_dir>/
+    flight-recorder/rank_<r>`` (the prefix torch appends the rank to; older torch reads the
+    TORCH_NCCL_* names). scaleout's hang watch dumps the same buffer there itself before its
+    verdict (scaleout/train/hangwatch.py). An explicit value of any of them is respected."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        env.setdefault(name, "2000")  # entries; a few hundred bytes each
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if output_dir:
+        folder = os.path.join(os.path.abspath(output_dir), "flight-recorder")
+        os.makedirs(folder, exist_ok=True)
+        for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+            env.setdefault(name, os.path.join(folder, "rank_"))
 
 
 def _observe_topology(spec: WorldSpec) -> tuple[int, ...]:

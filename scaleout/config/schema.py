@@ -336,6 +336,11 @@ class TrainConfig(_Section):
     profile: ProfileConfig | None = (
         None  # torch.profiler trace (scaleout/telemetry/profiler.py); true = defaults
     )
+    # Every this many steps the replicas vote on a checksum of their weights (8 bytes a rank, one
+    # small all-reduce; scaleout/train/replicas.py): a silent data corruption is caught there, the
+    # run stops (status aborted) and `scaleout slurm run` quarantines the odd rank's node. 0 = at
+    # the end of the run only.
+    replica_vote_every: int = Field(100, ge=0)
 
     @field_validator("profile", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -145,10 +146,10 @@ class HangInjection:
 
 class DelayInjection:
     """``SCALEOUT_TEST_DELAY="RANK:PHASE:MS[,...]"``: this rank sleeps MS milliseconds in every
-    step's PHASE (``data``: while waiting for its batches; ``compute``: before its forward), a
-    straggler for tests/train/test_skew.py and `scaleout bench agreement`. Test-only: a real run
-    leaves
-    the variable unset and installs nothing."""
+    step's PHASE (``data``: while waiting for its batches; ``compute``: in its forward, a slow
+    device as scaleout.train.devicetime times it), a straggler for tests/train/test_skew.py and
+    `scaleout bench agreement`. Test-only: a real run leaves the variable unset and installs
+    nothing."""
 
     VARIABLE = "SCALEOUT_TEST_DELAY"
     PHASES = ("data", "compute")
@@ -229,12 +230,24 @@ def exit_on_comm_failure(world: World, exc: BaseException, code: int = 1) -> Non
     first = next(
         (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__
     )
-    print(
-        f"scaleout: {describe_rank(world, world.rank)}: a collective failed "
-        f"(collective timeout {world.timeout_s:g} s): {first}",
-        file=sys.stderr,
-        flush=True,
+    verdict_and_exit(
+        world, f"a collective failed (collective timeout {world.timeout_s:g} s): {first}", code
     )
+
+
+# One verdict per process: a gloo timeout (main thread) and the hang watch
+# (scaleout/train/hangwatch.py) can notice the same hang together; the second waits for the first
+# to end the process.
+_VERDICT_ONCE = threading.Lock()
+
+
+def verdict_and_exit(world: World, what: str, code: int = 1) -> None:
+    """``exit_on_comm_failure``'s body for any way a rank learns of a hang (``what``: one line
+    saying how): the line naming this rank, the verdict, its file, then ``os._exit``."""
+    if not _VERDICT_ONCE.acquire(blocking=False):
+        while True:  # the other caller is writing the verdict and ends the process
+            time.sleep(3600)
+    print(f"scaleout: {describe_rank(world, world.rank)}: {what}", file=sys.stderr, flush=True)
     verdict, stale = (
         unresponsive(world, world.timeout_s) if world.world_size > 1 else ("single rank", [])
     )

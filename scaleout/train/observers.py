@@ -25,6 +25,7 @@ from scaleout.telemetry.profiler import StepProfiler, build_profiler
 from scaleout.telemetry.report import RunReport, verdict
 from scaleout.telemetry.startup import describe as describe_start
 from scaleout.telemetry.timers import Timers
+from scaleout.train.devicetime import compute_timing
 from scaleout.train.observe import (
     EvalRecord,
     EvalStart,
@@ -153,7 +154,11 @@ class MetricsObserver(Observer):
             config=cfg.model_dump(mode="json"),
         )
         # the stragglers and spread of the steps since the last record written
-        self.window = SkewTracker(world.node_of, cfg.train.straggler_threshold)
+        self.window = SkewTracker(
+            world.node_of,
+            cfg.train.straggler_threshold,
+            compute_timing=compute_timing(world.device, cfg.model.cuda_graphs),
+        )
 
     def on_run_start(self, start: RunStart) -> None:
         w = self.world
@@ -346,6 +351,12 @@ class ReportWriter(Observer):
                 f"straggler: rank {s['rank']} (node {s['node']}) {s['phase']}: "
                 f"{s['slowdown']:.2f}x the median (+{s['excess_s'] * 1e3:.1f} ms) "
                 f"on {s['steps']} steps",
+                flush=True,
+            )
+        for s in skew.get("slow_devices", [])[:5]:
+            print(
+                f"slow device: rank {s['rank']} (node {s['node']}): its own forward + backward "
+                f"({s['timing']}-timed) {s['slowdown']:.2f}x the median on {s['steps']} steps",
                 flush=True,
             )
         self._quarantine(skew)

@@ -2,8 +2,15 @@
 differ from the others' was corrupted (a bad GPU's silent data corruption, a flipped bit in host
 memory) or ran different code.
 
-Each rank reduces its parameters to one float64 digest (sum of w + sum of w^2 over every tensor:
-8 bytes, so the all-gather is 16 KiB at 2,048 ranks); the digests vote. When a strict majority of
+Each rank reduces its parameters to one 64-bit checksum (:func:`digest`: every tensor's bits read
+as integers and summed, wrapping, weighted by the tensor's index): exact and independent of the
+summation order, so equal replicas give equal checksums on any device, and any single flipped bit
+changes it. The vote is cheap enough to run every ``train.replica_vote_every`` steps, not only at
+the end (silent corruption shows up mid-run): one read-only pass over the weights (one small
+reduction per tensor: a few ms for BERT-large's 1.3 GB on a GPU, against a step of hundreds of ms,
+once every hundred steps) and one all-reduce MAX of two int64 values, whose
+host read is O(1) in the world size. Only when they differ does every rank all-gather the
+checksums (8 bytes a rank: 16 KiB at 2,048 ranks) to name the odd ones. When a strict majority of
 ranks agrees, the ranks outside it are the odd ones out and their nodes are named; a tie (two
 halves that disagree) says the replicas differ without naming anyone. Under ``scaleout slurm run``
 rank 0 leaves the vote in the attempt's verdict folder and the supervisor quarantines the named
@@ -41,14 +48,21 @@ class Vote:
         )
 
 
+# Signed integer dtype of each element size: a tensor's bits are read through it.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def digest(model: torch.nn.Module) -> torch.Tensor:
-    """One float64 number per replica: sum over the parameters of sum(w) + sum(w^2)."""
+    """One int64 checksum per replica (module docstring), on the parameters' device."""
     with torch.no_grad():
-        parts = [
-            p.detach().double().sum() + (p.detach().double() ** 2).sum() for p in model.parameters()
-        ]
+        parts = []
+        for k, p in enumerate(model.parameters()):
+            flat = p.detach().contiguous().view(-1)
+            bits = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
+            # the index weight: two tensors swapped (or corrupted alike) still change the sum
+            parts.append(bits.sum(dtype=torch.int64) * (k + 1))
         if not parts:
-            return torch.zeros(1, dtype=torch.float64)
+            return torch.zeros(1, dtype=torch.int64)
         return torch.stack(parts).sum().reshape(1)
 
 
@@ -64,13 +78,19 @@ def odd_ones_out(digests: Sequence[float]) -> list[int] | None:
 
 
 def vote(model: torch.nn.Module, world: World) -> Vote:
-    """Every rank calls it (one all-gather of 8 bytes per rank); every rank gets the same Vote."""
+    """Every rank calls it at the same step; every rank gets the same Vote. One all-reduce MAX of
+    (checksum, -checksum) says whether all agree; only when not, an all-gather names the odd."""
     if world.world_size == 1:
         return Vote(True)
     mine = digest(model).to(world.device)
-    everyone = [torch.zeros_like(mine) for _ in range(world.world_size)]
-    dist.all_gather(everyone, mine)
-    odd = odd_ones_out([float(d.item()) for d in everyone])
+    bounds = torch.cat([mine, -mine])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    high, minus_low = bounds.tolist()
+    if high == -minus_low:
+        return Vote(True)
+    everyone = torch.zeros(world.world_size, dtype=mine.dtype, device=mine.device)
+    dist.all_gather_into_tensor(everyone, mine)
+    odd = odd_ones_out(everyone.tolist())
     if odd is None:
         return Vote(True)
     nodes = sorted({world.node_of[r] for r in odd if r < len(world.node_of)})

@@ -271,6 +271,9 @@ class SkewTracker:
     node_names: list[str] = field(default_factory=list)
     stragglers: dict[tuple[int, str], _Straggler] = field(default_factory=dict)
     spread: dict[str, _Spread] = field(default_factory=dict)
+    # how the compute row was timed: "device" (CUDA events, scaleout/train/devicetime.py) or
+    # "host" (the same regions on the host clock): the report's slow devices say which
+    compute_timing: str = "host"
 
     def add(self, skew: StepSkew | None, step_s: float) -> None:
         if skew is None:
@@ -333,6 +336,10 @@ class SkewTracker:
         }
         return {
             "stragglers": out,
+            # a compute straggler is a slow device: its own forward + backward, not its waits
+            "slow_devices": [
+                {**s, "timing": self.compute_timing} for s in out if s["phase"] == "compute"
+            ],
             "spread": {
                 "threshold": self.threshold,
                 "min_share": MIN_SHARE,

@@ -47,7 +47,7 @@ from scaleout.telemetry.mlperf import MLPerfLogger
 from scaleout.telemetry.report import RunReport, goodput_section
 from scaleout.telemetry.startup import StartClock
 from scaleout.telemetry.timers import Timers
-from scaleout.train import prefetch, replicas, rerun
+from scaleout.train import hangwatch, prefetch, replicas, rerun
 from scaleout.train.agreement import (
     HEAD,
     PendingAgreement,
@@ -58,6 +58,7 @@ from scaleout.train.agreement import (
     start_agreement,
 )
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
+from scaleout.train.devicetime import ComputeClock, compute_timing
 from scaleout.train.faults import (
     EXIT_ABORTED,
     Injections,
@@ -155,6 +156,7 @@ class Trainer:
     observers: list[Observer]  # every reporting channel, called in order (train/observe.py)
     injections: Injections  # test-only faults from their variables; none in a real run
     skew: SkewTracker  # stragglers and per-phase spread over the ranks (train/skew.py)
+    compute_clock: ComputeClock  # this rank's own forward + backward, on the device (a step late)
     # False: the step's agreement carries its flags only, no phase times nor fingerprint
     # (`scaleout bench agreement` measures what they cost); the same on every rank
     attribution: bool
@@ -255,7 +257,12 @@ class Trainer:
         self.injections = Injections.from_env(world.rank)
         # the heartbeat's (run_training), or one nobody reads; phase marks are attribute writes
         self.progress = progress if progress is not None else Progress()
-        self.skew = SkewTracker(world.node_of, cfg.train.straggler_threshold)
+        self.compute_clock = ComputeClock(torch.device(world.device))
+        self.skew = SkewTracker(
+            world.node_of,
+            cfg.train.straggler_threshold,
+            compute_timing=compute_timing(world.device, cfg.model.cuda_graphs),
+        )
         self.attribution = True
         self._optimizer_s = 0.0
         self._next_batches = None
@@ -572,6 +579,13 @@ class Trainer:
         if flags.stop:
             self.save_checkpoint()
             return "preempted", ""
+        if self._vote_due(done):  # a replica that drifted stops the run here, not at its end
+            vote = self._replica_vote()
+            if not vote.consistent:
+                return "aborted", (
+                    f"step {self.step}: {vote.sentence(self.world.world_size)} (silent data "
+                    "corruption or different code); stopping"
+                )
         # the same everywhere (agreed flags)
         self.consecutive_skips = self.consecutive_skips + 1 if flags.skip else 0
         limit = cfg.train.max_consecutive_skips
@@ -616,8 +630,6 @@ class Trainer:
                     step * self.cfg.train.global_batch, self.cfg.train.grad_accum
                 )
         data_done = time.perf_counter()
-        if delay is not None:
-            delay("compute")
         stats: dict[str, Any] = {}
         if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
             self._at(step, "forward")
@@ -639,10 +651,13 @@ class Trainer:
         computed = time.perf_counter()
         wait = float(stats.get("exposed_s") or 0.0)
         idle = float(stats.get("idle_s") or 0.0) if self.graphs is None else 0.0
+        # this rank's own forward + backward without its waits (on a GPU: device time, a step
+        # late; train/devicetime.py); the graphed step: its host time
+        own = self.compute_clock.take()
         launched = stats.get("first_launch_at")  # DataParallel: this rank's first bucket out
         phases = [  # scaleout.train.skew.PHASES
             data_done - start + idle,
-            computed - data_done - wait - idle,
+            own if own is not None else computed - data_done - wait - idle,
             launched - start_wall if launched is not None else computed - start - wait,
             wait,
             self._optimizer_s,
@@ -703,11 +718,15 @@ class Trainer:
         """Forward and backward of each micro-batch; all but the last accumulate without
         communicating. Returns the step's loss (a device tensor: nothing is read here)."""
         timers, total, step, nan = self.timers, None, self.step, self.injections.nan
+        delay, clock = self.injections.delay, self.compute_clock
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.sync.no_sync():
                 self._at(step, "forward")
+                clock.begin()
                 with timers("forward"), self.task.autocast():
+                    if delay is not None and i == 0:
+                        delay("compute")  # a slow device's forward (test-only)
                     loss = self.task.loss(self.model, mb) / len(micro_batches)
                 if nan is not None:
                     loss = nan.poison(step, loss)
@@ -718,7 +737,9 @@ class Trainer:
                     self._build_ahead(step + 1)
                 self._at(step, "backward")
                 with timers("backward"):
-                    self.task.precision.scale_loss(loss).backward()
+                    scaled = self.task.precision.scale_loss(loss)
+                    clock.arm(scaled)  # its end mark: before the gradient sync's wait
+                    scaled.backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
@@ -961,13 +982,11 @@ class Trainer:
         self.lost["save_stall_s"] += time.perf_counter() - settle
         if world.rank == 0:
             rerun.record_end(cfg, self.run_record, status, self.step)
-        replica_vote = None if peers_may_be_gone else replicas.vote(self.task.model, world)
+        replica_vote = None if peers_may_be_gone else self._replica_vote()  # reports a split
         if cfg.comm.timeline and not peers_may_be_gone and isinstance(self.model, DataParallel):
             trace = self.model.write_timeline()  # collective: rank 0 merges every rank's spans
             if trace is not None:
                 print0(f"timeline: {trace} (chrome://tracing, ui.perfetto.dev)", rank=world.rank)
-        if replica_vote is not None and not replica_vote.consistent:
-            self._report_replica_vote(replica_vote)
         self.gc.stop()
         goodput = goodput_section(
             useful_step_s=self.this_run.seconds,
@@ -1012,6 +1031,20 @@ class Trainer:
             self.preemption.uninstall()
             self.preemption = None
         return TrainResult(status, code, self.step, self.metric, self.report_writer.report)
+
+    def _vote_due(self, done: bool) -> bool:
+        """A periodic replica vote after this step (train.replica_vote_every; the end of the run
+        votes anyway): the same on every rank."""
+        every = self.cfg.train.replica_vote_every
+        return bool(every) and self.step % every == 0 and not done
+
+    def _replica_vote(self) -> replicas.Vote:
+        """The replicas' vote at this step boundary (every rank), reported when they differ."""
+        self.sync.wait_params()  # before any main-thread collective (see run_step)
+        vote = replicas.vote(self.task.model, self.world)
+        if not vote.consistent:
+            self._report_replica_vote(vote)
+        return vote
 
     def _report_replica_vote(self, vote: replicas.Vote) -> None:
         """Rank 0 says which replicas differ and, under ``scaleout slurm run``, leaves the vote
@@ -1086,6 +1119,8 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         start_clock.mark("rendezvous")
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
         owner = None
+        # NCCL: scaleout's hang budget runs out before the watchdog's abort (train/hangwatch.py)
+        watches = hangwatch.start(world, heartbeat.progress, cfg.train.output_dir)
         try:
             # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
             # launcher's preflight already refused what it could before spawning): a refused start
@@ -1123,6 +1158,8 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         finally:
             if owner is not None:
                 owner.release()
+            for watch in watches:
+                watch.close()
             heartbeat.close()
             world.close()
     finally:

@@ -272,3 +272,28 @@ def test_heartbeat_follows_a_shortened_timeout_at_once():
         assert store.get("scaleout/heartbeat/0") != b"0"
     finally:
         beat.close()
+
+
+# What srun prints when a hung NCCL collective ends every rank through ProcessGroupNCCL's watchdog
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=3: the rethrow in the watchdog thread ends in std::terminate),
+# in the order the watchdogs fired: the first is a rank that waited the longest, i.e. a healthy one.
+NCCL_TIMEOUT_SRUN = [
+    "[rank1]:[E1206 18:00:01.000000 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) "
+    "Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, "
+    "OpType=ALLREDUCE, NumelIn=16391, NumelOut=16391, Timeout(ms)=300000) ran for 300012 "
+    "milliseconds before timing out.",
+    "terminate called after throwing an instance of 'c10::DistBackendError'",
+    "srun: error: n1: task 1: Aborted (core dumped)",
+    "srun: launch/slurm: _step_signal: Terminating StepId=7.0",
+    "srun: error: n3: tasks 2-3: Aborted (core dumped)",
+]
+
+
+@pytest.mark.unit
+def test_an_nccl_watchdog_abort_without_a_verdict_names_no_node():
+    """Every task aborted by NCCL's watchdog and no verdict in the folder (evidence missing): the
+    supervisor names nobody. Before: the first "Aborted" task's host, a rank that only waited for
+    the hung one, was quarantined at every hang (review gpu-day-two §2)."""
+    assert bad_nodes([], ["n1", "n3"], NCCL_TIMEOUT_SRUN) == {}
+    # a signal that is not the process aborting itself still names its node
+    assert list(bad_nodes([], ["n1", "n3"], ["srun: error: n3: task 2: Bus error"])) == ["n3"]
