@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from scaleout.errors import excerpt
+
 
 def allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys of the section that ``loc`` (an error's location below ``root``) ends in."""
@@ -34,7 +36,7 @@ def describe(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> s
         msg = f"unknown key {key}{hint}"
     else:
         value = err.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "a mapping"
+        shown = excerpt(value) if not isinstance(value, dict) else "a mapping"
         text = err["msg"]
         if text.startswith("Value error, "):
             msg = text[len("Value error, ") :]  # our validators already name the key
