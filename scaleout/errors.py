@@ -40,7 +40,7 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
     # reprlib bounds the work too: a nested value is cut at depth and width, never walked whole
     shown = reprlib.Repr()
     shown.maxlevel, shown.maxlist, shown.maxdict = 3, 8, 8
-    shown.maxstring = shown.maxother = shown.maxlong = limit
+    shown.maxstring = shown.maxother = shown.maxlong = limit - 6  # the quotes and the ellipsis
     text = shown.repr(value).replace("\n", "\\n")
     if len(text) > limit:
         text = text[: limit - 3] + "..."

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from scaleout.env import WorldSpec, detect_environment
+from scaleout.env.addr import require_resolvable
 from scaleout.env.base import DEVICE_VAR
 from scaleout.errors import TopologyError
 from scaleout.topology import resolve_grid
@@ -422,6 +423,7 @@ def init(
         nccl_error_handling(os.environ)
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)
+        require_resolvable(addr, f"rank {spec.rank}: rendezvous host")  # not 600 s of retries
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
         dist.init_process_group(
             backend,

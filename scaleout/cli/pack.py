@@ -38,14 +38,14 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from scaleout.argtypes import bounded
-    from scaleout.families.bert.packing.hist import MAX_LEN
+    from scaleout.section import MAX_WORLD  # numpy-free: `scaleout --help` imports this
 
     p.add_argument("histogram", nargs="?", help="histogram file ('length count' lines)")
     p.add_argument("--lengths", help="dataset as sequence lengths: text (one per line) or .npy")
     p.add_argument("--max-len", type=int, default=512, help="tokens per pack (default 512)")
     p.add_argument(
         "--max-per-pack",
-        type=bounded(int, 1, MAX_LEN),  # at most one token per sequence
+        type=bounded(int, 1, MAX_WORLD),  # packing checks it against --max-len
         default=3,
         help="sequences per pack (default 3, NVIDIA MLPerf BERT)",
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -215,3 +216,103 @@ def test_numeric_flags_are_finite_and_bounded(
     assert len(err) == 1, err[-5:]
     assert flag in err[0] and bad in err[0], err[0]
     assert not (tmp_path / "o.json").exists()
+
+
+# ---------------------------------------------------------------- class: the launcher's own inputs
+
+
+def _listening_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def _launcher_cases() -> list[tuple[str, list[str], dict[str, str], str]]:
+    """(id, argv after `scaleout launch --nnodes 2`, env, what the line names). ``{port}`` is a
+    port another listener holds, ``{dir}`` the case's scratch folder."""
+    smoke = ["--", "scaleout", "smoke"]
+    cases: list[tuple[str, list[str], dict[str, str], str]] = []
+    # a master address that is not this machine's (documentation and private ranges) or no name
+    for addr in ("10.255.255.1", "198.51.100.7", "203.0.113.9", "2001:db8::1"):
+        cases.append((f"addr-{addr}", ["--master-addr", addr, *smoke], {}, addr))
+    for host in ("no-such-host.invalid", "x" * 300):
+        shown = host if len(host) < 60 else f"({len(host)} chars)"  # an excerpt, not the value
+        cases.append((f"host-{host[:20]}", ["--master-addr", host, *smoke], {}, shown))
+    cases.append(("port-taken", ["--master-port", "{port}", *smoke], {}, "{port}"))
+    # the command after --
+    cases += [
+        ("cmd-not-exec", ["--", "{dir}/notexec.sh"], {}, "notexec.sh"),
+        ("cmd-folder", ["--", "{dir}"], {}, "{dir}"),
+        ("cmd-missing-py", ["--", "{dir}/nope.py"], {}, "nope.py"),
+        ("cmd-missing-path", ["--", "{dir}/nope"], {}, "nope"),
+        ("cmd-subcommand", ["--", "scaleout", "nosuchcmd"], {}, "nosuchcmd"),
+        ("cmd-flag", ["--", "scaleout", "smoke", "--numel", "x"], {}, "'x'"),
+        ("cmd-missing-arg", ["--", "scaleout", "train"], {}, "config"),
+    ]
+    # environment knobs the ranks read
+    for var, value in [
+        ("GLOO_SOCKET_IFNAME", "nosuch0"),
+        ("GLOO_SOCKET_IFNAME", ""),
+        ("TP_SOCKET_IFNAME", "lo,nosuch1"),
+        ("NCCL_SOCKET_IFNAME", "=zz"),
+        ("OMP_NUM_THREADS", "0"),
+        ("OMP_NUM_THREADS", "-1"),
+        ("OMP_NUM_THREADS", "abc"),
+        ("OMP_NUM_THREADS", "99999999"),
+        ("MKL_NUM_THREADS", "4,x"),
+    ]:
+        cases.append((f"env-{var}={value}", smoke, {var: value}, var))
+    return cases
+
+
+LAUNCHER = _launcher_cases()
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize("argv,env,named", [c[1:] for c in LAUNCHER], ids=[c[0] for c in LAUNCHER])
+def test_launcher_inputs_are_checked_before_spawning(
+    tmp_path: Path, argv: list[str], env: dict[str, str], named: str
+) -> None:
+    """An address that is not this machine's or does not resolve (it used to be a silent wait of
+    150 s+), a taken port, a command that cannot run, an interface or thread count the ranks would
+    choke on: one line from the launcher, in seconds, and no rank started (nothing printed as
+    ``[rank N]``)."""
+    listener, port = _listening_port()
+    (tmp_path / "notexec.sh").write_text("#!/bin/sh\necho ran\n")
+    subs = {"{port}": str(port), "{dir}": str(tmp_path)}
+
+    def fill(text: str) -> str:
+        for k, v in subs.items():
+            text = text.replace(k, v)
+        return text
+
+    with listener:
+        r, took = run_cli(["launch", "--nnodes", "2", *map(fill, argv)], tmp_path, env)
+    line = assert_one_line(r, fill(named))
+    assert line.startswith("scaleout launch: error: ")
+    assert "[rank" not in r.stdout + r.stderr
+    assert took < 20, f"{took:.1f} s"
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize("host", ["nosuchnode-zz9", "gpu[001-002]"])
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_from_the_rank(
+    tmp_path: Path, host: str
+) -> None:
+    """A Slurm nodelist whose first host does not resolve: the rank (only it can know the job's
+    hosts) says so at once, naming itself, instead of waiting train.init_timeout_s."""
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_NNODES": "1",
+        "SLURM_TASKS_PER_NODE": "1",
+        "SLURM_JOB_NODELIST": host,
+        "SLURM_JOB_ID": "5",
+    }
+    r, took = run_cli(["smoke"], tmp_path, env)
+    assert_one_line(r, "rank 0", "does not resolve")
+    assert took < 30, f"{took:.1f} s"
