@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,12 +27,12 @@ _LEAKY = re.compile(
     r"MASTER_PORT|TORCHELASTIC_.*|OMPI_.*|PMIX_.*|PMI_.*|HOROVOD_.*)$"
 )
 # An error line is a line: it names a value by an excerpt, never by megabytes.
-MAX_LINE = 400
+MAX_LINE = 600
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {
-        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mtime_ns)
         for p in folder.rglob("*")
     }
 
@@ -316,3 +317,116 @@ def test_a_rendezvous_host_that_does_not_resolve_is_one_line_from_the_rank(
     r, took = run_cli(["smoke"], tmp_path, env)
     assert_one_line(r, "rank 0", "does not resolve")
     assert took < 30, f"{took:.1f} s"
+
+
+# ---------------------------------------------------------------- class: paths and files of a run
+
+
+def _zip_without_members(path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("unrelated.npy", b"x")
+
+
+def _foreign_hdf5(path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(path, "w") as f:
+        f["pixels"] = [1, 2, 3]
+
+
+def _shards(name: str, make: Callable[[Path], None]) -> Callable[[Path], str]:
+    def build(root: Path) -> str:
+        for split in ("train", "eval"):
+            (root / "shards" / split).mkdir(parents=True)
+            make(root / "shards" / split / f"part-0{name}")
+        return f"data.source=wikipedia data.path={root / 'shards'}"
+
+    return build
+
+
+def _run_record(content: str) -> Callable[[Path], str]:
+    def build(root: Path) -> str:
+        (root / "ck").mkdir()
+        (root / "ck" / "ckpt-00000002.pt").write_bytes(b"")  # listed, never read: run.json first
+        (root / "ck" / "run.json").write_text(content)
+        return "train.max_steps=5"
+
+    return build
+
+
+def _setting(text: str) -> Callable[[Path], str]:
+    return lambda root: text.replace("{root}", str(root))
+
+
+# (id, what the overrides are (built in the case's folder), what the line names)
+RUN_PATHS: list[tuple[str, Callable[[Path], str], str]] = [
+    # output folders: under a file, a file, a dangling link, empty, no room for one checkpoint
+    ("out-under-file", _setting("train.output_dir={root}/plain.txt/out"), "train.output_dir"),
+    ("out-is-file", _setting("train.output_dir={root}/plain.txt"), "train.output_dir"),
+    ("out-dangling", _setting("train.output_dir={root}/dangling"), "train.output_dir"),
+    ("out-empty", _setting("train.output_dir="), "train.output_dir=''"),
+    ("ckpt-under-file", _setting("checkpoint.dir={root}/plain.txt/ck"), "checkpoint.dir"),
+    ("ckpt-is-file", _setting("checkpoint.dir={root}/plain.txt"), "checkpoint.dir"),
+    (
+        "ckpt-no-room",  # a valid model whose one checkpoint is larger than any disk here
+        _setting("model.bert.layers=1024 model.bert.hidden=65536"),
+        "room for one checkpoint",
+    ),
+    ("timeline-under-file", _setting("comm.timeline={root}/plain.txt/t.json"), "comm.timeline"),
+    ("timeline-is-folder", _setting("comm.timeline={root}"), "comm.timeline"),
+    # data files opened as a rank opens them
+    ("npz-torn", _shards(".npz", lambda p: p.write_bytes(b"PK\x03\x04" + b"\x07" * 500)), "npz"),
+    ("npz-members", _shards(".npz", _zip_without_members), "missing MLPerf BERT fields"),
+    ("hdf5-foreign", _shards(".hdf5", _foreign_hdf5), "missing MLPerf BERT fields"),
+    ("data-missing", _setting("data.source=wikipedia data.path={root}/nowhere"), "nowhere"),
+    ("data-no-path", _setting("data.source=wikipedia"), "data.path"),
+    ("seq-over-positions", _setting("data.max_seq_len=256 model.bert.max_position=128"), "256"),
+    # the run record beside the checkpoints: valid JSON that is not a record, or not JSON
+    ("record-null", _run_record("null"), "run.json"),
+    ("record-list", _run_record("[1, 2]"), "run.json"),
+    ("record-number", _run_record("7"), "run.json"),
+    ("record-torn", _run_record('{"status": "runn'), "run.json"),
+]
+
+
+def _prepare(tmp_path: Path, build: Callable[[Path], str]) -> list[str]:
+    (tmp_path / "plain.txt").write_text("a regular file\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    overrides = f"train.output_dir={tmp_path}/out checkpoint.dir={tmp_path}/ck " + build(tmp_path)
+    return ["train", "bert_tiny_cpu", *overrides.split()]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("build,named", [c[1:] for c in RUN_PATHS], ids=[c[0] for c in RUN_PATHS])
+def test_run_paths_and_files_are_checked_before_spawning(
+    tmp_path: Path, build: Callable[[Path], str], named: str
+) -> None:
+    """Where a run writes (writable folders, room for one checkpoint), what it reads (data files
+    opened as far as a rank opens them, the run record): one line from the preflight every
+    launcher runs before it spawns a rank (``scaleout.cli.preflight``, called here directly: a
+    subprocess per case would cost ~20 s of torch imports each), nothing written. These used to be
+    rank tracebacks after half a minute, or accepted (an empty train.output_dir wrote into the
+    current folder)."""
+    from scaleout.cli import preflight
+    from scaleout.errors import UserError
+
+    argv = _prepare(tmp_path, build)
+    before = _snapshot(tmp_path)
+    with pytest.raises(UserError) as err:
+        preflight(argv, 1, 1)
+    line = str(err.value)
+    assert "\n" not in line and len(line) <= MAX_LINE, line[:MAX_LINE]
+    assert named in line, (named, line)
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.full_system
+def test_scaleout_launch_runs_the_run_path_checks_before_spawning(tmp_path: Path) -> None:
+    """The same checks through the real launcher: one line, exit 2, no rank started."""
+    argv = _prepare(tmp_path, _setting("train.output_dir={root}/plain.txt/out"))
+    before = _snapshot(tmp_path)
+    r, _ = run_cli(["launch", "--", "scaleout", *argv], tmp_path, timeout=120)
+    assert_one_line(r, "train.output_dir", "plain.txt")
+    assert "[rank" not in r.stdout + r.stderr
+    assert _snapshot(tmp_path) == before
