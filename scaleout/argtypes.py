@@ -61,7 +61,7 @@ def parse_csv(
         raise UserError(f"{flag}={text!r}: expected {what} >= {at_least:g}")
     if choices is not None and any(v not in choices for v in values):
         bad = next(v for v in values if v not in choices)
-        raise UserError(f"{flag}: {bad!r} is not one of {', '.join(map(str, choices))}")
+        raise UserError(f"{flag}: {excerpt(bad)} is not one of {', '.join(map(str, choices))}")
     return values
 
 

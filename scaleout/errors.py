@@ -47,3 +47,19 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
     if size is not None and size > limit:
         text += f" ({size:,} chars)"
     return text
+
+
+# The longest one-line error the CLI prints: the longest written messages (an unknown key with the
+# section's keys) are ~400 characters; past this a message holds a value, not words.
+MESSAGE_CHARS = 600
+
+
+def one_line(message: str, limit: int = MESSAGE_CHARS) -> str:
+    """``message`` on one line and at most ``limit`` characters: the net under every error the CLI
+    prints, for a value some message echoes whole (its head and tail stay, the middle goes)."""
+    text = " ".join(message.split("\n"))
+    if len(text) <= limit:
+        return text
+    cut = f" ...({len(text):,} chars in all)... "
+    head = (limit - len(cut)) * 2 // 3
+    return text[:head] + cut + text[-(limit - len(cut) - head) :]

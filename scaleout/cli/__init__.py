@@ -41,7 +41,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from scaleout import __version__
-from scaleout.errors import UserError, excerpt
+from scaleout.errors import UserError, excerpt, one_line
 
 
 def discover(package: ModuleType) -> list[ModuleType]:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except UserError as exc:
-        print(f"scaleout {args._name}: error: {exc}", file=sys.stderr, flush=True)
+        print(f"scaleout {args._name}: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from scaleout.config.oneline import describe
 from scaleout.config.schema import Config
 from scaleout.config.yamlread import load_yaml, read_text
-from scaleout.errors import ConfigError
+from scaleout.errors import ConfigError, excerpt
 from scaleout.resources import package_path
 
 CONFIG_DIR = package_path(
@@ -67,7 +67,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(
-                f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-3)"
+                f"override {excerpt(item)} is not of the form section.key=value "
+                "(e.g. optim.lr=2e-3)"
             )
         try:
             value = load_yaml(raw) if raw != "" else ""

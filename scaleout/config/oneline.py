@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from scaleout.errors import excerpt
+from scaleout.errors import EXCERPT_CHARS, excerpt
 
 
 def allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -33,7 +33,8 @@ def describe(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> s
     if err["type"] == "extra_forbidden":
         allowed = allowed_keys(root, loc)
         hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
-        msg = f"unknown key {key}{hint}"
+        shown = key if len(key) <= EXCERPT_CHARS else excerpt(key)  # a key is a name, not a value
+        msg = f"unknown key {shown}{hint}"
     else:
         value = err.get("input")
         shown = excerpt(value) if not isinstance(value, dict) else "a mapping"

@@ -430,3 +430,25 @@ def test_scaleout_launch_runs_the_run_path_checks_before_spawning(tmp_path: Path
     assert_one_line(r, "train.output_dir", "plain.txt")
     assert "[rank" not in r.stdout + r.stderr
     assert _snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------- class: long values are excerpts
+
+_LONG = "9" * 100_000  # one argv string may hold 128 KiB (Linux MAX_ARG_STRLEN)
+LONG_VALUES = [
+    ("float-key", ["config", "show", "bert_tiny_cpu", f"optim.lr={_LONG}x"]),
+    ("choice-key", ["config", "show", "bert_tiny_cpu", f"comm.algorithm=a{_LONG}"]),
+    ("unknown-key", ["config", "show", "bert_tiny_cpu", f"optim.k{_LONG}=1"]),
+    ("not-an-override", ["config", "show", "bert_tiny_cpu", f"x{_LONG}"]),
+    ("flag", ["data", "pack", "h.txt", "--packing", f"a{_LONG}", "--out", ""]),
+    ("master-addr", ["launch", "--master-addr", f"h{_LONG}", "--", "true"]),
+]
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize("argv", [c[1] for c in LONG_VALUES], ids=[c[0] for c in LONG_VALUES])
+def test_a_long_value_is_echoed_as_an_excerpt(tmp_path: Path, argv: list[str]) -> None:
+    """A 100,000-character value: the one line names it by an excerpt and its length."""
+    (tmp_path / "h.txt").write_text("10 3\n")
+    r, _ = run_cli(argv, tmp_path)
+    assert_one_line(r)
