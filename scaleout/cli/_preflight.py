@@ -19,13 +19,8 @@ import socket
 from collections.abc import Mapping, Sequence
 
 from scaleout.env.addr import LOOKUP_TIMEOUT_S, interfaces, resolve_within
+from scaleout.env.knobs import check_rank_env
 from scaleout.errors import UserError, excerpt
-
-# Variables that name network interfaces (gloo, NCCL, tensorpipe) and thread counts the ranks read.
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# A thread count above this is a typo, not a setting: far above any machine's hardware threads.
-MAX_THREADS = 1 << 16
 
 
 def _bindable(addr: str, port: int = 0) -> OSError | None:
@@ -100,38 +95,6 @@ def check_program(cmd: Sequence[str]) -> None:
             raise UserError(
                 f"command {excerpt(prog)}: not executable (chmod +x, or run it with its "
                 "interpreter, e.g. -- bash script.sh)"
-            )
-
-
-def check_rank_env(env: Mapping[str, str]) -> None:
-    """Interface names and thread counts the ranks will read: the interfaces exist here, the
-    counts are positive integers (OpenMP's comma list of nesting levels included)."""
-    present = [name for name, _, _ in interfaces()]
-    for var in IFNAME_VARS:
-        value = env.get(var)
-        if value is None:
-            continue
-        if not value.strip():
-            raise UserError(f"{var}='': expected an interface name ({', '.join(present)})")
-        if value.startswith("^"):  # NCCL: exclude these; a name that is absent excludes nothing
-            continue
-        prefix = var.startswith("NCCL") and not value.startswith("=")
-        for name in (n.strip() for n in value.lstrip("=").split(",")):
-            ok = any(p.startswith(name) for p in present) if prefix else name in present
-            if not name or not ok:
-                raise UserError(
-                    f"{var}={excerpt(value)}: no interface {excerpt(name)} on this machine; "
-                    f"expected one of {', '.join(present)}"
-                )
-    for var in THREAD_VARS:
-        value = env.get(var)
-        if value is None:
-            continue
-        parts = value.split(",")
-        if not all(p.strip().isdigit() and 1 <= int(p) <= MAX_THREADS for p in parts):
-            raise UserError(
-                f"{var}={excerpt(value)}: expected a thread count from 1 to {MAX_THREADS} (or a "
-                "comma list of them)"
             )
 
 

@@ -296,14 +296,8 @@ def test_launcher_inputs_are_checked_before_spawning(
     assert took < 20, f"{took:.1f} s"
 
 
-@pytest.mark.full_system
-@pytest.mark.parametrize("host", ["nosuchnode-zz9", "gpu[001-002]"])
-def test_a_rendezvous_host_that_does_not_resolve_is_one_line_from_the_rank(
-    tmp_path: Path, host: str
-) -> None:
-    """A Slurm nodelist whose first host does not resolve: the rank (only it can know the job's
-    hosts) says so at once, naming itself, instead of waiting train.init_timeout_s."""
-    env = {
+def _slurm(nodelist: str) -> dict[str, str]:
+    return {
         "SLURM_PROCID": "0",
         "SLURM_STEP_ID": "0",
         "SLURM_LOCALID": "0",
@@ -311,11 +305,37 @@ def test_a_rendezvous_host_that_does_not_resolve_is_one_line_from_the_rank(
         "SLURM_NTASKS": "1",
         "SLURM_NNODES": "1",
         "SLURM_TASKS_PER_NODE": "1",
-        "SLURM_JOB_NODELIST": host,
+        "SLURM_JOB_NODELIST": nodelist,
         "SLURM_JOB_ID": "5",
     }
+
+
+_TORCHRUN = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29911",
+}
+IN_RANK = [
+    ("slurm-host", _slurm("nosuchnode-zz9"), "does not resolve"),
+    ("slurm-range", _slurm("gpu[001-002]"), "does not resolve"),
+    ("torchrun-addr", {**_TORCHRUN, "MASTER_ADDR": "no-such-host.invalid"}, "does not resolve"),
+    ("gloo-ifname", {**_TORCHRUN, "GLOO_SOCKET_IFNAME": "nosuch0"}, "GLOO_SOCKET_IFNAME"),
+    ("tp-ifname", {**_TORCHRUN, "TP_SOCKET_IFNAME": "lo,nosuch1"}, "TP_SOCKET_IFNAME"),
+]
+
+
+@pytest.mark.full_system
+@pytest.mark.parametrize("env,named", [c[1:] for c in IN_RANK], ids=[c[0] for c in IN_RANK])
+def test_what_only_a_rank_can_see_is_one_line_naming_the_rank(
+    tmp_path: Path, env: dict[str, str], named: str
+) -> None:
+    """Under srun or torchrun (no scaleout launcher before it), a rendezvous host that does not
+    resolve, or an interface or thread count the process group would choke on: the rank says so
+    at once, naming itself, instead of waiting train.init_timeout_s or gloo's traceback."""
     r, took = run_cli(["smoke"], tmp_path, env)
-    assert_one_line(r, "rank 0", "does not resolve")
+    assert_one_line(r, "rank 0", named)
     assert took < 30, f"{took:.1f} s"
 
 
