@@ -9,11 +9,12 @@ usage error).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from scaleout.errors import UserError
+from scaleout.errors import UserError, excerpt
 
 T = TypeVar("T")
 
@@ -51,13 +52,16 @@ def parse_csv(
         values = [kind(t) for t in items]
     except ValueError:
         raise UserError(f"{flag}={text!r}: expected a comma list of {what}, e.g. 1,2,4") from None
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        bad = next(v for v in values if isinstance(v, float) and not math.isfinite(v))
+        raise UserError(f"{flag}={excerpt(text)}: {bad} is not a finite number")
     if not values and not allow_empty:
         raise UserError(f"{flag}={text!r}: expected a comma list of {what}, e.g. 1,2,4")
     if at_least is not None and any(v < at_least for v in values):  # type: ignore[operator]
         raise UserError(f"{flag}={text!r}: expected {what} >= {at_least:g}")
     if choices is not None and any(v not in choices for v in values):
         bad = next(v for v in values if v not in choices)
-        raise UserError(f"{flag}: {bad!r} is not one of {', '.join(map(str, choices))}")
+        raise UserError(f"{flag}: {excerpt(bad)} is not one of {', '.join(map(str, choices))}")
     return values
 
 
@@ -108,3 +112,45 @@ def fmt_bytes(n: int) -> str:
         if n >= f and n % f == 0:
             return f"{n // f}{unit}"
     return f"{n}B"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def bounded(
+    kind: type[int] | type[float],
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    above: bool = False,
+    what: str = "",
+) -> Callable[[str], Any]:
+    """An argparse ``type=`` for one number: ``kind`` (int or float), finite, ``>= lo`` (``> lo``
+    with ``above``) and ``<= hi``. NaN, inf and values out of range are argparse's one-line usage
+    error naming the flag and the value (``argument --host-ms: 'nan': expected a finite number of
+    ms >= 0``), so no command has to remember to check a number it reads."""
+    unit = f" of {what}" if what else ""
+    noun = "an integer" if kind is int else f"a finite number{unit}"
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if above else '>='} {_num(lo)}")
+    if hi is not None:
+        parts.append(f"<= {_num(hi)}")
+    expected = f"expected {noun}" + (f" {' and '.join(parts)}" if parts else "")
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text[:80]!r}: {expected}") from None
+        ok = math.isfinite(value)
+        ok = ok and (lo is None or (value > lo if above else value >= lo))
+        ok = ok and (hi is None or value <= hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r}: {expected}")
+        return value
+
+    parse.__name__ = noun  # argparse's fallback message names the type
+    parse.bounds = (lo, hi, above)  # type: ignore[attr-defined]  # for tests that build cases
+    return parse

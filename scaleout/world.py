@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from scaleout.env import WorldSpec, detect_environment
+from scaleout.env.addr import require_resolvable
 from scaleout.env.base import DEVICE_VAR
+from scaleout.env.knobs import RANK_IFNAME_VARS, check_rank_env
 from scaleout.errors import TopologyError
 from scaleout.topology import resolve_grid
 
@@ -434,6 +436,8 @@ def init(
         nccl_flight_recorder(os.environ, config.train.output_dir if config is not None else None)
     if not dist.is_initialized():
         addr, port = reader.rendezvous(spec)
+        check_rank_env(env, f"rank {spec.rank}: ", RANK_IFNAME_VARS)  # gloo's traceback otherwise
+        require_resolvable(addr, f"rank {spec.rank}: rendezvous host")  # not 600 s of retries
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
         dist.init_process_group(
             backend,

@@ -30,8 +30,10 @@ an argv and that check; launchers never import the CLI. See README "Architecture
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
+import io
 import pkgutil
 import sys
 import textwrap
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from scaleout import __version__
-from scaleout.errors import UserError
+from scaleout.errors import UserError, excerpt, one_line
 
 
 def discover(package: ModuleType) -> list[ModuleType]:
@@ -134,16 +136,24 @@ def preflight(argv: list[str], world_size: int, ranks_per_node: int) -> None:
         return
     mods = {m.NAME: m for m in subcommands()}
     mod = mods.get(argv[0])
-    if mod is None or not hasattr(mod, "preflight"):
-        return
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the one-line usage error
+    if mod is None:  # every rank would print argparse's error: say it once, here
         raise UserError(
-            f"invalid arguments for 'scaleout {argv[0]}': {' '.join(argv[1:])}"
-        ) from exc
-    mod.preflight(args, world_size, ranks_per_node)
+            f"command 'scaleout {excerpt(argv[0])[1:-1]}': no such subcommand; expected one of "
+            f"{', '.join(sorted(mods))}"
+        )
+    # Every subcommand's flags are parsed here, once, so a bad flag is one line from the launcher
+    # rather than argparse's usage error from each rank; argparse's own line is kept as the cause.
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        if not exc.code:  # --help: nothing wrong
+            return
+        cause = said.getvalue().strip().splitlines()[-1:] or ["invalid arguments"]
+        raise UserError(f"rank command: {cause[0]}") from exc
+    if hasattr(mod, "preflight"):
+        mod.preflight(args, world_size, ranks_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except UserError as exc:
-        print(f"scaleout {args._name}: error: {exc}", file=sys.stderr, flush=True)
+        print(f"scaleout {args._name}: error: {one_line(str(exc))}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -141,6 +141,7 @@ def resolve_nproc(value: str | int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from scaleout.cli import resolve
+    from scaleout.cli._preflight import check_local_launch, check_program
     from scaleout.errors import UserError
     from scaleout.launchers.local import LocalLauncher, check_launch_args
     from scaleout.launchers.netns_launcher import NetnsLauncher
@@ -169,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
             master_addr=args.master_addr, master_port=args.master_port, **options
         )
     check_launch_args(args.nnodes, args.nproc_per_node, args.grace, args.timeout, args.master_port)
+    if args.netns or args.netns_cluster:  # addresses and interfaces are the namespaces' own
+        check_program(cmd)
+    else:
+        check_local_launch(cmd, args.master_addr, args.master_port, os.environ)
     launcher.check([(args.nnodes, args.nproc_per_node)])
     with launcher:
         result = launcher.start(cmd, args.nnodes, args.nproc_per_node).wait(args.timeout)

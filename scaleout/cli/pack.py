@@ -37,12 +37,15 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.argtypes import bounded
+    from scaleout.section import MAX_WORLD  # numpy-free: `scaleout --help` imports this
+
     p.add_argument("histogram", nargs="?", help="histogram file ('length count' lines)")
     p.add_argument("--lengths", help="dataset as sequence lengths: text (one per line) or .npy")
     p.add_argument("--max-len", type=int, default=512, help="tokens per pack (default 512)")
     p.add_argument(
         "--max-per-pack",
-        type=int,
+        type=bounded(int, 1, MAX_WORLD),  # packing checks it against --max-len
         default=3,
         help="sequences per pack (default 3, NVIDIA MLPerf BERT)",
     )
@@ -55,7 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--packed-out", default=None, help="with --lengths: write packed ids/offsets (.npz)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the sequence-to-pack assignment")
+    p.add_argument(
+        "--seed",
+        type=bounded(int, 0, 2**32 - 1),
+        default=0,
+        help="seed of the sequence-to-pack assignment",
+    )
 
 
 def _read_lengths(path: str):
@@ -114,13 +122,18 @@ def run(args: argparse.Namespace) -> int:
     )
     from scaleout.families.bert.packing.hist import check_max_len
     from scaleout.output import format_table
+    from scaleout.pathcheck import check_writable_file
 
     check_max_len(args.max_len)
     if (args.histogram is None) == (args.lengths is None):
         raise UserError("give exactly one of HISTOGRAM or --lengths FILE")
     if args.packed_out and not args.lengths:
         raise UserError("--packed-out needs a dataset (--lengths FILE), not only a histogram")
-    names = parse_csv(args.packing, "--packing", choices=ALGORITHMS, allow_empty=True)
+    names = parse_csv(args.packing, "--packing", choices=ALGORITHMS)
+    # where the results go is checked before the packing (seconds to minutes), not after it
+    for flag, out_path in (("--out", args.out), ("--packed-out", args.packed_out)):
+        if out_path:
+            check_writable_file(out_path, flag)
     if args.lengths:
         lengths = _read_lengths(args.lengths)
         h = histogram_from_lengths(lengths, args.max_len)

@@ -56,6 +56,9 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.argtypes import bounded
+    from scaleout.section import MAX_WORLD
+
     p.add_argument(
         "config", help="training config: a path or a packaged name, as for `scaleout train`"
     )
@@ -76,7 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nnodes", default=None, help="node counts, e.g. 1,2 (default 1, 2, 4 ...)")
     p.add_argument(
-        "--max-nodes", type=int, default=512, help="largest node count of the default (512)"
+        "--max-nodes",
+        type=bounded(int, 1, MAX_WORLD),
+        default=512,
+        help="largest node count of the default (512)",
     )
     p.add_argument(
         "--nproc-per-node",
@@ -110,19 +116,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cores",
-        type=int,
+        type=bounded(int, 1, MAX_WORLD),
         default=None,
         help="ranks share this many CPU cores (emulated cluster): per-rank rate x min(1, "
         "cores / ranks)",
     )
-    p.add_argument("--host-ms", type=float, default=0.0, help="fixed per-step host cost (ms)")
+    p.add_argument(
+        "--host-ms",
+        type=bounded(float, 0, what="ms"),
+        default=0.0,
+        help="fixed per-step host cost (ms)",
+    )
     p.add_argument(
         "--pick",
         choices=("knee", "fastest", "cheapest"),
         default="knee",
         help="the recommended point (default knee)",
     )
-    p.add_argument("--top", type=int, default=20, help="rows of the table besides the front (20)")
+    p.add_argument(
+        "--top",
+        type=bounded(int, 0, MAX_WORLD),
+        default=20,
+        help="rows of the table besides the front (20)",
+    )
     p.add_argument("--out", default=None, help="write the plan as JSON here")
     p.add_argument("--png", default=None, help="write the front (and every point) as a PNG here")
 

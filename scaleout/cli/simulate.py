@@ -85,7 +85,9 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from scaleout.argtypes import bounded
     from scaleout.cli._keys import ALLREDUCE_KEYS, CLUSTER_KEYS, SCALE_KEYS, overrides_anywhere
+    from scaleout.section import MAX_WORLD
 
     sub = p.add_subparsers(dest="action", metavar="<action>")
     sc = sub.add_parser(
@@ -118,8 +120,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"all-reduce algorithms, comma list (default: {ALL_ALGORITHMS})",
     )
-    sc.add_argument("--min-gpus", type=int, default=None, help="first GPU count (default one node)")
-    sc.add_argument("--max-gpus", type=int, default=4096, help="last GPU count (default 4096)")
+    sc.add_argument(
+        "--min-gpus",
+        type=bounded(int, 1, MAX_WORLD),
+        default=None,
+        help="first GPU count (default one node)",
+    )
+    sc.add_argument(
+        "--max-gpus",
+        type=bounded(int, 1, MAX_WORLD),
+        default=4096,
+        help="last GPU count (default 4096)",
+    )
     sc.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
     sc.add_argument(
         "--png", default=None, help="PNG of efficiency and exposed communication vs GPUs"
@@ -137,7 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ar.add_argument(
         "overrides", nargs="*", help="cluster.<key>=value and sim.torus_x=value settings"
     )
-    ar.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    ar.add_argument(
+        "--nnodes", type=bounded(int, 1, MAX_WORLD), default=1, help="number of nodes (default 1)"
+    )
     ar.add_argument(
         "--sizes-mb", default="1,16,256,4096", help="message sizes in MiB per rank (comma list)"
     )
@@ -158,7 +172,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="algorithms to leave out of the fit (comma list), e.g. torus2d",
     )
     ca.add_argument(
-        "--every", type=int, default=2, help="fit on every N-th size, test on the rest (default 2)"
+        "--every",
+        type=bounded(int, 1, MAX_WORLD),
+        default=2,
+        help="fit on every N-th size, test on the rest (default 2)",
     )
     ca.add_argument(
         "--stat",
@@ -171,7 +188,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     ca.add_argument(
         "--tolerance",
-        type=float,
+        type=bounded(float, 0),
         default=0.20,
         help="exit 1 if a held-out error exceeds this (default 0.20)",
     )

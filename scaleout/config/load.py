@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from scaleout.config.oneline import describe
 from scaleout.config.schema import Config
-from scaleout.errors import ConfigError
+from scaleout.config.yamlread import load_yaml, read_text
+from scaleout.errors import ConfigError, excerpt
 from scaleout.resources import package_path
 from scaleout.section import FAMILIES
 
@@ -35,8 +36,11 @@ def resolve_config_path(path: str | os.PathLike[str]) -> Path:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    text = read_text(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -44,7 +48,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})"
         ) from None
     if data is None:
-        return {}
+        # An empty file (or only comments) is a mistake, not "all defaults": the defaults are
+        # BERT-large on synthetic data. `{}` says "the defaults" on purpose.
+        raise ConfigError(
+            f"{path}: empty (no sections); expected a mapping of sections (model, data, ...), "
+            "or {} for the defaults"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of sections (model, data, ...), got {type(data).__name__}"
@@ -59,12 +68,15 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(
-                f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-3)"
+                f"override {excerpt(item)} is not of the form section.key=value "
+                "(e.g. optim.lr=2e-3)"
             )
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = load_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        except ConfigError as exc:
+            raise ConfigError(f"override {key}: {exc}") from None
         parsed.append((key.split("."), value))
     return parsed
 

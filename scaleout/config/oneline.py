@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from scaleout.errors import EXCERPT_CHARS, excerpt
+
 
 def allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys of the section that ``loc`` (an error's location below ``root``) ends in."""
@@ -31,10 +33,11 @@ def describe(exc: ValidationError, root: type[BaseModel], prefix: str = "") -> s
     if err["type"] == "extra_forbidden":
         allowed = allowed_keys(root, loc)
         hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
-        msg = f"unknown key {key}{hint}"
+        shown = key if len(key) <= EXCERPT_CHARS else excerpt(key)  # a key is a name, not a value
+        msg = f"unknown key {shown}{hint}"
     else:
         value = err.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "a mapping"
+        shown = excerpt(value) if not isinstance(value, dict) else "a mapping"
         text = err["msg"]
         if text.startswith("Value error, "):
             msg = text[len("Value error, ") :]  # our validators already name the key

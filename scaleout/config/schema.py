@@ -27,7 +27,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from scaleout.config.compose import ModelConfig, declared, one_of
 from scaleout.env import detection_order
-from scaleout.errors import ConfigError
+from scaleout.errors import ConfigError, excerpt
 from scaleout.section import MAX_WORLD
 from scaleout.section import Section as _Section
 from scaleout.units import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
@@ -231,7 +231,8 @@ class CommConfig(_Section):
         _, algorithms = declared()
         if name != AUTO and name not in algorithms:
             raise ValueError(
-                f"comm.algorithm={name!r}: expected one of {', '.join([*algorithms.names(), AUTO])}"
+                f"comm.algorithm={excerpt(name)}: expected one of "
+                f"{', '.join([*algorithms.names(), AUTO])}"
             )
         return name
 

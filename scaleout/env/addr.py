@@ -13,6 +13,7 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 from scaleout.errors import LaunchEnvError
@@ -105,3 +106,44 @@ def reachable_address(
         f"{resolve_fn(host) or 'nothing'}): "
         "set MASTER_ADDR to an address the other nodes can reach"
     )
+
+
+# A resolver that has not answered in this long will not answer a rank either: a working one
+# answers in milliseconds, and glibc's own default for an unreachable server is 5 s per try.
+LOOKUP_TIMEOUT_S = 5.0
+
+
+def resolve_within(host: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> list[str] | None:
+    """IPv4/IPv6 addresses of ``host``; [] when it does not resolve, None when the resolver did not
+    answer within ``timeout_s`` (the lookup runs in a daemon thread, so a hung resolver never holds
+    the caller)."""
+    found: list[list[str]] = []
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            found.append([])
+            return
+        found.append(list(dict.fromkeys(str(i[4][0]) for i in infos)))
+
+    t = threading.Thread(target=lookup, name=f"resolve {host}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return found[0] if found else None
+
+
+def require_resolvable(host: str, what: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
+    """One line, at once, when the rendezvous host does not resolve: torch's store would retry
+    the lookup until the init timeout (600 s by default) in every rank."""
+    found = resolve_within(host, timeout_s)
+    if found is None:
+        raise LaunchEnvError(
+            f"{what}={host!r}: no answer from the name resolver in {timeout_s:g} s; expected a "
+            "host name that resolves (or set MASTER_ADDR to an address)"
+        )
+    if not found:
+        raise LaunchEnvError(
+            f"{what}={host!r}: does not resolve; expected a host name of this job's nodes "
+            "(or set MASTER_ADDR to an address)"
+        )

@@ -14,8 +14,11 @@ must not stop a requeue).
 from __future__ import annotations
 
 from scaleout.config.schema import Config
+from scaleout.train.outputs import check_outputs
 
 
 def check_input_files(cfg: Config) -> None:
-    """Sniff the files ``cfg``'s family reads (one line naming the key on a bad one)."""
+    """Sniff the files ``cfg``'s family reads (one line naming the key on a bad one), and the
+    folders the run writes (scaleout/train/outputs.py)."""
+    check_outputs(cfg)
     cfg.model.family.check_input_files(cfg)

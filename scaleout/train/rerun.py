@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from scaleout.checkpoint import Checkpointer
 from scaleout.config.schema import Config
-from scaleout.errors import UserError
+from scaleout.errors import UserError, excerpt
 from scaleout.fsutil import atomic_write
 from scaleout.train.observe import RunStatus
 
@@ -70,13 +70,19 @@ class RunStart:
 def read_record(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(ckpt_dir) / RECORD
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
         raise UserError(
             f"{path}: unreadable run record ({exc}); move it away to resume without it"
         ) from exc
+    if not isinstance(record, dict):  # valid JSON, not a record: `null`, a list, a number
+        raise UserError(
+            f"{path}: a run record holds a JSON object, this one {excerpt(record)}; move it away "
+            "to resume without it"
+        )
+    return record
 
 
 def write_record(ckpt_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:

@@ -93,6 +93,7 @@ from scaleout.train.observers import (
     ReportWriter,
 )
 from scaleout.train.rerun import check_data_position
+from scaleout.train.resume_check import load_or_explain
 from scaleout.train.rng import seed_step
 from scaleout.train.rundirs import agree_owner, say_disk_full
 from scaleout.train.skew import PHASES, SkewTracker, link_credit
@@ -428,7 +429,10 @@ class Trainer:
         state, path = found
         self.resumed_path = path
         check_data_position(state, self.cfg.train.global_batch, path)  # a changed batch is refused
-        self.load_state_dict(state)
+        # a changed model or optimizer: one line naming what differs, not torch's traceback
+        load_or_explain(
+            lambda: self.load_state_dict(state), state, self.task.model, path, self.world.rank
+        )
         print0(f"resumed from {path} at step {self.step}", rank=self.world.rank)
         return self.step
 

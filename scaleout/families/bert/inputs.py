@@ -19,6 +19,14 @@ NPZ_SIGNATURE = b"PK\x03\x04"  # .npz is a zip archive
 
 
 def check_input_files(cfg: Any) -> None:
+    d, b = cfg.data, cfg.model.bert
+    # settings a rank would refuse after spawning (BertTask, the shard loader): refused here first
+    if d.max_seq_len > b.max_position:
+        raise UserError(
+            f"data.max_seq_len={d.max_seq_len} exceeds model.bert.max_position={b.max_position}"
+        )
+    if d.source == "wikipedia" and not d.path:
+        raise UserError("data.source=wikipedia needs data.path (a directory of MLPerf BERT shards)")
     if cfg.model.init_checkpoint:
         from scaleout.families.bert.convert import read_state_dict  # deferred: torch
 
@@ -31,6 +39,7 @@ def check_shard_path(path: str) -> None:
     """The first shard of ``path`` (or of its train/ and eval/ folders) is a readable shard
     file."""
     from scaleout.families.bert.data.shard_format import (  # deferred: numpy
+        ShardReader,
         h5py_module,
         shard_files,
     )
@@ -49,3 +58,6 @@ def check_shard_path(path: str) -> None:
                 f"data.path={path}: {first} is not {kind} file; expected MLPerf BERT shards "
                 "(.hdf5/.h5/.hdf, or .npz; docs/training-blocks.md)"
             )
+        # the signature is not the content: open it as a rank will (the zip's directory, the
+        # HDF5 datasets' names), so a torn archive or foreign datasets fail here, not in a rank
+        ShardReader(first).close()

@@ -30,6 +30,7 @@ opens one file and reads only the rows asked for (h5py reads those rows; nothing
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ class ShardReader:
             else:
                 self._h5 = h5py_module().File(self.path, "r")
                 keys = set(self._h5.keys())
-        except OSError as exc:
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:  # np.load: a torn zip, pickles
             raise UserError(f"{self.path}: cannot read as an MLPerf BERT shard ({exc})") from None
         if "packed_input_len" in keys:
             self.layout, need = "packed", PACKED_KEYS
