@@ -955,7 +955,9 @@ class Trainer:
             run_id=self.run_record.get("run_id"),
             weights_consistent=None if replica_vote is None else replica_vote.consistent,
             odd_ranks=[] if replica_vote is None else replica_vote.odd_ranks,
-            terminating=self.preemption.terminating,
+            # the agreed flag, never this rank's own signal state: a SIGTERM that reached this rank
+            # after the last agreement must not drop a collective its peers still enter
+            terminating=peers_may_be_gone,
             goodput=goodput,
             comm_auto=self.autocomm.summary() if self.autocomm is not None else None,
         )
