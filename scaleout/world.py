@@ -24,6 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.env.base import DEVICE_VAR
 from scaleout.errors import TopologyError
+from scaleout.startup import nccl_defaults, process_group_options, raise_limits
 from scaleout.topology import resolve_grid
 
 if TYPE_CHECKING:
@@ -201,19 +202,16 @@ class World:
 
     @property
     def cpu_group(self) -> Any:
-        """The group for object collectives (pickled Python values: checkpoint names, the
-        structure of a state, DCP's plans): the default group when its collectives run on the CPU
-        (gloo), else one gloo group over every rank, created on first use (a collective: every
-        rank's first use is at the same point). Torch's object collectives run on the group's
-        device: on the NCCL group each is pickled, copied to the GPU and read back (a host sync),
-        and a gather or scatter to rank 0 is a ncclSend/ncclRecv per rank, setting up a P2P
-        connection and its buffers on rank 0 for each of its peers."""
+        """The group for object collectives that need a process group (DCP's plans and the shard
+        digests): the default group when its collectives run on the CPU (gloo), else one gloo
+        group over every rank, created on first use (a collective: every rank's first use is at
+        the same point) with lazy connections (:func:`lazy_gloo_group`): a rank connects only the
+        peers its collectives talk to, never a world-wide mesh. Small agreements (a checkpoint's
+        name, a state's structure) go through the store instead (:mod:`scaleout.store_share`)."""
         if self.device.type == "cpu":
             return dist.group.WORLD
         if ("cpu",) not in self._groups:
-            self._groups[("cpu",)] = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.timeout_s)
-            )
+            self._groups[("cpu",)] = lazy_gloo_group(self.timeout_s)
         return self._groups[("cpu",)]
 
     # -- misc -------------------------------------------------------------------------------------
@@ -313,6 +311,30 @@ def _release_captured_groups(groups: list[Any]) -> None:
                 fn.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
 
 
+# torch's switch for ProcessGroupGloo's lazy connections, read when a group is constructed
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_gloo_group(timeout_s: float) -> Any:
+    """A gloo group over every rank whose pairs connect on first use (a collective).
+
+    An eager gloo group connects a full mesh at creation: world - 1 sockets per rank, and every
+    rank fetches every other rank's address record from the store (rank 0's store serves world
+    squared records: ~69 GB at 2,048 ranks, review gpu-day-two §1). Lazily, a rank connects only
+    the peers its collectives use: a broadcast's tree, or the coordinator of a gather. The
+    variable is set only while this group is built, so the training backend is unaffected.
+    """
+    before = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
+        else:
+            os.environ[GLOO_LAZY_INIT] = before
+
+
 def device_index(spec: WorldSpec, env: Mapping[str, str], count: int) -> int:
     """This rank's CUDA device index among the ``count`` visible here (one GPU per rank).
 
@@ -404,6 +426,7 @@ def init(
     the initial collective timeout; explicit keyword arguments win over it.
     """
     env = os.environ if env is None else env
+    nccl_defaults(os.environ)  # before CUDA enumerates its devices (CUDA_DEVICE_ORDER)
     launch = getattr(config, "launch", None)
     environment = environment or (launch.env if launch else None)
     backend = backend or (launch.backend if launch else "auto")
@@ -421,6 +444,8 @@ def init(
     if backend == "nccl":
         nccl_error_handling(os.environ)
     if not dist.is_initialized():
+        # before the first socket: the soft open-file limit raised, a too-low hard one refused
+        raise_limits(spec.world_size, spec.num_nodes, backend, os.environ)
         addr, port = reader.rendezvous(spec)
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
         dist.init_process_group(
@@ -429,6 +454,7 @@ def init(
             rank=spec.rank,
             world_size=spec.world_size,
             timeout=timedelta(seconds=timeout_s),
+            **process_group_options(device),  # CUDA: eager NCCL init, subgroups split from it
         )
     elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
         raise TopologyError(

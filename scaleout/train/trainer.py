@@ -42,6 +42,7 @@ from scaleout.parallel import DataParallel
 from scaleout.parallel.buckets import fold
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
+from scaleout.store_share import share
 from scaleout.telemetry.mlperf import MLPerfLogger
 from scaleout.telemetry.report import RunReport, goodput_section
 from scaleout.telemetry.timers import Timers
@@ -1042,7 +1043,6 @@ def process_start_unix() -> float:
 def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     started = process_start_unix()  # goodput's wall clock: imports and rendezvous count
-    check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
@@ -1050,6 +1050,9 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         world = init(cfg)
         heartbeat = Heartbeat(world, lambda: period_for(world.timeout_s))  # names a hung rank
         try:
+            # corrupt or foreign files under path-valued keys, before any write: rank 0 sniffs
+            # them and every rank raises its one line (O(1) file-system calls on the others)
+            share(world, "input-files", lambda: check_input_files(cfg))
             # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
             # launcher's preflight already refused what it could before spawning): a refused start
             # writes nothing
