@@ -40,8 +40,9 @@ def raise_limits(
     rlimit: Any = resource,
 ) -> dict[str, int]:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; a one-line TopologyError when the hard
-    limit is too low for ``world_size`` ranks, or when a multi-node NCCL world (InfiniBand not
-    disabled) may not lock unlimited memory. Returns the soft limits in force afterwards."""
+    limit is too low for ``world_size`` ranks, or when a NCCL world over ``num_nodes`` > 1 hosts
+    (InfiniBand not disabled) may not lock unlimited memory. Returns the soft limits in force
+    afterwards."""
     need = open_files_needed(world_size, backend)
     soft, hard = rlimit.getrlimit(rlimit.RLIMIT_NOFILE)
     unlimited = rlimit.RLIM_INFINITY

@@ -445,7 +445,9 @@ def init(
         nccl_error_handling(os.environ)
     if not dist.is_initialized():
         # before the first socket: the soft open-file limit raised, a too-low hard one refused
-        raise_limits(spec.world_size, spec.num_nodes, backend, os.environ)
+        # (scaleout launch's emulated nodes share this host: NCCL uses no network between them)
+        hosts = 1 if spec.launcher == "local" else spec.num_nodes
+        raise_limits(spec.world_size, hosts, backend, os.environ)
         addr, port = reader.rendezvous(spec)
         spec = WorldSpec(**{**spec.__dict__, "master_addr": addr, "master_port": port})
         dist.init_process_group(
