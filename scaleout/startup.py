@@ -14,6 +14,7 @@ fail at the first inter-node collective, so a multi-node NCCL world checks it to
 from __future__ import annotations
 
 import resource
+import sys
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -92,3 +93,23 @@ def process_group_options(device: torch.device) -> dict[str, Any]:
     backward) and lets ``new_group`` split subgroups from it (``ncclCommSplit``: shared resources,
     no extra full ``ncclCommInitRank`` per intra/inter/torus group)."""
     return {"device_id": device} if device.type == "cuda" else {}
+
+
+def hidden_gpus_warning(visible: int, local_size: int) -> str | None:
+    """The warning when a task sees fewer GPUs than its node runs ranks: per-task device cgroups
+    (``srun --gpus-per-task`` under ``ConstrainDevices``) hide the peers' GPUs, and NCCL silently
+    falls back from NVLink peer-to-peer to shared memory between the ranks of a node."""
+    if 0 < visible < local_size:
+        return (
+            f"scaleout: warning: this task sees {visible} GPU(s) but its node runs {local_size} "
+            "ranks: per-task device cgroups keep NCCL off NVLink peer-to-peer between them "
+            "(ask Slurm for --gpus-per-node, not --gpus-per-task)"
+        )
+    return None
+
+
+def warn_hidden_gpus(visible: int, local_size: int, local_rank: int) -> None:
+    """Print :func:`hidden_gpus_warning` once per node (local rank 0)."""
+    text = hidden_gpus_warning(visible, local_size)
+    if text and local_rank == 0:
+        print(text, file=sys.stderr, flush=True)

@@ -24,7 +24,12 @@ from torch.distributed import distributed_c10d as c10d
 from scaleout.env import WorldSpec, detect_environment
 from scaleout.env.base import DEVICE_VAR
 from scaleout.errors import TopologyError
-from scaleout.startup import nccl_defaults, process_group_options, raise_limits
+from scaleout.startup import (
+    nccl_defaults,
+    process_group_options,
+    raise_limits,
+    warn_hidden_gpus,
+)
 from scaleout.topology import resolve_grid
 
 if TYPE_CHECKING:
@@ -441,6 +446,8 @@ def init(
     cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
     index = device_index(spec, env, torch.cuda.device_count()) if cuda else 0
     device, backend = pick_device(index, backend)
+    if device.type == "cuda":
+        warn_hidden_gpus(torch.cuda.device_count(), spec.local_size, spec.local_rank)
     if backend == "nccl":
         nccl_error_handling(os.environ)
     if not dist.is_initialized():

@@ -13,7 +13,13 @@ import torch
 
 from scaleout.env.base import WorldSpec
 from scaleout.errors import TopologyError
-from scaleout.startup import NCCL_DEFAULTS, nccl_defaults, open_files_needed, raise_limits
+from scaleout.startup import (
+    NCCL_DEFAULTS,
+    hidden_gpus_warning,
+    nccl_defaults,
+    open_files_needed,
+    raise_limits,
+)
 
 INF = resource.RLIM_INFINITY
 
@@ -172,3 +178,10 @@ def test_a_store_share_is_decided_once_and_its_error_is_raised_everywhere() -> N
     assert [r["calls"] for r in results] == [[0], []]  # rank 1 never computed it
     assert [r["head"] for r in results] == [{"path": "ckpt-3"}] * 2
     assert [r["error"] for r in results] == ["data.path=/x: no shards"] * 2
+
+
+@pytest.mark.unit
+def test_a_task_that_sees_fewer_gpus_than_its_node_has_ranks_is_warned() -> None:
+    text = hidden_gpus_warning(1, 8)
+    assert text and "\n" not in text and "--gpus-per-node" in text and "8 ranks" in text
+    assert hidden_gpus_warning(8, 8) is None and hidden_gpus_warning(0, 8) is None
