@@ -25,6 +25,7 @@ from typing import Any
 from scaleout.errors import UserError
 from scaleout.goodput.verdict import first_verdict, srun_exits, with_exits
 from scaleout.launchers.base import EXIT_TIMED_OUT, Launcher, LaunchOptions, LaunchResult, register
+from scaleout.launchers.cpus import CPUS_VAR, cpu_share_lines
 from scaleout.resources import package_path
 
 HERE = package_path(
@@ -392,7 +393,9 @@ class SlurmLauncher(Launcher):
     ) -> list[str]:
         argv = list(argv)
         cmd = [*scaleout_command(), *argv[1:]] if argv[:1] == ["scaleout"] else argv
-        srun = ["srun", "--kill-on-bad-exit=1", *cmd]
+        # each task gets its share of the node's CPUs (launchers/cpus.py), not Slurm's default 1
+        share = cpu_share_lines(nproc_per_node)
+        srun = f'srun --kill-on-bad-exit=1 --cpus-per-task="${CPUS_VAR}" {shlex.join(cmd)}'
         args = ["-N", str(nnodes), "--ntasks-per-node", str(nproc_per_node), "--job-name", name]
         if log is not None:
             args += ["--output", str(log)]
@@ -401,9 +404,11 @@ class SlurmLauncher(Launcher):
             # every rank sees its node's GPUs: per-task device cgroups would block CUDA IPC / NVLink
             # P2P
             args.append(f"--gpus-per-node={nproc_per_node}")
+            if "--exclusive" not in self.extra:  # whole nodes: their CPUs are the tasks' share
+                args.append("--exclusive")
         if self.partition:
             args += ["--partition", self.partition]
-        return [*args, *self.extra, "--wrap", shlex.join(srun)]
+        return [*args, *self.extra, "--wrap", "; ".join([*share, srun])]
 
     def start(
         self,

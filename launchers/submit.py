@@ -34,6 +34,7 @@ from scaleout.launchers.base import (
     RankExit,
     register,
 )
+from scaleout.launchers.cpus import cpu_share_lines
 
 
 @dataclass
@@ -209,6 +210,9 @@ def make_executor(spec: SubmitSpec) -> Any:
             spec.request_gpus
         ):  # per node, as slurm/*.sh: per-task device cgroups would block CUDA IPC / NVLink P2P
             params["gpus_per_node"] = spec.gpus_per_node
+            params["exclusive"] = True  # whole nodes: their CPUs are the tasks' to share
+        # each task gets its share of the node's CPUs (launchers/cpus.py), not Slurm's default 1
+        params["setup"] = cpu_share_lines(spec.gpus_per_node)
         if spec.partition:
             params["partition"] = spec.partition
         if spec.srun_args:

@@ -43,9 +43,11 @@ live state, one snapshot of it (1x) and the streaming write's buffers (<= 0.5x, 
 most 2.5x the replicated state on rank 0 during a save, 1x of it between saves (the snapshot
 buffers are kept for reuse).
 
-Object collectives (the chosen name, the state's structure, DCP's plans and the shard digests) run
-on :attr:`World.cpu_group`, a gloo group when the default group is NCCL: never a pickled object
-through the GPU, never a ncclSend/ncclRecv pair per rank to rank 0.
+Small agreements (the chosen name, the shard directory's token, the state's structure) go through
+the rendezvous store (:mod:`scaleout.store_share`): one value rank 0 sets, one ``get`` per rank,
+so a start costs every rank O(1) sockets and bytes at any world size. DCP's plans and the shard
+digests, which need a process group, run on :attr:`World.cpu_group` (gloo, connected lazily when
+the default group is NCCL): never a pickled object through the GPU, never an eager world mesh.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ import torch.distributed as dist
 from scaleout.diskfull import DiskFull, disk_full, is_disk_full
 from scaleout.errors import ConfigError, UserError
 from scaleout.fsutil import atomic_write
+from scaleout.store_share import broadcast_object
+from scaleout.world import lazy_gloo_group
 
 if TYPE_CHECKING:
     from scaleout.world import World
@@ -334,7 +338,8 @@ class Checkpointer:
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
             if self._group is None and world is not None and world.world_size > 1:
-                self._group = dist.new_group(backend="gloo")  # collective: every rank, here
+                # collective: every rank, here; lazily connected (no world-wide mesh)
+                self._group = lazy_gloo_group(world.timeout_s)
             pieces = _shards().async_save_pieces(shards, self.dir / name, world, self._group)
         if self.rank != 0 and pieces is None:
             return None
@@ -437,8 +442,8 @@ class Checkpointer:
     ) -> tuple[dict[str, Any], Path] | None:
         """Collective resume: rank 0 chooses and sends the replicated state; every rank reads its
         own shards into ``shards`` (in place). Returns (state, path), or None on every rank when
-        there is nothing to resume. Per rank, the objects that move are O(1) and go over the CPU
-        group (:attr:`World.cpu_group`); the tensors go by ``dist.broadcast`` on the device."""
+        there is nothing to resume. Per rank, the objects that move are O(1) and go through the
+        store (:mod:`scaleout.store_share`); the tensors go by ``dist.broadcast`` on the device."""
         multi = world is not None and world.world_size > 1
         found = self.choose() if world is None or world.rank == 0 else None
         state, path = found if found is not None else (None, None)
@@ -446,12 +451,12 @@ class Checkpointer:
             # Checkpoints written before the RNG streams became per-step (train/rng.py) hold every
             # rank's RNG state: not needed, and not worth broadcasting to every rank.
             state.pop("rng", None)
-        head = [None if state is None else str(path)]
+        head = None if state is None else str(path)
         if multi:
-            dist.broadcast_object_list(head, src=0, group=world.cpu_group)
-        if head[0] is None:
+            head = broadcast_object(world, "checkpoint/resume", head)
+        if head is None:
             return None
-        path = Path(head[0])
+        path = Path(head)
         state = broadcast_state(state, world) if multi else state
         _check_kind(state, shards, path)
         if shards is not None:
@@ -499,10 +504,7 @@ def _group(world: World | None) -> Any:
 
 def _token(world: World) -> str:
     """A name shared by every rank for this save's shard directory (rank 0's clock, broadcast)."""
-    box = [f"{time.time_ns():x}"]
-    if world is not None and world.world_size > 1:
-        dist.broadcast_object_list(box, src=0, group=world.cpu_group)
-    return box[0]
+    return broadcast_object(world, "checkpoint/token", f"{time.time_ns():x}")
 
 
 def _check_kind(state: dict[str, Any], shards: dict[str, Any] | None, path: Path) -> None:
@@ -564,11 +566,11 @@ BROADCAST_BYTES = 256 << 20
 
 def broadcast_state(state: Any, world: World) -> Any:
     """Rank 0's ``state`` (nested dicts/lists of tensors and plain values) on every rank: the
-    structure by ``broadcast_object_list`` on the CPU group, the tensors by ``dist.broadcast`` on
-    ``world.device`` (returned on the CPU)."""
+    structure through the store (:func:`~scaleout.store_share.broadcast_object`), the tensors by
+    ``dist.broadcast`` on ``world.device`` (returned on the CPU)."""
     tensors: list[torch.Tensor] = []
     box = [_strip(state, tensors) if world.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=world.cpu_group)
+    box[0] = broadcast_object(world, "checkpoint/structure", box[0])
     slots = sorted(_slots(box[0], []), key=lambda s: s.index)
     out: list[torch.Tensor] = [None] * len(slots)  # type: ignore[list-item]
     batch: list[_Slot] = []

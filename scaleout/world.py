@@ -26,6 +26,12 @@ from scaleout.env.addr import require_resolvable
 from scaleout.env.base import DEVICE_VAR
 from scaleout.env.knobs import RANK_IFNAME_VARS, check_rank_env
 from scaleout.errors import TopologyError
+from scaleout.startup import (
+    nccl_defaults,
+    process_group_options,
+    raise_limits,
+    warn_hidden_gpus,
+)
 from scaleout.topology import resolve_grid
 
 if TYPE_CHECKING:
@@ -207,19 +213,16 @@ class World:
 
     @property
     def cpu_group(self) -> Any:
-        """The group for object collectives (pickled Python values: checkpoint names, the
-        structure of a state, DCP's plans): the default group when its collectives run on the CPU
-        (gloo), else one gloo group over every rank, created on first use (a collective: every
-        rank's first use is at the same point). Torch's object collectives run on the group's
-        device: on the NCCL group each is pickled, copied to the GPU and read back (a host sync),
-        and a gather or scatter to rank 0 is a ncclSend/ncclRecv per rank, setting up a P2P
-        connection and its buffers on rank 0 for each of its peers."""
+        """The group for object collectives that need a process group (DCP's plans and the shard
+        digests): the default group when its collectives run on the CPU (gloo), else one gloo
+        group over every rank, created on first use (a collective: every rank's first use is at
+        the same point) with lazy connections (:func:`lazy_gloo_group`): a rank connects only the
+        peers its collectives talk to, never a world-wide mesh. Small agreements (a checkpoint's
+        name, a state's structure) go through the store instead (:mod:`scaleout.store_share`)."""
         if self.device.type == "cpu":
             return dist.group.WORLD
         if ("cpu",) not in self._groups:
-            self._groups[("cpu",)] = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.timeout_s)
-            )
+            self._groups[("cpu",)] = lazy_gloo_group(self.timeout_s)
         return self._groups[("cpu",)]
 
     # -- misc -------------------------------------------------------------------------------------
@@ -324,6 +327,30 @@ def _release_captured_groups(groups: list[Any]) -> None:
                 fn.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
 
 
+# torch's switch for ProcessGroupGloo's lazy connections, read when a group is constructed
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_gloo_group(timeout_s: float) -> Any:
+    """A gloo group over every rank whose pairs connect on first use (a collective).
+
+    An eager gloo group connects a full mesh at creation: world - 1 sockets per rank, and every
+    rank fetches every other rank's address record from the store (rank 0's store serves world
+    squared records: ~69 GB at 2,048 ranks, review gpu-day-two §1). Lazily, a rank connects only
+    the peers its collectives use: a broadcast's tree, or the coordinator of a gather. The
+    variable is set only while this group is built, so the training backend is unaffected.
+    """
+    before = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
+        else:
+            os.environ[GLOO_LAZY_INIT] = before
+
+
 def device_index(spec: WorldSpec, env: Mapping[str, str], count: int) -> int:
     """This rank's CUDA device index among the ``count`` visible here (one GPU per rank).
 
@@ -415,6 +442,7 @@ def init(
     the initial collective timeout; explicit keyword arguments win over it.
     """
     env = os.environ if env is None else env
+    nccl_defaults(os.environ)  # before CUDA enumerates its devices (CUDA_DEVICE_ORDER)
     launch = getattr(config, "launch", None)
     environment = environment or (launch.env if launch else None)
     backend = backend or (launch.backend if launch else "auto")
@@ -429,12 +457,18 @@ def init(
     cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
     index = device_index(spec, env, torch.cuda.device_count()) if cuda else 0
     device, backend = pick_device(index, backend)
+    if device.type == "cuda":
+        warn_hidden_gpus(torch.cuda.device_count(), spec.local_size, spec.local_rank)
     if backend == "nccl":
         nccl_error_handling(os.environ)
         if config is not None and config.comm.sharp:  # before the first communicator
             os.environ.setdefault("NCCL_COLLNET_ENABLE", "1")
         nccl_flight_recorder(os.environ, config.train.output_dir if config is not None else None)
     if not dist.is_initialized():
+        # before the first socket: the soft open-file limit raised, a too-low hard one refused
+        # (scaleout launch's emulated nodes share this host: NCCL uses no network between them)
+        hosts = 1 if spec.launcher == "local" else spec.num_nodes
+        raise_limits(spec.world_size, hosts, backend, os.environ)
         addr, port = reader.rendezvous(spec)
         check_rank_env(env, f"rank {spec.rank}: ", RANK_IFNAME_VARS)  # gloo's traceback otherwise
         require_resolvable(addr, f"rank {spec.rank}: rendezvous host")  # not 600 s of retries
@@ -445,6 +479,7 @@ def init(
             rank=spec.rank,
             world_size=spec.world_size,
             timeout=timedelta(seconds=timeout_s),
+            **process_group_options(device),  # CUDA: eager NCCL init, subgroups split from it
         )
     elif dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
         raise TopologyError(

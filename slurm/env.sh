@@ -4,7 +4,7 @@
 
 # NCCL: InfiniBand with GPUDirect RDMA when the fabric has it.
 export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}
-export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
+# NCCL_NET_GDR_LEVEL is left to NCCL, which picks GPUDirect RDMA from the PCI topology.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is deliberately not set here: scaleout.init() sets 3 (skip clean-up: the

@@ -151,7 +151,7 @@ class RunEnd:
     resumed_from: int | None
     run_id: str | None
     weights_consistent: bool | None  # None: not checked (a peer may be gone)
-    terminating: bool  # this rank got SIGTERM: leave out optional collectives
+    terminating: bool  # an agreed SIGTERM (every rank alike): leave out optional collectives
     goodput: dict[str, Any] | None = (
         None  # report.json's goodput (scaleout.telemetry.report.goodput_section)
     )

@@ -43,6 +43,7 @@ from scaleout.parallel import DataParallel
 from scaleout.parallel.buckets import fold
 from scaleout.parallel.data_parallel import broadcast_from_rank0
 from scaleout.parallel.sync import GradientSync
+from scaleout.store_share import share
 from scaleout.telemetry.mlperf import MLPerfLogger
 from scaleout.telemetry.report import RunReport, goodput_section
 from scaleout.telemetry.startup import StartClock
@@ -1010,7 +1011,9 @@ class Trainer:
             run_id=self.run_record.get("run_id"),
             weights_consistent=None if replica_vote is None else replica_vote.consistent,
             odd_ranks=[] if replica_vote is None else replica_vote.odd_ranks,
-            terminating=self.preemption.terminating,
+            # the agreed flag, never this rank's own signal state: a SIGTERM that reached this rank
+            # after the last agreement must not drop a collective its peers still enter
+            terminating=peers_may_be_gone,
             goodput=goodput,
             comm_auto=self.autocomm.summary() if self.autocomm is not None else None,
             sections={
@@ -1114,7 +1117,6 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
     """Entry point inside every rank (``scaleout train``)."""
     started = process_start_unix()  # goodput's wall clock: imports and rendezvous count
     start_clock = StartClock(started)
-    check_input_files(cfg)  # corrupt or foreign files under path-valued keys: before any write
     # Handlers first: the World's rendezvous can take minutes at scale, and a notice that arrives
     # while USR2 still has its default action would terminate the rank.
     preemption = preempt.install()
@@ -1126,6 +1128,9 @@ def run_training(cfg: Config, config_file: str = "config.yaml") -> TrainResult:
         # NCCL: scaleout's hang budget runs out before the watchdog's abort (train/hangwatch.py)
         watches = hangwatch.start(world, heartbeat.progress, cfg.train.output_dir)
         try:
+            # corrupt or foreign files under path-valued keys, before any write: rank 0 sniffs
+            # them and every rank raises its one line (O(1) file-system calls on the others)
+            share(world, "input-files", lambda: check_input_files(cfg))
             # the rerun policy, decided on rank 0 and broadcast (every rank does the same; the
             # launcher's preflight already refused what it could before spawning): a refused start
             # writes nothing

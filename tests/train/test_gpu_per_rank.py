@@ -44,6 +44,8 @@ class FakeHost:
         monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: self.store)
         monkeypatch.setattr(world_mod, "_observe_topology", lambda spec: (0,) * spec.world_size)
         monkeypatch.setattr(world_mod, "nccl_error_handling", lambda env: None)
+        # the simulated hosts' resource limits are not this machine's (scaleout/startup.py)
+        monkeypatch.setattr(world_mod, "raise_limits", lambda *a, **k: {})
         monkeypatch.setattr(world_mod.atexit, "register", lambda fn: None)
 
     def _props(self, device: torch.device) -> SimpleNamespace:

@@ -27,6 +27,7 @@ from scaleout.families.bert.packing.hist import histogram_from_lengths
 from scaleout.families.bert.packing.pack import pack_histogram
 from scaleout.families.task import Counts, Task
 from scaleout.log import print0
+from scaleout.store_share import share
 
 if TYPE_CHECKING:
     from scaleout.config.schema import Config
@@ -55,10 +56,12 @@ class BertTask(Task):
         model = BertForPreTraining(b.model_copy(update={"static_shapes": bool(static)}))
         # micro-batches count their FLOPs with the heads this model runs
         self.batches.flops = functools.partial(batch_flops, model.cfg)
-        # rank 0 reads the values; the trainer broadcasts them (bert_convert.py)
+        # rank 0 checks and reads the file and the trainer broadcasts its weights; the others
+        # touch no file, they learn its layout (or its one-line error) through the store
         if cfg.model.init_checkpoint:
-            self.info["init_checkpoint"] = load_init_checkpoint(
-                model, cfg.model.init_checkpoint, world.rank == 0
+            path = cfg.model.init_checkpoint
+            self.info["init_checkpoint"] = share(
+                world, "init-checkpoint", lambda: load_init_checkpoint(model, path)
             )
         self.model = model.to(world.device)
 
