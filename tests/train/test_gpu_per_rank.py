@@ -46,6 +46,8 @@ class FakeHost:
         monkeypatch.setattr(world_mod, "nccl_error_handling", lambda env: None)
         # the simulated hosts' resource limits are not this machine's (scaleout/startup.py)
         monkeypatch.setattr(world_mod, "raise_limits", lambda *a, **k: {})
+        # nor do their host names resolve here (the rendezvous check, scaleout/env/addr.py)
+        monkeypatch.setattr(world_mod, "require_resolvable", lambda *a, **k: None)
         monkeypatch.setattr(world_mod.atexit, "register", lambda fn: None)
 
     def _props(self, device: torch.device) -> SimpleNamespace:
