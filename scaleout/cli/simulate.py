@@ -300,6 +300,7 @@ def _scale_specs(
         )
     if args.config:
         from scaleout.config.load import load_config
+        from scaleout.sim.convergence import DEFAULT_RULESET, config_curve
         from scaleout.sim.fromconfig import from_config
 
         # sim.optimizer=sharded/replicated on a config means the product's optimizer, with its
@@ -309,7 +310,9 @@ def _scale_specs(
             "replicated": ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"],
         }
         overrides += placement.get(k["optimizer"] or "", [])
-        run = from_config(load_config(args.config, overrides), args.config)
+        cfg = load_config(args.config, overrides)
+        run = from_config(cfg, args.config)
+        k = {**k, "config_curve": config_curve(cfg, k["rcp_ruleset"] or DEFAULT_RULESET)}
     if run and ckeys["sharp"] is None and run.sharp:  # the config's comm.sharp, unless set here
         ckeys = {**ckeys, "sharp": True}
     cluster = _cluster(args.preset, ckeys, run.gpus_per_node if run else None)
@@ -362,8 +365,8 @@ def _overhead(k: dict[str, Any], train: Any) -> Any:
 
 # Where `scaleout plan` on the same config assumes otherwise (docs/plan.md).
 PLAN_DIFFERS = (
-    "`scaleout plan` differs: samples at each batch from the MLPerf RCPs (here, with --config: "
-    "train.max_steps x train.global_batch at every batch unless sim.convergence=rcp), the "
+    "`scaleout plan` differs: samples at each batch from the MLPerf RCPs (here too, with --config "
+    "and a train.target; without one, train.max_steps x train.global_batch), the "
     "schedule rescaled to each batch, every optimizer placement and SHARP priced (here the "
     "config's), and the untimed start before run_start counted"
 )
@@ -374,8 +377,10 @@ def run_scale(args: argparse.Namespace) -> int:
 
     cluster, model, train, gpus, algs, k = _scale_specs(args)
     train = _overhead(k, train)
-    fixed = k["samples"] or args.config
-    curve = None if k["samples"] else _curve(k, model.name, "fixed" if fixed else "rcp")
+    curve = None if k["samples"] else _curve(k, model.name, "fixed" if args.config else "rcp")
+    if args.config and not k["samples"] and k["convergence"] is None:
+        # the config's run goes to its target: the samples there, as `scaleout plan` counts them
+        curve = k["config_curve"] or curve
     samples = k["samples"] or (None if curve else model.samples_to_converge)
     rows, table = [], []
     for n in gpus:

@@ -139,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
     from scaleout.cli import main, preflight
     from scaleout.runlock import release_held
 
-    for job_argv in job_argvs(spec):
-        preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
-    release_held()  # checked free above; the queued job's rank 0 takes its run directories itself
+    try:
+        for job_argv in job_argvs(spec):
+            preflight(job_argv, spec.nodes * spec.gpus_per_node, spec.gpus_per_node)
+    finally:
+        # checked free above (or refused: then the folders its lease made go again); the queued
+        # job's rank 0 takes its run directories itself
+        release_held()
     jobs = SubmitLauncher(entry=main).submit(spec)
     where = resolve_cluster(spec.cluster)
     for j in jobs:

@@ -152,6 +152,24 @@ def rcp_curve(benchmark: str, ruleset: str = DEFAULT_RULESET) -> ConvergenceCurv
     )
 
 
+def config_curve(cfg: Any, ruleset: str = DEFAULT_RULESET) -> ConvergenceCurve | None:
+    """Samples to the target of the run ``cfg`` describes vs its global batch, in the config's
+    own units: its family's pruned RCPs with MLPerf's batches turned into the config's (a packed
+    BERT row holds ``sequences_per_sample`` sequences, as ``scaleout plan`` counts them). None
+    where there is no such curve (no target, no MLPerf benchmark, no RCPs in this ruleset)."""
+    fam = cfg.model.family
+    if cfg.train.target is None or not fam.benchmark or fam.benchmark not in RCP_UNITS:
+        return None
+    try:
+        curve = rcp_curve(fam.benchmark, ruleset)
+    except ConfigError:
+        return None  # this ruleset has no RCPs for it
+    rate = max(1, round(fam.sequences_per_sample(cfg)))
+    points = tuple((b / rate, s / rate) for b, s in curve.points)
+    unit = f", {rate} sequences per row" if rate > 1 else ""
+    return ConvergenceCurve(points, f"{curve.source} in the config's units{unit}")
+
+
 def fit_curve(points: list[tuple[float, float]], source: str = "fit") -> ConvergenceCurve:
     """Least-squares ``samples = E_min (1 + B / B_crit)`` through (batch, samples) points.
 
