@@ -223,7 +223,7 @@ def convert(src: str, out: str | None, config: list[str] | None) -> int:
     from scaleout.errors import UserError
 
     if not out:
-        raise UserError("scaleout ckpt convert: --out FILE.pt is required (where to write)")
+        raise UserError("convert needs --out FILE.pt (where to write the converted weights)")
     cfg = None
     if config:  # a bad config fails here, before the (slow) TF import and read
         from scaleout.config import load_config

@@ -78,7 +78,7 @@ def checkpoint_prefix(path: str | os.PathLike[str]) -> str:
 def _tf():  # noqa: ANN202 - the tensorflow module, imported only here (a 15 s import)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # only errors from TF's C++ logging
     try:
-        import tensorflow as tf
+        import tensorflow as tf  # deferred: optional (the tf extra), a 15 s import
     except ImportError:
         raise UserError(
             "reading a TensorFlow checkpoint needs tensorflow: pip install 'scaleout[tf]' "
