@@ -229,20 +229,15 @@ def convert(src: str, out: str | None, config: list[str] | None) -> int:
         from scaleout.config import load_config
 
         cfg = load_config(config[0], config[1:])
+        if cfg.model.arch != "bert":
+            raise UserError(
+                f"convert --config: model.arch={cfg.model.arch!r}; the TF checkpoint is BERT's"
+            )
     from scaleout.families.bert.tf_checkpoint import convert as tf_convert
 
-    sd = tf_convert(src, out)
+    sd = tf_convert(src, out, cfg.model.bert if cfg is not None else None)
     params = sum(t.numel() for t in sd.values())
-    print(f"TF checkpoint {src}: {len(sd)} tensors, {params:,} parameters -> {out}")
-    if cfg is not None:
-        import torch
-
-        from scaleout.families.bert.convert import load_init_checkpoint
-        from scaleout.families.bert.model import BertForPreTraining
-
-        with torch.device("meta"):  # names and shapes only: no memory for the weights
-            model = BertForPreTraining(cfg.model.bert)
-        layout = load_init_checkpoint(model, out, copy=False)
-        print(f"checked against {config[0]}'s model.bert: loads as {layout}")
+    checked = f", checked against {config[0]}'s model.bert" if config else ""
+    print(f"TF checkpoint {src}: {len(sd)} tensors, {params:,} parameters{checked} -> {out}")
     print(f"use it: model.init_checkpoint={out}")
     return 0

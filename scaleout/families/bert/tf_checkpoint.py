@@ -29,6 +29,10 @@ from pathlib import Path
 import torch
 
 from scaleout.errors import UserError
+from scaleout.families.bert.config import BertConfig
+from scaleout.families.bert.convert import from_hf
+from scaleout.families.bert.model import BertForPreTraining
+from scaleout.fsutil import atomic_write_path
 
 # TF names that are not model weights: LAMB/Adam slots, the step counter, the LR schedule's state
 _SKIP = re.compile(r"(/adam_[mv]$|^global_step$|AdamWeightDecayOptimizer|LAMB|/Momentum$)")
@@ -114,10 +118,16 @@ def read_tf_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def convert(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], bert: BertConfig | None = None
+) -> dict[str, torch.Tensor]:
     """Write the weights of TF checkpoint ``src`` to ``out`` (torch.save, Hugging Face names:
-    ``model.init_checkpoint=out`` loads it); returns them."""
+    ``model.init_checkpoint=out`` loads it); returns them. With ``bert`` (a model.bert config),
+    they are first checked against that model's names and shapes, so a mismatch writes nothing."""
     sd = read_tf_checkpoint(src)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(sd, out)
+    if bert is not None:
+        with torch.device("meta"):  # names and shapes only: no memory for the weights
+            model_sd = BertForPreTraining(bert).state_dict()
+        from_hf(sd, model_sd, bert.layers, source=f"{checkpoint_prefix(src)} (model.bert config)")
+    atomic_write_path(Path(out), lambda tmp: torch.save(sd, tmp))
     return sd

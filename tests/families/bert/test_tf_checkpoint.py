@@ -164,9 +164,17 @@ def test_convert_mlcommons_tf_checkpoint_gives_hf_weights_and_logits(tmp_path):
         f"model.bert.intermediate={FFN}",
         f"model.bert.max_position={POS}",
     ]
+    # a config of another shape: one line naming the mismatch, exit 2, nothing written
+    bad = subprocess.run(
+        cmd + cfg + ["model.bert.intermediate=48"], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    last = bad.stderr.strip().splitlines()[-1]
+    assert "mis-shaped" in last and "intermediate.dense.weight (64, 32) (expected (48, 32))" in last
+    assert not out.exists() and not list(tmp_path.glob("phase1.pt*"))
     res = subprocess.run(cmd + cfg, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "loads as huggingface/nvidia" in res.stdout
+    assert "checked against bert_tiny_cpu's model.bert" in res.stdout
     got = torch.load(out, weights_only=True)
     tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     buffers = {k for k in want if k.endswith(("position_ids", "token_type_ids"))}
