@@ -1,5 +1,5 @@
 """scaleout ckpt: inspect a training checkpoint, export its weights as a plain state dict and for
-Hugging Face."""
+Hugging Face, convert the MLCommons phase-1 TensorFlow checkpoint."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ NAME = "ckpt"
 ORDER = 45
 HELP = (
     "checkpoints: 'show' (step, config, sha256, shards), 'export' (plain .pt + Hugging Face "
-    "BertForPreTraining)"
+    "BertForPreTraining), 'convert' (MLCommons TF phase-1 checkpoint -> .pt)"
 )
 DESCRIPTION = """\
-scaleout ckpt show   RUN_DIR_OR_CKPT scaleout ckpt export RUN_DIR_OR_CKPT [--out DIR] [--format
-plain,hf] [--config CONFIG [key=value ...]]
+scaleout ckpt show    RUN_DIR_OR_CKPT
+scaleout ckpt export  RUN_DIR_OR_CKPT [--out DIR] [--format plain,hf] [--config CONFIG [key=value]]
+scaleout ckpt convert TF_CHECKPOINT --out FILE.pt [--config CONFIG [key=value ...]]
 
 RUN_DIR_OR_CKPT: a ckpt-<step>.pt file, a checkpoint directory (its newest checkpoint that verifies
 is used), or a run directory holding one (ckpt/ or checkpoint/ inside it).
@@ -33,18 +34,31 @@ The name mapping is scaleout/families/bert/convert.py (the same one model.init_c
 Checkpoints written before the config was stored need --config (the run's config file or name and
 overrides).
 
+convert: the MLCommons BERT phase-1 TensorFlow checkpoint (the prefix model.ckpt-28252, its .index
+file or its directory) -> FILE.pt, a state dict in Hugging Face names that model.init_checkpoint
+reads; optimizer slots and global_step are dropped. Needs tensorflow (pip install 'scaleout[tf]').
+With --config, FILE.pt is checked against that config's model (names and shapes) before it is used.
+Mapping: scaleout/families/bert/tf_checkpoint.py; the whole path: docs/mlperf-data.md.
+
 examples:
   scaleout ckpt show runs/bert_tiny_cpu/ckpt
   scaleout ckpt export runs/bert_tiny_cpu/ckpt --out exported/
   scaleout ckpt export old/ckpt-00001500.pt --config bert_tiny_cpu model.bert.layers=2
+  scaleout ckpt convert /data/phase1/model.ckpt-28252 --out /data/phase1/model.ckpt-28252.pt \
+    --config bert_large_256x8
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("show", "export"), help="show or export")
-    p.add_argument("path", help="checkpoint file, checkpoint directory or run directory")
+    p.add_argument("action", choices=("show", "export", "convert"), help="show, export or convert")
     p.add_argument(
-        "--out", default=None, help="export: output directory (default: <checkpoint>-export/)"
+        "path",
+        help="checkpoint file, checkpoint directory or run directory; convert: TF checkpoint",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="export: output directory (default: <checkpoint>-export/); convert: the .pt to write",
     )
     p.add_argument(
         "--format", default="plain,hf", help="export: comma list of plain, hf (default both)"
@@ -54,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="CONFIG [key=value]",
-        help="the run's config (only for checkpoints that do not store it)",
+        help="the run's config (only for checkpoints that do not store it); convert: check it",
     )
 
 
@@ -187,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [f for f in formats if f not in ("plain", "hf")]
     if bad or not formats:
         raise UserError(f"--format {args.format!r}: expected a comma list of plain, hf")
+    if args.action == "convert":
+        return convert(args.path, args.out, args.config)
     state, path = find_checkpoint(args.path)
     if args.action == "show":
         show(state, path, args.config)
@@ -198,4 +214,29 @@ def run(args: argparse.Namespace) -> int:
             formats,
             args.config,
         )
+    return 0
+
+
+def convert(src: str, out: str | None, config: list[str] | None) -> int:
+    """TF phase-1 checkpoint -> out (.pt); with config, check it loads into that model."""
+    from scaleout.errors import UserError
+
+    if not out:
+        raise UserError("convert needs --out FILE.pt (where to write the converted weights)")
+    cfg = None
+    if config:  # a bad config fails here, before the (slow) TF import and read
+        from scaleout.config import load_config
+
+        cfg = load_config(config[0], config[1:])
+        if cfg.model.arch != "bert":
+            raise UserError(
+                f"convert --config: model.arch={cfg.model.arch!r}; the TF checkpoint is BERT's"
+            )
+    from scaleout.families.bert.tf_checkpoint import convert as tf_convert
+
+    sd = tf_convert(src, out, cfg.model.bert if cfg is not None else None)
+    params = sum(t.numel() for t in sd.values())
+    checked = f", checked against {config[0]}'s model.bert" if config else ""
+    print(f"TF checkpoint {src}: {len(sd)} tensors, {params:,} parameters{checked} -> {out}")
+    print(f"use it: model.init_checkpoint={out}")
     return 0
