@@ -289,9 +289,12 @@ class Checkpointer:
         record = None
         if shards is not None:
             name = f"{self.path(step).stem}.shards-{_token(world)}"
-            record = _shards().save_pieces(
-                shards, self.dir / name, world, _group(world)
-            )  # every rank's files are written when it returns
+            try:  # every rank's files are written when it returns
+                record = _shards().save_pieces(shards, self.dir / name, world, _group(world))
+            except BaseException as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise self._full(step, self.dir / name, state_bytes(shards)) from None
         if self.rank != 0:
             return None
         return self._commit(step, state, record)
@@ -352,7 +355,12 @@ class Checkpointer:
 
         def job() -> None:
             t0 = time.perf_counter()
-            record = pieces.result() if pieces is not None else None  # every rank's shard files
+            try:
+                record = pieces.result() if pieces is not None else None  # every rank's shards
+            except BaseException as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise self._full(step, self.dir / name, state_bytes(shards)) from None
             if self.rank == 0:
                 if ready is not None:
                     ready.synchronize()

@@ -32,6 +32,14 @@ def is_disk_full(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
             return True
+        # torch.distributed.checkpoint's CheckpointException carries each rank's failure as
+        # (exception, traceback) in .failures, not as a cause
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+                if isinstance(inner, BaseException) and is_disk_full(inner):
+                    return True
         exc = exc.__cause__ or exc.__context__
     return False
 

@@ -169,3 +169,40 @@ def test_a_full_output_dir_is_one_line_naming_the_rank_and_the_directory(tmp_pat
     assert last.startswith("scaleout launch: rank 0: no space left writing to "), last
     assert str(out) in last and "free there" in last
     assert "Logging error" not in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.unit
+def test_a_full_disk_is_seen_through_dcp_s_per_rank_failures(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint reports a rank's failed write as a CheckpointException whose
+    ``failures`` hold (exception, traceback) per rank, not as a cause: a shard write that found
+    the disk full is still recognised, and the sharded save's line names the path and the bytes,
+    not DCP's multi-line traceback."""
+    import errno
+
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def failed(exc: BaseException) -> CheckpointException:
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001 -- wrapped as DCP wraps it
+            return CheckpointException("save failed", {1: _wrap_exception(e)})
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert is_disk_full(failed(full))
+    assert not is_disk_full(failed(ValueError("a bug, not a disk")))
+
+    class Pieces:  # the sharded writer raising what DCP raises on a full disk
+        def save_pieces(self, *a, **k):
+            raise failed(full)
+
+    ckpt = Checkpointer(tmp_path / "ckpt", rank=1, asynchronous=False)
+    import scaleout.checkpoint as ck
+
+    monkeypatch.setattr(ck, "_shards", lambda: Pieces())
+    monkeypatch.setattr(ck, "_token", lambda world: "t")
+    monkeypatch.setattr(ck, "_group", lambda world: None)
+    with pytest.raises(DiskFull) as e:
+        ckpt.save(3, {}, None, {"m": torch.zeros(1024)})
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("rank 1: ") and "ckpt" in line, line
