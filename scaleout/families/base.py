@@ -48,6 +48,8 @@ class Family:
     # MLPerf benchmark name (mlperf_logging's); None: not one
     benchmark: ClassVar[str | None] = None
     metric: ClassVar[str] = "accuracy"  # the evaluation's quality metric (train.target is in it)
+    # "max": the target is reached at or above it (accuracy); "min": at or below (log-perplexity)
+    metric_goal: ClassVar[str] = "max"
     # HPC-AI500 quality exponent n of Valid FLOPS = FLOPS x (achieved / target)^n (arXiv 2007.00279)
     quality_exponent: ClassVar[float] = 5.0
     # Training samples of the reference data set (an MLPerf epoch), None where epochs count samples
@@ -93,6 +95,14 @@ class Family:
     def describe(self, cfg: Any) -> str:
         """A short model name for tables (``bert 24x1024``)."""
         return self.name
+
+    def reached(self, value: float, target: float) -> bool:
+        """Whether an evaluation's ``value`` reaches ``target`` (in the metric's direction)."""
+        return value <= target if self.metric_goal == "min" else value >= target
+
+    def quality_ratio(self, achieved: float, target: float) -> float:
+        """achieved / target, > 1 when better than the target, in the metric's direction."""
+        return target / achieved if self.metric_goal == "min" else achieved / target
 
     def epoch_of(self, samples: int, rows: int) -> int:
         """MLPerf's epoch number after ``samples`` samples of a ``rows``-sample training set."""

@@ -204,11 +204,26 @@ class LlamaForCausalLM(nn.Module):
         self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, reduction: str = "mean"
     ) -> torch.Tensor:
         """Next-token cross-entropy (fp32), never across a document boundary."""
-        logits = self(tokens, doc_ids).float()
+        return self.loss_of(self(tokens, doc_ids), tokens, doc_ids, reduction)
+
+    @staticmethod
+    def loss_of(
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """The loss of ``logits`` this model computed for ``tokens`` (a wrapper such as
+        DataParallel runs the forward; the loss is the family's)."""
         labels = labels_of(tokens, doc_ids)
         return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
+            logits.float().reshape(-1, logits.shape[-1]),
             labels.reshape(-1),
             ignore_index=IGNORE,
             reduction=reduction,
         )
+
+    @staticmethod
+    def predicted(tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """How many positions predict a token (the loss's denominator)."""
+        return (labels_of(tokens, doc_ids) != IGNORE).sum()

@@ -1,0 +1,79 @@
+"""Llama 3.1 causal language modelling, MLPerf's ``llama31_8b`` benchmark (BERT's successor): the
+family's torch-free declaration.
+
+Folder: ``config.py`` (``model.llama``), ``flops.py`` (parameters and FLOPs from the config),
+``model.py`` (the decoder, packed rows kept apart), ``hf.py`` (Hugging Face checkpoints both ways),
+``data/`` (Megatron-style indexed token files, the rows cut from them, the offline pydoc corpus in
+that layout), ``task.py`` (``LlamaTask``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from scaleout.families.base import Family, register
+from scaleout.families.llama.config import LlamaConfig
+from scaleout.families.llama.flops import (
+    llama_param_tensors,
+    llama_params,
+    training_flops_per_sequence,
+)
+
+if TYPE_CHECKING:
+    from scaleout.families.task import Task
+    from scaleout.world import World
+
+
+class LlamaFamily(Family):
+    name = "llama"
+    config = LlamaConfig
+    data_sources = ("pydoc",)
+    benchmark = "llama31_8b"
+    # the evaluation's mean next-token cross-entropy in nats (MLPerf's target: 3.3); lower is better
+    metric = "log_perplexity"
+    metric_goal = "min"
+    quality_exponent = 1.0
+    # RMSNorm weights take no weight decay (Megatron/NeMo's default for Llama); there are no biases
+    no_decay = ("norm",)
+    sim_preset = "bert-large"  # bf16 gradients, an Adam-like optimizer's bytes per parameter
+    hf_checkpoints = True
+
+    def params(self, cfg: Any) -> int:
+        return llama_params(cfg.model.llama)
+
+    def param_tensors(self, cfg: Any) -> int:
+        return llama_param_tensors(cfg.model.llama)
+
+    def flops_per_sample(self, cfg: Any) -> float:
+        return training_flops_per_sequence(cfg.model.llama)
+
+    def describe(self, cfg: Any) -> str:
+        c = cfg.model.llama
+        return f"llama {c.layers}x{c.hidden} gqa {c.heads}/{c.kv_heads}"
+
+    def mlperf_hparams(
+        self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1
+    ) -> dict[str, Any]:
+        o = cfg.optim
+        total = o.total_steps or cfg.train.max_steps
+        return {
+            "opt_name": o.name,
+            "opt_base_learning_rate": o.lr,
+            "opt_end_learning_rate": o.end_lr,
+            "opt_learning_rate_warmup_steps": o.warmup_steps,
+            "opt_learning_rate_decay_steps": max(total - o.warmup_steps, 0),
+            "opt_adamw_beta_1": o.betas[0],
+            "opt_adamw_beta_2": o.betas[1],
+            "opt_adamw_epsilon": o.eps,
+            "opt_adamw_weight_decay": o.weight_decay,
+            "max_sequence_length": cfg.model.llama.seq_len,
+            "max_steps": cfg.train.max_steps,
+        }
+
+    def build_task(self, cfg: Any, world: World) -> Task:
+        from scaleout.families.llama.task import LlamaTask  # deferred: torch-free declaration
+
+        return LlamaTask(cfg, world)
+
+
+LLAMA = register(LlamaFamily())
