@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class LlamaFamily(Family):
     name = "llama"
     config = LlamaConfig
-    data_sources = ("pydoc",)
+    data_sources = ("pydoc", "c4")
     benchmark = "llama31_8b"
     # the evaluation's mean next-token cross-entropy in nats (MLPerf's target: 3.3); lower is better
     metric = "log_perplexity"
@@ -55,19 +55,24 @@ class LlamaFamily(Family):
         self, cfg: Any, steps_per_epoch: int | None = None, world_size: int = 1
     ) -> dict[str, Any]:
         o = cfg.optim
+        # MLPerf's max_steps is the schedule's horizon (the reference's cosine runs over 1.2 M
+        # steps; a run stops at the target long before), which optim.total_steps holds
         total = o.total_steps or cfg.train.max_steps
+        shape = "cosine with linear warmup" if o.schedule == "cosine" else "polynomial"
         return {
             "opt_name": o.name,
             "opt_base_learning_rate": o.lr,
             "opt_end_learning_rate": o.end_lr,
             "opt_learning_rate_warmup_steps": o.warmup_steps,
             "opt_learning_rate_decay_steps": max(total - o.warmup_steps, 0),
+            "opt_learning_rate_decay_schedule": shape,
             "opt_adamw_beta_1": o.betas[0],
             "opt_adamw_beta_2": o.betas[1],
             "opt_adamw_epsilon": o.eps,
             "opt_adamw_weight_decay": o.weight_decay,
+            "opt_gradient_clip_norm": o.clip_grad_norm or 0.0,  # 0: not clipped
             "max_sequence_length": cfg.model.llama.seq_len,
-            "max_steps": cfg.train.max_steps,
+            "max_steps": total,
         }
 
     def build_task(self, cfg: Any, world: World) -> Task:

@@ -13,6 +13,7 @@ from scaleout.data.batches import MicroBatch
 from scaleout.data.sampler import ShardedSampler
 from scaleout.errors import ConfigError
 from scaleout.families.llama.config import LlamaConfig
+from scaleout.families.llama.data.c4 import c4_corpus
 from scaleout.families.llama.data.indexed import IndexedTokens
 from scaleout.families.llama.data.pydoc import pydoc_corpus
 from scaleout.families.llama.data.rows import Rows
@@ -55,12 +56,18 @@ class LlamaTask(Task):
     def __init__(self, cfg: Any, world: Any):
         super().__init__(cfg, world)
         c: LlamaConfig = cfg.model.llama
-        if cfg.data.source != "pydoc":
-            raise ConfigError(f"data.source={cfg.data.source!r}: the llama family reads 'pydoc'")
-        # the first rank of a host to take the cache's lock builds; the others then open it
-        train, held = pydoc_corpus(c.vocab_size)
-        self.train_rows = Rows(IndexedTokens(train), c.seq_len)
-        self.eval_rows = Rows(IndexedTokens(held), c.seq_len)
+        if cfg.data.source == "c4":  # MLPerf's preprocessed C4 at data.path
+            train_docs, eval_docs = c4_corpus(cfg.data.path)
+        elif cfg.data.source == "pydoc":
+            # the first rank of a host to take the cache's lock builds; the others then open it
+            train, held = pydoc_corpus(c.vocab_size)
+            train_docs, eval_docs = IndexedTokens(train), IndexedTokens(held)
+        else:
+            raise ConfigError(
+                f"data.source={cfg.data.source!r}: the llama family reads 'pydoc' or 'c4'"
+            )
+        self.train_rows = Rows(train_docs, c.seq_len)  # type: ignore[arg-type]
+        self.eval_rows = Rows(eval_docs, c.seq_len)
         self.rows = len(self.train_rows)
         if self.rows < cfg.train.global_batch:
             raise ConfigError(

@@ -15,6 +15,8 @@ SHORT = [
     "model.llama.seq_len=64",
     "train.global_batch=8",
     "train.max_steps=8",
+    "optim.warmup_steps=2",  # the config's 20-step warm-up would leave 8 steps barely moving
+    "optim.total_steps=8",
     "train.eval_every=8",
     "data.eval_samples=16",
     "train.progress=false",
@@ -26,12 +28,12 @@ SHORT = [
 @pytest.mark.unit
 def test_the_config_validates_and_the_metric_points_down() -> None:
     cfg = load_config("llama_tiny_cpu")
-    assert cfg.model.arch == "llama" and cfg.model.family is FAMILIES.get("llama")
+    assert cfg.model.arch == "llama"
     with pytest.raises(ConfigError, match="model.llama.heads=4 must be a multiple of"):
         load_config("llama_tiny_cpu", ["model.llama.kv_heads=3"])
     with pytest.raises(ConfigError, match="data.source"):
         load_config("llama_tiny_cpu", ["data.source=imagenet"])
-    fam = cfg.model.family
+    fam = FAMILIES.get(cfg.model.arch)
     assert fam.reached(3.2, 3.3) and not fam.reached(3.4, 3.3)
     assert FAMILIES.get("bert").reached(0.73, 0.72) and not FAMILIES.get("bert").reached(0.7, 0.72)
     from scaleout.telemetry.report import RunReport
