@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.config} on {cluster.name}: {len(res.points)} points, {len(res.front)} on the "
         f"front; samples to converge: {curve.describe()}"
     )
-    for note in curve.notes:
+    for note in [*curve.notes, *res.notes]:
         print(f"  note: {note}")
     rest = sorted((p for p in res.points if not p.front), key=lambda p: p.ttt_s)[: max(0, args.top)]
     print(format_table(HEADERS, [_row(p) for p in res.front] + [_row(p) for p in rest]))

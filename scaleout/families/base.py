@@ -72,9 +72,15 @@ class Family:
     sim_preset: ClassVar[str] = "bert-large"
     # The reference model the simulator's preset ``reference.name`` is (None: it adds no preset)
     reference: ClassVar[Reference | None] = None
+    # The largest global batch (samples) a closed MLPerf result may use: its RCP table's largest
+    # (a sample is not split between replicas, so also the most data-parallel replicas); None: no
+    # ceiling. ``inner_parallelism`` names what a wider run needs inside each replica.
+    max_global_batch: ClassVar[int | None] = None
+    inner_parallelism: ClassVar[str | None] = None
 
     # -- torch-free facts
     # ---------------------------------------------------------------------------
+
     def params(self, cfg: Any) -> int:
         """Trainable parameters of the model ``cfg`` describes."""
         raise NotImplementedError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scaleout.families.base import Family, register
+from scaleout.families.base import Family, Reference, register
 from scaleout.families.llama.config import LlamaConfig
 from scaleout.families.llama.flops import (
     llama_param_tensors,
@@ -35,8 +35,25 @@ class LlamaFamily(Family):
     quality_exponent = 1.0
     # RMSNorm weights take no weight decay (Megatron/NeMo's default for Llama); there are no biases
     no_decay = ("norm",)
-    sim_preset = "bert-large"  # bf16 gradients, an Adam-like optimizer's bytes per parameter
+    sim_preset = "llama31-8b"
     hf_checkpoints = True
+    # mlperf-logging rcp_checker/training_6.1.0/rcps_llama31_8b.json: batches 16-128 sequences; a
+    # wider run splits each sequence inside a replica, as NVIDIA's 512-GPU v5.1 record (TP2 x CP4)
+    max_global_batch = 128
+    inner_parallelism = "tensor or context parallelism (NVIDIA's v5.1 record: TP2 x CP4 x DP64)"
+    reference = Reference(
+        "llama31-8b",
+        params=float(llama_params(LlamaConfig())),
+        flops_per_sample=training_flops_per_sequence(LlamaConfig()),  # one 8,192-token row
+        grad_bytes=2,  # bf16 gradients
+        # AdamW with fp32 master weights: read p, m, v, g + write p, m, v, bf16 copy ~ 30 B/param
+        opt_bytes_per_param=30.0,
+        samples_to_converge=345_900,  # the RCP mean at batch 128 (the table's olympic mean)
+        eval_samples=1024,
+        eval_rule=None,  # every 12,288 sequences: the config's train.eval_every
+        notes="Llama 3.1 8B, seq 8192; MLPerf llama31_8b reference (mlcommons/training "
+        "small_llm_pretraining), RCPs of mlperf-logging training_6.1.0",
+    )
 
     def params(self, cfg: Any) -> int:
         return llama_params(cfg.model.llama)
