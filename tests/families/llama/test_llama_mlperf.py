@@ -99,3 +99,25 @@ def test_the_c4_layout_is_read_as_the_reference_lays_it_out(tmp_path) -> None:
         c4_corpus(tmp_path / "nothing")
     cfg = load_config(CONFIG, [f"data.path={tmp_path}"])
     assert cfg.data.source == "c4" and cfg.model.llama.seq_len == 8192
+
+
+@pytest.mark.unit
+def test_seed_logs_go_through_the_rcp_checker(tmp_path) -> None:
+    """`scaleout mlperf rcp` over llama31_8b seed logs at batch 128: converging as the RCP does
+    passes, converging much faster than every reference run fails (the real rcp_checker, ruleset
+    6.1.0: a submission may be slower than the reference, never implausibly faster)."""
+    from scaleout.telemetry.mlperf import check_rcp
+
+    def seeds(folder: str, evals: int) -> None:
+        (tmp_path / folder).mkdir()
+        for k in range(10):  # llama31_8b asks for 10 runs
+            curve = [4.0] * (evals + k % 2 - 1) + [3.29]
+            _log(tmp_path / folder / f"result_{k}.txt", [f"train.seed={k}"], curve)
+
+    seeds("rcp", 28)  # ~28 x 12,288 = 344 k sequences: the RCP mean at 128 is 345.9 k
+    r = check_rcp([tmp_path / "rcp"])
+    assert r.benchmark == "llama31_8b" and r.ruleset == "6.1.0" and r.global_batch == 128
+    assert r.passed, r.render()
+    seeds("fast", 10)  # ~123 k sequences: the RCPs' fastest run at 128 needed 307 k
+    r = check_rcp([tmp_path / "fast"])
+    assert not r.passed, r.render()
