@@ -11,7 +11,7 @@ import torch
 from scaleout.comm.collective import Collective
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
-from scaleout.optim.adamw import ClippedAdamW
+from scaleout.optim.adamw import clip_before_step
 from scaleout.optim.groups import GENERIC_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
@@ -94,18 +94,13 @@ def build_optimizer(
         # scaleout's trainer ~5 % of the step against that loop (docs/ttt.md). Elsewhere torch's
         # default (foreach on CUDA).
         kw = {"fused": True} if on_cpu else {}
-        clip = cfg.clip_grad_norm
         try:
-            return ClippedAdamW(groups, clip, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
         except (RuntimeError, TypeError):  # a torch without the CPU kernel
-            return ClippedAdamW(
-                groups,
-                clip,
-                lr=cfg.lr,
-                betas=cfg.betas,
-                eps=cfg.eps,
-                foreach=True if on_cpu else None,
+            opt = torch.optim.AdamW(
+                groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None
             )
+        return clip_before_step(opt, cfg.clip_grad_norm)
     return torch.optim.SGD(
         groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None
     )

@@ -13,7 +13,6 @@ import torch
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
 from scaleout.optim import ShardedLAMB, build_optimizer
-from scaleout.optim.adamw import ClippedAdamW
 from scaleout.optim.factory import build_schedule
 from tests.distutil import run_dist
 
@@ -93,7 +92,7 @@ def _loss(net: torch.nn.Module, s: int, rank: int = 0) -> torch.Tensor:
 def test_cosine_schedule_and_clipped_adamw_equal_torch() -> None:
     net, ref = Net(), Net()
     opt = build_optimizer(net, _cfg(), no_decay=("bias",))
-    assert isinstance(opt, ClippedAdamW)
+    assert type(opt) is torch.optim.AdamW and opt.clip_grad_norm == 0.05
     sched = build_schedule(opt, _cfg())
     steps = TOTAL + 3  # past the end: the rate stays at end_lr
     lrs = []
@@ -122,7 +121,7 @@ def test_cosine_schedule_and_clipped_adamw_equal_torch() -> None:
         opt2.step()
         opt2.zero_grad()
         sched2.step()
-    assert opt2.last_grad_norm is None
+    assert not hasattr(opt2, "last_grad_norm")
     assert (
         max(
             float((p - q).abs().max().detach())
