@@ -196,6 +196,7 @@ HEAVY = frozenset(
         "mpi4py",
         "submitit",
         "transformers",
+        "safetensors",
         "mlperf_logging",
         "tensorboard",
         "wandb",

@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.config} on {cluster.name}: {len(res.points)} points, {len(res.front)} on the "
         f"front; samples to converge: {curve.describe()}"
     )
-    for note in [*curve.notes, *assumptions(work, cluster, args.fit)]:
+    for note in [*curve.notes, *assumptions(work, cluster, args.fit), *res.notes]:
         print(f"  note: {note}")
     rest = sorted((p for p in res.points if not p.front), key=lambda p: p.wall_s)
     rest = rest[: max(0, args.top)]

@@ -163,6 +163,9 @@ class OptimConfig(_Section):
     # sharded LAMB only: over which ranks the state is sharded: world (1/W each) or node (1/ranks
     # per node each, replicated across nodes: NVIDIA's DistributedFusedLAMB)
     shard: Literal["world", "node"] = "world"
+    # the learning rate's decay after warm-up: polynomial (power, decay_from; MLPerf BERT and
+    # ResNet) or half a cosine (MLPerf llama31_8b's "cosine with linear warmup")
+    schedule: Literal["poly", "cosine"] = "poly"
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimConfig:
@@ -180,10 +183,16 @@ class OptimConfig(_Section):
             )
         if self.shard != "world" and not self.sharded:
             raise ValueError(f"optim.shard={self.shard!r} needs optim.sharded=true")
-        if self.sharded and self.name != "lamb":
+        if self.sharded and self.name not in ("lamb", "adamw"):
             raise ValueError(
-                f"optim.sharded=true is implemented for optim.name='lamb', got "
+                f"optim.sharded=true is implemented for optim.name='lamb' or 'adamw', got "
                 f"optim.name={self.name!r}"
+            )
+        if self.schedule == "cosine" and (self.start_warmup_step or self.decay_from != "warmup"):
+            raise ValueError(
+                "optim.schedule=cosine decays from the end of warm-up: expected "
+                f"optim.decay_from=warmup and optim.start_warmup_step=0, got {self.decay_from!r} "
+                f"and {self.start_warmup_step}"
             )
         return self
 

@@ -3,7 +3,8 @@
 MLPerf BERT's 4,320 training shards are read at random by every rank; from node-local NVMe a node
 reads them without loading the shared file system, which at 2,048 ranks is the first thing to
 saturate. The price is paid once, before the run: every node reads the whole data set (N nodes, N
-copies), where training alone reads only its ranks' share of it. :func:`stage` copies ``src`` into ``dest``:
+copies), where training alone reads only its ranks' share of it. :func:`stage` copies ``src``
+into ``dest``:
 
 - once per node: an exclusive ``flock`` on ``dest/.scaleout-stage.lock`` makes a second caller
   on the same node (another rank, a rerun) wait, then find the files there and copy nothing;

@@ -13,6 +13,7 @@ from __future__ import annotations
 # The built-in families register themselves on import (torch-free declarations); the protocol and
 # the registry they register in live in scaleout.families.base.
 from scaleout.families import bert as _bert  # noqa: F401
+from scaleout.families import llama as _llama  # noqa: F401
 from scaleout.families import resnet as _resnet  # noqa: F401
 from scaleout.families.base import FAMILIES, Family, data_sources, register, unregister
 

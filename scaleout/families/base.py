@@ -48,6 +48,8 @@ class Family:
     # MLPerf benchmark name (mlperf_logging's); None: not one
     benchmark: ClassVar[str | None] = None
     metric: ClassVar[str] = "accuracy"  # the evaluation's quality metric (train.target is in it)
+    # "max": the target is reached at or above it (accuracy); "min": at or below (log-perplexity)
+    metric_goal: ClassVar[str] = "max"
     # HPC-AI500 quality exponent n of Valid FLOPS = FLOPS x (achieved / target)^n (arXiv 2007.00279)
     quality_exponent: ClassVar[float] = 5.0
     # Training samples of the reference data set (an MLPerf epoch), None where epochs count samples
@@ -70,9 +72,15 @@ class Family:
     sim_preset: ClassVar[str] = "bert-large"
     # The reference model the simulator's preset ``reference.name`` is (None: it adds no preset)
     reference: ClassVar[Reference | None] = None
+    # The largest global batch (samples) a closed MLPerf result may use: its RCP table's largest
+    # (a sample is not split between replicas, so also the most data-parallel replicas); None: no
+    # ceiling. ``inner_parallelism`` names what a wider run needs inside each replica.
+    max_global_batch: ClassVar[int | None] = None
+    inner_parallelism: ClassVar[str | None] = None
 
     # -- torch-free facts
     # ---------------------------------------------------------------------------
+
     def params(self, cfg: Any) -> int:
         """Trainable parameters of the model ``cfg`` describes."""
         raise NotImplementedError
@@ -93,6 +101,14 @@ class Family:
     def describe(self, cfg: Any) -> str:
         """A short model name for tables (``bert 24x1024``)."""
         return self.name
+
+    def reached(self, value: float, target: float) -> bool:
+        """Whether an evaluation's ``value`` reaches ``target`` (in the metric's direction)."""
+        return value <= target if self.metric_goal == "min" else value >= target
+
+    def quality_ratio(self, achieved: float, target: float) -> float:
+        """achieved / target, > 1 when better than the target, in the metric's direction."""
+        return target / achieved if self.metric_goal == "min" else achieved / target
 
     def epoch_of(self, samples: int, rows: int) -> int:
         """MLPerf's epoch number after ``samples`` samples of a ``rows``-sample training set."""

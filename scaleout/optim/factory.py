@@ -11,10 +11,11 @@ import torch
 from scaleout.comm.collective import Collective
 from scaleout.config.schema import CommConfig, OptimConfig
 from scaleout.errors import ConfigError
+from scaleout.optim.adamw import clip_before_step
 from scaleout.optim.groups import GENERIC_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
-from scaleout.optim.schedule import warmup_poly
+from scaleout.optim.schedule import warmup_cosine, warmup_poly
 from scaleout.optim.sharded import ShardedLAMB
 
 if TYPE_CHECKING:
@@ -34,16 +35,23 @@ def build_optimizer(
     ``no_decay``: the name patterns of the model family (``Family.no_decay``: NVIDIA BERT's
     bias/gamma/beta/LayerNorm, MLPerf ResNet's bias and batch norm) get no weight decay and no trust
     ratio, and neither do normalisation layers (scaleout/optim/groups.py). ``optim.sharded`` selects
-    :class:`ShardedLAMB` over ``world`` (lamb only), with ``comm``'s algorithm (and torus grid) for
-    its reduce-scatter / all-gather: ``optim.overlap_comm`` buckets of ``comm.bucket_mb``
-    reduce-scattered during backward, otherwise one bucket sent in ``step()``; ``optim.shard``
-    (world / node) and ``comm.compression`` (the gradients' wire dtype) as ShardedLAMB says.
+    :class:`ShardedLAMB` over ``world`` (lamb, or adamw: its mode without the trust ratio), with
+    ``comm``'s algorithm (and torus grid) for its reduce-scatter / all-gather:
+    ``optim.overlap_comm`` buckets of ``comm.bucket_mb`` reduce-scattered during backward,
+    otherwise one bucket sent in ``step()``; ``optim.shard`` (world / node) and
+    ``comm.compression`` (the gradients' wire dtype) as ShardedLAMB says.
     """
     groups = param_groups(model, cfg.weight_decay, no_decay)
     on_cpu = next(model.parameters()).device.type == "cpu"
     # the rules between optim.* keys (overlap_comm / shard need sharded, sharded needs lamb) are
     # the schema's (OptimConfig): ``cfg`` is a validated section
-    if cfg.name == "lamb":
+    if cfg.name == "adamw" and cfg.sharded:
+        # AdamW is LAMB with the trust ratio fixed at 1: u = m^/(sqrt(v^)+eps) + wd w, w -= lr u is
+        # torch's decoupled-decay AdamW step (w(1 - lr wd) - lr m^/(sqrt(v^)+eps)), so the sharded
+        # LAMB's reduce-scatter / update / all-gather runs it unchanged (one implementation, a mode)
+        for g in groups:
+            g["trust_ratio"] = False
+    if cfg.name == "lamb" or cfg.sharded:
         kw = dict(
             lr=cfg.lr,
             betas=cfg.betas,
@@ -87,11 +95,12 @@ def build_optimizer(
         # default (foreach on CUDA).
         kw = {"fused": True} if on_cpu else {}
         try:
-            return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
+            opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kw)
         except (RuntimeError, TypeError):  # a torch without the CPU kernel
-            return torch.optim.AdamW(
+            opt = torch.optim.AdamW(
                 groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None
             )
+        return clip_before_step(opt, cfg.clip_grad_norm)
     return torch.optim.SGD(
         groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None
     )
@@ -100,8 +109,11 @@ def build_optimizer(
 def build_schedule(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``optim.warmup_steps`` then polynomial decay (``power``) to ``end_lr`` at
-    ``total_steps``; call ``.step()`` once per optimizer step."""
+    """Linear warmup over ``optim.warmup_steps`` then, by ``optim.schedule``, polynomial decay
+    (``power``) or a half cosine to ``end_lr`` at ``total_steps``; call ``.step()`` once per
+    optimizer step."""
+    if cfg.schedule == "cosine":
+        return warmup_cosine(optimizer, cfg.warmup_steps, cfg.total_steps, cfg.end_lr)
     return warmup_poly(
         optimizer,
         cfg.warmup_steps,

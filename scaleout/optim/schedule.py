@@ -33,6 +33,7 @@ warmup.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +99,50 @@ class WarmupPoly:
             return 1.0
         frac = min(k / self.total_steps, 1.0)
         return (1.0 - self.end_factor) * (1.0 - frac) ** self.power + self.end_factor
+
+
+@dataclass
+class WarmupCosine:
+    """Linear warm-up to the base rate, then half a cosine down to ``end_factor`` at ``total_steps``
+    (then flat): MLPerf ``llama31_8b``'s "cosine with linear warmup" (Megatron-LM's
+    ``OptimizerParamScheduler``, decay style cosine, which NeMo's reference and NVIDIA's submissions
+    run)::
+
+        lr = base * step / warmup                                          step < warmup
+        lr = end + (base - end) * (1 + cos(pi * (step - warmup) / (total - warmup))) / 2
+
+    ``total_steps=None`` keeps the base rate after warm-up."""
+
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    end_factor: float = 0.0  # end_lr / base lr
+
+    def __post_init__(self) -> None:
+        WarmupPoly(self.warmup_steps, self.total_steps)  # the same checks on the two step counts
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return step / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        frac = min(step - self.warmup_steps, self.total_steps - self.warmup_steps) / (
+            self.total_steps - self.warmup_steps
+        )
+        return self.end_factor + (1.0 - self.end_factor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    end_lr: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (call ``.step()`` after every optimizer step) following :class:`WarmupCosine`;
+    ``end_lr`` as in :func:`warmup_poly`."""
+    check_hparams("schedule", end_lr=end_lr)
+    base = optimizer.param_groups[0]["lr"]
+    schedule = WarmupCosine(warmup_steps, total_steps, end_lr / base if base > 0 else 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def warmup_poly(

@@ -43,7 +43,9 @@ DEFAULT_RULESET = "2.0.0"  # the MLPerf Training round of the v2.0 A100 runs in 
 RCP_UNITS = {
     fam.benchmark: float(fam.train_samples or 1) for _, fam in FAMILIES.items() if fam.benchmark
 }
-MODEL_BENCHMARK = {"bert-large": "bert", "resnet50": "resnet"}
+MODEL_BENCHMARK = {"bert-large": "bert", "resnet50": "resnet", "llama31-8b": "llama31_8b"}
+# Benchmarks younger than DEFAULT_RULESET: the round whose RCP table they are read from
+RCP_RULESET = {"llama31_8b": "6.1.0"}
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,7 @@ def curve_for(
                 f"sim.convergence=rcp: no MLPerf RCPs for model {model_name!r}; expected one of "
                 f"{', '.join(MODEL_BENCHMARK)} (or give a bench largebatch JSON)"
             )
-        return rcp_curve(bench, ruleset)
+        return rcp_curve(bench, RCP_RULESET.get(bench, ruleset))
     points, notes = largebatch_points(source)
     curve = fit_curve(points, f"fit to {source}")
     return ConvergenceCurve(

@@ -82,14 +82,23 @@ from scaleout.sim.step import (
 
 # Config keys of each optimizer placement (None: no config key in this scaleout: priced only).
 PLACEMENT_OVERRIDES: dict[str, list[str] | None] = {
+    # (shard=world: the key only means something sharded, and a config may set node)
     "replicated": ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"],
     "sharded": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=world"],
     # the sharded LAMB with its state sharded over the node's ranks (apex DistributedFusedLAMB)
     "sharded-node": ["optim.sharded=true", "optim.overlap_comm=true", "optim.shard=node"],
 }
 # The family's Slurm script (slurm/<script>.sh) and the config it trains (fixed in the script).
-SLURM_SCRIPTS = {"bert": "bert_256node.sh", "resnet": "resnet50_128node.sh"}
-SLURM_CONFIGS = {"bert": "configs/bert_large_256x8.yaml", "resnet": "configs/resnet50_128x8.yaml"}
+SLURM_SCRIPTS = {
+    "bert": "bert_256node.sh",
+    "resnet": "resnet50_128node.sh",
+    "llama": "llama31_8b_16node.sh",
+}
+SLURM_CONFIGS = {
+    "bert": "configs/bert_large_256x8.yaml",
+    "resnet": "configs/resnet50_128x8.yaml",
+    "llama": "configs/llama31_8b_16x8.yaml",
+}
 PICKS = ("knee", "fastest", "cheapest")
 
 
@@ -592,6 +601,7 @@ class Plan:
     front: list[Point]
     knee: Point
     chosen: Point
+    notes: list[str] = field(default_factory=list)
 
 
 def plan(
@@ -611,19 +621,37 @@ def plan(
         )
     if not work.references:
         work = for_curve(work, curve)
+    cands, notes = within_ceiling(work.arch, grid.candidates())
     points = [
         predict(work, cluster, curve, c, rates, cores, host_s)
-        for c in grid.candidates()
+        for c in cands
         if c.optimizer in work.models  # a placement the config's optimizer has
     ]
     if not points:
-        raise ConfigError("no point to plan: the grid is empty")
+        raise ConfigError("no point to plan: the grid is empty" + "".join(f"; {n}" for n in notes))
     front = front_of(points)
     k = knee_of(front)
     on_front = {id(p) for p in front}
     for p in points:
         p.front, p.knee = id(p) in on_front, p is k
-    return Plan(points, front, k, choose(points, pick))
+    return Plan(points, front, k, choose(points, pick), notes)
+
+
+def within_ceiling(arch: str, cands: list[Candidate]) -> tuple[list[Candidate], list[str]]:
+    """The candidates a closed MLPerf result may run: none above the family's largest RCP batch
+    (``Family.max_global_batch``), with a note naming what the dropped widths would need."""
+    fam = FAMILIES.get(arch)
+    cap = fam.max_global_batch
+    if cap is None:
+        return cands, []
+    kept = [c for c in cands if c.global_batch <= cap]
+    if len(kept) == len(cands):
+        return kept, []
+    return kept, [
+        f"{len(cands) - len(kept)} points above global batch {cap} dropped: {fam.benchmark}'s "
+        f"RCPs end at {cap} samples, so at most {cap} data-parallel replicas; more GPUs need "
+        f"{fam.inner_parallelism or 'model parallelism inside a replica'}"
+    ]
 
 
 # ------------------------------------------------------------------------------------ commands

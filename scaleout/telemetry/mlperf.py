@@ -47,9 +47,10 @@ if TYPE_CHECKING:
     from scaleout.world import World
 
 # Newest compliance-checker rulesets that still contain each benchmark (mlperf-logging 4.1.x).
-RULESET = {"bert": "5.0.0", "resnet": "4.0.0"}
-# The closed-division quality targets those rulesets check (eval_accuracy ATLEAST_ONE_CHECK).
-TARGET = {"bert": 0.720, "resnet": 0.7590}
+RULESET = {"bert": "5.0.0", "resnet": "4.0.0", "llama31_8b": "6.1.0"}
+# The closed-division quality targets those rulesets check (eval_accuracy ATLEAST_ONE_CHECK;
+# llama31_8b's is a log-perplexity, lower is better).
+TARGET = {"bert": 0.720, "resnet": 0.7590, "llama31_8b": 3.3}
 
 
 # MLPerf's run_stop statuses: reached the target, or anything else.
@@ -288,7 +289,7 @@ def check_compliance(
 
 def _relaxed_rules(tmp: Path, ruleset: str, benchmark: str, target: float) -> Path:
     """Copy every rule directory; rewrite only the eval_accuracy threshold of
-    closed_<benchmark>.yaml."""
+    closed_<benchmark>.yaml (and of open_<benchmark>.yaml where it has one)."""
     import mlperf_logging.compliance_checker as cc
 
     src = Path(cc.__file__).parent
@@ -299,13 +300,20 @@ def _relaxed_rules(tmp: Path, ruleset: str, benchmark: str, target: float) -> Pa
             "enqueue_config('training_", f"enqueue_config('{tmp}/training_"
         )
         f.write_text(text)
-    rule = tmp / f"training_{ruleset}" / f"closed_{benchmark}.yaml"
-    text, n = re.subn(
-        r"(ATLEAST_ONE_CHECK:.*?v\['value'\]\s*>=\s*)[0-9.]+", rf"\g<1>{target!r}", rule.read_text()
-    )
-    if n != 1:
-        raise UserError(f"{rule}: expected one eval_accuracy threshold to replace, found {n}")
-    rule.write_text(text)
+    # the threshold's direction is the benchmark's (bert: >= 0.720; llama31_8b: <= 3.3, and its
+    # open division's placeholder < 1.0): closed must hold exactly one, open may hold one
+    for division, want in (("closed", (1,)), ("open", (0, 1))):
+        rule = tmp / f"training_{ruleset}" / f"{division}_{benchmark}.yaml"
+        if not rule.exists() and division == "open":
+            continue
+        text, n = re.subn(
+            r"(ATLEAST_ONE_CHECK:.*?v\['value'\]\s*(?:>=|<=|<)\s*)[0-9.]+",
+            rf"\g<1>{target!r}",
+            rule.read_text(),
+        )
+        if n not in want:
+            raise UserError(f"{rule}: expected one eval_accuracy threshold to replace, found {n}")
+        rule.write_text(text)
     return tmp / f"training_{ruleset}" / "common.yaml"
 
 

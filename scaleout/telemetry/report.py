@@ -101,15 +101,20 @@ class RunReport:
         Valid FLOPS, as the published formula does."""
         if self.achieved is None or self.quality_target is None:
             return None
+        fam = FAMILIES.get(self.arch) if self.arch in FAMILIES else None
+        if fam is not None:  # in the metric's direction (log-perplexity: target / achieved)
+            return fam.quality_ratio(self.achieved, self.quality_target)
         return self.achieved / self.quality_target
 
     @property
     def valid_flops_per_s(self) -> float | None:
         if self.achieved is None or self.quality_target is None:
             return None
-        return valid_flops(
-            self.flops_per_s, self.achieved, self.quality_target, float(self.quality_exponent)
-        )
+        better, worse = self.achieved, self.quality_target
+        fam = FAMILIES.get(self.arch) if self.arch in FAMILIES else None
+        if fam is not None and fam.metric_goal == "min":  # lower is better: target / achieved
+            better, worse = worse, better
+        return valid_flops(self.flops_per_s, better, worse, float(self.quality_exponent))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -604,7 +604,7 @@ class Trainer:
             self.metric = self.evaluate(last=done)
             self.gc.collect()  # a boundary every rank reaches at this step
             self.lost["evaluation_s"] += time.perf_counter() - t_eval
-            if self.stops_at_target and self.metric >= cfg.train.target:
+            if self.stops_at_target and self.task.family.reached(self.metric, cfg.train.target):
                 return "success", ""
         if self.saves is not None and self.saves.due(self.step):
             self.save_checkpoint()
@@ -889,7 +889,7 @@ class Trainer:
         for observer in self.observers:
             observer.on_eval_start(at)
         value = self.task.evaluate(self.task.model)
-        reached = self.stops_at_target and value >= target
+        reached = self.stops_at_target and self.task.family.reached(value, target)
         record = EvalRecord(
             step=self.step,
             samples=self.samples,

@@ -500,8 +500,8 @@ MOVED_RULES = [
     (["optim.overlap_comm=true"], "optim.overlap_comm=true needs optim.sharded=true"),
     (["optim.shard=node"], "optim.shard='node' needs optim.sharded=true"),
     (
-        ["optim.sharded=true", "optim.name=adamw"],
-        "optim.sharded=true is implemented for optim.name='lamb', got optim.name='adamw'",
+        ["optim.sharded=true", "optim.name=sgd"],
+        "optim.sharded=true is implemented for optim.name='lamb' or 'adamw', got optim.name='sgd'",
     ),
     (
         ["model.arch=resnet", "data.source=synthetic", "model.init_checkpoint=/x.pt"],

@@ -12,27 +12,27 @@ import numpy as np
 import pytest
 from conftest import WIKI_HIST as HIST  # noqa: E402 -- the packaged copy
 
-from scaleout.data.sampler import ShardedSampler
-from scaleout.errors import ConfigError, UserError
-from scaleout.families.bert.data.bert_sources import (
-    load_shards,
-    read_length_histogram,
-    synthetic_samples,
-)
-from scaleout.families.bert.data.corpus import (
+from scaleout.data.corpus import (
     corpus_hash,
     is_eval,
     pydoc_documents,
     split_sentences,
     stdlib_documents,
 )
-from scaleout.families.bert.data.pretrain import build_pretraining_data, mlm_baselines, to_padded
-from scaleout.families.bert.data.tokenizer import (
+from scaleout.data.sampler import ShardedSampler
+from scaleout.data.tokenizer import (
     SPECIALS,
     WordPiece,
     train_or_load,
     train_wordpiece,
 )
+from scaleout.errors import ConfigError, UserError
+from scaleout.families.bert.data.bert_sources import (
+    load_shards,
+    read_length_histogram,
+    synthetic_samples,
+)
+from scaleout.families.bert.data.pretrain import build_pretraining_data, mlm_baselines, to_padded
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from scaleout.cli import main as cli_main
+from scaleout.data.corpus import pydoc_documents
 from scaleout.errors import UserError
-from scaleout.families.bert.data.corpus import pydoc_documents
 from scaleout.families.bert.data.make_shards import make_shards
 from scaleout.families.bert.data.shard_format import ShardReader, shard_files
 
@@ -581,7 +581,7 @@ def test_only_rank_0_lists_and_stats_the_shards_at_start(tmp_path):
     on each rank, growing with the shards); both see the same counts,
     and the all-reduced per-step counts equal the single-process global_counts."""
     from distutil import run_dist
-    from test_mlperf_timing import _write_fixed_shard  # tests/ is on sys.path, as for distutil
+    from telemetry.test_mlperf_timing import _write_fixed_shard  # tests/ is on sys.path
 
     rng = np.random.default_rng(0)
     for split, files in (("train", 24), ("eval", 1)):

@@ -1,7 +1,7 @@
 """Write MLPerf BERT shards from the offline corpus (``scaleout data make-shards``).
 
-The corpus (:mod:`scaleout.families.bert.data.corpus`), WordPiece vocabulary
-(:mod:`scaleout.families.bert.data.tokenizer`) and samples
+The corpus (:mod:`scaleout.data.corpus`), WordPiece vocabulary
+(:mod:`scaleout.data.tokenizer`) and samples
 (:mod:`scaleout.families.bert.data.pretrain`, Google's ``create_pretraining_data`` procedure) are
 the ones ``data.source: pydoc`` trains on; this writes them in the MLPerf file layout so every
 ``data.source: wikipedia`` code path runs on files of the real format::

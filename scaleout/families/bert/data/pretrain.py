@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from scaleout.errors import UserError
-from scaleout.families.bert.data.corpus import (
+from scaleout.data.corpus import (
     Document,
     cache_dir,
     corpus_hash,
     is_eval,
     load_corpus,
 )
-from scaleout.families.bert.data.tokenizer import WordPiece, train_or_load
+from scaleout.data.tokenizer import WordPiece, train_or_load
+from scaleout.errors import UserError
 from scaleout.fsutil import atomic_write, atomic_write_path, file_lock
 from scaleout.output import format_table
 

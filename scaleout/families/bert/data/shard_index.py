@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scaleout.data.corpus import cache_dir
 from scaleout.errors import ConfigError, UserError
-from scaleout.families.bert.data.corpus import cache_dir
 from scaleout.families.bert.data.shard_format import ShardReader
 from scaleout.families.bert.packing.assign import assign_sequences
 from scaleout.families.bert.packing.hist import histogram_from_lengths

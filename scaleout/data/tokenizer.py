@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Iterable
 from itertools import pairwise
 
+from scaleout.data.corpus import cache_dir
 from scaleout.errors import UserError
-from scaleout.families.bert.data.corpus import cache_dir
 from scaleout.fsutil import atomic_write
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
