@@ -163,7 +163,7 @@ def config_curve(cfg: Any, ruleset: str = DEFAULT_RULESET) -> ConvergenceCurve |
     if cfg.train.target is None or not fam.benchmark or fam.benchmark not in RCP_UNITS:
         return None
     try:
-        curve = rcp_curve(fam.benchmark, ruleset)
+        curve = rcp_curve(fam.benchmark, RCP_RULESET.get(fam.benchmark, ruleset))
     except ConfigError:
         return None  # this ruleset has no RCPs for it
     rate = max(1, round(fam.sequences_per_sample(cfg)))

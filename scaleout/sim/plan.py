@@ -56,6 +56,7 @@ from scaleout.sim.cluster import (
 from scaleout.sim.convergence import (
     DEFAULT_RULESET,
     MODEL_BENCHMARK,
+    RCP_RULESET,
     ConvergenceCurve,
     curve_for,
     load_rcps,
@@ -405,8 +406,12 @@ def for_curve(work: Workload, curve: ConvergenceCurve) -> Workload:
     if curve.e_min is not None:  # a fit: in the config's units
         return replace(work, rate=1, optimizer_name=opt, references=[config_reference(cfg, 1)])
     rate = max(1, round(family.sequences_per_sample(cfg)))
-    refs = rcp_references(family.benchmark, DEFAULT_RULESET) if family.benchmark else []
-    ceiling = max(r.batch for r in load_rcps(family.benchmark)) if family.benchmark else None
+    # the ruleset that has the benchmark's RCPs (llama31_8b's are newer than the default round)
+    ruleset = RCP_RULESET.get(family.benchmark or "", DEFAULT_RULESET)
+    refs = rcp_references(family.benchmark, ruleset) if family.benchmark else []
+    ceiling = (
+        max(r.batch for r in load_rcps(family.benchmark, ruleset)) if family.benchmark else None
+    )
     rule = get_model(family.sim_preset)
     return replace(
         work,

@@ -222,9 +222,14 @@ class _ConfigReads:
         self.params: dict[tuple[str, int | str], frozenset[str]] = {}
         self.reads: set[tuple[str, str]] = set()
         self.members: dict[str, str] = {}  # "Class.attr" -> section, from ``self.attr = <section>``
-        for _ in range(4):  # sections flow through calls into parameters: iterate to a fixed point
+        # sections flow through calls into parameters (a model's config through its layers'
+        # constructors): iterate to a fixed point
+        for _ in range(12):
+            before = (dict(self.params), set(self.reads), dict(self.members))
             for tree in trees:
                 self._scope(tree, {}, None)
+            if before == (self.params, self.reads, self.members):
+                break
 
     def _section(self, node, aliases: dict[str, str]) -> str | None:
         ast = self.ast
@@ -488,7 +493,9 @@ def test_the_schema_is_fixed_after_import() -> None:
         ALGORITHMS.unregister("probe_echo")
     assert schema.ModelConfig is classes[1] and schema.Config is classes[0]
     assert {cls: dict(cls.model_fields) for cls in classes} == fields
-    with pytest.raises(ConfigError, match="model.arch='probe_fixed': expected 'bert' or 'resnet'"):
+    with pytest.raises(
+        ConfigError, match="model.arch='probe_fixed': expected 'bert', 'resnet' or 'llama'"
+    ):
         load_config(None, ["model.arch=probe_fixed"])
     with pytest.raises(ConfigError, match="unknown key model.probe_fixed .expected one of: arch"):
         load_config(None, ["model.probe_fixed.width=5"])

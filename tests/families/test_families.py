@@ -62,7 +62,8 @@ def test_schema_reads_the_registry() -> None:
     assert set(data_sources()) >= {"synthetic", "pydoc", "wikipedia", "imagenet"}
     for name, fam in FAMILIES.items():  # the section key is the arch, its type the family's
         assert isinstance(getattr(Config().model, name), fam.config)
-    with pytest.raises(ConfigError, match="model.arch=.nope.: expected .bert. or .resnet."):
+    expected = "model.arch=.nope.: expected .bert., .resnet. or .llama."
+    with pytest.raises(ConfigError, match=expected):
         load_config(None, ["model.arch=nope"])
 
 

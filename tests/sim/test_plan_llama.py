@@ -56,4 +56,5 @@ def test_the_cli_prints_the_ceiling() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "RCPs end at 128 samples" in out.stdout and "rcps_llama31_8b.json" in out.stdout
-    assert "sbatch -N" in out.stdout and "llama31_8b_16node.sh" in out.stdout
+    assert "sbatch -J plan-" in out.stdout and " -N " in out.stdout
+    assert "llama31_8b_16node.sh" in out.stdout

@@ -55,7 +55,7 @@ class LlamaBatches:
 class LlamaTask(Task):
     def __init__(self, cfg: Any, world: Any):
         super().__init__(cfg, world)
-        c: LlamaConfig = cfg.model.llama
+        c = cfg.model.llama
         if cfg.data.source == "c4":  # MLPerf's preprocessed C4 at data.path
             train_docs, eval_docs = c4_corpus(cfg.data.path)
         elif cfg.data.source == "pydoc":
