@@ -36,8 +36,22 @@ BAR = 1.2  # the issue's bar: a per-rank figure at the largest world within 1.2x
 def _inputs(tmp: Path, world: int) -> tuple[Path, Path, Path]:
     data = tmp / "data"
     data.mkdir(parents=True)
-    for i in range(2 * world):  # .npz shards are zip files: the signature is all a sniff reads
-        (data / f"part-{i:05d}.npz").write_bytes(b"PK\x03\x04" + bytes(60))
+    # real (one-sequence) MLPerf BERT shards: the preflight opens the first one as a rank would
+    import numpy as np
+
+    z = np.zeros
+    first = data / "part-00000.npz"
+    np.savez(
+        first,
+        input_ids=z((1, 8), np.int32),
+        input_mask=z((1, 8), np.int32),
+        segment_ids=z((1, 8), np.int32),
+        masked_lm_positions=z((1, 2), np.int32),
+        masked_lm_ids=z((1, 2), np.int32),
+        next_sentence_labels=z((1,), np.int32),
+    )
+    for i in range(1, 2 * world):
+        (data / f"part-{i:05d}.npz").write_bytes(first.read_bytes())
     ckpt = tmp / "ckpt"
     Checkpointer(ckpt).save(3, {"model": {"w": torch.arange(4.0)}})
     init = tmp / "init.pt"

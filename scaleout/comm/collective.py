@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaleout.comm import shard
+from scaleout.comm import handles, shard
 from scaleout.comm.algorithm import Algorithm, Options, get_algorithm
 from scaleout.comm.api import dispatch, op_name
 from scaleout.errors import UserError
@@ -123,7 +123,16 @@ class Collective:
                 # the caller's next allocation mid-reduction (review gpu-day-two finding 6)
                 buf.record_stream(torch.cuda.current_stream(buf.device))
             alg.all_reduce(buf, world, opts, prepared)
-            finish()
+            end = handles.ending_stream() if buf.is_cuda else None
+            if end is None:
+                finish()
+                return
+            # the phases ended on another stream (the pipelined column lane): finish there, in
+            # order after them, and keep the staging copy alive for that stream too
+            if not contiguous:
+                buf.record_stream(end)
+            with torch.cuda.stream(end):
+                finish()
 
         native = (lambda: alg.start(buf, world, opts)) if alg.single_collective else None
         # a sum in place needs no finishing: a native work is then waited for as it is

@@ -99,6 +99,12 @@ def finish_on(stream: Any) -> None:
     _ENDS.stream = stream
 
 
+def ending_stream() -> Any:
+    """The stream the running :func:`on_comm_stream` job's last work is on (None: the comm
+    stream itself): what finishes a bucket (the staging copy back, the average) runs there."""
+    return getattr(_ENDS, "stream", None)
+
+
 def on_comm_stream(
     tensor: torch.Tensor, job: Callable[[], Any], cuda_future: bool = True
 ) -> StreamHandle:

@@ -108,7 +108,9 @@ def test_a_full_disk_during_a_background_save_is_one_line_and_resume_uses_the_pr
     again = _launch(out, ck, "train.max_steps=6")
     err = again.stderr.decode().strip()
     assert again.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
-    assert f"checkpoint.dir={ck}" in err and "free" in err and "needs" in err
+    # the launcher's room check (one checkpoint, estimated from the model) or the resume's (the
+    # newest checkpoint's size), whichever sees it first: the key, the path and what is free
+    assert "checkpoint.dir=" in err and str(ck) in err and "free" in err, err
     assert "[rank" not in again.stdout.decode()  # nothing spawned
 
     # a killed write's temp file, room again: the next start removes it and resumes at step 3
