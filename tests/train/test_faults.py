@@ -141,8 +141,10 @@ _CAUSES = {
     ("hang", 3): r"rank 3 \(node 1, local rank 1\) is behind: step 1 in forward, collective "
     r"#(?P<behind>\d+) while the others are at #(?P<others>\d+) \(step 1, grad-sync\)",
     # a frozen rank: its heartbeat stopped
+    # (the position is completed from the collective the live ranks wait in: issue 43 item 5)
     ("stop", 3): r"rank 3 \(node 1, local rank 1\) \(last seen at step [01] in [a-z-]+, "
-    r"collective #\d+\) sent no heartbeat for 2 s: stopped, hung or dead",
+    r"collective #\d+(; it then took part in every collective up to #\d+: the others wait for "
+    r"it in #\d+ at step \d+, [a-z-]+)?\) sent no heartbeat for 2 s: stopped, hung or dead",
     # a frozen rank 0: the store it hosts does not answer either
     ("stop", 0): r"rank 0 \(node 0, local rank 0\), which hosts the rendezvous store, did not "
     r"answer \(.+\): stopped, hung or dead, or its host is unreachable",
