@@ -16,15 +16,18 @@ be stuck in a collective); a call that runs past ``timeout`` seconds does the sa
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
 def _worker(rank, env, tasks, results) -> None:
+    faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints this rank's Python stacks
     os.environ.update(env)
     world = None
     try:
@@ -95,12 +98,20 @@ class DistPool:
     def _collect(self, what: str, timeout: float) -> list[Any]:
         got: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         while len(got) + len(errors) < self.world and not errors:
-            try:
-                rank, status, value = self.results.get(timeout=timeout)
+            try:  # a rank that dies without a word (a crash, os._exit) ends the wait at once
+                rank, status, value = self.results.get(timeout=min(1.0, timeout))
             except queue_mod.Empty:
                 missing = sorted(set(range(self.world)) - set(got))
+                dead = {r: self.procs[r].exitcode for r in missing if not self.procs[r].is_alive()}
+                if not dead and time.monotonic() < deadline:
+                    continue
                 self.close(force=True)
+                if dead:
+                    raise AssertionError(
+                        f"ranks {sorted(dead)} died during {what} (exit codes {dead})"
+                    ) from None
                 raise AssertionError(
                     f"ranks {missing} did not finish ({what}) within {timeout:.0f} s"
                 ) from None

@@ -387,12 +387,24 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
     def _launch_usage(self) -> None:
         """optim.shard=node over several nodes: which parameters got a gradient on some rank, summed
         over the world on its own (the norm all-reduce stays within the node), issued as soon as the
-        last bucket is out, so it completes while the reduce-scatters are waited for."""
+        last bucket is out, so it completes while the reduce-scatters are waited for. It goes
+        through :func:`dispatch`, behind the buckets still queued on the comm thread: with one rank
+        per node the inter-node group is the world group, and a collective issued here while that
+        thread still sends buckets on it would pair with a bucket on another rank (c10d matches by
+        issue order per group)."""
         if not self._world_usage or self._usage_work is not None:
             return
-        self._usage = self._usage_on_device(0)
+        self._usage = usage = self._usage_on_device(0)
         self.issued += 1
-        self._usage_work = dist.all_reduce(self._usage, group=self.world.group, async_op=True)
+        group = self.world.group
+        self._usage_work = dispatch(
+            self.world,
+            usage,
+            lambda: dist.all_reduce(usage, group=group),
+            lambda: dist.all_reduce(usage, group=group, async_op=True),
+            None,
+            True,
+        )
 
     def check_unused(self) -> list[str]:
         return []

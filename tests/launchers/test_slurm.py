@@ -360,7 +360,7 @@ def test_submitit_job_on_two_nodes(slurm_cluster, tmp_path):
 
 def test_submit_rejects_bad_input(slurm_cluster):
     p = slurm_cluster.run(
-        [sys.executable, "-m", "scaleout", "submit", "configs/x.yaml", "--nnodes", "0"], check=False
+        [sys.executable, "-m", "scaleout", "submit", "bert_tiny_cpu", "--nnodes", "0"], check=False
     )
     assert p.returncode == 2 and "--nnodes=0: expected an integer >= 1" in p.stderr
     p = slurm_cluster.run(

@@ -361,3 +361,58 @@ def test_a_nonfinite_gradient_skips_everywhere_and_the_norms_stay_in_the_node() 
                 assert norms == [(4 if shard == "world" else 2, 4 * c["n"])], (what, c["calls"])
             msg = res[("unused", shard)]
             assert "received no gradient on any rank: ['unused.weight', 'unused.bias']" in msg, msg
+
+
+def _one_rank_per_node(world, slow_rank: int, steps: int) -> dict:
+    """shard=node, bf16 wire, 2 nodes x 1 rank: the inter-node group is the world group. Rank
+    ``slow_rank``'s comm thread sends each bucket late (a sleep before its all-to-all), so on that
+    rank backward ends, and the parameter-usage all-reduce over the world is issued, while buckets
+    are still queued; on the other rank every bucket is already out."""
+    import time as _time
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    opt = ShardedLAMB(
+        groups(net),
+        world,
+        overlap=True,
+        bucket_mb=16 * 17 * 4 / 2**20,  # one layer per bucket: 4 buckets
+        param_order=net.parameters(),
+        shard="node",
+        compression="bf16",
+        module=net,
+        **HP,
+    )
+    real = dist.all_to_all_single
+
+    def late(*a, **k):
+        if world.rank == slow_rank:
+            _time.sleep(0.05)
+        return real(*a, **k)
+
+    sharded.dist.all_to_all_single = late
+    try:
+        for s in range(steps):
+            g = torch.Generator().manual_seed(10 * s + world.rank)
+            net(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_params()
+    finally:
+        sharded.dist.all_to_all_single = real
+    return {
+        "world_usage": opt._world_usage,
+        "buckets": len(opt.buckets),
+        "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
+    }
+
+
+@pytest.mark.multi_process
+def test_one_rank_per_node_keeps_the_usage_reduction_behind_the_buckets() -> None:
+    """The world-wide usage all-reduce is queued behind the buckets the comm thread still sends:
+    issued from the training thread, it paired with a bucket's all-to-all on the other rank
+    (gloo: 'Received data size doesn't match', or a hang), seen first as the shrunk flagship on
+    `sbatch -N 2 --ntasks-per-node 1` stopping at step 3."""
+    by_rank = run_dist(_one_rank_per_node, 2, 1, args=(0, 4), timeout=60)
+    assert all(r["world_usage"] and r["buckets"] == 4 for r in by_rank), by_rank
+    assert by_rank[0]["checksum"] == by_rank[1]["checksum"], by_rank

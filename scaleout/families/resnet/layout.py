@@ -8,6 +8,13 @@ backward of a plain-BN copy of the model on a synthetic local batch in both form
 and keeps each format's fastest pass; one all-reduce (MAX: the slowest rank decides, since it sets
 the step time) makes every rank take the same format. The probe runs under ``fork_rng``, so the
 run's random streams are those of a run without it.
+
+One model is kept out of channels_last on a CPU whatever the probe would say: torch 2.13's oneDNN
+corrupts the heap (an abort or a segfault, no Python error) in the channels_last backward of a
+strided 1x1 convolution with fewer than ``NHWC_MIN_POINTWISE_IN`` input channels, as a narrow
+ResNet's first downsampling shortcut is (reproduced on an AMD EPYC with AVX2, one thread; with the
+native kernels, ``torch.backends.mkldnn.enabled=False``, it is fine). :func:`cpu_nhwc_hazard` names
+that layer; ``auto`` then keeps the contiguous layout and ``channels_last`` is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+from scaleout.errors import ConfigError
 
 if TYPE_CHECKING:
     from scaleout.families.resnet.config import ResNetConfig
@@ -26,6 +36,25 @@ if TYPE_CHECKING:
 # channels_last must win by this margin to be chosen (a tie keeps the default layout).
 MARGIN = 0.95
 PASSES = 3  # timed passes per format, after one untimed (oneDNN builds its primitives then)
+NHWC_MIN_POINTWISE_IN = (
+    7  # fewest input channels of a strided 1x1 conv oneDNN's NHWC backward survives
+)
+
+
+def cpu_nhwc_hazard(model: nn.Module) -> str | None:
+    """The name of the layer whose channels_last backward crashes oneDNN on a CPU (module
+    docstring), or None: a 1x1 convolution with a stride and fewer than 7 input channels."""
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return None
+    for name, m in model.named_modules():
+        if (
+            isinstance(m, nn.Conv2d)
+            and m.kernel_size == (1, 1)
+            and m.stride != (1, 1)
+            and m.in_channels < NHWC_MIN_POINTWISE_IN
+        ):
+            return f"{name} ({m.in_channels} -> {m.out_channels} channels, stride {m.stride[0]})"
+    return None
 
 
 def probe_seconds(cfg: ResNetConfig, batch: int, passes: int = PASSES) -> tuple[float, float]:
@@ -54,10 +83,29 @@ def probe_seconds(cfg: ResNetConfig, batch: int, passes: int = PASSES) -> tuple[
 
 def use_channels_last(cfg: ResNetConfig, world: World, batch: int) -> bool:
     """Whether this run's model is put in channels_last (the same answer on every rank)."""
-    if cfg.memory_format != "auto":
-        return cfg.memory_format == "channels_last"
+    if cfg.memory_format == "contiguous":
+        return False
     if world.device.type != "cpu":
-        return world.device.type == "cuda"
+        return cfg.memory_format == "channels_last" or world.device.type == "cuda"
+    from scaleout.families.resnet.model import build_resnet  # deferred: model imports task deps
+
+    hazard = cpu_nhwc_hazard(build_resnet(cfg.model_copy(update={"bn_group": 1})))
+    if hazard and cfg.memory_format == "channels_last":
+        raise ConfigError(
+            f"model.resnet.memory_format=channels_last: the layer {hazard} crashes torch's CPU "
+            f"(oneDNN) channels_last backward; expected contiguous or auto for a model of width "
+            f"{cfg.width} on a CPU"
+        )
+    if cfg.memory_format == "channels_last":
+        return True
+    if hazard:
+        if world.rank == 0:
+            print(
+                f"model.resnet.memory_format=auto: contiguous (the layer {hazard} crashes "
+                "oneDNN's channels_last backward on a CPU)",
+                flush=True,
+            )
+        return False
     plain, nhwc = probe_seconds(cfg, max(1, batch))
     if world.world_size > 1 and dist.is_initialized():
         box = torch.tensor([plain, nhwc], dtype=torch.float64)

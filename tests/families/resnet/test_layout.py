@@ -9,11 +9,16 @@ import pytest
 import torch
 from distutil import run_dist
 
+from scaleout.errors import ConfigError
 from scaleout.families.resnet import layout
 from scaleout.families.resnet.config import ResNetConfig
+from scaleout.families.resnet.model import build_resnet
 from scaleout.families.resnet.task import normalise_images
 
-TINY = ResNetConfig(depth=18, width=4, num_classes=10, image_size=16)
+TINY = ResNetConfig(depth=18, width=8, num_classes=10, image_size=16)
+NARROW = TINY.model_copy(
+    update={"width": 4}
+)  # its shortcut 4 -> 8, stride 2: layout.cpu_nhwc_hazard
 
 
 def _world(device: str = "cpu") -> SimpleNamespace:
@@ -51,6 +56,30 @@ def test_the_probe_times_both_formats_and_leaves_the_random_streams_alone():
     plain, nhwc = layout.probe_seconds(TINY, 4, passes=1)
     assert 0 < plain < 10 and 0 < nhwc < 10
     assert torch.equal(torch.rand(3), want)
+
+
+@pytest.mark.unit
+def test_a_narrow_model_keeps_the_contiguous_layout_on_a_cpu(monkeypatch, capsys):
+    """width 4: the first shortcut (4 -> 8 channels, 1x1, stride 2) aborts the process in
+    oneDNN's channels_last backward (torch 2.13, AVX2 EPYC, one thread): auto does not even probe
+    it, and asking for channels_last is a one-line error naming the layer. On CUDA it is cuDNN's."""
+
+    def no_probe(*_a, **_k):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(layout, "probe_seconds", no_probe)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: the hazard is oneDNN's")
+    assert layout.use_channels_last(NARROW, _world(), 8) is False
+    out = capsys.readouterr().out
+    assert "contiguous (the layer" in out and "4 -> 8 channels, stride 2" in out, out
+    with pytest.raises(ConfigError, match=r"memory_format=channels_last: the layer .*4 -> 8"):
+        layout.use_channels_last(
+            NARROW.model_copy(update={"memory_format": "channels_last"}), _world(), 8
+        )
+    assert layout.cpu_nhwc_hazard(build_resnet(TINY)) is None
+    cl = NARROW.model_copy(update={"memory_format": "channels_last"})
+    assert layout.use_channels_last(cl, _world("cuda"), 8) is True
 
 
 def _agreed(world, rank_times):
