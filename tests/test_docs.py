@@ -61,3 +61,18 @@ def test_readme_is_a_front_door() -> None:
     assert any("sbatch" in line for line in lines[:40]), (
         "README.md: no sbatch in its first 40 lines"
     )
+
+
+@pytest.mark.unit
+def test_every_extended_test_file_has_its_ci_sibling_named_in_the_testing_guide():
+    """The extended tier leaves CI: docs/testing.md names each file that has such a test, with what
+    CI runs instead (a new `pytest.mark.extended` without its row fails here)."""
+    guide = (ROOT / "docs" / "testing.md").read_text()
+    marked = sorted(
+        p.name
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"^@pytest\.mark\.extended|marks=pytest\.mark\.extended", p.read_text(), re.M)
+    )
+    assert marked, "no extended test found: the tier's marker changed?"
+    missing = [name for name in marked if f"`{name}" not in guide]
+    assert not missing, f"docs/testing.md's extended table lacks {missing}"

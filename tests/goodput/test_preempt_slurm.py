@@ -175,6 +175,7 @@ def _helpers(job: int) -> dict[int, str]:
     }
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.slurm
 @pytest.mark.timeout(900)
 def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_cluster, tmp_path):
@@ -233,6 +234,7 @@ def test_slow_rank0_requeue_survives_kill_on_bad_exit_and_data_workers(slurm_clu
     assert info.get("Restarts") == "1", f"{info}\n{after}\nquarantine/straggler lines: {why}"
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.slurm
 @pytest.mark.timeout(1200)
 def test_notice_then_time_limit_sigterm_still_requeues(slurm_cluster, tmp_path):

@@ -177,6 +177,36 @@ class _Containers:
         return {cid.split(".")[0] for t, cid in self.seen if t >= after}
 
 
+@pytest.mark.timeout(300)
+def test_bert_256node_trains_inside_oci_containers(slurm_cluster, tmp_path):
+    """CI's sibling of the requeue bar below (same script, same bundle, minutes less): 3 steps,
+    every rank in a runc container Slurm started, seen on both nodes while it trains."""
+    if shutil.which("runc") is None:
+        pytest.skip("runc is not installed (scripts/setup.sh --test installs it)")
+    assert (slurm_cluster.local.state / "etc" / "oci.conf").is_file(), (
+        "no oci.conf: scaleout slurm down"
+    )
+    bundle = _bundle(tmp_path)
+    overrides = [
+        *_tiny_without_shape(3),
+        "checkpoint.every_steps=0",
+        f"launch.container.bundle={bundle}",
+    ]
+    job, out = _submit(slurm_cluster, tmp_path, 2, 1, overrides)
+    watch = _Containers(slurm_cluster.local.state, job)
+    try:
+        state = slurm_cluster.wait(job, timeout_s=240)
+    finally:
+        watch.stop()
+        slurm_cluster.run(["scancel", str(job)], check=False)
+    text = out.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert watch.nodes() == {"n1", "n2"} or len(watch.nodes()) == 2, watch.seen[:10]
+    report = json.loads((tmp_path / out.stem / "report.json").read_text())
+    assert report["status"] == "success" and report["devices"] == 2, report
+
+
+@pytest.mark.extended  # minutes: python3 -m pytest -m extended
 @pytest.mark.timeout(1500)
 def test_bert_256node_trains_inside_oci_containers_and_requeues(slurm_cluster, tmp_path):
     """The Bar: the shrunk production script with launch.container.bundle: every rank runs in a

@@ -94,6 +94,7 @@ def test_srun_mpi_pmi2_smoke_two_nodes(slurm_cluster):
     _report(_smoke(slurm_cluster, "pmi2", 2, 2), 4, 2)
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.timeout(900)
 def test_bert_256node_sbatch_under_pmix(slurm_cluster, tmp_path):
     """`sbatch -N 2 --ntasks-per-node 2 slurm/bert_256node.sh <tiny overrides>` with srun's MPI

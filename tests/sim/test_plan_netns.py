@@ -55,6 +55,7 @@ def _plan(pick: str, out: Path) -> dict:
     return json.loads(out.read_text())["chosen"]
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 def test_each_plan_pick_run_as_printed_reaches_the_target(tmp_path: Path) -> None:
     picks: dict[str, tuple[list[str], dict]] = {}
     for pick in ("knee", "fastest", "cheapest"):

@@ -98,6 +98,7 @@ def test_compiled_model_under_data_parallel_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # ... yet identical averaged gradients
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_inductor_compiled_tiny_bert_matches_eager() -> None:

@@ -95,6 +95,7 @@ def _check_failed_save(ck: Path, failed: subprocess.CompletedProcess) -> str:
     return text
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.multi_process
 def test_a_full_disk_during_a_background_save_is_one_line_and_resume_uses_the_previous(
     tmp_path, small_fs

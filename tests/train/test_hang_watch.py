@@ -131,6 +131,7 @@ def test_a_hung_collective_under_nccl_ends_with_the_verdict_not_the_watchdog_abo
         assert "behind" in lines[0], lines[0]
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.full_system
 def test_without_the_watch_every_waiting_rank_aborts_and_the_supervisor_names_nobody(
     tmp_path: Path,

@@ -35,6 +35,7 @@ SHRUNK = [
 ]
 
 
+@pytest.mark.extended  # minutes on 2 cores: python3 -m pytest -m extended (docs/testing.md)
 @pytest.mark.multi_process
 def test_the_2x2_run_reaches_its_log_perplexity_target(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "scaleout", "launch", "--nnodes", "2", "--nproc-per-node", "2"]
