@@ -486,6 +486,7 @@ FAMILY_ENTRIES = {
     # the plain-PyTorch DDP baselines the ttt benchmark races: same model and data, no scaleout
     "scaleout/bench/_ttt_baseline.py": "the DDP baseline trains the same BERT on the same data",
     "scaleout/bench/_ttt_baseline_resnet.py": "the DDP baseline trains the same ResNet",
+    "scaleout/bench/_ttt_baseline_llama.py": "the DDP baseline trains the same Llama",
 }
 
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def add_run_arguments(
     p: argparse.ArgumentParser, *, config: str, unit: str, target: str, seed_help: str
 ) -> None:
-    """The run's flags both baseline scripts take (the BERT one and the ResNet one): config,
+    """The run's flags every baseline script takes (BERT here, ResNet, Llama): config,
     learning rate, batch, step budget, warm-up, evaluation cadence, target and seed."""
     p.add_argument("--config", default=config, help="config for the model and data settings")
     p.add_argument("--lr", type=float, required=True, help="peak learning rate")
@@ -64,7 +64,7 @@ def add_run_arguments(
 
 def add_ddp_arguments(p: argparse.ArgumentParser) -> None:
     """DDP's bucket size, the sweep's time budget, the output directory and the config
-    overrides: the last flags of both baseline scripts."""
+    overrides: the last flags of every baseline script."""
     p.add_argument(
         "--bucket-mb",
         type=float,
@@ -254,21 +254,28 @@ def bucket_sizes(ddp: Any) -> list[int] | None:
     return [b.buffer().numel() * b.buffer().element_size() for b in buckets]
 
 
-def _loop(
-    a: argparse.Namespace, run: SimpleNamespace, mlperf_log: MLPerfLogger, t0: float
+def train_loop(
+    a: argparse.Namespace,
+    run: SimpleNamespace,
+    mlperf_log: MLPerfLogger,
+    t0: float,
+    step_fn: Callable[[SimpleNamespace, Any], Any],
+    evaluate: Callable[[argparse.Namespace, SimpleNamespace, MLPerfLogger, int], float],
+    reached: Callable[[float, float], bool] = lambda metric, target: metric >= target,
 ) -> tuple[str, int, int, float | None]:
     """Train until the target, the step budget or the time budget: (status, steps, sequences,
-    last metric)."""
+    last metric). ``reached(metric, target)`` says the metric's direction (the family's
+    ``Family.reached``: higher is better for accuracy, lower for log-perplexity)."""
     step, samples, metric, status, epoch = 0, 0, None, "max_steps", 0
     mlperf_log.block_start(0, 1, 0)
     while status == "max_steps" and step < a.max_steps:
         run.sampler.set_epoch(epoch)
         for batch in run.loader:
-            ddp_step(run, batch)
+            step_fn(run, batch)
             step, samples = step + 1, samples + a.global_batch
             if step % a.eval_every == 0 or step == a.max_steps:
-                metric = _evaluate(a, run, mlperf_log, samples)
-                if metric >= a.target:
+                metric = evaluate(a, run, mlperf_log, samples)
+                if reached(metric, a.target):
                     status = "success"
                     break
                 if a.time_budget is not None and _past(
@@ -283,6 +290,12 @@ def _loop(
     return status, step, samples, metric
 
 
+def _loop(
+    a: argparse.Namespace, run: SimpleNamespace, mlperf_log: MLPerfLogger, t0: float
+) -> tuple[str, int, int, float | None]:
+    return train_loop(a, run, mlperf_log, t0, ddp_step, _evaluate)
+
+
 def timed_main(
     a: argparse.Namespace,
     build: Callable[[argparse.Namespace, Any, int, int], SimpleNamespace],
@@ -291,7 +304,7 @@ def timed_main(
     describe: Callable[[SimpleNamespace], dict[str, Any]],
     unit: str,
 ) -> int:
-    """What both baselines (BERT here, ResNet in ``_ttt_baseline_resnet``) do around their own
+    """What the baselines (BERT here, ResNet and Llama in their modules) do around their own
     build and loop: the gloo group, the config, MLPerf's init/run_start/run_stop clock in
     ``mlperf.log`` (the same clock scaleout's runs are timed by) and rank 0's ``report.json``."""
     import torch

@@ -26,7 +26,10 @@ STEPS = ["#9b59b6", "#2ca02c", "#d62728", "#8c564b", "#17becf"]
 CHAIN = {
     "bert": ["abl-framework", "abl-packing", "abl-comm", "abl-lamb"],
     "resnet": ["abl-framework", "abl-lars", "abl-groupbn", "abl-comm"],
+    "llama": ["abl-framework", "abl-docmask", "abl-comm"],
 }
+# each task's metric, as the tables and the y axis name it
+METRIC = {"bert": "masked-LM accuracy", "resnet": "top-1", "llama": "log-perplexity"}
 
 
 def _median_ttt(runs: list[dict[str, Any]]) -> float | None:
@@ -162,13 +165,12 @@ def plot(
 def redraw(json_path: str | Path, png_path: str | Path) -> Path | None:
     """Draw the PNG again from a ``scaleout bench ttt --out`` JSON, without running anything."""
     data = json.loads(Path(json_path).read_text())
-    resnet = data.get("task") == "resnet"
     return plot(
         data["runs"],
         data["target"],
         png_path,
         f"{data['config']}: time to train to {data['target']:g}",
-        "eval top-1" if resnet else "eval masked-LM accuracy",
+        f"eval {METRIC[data.get('task', 'bert')]}",
         clusters={k: v["cluster"] for k, v in data.get("results", {}).items()},
         task=data.get("task", "bert"),
     )

@@ -32,6 +32,7 @@ DDP_DEFAULT_BUCKET_MB = DEFAULT_BUCKET_MB
 BASELINE_MODULE = {
     "bert": "scaleout.bench._ttt_baseline",
     "resnet": "scaleout.bench._ttt_baseline_resnet",
+    "llama": "scaleout.bench._ttt_baseline_llama",
 }
 
 
@@ -76,10 +77,11 @@ class Recipe:
     name: str
     kind: Literal["torch", "scaleout"]  # the baseline script, or scaleout train
     optimizer: Literal["adamw", "lamb", "sgd", "lars"]
-    batch: int  # global batch: sequences (padded) or packed rows; images (--task resnet)
+    # global batch: sequences (padded) or packed rows; images (--task resnet); rows (llama)
+    batch: int
     lr: float
     warmup: float  # warm-up as a fraction of the step budget
-    packing: bool = False
+    packing: bool = False  # --task llama: model.llama.document_mask (rows are packed anyway)
     comm: Literal["ddp", "flat", "hierarchical"] = "ddp"  # ddp: torch's own
     overlap: bool = True
     # torch: DDP's default (bucket_cap_mb unset: a 1 MiB first bucket)
@@ -107,6 +109,7 @@ class Recipe:
         writes back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets,
         precision, wire dtype."""
         low, resnet = cfg.train.precision != "fp32", cfg.model.arch == "resnet"
+        llama = cfg.model.arch == "llama"
         return cls(
             name,
             "scaleout",
@@ -114,7 +117,7 @@ class Recipe:
             cfg.train.global_batch,
             cfg.optim.lr,
             warmup,
-            packing=cfg.data.packing != "none",
+            packing=cfg.model.llama.document_mask if llama else cfg.data.packing != "none",
             comm=cfg.comm.algorithm,
             overlap=cfg.comm.overlap,
             bucket_mb=cfg.comm.bucket_mb,
@@ -141,8 +144,11 @@ class Plan:
     seqs_per_row: float  # of the packing, measured on the corpus
     packing: str = "lpfhp"  # the algorithm of the packed recipes
     overrides: list[str] = field(default_factory=list)  # model/data overrides for both sides
-    task: Literal["bert", "resnet"] = "bert"  # resnet: images, SGD baseline, poly-2 schedule
+    # resnet: images, SGD baseline, poly-2 schedule; llama: rows, cosine (the config's schedule)
+    task: Literal["bert", "resnet", "llama"] = "bert"
     power: float = 1.0  # scaleout's optim.power (linear decay for BERT, 2 for ResNet LARS)
+    end_lr_ratio: float = 0.0  # optim.end_lr / optim.lr of every scaleout run (llama: 0.1)
+    goal: Literal["max", "min"] = "max"  # the metric's direction (Family.metric_goal)
 
     def steps(self, r: Recipe) -> int:
         return max(2, math.ceil(self.budget / r.seqs_per_step(self.seqs_per_row)))
@@ -187,6 +193,8 @@ def command(
             cmd += ["--bucket-mb", repr(r.bucket_mb)]
         if time_budget is not None:
             cmd += ["--time-budget", f"{time_budget:.1f}"]
+        if plan.task == "llama":  # bf16 autocast (the 2026 script) unless the recipe says fp32
+            cmd += ["--precision", r.precision]
         return [*cmd, *plan.overrides]
     sets = {
         "optim.name": r.optimizer,
@@ -195,7 +203,7 @@ def command(
         "optim.total_steps": steps,
         "optim.decay_from": "warmup",
         "optim.power": plan.power,
-        "optim.end_lr": 0.0,
+        "optim.end_lr": repr(r.lr * plan.end_lr_ratio) if plan.end_lr_ratio else 0.0,
         "optim.sharded": r.sharded,
         "optim.overlap_comm": r.sharded and r.overlap,
         "data.packing": plan.packing if r.packing else "none",
@@ -225,6 +233,9 @@ def command(
         sets["model.resnet.eval_bn"] = r.eval_bn
         if r.label_smoothing is not None:
             sets["model.resnet.label_smoothing"] = repr(r.label_smoothing)
+    if plan.task == "llama":  # packed rows always; "packing" is whether documents are kept apart
+        del sets["data.packing"]
+        sets["model.llama.document_mask"] = r.packing
     return [
         "scaleout",
         "train",

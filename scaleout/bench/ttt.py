@@ -25,8 +25,11 @@ Every run has the same budget of training sequences (the schedules decay to 0 at
 evaluates every ~``--eval-seqs`` sequences (MLPerf BERT fixes evaluation in samples too).
 Time-to-train is MLPerf's ``run_start`` -> ``run_stop`` from each run's ``mlperf.log``; a run that
 does not reach the target is "> budget", never a number. Runs are interleaved (all recipes of a
-seed, cluster by cluster) so machine noise hits every recipe alike. Output: a table, JSON (every run
-with its accuracy-vs-time curve) and a PNG of accuracy against wall time for every run. ``--netns``
+seed, cluster by cluster) so machine noise hits every recipe alike. ``--task resnet`` and ``--task
+llama`` race the same way on their own model, data and metric (``_ttt_baseline_resnet``,
+``_ttt_baseline_llama`` + ``_ttt_llama``; docs/ttt.md); a metric's direction is its family's
+(Llama's log-perplexity: lower is better). Output: a table, JSON (every run with its
+accuracy-vs-time curve) and a PNG of accuracy against wall time for every run. ``--netns``
 clusters need root.
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from dataclasses import replace
@@ -42,6 +46,7 @@ from typing import Any
 
 from scaleout.argtypes import csv_of
 from scaleout.bench._harness import bench_config
+from scaleout.bench._ttt_llama import LLAMA_RECIPE, QUICK_LLAMA, baseline_recipe, llama_recipes
 from scaleout.units import DEFAULT_BUCKET_MB
 
 NAME = "ttt"
@@ -65,6 +70,7 @@ examples:
   scaleout bench ttt --clusters local --no-ablation --baseline-lrs 2e-3 --baseline-batches 64
   scaleout bench ttt train.precision=fp32 comm.bucket_mb=4 optim.lr=1e-2 train.target=0.14
   scaleout bench ttt --quick        # tiny smoke (~1 min): local 1x2, one seed, tiny model
+  scaleout bench ttt --task llama --clusters local --seeds 1,2,3   # tiny Llama to log-ppl 5.5
 """
 )
 
@@ -116,7 +122,11 @@ RESNET_RECIPE = [
 TASKS = {
     "bert": ("bert_tiny_cpu", SCALEOUT_RECIPE, 32000, 1024, [1e-3, 2e-3, 3e-3], [32, 64]),
     "resnet": ("resnet_cpu", RESNET_RECIPE, 120000, 15000, [0.05, 0.1, 0.2], [64, 128]),
+    # --task llama (docs/ttt.md, Llama): rows of 128 tokens; the config's 400 steps x 32 rows, an
+    # evaluation every 25 of them; AdamW lrs around the config's 2e-3 at its batch (_ttt_llama.py)
+    "llama": ("llama_tiny_cpu", LLAMA_RECIPE, 12800, 800, [1e-3, 2e-3, 4e-3], [32]),
 }
+
 QUICK_RESNET = ["train.global_batch=32", "launch.nnodes=1", "model.resnet.bn_group=1"]
 QUICK = [
     "model.bert.layers=1",
@@ -166,26 +176,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--task",
         choices=tuple(TASKS),
         default="bert",
-        help="bert (tiny BERT, masked LM; default) or resnet (ResNet-18 w8, Fashion-MNIST, top-1)",
+        help="bert (tiny BERT, masked LM; default), resnet (ResNet-18 w8, Fashion-MNIST, top-1) "
+        "or llama (tiny Llama, log-perplexity)",
     )
     p.add_argument(
         "--config",
         default=None,
         help="model + data config for both sides, under scaleout's recipe (default bert_tiny_cpu; "
-        "--task resnet: resnet_cpu)",
+        "--task resnet: resnet_cpu; llama: llama_tiny_cpu)",
     )
     p.add_argument(
         "--budget",
         type=int,
         default=None,
-        help="training sequences (images) every run may use; the schedules decay to 0 there "
-        "(default 32000, 1.2 epochs; resnet 120000, 2 epochs)",
+        help="training sequences (images, rows) every run may use; the schedules decay there "
+        "(default 32000, 1.2 epochs; resnet 120000, 2 epochs; llama 12800 rows)",
     )
     p.add_argument(
         "--eval-seqs",
         type=int,
         default=None,
-        help="evaluate every ~this many training sequences (images) (default 1024; resnet 15000)",
+        help="evaluate every ~this many training sequences (images, rows) (default 1024; resnet "
+        "15000; llama 800)",
     )
     p.add_argument(
         "--seeds", type=_ints, default=[1, 2, 3], help="model-initialisation seeds (default 1,2,3)"
@@ -202,14 +214,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_floats,
         default=None,
         help="AdamW (resnet: SGD) learning rates to sweep (default 1e-3,2e-3,3e-3; resnet "
-        "0.05,0.1,0.2)",
+        "0.05,0.1,0.2; llama 1e-3,2e-3,4e-3)",
     )
     p.add_argument(
         "--baseline-batches",
         type=_ints,
         default=None,
-        help="baseline global batches in sequences (images) to sweep (default 32,64; resnet "
-        "64,128)",
+        help="baseline global batches in sequences (images, rows) to sweep (default 32,64; resnet "
+        "64,128; llama 32)",
     )
     p.add_argument(
         "--baseline-warmup",
@@ -221,8 +233,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=float,
         default=None,
-        help="scaleout warm-up fraction of its steps (default: bert 0.1; resnet the config's "
-        "optim.warmup_steps / optim.total_steps, 40/705 in resnet_cpu)",
+        help="scaleout warm-up fraction of its steps (default: bert 0.1; resnet and llama the "
+        "config's optim.warmup_steps / optim.total_steps, 40/705 in resnet_cpu, 20/400 in "
+        "llama_tiny_cpu)",
     )
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")
     p.add_argument(
@@ -272,7 +285,8 @@ def defaults(args: argparse.Namespace) -> argparse.Namespace:
 def _quick(args: argparse.Namespace) -> None:
     """Tiny settings for a smoke test: every code path, a minute of CPU."""
     defaults(args)  # --task's sweep grid and budget first: cut down below
-    args.overrides = [*(QUICK_RESNET if args.task == "resnet" else QUICK), *args.overrides]
+    quick = {"resnet": QUICK_RESNET, "llama": QUICK_LLAMA}.get(args.task, QUICK)
+    args.overrides = [*quick, *args.overrides]
     args.clusters, args.ablation_clusters, args.seeds = ["local"], ["local"], args.seeds[:1]
     args.baseline_lrs, args.baseline_batches = args.baseline_lrs[:1], args.baseline_batches[:1]
     args.budget, args.eval_seqs = min(args.budget, 256), min(args.eval_seqs, 64)
@@ -289,9 +303,9 @@ def scaleout_config(args: argparse.Namespace) -> Any:
         raise UserError("train.target=null: the head to head needs a metric to reach")
     if args.warmup is None:  # scaleout's own recipe: the config's warm-up share (BERT: 0.1)
         o = cfg.optim
-        resnet = args.task == "resnet" and o.total_steps
-        args.warmup = o.warmup_steps / o.total_steps if resnet else 0.1
-    if (args.task == "resnet") != (cfg.model.arch == "resnet"):
+        own = args.task in ("resnet", "llama") and o.total_steps
+        args.warmup = o.warmup_steps / o.total_steps if own else 0.1
+    if cfg.model.arch != args.task:
         raise UserError(
             f"--config {args.config}: model.arch={cfg.model.arch} does not fit --task {args.task}"
         )
@@ -335,6 +349,8 @@ def recipes(
 
     if args.task == "resnet":
         return resnet_recipes(args, cfg, best)
+    if args.task == "llama":
+        return llama_recipes(args, cfg, best, SHARDED_BUCKETS)
     rows = max(
         world, round(best.batch / spr / world) * world
     )  # packed rows carrying ~the baseline's sequences
@@ -459,6 +475,7 @@ def sweep(
     the best per cluster."""
     from scaleout.bench._ttt_runs import Recipe, execute
 
+    lower = plan.goal == "min"
     bs, lrs = args.baseline_batches, args.baseline_lrs
     first = (
         bs[(len(bs) - 1) // 2],
@@ -470,9 +487,9 @@ def sweep(
     best: dict[str, tuple[dict[str, Any], Any]] = {}
     seed = args.seeds[0]
     for b, lr in grid:
-        resnet = args.task == "resnet"
+        resnet, name = args.task == "resnet", f"baseline-b{b}-lr{lr:g}"
         r = Recipe(
-            f"baseline-b{b}-lr{lr:g}",
+            name,
             "torch",
             "sgd" if resnet else "adamw",
             b,
@@ -480,6 +497,8 @@ def sweep(
             args.baseline_warmup,
             label="torch DDP + SGD" if resnet else "torch DDP + AdamW",
         )
+        if args.task == "llama":  # bf16 autocast, concatenated rows
+            r = baseline_recipe(name, b, lr, args.baseline_warmup)
         for c in clusters:
             cut = (
                 best[c.name][0]["ttt_s"]
@@ -491,17 +510,21 @@ def sweep(
             row["sweep"] = True
             rows.append(row)
             _done(row, root)
-            if c.name not in best or _better(row, best[c.name][0]):
+            if c.name not in best or _better(row, best[c.name][0], lower):
                 best[c.name] = (row, r)
     return best
 
 
-def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _better(a: dict[str, Any], b: dict[str, Any], lower: bool = False) -> bool:
+    """Whether run ``a`` beats run ``b``: reached first, then the faster; neither reached, the
+    better last metric in its direction (``lower``: log-perplexity)."""
     if a["reached"] != b["reached"]:
         return a["reached"]
     if a["reached"]:
         return a["ttt_s"] < b["ttt_s"]
-    return (a["achieved"] or 0.0) > (b["achieved"] or 0.0)
+    worst = math.inf if lower else -math.inf
+    x, y = (worst if r["achieved"] is None else r["achieved"] for r in (a, b))
+    return x < y if lower else x > y
 
 
 def _say(rows: list[dict[str, Any]], c: Any, r: Any, seed: int) -> None:
@@ -522,7 +545,7 @@ def _done(row: dict[str, Any], root: Path) -> None:
         f.write(json.dumps(row, default=str) + "\n")
     ttt = cell(row) + (" s" if row["ttt_s"] is not None else "")
     print(
-        f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} sequences, last accuracy "
+        f"     -> ttt {ttt}, {row['steps']} steps, {row['samples']} samples, last metric "
         f"{row['achieved'] if row['achieved'] is None else round(row['achieved'], 4)}, wall "
         f"{row['wall_s']:.0f} s",
         flush=True,
@@ -538,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
     clusters = _clusters(args, cfg)
     t0 = time.perf_counter()
     resnet = args.task == "resnet"
-    spr, algo = (1.0, "none") if resnet else seqs_per_row(cfg)
+    spr, algo = (1.0, "none") if args.task != "bert" else seqs_per_row(cfg)
     target = cfg.train.target
     plan = Plan(
         args.config,
@@ -550,9 +573,12 @@ def run(args: argparse.Namespace) -> int:
         list(args.overrides),
         task=args.task,
         power=2.0 if resnet else 1.0,
+        # llama: the cosine's floor is the config's (end_lr / lr, a tenth); BERT, ResNet: 0
+        end_lr_ratio=cfg.optim.end_lr / cfg.optim.lr if args.task == "llama" else 0.0,
+        goal=cfg.model.family.metric_goal,  # log-perplexity: lower is better
     )
-    unit = "images" if resnet else "sequences"
-    packing = "" if resnet else f"{algo} packing {spr:.4f} sequences/row; "
+    unit = {"resnet": "images", "llama": "rows"}.get(args.task, "sequences")
+    packing = "" if args.task != "bert" else f"{algo} packing {spr:.4f} sequences/row; "
     print(
         f"{args.config}: target {target}, budget {args.budget} {unit}, eval every "
         f"~{args.eval_seqs}, {packing}clusters {', '.join(c.name for c in clusters)}; seeds "

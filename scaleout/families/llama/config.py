@@ -34,6 +34,11 @@ class LlamaConfig(Section):
     rope_original_max_position: int = Field(8192, ge=1)
     tie_embeddings: bool = False  # the 8B model has a separate output projection
     init_std: float = Field(0.02, gt=0.0)  # normal init of the weights (Hugging Face's default)
+    # Train with each packed row's documents kept apart (a block-diagonal causal mask, positions
+    # restarting per document, no loss across a boundary). false: a row is one causal sequence,
+    # documents naively concatenated as a plain script's rows (bench ttt's baseline and its
+    # ablation step). Evaluation always keeps the documents apart: the metric does not change.
+    document_mask: bool = True
 
     @property
     def head_dim(self) -> int:

@@ -69,3 +69,44 @@ def test_the_trainer_trains_and_evaluates_it(tmp_path) -> None:
     # an untrained 4096-token model sits near ln(4096) = 8.3 nats; 8 steps move it down
     assert result.metric is not None and result.metric < 8.0
     assert trainer.losses[-1] < trainer.losses[0]
+
+
+@pytest.mark.unit
+def test_without_the_document_mask_a_row_trains_as_one_sequence() -> None:
+    """model.llama.document_mask=false (bench ttt's baseline rows, in scaleout's trainer): the
+    training loss is the row's as one causal sequence, across document boundaries; the evaluation
+    keeps documents apart either way (the metric does not move with the knob)."""
+    import torch
+
+    from scaleout.data.sampler import DistributedSamplerOrder
+    from scaleout.families.llama.task import LlamaTask
+    from scaleout.world import init
+
+    got = {}
+    for mask in (True, False):
+        cfg = load_config("llama_tiny_cpu", [*SHORT, f"model.llama.document_mask={mask}"])
+        world = init(cfg)
+        try:
+            torch.manual_seed(0)
+            task = LlamaTask(cfg, world)
+            for position in range(0, 64 * 8, 8):  # the first batch with a document boundary
+                mb = task.batches.micro_batches(position, 1)[0]
+                tokens, doc_ids = mb.inputs["tokens"], mb.inputs["doc_ids"]
+                if (doc_ids[:, 1:] != doc_ids[:, :-1]).any():
+                    break
+            else:
+                raise AssertionError("no row holds two documents")
+            with torch.no_grad():
+                got[mask] = (task.loss(task.model, mb), task.evaluate(task.model))
+                alone = task.model.loss(tokens, doc_ids if mask else None)
+            assert torch.allclose(got[mask][0], alone)
+        finally:
+            world.close()
+    assert not torch.allclose(got[True][0], got[False][0])
+    assert got[True][1] == pytest.approx(got[False][1], abs=1e-6)
+    cfg = load_config("llama_tiny_cpu", [*SHORT, "data.order=torch"])
+    world = init(cfg)
+    try:
+        assert isinstance(LlamaTask(cfg, world).sampler, DistributedSamplerOrder)
+    finally:
+        world.close()
