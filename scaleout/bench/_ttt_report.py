@@ -290,8 +290,8 @@ def finish(
 
 
 # The issue's bar: scaleout >= this x the best baseline's median time-to-train, every seed reaching
-# the target: 2x for BERT, 1.5x for ResNet and Llama
-BAR = {"bert": 2.0, "resnet": 1.5, "llama": 1.5}
+# the target: 2x for BERT, 1.5x for ResNet, and for Llama at least as fast (issue 44's bar)
+BAR = {"bert": 2.0, "resnet": 1.5, "llama": 1.0}
 HEADS = {"bert": HEAD, "resnet": HEAD_RESNET, "llama": HEAD}
 # the baseline's ingredients, the first row of the ablation
 FIRST = {

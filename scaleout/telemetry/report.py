@@ -253,14 +253,17 @@ def verdict(
     steps: int,
     time_to_train_s: float,
     out: str,
+    goal: str = "max",
 ) -> str:
-    """The run's last line: did it reach the target, where, how fast, and where its files are."""
+    """The run's last line: did it reach the target, where, how fast, and where its files are.
+    ``goal``: the family's metric direction ("min": log-perplexity)."""
     files = f"report {out}/report.json, MLPerf log {out}/mlperf.log"
+    reached, short = ("<=", ">") if goal == "min" else (">=", "<")
     if status == "success" and achieved is not None and target is not None:
-        head = f"TARGET REACHED: {achieved:.4f} >= {target:g} after {steps} steps"
+        head = f"TARGET REACHED: {achieved:.4f} {reached} {target:g} after {steps} steps"
     elif target is None:
         head = f"{status.upper()}: {steps} steps, no target (train.target=null)"
     else:
         got = "no evaluation" if achieved is None else f"{achieved:.4f}"
-        head = f"TARGET NOT REACHED ({status}): {got} < {target:g} after {steps} steps"
+        head = f"TARGET NOT REACHED ({status}): {got} {short} {target:g} after {steps} steps"
     return f"{head}, time to train {time_to_train_s:.2f} s; {files}"

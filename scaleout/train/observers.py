@@ -396,7 +396,7 @@ class ReportWriter(Observer):
         print(
             verdict(
                 end.status, end.metric, cfg.train.target, report.steps, end.time_to_train_s,
-                str(self.out),
+                str(self.out), cfg.model.family.metric_goal,
             ),
             flush=True,
         )  # fmt: skip

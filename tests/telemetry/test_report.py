@@ -346,3 +346,9 @@ def test_the_run_ends_with_one_verdict_line_naming_its_files() -> None:
     assert miss.startswith("TARGET NOT REACHED (max_steps): 0.1200 < 0.15 after 1500 steps")
     assert "no target" in verdict("max_steps", None, None, 12, 1.0, "o")
     assert "\n" not in ok + miss
+    # a metric lower-is-better (llama's log-perplexity) reads the other way
+    low = verdict("max_steps", 8.271, 5.5, 40, 9.0, "o", goal="min")
+    assert low.startswith("TARGET NOT REACHED (max_steps): 8.2710 > 5.5 after 40 steps"), low
+    assert verdict("success", 5.4, 5.5, 225, 9.0, "o", goal="min").startswith(
+        "TARGET REACHED: 5.4000 <= 5.5"
+    )
