@@ -34,6 +34,9 @@ class LlamaConfig(Section):
     rope_original_max_position: int = Field(8192, ge=1)
     tie_embeddings: bool = False  # the 8B model has a separate output projection
     init_std: float = Field(0.02, gt=0.0)  # normal init of the weights (Hugging Face's default)
+    # FP8 matmuls in the decoder layers through Transformer Engine (H100/H200; the fp8 extra):
+    # scaleout/families/llama/fp8.py. Refused in one line anywhere else.
+    fp8: bool = False
 
     @property
     def head_dim(self) -> int:
