@@ -2,8 +2,9 @@
 
 On an H100/H200 (compute capability 8.9 or newer) the decoder layers' seven projections (q, k, v,
 o; gate, up, down) become ``transformer_engine.pytorch.Linear`` modules holding the same weights,
-and the decoder stack runs inside ``fp8_autocast`` with a delayed-scaling recipe (E4M3 forward,
-E5M2 gradients: ``Format.HYBRID``, as NVIDIA's MLPerf Llama submissions use). The embedding, the
+and the decoder stack runs inside ``fp8_autocast`` with the MLCommons reference's delayed-scaling
+recipe (small_llm_pretraining/nemo/pretrain_llama31.py: ``fp8="hybrid"``, E4M3 forward and E5M2
+gradients, an amax history of 4, the most recent amax). The embedding, the
 norms, attention's softmax and the output projection stay in the run's precision (bf16 autocast).
 Each replica keeps its own scaling history (``fp8_group`` is left unset): every replica's master
 weights still receive the same averaged gradient, so replicas stay identical where it matters.
@@ -80,7 +81,7 @@ def enable_fp8(model: nn.Module, te: Any) -> int:
                 swapped += 1
     recipe_mod = importlib.import_module("transformer_engine.common.recipe")
     recipe = recipe_mod.DelayedScaling(
-        fp8_format=recipe_mod.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max"
+        fp8_format=recipe_mod.Format.HYBRID, amax_history_len=4, amax_compute_algo="most_recent"
     )
     model.model.stack_context = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)
     return swapped
