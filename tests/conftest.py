@@ -8,6 +8,8 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
+from tests.xdist_safe import pytest_xdist_make_scheduler  # noqa: E402, F401 -- the hook
+
 TIERS = ("unit", "multi_process", "full_system")  # pyproject.toml [tool.pytest.ini_options] markers
 SYSTEM = (
     "slurm",

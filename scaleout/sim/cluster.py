@@ -88,12 +88,13 @@ class Constants:
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: peak dense half-precision FLOP/s and HBM bandwidth (for the optimizer
-    step)."""
+    """One accelerator: peak dense half-precision FLOP/s, HBM bandwidth (for the optimizer
+    step) and HBM capacity in bytes (the planner's fit check; 0: unknown, not checked)."""
 
     name: str
     peak_flops: float
     mem_bw: float
+    mem_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,14 @@ _SHARP_LAT = 31e-6
 _SHARP_HOPPER = 0.85  # tuning.cc: CollNetDirect busBw *= .85 when minCompCap >= 90
 
 # A100 datasheet: fp16/bf16 dense
-A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12)
-H100 = Device("H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12)  # H100 datasheet: bf16 dense
-H200 = Device("H200-SXM-141GB", peak_flops=989e12, mem_bw=4.8e12)  # same GH100 die, faster HBM3e
-V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12)
+A100 = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12, mem_bytes=80e9)
+H100 = Device(
+    "H100-SXM5-80GB", peak_flops=989e12, mem_bw=3.35e12, mem_bytes=80e9
+)  # H100 datasheet: bf16 dense
+H200 = Device(
+    "H200-SXM-141GB", peak_flops=989e12, mem_bw=4.8e12, mem_bytes=141e9
+)  # same GH100 die, faster HBM3e
+V100 = Device("V100-SXM2-16GB", peak_flops=125e12, mem_bw=0.9e12, mem_bytes=16e9)
 
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(

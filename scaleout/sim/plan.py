@@ -70,7 +70,7 @@ from scaleout.sim.schedule import (
     rcp_references,
     schedule_for,
 )
-from scaleout.sim.sharded import OPTIMIZERS
+from scaleout.sim.sharded import OPTIMIZERS, shard_ranks
 from scaleout.sim.startup import untimed_start_s
 from scaleout.sim.step import (
     ModelSpec,
@@ -78,6 +78,7 @@ from scaleout.sim.step import (
     compute_time,
     eval_interval,
     get_model,
+    model_state_bytes,
     time_to_train,
 )
 
@@ -627,6 +628,8 @@ def plan(
     if not work.references:
         work = for_curve(work, curve)
     cands, notes = within_ceiling(work.arch, grid.candidates())
+    cands, mem_notes = within_memory(work, cluster, cands)
+    notes += mem_notes
     points = [
         predict(work, cluster, curve, c, rates, cores, host_s)
         for c in cands
@@ -656,6 +659,35 @@ def within_ceiling(arch: str, cands: list[Candidate]) -> tuple[list[Candidate], 
         f"{len(cands) - len(kept)} points above global batch {cap} dropped: {fam.benchmark}'s "
         f"RCPs end at {cap} samples, so at most {cap} data-parallel replicas; more GPUs need "
         f"{fam.inner_parallelism or 'model parallelism inside a replica'}"
+    ]
+
+
+def within_memory(
+    work: Workload, cluster: Cluster, cands: list[Candidate]
+) -> tuple[list[Candidate], list[str]]:
+    """The candidates whose model state fits one GPU's memory (``model_state_bytes``: weights,
+    gradients and the optimizer state over the ranks that share it), with a note per placement
+    dropped. A device of unknown capacity checks nothing."""
+    dev = cluster.device
+    if dev is None or not dev.mem_bytes:
+        return cands, []
+    kept, dropped = [], {}
+    for c in cands:
+        model = work.models.get(c.optimizer)
+        if model is None:
+            kept.append(c)
+            continue
+        shard = shard_ranks(c.optimizer, replace(cluster, gpus_per_node=c.gpus_per_node), c.nodes)
+        need = model_state_bytes(model, shard)
+        if need <= dev.mem_bytes:
+            kept.append(c)
+        else:
+            dropped[c.optimizer] = max(need, dropped.get(c.optimizer, 0.0))
+    return kept, [
+        f"{placement} points dropped: {need / 1e9:.0f} GB of model state per GPU (weights, "
+        f"gradients, optimizer state / its shard) does not fit the {dev.name}'s "
+        f"{dev.mem_bytes / 1e9:.0f} GB"
+        for placement, need in dropped.items()
     ]
 
 

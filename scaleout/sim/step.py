@@ -232,6 +232,15 @@ def compute_time(model: ModelSpec, train: TrainSpec, cluster: Cluster) -> float:
     return train.local_batch * model.flops_per_sample / (cluster.device.peak_flops * train.mfu)
 
 
+def model_state_bytes(model: ModelSpec, shard: int = 1) -> float:
+    """Bytes of model state one rank holds (ZeRO's accounting, Rajbhandari et al. 2020): the
+    weights and gradients in their wire dtypes, and the optimizer state (fp32 master weights and
+    moments) over the ``shard`` ranks that share it. Activations are not counted."""
+    return model.params * (
+        model.param_bytes + model.grad_bytes + model.state_bytes_per_param / shard
+    )
+
+
 def optimizer_time(model: ModelSpec, cluster: Cluster, shard: int = 1) -> float:
     """HBM-bound update of 1/shard of the parameters."""
     if cluster.device is None:

@@ -177,28 +177,34 @@ class _Containers:
         return {cid.split(".")[0] for t, cid in self.seen if t >= after}
 
 
+def _container_job(cluster, tmp_path: Path, overrides: list[str]):
+    """The shrunk script on 2 nodes x 1 task in runc containers from a fresh bundle, and a watch
+    on runc's state: (job, its log, the bundle, the watch)."""
+    if shutil.which("runc") is None:
+        pytest.skip("runc is not installed (scripts/setup.sh --test installs it)")
+    oci_conf = cluster.local.state / "etc" / "oci.conf"
+    assert oci_conf.is_file(), "the local Slurm was started without oci.conf: scaleout slurm down"
+    bundle = _bundle(tmp_path)
+    overrides = [*overrides, f"launch.container.bundle={bundle}"]
+    job, out = _submit(cluster, tmp_path, 2, 1, overrides)
+    return job, out, bundle, _Containers(cluster.local.state, job)
+
+
+def _ended(cluster, job: int, watch: _Containers) -> None:
+    watch.stop()
+    cluster.run(["scancel", str(job)], check=False)
+
+
 @pytest.mark.timeout(300)
 def test_bert_256node_trains_inside_oci_containers(slurm_cluster, tmp_path):
     """CI's sibling of the requeue bar below (same script, same bundle, minutes less): 3 steps,
     every rank in a runc container Slurm started, seen on both nodes while it trains."""
-    if shutil.which("runc") is None:
-        pytest.skip("runc is not installed (scripts/setup.sh --test installs it)")
-    assert (slurm_cluster.local.state / "etc" / "oci.conf").is_file(), (
-        "no oci.conf: scaleout slurm down"
-    )
-    bundle = _bundle(tmp_path)
-    overrides = [
-        *_tiny_without_shape(3),
-        "checkpoint.every_steps=0",
-        f"launch.container.bundle={bundle}",
-    ]
-    job, out = _submit(slurm_cluster, tmp_path, 2, 1, overrides)
-    watch = _Containers(slurm_cluster.local.state, job)
+    overrides = [*_tiny_without_shape(3), "checkpoint.every_steps=0"]
+    job, out, _, watch = _container_job(slurm_cluster, tmp_path, overrides)
     try:
         state = slurm_cluster.wait(job, timeout_s=240)
     finally:
-        watch.stop()
-        slurm_cluster.run(["scancel", str(job)], check=False)
+        _ended(slurm_cluster, job, watch)
     text = out.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert watch.nodes() == {"n1", "n2"} or len(watch.nodes()) == 2, watch.seen[:10]
@@ -213,20 +219,8 @@ def test_bert_256node_trains_inside_oci_containers_and_requeues(slurm_cluster, t
     runc container Slurm started (seen in runc's state while it trains, on both nodes), the job
     is requeued mid-run (`scontrol requeue`: SIGTERM through runc to the rank, which saves), the
     requeued job's ranks run in containers again and resume to the end."""
-    if shutil.which("runc") is None:
-        pytest.skip("runc is not installed (scripts/setup.sh --test installs it)")
-    oci_conf = slurm_cluster.local.state / "etc" / "oci.conf"
-    assert oci_conf.is_file(), "the local Slurm was started without oci.conf: scaleout slurm down"
     steps = 12
-    bundle = _bundle(tmp_path)
-    job, out = _submit(
-        slurm_cluster,
-        tmp_path,
-        2,
-        1,
-        [*_tiny_without_shape(steps), f"launch.container.bundle={bundle}"],
-    )
-    watch = _Containers(slurm_cluster.local.state, job)
+    job, out, bundle, watch = _container_job(slurm_cluster, tmp_path, _tiny_without_shape(steps))
     try:
         wait_for_text(out, r"checkpoint: step 4 ->", timeout_s=400)
         before = watch.nodes()
@@ -235,8 +229,7 @@ def test_bert_256node_trains_inside_oci_containers_and_requeues(slurm_cluster, t
         slurm_cluster.release_requeued(job, restart=1, timeout_s=180)
         state = slurm_cluster.wait(job, timeout_s=600)
     finally:
-        watch.stop()
-        slurm_cluster.run(["scancel", str(job)], check=False)
+        _ended(slurm_cluster, job, watch)
     text = out.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert before == {"n1", "n2"} or len(before) == 2, (before, watch.seen[:10])

@@ -39,6 +39,9 @@ class LlamaConfig(Section):
     # documents naively concatenated as a plain script's rows (bench ttt's baseline and its
     # ablation step). Evaluation always keeps the documents apart: the metric does not change.
     document_mask: bool = True
+    # FP8 matmuls in the decoder layers through Transformer Engine (H100/H200; the fp8 extra):
+    # scaleout/families/llama/fp8.py. Refused in one line anywhere else.
+    fp8: bool = False
 
     @property
     def head_dim(self) -> int:

@@ -14,7 +14,9 @@ it gets alone (tests/families/llama/test_llama_model.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +167,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.hidden, c.rms_eps)
         self.rotary_emb = Rotary(c)
+        # the context the decoder stack runs in (model.llama.fp8: fp8.enable_fp8 sets it)
+        self.stack_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(tokens)
@@ -174,8 +178,9 @@ class LlamaModel(nn.Module):
         else:
             positions, mask = positions_of(doc_ids), document_mask(doc_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        with self.stack_context() if self.stack_context else contextlib.nullcontext():
+            for layer in self.layers:
+                x = layer(x, cos, sin, mask)
         return self.norm(x)
 
 

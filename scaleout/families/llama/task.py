@@ -18,6 +18,7 @@ from scaleout.families.llama.data.indexed import IndexedTokens
 from scaleout.families.llama.data.pydoc import pydoc_corpus
 from scaleout.families.llama.data.rows import Rows
 from scaleout.families.llama.flops import training_flops
+from scaleout.families.llama.fp8 import enable_fp8, require_fp8
 from scaleout.families.llama.model import LlamaForCausalLM
 from scaleout.families.task import Counts, Task
 
@@ -118,6 +119,8 @@ class LlamaTask(Task):
         n_eval = min(cfg.data.eval_samples, len(self.eval_rows))
         self.eval_idx = np.arange(n_eval)
         self.model = LlamaForCausalLM(c).to(world.device)
+        if c.fp8:
+            enable_fp8(self.model, require_fp8(world.device))
         self.info = {
             "rows": self.rows,
             "eval_rows": n_eval,
