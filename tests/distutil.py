@@ -8,9 +8,12 @@ sets and calls ``scaleout.init()`` once.
 
 Spawning 4 processes costs ~5 s on 2 cores (torch import + rendezvous), so by default the processes
 of a (nnodes, nproc_per_node, env) shape are kept as a pool for the whole pytest session and reused
-by every call; ``fresh=True`` spawns a one-off set instead (for tests of init itself). A failure on
-any rank raises AssertionError with that rank's traceback and discards the pool (its other ranks may
-be stuck in a collective); a call that runs past ``timeout`` seconds does the same.
+by every call (up to ``MAX_POOLED_PROCS`` processes, the least recently used pool closed first);
+``fresh=True`` spawns a one-off set instead (for tests of init itself). A pool process exits when
+the pytest process that made it dies without cleaning up (killed by the OOM killer or a signal).
+A failure on any rank raises AssertionError with that rank's traceback and discards the pool (its
+other ranks may be stuck in a collective); a call that runs past ``timeout`` seconds does the
+same.
 """
 
 from __future__ import annotations
@@ -20,14 +23,25 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
-def _worker(rank, env, tasks, results) -> None:
+def _exit_with(parent: int) -> None:
+    """A pool process outlives a parent killed without its atexit (the OOM killer, SIGKILL,
+    SIGTERM): it would wait on its task queue forever, holding its ~0.5 GB, and every such orphan
+    makes the next OOM kill likelier. It exits once its parent is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker(rank, env, tasks, results, parent) -> None:
     faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints this rank's Python stacks
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     os.environ.update(env)
     world = None
     try:
@@ -89,7 +103,9 @@ class DistPool:
             e["OMP_NUM_THREADS"] = "1"
             e.update(env or {})
             p = ctx.Process(
-                target=_worker, args=(rank, e, self.tasks[rank], self.results), daemon=True
+                target=_worker,
+                args=(rank, e, self.tasks[rank], self.results, os.getpid()),
+                daemon=True,
             )
             p.start()
             self.procs.append(p)
@@ -169,14 +185,30 @@ def run_dist(
             return pool.run(fn, args, kwargs or {}, timeout)
         finally:
             pool.close(force=not pool.alive)
-    pool = _POOLS.get(key)
+    pool = _POOLS.pop(key, None)  # re-inserted last: _POOLS is in least-recently-used order
     if pool is None or not pool.alive:
-        pool = _POOLS[key] = DistPool(nnodes, nproc_per_node, env, timeout, placement)
+        pool = DistPool(nnodes, nproc_per_node, env, timeout, placement)
+    _POOLS[key] = pool
+    _evict(keep=key)
     try:
         return pool.run(fn, args, kwargs or {}, timeout)
     except AssertionError:
         _POOLS.pop(key, None)
         raise
+
+
+# Processes kept in pools by one pytest process (an xdist worker): each holds ~0.3-0.6 GB (torch,
+# the World, what the last function built), and the suite's shapes add up to ~40 processes per
+# worker if every pool is kept, which with 2 workers and a 16-rank test took the 24 GB machine into
+# the OOM killer. The least recently used pools beyond this are closed (a respawn costs ~5 s).
+MAX_POOLED_PROCS = 8
+
+
+def _evict(keep: tuple) -> None:
+    while sum(p.world for p in _POOLS.values()) > MAX_POOLED_PROCS and len(_POOLS) > 1:
+        oldest = next(k for k in _POOLS if k != keep)
+        pool = _POOLS.pop(oldest)
+        pool.close(force=not pool.alive)
 
 
 @atexit.register
