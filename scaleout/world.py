@@ -528,8 +528,10 @@ def nccl_flight_recorder(env: Any, output_dir: str | None) -> None:
     flight-recorder/rank_<r>`` (the prefix torch appends the rank to; older torch reads the
     TORCH_NCCL_* names). scaleout's hang watch dumps the same buffer there itself before its
     verdict (scaleout/train/hangwatch.py). An explicit value of any of them is respected."""
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        env.setdefault(name, "2000")  # entries; a few hundred bytes each
+    # one name per torch: torch >= 2.7 warns on every rank at start-up (C++, on stderr) when the
+    # deprecated TORCH_NCCL_TRACE_BUFFER_SIZE is set, and a rank's stderr is a one-line channel
+    new = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+    env.setdefault("TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if output_dir:
         folder = os.path.join(os.path.abspath(output_dir), "flight-recorder")

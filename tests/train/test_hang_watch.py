@@ -64,6 +64,9 @@ def test_the_backend_timeout_leaves_the_verdict_its_time_and_the_recorder_dumps_
     assert folder.is_dir() and env["TORCH_FR_DUMP_TEMP_FILE"] == str(folder / "rank_")
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(folder / "rank_")
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "100"
+    fresh: dict[str, str] = {}
+    nccl_flight_recorder(fresh, None)  # this torch (2.13) warns on the deprecated name: not set
+    assert fresh["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in fresh
 
 
 def _mocked_nccl_run(tmp_path: Path, mode: str, hang: str) -> tuple[str, Path]:
