@@ -25,8 +25,6 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from scaleout.units import DEFAULT_BUCKET_MB
-
 # scaleout's recipe on top of configs/llama_tiny_cpu.yaml (its AdamW, lr 2e-3, cosine to 2e-4,
 # clip 1.0 at 32 rows of 128 tokens; target log-perplexity 5.5, reached at ~225 of its 400 steps)
 LLAMA_RECIPE = [
@@ -74,19 +72,12 @@ def llama_recipes(
     from scaleout.bench._ttt_runs import Recipe
 
     full = Recipe.from_config("scaleout", cfg, args.warmup)
-    framework = Recipe(
-        "abl-framework",
-        "scaleout",
+    framework = Recipe.framework(
+        best,
         "adamw",
-        best.batch,
-        best.lr,
-        best.warmup,
         packing=False,  # here: no document mask, the rows as the baseline reads them
-        comm="flat",
-        bucket_mb=DEFAULT_BUCKET_MB,
         precision=best.precision,
         order="torch",  # the baseline's DistributedSampler batches
-        label="scaleout's trainer, the baseline's recipe",
     )
     docmask = replace(
         framework, name="abl-docmask", packing=full.packing, label="document masks in packed rows"

@@ -104,6 +104,24 @@ class Recipe:
     label: str = ""  # what this row switches on, for the tables
 
     @classmethod
+    def framework(cls, best: Recipe, optimizer: str, **kw: Any) -> Recipe:
+        """The ablation's first step: scaleout's trainer with the best baseline ``best``'s recipe
+        (its batch, lr and warm-up; a flat all-reduce with DDP's bucket size); ``kw``: what else the
+        task's baseline does differently."""
+        return cls(
+            "abl-framework",
+            "scaleout",
+            optimizer,  # type: ignore[arg-type]
+            best.batch,
+            best.lr,
+            best.warmup,
+            comm="flat",
+            bucket_mb=DEFAULT_BUCKET_MB,
+            label="scaleout's trainer, the baseline's recipe",
+            **kw,
+        )
+
+    @classmethod
     def from_config(cls, name: str, cfg: Any, warmup: float, **kw: Any) -> Recipe:
         """``scaleout train``'s recipe as a resolved config states it (the keys :func:`command`
         writes back): optimizer, global batch, lr, packing, all-reduce, overlap, buckets,

@@ -356,18 +356,8 @@ def recipes(
     )  # packed rows carrying ~the baseline's sequences
     full = Recipe.from_config("scaleout", cfg, args.warmup)
     full = replace(full, label=_low_label(full))
-    framework = Recipe(
-        "abl-framework",
-        "scaleout",
-        "adamw",
-        best.batch,
-        best.lr,
-        best.warmup,
-        comm="flat",
-        bucket_mb=DEFAULT_BUCKET_MB,
-        order="torch",  # the baseline's DistributedSampler batches: the factor is the framework's
-        label="scaleout's trainer, the baseline's recipe",
-    )
+    # the baseline's DistributedSampler batches: the factor is the framework's
+    framework = Recipe.framework(best, "adamw", order="torch")
     # packed rows are other units than the baseline's sequences: scaleout's own order from here
     packing = replace(
         framework, name="abl-packing", packing=True, batch=rows, order="scaleout", label="packing"
@@ -421,18 +411,7 @@ def resnet_recipes(args: argparse.Namespace, cfg: Any, best: Any) -> dict[str, A
 
     full = Recipe.from_config("scaleout", cfg, args.warmup)
     full = replace(full, label=_low_label(full))
-    framework = Recipe(
-        "abl-framework",
-        "scaleout",
-        "sgd",
-        best.batch,
-        best.lr,
-        best.warmup,
-        comm="flat",
-        bucket_mb=DEFAULT_BUCKET_MB,
-        label_smoothing=0.0,
-        label="scaleout's trainer, the baseline's recipe",
-    )
+    framework = Recipe.framework(best, "sgd", label_smoothing=0.0)
     lars = replace(
         full,
         name="abl-lars",
