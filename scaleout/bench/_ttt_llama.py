@@ -54,12 +54,16 @@ QUICK_LLAMA = [
 CHAIN = ["abl-framework", "abl-docmask", "abl-comm", "scaleout"]
 
 
-def baseline_recipe(name: str, batch: int, lr: float, warmup: float) -> Any:
-    """The plain script's recipe: DDP + fused AdamW under bf16 autocast, concatenated rows."""
+def baseline_recipe(
+    name: str, batch: int, lr: float, warmup: float, precision: str = "bf16"
+) -> Any:
+    """The plain script's recipe: DDP + fused AdamW under bf16 autocast (fp32 where the bench's
+    overrides set train.precision=fp32: on a CPU without bf16 both sides then run fp32),
+    concatenated rows."""
     from scaleout.bench._ttt_runs import Recipe
 
     return Recipe(
-        name, "torch", "adamw", batch, lr, warmup, precision="bf16", label="torch DDP + AdamW"
+        name, "torch", "adamw", batch, lr, warmup, precision=precision, label="torch DDP + AdamW"
     )
 
 

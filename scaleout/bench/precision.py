@@ -128,6 +128,56 @@ def cpu_support() -> dict[str, Any]:
     }
 
 
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+
+
+def bf16_slowdown(rows: int = 1024, width: int = 128, repeats: int = 20) -> float:
+    """Measured here: the time of a ``rows x width`` by ``width x 3*width`` matmul under CPU
+    bf16 autocast over the same in fp32, one thread, best of ``repeats`` (a transformer layer's
+    shape at the tiny configs' width). Without native bf16 instructions (:data:`NATIVE_BF16`)
+    torch converts and multiplies in software, an order of magnitude slower than fp32 (13.7x on
+    an AVX2-only EPYC)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, w = torch.randn(rows, width), torch.randn(3 * width, width)
+
+        def best() -> float:
+            out = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                a @ w.t()
+                out = min(out, time.perf_counter() - t)
+            return out
+
+        best()
+        fp32 = best()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            best()
+            bf16 = best()
+    finally:
+        torch.set_num_threads(threads)
+    return bf16 / max(fp32, 1e-9)
+
+
+def bf16_warning(precisions: set[str]) -> str | None:
+    """One warning line when a run of ``precisions`` uses bf16 on a CPU without
+    :data:`NATIVE_BF16`, with the slowdown measured here; None otherwise."""
+    if "bf16" not in precisions:
+        return None
+    support = cpu_support()
+    if any(f in support["flags"] for f in NATIVE_BF16):
+        return None
+    return (
+        f"warning: this CPU ({support['model'] or 'unknown'}) has no native bf16 "
+        f"({' or '.join(NATIVE_BF16)}): bf16 autocast is emulated, a matmul {bf16_slowdown():.1f}x "
+        "slower than in fp32 here; the times measure that emulation (train.precision=fp32 for "
+        "both sides, or a CPU with bf16)"
+    )
+
+
 def smooth(xs: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, x in enumerate(xs):

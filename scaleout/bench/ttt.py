@@ -446,6 +446,13 @@ def _low_label(r: Any) -> str:
     return f"{r.precision} autocast{wire}"
 
 
+def baseline_precision(cfg: Any) -> str:
+    """--task llama's baseline precision: bf16 autocast (the 2026 GPT loop), unless the overrides
+    make scaleout's run fp32 (train.precision=fp32: then both sides are, e.g. on a CPU without
+    bf16 instructions, where autocast is emulated)."""
+    return "fp32" if cfg.train.precision == "fp32" else "bf16"
+
+
 def sweep(
     args: argparse.Namespace, plan: Any, clusters: list[Any], root: Path, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -477,7 +484,7 @@ def sweep(
             label="torch DDP + SGD" if resnet else "torch DDP + AdamW",
         )
         if args.task == "llama":  # bf16 autocast, concatenated rows
-            r = baseline_recipe(name, b, lr, args.baseline_warmup)
+            r = baseline_recipe(name, b, lr, args.baseline_warmup, args.baseline_precision)
         for c in clusters:
             cut = (
                 best[c.name][0]["ttt_s"]
@@ -564,6 +571,13 @@ def run(args: argparse.Namespace) -> int:
         f"{args.seeds}",
         flush=True,
     )
+    from scaleout.bench.precision import bf16_warning
+
+    args.baseline_precision = baseline_precision(cfg)
+    llama = {args.baseline_precision} if args.task == "llama" else set()
+    said = bf16_warning({cfg.train.precision} | llama)
+    if said:
+        print(said, flush=True)
     root, rows = Path(args.runs_dir), []
     root.mkdir(parents=True, exist_ok=True)
     (root / "runs.jsonl").unlink(missing_ok=True)

@@ -175,6 +175,24 @@ class OptimConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _decay_after_warmup(self) -> OptimConfig:
+        # the schedule's rule (optim/schedule.py WarmupPoly), here so that a bad pair fails in
+        # the preflight and in `config show`, not in every rank's optimizer build
+        # (the offset of NVIDIA's START_WARMUP_STEP counted: schedule.warmup_end)
+        end = self.warmup_steps + self.start_warmup_step
+        if self.total_steps is not None and self.total_steps <= end:
+            offset = (
+                f" + optim.start_warmup_step={self.start_warmup_step}"
+                if self.start_warmup_step
+                else ""
+            )
+            raise ValueError(
+                f"optim.total_steps={self.total_steps} must be > optim.warmup_steps="
+                f"{self.warmup_steps}{offset} (the decay runs after the warm-up)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sharded_keys_need_the_sharded_lamb(self) -> OptimConfig:
         if self.overlap_comm and not self.sharded:
             raise ValueError(

@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scaleout.errors import UserError
@@ -80,20 +81,26 @@ def _docstrings(source: str) -> list[str]:
     return [d for _, d in sorted(found, key=lambda t: t[0])]
 
 
-def stdlib_documents(root: str | None = None) -> list[Document]:
+def stdlib_files(root: str | None = None) -> Iterator[str]:
+    """The standard library's ``.py`` files the corpus reads, in a fixed order: not the installed
+    packages (``site-packages``: torch alone is ~15k files), tests or hidden folders."""
     root = root or sysconfig.get_paths()["stdlib"]
-    docs: list[Document] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
         for f in sorted(filenames):
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, f)
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                texts = _docstrings(fh.read())
-            sentences = [s for t in texts for s in split_sentences(t)]
-            if sentences:
-                docs.append(Document(f"stdlib:{os.path.relpath(path, root)}", tuple(sentences)))
+            if f.endswith(".py"):
+                yield os.path.join(dirpath, f)
+
+
+def stdlib_documents(root: str | None = None) -> list[Document]:
+    root = root or sysconfig.get_paths()["stdlib"]
+    docs: list[Document] = []
+    for path in stdlib_files(root):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            texts = _docstrings(fh.read())
+        sentences = [s for t in texts for s in split_sentences(t)]
+        if sentences:
+            docs.append(Document(f"stdlib:{os.path.relpath(path, root)}", tuple(sentences)))
     return docs
 
 

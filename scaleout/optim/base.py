@@ -11,6 +11,9 @@ import torch
 
 from scaleout.errors import ConfigError
 from scaleout.optim.chunks import ChunkPlan, default_chunk, plan_chunks
+from scaleout.optim.lazy_dynamo import defer_dynamo_import
+
+defer_dynamo_import()  # every optimizer's construction would import torch._dynamo (lazy_dynamo.py)
 
 
 def check_hparams(where: str, **values: Any) -> None:

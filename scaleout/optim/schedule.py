@@ -58,9 +58,16 @@ class WarmupPoly:
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+        if self.total_steps is not None and self.total_steps <= warmup_end(
+            self.warmup_steps, self.start_warmup_step
+        ):
             raise ConfigError(
                 f"total_steps={self.total_steps} must be > warmup_steps={self.warmup_steps}"
+                + (
+                    f" + start_warmup_step={self.start_warmup_step}"
+                    if self.start_warmup_step
+                    else ""
+                )
             )
         if self.power < 0:
             raise ConfigError(f"power={self.power} must be >= 0")
@@ -143,6 +150,14 @@ def warmup_cosine(
     base = optimizer.param_groups[0]["lr"]
     schedule = WarmupCosine(warmup_steps, total_steps, end_lr / base if base > 0 else 0.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def warmup_end(warmup_steps: int, start_warmup_step: int = 0) -> int:
+    """The step at which the warm-up ends: ``warmup_steps``, less NVIDIA's START_WARMUP_STEP
+    offset (<= 0: warm-up as if that many steps had passed; their H100 configs ramp over 330 of
+    740 steps with WARMUP_STEPS=200330, START_WARMUP_STEP=-200000). The decay needs steps after
+    it: ``total_steps`` must be larger."""
+    return warmup_steps + start_warmup_step
 
 
 def warmup_poly(

@@ -5,6 +5,7 @@ metric (log-perplexity: lower is better), and the bench end to end on its --quic
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,31 @@ def test_the_sweep_keeps_the_lower_log_perplexity_when_nothing_reached() -> None
     assert ttt._better(row(0.12), row(0.10)) and not ttt._better(row(0.10), row(0.12))
     hit = {"reached": True, "ttt_s": 50.0, "achieved": 5.4}
     assert ttt._better(hit, row(5.0), lower=True)  # a time beats any unreached metric
+
+
+@pytest.mark.unit
+def test_fp32_reaches_the_baseline_and_an_emulated_bf16_is_said(monkeypatch) -> None:
+    """train.precision=fp32 makes both sides fp32 (the baseline's --precision too); bf16 on a CPU
+    without native bf16 instructions earns one warning line with the slowdown measured here."""
+    from scaleout.bench import precision as prec
+    from scaleout.bench._ttt_baseline_llama import parse_args
+    from scaleout.bench._ttt_llama import baseline_recipe
+
+    plan = Plan("llama_tiny_cpu", 5.5, 12800, 800, 1.0, "none", task="llama", end_lr_ratio=0.1)
+    for over, want in (([], "bf16"), (["train.precision=fp32"], "fp32")):
+        cfg = ttt.scaleout_config(_args("--seeds", "1", *over))
+        assert ttt.baseline_precision(cfg) == want
+        cmd = command(plan, baseline_recipe("b", 32, 1e-3, 0.05, want), 2, Path("o"))
+        assert parse_args(cmd[cmd.index("--config") :]).precision == want
+    cpu = {"model": "AVX2 box", "torch_cpu_capability": "AVX2"}
+    monkeypatch.setattr(prec, "cpu_support", lambda: {**cpu, "flags": ["avx512f"]})
+    line = prec.bf16_warning({"fp32", "bf16"})
+    assert line and line.startswith("warning: this CPU (AVX2 box) has no native bf16"), line
+    assert re.search(r"a matmul \d+\.\dx slower than in fp32 here", line), line
+    assert prec.bf16_warning({"fp32"}) is None
+    monkeypatch.setattr(prec, "cpu_support", lambda: {**cpu, "flags": ["amx_bf16"]})
+    assert prec.bf16_warning({"bf16"}) is None
+    assert prec.bf16_slowdown(rows=64, repeats=3) > 0
 
 
 def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str]:

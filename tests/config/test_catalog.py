@@ -78,3 +78,26 @@ def test_h100_sbatch_script_runs_its_recipe_at_its_size(name: str) -> None:
     assert f"#SBATCH --nodes={nodes}\n" in script and "#SBATCH --ntasks-per-node=8\n" in script
     assert f"scaleout train configs/{name}.yaml" in script
     assert "exec scaleout slurm run --" in script and '"$@"' in script
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_schedule_builds_and_warms_up_inside_the_run(name: str) -> None:
+    """What every rank builds at start: the learning-rate schedule of each shipped config. The
+    DGX H100 recipes count their warm-up with NVIDIA's START_WARMUP_STEP offset (8x8:
+    WARMUP_STEPS=200330 from -200000, over 740 steps): a rule that compared total_steps with
+    warmup_steps alone refused them on every rank."""
+    import torch
+
+    from scaleout.optim import build_schedule
+    from scaleout.optim.schedule import warmup_end
+
+    o = load_config(name, []).optim
+    sched = build_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=o.lr), o)
+    if o.total_steps is None:
+        return
+    factor = sched.lr_lambdas[0]
+    end = warmup_end(o.warmup_steps, o.start_warmup_step)
+    assert 0 <= end < o.total_steps, (end, o.total_steps)  # 1x8: no warm-up
+    peak = max(factor(k) for k in range(o.total_steps))
+    assert peak == pytest.approx(1.0, abs=0.01) and factor(o.total_steps - 1) < peak, name

@@ -50,6 +50,10 @@ BAD_CASES = [
     (["config", "show", "optim.betas=[0.9,1.5]"], ["optim.betas[1]=1.5", "[0, 1)"]),
     (["config", "show", "optim.eps=-1e-8"], ["optim.eps", "greater than or equal to 0"]),
     (
+        ["config", "show", "optim.warmup_steps=5", "optim.total_steps=5"],
+        ["optim.total_steps=5 must be > optim.warmup_steps=5"],
+    ),
+    (
         ["config", "show", "model.bert.hidden=100", "model.bert.heads=3"],
         ["model.bert.hidden=100", "divisible"],
     ),

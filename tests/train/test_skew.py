@@ -20,6 +20,7 @@ import torch
 
 from scaleout.comm.phasetime import COL, ROW, PhaseClock
 from scaleout.errors import UserError
+from scaleout.goodput import quarantine
 from scaleout.train.agreement import skew_summary
 from scaleout.train.faults import DelayInjection
 from scaleout.train.skew import (
@@ -148,8 +149,12 @@ def test_a_slow_rank_is_named_with_its_node_and_phase(tmp_path: Path) -> None:
     assert report["spread"]["threshold"] == 1.5, report["spread"]
     assert spread["intra"]["max_s"] > 0 and spread["inter_allreduce"]["max_s"] > 0, spread
     # a data straggler (and its late arrival) is reported but never quarantined: another node
-    # does not fix a starved input pipeline (scaleout/train/skew.py NOT_QUARANTINED)
-    assert not (out / "quarantine.json").exists(), (out / "quarantine.json").read_text()
+    # does not fix a starved input pipeline (scaleout/train/skew.py NOT_QUARANTINED). On a loaded
+    # 2-core host a rank can also be a genuine compute straggler (2x on half the steps) and be
+    # quarantined for that, rightly: what must never appear is a verdict for the data wait.
+    verdicts = quarantine.load(out / "quarantine.json")["nodes"]
+    reasons = [e["reason"] for entries in verdicts.values() for e in entries]
+    assert not [r for r in reasons if "in data" in r or "in arrival" in r], verdicts
     assert spread["data"]["min_s"] < 0.03 < spread["data"]["max_s"], spread["data"]
     train = [
         json.loads(line)

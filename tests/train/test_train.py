@@ -113,21 +113,25 @@ def test_train_2x2_mlperf_log_passes_checker(tmp_path: Path) -> None:
 
 
 def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
-    """SIGUSR2 mid-run -> every rank stops at the same step, checkpoints, exits 75; rerun
-    resumes; the final weights equal an uninterrupted run's bit for bit (CPU, deterministic
-    mode), dropout on: the checkpoint holds no RNG state, each step seeds its streams from (seed,
-    step, rank), so the resumed steps draw the uninterrupted run's masks."""
+    """The flagship's optimizer path on 2 x 2 ranks (the sharded LAMB within the node, overlapped
+    buckets, the hierarchical all-reduce): SIGUSR2 mid-run -> every rank stops at the same step,
+    checkpoints its shard, exits 75; rerun resumes; the final weights equal an uninterrupted
+    run's bit for bit (CPU, deterministic mode), dropout on: the checkpoint holds no RNG state,
+    each step seeds its streams from (seed, step, rank), so the resumed steps draw the
+    uninterrupted run's masks. A pruned checkpoint takes its shard folder with it."""
     steps = [
         "model.bert.dropout=0.1",
         "train.max_steps=8",
         "train.eval_every=1",
         "train.deterministic=true",
-        "comm.algorithm=flat",
+        "optim.sharded=true",
+        "optim.overlap_comm=true",
+        "comm.algorithm=hierarchical",
     ]
-    ref = _run(_cmd(tmp_path / "ref", 1, 2, *steps))
+    ref = _run(_cmd(tmp_path / "ref", 2, 2, *steps))
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
 
-    cmd = _cmd(tmp_path / "pre", 1, 2, *steps)
+    cmd = _cmd(tmp_path / "pre", 2, 2, *steps)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -143,7 +147,11 @@ def test_resume_after_preemption_is_bitwise_identical(tmp_path: Path) -> None:
     again = _run(cmd)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resumed from" in again.stdout
-    a, b = _final_weights(tmp_path / "ref" / "ckpt"), _final_weights(tmp_path / "pre" / "ckpt")
+    ckpt = tmp_path / "pre" / "ckpt"
+    indexes = {p.stem for p in ckpt.glob("ckpt-*.pt")}
+    folders = {p.name.split(".shards-")[0] for p in ckpt.glob("ckpt-*.shards-*")}
+    assert indexes == folders and 0 < len(indexes) <= 2, (indexes, folders)  # keep=2
+    a, b = _final_weights(tmp_path / "ref" / "ckpt"), _final_weights(ckpt)
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert not diff, f"{len(diff)} tensors differ after resume, e.g. {diff[:3]}"

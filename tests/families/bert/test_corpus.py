@@ -84,6 +84,27 @@ def test_real_stdlib_docstrings():
     assert sum(len(d.sentences) for d in docs) > 10_000
 
 
+@pytest.mark.unit
+def test_the_corpus_cache_key_stats_only_the_files_the_corpus_reads(monkeypatch, tmp_path):
+    """Every rank computes the parsed corpus's cache key at each start: it stats the stdlib
+    files the corpus reads, not site-packages (torch alone is ~15k files: ~1 s a rank a start,
+    and a new key, so a ~25 s rebuild, at every pip install)."""
+    import os
+
+    from scaleout.data.corpus import stdlib_files
+    from scaleout.families.bert.data import pretrain
+
+    files = list(stdlib_files())
+    assert files and not [f for f in files if "site-packages" in f or "/test/" in f]
+    stated: list[str] = []
+    monkeypatch.setattr(
+        pretrain.os.path, "getsize", lambda p: stated.append(p) or os.stat(p).st_size
+    )
+    monkeypatch.setattr(pretrain, "load_corpus", lambda sources: [])  # the key, not the parse
+    pretrain._cached_corpus(("stdlib",), str(tmp_path))
+    assert stated == files
+
+
 @pytest.mark.multi_process
 def test_wordpiece_training_encoding_and_cache(pydoc, tmp_path):
     texts = [s for d in pydoc[:30] for s in d.sentences]

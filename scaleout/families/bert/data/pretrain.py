@@ -42,6 +42,7 @@ from scaleout.data.corpus import (
     corpus_hash,
     is_eval,
     load_corpus,
+    stdlib_files,
 )
 from scaleout.data.tokenizer import WordPiece, train_or_load
 from scaleout.errors import UserError
@@ -329,16 +330,15 @@ def _info(train, ev, max_seq_len, path) -> dict[str, Any]:
 
 def _cached_corpus(sources: tuple[str, ...], cache: str) -> list[Document]:
     """Parsing the stdlib takes seconds; the parsed documents are cached per Python build and
-    stdlib listing."""
+    listing of the stdlib files the corpus reads (corpus.stdlib_files: not site-packages, whose
+    ~25k files cost every rank ~1 s of stat calls at each start and changed the key at every
+    pip install)."""
 
     root = sysconfig.get_paths()["stdlib"]
     h = hashlib.sha256(f"{sys.version}:{root}:{sources}".encode())
     if "stdlib" in sources:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            for f in sorted(filenames):
-                if f.endswith(".py"):
-                    h.update(f"{dirpath}/{f}:{os.path.getsize(os.path.join(dirpath, f))}".encode())
+        for path in stdlib_files(root):
+            h.update(f"{path}:{os.path.getsize(path)}".encode())
     path = os.path.join(cache, f"corpus-{h.hexdigest()[:16]}.json")
     if os.path.exists(path):
         try:
