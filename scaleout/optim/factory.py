@@ -15,6 +15,7 @@ from scaleout.optim.adamw import clip_before_step
 from scaleout.optim.groups import GENERIC_NO_DECAY, param_groups
 from scaleout.optim.lamb import LAMB
 from scaleout.optim.lars import LARS
+from scaleout.optim.lazy_dynamo import import_before_the_clock
 from scaleout.optim.schedule import warmup_cosine, warmup_poly
 from scaleout.optim.sharded import ShardedLAMB
 
@@ -100,9 +101,9 @@ def build_optimizer(
             opt = torch.optim.AdamW(
                 groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True if on_cpu else None
             )
-        return clip_before_step(opt, cfg.clip_grad_norm)
-    return torch.optim.SGD(
-        groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None
+        return import_before_the_clock(clip_before_step(opt, cfg.clip_grad_norm))
+    return import_before_the_clock(
+        torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True if on_cpu else None)
     )
 
 

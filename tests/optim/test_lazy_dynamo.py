@@ -51,3 +51,28 @@ def test_optimizers_leave_dynamo_unimported_and_guarded_once_it_is() -> None:
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     said = r.stdout[-2000:] + r.stderr[-3000:]
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), said
+
+
+BUILD = r"""
+import sys, torch
+from scaleout.config.schema import OptimConfig
+from scaleout.optim import build_optimizer
+
+name = sys.argv[1]
+build_optimizer(torch.nn.Linear(4, 4), OptimConfig(name=name, lr=0.1))
+print("loaded" if "torch._dynamo" in sys.modules else "not loaded")
+"""
+
+
+@pytest.mark.parametrize("name, want", [("lamb", "not loaded"), ("lars", "not loaded"),
+                                        ("adamw", "loaded"), ("sgd", "loaded")])  # fmt: skip
+def test_torch_optimizers_import_dynamo_when_built_not_in_the_first_timed_step(
+    name: str, want: str
+) -> None:
+    """torch's AdamW and SGD import dynamo in their first step(), inside MLPerf's clock: the
+    factory imports it while building them (before run_start); scaleout's LAMB and LARS never
+    need it."""
+    r = subprocess.run(
+        [sys.executable, "-c", BUILD, name], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == want, r.stdout[-2000:] + r.stderr[-3000:]
