@@ -26,7 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 # scaleout's recipe on top of configs/llama_tiny_cpu.yaml (its AdamW, lr 2e-3, cosine to 2e-4,
-# clip 1.0 at 32 rows of 128 tokens; target log-perplexity 5.5, reached at ~225 of its 400 steps)
+# clip 1.0 at 32 rows of 128 tokens, warm-up over 40 of its 400 steps; target log-perplexity 5.5,
+# reached at 150-175 steps in fp32, docs/ttt.md)
 LLAMA_RECIPE = [
     "train.target=5.5",
     "train.global_batch=32",

@@ -234,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="scaleout warm-up fraction of its steps (default: bert 0.1; resnet and llama the "
-        "config's optim.warmup_steps / optim.total_steps, 40/705 in resnet_cpu, 20/400 in "
+        "config's optim.warmup_steps / optim.total_steps, 40/705 in resnet_cpu, 40/400 in "
         "llama_tiny_cpu)",
     )
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation runs")

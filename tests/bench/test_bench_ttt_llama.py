@@ -38,7 +38,7 @@ def test_llama_recipes_and_the_commands_both_sides_run() -> None:
     cfg = ttt.scaleout_config(args)
     assert (args.config, args.budget, args.eval_seqs) == ("llama_tiny_cpu", 12800, 800)
     assert (args.baseline_lrs, args.baseline_batches) == ([1e-3, 2e-3, 4e-3], [32])
-    assert args.warmup == 20 / 400  # the config's warm-up share, not BERT's 0.1
+    assert args.warmup == 40 / 400  # the config's warm-up share (its optim.warmup_steps)
     assert (cfg.optim.name, cfg.train.target, cfg.model.family.metric_goal) == ("adamw", 5.5, "min")
     best = Recipe("baseline", "torch", "adamw", 32, 4e-3, 0.1, precision="bf16")
     rec = ttt.recipes(args, cfg, 4, 1.0, best)

@@ -133,8 +133,12 @@ def test_cosine_schedule_and_clipped_adamw_equal_torch() -> None:
 
 @pytest.mark.unit
 def test_cosine_keys_are_checked() -> None:
+    with pytest.raises(ValueError, match="optim.total_steps=3 must be > optim.warmup_steps=3"):
+        _cfg(total_steps=WARM)  # the schema refuses the pair before any rank builds it
+    from scaleout.optim.schedule import warmup_cosine
+
     with pytest.raises(ConfigError, match="total_steps=3 must be > warmup_steps=3"):
-        build_schedule(build_optimizer(Net(), _cfg(total_steps=WARM)), _cfg(total_steps=WARM))
+        warmup_cosine(build_optimizer(Net(), _cfg()), WARM, WARM, 0.0)  # used without a config
     with pytest.raises(ValueError, match="optim.schedule=cosine decays from the end of warm-up"):
         _cfg(decay_from="start")
     with pytest.raises(ValueError, match="optim.sharded=true is implemented for"):
