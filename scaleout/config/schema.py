@@ -135,6 +135,14 @@ class DataConfig(_Section):
         return self
 
 
+def warmup_end(warmup_steps: int, start_warmup_step: int = 0) -> int:
+    """The step at which the warm-up ends: ``warmup_steps``, less NVIDIA's START_WARMUP_STEP
+    offset (<= 0: warm-up as if that many steps had passed; their H100 configs ramp over 330 of
+    740 steps with WARMUP_STEPS=200330, START_WARMUP_STEP=-200000). The decay needs steps after
+    it: ``total_steps`` must be larger (OptimConfig and optim/schedule.py read it here)."""
+    return warmup_steps + start_warmup_step
+
+
 class OptimConfig(_Section):
     name: Literal["lamb", "lars", "adamw", "sgd"] = "lamb"
     lr: float = Field(1e-3, gt=0.0)
@@ -178,8 +186,8 @@ class OptimConfig(_Section):
     def _decay_after_warmup(self) -> OptimConfig:
         # the schedule's rule (optim/schedule.py WarmupPoly), here so that a bad pair fails in
         # the preflight and in `config show`, not in every rank's optimizer build
-        # (the offset of NVIDIA's START_WARMUP_STEP counted: schedule.warmup_end)
-        end = self.warmup_steps + self.start_warmup_step
+        # (the offset of NVIDIA's START_WARMUP_STEP counted: warmup_end)
+        end = warmup_end(self.warmup_steps, self.start_warmup_step)
         if self.total_steps is not None and self.total_steps <= end:
             offset = (
                 f" + optim.start_warmup_step={self.start_warmup_step}"

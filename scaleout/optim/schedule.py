@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from scaleout.config.schema import warmup_end
 from scaleout.errors import ConfigError
 from scaleout.optim.base import check_hparams
 
@@ -150,14 +151,6 @@ def warmup_cosine(
     base = optimizer.param_groups[0]["lr"]
     schedule = WarmupCosine(warmup_steps, total_steps, end_lr / base if base > 0 else 0.0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def warmup_end(warmup_steps: int, start_warmup_step: int = 0) -> int:
-    """The step at which the warm-up ends: ``warmup_steps``, less NVIDIA's START_WARMUP_STEP
-    offset (<= 0: warm-up as if that many steps had passed; their H100 configs ramp over 330 of
-    740 steps with WARMUP_STEPS=200330, START_WARMUP_STEP=-200000). The decay needs steps after
-    it: ``total_steps`` must be larger."""
-    return warmup_steps + start_warmup_step
 
 
 def warmup_poly(
