@@ -47,6 +47,7 @@ from scaleout.env.addr import is_loopback, loopback_interface
 from scaleout.env.base import free_port, local_rank_env
 from scaleout.errors import UserError
 from scaleout.goodput.verdict import read_verdict, with_exits
+from scaleout.launchers import forkrank
 from scaleout.launchers.base import (
     EXIT_TIMED_OUT,
     Launcher,
@@ -357,7 +358,8 @@ class LocalJob:
         self.on_orphan = [
             list(c) for c in on_orphan
         ]  # run by the watchdog if this launcher dies first
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | forkrank.ForkedRank] = []
+        self.fork_why_not: str | None = "not started"  # why the ranks were exec'd; None: forked
         self._pumps: list[threading.Thread] = []
         self._stop_signal: int | None = None
         self._watchdog: subprocess.Popen | None = None
@@ -411,30 +413,61 @@ class LocalJob:
             raise
 
     def _spawn(self) -> None:
-        self._start_watchdog()
+        envs = []
         for rank in range(self.world_size):
             env = rank_env(self.base_env, rank, self.nnodes, self.nproc, self.addr, self.port)
             if self.rank_env_hook:
                 self.rank_env_hook(rank, env)
-            cmd = list(self.cmd)
-            if self.node_wrapper:
-                cmd = self.node_wrapper(rank // self.nproc) + cmd
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=subprocess.PIPE if self.prefix_output else None,
-                stderr=subprocess.STDOUT if self.prefix_output else None,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # own process group: killpg reaches the rank's children too
+            envs.append(env)
+        self.fork_why_not = self._fork_why_not(envs)
+        for env in envs:  # how this rank was started, for a rank or a person who asks (docs)
+            env["SCALEOUT_RANK_START"] = (
+                "fork" if self.fork_why_not is None else (f"exec ({self.fork_why_not})")
             )
+        self._start_watchdog()
+        for rank, env in enumerate(envs):
+            if self.fork_why_not is None:
+                proc: subprocess.Popen | forkrank.ForkedRank = forkrank.fork(
+                    self.cmd, env, self.prefix_output, self._launcher_fds()
+                )
+            else:
+                cmd = list(self.cmd)
+                if self.node_wrapper:
+                    cmd = self.node_wrapper(rank // self.nproc) + cmd
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=subprocess.PIPE if self.prefix_output else None,
+                    stderr=subprocess.STDOUT if self.prefix_output else None,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # own process group: killpg reaches its children too
+                )
             self.procs.append(proc)
             self._tell_watchdog(f"rank {proc.pid} {start_time(proc.pid)}")
-            if self.prefix_output:
+        if self.prefix_output:  # threads only once every rank is forked: a fork copies none
+            for rank, proc in enumerate(self.procs):
                 t = threading.Thread(
                     target=_pump, args=(proc.stdout, rank, self.output), daemon=True
                 )
                 t.start()
                 self._pumps.append(t)
+
+    def _fork_why_not(self, envs: list[dict[str, str]]) -> str | None:
+        """None when every rank can be forked from this process (launchers/forkrank.py), after
+        importing what the ranks would; else why they are exec'd."""
+        wrapped = self.node_wrapper is not None
+        why = forkrank.why_not(self.cmd, envs[0], wrapped)
+        if why is None:
+            forkrank.preload()
+            why = next((w for e in envs if (w := forkrank.why_not(self.cmd, e, wrapped))), None)
+        return why
+
+    def _launcher_fds(self) -> list[int]:
+        """This launcher's descriptors a forked rank must not keep: the watchdog's pipe (its end
+        of input tells the watchdog the launcher died), the log, the other ranks' pipes."""
+        files = [self._watchdog.stdin if self._watchdog else None, self._log]
+        files += [p.stdout for p in self.procs]
+        return [f.fileno() for f in files if f is not None and not f.closed]
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:

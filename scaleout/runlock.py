@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scaleout import forksafe
 from scaleout.errors import UserError
 
 LOCK_NAME = ".scaleout-owner.json"
@@ -271,20 +272,31 @@ class RunLock:
         return self
 
     def _renew(self) -> None:
+        forksafe.park()  # a launcher may fork its ranks while this thread waits
+        try:
+            self._renew_loop()
+        finally:
+            forksafe.unpark()
+
+    def _renew_loop(self) -> None:
         warned: set[Path] = set()
         while not self._stop.wait(LEASE_S / RENEW_EVERY):
-            for d in self.dirs:
-                lock = d / LOCK_NAME
-                found = read_holder(lock)
-                if found is None or found[0].get("token") != self.me.token:
-                    if d not in warned:
-                        warned.add(d)
-                        print(f"scaleout: warning: lost the lease on {d} (another job took it)")
-                    continue
-                try:
-                    os.utime(lock)  # no times given: the server's clock on NFS
-                except OSError:
-                    pass  # a stalled mount: the next renewal tries again
+            with forksafe.busy():
+                self._renew_once(warned)
+
+    def _renew_once(self, warned: set[Path]) -> None:
+        for d in self.dirs:
+            lock = d / LOCK_NAME
+            found = read_holder(lock)
+            if found is None or found[0].get("token") != self.me.token:
+                if d not in warned:
+                    warned.add(d)
+                    print(f"scaleout: warning: lost the lease on {d} (another job took it)")
+                continue
+            try:
+                os.utime(lock)  # no times given: the server's clock on NFS
+            except OSError:
+                pass  # a stalled mount: the next renewal tries again
 
     def _release(self, dirs: list[Path]) -> None:
         for d in dirs:

@@ -6,14 +6,15 @@ results = run_dist(fn, nnodes=2, nproc_per_node=2, args=(...,))   # list indexed
 processes); its return value must be picklable. Each process gets the variables ``scaleout launch``
 sets and calls ``scaleout.init()`` once.
 
-Spawning 4 processes costs ~5 s on 2 cores (torch import + rendezvous), so by default the processes
-of a (nnodes, nproc_per_node, env) shape are kept as a pool for the whole pytest session and reused
-by every call (up to ``MAX_POOLED_PROCS`` processes, the least recently used pool closed first);
-``fresh=True`` spawns a one-off set instead (for tests of init itself). A pool process exits when
-the pytest process that made it dies without cleaning up (killed by the OOM killer or a signal).
-A failure on any rank raises AssertionError with that rank's traceback and discards the pool (its
-other ranks may be stuck in a collective); a call that runs past ``timeout`` seconds does the
-same.
+Processes come from a fork server that imported torch and scaleout once per pytest process
+(multiprocessing's "forkserver", preloaded): a fresh interpreter per rank paid ~3 s of CPU for that
+import, ~6 s of the 2 cores for a 4-rank pool. The processes of a (nnodes, nproc_per_node, env)
+shape are also kept as a pool for the whole pytest session and reused by every call (up to
+``MAX_POOLED_PROCS`` processes, the least recently used pool closed first); ``fresh=True`` spawns a
+one-off set instead (for tests of init itself). A pool process exits when the pytest process that
+made it dies without cleaning up (killed by the OOM killer or a signal). A failure on any rank
+raises AssertionError with that rank's traceback and discards the pool (its other ranks may be
+stuck in a collective); a call that runs past ``timeout`` seconds does the same.
 """
 
 from __future__ import annotations
@@ -27,21 +28,45 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
-def _exit_with(parent: int) -> None:
+def _start_time(pid: int) -> str | None:
+    """The process's start time (/proc/<pid>/stat, field 22); None once it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _exit_with(parent: int, started: str | None) -> None:
     """A pool process outlives a parent killed without its atexit (the OOM killer, SIGKILL,
     SIGTERM): it would wait on its task queue forever, holding its ~0.5 GB, and every such orphan
-    makes the next OOM kill likelier. It exits once its parent is gone."""
-    while os.getppid() == parent:
+    makes the next OOM kill likelier. It exits once that process is gone (dead, a zombie, or its pid
+    taken by another process). Not its own parent: that is the fork server, which every process it
+    forked keeps alive."""
+    while _start_time(parent) == started:
         time.sleep(1.0)
     os._exit(1)
 
 
-def _worker(rank, env, tasks, results, parent) -> None:
+# What the fork server imports once, before it forks any rank: torch (~3 s of CPU) and the scaleout
+# modules every pooled function reaches. Importing does not start a thread that fork would lose
+# (numpy's OpenBLAS pool stops and restarts itself around fork).
+PRELOAD = ["torch", "torch.distributed", "scaleout", "scaleout.world", "scaleout.comm"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(rank, env, tasks, results, parent, started) -> None:
     faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints this rank's Python stacks
-    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(parent, started), daemon=True).start()
     os.environ.update(env)
     world = None
     try:
@@ -82,12 +107,13 @@ class DistPool:
         from scaleout.env import free_port
         from scaleout.launchers.local import rank_env
 
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = nnodes * nproc_per_node
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         port = free_port()
         self.procs = []
+        me = os.getpid()
         for rank in range(self.world):
             e = rank_env({}, rank, nnodes, nproc_per_node, "127.0.0.1", port)
             if (
@@ -104,7 +130,7 @@ class DistPool:
             e.update(env or {})
             p = ctx.Process(
                 target=_worker,
-                args=(rank, e, self.tasks[rank], self.results, os.getpid()),
+                args=(rank, e, self.tasks[rank], self.results, me, _start_time(me)),
                 daemon=True,
             )
             p.start()
