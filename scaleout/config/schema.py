@@ -365,10 +365,10 @@ class TrainConfig(_Section):
     # (scaleout/telemetry/devices.py). Set it for a GPU that is not in the table.
     peak_flops: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     # Rank 0 writes <output_dir>/metrics.jsonl always (scaleout/telemetry/metrics.py), one record
-    # per
-    # log_every steps; csv / tensorboard / wandb are added when listed here.
+    # per log_every steps; csv / tensorboard / wandb are added when listed here. metrics.png (the
+    # curves) is drawn at the end of a run of at least 10 records, or of any run with png listed.
     log_every: int = Field(1, ge=1)
-    metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb"]] = ["jsonl"]
+    metrics: list[Literal["jsonl", "csv", "tensorboard", "wandb", "png"]] = ["jsonl"]
     profile: ProfileConfig | None = (
         None  # torch.profiler trace (scaleout/telemetry/profiler.py); true = defaults
     )

@@ -1,7 +1,11 @@
 """Training metrics you can look at: per-step loss, learning rate, throughput, step breakdown and
 every evaluation, written by rank 0 to ``<train.output_dir>/metrics.jsonl`` always, and to CSV,
 TensorBoard and Weights & Biases when ``train.metrics`` asks for them; :func:`plot_run` draws the
-loss and eval curves.
+loss and eval curves (``metrics.png``) at the end of a run that logged at least
+:data:`MIN_CURVE_POINTS` training records, or of any run when ``train.metrics`` lists ``png``; a
+shorter run's numbers are in metrics.jsonl, and ``scaleout plot <run>`` draws it anyway. (The
+picture costs rank 0 ~2 s of CPU, most of it importing matplotlib: at the end of a 3-step smoke run
+that was a fifth of its wall time, for a curve of 3 points.)
 
 ``train.log_every = k`` writes one training record per k steps: the mean loss, the mean step time
 and the samples/s over those k steps (so nothing is lost between records), plus the learning rate of
@@ -39,11 +43,17 @@ if TYPE_CHECKING:
 JSONL = "metrics.jsonl"
 CSV = "metrics.csv"
 PNG = "metrics.png"
+# Fewer training records than this draw no metrics.png unless train.metrics lists png (above).
+MIN_CURVE_POINTS = 10
 # Breakdown columns of the CSV: the trainer's phases (scaleout/train/trainer.py); "graph" =
 # CUDA-graph replay.
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "graph")
 # Optional sinks and the package each needs (pyproject extras tb / wandb).
-PACKAGES = {"tensorboard": ("tensorboard", "tb"), "wandb": ("wandb", "wandb")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tb"),
+    "wandb": ("wandb", "wandb"),
+    "png": ("matplotlib", "plot"),
+}
 
 
 def check_sinks(sinks: list[str]) -> None:
@@ -68,6 +78,7 @@ class Metrics:
         config: dict[str, Any] | None = None,
     ):
         self.enabled = enabled
+        self.sinks = tuple(sinks)
         self.log_every = max(1, log_every)
         self.out = Path(out_dir)
         self._acc: dict[str, Any] = self._empty()
@@ -242,6 +253,8 @@ class Metrics:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if "png" not in self.sinks and len(read_metrics(self.out)["train"]) < MIN_CURVE_POINTS:
+            return None  # a few steps: the numbers are in metrics.jsonl (`scaleout plot` draws)
         return plot_run(self.out, quiet=True)
 
 

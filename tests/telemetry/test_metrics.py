@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scaleout.errors import ConfigError
-from scaleout.telemetry.metrics import Metrics, plot_run, read_metrics
+from scaleout.telemetry.metrics import MIN_CURVE_POINTS, Metrics, plot_run, read_metrics
 from scaleout.train.observe import EvalRecord, StepRecord
 
 SHORT = [
@@ -164,7 +164,7 @@ def test_tiny_run_leaves_metrics_curves_tensorboard_and_profile(tmp_path: Path) 
     out = tmp_path / "run"
     r = _train(
         out,
-        "train.metrics=[csv,tensorboard]",
+        "train.metrics=[csv,tensorboard,png]",  # png: 6 records draw no curves unless asked
         "train.profile.wait=1",
         "train.profile.warmup=1",
         "train.profile.active=2",
@@ -262,6 +262,22 @@ def test_plot_without_metrics_is_one_line(tmp_path: Path) -> None:
         f"scaleout plot: error: {tmp_path / 'metrics.jsonl'}: no metrics file (expected a "
         "run directory written by `scaleout train`)"
     )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "records, sinks, drawn", [(9, (), False), (9, ("png",), True), (10, (), True)]
+)
+def test_curves_are_drawn_for_a_curve_or_when_asked(
+    tmp_path: Path, records: int, sinks: tuple[str, ...], drawn: bool
+) -> None:
+    """A run of fewer than MIN_CURVE_POINTS records draws no metrics.png unless png is listed."""
+    assert MIN_CURVE_POINTS == 10
+    m = Metrics(tmp_path, sinks=sinks, log_every=1)
+    for s in range(1, records + 1):
+        m.step(StepRecord(s, s * 8, 10.0 / s, 1e-3, 0.1, 8))
+    png = m.close("success")
+    assert (png is not None) == drawn == (tmp_path / "metrics.png").exists()
 
 
 @pytest.mark.unit
