@@ -45,7 +45,18 @@ PRELOAD = ("torch", "torch.distributed", "scaleout.train.trainer")
 
 # Variables an interpreter or a native library reads while it starts (before any command line runs):
 # a rank whose value differs from the launcher's is exec'd, so that it gets its own.
-_STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_")
+_STARTUP_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "LC_",
+    "LANG",
+    "MALLOC_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH_",
+)
 # ... except these, which the child applies itself (threads) or which change no start-up state.
 _APPLIED = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS"})
 # OpenBLAS's thread-count query, by build (numpy's wheels, scipy-openblas, a system OpenBLAS).
@@ -242,10 +253,19 @@ def _child(
         atexit._clear()  # the launcher's exit hooks are the launcher's
         os.environ.clear()
         os.environ.update(env)
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        # the encodings this interpreter chose for its own streams at start (PYTHONIOENCODING, the
+        # locale, UTF-8 mode): the environment that decided them is the rank's too (why_not)
+        streams = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
+        kinds = [
+            {"encoding": getattr(o, "encoding", None), "errors": getattr(o, "errors", None)}
+            for o in streams
+        ]
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), **kinds[0])
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), write_through=True, **kinds[1]
+        )
         sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+            io.FileIO(2, "w", closefd=False), write_through=True, **kinds[2]
         )
         if faulthandler.is_enabled():
             faulthandler.enable(sys.stderr)

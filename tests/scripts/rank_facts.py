@@ -39,6 +39,7 @@ facts = {
     "path0": sys.path[0],
     "env_from_launch": os.environ.get("FACTS_MARK"),
     "stdout_unbuffered": sys.stdout.write_through or sys.stdout.line_buffering,
+    "encodings": [(s.encoding, s.errors) for s in (sys.stdin, sys.stdout, sys.stderr)],
     "cmdline": open("/proc/self/cmdline", "rb").read().split(b"\0")[1:4],
 }
 facts["cmdline"] = [x.decode() for x in facts["cmdline"]]
