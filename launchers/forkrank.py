@@ -31,6 +31,7 @@ import io
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -95,8 +96,9 @@ def why_not(cmd: Sequence[str], env: Mapping[str, str], wrapped: bool) -> str | 
         return "a node wrapper runs the command"
     if _program(cmd) is None:
         return "not a scaleout command or a Python script"
-    if _startup_env(env) != _startup_env(os.environ):
-        differ = sorted(set(_startup_env(env).items()) ^ set(_startup_env(os.environ).items()))
+    rank_start, own_start = _startup_env(env), _startup_env(os.environ)
+    if rank_start != own_start:
+        differ = sorted(set(rank_start.items()) ^ set(own_start.items()))
         return f"the rank's {differ[0][0]} differs from the launcher's"
     threads = forksafe.unparked_threads()
     if threading.current_thread() is not threading.main_thread() or threads:
@@ -185,8 +187,6 @@ class ForkedRank:
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() > deadline:
-                import subprocess  # deferred: only for the exception type
-
                 raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(0.02)
         return self.returncode
