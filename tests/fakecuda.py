@@ -81,6 +81,24 @@ records:
   ``event.synchronize()``, ``torch.cuda.synchronize()``) marks what it waited for as finished;
   :meth:`FakeCuda.finished` answers whether a tensor's last write is.
 
+CUDA graphs (``FakeCuda(world, graphs=True)``; the rules a capture lives by): ``torch.cuda.graph``
+captures and ``torch.cuda.CUDAGraph.replay`` replays, as on a GPU, only the *device* work:
+
+- during a capture every ATen op and collective the capturing thread dispatches is recorded (a
+  ``TorchDispatchMode``), with its arguments as they are then: a Python number an op takes is
+  frozen into the graph, exactly as a kernel argument is in a real capture;
+- a host read of a device value (``item``, ``tolist``, ``bool``, ``.cpu()``, synchronize) or a copy
+  from pageable host memory raises in the capturing thread, as ``cudaErrorStreamCaptureUnsupported``
+  does (``capture_error_mode="thread_local"``: other threads are not checked);
+- a real capture runs nothing: the ops run here (the host needs their shapes), but every device
+  tensor they wrote is put back when the capture ends, so the capture leaves the device state as
+  it found it (host writes stay: the host code of a capture runs for real);
+- ``replay()`` runs the recorded device ops again in order, on the same tensors (fresh results
+  copied into the capture's outputs, collectives issued and waited for), and no Python: host
+  bookkeeping, hooks and callbacks ran once, at capture. A copy from a pinned host buffer reads
+  it at replay, as a captured memcpy does. Host-only ops are not replayed;
+- ``torch.cuda.is_current_stream_capturing()`` answers for the calling thread.
+
 The mode is process-wide: threads started while the context is open (the comm thread among them)
 run under it too, and the comm-thread and comm-stream registries of scaleout.comm.handles start
 empty for the context, so a rank's communication path runs under the emulation. Threads started
@@ -101,6 +119,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scaleout.comm import handles
@@ -274,7 +293,12 @@ class FakeWork:
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         self._owner.current_stream()._join(self._stream, self._pos, {})
-        return self._work.wait(*args, **kwargs)
+        local = self._owner._local
+        local.in_wait = True  # what the backend runs here belongs to the collective (_Recorder)
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            local.in_wait = False
 
     def get_future(self) -> Any:
         fut = self._work.get_future()
@@ -535,10 +559,14 @@ class FakeCuda:
 
     device = DEVICE
 
-    def __init__(self, world: Any = None):
+    def __init__(self, world: Any = None, graphs: bool = False):
         self.world = world
+        self.graphs = graphs
+        self.capturing: int | None = None  # the thread capturing a CUDA graph (graphs=True)
+        self.captures = 0
+        self.replays = 0
         self.violations: list[str] = []
-        self.syncs: list[tuple[str, str]] = []
+        self.syncs: list[tuple[str, str]] = _HostLog(self, "a host read of a device value")
         # (op, group, issuing thread, stream it ran on, async) per collective, in issue order
         self.launches: list[tuple[str, str, str, str, bool]] = []
         self.hazards: list[str] = []  # what would race or hang on a GPU (module docstring)
@@ -552,7 +580,8 @@ class FakeCuda:
         self._published: dict[FakeStream, int] = {}
         self._threads: list[str] = []  # threads that issued device collectives
         self._streams = 0
-        self.h2d: list[tuple[str, str]] = []  # host -> device copies from pageable memory
+        # host -> device copies from pageable memory
+        self.h2d: list[tuple[str, str]] = _HostLog(self, "a copy from pageable host memory")
         # tensor.record_stream(s) calls: (shape, dtype, stream name) of the tensor a stream uses
         self.recorded: list[tuple[tuple[int, ...], torch.dtype, str]] = []
         self.cpu_groups = _CPU_GROUPS  # names of the gloo groups made under FakeCuda
@@ -769,6 +798,31 @@ class FakeCuda:
 
         return collective
 
+    @contextlib.contextmanager
+    def _capture(
+        self,
+        graph: _ReplayGraph,
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+    ) -> Iterator[None]:
+        """``torch.cuda.graph`` (graphs=True): record the device work (module docstring)."""
+        if self.capturing is not None:
+            raise RuntimeError("fakecuda: a CUDA-graph capture is already under way")
+        side = stream or self.new_stream()
+        side.wait_stream(self.current_stream())
+        recorder = _Recorder(self)
+        self.captures += 1
+        with _StreamContext(self, side):
+            self.capturing = threading.get_ident()
+            try:
+                with recorder:
+                    yield
+            finally:
+                self.capturing = None
+                recorder.restore()
+        graph.ops = recorder.ops
+
     def is_cpu_group(self, group: Any) -> bool:
         """Whether ``group`` (None: the default group) is a gloo group made in the context."""
         return group is not None and getattr(group, "group_name", None) in self.cpu_groups
@@ -836,6 +890,14 @@ class FakeCuda:
                 return boot(thread)
 
         self._patch(threading.Thread, "_bootstrap_inner", bootstrap)
+        if self.graphs:
+            self._patch(torch.cuda, "CUDAGraph", lambda *a, **k: _ReplayGraph(self))
+            self._patch(torch.cuda, "graph", self._capture)
+            self._patch(
+                torch.cuda,
+                "is_current_stream_capturing",
+                lambda: self.capturing == threading.get_ident(),
+            )
         self._patch(handles, "_THREADS", weakref.WeakKeyDictionary())
         if hasattr(handles, "_COMM_STREAMS"):  # (absent before the comm stream existed)
             self._patch(handles, "_COMM_STREAMS", {})
@@ -957,3 +1019,118 @@ class FakeGraphs:
         for obj, attr, value in reversed(self._undo):
             setattr(obj, attr, value)
         self._undo.clear()
+
+
+class _HostLog(list):
+    """``FakeCuda.syncs`` / ``h2d``: a list that raises on an entry made by the capturing thread
+    (module docstring, CUDA graphs)."""
+
+    def __init__(self, owner: FakeCuda, what: str):
+        super().__init__()
+        self.owner, self.what = owner, what
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        if self.owner.capturing is not None and self.owner.capturing == threading.get_ident():
+            raise RuntimeError(
+                f"fakecuda: {self.what} ({item[0]} at {item[1]}) while a CUDA graph is being "
+                "captured: operation not permitted when stream is capturing "
+                "(cudaErrorStreamCaptureUnsupported)"
+            )
+
+
+def _is_work(x: Any) -> bool:
+    return hasattr(x, "wait") and not isinstance(x, torch.Tensor)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes: its ``(a!)`` arguments; a collective (no such annotation),
+    every tensor it takes."""
+    if func.namespace == "c10d":
+        return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """The ops of one capture (FakeCuda graphs=True): (op, args, kwargs, outputs) in order, and
+    what each write overwrote, to put back when the capture ends."""
+
+    def __init__(self, owner: FakeCuda):
+        super().__init__()
+        self.owner = owner
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if (
+            threading.get_ident() != self.owner.capturing
+            or getattr(self.owner._local, "in_wait", False)
+            or func.namespace == "profiler"
+        ):
+            # not the capture's: a collective's own copies (gloo's reduce-scatter copies its
+            # slice out in wait() or a worker thread; a replay of the collective runs them
+            # again), or host-side profiler bookkeeping
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and not on_host(args[0]):
+            # a 0-d device tensor where a Python number is taken (an op's Scalar overload):
+            # the argument parser reads it on the host, below the mode above
+            self.owner.syncs.append(("a 0-d device tensor read as a number", call_site()))
+        with torch._C.DisableTorchFunction():
+            self._saved += [
+                (t, t.detach().clone()) for t in _written(func, args, kwargs) if not on_host(t)
+            ]
+            out = func(*args, **kwargs)  # (the mode above saw this call already)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def restore(self) -> None:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for t, before in reversed(self._saved):
+                t.copy_(before)
+        self._saved.clear()
+
+
+def _host_only(args: tuple, kwargs: dict, out: Any) -> bool:
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(on_host(t) for t in tensors)
+
+
+class _ReplayGraph:
+    """``torch.cuda.CUDAGraph`` (FakeCuda graphs=True): ``replay()`` runs the captured device ops
+    again (module docstring)."""
+
+    def __init__(self, owner: FakeCuda):
+        self.owner = owner
+        self.ops: list[tuple[Any, tuple, dict, Any]] | None = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        if self.ops is None:
+            raise RuntimeError("fakecuda: replay() of a graph that was never captured")
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                if _host_only(args, kwargs, out):
+                    continue
+                new = func(*args, **kwargs)
+                olds, news = tree_flatten(out)[0], tree_flatten(new)[0]
+                for old, fresh in zip(olds, news, strict=True):
+                    if _is_work(fresh):
+                        fresh.wait()
+                    elif (
+                        isinstance(old, torch.Tensor)
+                        and isinstance(fresh, torch.Tensor)
+                        and old.untyped_storage().data_ptr() != fresh.untyped_storage().data_ptr()
+                    ):
+                        old.copy_(fresh)
+        self.replays += 1
+        self.owner.replays += 1

@@ -123,7 +123,13 @@ def on_comm_stream(
     with torch.cuda.stream(end):
         event = torch.cuda.Event()
         event.record(end)
-        if cuda_future and torch.cuda.is_available():  # its waiter's stream waits for this point
+        # its waiter's stream waits for this point (not inside a CUDA-graph capture: a waiter
+        # there waits on the event, StreamHandle.wait)
+        if (
+            cuda_future
+            and torch.cuda.is_available()
+            and not torch.cuda.is_current_stream_capturing()
+        ):
             future = torch.futures.Future(devices=[device])
         else:  # tests/fakecuda.py: no CUDA runtime behind the emulated device
             future = torch.futures.Future()

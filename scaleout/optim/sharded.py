@@ -49,6 +49,26 @@ fp32 (:meth:`_compressed` gives the exact arithmetic). The parameters are all-ga
 own dtype. With ``shard=world`` compression needs ``algorithm='flat'``.
 
 Equal to LAMB on the rank-averaged gradient (sums in another order). Accumulation: :meth:`no_sync`.
+
+**Under CUDA graphs** (:meth:`use_graphs`, set by the trainer's ``model.cuda_graphs``): a graph
+replays device work only, so step() then reads nothing on the host and keeps no per-step value
+in Python arguments, and the captured step is the whole step (scaleout/train/capture.py):
+
+- the per-group scalars that change with the step (learning rate, the bias corrections folded into
+  eps', wd/k and k) are a small device tensor copied in from a pinned host buffer that the host
+  writes before every run of the step (:meth:`stage`: step() itself when not capturing, the step
+  graphs before each replay), so a replay reads this step's values, not the capture's;
+- the global clip factor is computed on the device and applied to the reduced gradient shard;
+- a non-finite reduced gradient does not skip on the host: its count still rides in the norm
+  all-reduce, the shard is zeroed where non-finite, and the update is blended with a 0/1 device
+  weight (``lerp`` with weight 1 is exactly the new value, with weight 0 exactly the old one), so a
+  skipped step writes the state it read. :meth:`nonfinite_flag` is that device verdict; the trainer
+  reads it with the step's agreement and calls :meth:`settle`, which counts the step;
+- unused parameters: the usage is still summed on the device; :meth:`unused_flag` answers it, read
+  with the agreement, and :meth:`check_unused` names them (a graph replays the backward it
+  captured, so the usage is the capture's);
+- the all-gathers are waited for inside step() (a capture must join every stream it forked), still
+  overlapping the later buckets' updates.
 """
 
 from __future__ import annotations
@@ -57,7 +77,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -208,6 +228,7 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         # usage goes over the world on its own (_launch_usage)
         self._world_usage = shard == "node" and self.size > self.local and not allow_unused
         self._usage_work: Any = None
+        self.graphed = False  # use_graphs(): step() runs on the device only (module docstring)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -369,8 +390,10 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
     def reduced_grads(self) -> None:
         return None  # each rank holds its own shard's only: the check is step()'s (skipped)
 
-    def nonfinite_flag(self) -> None:
-        return None
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        """Under graphs: the last step's device verdict (1.0: a reduced gradient was non-finite and
+        the step wrote nothing, alike on every rank); otherwise None (step() reads it itself)."""
+        return self._bad if self.graphed else None
 
     def ride(self, fill: Callable[[torch.Tensor], None] | None) -> bool:
         return False  # no replicated buffer whose sums every rank reads alike
@@ -381,8 +404,11 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
     def while_waiting(self, work: Callable[[], None]) -> None:
         """Dropped: no host wait here to fill (the next step's batch is built in its own step)."""
 
-    def unused_flag(self) -> None:
-        return None  # the usage rides on step()'s norm all-reduce (_check_unused)
+    def unused_flag(self) -> torch.Tensor | None:
+        """Under graphs: 1.0 on the device when some parameter got no gradient on any rank (read
+        with the agreement; :meth:`check_unused` then names them). Otherwise None: the usage rides
+        on step()'s norm all-reduce and step() raises (_check_unused)."""
+        return self._unused if self.graphed and not self.allow_unused else None
 
     def _launch_usage(self) -> None:
         """optim.shard=node over several nodes: which parameters got a gradient on some rank, summed
@@ -407,6 +433,8 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         )
 
     def check_unused(self) -> list[str]:
+        if self.graphed and not self.allow_unused:  # the error path: one host read
+            self._check_unused(self._usage_sum.tolist())
         return []
 
     def _usage_on_device(self, slot: int) -> torch.Tensor:
@@ -671,6 +699,120 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         self._used = [False] * len(self.params)
         super().zero_grad(set_to_none=set_to_none)
 
+    # -- under CUDA graphs (module docstring) ------------------------------------------------------
+    def use_graphs(self) -> None:
+        """Make every later step() device-only, so that a CUDA graph can capture it: the step's
+        scalars staged from the host (:meth:`stage`), the skip and the unused-parameter check as
+        device flags (:meth:`nonfinite_flag`, :meth:`unused_flag`) read with the step's agreement,
+        then :meth:`settle`. The all-gathers are waited for inside step()."""
+        if self.profile:
+            raise UserError(
+                "ShardedLAMB profile=True synchronises the device between phases: not in a CUDA "
+                "graph"
+            )
+        dev = self.flat_param.device
+        self.graphed, self._defer = True, False
+        groups = len(self.param_groups)
+        # per group: lr, eps', wd / k, k of the step to run (LambCoeffs), staged by the host
+        self._coef_host = torch.zeros(groups, 4, dtype=torch.float32, pin_memory=dev.type == "cuda")
+        self._coef = torch.zeros(groups, 4, dtype=torch.float32, device=dev)
+        self._bad = torch.zeros((), dtype=torch.float32, device=dev)
+        self._unused = torch.zeros((), dtype=torch.float32, device=dev)
+        self._usage_sum = torch.ones(len(self.params), dtype=torch.float32, device=dev)
+
+    def stage(self) -> None:
+        """Write the next step's per-group scalars into the pinned buffer that step() copies to the
+        device (use_graphs): step() calls it when it is not being captured; whoever replays a
+        captured step calls it before each replay."""
+        rows = []
+        for g in self.param_groups:
+            c = LambCoeffs.of(g, g["step"] + 1)
+            rows.append([c.lr, c.eps, c.wd, c.k])
+        self._coef_host.copy_(torch.tensor(rows, dtype=torch.float32))
+
+    def settle(self, skipped: bool) -> None:
+        """Under graphs, once the step's verdict was read (:meth:`nonfinite_flag`, with the
+        agreement): count the step unless it was skipped (the next :meth:`stage` uses the count)."""
+        self.skipped = bool(skipped)
+        if not self.skipped:
+            for g in self.param_groups:
+                g["step"] += 1
+
+    @torch.no_grad()
+    def _graphed_step(self) -> None:
+        """step() under use_graphs() (module docstring): no host read, no per-step Python value in
+        any device op."""
+        if not _capturing():
+            self.stage()
+        self.wait_params()
+        self._send_all()
+        self._launch_usage()
+        self._wait_all()
+        g, dev = self.g_shard, self.flat_param.device
+        if self._unscale != 1.0:  # a host value: the trainer refuses fp16 with graphs
+            raise UserError("ShardedLAMB under CUDA graphs: fp16 loss scaling is not supported")
+        coef = self._coef
+        coef.copy_(self._coef_host, non_blocking=True)
+        sq = torch.zeros(4, len(self.params), dtype=torch.float32, device=dev)
+        sq[2] = self._usage_on_device(1)
+        sq[3, 0] = torch.isfinite(g).logical_not_().sum()
+        g.nan_to_num_(0.0, 0.0, 0.0)  # finite inputs: a skipped step's blend weight 0 is exact
+        if self.clip_grad_norm is not None:
+            gsq = sq_norms([g])
+            self._norm_all_reduce(gsq)
+            self.last_grad_norm = norm = gsq.sum().sqrt()  # a device value under graphs
+            g.mul_(self.clip_grad_norm / torch.clamp(norm, min=self.clip_grad_norm))
+        co = [
+            replace(
+                LambCoeffs.of(group, 1),
+                lr=c[0],
+                eps=c[1],
+                wd=c[2],
+                k=c[3],
+            )
+            for group, c in zip(self.param_groups, coef.unbind(), strict=True)
+        ]
+        wd = [group["weight_decay"] != 0.0 for group in self.param_groups]
+        sq, base = self._phase1(co, sq, lambda p, m, v, c, gi: _direction_dev(p, m, v, c, wd[gi]))
+        self._norm_all_reduce(sq)
+        if self._usage_work is not None:
+            self._usage_work.wait()
+            self._usage_work = None
+            sq[2] = self._usage
+        bad = sq[3, 0] > 0
+        self._bad.copy_(bad)
+        if not self.allow_unused:
+            self._usage_sum.copy_(sq[2])
+            self._unused.copy_((sq[2] == 0).any())
+        keep = (~bad).float()  # the blend weight: 1 = this step's values, 0 = the old ones
+        scale = [
+            trust_ratios(
+                sq[0, b : b + len(group["params"])], sq[1, b : b + len(group["params"])], c
+            )
+            * (-c.lr * c.k)
+            * keep
+            for b, group, c in zip(base, self.param_groups, co, strict=True)
+        ]
+        for bk in self.buckets:
+            for w in bk.work:
+                c = co[w.group]
+                for k in range(len(w.P)):
+                    m, v = new_moments(w.G[k], w.M[k], w.V[k], c)
+                    weights = [keep] * len(m)
+                    torch._foreach_lerp_(w.M[k], m, weights)
+                    torch._foreach_lerp_(w.V[k], v, weights)
+                    u = _direction_dev(w.P[k], w.M[k], w.V[k], c, wd[w.group])
+                    if c.adapt:
+                        torch._foreach_mul_(u, list(scale[w.group][w.owner[k]].unbind()))
+                    else:
+                        torch._foreach_mul_(u, -c.lr * c.k * keep)
+                    torch._foreach_add_(w.P[k], u)
+            self.issued += 1
+            self._gathers.append(self._all_gather(bk))
+        self.wait_params()
+        self._reset_step()
+        self._used = [False] * len(self.params)
+
     # -- step -------------------------------------------------------------------------------------
     def _tick(self, name: str, t0: float, minus: float = 0.0) -> float:
         if self.profile and self.flat_param.device.type == "cuda":
@@ -698,6 +840,9 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.timings = {}
+        if self.graphed:
+            self._graphed_step()
+            return loss
         self.wait_params()  # a step without a forward since the last one: its gathers first
         t = time.perf_counter()
         # overlap=False, or gradients set without backward: everything goes out here
@@ -751,16 +896,24 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         self._used = [False] * len(self.params)
         return loss
 
-    def _phase1(self, co: list[LambCoeffs]) -> tuple[torch.Tensor, list[int]]:
+    def _phase1(
+        self,
+        co: list[LambCoeffs],
+        sq: torch.Tensor | None = None,
+        dir_fn: Callable[..., list[torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
         """Partial squared norms of the adapted groups (rows 0 and 1: ||w||^2 and ||u/k||^2) from
         the moments the step would write, computed chunk by chunk out of place: nothing is written
         before the sums say the step happens. Row 2: this rank's parameter usage; [3, 0]: the
         non-finite elements of this rank's reduced gradient shard."""
         ntens = [len(g["params"]) for g in self.param_groups]
         base = [sum(ntens[:gi]) for gi in range(len(ntens))]
-        sq = torch.zeros(4, len(self.params), dtype=torch.float32, device=self.flat_param.device)
-        sq[2] = self._usage_on_device(1)
-        sq[3, 0] = torch.isfinite(self.g_shard).logical_not_().sum()
+        if sq is None:  # (under graphs the caller made it, rows 2 and 3 filled)
+            sq = torch.zeros(
+                4, len(self.params), dtype=torch.float32, device=self.flat_param.device
+            )
+            sq[2] = self._usage_on_device(1)
+            sq[3, 0] = torch.isfinite(self.g_shard).logical_not_().sum()
         for bk in self.buckets:
             for w in bk.work:
                 c = co[w.group]
@@ -769,9 +922,12 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
                 for k in range(len(w.P)):
                     m, v = new_moments(w.G[k], w.M[k], w.V[k], c)
                     sq[0, base[w.group] :].index_add_(0, w.owner[k], sq_norms(w.P[k]))
-                    sq[1, base[w.group] :].index_add_(
-                        0, w.owner[k], sq_norms(direction(w.P[k], m, v, c))
+                    u = (
+                        direction(w.P[k], m, v, c)
+                        if dir_fn is None
+                        else dir_fn(w.P[k], m, v, c, w.group)
                     )
+                    sq[1, base[w.group] :].index_add_(0, w.owner[k], sq_norms(u))
         return sq, base
 
     def _check_unused(self, usage: list[float]) -> None:
@@ -863,3 +1019,26 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         self.load_replicated(state_dict)
         for k, p in self._pieces.items():
             p.tensor.copy_(state_dict["state"][k][1])
+
+
+def _capturing() -> bool:
+    """This thread's current CUDA stream is being captured into a graph."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a torch built without CUDA
+        return False
+
+
+def _direction_dev(
+    p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: Any, decay: bool
+) -> list[torch.Tensor]:
+    """:func:`scaleout.optim.lamb.direction` with eps' and wd / k as 0-d device tensors (the
+    step's staged scalars under graphs): u / k = m / (sqrt(v) + eps') + (wd / k) w."""
+    d = torch._foreach_sqrt(v)
+    # the Tensor overloads by name: torch's parser would take a 0-d tensor as a Scalar (a host
+    # read, then a number frozen into a captured graph)
+    torch.ops.aten._foreach_add_.Tensor(d, co.eps)
+    u = torch._foreach_div(m, d)
+    if decay:
+        torch._foreach_add_(u, torch.ops.aten._foreach_mul.Tensor(p, co.wd))
+    return u

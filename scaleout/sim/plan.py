@@ -394,6 +394,10 @@ class Workload:
     ceiling: float | None = None  # MLPerf's largest accepted batch (curve units), None: none
     config: str = ""  # the config file and overrides it was read from
     overrides: list[str] = field(default_factory=list)
+    # per placement: its step as the trainer runs it (captured? overlapped? wire bytes), where
+    # it differs from ``train`` (the replicated placement's): the sharded LAMB's captured step
+    # overlaps its reduce-scatters, DataParallel's captured step does not
+    trains: dict[str, TrainSpec] = field(default_factory=dict)
 
 
 def for_curve(work: Workload, curve: ConvergenceCurve) -> Workload:
@@ -428,6 +432,7 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
     """The config (with ``overrides``) read as the simulator's inputs, once per placement."""
     overrides = list(overrides or [])
     models: dict[str, ModelSpec] = {}
+    trains: dict[str, TrainSpec] = {}
     run = None
     for placement, extra in PLACEMENT_OVERRIDES.items():
         if extra is None:  # a placement without keys: priced with the sharded wire bytes
@@ -441,6 +446,7 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
         r = from_config(cfg, config)
         # the config's evaluation schedule (train.eval_every x global batch), not MLPerf's rule
         models[placement] = replace(r.model, eval_rule=None)
+        trains[placement] = replace(r.train, torus_x=None)
         if placement == "replicated":
             run = r
             arch, accum = cfg.model.arch, cfg.train.grad_accum
@@ -455,6 +461,7 @@ def workload(config: str, overrides: list[str] | None = None) -> Workload:
         accum,
         config=config,
         overrides=overrides,
+        trains=trains,
     )
 
 
@@ -475,7 +482,7 @@ def predict(
         if cores:  # ranks of an emulated cluster share the machine's cores
             spr *= min(1.0, cores / cand.gpus)
     train = replace(
-        work.train,
+        work.trains.get(cand.optimizer, work.train),
         local_batch=float(cand.per_gpu_batch),
         algorithm=cand.algorithm,
         optimizer=cand.optimizer,  # type: ignore[arg-type]

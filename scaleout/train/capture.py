@@ -49,11 +49,19 @@ What is not captured, and why:
 - Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in
   captured regions), and the fp16 loss scale is a device tensor the graph reads, so it can change
   between replays; unscaling and the finiteness agreement run eagerly after the replay.
-- scaleout's LAMB/LARS compute per-step scalars (learning rate, bias correction, global clip factor)
-  on the host; a graph would freeze them at their capture-time values. The optimizer is therefore in
-  the graph only when every param group says ``capturable=True`` (``torch.optim`` optimizers with a
-  tensor learning rate); otherwise it runs eagerly after the replay, which also keeps the trainer's
-  NaN-skip agreement between gradients and update.
+- scaleout's replicated LAMB/LARS compute per-step scalars (learning rate, bias correction, global
+  clip factor) on the host; a graph would freeze them at their capture-time values. With
+  DataParallel the optimizer runs eagerly after the replay, which also keeps the trainer's NaN-skip
+  agreement between gradients and update.
+
+**The sharded LAMB's step is captured whole** (:func:`sharded_step`, ``optim.sharded=true``): its
+bucket reduce-scatters are issued by backward's hooks inside the capture (overlapped with the rest
+of backward, on the comm stream forked from the capture stream), then its device-only step
+(``ShardedLAMB.use_graphs``: the step's scalars copied from a pinned buffer that
+``StepGraphs.stage`` refills before each replay, the clip factor on the device, a non-finite
+gradient blended away on the device) and the all-gathers, joined before the capture ends. The
+trainer reads the skip with the step's agreement and counts the step (``ShardedLAMB.settle``).
+fp16 is not captured with it (its loss scale is a host value).
 - Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
   data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and
   one warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects
@@ -153,17 +161,23 @@ class StepGraphs:
         step_fn: Callable[[Any], torch.Tensor],
         device: torch.device | str | None = None,
         warmup: int = MIN_WARMUP,
+        stage: Callable[[], None] | None = None,
     ):
         if warmup < MIN_WARMUP:
             raise UserError(
                 f"StepGraphs warmup={warmup}: expected >= {MIN_WARMUP} eager steps per shape "
                 "before its capture (the CUDA-graphs recipe)"
             )
-        if not torch.cuda.is_available():
+        if device is None and not torch.cuda.is_available():
             raise UserError(
                 "StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly"
             )
+        if device is not None and torch.device(device).type != "cuda":
+            raise UserError(f"StepGraphs needs CUDA, got device {device}; run the step eagerly")
         self.step_fn = step_fn
+        # host values a replay reads (pinned buffers the step copies from): written before each
+        # replay; an eager or captured call of step_fn writes them itself
+        self.stage = stage
         self.device = (
             torch.device(device)
             if device is not None
@@ -200,6 +214,8 @@ class StepGraphs:
         else:
             for dst, src in zip(_tensors(entry.static_in), _tensors(batch), strict=True):
                 dst.copy_(src, non_blocking=True)
+        if self.stage is not None:
+            self.stage()
         entry.graph.replay()
         entry.replays += 1
         return entry.static_out
@@ -292,40 +308,88 @@ def host_sync_reason(model: Any) -> str | None:
     return None
 
 
+def sharded_step(
+    model: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Any,
+    precision: Any = None,
+) -> Callable[[list[Any]], torch.Tensor]:
+    """The capturable step of the sharded LAMB (``optim.sharded``, after its ``use_graphs()``):
+    forward + backward of every micro-batch (all but the last under ``optimizer.no_sync()``), the
+    gradient reduce-scatters issued by its hooks as backward produces each bucket, then its
+    device-only ``step()`` and the parameters' all-gathers. The gradients start as None, so the
+    captured backward writes them rather than adding to the capture's. Returns the summed loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(mbs: list[Any]) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        total = None
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            with contextlib.nullcontext() if last else optimizer.no_sync():
+                with (
+                    precision.autocast(cache=False)
+                    if precision is not None
+                    else contextlib.nullcontext()
+                ):
+                    loss = loss_fn(model, mb) / len(mbs)
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if total is None:
+            raise ValueError("sharded_step needs at least one micro-batch")
+        optimizer.step()
+        return total
+
+    return step
+
+
 def graphed_step(cfg: Config) -> tuple[bool, bool]:
     """What ``cfg``'s step is on CUDA, for whoever prices it (``scaleout simulate``): (captured:
     the step runs as CUDA graphs, overlapped: its gradient collectives run during backward).
-    Captured when ``model.cuda_graphs`` is set and the optimizer is DataParallel's
-    (:func:`build_step_graphs` runs the sharded LAMB's step eagerly); the captured step reduces
-    after backward (:func:`data_parallel_step`), so it never overlaps."""
-    captured = bool(cfg.model.cuda_graphs) and not cfg.optim.sharded
-    overlap = cfg.optim.overlap_comm if cfg.optim.sharded else cfg.comm.overlap
-    return captured, bool(overlap) and not captured
+    Captured when ``model.cuda_graphs`` is set (and, with the sharded LAMB, the precision is not
+    fp16: its loss scale is a host value). The sharded LAMB's captured step issues its
+    reduce-scatters from backward's hooks (:func:`sharded_step`), so it overlaps as its
+    ``optim.overlap_comm`` says; DataParallel's captured step reduces after backward
+    (:func:`data_parallel_step`), so it never overlaps."""
+    sharded = cfg.optim.sharded
+    captured = bool(cfg.model.cuda_graphs) and not (sharded and cfg.train.precision == "fp16")
+    if sharded:
+        return captured, bool(cfg.optim.overlap_comm)
+    return captured, bool(cfg.comm.overlap) and not captured
 
 
 def build_step_graphs(
-    cfg: Config, world: World, model: torch.nn.Module, task: Any
+    cfg: Config, world: World, model: torch.nn.Module, task: Any, optimizer: Any = None
 ) -> StepGraphs | None:
     """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where
-    it cannot apply: no CUDA, or the sharded optimizer (it owns its collectives outside the
-    step). The trainer's optimizer always runs after the replay: its NaN-skip agreement sits
-    between the averaged gradients and the update, and LAMB/LARS keep per-step scalars on the
-    host (module docstring)."""
+    it cannot apply: not on CUDA, or the sharded LAMB under fp16 (its loss scale is a host
+    value). DataParallel's step: the trainer's optimizer runs after the replay (its NaN-skip
+    agreement sits between the averaged gradients and the update, and LAMB/LARS keep per-step
+    scalars on the host: module docstring). The sharded LAMB's step is captured whole,
+    optimizer included (``optimizer.use_graphs()``: its scalars staged before each replay, its
+    skip a device flag the trainer reads with the agreement)."""
     if not cfg.model.cuda_graphs:
         return None
     dev = torch.device(world.device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
+    if dev.type != "cuda":
         print0(
             f"warning: model.cuda_graphs=true needs CUDA, this run is on {dev.type}: the step runs "
             "eagerly",
             rank=world.rank,
         )
         return None
-    if cfg.optim.sharded or not hasattr(model, "reducer"):
+    sharded = cfg.optim.sharded
+    if sharded and cfg.train.precision == "fp16":
         print0(
-            "warning: model.cuda_graphs=true needs DataParallel's reducer (optim.sharded=false): "
-            "the step runs "
-            "eagerly",
+            "warning: model.cuda_graphs=true with optim.sharded=true needs train.precision bf16 "
+            "or fp32 (fp16's loss scale is a host value): the step runs eagerly",
+            rank=world.rank,
+        )
+        return None
+    if not sharded and not hasattr(model, "reducer"):
+        print0(
+            "warning: model.cuda_graphs=true needs DataParallel's reducer: the step runs eagerly",
             rank=world.rank,
         )
         return None
@@ -336,4 +400,8 @@ def build_step_graphs(
             "capture will fail and the step run eagerly",
             rank=world.rank,
         )
+    if sharded:
+        optimizer.use_graphs()
+        step = sharded_step(model, task.loss, optimizer, precision=task.precision)
+        return StepGraphs(step, dev, stage=optimizer.stage)
     return StepGraphs(data_parallel_step(model, task.loss, precision=task.precision), dev)

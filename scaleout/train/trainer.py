@@ -146,6 +146,7 @@ class Trainer:
     sync: GradientSync  # who averages the gradients: DataParallel or the sharded optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
     graphs: StepGraphs | None  # CUDA graphs of the step (model.cuda_graphs), else None
+    step_in_graph: bool  # the graphs hold the optimizer's step (the sharded LAMB)
     prefetcher: prefetch.Prefetcher | None  # data in worker processes (data.num_workers > 0)
 
     # -- runtime utilities
@@ -301,11 +302,14 @@ class Trainer:
             from scaleout.parallel.autotune import AutoComm  # deferred: sim + scipy only for auto
 
             self.autocomm = AutoComm(self.model, cfg.comm, world)
-        self.graphs = build_step_graphs(cfg, world, self.model, self.task)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             model, cfg.optim, world, cfg.comm, no_decay=self.task.family.no_decay
         )
+        # the sharded LAMB's graphs hold its step too (capture.py): built after it
+        self.graphs = build_step_graphs(cfg, world, self.model, self.task, self.optimizer)
+        # whether the captured step holds the optimizer's step (it then settles after the agreement)
+        self.step_in_graph = self.graphs is not None and cfg.optim.sharded
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode
         # decision.
         self.sync = self.optimizer if cfg.optim.sharded else self.model
@@ -636,7 +640,7 @@ class Trainer:
                 )
         data_done = time.perf_counter()
         stats: dict[str, Any] = {}
-        if self.graphs is not None:  # forward + backward + all-reduce as one CUDA graph per shape
+        if self.graphs is not None:  # the step as one CUDA graph per shape (train/capture.py)
             self._at(step, "forward")
             with timers("graph"):
                 loss = self.graphs(micro_batches)
@@ -705,7 +709,11 @@ class Trainer:
         if flags.unused_params:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
         t0 = time.perf_counter()
-        if not flags.skip:
+        if self.step_in_graph:  # the update ran in the graph, or was blended away on every rank
+            self.optimizer.settle(flags.skip)
+            if not flags.skip:
+                self.schedule.step()
+        elif not flags.skip:
             self._at(step, "optimizer")
             with timers("optimizer"):
                 self.optimizer.step()

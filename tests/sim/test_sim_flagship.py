@@ -36,12 +36,16 @@ def test_flagship_enables_what_the_planner_assumes() -> None:
 
 
 def test_simulator_prices_the_step_the_trainer_runs() -> None:
-    """Graphs are priced only where the trainer captures the step: with the sharded LAMB it runs
-    eagerly (build_step_graphs), and the captured DataParallel step reduces after backward, so it
-    is priced without overlap."""
+    """Graphs are priced as the trainer captures the step: the sharded LAMB's captured step
+    issues its reduce-scatters from backward's hooks (overlapped, capture.sharded_step), except
+    under fp16 (eager); the captured DataParallel step reduces after backward, so it is priced
+    without overlap."""
     sharded = load_config(FLAGSHIP)
-    assert graphed_step(sharded) == (False, True)
-    assert from_config(sharded).train.cuda_graphs is False
+    assert graphed_step(sharded) == (True, True)
+    train = from_config(sharded).train
+    assert train.cuda_graphs and train.overlap
+    fp16 = load_config(FLAGSHIP, ["train.precision=fp16"])
+    assert graphed_step(fp16) == (False, True)
     plain = load_config(
         FLAGSHIP, ["optim.sharded=false", "optim.overlap_comm=false", "optim.shard=world"]
     )

@@ -4,8 +4,10 @@ configs/bert_large_256x8.yaml shrunk (tests/parallel/test_device_discipline.py's
 packed rows, the capture-safe forward, bf16 autocast, LAMB), with everything its step enables kept:
 LAMB sharded within the node and overlapped with backward, bf16 bytes on the wire with fp32 sums,
 the hierarchical algorithm, model.cuda_graphs. Real gloo ranks, 2 emulated nodes x 2, run by the
-real trainer on an emulated GPU (tests/fakecuda.py: a mock, since no GPU can exist here), so the
-CUDA-only branches run: the comm stream, the sharded LAMB's device-side path. The plain path is the
+real trainer on an emulated GPU (tests/fakecuda.py, with its CUDA-graph capture: a mock, since no
+GPU can exist here), so the CUDA-only branches run: the comm stream, the sharded LAMB's
+device-only step, the whole step captured (forward, backward with the reduce-scatters its hooks
+issue, the update, the all-gathers) after 3 warm-ups and replayed. The plain path is the
 same model, data and hyper-parameters with a replicated LAMB, fp32 on the wire and a flat
 all-reduce, on the CPU.
 """
@@ -24,7 +26,7 @@ from tests.parallel.test_device_discipline import FLAGSHIP_TINY
 
 pytestmark = pytest.mark.full_system
 
-STEPS = 3
+STEPS = 5  # model.cuda_graphs: 3 eager warm-ups, then the capture and a replay
 PLAIN = [
     "optim.sharded=false",
     "optim.shard=world",
@@ -52,14 +54,21 @@ def _weights(world: Any, out: str, overrides: list[str], fake: bool) -> dict[str
             *overrides,
         ],
     )
-    with FakeCuda(world) if fake else _nothing():
+    with FakeCuda(world, graphs=True) if fake else _nothing() as fc:
         trainer = Trainer(cfg, world)
         trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name
         first = _state(trainer.model)
         assert trainer.train().status == "max_steps"
         trainer.optimizer.wait_params() if hasattr(trainer.optimizer, "wait_params") else None
         last = _state(trainer.model)
-    return {"first": first, "last": last, "sharded": cfg.optim.sharded}  # type: ignore[dict-item]
+        graphs = trainer.graphs
+    return {
+        "first": first,
+        "last": last,
+        "sharded": cfg.optim.sharded,
+        "graphs": None if graphs is None else (graphs.disabled, fc.captures, fc.replays),
+        "in_graph": trainer.step_in_graph,
+    }  # type: ignore[dict-item]
 
 
 def _state(model: Any) -> dict[str, torch.Tensor]:
@@ -69,8 +78,8 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
 
 
 class _nothing:
-    def __enter__(self) -> None:
-        return None
+    def __enter__(self) -> _nothing:
+        return self
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -93,6 +102,8 @@ def test_flagship_combination_trains_like_the_plain_path(tmp_path: Path) -> None
     results = run_dist(_both, nnodes=2, nproc_per_node=2, args=(str(tmp_path),), timeout=600)
     flag0, plain0 = results[0]
     assert flag0["sharded"] and not plain0["sharded"]
+    # the whole step was captured once, optimizer included, and replayed
+    assert flag0["graphs"] == (None, 1, STEPS - 3) and flag0["in_graph"], flag0["graphs"]
     for flag, plain in results[1:]:  # the replicas agree
         for k, v in flag["last"].items():
             assert torch.equal(v, flag0["last"][k]), k

@@ -447,8 +447,8 @@ def test_flagship_config_captures_its_step_in_cuda_graphs():
     host-launch-bound (~2.5k launches for ~5 ms of GPU work, and the dynamic forward's host
     syncs): it sets CUDA graphs (model.cuda_graphs; the config's comment says why not
     torch.compile), which selects the capture-safe forward with no host syncs. With the sharded
-    LAMB the trainer runs the step eagerly (build_step_graphs), and the simulator prices what runs
-    (scaleout.train.capture.graphed_step; tests/sim/test_sim_flagship.py)."""
+    LAMB the whole step is captured, optimizer included (capture.sharded_step), and the simulator
+    prices what runs (scaleout.train.capture.graphed_step; tests/sim/test_sim_flagship.py)."""
     from scaleout.config.load import load_config
     from scaleout.train.capture import graphed_step
 
@@ -459,4 +459,4 @@ def test_flagship_config_captures_its_step_in_cuda_graphs():
     assert cfg.model.cuda_graphs and not cfg.model.compile
     static = cfg.model.bert.static_shapes
     assert (static if static is not None else cfg.model.cuda_graphs) is True
-    assert graphed_step(cfg)[0] is (not cfg.optim.sharded)  # eager with the sharded LAMB
+    assert graphed_step(cfg) == (True, True)  # captured, reduce-scatters during backward
