@@ -161,21 +161,11 @@ def start_agreement(
         0.0 if unused_params is None else unused_params,
         flops,
     ]
-    head = len(parts)
-    assert head == HEAD, parts
     size = agreement_size(p, phases is not None)
     if into is not None and (into.numel() != size or into.dtype != torch.float32):
         raise ValueError(f"agreement into {into.dtype} x {into.numel()}: expected float32 x {size}")
-    # The Python values go up in one copy from a preallocated (on CUDA pinned) host buffer, an
-    # asynchronous DMA; the device values join with device -> device copies.
-    host = _staging(dev, size)
-    host[:head].copy_(
-        torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in parts])
-    )
-    if phases is not None:  # this rank's column of the ROWS x world block, zeros elsewhere
-        block = host[head:].view(ROWS, p)
-        block.zero_()
-        block[:, world.rank].copy_(torch.tensor([*phases, float(fingerprint)]))
+    host = stage_agreement(world, parts, phases, fingerprint)
+    head = HEAD
     flags = torch.empty(size, dtype=torch.float32, device=dev) if into is None else into
     flags.copy_(host, non_blocking=True)
     for i, x in enumerate(parts):
@@ -199,6 +189,28 @@ def start_agreement(
 
 
 HEAD = 7  # the agreement's values before the phase block (start_agreement's ``parts``)
+LOSS = 4  # the loss's place in the head
+
+
+def stage_agreement(
+    world: World, parts: list[Any], phases: list[float] | None, fingerprint: int
+) -> torch.Tensor:
+    """The host side of an agreement: its Python values (``parts``: the head, a tensor's place
+    left 0 for a device copy) and this rank's column of the phase block, written into the
+    preallocated host buffer (pinned on CUDA) that one asynchronous copy takes up. Returns it.
+    A CUDA-graph step copies from it in the graph, so the host stages it before every run of the
+    step (the trainer's ``_stage_in_graph``)."""
+    assert len(parts) == HEAD, parts
+    p = world.world_size
+    host = _staging(torch.device(world.device), agreement_size(p, phases is not None))
+    host[:HEAD].copy_(
+        torch.tensor([0.0 if isinstance(x, torch.Tensor) else float(x) for x in parts])
+    )
+    if phases is not None:  # this rank's column of the ROWS x world block, zeros elsewhere
+        block = host[HEAD:].view(ROWS, p)
+        block.zero_()
+        block[:, world.rank].copy_(torch.tensor([*phases, float(fingerprint)]))
+    return host
 
 
 def agreement_size(world_size: int, phases: bool) -> int:

@@ -48,7 +48,7 @@ What is not captured, and why:
   per-GPU batches of max-scale runs.
 - Mixed precision: autocast runs inside the graph with its weight-cast cache off (required in
   captured regions), and the fp16 loss scale is a device tensor the graph reads, so it can change
-  between replays; unscaling and the finiteness agreement run eagerly after the replay.
+  between replays; unscaling runs eagerly after the replay.
 - scaleout's replicated LAMB/LARS compute per-step scalars (learning rate, bias correction, global
   clip factor) on the host; a graph would freeze them at their capture-time values. With
   DataParallel the optimizer runs eagerly after the replay, which also keeps the trainer's NaN-skip
@@ -62,6 +62,13 @@ of backward, on the comm stream forked from the capture stream), then its device
 gradient blended away on the device) and the all-gathers, joined before the capture ends. The
 trainer reads the skip with the step's agreement and counts the step (``ShardedLAMB.settle``).
 fp16 is not captured with it (its loss scale is a host value).
+
+**The step's agreement rides inside the graph** (both steps' ``arm``): the trainer writes its host
+values (stop / notice / terminate flags, FLOPs, the last step's phase times, this step's
+fingerprint) into a pinned buffer before every run of the step; the graph copies it up, puts the
+loss beside it and starts its all-reduce before the last backward, and waits for it at its end
+(a stream wait); the trainer reads the result after the replay, with the device flags of the
+non-finite and unused checks, as the step's one host read.
 - Anything that syncs with the host inside the step (``.item()``, boolean indexing with a
   data-dependent size) makes capture fail: the step then runs eagerly for the rest of the run and
   one warning says why. BERT's default forward has such syncs, so ``model.cuda_graphs=true`` selects
@@ -88,6 +95,11 @@ from scaleout.log import print0
 from scaleout.world import World
 
 log = logging.getLogger("scaleout.train.capture")
+
+# What a captured step calls with its loss before the last backward (the trainer's agreement):
+# it issues device work and returns what to call at the end of the step (a wait inside the graph:
+# a capture must join every stream it forked), or None.
+Arm = Callable[[torch.Tensor], Callable[[], None] | None]
 
 # Eager warm-up steps per input shape before its capture (the PyTorch CUDA-graphs recipe: 3 on a
 # side stream), and the capture error mode that tolerates the input pipeline's threads.
@@ -168,12 +180,13 @@ class StepGraphs:
                 f"StepGraphs warmup={warmup}: expected >= {MIN_WARMUP} eager steps per shape "
                 "before its capture (the CUDA-graphs recipe)"
             )
-        if device is None and not torch.cuda.is_available():
+        # (a CUDA device without torch's CUDA runtime: tests/fakecuda.py's emulated GPU)
+        if not torch.cuda.is_available() and (
+            device is None or torch.device(device).type != "cuda"
+        ):
             raise UserError(
                 "StepGraphs needs CUDA (torch.cuda.is_available() is False); run the step eagerly"
             )
-        if device is not None and torch.device(device).type != "cuda":
-            raise UserError(f"StepGraphs needs CUDA, got device {device}; run the step eagerly")
         self.step_fn = step_fn
         # host values a replay reads (pinned buffers the step copies from): written before each
         # replay; an eager or captured call of step_fn writes them itself
@@ -253,33 +266,39 @@ def data_parallel_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Any = None,
     precision: Any = None,
+    arm: Arm | None = None,
 ) -> Callable[[list[Any]], torch.Tensor]:
     """The capturable step of a :class:`scaleout.parallel.DataParallel` model: zero grads,
     forward + backward of every micro-batch under ``no_sync()`` (and ``precision``'s autocast
     without its weight cache, and its loss scale), then every bucket's all-reduce with the
     model's configured algorithm, compression and pre-divide (``reducer.reduce_now``: issued from
     this thread, so a capture records it), then ``optimizer.step()`` if an optimizer is given.
-    Returns the summed (averaged, unscaled) loss."""
+    ``arm`` (:data:`Arm`): called with the step's loss before the last backward. Returns the
+    summed (averaged, unscaled) loss."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(mbs: list[Any]) -> torch.Tensor:
         for p in params:
             if p.grad is not None:
                 p.grad.zero_()
-        total = None
+        total, done = None, None
         with model.no_sync():
-            for mb in mbs:
+            for i, mb in enumerate(mbs):
                 with (
                     precision.autocast(cache=False)
                     if precision is not None
                     else contextlib.nullcontext()
                 ):
                     loss = loss_fn(model, mb) / len(mbs)
-                (precision.scale_loss(loss) if precision is not None else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
+                if arm is not None and i == len(mbs) - 1:
+                    done = arm(total)
+                (precision.scale_loss(loss) if precision is not None else loss).backward()
         model.reducer.reduce_now()
         if optimizer is not None:
             optimizer.step()
+        if done is not None:
+            done()
         if total is None:
             raise ValueError("data_parallel_step needs at least one micro-batch")
         return total
@@ -313,18 +332,22 @@ def sharded_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Any,
     precision: Any = None,
+    arm: Arm | None = None,
 ) -> Callable[[list[Any]], torch.Tensor]:
     """The capturable step of the sharded LAMB (``optim.sharded``, after its ``use_graphs()``):
     forward + backward of every micro-batch (all but the last under ``optimizer.no_sync()``), the
     gradient reduce-scatters issued by its hooks as backward produces each bucket, then its
     device-only ``step()`` and the parameters' all-gathers. The gradients start as None, so the
-    captured backward writes them rather than adding to the capture's. Returns the summed loss."""
+    captured backward writes them rather than adding to the capture's. ``arm``
+    (:data:`Arm`): called with the step's loss before the last backward (the trainer's
+    agreement, whose all-reduce then runs during backward inside the graph). Returns the summed
+    loss."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(mbs: list[Any]) -> torch.Tensor:
         for p in params:
             p.grad = None
-        total = None
+        total, done = None, None
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with contextlib.nullcontext() if last else optimizer.no_sync():
@@ -334,11 +357,15 @@ def sharded_step(
                     else contextlib.nullcontext()
                 ):
                     loss = loss_fn(model, mb) / len(mbs)
+                total = loss.detach() if total is None else total + loss.detach()
+                if arm is not None and last:
+                    done = arm(total)
                 loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
         if total is None:
             raise ValueError("sharded_step needs at least one micro-batch")
         optimizer.step()
+        if done is not None:
+            done()
         return total
 
     return step
@@ -360,7 +387,12 @@ def graphed_step(cfg: Config) -> tuple[bool, bool]:
 
 
 def build_step_graphs(
-    cfg: Config, world: World, model: torch.nn.Module, task: Any, optimizer: Any = None
+    cfg: Config,
+    world: World,
+    model: torch.nn.Module,
+    task: Any,
+    optimizer: Any = None,
+    arm: Arm | None = None,
 ) -> StepGraphs | None:
     """The trainer's StepGraphs for ``model.cuda_graphs=true``, or None (with one warning) where
     it cannot apply: not on CUDA, or the sharded LAMB under fp16 (its loss scale is a host
@@ -402,6 +434,7 @@ def build_step_graphs(
         )
     if sharded:
         optimizer.use_graphs()
-        step = sharded_step(model, task.loss, optimizer, precision=task.precision)
+        step = sharded_step(model, task.loss, optimizer, precision=task.precision, arm=arm)
         return StepGraphs(step, dev, stage=optimizer.stage)
-    return StepGraphs(data_parallel_step(model, task.loss, precision=task.precision), dev)
+    step = data_parallel_step(model, task.loss, precision=task.precision, arm=arm)
+    return StepGraphs(step, dev)

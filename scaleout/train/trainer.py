@@ -51,11 +51,12 @@ from scaleout.telemetry.timers import Timers
 from scaleout.train import hangwatch, prefetch, replicas, rerun
 from scaleout.train.agreement import (
     HEAD,
+    LOSS,
     PendingAgreement,
     StepFlags,
-    agree_on_step,
     agreement_size,
     nonfinite,
+    stage_agreement,
     start_agreement,
 )
 from scaleout.train.capture import StepGraphs, build_step_graphs, compile_model
@@ -171,9 +172,8 @@ class Trainer:
     owns_preemption_handlers: bool  # train() installed them, so it removes them
     params: list[torch.nn.Parameter]  # those that require grad
     autocomm: Any  # comm.algorithm=auto's tuner (scaleout/parallel/autotune.py AutoComm), else None
-    # True: the step's agreement is armed before the last backward (riding in the last bucket, or
-    # its own all-reduce hidden by backward); False (a CUDA-graph step): agreed after it
-    early_agreement: bool
+    # the step's agreement is armed before the last backward (riding in the last bucket, or its
+    # own all-reduce hidden by backward; a CUDA-graph step: inside the graph)
 
     # -- training state (checkpointed: state_dict)
     # ------------------------------------------------------
@@ -197,7 +197,13 @@ class Trainer:
     _optimizer_s: float  # the last optimizer step's seconds (the next agreement sends them)
     # (step, its micro-batches) built in the last backward's wire wait (_build_ahead)
     _next_batches: tuple[int, list[MicroBatch]] | None
-    _agreement: PendingAgreement | None  # armed for this step (early_agreement)
+    _agreement: PendingAgreement | None  # armed for this eager step before its last backward
+    # a graphed step's agreement (_stage_in_graph, _arm_in_graph): the device buffer the graph
+    # all-reduces, the pinned host buffer it copies from, and what reads it (phases sent, with
+    # skew, fingerprint, the collectives in words)
+    _graph_flags: torch.Tensor | None
+    _graph_host: torch.Tensor | None
+    _graph_meta: tuple[bool, bool, int, str] | None
     # the last step's phase times and seconds: they ride in the next step's agreement (this step's
     # are complete only after its gradients arrived)
     _lagged: tuple[list[float], float] | None
@@ -307,7 +313,9 @@ class Trainer:
             model, cfg.optim, world, cfg.comm, no_decay=self.task.family.no_decay
         )
         # the sharded LAMB's graphs hold its step too (capture.py): built after it
-        self.graphs = build_step_graphs(cfg, world, self.model, self.task, self.optimizer)
+        self.graphs = build_step_graphs(
+            cfg, world, self.model, self.task, self.optimizer, arm=self._arm_in_graph
+        )
         # whether the captured step holds the optimizer's step (it then settles after the agreement)
         self.step_in_graph = self.graphs is not None and cfg.optim.sharded
         # Who averages the gradients, and so owns the optimizer state's layout: the one mode
@@ -322,11 +330,25 @@ class Trainer:
         # decided from the reduced gradients without a collective of its own: the replicated
         # path's ranks hold the same ones and each reads them alike; the sharded LAMB's ranks hold
         # their own shards, and it sums their non-finite counts in the norm all-reduce its step
-        # makes anyway, skipping on every rank alike (ShardedLAMB.skipped). Not with a CUDA graph
-        # (no hooks in its backward). A rank whose reduced gradients alone are non-finite skips
-        # alone: the steps skipped so far ride in the fingerprint, so the next agreement names it.
-        self.early_agreement = self.graphs is None
+        # makes anyway, skipping on every rank alike (ShardedLAMB.skipped). A CUDA-graph step
+        # carries it inside the graph instead: the host stages its values before each run of the
+        # step, the graph copies them up, adds the loss and all-reduces them before the last
+        # backward, and the trainer reads the result after the replay (_stage_in_graph,
+        # _arm_in_graph). A rank whose reduced gradients alone are non-finite skips alone: the
+        # steps skipped so far ride in the fingerprint, so the next agreement names it.
         self._agreement = None
+        # the graphed step's agreement: its device buffer (a static input of the graphs), the
+        # host buffer it is copied from, and what reads it (_stage_in_graph)
+        self._graph_flags = (
+            torch.zeros(
+                agreement_size(world.world_size, self.attribution),
+                dtype=torch.float32,
+                device=world.device,
+            )
+            if self.graphs is not None
+            else None
+        )
+        self._graph_host, self._graph_meta = None, None
         self._lagged, self._skew_seconds = None, None
         self.progress.watch(self.sync)  # its collectives issued, and its wait as "grad-sync"
         self.schedule = build_schedule(self.optimizer, cfg.optim)
@@ -579,7 +601,7 @@ class Trainer:
             skew=flags.skew,
             skew_seconds=skew_s,
         )
-        if self.early_agreement and self.attribution:
+        if self.attribution:
             self._lagged = (self._lagged[0], seconds) if self._lagged else None
         for observer in self.observers:
             observer.on_step(record)
@@ -621,7 +643,7 @@ class Trainer:
         Outside the steps the timers sample (scaleout/telemetry/timers.py), the step reads nothing
         from the
         device but the agreement's result (train/faults.py), which also carries the loss."""
-        timers, precision, progress = self.timers, self.task.precision, self.progress
+        timers, precision = self.timers, self.task.precision
         delay = self.injections.delay
         start, start_wall = time.perf_counter(), time.time()  # phase times for the agreement
         timers.begin()
@@ -642,10 +664,11 @@ class Trainer:
         stats: dict[str, Any] = {}
         if self.graphs is not None:  # the step as one CUDA graph per shape (train/capture.py)
             self._at(step, "forward")
+            self._stage_in_graph(micro_batches)
             with timers("graph"):
-                loss = self.graphs(micro_batches)
+                self.graphs(micro_batches)  # (its loss reaches the host with the agreement)
         else:
-            loss = self.forward_backward(micro_batches)
+            self.forward_backward(micro_batches)
             stats = self.sync.last_stats
             exposed = stats.get("exposed_s")  # backward's wait for what overlap did not hide
             if (
@@ -675,36 +698,20 @@ class Trainer:
         precision.unscale_(self.params, self.optimizer)  # fp16: gradients / S
         if self.injections.gradient_faults:
             self.injections.damage_gradients(step, self.params)
-        preemption = self.preemption
         self.sync.wait_params()  # gathers of modules this forward did not run (see run_step)
         self._at(step, "agreement")
         pending, self._agreement = self._agreement, None
-        if pending is not None:  # out with the last bucket: the reduced gradients, read alike
+        if pending is None:  # the graphed step: its agreement was all-reduced inside the graph
+            pending = self._graph_agreement(step)
+            flags = pending.result((self._nonfinite(), self.sync.unused_flag()))
+        else:  # out with the last bucket, or before the last backward
             summed = self.sync.ride_result() if pending.rode else None
             # sharded: the optimizer reads its shards' non-finite count in its step
             local = () if self.sync.finds_nonfinite else (self._nonfinite(),)
             flags = pending.result((*local, self.sync.unused_flag()), summed)
-            if pending.with_skew:
-                self._skew_seconds = self._lagged[1] if self._lagged else None
-            self._lagged = (phases, 0.0)  # its seconds: run_step's, once measured
-        else:
-            fingerprint, collectives = self.sync.collectives()
-            progress.collectives += 1
-            flags = agree_on_step(
-                self.world,
-                self._nonfinite(),
-                preemption.requested,
-                loss,
-                self.sync.unused_flag(),
-                notice=preemption.noticed,
-                terminate=preemption.terminating,
-                flops=sum(mb.flops for mb in micro_batches),
-                phases=phases if self.attribution else None,
-                fingerprint=fingerprint,
-                step=step,
-                describe=collectives,
-                credit=self.link_credit,
-            )
+        if pending.with_skew:
+            self._skew_seconds = self._lagged[1] if self._lagged else None
+        self._lagged = (phases, 0.0)  # its seconds: run_step's, once measured
         self.flags = flags  # the end of the run follows these agreed flags, never this rank's own
         if flags.unused_params:
             self.sync.check_unused()  # the same on every rank: every rank raises the same error
@@ -743,7 +750,7 @@ class Trainer:
                     loss = self.task.loss(self.model, mb) / len(micro_batches)
                 if nan is not None:
                     loss = nan.poison(step, loss)
-                if last and self.early_agreement:
+                if last:
                     mean = loss.detach() if total is None else total + loss.detach()
                     self._arm_agreement(mean, sum(m.flops for m in micro_batches))
                 if last:
@@ -756,8 +763,60 @@ class Trainer:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    def _stage_in_graph(self, micro_batches: list[MicroBatch]) -> None:
+        """The host values of a graphed step's agreement, written into its pinned host buffer
+        before every run of the step (eager, captured or replayed): the graph's copy of that
+        buffer then reads this step's flags, FLOPs, last step's phase times and this step's
+        fingerprint, as :meth:`_arm_agreement` would send them (:meth:`_arm_in_graph`)."""
+        fingerprint, collectives = self.sync.collectives()
+        if self.skipped:
+            fingerprint = fold(fingerprint, self.skipped)
+            collectives += f", {self.skipped} steps skipped"
+        lagged, p = self._lagged, self.preemption
+        phases = (
+            (lagged[0] if lagged else [0.0] * len(PHASES)) if self.attribution else None
+        )
+        flops = sum(mb.flops for mb in micro_batches)
+        parts = [False, p.requested, p.noticed, p.terminating, 0.0, 0.0, flops]
+        self._graph_host = stage_agreement(self.world, parts, phases, fingerprint)
+        with_skew = lagged is not None and self.attribution
+        self._graph_meta = (phases is not None, with_skew, fingerprint, collectives)
+        self.progress.collectives += 1
+
+    def _arm_in_graph(self, loss: torch.Tensor) -> Any:
+        """Inside the graphed step, before its last backward: the staged values up to the
+        device, this rank's loss beside them, their all-reduce started (it runs during
+        backward); returns its wait, which the step makes at its end (a stream wait on CUDA:
+        the capture joins it)."""
+        flags, host = self._graph_flags, self._graph_host
+        assert flags is not None and host is not None, "staged before the step"
+        flags.copy_(host, non_blocking=True)
+        flags[LOSS : LOSS + 1].copy_(loss.detach().reshape(1))
+        if self.world.world_size == 1:
+            return None
+        return dist.all_reduce(flags, async_op=True).wait
+
+    def _graph_agreement(self, step: int) -> PendingAgreement:
+        """The graphed step's agreement, to read after the step ran (:meth:`_arm_in_graph`)."""
+        assert self._graph_flags is not None and self._graph_meta is not None
+        phases, with_skew, fingerprint, collectives = self._graph_meta
+        return PendingAgreement(
+            rode=False,
+            world=self.world,
+            flags=self._graph_flags,
+            work=None,
+            head=HEAD,
+            phases=phases,
+            with_skew=with_skew,
+            has_loss=True,
+            fingerprint=fingerprint,
+            step=step,
+            describe=collectives,
+            credit=self.link_credit,
+        )
+
     def _arm_agreement(self, loss: torch.Tensor, flops: float) -> None:
-        """The step's agreement (``self.early_agreement``), before the last backward: written by
+        """The eager step's agreement, before the last backward: written by
         the reducer into the last gradient bucket's rider as it goes out (uncompressed wire), else
         launched now, so that it completes during backward. It carries the host flags as they are
         then, this rank's loss and FLOPs, and the block of the *last* step's phase times (this

@@ -54,11 +54,24 @@ def _weights(world: Any, out: str, overrides: list[str], fake: bool) -> dict[str
             *overrides,
         ],
     )
+    outside: list[list[str]] = []  # per step: the collectives launched outside a graph
     with FakeCuda(world, graphs=True) if fake else _nothing() as fc:
         trainer = Trainer(cfg, world)
         trainer._report = lambda *a, **k: None  # noqa: ARG005 -- reads the GPU's name
         first = _state(trainer.model)
-        assert trainer.train().status == "max_steps"
+        inner = trainer.train_step
+
+        def step(i: int) -> Any:
+            if fake and i == STEPS - 1 and world.rank == 1:
+                trainer.preemption.noticed = True  # a notice on one rank, at a replayed step
+            before = len(fc.launches) if fake else 0
+            try:
+                return inner(i)
+            finally:
+                outside.append([op for op, *_ in fc.launches[before:]] if fake else [])
+
+        trainer.train_step = step
+        result = trainer.train()
         trainer.optimizer.wait_params() if hasattr(trainer.optimizer, "wait_params") else None
         last = _state(trainer.model)
         graphs = trainer.graphs
@@ -68,6 +81,8 @@ def _weights(world: Any, out: str, overrides: list[str], fake: bool) -> dict[str
         "sharded": cfg.optim.sharded,
         "graphs": None if graphs is None else (graphs.disabled, fc.captures, fc.replays),
         "in_graph": trainer.step_in_graph,
+        "status": (result.status, trainer.step),
+        "outside": outside,
     }  # type: ignore[dict-item]
 
 
@@ -78,6 +93,8 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
 
 
 class _nothing:
+    launches: list[Any] = []
+
     def __enter__(self) -> _nothing:
         return self
 
@@ -92,18 +109,28 @@ def _both(world: Any, out: str) -> tuple[dict, dict]:
 
 
 def test_flagship_combination_trains_like_the_plain_path(tmp_path: Path) -> None:
-    """After STEPS steps every rank holds the same weights, and the flagship's update agrees with
-    the plain path's to within 5 % (relative L2 of the weight change). Why 5 %: the bf16 wire
-    rounds each gradient three times (2^-9 relative each: rank's share, node sum, the exchange
-    between nodes), ~0.2-0.4 % of the averaged gradient (tests/comm/test_comm_numerics.py); LAMB
-    normalises the update per element (m / sqrt(v)), so elements whose gradient is near zero can
-    move by up to the learning rate either way, a few percent of the update's norm at most on this
-    tiny model. A real divergence (a wrong shard, a missed bucket, a double sum) is O(100 %)."""
+    """The flagship's step captured whole and replayed, with its agreement inside the graph (a
+    replayed step launches nothing outside it, and a preemption notice one rank gets at a
+    replayed step stops every rank there). After STEPS steps every rank holds the same weights,
+    and the flagship's update agrees with the plain path's to within 5 % (relative L2 of the
+    weight change). Why 5 %: the bf16 wire rounds each gradient three times (2^-9 relative each:
+    rank's share, node sum, the exchange between nodes), ~0.2-0.4 % of the averaged gradient
+    (tests/comm/test_comm_numerics.py); LAMB normalises the update per element (m / sqrt(v)), so
+    elements whose gradient is near zero can move by up to the learning rate either way, a few
+    percent of the update's norm at most on this tiny model. A real divergence (a wrong shard, a
+    missed bucket, a double sum) is O(100 %)."""
     results = run_dist(_both, nnodes=2, nproc_per_node=2, args=(str(tmp_path),), timeout=600)
     flag0, plain0 = results[0]
     assert flag0["sharded"] and not plain0["sharded"]
     # the whole step was captured once, optimizer included, and replayed
     assert flag0["graphs"] == (None, 1, STEPS - 3) and flag0["in_graph"], flag0["graphs"]
+    for r, (flag, plain) in enumerate(results):
+        # a replayed step launches no collective outside its graph: the step's agreement rode
+        # inside it, and it still carried the notice rank 1 got at that step to every rank
+        assert flag["outside"][STEPS - 1] == [], (r, flag["outside"])
+        assert "allreduce" in flag["outside"][0], (r, flag["outside"][0])  # eager: launched
+        assert flag["status"] == ("preempted", STEPS), (r, flag["status"])
+        assert plain["status"] == ("max_steps", STEPS), (r, plain["status"])
     for flag, plain in results[1:]:  # the replicas agree
         for k, v in flag["last"].items():
             assert torch.equal(v, flag0["last"][k]), k
