@@ -51,10 +51,12 @@ examples:
   scaleout bench optim --models resnet --sharded-ranks 0 --compiled  # + torch.compile'd one-pass
 """
 
-SHAPES = ("bert", "resnet")
+SHAPES = ("bert", "resnet", "tiny")
 SMOKE_ARGS = [
     "--models",
-    "resnet",
+    "tiny",
+    "--sharded-model",
+    "tiny",
     "--repeats",
     "1",
     "--sharded-ranks",
@@ -98,9 +100,21 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     return shapes + [(1000, 2048), (1000,)]
 
 
+def tiny_shapes() -> list[tuple[int, ...]]:
+    """A few small tensors of every kind above (a conv, a matrix, vectors): every code path in
+    a second, for the smoke test (``SMOKE_ARGS``); its times measure nothing."""
+    return [(32, 3, 3, 3), (32,), (32,), (64, 32), (64,), (10, 64), (10,)]
+
+
+def shapes_of(model: str) -> list[tuple[int, ...]]:
+    return {"bert": bert_base_shapes, "resnet": resnet50_shapes, "tiny": tiny_shapes}[model]()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--models", default="bert,resnet", help="comma list of bert, resnet (default both)"
+        "--models",
+        default="bert,resnet",
+        help="comma list of bert, resnet, tiny (default bert,resnet; tiny: a smoke test's shapes)",
     )
     p.add_argument(
         "--chunks", default="", help="also time LAMB/LARS with these cache-block sizes (comma list)"
@@ -262,7 +276,7 @@ def _time_model(
 
     from scaleout.optim.bytecount import step_bytes
 
-    shapes = bert_base_shapes() if model == "bert" else resnet50_shapes()
+    shapes = shapes_of(model)
     params, groups = _make(shapes)
     facts = _factories(params, groups, chunks, compiled)
     base = {k: facts[k]() for k in BASELINES}
@@ -340,7 +354,7 @@ def _lamb_vs_sharded(world: World, model: str, steps: int) -> dict[str, Any]:
 
     from scaleout.optim import LAMB, ShardedLAMB, state_bytes
 
-    params, groups = _make(bert_base_shapes() if model == "bert" else resnet50_shapes(), seed=0)
+    params, groups = _make(shapes_of(model), seed=0)
     g = torch.Generator().manual_seed(100 + world.rank)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
