@@ -156,7 +156,9 @@ def test_slow_save_times_nobody_out_and_resumes_bitwise(tmp_path) -> None:
     during = [s for e, s in zip(r0["ends"][4:], r0["seconds"][4:], strict=True) if e < end]
     assert len(during) >= 2, (r0["ends"], start, end)
     before = sorted(r0["seconds"][1:4])[1]  # median of steps 2..4
-    assert sorted(during)[len(during) // 2] < 3 * before + 0.05, (during, r0["seconds"])
+    # (+0.25 s: these steps take ~10 ms, so a neighbour's burst on the shared 2 cores is most of
+    # a step; a write that blocked the training would make them 2 s)
+    assert sorted(during)[len(during) // 2] < 3 * before + 0.25, (during, r0["seconds"])
     # the stall the training thread saw: the final save waits for its own write, nothing more
     assert r0["stall"] < slow_s + 2.0, r0["stall"]
     # a failed write: one line on every rank, the failed one naming its error
@@ -173,10 +175,10 @@ def test_slow_save_times_nobody_out_and_resumes_bitwise(tmp_path) -> None:
 
 @pytest.mark.unit
 def test_snapshot_is_taken_at_the_boundary_and_a_failed_write_surfaces(tmp_path) -> None:
-    """The save returns before the write (slowed by 0.3 s), the state changed in place after it
-    is not what lands in the file; tied tensors stay one copy; the next save reuses the buffers.
-    A write that fails is reported by the next wait and raised by the next save, naming the
-    step."""
+    """The save returns before the write (slowed by 0.3 s) is done, the state changed in place
+    after it is not what lands in the file; tied tensors stay one copy; the next save reuses the
+    buffers. A write that fails is reported by the next wait and raised by the next save, naming
+    the step."""
     net = nn.Linear(64, 64)
     net.extra = nn.Linear(64, 64)
     net.extra.weight = net.weight  # tied
@@ -189,7 +191,10 @@ def test_snapshot_is_taken_at_the_boundary_and_a_failed_write_surfaces(tmp_path)
         expected = net.weight.detach().clone()
         with torch.no_grad():
             net.weight.add_(1.0)  # the trainer steps on
-        assert ck.in_flight and returned < 0.3
+        # still in flight after save() returned: the write runs behind it (a synchronous save
+        # would have finished it); the time is only reported (a loaded box can take 0.5 s to
+        # return from the snapshot copy alone)
+        assert ck.in_flight, f"save() returned after {returned:.2f} s with its write done"
         assert ck.wait() is None
     finally:
         del os.environ[ckpt.SLOW_SAVE_VARIABLE]
