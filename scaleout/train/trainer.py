@@ -763,19 +763,23 @@ class Trainer:
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
+    def _fingerprint(self) -> tuple[int, str]:
+        """This step's collectives (the sync's fingerprint and words), the steps skipped so far
+        folded in: a rank that skipped alone is named like a desynchronised one."""
+        fingerprint, collectives = self.sync.collectives()
+        if self.skipped:
+            fingerprint = fold(fingerprint, self.skipped)
+            collectives += f", {self.skipped} steps skipped"
+        return fingerprint, collectives
+
     def _stage_in_graph(self, micro_batches: list[MicroBatch]) -> None:
         """The host values of a graphed step's agreement, written into its pinned host buffer
         before every run of the step (eager, captured or replayed): the graph's copy of that
         buffer then reads this step's flags, FLOPs, last step's phase times and this step's
         fingerprint, as :meth:`_arm_agreement` would send them (:meth:`_arm_in_graph`)."""
-        fingerprint, collectives = self.sync.collectives()
-        if self.skipped:
-            fingerprint = fold(fingerprint, self.skipped)
-            collectives += f", {self.skipped} steps skipped"
+        fingerprint, collectives = self._fingerprint()
         lagged, p = self._lagged, self.preemption
-        phases = (
-            (lagged[0] if lagged else [0.0] * len(PHASES)) if self.attribution else None
-        )
+        phases = (lagged[0] if lagged else [0.0] * len(PHASES)) if self.attribution else None
         flops = sum(mb.flops for mb in micro_batches)
         parts = [False, p.requested, p.noticed, p.terminating, 0.0, 0.0, flops]
         self._graph_host = stage_agreement(self.world, parts, phases, fingerprint)
@@ -831,11 +835,8 @@ class Trainer:
             self._agreement = agreement(view)
 
         def agreement(into: torch.Tensor | None) -> PendingAgreement:
-            fingerprint, collectives = self.sync.collectives()
+            fingerprint, collectives = self._fingerprint()
             lagged = self._lagged
-            if self.skipped:
-                fingerprint = fold(fingerprint, self.skipped)
-                collectives += f", {self.skipped} steps skipped"
             if into is None:
                 self.progress.collectives += 1
             p = self.preemption
