@@ -125,11 +125,20 @@ def new_moments(
 def direction(
     p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: LambCoeffs
 ) -> list[torch.Tensor]:
-    """u / k = m / (sqrt(v) + eps') + (wd / k) w, in fp32 (fresh, chunk-sized tensors)."""
+    """u / k = m / (sqrt(v) + eps') + (wd / k) w, in fp32 (fresh, chunk-sized tensors). eps' and
+    wd / k may be 0-d device tensors (the sharded LAMB's staged scalars under CUDA graphs): then
+    the Tensor overloads by name, since torch's parser would take a 0-d tensor as a Scalar (a
+    host read, and a number frozen into a captured graph), and the decay term always (w x 0 adds
+    exactly nothing where the group has no decay)."""
     d = torch._foreach_sqrt(v)
-    torch._foreach_add_(d, co.eps)
+    if isinstance(co.eps, torch.Tensor):
+        torch.ops.aten._foreach_add_.Tensor(d, co.eps)
+    else:
+        torch._foreach_add_(d, co.eps)
     u = torch._foreach_div(m, d)
-    if co.wd:
+    if isinstance(co.wd, torch.Tensor):
+        torch._foreach_add_(u, torch.ops.aten._foreach_mul.Tensor(p, co.wd))
+    elif co.wd:
         torch._foreach_add_(u, p, alpha=co.wd)
     return u
 

@@ -772,8 +772,7 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
             )
             for group, c in zip(self.param_groups, coef.unbind(), strict=True)
         ]
-        wd = [group["weight_decay"] != 0.0 for group in self.param_groups]
-        sq, base = self._phase1(co, sq, lambda p, m, v, c, gi: _direction_dev(p, m, v, c, wd[gi]))
+        sq, base = self._phase1(co, sq)
         self._norm_all_reduce(sq)
         if self._usage_work is not None:
             self._usage_work.wait()
@@ -801,7 +800,7 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
                     weights = [keep] * len(m)
                     torch._foreach_lerp_(w.M[k], m, weights)
                     torch._foreach_lerp_(w.V[k], v, weights)
-                    u = _direction_dev(w.P[k], w.M[k], w.V[k], c, wd[w.group])
+                    u = direction(w.P[k], w.M[k], w.V[k], c)
                     if c.adapt:
                         torch._foreach_mul_(u, list(scale[w.group][w.owner[k]].unbind()))
                     else:
@@ -900,7 +899,6 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
         self,
         co: list[LambCoeffs],
         sq: torch.Tensor | None = None,
-        dir_fn: Callable[..., list[torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Partial squared norms of the adapted groups (rows 0 and 1: ||w||^2 and ||u/k||^2) from
         the moments the step would write, computed chunk by chunk out of place: nothing is written
@@ -922,12 +920,9 @@ class ShardedLAMB(CheckedGroups, torch.optim.Optimizer):
                 for k in range(len(w.P)):
                     m, v = new_moments(w.G[k], w.M[k], w.V[k], c)
                     sq[0, base[w.group] :].index_add_(0, w.owner[k], sq_norms(w.P[k]))
-                    u = (
-                        direction(w.P[k], m, v, c)
-                        if dir_fn is None
-                        else dir_fn(w.P[k], m, v, c, w.group)
+                    sq[1, base[w.group] :].index_add_(
+                        0, w.owner[k], sq_norms(direction(w.P[k], m, v, c))
                     )
-                    sq[1, base[w.group] :].index_add_(0, w.owner[k], sq_norms(u))
         return sq, base
 
     def _check_unused(self, usage: list[float]) -> None:
@@ -1027,18 +1022,3 @@ def _capturing() -> bool:
         return torch.cuda.is_current_stream_capturing()
     except RuntimeError:  # a torch built without CUDA
         return False
-
-
-def _direction_dev(
-    p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], co: Any, decay: bool
-) -> list[torch.Tensor]:
-    """:func:`scaleout.optim.lamb.direction` with eps' and wd / k as 0-d device tensors (the
-    step's staged scalars under graphs): u / k = m / (sqrt(v) + eps') + (wd / k) w."""
-    d = torch._foreach_sqrt(v)
-    # the Tensor overloads by name: torch's parser would take a 0-d tensor as a Scalar (a host
-    # read, then a number frozen into a captured graph)
-    torch.ops.aten._foreach_add_.Tensor(d, co.eps)
-    u = torch._foreach_div(m, d)
-    if decay:
-        torch._foreach_add_(u, torch.ops.aten._foreach_mul.Tensor(p, co.wd))
-    return u

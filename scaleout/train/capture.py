@@ -261,6 +261,38 @@ def capturable_optimizer(optimizer: Any) -> bool:
     return bool(groups) and all(g.get("capturable", False) for g in groups)
 
 
+def _micro_batches(
+    model: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    mbs: list[Any],
+    precision: Any,
+    arm: Arm | None,
+    no_sync: Callable[[], Any] | None = None,
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Forward + backward of each micro-batch of a captured step (``precision``'s autocast without
+    its weight cache, and its loss scale); ``no_sync``: the context of all but the last; ``arm``
+    called with the step's loss before the last backward. Returns (the summed loss, what arm
+    returned)."""
+    if not mbs:
+        raise ValueError("a captured step needs at least one micro-batch")
+    total, done = None, None
+    for i, mb in enumerate(mbs):
+        last = i == len(mbs) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with (
+                precision.autocast(cache=False)
+                if precision is not None
+                else contextlib.nullcontext()
+            ):
+                loss = loss_fn(model, mb) / len(mbs)
+            total = loss.detach() if total is None else total + loss.detach()
+            if arm is not None and last:
+                done = arm(total)
+            (precision.scale_loss(loss) if precision is not None else loss).backward()
+    assert total is not None
+    return total, done
+
+
 def data_parallel_step(
     model: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -281,26 +313,13 @@ def data_parallel_step(
         for p in params:
             if p.grad is not None:
                 p.grad.zero_()
-        total, done = None, None
         with model.no_sync():
-            for i, mb in enumerate(mbs):
-                with (
-                    precision.autocast(cache=False)
-                    if precision is not None
-                    else contextlib.nullcontext()
-                ):
-                    loss = loss_fn(model, mb) / len(mbs)
-                total = loss.detach() if total is None else total + loss.detach()
-                if arm is not None and i == len(mbs) - 1:
-                    done = arm(total)
-                (precision.scale_loss(loss) if precision is not None else loss).backward()
+            total, done = _micro_batches(model, loss_fn, mbs, precision, arm)
         model.reducer.reduce_now()
         if optimizer is not None:
             optimizer.step()
         if done is not None:
             done()
-        if total is None:
-            raise ValueError("data_parallel_step needs at least one micro-batch")
         return total
 
     return step
@@ -347,22 +366,7 @@ def sharded_step(
     def step(mbs: list[Any]) -> torch.Tensor:
         for p in params:
             p.grad = None
-        total, done = None, None
-        for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            with contextlib.nullcontext() if last else optimizer.no_sync():
-                with (
-                    precision.autocast(cache=False)
-                    if precision is not None
-                    else contextlib.nullcontext()
-                ):
-                    loss = loss_fn(model, mb) / len(mbs)
-                total = loss.detach() if total is None else total + loss.detach()
-                if arm is not None and last:
-                    done = arm(total)
-                loss.backward()
-        if total is None:
-            raise ValueError("sharded_step needs at least one micro-batch")
+        total, done = _micro_batches(model, loss_fn, mbs, precision, arm, optimizer.no_sync)
         optimizer.step()
         if done is not None:
             done()
